@@ -1,0 +1,1 @@
+"""Execution backends: the numpy reference interpreter and the JAX lowering."""

@@ -1,0 +1,102 @@
+"""`Builder`: the one way nodes are created, by tracing, vjp rules and passes alike.
+
+It fills attribute defaults, checks arity, runs shape inference, and turns an inference failure
+into an `OpError` naming the op, its scope, source line and shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ir.core import Constant, Graph, Node, ParallelInfo, SourceLoc, Value
+from ir.errors import OpError, ShapeError
+from ir.registry import get_op
+from ir.types import DType, TensorType
+
+
+class Builder:
+    """Emits nodes into `graph`, at the end or after `cursor` (which then advances)."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        *,
+        scope: str = "Default",
+        source: SourceLoc | None = None,
+        cursor: Node | None = None,
+        instance_name: str = "",
+    ) -> None:
+        self.graph = graph
+        self.scope = scope
+        self.source = source
+        self.cursor = cursor
+        self.instance_name = instance_name
+        self.created: list[Node] = []
+
+    def __call__(self, op: str, *operands: Any, name_hint: str = "", **attrs: Any) -> Value:
+        """`b("Mul", x, 2.0)`: emit `op` on `operands`; Python numbers become scalar constants
+        of the first tensor operand's dtype."""
+        dtype = next(
+            (v.dtype for v in operands if isinstance(v, Value) and isinstance(v.type, TensorType)),
+            DType.float32,
+        )
+        values = [v if isinstance(v, Value) else self.const(v, dtype) for v in operands]
+        return self.emit(op, values, attrs, name_hint=name_hint)
+
+    def const(self, value: Any, dtype: DType = DType.float32) -> Constant:
+        return Constant(np.asarray(value), dtype)
+
+    def emit(
+        self,
+        op: str,
+        operands: list[Value],
+        attrs: dict[str, Any] | None = None,
+        *,
+        instance_name: str | None = None,
+        scope: str | None = None,
+        source: SourceLoc | None = None,
+        name_hint: str = "",
+        parallel: ParallelInfo | None = None,
+    ) -> Value:
+        opdef = get_op(op)
+        scope = self.scope if scope is None else scope
+        source = self.source if source is None else source
+        instance_name = self.instance_name if instance_name is None else instance_name
+        try:
+            full = opdef.full_attrs(attrs or {})
+        except TypeError as exc:
+            raise OpError(op, str(exc), instance_name=instance_name, scope=scope, source=source)
+        types = [v.type for v in operands]
+        try:
+            opdef.check_arity(len(operands))
+            result_type = opdef.infer(types, full)
+        except ShapeError as exc:
+            shapes = [getattr(t, "shape", str(t)) for t in types]
+            raise OpError(
+                op,
+                str(exc),
+                instance_name=instance_name,
+                scope=scope,
+                source=source,
+                shapes=shapes,
+            ) from None
+        node = Node(
+            op,
+            operands,
+            full,
+            result_type,
+            instance_name=instance_name,
+            scope=scope,
+            source=source,
+            name_hint=name_hint,
+            parallel=parallel,
+        )
+        if self.cursor is None:
+            self.graph.append(node)
+        else:
+            self.graph.insert_after(self.cursor, node)
+            self.cursor = node
+        self.created.append(node)
+        return node.result

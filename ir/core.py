@@ -1,0 +1,308 @@
+"""SSA values, nodes and graphs.
+
+Values compare by identity and know their users. A node's operands change only through
+`Node.set_operand`, which keeps the use lists right; `Value.replace_all_uses_with` builds on it.
+Names are hints: the printer numbers nodes (`%0`, `%1`, ...) and graph parameters
+(`%para1_x`, ...) itself.
+
+Op parameters (transpose flags, axes, groups) live in `Node.attrs` and are declared by the op's
+registry entry; results of parallel passes (strategies, layouts, why a collective exists) live in
+`Node.parallel`, a typed annotation, never in `attrs`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ir.types import DType, TensorType, TupleType, ValueType
+
+
+@dataclass(frozen=True)
+class SourceLoc:
+    """Where the user wrote the call that produced a node."""
+
+    file: str
+    line: int
+    text: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+class Value:
+    """An SSA value: a node result, a graph parameter or a constant."""
+
+    def __init__(self, type_: ValueType, name_hint: str = "") -> None:
+        self.type: ValueType = type_
+        self.name_hint = name_hint
+        self.uses: list[tuple[Node, int]] = []
+
+    @property
+    def tensor_type(self) -> TensorType:
+        if not isinstance(self.type, TensorType):
+            raise TypeError(f"value {self.name_hint!r} is a tuple, not a tensor")
+        return self.type
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.tensor_type.shape
+
+    @property
+    def dtype(self) -> DType:
+        return self.tensor_type.dtype
+
+    @property
+    def users(self) -> list[Node]:
+        seen: list[Node] = []
+        for node, _ in self.uses:
+            if not any(node is s for s in seen):
+                seen.append(node)
+        return seen
+
+    def replace_all_uses_with(self, other: Value, graph: Graph | None = None) -> None:
+        for node, index in list(self.uses):
+            node.set_operand(index, other)
+        if graph is not None:
+            graph.outputs = [other if o is self else o for o in graph.outputs]
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name_hint} {self.type}>"
+
+
+class GraphParam(Value):
+    """A graph parameter: an input (`kind="input"`) or a stored tensor (weight or optimizer
+    state) that has a default value outside the graph."""
+
+    def __init__(
+        self,
+        type_: TensorType,
+        name: str,
+        kind: str = "input",
+        requires_grad: bool = False,
+    ) -> None:
+        super().__init__(type_, name)
+        if kind not in ("input", "weight", "state"):
+            raise ValueError(f"unknown graph parameter kind {kind!r}")
+        self.name = name
+        self.kind = kind
+        self.requires_grad = requires_grad
+
+    @property
+    def has_default(self) -> bool:
+        return self.kind != "input"
+
+
+class Constant(Value):
+    """A constant tensor printed inline where it is used."""
+
+    def __init__(self, array: np.ndarray, dtype: DType) -> None:
+        data = np.asarray(array, dtype=dtype.np)
+        super().__init__(TensorType(dtype, tuple(int(d) for d in data.shape)), "const")
+        self.array = data
+
+
+class NodeResult(Value):
+    """The (single, possibly tuple-typed) result of a node."""
+
+    def __init__(self, type_: ValueType, node: Node, name_hint: str = "") -> None:
+        super().__init__(type_, name_hint)
+        self.node = node
+
+
+@dataclass
+class ParallelInfo:
+    """Parallel annotations of a node, filled by the parallel passes.
+
+    `in_strategy`/`out_strategy` are the effective strategies (user's or searched) as nested
+    tuples of ints; `extra` holds further printable key/value pairs that a pass adds
+    (layouts, the reason a collective exists, predicted bytes, cost terms)."""
+
+    in_strategy: tuple[Any, ...] | None = None
+    out_strategy: tuple[Any, ...] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def items(self) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        if self.in_strategy is not None:
+            out.append(("in_strategy", self.in_strategy))
+        if self.out_strategy is not None:
+            out.append(("out_strategy", self.out_strategy))
+        out.extend(self.extra.items())
+        return out
+
+
+class Node:
+    """One primitive application: `result = op(operands) {attrs}`."""
+
+    def __init__(
+        self,
+        op: str,
+        operands: Sequence[Value],
+        attrs: dict[str, Any],
+        result_type: ValueType,
+        *,
+        instance_name: str = "",
+        scope: str = "Default",
+        source: SourceLoc | None = None,
+        name_hint: str = "",
+        parallel: ParallelInfo | None = None,
+    ) -> None:
+        self.op = op
+        self._operands: list[Value] = []
+        self.attrs: dict[str, Any] = dict(attrs)
+        self.instance_name = instance_name
+        self.scope = scope
+        self.source = source
+        self.parallel = parallel
+        self.fullname = ""  # "<scope>/<Op>-op<k>", set by the graph on insertion
+        self.result = NodeResult(result_type, self, name_hint or "CNode")
+        for value in operands:
+            self._append_operand(value)
+
+    @property
+    def operands(self) -> tuple[Value, ...]:
+        return tuple(self._operands)
+
+    def _append_operand(self, value: Value) -> None:
+        if not isinstance(value, Value):
+            raise TypeError(f"{self.op}: operand {value!r} is not an IR value")
+        self._operands.append(value)
+        value.uses.append((self, len(self._operands) - 1))
+
+    def set_operand(self, index: int, value: Value) -> None:
+        old = self._operands[index]
+        old.uses = [(n, i) for n, i in old.uses if not (n is self and i == index)]
+        self._operands[index] = value
+        value.uses.append((self, index))
+
+    def drop_operands(self) -> None:
+        for index, old in enumerate(self._operands):
+            old.uses = [(n, i) for n, i in old.uses if not (n is self and i == index)]
+        self._operands = []
+
+    @property
+    def operand_types(self) -> list[ValueType]:
+        return [v.type for v in self._operands]
+
+    def where(self) -> str:
+        """Human-readable location for error messages."""
+        name = self.instance_name or self.op
+        loc = f" at {self.source}" if self.source else ""
+        return f"{self.op} '{name}' (scope {self.scope}){loc}"
+
+    def __repr__(self) -> str:
+        return f"<Node {self.op} {self.instance_name}>"
+
+
+class Graph:
+    """A function: parameters (inputs first, then stored tensors), nodes in a valid
+    topological order, and the returned values."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.params: list[GraphParam] = []
+        self.nodes: list[Node] = []
+        self.outputs: list[Value] = []
+        self.attrs: dict[str, Any] = {}
+        self._op_counts: dict[str, int] = {}
+
+    # -- construction -------------------------------------------------------------------------
+    def add_param(self, param: GraphParam) -> GraphParam:
+        if any(p.name == param.name for p in self.params):
+            raise ValueError(f"graph {self.name}: duplicate parameter name {param.name!r}")
+        self.params.append(param)
+        return param
+
+    def append(self, node: Node) -> Node:
+        self._assign_fullname(node)
+        self.nodes.append(node)
+        return node
+
+    def insert_after(self, anchor: Node, node: Node) -> Node:
+        self._assign_fullname(node)
+        self.nodes.insert(self.index_of(anchor) + 1, node)
+        return node
+
+    def insert_before(self, anchor: Node, node: Node) -> Node:
+        self._assign_fullname(node)
+        self.nodes.insert(self.index_of(anchor), node)
+        return node
+
+    def remove(self, node: Node) -> None:
+        if node.result.uses:
+            raise ValueError(f"cannot remove {node!r}: its result is still used")
+        node.drop_operands()
+        del self.nodes[self.index_of(node)]
+
+    def index_of(self, node: Node) -> int:
+        for i, candidate in enumerate(self.nodes):
+            if candidate is node:
+                return i
+        raise ValueError(f"{node!r} is not in graph {self.name}")
+
+    def _assign_fullname(self, node: Node) -> None:
+        if not node.fullname:
+            k = self._op_counts.get(node.op, 0)
+            self._op_counts[node.op] = k + 1
+            node.fullname = f"{node.scope}/{node.op}-op{k}"
+
+    # -- queries ------------------------------------------------------------------------------
+    def param(self, name: str) -> GraphParam:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(f"graph {self.name} has no parameter {name!r}")
+
+    @property
+    def inputs(self) -> list[GraphParam]:
+        return [p for p in self.params if p.kind == "input"]
+
+    @property
+    def weights(self) -> list[GraphParam]:
+        return [p for p in self.params if p.kind == "weight"]
+
+    @property
+    def states(self) -> list[GraphParam]:
+        return [p for p in self.params if p.kind == "state"]
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def find(self, op: str | None = None, instance_name: str | None = None) -> list[Node]:
+        return [
+            n
+            for n in self.nodes
+            if (op is None or n.op == op)
+            and (instance_name is None or n.instance_name == instance_name)
+        ]
+
+    def dead_code_elimination(self) -> int:
+        """Remove nodes whose results reach no output; returns how many were removed."""
+        live: set[int] = set()
+        stack: list[Value] = list(self.outputs)
+        while stack:
+            value = stack.pop()
+            if isinstance(value, NodeResult) and id(value.node) not in live:
+                live.add(id(value.node))
+                stack.extend(value.node.operands)
+        removed = 0
+        for node in reversed(list(self.nodes)):
+            if id(node) not in live:
+                node.result.uses.clear()
+                self.remove(node)
+                removed += 1
+        return removed
+

@@ -1,0 +1,3 @@
+"""Primitive definitions. Importing this package registers every op."""
+
+from ir.ops import comm, elementwise, linalg, nn, reduce, shape  # noqa: F401

@@ -1,0 +1,107 @@
+"""The op registry: one `OpDef` per primitive.
+
+Each primitive is declared once, in one block of `ir/ops/*.py`: its attributes with defaults,
+shape/dtype inference, vjp rule (written with IR ops through a `Builder`), numpy implementation
+and JAX implementation, registered right below with `register(OpDef(...))`. Per-pass behaviour
+that only some passes need (sharding rules, cost) hangs off `OpDef.sharding`; a pass that finds
+`None` there uses its default rule.
+
+Contracts of the callables (`attrs` is the node's full attribute dict, defaults filled in):
+
+* `infer(types: list[ValueType], attrs) -> ValueType` raises `ShapeError(message)` on bad
+  operands.
+* `numpy(*arrays, **attrs)` / `jax(*arrays, **attrs)` return an array, or a tuple of arrays
+  when the result type is a `TupleType`.
+* `vjp(b: Builder, node: Node, cotangent) -> list[Value | None]` returns one cotangent per
+  operand (None: no gradient). `cotangent` is a Value, or for tuple-typed results a list with
+  one Value per element (zeros already filled in for unused elements).
+* Collectives (`collective=True`) have no `numpy`/`jax` callables: backends execute them with
+  their own communication runtime, using the node's `group`/`rank_list` attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ir.errors import ShapeError
+from ir.types import ValueType
+
+if TYPE_CHECKING:
+    from ir.builder import Builder
+    from ir.core import Node, Value
+
+InferFn = Callable[[list[ValueType], dict[str, Any]], ValueType]
+VjpFn = Callable[["Builder", "Node", Any], list["Value | None"]]
+
+
+@dataclass
+class OpDef:
+    """Everything the compiler knows about one primitive."""
+
+    name: str
+    infer: InferFn
+    numpy: Callable[..., Any] | None = None
+    jax: Callable[..., Any] | None = None
+    vjp: VjpFn | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+    num_inputs: int | tuple[int, int] | None = None  # exact, (min, max), or None = any
+    differentiable: bool = True  # False: no gradient flows through (comparisons, int ops)
+    collective: bool = False
+    sharding: Any = None  # the op's sharding rule (parallel core); None = default rule
+    doc: str = ""
+
+    def check_arity(self, count: int) -> None:
+        n = self.num_inputs
+        if n is None:
+            return
+        if isinstance(n, int):
+            if count != n:
+                raise ShapeError(f"expects {n} input(s), got {count}")
+        elif not n[0] <= count <= n[1]:
+            raise ShapeError(f"expects {n[0]} to {n[1]} inputs, got {count}")
+
+    def full_attrs(self, given: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(given) - set(self.attrs))
+        if unknown:
+            raise TypeError(
+                f"{self.name} has no attribute(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(self.attrs)) or 'none'}"
+            )
+        out = dict(self.attrs)
+        out.update(given)
+        return out
+
+
+_REGISTRY: dict[str, OpDef] = {}
+
+
+def register(opdef: OpDef) -> OpDef:
+    if opdef.name in _REGISTRY:
+        raise ValueError(f"op {opdef.name} registered twice")
+    _REGISTRY[opdef.name] = opdef
+    return opdef
+
+
+def get_op(name: str) -> OpDef:
+    _ensure_loaded()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown op {name!r}") from None
+
+
+def all_ops() -> dict[str, OpDef]:
+    _ensure_loaded()
+    return dict(_REGISTRY)
+
+
+_loaded = False
+
+
+def _ensure_loaded() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        import ir.ops  # noqa: F401  (registers every primitive)

@@ -1,0 +1,1 @@
+"""Compiler passes, one module each."""

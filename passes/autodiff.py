@@ -1,0 +1,127 @@
+"""Reverse-mode automatic differentiation on the IR.
+
+`append_gradients(graph, loss, wrt)` appends, after the forward nodes, the backward nodes that
+compute d loss / d p for every p in `wrt`, using each op's vjp rule (written in IR ops). The
+backward nodes get scope `Gradients/<forward scope>` and the forward node's source line, so a
+dump shows which forward op each gradient node comes from.
+
+Rules:
+* only nodes on a path from some `wrt` parameter to `loss` are differentiated;
+* integer and bool values carry no gradient; ops with `differentiable=False` stop it;
+* cotangents reaching one value from several users are summed with `Add`;
+* a tuple-typed result collects one cotangent per element; unused elements get zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ir.builder import Builder
+from ir.core import Constant, Graph, GraphParam, Value
+from ir.errors import PcompileError
+from ir.registry import get_op
+from ir.types import TensorType, TupleType
+
+
+def zeros_like(value_type: TensorType) -> Constant:
+    zero = np.zeros((), value_type.dtype.np)
+    return Constant(np.broadcast_to(zero, value_type.shape), value_type.dtype)
+
+
+def _differentiable(value: Value) -> bool:
+    t = value.type
+    if isinstance(t, TupleType):
+        return any(e.dtype.is_float for e in t.elements)
+    return t.dtype.is_float
+
+
+def append_gradients(
+    graph: Graph,
+    loss: Value | Sequence[Value],
+    wrt: Sequence[GraphParam],
+    seeds: Sequence[Value] | None = None,
+) -> list[Value]:
+    """Append the backward graph; returns one gradient value per entry of `wrt`.
+
+    `loss` is usually one scalar, seeded with 1. Several values with explicit `seeds`
+    (cotangents of their types) compute a vector-Jacobian product instead."""
+    losses = [loss] if isinstance(loss, Value) else list(loss)
+    for value in losses:
+        if not isinstance(value.type, TensorType) or not value.dtype.is_float:
+            raise PcompileError(f"the loss must be a floating-point tensor, got {value.type}")
+    if seeds is None:
+        seeds = [
+            Constant(np.broadcast_to(np.ones((), v.dtype.np), v.shape), v.dtype) for v in losses
+        ]
+    if len(seeds) != len(losses):
+        raise ValueError("one seed per loss value is needed")
+
+    # Forward activity: which values depend on a parameter we differentiate for.
+    active: set[int] = {id(p) for p in wrt}
+    for node in graph.nodes:
+        if get_op(node.op).differentiable and any(id(v) in active for v in node.operands):
+            if _differentiable(node.result):
+                active.add(id(node.result))
+
+    cot: dict[int, Value] = {}
+    tuple_cot: dict[int, list[Value | None]] = {}
+    for value, seed in zip(losses, seeds):
+        if seed.type != value.type:
+            raise ValueError(f"seed type {seed.type} does not match {value.type}")
+        cot[id(value)] = seed
+
+    def accumulate(b: Builder, value: Value, contribution: Value) -> None:
+        if contribution.type != value.type:
+            raise AssertionError(
+                f"vjp produced {contribution.type} for a value of type {value.type}"
+            )
+        key = id(value)
+        cot[key] = contribution if key not in cot else b("Add", cot[key], contribution)
+
+    for node in reversed(list(graph.nodes)):
+        result = node.result
+        if id(result) not in active:
+            continue
+        if isinstance(result.type, TupleType):
+            parts = tuple_cot.get(id(result))
+            if parts is None:
+                continue
+            incoming: object = [
+                p if p is not None else zeros_like(t)
+                for p, t in zip(parts, result.type.elements)
+            ]
+        else:
+            if id(result) not in cot:
+                continue
+            incoming = cot[id(result)]
+        opdef = get_op(node.op)
+        if opdef.vjp is None:
+            raise PcompileError(f"{node.where()}: {node.op} cannot be differentiated")
+        b = Builder(graph, scope=f"Gradients/{node.scope}", source=node.source)
+        if node.op == "TupleGetItem":
+            # Route the element's cotangent into the producer's per-element slots.
+            (tup,) = node.operands
+            assert isinstance(tup.type, TupleType) and isinstance(incoming, Value)
+            slots = tuple_cot.setdefault(id(tup), [None] * len(tup.type.elements))
+            index = int(node.attrs["index"])
+            prev = slots[index]
+            slots[index] = incoming if prev is None else b("Add", prev, incoming)
+            continue
+        grads = opdef.vjp(b, node, incoming)
+        if len(grads) != len(node.operands):
+            raise AssertionError(f"vjp of {node.op} returned {len(grads)} cotangents")
+        for operand, grad in zip(node.operands, grads):
+            if grad is None or id(operand) not in active:
+                continue
+            accumulate(b, operand, grad)
+
+    out: list[Value] = []
+    for param in wrt:
+        g = cot.get(id(param))
+        out.append(g if g is not None else zeros_like(param.tensor_type))
+    return out
+
+
+__all__ = ["append_gradients", "zeros_like"]
