@@ -59,19 +59,25 @@ class Builder:
         source: SourceLoc | None = None,
         name_hint: str = "",
         parallel: ParallelInfo | None = None,
+        user_attrs: dict[str, Any] | None = None,
     ) -> Value:
+        """Emit one node. `user_attrs` are attributes the user set with `add_prim_attr`;
+        unlike `attrs` they may name keys the op does not declare."""
         opdef = get_op(op)
         scope = self.scope if scope is None else scope
         source = self.source if source is None else source
         instance_name = self.instance_name if instance_name is None else instance_name
         try:
             full = opdef.full_attrs(attrs or {})
+            if user_attrs:
+                full.update(opdef.full_attrs(user_attrs, allow_extra=True))
+                full.update(attrs or {})
         except TypeError as exc:
             raise OpError(op, str(exc), instance_name=instance_name, scope=scope, source=source)
         types = [v.type for v in operands]
         try:
             opdef.check_arity(len(operands))
-            result_type = opdef.infer(types, full)
+            result_type = opdef.infer(types, opdef.impl_attrs(full))
         except ShapeError as exc:
             shapes = [getattr(t, "shape", str(t)) for t in types]
             raise OpError(

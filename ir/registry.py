@@ -62,9 +62,12 @@ class OpDef:
         elif not n[0] <= count <= n[1]:
             raise ShapeError(f"expects {n[0]} to {n[1]} inputs, got {count}")
 
-    def full_attrs(self, given: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(given) - set(self.attrs))
-        if unknown:
+    def full_attrs(self, given: dict[str, Any], allow_extra: bool = False) -> dict[str, Any]:
+        """Declared attributes with defaults filled in, in declaration order, followed by
+        generic parallel attributes (`in_strategy`, ...) and, when `allow_extra`, the user's
+        own `add_prim_attr` keys."""
+        unknown = sorted(set(given) - set(self.attrs) - set(GENERIC_ATTRS))
+        if unknown and not allow_extra:
             raise TypeError(
                 f"{self.name} has no attribute(s) {', '.join(unknown)}; "
                 f"known: {', '.join(sorted(self.attrs)) or 'none'}"
@@ -73,6 +76,20 @@ class OpDef:
         out.update(given)
         return out
 
+    def impl_attrs(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        """The attributes an implementation receives: the declared ones only."""
+        return {k: v for k, v in attrs.items() if k in self.attrs}
+
+
+# Attributes every primitive may carry (set by `shard()` / `add_prim_attr`, read by passes).
+GENERIC_ATTRS = (
+    "in_strategy",
+    "out_strategy",
+    "cross_batch",
+    "skip_redistribution",
+    "repeated_num_in_dev_matrix_right_",
+    "self_define_shard",
+)
 
 _REGISTRY: dict[str, OpDef] = {}
 

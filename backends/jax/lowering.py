@@ -35,7 +35,7 @@ def lower_graph(graph: Graph, comm: CommFn = single_device_comm) -> Callable[...
         opdef = get_op(node.op)
         if not opdef.collective and opdef.jax is None:
             raise NotImplementedError(f"{node.op} has no JAX implementation")
-        impls.append(opdef)
+        impls.append((opdef, opdef.impl_attrs(node.attrs)))
 
     def fn(*arrays: Any) -> list[Any]:
         env: dict[int, Any] = {id(p): a for p, a in zip(params, arrays)}
@@ -45,12 +45,12 @@ def lower_graph(graph: Graph, comm: CommFn = single_device_comm) -> Callable[...
                 return jnp.asarray(value.array)
             return env[id(value)]
 
-        for node, opdef in zip(nodes, impls):
+        for node, (opdef, attrs) in zip(nodes, impls):
             args = [read(v) for v in node.operands]
             if opdef.collective:
                 env[id(node.result)] = comm(node, args)
             else:
-                env[id(node.result)] = opdef.jax(*args, **node.attrs)  # type: ignore[misc]
+                env[id(node.result)] = opdef.jax(*args, **attrs)  # type: ignore[misc]
         return [read(v) for v in outputs]
 
     return fn

@@ -98,7 +98,7 @@ def run_graph(
             out = comm.run(node, args)
         else:
             assert opdef.numpy is not None, f"{node.op} has no numpy implementation"
-            out = opdef.numpy(*args, **node.attrs)
+            out = opdef.numpy(*args, **opdef.impl_attrs(node.attrs))
         env[id(node.result)] = _check(node, node.result.type, out)
     return [read(v) for v in graph.outputs]
 

@@ -1,0 +1,185 @@
+"""`pcompile MODEL.py --devices N --search MODE`: the command line. Thin: parse options, call
+`compiler`, print."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import click
+import numpy as np
+
+SEARCH_MODES = ("sharding_propagation", "dynamic_programming", "recursive_programming")
+PARALLEL_MODES = (
+    "stand_alone",
+    "data_parallel",
+    "hybrid_parallel",
+    "semi_auto_parallel",
+    "auto_parallel",
+)
+
+
+def _fail(message: str, code: int = 1) -> None:
+    click.echo(f"pcompile: error: {message}", err=True)
+    sys.exit(code)
+
+
+def _parse_dataset_strategy(text: str | None) -> Any:
+    if text is None:
+        return None
+    if text in ("data_parallel", "full_batch"):
+        return text
+    import ast
+
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise click.BadParameter(
+            "expected data_parallel, full_batch or a tuple such as '((8, 1), (8, 1))'"
+        ) from None
+    return value
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--devices", type=click.IntRange(1, 4096), default=None,
+              help="Number of devices (ranks). Overrides device_num set in the model file.")
+@click.option("--search", "search", type=click.Choice(SEARCH_MODES), default=None,
+              help="Strategy search algorithm; implies --parallel-mode auto_parallel.")
+@click.option("--parallel-mode", type=click.Choice(PARALLEL_MODES), default=None,
+              help="Parallel mode. Overrides the model file.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Where dumps and plan.json go (default: save_graphs_path or ./saved_graph).")
+@click.option("--dataset-strategy", default=None,
+              help="data_parallel, full_batch, or per-input strategies like '((8, 1), (8, 1))'.")
+@click.option("--run", "do_run", is_flag=True, help="Train (or run inference) after compiling.")
+@click.option("--steps", type=click.IntRange(1), default=1, show_default=True,
+              help="Training steps with --run.")
+@click.option("--backend", type=click.Choice(("jax", "numpy")), default="jax",
+              show_default=True, help="Backend for --run.")
+@click.option("--check/--no-check", default=True, show_default=True,
+              help="Run one step on the numpy interpreter and on JAX and compare.")
+def main(
+    model: str,
+    devices: int | None,
+    search: str | None,
+    parallel_mode: str | None,
+    out_dir: str | None,
+    dataset_strategy: str | None,
+    do_run: bool,
+    steps: int,
+    backend: str,
+    check: bool,
+) -> None:
+    """Compile MODEL.py into per-rank execution plans and dump the IR of every pass."""
+    from compiler.driver import compile as compile_model
+    from ir.errors import PcompileError
+
+    overrides: dict[str, Any] = {}
+    strategy = _parse_dataset_strategy(dataset_strategy)
+    if strategy is not None:
+        overrides["dataset_strategy"] = strategy
+    try:
+        start = time.perf_counter()
+        program = compile_model(
+            model,
+            devices=devices,
+            parallel_mode=parallel_mode,
+            search_mode=search,
+            out_dir=out_dir,
+            overrides=overrides,
+        )
+        elapsed = time.perf_counter() - start
+        _summary(program, elapsed)
+        if check:
+            _check_backends(program)
+        if do_run:
+            _train(program, steps, backend)
+    except PcompileError as exc:
+        _fail(str(exc))
+    except (ValueError, TypeError, KeyError) as exc:
+        # Option validation (set_auto_parallel_context and friends) raises these by contract.
+        if _from_options(exc):
+            _fail(f"invalid option: {exc}")
+        raise
+
+
+def _from_options(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(os.path.join("compiler", "context.py")):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _summary(program: Any, elapsed: float) -> None:
+    state = program.state
+    graph = program.graph
+    click.echo(
+        f"compiled {state.model_file.path}: {state.parallel_mode}, {state.devices} device(s), "
+        f"{'training step' if program.training else 'inference'}; {len(graph.nodes)} nodes, "
+        f"{len(graph.params)} parameters, {elapsed:.3f} s"
+    )
+    for name, seconds in program.timings:
+        click.echo(f"  pass {name:<24} {seconds * 1000:8.1f} ms")
+    if program.out_dir:
+        click.echo(f"dumps: {os.path.join(program.out_dir, 'rank_0')}/*.ir, plan: "
+                   f"{os.path.join(program.out_dir, 'plan.json')}")
+
+
+def _check_backends(program: Any) -> None:
+    from compiler.runtime import StandAloneRunner, batches
+
+    _, _, arrays = next(batches(program, 1))
+    results = {}
+    for backend in ("numpy", "jax"):
+        runner = StandAloneRunner(program, backend)
+        results[backend] = runner.run(arrays)
+    if program.training:
+        ln, lj = float(results["numpy"][0]), float(results["jax"][0])
+        click.echo(f"first step loss: numpy {ln!r}, jax {lj!r}")
+    for i, (a, b) in enumerate(zip(results["numpy"], results["jax"])):
+        scale = max(float(np.max(np.abs(a))) if a.size else 0.0, 1e-6)
+        err = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0
+        if err > 1e-4 * scale + 1e-6:
+            raise AssertionError(
+                f"numpy and JAX backends disagree on output {program.output_names[i]}: max abs "
+                f"difference {err:.3g} (scale {scale:.3g})"
+            )
+    if not program.training:
+        shapes = ", ".join(str(tuple(o.shape)) for o in results["numpy"])
+        click.echo(f"inference outputs {shapes}: numpy and jax agree")
+
+
+def _train(program: Any, steps: int, backend: str) -> None:
+    from compiler.runtime import StandAloneRunner, batches, format_loss_line
+
+    runner = StandAloneRunner(program, backend)
+    if not program.training:
+        _, _, arrays = next(batches(program, 1))
+        outs = runner.run(arrays)
+        click.echo("inference: " + ", ".join(f"{n} {tuple(o.shape)}" for n, o in
+                                               zip(program.output_names, outs)))
+        return
+    lines = []
+    start = time.perf_counter()
+    for epoch, step, arrays in batches(program, steps):
+        loss = runner.step(arrays)
+        line = format_loss_line(epoch, step, loss)
+        lines.append(line)
+        click.echo(line)
+    elapsed = time.perf_counter() - start
+    if program.out_dir:
+        log = os.path.join(program.out_dir, "rank_0", "train.log")
+        tmp = log + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+        os.replace(tmp, log)
+        click.echo(f"{steps} steps in {elapsed:.2f} s on {backend}; log: {log}")
+
+
+if __name__ == "__main__":
+    main()

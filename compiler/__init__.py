@@ -1,0 +1,101 @@
+"""The user-facing façade: `from compiler import nn, ops, Parameter, Tensor, ...`.
+
+Model files import only from here (and `compiler.communication`); internal module paths may
+change, this list does not."""
+
+from compiler import communication, nn, ops
+from compiler.context import (
+    ParallelMode,
+    get_algo_parameters,
+    get_auto_parallel_context,
+    get_context,
+    get_cost_model_context,
+    reset_algo_parameters,
+    reset_auto_parallel_context,
+    reset_cost_model_context,
+    set_algo_parameters,
+    set_auto_parallel_context,
+    set_context,
+    set_cost_model_context,
+)
+from compiler.initializer import initializer, set_seed
+from compiler.layout import Layout
+from compiler.tensor import Parameter, Tensor, TensorSpec
+from ir.types import bfloat16, bool_, float16, float32, int32, int64
+
+GRAPH_MODE = 0
+PYNATIVE_MODE = 1
+
+
+def compile(model_path: str, **kwargs):  # noqa: A001
+    """Compile a model file from Python; see `compiler.driver.compile`."""
+    from compiler.driver import compile as _compile
+
+    return _compile(model_path, **kwargs)
+
+
+def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device="Ascend", level=0):
+    """Functional shard (seed functional-operator-sharding.md): returns `fn` marked with the
+    strategies for the parallel passes. A Cell is sharded with `Cell.shard` semantics."""
+    from compiler.nn.cell import Cell
+    from compiler.primitive import normalize_strategy
+
+    config = {
+        "in_strategy": normalize_strategy(in_strategy, "in_strategy"),
+        "out_strategy": None if out_strategy is None else normalize_strategy(
+            out_strategy, "out_strategy"
+        ),
+        "parameter_plan": dict(parameter_plan or {}),
+    }
+    if isinstance(fn, Cell):
+        target = fn
+
+        def sharded_cell(*args):
+            return target(*args)
+
+        sharded_cell._pcompile_sharded_fn = True  # type: ignore[attr-defined]
+        sharded_cell.shard_config = config  # type: ignore[attr-defined]
+        sharded_cell.cell = target  # type: ignore[attr-defined]
+        return sharded_cell
+
+    def sharded(*args):
+        return fn(*args)
+
+    sharded._pcompile_sharded_fn = True  # type: ignore[attr-defined]
+    sharded.shard_config = config  # type: ignore[attr-defined]
+    return sharded
+
+
+__all__ = [
+    "nn",
+    "ops",
+    "communication",
+    "Parameter",
+    "Tensor",
+    "TensorSpec",
+    "Layout",
+    "initializer",
+    "set_seed",
+    "set_auto_parallel_context",
+    "get_auto_parallel_context",
+    "reset_auto_parallel_context",
+    "set_context",
+    "get_context",
+    "set_cost_model_context",
+    "get_cost_model_context",
+    "reset_cost_model_context",
+    "set_algo_parameters",
+    "get_algo_parameters",
+    "reset_algo_parameters",
+    "ParallelMode",
+    "shard",
+    "compile",
+    "GRAPH_MODE",
+    "PYNATIVE_MODE",
+    "float32",
+    "float16",
+    "bfloat16",
+    "int32",
+    "int64",
+    "bool_",
+]

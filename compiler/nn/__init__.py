@@ -1,0 +1,50 @@
+"""MindSpore-style `nn`: Cell, layers, losses, optimizers."""
+
+from compiler.nn.cell import Cell
+from compiler.nn.layers import (
+    GELU,
+    Conv2d,
+    Dense,
+    Dropout,
+    Embedding,
+    Flatten,
+    LayerNorm,
+    ReLU,
+    SequentialCell,
+    Softmax,
+    Tanh,
+)
+from compiler.nn.loss import (
+    CrossEntropyLoss,
+    L1Loss,
+    MSELoss,
+    SoftmaxCrossEntropyWithLogits,
+    WithLossCell,
+)
+from compiler.nn.optim import SGD, Adam, AdamWeightDecay, Momentum
+from compiler.nn.optim_base import Optimizer
+
+__all__ = [
+    "Cell",
+    "Dense",
+    "Embedding",
+    "LayerNorm",
+    "ReLU",
+    "GELU",
+    "Tanh",
+    "Softmax",
+    "Flatten",
+    "Dropout",
+    "SequentialCell",
+    "Conv2d",
+    "MSELoss",
+    "L1Loss",
+    "SoftmaxCrossEntropyWithLogits",
+    "CrossEntropyLoss",
+    "WithLossCell",
+    "Optimizer",
+    "SGD",
+    "Momentum",
+    "Adam",
+    "AdamWeightDecay",
+]

@@ -1,0 +1,163 @@
+"""`Cell`: the MindSpore-style module.
+
+Attributes are sorted as they are assigned: sub-cells, parameters and primitives are kept in
+order. A primitive takes its instance name from the attribute that holds it (`self.matmul2 =
+ops.MatMul()` -> `matmul2`); a sub-cell takes its scope part from it (`layer1-Dense`), and its
+parameters are named by their attribute path (`layer1.weight`), as in MindSpore.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+from compiler.primitive import Primitive, normalize_strategy
+from compiler.tensor import Parameter
+from compiler.tracing import current_tracer
+
+
+class Cell:
+    """Base class of networks, layers, losses and optimizers."""
+
+    def __init__(self, auto_prefix: bool = True, flags: Any = None) -> None:
+        object.__setattr__(self, "_cells", OrderedDict())
+        object.__setattr__(self, "_params", OrderedDict())
+        object.__setattr__(self, "_primitives", OrderedDict())
+        object.__setattr__(self, "_attr_name", "")
+        object.__setattr__(self, "_auto_prefix", auto_prefix)
+        object.__setattr__(self, "training", False)
+        object.__setattr__(self, "shard_config", None)
+
+    # -- attribute bookkeeping ----------------------------------------------------------------
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "_cells" not in self.__dict__:
+            raise RuntimeError(
+                f"{type(self).__name__}.__init__ must call super().__init__() before setting "
+                f"attribute {name!r}"
+            )
+        if getattr(value, "_pcompile_sharded_fn", False) and name in self.__dict__["_cells"]:
+            raise TypeError(
+                f"For 'Cell', the type of {name} should be cell, but got function."
+            )
+        for table in ("_cells", "_params", "_primitives"):
+            self.__dict__[table].pop(name, None)
+        if isinstance(value, Cell):
+            self._cells[name] = value
+            if not value._attr_name:
+                object.__setattr__(value, "_attr_name", name)
+        elif isinstance(value, Parameter):
+            if value.name is None:
+                value.name = name
+            self._params[name] = value
+        elif isinstance(value, Primitive):
+            if not value.instance_name:
+                value.instance_name = name
+            self._primitives[name] = value
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        for table in ("_cells", "_params", "_primitives"):
+            self.__dict__[table].pop(name, None)
+        object.__delattr__(self, name)
+
+    def insert_child_to_cell(self, name: str, cell: Cell) -> None:
+        setattr(self, name, cell)
+
+    # -- structure ----------------------------------------------------------------------------
+    def cells_and_names(self, prefix: str = "") -> Iterator[tuple[str, Cell]]:
+        seen: set[int] = set()
+
+        def walk(cell: Cell, path: str) -> Iterator[tuple[str, Cell]]:
+            if id(cell) in seen:
+                return
+            seen.add(id(cell))
+            yield path, cell
+            for name, child in cell._cells.items():
+                yield from walk(child, f"{path}.{name}" if path else name)
+
+        yield from walk(self, prefix)
+
+    def name_cells(self) -> OrderedDict[str, Cell]:
+        return OrderedDict(self._cells)
+
+    def cells(self) -> list[Cell]:
+        return list(self._cells.values())
+
+    def parameters_and_names(self, name_prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        """Every parameter once, depth first in assignment order, with its attribute path."""
+        seen: set[int] = set()
+        for path, cell in self.cells_and_names(name_prefix):
+            for attr, param in cell._params.items():
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                yield (f"{path}.{attr}" if path else attr), param
+
+    def get_parameters(self) -> Iterator[Parameter]:
+        for _, p in self.parameters_and_names():
+            yield p
+
+    def trainable_params(self) -> list[Parameter]:
+        return [p for p in self.get_parameters() if p.requires_grad]
+
+    def untrainable_params(self) -> list[Parameter]:
+        return [p for p in self.get_parameters() if not p.requires_grad]
+
+    def finalize_parameter_names(self) -> None:
+        """Name parameters as MindSpore does: a parameter of a sub-cell is prefixed with the
+        sub-cell's attribute path (`layer1.weight`); names given at the top cell stay."""
+        for path, cell in self.cells_and_names():
+            for attr, param in cell._params.items():
+                if getattr(param, "_final", False):
+                    continue
+                base = param.name if param._explicit_name else attr
+                param.name = f"{path}.{base}" if path and cell._auto_prefix else base
+                param._final = True  # type: ignore[attr-defined]
+
+    def set_comm_fusion(self, fusion_type: int, recurse: bool = True) -> Cell:
+        if isinstance(fusion_type, bool) or not isinstance(fusion_type, int) or fusion_type < 0:
+            raise TypeError(f"fusion_type must be an int >= 0, got {fusion_type!r}")
+        params = self.get_parameters() if recurse else iter(self._params.values())
+        for p in params:
+            p.comm_fusion = fusion_type
+        return self
+
+    def set_train(self, mode: bool = True) -> Cell:
+        for _, cell in self.cells_and_names():
+            object.__setattr__(cell, "training", mode)
+        return self
+
+    def shard(
+        self,
+        in_strategy: Any,
+        out_strategy: Any = None,
+        parameter_plan: dict[str, Any] | None = None,
+        device: str = "Ascend",
+        level: int = 0,
+    ) -> Cell:
+        """Record a functional-shard request for this cell (used by the parallel passes)."""
+        config = {
+            "in_strategy": normalize_strategy(in_strategy, "in_strategy"),
+            "out_strategy": None
+            if out_strategy is None
+            else normalize_strategy(out_strategy, "out_strategy"),
+            "parameter_plan": dict(parameter_plan or {}),
+        }
+        object.__setattr__(self, "shard_config", config)
+        return self
+
+    # -- calling ------------------------------------------------------------------------------
+    def construct(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define construct()")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        tracer = current_tracer()
+        if tracer is None:
+            return self.construct(*args, **kwargs)
+        part = f"{self._attr_name or 'cell'}-{type(self).__name__}"
+        with tracer.cell_scope(part):
+            return self.construct(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}<{', '.join(self._cells)}>"

@@ -1,0 +1,606 @@
+"""MindSpore-style primitives (`ops.MatMul()`, `ops.ReLU()`, ...) and their functional forms
+(`ops.matmul`, `ops.relu`, ...). Arguments that MindSpore passes at call time but that are
+compile-time constants here (Reshape's shape, ReduceSum's axis, Cast's dtype) become IR
+attributes of the node."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from compiler.primitive import Primitive
+from compiler.tensor import Tensor
+from ir.types import DType
+
+
+def _pair(value: Any, what: str) -> tuple[int, int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value, value)
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return (int(value[0]), int(value[1]))
+    if isinstance(value, (tuple, list)) and len(value) == 4:  # MindSpore's (1, 1, h, w) form
+        return (int(value[2]), int(value[3]))
+    raise TypeError(f"{what} must be an int or a pair of ints, got {value!r}")
+
+
+def _axes(axis: Any) -> tuple[int, ...]:
+    if axis is None:
+        return ()
+    if isinstance(axis, int):
+        return (axis,)
+    return tuple(int(a) for a in axis)
+
+
+class ReduceOp:
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+    PROD = "prod"
+
+
+class _Simple(Primitive):
+    """A primitive whose constructor takes no arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+
+def _simple(name: str, op: str | None = None) -> type[Primitive]:
+    return type(name, (_Simple,), {"op": op or name, "__doc__": f"The {op or name} primitive."})
+
+
+Add = _simple("Add")
+Sub = _simple("Sub")
+Mul = _simple("Mul")
+RealDiv = _simple("RealDiv")
+Div = _simple("Div", "RealDiv")
+Maximum = _simple("Maximum")
+Minimum = _simple("Minimum")
+Neg = _simple("Neg")
+Exp = _simple("Exp")
+Log = _simple("Log")
+Sqrt = _simple("Sqrt")
+Rsqrt = _simple("Rsqrt")
+Square = _simple("Square")
+Pow = _simple("Pow")
+Tanh = _simple("Tanh")
+Sigmoid = _simple("Sigmoid")
+ReLU = _simple("ReLU")
+GeLU = _simple("GeLU")
+Flatten = _simple("Flatten")
+ZerosLike = _simple("ZerosLike")
+OnesLike = _simple("OnesLike")
+Greater = _simple("Greater")
+Less = _simple("Less")
+Equal = _simple("Equal")
+Select = _simple("Select")
+
+
+class MatMul(Primitive):
+    op = "MatMul"
+
+    def __init__(self, transpose_a: bool = False, transpose_b: bool = False) -> None:
+        super().__init__(transpose_a=bool(transpose_a), transpose_b=bool(transpose_b))
+
+
+class BatchMatMul(Primitive):
+    op = "BatchMatMul"
+
+    def __init__(self, transpose_a: bool = False, transpose_b: bool = False) -> None:
+        super().__init__(transpose_a=bool(transpose_a), transpose_b=bool(transpose_b))
+
+
+class BiasAdd(Primitive):
+    op = "BiasAdd"
+
+    def __init__(self, data_format: str = "NCHW") -> None:
+        super().__init__(data_format=data_format)
+
+
+class Softmax(Primitive):
+    op = "Softmax"
+
+    def __init__(self, axis: Any = -1) -> None:
+        super().__init__(axis=_axes(axis))
+
+
+class LogSoftmax(Primitive):
+    op = "LogSoftmax"
+
+    def __init__(self, axis: int = -1) -> None:
+        super().__init__(axis=int(axis))
+
+
+class Cast(Primitive):
+    op = "Cast"
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def __call__(self, x: Any, dtype: Any) -> Any:
+        return self._apply([x], dst_type=DType.from_any(dtype))
+
+
+class _Reduce(Primitive):
+    def __init__(self, keep_dims: bool = False) -> None:
+        super().__init__(keep_dims=bool(keep_dims))
+
+    def __call__(self, x: Any, axis: Any = ()) -> Any:
+        return self._apply([x], axis=_axes(axis))
+
+
+class ReduceSum(_Reduce):
+    op = "ReduceSum"
+
+
+class ReduceMean(_Reduce):
+    op = "ReduceMean"
+
+
+class ReduceMax(_Reduce):
+    op = "ReduceMax"
+
+
+class Reshape(_Simple):
+    op = "Reshape"
+
+    def __call__(self, x: Any, shape: Any) -> Any:
+        return self._apply([x], shape=tuple(int(d) for d in shape))
+
+
+class Transpose(_Simple):
+    op = "Transpose"
+
+    def __call__(self, x: Any, perm: Any) -> Any:
+        return self._apply([x], perm=tuple(int(d) for d in perm))
+
+
+class ExpandDims(_Simple):
+    op = "ExpandDims"
+
+    def __call__(self, x: Any, axis: int) -> Any:
+        return self._apply([x], axis=int(axis))
+
+
+class Squeeze(Primitive):
+    op = "Squeeze"
+
+    def __init__(self, axis: Any = ()) -> None:
+        super().__init__(axis=_axes(axis))
+
+
+class BroadcastTo(Primitive):
+    op = "BroadcastTo"
+
+    def __init__(self, shape: Any) -> None:
+        super().__init__(shape=tuple(int(d) for d in shape))
+
+
+class Concat(Primitive):
+    op = "Concat"
+
+    def __init__(self, axis: int = 0) -> None:
+        super().__init__(axis=int(axis))
+
+    def __call__(self, tensors: Any) -> Any:
+        return self._apply(list(tensors))
+
+
+class Split(Primitive):
+    op = "Split"
+
+    def __init__(self, axis: int = 0, output_num: int = 1) -> None:
+        super().__init__(axis=int(axis), output_num=int(output_num))
+
+
+class StridedSlice(Primitive):
+    op = "StridedSlice"
+
+    def __init__(
+        self,
+        begin_mask: int = 0,
+        end_mask: int = 0,
+        ellipsis_mask: int = 0,
+        new_axis_mask: int = 0,
+        shrink_axis_mask: int = 0,
+    ) -> None:
+        super().__init__(
+            begin_mask=begin_mask,
+            end_mask=end_mask,
+            ellipsis_mask=ellipsis_mask,
+            new_axis_mask=new_axis_mask,
+            shrink_axis_mask=shrink_axis_mask,
+        )
+
+    def __call__(self, x: Any, begin: Any, end: Any, strides: Any) -> Any:
+        return self._apply(
+            [x],
+            begin=tuple(int(v) for v in begin),
+            end=tuple(int(v) for v in end),
+            strides=tuple(int(v) for v in strides),
+        )
+
+
+class Gather(_Simple):
+    op = "Gather"
+
+    def __call__(self, params: Any, indices: Any, axis: int = 0) -> Any:
+        return self._apply([params, indices], axis=int(axis))
+
+
+class OneHot(Primitive):
+    op = "OneHot"
+
+    def __init__(self, axis: int = -1) -> None:
+        super().__init__(axis=int(axis))
+
+    def __call__(self, indices: Any, depth: int, on_value: Any = 1.0, off_value: Any = 0.0) -> Any:
+        dtype = DType.float32
+        if isinstance(on_value, Tensor):
+            dtype = on_value.dtype
+            on_value = float(on_value.asnumpy())
+        if isinstance(off_value, Tensor):
+            off_value = float(off_value.asnumpy())
+        return self._apply(
+            [indices],
+            depth=int(depth),
+            on_value=float(on_value),
+            off_value=float(off_value),
+            dtype=dtype,
+        )
+
+
+class LayerNorm(Primitive):
+    """Returns (y, mean, variance) like MindSpore; mean and variance are computed only when
+    used (unused nodes are removed after tracing)."""
+
+    op = "LayerNorm"
+
+    def __init__(
+        self, begin_norm_axis: int = 1, begin_params_axis: int = 1, epsilon: float = 1e-7
+    ) -> None:
+        super().__init__(
+            begin_norm_axis=int(begin_norm_axis),
+            begin_params_axis=int(begin_params_axis),
+            epsilon=float(epsilon),
+        )
+
+    def __call__(self, x: Any, gamma: Any, beta: Any) -> Any:
+        y = self._apply([x, gamma, beta])
+        axis = self.attrs["begin_norm_axis"] % len(x.shape)
+        axes = tuple(range(axis, len(x.shape)))
+        mean = ReduceMean(keep_dims=True)(x, axes)
+        centered = Sub()(x, mean)
+        var = ReduceMean(keep_dims=True)(Mul()(centered, centered), axes)
+        return y, mean, var
+
+
+class SoftmaxCrossEntropyWithLogits(_Simple):
+    """Returns (per-sample loss, gradient w.r.t. logits) like MindSpore; the second output is
+    computed only when used."""
+
+    op = "SoftmaxCrossEntropyWithLogits"
+
+    def __call__(self, logits: Any, labels: Any) -> Any:
+        loss = self._apply([logits, labels])
+        backprop = Sub()(Softmax(-1)(logits), labels)
+        return loss, backprop
+
+
+class SparseSoftmaxCrossEntropyWithLogits(Primitive):
+    op = "SparseSoftmaxCrossEntropyWithLogits"
+
+    def __init__(self, is_grad: bool = False) -> None:
+        super().__init__(is_grad=bool(is_grad))
+
+
+class Conv2D(Primitive):
+    op = "Conv2D"
+
+    def __init__(
+        self,
+        out_channel: int,
+        kernel_size: Any,
+        mode: int = 1,
+        pad_mode: str = "valid",
+        pad: Any = 0,
+        stride: Any = 1,
+        dilation: Any = 1,
+        group: int = 1,
+        data_format: str = "NCHW",
+    ) -> None:
+        if isinstance(pad, int):
+            pad = (pad, pad, pad, pad)
+        super().__init__(
+            out_channel=int(out_channel),
+            kernel_size=_pair(kernel_size, "kernel_size"),
+            stride=_pair(stride, "stride"),
+            pad_mode=str(pad_mode).lower(),
+            pad=tuple(int(p) for p in pad),
+            dilation=_pair(dilation, "dilation"),
+            group=int(group),
+            data_format=data_format,
+        )
+
+
+class _Pool(Primitive):
+    def __init__(
+        self,
+        kernel_size: Any = 1,
+        strides: Any = 1,
+        pad_mode: str = "valid",
+        data_format: str = "NCHW",
+    ) -> None:
+        super().__init__(
+            kernel_size=_pair(kernel_size, "kernel_size"),
+            strides=_pair(strides, "strides"),
+            pad_mode=str(pad_mode).upper(),
+            data_format=data_format,
+        )
+
+
+class MaxPool(_Pool):
+    op = "MaxPool"
+
+
+class AvgPool(_Pool):
+    op = "AvgPool"
+
+
+# -- collectives (user-called, manual parallel) -----------------------------------------------
+
+
+def _world(group: str) -> tuple[str, tuple[int, ...]]:
+    from compiler.communication import group_ranks
+
+    return group_ranks(group)
+
+
+class AllReduce(Primitive):
+    op = "AllReduce"
+
+    def __init__(self, op: str = ReduceOp.SUM, group: str = "nccl_world_group") -> None:
+        name, ranks = _world(group)
+        super().__init__(op=op, group=name, rank_list=ranks)
+
+
+class AllGather(Primitive):
+    op = "AllGather"
+
+    def __init__(self, group: str = "nccl_world_group") -> None:
+        name, ranks = _world(group)
+        super().__init__(group=name, rank_list=ranks)
+
+
+class ReduceScatter(Primitive):
+    op = "ReduceScatter"
+
+    def __init__(self, op: str = ReduceOp.SUM, group: str = "nccl_world_group") -> None:
+        name, ranks = _world(group)
+        super().__init__(op=op, group=name, rank_list=ranks)
+
+
+class AlltoAll(Primitive):
+    op = "AlltoAll"
+
+    def __init__(
+        self, split_count: int, split_dim: int, concat_dim: int, group: str = "nccl_world_group"
+    ) -> None:
+        name, ranks = _world(group)
+        super().__init__(
+            split_count=int(split_count),
+            split_dim=int(split_dim),
+            concat_dim=int(concat_dim),
+            group=name,
+            rank_list=ranks,
+        )
+
+
+class Broadcast(Primitive):
+    op = "Broadcast"
+
+    def __init__(self, root_rank: int, group: str = "nccl_world_group") -> None:
+        name, ranks = _world(group)
+        super().__init__(root_rank=int(root_rank), group=name, rank_list=ranks)
+
+    def __call__(self, inputs: Any) -> Any:
+        if isinstance(inputs, (tuple, list)):
+            return tuple(self._apply([x]) for x in inputs)
+        return self._apply([inputs])
+
+
+# -- indexing -----------------------------------------------------------------------------------
+
+
+def getitem(x: Tensor, index: Any) -> Tensor:
+    """`x[a:b]`, `x[:, 3]`, `x[..., ::2]`: StridedSlice, then Reshape away integer indices."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    if any(i is Ellipsis for i in index):
+        pos = next(k for k, i in enumerate(index) if i is Ellipsis)
+        fill = x.ndim - (len(index) - 1)
+        index = index[:pos] + (slice(None),) * fill + index[pos + 1 :]
+    if len(index) > x.ndim:
+        raise IndexError(f"too many indices for a tensor of rank {x.ndim}: {index!r}")
+    index = index + (slice(None),) * (x.ndim - len(index))
+    begin, end, strides, keep = [], [], [], []
+    for dim, (size, i) in enumerate(zip(x.shape, index)):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(size)
+            if step <= 0:
+                raise IndexError("only positive slice steps are supported")
+            begin.append(start)
+            end.append(max(stop, start))
+            strides.append(step)
+            keep.append(True)
+        elif isinstance(i, int) and not isinstance(i, bool):
+            if not -size <= i < size:
+                raise IndexError(f"index {i} is out of bounds for dim {dim} of size {size}")
+            i %= size
+            begin.append(i)
+            end.append(i + 1)
+            strides.append(1)
+            keep.append(False)
+        else:
+            raise TypeError(f"unsupported index {i!r}; use ints and slices")
+    out = StridedSlice()(x, begin, end, strides)
+    if not all(keep):
+        shape = tuple(d for d, k in zip(out.shape, keep) if k)
+        out = Reshape()(out, shape)
+    return out
+
+
+# -- functional forms ---------------------------------------------------------------------------
+
+
+def matmul(x: Any, y: Any) -> Any:
+    if len(x.shape) == 2 and len(y.shape) == 2:
+        return MatMul()(x, y)
+    return BatchMatMul()(x, y)
+
+
+def add(x: Any, y: Any) -> Any:
+    return Add()(x, y)
+
+
+def sub(x: Any, y: Any) -> Any:
+    return Sub()(x, y)
+
+
+def mul(x: Any, y: Any) -> Any:
+    return Mul()(x, y)
+
+
+def div(x: Any, y: Any) -> Any:
+    return RealDiv()(x, y)
+
+
+def maximum(x: Any, y: Any) -> Any:
+    return Maximum()(x, y)
+
+
+def minimum(x: Any, y: Any) -> Any:
+    return Minimum()(x, y)
+
+
+def neg(x: Any) -> Any:
+    return Neg()(x)
+
+
+def exp(x: Any) -> Any:
+    return Exp()(x)
+
+
+def log(x: Any) -> Any:
+    return Log()(x)
+
+
+def sqrt(x: Any) -> Any:
+    return Sqrt()(x)
+
+
+def rsqrt(x: Any) -> Any:
+    return Rsqrt()(x)
+
+
+def square(x: Any) -> Any:
+    return Square()(x)
+
+
+def pow(x: Any, y: Any) -> Any:  # noqa: A001  (MindSpore's name)
+    return Pow()(x, y)
+
+
+def tanh(x: Any) -> Any:
+    return Tanh()(x)
+
+
+def sigmoid(x: Any) -> Any:
+    return Sigmoid()(x)
+
+
+def relu(x: Any) -> Any:
+    return ReLU()(x)
+
+
+def gelu(x: Any, approximate: str = "tanh") -> Any:
+    if approximate != "tanh":
+        raise ValueError("only the tanh approximation of GeLU is supported")
+    return GeLU()(x)
+
+
+def softmax(x: Any, axis: int = -1) -> Any:
+    return Softmax(axis)(x)
+
+
+def log_softmax(x: Any, axis: int = -1) -> Any:
+    return LogSoftmax(axis)(x)
+
+
+def bias_add(x: Any, bias: Any) -> Any:
+    return BiasAdd()(x, bias)
+
+
+def cast(x: Any, dtype: Any) -> Any:
+    return Cast()(x, dtype)
+
+
+def reduce_sum(x: Any, axis: Any = (), keep_dims: bool = False) -> Any:
+    return ReduceSum(keep_dims)(x, axis)
+
+
+def reduce_mean(x: Any, axis: Any = (), keep_dims: bool = False) -> Any:
+    return ReduceMean(keep_dims)(x, axis)
+
+
+def reduce_max(x: Any, axis: Any = (), keep_dims: bool = False) -> Any:
+    return ReduceMax(keep_dims)(x, axis)
+
+
+def reshape(x: Any, shape: Any) -> Any:
+    return Reshape()(x, shape)
+
+
+def transpose(x: Any, perm: Any) -> Any:
+    return Transpose()(x, perm)
+
+
+def expand_dims(x: Any, axis: int) -> Any:
+    return ExpandDims()(x, axis)
+
+
+def squeeze(x: Any, axis: Any = ()) -> Any:
+    return Squeeze(axis)(x)
+
+
+def concat(tensors: Any, axis: int = 0) -> Any:
+    return Concat(axis)(tensors)
+
+
+def split(x: Any, axis: int = 0, output_num: int = 1) -> Any:
+    return Split(axis, output_num)(x)
+
+
+def gather(params: Any, indices: Any, axis: int = 0) -> Any:
+    return Gather()(params, indices, axis)
+
+
+def one_hot(indices: Any, depth: int, on_value: Any = 1.0, off_value: Any = 0.0, axis: int = -1):
+    return OneHot(axis)(indices, depth, on_value, off_value)
+
+
+def flatten(x: Any) -> Any:
+    return Flatten()(x)
+
+
+def strided_slice(x: Any, begin: Any, end: Any, strides: Any) -> Any:
+    return StridedSlice()(x, begin, end, strides)
+
+
+def layer_norm(x: Any, gamma: Any, beta: Any, begin_norm_axis: int = -1, epsilon: float = 1e-5):
+    return LayerNorm(begin_norm_axis, begin_norm_axis, epsilon)(x, gamma, beta)[0]
+
+
+def conv2d(x: Any, weight: Any, stride: Any = 1, pad_mode: str = "valid", padding: Any = 0):
+    return Conv2D(weight.shape[0], weight.shape[2:], pad_mode=pad_mode, pad=padding, stride=stride)(
+        x, weight
+    )

@@ -1,0 +1,240 @@
+"""`Primitive`: the user-facing op object (`ops.MatMul(transpose_b=True).shard(...)`).
+
+Calling a primitive while a model is traced appends one IR node (see `compiler.tracing`);
+calling it on concrete tensors outside a trace runs the op eagerly on the numpy reference
+implementation, with the same shape checks and errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from compiler.tensor import Tensor
+from compiler.tracing import current_tracer, name_hint, python_constant, user_source
+from ir.builder import Builder
+from ir.core import Graph, GraphParam, Value
+from ir.errors import OpError
+from ir.types import DType, TensorType, TupleType
+
+
+def normalize_strategy(strategy: Any, what: str) -> tuple[Any, ...]:
+    """Validate a `shard()` strategy: a tuple with one entry per input, each a tuple of
+    positive ints, a `Layout(...)` result, or None (derived by the search)."""
+    from compiler.layout import LayoutSpec
+
+    if not isinstance(strategy, (tuple, list)):
+        raise TypeError(
+            f"{what} must be a tuple of per-input strategies such as ((2, 4), (4, 1)), "
+            f"got {type(strategy).__name__} {strategy!r}"
+        )
+    out: list[Any] = []
+    for i, entry in enumerate(strategy):
+        if entry is None or isinstance(entry, LayoutSpec):
+            out.append(entry)
+            continue
+        if not isinstance(entry, (tuple, list)):
+            raise TypeError(
+                f"{what}[{i}] must be a tuple of ints or a Layout, got "
+                f"{type(entry).__name__} {entry!r}"
+            )
+        dims: list[int] = []
+        for d in entry:
+            if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
+                raise TypeError(
+                    f"{what}[{i}] must contain only ints, got {type(d).__name__} {d!r} in {entry!r}"
+                )
+            if d < 1:
+                raise ValueError(f"{what}[{i}] values must be >= 1, got {entry!r}")
+            dims.append(int(d))
+        out.append(tuple(dims))
+    return tuple(out)
+
+
+def attr_value(value: Any) -> Any:
+    """Plain, printable attribute values: lists become tuples, layouts become their dicts."""
+    from compiler.layout import LayoutSpec
+
+    if isinstance(value, LayoutSpec):
+        return attr_value(value.to_dict())
+    if isinstance(value, dict):
+        return {str(k): attr_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return tuple(attr_value(v) for v in value)
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    if isinstance(value, np.bool_):
+        return bool(value)
+    return value
+
+
+class _HybridShard:
+    """`prim.shard(...)` on an instance; `ops.MatMul.shard(...)` on the class (a form the
+    seeds use) makes a default instance first."""
+
+    def __get__(self, obj: Any, owner: type) -> Any:
+        if obj is None:
+            return lambda *a, **k: owner()._shard(*a, **k)
+        return obj._shard
+
+
+class Primitive:
+    """Base of all user-facing primitives. Subclasses set `op` (the registry name) and pass
+    their constructor arguments to `__init__` as IR attributes."""
+
+    op: str = ""
+
+    def __init__(self, **attrs: Any) -> None:
+        self.attrs: dict[str, Any] = {k: attr_value(v) for k, v in attrs.items()}
+        self.user_attrs: dict[str, Any] = {}
+        self.in_strategy: tuple[Any, ...] | None = None
+        self.out_strategy: tuple[Any, ...] | None = None
+        self.instance_name = ""
+
+    @property
+    def name(self) -> str:
+        return self.op
+
+    shard = _HybridShard()
+
+    def _shard(self, in_strategy: Any = None, out_strategy: Any = None) -> Primitive:
+        if in_strategy is None and out_strategy is not None:
+            raise ValueError(
+                f"{self.op}.shard(): out_strategy was given without in_strategy; "
+                "set in_strategy too"
+            )
+        if in_strategy is not None:
+            self.in_strategy = normalize_strategy(in_strategy, "in_strategy")
+        if out_strategy is not None:
+            self.out_strategy = normalize_strategy(out_strategy, "out_strategy")
+        return self
+
+    def add_prim_attr(self, name: str, value: Any) -> Primitive:
+        if not isinstance(name, str):
+            raise TypeError(f"attribute name must be a str, got {name!r}")
+        self.user_attrs[name] = attr_value(value)
+        return self
+
+    def set_prim_instance_name(self, name: str) -> Primitive:
+        self.instance_name = name
+        return self
+
+    def __call__(self, *args: Any) -> Any:
+        return self._apply(list(args))
+
+    def __repr__(self) -> str:
+        return f"Prim[{self.op}]"
+
+    # -- application --------------------------------------------------------------------------
+    def _apply(self, args: list[Any], op: str | None = None, **call_attrs: Any) -> Any:
+        """Apply the op to tensor operands `args`; `call_attrs` are attributes that MindSpore
+        passes as call arguments (Reshape's shape, ReduceSum's axis, ...)."""
+        op = op or self.op
+        attrs = dict(self.attrs)
+        attrs.update({k: attr_value(v) for k, v in call_attrs.items()})
+        tracer = current_tracer()
+        if tracer is None:
+            return _eager(op, args, attrs, self)
+        like = _float_like(args)
+        values = [tracer.to_value(a, like) for a in args]
+        source = user_source()
+        user_attrs = dict(self.user_attrs)
+        if self.in_strategy is not None:
+            _check_strategy_arity(self, op, values, tracer.scope, source)
+            user_attrs["in_strategy"] = attr_value(self.in_strategy)
+        if self.out_strategy is not None:
+            user_attrs["out_strategy"] = attr_value(self.out_strategy)
+        instance = self.instance_name or tracer.next_instance_name(op)
+        result = tracer.builder.emit(
+            op,
+            values,
+            attrs,
+            instance_name=instance,
+            scope=tracer.scope,
+            source=source,
+            name_hint=name_hint(source),
+            user_attrs=user_attrs or None,
+        )
+        return _wrap(result, tracer.builder)
+
+
+def _float_like(args: list[Any]) -> DType | None:
+    for a in args:
+        if isinstance(a, Tensor):
+            return a.dtype
+    return None
+
+
+def _check_strategy_arity(prim: Primitive, op: str, values: list[Value], scope: str, source: Any):
+    assert prim.in_strategy is not None
+    if len(prim.in_strategy) != len(values):
+        shapes = [getattr(v.type, "shape", None) for v in values]
+        example = tuple(tuple(1 for _ in (s or ())) for s in shapes)
+        raise OpError(
+            op,
+            f"in_strategy has {len(prim.in_strategy)} entries but the op has "
+            f"{len(values)} inputs",
+            instance_name=prim.instance_name,
+            scope=scope,
+            source=source,
+            shapes=shapes,
+            strategy=prim.in_strategy,
+            hint=f"give one tuple per input, e.g. {example}",
+        )
+    for i, (entry, value) in enumerate(zip(prim.in_strategy, values)):
+        if isinstance(entry, tuple) and isinstance(value.type, TensorType):
+            if len(entry) != value.type.rank:
+                raise OpError(
+                    op,
+                    f"in_strategy[{i}] has {len(entry)} values but input {i} has rank "
+                    f"{value.type.rank}",
+                    instance_name=prim.instance_name,
+                    scope=scope,
+                    source=source,
+                    shapes=[getattr(v.type, "shape", None) for v in values],
+                    strategy=prim.in_strategy,
+                    hint="give one split count per dimension",
+                )
+
+
+def _wrap(result: Value, builder: Builder) -> Any:
+    if isinstance(result.type, TupleType):
+        return tuple(
+            Tensor(_value=builder("TupleGetItem", result, index=i))
+            for i in range(len(result.type.elements))
+        )
+    return Tensor(_value=result)
+
+
+def _eager(op: str, args: list[Any], attrs: dict[str, Any], prim: Primitive) -> Any:
+    """Run one op on concrete data through the numpy reference implementation."""
+    from backends.numpy import run_graph
+
+    graph = Graph(f"eager_{op}")
+    like = _float_like(args)
+    arrays: list[np.ndarray] = []
+    params: list[Value] = []
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor):
+            arr = a.asnumpy()
+        else:
+            const = python_constant(a, like)
+            arr = const.array
+        dtype = DType.from_any(arr.dtype)
+        params.append(graph.add_param(GraphParam(TensorType(dtype, arr.shape), f"x{i}")))
+        arrays.append(arr)
+    b = Builder(graph, source=user_source(), instance_name=prim.instance_name)
+    result = b.emit(op, params, attrs)
+    outs = [b("TupleGetItem", result, index=i) for i in range(len(result.type.elements))] if (
+        isinstance(result.type, TupleType)
+    ) else [result]
+    graph.outputs = outs
+    values = run_graph(graph, arrays)
+    wrapped = [Tensor(v) for v in values]
+    for t, v in zip(wrapped, values):
+        t._data = np.asarray(v)  # keep the exact dtype (Tensor() would widen float64 inputs)
+    return tuple(wrapped) if isinstance(result.type, TupleType) else wrapped[0]
+

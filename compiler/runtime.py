@@ -1,0 +1,108 @@
+"""Running a compiled program in one process: feeding batches, one step on the numpy
+interpreter or the JAX lowering, and a stand-alone training loop with MindSpore's log format
+(`epoch: E step: S, loss is L`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from compiler.driver import CompiledProgram
+from compiler.model_file import as_input_list, call_user
+from compiler.tensor import TensorSpec
+from ir.errors import PcompileError
+
+
+def synthetic(item: TensorSpec | np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    if isinstance(item, np.ndarray):
+        return item
+    if item.dtype.is_float:
+        return rng.standard_normal(item.shape).astype(item.dtype.np)
+    if item.dtype.value == "Bool":
+        return rng.integers(0, 2, item.shape).astype(bool)
+    return rng.integers(0, 2, item.shape).astype(item.dtype.np)
+
+
+def batches(program: CompiledProgram, steps: int) -> Iterator[tuple[int, int, list[np.ndarray]]]:
+    """Yield (epoch, step-in-epoch, arrays) with arrays = inputs then labels, global shapes.
+    Epochs restart `dataset()`; without a data set, one synthetic batch repeats."""
+    traced, mf = program.traced, program.state.model_file
+    n_inputs, n_labels = len(traced.input_names), len(traced.label_names)
+    expected = [p for p in program.graph.inputs]
+    if mf.dataset is None:
+        rng = np.random.default_rng(0)
+        batch = [synthetic(s, rng) for s in traced.example_inputs + traced.example_labels]
+        for k in range(steps):
+            yield 1, k + 1, batch
+        return
+    done, epoch = 0, 0
+    while done < steps:
+        epoch += 1
+        produced = 0
+        for raw in call_user(mf.dataset, "dataset()", mf.path):
+            items = list(raw) if isinstance(raw, (tuple, list)) else [raw]
+            arrays = as_input_list(tuple(items[: n_inputs + n_labels]), "dataset", mf.path)
+            if len(arrays) != n_inputs + n_labels:
+                raise PcompileError(
+                    f"dataset() in {mf.path} yields {len(arrays)} arrays; the program takes "
+                    f"{n_inputs} input(s) and {n_labels} label(s)"
+                )
+            out = []
+            for arr, param in zip(arrays, expected):
+                arr = np.asarray(arr)
+                if arr.shape != param.shape:
+                    raise PcompileError(
+                        f"dataset() batch {produced + 1}: {param.name} has shape {arr.shape}, "
+                        f"the program was compiled for {param.shape}"
+                    )
+                out.append(arr.astype(param.dtype.np))
+            produced += 1
+            done += 1
+            yield epoch, produced, out
+            if done >= steps:
+                return
+        if produced == 0:
+            raise PcompileError(f"dataset() in {mf.path} yields no batch")
+
+
+class StandAloneRunner:
+    """Runs the single-device program on numpy or JAX and carries parameters across steps."""
+
+    def __init__(self, program: CompiledProgram, backend: str = "numpy") -> None:
+        if backend not in ("numpy", "jax"):
+            raise ValueError(f"unknown backend {backend!r}")
+        self.program = program
+        self.backend = backend
+        self.graph = program.rank_graphs[0]
+        self.values = {k: np.array(v, copy=True) for k, v in program.initial_values.items()}
+        self._fn: Any = None
+        if backend == "jax":
+            import jax
+
+            from backends.jax import lower_graph
+
+            self._fn = jax.jit(lower_graph(self.graph))
+
+    def run(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        graph = self.graph
+        n = len(graph.inputs)
+        feeds = list(arrays[:n]) + [self.values[p.name] for p in graph.params[n:]]
+        if self.backend == "numpy":
+            from backends.numpy import run_graph
+
+            return [np.asarray(o) for o in run_graph(graph, feeds)]
+        return [np.asarray(o) for o in self._fn(*feeds)]
+
+    def step(self, arrays: list[np.ndarray]) -> float:
+        """One training step: returns the loss and keeps the updated parameters and state."""
+        outs = self.run(arrays)
+        names = self.program.output_names
+        for name, value in zip(names[1:], outs[1:]):
+            self.values[name] = value
+        return float(outs[0])
+
+
+def format_loss_line(epoch: int, step: int, loss: float) -> str:
+    return f"epoch: {epoch} step: {step}, loss is {loss!r}"

@@ -1,0 +1,255 @@
+"""User-facing tensors: `Tensor`, `TensorSpec` and `Parameter`.
+
+A `Tensor` is either concrete (it holds a numpy array; ops on it run eagerly through the numpy
+reference implementation) or symbolic (it stands for an IR value while a model is traced).
+Python operators (`+`, `*`, `@`, indexing, ...) map to the same primitives as `ops`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ir.core import Value
+from ir.types import DType, TensorType
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a model input, without data (`inputs()` may return these)."""
+
+    shape: tuple[int, ...]
+    dtype: Any = DType.float32
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.shape)
+        if not all(isinstance(d, (int, np.integer)) and d > 0 for d in shape):
+            raise ValueError(f"TensorSpec shape must be positive ints, got {self.shape!r}")
+        object.__setattr__(self, "shape", tuple(int(d) for d in shape))
+        object.__setattr__(self, "dtype", DType.from_any(self.dtype))
+
+    @property
+    def type(self) -> TensorType:
+        return TensorType(self.dtype, self.shape)
+
+
+def _call(prim_name: str, *args: Any, **kwargs: Any) -> Any:
+    from compiler import ops
+
+    return getattr(ops, prim_name)(**kwargs)(*args)
+
+
+class Tensor:
+    """A tensor value: concrete data, or a symbolic IR value during tracing."""
+
+    def __init__(self, data: Any = None, dtype: Any = None, *, _value: Value | None = None):
+        self._value = _value
+        self._data: np.ndarray | None = None
+        if _value is None:
+            if data is None:
+                raise ValueError("Tensor needs data")
+            if isinstance(data, Tensor):
+                data = data.asnumpy()
+            arr = np.asarray(data)
+            if dtype is not None:
+                arr = arr.astype(DType.from_any(dtype).np)
+            elif arr.dtype == np.float64:
+                arr = arr.astype(np.float32)
+            elif arr.dtype == np.int64 and not isinstance(data, np.ndarray):
+                arr = arr.astype(np.int64)
+            DType.from_any(arr.dtype)  # validate the element type
+            self._data = arr
+
+    # -- introspection ------------------------------------------------------------------------
+    @property
+    def is_symbolic(self) -> bool:
+        return self._value is not None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self._value is not None:
+            return self._value.shape
+        assert self._data is not None
+        return tuple(self._data.shape)
+
+    @property
+    def dtype(self) -> DType:
+        if self._value is not None:
+            return self._value.dtype
+        assert self._data is not None
+        return DType.from_any(self._data.dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def asnumpy(self) -> np.ndarray:
+        if self._data is None:
+            raise RuntimeError(
+                "this tensor is symbolic (it is being traced); its value exists only when the "
+                "compiled program runs"
+            )
+        return self._data
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        arr = self.asnumpy()
+        return arr.astype(dtype) if dtype is not None else arr
+
+    def __repr__(self) -> str:
+        if self._value is not None:
+            return f"Tensor(symbolic, shape={self.shape}, dtype={self.dtype.value})"
+        return f"Tensor(shape={self.shape}, dtype={self.dtype.value}, value={self._data!r})"
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __bool__(self) -> bool:
+        if self._value is not None:
+            raise TypeError(
+                "the truth value of a traced tensor is unknown at compile time; Python control "
+                "flow may depend only on shapes and Python values"
+            )
+        return bool(self.asnumpy())
+
+    def __float__(self) -> float:
+        return float(self.asnumpy())
+
+    # -- operators ----------------------------------------------------------------------------
+    def __add__(self, other: Any) -> Tensor:
+        return _call("Add", self, other)
+
+    def __radd__(self, other: Any) -> Tensor:
+        return _call("Add", other, self)
+
+    def __sub__(self, other: Any) -> Tensor:
+        return _call("Sub", self, other)
+
+    def __rsub__(self, other: Any) -> Tensor:
+        return _call("Sub", other, self)
+
+    def __mul__(self, other: Any) -> Tensor:
+        return _call("Mul", self, other)
+
+    def __rmul__(self, other: Any) -> Tensor:
+        return _call("Mul", other, self)
+
+    def __truediv__(self, other: Any) -> Tensor:
+        return _call("RealDiv", self, other)
+
+    def __rtruediv__(self, other: Any) -> Tensor:
+        return _call("RealDiv", other, self)
+
+    def __neg__(self) -> Tensor:
+        return _call("Neg", self)
+
+    def __pow__(self, other: Any) -> Tensor:
+        return _call("Pow", self, other)
+
+    def __matmul__(self, other: Any) -> Tensor:
+        if self.ndim == 2 and np.ndim(other) == 2 or (
+            isinstance(other, Tensor) and self.ndim == 2 and other.ndim == 2
+        ):
+            return _call("MatMul", self, other)
+        return _call("BatchMatMul", self, other)
+
+    def __getitem__(self, index: Any) -> Tensor:
+        from compiler.ops import getitem
+
+        return getitem(self, index)
+
+    # -- methods ------------------------------------------------------------------------------
+    def reshape(self, *shape: Any) -> Tensor:
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        return _call("Reshape", self, tuple(shape))
+
+    def view(self, *shape: Any) -> Tensor:
+        return self.reshape(*shape)
+
+    def transpose(self, *perm: Any) -> Tensor:
+        if len(perm) == 1 and isinstance(perm[0], (tuple, list)):
+            perm = tuple(perm[0])
+        if not perm:
+            perm = tuple(reversed(range(self.ndim)))
+        return _call("Transpose", self, tuple(perm))
+
+    @property
+    def T(self) -> Tensor:  # noqa: N802  (numpy spelling)
+        return self.transpose()
+
+    def astype(self, dtype: Any) -> Tensor:
+        return _call("Cast", self, DType.from_any(dtype))
+
+    def sum(self, axis: Any = (), keepdims: bool = False) -> Tensor:
+        return _call("ReduceSum", self, axis, keep_dims=keepdims)
+
+    def mean(self, axis: Any = (), keep_dims: bool = False) -> Tensor:
+        return _call("ReduceMean", self, axis, keep_dims=keep_dims)
+
+    def max(self, axis: Any = (), keepdims: bool = False) -> Tensor:
+        return _call("ReduceMax", self, axis, keep_dims=keepdims)
+
+    def expand_dims(self, axis: int) -> Tensor:
+        return _call("ExpandDims", self, axis)
+
+    def squeeze(self, axis: Any = ()) -> Tensor:
+        return _call("Squeeze", self, axis=axis)
+
+    def flatten(self) -> Tensor:
+        return _call("Flatten", self)
+
+
+class Parameter(Tensor):
+    """A trainable (or frozen) stored tensor of a Cell.
+
+    `name` defaults to the attribute path that holds it (`layer1.weight`); parameters of child
+    cells are prefixed with the child's attribute path, as in MindSpore."""
+
+    def __init__(
+        self,
+        default_input: Any,
+        name: str | None = None,
+        requires_grad: bool = True,
+        layerwise_parallel: bool = False,
+        parallel_optimizer: bool = True,
+    ) -> None:
+        super().__init__(default_input)
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"Parameter name must be a non-empty string, got {name!r}")
+        self.name = name
+        self._explicit_name = name is not None
+        self.requires_grad = bool(requires_grad)
+        self.layerwise_parallel = bool(layerwise_parallel)
+        self.parallel_optimizer = bool(parallel_optimizer)
+        self._comm_fusion = 1
+
+    @property
+    def comm_fusion(self) -> int:
+        return self._comm_fusion
+
+    @comm_fusion.setter
+    def comm_fusion(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TypeError(f"comm_fusion must be an int >= 0, got {value!r}")
+        self._comm_fusion = value
+
+    @property
+    def data(self) -> np.ndarray:
+        return self.asnumpy()
+
+    def set_data(self, data: Any) -> None:
+        arr = np.asarray(data, dtype=self.asnumpy().dtype)
+        if arr.shape != self.shape:
+            raise ValueError(f"Parameter {self.name}: shape {arr.shape} != {self.shape}")
+        self._data = arr
+
+    def __repr__(self) -> str:
+        return f"Parameter(name={self.name!r}, shape={self.shape}, dtype={self.dtype.value})"

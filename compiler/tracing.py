@@ -1,0 +1,173 @@
+"""Tracing: running a model's Python code on symbolic tensors to build an `ir.Graph`.
+
+While a `Tracer` is active, every primitive call appends a node through one `ir.Builder`,
+with the current Cell scope (`Default/network-WithLossCell/_backbone-Net`), the primitive's
+instance name and the user's source line. Python control flow runs at trace time, so loops
+unroll and branches on Python values pick one side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from compiler.tensor import Parameter, Tensor
+from ir.builder import Builder
+from ir.core import Constant, Graph, GraphParam, SourceLoc, Value
+from ir.errors import PcompileError
+from ir.types import DType, TensorType
+
+_PACKAGE_DIRS = tuple(
+    os.path.dirname(os.path.abspath(p)) + os.sep
+    for p in (
+        __file__,
+        os.path.join(os.path.dirname(__file__), "..", "ir", "x"),
+        os.path.join(os.path.dirname(__file__), "..", "passes", "x"),
+        os.path.join(os.path.dirname(__file__), "..", "backends", "x"),
+    )
+)
+_ASSIGN = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:,[^=]*)?=[^=]")
+
+
+def _display_path(path: str) -> str:
+    absolute = os.path.abspath(path)
+    rel = os.path.relpath(absolute)
+    return absolute if rel.startswith("..") else rel
+
+
+def user_source() -> SourceLoc | None:
+    """The innermost stack frame outside this package: the user's line that made the call."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if not filename.startswith(_PACKAGE_DIRS) and "importlib" not in filename:
+            text = _line_text(frame.f_code.co_filename, frame.f_lineno)
+            return SourceLoc(_display_path(filename), frame.f_lineno, text)
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+_LINES: dict[str, list[str]] = {}
+
+
+def _line_text(filename: str, lineno: int) -> str:
+    lines = _LINES.get(filename)
+    if lines is None:
+        try:
+            with open(filename, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            lines = []
+        _LINES[filename] = lines
+    return lines[lineno - 1].rstrip() if 0 < lineno <= len(lines) else ""
+
+
+def name_hint(source: SourceLoc | None) -> str:
+    """`out = self.matmul(x, w)` names its node `out`, as MindIR does."""
+    if source is not None:
+        m = _ASSIGN.match(source.text)
+        if m:
+            return m.group(1)
+    return "CNode"
+
+
+class Tracer:
+    """The state of one trace: the graph, its builder, Cell scopes and known parameters."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.builder = Builder(graph)
+        self.scopes: list[str] = ["Default"]
+        self.params: dict[int, GraphParam] = {}
+        self.op_counts: dict[str, int] = {}
+
+    @property
+    def scope(self) -> str:
+        return self.scopes[-1]
+
+    @contextlib.contextmanager
+    def cell_scope(self, part: str) -> Iterator[None]:
+        self.scopes.append(f"{self.scope}/{part}")
+        try:
+            yield
+        finally:
+            self.scopes.pop()
+
+    @contextlib.contextmanager
+    def absolute_scope(self, scope: str) -> Iterator[None]:
+        self.scopes.append(scope)
+        try:
+            yield
+        finally:
+            self.scopes.pop()
+
+    def add_input(self, name: str, tensor_type: TensorType) -> Tensor:
+        param = self.graph.add_param(GraphParam(tensor_type, name, "input"))
+        return Tensor(_value=param)
+
+    def add_parameter(self, param: Parameter, kind: str = "weight") -> GraphParam:
+        key = id(param)
+        if key not in self.params:
+            assert param.name is not None
+            tensor_type = TensorType(param.dtype, param.shape)
+            self.params[key] = self.graph.add_param(
+                GraphParam(tensor_type, param.name, kind, param.requires_grad)
+            )
+        return self.params[key]
+
+    def next_instance_name(self, op: str) -> str:
+        k = self.op_counts.get(op, 0)
+        self.op_counts[op] = k + 1
+        return f"{op}-op{k}"
+
+    def to_value(self, arg: Any, like: DType | None) -> Value:
+        """Turn an operand into an IR value: symbolic tensors as they are, parameters as graph
+        parameters, concrete data as constants."""
+        if isinstance(arg, Parameter):
+            if arg.name is None:
+                raise PcompileError(
+                    "a Parameter without a name is used outside any Cell; give it a name"
+                )
+            return self.add_parameter(arg)
+        if isinstance(arg, Tensor):
+            if arg.is_symbolic:
+                assert arg._value is not None
+                return arg._value
+            return Constant(arg.asnumpy(), arg.dtype)
+        return python_constant(arg, like)
+
+
+def python_constant(arg: Any, like: DType | None) -> Constant:
+    if isinstance(arg, (bool, np.bool_)):
+        return Constant(np.asarray(arg), DType.bool_)
+    if isinstance(arg, (int, float, np.integer, np.floating)):
+        if like is not None:
+            return Constant(np.asarray(arg), like)
+        return Constant(np.asarray(arg), DType.float32 if isinstance(arg, float) else DType.int32)
+    arr = np.asarray(arg)
+    if arr.dtype == np.float64:
+        arr = arr.astype(np.float32)
+    return Constant(arr, DType.from_any(arr.dtype))
+
+
+_CURRENT: list[Tracer] = []
+
+
+def current_tracer() -> Tracer | None:
+    return _CURRENT[-1] if _CURRENT else None
+
+
+@contextlib.contextmanager
+def tracing(graph: Graph) -> Iterator[Tracer]:
+    tracer = Tracer(graph)
+    _CURRENT.append(tracer)
+    try:
+        yield tracer
+    finally:
+        _CURRENT.pop()

@@ -1,0 +1,118 @@
+"""A small GPT-style decoder: token + position embedding, pre-LayerNorm blocks with causal
+multi-head attention (BatchMatMul, Softmax) and a GeLU MLP, final LayerNorm, LM head and
+cross-entropy over next tokens.
+
+The number of layers comes from the environment variable GPT_LAYERS (default 2), so the
+benchmarks can compile 2 to 96 layers from the same file:
+
+    GPT_LAYERS=8 pcompile examples/gpt_block.py --devices 8 --search recursive_programming
+"""
+
+import os
+
+import numpy as np
+
+from compiler import Parameter, initializer, nn, ops, set_seed
+
+VOCAB = 64
+SEQ = 16
+HIDDEN = 32
+HEADS = 4
+BATCH = 8
+LAYERS = int(os.environ.get("GPT_LAYERS", "2"))
+
+
+class Attention(nn.Cell):
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.heads, self.head_dim = heads, hidden // heads
+        self.query = nn.Dense(hidden, hidden)
+        self.key = nn.Dense(hidden, hidden)
+        self.value = nn.Dense(hidden, hidden)
+        self.proj = nn.Dense(hidden, hidden)
+        self.reshape = ops.Reshape()
+        self.transpose = ops.Transpose()
+        self.scores = ops.BatchMatMul(transpose_b=True)
+        self.context = ops.BatchMatMul()
+        self.scale = ops.Mul()
+        self.add_mask = ops.Add()
+        self.softmax = ops.Softmax(-1)
+        mask = np.triu(np.full((SEQ, SEQ), -1e4, np.float32), k=1)
+        self.mask = mask
+
+    def split_heads(self, x, batch, seq):
+        x = self.reshape(x, (batch, seq, self.heads, self.head_dim))
+        return self.transpose(x, (0, 2, 1, 3))
+
+    def construct(self, x):
+        batch, seq, hidden = x.shape
+        q = self.split_heads(self.query(x), batch, seq)
+        k = self.split_heads(self.key(x), batch, seq)
+        v = self.split_heads(self.value(x), batch, seq)
+        scores = self.scale(self.scores(q, k), 1.0 / float(np.sqrt(self.head_dim)))
+        scores = self.add_mask(scores, self.mask)
+        probs = self.softmax(scores)
+        ctx = self.context(probs, v)
+        ctx = self.reshape(self.transpose(ctx, (0, 2, 1, 3)), (batch, seq, hidden))
+        return self.proj(ctx)
+
+
+class Block(nn.Cell):
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.ln1 = nn.LayerNorm((hidden,))
+        self.attn = Attention(hidden, heads)
+        self.ln2 = nn.LayerNorm((hidden,))
+        self.fc1 = nn.Dense(hidden, 4 * hidden)
+        self.gelu = nn.GELU()
+        self.fc2 = nn.Dense(4 * hidden, hidden)
+        self.add1 = ops.Add()
+        self.add2 = ops.Add()
+
+    def construct(self, x):
+        x = self.add1(x, self.attn(self.ln1(x)))
+        h = self.fc2(self.gelu(self.fc1(self.ln2(x))))
+        return self.add2(x, h)
+
+
+class GPT(nn.Cell):
+    def __init__(self, layers=LAYERS):
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, HIDDEN)
+        self.position = Parameter(initializer("normal", [SEQ, HIDDEN]), "position_embedding")
+        self.add_pos = ops.Add()
+        self.blocks = nn.SequentialCell([Block(HIDDEN, HEADS) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm((HIDDEN,))
+        self.head = nn.Dense(HIDDEN, VOCAB, has_bias=False)
+        self.reshape = ops.Reshape()
+
+    def construct(self, tokens):
+        x = self.add_pos(self.embedding(tokens), self.position)
+        x = self.ln_f(self.blocks(x))
+        logits = self.head(x)
+        return self.reshape(logits, (BATCH * SEQ, VOCAB))
+
+
+def model():
+    set_seed(1)
+    return GPT()
+
+
+def inputs():
+    return (np.zeros((BATCH, SEQ), np.int32),)
+
+
+def loss():
+    return nn.CrossEntropyLoss()
+
+
+def optimizer(params):
+    return nn.Adam(params, learning_rate=1e-2)
+
+
+def dataset():
+    rng = np.random.default_rng(0)
+    for _ in range(1000):
+        start = rng.integers(0, VOCAB, (BATCH, 1))
+        seq = (start + np.arange(SEQ + 1)) % VOCAB  # learnable: next token = token + 1
+        yield seq[:, :SEQ].astype(np.int32), seq[:, 1:].reshape(-1).astype(np.int32)

@@ -1,0 +1,83 @@
+"""Appends the optimizer update to a graph that already computes the loss and gradients.
+
+After this pass the graph is one training step: it returns the loss, then the new value of
+every trainable parameter, then the new optimizer state; `graph.attrs["outputs"]` names each
+returned value (`loss`, the parameter names, `moments.w`, ...), which is how runtimes write the
+results back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from compiler.nn.optim_base import Optimizer
+from compiler.tensor import Parameter, Tensor
+from compiler.tracing import tracing
+from ir.core import Graph, GraphParam, Value
+from ir.errors import PcompileError
+from ir.types import DType, TensorType
+
+
+def append_optimizer(
+    graph: Graph,
+    optimizer: Optimizer,
+    params: dict[str, Parameter],
+    grads: dict[str, Value],
+    loss: Value,
+) -> dict[str, np.ndarray]:
+    """Trace `optimizer` into `graph`; returns the initial values of the new state tensors."""
+    known = {id(p) for p in params.values()}
+    for p in optimizer.parameters:
+        if id(p) not in known:
+            raise PcompileError(
+                f"{type(optimizer).__name__} was given parameter {p.name!r}, which is not a "
+                "parameter of the network"
+            )
+    init: dict[str, np.ndarray] = {}
+    out_names: list[str] = ["loss"]
+    outputs: list[Value] = [loss]
+    new_states: list[tuple[str, Value]] = []
+    scope = f"Default/optimizer-{type(optimizer).__name__}"
+    with tracing(graph) as tracer, tracer.absolute_scope(scope):
+
+        def state_param(name: str, value: np.ndarray) -> Tensor:
+            arr = np.asarray(value)
+            tensor_type = TensorType(DType.from_any(arr.dtype), tuple(arr.shape))
+            gp = graph.add_param(GraphParam(tensor_type, name, "state"))
+            init[name] = arr
+            return Tensor(_value=gp)
+
+        global_in = {k: state_param(k, v) for k, v in optimizer.global_state().items()}
+        global_new = optimizer.update_global(dict(global_in))
+        for p in optimizer.parameters:
+            if not p.requires_grad:
+                continue
+            assert p.name is not None
+            if p.name not in grads:
+                raise PcompileError(f"no gradient for parameter {p.name!r}")
+            state = {
+                prefix: state_param(f"{prefix}.{p.name}", optimizer.init_state(prefix, p))
+                for prefix in optimizer.state_prefixes
+            }
+            weight = Tensor(_value=graph.param(p.name))
+            new_param, new_state = optimizer.update(
+                weight, Tensor(_value=grads[p.name]), state, global_new
+            )
+            out_names.append(p.name)
+            outputs.append(_value_of(new_param, p.name))
+            for prefix in optimizer.state_prefixes:
+                new_states.append((f"{prefix}.{p.name}", _value_of(new_state[prefix], prefix)))
+        for name, tensor in global_new.items():
+            new_states.append((name, _value_of(tensor, name)))
+    for name, value in new_states:
+        out_names.append(name)
+        outputs.append(value)
+    graph.outputs = outputs
+    graph.attrs["outputs"] = tuple(out_names)
+    return init
+
+
+def _value_of(tensor: Tensor, what: str) -> Value:
+    if not isinstance(tensor, Tensor) or not tensor.is_symbolic or tensor._value is None:
+        raise PcompileError(f"optimizer update of {what!r} did not produce a traced tensor")
+    return tensor._value
