@@ -1,1 +1,159 @@
-"""(filled in below)"""
+"""Matrix products: MatMul (2-D) and BatchMatMul (batched, numpy-broadcast batch dims)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from ir.builder import Builder
+from ir.core import Node, Value
+from ir.errors import ShapeError
+from ir.ops._util import broadcast_shapes, same_dtype, tensor, unbroadcast
+from ir.registry import OpDef, register
+from ir.types import DType, TensorType, ValueType
+
+
+def _check_flags(attrs: dict[str, Any]) -> tuple[bool, bool]:
+    flags = []
+    for name in ("transpose_a", "transpose_b"):
+        value = attrs[name]
+        if not isinstance(value, bool):
+            raise ShapeError(f"attribute {name} must be a bool, got {value!r}")
+        flags.append(value)
+    return flags[0], flags[1]
+
+
+def _matrix_dims(a: TensorType, b: TensorType, ta: bool, tb: bool) -> tuple[int, int, int]:
+    """(M, N, K) of op(a) @ op(b) from the last two dims; ShapeError when K differs."""
+    m, ka = (a.shape[-1], a.shape[-2]) if ta else (a.shape[-2], a.shape[-1])
+    kb, n = (b.shape[-1], b.shape[-2]) if tb else (b.shape[-2], b.shape[-1])
+    if ka != kb:
+        a_desc = f"a{' (transposed)' if ta else ''} has {ka} columns"
+        b_desc = f"b{' (transposed)' if tb else ''} has {kb} rows"
+        raise ShapeError(
+            f"contraction dims differ: {a_desc} but {b_desc}; "
+            "they must be equal (check transpose_a/transpose_b)"
+        )
+    return m, n, ka
+
+
+def _check_dtype(a: TensorType, b: TensorType) -> DType:
+    dtype = same_dtype([a, b])
+    if dtype is DType.bool_:
+        raise ShapeError("needs numeric operands, got Bool")
+    return dtype
+
+
+def _np_matmul(a: Any, b: Any, ta: bool, tb: bool) -> Any:
+    a = np.swapaxes(a, -1, -2) if ta else a
+    b = np.swapaxes(b, -1, -2) if tb else b
+    return np.matmul(a, b).astype(a.dtype, copy=False)
+
+
+def _jax_matmul(a: Any, b: Any, ta: bool, tb: bool) -> Any:
+    a = jnp.swapaxes(a, -1, -2) if ta else a
+    b = jnp.swapaxes(b, -1, -2) if tb else b
+    return jnp.matmul(a, b)
+
+
+def _matmul_cotangents(b: Builder, op: str, node: Node, cot: Value) -> tuple[Value, Value]:
+    """d a and d b of `op(a, b)` before any un-broadcasting: each is again `op` with flags
+    chosen so no explicit transpose is needed (C = op(A) op(B))."""
+    x, y = node.operands
+    ta, tb = node.attrs["transpose_a"], node.attrs["transpose_b"]
+    if not ta:
+        # dA = dC op(B)^T
+        da = b(op, cot, y, transpose_a=False, transpose_b=not tb)
+    else:
+        # dA = (dC op(B)^T)^T = op(B) dC^T
+        da = b(op, y, cot, transpose_a=tb, transpose_b=True)
+    if not tb:
+        # dB = op(A)^T dC
+        db = b(op, x, cot, transpose_a=not ta, transpose_b=False)
+    else:
+        # dB = (op(A)^T dC)^T = dC^T op(A)
+        db = b(op, cot, x, transpose_a=True, transpose_b=ta)
+    return da, db
+
+
+# -- MatMul ---------------------------------------------------------------------------------
+
+
+def _matmul_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    a, b = tensor(types[0], "a"), tensor(types[1], "b")
+    ta, tb = _check_flags(attrs)
+    if a.rank != 2 or b.rank != 2:
+        raise ShapeError(
+            f"needs 2-D operands, got ranks {a.rank} and {b.rank}; "
+            "use BatchMatMul for batched (rank >= 3) products"
+        )
+    dtype = _check_dtype(a, b)
+    m, n, _ = _matrix_dims(a, b, ta, tb)
+    return TensorType(dtype, (m, n))
+
+
+def _matmul_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    da, db = _matmul_cotangents(b, "MatMul", node, cot)
+    return [da, db]
+
+
+register(
+    OpDef(
+        "MatMul",
+        _matmul_infer,
+        numpy=lambda a, b, transpose_a, transpose_b: _np_matmul(a, b, transpose_a, transpose_b),
+        jax=lambda a, b, transpose_a, transpose_b: _jax_matmul(a, b, transpose_a, transpose_b),
+        vjp=_matmul_vjp,
+        attrs={"transpose_a": False, "transpose_b": False},
+        num_inputs=2,
+        doc="op(a) @ op(b) for 2-D a, b; op transposes when transpose_a/transpose_b is set.",
+    )
+)
+
+# -- BatchMatMul ----------------------------------------------------------------------------
+
+
+def _batch_matmul_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    a, b = tensor(types[0], "a"), tensor(types[1], "b")
+    ta, tb = _check_flags(attrs)
+    # One operand may be a plain matrix shared by every batch (MindSpore broadcasts it);
+    # the vjp relies on this, since it passes the cotangent with a rank-2 operand either side.
+    if a.rank < 2 or b.rank < 2 or max(a.rank, b.rank) < 3:
+        raise ShapeError(
+            f"needs rank >= 3 operands (one of them may be a rank-2 matrix), got ranks "
+            f"{a.rank} and {b.rank}; use MatMul for two 2-D operands"
+        )
+    dtype = _check_dtype(a, b)
+    m, n, _ = _matrix_dims(a, b, ta, tb)
+    try:
+        batch = broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except ShapeError:
+        raise ShapeError(
+            f"batch dims {a.shape[:-2]} and {b.shape[:-2]} do not broadcast; each pair "
+            "(aligned from the right) must be equal or contain a 1"
+        ) from None
+    return TensorType(dtype, batch + (m, n))
+
+
+def _batch_matmul_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    x, y = node.operands
+    da, db = _matmul_cotangents(b, "BatchMatMul", node, cot)
+    # The cotangents carry the broadcast batch dims; sum them back to each operand's shape.
+    return [unbroadcast(b, da, x.shape), unbroadcast(b, db, y.shape)]
+
+
+register(
+    OpDef(
+        "BatchMatMul",
+        _batch_matmul_infer,
+        numpy=lambda a, b, transpose_a, transpose_b: _np_matmul(a, b, transpose_a, transpose_b),
+        jax=lambda a, b, transpose_a, transpose_b: _jax_matmul(a, b, transpose_a, transpose_b),
+        vjp=_batch_matmul_vjp,
+        attrs={"transpose_a": False, "transpose_b": False},
+        num_inputs=2,
+        doc="Batched op(a) @ op(b) over the last two dims; leading batch dims broadcast "
+        "numpy-style and one operand may be a rank-2 matrix.",
+    )
+)

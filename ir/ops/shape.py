@@ -1,1 +1,692 @@
-"""(filled in below)"""
+"""Shape and data-movement primitives: Reshape, Transpose, ExpandDims, Squeeze, Flatten,
+Concat, Split, the tuple ops (MakeTuple, TupleGetItem), StridedSlice (+ StridedSliceGrad),
+Gather (+ GatherGrad) and OneHot. Semantics and names follow MindSpore, with operands that
+MindSpore passes as constant tensors (shapes, slice bounds, on/off values) as attributes."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from ir.builder import Builder
+from ir.core import Node, Value
+from ir.errors import ShapeError
+from ir.ops._util import same_dtype, tensor
+from ir.registry import OpDef, register
+from ir.types import DType, TensorType, TupleType, ValueType
+
+# -- attribute checks -----------------------------------------------------------------------
+
+
+def _int_attr(attrs: dict[str, Any], name: str) -> int:
+    value = attrs[name]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ShapeError(f"attribute {name} must be a Python int, got {value!r}")
+    return value
+
+
+def _int_tuple_attr(attrs: dict[str, Any], name: str) -> tuple[int, ...]:
+    value = attrs[name]
+    if value is None:
+        raise ShapeError(f"attribute {name} is required (a tuple of ints)")
+    if not isinstance(value, tuple) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise ShapeError(
+            f"attribute {name} must be a tuple of Python ints, got {value!r}"
+            + (f"; pass tuple({value!r})" if isinstance(value, list) else "")
+        )
+    return value
+
+
+def _axis(attrs: dict[str, Any], rank: int, name: str = "axis") -> int:
+    """`attrs[name]` normalized to [0, rank); negative counts from the end."""
+    axis = _int_attr(attrs, name)
+    if rank == 0:
+        raise ShapeError(f"{name} {axis} is invalid for a rank-0 (scalar) input")
+    if not -rank <= axis < rank:
+        raise ShapeError(f"{name} {axis} is out of range for rank {rank}; valid: [{-rank}, {rank})")
+    return axis % rank
+
+
+def _reshape_to(b: Builder, value: Value, shape: tuple[int, ...]) -> Value:
+    return value if value.shape == shape else b("Reshape", value, shape=shape)
+
+
+# -- Reshape --------------------------------------------------------------------------------
+
+
+def _reshape_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0], "x")
+    shape = _int_tuple_attr(attrs, "shape")
+    if sum(d == -1 for d in shape) > 1:
+        raise ShapeError(f"shape {shape} has more than one -1; at most one dim can be inferred")
+    if any(d < -1 for d in shape):
+        raise ShapeError(f"shape {shape} has a negative dim other than -1")
+    known = math.prod(d for d in shape if d != -1)
+    if -1 in shape:
+        if known == 0 or x.size % known:
+            raise ShapeError(
+                f"cannot infer the -1 in {shape}: {x.size} elements are not a multiple of "
+                f"the product {known} of the other dims"
+            )
+        shape = tuple(x.size // known if d == -1 else d for d in shape)
+    elif known != x.size:
+        raise ShapeError(
+            f"cannot reshape {x.size} elements to {shape} ({known} elements); the product "
+            "of the new shape must equal the input size"
+        )
+    return x.with_shape(shape)
+
+
+def _reshape_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    return [_reshape_to(b, cot, node.operands[0].shape)]
+
+
+register(
+    OpDef(
+        "Reshape",
+        _reshape_infer,
+        numpy=lambda x, shape: np.reshape(x, shape),
+        jax=lambda x, shape: jnp.reshape(x, shape),
+        vjp=_reshape_vjp,
+        attrs={"shape": None},
+        num_inputs=1,
+        doc="x with a new shape of the same size; one dim may be -1 (inferred).",
+    )
+)
+
+# -- Transpose ------------------------------------------------------------------------------
+
+
+def _perm(attrs: dict[str, Any], rank: int) -> tuple[int, ...]:
+    perm = _int_tuple_attr(attrs, "perm")
+    if len(perm) == rank and all(-rank <= p < rank for p in perm):
+        normalized = tuple(p % rank for p in perm)
+        if sorted(normalized) == list(range(rank)):
+            return normalized
+    raise ShapeError(
+        f"perm {perm} is not a permutation of the {rank} axes; valid: an ordering of "
+        f"{tuple(range(rank))} (negative axes allowed)"
+    )
+
+
+def _transpose_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0], "x")
+    perm = _perm(attrs, x.rank)
+    return x.with_shape(tuple(x.shape[p] for p in perm))
+
+
+def _transpose_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    perm = _perm(node.attrs, cot.tensor_type.rank)
+    inverse = tuple(int(i) for i in np.argsort(perm))
+    return [b("Transpose", cot, perm=inverse)]
+
+
+register(
+    OpDef(
+        "Transpose",
+        _transpose_infer,
+        numpy=lambda x, perm: np.transpose(x, perm),
+        jax=lambda x, perm: jnp.transpose(x, perm),
+        vjp=_transpose_vjp,
+        attrs={"perm": None},
+        num_inputs=1,
+        doc="Permute the axes of x: output dim i is input dim perm[i].",
+    )
+)
+
+# -- ExpandDims -----------------------------------------------------------------------------
+
+
+def _expand_axis(attrs: dict[str, Any], rank: int) -> int:
+    axis = _int_attr(attrs, "axis")
+    if not -rank - 1 <= axis <= rank:
+        raise ShapeError(
+            f"axis {axis} is out of range for inserting into rank {rank}; "
+            f"valid: [{-rank - 1}, {rank}]"
+        )
+    return axis % (rank + 1)
+
+
+def _expand_dims_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0], "x")
+    axis = _expand_axis(attrs, x.rank)
+    return x.with_shape(x.shape[:axis] + (1,) + x.shape[axis:])
+
+
+def _shape_restoring_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    return [_reshape_to(b, cot, node.operands[0].shape)]
+
+
+register(
+    OpDef(
+        "ExpandDims",
+        _expand_dims_infer,
+        numpy=lambda x, axis: np.expand_dims(x, axis),
+        jax=lambda x, axis: jnp.expand_dims(x, axis),
+        vjp=_shape_restoring_vjp,
+        attrs={"axis": 0},
+        num_inputs=1,
+        doc="Insert a size-1 dim at axis (negative: counted from the end of the output).",
+    )
+)
+
+# -- Squeeze --------------------------------------------------------------------------------
+
+
+def _squeeze_axes(x: TensorType, attrs: dict[str, Any]) -> tuple[int, ...]:
+    raw = attrs["axis"]
+    # MindSpore also accepts a single int.
+    given: tuple[int, ...]
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        given = (raw,)
+    else:
+        given = _int_tuple_attr(attrs, "axis")
+    if not given:
+        return tuple(i for i, d in enumerate(x.shape) if d == 1)
+    axes: list[int] = []
+    for a in given:
+        if not -x.rank <= a < x.rank:
+            raise ShapeError(
+                f"axis {a} is out of range for rank {x.rank}; valid: [{-x.rank}, {x.rank})"
+            )
+        a %= x.rank
+        if x.shape[a] != 1:
+            raise ShapeError(f"cannot squeeze axis {a}: its size is {x.shape[a]}, not 1")
+        if a in axes:
+            raise ShapeError(f"axis {a} is given twice in {given}")
+        axes.append(a)
+    return tuple(sorted(axes))
+
+
+def _squeeze_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0], "x")
+    axes = _squeeze_axes(x, attrs)
+    return x.with_shape(tuple(d for i, d in enumerate(x.shape) if i not in axes))
+
+
+def _squeeze_np(x: Any, axis: Any) -> Any:
+    axes = (axis,) if isinstance(axis, int) else axis
+    return np.squeeze(x, axes if axes else None)
+
+
+def _squeeze_jax(x: Any, axis: Any) -> Any:
+    axes = (axis,) if isinstance(axis, int) else axis
+    return jnp.squeeze(x, axes if axes else None)
+
+
+register(
+    OpDef(
+        "Squeeze",
+        _squeeze_infer,
+        numpy=_squeeze_np,
+        jax=_squeeze_jax,
+        vjp=_shape_restoring_vjp,
+        attrs={"axis": ()},
+        num_inputs=1,
+        doc="Remove the size-1 dims in axis (a tuple; () removes every size-1 dim).",
+    )
+)
+
+# -- Flatten --------------------------------------------------------------------------------
+
+
+def _flatten_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0], "x")
+    if x.rank == 0:
+        raise ShapeError("needs an input of rank >= 1 (dim 0 is kept), got a scalar")
+    return x.with_shape((x.shape[0], math.prod(x.shape[1:])))
+
+
+def _flatten_np(x: Any) -> Any:
+    return np.reshape(x, (x.shape[0], math.prod(x.shape[1:])))
+
+
+def _flatten_jax(x: Any) -> Any:
+    return jnp.reshape(x, (x.shape[0], math.prod(x.shape[1:])))
+
+
+register(
+    OpDef(
+        "Flatten",
+        _flatten_infer,
+        numpy=_flatten_np,
+        jax=_flatten_jax,
+        vjp=_shape_restoring_vjp,
+        num_inputs=1,
+        doc="Keep dim 0 and flatten the rest: (N, ...) -> (N, prod(...)); (N,) -> (N, 1).",
+    )
+)
+
+# -- StridedSlice / StridedSliceGrad --------------------------------------------------------
+
+_MASKS = ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")
+
+
+def _slice_spec(
+    shape: tuple[int, ...], attrs: dict[str, Any]
+) -> tuple[tuple[slice, ...], tuple[int, ...]]:
+    """The Python slices of a StridedSlice and its output shape. begin/end/strides may be
+    shorter than the rank (the remaining dims are taken whole, as in MindSpore); out-of-range
+    bounds are clamped like Python slicing."""
+    begin = _int_tuple_attr(attrs, "begin")
+    end = _int_tuple_attr(attrs, "end")
+    strides = _int_tuple_attr(attrs, "strides")
+    if not len(begin) == len(end) == len(strides):
+        raise ShapeError(
+            f"begin {begin}, end {end} and strides {strides} must have the same length"
+        )
+    if len(begin) > len(shape):
+        raise ShapeError(
+            f"begin/end/strides have {len(begin)} entries but the input has rank {len(shape)}; "
+            "give at most one entry per dim"
+        )
+    if any(s <= 0 for s in strides):
+        raise ShapeError(f"strides {strides} must be positive (negative strides unsupported)")
+    slices: list[slice] = []
+    out: list[int] = []
+    for i, dim in enumerate(shape):
+        if i < len(begin):
+            start, stop, step = slice(begin[i], end[i], strides[i]).indices(dim)
+        else:
+            start, stop, step = 0, dim, 1
+        slices.append(slice(start, stop, step))
+        out.append(len(range(start, stop, step)))
+    return tuple(slices), tuple(out)
+
+
+def _strided_slice_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0], "x")
+    for mask in _MASKS:
+        if _int_attr(attrs, mask) != 0:
+            raise ShapeError(
+                f"{mask}={attrs[mask]} is not supported (only 0); give explicit begin/end/"
+                "strides for every dim instead"
+            )
+    _, out = _slice_spec(x.shape, attrs)
+    return x.with_shape(out)
+
+
+def _strided_slice_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    a = node.attrs
+    grad = b(
+        "StridedSliceGrad",
+        cot,
+        shape=node.operands[0].shape,
+        begin=a["begin"],
+        end=a["end"],
+        strides=a["strides"],
+    )
+    return [grad]
+
+
+def _strided_slice_np(x: Any, begin: Any, end: Any, strides: Any, **masks: Any) -> Any:
+    slices, _ = _slice_spec(x.shape, {"begin": begin, "end": end, "strides": strides})
+    return x[slices]
+
+
+def _strided_slice_jax(x: Any, begin: Any, end: Any, strides: Any, **masks: Any) -> Any:
+    slices, _ = _slice_spec(x.shape, {"begin": begin, "end": end, "strides": strides})
+    return x[slices]
+
+
+register(
+    OpDef(
+        "StridedSlice",
+        _strided_slice_infer,
+        numpy=_strided_slice_np,
+        jax=_strided_slice_jax,
+        vjp=_strided_slice_vjp,
+        attrs={
+            "begin": None,
+            "end": None,
+            "strides": None,
+            "begin_mask": 0,
+            "end_mask": 0,
+            "ellipsis_mask": 0,
+            "new_axis_mask": 0,
+            "shrink_axis_mask": 0,
+        },
+        num_inputs=1,
+        doc="x[begin[i]:end[i]:strides[i], ...] with Python clamping; positive strides only "
+        "and all masks 0.",
+    )
+)
+
+
+def _strided_slice_grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    dy = tensor(types[0], "dy")
+    shape = _int_tuple_attr(attrs, "shape")
+    if any(d < 0 for d in shape):
+        raise ShapeError(f"shape {shape} has a negative dim")
+    _, out = _slice_spec(shape, attrs)
+    if dy.shape != out:
+        raise ShapeError(
+            f"dy has shape {dy.shape} but slicing {shape} with these bounds gives {out}"
+        )
+    return dy.with_shape(shape)
+
+
+def _strided_slice_grad_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    a = node.attrs
+    return [b("StridedSlice", cot, begin=a["begin"], end=a["end"], strides=a["strides"])]
+
+
+def _strided_slice_grad_np(dy: Any, shape: Any, begin: Any, end: Any, strides: Any) -> Any:
+    slices, _ = _slice_spec(shape, {"begin": begin, "end": end, "strides": strides})
+    out = np.zeros(shape, dy.dtype)
+    out[slices] = dy
+    return out
+
+
+def _strided_slice_grad_jax(dy: Any, shape: Any, begin: Any, end: Any, strides: Any) -> Any:
+    slices, _ = _slice_spec(shape, {"begin": begin, "end": end, "strides": strides})
+    return jnp.zeros(shape, dy.dtype).at[slices].set(dy)
+
+
+register(
+    OpDef(
+        "StridedSliceGrad",
+        _strided_slice_grad_infer,
+        numpy=_strided_slice_grad_np,
+        jax=_strided_slice_grad_jax,
+        vjp=_strided_slice_grad_vjp,
+        attrs={"shape": None, "begin": None, "end": None, "strides": None},
+        num_inputs=1,
+        doc="Zeros of `shape` with dy written into the StridedSlice region (its vjp).",
+    )
+)
+
+# -- Concat ---------------------------------------------------------------------------------
+
+
+def _concat_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    xs = [tensor(t, f"input {i}") for i, t in enumerate(types)]
+    dtype = same_dtype(xs)
+    first = xs[0]
+    axis = _axis(attrs, first.rank)
+    for i, x in enumerate(xs[1:], 1):
+        if x.rank != first.rank:
+            raise ShapeError(
+                f"input {i} has rank {x.rank} but input 0 has rank {first.rank}; "
+                "all inputs need the same rank"
+            )
+        others = [d for d in range(x.rank) if d != axis and x.shape[d] != first.shape[d]]
+        if others:
+            d = others[0]
+            raise ShapeError(
+                f"input {i} has size {x.shape[d]} in dim {d} but input 0 has "
+                f"{first.shape[d]}; all dims except the concat axis {axis} must match"
+            )
+    total = sum(x.shape[axis] for x in xs)
+    return TensorType(dtype, first.shape[:axis] + (total,) + first.shape[axis + 1 :])
+
+
+def _concat_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    rank = cot.tensor_type.rank
+    axis = _axis(node.attrs, rank)
+    grads: list[Value | None] = []
+    offset = 0
+    for x in node.operands:
+        size = x.shape[axis]
+        begin = tuple(offset if d == axis else 0 for d in range(rank))
+        end = tuple(offset + size if d == axis else cot.shape[d] for d in range(rank))
+        grads.append(b("StridedSlice", cot, begin=begin, end=end, strides=(1,) * rank))
+        offset += size
+    return grads
+
+
+register(
+    OpDef(
+        "Concat",
+        _concat_infer,
+        numpy=lambda *xs, axis: np.concatenate(xs, axis),
+        jax=lambda *xs, axis: jnp.concatenate(xs, axis),
+        vjp=_concat_vjp,
+        attrs={"axis": 0},
+        num_inputs=(1, 1000),
+        doc="Join the inputs along axis; all other dims must match.",
+    )
+)
+
+# -- Split ----------------------------------------------------------------------------------
+
+
+def _split_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0], "x")
+    axis = _axis(attrs, x.rank)
+    num = _int_attr(attrs, "output_num")
+    if num < 1:
+        raise ShapeError(f"output_num must be >= 1, got {num}")
+    if x.shape[axis] % num:
+        divisors = [k for k in range(1, x.shape[axis] + 1) if x.shape[axis] % k == 0]
+        raise ShapeError(
+            f"dim {axis} of size {x.shape[axis]} cannot be split into {num} equal pieces; "
+            f"output_num must divide it (valid: {', '.join(map(str, divisors))})"
+        )
+    piece = x.with_shape(x.shape[:axis] + (x.shape[axis] // num,) + x.shape[axis + 1 :])
+    return TupleType((piece,) * num)
+
+
+def _split_vjp(b: Builder, node: Node, cots: list[Value]) -> list[Value | None]:
+    return [b("Concat", *cots, axis=node.attrs["axis"])]
+
+
+register(
+    OpDef(
+        "Split",
+        _split_infer,
+        numpy=lambda x, axis, output_num: tuple(np.split(x, output_num, axis)),
+        jax=lambda x, axis, output_num: tuple(jnp.split(x, output_num, axis)),
+        vjp=_split_vjp,
+        attrs={"axis": 0, "output_num": 1},
+        num_inputs=1,
+        doc="output_num equal pieces of x along axis, as a tuple (read with TupleGetItem).",
+    )
+)
+
+# -- MakeTuple / TupleGetItem ---------------------------------------------------------------
+
+
+def _make_tuple_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    return TupleType(tuple(tensor(t, f"element {i}") for i, t in enumerate(types)))
+
+
+def _make_tuple_vjp(b: Builder, node: Node, cots: list[Value]) -> list[Value | None]:
+    return list(cots)
+
+
+register(
+    OpDef(
+        "MakeTuple",
+        _make_tuple_infer,
+        numpy=lambda *xs: tuple(xs),
+        jax=lambda *xs: tuple(xs),
+        vjp=_make_tuple_vjp,
+        num_inputs=(1, 1000),
+        doc="A tuple of the tensor inputs.",
+    )
+)
+
+
+def _tuple_get_item_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    t = types[0]
+    if not isinstance(t, TupleType):
+        raise ShapeError(f"needs a tuple input, got {t}")
+    index = _int_attr(attrs, "index")
+    n = len(t.elements)
+    if not -n <= index < n:
+        raise ShapeError(f"index {index} is out of range for a tuple of {n}; valid: [{-n}, {n})")
+    return t.elements[index]
+
+
+def _tuple_get_item_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    # Must be non-None so autodiff treats the op as differentiable; autodiff routes
+    # TupleGetItem cotangents itself and never calls this.
+    raise AssertionError("TupleGetItem gradients are routed by passes.autodiff")
+
+
+register(
+    OpDef(
+        "TupleGetItem",
+        _tuple_get_item_infer,
+        numpy=lambda t, index: t[index],
+        jax=lambda t, index: t[index],
+        vjp=_tuple_get_item_vjp,
+        attrs={"index": 0},
+        num_inputs=1,
+        doc="Element `index` of a tuple value.",
+    )
+)
+
+# -- Gather / GatherGrad --------------------------------------------------------------------
+
+
+def _check_indices(t: TensorType) -> None:
+    if t.dtype not in (DType.int32, DType.int64):
+        raise ShapeError(f"indices must be Int32 or Int64, got {t.dtype.value}")
+
+
+def _gather_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    params, indices = tensor(types[0], "params"), tensor(types[1], "indices")
+    _check_indices(indices)
+    axis = _axis(attrs, params.rank)
+    return params.with_shape(params.shape[:axis] + indices.shape + params.shape[axis + 1 :])
+
+
+def _gather_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    params, indices = node.operands
+    grad = b("GatherGrad", cot, indices, shape=params.shape, axis=node.attrs["axis"])
+    return [grad, None]
+
+
+register(
+    OpDef(
+        "Gather",
+        _gather_infer,
+        # In-range indices only; negatives wrap. Out of range: numpy raises, JAX fills NaN.
+        numpy=lambda params, indices, axis: np.take(params, indices, axis),
+        jax=lambda params, indices, axis: jnp.take(params, indices, axis),
+        vjp=_gather_vjp,
+        attrs={"axis": 0},
+        num_inputs=2,
+        doc="Slices of params along axis picked by integer indices (jnp.take).",
+    )
+)
+
+
+def _gather_grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    dy, indices = tensor(types[0], "dy"), tensor(types[1], "indices")
+    _check_indices(indices)
+    shape = _int_tuple_attr(attrs, "shape")
+    axis = _axis(attrs, len(shape))
+    expected = shape[:axis] + indices.shape + shape[axis + 1 :]
+    if dy.shape != expected:
+        raise ShapeError(
+            f"dy has shape {dy.shape} but gathering {shape} along axis {axis} with indices "
+            f"{indices.shape} gives {expected}"
+        )
+    return dy.with_shape(shape)
+
+
+def _gather_grad_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    _, indices = node.operands
+    return [b("Gather", cot, indices, axis=node.attrs["axis"]), None]
+
+
+def _gather_index(axis: int, rank: int, indices: Any) -> tuple[Any, ...]:
+    return (slice(None),) * (axis % rank) + (indices,)
+
+
+def _gather_grad_np(dy: Any, indices: Any, shape: Any, axis: Any) -> Any:
+    out = np.zeros(shape, dy.dtype)
+    np.add.at(out, _gather_index(axis, len(shape), indices), dy)
+    return out
+
+
+def _gather_grad_jax(dy: Any, indices: Any, shape: Any, axis: Any) -> Any:
+    return jnp.zeros(shape, dy.dtype).at[_gather_index(axis, len(shape), indices)].add(dy)
+
+
+register(
+    OpDef(
+        "GatherGrad",
+        _gather_grad_infer,
+        numpy=_gather_grad_np,
+        jax=_gather_grad_jax,
+        vjp=_gather_grad_vjp,
+        attrs={"shape": None, "axis": 0},
+        num_inputs=2,
+        doc="Scatter-add dy into zeros of `shape` at the Gather positions (Gather's vjp).",
+    )
+)
+
+# -- OneHot ---------------------------------------------------------------------------------
+
+
+def _onehot_axis(attrs: dict[str, Any], rank: int) -> int:
+    axis = _int_attr(attrs, "axis")
+    if not -rank - 1 <= axis <= rank:
+        raise ShapeError(
+            f"axis {axis} is out of range for a rank-{rank} indices tensor; the depth dim is "
+            f"inserted at an output position in [{-rank - 1}, {rank}] (-1: last)"
+        )
+    return axis % (rank + 1)
+
+
+def _onehot_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    indices = tensor(types[0], "indices")
+    _check_indices(indices)
+    depth = _int_attr(attrs, "depth")
+    if depth < 0:
+        raise ShapeError(f"depth must be >= 0, got {depth}")
+    for name in ("on_value", "off_value"):
+        value = attrs[name]
+        if not isinstance(value, (int, float)):
+            raise ShapeError(f"attribute {name} must be a Python number, got {value!r}")
+    dtype = attrs["dtype"]
+    if not isinstance(dtype, DType):
+        raise ShapeError(f"attribute dtype must be an ir.types.DType, got {dtype!r}")
+    axis = _onehot_axis(attrs, indices.rank)
+    return TensorType(dtype, indices.shape[:axis] + (depth,) + indices.shape[axis:])
+
+
+def _onehot_np(
+    indices: Any, depth: int, on_value: float, off_value: float, axis: int, dtype: DType
+) -> Any:
+    hot = indices[..., None] == np.arange(depth)
+    out = np.where(hot, np.asarray(on_value, dtype.np), np.asarray(off_value, dtype.np))
+    return np.moveaxis(out, -1, axis % (indices.ndim + 1)).astype(dtype.np, copy=False)
+
+
+def _onehot_jax(
+    indices: Any, depth: int, on_value: float, off_value: float, axis: int, dtype: DType
+) -> Any:
+    hot = indices[..., None] == jnp.arange(depth, dtype=indices.dtype)
+    out = jnp.where(hot, jnp.asarray(on_value, dtype.np), jnp.asarray(off_value, dtype.np))
+    return jnp.moveaxis(out, -1, axis % (indices.ndim + 1))
+
+
+register(
+    OpDef(
+        "OneHot",
+        _onehot_infer,
+        numpy=_onehot_np,
+        jax=_onehot_jax,
+        attrs={
+            "depth": 1,
+            "on_value": 1.0,
+            "off_value": 0.0,
+            "axis": -1,
+            "dtype": DType.float32,
+        },
+        num_inputs=1,
+        differentiable=False,
+        doc="on_value where indices == k along a new depth dim at axis, off_value elsewhere "
+        "(out-of-range indices give all off_value).",
+    )
+)
