@@ -1,0 +1,401 @@
+"""`initializer(init, shape, dtype)`: reproducible, lazily evaluated parameter data.
+
+MindSpore's ``initializer("normal", [784, 512], ms.float32)`` returns a tensor whose data is
+generated on first use. Here it returns an `InitializedData`: it knows its shape and dtype at
+once and produces its numpy array on demand (``np.asarray(x)``, ``x.asnumpy()``,
+``x.init_data()``), so compiling a large model never materialises weights it does not need.
+
+Reproducibility: every random initializer call draws a ticket ``(seed, counter)`` at call time
+(the global seed of `set_seed`, default 1, and a counter that `set_seed` resets to 0). The
+values depend only on that ticket, the init, the shape and the dtype - never on when or how
+often they are materialised. Constant inits (zeros, ones, numbers, arrays) take no ticket.
+
+Supported inits: ``"normal"`` (sigma 0.01), ``"zeros"``, ``"ones"``, ``"uniform"`` (scale
+0.07), ``"xavier_uniform"``, ``"he_uniform"``, ``"truncatednormal"`` (sigma 0.01), a number
+(constant fill), a numpy array (its shape must match), or an instance of `Normal`, `Uniform`,
+`XavierUniform`, `HeUniform`, `TruncatedNormal`, `Zero`, `One`, `Constant`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ir.types import DType
+
+__all__ = [
+    "Constant",
+    "HeUniform",
+    "InitializedData",
+    "Initializer",
+    "Normal",
+    "One",
+    "TruncatedNormal",
+    "Uniform",
+    "XavierUniform",
+    "Zero",
+    "get_seed",
+    "initializer",
+    "set_seed",
+]
+
+DEFAULT_SEED = 1
+
+_lock = threading.Lock()
+_seed = DEFAULT_SEED
+_counter = 0
+
+
+def set_seed(seed: int) -> None:
+    """Set the global seed and restart the per-call counter (same seed -> same weights)."""
+    global _seed, _counter
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"set_seed: seed must be an int, got {type(seed).__name__} {seed!r}")
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"set_seed: seed must be in [0, 2**64), got {seed!r}")
+    with _lock:
+        _seed = int(seed)
+        _counter = 0
+
+
+def get_seed() -> int:
+    """The global seed (1 unless `set_seed` was called)."""
+    return _seed
+
+
+def _next_ticket() -> tuple[int, int]:
+    global _counter
+    with _lock:
+        ticket = (_seed, _counter)
+        _counter += 1
+    return ticket
+
+
+def _rng(ticket: tuple[int, int]) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(list(ticket))))
+
+
+def _fans(shape: tuple[int, ...], what: str) -> tuple[int, int]:
+    """(fan_in, fan_out) as MindSpore / PyTorch: weight [out, in, *receptive_field]."""
+    if len(shape) < 2:
+        raise ValueError(
+            f"{what}: fan_in and fan_out cannot be computed for a tensor with fewer than 2 "
+            f"dimensions, got shape {shape}"
+        )
+    receptive = math.prod(shape[2:]) if len(shape) > 2 else 1
+    return shape[1] * receptive, shape[0] * receptive
+
+
+def _check_number(value: Any, what: str, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number, got {type(value).__name__} {value!r}")
+    number = float(value)
+    if positive and not number > 0:
+        raise ValueError(f"{what} must be > 0, got {value!r}")
+    return number
+
+
+class Initializer:
+    """Base class: `sample(shape, rng)` returns float64 (or exact) values of `shape`."""
+
+    random = True
+    """Whether the init draws random numbers (and so takes a (seed, counter) ticket)."""
+
+    def sample(self, shape: tuple[int, ...], rng: np.random.Generator | None) -> np.ndarray:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, tuple(sorted(vars(self).items()))))
+
+
+class Normal(Initializer):
+    """N(mean, sigma^2); MindSpore's default sigma is 0.01."""
+
+    def __init__(self, sigma: float = 0.01, mean: float = 0.0) -> None:
+        self.sigma = _check_number(sigma, "Normal: sigma", positive=True)
+        self.mean = _check_number(mean, "Normal: mean")
+
+    def sample(self, shape: tuple[int, ...], rng: np.random.Generator | None) -> np.ndarray:
+        assert rng is not None
+        return rng.normal(self.mean, self.sigma, size=shape)
+
+
+class Uniform(Initializer):
+    """U(-scale, scale); MindSpore's default scale is 0.07."""
+
+    def __init__(self, scale: float = 0.07) -> None:
+        self.scale = _check_number(scale, "Uniform: scale", positive=True)
+
+    def sample(self, shape: tuple[int, ...], rng: np.random.Generator | None) -> np.ndarray:
+        assert rng is not None
+        return rng.uniform(-self.scale, self.scale, size=shape)
+
+
+class XavierUniform(Initializer):
+    """U(-b, b) with b = gain * sqrt(6 / (fan_in + fan_out)) (Glorot & Bengio)."""
+
+    def __init__(self, gain: float = 1.0) -> None:
+        self.gain = _check_number(gain, "XavierUniform: gain", positive=True)
+
+    def sample(self, shape: tuple[int, ...], rng: np.random.Generator | None) -> np.ndarray:
+        assert rng is not None
+        fan_in, fan_out = _fans(shape, "XavierUniform")
+        bound = self.gain * math.sqrt(6.0 / (fan_in + fan_out))
+        return rng.uniform(-bound, bound, size=shape)
+
+
+class HeUniform(Initializer):
+    """Kaiming uniform: U(-b, b), b = gain * sqrt(3 / fan), gain = sqrt(2 / (1 + slope^2))
+    for leaky_relu (MindSpore's default nonlinearity) or sqrt(2) for relu."""
+
+    def __init__(
+        self, negative_slope: float = 0.0, mode: str = "fan_in", nonlinearity: str = "leaky_relu"
+    ) -> None:
+        self.negative_slope = _check_number(negative_slope, "HeUniform: negative_slope")
+        if mode not in ("fan_in", "fan_out"):
+            raise ValueError(f"HeUniform: mode must be 'fan_in' or 'fan_out', got {mode!r}")
+        if nonlinearity not in ("leaky_relu", "relu"):
+            raise ValueError(
+                f"HeUniform: nonlinearity must be 'leaky_relu' or 'relu', got {nonlinearity!r}"
+            )
+        self.mode = mode
+        self.nonlinearity = nonlinearity
+
+    def sample(self, shape: tuple[int, ...], rng: np.random.Generator | None) -> np.ndarray:
+        assert rng is not None
+        fan_in, fan_out = _fans(shape, "HeUniform")
+        fan = fan_in if self.mode == "fan_in" else fan_out
+        slope = self.negative_slope if self.nonlinearity == "leaky_relu" else 0.0
+        gain = math.sqrt(2.0 / (1.0 + slope**2))
+        bound = gain * math.sqrt(3.0 / fan)
+        return rng.uniform(-bound, bound, size=shape)
+
+
+class TruncatedNormal(Initializer):
+    """N(mean, sigma^2) restricted to [a, b] (MindSpore 2.x: a=-2, b=2 in absolute units)."""
+
+    def __init__(
+        self, sigma: float = 0.01, mean: float = 0.0, a: float = -2.0, b: float = 2.0
+    ) -> None:
+        self.sigma = _check_number(sigma, "TruncatedNormal: sigma", positive=True)
+        self.mean = _check_number(mean, "TruncatedNormal: mean")
+        self.a = _check_number(a, "TruncatedNormal: a")
+        self.b = _check_number(b, "TruncatedNormal: b")
+        if not self.a < self.b:
+            raise ValueError(f"TruncatedNormal: need a < b, got a={a!r}, b={b!r}")
+        mass = _normal_cdf((self.b - self.mean) / self.sigma) - _normal_cdf(
+            (self.a - self.mean) / self.sigma
+        )
+        if mass < 1e-3:
+            raise ValueError(
+                f"TruncatedNormal: [a, b] = [{a}, {b}] holds only {mass:.2e} of N({mean}, "
+                f"{sigma}^2); choose bounds closer to the mean"
+            )
+
+    def sample(self, shape: tuple[int, ...], rng: np.random.Generator | None) -> np.ndarray:
+        assert rng is not None
+        out = rng.normal(self.mean, self.sigma, size=shape)
+        bad = (out < self.a) | (out > self.b)
+        while bad.any():  # rejection: the accepted mass is >= 1e-3, so this ends quickly
+            out[bad] = rng.normal(self.mean, self.sigma, size=int(bad.sum()))
+            bad = (out < self.a) | (out > self.b)
+        return out
+
+
+def _normal_cdf(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+class Constant(Initializer):
+    """Every element equal to `value`."""
+
+    random = False
+
+    def __init__(self, value: Any) -> None:
+        if not isinstance(value, (numbers.Number, np.bool_)) or isinstance(value, complex):
+            raise TypeError(f"Constant: value must be a number, got {type(value).__name__}")
+        self.value = value.item() if isinstance(value, np.generic) else value
+
+    def sample(self, shape: tuple[int, ...], rng: np.random.Generator | None) -> np.ndarray:
+        return np.full(shape, self.value)
+
+
+class Zero(Constant):
+    """All zeros."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
+class One(Constant):
+    """All ones."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+
+
+_NAMED: dict[str, type[Initializer]] = {
+    "normal": Normal,
+    "zeros": Zero,
+    "zero": Zero,
+    "ones": One,
+    "one": One,
+    "uniform": Uniform,
+    "xavier_uniform": XavierUniform,
+    "xavieruniform": XavierUniform,
+    "he_uniform": HeUniform,
+    "heuniform": HeUniform,
+    "truncatednormal": TruncatedNormal,
+    "truncated_normal": TruncatedNormal,
+}
+INIT_NAMES = (
+    "normal",
+    "zeros",
+    "ones",
+    "uniform",
+    "xavier_uniform",
+    "he_uniform",
+    "truncatednormal",
+)
+"""The documented names (aliases: zero, one, xavieruniform, heuniform, truncated_normal)."""
+
+
+class InitializedData:
+    """Parameter data of known shape and dtype, generated on demand and reproducibly.
+
+    ``np.asarray(data)``, ``data.asnumpy()``, ``data.init_data()`` and ``data.to_numpy()`` all
+    return the same values (a fresh array each time)."""
+
+    __slots__ = ("init", "shape", "dtype", "ticket", "_array")
+
+    def __init__(
+        self,
+        init: Initializer | None,
+        shape: tuple[int, ...],
+        dtype: DType,
+        ticket: tuple[int, int] | None,
+        array: np.ndarray | None = None,
+    ) -> None:
+        self.init = init
+        self.shape = shape
+        self.dtype = dtype
+        self.ticket = ticket
+        self._array = array
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def to_numpy(self) -> np.ndarray:
+        """The values, as a new numpy array of `dtype`."""
+        if self._array is not None:
+            return self._array.astype(self.dtype.np, copy=True)
+        assert self.init is not None
+        rng = _rng(self.ticket) if self.ticket is not None else None
+        values = self.init.sample(self.shape, rng)
+        return np.asarray(values).astype(self.dtype.np, copy=False).reshape(self.shape)
+
+    asnumpy = to_numpy
+    init_data = to_numpy
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        arr = self.to_numpy()
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        what = repr(self.init) if self.init is not None else "array"
+        return f"InitializedData({what}, shape={self.shape}, dtype={self.dtype.value})"
+
+
+def _check_shape(shape: Any) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
+        shape = (shape,)
+    if not isinstance(shape, (tuple, list)):
+        raise TypeError(
+            f"initializer: shape must be a list or tuple of ints, got {type(shape).__name__} "
+            f"{shape!r}"
+        )
+    for dim in shape:
+        if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)):
+            raise TypeError(f"initializer: shape must contain only ints, got {shape!r}")
+        if dim <= 0:
+            raise ValueError(f"initializer: every dim of shape must be > 0, got {shape!r}")
+    return tuple(int(d) for d in shape)
+
+
+def initializer(
+    init: Any,
+    shape: int | Sequence[int] | None = None,
+    dtype: Any = DType.float32,
+) -> InitializedData:
+    """Data for a Parameter: `init` (a name, number, array or Initializer) of `shape`, `dtype`.
+
+    Args:
+        init: ``"normal"``, ``"zeros"``, ``"ones"``, ``"uniform"``, ``"xavier_uniform"``,
+            ``"he_uniform"``, ``"truncatednormal"`` (case-insensitive), a number, a numpy array
+            (or anything with ``asnumpy()``), or an `Initializer` instance.
+        shape: the tensor shape; may be omitted for an array init (its own shape is used).
+        dtype: an `ir.types.DType`, its name, or a numpy dtype. Default float32.
+    """
+    dtype = DType.from_any(dtype)
+    if isinstance(init, InitializedData):
+        init = init.to_numpy()
+    elif hasattr(init, "asnumpy") and not isinstance(init, np.ndarray):
+        init = init.asnumpy()
+    if isinstance(init, np.ndarray):
+        if shape is not None and tuple(init.shape) != _check_shape(shape):
+            raise ValueError(
+                f"initializer: the array has shape {tuple(init.shape)} but shape "
+                f"{tuple(shape) if not isinstance(shape, int) else (shape,)} was requested"
+            )
+        array = np.array(init, copy=True)
+        return InitializedData(None, tuple(array.shape), dtype, None, array)
+    if shape is None:
+        raise ValueError(f"initializer: shape is required for init {init!r}")
+    dims = _check_shape(shape)
+    if isinstance(init, str):
+        cls = _NAMED.get(init.lower())
+        if cls is None:
+            raise ValueError(
+                f"initializer: unknown init {init!r}; valid names: {', '.join(INIT_NAMES)}, "
+                "or a number, a numpy array, or an Initializer such as Normal(sigma=0.02)"
+            )
+        init = cls()
+    elif isinstance(init, (numbers.Number, np.bool_)) and not isinstance(init, complex):
+        init = Constant(init)
+    elif isinstance(init, type) and issubclass(init, Initializer):
+        init = init()
+    elif not isinstance(init, Initializer):
+        raise TypeError(
+            f"initializer: init must be a name ({', '.join(INIT_NAMES)}), a number, a numpy "
+            f"array or an Initializer, got {type(init).__name__} {init!r}"
+        )
+    if isinstance(init, (XavierUniform, HeUniform)):
+        _fans(dims, type(init).__name__)  # fail now, not on first use
+    ticket = _next_ticket() if init.random else None
+    return InitializedData(init, dims, dtype, ticket)
