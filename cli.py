@@ -144,7 +144,10 @@ def _check_backends(program: Any) -> None:
     for i, (a, b) in enumerate(zip(results["numpy"], results["jax"])):
         scale = max(float(np.max(np.abs(a))) if a.size else 0.0, 1e-6)
         err = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0
-        if err > 1e-4 * scale + 1e-6:
+        # The loss must agree to float32 precision; updated parameters pass through optimizers
+        # (Adam divides by sqrt(v)) that magnify last-bit differences of tiny gradients.
+        tol = 1e-5 if i == 0 else 1e-3
+        if err > tol * scale + 1e-6:
             raise AssertionError(
                 f"numpy and JAX backends disagree on output {program.output_names[i]}: max abs "
                 f"difference {err:.3g} (scale {scale:.3g})"

@@ -32,9 +32,12 @@ from compiler.trace_model import TracedModel, trace_model
 from ir.core import Graph, Value
 from ir.errors import PcompileError
 from ir.printer import print_graph
+from ir.registry import get_op
 from ir.verifier import verify
 from passes.autodiff import append_gradients
 from passes.optimizer import append_optimizer
+from passes.step_parallel import SplitOptions, build_rank_graphs, slice_array
+from passes.step_parallel_begin import ParallelAssignment, assign
 
 
 @dataclass
@@ -49,8 +52,17 @@ class CompileState:
     graph: Graph | None = None
     rank_graphs: list[Graph] = field(default_factory=list)
     initial_values: dict[str, np.ndarray] = field(default_factory=dict)
+    rank_values: list[dict[str, np.ndarray]] = field(default_factory=list)
     optimizer: Optimizer | None = None
     plan: dict[str, Any] = field(default_factory=dict)
+    assignment: ParallelAssignment | None = None
+    output_layouts: list[Any] = field(default_factory=list)
+    split: bool = False  # True once every rank has its own graph
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def parallel(self) -> bool:
+        return self.parallel_mode != "stand_alone"
 
     @property
     def training(self) -> bool:
@@ -74,6 +86,10 @@ class TracePass:
         state.graph = traced.graph
         for name, param in traced.parameters.items():
             state.initial_values[name] = np.array(param.asnumpy(), copy=True)
+        if not state.parallel:
+            state.rank_graphs = [traced.graph]
+            state.rank_values = [state.initial_values]
+            state.split = True
 
 
 class AutodiffPass:
@@ -82,15 +98,14 @@ class AutodiffPass:
     name = "autodiff"
 
     def apply(self, state: CompileState) -> None:
-        graph = state.graph
-        assert graph is not None
-        loss = graph.outputs[0]
-        wrt = [p for p in graph.weights if p.requires_grad]
-        if not wrt:
-            raise PcompileError("the network has no trainable parameters to train")
-        grads = append_gradients(graph, loss, wrt)
-        graph.outputs = [loss, *grads]
-        graph.attrs["outputs"] = ("loss", *(f"grad.{p.name}" for p in wrt))
+        for graph in state.rank_graphs:
+            loss = graph.outputs[0]
+            wrt = [p for p in graph.weights if p.requires_grad]
+            if not wrt:
+                raise PcompileError("the network has no trainable parameters to train")
+            grads = append_gradients(graph, loss, wrt)
+            graph.outputs = [loss, *grads]
+            graph.attrs["outputs"] = ("loss", *(f"grad.{p.name}" for p in wrt))
 
 
 class OptimizerPass:
@@ -99,11 +114,8 @@ class OptimizerPass:
     name = "optimizer"
 
     def apply(self, state: CompileState) -> None:
-        graph, traced, mf = state.graph, state.traced, state.model_file
-        assert graph is not None and traced is not None
-        names = graph.attrs["outputs"]
-        loss: Value = graph.outputs[0]
-        grads = {n[len("grad."):]: v for n, v in zip(names[1:], graph.outputs[1:])}
+        traced, mf = state.traced, state.model_file
+        assert traced is not None
         if mf.optimizer is None:
             raise PcompileError(
                 f"model file {mf.path} defines loss() but no optimizer(params); training needs "
@@ -116,7 +128,70 @@ class OptimizerPass:
                 f"nn.Momentum, nn.Adam, ...), got {type(opt).__name__}"
             )
         state.optimizer = opt
-        state.initial_values.update(append_optimizer(graph, opt, traced.parameters, grads, loss))
+        for rank, graph in enumerate(state.rank_graphs):
+            names = graph.attrs["outputs"]
+            loss: Value = graph.outputs[0]
+            grads = {n[len("grad."):]: v for n, v in zip(names[1:], graph.outputs[1:])}
+            slicer = _state_slicer(state, rank) if state.parallel else None
+            init = append_optimizer(graph, opt, traced.parameters, grads, loss, slicer)
+            state.rank_values[rank].update(init)
+            if not state.parallel:
+                state.initial_values.update(init)
+
+
+def _state_slicer(state: CompileState, rank: int) -> Any:
+    assert state.assignment is not None
+    layouts = state.assignment.param_layouts
+
+    def cut(name: str, owner: str, value: np.ndarray) -> np.ndarray:
+        state.initial_values.setdefault(name, np.array(value, copy=True))
+        if not owner:
+            return value
+        layouts.setdefault(name, layouts[owner])
+        return slice_array(value, layouts[owner], rank)
+
+    return cut
+
+
+class StepParallelBeginPass:
+    """Strategies (user, searched, default) and layouts for every forward op."""
+
+    name = "step_parallel_begin"
+
+    def apply(self, state: CompileState) -> None:
+        assert state.graph is not None
+        opts = state.options
+        state.assignment = assign(state.graph, state.devices, opts.get("dataset_strategy"))
+
+
+class StepParallelEndPass:
+    """One local forward graph per rank: slices, redistributions, forward communication,
+    mirrors (split_ranks)."""
+
+    name = "step_parallel_end"
+
+    def apply(self, state: CompileState) -> None:
+        assert state.graph is not None and state.assignment is not None
+        traced = state.traced
+        assert traced is not None
+        opts = state.options
+        options = SplitOptions(
+            devices=state.devices,
+            training=state.training,
+            gradients_mean=bool(opts.get("gradients_mean", False)),
+            loss_repeated_mean=bool(opts.get("loss_repeated_mean", True)),
+            enable_alltoall=bool(opts.get("enable_alltoall", False)),
+        )
+        fusion = {name: p.comm_fusion for name, p in traced.parameters.items()}
+        graphs, layouts = build_rank_graphs(state.graph, state.assignment, options, fusion)
+        state.rank_graphs = graphs
+        state.output_layouts = layouts
+        state.rank_values = [
+            {name: slice_array(value, state.assignment.param_layouts[name], rank)
+             for name, value in state.initial_values.items()}
+            for rank in range(state.devices)
+        ]
+        state.split = True
 
 
 class ExecutePass:
@@ -125,8 +200,7 @@ class ExecutePass:
     name = "execute"
 
     def apply(self, state: CompileState) -> None:
-        assert state.graph is not None
-        state.rank_graphs = [state.graph]
+        assert state.rank_graphs, "execute needs the per-rank graphs"
 
 
 @dataclass
@@ -161,31 +235,38 @@ class CompiledProgram:
 
     @property
     def output_names(self) -> list[str]:
-        names = self.graph.attrs.get("outputs")
+        names = self.rank_graphs[0].attrs.get("outputs") if self.rank_graphs else None
         if names:
             return list(names)
-        return [f"output{i}" for i in range(len(self.graph.outputs))]
+        return [f"output{i}" for i in range(len(self.rank_graphs[0].outputs))]
 
 
 def pipeline(state: CompileState) -> list[Pass]:
     passes: list[Pass] = [TracePass()]
+    if state.parallel:
+        passes += [StepParallelBeginPass(), StepParallelEndPass()]
     if state.training:
         passes += [AutodiffPass(), OptimizerPass()]
     passes.append(ExecutePass())
     return passes
 
 
-def _check_mode(devices: int, parallel_mode: str) -> None:
+IMPLEMENTED_MODES = ("stand_alone", "semi_auto_parallel")
+
+
+def _check_mode(devices: int, parallel_mode: str, search_mode: str) -> None:
     if parallel_mode == "stand_alone" and devices > 1:
         raise PcompileError(
             f"parallel_mode 'stand_alone' runs on one device, but {devices} devices were asked "
             "for; choose a parallel mode (--parallel-mode or --search) or --devices 1"
         )
-    if parallel_mode != "stand_alone" and devices > 1:
+    if parallel_mode not in IMPLEMENTED_MODES:
+        what = f"{parallel_mode!r}" + (f" with search {search_mode!r}"
+                                       if parallel_mode == "auto_parallel" else "")
         raise PcompileError(
-            f"parallel_mode {parallel_mode!r} on {devices} devices is not implemented yet in "
-            "this version of pcompile: only stand-alone (one device) compilation is available. "
-            "Use --devices 1 (or --parallel-mode stand_alone)"
+            f"parallel_mode {what} on {devices} devices is not implemented yet in this version "
+            f"of pcompile; available: {', '.join(IMPLEMENTED_MODES)} "
+            "(e.g. --parallel-mode semi_auto_parallel)"
         )
 
 
@@ -217,8 +298,14 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
         mode = str(ctx.parallel_mode)
         if devices == 1 and mode != "stand_alone":
             mode = "stand_alone"  # one device: every mode is stand-alone
-        _check_mode(devices, mode)
+        _check_mode(devices, mode, str(ctx.search_mode))
         state = CompileState(mf, devices, mode, str(ctx.search_mode))
+        state.options = {
+            "dataset_strategy": ctx.dataset_strategy,
+            "gradients_mean": ctx.gradients_mean,
+            "loss_repeated_mean": ctx.loss_repeated_mean,
+            "enable_alltoall": ctx.enable_alltoall,
+        }
         if out_dir is None:
             out_dir = str(get_context("save_graphs_path") or "") or "./saved_graph"
         return _run_pipeline(state, out_dir if dump else None)
@@ -232,7 +319,7 @@ def _run_pipeline(state: CompileState, out_dir: str | None) -> CompiledProgram:
         start = time.perf_counter()
         try:
             p.apply(state)
-            graphs = state.rank_graphs if p.name == "execute" else [state.graph]
+            graphs = state.rank_graphs if state.split else [state.graph]
             for g in graphs:
                 assert g is not None
                 verify(g)
@@ -243,8 +330,7 @@ def _run_pipeline(state: CompileState, out_dir: str | None) -> CompiledProgram:
             raise type(exc)(f"{exc}\n(in pass '{p.name}', after: {done})") from exc
         timings.append((p.name, time.perf_counter() - start))
         if out_dir is not None:
-            texts = [print_graph(g) for g in (state.rank_graphs if p.name == "execute" else
-                                              [state.graph])]  # type: ignore[list-item]
+            texts = [print_graph(g) for g in graphs]  # type: ignore[arg-type]
             dumps.append((f"{index:02d}_{p.name}.ir", texts))
     if out_dir is not None:
         _write_outputs(out_dir, state, dumps)
@@ -254,24 +340,37 @@ def _run_pipeline(state: CompileState, out_dir: str | None) -> CompiledProgram:
 def _plan(state: CompileState) -> dict[str, Any]:
     graph = state.graph
     assert graph is not None
+    assignment = state.assignment
     ops = {}
     for node in graph.nodes:
         entry: dict[str, Any] = {"op": node.op, "instance_name": node.instance_name}
-        if node.parallel is not None:
-            entry["in_strategy"] = node.parallel.in_strategy
+        sharding = assignment.sharding(node) if assignment else None
+        if sharding is not None:
+            entry["in_strategy"] = [list(s) for s in sharding.strategy]
+            entry["dev_matrix"] = list(sharding.dev_matrix)
         ops[node.fullname] = entry
-    params = {
-        p.name: {
+    params = {}
+    for p in graph.params:
+        layout = assignment.param_layouts[p.name] if assignment else None
+        params[p.name] = {
             "kind": p.kind,
             "shape": list(p.shape),
             "dtype": p.dtype.value,
-            "dev_matrix": [1],
-            "tensor_map": [-1] * len(p.shape),
-            "slice_shape": list(p.shape),
+            "dev_matrix": list(layout.dev_matrix) if layout else [1],
+            "tensor_map": [list(e) if isinstance(e, tuple) else e for e in layout.tensor_map]
+            if layout else [-1] * len(p.shape),
+            "slice_shape": list(layout.slice_shape) if layout else list(p.shape),
         }
-        for p in graph.params
-        if p.kind != "input"
-    }
+    collectives: dict[str, list[dict[str, Any]]] = {}
+    for rank, g in enumerate(state.rank_graphs):
+        rows = []
+        for node in g.nodes:
+            if get_op(node.op).collective or node.op == "_MirrorOperator":
+                ranks = list(node.attrs.get("rank_list", ()))
+                in_bytes = sum(v.tensor_type.nbytes for v in node.operands)
+                rows.append({"node": node.fullname, "op": node.op, "rank_list": ranks,
+                             "bytes": in_bytes})
+        collectives[str(rank)] = rows
     plan = {
         "devices": state.devices,
         "parallel_mode": state.parallel_mode,
@@ -279,10 +378,11 @@ def _plan(state: CompileState) -> dict[str, Any]:
         "training": state.training,
         "inputs": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype.value}
                    for p in graph.inputs],
-        "outputs": list(graph.attrs.get("outputs", ())),
+        "outputs": list(state.rank_graphs[0].attrs.get("outputs", ())) if state.rank_graphs
+        else [],
         "ops": ops,
         "parameters": params,
-        "collectives": {str(r): [] for r in range(len(state.rank_graphs))},
+        "collectives": collectives,
     }
     plan.update(state.plan)
     return plan
@@ -300,7 +400,7 @@ def _write_outputs(out_dir: str, state: CompileState, dumps: Sequence[tuple[str,
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".pcompile-", dir=parent)
     try:
-        ranks = max(1, len(state.rank_graphs))
+        ranks = max(1, state.devices)
         for r in range(ranks):
             os.makedirs(os.path.join(tmp, f"rank_{r}"))
         for filename, texts in dumps:

@@ -106,3 +106,53 @@ class StandAloneRunner:
 
 def format_loss_line(epoch: int, step: int, loss: float) -> str:
     return f"epoch: {epoch} step: {step}, loss is {loss!r}"
+
+
+class ParallelRunner:
+    """Runs every rank's graph in one process on the numpy simulator and carries each rank's
+    parameters and optimizer state across steps."""
+
+    def __init__(self, program: CompiledProgram) -> None:
+        self.program = program
+        state = program.state
+        assert state.assignment is not None, "not a parallel program"
+        self.layouts = state.assignment.param_layouts
+        self.graphs = program.rank_graphs
+        self.values = [{k: np.array(v, copy=True) for k, v in vals.items()}
+                       for vals in state.rank_values]
+
+    def feeds(self, rank: int, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        from passes.step_parallel import slice_array
+
+        graph = self.graphs[rank]
+        inputs = graph.inputs
+        out = [slice_array(a, self.layouts[p.name], rank) for p, a in zip(inputs, arrays)]
+        return out + [self.values[rank][p.name] for p in graph.params[len(inputs):]]
+
+    def run(self, arrays: list[np.ndarray]) -> list[list[np.ndarray]]:
+        from backends.numpy.simulate import run_ranks
+
+        feeds = [self.feeds(r, arrays) for r in range(len(self.graphs))]
+        return [[np.asarray(o) for o in outs] for outs in run_ranks(self.graphs, feeds)]
+
+    def step(self, arrays: list[np.ndarray]) -> float:
+        outs = self.run(arrays)
+        names = self.program.output_names
+        for rank, rank_outs in enumerate(outs):
+            for name, value in zip(names[1:], rank_outs[1:]):
+                self.values[rank][name] = value
+        losses = [float(o[0]) for o in outs]
+        if max(losses) - min(losses) > 1e-5 * max(1.0, abs(losses[0])):
+            raise AssertionError(f"ranks disagree on the loss: {losses}")
+        return losses[0]
+
+    def global_value(self, name: str) -> np.ndarray:
+        """Reassemble a parameter (or optimizer state) from the ranks' slices."""
+        layout = self.layouts.get(name)
+        first = self.values[0][name]
+        if layout is None or not first.shape:
+            return first
+        full = np.zeros(layout.shape, first.dtype)
+        for rank, vals in enumerate(self.values):
+            full[tuple(slice(b, e) for b, e in layout.slice_bounds(rank))] = vals[name]
+        return full

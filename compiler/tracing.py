@@ -32,6 +32,14 @@ _PACKAGE_DIRS = tuple(
         os.path.join(os.path.dirname(__file__), "..", "backends", "x"),
     )
 )
+# Frames of these files call into user code; walking past them would leave the model.
+_ENTRY_FILES = {
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+    for name in ("trace_model.py", "driver.py")
+} | {
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "passes", name)
+    for name in ("optimizer.py", "step_parallel.py", "autodiff.py")
+}
 _ASSIGN = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:,[^=]*)?=[^=]")
 
 
@@ -46,6 +54,8 @@ def user_source() -> SourceLoc | None:
     frame = sys._getframe(1)
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
+        if filename in _ENTRY_FILES:
+            return None  # reached the compiler's own call of the model: no user line
         if not filename.startswith(_PACKAGE_DIRS) and "importlib" not in filename:
             text = _line_text(frame.f_code.co_filename, frame.f_lineno)
             return SourceLoc(_display_path(filename), frame.f_lineno, text)

@@ -35,7 +35,7 @@ class Builder:
         self.instance_name = instance_name
         self.created: list[Node] = []
 
-    def __call__(self, op: str, *operands: Any, name_hint: str = "", **attrs: Any) -> Value:
+    def __call__(self, op: str, /, *operands: Any, name_hint: str = "", **attrs: Any) -> Value:
         """`b("Mul", x, 2.0)`: emit `op` on `operands`; Python numbers become scalar constants
         of the first tensor operand's dtype."""
         dtype = next(

@@ -8,6 +8,8 @@ results back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from compiler.nn.optim_base import Optimizer
@@ -24,8 +26,12 @@ def append_optimizer(
     params: dict[str, Parameter],
     grads: dict[str, Value],
     loss: Value,
+    slice_state: Callable[[str, str, np.ndarray], np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Trace `optimizer` into `graph`; returns the initial values of the new state tensors."""
+    """Trace `optimizer` into `graph`; returns the initial values of the new state tensors.
+
+    In a rank's local graph, `slice_state(state_name, param_name, global_value)` cuts a
+    per-parameter state to the parameter's slice (global state has param_name "")."""
     known = {id(p) for p in params.values()}
     for p in optimizer.parameters:
         if id(p) not in known:
@@ -40,8 +46,10 @@ def append_optimizer(
     scope = f"Default/optimizer-{type(optimizer).__name__}"
     with tracing(graph) as tracer, tracer.absolute_scope(scope):
 
-        def state_param(name: str, value: np.ndarray) -> Tensor:
+        def state_param(name: str, value: np.ndarray, owner: str = "") -> Tensor:
             arr = np.asarray(value)
+            if slice_state is not None:
+                arr = slice_state(name, owner, arr)
             tensor_type = TensorType(DType.from_any(arr.dtype), tuple(arr.shape))
             gp = graph.add_param(GraphParam(tensor_type, name, "state"))
             init[name] = arr
@@ -56,7 +64,7 @@ def append_optimizer(
             if p.name not in grads:
                 raise PcompileError(f"no gradient for parameter {p.name!r}")
             state = {
-                prefix: state_param(f"{prefix}.{p.name}", optimizer.init_state(prefix, p))
+                prefix: state_param(f"{prefix}.{p.name}", optimizer.init_state(prefix, p), p.name)
                 for prefix in optimizer.state_prefixes
             }
             weight = Tensor(_value=graph.param(p.name))

@@ -56,10 +56,10 @@ def test_dumps_are_byte_identical(tmp_path) -> None:
 
 def test_quickstart_training_lowers_the_loss(tmp_path) -> None:
     code, output = run_cli([os.path.join(ROOT, "examples", "quickstart.py"), "--devices", "1",
-                            "--out", str(tmp_path / "o"), "--run", "--steps", "12"])
+                            "--out", str(tmp_path / "o"), "--run", "--steps", "40"])
     assert code == 0, output
     log = (tmp_path / "o" / "rank_0" / "train.log").read_text().splitlines()
-    assert len(log) == 12
+    assert len(log) == 40
     assert log[0].startswith("epoch: 1 step: 1, loss is ")
     assert log[4].startswith("epoch: 2 step: 1, loss is ")
     losses = [float(line.rsplit(" ", 1)[1]) for line in log]

@@ -1,1 +1,347 @@
-"""(filled in below)"""
+"""Communication primitives (MindSpore names and attrs) and the virtual ops whose vjps are
+collectives.
+
+Collectives (`collective=True`: AllReduce, AllGather, ReduceScatter, AlltoAll, Broadcast) have
+no numpy/JAX callables; backends run them with their own runtime, over the ranks in the node's
+`rank_list` (a world of one runs them as the identity). Every collective has the attrs `group`
+(the group name, "" when not named yet), `rank_list` (the member ranks; its length is the group
+size used by shape inference) and `fusion` (0 = never fused).
+
+The vjps follow MindSpore's `grad_comm_ops.py` (see parallel-semantics.md section 3.3):
+AllReduce(sum) -> AllReduce(sum); AllGather -> ReduceScatter(sum) (times 1/n if `mean_flag`);
+ReduceScatter(sum) -> AllGather; AlltoAll -> AlltoAll with split/concat dims swapped;
+_MirrorOperator (forward identity) -> AllReduce(sum) (times 1/dev_num if `mean_flag`);
+_VirtualDiv (forward identity) -> cotangent / divisor. Backward collectives copy `group`,
+`rank_list` and `fusion` from the forward node.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ir.builder import Builder
+from ir.core import Node, Value
+from ir.errors import PcompileError, ShapeError
+from ir.ops._util import normalize_axis, tensor
+from ir.registry import OpDef, register
+from ir.types import ValueType
+
+_COMM_DEFAULTS: dict[str, Any] = {"group": "", "rank_list": (0,), "fusion": 0}
+_REDUCE_OPS = ("sum", "max", "min", "prod")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _group_size(attrs: dict[str, Any]) -> int:
+    """Validate `group`, `rank_list` and `fusion`; return the group size len(rank_list)."""
+    group, ranks, fusion = attrs["group"], attrs["rank_list"], attrs["fusion"]
+    if not isinstance(group, str):
+        raise ShapeError(f"group must be a str, got {group!r}")
+    if not isinstance(ranks, tuple) or not ranks or not all(_is_int(r) and r >= 0 for r in ranks):
+        raise ShapeError(f"rank_list must be a non-empty tuple of non-negative ints, got {ranks!r}")
+    if len(set(ranks)) != len(ranks):
+        raise ShapeError(f"rank_list {ranks} names a rank twice")
+    if not _is_int(fusion) or fusion < 0:
+        raise ShapeError(f"fusion must be a non-negative int, got {fusion!r}")
+    return len(ranks)
+
+
+def _reduce_op(attrs: dict[str, Any], allowed: tuple[str, ...] = _REDUCE_OPS) -> str:
+    op = attrs["op"]
+    if op not in allowed:
+        raise ShapeError(f"op must be one of {', '.join(allowed)}, got {op!r}")
+    return str(op)
+
+
+def _comm_attrs(node: Node) -> dict[str, Any]:
+    """The group attrs a backward collective copies from its forward node."""
+    return {k: node.attrs[k] for k in _COMM_DEFAULTS}
+
+
+def _sum_collective(b: Builder, op: str, cot: Value, node: Node) -> Value:
+    """`op`(op="sum") of `cot` over `node`'s group. (`b.emit`, since `b(...)` reserves the
+    keyword `op` for the op name.)"""
+    return b.emit(op, [cot], {"op": "sum", **_comm_attrs(node)})
+
+
+def _flag(attrs: dict[str, Any], name: str) -> bool:
+    value = attrs[name]
+    if not isinstance(value, bool):
+        raise ShapeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+# -- AllReduce ------------------------------------------------------------------------------
+
+
+def _all_reduce_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0], "x")
+    _group_size(attrs)
+    _reduce_op(attrs)
+    return x
+
+
+def _all_reduce_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    op = node.attrs["op"]
+    grad = _sum_collective(b, "AllReduce", cot, node)
+    if op == "sum":
+        return [grad]
+    if op in ("max", "min"):
+        # MindSpore: the summed cotangent flows to every rank whose input equals the result
+        # (all tied ranks get it).
+        (x,) = node.operands
+        mask = b("Cast", b("Equal", x, node.result), dst_type=cot.dtype)
+        return [b("Mul", grad, mask)]
+    raise PcompileError(f"{node.where()}: AllReduce(op={op!r}) has no gradient rule")
+
+
+register(
+    OpDef(
+        "AllReduce",
+        _all_reduce_infer,
+        vjp=_all_reduce_vjp,
+        attrs={"op": "sum", **_COMM_DEFAULTS},
+        num_inputs=1,
+        collective=True,
+        doc=(
+            "Element-wise reduction (op sum|max|min|prod) over the ranks of the group. vjp: "
+            "AllReduce(sum) of the cotangent; for max/min masked by x == result; prod has none."
+        ),
+    )
+)
+
+# -- AllGather ------------------------------------------------------------------------------
+
+
+def _all_gather_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0], "x")
+    n = _group_size(attrs)
+    _flag(attrs, "mean_flag")
+    if x.rank == 0:
+        raise ShapeError("x must have rank >= 1 (it is gathered along dim 0), got a scalar")
+    return x.with_shape((x.shape[0] * n,) + x.shape[1:])
+
+
+def _all_gather_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    grad = _sum_collective(b, "ReduceScatter", cot, node)
+    if node.attrs["mean_flag"]:
+        grad = b("Mul", grad, 1.0 / len(node.attrs["rank_list"]))
+    return [grad]
+
+
+register(
+    OpDef(
+        "AllGather",
+        _all_gather_infer,
+        vjp=_all_gather_vjp,
+        attrs={**_COMM_DEFAULTS, "mean_flag": False},
+        num_inputs=1,
+        collective=True,
+        doc=(
+            "Concatenates the ranks' x along dim 0 in rank_list order (dim 0 grows n times). "
+            "vjp: ReduceScatter(sum), times 1/n if mean_flag."
+        ),
+    )
+)
+
+# -- ReduceScatter --------------------------------------------------------------------------
+
+
+def _reduce_scatter_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0], "x")
+    n = _group_size(attrs)
+    _reduce_op(attrs)
+    if x.rank == 0:
+        raise ShapeError("x must have rank >= 1 (it is scattered along dim 0), got a scalar")
+    if x.shape[0] % n:
+        raise ShapeError(
+            f"dim 0 of x ({x.shape[0]}) must be divisible by the group size {n} "
+            f"(rank_list {attrs['rank_list']})"
+        )
+    return x.with_shape((x.shape[0] // n,) + x.shape[1:])
+
+
+def _reduce_scatter_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    op = node.attrs["op"]
+    if op != "sum":
+        raise PcompileError(f"{node.where()}: ReduceScatter(op={op!r}) has no gradient rule")
+    return [b("AllGather", cot, **_comm_attrs(node))]
+
+
+register(
+    OpDef(
+        "ReduceScatter",
+        _reduce_scatter_infer,
+        vjp=_reduce_scatter_vjp,
+        attrs={"op": "sum", **_COMM_DEFAULTS},
+        num_inputs=1,
+        collective=True,
+        doc=(
+            "Reduces x over the group and gives rank i the i-th of n blocks along dim 0. "
+            "vjp (op sum only): AllGather."
+        ),
+    )
+)
+
+# -- AlltoAll -------------------------------------------------------------------------------
+
+
+def _all_to_all_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0], "x")
+    n = _group_size(attrs)
+    k, split, concat = attrs["split_count"], attrs["split_dim"], attrs["concat_dim"]
+    if not all(_is_int(v) for v in (k, split, concat)):
+        raise ShapeError(
+            f"split_count, split_dim and concat_dim must be ints, got {k!r}, {split!r}, {concat!r}"
+        )
+    if k != n:
+        raise ShapeError(
+            f"split_count {k} must equal the group size {n} (rank_list {attrs['rank_list']})"
+        )
+    if x.rank == 0:
+        raise ShapeError("x must have rank >= 1, got a scalar")
+    split = normalize_axis(split, x.rank, "split_dim")
+    concat = normalize_axis(concat, x.rank, "concat_dim")
+    if x.shape[split] % k:
+        raise ShapeError(
+            f"dim {split} of x ({x.shape[split]}) must be divisible by split_count {k}"
+        )
+    shape = list(x.shape)
+    shape[split] //= k
+    shape[concat] *= k
+    return x.with_shape(tuple(shape))
+
+
+def _all_to_all_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    a = node.attrs
+    return [
+        b(
+            "AlltoAll",
+            cot,
+            split_count=a["split_count"],
+            split_dim=a["concat_dim"],
+            concat_dim=a["split_dim"],
+            **_comm_attrs(node),
+        )
+    ]
+
+
+register(
+    OpDef(
+        "AlltoAll",
+        _all_to_all_infer,
+        vjp=_all_to_all_vjp,
+        attrs={"split_count": 1, "split_dim": 0, "concat_dim": 0, **_COMM_DEFAULTS},
+        num_inputs=1,
+        collective=True,
+        doc=(
+            "Splits x into split_count blocks along split_dim, sends block i to the i-th rank "
+            "and concatenates the received blocks along concat_dim. split_count must equal "
+            "len(rank_list). vjp: AlltoAll with split_dim and concat_dim swapped."
+        ),
+    )
+)
+
+# -- Broadcast ------------------------------------------------------------------------------
+
+
+def _broadcast_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0], "x")
+    _group_size(attrs)
+    root = attrs["root_rank"]
+    if not _is_int(root) or root < 0:
+        raise ShapeError(f"root_rank must be a non-negative int, got {root!r}")
+    return x
+
+
+register(
+    OpDef(
+        "Broadcast",
+        _broadcast_infer,
+        vjp=None,
+        attrs={"root_rank": 0, **_COMM_DEFAULTS},
+        num_inputs=1,
+        collective=True,
+        doc=(
+            "Every rank receives the root_rank's x. Not differentiable here: the correct "
+            "gradient (sum of the cotangents onto the root, zero elsewhere) needs a rank-"
+            "dependent op; MindSpore's own bprop passes the cotangent through unchanged."
+        ),
+    )
+)
+
+# -- _MirrorOperator ------------------------------------------------------------------------
+
+
+def _mirror_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0], "x")
+    _group_size(attrs)
+    _flag(attrs, "mean_flag")
+    dev_num = attrs["dev_num"]
+    if not _is_int(dev_num) or dev_num < 1:
+        raise ShapeError(f"dev_num must be a positive int, got {dev_num!r}")
+    if not isinstance(attrs["parameter"], str):
+        raise ShapeError(f"parameter must be a str, got {attrs['parameter']!r}")
+    return x
+
+
+def _mirror_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    grad = _sum_collective(b, "AllReduce", cot, node)
+    if node.attrs["mean_flag"]:
+        grad = b("Mul", grad, 1.0 / node.attrs["dev_num"])
+    return [grad]
+
+
+def _identity_np(x: Any, **_: Any) -> Any:
+    return x.copy()
+
+
+def _identity_jax(x: Any, **_: Any) -> Any:
+    return x
+
+
+register(
+    OpDef(
+        "_MirrorOperator",
+        _mirror_infer,
+        numpy=_identity_np,
+        jax=_identity_jax,
+        vjp=_mirror_vjp,
+        attrs={**_COMM_DEFAULTS, "dev_num": 1, "mean_flag": False, "parameter": ""},
+        num_inputs=1,
+        doc=(
+            "Forward identity placed after a parameter; vjp: AllReduce(sum) of the gradient "
+            "over the parameter's mirror group, times 1/dev_num if mean_flag."
+        ),
+    )
+)
+
+# -- _VirtualDiv ----------------------------------------------------------------------------
+
+
+def _virtual_div_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0], "x")
+    divisor = attrs["divisor"]
+    if not _is_int(divisor) or divisor < 1:
+        raise ShapeError(f"divisor must be a positive int, got {divisor!r}")
+    return x
+
+
+def _virtual_div_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    return [b("RealDiv", cot, float(node.attrs["divisor"]))]
+
+
+register(
+    OpDef(
+        "_VirtualDiv",
+        _virtual_div_infer,
+        numpy=_identity_np,
+        jax=_identity_jax,
+        vjp=_virtual_div_vjp,
+        attrs={"divisor": 1},
+        num_inputs=1,
+        doc="Forward identity on the loss; vjp: cotangent / divisor (the loss repeat count).",
+    )
+)

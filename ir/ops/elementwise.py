@@ -1,16 +1,99 @@
-"""Element-wise primitives (numpy broadcasting) and the small ops their vjps need."""
+"""Element-wise primitives (numpy broadcasting) and the small ops their vjps need.
+
+Binary: Add, Sub, Mul, RealDiv, Maximum, Minimum, Pow. Unary: ReLU, Neg, Exp, Log, Sqrt, Rsqrt,
+Square, Tanh, Sigmoid, GeLU. Others: BiasAdd, Cast, Select. Comparisons (Greater, GreaterEqual,
+Less, Equal, LogicalNot) and gradient helpers (ReluGrad, SqrtGrad, RsqrtGrad, TanhGrad,
+SigmoidGrad, GeLUGrad) stop gradients (`differentiable=False`).
+
+Gradient-helper operand order follows MindSpore: `SqrtGrad(y, dy)`, `RsqrtGrad(y, dy)`,
+`TanhGrad(y, dy)`, `SigmoidGrad(y, dy)` take the forward output first; `ReluGrad(dy, y)` and
+`GeLUGrad(dy, x)` take the incoming gradient first.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from ir.builder import Builder
-from ir.core import Node, Value
-from ir.ops._util import infer_binary, infer_unary, unbroadcast
+from ir.core import Constant, Node, Value
+from ir.errors import ShapeError
+from ir.ops._util import (
+    broadcast_shapes,
+    infer_binary,
+    infer_compare,
+    infer_unary,
+    infer_unary_float,
+    same_dtype,
+    tensor,
+    unbroadcast,
+)
 from ir.registry import OpDef, register
+from ir.types import DType, TensorType, ValueType
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_COEF = 0.044715
+
+# -- shared helpers ---------------------------------------------------------------------------
+
+
+def _infer_binary_numeric(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    out = tensor(infer_binary(types, attrs))
+    if out.dtype is DType.bool_:
+        raise ShapeError("needs numeric operands, got Bool")
+    return out
+
+
+def _infer_binary_float(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    out = tensor(infer_binary(types, attrs))
+    if not out.dtype.is_float:
+        raise ShapeError(f"needs floating-point operands, got {out.dtype.value}")
+    return out
+
+
+def _infer_unary_numeric(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    t = tensor(types[0])
+    if t.dtype is DType.bool_:
+        raise ShapeError("needs a numeric input, got Bool")
+    return t
+
+
+def _scalar(value: float, dtype: DType) -> Constant:
+    """A scalar constant of `dtype` (needed where the first operand is a bool condition, so
+    the builder would otherwise make a bool constant)."""
+    return Constant(np.asarray(value), dtype)
+
+
+def _binary_cotangents(
+    b: Builder, node: Node, dx: Value | None, dy: Value | None
+) -> list[Value | None]:
+    """Sum full-shape cotangents back down to each operand's shape."""
+    x, y = node.operands
+    return [
+        None if dx is None else unbroadcast(b, dx, x.shape),
+        None if dy is None else unbroadcast(b, dy, y.shape),
+    ]
+
+
+def _np_in_f32(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a numpy float formula in float32 for 16-bit inputs, so intermediate steps are not
+    rounded to 16 bits (XLA also computes these in float32)."""
+
+    def impl(*arrays: Any) -> Any:
+        dtype = arrays[0].dtype
+        if dtype.itemsize < 4:
+            arrays = tuple(np.asarray(a, np.float32) for a in arrays)
+        return np.asarray(fn(*arrays)).astype(dtype, copy=False)
+
+    impl.__doc__ = fn.__doc__
+    return impl
+
 
 # -- Add ------------------------------------------------------------------------------------
 
@@ -32,6 +115,25 @@ register(
     )
 )
 
+# -- Sub ------------------------------------------------------------------------------------
+
+
+def _sub_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    return _binary_cotangents(b, node, cot, b("Neg", cot))
+
+
+register(
+    OpDef(
+        "Sub",
+        _infer_binary_numeric,
+        numpy=lambda x, y: np.subtract(x, y),
+        jax=lambda x, y: jnp.subtract(x, y),
+        vjp=_sub_vjp,
+        num_inputs=2,
+        doc="x - y with broadcasting.",
+    )
+)
+
 # -- Mul ------------------------------------------------------------------------------------
 
 
@@ -49,6 +151,94 @@ register(
         vjp=_mul_vjp,
         num_inputs=2,
         doc="x * y with broadcasting.",
+    )
+)
+
+# -- RealDiv --------------------------------------------------------------------------------
+
+
+def _real_div_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    _, y = node.operands
+    dx = b("RealDiv", cot, y)
+    # d(x/y)/dy = -(x/y)/y; reusing dx and the output avoids squaring a small y.
+    dy = b("Neg", b("Mul", dx, node.result))
+    return _binary_cotangents(b, node, dx, dy)
+
+
+register(
+    OpDef(
+        "RealDiv",
+        _infer_binary_float,
+        numpy=lambda x, y: np.true_divide(x, y),
+        jax=lambda x, y: jnp.true_divide(x, y),
+        vjp=_real_div_vjp,
+        num_inputs=2,
+        doc="x / y with broadcasting (floating-point operands).",
+    )
+)
+
+# -- Maximum / Minimum ------------------------------------------------------------------------
+
+
+def _chooser_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    """Cotangent goes to the operand equal to the result; on ties each gets half (as lax.max
+    and lax.min differentiate in JAX)."""
+    x, y = node.operands
+    out = node.result
+    dtype = cot.dtype
+    zero, half, one = _scalar(0.0, dtype), _scalar(0.5, dtype), _scalar(1.0, dtype)
+    x_wins = b("Equal", x, out)
+    y_wins = b("Equal", y, out)
+    dx = b("Select", x_wins, b("Mul", cot, b("Select", y_wins, half, one)), zero)
+    dy = b("Select", y_wins, b("Mul", cot, b("Select", x_wins, half, one)), zero)
+    return _binary_cotangents(b, node, dx, dy)
+
+
+register(
+    OpDef(
+        "Maximum",
+        infer_binary,
+        numpy=lambda x, y: np.maximum(x, y),
+        jax=lambda x, y: jnp.maximum(x, y),
+        vjp=_chooser_vjp,
+        num_inputs=2,
+        doc="Element-wise max(x, y) with broadcasting.",
+    )
+)
+
+register(
+    OpDef(
+        "Minimum",
+        infer_binary,
+        numpy=lambda x, y: np.minimum(x, y),
+        jax=lambda x, y: jnp.minimum(x, y),
+        vjp=_chooser_vjp,
+        num_inputs=2,
+        doc="Element-wise min(x, y) with broadcasting.",
+    )
+)
+
+# -- Pow ------------------------------------------------------------------------------------
+
+
+def _pow_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    x, y = node.operands
+    dx = b("Mul", cot, b("Mul", y, b("Pow", x, b("Sub", y, 1.0))))
+    # As in JAX, the y-gradient uses log(1) = 0 where x == 0 instead of -inf.
+    safe_x = b("Select", b("Equal", x, 0.0), _scalar(1.0, cot.dtype), x)
+    dy = b("Mul", cot, b("Mul", b("Log", safe_x), node.result))
+    return _binary_cotangents(b, node, dx, dy)
+
+
+register(
+    OpDef(
+        "Pow",
+        _infer_binary_numeric,
+        numpy=lambda x, y: np.power(x, y),
+        jax=lambda x, y: jnp.power(x, y),
+        vjp=_pow_vjp,
+        num_inputs=2,
+        doc="x ** y with broadcasting; the y-gradient uses log(x), so needs x > 0.",
     )
 )
 
@@ -89,5 +279,398 @@ register(
         num_inputs=2,
         differentiable=False,
         doc="dy where y > 0 else 0 (y is ReLU's output).",
+    )
+)
+
+# -- Neg, Square ------------------------------------------------------------------------------
+
+register(
+    OpDef(
+        "Neg",
+        _infer_unary_numeric,
+        numpy=lambda x: np.negative(x),
+        jax=lambda x: jnp.negative(x),
+        vjp=lambda b, node, cot: [b("Neg", cot)],
+        num_inputs=1,
+        doc="-x.",
+    )
+)
+
+register(
+    OpDef(
+        "Square",
+        _infer_unary_numeric,
+        numpy=lambda x: np.square(x),
+        jax=lambda x: jnp.square(x),
+        vjp=lambda b, node, cot: [b("Mul", cot, b("Mul", node.operands[0], 2.0))],
+        num_inputs=1,
+        doc="x * x.",
+    )
+)
+
+# -- Exp, Log -------------------------------------------------------------------------------
+
+register(
+    OpDef(
+        "Exp",
+        infer_unary_float,
+        numpy=_np_in_f32(np.exp),
+        jax=lambda x: jnp.exp(x),
+        vjp=lambda b, node, cot: [b("Mul", cot, node.result)],
+        num_inputs=1,
+        doc="e ** x.",
+    )
+)
+
+register(
+    OpDef(
+        "Log",
+        infer_unary_float,
+        numpy=_np_in_f32(np.log),
+        jax=lambda x: jnp.log(x),
+        vjp=lambda b, node, cot: [b("RealDiv", cot, node.operands[0])],
+        num_inputs=1,
+        doc="Natural logarithm.",
+    )
+)
+
+# -- Sqrt, Rsqrt ------------------------------------------------------------------------------
+
+register(
+    OpDef(
+        "Sqrt",
+        infer_unary_float,
+        numpy=_np_in_f32(np.sqrt),
+        jax=lambda x: jnp.sqrt(x),
+        vjp=lambda b, node, cot: [b("SqrtGrad", node.result, cot)],
+        num_inputs=1,
+        doc="Square root.",
+    )
+)
+
+
+@_np_in_f32
+def _sqrt_grad_np(y: Any, dy: Any) -> Any:
+    return dy * (0.5 / y)
+
+
+register(
+    OpDef(
+        "SqrtGrad",
+        _infer_binary_float,
+        numpy=_sqrt_grad_np,
+        jax=lambda y, dy: dy * (0.5 / y),
+        num_inputs=2,
+        differentiable=False,
+        doc="dy * 0.5 / y, y = sqrt(x) (MindSpore operand order: y, dy).",
+    )
+)
+
+register(
+    OpDef(
+        "Rsqrt",
+        infer_unary_float,
+        numpy=_np_in_f32(lambda x: 1.0 / np.sqrt(x)),
+        jax=lambda x: lax.rsqrt(x),
+        vjp=lambda b, node, cot: [b("RsqrtGrad", node.result, cot)],
+        num_inputs=1,
+        doc="1 / sqrt(x).",
+    )
+)
+
+
+@_np_in_f32
+def _rsqrt_grad_np(y: Any, dy: Any) -> Any:
+    return dy * (-0.5 * y * y * y)
+
+
+register(
+    OpDef(
+        "RsqrtGrad",
+        _infer_binary_float,
+        numpy=_rsqrt_grad_np,
+        jax=lambda y, dy: dy * (-0.5 * y * y * y),
+        num_inputs=2,
+        differentiable=False,
+        doc="-0.5 * dy * y**3, y = rsqrt(x) (MindSpore operand order: y, dy).",
+    )
+)
+
+# -- Tanh, Sigmoid ----------------------------------------------------------------------------
+
+register(
+    OpDef(
+        "Tanh",
+        infer_unary_float,
+        numpy=_np_in_f32(np.tanh),
+        jax=lambda x: jnp.tanh(x),
+        vjp=lambda b, node, cot: [b("TanhGrad", node.result, cot)],
+        num_inputs=1,
+        doc="Hyperbolic tangent.",
+    )
+)
+
+
+@_np_in_f32
+def _tanh_grad_np(y: Any, dy: Any) -> Any:
+    # (1 + y)(1 - y) rather than 1 - y*y: no cancellation when |y| is close to 1.
+    return dy * (1.0 + y) * (1.0 - y)
+
+
+register(
+    OpDef(
+        "TanhGrad",
+        _infer_binary_float,
+        numpy=_tanh_grad_np,
+        jax=lambda y, dy: dy * (1.0 + y) * (1.0 - y),
+        num_inputs=2,
+        differentiable=False,
+        doc="dy * (1 - y**2), y = tanh(x) (MindSpore operand order: y, dy).",
+    )
+)
+
+
+@_np_in_f32
+def _sigmoid_np(x: Any) -> Any:
+    # Split by sign so exp never overflows.
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+register(
+    OpDef(
+        "Sigmoid",
+        infer_unary_float,
+        numpy=_sigmoid_np,
+        jax=lambda x: jax.nn.sigmoid(x),
+        vjp=lambda b, node, cot: [b("SigmoidGrad", node.result, cot)],
+        num_inputs=1,
+        doc="1 / (1 + exp(-x)).",
+    )
+)
+
+
+@_np_in_f32
+def _sigmoid_grad_np(y: Any, dy: Any) -> Any:
+    return dy * (y * (1.0 - y))
+
+
+register(
+    OpDef(
+        "SigmoidGrad",
+        _infer_binary_float,
+        numpy=_sigmoid_grad_np,
+        jax=lambda y, dy: dy * (y * (1.0 - y)),
+        num_inputs=2,
+        differentiable=False,
+        doc="dy * y * (1 - y), y = sigmoid(x) (MindSpore operand order: y, dy).",
+    )
+)
+
+# -- GeLU -----------------------------------------------------------------------------------
+
+
+@_np_in_f32
+def _gelu_np(x: Any) -> Any:
+    inner = _SQRT_2_OVER_PI * (x + _GELU_COEF * (x * x * x))
+    return x * (0.5 * (1.0 + np.tanh(inner)))
+
+
+def _gelu_grad_formula(dy: Any, x: Any, tanh: Callable[[Any], Any]) -> Any:
+    """d/dx of x * cdf(x), cdf = 0.5 * (1 + tanh(c * (x + a x^3)))."""
+    t = tanh(_SQRT_2_OVER_PI * (x + _GELU_COEF * (x * x * x)))
+    cdf = 0.5 * (1.0 + t)
+    dinner = _SQRT_2_OVER_PI * (1.0 + (3.0 * _GELU_COEF) * (x * x))
+    return dy * (cdf + x * (0.5 * (1.0 + t) * (1.0 - t)) * dinner)
+
+
+register(
+    OpDef(
+        "GeLU",
+        infer_unary_float,
+        numpy=_gelu_np,
+        jax=lambda x: jax.nn.gelu(x, approximate=True),
+        vjp=lambda b, node, cot: [b("GeLUGrad", cot, node.operands[0])],
+        num_inputs=1,
+        doc="GeLU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).",
+    )
+)
+
+register(
+    OpDef(
+        "GeLUGrad",
+        _infer_binary_float,
+        numpy=_np_in_f32(lambda dy, x: _gelu_grad_formula(dy, x, np.tanh)),
+        jax=lambda dy, x: _gelu_grad_formula(dy, x, jnp.tanh),
+        num_inputs=2,
+        differentiable=False,
+        doc="dy * d GeLU(x) / dx (tanh approximation); operands (dy, x).",
+    )
+)
+
+# -- BiasAdd --------------------------------------------------------------------------------
+
+_CHANNEL_AXIS = {"NCHW": 1, "NCDHW": 1, "NHWC": -1}
+
+
+def _bias_axis(data_format: Any, rank: int) -> int:
+    """The channel axis of an input of `rank`; ShapeError for a bad format or rank."""
+    if data_format not in _CHANNEL_AXIS:
+        raise ShapeError(
+            f"data_format must be one of {', '.join(_CHANNEL_AXIS)}, got {data_format!r}"
+        )
+    if rank < 2:
+        raise ShapeError(f"x must have rank >= 2 (batch and channel axes), got rank {rank}")
+    if data_format == "NCDHW" and rank != 5:
+        raise ShapeError(f"data_format NCDHW needs a rank-5 x, got rank {rank}")
+    return _CHANNEL_AXIS[data_format] % rank
+
+
+def _bias_add_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x, bias = tensor(types[0], "x"), tensor(types[1], "bias")
+    same_dtype([x, bias])
+    if x.dtype is DType.bool_:
+        raise ShapeError("needs numeric operands, got Bool")
+    axis = _bias_axis(attrs["data_format"], x.rank)
+    if bias.shape != (x.shape[axis],):
+        raise ShapeError(
+            f"bias must have shape ({x.shape[axis]},) to match channel axis {axis} of x "
+            f"({attrs['data_format']}), got {bias.shape}"
+        )
+    return x
+
+
+def _bias_shape(x: Any, bias: Any, data_format: str) -> tuple[int, ...]:
+    """Shape that lines `bias` up with the channel axis of `x`."""
+    axis = _bias_axis(data_format, x.ndim)
+    return tuple(bias.shape[0] if i == axis else 1 for i in range(x.ndim))
+
+
+def _bias_add_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    x, _ = node.operands
+    axis = _bias_axis(node.attrs["data_format"], x.tensor_type.rank)
+    others = tuple(i for i in range(len(x.shape)) if i != axis)
+    return [cot, b("ReduceSum", cot, axis=others, keep_dims=False)]
+
+
+register(
+    OpDef(
+        "BiasAdd",
+        _bias_add_infer,
+        numpy=lambda x, bias, data_format: x + bias.reshape(_bias_shape(x, bias, data_format)),
+        jax=lambda x, bias, data_format: x + bias.reshape(_bias_shape(x, bias, data_format)),
+        vjp=_bias_add_vjp,
+        attrs={"data_format": "NCHW"},
+        num_inputs=2,
+        doc="x + bias along the channel axis (1 for NCHW/NCDHW, last for NHWC).",
+    )
+)
+
+# -- Cast -----------------------------------------------------------------------------------
+
+
+def _cast_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0])
+    dst = attrs["dst_type"]
+    if not isinstance(dst, DType):
+        raise ShapeError(
+            f"dst_type must be an ir.types.DType ({', '.join(d.name for d in DType)}), "
+            f"got {dst!r}; DType.from_any converts names and numpy dtypes"
+        )
+    return x.with_dtype(dst)
+
+
+def _cast_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    src = node.operands[0].dtype
+    if not src.is_float:
+        return [None]
+    return [b("Cast", cot, dst_type=src)]
+
+
+register(
+    OpDef(
+        "Cast",
+        _cast_infer,
+        numpy=lambda x, dst_type: np.asarray(x).astype(dst_type.np),
+        jax=lambda x, dst_type: lax.convert_element_type(x, dst_type.np),
+        vjp=_cast_vjp,
+        attrs={"dst_type": DType.float32},
+        num_inputs=1,
+        doc="Convert to dst_type (float->int truncates toward zero; to Bool is x != 0).",
+    )
+)
+
+# -- Select ---------------------------------------------------------------------------------
+
+
+def _select_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    cond, x, y = tensor(types[0], "cond"), tensor(types[1], "x"), tensor(types[2], "y")
+    if cond.dtype is not DType.bool_:
+        raise ShapeError(f"cond must be Bool (use a comparison), got {cond.dtype.value}")
+    dtype = same_dtype([x, y])
+    return TensorType(dtype, broadcast_shapes(cond.shape, broadcast_shapes(x.shape, y.shape)))
+
+
+def _select_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    cond, x, y = node.operands
+    zero = _scalar(0.0, cot.dtype)
+    return [
+        None,
+        unbroadcast(b, b("Select", cond, cot, zero), x.shape),
+        unbroadcast(b, b("Select", cond, zero, cot), y.shape),
+    ]
+
+
+register(
+    OpDef(
+        "Select",
+        _select_infer,
+        numpy=lambda cond, x, y: np.where(cond, x, y),
+        jax=lambda cond, x, y: jnp.where(cond, x, y),
+        vjp=_select_vjp,
+        num_inputs=3,
+        doc="x where cond else y, all three broadcast together.",
+    )
+)
+
+# -- comparisons ----------------------------------------------------------------------------
+
+_COMPARISONS: dict[str, tuple[Callable[..., Any], Callable[..., Any], str]] = {
+    "Greater": (np.greater, jnp.greater, "x > y"),
+    "GreaterEqual": (np.greater_equal, jnp.greater_equal, "x >= y"),
+    "Less": (np.less, jnp.less, "x < y"),
+    "Equal": (np.equal, jnp.equal, "x == y"),
+}
+
+for _name, (_np_fn, _jax_fn, _text) in _COMPARISONS.items():
+    register(
+        OpDef(
+            _name,
+            infer_compare,
+            numpy=_np_fn,
+            jax=_jax_fn,
+            num_inputs=2,
+            differentiable=False,
+            doc=f"{_text} with broadcasting; Bool result.",
+        )
+    )
+
+
+def _logical_not_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0])
+    if x.dtype is not DType.bool_:
+        raise ShapeError(f"needs a Bool input, got {x.dtype.value}")
+    return x
+
+
+register(
+    OpDef(
+        "LogicalNot",
+        _logical_not_infer,
+        numpy=lambda x: np.logical_not(x),
+        jax=lambda x: jnp.logical_not(x),
+        num_inputs=1,
+        differentiable=False,
+        doc="Boolean not.",
     )
 )

@@ -1,1 +1,286 @@
-"""(filled in below)"""
+"""Reductions (ReduceSum, ReduceMean, ReduceMax), BroadcastTo, ZerosLike and OnesLike.
+
+Reductions take `axis`: a tuple of ints (negative counts from the end; `()` reduces every axis)
+and `keep_dims`: whether reduced axes stay as size-1 dims. The result has the input's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from ir.builder import Builder
+from ir.core import Node, Value
+from ir.errors import ShapeError
+from ir.ops._util import infer_unary, tensor, unbroadcast
+from ir.registry import InferFn, OpDef, register
+from ir.types import DType, ValueType
+
+# -- axis handling --------------------------------------------------------------------------
+
+
+def reduce_axes(axis: Any, rank: int) -> tuple[int, ...]:
+    """Normalized, sorted axes of a reduction over a rank-`rank` input; `()` means all.
+
+    Raises ShapeError for a malformed, out-of-range or repeated axis."""
+    if isinstance(axis, int) and not isinstance(axis, bool):
+        axis = (axis,)
+    if not isinstance(axis, tuple) or not all(
+        isinstance(a, int) and not isinstance(a, bool) for a in axis
+    ):
+        hint = f"; write {tuple(axis)!r}" if isinstance(axis, list) else ""
+        raise ShapeError(f"axis must be a tuple of ints (or () for all axes), got {axis!r}{hint}")
+    if not axis:
+        return tuple(range(rank))
+    out: list[int] = []
+    for a in axis:
+        if not -rank <= a < rank:
+            valid = f"[{-rank}, {rank - 1}]" if rank else "none (the input is a scalar)"
+            raise ShapeError(f"axis {a} is out of range for rank {rank}; valid axes: {valid}")
+        a %= rank
+        if a in out:
+            raise ShapeError(f"axis {axis} names dimension {a} more than once")
+        out.append(a)
+    return tuple(sorted(out))
+
+
+def _keep_dims_shape(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(1 if i in axes else d for i, d in enumerate(shape))
+
+
+def _check_keep_dims(attrs: dict[str, Any]) -> bool:
+    keep = attrs["keep_dims"]
+    if not isinstance(keep, bool):
+        raise ShapeError(f"keep_dims must be a bool, got {keep!r}")
+    return keep
+
+
+def _make_reduce_infer(op: str, allowed: str) -> InferFn:
+    """Inference for a reduction; `allowed` is "numeric", "float" or "any" input dtypes."""
+
+    def infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+        x = tensor(types[0])
+        if allowed == "float" and not x.dtype.is_float:
+            raise ShapeError(f"needs a floating-point input, got {x.dtype.value}")
+        if allowed == "numeric" and x.dtype is DType.bool_:
+            raise ShapeError("needs a numeric input, got Bool (Cast it first)")
+        axes = reduce_axes(attrs["axis"], x.rank)
+        keep = _check_keep_dims(attrs)
+        if op == "ReduceMax":
+            empty = [a for a in axes if x.shape[a] == 0]
+            if empty:
+                raise ShapeError(f"cannot take the max over empty axis {empty[0]}")
+        if keep:
+            return x.with_shape(_keep_dims_shape(x.shape, axes))
+        return x.with_shape(tuple(d for i, d in enumerate(x.shape) if i not in axes))
+
+    return infer
+
+
+def _to_keep_dims(b: Builder, node: Node, value: Value) -> Value:
+    """`value` (shaped like the reduction's result) reshaped to the keep_dims shape."""
+    x = node.operands[0]
+    axes = reduce_axes(node.attrs["axis"], len(x.shape))
+    shape = _keep_dims_shape(x.shape, axes)
+    return value if value.shape == shape else b("Reshape", value, shape=shape)
+
+
+def _broadcast_back(b: Builder, node: Node, value: Value) -> Value:
+    shape = node.operands[0].shape
+    return value if value.shape == shape else b("BroadcastTo", value, shape=shape)
+
+
+def _accumulator(dtype: np.dtype) -> np.dtype:
+    """Sum 16-bit floats in float32, as XLA does."""
+    return np.dtype(np.float32) if dtype.kind == "f" and dtype.itemsize < 4 else dtype
+
+
+# -- ReduceSum ------------------------------------------------------------------------------
+
+
+def _sum_np(x: Any, axis: Any, keep_dims: bool) -> Any:
+    x = np.asarray(x)
+    axes = reduce_axes(axis, x.ndim)
+    out = np.sum(x, axis=axes, keepdims=keep_dims, dtype=_accumulator(x.dtype))
+    return np.asarray(out).astype(x.dtype, copy=False)
+
+
+def _sum_jax(x: Any, axis: Any, keep_dims: bool) -> Any:
+    # dtype= keeps integer sums in the input dtype (jnp.sum would promote them).
+    return jnp.sum(x, axis=reduce_axes(axis, x.ndim), keepdims=keep_dims, dtype=x.dtype)
+
+
+def _sum_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    return [_broadcast_back(b, node, _to_keep_dims(b, node, cot))]
+
+
+register(
+    OpDef(
+        "ReduceSum",
+        _make_reduce_infer("ReduceSum", "numeric"),
+        numpy=_sum_np,
+        jax=_sum_jax,
+        vjp=_sum_vjp,
+        attrs={"axis": (), "keep_dims": False},
+        num_inputs=1,
+        doc="Sum over `axis` (() = all axes).",
+    )
+)
+
+# -- ReduceMean -----------------------------------------------------------------------------
+
+
+def _mean_np(x: Any, axis: Any, keep_dims: bool) -> Any:
+    x = np.asarray(x)
+    axes = reduce_axes(axis, x.ndim)
+    out = np.mean(x, axis=axes, keepdims=keep_dims, dtype=_accumulator(x.dtype))
+    return np.asarray(out).astype(x.dtype, copy=False)
+
+
+def _mean_jax(x: Any, axis: Any, keep_dims: bool) -> Any:
+    return jnp.mean(x, axis=reduce_axes(axis, x.ndim), keepdims=keep_dims)
+
+
+def _mean_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    x = node.operands[0]
+    axes = reduce_axes(node.attrs["axis"], len(x.shape))
+    count = int(np.prod([x.shape[a] for a in axes], dtype=np.int64))
+    scaled = b("RealDiv", cot, float(count))
+    return [_broadcast_back(b, node, _to_keep_dims(b, node, scaled))]
+
+
+register(
+    OpDef(
+        "ReduceMean",
+        _make_reduce_infer("ReduceMean", "float"),
+        numpy=_mean_np,
+        jax=_mean_jax,
+        vjp=_mean_vjp,
+        attrs={"axis": (), "keep_dims": False},
+        num_inputs=1,
+        doc="Mean over `axis` (() = all axes); floating-point input.",
+    )
+)
+
+# -- ReduceMax ------------------------------------------------------------------------------
+
+
+def _max_np(x: Any, axis: Any, keep_dims: bool) -> Any:
+    x = np.asarray(x)
+    return np.max(x, axis=reduce_axes(axis, x.ndim), keepdims=keep_dims)
+
+
+def _max_jax(x: Any, axis: Any, keep_dims: bool) -> Any:
+    return jnp.max(x, axis=reduce_axes(axis, x.ndim), keepdims=keep_dims)
+
+
+def _max_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    """The cotangent is shared equally by all positions equal to the max (as JAX does)."""
+    x = node.operands[0]
+    axes = reduce_axes(node.attrs["axis"], len(x.shape))
+    is_max = b("Cast", b("Equal", x, _to_keep_dims(b, node, node.result)), dst_type=x.dtype)
+    ties = b("ReduceSum", is_max, axis=axes, keep_dims=True)
+    share = b("RealDiv", _to_keep_dims(b, node, cot), ties)
+    return [b("Mul", is_max, share)]
+
+
+register(
+    OpDef(
+        "ReduceMax",
+        _make_reduce_infer("ReduceMax", "any"),
+        numpy=_max_np,
+        jax=_max_jax,
+        vjp=_max_vjp,
+        attrs={"axis": (), "keep_dims": False},
+        num_inputs=1,
+        doc="Max over `axis` (() = all axes); gradient split evenly among ties.",
+    )
+)
+
+# -- BroadcastTo ----------------------------------------------------------------------------
+
+
+def broadcast_target(shape: Any, src: tuple[int, ...]) -> tuple[int, ...]:
+    """The concrete result shape of broadcasting `src` to `shape` (where -1 keeps the input's
+    dim, as in MindSpore); ShapeError when numpy broadcasting does not allow it."""
+    if not isinstance(shape, tuple) or not all(
+        isinstance(d, int) and not isinstance(d, bool) for d in shape
+    ):
+        hint = f"; write {tuple(shape)!r}" if isinstance(shape, list) else ""
+        raise ShapeError(f"shape must be a tuple of ints, got {shape!r}{hint}")
+    if len(shape) < len(src):
+        raise ShapeError(
+            f"cannot broadcast rank {len(src)} input {src} to lower rank {len(shape)} {shape}"
+        )
+    lead = len(shape) - len(src)
+    out: list[int] = []
+    for i, d in enumerate(shape):
+        s = src[i - lead] if i >= lead else None
+        if d == -1:
+            if s is None:
+                raise ShapeError(f"shape {shape}: -1 at new leading dim {i} has no input dim")
+            d = s
+        elif d < 0:
+            raise ShapeError(f"shape {shape} has negative dim {d} (only -1 = keep is allowed)")
+        elif s is not None and s != d and s != 1:
+            raise ShapeError(
+                f"cannot broadcast {src} to {shape}: input dim {i - lead} is {s}, "
+                f"which is neither 1 nor {d}"
+            )
+        out.append(d)
+    return tuple(out)
+
+
+def _broadcast_to_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0])
+    if attrs["shape"] is None:
+        raise ShapeError("needs attribute shape, e.g. shape=(4, 8)")
+    return x.with_shape(broadcast_target(attrs["shape"], x.shape))
+
+
+def _broadcast_to_np(x: Any, shape: tuple[int, ...]) -> Any:
+    x = np.asarray(x)
+    # A copy: np.broadcast_to returns a read-only view with zero strides.
+    return np.array(np.broadcast_to(x, broadcast_target(shape, x.shape)))
+
+
+register(
+    OpDef(
+        "BroadcastTo",
+        _broadcast_to_infer,
+        numpy=_broadcast_to_np,
+        jax=lambda x, shape: jnp.broadcast_to(x, broadcast_target(shape, x.shape)),
+        vjp=lambda b, node, cot: [unbroadcast(b, cot, node.operands[0].shape)],
+        attrs={"shape": None},
+        num_inputs=1,
+        doc="Broadcast x to `shape` with numpy rules (-1 keeps the input's dim).",
+    )
+)
+
+# -- ZerosLike / OnesLike -------------------------------------------------------------------
+
+register(
+    OpDef(
+        "ZerosLike",
+        infer_unary,
+        numpy=lambda x: np.zeros_like(x),
+        jax=lambda x: jnp.zeros_like(x),
+        num_inputs=1,
+        differentiable=False,
+        doc="Zeros of x's shape and dtype.",
+    )
+)
+
+register(
+    OpDef(
+        "OnesLike",
+        infer_unary,
+        numpy=lambda x: np.ones_like(x),
+        jax=lambda x: jnp.ones_like(x),
+        num_inputs=1,
+        differentiable=False,
+        doc="Ones of x's shape and dtype.",
+    )
+)
