@@ -1,0 +1,135 @@
+"""All ranks in one process: the per-rank graphs run in lockstep with simulated collectives.
+
+The per-rank graphs of one plan have the same structure (they differ in slice offsets and
+groups), so node k of every rank executes together; a collective at position k reads the
+inputs of the members of each rank's group. Graphs that differ in structure (hand-written
+per-rank code) run on threads that meet at each collective instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from backends.numpy.interpreter import Collectives, _check, run_graph
+from ir.core import Constant, Graph, Node, Value
+from ir.registry import get_op
+
+
+def collective_result(node: Node, rank: int, inputs: dict[int, list[np.ndarray]]) -> Any:
+    """The output on `rank` of collective `node`, given every group member's inputs."""
+    ranks = tuple(node.attrs["rank_list"])
+    if rank not in ranks:
+        raise RuntimeError(f"{node.where()}: rank {rank} is not in its group {ranks}")
+    mine = ranks.index(rank)
+    xs = [inputs[r][0] for r in ranks]
+    op = node.op
+    if op == "AllReduce":
+        kind = node.attrs.get("op", "sum")
+        fn = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}[kind]
+        return fn(np.stack(xs), axis=0).astype(xs[0].dtype)
+    if op == "AllGather":
+        return np.concatenate(xs, axis=0)
+    if op == "ReduceScatter":
+        total = np.sum(np.stack(xs), axis=0).astype(xs[0].dtype)
+        return np.split(total, len(ranks), axis=0)[mine]
+    if op == "AlltoAll":
+        count = node.attrs["split_count"]
+        split_dim, concat_dim = node.attrs["split_dim"], node.attrs["concat_dim"]
+        parts = [np.split(x, count, axis=split_dim)[mine] for x in xs]
+        return np.concatenate(parts, axis=concat_dim)
+    if op == "Broadcast":
+        return xs[node.attrs.get("root_rank", 0)].copy() if len(xs) > 1 else xs[0].copy()
+    raise RuntimeError(f"unknown collective {op}")
+
+
+def run_ranks(graphs: Sequence[Graph], feeds: Sequence[Sequence[Any]]) -> list[list[Any]]:
+    """Run every rank's graph; `feeds[r]` lists rank r's parameter values in order."""
+    if _same_structure(graphs):
+        return _lockstep(graphs, feeds)
+    return _threaded(graphs, feeds)
+
+
+def _same_structure(graphs: Sequence[Graph]) -> bool:
+    first = [n.op for n in graphs[0].nodes]
+    return all([n.op for n in g.nodes] == first for g in graphs[1:])
+
+
+def _lockstep(graphs: Sequence[Graph], feeds: Sequence[Sequence[Any]]) -> list[list[Any]]:
+    envs: list[dict[int, Any]] = []
+    for g, values in zip(graphs, feeds):
+        env = {}
+        for p, v in zip(g.params, values):
+            arr = np.asarray(v)
+            if arr.shape != p.shape:
+                raise ValueError(f"rank graph parameter {p.name}: expected {p.shape}, got "
+                                 f"{arr.shape}")
+            env[id(p)] = arr.astype(p.dtype.np, copy=False)
+        envs.append(env)
+
+    def read(env: dict[int, Any], value: Value) -> Any:
+        return value.array if isinstance(value, Constant) else env[id(value)]
+
+    for k in range(len(graphs[0].nodes)):
+        nodes = [g.nodes[k] for g in graphs]
+        opdef = get_op(nodes[0].op)
+        args = [[read(env, v) for v in node.operands] for env, node in zip(envs, nodes)]
+        if opdef.collective:
+            by_rank = dict(enumerate(args))
+            outs = [collective_result(node, r, by_rank) for r, node in enumerate(nodes)]
+        else:
+            assert opdef.numpy is not None
+            outs = [opdef.numpy(*a, **opdef.impl_attrs(node.attrs)) for a, node in
+                    zip(args, nodes)]
+        for env, node, out in zip(envs, nodes, outs):
+            env[id(node.result)] = _check(node, node.result.type, out)
+    return [[read(env, v) for v in g.outputs] for env, g in zip(envs, graphs)]
+
+
+class _Exchange(Collectives):
+    """Threads meet here: each collective call deposits its input and waits for the group."""
+
+    def __init__(self, rank: int, shared: dict, lock: threading.Condition) -> None:
+        self.rank = rank
+        self.shared = shared
+        self.lock = lock
+        self.counts: dict[tuple[int, ...], int] = {}
+
+    def run(self, node: Node, inputs: list[np.ndarray]) -> Any:
+        ranks = tuple(node.attrs["rank_list"])
+        seq = self.counts.get(ranks, 0)
+        self.counts[ranks] = seq + 1
+        key = (ranks, seq)
+        with self.lock:
+            slot = self.shared.setdefault(key, {})
+            slot[self.rank] = inputs
+            self.lock.notify_all()
+            if not self.lock.wait_for(lambda: len(slot) == len(ranks), timeout=60):
+                raise RuntimeError(f"{node.where()}: collective timed out waiting for {ranks}")
+        return collective_result(node, self.rank, slot)
+
+
+def _threaded(graphs: Sequence[Graph], feeds: Sequence[Sequence[Any]]) -> list[list[Any]]:
+    shared: dict = {}
+    lock = threading.Condition()
+    results: list[Any] = [None] * len(graphs)
+    errors: list[BaseException] = []
+
+    def work(rank: int) -> None:
+        try:
+            results[rank] = run_graph(graphs[rank], list(feeds[rank]),
+                                      _Exchange(rank, shared, lock))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(len(graphs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results

@@ -1,0 +1,617 @@
+"""Operator sharding rules (reference §1.2-1.3, §3).
+
+Most ops are described by einsum-like **dimension labels**: `MatMul` is `ik,kj->ij`, an
+element-wise op with broadcasting labels each output dim once, a reduction drops the reduced
+labels. From the labels and a strategy (the number of slices of every input dim) one function,
+`label_sharding`, derives everything MindSpore's `OperatorInfo` derives:
+
+* checks: one label is split the same way everywhere; size-1 (broadcast) dims and
+  unsplittable labels (softmax axis, LayerNorm's normalised dims, ...) are not split; every dim
+  divides by its split; powers of two when the device count is one; the strategy's device
+  count divides the stage;
+* the device matrix: one axis per label in order of first appearance (`[i, k, j]` for MatMul),
+  plus the repeated-calculation factor appended on the right (or left with
+  `repeated_num_in_dev_matrix_right_ = False`);
+* input and output tensor layouts;
+* forward communication: a label that is split but absent from the output is a partial result,
+  reduced with AllReduce over its device axes (sum, max, ...; sum then division for means), or
+  ReduceScatter when `out_strategy` asks for it.
+
+Irregular ops (Reshape, Gather on a split table, Split's tuple output) are hand-written below.
+`RULES` maps op names to rules; `rule_for(op)` gives the rule or raises for ops that cannot be
+sharded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from math import gcd, prod
+from typing import Any
+
+from ir.layout import TensorLayout
+from ir.types import TensorType, TupleType, ValueType
+
+Strategy = tuple[tuple[int, ...], ...]
+
+
+class StrategyError(Exception):
+    """A strategy is invalid for an op; the message says why and what would be valid."""
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+@dataclass(frozen=True)
+class ForwardComm:
+    """A collective (or the division of a mean) appended after the local op.
+
+    `axes` are left indices into the op's device matrix."""
+
+    kind: str  # "AllReduce", "ReduceScatter", "Div"
+    axes: tuple[int, ...]
+    op: str = "sum"
+    divisor: int = 1
+
+
+@dataclass
+class OpSharding:
+    """Everything a strategy implies for one op."""
+
+    strategy: Strategy
+    dev_matrix: tuple[int, ...]
+    in_layouts: list[TensorLayout]
+    out_layouts: list[TensorLayout]
+    forward: list[ForwardComm] = field(default_factory=list)
+    local_attrs: dict[str, Any] = field(default_factory=dict)
+    expand: str = ""  # name of a local expansion (e.g. "masked_gather") instead of the op
+
+
+@dataclass
+class OpContext:
+    """What a rule sees of the node it shards."""
+
+    op: str
+    in_types: list[TensorType]
+    out_type: ValueType
+    attrs: dict[str, Any]
+    devices: int
+
+    @property
+    def repeat_on_right(self) -> bool:
+        return bool(self.attrs.get("repeated_num_in_dev_matrix_right_", True))
+
+    @property
+    def out_types(self) -> list[TensorType]:
+        t = self.out_type
+        return list(t.elements) if isinstance(t, TupleType) else [t]  # type: ignore[list-item]
+
+
+@dataclass
+class Labels:
+    """Dimension labels of one op application."""
+
+    inputs: list[str]
+    outputs: list[str]
+    unsplittable: set[str] = field(default_factory=set)
+    reduce_op: str = "sum"  # how partial results over dropped labels combine
+    mean: bool = False  # dropped labels are averaged: divide after the AllReduce
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _fresh(count: int, used: set[str]) -> list[str]:
+    out = []
+    code = 0x100
+    while len(out) < count:
+        ch = chr(code)
+        code += 1
+        if ch not in used:
+            out.append(ch)
+            used.add(ch)
+    return out
+
+
+def label_sharding(
+    ctx: OpContext,
+    labels: Labels,
+    strategy: Strategy,
+    out_strategy: Strategy | None = None,
+) -> OpSharding:
+    """Derive layouts and forward communication of `strategy` from dimension labels."""
+    if len(strategy) != len(ctx.in_types):
+        raise StrategyError(
+            f"the strategy has {len(strategy)} entries but the op has {len(ctx.in_types)} "
+            "tensor inputs",
+            "give one tuple per input",
+        )
+    split_of: dict[str, int] = {}
+    order: list[str] = []
+    for i, (lab, t, s) in enumerate(zip(labels.inputs, ctx.in_types, strategy)):
+        if len(s) != t.rank:
+            raise StrategyError(
+                f"strategy {s} of input {i} has {len(s)} values but the input has rank {t.rank}",
+                "give one split count per dimension",
+            )
+        for j, (name, size, count) in enumerate(zip(lab, t.shape, s)):
+            if count < 1:
+                raise StrategyError(f"strategy values must be >= 1, got {s}")
+            if size % count:
+                raise StrategyError(
+                    f"shape value {size} at dim index {j} of input {i} cannot be divisible by "
+                    f"strategy value {count}",
+                    f"choose a split that divides {size}",
+                )
+            if is_power_of_two(ctx.devices) and not is_power_of_two(count):
+                raise StrategyError(
+                    f"the value of strategy must be the power of 2, got {count} in {s}"
+                )
+            if name in labels.unsplittable and count != 1:
+                raise StrategyError(
+                    f"dim {j} of input {i} cannot be split (it is {_role(ctx, name, labels)}), "
+                    f"but the strategy splits it {count} ways",
+                    "use 1 for that dim",
+                )
+            if name not in split_of:
+                split_of[name] = count
+                order.append(name)
+            elif split_of[name] != count:
+                raise StrategyError(
+                    f"dim {j} of input {i} must be split like the dims it is matched with "
+                    f"({split_of[name]} ways), got {count}",
+                    "use the same split for matched dims (e.g. MatMul's reduce dims)",
+                )
+    used = prod(split_of[name] for name in order)
+    if ctx.devices % used:
+        raise StrategyError(
+            f"the strategy requires {used} devices, but the device number of this stage is "
+            f"{ctx.devices}, it can not be divisible by {used}"
+        )
+    origin = [split_of[name] for name in order]
+    repeat = ctx.devices // used
+    if repeat > 1 and ctx.repeat_on_right:
+        dev = origin + [repeat]
+        offset = 0
+    elif repeat > 1:
+        dev = [repeat] + origin
+        offset = 1
+    else:
+        dev = origin
+        offset = 0
+    n = len(dev)
+    axis_of = {name: offset + i for i, name in enumerate(order)}
+
+    def layout(labs: str, t: TensorType) -> TensorLayout:
+        tmap = []
+        for name in labs:
+            a = axis_of.get(name)
+            tmap.append(-1 if a is None or split_of.get(name, 1) == 1 else n - 1 - a)
+        return TensorLayout(tuple(dev), tuple(tmap), t.shape)
+
+    in_layouts = [layout(lab, t) for lab, t in zip(labels.inputs, ctx.in_types)]
+    out_types = ctx.out_types
+    out_labels = set("".join(labels.outputs))
+    partial = tuple(
+        axis_of[name] for name in order if name not in out_labels and split_of[name] > 1
+    )
+    forward: list[ForwardComm] = []
+    out_layouts = [layout(lab, t) for lab, t in zip(labels.outputs, out_types)]
+    if partial:
+        if out_strategy is not None:
+            out_layouts = [_reduce_scatter_layout(ctx, labels, out_strategy, dev, axis_of,
+                                                  split_of, partial, out_types[0])]
+            forward.append(ForwardComm("ReduceScatter", partial, labels.reduce_op))
+        else:
+            forward.append(ForwardComm("AllReduce", partial, labels.reduce_op))
+        if labels.mean:
+            forward.append(ForwardComm("Div", partial, divisor=prod(dev[a] for a in partial)))
+    elif out_strategy is not None:
+        expected = tuple(
+            tuple(split_of.get(name, 1) for name in lab) for lab in labels.outputs
+        )
+        if tuple(out_strategy) != expected:
+            raise StrategyError(
+                f"out_strategy {out_strategy} does not match the output of in_strategy; "
+                f"expected {expected}"
+            )
+    return OpSharding(tuple(strategy), tuple(dev), in_layouts, out_layouts, forward)
+
+
+def _reduce_scatter_layout(
+    ctx: OpContext,
+    labels: Labels,
+    out_strategy: Strategy,
+    dev: list[int],
+    axis_of: dict[str, int],
+    split_of: dict[str, int],
+    partial: tuple[int, ...],
+    out_type: TensorType,
+) -> TensorLayout:
+    """`out_strategy` whose first dim also takes the reduced axes: ReduceScatter on dim 0."""
+    out_lab = labels.outputs[0]
+    want = tuple(split_of.get(name, 1) for name in out_lab)
+    red = prod(dev[a] for a in partial)
+    if len(out_strategy) != 1 or len(out_strategy[0]) != len(out_lab):
+        raise StrategyError(f"out_strategy {out_strategy} must have one entry of rank "
+                            f"{len(out_lab)}")
+    got = out_strategy[0]
+    if got[0] != want[0] * red or tuple(got[1:]) != want[1:]:
+        raise StrategyError(
+            f"out_strategy {out_strategy} is invalid: with the reduce dims split {red} ways, "
+            f"it must be {((want[0] * red,) + want[1:],)} (ReduceScatter) or {(want,)} "
+            "(AllReduce)"
+        )
+    n = len(dev)
+    first = out_lab[0]
+    axes0 = ([axis_of[first]] if split_of.get(first, 1) > 1 else []) + list(partial)
+    tmap: list[Any] = []
+    for k, name in enumerate(out_lab):
+        if k == 0:
+            vals = tuple(n - 1 - a for a in axes0)
+            tmap.append(vals[0] if len(vals) == 1 else vals)
+        else:
+            a = axis_of.get(name)
+            tmap.append(-1 if a is None or split_of.get(name, 1) == 1 else n - 1 - a)
+    if out_type.shape[0] % got[0]:
+        raise StrategyError(f"output dim 0 ({out_type.shape[0]}) is not divisible by {got[0]}")
+    return TensorLayout(tuple(dev), tuple(tmap), out_type.shape)
+
+
+def _role(ctx: OpContext, name: str, labels: Labels) -> str:
+    return {
+        "Softmax": "the softmax axis",
+        "LogSoftmax": "the softmax axis",
+        "LayerNorm": "a normalised dim (from begin_norm_axis on)",
+        "SoftmaxCrossEntropyWithLogits": "the class axis",
+        "SparseSoftmaxCrossEntropyWithLogits": "the class axis",
+        "Concat": "the concat axis",
+        "Split": "the split axis",
+        "StridedSlice": "a sliced dim",
+        "Conv2D": "a spatial or kernel dim",
+        "MaxPool": "a spatial dim",
+        "AvgPool": "a spatial dim",
+        "OneHot": "the depth axis",
+    }.get(ctx.op, "not splittable for this op")
+
+
+# -- label builders --------------------------------------------------------------------------
+
+LabelFn = Callable[[OpContext], Labels]
+_ALPHA = "abcdefghijklmnopqrstuvwxyz"
+
+
+def elementwise_labels(ctx: OpContext) -> Labels:
+    """Inputs right-aligned with the output; broadcast (size-1) dims get their own unsplit
+    label."""
+    out = ctx.out_types[0]
+    out_lab = _ALPHA[: out.rank]
+    used = set(out_lab)
+    ins, unsplit = [], set()
+    for t in ctx.in_types:
+        lead = out.rank - t.rank
+        lab = ""
+        for j, size in enumerate(t.shape):
+            if size == 1 and out.shape[lead + j] != 1:
+                fresh = _fresh(1, used)[0]
+                unsplit.add(fresh)
+                lab += fresh
+            else:
+                lab += out_lab[lead + j]
+        ins.append(lab)
+    return Labels(ins, [out_lab], unsplit)
+
+
+def _transpose_ab(lab: str, flag: bool) -> str:
+    return lab[:-2] + lab[-1] + lab[-2] if flag else lab
+
+
+def matmul_labels(ctx: OpContext) -> Labels:
+    a = _transpose_ab("ik", bool(ctx.attrs.get("transpose_a")))
+    b = _transpose_ab("kj", bool(ctx.attrs.get("transpose_b")))
+    return Labels([a, b], ["ij"])
+
+
+def batch_matmul_labels(ctx: OpContext) -> Labels:
+    out = ctx.out_types[0]
+    batch = out.rank - 2
+    blab = _ALPHA[:batch]
+    used = set(blab) | set("ikj")
+    ins, unsplit = [], set()
+    for t, tail, flag in ((ctx.in_types[0], "ik", ctx.attrs.get("transpose_a")),
+                          (ctx.in_types[1], "kj", ctx.attrs.get("transpose_b"))):
+        lead = batch - (t.rank - 2)
+        lab = ""
+        for j in range(t.rank - 2):
+            if t.shape[j] == 1 and out.shape[lead + j] != 1:
+                fresh = _fresh(1, used)[0]
+                unsplit.add(fresh)
+                lab += fresh
+            else:
+                lab += blab[lead + j]
+        ins.append(_transpose_ab(lab + tail, bool(flag)))
+    return Labels(ins, [blab + "ij"], unsplit)
+
+
+def _axes(ctx: OpContext, key: str = "axis") -> tuple[int, ...]:
+    rank = ctx.in_types[0].rank
+    axis = ctx.attrs.get(key, ())
+    if isinstance(axis, int):
+        axis = (axis,)
+    if not axis:
+        return tuple(range(rank))
+    return tuple(sorted(a % rank for a in axis))
+
+
+def reduce_labels(op: str, mean: bool = False) -> LabelFn:
+    def fn(ctx: OpContext) -> Labels:
+        rank = ctx.in_types[0].rank
+        lab = _ALPHA[:rank]
+        axes = _axes(ctx)
+        used = set(lab)
+        if ctx.attrs.get("keep_dims"):
+            fresh = _fresh(len(axes), used)
+            out = "".join(fresh[axes.index(i)] if i in axes else c for i, c in enumerate(lab))
+            unsplit = set(fresh)
+        else:
+            out = "".join(c for i, c in enumerate(lab) if i not in axes)
+            unsplit = set()
+        return Labels([lab], [out], unsplit, reduce_op=op, mean=mean)
+
+    return fn
+
+
+def identity_labels(unsplit_axes: Callable[[OpContext], Sequence[int]] = lambda c: ()) -> LabelFn:
+    def fn(ctx: OpContext) -> Labels:
+        rank = ctx.in_types[0].rank
+        lab = _ALPHA[:rank]
+        bad = {lab[a % rank] for a in unsplit_axes(ctx)} if rank else set()
+        return Labels([lab], [lab], bad)
+
+    return fn
+
+
+def softmax_axes(ctx: OpContext) -> Sequence[int]:
+    axis = ctx.attrs.get("axis", -1)
+    return axis if isinstance(axis, tuple) else (axis,)
+
+
+def layer_norm_labels(ctx: OpContext) -> Labels:
+    x = ctx.in_types[0]
+    lab = _ALPHA[: x.rank]
+    norm = ctx.attrs.get("begin_norm_axis", 1) % max(x.rank, 1)
+    params = ctx.attrs.get("begin_params_axis", 1) % max(x.rank, 1)
+    unsplit = set(lab[norm:])
+    plab = lab[params:]
+    return Labels([lab, plab, plab], [lab], unsplit)
+
+
+def bias_add_labels(ctx: OpContext) -> Labels:
+    x = ctx.in_types[0]
+    lab = _ALPHA[: x.rank]
+    return Labels([lab, lab[1]], [lab])
+
+
+def transpose_labels(ctx: OpContext) -> Labels:
+    rank = ctx.in_types[0].rank
+    lab = _ALPHA[:rank]
+    perm = [p % rank for p in ctx.attrs["perm"]]
+    return Labels([lab], ["".join(lab[p] for p in perm)])
+
+
+def expand_dims_labels(ctx: OpContext) -> Labels:
+    rank = ctx.in_types[0].rank
+    lab = _ALPHA[:rank]
+    axis = ctx.attrs["axis"] % (rank + 1)
+    fresh = _fresh(1, set(lab))[0]
+    return Labels([lab], [lab[:axis] + fresh + lab[axis:]], {fresh})
+
+
+def squeeze_labels(ctx: OpContext) -> Labels:
+    t = ctx.in_types[0]
+    lab = _ALPHA[: t.rank]
+    axes = ctx.attrs.get("axis", ())
+    if isinstance(axes, int):
+        axes = (axes,)
+    gone = {a % t.rank for a in axes} if axes else {i for i, d in enumerate(t.shape) if d == 1}
+    return Labels([lab], ["".join(c for i, c in enumerate(lab) if i not in gone)])
+
+
+def flatten_labels(ctx: OpContext) -> Labels:
+    t = ctx.in_types[0]
+    lab = _ALPHA[: t.rank]
+    fresh = _fresh(1, set(lab))[0]
+    return Labels([lab], [lab[:1] + fresh], set(lab[1:]) | {fresh})
+
+
+def concat_labels(ctx: OpContext) -> Labels:
+    rank = ctx.in_types[0].rank
+    lab = _ALPHA[:rank]
+    axis = ctx.attrs.get("axis", 0) % rank
+    return Labels([lab] * len(ctx.in_types), [lab], {lab[axis]})
+
+
+def split_labels(ctx: OpContext) -> Labels:
+    rank = ctx.in_types[0].rank
+    lab = _ALPHA[:rank]
+    axis = ctx.attrs.get("axis", 0) % rank
+    return Labels([lab], [lab] * len(ctx.out_types), {lab[axis]})
+
+
+def strided_slice_labels(ctx: OpContext) -> Labels:
+    t = ctx.in_types[0]
+    lab = _ALPHA[: t.rank]
+    begin, end, strides = ctx.attrs["begin"], ctx.attrs["end"], ctx.attrs["strides"]
+    sliced = set()
+    for i, size in enumerate(t.shape):
+        b = begin[i] if i < len(begin) else 0
+        e = end[i] if i < len(end) else size
+        s = strides[i] if i < len(strides) else 1
+        if slice(b, e, s).indices(size) != (0, size, 1):
+            sliced.add(lab[i])
+    return Labels([lab], [lab], sliced)
+
+
+def broadcast_to_labels(ctx: OpContext) -> Labels:
+    t = ctx.in_types[0]
+    out = ctx.out_types[0]
+    olab = _ALPHA[: out.rank]
+    lead = out.rank - t.rank
+    used = set(olab)
+    lab, unsplit = "", set()
+    for j, size in enumerate(t.shape):
+        if size == 1 and out.shape[lead + j] != 1:
+            fresh = _fresh(1, used)[0]
+            unsplit.add(fresh)
+            lab += fresh
+        else:
+            lab += olab[lead + j]
+    unsplit |= set(olab[:lead]) | {olab[lead + j] for j, s in enumerate(t.shape)
+                                   if s == 1 and out.shape[lead + j] != 1}
+    return Labels([lab], [olab], unsplit)
+
+
+def gather_labels(ctx: OpContext) -> Labels:
+    table, idx = ctx.in_types
+    axis = ctx.attrs.get("axis", 0) % table.rank
+    tlab = _ALPHA[: table.rank]
+    used = set(tlab)
+    ilab = "".join(_fresh(idx.rank, used))
+    return Labels([tlab, ilab], [tlab[:axis] + ilab + tlab[axis + 1 :]])
+
+
+def one_hot_labels(ctx: OpContext) -> Labels:
+    idx = ctx.in_types[0]
+    lab = _ALPHA[: idx.rank]
+    fresh = _fresh(1, set(lab))[0]
+    axis = ctx.attrs.get("axis", -1) % (idx.rank + 1)
+    return Labels([lab], [lab[:axis] + fresh + lab[axis:]], {fresh})
+
+
+def softmax_ce_labels(ctx: OpContext) -> Labels:
+    return Labels(["nc", "nc"], ["n"], {"c"})
+
+
+def sparse_softmax_ce_labels(ctx: OpContext) -> Labels:
+    return Labels(["nc", "n"], [""], {"c"}, mean=True)
+
+
+def conv2d_labels(ctx: OpContext) -> Labels:
+    # x: n c h w; w: o c p q -> out: n o y z (spatial and kernel dims are not split)
+    return Labels(["nchw", "ocpq"], ["noyz"], {"h", "w", "p", "q", "y", "z"})
+
+
+def pool_labels(ctx: OpContext) -> Labels:
+    return Labels(["nchw"], ["ncyz"], {"h", "w", "y", "z"})
+
+
+@dataclass
+class LabelRule:
+    """A sharding rule given by dimension labels."""
+
+    labels: LabelFn
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        result = label_sharding(ctx, self.labels(ctx), strategy, out_strategy)
+        if ctx.op == "Conv2D":
+            result.local_attrs["out_channel"] = ctx.out_types[0].shape[1] // strategy[1][0]
+        return result
+
+    def default_strategy(self, ctx: OpContext) -> Strategy:
+        """MindSpore's semi-auto default: split dim 0 of the first input (and every dim that
+        shares its label) by gcd(size, devices); everything else 1."""
+        labels = self.labels(ctx)
+        ones = tuple(tuple(1 for _ in t.shape) for t in ctx.in_types)
+        if not ctx.in_types or not ctx.in_types[0].rank:
+            return ones
+        first = labels.inputs[0][0]
+        if first in labels.unsplittable:
+            return ones
+        count = gcd(ctx.in_types[0].shape[0], ctx.devices)
+        if is_power_of_two(ctx.devices):
+            while not is_power_of_two(count):
+                count -= 1
+        return tuple(
+            tuple(count if name == first else 1 for name in lab) for lab in labels.inputs
+        )
+
+
+class GatherRule(LabelRule):
+    """Gather: a split table axis needs the masked local gather plus AllReduce (reference
+    §3.2, SHARD_AXIS_0)."""
+
+    def __init__(self) -> None:
+        super().__init__(gather_labels)
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        labels = self.labels(ctx)
+        axis = ctx.attrs.get("axis", 0) % ctx.in_types[0].rank
+        table_split = strategy[0][axis] if len(strategy) == 2 and len(strategy[0]) > axis else 1
+        if table_split == 1:
+            return label_sharding(ctx, labels, strategy)
+        if axis != 0:
+            raise StrategyError("only axis 0 of a gathered table can be split")
+        if any(c != 1 for c in strategy[1]):
+            raise StrategyError(
+                "when the table's gathered axis is split, the indices cannot be split",
+                "use 1 for every dim of the indices",
+            )
+        result = label_sharding(ctx, labels, strategy)
+        result.expand = "masked_gather"
+        return result
+
+    def default_strategy(self, ctx: OpContext) -> Strategy:
+        table, idx = ctx.in_types
+        count = gcd(idx.shape[0], ctx.devices) if idx.rank else 1
+        return (tuple(1 for _ in table.shape),
+                tuple(count if i == 0 else 1 for i in range(idx.rank)))
+
+
+RULES: dict[str, LabelRule] = {}
+
+
+def _register(names: Sequence[str], rule: LabelRule) -> None:
+    for name in names:
+        RULES[name] = rule
+
+
+_register(
+    ["Add", "Sub", "Mul", "RealDiv", "Maximum", "Minimum", "Pow", "Greater", "GreaterEqual",
+     "Less", "Equal", "Select", "ReluGrad", "Neg", "Exp", "Log", "Sqrt", "Rsqrt", "Square",
+     "Tanh", "Sigmoid", "ReLU", "GeLU", "Cast", "ZerosLike", "OnesLike", "LogicalNot"],
+    LabelRule(elementwise_labels),
+)
+_register(["MatMul"], LabelRule(matmul_labels))
+_register(["BatchMatMul"], LabelRule(batch_matmul_labels))
+_register(["ReduceSum"], LabelRule(reduce_labels("sum")))
+_register(["ReduceMean"], LabelRule(reduce_labels("sum", mean=True)))
+_register(["ReduceMax"], LabelRule(reduce_labels("max")))
+_register(["Softmax", "LogSoftmax"], LabelRule(identity_labels(softmax_axes)))
+_register(["LayerNorm"], LabelRule(layer_norm_labels))
+_register(["BiasAdd"], LabelRule(bias_add_labels))
+_register(["Transpose"], LabelRule(transpose_labels))
+_register(["ExpandDims"], LabelRule(expand_dims_labels))
+_register(["Squeeze"], LabelRule(squeeze_labels))
+_register(["Flatten"], LabelRule(flatten_labels))
+_register(["Concat"], LabelRule(concat_labels))
+_register(["Split"], LabelRule(split_labels))
+_register(["StridedSlice"], LabelRule(strided_slice_labels))
+_register(["BroadcastTo"], LabelRule(broadcast_to_labels))
+_register(["OneHot"], LabelRule(one_hot_labels))
+_register(["SoftmaxCrossEntropyWithLogits"], LabelRule(softmax_ce_labels))
+_register(["SparseSoftmaxCrossEntropyWithLogits"], LabelRule(sparse_softmax_ce_labels))
+_register(["Conv2D"], LabelRule(conv2d_labels))
+_register(["MaxPool", "AvgPool"], LabelRule(pool_labels))
+RULES["Gather"] = GatherRule()
+
+# Ops without a strategy of their own: Reshape is planned as a redistribution between the
+# layouts around it; tuple plumbing passes layouts through.
+NO_STRATEGY = {"Reshape", "TupleGetItem", "MakeTuple"}
+
+
+def rule_for(op: str) -> LabelRule | None:
+    return RULES.get(op)

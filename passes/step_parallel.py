@@ -1,0 +1,321 @@
+"""`step_parallel_end` / `split_ranks`: one local forward graph per rank.
+
+For rank r, the global forward graph is rebuilt with local slice shapes:
+
+* graph inputs and parameters become their slices (parameters are stored sliced, never
+  redistributed);
+* a trainable parameter replicated over a group of ranks gets a `_MirrorOperator` (identity
+  forward; its vjp all-reduces the gradient over that group, ÷ group size with
+  `gradients_mean`);
+* an operand whose layout differs from what its consumer's strategy needs gets the
+  redistribution op list of `passes.redistribution`, instantiated for rank r (slice offsets,
+  gather groups);
+* each op runs on local shapes and is followed by its forward communication (AllReduce over a
+  split reduce dim, ReduceScatter, the division of a mean);
+* a loss held by k ranks gets `_VirtualDiv(k)` when `loss_repeated_mean` (its vjp divides the
+  sensitivity, so gradients are not counted k times).
+
+Every inserted op's parallel annotation says why it exists and how many bytes it moves.
+Autodiff then runs on each local graph: the vjps of the collectives produce the backward
+communication (AllReduce <-> AllReduce, AllGather <-> ReduceScatter, StridedSlice <-> zero pad).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ir.builder import Builder
+from ir.core import Constant, Graph, GraphParam, Node, ParallelInfo, Value
+from ir.layout import TensorLayout, devices_along_axes, group_name, std_hash
+from ir.registry import get_op
+from ir.sharding import OpSharding
+from ir.types import TensorType
+from passes.redistribution import plan_redistribution
+from passes.step_parallel_begin import ParallelAssignment, replicated
+
+
+@dataclass
+class SplitOptions:
+    devices: int
+    training: bool
+    gradients_mean: bool = False
+    loss_repeated_mean: bool = True
+    enable_alltoall: bool = False
+
+
+def slice_array(array: np.ndarray, layout: TensorLayout, rank: int) -> np.ndarray:
+    """`rank`'s slice of a global array under `layout`."""
+    arr = np.asarray(array)
+    if not arr.shape:
+        return arr
+    return arr[tuple(slice(b, e) for b, e in layout.slice_bounds(rank))]
+
+
+class RankBuilder:
+    """Builds one rank's local forward graph from the global graph and its assignment."""
+
+    def __init__(self, graph: Graph, assignment: ParallelAssignment, rank: int,
+                 options: SplitOptions, fusion_ids: dict[str, int]) -> None:
+        self.global_graph = graph
+        self.assignment = assignment
+        self.rank = rank
+        self.options = options
+        self.fusion_ids = fusion_ids
+        self.graph = Graph(graph.name)
+        self.graph.attrs = dict(graph.attrs)
+        self.graph.attrs["rank"] = rank
+        self.local: dict[int, tuple[Value, Any]] = {}
+        self.redistributed: dict[tuple[int, TensorLayout], Value] = {}
+        self.mirrors: dict[int, Value] = {}
+        self.anchor_counts: dict[str, int] = {}
+        self.output_layouts: list[TensorLayout | None] = []
+
+    # -- naming ---------------------------------------------------------------------------------
+    def inserted_name(self, anchor: Node, kind: str, op: str = "") -> str:
+        k = self.anchor_counts.get(anchor.fullname, 0)
+        self.anchor_counts[anchor.fullname] = k + 1
+        return f"{kind}_{std_hash(f'{anchor.fullname}_{k}')}{op}"
+
+    def group_attrs(self, ranks: tuple[int, ...]) -> dict[str, Any]:
+        return {"group": group_name(ranks, self.options.devices), "rank_list": tuple(ranks)}
+
+    # -- build ------------------------------------------------------------------------------------
+    def build(self) -> Graph:
+        for p in self.global_graph.params:
+            layout = self.assignment.param_layouts[p.name]
+            local_type = TensorType(p.dtype, layout.slice_shape)
+            lp = self.graph.add_param(GraphParam(local_type, p.name, p.kind, p.requires_grad))
+            self.local[id(p)] = (lp, layout)
+        for node in self.global_graph.nodes:
+            self.lower_node(node)
+        outputs = []
+        for value in self.global_graph.outputs:
+            local, layout = self.operand(value)
+            outputs.append(local)
+            self.output_layouts.append(layout)
+        if self.options.training and outputs:
+            outputs[0] = self.virtual_div(outputs[0], self.output_layouts[0])
+        self.graph.outputs = outputs
+        return self.graph
+
+    def operand(self, value: Value) -> tuple[Value, Any]:
+        if isinstance(value, Constant):
+            return value, replicated(value.shape, self.options.devices)
+        return self.local[id(value)]
+
+    def virtual_div(self, loss: Value, layout: TensorLayout) -> Value:
+        copies = len(layout.repeat_group(self.rank))
+        if copies <= 1 or not self.options.loss_repeated_mean:
+            return loss
+        node = loss.node if hasattr(loss, "node") else None
+        b = Builder(self.graph, scope=node.scope if node else "Default",
+                    source=node.source if node else None)
+        out = b.emit("_VirtualDiv", [loss], {"divisor": copies}, instance_name="_VirtualDiv",
+                     name_hint="loss",
+                     parallel=ParallelInfo(extra={
+                         "reason": f"the loss is held by {copies} ranks: divide its "
+                                   "sensitivity (loss_repeated_mean)"}))
+        return out
+
+    def mirror(self, param: GraphParam, user: Node) -> Value:
+        """The parameter as its users see it: behind a mirror when replicated."""
+        if id(param) in self.mirrors:
+            return self.mirrors[id(param)]
+        local, layout = self.local[id(param)]
+        value = local
+        if self.options.training and param.kind == "weight" and param.requires_grad:
+            group = layout.repeat_group(self.rank)
+            if len(group) > 1:
+                b = Builder(self.graph, scope=user.scope, source=user.source)
+                nbytes = local.tensor_type.nbytes
+                value = b.emit(
+                    "_MirrorOperator",
+                    [local],
+                    {**self.group_attrs(group), "dev_num": len(group),
+                     "mean_flag": self.options.gradients_mean,
+                     "fusion": self.fusion_ids.get(param.name, 1), "parameter": param.name},
+                    instance_name=self.inserted_name(user, "mirror_op"),
+                    name_hint=param.name.replace(".", "_"),
+                    parallel=ParallelInfo(extra={
+                        "reason": f"gradient of parameter {param.name} is all-reduced over the "
+                                  f"{len(group)} ranks that hold the same slice {layout}",
+                        "bytes": nbytes}),
+                )
+        self.mirrors[id(param)] = value
+        return value
+
+    def required(self, node: Node, index: int, value: Value, want: TensorLayout) -> Value:
+        if isinstance(value, Constant):
+            return Constant(slice_array(value.array, want, self.rank), value.dtype)
+        if isinstance(value, GraphParam) and value.kind != "input":
+            return self.mirror(value, node)
+        local, have = self.local[id(value)]
+        if have is None or have == want:
+            return local
+        key = (id(value), want)
+        if key not in self.redistributed:
+            self.redistributed[key] = self.redistribute(node, index, local, have, want)
+        return self.redistributed[key]
+
+    def redistribute(self, node: Node, index: int, local: Value, have: TensorLayout,
+                     want: TensorLayout) -> Value:
+        plan = plan_redistribution(have, want, self.options.enable_alltoall)
+        reason = (f"redistribution of {node.op} '{node.instance_name}' input {index}: "
+                  f"{have} -> {want}")
+        return self.emit_plan(node, local, plan, reason)
+
+    def emit_plan(self, node: Node, local: Value, plan: Any, reason: str) -> Value:
+        b = Builder(self.graph, scope=node.scope, source=node.source)
+        value = local
+        for step in plan.ops_for_rank(self.rank):
+            kind = step[0]
+            if kind == "Reshape":
+                value = b.emit("Reshape", [value], {"shape": tuple(step[1])},
+                               instance_name=self.inserted_name(node, "redistribution_op",
+                                                                "Reshape"),
+                               parallel=ParallelInfo(extra={"reason": reason}))
+            elif kind == "StridedSlice":
+                value = b.emit("StridedSlice", [value],
+                               {"begin": step[1], "end": step[2], "strides": step[3]},
+                               instance_name=self.inserted_name(node, "redistribution_op",
+                                                                "StridedSlice"),
+                               parallel=ParallelInfo(extra={"reason": reason}))
+            elif kind == "AllConcat":
+                ranks, axis = step[1], step[2]
+                nbytes = value.tensor_type.nbytes * (len(ranks) - 1)
+                gathered = b.emit("AllGather", [value], self.group_attrs(ranks),
+                                  instance_name=self.inserted_name(node, "redistribution_op",
+                                                                   "AllGather"),
+                                  parallel=ParallelInfo(extra={"reason": reason,
+                                                               "bytes": nbytes}))
+                if axis != 0:
+                    parts = b.emit("Split", [gathered], {"axis": 0, "output_num": len(ranks)},
+                                   instance_name=self.inserted_name(node, "redistribution_op",
+                                                                    "Split"))
+                    pieces = [b.emit("TupleGetItem", [parts], {"index": i})
+                              for i in range(len(ranks))]
+                    gathered = b.emit("Concat", pieces, {"axis": axis},
+                                      instance_name=self.inserted_name(node,
+                                                                       "redistribution_op",
+                                                                       "Concat"))
+                value = gathered
+            elif kind == "AlltoAll":
+                _, ranks, split_dim, concat_dim, count = step
+                nbytes = value.tensor_type.nbytes * (count - 1) // count
+                value = b.emit("AlltoAll", [value],
+                               {"split_count": count, "split_dim": split_dim,
+                                "concat_dim": concat_dim, **self.group_attrs(ranks)},
+                               instance_name=self.inserted_name(node, "redistribution_op",
+                                                                "AlltoAll"),
+                               parallel=ParallelInfo(extra={"reason": reason,
+                                                            "bytes": nbytes}))
+        return value
+
+    def lower_node(self, node: Node) -> None:
+        if node.op == "TupleGetItem":
+            (tup,) = node.operands
+            local, layouts = self.local[id(tup)]
+            b = Builder(self.graph, scope=node.scope, source=node.source)
+            index = node.attrs["index"]
+            out = b.emit("TupleGetItem", [local], {"index": index},
+                         instance_name=node.instance_name, name_hint=node.result.name_hint)
+            self.local[id(node.result)] = (out, layouts[index] if layouts else None)
+            return
+        if node.op == "Reshape":
+            self.lower_reshape(node)
+            return
+        sharding = self.assignment.sharding(node)
+        assert sharding is not None, f"{node.where()} has no sharding"
+        operands = [self.required(node, i, v, want)
+                    for i, (v, want) in enumerate(zip(node.operands, sharding.in_layouts))]
+        b = Builder(self.graph, scope=node.scope, source=node.source)
+        opdef = get_op(node.op)
+        attrs = opdef.impl_attrs(node.attrs)
+        attrs.update(sharding.local_attrs)
+        user = {k: v for k, v in node.attrs.items() if k not in opdef.attrs}
+        info = ParallelInfo(in_strategy=sharding.strategy,
+                            out_strategy=node.parallel.out_strategy if node.parallel else None)
+        if sharding.expand == "masked_gather":
+            out = self.masked_gather(node, b, operands, sharding)
+        else:
+            out = b.emit(node.op, operands, attrs, instance_name=node.instance_name,
+                         name_hint=node.result.name_hint, parallel=info, user_attrs=user)
+        out = self.forward_comm(node, b, out, sharding)
+        layouts: Any = (sharding.out_layouts if len(sharding.out_layouts) > 1
+                        or node.op == "Split" else sharding.out_layouts[0])
+        self.local[id(node.result)] = (out, layouts)
+
+    def forward_comm(self, node: Node, b: Builder, out: Value, sharding: OpSharding) -> Value:
+        for comm in sharding.forward:
+            group = devices_along_axes(self.rank, sharding.dev_matrix, comm.axes)
+            if comm.kind == "Div":
+                out = b.emit("RealDiv", [out, Constant(np.asarray(comm.divisor), out.dtype)],
+                             instance_name=self.inserted_name(node, "forward_op", "RealDiv"),
+                             parallel=ParallelInfo(extra={
+                                 "reason": f"mean of {node.op} '{node.instance_name}' over "
+                                           f"{comm.divisor} slices"}))
+                continue
+            if len(group) <= 1:
+                continue
+            nbytes = out.tensor_type.nbytes
+            reason = (f"forward: {node.op} '{node.instance_name}' leaves partial results over "
+                      f"split reduced dims (device axes {list(comm.axes)} of "
+                      f"{list(sharding.dev_matrix)})")
+            out = b.emit(comm.kind, [out], {"op": comm.op, **self.group_attrs(group)},
+                         instance_name=self.inserted_name(node, "forward_op"),
+                         parallel=ParallelInfo(extra={"reason": reason, "bytes": nbytes}))
+        return out
+
+    def masked_gather(self, node: Node, b: Builder, operands: list[Value],
+                      sharding: OpSharding) -> Value:
+        """Gather from a table split on its rows: look up the rows this rank holds, zero the
+        others; the forward AllReduce then sums the parts."""
+        table, idx = operands
+        layout = sharding.in_layouts[0]
+        rows = table.shape[0]
+        start = layout.slice_bounds(self.rank)[0][0]
+        sub = b.emit("Sub", [idx, Constant(np.asarray(start), idx.dtype)])
+        low = b.emit("GreaterEqual", [sub, Constant(np.asarray(0), idx.dtype)])
+        high = b.emit("Less", [sub, Constant(np.asarray(rows), idx.dtype)])
+        mask = b.emit("Mul", [b.emit("Cast", [low], {"dst_type": table.dtype}),
+                              b.emit("Cast", [high], {"dst_type": table.dtype})])
+        clipped = b.emit("Minimum", [b.emit("Maximum", [sub, Constant(np.asarray(0), idx.dtype)]),
+                                     Constant(np.asarray(rows - 1), idx.dtype)])
+        gathered = b.emit("Gather", [table, clipped], {"axis": 0},
+                          instance_name=node.instance_name, name_hint=node.result.name_hint,
+                          parallel=ParallelInfo(in_strategy=sharding.strategy))
+        mask = b.emit("ExpandDims", [mask], {"axis": -1})
+        return b.emit("Mul", [gathered, mask])
+
+    def lower_reshape(self, node: Node) -> None:
+        (value,) = node.operands
+        want = self.assignment.reshape_layouts[id(node)]
+        if isinstance(value, Constant):
+            local, have = value, replicated(value.shape, self.options.devices)
+        elif isinstance(value, GraphParam) and value.kind != "input":
+            local = self.mirror(value, node)
+            have = self.local[id(value)][1]
+        else:
+            local, have = self.local[id(value)]
+        plan = plan_redistribution(have, want, self.options.enable_alltoall)
+        reason = f"Reshape '{node.instance_name}': {have} -> {want}"
+        out = self.emit_plan(node, local, plan, reason)
+        if out.shape != want.slice_shape:
+            b = Builder(self.graph, scope=node.scope, source=node.source)
+            out = b.emit("Reshape", [out], {"shape": want.slice_shape},
+                         instance_name=node.instance_name, name_hint=node.result.name_hint)
+        self.local[id(node.result)] = (out, want)
+
+
+def build_rank_graphs(graph: Graph, assignment: ParallelAssignment, options: SplitOptions,
+                      fusion_ids: dict[str, int]) -> tuple[list[Graph], list[Any]]:
+    graphs, output_layouts = [], []
+    for rank in range(options.devices):
+        builder = RankBuilder(graph, assignment, rank, options, fusion_ids)
+        graphs.append(builder.build())
+        output_layouts = builder.output_layouts
+    return graphs, output_layouts
+

@@ -1,0 +1,343 @@
+"""`step_parallel_begin`: give every forward op a strategy and derive its layouts.
+
+Sources of strategies, in order: the user's `shard()` (tuples or `Layout`s), a strategy found
+by the search (auto_parallel, filled in beforehand by `passes.search`), and otherwise
+MindSpore's semi-auto default (data parallel on dim 0 when it divides, else replicated). Graph
+inputs get their layout from `dataset_strategy`. Reshape has no strategy: its output layout is
+what its first consumer wants (reference §2.3).
+
+A parameter whose users want different layouts is an error (reference §3.4): parameters are
+stored sliced and never redistributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ir.core import Constant, Graph, GraphParam, Node, NodeResult, ParallelInfo, Value
+from ir.errors import OpError, PcompileError
+from ir.layout import TensorLayout, map_axes
+from ir.sharding import (
+    NO_STRATEGY,
+    Labels,
+    OpContext,
+    OpSharding,
+    StrategyError,
+    rule_for,
+)
+from ir.types import TensorType, TupleType
+
+
+@dataclass
+class ParallelAssignment:
+    """The result of step_parallel_begin: a sharding per op, a layout per graph parameter."""
+
+    devices: int
+    shardings: dict[int, OpSharding] = field(default_factory=dict)  # id(node) -> sharding
+    param_layouts: dict[str, TensorLayout] = field(default_factory=dict)
+    reshape_layouts: dict[int, TensorLayout] = field(default_factory=dict)  # id(node) -> out
+    searched: dict[int, Any] = field(default_factory=dict)  # id(node) -> strategy from search
+
+    def sharding(self, node: Node) -> OpSharding | None:
+        return self.shardings.get(id(node))
+
+
+def replicated(shape: tuple[int, ...], devices: int) -> TensorLayout:
+    return TensorLayout((devices,), tuple(-1 for _ in shape), shape)
+
+
+def dataset_layouts(graph: Graph, dataset_strategy: Any, devices: int) -> dict[str, TensorLayout]:
+    """Layouts of the graph inputs: dim 0 split over all devices (data_parallel), replicated
+    (full_batch), or per-input strategies / layouts."""
+    out: dict[str, TensorLayout] = {}
+    inputs = graph.inputs
+    if dataset_strategy in (None, "data_parallel"):
+        for p in inputs:
+            if not p.shape:
+                out[p.name] = replicated(p.shape, devices)
+                continue
+            if p.shape[0] % devices:
+                raise PcompileError(
+                    f"dataset_strategy 'data_parallel' splits dim 0 of input {p.name} "
+                    f"{p.shape} over {devices} devices, but {p.shape[0]} is not divisible by "
+                    f"{devices}; use a global batch that divides, or dataset_strategy="
+                    "'full_batch'"
+                )
+            out[p.name] = TensorLayout((devices,), (0,) + (-1,) * (len(p.shape) - 1), p.shape)
+        return out
+    if dataset_strategy == "full_batch":
+        return {p.name: replicated(p.shape, devices) for p in inputs}
+    entries = list(dataset_strategy)
+    if len(entries) != len(inputs):
+        raise PcompileError(
+            f"dataset_strategy has {len(entries)} entries but the program has {len(inputs)} "
+            f"inputs ({', '.join(p.name for p in inputs)})"
+        )
+    for p, entry in zip(inputs, entries):
+        if isinstance(entry, dict):
+            out[p.name] = layout_from_dict(entry, p.shape, devices, f"input {p.name}")
+            continue
+        strategy = tuple(int(c) for c in entry)
+        if len(strategy) != len(p.shape):
+            raise PcompileError(
+                f"dataset_strategy entry {strategy} for input {p.name} has {len(strategy)} "
+                f"values; the input has rank {len(p.shape)}"
+            )
+        used = 1
+        for c in strategy:
+            used *= c
+        if devices % used:
+            raise PcompileError(
+                f"dataset_strategy entry {strategy} for input {p.name} uses {used} devices, "
+                f"which does not divide {devices}"
+            )
+        dev = list(strategy) + ([devices // used] if devices // used > 1 else [])
+        n = len(dev)
+        tmap = tuple(n - 1 - i if c > 1 else -1 for i, c in enumerate(strategy))
+        try:
+            out[p.name] = TensorLayout(tuple(dev), tmap, p.shape)
+        except ValueError as exc:
+            raise PcompileError(f"dataset_strategy for input {p.name}: {exc}") from None
+    return out
+
+
+def layout_from_dict(spec: dict, shape: tuple[int, ...], devices: int, what: str
+                     ) -> TensorLayout:
+    dev = tuple(spec["device_matrix"])
+    tmap = tuple(tuple(e) if isinstance(e, tuple) else e for e in spec["tensor_map"])
+    total = 1
+    for d in dev:
+        total *= d
+    if total != devices:
+        raise StrategyError(
+            f"the configured device_matrix {dev} of {what}: accumulate value {total} does not "
+            f"equal to the device number in one stage {devices}"
+        )
+    if len(tmap) != len(shape):
+        raise StrategyError(
+            f"the layout of {what} has {len(tmap)} tensor-map entries, but the tensor has rank "
+            f"{len(shape)}"
+        )
+    try:
+        return TensorLayout(dev, tmap, shape)
+    except ValueError as exc:
+        raise StrategyError(f"the layout of {what} is invalid: {exc}") from None
+
+
+def layout_sharding(ctx: OpContext, labels: Labels, layouts: list[TensorLayout],
+                    out_layout: TensorLayout | None) -> OpSharding:
+    """Sharding given by `Layout`s: labels map to device-axis tuples instead of counts."""
+    dev = layouts[0].dev_matrix
+    for lay in layouts[1:]:
+        if lay.dev_matrix != dev:
+            raise StrategyError(
+                f"all input layouts of one op must share a device matrix; got {dev} and "
+                f"{lay.dev_matrix}"
+            )
+    axes_of: dict[str, tuple[int, ...]] = {}
+    for i, (labs, lay) in enumerate(zip(labels.inputs, layouts)):
+        for j, (name, entry) in enumerate(zip(labs, lay.tensor_map)):
+            axes = map_axes(entry)
+            if name in labels.unsplittable and axes:
+                raise StrategyError(f"dim {j} of input {i} cannot be split by a layout")
+            if name in axes_of and axes_of[name] != axes:
+                raise StrategyError(
+                    f"dim {j} of input {i} is mapped to device axes {axes}, but the dims it is "
+                    f"matched with are mapped to {axes_of[name]}",
+                    "map matched dims (e.g. MatMul's reduce dims) to the same aliases",
+                )
+            axes_of.setdefault(name, axes)
+    n = len(dev)
+    out_types = ctx.out_types
+    outs = []
+    for labs, t in zip(labels.outputs, out_types):
+        tmap = []
+        seen: set[int] = set()
+        for name in labs:
+            axes = axes_of.get(name, ())
+            if seen & set(axes):
+                raise StrategyError(
+                    f"device axes {axes} would split two dims of the output; an alias may be "
+                    "used once per tensor"
+                )
+            seen |= set(axes)
+            tmap.append(-1 if not axes else (axes[0] if len(axes) == 1 else axes))
+        outs.append(TensorLayout(dev, tuple(tmap), t.shape))
+    out_names = set("".join(labels.outputs))
+    partial_vals = sorted({v for name, axes in axes_of.items() if name not in out_names
+                           for v in axes})
+    partial = tuple(sorted(n - 1 - v for v in partial_vals))
+    from ir.sharding import ForwardComm
+
+    forward: list[ForwardComm] = []
+    if partial:
+        if out_layout is not None:
+            first = map_axes(out_layout.tensor_map[0]) if out_layout.tensor_map else ()
+            if not set(partial_vals) <= set(first):
+                raise StrategyError(
+                    f"out_strategy layout {out_layout} does not take the reduce axes "
+                    f"{tuple(partial_vals)} on its first dim (ReduceScatter) and differs from "
+                    "the AllReduce result"
+                )
+            forward.append(ForwardComm("ReduceScatter", partial, labels.reduce_op))
+            outs = [out_layout]
+        else:
+            forward.append(ForwardComm("AllReduce", partial, labels.reduce_op))
+        if labels.mean:
+            size = 1
+            for a in partial:
+                size *= dev[a]
+            forward.append(ForwardComm("Div", partial, divisor=size))
+    strategy = tuple(lay.splits for lay in layouts)
+    return OpSharding(strategy, dev, list(layouts), outs, forward)
+
+
+def _tensor_inputs(node: Node) -> list[TensorType]:
+    return [v.type for v in node.operands]  # type: ignore[misc]
+
+
+def _op_error(node: Node, exc: StrategyError, strategy: Any) -> OpError:
+    return OpError(
+        node.op,
+        str(exc),
+        instance_name=node.instance_name,
+        scope=node.scope,
+        source=node.source,
+        shapes=[getattr(v.type, "shape", None) for v in node.operands],
+        strategy=strategy,
+        hint=exc.hint,
+    )
+
+
+def shard_node(node: Node, devices: int, strategy: Any, out_strategy: Any = None
+               ) -> OpSharding:
+    """Apply `strategy` (tuples or layout dicts) to `node` with its op's rule."""
+    rule = rule_for(node.op)
+    if rule is None:
+        raise OpError(node.op, "this op cannot be sharded yet", instance_name=node.instance_name,
+                      scope=node.scope, source=node.source)
+    ctx = OpContext(node.op, _tensor_inputs(node), node.result.type, node.attrs, devices)
+    try:
+        if strategy and any(isinstance(s, dict) for s in strategy):
+            if not all(isinstance(s, dict) for s in strategy):
+                raise StrategyError("mix of Layouts and tuples in one in_strategy")
+            layouts = [layout_from_dict(s, t.shape, devices, f"input {i}")
+                       for i, (s, t) in enumerate(zip(strategy, ctx.in_types))]
+            out_layout = None
+            if out_strategy:
+                out_layout = layout_from_dict(out_strategy[0], ctx.out_types[0].shape, devices,
+                                              "the output")
+            return layout_sharding(ctx, rule.labels(ctx), layouts, out_layout)
+        return rule.apply(ctx, tuple(strategy), tuple(out_strategy) if out_strategy else None)
+    except StrategyError as exc:
+        raise _op_error(node, exc, strategy) from None
+
+
+def default_strategy(node: Node, devices: int) -> Any:
+    rule = rule_for(node.op)
+    assert rule is not None
+    ctx = OpContext(node.op, _tensor_inputs(node), node.result.type, node.attrs, devices)
+    return rule.default_strategy(ctx)
+
+
+def assign(
+    graph: Graph,
+    devices: int,
+    dataset_strategy: Any,
+    searched: dict[int, Any] | None = None,
+) -> ParallelAssignment:
+    """step_parallel_begin: strategies, layouts and checks for every forward op."""
+    result = ParallelAssignment(devices)
+    result.param_layouts.update(dataset_layouts(graph, dataset_strategy, devices))
+    users: dict[str, list[tuple[Node, TensorLayout]]] = {}
+    for node in graph.nodes:
+        if node.op in NO_STRATEGY:
+            continue
+        if rule_for(node.op) is None:
+            raise OpError(
+                node.op,
+                "this op has no sharding rule, so it cannot be used in a parallel program",
+                instance_name=node.instance_name, scope=node.scope, source=node.source,
+                hint="use stand_alone or hybrid_parallel mode for hand-written communication",
+            )
+        user = node.attrs.get("in_strategy")
+        strategy: Any
+        if user is not None:
+            if any(s is None for s in user):
+                raise OpError(node.op, "in_strategy entries of None must be filled by the "
+                              "search (auto_parallel with sharding_propagation)",
+                              instance_name=node.instance_name, scope=node.scope,
+                              source=node.source, strategy=user)
+            strategy = user
+        elif searched and id(node) in searched:
+            strategy = searched[id(node)]
+        else:
+            strategy = default_strategy(node, devices)
+        sharding = shard_node(node, devices, strategy, node.attrs.get("out_strategy"))
+        result.shardings[id(node)] = sharding
+        node.parallel = ParallelInfo(
+            in_strategy=sharding.strategy,
+            out_strategy=node.attrs.get("out_strategy"),
+        )
+        for operand, layout in zip(node.operands, sharding.in_layouts):
+            if isinstance(operand, GraphParam) and operand.kind != "input":
+                users.setdefault(operand.name, []).append((node, layout))
+    for name, entries in users.items():
+        first_node, first = entries[0]
+        for other_node, layout in entries[1:]:
+            if layout != first or layout.slice_shape != first.slice_shape:
+                raise PcompileError(
+                    f"The parameter: {name} has multiple users, but the TensorInfo are "
+                    f"different: {first_node.where()} wants {first} (strategy "
+                    f"{first_node.parallel.in_strategy if first_node.parallel else None}) and "
+                    f"{other_node.where()} wants {layout} (strategy "
+                    f"{other_node.parallel.in_strategy if other_node.parallel else None}). "
+                    "Parameters are stored sliced and never redistributed: give every user "
+                    "of the parameter the same split of it"
+                )
+        result.param_layouts[name] = first
+    for p in graph.params:
+        if p.name not in result.param_layouts:
+            result.param_layouts[p.name] = replicated(p.shape, devices)
+    _assign_reshapes(graph, result)
+    return result
+
+
+def _assign_reshapes(graph: Graph, result: ParallelAssignment) -> None:
+    """A Reshape's output takes the layout its first consumer wants; otherwise the natural
+    layout that keeps a dim-0 split."""
+    for node in graph.nodes:
+        if node.op != "Reshape":
+            continue
+        out_type = node.result.type
+        assert isinstance(out_type, TensorType)
+        wanted: TensorLayout | None = None
+        for user, index in node.result.uses:
+            sharding = result.sharding(user)
+            if sharding is not None:
+                wanted = sharding.in_layouts[index]
+                break
+        if wanted is None:
+            wanted = replicated(out_type.shape, result.devices)
+        result.reshape_layouts[id(node)] = wanted
+
+
+def operand_layout(value: Value, result: ParallelAssignment) -> TensorLayout | None:
+    """The layout a value has where it is produced (None for constants)."""
+    if isinstance(value, Constant):
+        return None
+    if isinstance(value, GraphParam):
+        return result.param_layouts[value.name]
+    assert isinstance(value, NodeResult)
+    node = value.node
+    if node.op == "Reshape":
+        return result.reshape_layouts[id(node)]
+    sharding = result.sharding(node)
+    if sharding is not None:
+        return sharding.out_layouts[0]
+    return None
+
+
+def is_tuple(value: Value) -> bool:
+    return isinstance(value.type, TupleType)
