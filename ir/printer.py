@@ -1,0 +1,336 @@
+"""The IR text printer: `print_graph(graph) -> str`, MindIR-like.
+
+The printer and `ir.parser` are written side by side from one grammar (documented in full,
+with examples, in `docs/ir-reference.md`). `parse_graph(print_graph(g))` is structurally equal
+to `g`, and `print_graph(parse_graph(text)) == text` for every text this module writes.
+
+File layout (`NL` is a newline, `INT` a decimal integer, `{...}` repeats)::
+
+    file      = "# IR entry: @" gname NL "# Total subgraphs: 1" NL NL
+                "# Attrs:" NL {key ": " value NL} NL
+                "# Total params: " INT NL "# Params:" NL {param NL} NL
+                "Node counting information:" NL
+                "Total number of nodes: " INT NL "Total number of cnodes: " INT NL NL
+                "subgraph @" gname "() {" NL {node} return "}" NL
+    param     = "%para" INT "_" pname ": " ptype
+    ptype     = tensor_type ["  :  requires_grad"]
+              | "<Ref[Tensor[" DTYPE "]], " shape ", ref_key=" pname ", "
+                ("is_parameter" | "is_state") [", no_grad" | ", requires_grad"] ">  :  has_default"
+    node      = "  %" INT "(" hint ") = " OP "(" [operands] ")"
+                [" {instance name: " word "}"] " primitive_attrs: " dict [" " dict] NL
+                "      : (" [types] ") -> (" type ")" NL
+                "      # scope: (" text_or_json ")" NL
+                ["      # In file " file ":" INT ("/" raw_text "/" | " " json_string) NL]
+    return    = "  Return(" [operands] ")" NL "      : (" [types] ")" NL
+                "      # scope: (Default)" NL
+    operand   = "%" INT | "%para" INT "_" pname
+              | "Tensor(shape=[" [INT {", " INT}] "], dtype=" DTYPE ", value=" cvalue ")"
+
+Attribute values (`value`) are: `true`/`false`, `None`, ints, floats in Python `repr` form
+(always containing `.`, `e`, `inf` or `nan`), MindIR dtype names (`Float32`, ...), strings
+(bare when they match `BARE_STRING` and are no keyword, else JSON-quoted), tuples `()`,
+`(1,)`, `(1, 2)`, lists `[1, 2]` and dicts `{key: value, ...}`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import numpy as np
+
+from ir.core import Constant, Graph, GraphParam, Node, NodeResult, ParallelInfo, SourceLoc, Value
+from ir.types import DType, ValueType, format_shape
+
+# -- lexical rules shared with ir.parser ------------------------------------------------------
+
+#: Strings that print without quotes (when not a keyword or dtype name).
+BARE_STRING = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]*")
+#: Words that must be quoted when they are strings, because bare they mean something else.
+KEYWORDS = frozenset({"true", "false", "None", "inf", "nan"})
+#: Dtype spellings in the text, mapped to `DType`.
+DTYPE_NAMES: dict[str, DType] = {d.value: d for d in DType}
+#: Graph and parameter names that print without quotes.
+BARE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+#: Instance names that print without quotes.
+BARE_WORD = re.compile(r"[A-Za-z0-9_./-]+")
+#: Characters a node's name hint keeps; the printer replaces every other one with `_`.
+HINT = re.compile(r"[A-Za-z0-9_.\[\]-]+")
+_HINT_BAD = re.compile(r"[^A-Za-z0-9_.\[\]-]")
+#: Characters that never appear raw inside a line (they would split it).
+_LINE_BREAKS = ("\n", "\r")
+
+NODE_INDENT = "  "
+DETAIL_INDENT = "      "
+RETURN_SCOPE = "Default"
+
+
+def quote(text: str) -> str:
+    """JSON string literal (ASCII only, so dumps are plain ASCII for such values)."""
+    return json.dumps(text)
+
+
+def format_string(text: str) -> str:
+    """A string attribute value: bare when unambiguous, else JSON-quoted."""
+    if BARE_STRING.fullmatch(text) and text not in KEYWORDS and text not in DTYPE_NAMES:
+        return text
+    return quote(text)
+
+
+def format_name(name: str) -> str:
+    """A graph or parameter name: bare when it matches `BARE_NAME`, else JSON-quoted."""
+    return name if BARE_NAME.fullmatch(name) else quote(name)
+
+
+def format_word(word: str) -> str:
+    """An instance name: bare when it matches `BARE_WORD`, else JSON-quoted."""
+    return word if BARE_WORD.fullmatch(word) else quote(word)
+
+
+def format_free_text(text: str) -> str:
+    """Text that runs to a fixed terminator (a scope): raw unless it contains a line break
+    or starts with a double quote, else JSON-quoted."""
+    if text.startswith('"') or any(c in text for c in _LINE_BREAKS):
+        return quote(text)
+    return text
+
+
+def sanitize_hint(hint: str) -> str:
+    """The name hint as printed: characters outside `HINT` become `_`; empty → `CNode`."""
+    return _HINT_BAD.sub("_", hint) or "CNode"
+
+
+def format_float(value: float) -> str:
+    """Python `repr`: exact for float64 and so for every narrower float type."""
+    return repr(float(value))
+
+
+def format_value(value: Any) -> str:
+    """The text of an attribute value (see the module docstring for the grammar)."""
+    if isinstance(value, (bool, np.bool_)):
+        return "true" if value else "false"
+    if value is None:
+        return "None"
+    if isinstance(value, DType):
+        return value.value
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        return format_float(float(value))
+    if isinstance(value, str):
+        return format_string(value)
+    if isinstance(value, tuple):
+        if len(value) == 1:
+            return f"({format_value(value[0])},)"
+        return "(" + ", ".join(format_value(v) for v in value) + ")"
+    if isinstance(value, list):
+        return "[" + ", ".join(format_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return format_dict(value)
+    raise TypeError(
+        f"cannot print attribute value {value!r} of type {type(value).__name__}; allowed: "
+        "bool, int, float, str, None, DType, and tuples, lists and dicts of those"
+    )
+
+
+def format_dict(mapping: dict[Any, Any]) -> str:
+    """`{key: value, ...}` with keys printed as values (normally bare strings)."""
+    return (
+        "{" + ", ".join(f"{format_value(k)}: {format_value(v)}" for k, v in mapping.items()) + "}"
+    )
+
+
+def format_type(type_: ValueType) -> str:
+    """`<Tensor[Float32], (16, 32)>` or `<Tuple[...], TupleShape(...)>` (see ir.types)."""
+    return str(type_)
+
+
+# -- constants --------------------------------------------------------------------------------
+
+
+def is_splat(array: np.ndarray) -> bool:
+    """True when the array has elements and all of them print the same: bit-identical (so
+    `-0.0` and `0.0` differ), or all NaN (the text keeps no NaN sign or payload)."""
+    if array.size == 0:
+        return False
+    flat = np.ascontiguousarray(array).reshape(-1)
+    if flat.dtype.kind == "f" or flat.dtype == DType.bfloat16.np:
+        nan = np.isnan(flat.astype(np.float64))
+        if nan.any():
+            return bool(nan.all())
+    bits = flat.view(f"u{flat.dtype.itemsize}")
+    return bool(np.all(bits == bits[0]))
+
+
+def _element_texts(array: np.ndarray, dtype: DType) -> list[str]:
+    flat = array.reshape(-1)
+    if dtype is DType.bool_:
+        return ["true" if v else "false" for v in flat.tolist()]
+    if dtype.is_float:
+        return [format_float(v) for v in flat.astype(np.float64).tolist()]
+    return [str(int(v)) for v in flat.tolist()]
+
+
+def _nest(texts: list[str], shape: tuple[int, ...]) -> str:
+    """The nested-list spelling of row-major `texts` with the given shape."""
+    if not shape:
+        return texts[0]
+    if len(shape) == 1:
+        return "[" + ", ".join(texts) + "]"
+    step = len(texts) // shape[0] if shape[0] else 0
+    rows = (_nest(texts[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0]))
+    return "[" + ", ".join(rows) + "]"
+
+
+def format_constant(const: Constant) -> str:
+    """`Tensor(shape=[2, 3], dtype=Float32, value=V)`; V is one number for a splat, else the
+    nested list of all values."""
+    ttype = const.tensor_type
+    array = np.asarray(const.array)
+    if is_splat(array):
+        value = _element_texts(array.reshape(-1)[:1], ttype.dtype)[0]
+    else:
+        value = _nest(_element_texts(array, ttype.dtype), ttype.shape)
+    dims = ", ".join(str(d) for d in ttype.shape)
+    return f"Tensor(shape=[{dims}], dtype={ttype.dtype.value}, value={value})"
+
+
+# -- graph ------------------------------------------------------------------------------------
+
+
+def param_ref(index: int, param: GraphParam) -> str:
+    """`%para<k>_<name>`, k counting from 1."""
+    return f"%para{index + 1}_{format_name(param.name)}"
+
+
+def format_param_type(param: GraphParam) -> str:
+    """The type of a graph parameter in the `# Params:` block."""
+    ttype = param.tensor_type
+    if param.kind == "input":
+        return str(ttype) + ("  :  requires_grad" if param.requires_grad else "")
+    flag = "is_parameter" if param.kind == "weight" else "is_state"
+    grad = ""
+    if param.kind == "weight" and not param.requires_grad:
+        grad = ", no_grad"
+    elif param.kind == "state" and param.requires_grad:
+        grad = ", requires_grad"
+    return (
+        f"<Ref[Tensor[{ttype.dtype.value}]], {format_shape(ttype.shape)}, "
+        f"ref_key={format_name(param.name)}, {flag}{grad}>  :  has_default"
+    )
+
+
+def format_source(source: SourceLoc) -> str:
+    """`# In file <file>:<line>/<text>/`; the file is JSON-quoted when it contains `:` (or a
+    line break, or starts with a quote); a text with a line break is written as
+    `:<line> "<json>"` instead of between slashes."""
+    file = source.file
+    if ":" in file or file.startswith('"') or any(c in file for c in _LINE_BREAKS):
+        file = quote(file)
+    if any(c in source.text for c in _LINE_BREAKS):
+        return f"# In file {file}:{source.line} {quote(source.text)}"
+    return f"# In file {file}:{source.line}/{source.text}/"
+
+
+def format_parallel(info: ParallelInfo) -> str:
+    """The parallel-info group `{in_strategy: ..., out_strategy: ..., <extra>...}`."""
+    clash = [k for k in info.extra if k in ("in_strategy", "out_strategy")]
+    if clash:
+        raise ValueError(f"ParallelInfo.extra must not hold {', '.join(clash)}")
+    _check_keys(info.extra, "ParallelInfo.extra")
+    return format_dict(dict(info.items()))
+
+
+def _check_keys(mapping: dict[Any, Any], what: str) -> None:
+    bad = [k for k in mapping if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"{what} keys must be strings, got {bad[0]!r}")
+
+
+class _Printer:
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.names: dict[int, str] = {}
+        for i, param in enumerate(graph.params):
+            self.names[id(param)] = param_ref(i, param)
+        for i, node in enumerate(graph.nodes):
+            self.names[id(node.result)] = f"%{i}"
+
+    def operand(self, value: Value, user: str) -> str:
+        if isinstance(value, Constant):
+            return format_constant(value)
+        name = self.names.get(id(value))
+        if name is None:
+            kind = "parameter" if isinstance(value, GraphParam) else "node result"
+            if isinstance(value, NodeResult):
+                kind += f" of {value.node.op}"
+            raise ValueError(
+                f"graph {self.graph.name}: {user} uses {kind} {value.name_hint!r}, which is not "
+                "in the graph"
+            )
+        return name
+
+    def operand_type(self, value: Value) -> str:
+        return format_type(value.type)
+
+    def node(self, index: int, node: Node) -> list[str]:
+        user = f"node %{index} ({node.op})"
+        operands = ", ".join(self.operand(v, user) for v in node.operands)
+        head = (
+            f"{NODE_INDENT}%{index}({sanitize_hint(node.result.name_hint)}) = {node.op}({operands})"
+        )
+        if node.instance_name:
+            head += f" {{instance name: {format_word(node.instance_name)}}}"
+        _check_keys(node.attrs, f"{user}: attribute")
+        head += f" primitive_attrs: {format_dict(node.attrs)}"
+        if node.parallel is not None:
+            head += " " + format_parallel(node.parallel)
+        in_types = ", ".join(self.operand_type(v) for v in node.operands)
+        lines = [
+            head,
+            f"{DETAIL_INDENT}: ({in_types}) -> ({format_type(node.result.type)})",
+            f"{DETAIL_INDENT}# scope: ({format_free_text(node.scope)})",
+        ]
+        if node.source is not None:
+            lines.append(DETAIL_INDENT + format_source(node.source))
+        return lines
+
+    def run(self) -> str:
+        g = self.graph
+        gname = format_name(g.name)
+        lines = [f"# IR entry: @{gname}", "# Total subgraphs: 1", "", "# Attrs:"]
+        _check_keys(g.attrs, f"graph {g.name}: attribute")
+        for key, value in g.attrs.items():
+            lines.append(f"{format_string(key)}: {format_value(value)}")
+        lines += ["", f"# Total params: {len(g.params)}", "# Params:"]
+        for i, param in enumerate(g.params):
+            lines.append(f"{param_ref(i, param)}: {format_param_type(param)}")
+        lines += [
+            "",
+            "Node counting information:",
+            f"Total number of nodes: {len(g.params) + len(g.nodes) + 1}",
+            f"Total number of cnodes: {len(g.nodes) + 1}",
+            "",
+            f"subgraph @{gname}() {{",
+        ]
+        for i, node in enumerate(g.nodes):
+            lines.extend(self.node(i, node))
+        outputs = ", ".join(self.operand(v, "Return") for v in g.outputs)
+        out_types = ", ".join(self.operand_type(v) for v in g.outputs)
+        lines += [
+            f"{NODE_INDENT}Return({outputs})",
+            f"{DETAIL_INDENT}: ({out_types})",
+            f"{DETAIL_INDENT}# scope: ({RETURN_SCOPE})",
+            "}",
+        ]
+        return "\n".join(lines) + "\n"
+
+
+def print_graph(graph: Graph) -> str:
+    """The graph as IR text. Deterministic: the same graph always gives the same bytes.
+
+    Raises ValueError when an operand or output is not a constant, a parameter of `graph` or
+    the result of one of its nodes (such a value has no name in the text), and TypeError for
+    attribute values outside the value grammar."""
+    return _Printer(graph).run()
