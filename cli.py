@@ -133,6 +133,10 @@ def _summary(program: Any, elapsed: float) -> None:
 def _check_backends(program: Any) -> None:
     from compiler.runtime import StandAloneRunner, batches
 
+    if program.state.parallel:
+        _check_oracle(program)
+        return
+
     _, _, arrays = next(batches(program, 1))
     results = {}
     for backend in ("numpy", "jax"):
@@ -155,6 +159,24 @@ def _check_backends(program: Any) -> None:
     if not program.training:
         shapes = ", ".join(str(tuple(o.shape)) for o in results["numpy"])
         click.echo(f"inference outputs {shapes}: numpy and jax agree")
+
+
+def _check_oracle(program: Any) -> None:
+    """Parallel programs: all ranks on the numpy simulator against the single-device model."""
+    from compiler.oracle import check
+
+    report = check(program, steps=1)
+    name, err = report.worst
+    if program.training:
+        (par, one), = report.losses
+        click.echo(f"first step loss: {program.state.devices} ranks (numpy simulator) {par!r}, "
+                   f"single device {one!r}")
+    click.echo(f"parallel plan vs single device: worst relative error {err:.2e} ({name})")
+    if not report.ok(1e-4):
+        raise AssertionError(
+            f"the parallel plan does not compute what the single-device program computes: "
+            f"{name} differs by {err:.3g} (relative)"
+        )
 
 
 def _train(program: Any, steps: int, backend: str) -> None:

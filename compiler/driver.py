@@ -322,7 +322,7 @@ def _run_pipeline(state: CompileState, out_dir: str | None) -> CompiledProgram:
             graphs = state.rank_graphs if state.split else [state.graph]
             for g in graphs:
                 assert g is not None
-                verify(g)
+                verify(g, allow_extra_attrs=True)
         except PcompileError as exc:
             if index == 0:
                 raise

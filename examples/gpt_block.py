@@ -27,7 +27,8 @@ class Attention(nn.Cell):
         super().__init__()
         self.heads, self.head_dim = heads, hidden // heads
         self.query = nn.Dense(hidden, hidden)
-        self.key = nn.Dense(hidden, hidden)
+        # No key bias: softmax is invariant to it, so its gradient is exactly zero.
+        self.key = nn.Dense(hidden, hidden, has_bias=False)
         self.value = nn.Dense(hidden, hidden)
         self.proj = nn.Dense(hidden, hidden)
         self.reshape = ops.Reshape()
@@ -107,7 +108,7 @@ def loss():
 
 
 def optimizer(params):
-    return nn.Adam(params, learning_rate=1e-2)
+    return nn.AdamWeightDecay(params, learning_rate=1e-2, weight_decay=0.01)
 
 
 def dataset():

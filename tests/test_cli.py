@@ -182,7 +182,7 @@ def test_unknown_context_option(tmp_path) -> None:
 def test_parallel_mode_not_available_yet_says_so(tmp_path) -> None:
     out = tmp_path / "out"
     code, output = run_cli([os.path.join(ROOT, "examples", "quickstart.py"), "--devices", "8",
-                            "--parallel-mode", "semi_auto_parallel", "--out", str(out)])
+                            "--parallel-mode", "data_parallel", "--out", str(out)])
     assert code == 1
     assert "not implemented yet" in output
     assert not out.exists()
@@ -209,6 +209,26 @@ def test_refuses_to_overwrite_foreign_folder(tmp_path) -> None:
                             str(foreign), "--no-check"])
     assert code == 1 and "did not write" in output
     assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_semi_auto_parallel_on_8_devices_checks_the_oracle(tmp_path) -> None:
+    out = tmp_path / "out"
+    code, output = run_cli([os.path.join(ROOT, "examples", "quickstart.py"), "--devices", "8",
+                            "--parallel-mode", "semi_auto_parallel", "--out", str(out)])
+    assert code == 0, output
+    assert "parallel plan vs single device: worst relative error" in output
+    assert sorted(os.listdir(out)) == ["plan.json"] + [f"rank_{r}" for r in range(8)]
+    names = sorted(os.listdir(out / "rank_3"))
+    assert names == ["00_trace.ir", "01_step_parallel_begin.ir", "02_step_parallel_end.ir",
+                     "03_autodiff.ir", "04_optimizer.ir", "05_execute.ir"]
+    for r in range(8):
+        for name in names:
+            text = (out / f"rank_{r}" / name).read_text()
+            assert print_graph(parse_graph(text, name)) == text
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["parameters"]["w"]["dev_matrix"] == [2, 4, 1]
+    assert plan["parameters"]["w"]["slice_shape"] == [8, 16]
+    assert any(c["op"] == "AllReduce" for c in plan["collectives"]["0"])
 
 
 def test_console_script_entry_point(tmp_path) -> None:
