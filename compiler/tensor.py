@@ -35,10 +35,16 @@ class TensorSpec:
         return TensorType(self.dtype, self.shape)
 
 
-def _call(prim_name: str, *args: Any, **kwargs: Any) -> Any:
-    from compiler import ops
+_OPS: Any = None
 
-    return getattr(ops, prim_name)(**kwargs)(*args)
+
+def _call(prim_name: str, *args: Any, **kwargs: Any) -> Any:
+    global _OPS
+    if _OPS is None:
+        from compiler import ops
+
+        _OPS = ops
+    return getattr(_OPS, prim_name)(**kwargs)(*args)
 
 
 class Tensor:

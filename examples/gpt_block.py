@@ -2,7 +2,8 @@
 multi-head attention (BatchMatMul, Softmax) and a GeLU MLP, final LayerNorm, LM head and
 cross-entropy over next tokens.
 
-The number of layers comes from the environment variable GPT_LAYERS (default 2), so the
+The number of layers and the global batch come from the environment variables GPT_LAYERS
+(default 2) and GPT_BATCH (default 8), so the
 benchmarks can compile 2 to 96 layers from the same file:
 
     GPT_LAYERS=8 pcompile examples/gpt_block.py --devices 8 --search recursive_programming
@@ -18,7 +19,7 @@ VOCAB = 64
 SEQ = 16
 HIDDEN = 32
 HEADS = 4
-BATCH = 8
+BATCH = int(os.environ.get("GPT_BATCH", "8"))
 LAYERS = int(os.environ.get("GPT_LAYERS", "2"))
 
 
