@@ -167,6 +167,15 @@ def _check_oracle(program: Any) -> None:
 
     report = check(program, steps=1)
     name, err = report.worst
+    opts = program.state.options
+    if program.training and program.state.parallel_mode in ("data_parallel", "hybrid_parallel") \
+            and not opts.get("gradients_mean"):
+        click.echo(
+            f"note: {program.state.parallel_mode} with gradients_mean=False sums parameter "
+            f"gradients over {program.state.devices} ranks (MindSpore semantics), so updates "
+            "differ from single-device training; set gradients_mean=True to match it"
+        )
+        return
     if program.training:
         (par, one), = report.losses
         click.echo(f"first step loss: {program.state.devices} ranks (numpy simulator) {par!r}, "

@@ -36,6 +36,11 @@ from ir.registry import get_op
 from ir.verifier import verify
 from passes.autodiff import append_gradients
 from passes.optimizer import append_optimizer
+from passes.replicated import (
+    build_replicated_graphs,
+    data_parallel_feed_layouts,
+    replicated_assignment,
+)
 from passes.step_parallel import SplitOptions, build_rank_graphs, slice_array
 from passes.step_parallel_begin import ParallelAssignment, assign
 
@@ -81,7 +86,13 @@ class TracePass:
     name = "trace"
 
     def apply(self, state: CompileState) -> None:
-        traced = trace_model(state.model_file)
+        split = state.devices if state.parallel_mode == "data_parallel" else 1
+        if state.parallel_mode == "hybrid_parallel":
+            # Rank 0's view; every rank is traced again by ReplicatePass.
+            with context_override(global_rank=0):
+                traced = trace_model(state.model_file)
+        else:
+            traced = trace_model(state.model_file, batch_split=split)
         state.traced = traced
         state.graph = traced.graph
         for name, param in traced.parameters.items():
@@ -241,9 +252,47 @@ class CompiledProgram:
         return [f"output{i}" for i in range(len(self.rank_graphs[0].outputs))]
 
 
+class ReplicatePass:
+    """data_parallel / hybrid_parallel: every rank runs the whole graph (hybrid: traced once
+    per rank, so `get_rank()` in the model sees each rank), with gradient mirrors over all
+    ranks for parameters not marked `layerwise_parallel`."""
+
+    name = "split_ranks"
+
+    def apply(self, state: CompileState) -> None:
+        assert state.graph is not None and state.traced is not None
+        traced = state.traced
+        if state.parallel_mode == "hybrid_parallel":
+            graphs = [state.graph]
+            for rank in range(1, state.devices):
+                with context_override(global_rank=rank):
+                    graphs.append(trace_model(state.model_file).graph)
+        else:
+            graphs = [state.graph] * state.devices
+        opts = state.options
+        options = SplitOptions(state.devices, state.training,
+                               gradients_mean=bool(opts.get("gradients_mean", False)))
+        fusion = {name: p.comm_fusion for name, p in traced.parameters.items()}
+        layerwise = {name for name, p in traced.parameters.items() if p.layerwise_parallel}
+        state.rank_graphs = build_replicated_graphs(graphs, options, fusion, layerwise)
+        assignment = replicated_assignment(state.graph, state.devices)
+        if state.parallel_mode == "data_parallel":
+            assignment.param_layouts.update(
+                data_parallel_feed_layouts(state.graph, state.devices))
+        state.assignment = assignment
+        state.output_layouts = [None] * len(state.graph.outputs)
+        state.rank_values = [
+            {k: np.array(v, copy=True) for k, v in state.initial_values.items()}
+            for _ in range(state.devices)
+        ]
+        state.split = True
+
+
 def pipeline(state: CompileState) -> list[Pass]:
     passes: list[Pass] = [TracePass()]
-    if state.parallel:
+    if state.parallel_mode in ("data_parallel", "hybrid_parallel"):
+        passes.append(ReplicatePass())
+    elif state.parallel:
         passes += [StepParallelBeginPass(), StepParallelEndPass()]
     if state.training:
         passes += [AutodiffPass(), OptimizerPass()]
@@ -251,7 +300,7 @@ def pipeline(state: CompileState) -> list[Pass]:
     return passes
 
 
-IMPLEMENTED_MODES = ("stand_alone", "semi_auto_parallel")
+IMPLEMENTED_MODES = ("stand_alone", "semi_auto_parallel", "data_parallel", "hybrid_parallel")
 
 
 def _check_mode(devices: int, parallel_mode: str, search_mode: str) -> None:

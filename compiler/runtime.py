@@ -142,6 +142,9 @@ class ParallelRunner:
             for name, value in zip(names[1:], rank_outs[1:]):
                 self.values[rank][name] = value
         losses = [float(o[0]) for o in outs]
+        if self.program.state.parallel_mode == "data_parallel":
+            # Each rank's loss is the mean over its own batch; their mean is the global loss.
+            return float(np.mean(np.asarray(losses, np.float64)))
         if max(losses) - min(losses) > 1e-5 * max(1.0, abs(losses[0])):
             raise AssertionError(f"ranks disagree on the loss: {losses}")
         return losses[0]

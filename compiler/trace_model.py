@@ -80,7 +80,21 @@ def _first_batch_labels(mf: ModelFile) -> list[TensorSpec | np.ndarray]:
     )
 
 
-def trace_model(mf: ModelFile) -> TracedModel:
+def _local(t: TensorType, batch_split: int, name: str) -> TensorType:
+    """The per-rank type of a data-parallel input: dim 0 divided by the number of ranks."""
+    if batch_split == 1 or not t.shape:
+        return t
+    if t.shape[0] % batch_split:
+        raise PcompileError(
+            f"data_parallel splits dim 0 of {name} {t.shape} over {batch_split} ranks, but "
+            f"{t.shape[0]} is not divisible by {batch_split}"
+        )
+    return t.with_shape((t.shape[0] // batch_split, *t.shape[1:]))
+
+
+def trace_model(mf: ModelFile, batch_split: int = 1) -> TracedModel:
+    """Trace the model file. `batch_split` > 1 traces each input and label with dim 0 divided
+    by it (the local batch of one rank in data_parallel mode)."""
     network = call_user(mf.model, "model()", mf.path)
     if not isinstance(network, Cell):
         raise PcompileError(f"model() in {mf.path} must return an nn.Cell, got {type(network)}")
@@ -103,8 +117,10 @@ def trace_model(mf: ModelFile) -> TracedModel:
     graph.attrs["training"] = loss_cell is not None
     parameters: dict[str, Parameter] = {}
     with tracing(graph) as tracer:
-        args = [tracer.add_input(n, _spec_type(s)) for n, s in zip(input_names, example_inputs)]
-        labels = [tracer.add_input(n, _spec_type(s)) for n, s in zip(label_names, example_labels)]
+        args = [tracer.add_input(n, _local(_spec_type(s), batch_split, n))
+                for n, s in zip(input_names, example_inputs)]
+        labels = [tracer.add_input(n, _local(_spec_type(s), batch_split, n))
+                  for n, s in zip(label_names, example_labels)]
         for name, param in network.parameters_and_names():
             if param.name in parameters and parameters[param.name] is not param:
                 raise PcompileError(

@@ -92,7 +92,7 @@ class GPT(nn.Cell):
         x = self.add_pos(self.embedding(tokens), self.position)
         x = self.ln_f(self.blocks(x))
         logits = self.head(x)
-        return self.reshape(logits, (BATCH * SEQ, VOCAB))
+        return self.reshape(logits, (-1, VOCAB))
 
 
 def model():

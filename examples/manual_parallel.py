@@ -1,15 +1,19 @@
 """Seed `manual-parallel.md`: the user slices the batch by rank and all-reduces the loss.
 
 The network reads `get_rank()` / `get_group_size()` at trace time, so each rank's graph is
-traced separately (hybrid_parallel); with one device it is ordinary single-device training.
+traced separately (hybrid_parallel); every rank receives the whole batch and takes its part.
+Parameter gradients are all-reduced over the ranks and averaged (`gradients_mean=True`), so 8
+ranks train exactly like one device on the whole batch.
 
-    pcompile examples/manual_parallel.py --devices 1
+    pcompile examples/manual_parallel.py --devices 8
 """
 
 import numpy as np
 
-from compiler import nn, ops, set_seed
+from compiler import nn, ops, set_auto_parallel_context, set_seed
 from compiler.communication import get_group_size, get_rank, init
+
+set_auto_parallel_context(parallel_mode="hybrid_parallel", gradients_mean=True)
 
 BATCH_SIZE = 32
 STEPS = 10

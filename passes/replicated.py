@@ -1,0 +1,80 @@
+"""Per-rank graphs for `data_parallel` and `hybrid_parallel` (manual) modes.
+
+No op is sharded by the compiler: every rank runs the whole traced graph (on its local batch in
+`data_parallel`; on whatever the user's own code slices in `hybrid_parallel`), and every
+trainable parameter not marked `layerwise_parallel` gets a `_MirrorOperator` over all ranks, so
+its gradient is all-reduced (summed, or averaged with `gradients_mean`), as in MindSpore. Each
+rank's loss is its own (no `_VirtualDiv`): with `gradients_mean=True` and a loss that is a mean
+over equal-size local batches, training equals single-device training on the global batch.
+"""
+
+from __future__ import annotations
+
+from ir.core import Graph, Node
+from ir.layout import TensorLayout
+from ir.sharding import OpSharding
+from ir.types import TensorType, TupleType
+from passes.step_parallel import RankBuilder, SplitOptions
+from passes.step_parallel_begin import ParallelAssignment, replicated
+
+
+def _types(node: Node) -> list[TensorType]:
+    t = node.result.type
+    return list(t.elements) if isinstance(t, TupleType) else [t]  # type: ignore[list-item]
+
+
+def replicated_assignment(graph: Graph, devices: int) -> ParallelAssignment:
+    """Every value replicated, every op run whole on every rank, no forward communication."""
+    result = ParallelAssignment(devices)
+    for p in graph.params:
+        result.param_layouts[p.name] = replicated(p.shape, devices)
+    for node in graph.nodes:
+        ins = [replicated(getattr(v.type, "shape", ()), devices) for v in node.operands]
+        outs = [replicated(t.shape, devices) for t in _types(node)]
+        strategy = tuple(tuple(1 for _ in lay.shape) for lay in ins)
+        result.shardings[id(node)] = OpSharding(strategy, (devices,), ins, outs)
+        if node.op == "Reshape":
+            result.reshape_layouts[id(node)] = outs[0]
+    return result
+
+
+class _Builder(RankBuilder):
+    def __init__(self, *args, layerwise: set[str], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.layerwise = layerwise
+
+    def mirror(self, param, user):  # type: ignore[no-untyped-def]
+        if param.name in self.layerwise:
+            return self.local[id(param)][0]
+        return super().mirror(param, user)
+
+
+def build_replicated_graphs(
+    graphs: list[Graph], options: SplitOptions, fusion_ids: dict[str, int],
+    layerwise: set[str],
+) -> list[Graph]:
+    """One graph per rank from `graphs[r]` (the same graph for every rank, or one traced per
+    rank in hybrid mode), with mirrors over all ranks."""
+    out = []
+    local_options = SplitOptions(options.devices, options.training, options.gradients_mean,
+                                 loss_repeated_mean=False)
+    for rank, graph in enumerate(graphs):
+        assignment = replicated_assignment(graph, options.devices)
+        builder = _Builder(graph, assignment, rank, local_options, fusion_ids,
+                           layerwise=layerwise)
+        g = builder.build()
+        for node in g.nodes:
+            if node.parallel is not None and node.op != "_MirrorOperator":
+                node.parallel = None  # nothing was sharded: no strategy to print
+        out.append(g)
+    return out
+
+
+def data_parallel_feed_layouts(graph: Graph, devices: int) -> dict[str, TensorLayout]:
+    """How the global batch is cut for the ranks: dim 0 of every input over all ranks."""
+    layouts = {}
+    for p in graph.inputs:
+        shape = (p.shape[0] * devices, *p.shape[1:]) if p.shape else p.shape
+        tmap = (0,) + (-1,) * (len(shape) - 1) if shape else ()
+        layouts[p.name] = TensorLayout((devices,), tmap, shape)
+    return layouts

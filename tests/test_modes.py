@@ -1,0 +1,129 @@
+"""data_parallel, hybrid_parallel (manual) and the gradient/loss options against the oracle."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from compiler.driver import compile as compile_model
+from compiler.oracle import check
+from compiler.runtime import ParallelRunner, StandAloneRunner, batches
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+
+
+def sgd_model(tmp_path, extra: str = "", mode: str = "semi_auto_parallel", flag: str = ""):
+    path = tmp_path / "sgd_model.py"
+    path.write_text(f"""
+import numpy as np
+from compiler import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
+set_auto_parallel_context(parallel_mode="{mode}", dataset_strategy="data_parallel" {extra})
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.w = Parameter(initializer("normal", [32, 16]), "w" {flag})
+        self.w2 = Parameter(initializer("normal", [16, 16]), "w2")
+        self.matmul = ops.MatMul().shard(((2, 4), (4, 1)))
+        self.relu = ops.ReLU()
+        self.matmul2 = ops.MatMul()
+
+    def construct(self, x):
+        return self.matmul2(self.relu(self.matmul(x, self.w)), self.w2)
+
+def model():
+    set_seed(3)
+    return Net()
+
+def inputs():
+    return (np.random.default_rng(0).random((16, 32)).astype(np.float32),)
+
+def labels():
+    return (np.random.default_rng(1).random((16, 16)).astype(np.float32),)
+
+def loss():
+    return nn.MSELoss()
+
+def optimizer(params):
+    return nn.SGD(params, learning_rate=0.5)
+""")
+    return str(path)
+
+
+def one_step_deltas(program) -> tuple[dict, dict]:
+    """Parameter change after one step: parallel program vs the single-device program."""
+    ref = compile_model(program.state.model_file.path, devices=1, dump=False)
+    par, one = ParallelRunner(program), StandAloneRunner(ref, "numpy")
+    for name in one.values:
+        one.values[name] = np.array(program.initial_values[name], copy=True)
+    _, _, arrays = next(batches(ref, 1))
+    par.step(arrays)
+    one.step(arrays)
+    start = program.initial_values
+    return ({n: par.global_value(n) - start[n] for n in ("w", "w2")},
+            {n: one.values[n] - start[n] for n in ("w", "w2")})
+
+
+@pytest.mark.parametrize("example", ["quickstart.py", "layout_mlp.py", "gpt_block.py"])
+def test_data_parallel_with_gradients_mean_matches_single_device(example) -> None:
+    program = compile_model(os.path.join(EXAMPLES, example), devices=8,
+                            parallel_mode="data_parallel", dump=False,
+                            overrides={"gradients_mean": True})
+    graph = program.rank_graphs[0]
+    assert graph.inputs[0].shape[0] * 8 == program.graph.inputs[0].shape[0] * 8
+    mirrors = [n for n in graph.nodes if n.op == "_MirrorOperator"]
+    assert len(mirrors) == len(graph.weights)
+    assert all(len(n.attrs["rank_list"]) == 8 and n.attrs["mean_flag"] for n in mirrors)
+    report = check(program, steps=2)
+    assert report.ok(1e-5, 1e-4 if example == "gpt_block.py" else 1e-5), report.worst
+
+
+def test_data_parallel_without_mean_sums_gradients(tmp_path) -> None:
+    program = compile_model(sgd_model(tmp_path, mode="data_parallel"), devices=8, dump=False)
+    par, one = one_step_deltas(program)
+    for name in par:
+        np.testing.assert_allclose(par[name], 8 * one[name], rtol=1e-4, atol=1e-7)
+
+
+def test_hybrid_manual_parallel_matches_single_device() -> None:
+    program = compile_model(os.path.join(EXAMPLES, "manual_parallel.py"), devices=8, dump=False)
+    assert program.state.parallel_mode == "hybrid_parallel"
+    # Each rank traced its own graph: rank 3 slices rows 12..16 of the batch.
+    first = program.rank_graphs[3].nodes[0]
+    assert first.op == "StridedSlice" and first.attrs["begin"][0] == 12
+    assert check(program, steps=2).ok(1e-5)
+
+
+def test_layerwise_parallel_parameter_gets_no_mirror(tmp_path) -> None:
+    path = sgd_model(tmp_path, mode="data_parallel", flag=", layerwise_parallel=True")
+    program = compile_model(path, devices=8, dump=False)
+    params = {n.attrs["parameter"] for n in program.rank_graphs[0].nodes
+              if n.op == "_MirrorOperator"}
+    assert params == {"w2"}
+
+
+def test_semi_auto_gradients_mean_divides_mirrored_gradients(tmp_path) -> None:
+    program = compile_model(sgd_model(tmp_path, extra=", gradients_mean=True"), devices=8,
+                            dump=False)
+    mirrors = {n.attrs["parameter"]: n for n in program.rank_graphs[0].nodes
+               if n.op == "_MirrorOperator"}
+    assert mirrors["w"].attrs["mean_flag"] is True and mirrors["w"].attrs["dev_num"] == 2
+    par, one = one_step_deltas(program)
+    np.testing.assert_allclose(par["w"], one["w"] / 2, rtol=1e-4, atol=1e-8)
+    np.testing.assert_allclose(par["w2"], one["w2"] / mirrors["w2"].attrs["dev_num"],
+                               rtol=1e-4, atol=1e-8)
+
+
+def test_semi_auto_without_loss_repeated_mean_counts_every_copy(tmp_path) -> None:
+    program = compile_model(sgd_model(tmp_path, extra=", loss_repeated_mean=False"),
+                            devices=8, dump=False)
+    assert not any(n.op == "_VirtualDiv" for n in program.rank_graphs[0].nodes)
+    par, one = one_step_deltas(program)
+    for name in par:
+        np.testing.assert_allclose(par[name], 8 * one[name], rtol=1e-4, atol=1e-7)
+    default = compile_model(sgd_model(tmp_path), devices=8, dump=False)
+    assert any(n.op == "_VirtualDiv" for n in default.rank_graphs[0].nodes)
+    assert check(default).ok(1e-5)
