@@ -192,6 +192,7 @@ class StepParallelEndPass:
             gradients_mean=bool(opts.get("gradients_mean", False)),
             loss_repeated_mean=bool(opts.get("loss_repeated_mean", True)),
             enable_alltoall=bool(opts.get("enable_alltoall", False)),
+            gradient_fp32_sync=bool(opts.get("gradient_fp32_sync", True)),
         )
         fusion = {name: p.comm_fusion for name, p in traced.parameters.items()}
         graphs, layouts = build_rank_graphs(state.graph, state.assignment, options, fusion)
@@ -354,6 +355,8 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
             "gradients_mean": ctx.gradients_mean,
             "loss_repeated_mean": ctx.loss_repeated_mean,
             "enable_alltoall": ctx.enable_alltoall,
+            "gradient_fp32_sync": ctx.gradient_fp32_sync,
+            "parameter_broadcast": ctx.parameter_broadcast,
         }
         if out_dir is None:
             out_dir = str(get_context("save_graphs_path") or "") or "./saved_graph"

@@ -120,6 +120,10 @@ class ParallelRunner:
         self.graphs = program.rank_graphs
         self.values = [{k: np.array(v, copy=True) for k, v in vals.items()}
                        for vals in state.rank_values]
+        if state.options.get("parameter_broadcast"):
+            for name in broadcast_parameters(program):
+                for vals in self.values[1:]:
+                    vals[name] = np.array(self.values[0][name], copy=True)
 
     def feeds(self, rank: int, arrays: list[np.ndarray]) -> list[np.ndarray]:
         from passes.step_parallel import slice_array
@@ -159,3 +163,20 @@ class ParallelRunner:
         for rank, vals in enumerate(self.values):
             full[tuple(slice(b, e) for b, e in layout.slice_bounds(rank))] = vals[name]
         return full
+
+
+def broadcast_parameters(program: CompiledProgram) -> list[str]:
+    """Parameters `parameter_broadcast` copies from rank 0 before training: the replicated
+    ones (sliced and layerwise_parallel parameters keep their own values)."""
+    state = program.state
+    assert state.assignment is not None
+    traced = program.traced
+    names = []
+    for p in program.graph.weights:
+        layout = state.assignment.param_layouts[p.name]
+        owner = traced.parameters.get(p.name)
+        if owner is not None and owner.layerwise_parallel:
+            continue
+        if all(e == -1 for e in layout.tensor_map):
+            names.append(p.name)
+    return names

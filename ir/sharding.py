@@ -518,6 +518,10 @@ class LabelRule:
         result = label_sharding(ctx, self.labels(ctx), strategy, out_strategy)
         if ctx.op == "Conv2D":
             result.local_attrs["out_channel"] = ctx.out_types[0].shape[1] // strategy[1][0]
+        if ctx.attrs.get("cross_batch") and ctx.op.startswith("Reduce"):
+            # cross_batch: each rank reduces its own part only, as in data_parallel (no
+            # forward AllReduce and no division of a mean across ranks).
+            result.forward = []
         return result
 
     def default_strategy(self, ctx: OpContext) -> Strategy:
@@ -615,3 +619,41 @@ NO_STRATEGY = {"Reshape", "TupleGetItem", "MakeTuple"}
 
 def rule_for(op: str) -> LabelRule | None:
     return RULES.get(op)
+
+
+# -- candidate enumeration helpers (used by passes.search) -----------------------------------
+
+
+@dataclass(frozen=True)
+class LabelDim:
+    """One distinct input label of an op application: its size and whether it may be split."""
+
+    name: str
+    size: int
+    splittable: bool
+
+
+def label_dims(ctx: OpContext, labels: Labels) -> list[LabelDim]:
+    """Distinct input labels in order of first appearance (MindSpore's depth-first order over
+    the dims of all inputs, with tied dims enumerated once). MatMul-like ops use the virtual
+    tensor order `[batch..., i, k, j]` whatever their transpose flags."""
+    sizes: dict[str, int] = {}
+    for lab, t in zip(labels.inputs, ctx.in_types):
+        for name, size in zip(lab, t.shape):
+            sizes.setdefault(name, size)
+    order = list(sizes)
+    if ctx.op in ("MatMul", "BatchMatMul") and labels.outputs:
+        out = labels.outputs[0]
+        reduced = [name for name in order if name not in out]
+        virtual = [name for name in out[:-1] if name in sizes] + reduced
+        virtual += [name for name in out[-1:] if name in sizes]
+        order = virtual + [name for name in order if name not in virtual]
+    return [
+        LabelDim(name, sizes[name], name not in labels.unsplittable and sizes[name] > 1)
+        for name in order
+    ]
+
+
+def strategy_from_splits(labels: Labels, splits: dict[str, int]) -> Strategy:
+    """The per-input strategy that splits every label `splits[label]` ways (1 if absent)."""
+    return tuple(tuple(splits.get(name, 1) for name in lab) for lab in labels.inputs)

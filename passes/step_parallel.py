@@ -44,6 +44,7 @@ class SplitOptions:
     gradients_mean: bool = False
     loss_repeated_mean: bool = True
     enable_alltoall: bool = False
+    gradient_fp32_sync: bool = True
 
 
 def slice_array(array: np.ndarray, layout: TensorLayout, rank: int) -> np.ndarray:
@@ -124,7 +125,15 @@ class RankBuilder:
         """The parameter as its users see it: behind a mirror when replicated."""
         if id(param) in self.mirrors:
             return self.mirrors[id(param)]
-        local, layout = self.local[id(param)]
+        local = self.local[id(param)][0]
+        value = self.mirror_value(local, param, user)
+        self.mirrors[id(param)] = value
+        return value
+
+    def mirror_value(self, local: Value, param: GraphParam, user: Node) -> Value:
+        """`local` (the parameter, or its low-precision Cast) behind a mirror over the ranks
+        holding the same slice, when there are several."""
+        layout = self.local[id(param)][1]
         value = local
         if self.options.training and param.kind == "weight" and param.requires_grad:
             group = layout.repeat_group(self.rank)
@@ -144,7 +153,6 @@ class RankBuilder:
                                   f"{len(group)} ranks that hold the same slice {layout}",
                         "bytes": nbytes}),
                 )
-        self.mirrors[id(param)] = value
         return value
 
     def required(self, node: Node, index: int, value: Value, want: TensorLayout) -> Value:
@@ -229,6 +237,9 @@ class RankBuilder:
             return
         sharding = self.assignment.sharding(node)
         assert sharding is not None, f"{node.where()} has no sharding"
+        if self.low_precision_cast_of_weight(node):
+            self.lower_cast_before_mirror(node, sharding)
+            return
         operands = [self.required(node, i, v, want)
                     for i, (v, want) in enumerate(zip(node.operands, sharding.in_layouts))]
         b = Builder(self.graph, scope=node.scope, source=node.source)
@@ -247,6 +258,29 @@ class RankBuilder:
         layouts: Any = (sharding.out_layouts if len(sharding.out_layouts) > 1
                         or node.op == "Split" else sharding.out_layouts[0])
         self.local[id(node.result)] = (out, layouts)
+
+    def low_precision_cast_of_weight(self, node: Node) -> bool:
+        """With gradient_fp32_sync=False, a Cast of an fp32 weight to fp16/bf16 takes the
+        mirror after it (the gradient is all-reduced in low precision)."""
+        if self.options.gradient_fp32_sync or node.op != "Cast":
+            return False
+        (value,) = node.operands
+        target = node.attrs.get("dst_type")
+        return (isinstance(value, GraphParam) and value.kind == "weight"
+                and value.dtype.value == "Float32" and target is not None
+                and target.value in ("Float16", "BFloat16"))
+
+    def lower_cast_before_mirror(self, node: Node, sharding: OpSharding) -> None:
+        (param,) = node.operands
+        assert isinstance(param, GraphParam)
+        local = self.local[id(param)][0]
+        b = Builder(self.graph, scope=node.scope, source=node.source)
+        opdef = get_op(node.op)
+        cast = b.emit("Cast", [local], opdef.impl_attrs(node.attrs),
+                      instance_name=node.instance_name, name_hint=node.result.name_hint,
+                      parallel=ParallelInfo(in_strategy=sharding.strategy))
+        self.local[id(node.result)] = (self.mirror_value(cast, param, node),
+                                       sharding.out_layouts[0])
 
     def forward_comm(self, node: Node, b: Builder, out: Value, sharding: OpSharding) -> Value:
         for comm in sharding.forward:

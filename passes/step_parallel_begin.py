@@ -235,9 +235,14 @@ def shard_node(node: Node, devices: int, strategy: Any, out_strategy: Any = None
 
 
 def default_strategy(node: Node, devices: int) -> Any:
+    """The semi-auto default: batch parallel on the first input's dim 0 — unless that input is
+    a stored parameter, which data parallelism replicates rather than splits."""
     rule = rule_for(node.op)
     assert rule is not None
     ctx = OpContext(node.op, _tensor_inputs(node), node.result.type, node.attrs, devices)
+    first = node.operands[0] if node.operands else None
+    if isinstance(first, GraphParam) and first.kind != "input":
+        return tuple(tuple(1 for _ in t.shape) for t in ctx.in_types)
     return rule.default_strategy(ctx)
 
 

@@ -127,3 +127,100 @@ def test_semi_auto_without_loss_repeated_mean_counts_every_copy(tmp_path) -> Non
     default = compile_model(sgd_model(tmp_path), devices=8, dump=False)
     assert any(n.op == "_VirtualDiv" for n in default.rank_graphs[0].nodes)
     assert check(default).ok(1e-5)
+
+
+def fp16_model(tmp_path, sync: bool) -> str:
+    path = tmp_path / f"fp16_{sync}.py"
+    path.write_text(f"""
+import numpy as np
+from compiler import Parameter, initializer, nn, ops, set_auto_parallel_context, float16
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", gradient_fp32_sync={sync})
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.w = Parameter(initializer("normal", [32, 16]), "w")
+        self.cast = ops.Cast()
+        self.cast_back = ops.Cast()
+        self.matmul = ops.MatMul()
+
+    def construct(self, x):
+        w = self.cast(self.w, float16)
+        return self.cast_back(self.matmul(x, w), np.float32)
+
+def model():
+    return Net()
+
+def inputs():
+    return (np.ones((16, 32), np.float16),)
+
+def labels():
+    return (np.ones((16, 16), np.float32),)
+
+def loss():
+    return nn.MSELoss()
+
+def optimizer(params):
+    return nn.SGD(params, 0.1)
+""")
+    return str(path)
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_gradient_fp32_sync_places_the_mirror(tmp_path, sync) -> None:
+    program = compile_model(fp16_model(tmp_path, sync), devices=8, dump=False)
+    nodes = program.rank_graphs[0].nodes
+    mirror = next(n for n in nodes if n.op == "_MirrorOperator")
+    cast = next(n for n in nodes if n.instance_name == "cast")
+    if sync:
+        assert mirror.operands[0].name == "w" and cast.operands[0] is mirror.result
+        assert mirror.result.dtype.value == "Float32"
+    else:
+        assert mirror.operands[0] is cast.result and mirror.result.dtype.value == "Float16"
+    grad_reduce = next(n for n in nodes if n.op == "AllReduce"
+                       and n.scope.startswith("Gradients")
+                       and n.attrs["rank_list"] == mirror.attrs["rank_list"]
+                       and n.result.shape == mirror.result.shape)
+    assert grad_reduce.result.dtype.value == ("Float32" if sync else "Float16")
+
+
+def test_cross_batch_skips_the_forward_allreduce(tmp_path) -> None:
+    path = tmp_path / "cb.py"
+    path.write_text("""
+import numpy as np
+from compiler import nn, ops, set_auto_parallel_context
+set_auto_parallel_context(parallel_mode="semi_auto_parallel")
+
+class Net(nn.Cell):
+    def __init__(self, cross):
+        super().__init__()
+        self.mean = ops.ReduceMean(keep_dims=False).shard(((8, 1),))
+        if cross:
+            self.mean.add_prim_attr("cross_batch", True)
+
+    def construct(self, x):
+        return self.mean(x, 0)
+
+CROSS = False
+def model():
+    return Net(CROSS)
+
+def inputs():
+    return (np.arange(64, dtype=np.float32).reshape(16, 4),)
+""")
+    plain = compile_model(str(path), devices=8, dump=False)
+    assert [n.op for n in plain.rank_graphs[0].nodes] == ["ReduceMean", "AllReduce", "RealDiv"]
+    assert check(plain).ok(1e-6)
+    path.write_text(path.read_text().replace("CROSS = False", "CROSS = True"))
+    cross = compile_model(str(path), devices=8, dump=False)
+    assert [n.op for n in cross.rank_graphs[0].nodes] == ["ReduceMean"]
+
+
+def test_parameter_broadcast_copies_rank0_replicated_parameters(tmp_path) -> None:
+    for flag in (False, True):
+        program = compile_model(sgd_model(tmp_path, extra=f", parameter_broadcast={flag}"),
+                                devices=8, dump=False)
+        program.state.rank_values[3]["w2"] = program.state.rank_values[3]["w2"] + 1.0
+        runner = ParallelRunner(program)
+        same = np.array_equal(runner.values[3]["w2"], runner.values[0]["w2"])
+        assert same is flag
