@@ -36,6 +36,8 @@ from ir.registry import get_op
 from ir.verifier import verify
 from passes.autodiff import append_gradients
 from passes.optimizer import append_optimizer
+from ir.layout import group_name
+from passes.optimizer_shard import plan_optimizer_sharding
 from passes.replicated import (
     build_replicated_graphs,
     data_parallel_feed_layouts,
@@ -195,6 +197,9 @@ class StepParallelEndPass:
             gradient_fp32_sync=bool(opts.get("gradient_fp32_sync", True)),
         )
         fusion = {name: p.comm_fusion for name, p in traced.parameters.items()}
+        options.opt_shard = _optimizer_sharding(state, state.assignment.param_layouts)
+        for name, shard in options.opt_shard.items():
+            state.assignment.param_layouts[name] = shard.stored
         graphs, layouts = build_rank_graphs(state.graph, state.assignment, options, fusion)
         state.rank_graphs = graphs
         state.output_layouts = layouts
@@ -275,18 +280,44 @@ class ReplicatePass:
                                gradients_mean=bool(opts.get("gradients_mean", False)))
         fusion = {name: p.comm_fusion for name, p in traced.parameters.items()}
         layerwise = {name for name, p in traced.parameters.items() if p.layerwise_parallel}
-        state.rank_graphs = build_replicated_graphs(graphs, options, fusion, layerwise)
         assignment = replicated_assignment(state.graph, state.devices)
+        options.opt_shard = _optimizer_sharding(state, assignment.param_layouts)
+        state.rank_graphs = build_replicated_graphs(graphs, options, fusion, layerwise)
+        for name, shard in options.opt_shard.items():
+            assignment.param_layouts[name] = shard.stored
         if state.parallel_mode == "data_parallel":
             assignment.param_layouts.update(
                 data_parallel_feed_layouts(state.graph, state.devices))
         state.assignment = assignment
         state.output_layouts = [None] * len(state.graph.outputs)
         state.rank_values = [
-            {k: np.array(v, copy=True) for k, v in state.initial_values.items()}
-            for _ in range(state.devices)
+            {k: np.array(slice_array(v, assignment.param_layouts[k], rank), copy=True)
+             for k, v in state.initial_values.items()}
+            for rank in range(state.devices)
         ]
         state.split = True
+
+
+def _optimizer_sharding(state: CompileState, layouts: dict[str, Any]) -> dict[str, Any]:
+    """The parallel optimizer's plan, when `enable_parallel_optimizer` is set for training."""
+    opts = state.options
+    if not (state.training and opts.get("enable_parallel_optimizer")):
+        return {}
+    assert state.graph is not None and state.traced is not None
+    config = opts.get("parallel_optimizer_config")
+    threshold = int(getattr(config, "parallel_optimizer_threshold", 64))
+    size = int(getattr(config, "optimizer_weight_shard_size", -1))
+    plan = plan_optimizer_sharding(state.graph, layouts, dict(state.traced.parameters),
+                                   threshold, size)
+    state.plan["parallel_optimizer"] = {
+        name: {"stored_dev_matrix": list(s.stored.dev_matrix),
+               "stored_tensor_map": [list(e) if isinstance(e, tuple) else e
+                                     for e in s.stored.tensor_map],
+               "stored_slice_shape": list(s.stored.slice_shape),
+               "opt_shard_group": group_name(s.shard_group(0), state.devices)}
+        for name, s in plan.items()
+    }
+    return plan
 
 
 def pipeline(state: CompileState) -> list[Pass]:
@@ -357,6 +388,8 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
             "enable_alltoall": ctx.enable_alltoall,
             "gradient_fp32_sync": ctx.gradient_fp32_sync,
             "parameter_broadcast": ctx.parameter_broadcast,
+            "enable_parallel_optimizer": ctx.enable_parallel_optimizer,
+            "parallel_optimizer_config": ctx.parallel_optimizer_config,
         }
         if out_dir is None:
             out_dir = str(get_context("save_graphs_path") or "") or "./saved_graph"

@@ -57,9 +57,11 @@ def build_replicated_graphs(
     rank in hybrid mode), with mirrors over all ranks."""
     out = []
     local_options = SplitOptions(options.devices, options.training, options.gradients_mean,
-                                 loss_repeated_mean=False)
+                                 loss_repeated_mean=False, opt_shard=options.opt_shard)
     for rank, graph in enumerate(graphs):
         assignment = replicated_assignment(graph, options.devices)
+        for name, shard in options.opt_shard.items():
+            assignment.param_layouts[name] = shard.stored
         builder = _Builder(graph, assignment, rank, local_options, fusion_ids,
                            layerwise=layerwise)
         g = builder.build()

@@ -22,7 +22,7 @@ communication (AllReduce <-> AllReduce, AllGather <-> ReduceScatter, StridedSlic
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,7 @@ class SplitOptions:
     loss_repeated_mean: bool = True
     enable_alltoall: bool = False
     gradient_fp32_sync: bool = True
+    opt_shard: dict[str, Any] = field(default_factory=dict)  # name -> OptShard
 
 
 def slice_array(array: np.ndarray, layout: TensorLayout, rank: int) -> np.ndarray:
@@ -89,7 +90,9 @@ class RankBuilder:
             layout = self.assignment.param_layouts[p.name]
             local_type = TensorType(p.dtype, layout.slice_shape)
             lp = self.graph.add_param(GraphParam(local_type, p.name, p.kind, p.requires_grad))
-            self.local[id(p)] = (lp, layout)
+            shard = self.options.opt_shard.get(p.name)
+            # A parameter stored split by the parallel optimizer is *used* in its own layout.
+            self.local[id(p)] = (lp, shard.use if shard is not None else layout)
         for node in self.global_graph.nodes:
             self.lower_node(node)
         outputs = []
@@ -135,6 +138,9 @@ class RankBuilder:
         holding the same slice, when there are several."""
         layout = self.local[id(param)][1]
         value = local
+        shard = self.options.opt_shard.get(param.name)
+        if shard is not None and self.options.training and local is self.local[id(param)][0]:
+            return self.gather_shard(local, param, user, shard)
         if self.options.training and param.kind == "weight" and param.requires_grad:
             group = layout.repeat_group(self.rank)
             if len(group) > 1:
@@ -154,6 +160,38 @@ class RankBuilder:
                         "bytes": nbytes}),
                 )
         return value
+
+    def gather_shard(self, local: Value, param: GraphParam, user: Node, shard: Any) -> Value:
+        """Parallel optimizer: mirror the stored part over the ranks that store the same part,
+        then AllGather the parts of the shard group (its vjp reduce-scatters the gradient)."""
+        b = Builder(self.graph, scope=user.scope, source=user.source)
+        fusion = self.fusion_ids.get(param.name, 1)
+        value = local
+        rest = shard.mirror_group(self.rank)
+        if len(rest) > 1:
+            value = b.emit(
+                "_MirrorOperator", [value],
+                {**self.group_attrs(rest), "dev_num": len(rest),
+                 "mean_flag": self.options.gradients_mean, "fusion": fusion,
+                 "parameter": param.name},
+                instance_name=self.inserted_name(user, "mirror_op"),
+                name_hint=param.name.replace(".", "_"),
+                parallel=ParallelInfo(extra={
+                    "reason": f"gradient part of parameter {param.name} is all-reduced over "
+                              f"the {len(rest)} ranks that store the same part"}))
+        group = shard.shard_group(self.rank)
+        nbytes = local.tensor_type.nbytes * (len(group) - 1)
+        return b.emit(
+            "AllGather", [value],
+            {**self.group_attrs(group), "fusion": fusion,
+             "mean_flag": self.options.gradients_mean},
+            instance_name=self.inserted_name(user, "parallel_optimizer_allgather"),
+            name_hint=param.name.replace(".", "_"),
+            parallel=ParallelInfo(extra={
+                "reason": f"parallel optimizer: parameter {param.name} is stored split over "
+                          f"{len(group)} ranks {shard.stored}; gather it for use "
+                          f"{shard.use} (its vjp reduce-scatters the gradient)",
+                "bytes": nbytes, "parameter": param.name}))
 
     def required(self, node: Node, index: int, value: Value, want: TensorLayout) -> Value:
         if isinstance(value, Constant):

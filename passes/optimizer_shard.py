@@ -1,0 +1,136 @@
+"""The parallel optimizer (`enable_parallel_optimizer`, ZeRO-like; reference §7).
+
+A trainable parameter replicated over a group of k ranks is stored split further on dim 0
+over a *shard group* of those ranks (all k, or `optimizer_weight_shard_size` consecutive
+members), and so is its optimizer state. In the forward graph the slice is rebuilt by an
+AllGather over the shard group; its vjp is a ReduceScatter, so each rank receives the summed
+gradient of exactly the part it stores and updates only that part. Ranks that hold the same
+part in different shard groups still all-reduce it (a mirror over the remaining group).
+
+Eligible: `parallel_optimizer=True` on the Parameter, full size >= `parallel_optimizer_threshold`
+KB, and dim 0 of its slice divisible by the shard-group size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from ir.core import Graph
+from ir.errors import PcompileError
+from ir.layout import TensorLayout, devices_along_axes, map_axes
+
+
+@dataclass(frozen=True)
+class OptShard:
+    """How one parameter is stored: `stored` layout and the device axes (left indices) of its
+    shard group; the forward use keeps the layout `use`."""
+
+    use: TensorLayout
+    stored: TensorLayout
+    shard_axes: tuple[int, ...]
+
+    def shard_group(self, rank: int) -> tuple[int, ...]:
+        return devices_along_axes(rank, self.use.dev_matrix, self.shard_axes)
+
+    def mirror_group(self, rank: int) -> tuple[int, ...]:
+        free = [a for a in range(len(self.use.dev_matrix))
+                if a not in self.use.used_axes and a not in self.shard_axes]
+        return devices_along_axes(rank, self.use.dev_matrix, free)
+
+
+def plan_optimizer_sharding(
+    graph: Graph,
+    layouts: dict[str, TensorLayout],
+    params: dict[str, object],
+    threshold_kb: int,
+    shard_size: int,
+) -> dict[str, OptShard]:
+    """Decide which weights are stored sharded, and how."""
+    out: dict[str, OptShard] = {}
+    for p in graph.weights:
+        if not p.requires_grad or not p.shape:
+            continue
+        owner = params.get(p.name)
+        if owner is not None and (not getattr(owner, "parallel_optimizer", True)
+                                  or getattr(owner, "layerwise_parallel", False)):
+            continue
+        if p.tensor_type.nbytes < threshold_kb * 1024:
+            continue
+        use = layouts[p.name].normalized()
+        free = [a for a in range(len(use.dev_matrix)) if a not in use.used_axes]
+        if not free:
+            continue
+        use, free = _refine_for(use, free, shard_size)
+        axes = _shard_axes(use, free, shard_size, p.name)
+        size = prod(use.dev_matrix[a] for a in axes)
+        if size <= 1 or use.slice_shape[0] % size:
+            continue
+        dev = use.dev_matrix
+        first = tuple(map_axes(use.tensor_map[0])) + tuple(len(dev) - 1 - a for a in axes)
+        entry = first[0] if len(first) == 1 else first
+        stored = TensorLayout(dev, (entry,) + tuple(use.tensor_map[1:]), use.shape)
+        out[p.name] = OptShard(use, stored, axes)
+    return out
+
+
+def _refine_for(use: TensorLayout, free: list[int], shard_size: int
+                ) -> tuple[TensorLayout, list[int]]:
+    """Split a free device axis so that `shard_size` consecutive members of the replication
+    group form trailing axes (e.g. [8] -> [4, 2] for groups of 2)."""
+    if shard_size in (-1, 0):
+        return use, free
+    need = shard_size
+    for a in reversed(free):
+        size = use.dev_matrix[a]
+        if need % size == 0:
+            need //= size
+            continue
+        if size % need or need == 1:
+            return use, free
+        dev = list(use.dev_matrix)
+        dev[a:a + 1] = [size // need, need]
+        n_old = len(use.dev_matrix)
+
+        def remap(v: int) -> int:
+            # values count from the right: axes left of `a` move one further from the right
+            return v + 1 if n_old - 1 - v < a else v
+
+        tmap = tuple(tuple(remap(v) for v in e) if isinstance(e, tuple)
+                     else (e if e == -1 else remap(e)) for e in use.tensor_map)
+        refined = TensorLayout(tuple(dev), tmap, use.shape)
+        return refined, [b for b in range(len(dev)) if b not in refined.used_axes]
+    return use, free
+
+
+def _shard_axes(use: TensorLayout, free: list[int], shard_size: int, name: str
+                ) -> tuple[int, ...]:
+    """All free axes (shard_size -1), or the trailing free axes whose sizes multiply to
+    `shard_size` (consecutive members of the replication group)."""
+    if shard_size in (-1, 0):
+        return tuple(free)
+    chosen: list[int] = []
+    size = 1
+    for a in reversed(free):
+        if size == shard_size:
+            break
+        chosen.insert(0, a)
+        size *= use.dev_matrix[a]
+    if size != shard_size:
+        total = prod(use.dev_matrix[a] for a in free)
+        if shard_size >= total:
+            return tuple(free)
+        raise PcompileError(
+            f"optimizer_weight_shard_size={shard_size} does not split the {total} ranks that "
+            f"replicate parameter {name} (device axes {[use.dev_matrix[a] for a in free]}) "
+            "into consecutive groups; use a product of trailing axis sizes or -1"
+        )
+    return tuple(chosen)
+
+
+def stored_axis_values(shard: OptShard) -> tuple[int, ...]:
+    """Tensor-map values of dim 0 in the stored layout (for plan.json)."""
+    return tuple(map_axes(shard.stored.tensor_map[0]))
+
+
+__all__ = ["OptShard", "plan_optimizer_sharding"]
