@@ -45,6 +45,13 @@ from passes.replicated import (
 )
 from passes.step_parallel import SplitOptions, build_rank_graphs, slice_array
 from passes.step_parallel_begin import ParallelAssignment, assign
+# --- search (issue 4): auto_parallel strategy search -------------------------------------------
+from passes.search.auto_parallel_pass import (
+    StepAutoParallelPass,
+    finish_assignment,
+    searched_strategies,
+)
+# --- end search ----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -66,6 +73,7 @@ class CompileState:
     output_layouts: list[Any] = field(default_factory=list)
     split: bool = False  # True once every rank has its own graph
     options: dict[str, Any] = field(default_factory=dict)
+    search: Any = None  # passes.search.SearchResult in auto_parallel (issue 4)
 
     @property
     def parallel(self) -> bool:
@@ -174,7 +182,9 @@ class StepParallelBeginPass:
     def apply(self, state: CompileState) -> None:
         assert state.graph is not None
         opts = state.options
-        state.assignment = assign(state.graph, state.devices, opts.get("dataset_strategy"))
+        state.assignment = assign(state.graph, state.devices, opts.get("dataset_strategy"),
+                                  searched=searched_strategies(state))  # search (issue 4)
+        finish_assignment(state)  # search (issue 4): annotations, plan, checkpoint
 
 
 class StepParallelEndPass:
@@ -325,6 +335,8 @@ def pipeline(state: CompileState) -> list[Pass]:
     if state.parallel_mode in ("data_parallel", "hybrid_parallel"):
         passes.append(ReplicatePass())
     elif state.parallel:
+        if state.parallel_mode == "auto_parallel":  # search (issue 4)
+            passes.append(StepAutoParallelPass())
         passes += [StepParallelBeginPass(), StepParallelEndPass()]
     if state.training:
         passes += [AutodiffPass(), OptimizerPass()]
@@ -332,7 +344,8 @@ def pipeline(state: CompileState) -> list[Pass]:
     return passes
 
 
-IMPLEMENTED_MODES = ("stand_alone", "semi_auto_parallel", "data_parallel", "hybrid_parallel")
+IMPLEMENTED_MODES = ("stand_alone", "semi_auto_parallel", "data_parallel", "hybrid_parallel",
+                     "auto_parallel")  # auto_parallel: the three searches (issue 4)
 
 
 def _check_mode(devices: int, parallel_mode: str, search_mode: str) -> None:
@@ -380,12 +393,18 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
         if devices == 1 and mode != "stand_alone":
             mode = "stand_alone"  # one device: every mode is stand-alone
         _check_mode(devices, mode, str(ctx.search_mode))
+        if int(ctx.pipeline_stages) > 1:
+            raise PcompileError(
+                f"pipeline_stages={ctx.pipeline_stages}: pipeline parallelism is not "
+                "implemented yet in this version of pcompile; use pipeline_stages=1"
+            )
         state = CompileState(mf, devices, mode, str(ctx.search_mode))
         state.options = {
             "dataset_strategy": ctx.dataset_strategy,
             "gradients_mean": ctx.gradients_mean,
             "loss_repeated_mean": ctx.loss_repeated_mean,
             "enable_alltoall": ctx.enable_alltoall,
+            "strategy_ckpt_config": ctx.strategy_ckpt_config,  # search (issue 4)
             "gradient_fp32_sync": ctx.gradient_fp32_sync,
             "parameter_broadcast": ctx.parameter_broadcast,
             "enable_parallel_optimizer": ctx.enable_parallel_optimizer,

@@ -181,8 +181,12 @@ def test_unknown_context_option(tmp_path) -> None:
 
 def test_parallel_mode_not_available_yet_says_so(tmp_path) -> None:
     out = tmp_path / "out"
-    code, output = run_cli([os.path.join(ROOT, "examples", "quickstart.py"), "--devices", "8",
-                            "--parallel-mode", "data_parallel", "--out", str(out)])
+    model = tmp_path / "pipelined.py"
+    model.write_text(open(os.path.join(ROOT, "examples", "quickstart.py")).read()
+                     + "\nfrom compiler import set_auto_parallel_context as _s\n"
+                       "_s(pipeline_stages=2)\n")
+    code, output = run_cli([str(model), "--devices", "8", "--parallel-mode",
+                            "semi_auto_parallel", "--out", str(out)])
     assert code == 1
     assert "not implemented yet" in output
     assert not out.exists()
