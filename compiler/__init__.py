@@ -35,8 +35,11 @@ def compile(model_path: str, **kwargs):  # noqa: A001
 
 
 def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device="Ascend", level=0):
-    """Functional shard (seed functional-operator-sharding.md): returns `fn` marked with the
-    strategies for the parallel passes. A Cell is sharded with `Cell.shard` semantics."""
+    """Functional shard (seed functional-operator-sharding.md): returns a function that calls
+    `fn` (a function or a Cell) with its inputs constrained to `in_strategy` (None entries are
+    derived by the search) and, for a Cell, its parameters to `parameter_plan`. Valid only with
+    auto_parallel and sharding_propagation."""
+    from compiler.functional_shard import call_sharded
     from compiler.nn.cell import Cell
     from compiler.primitive import normalize_strategy
 
@@ -47,19 +50,10 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device="Ascen
         ),
         "parameter_plan": dict(parameter_plan or {}),
     }
-    if isinstance(fn, Cell):
-        target = fn
-
-        def sharded_cell(*args):
-            return target(*args)
-
-        sharded_cell._pcompile_sharded_fn = True  # type: ignore[attr-defined]
-        sharded_cell.shard_config = config  # type: ignore[attr-defined]
-        sharded_cell.cell = target  # type: ignore[attr-defined]
-        return sharded_cell
+    cell = fn if isinstance(fn, Cell) else None
 
     def sharded(*args):
-        return fn(*args)
+        return call_sharded(fn, config, args, cell=cell)
 
     sharded._pcompile_sharded_fn = True  # type: ignore[attr-defined]
     sharded.shard_config = config  # type: ignore[attr-defined]

@@ -105,12 +105,30 @@ class TracePass:
             traced = trace_model(state.model_file, batch_split=split)
         state.traced = traced
         state.graph = traced.graph
+        _check_functional_shard(state)
         for name, param in traced.parameters.items():
             state.initial_values[name] = np.array(param.asnumpy(), copy=True)
         if not state.parallel:
             state.rank_graphs = [traced.graph]
             state.rank_values = [state.initial_values]
             state.split = True
+
+
+def _check_functional_shard(state: CompileState) -> None:
+    """Functional shard is valid only with auto_parallel + sharding_propagation (the seed)."""
+    if not state.parallel or (state.parallel_mode == "auto_parallel"
+                              and state.search_mode == "sharding_propagation"):
+        return
+    assert state.graph is not None
+    for node in state.graph.nodes:
+        if node.attrs.get("functional_shard"):
+            raise PcompileError(
+                f"shard() / Cell.shard() (at {node.source or node.scope}) is only supported "
+                "with parallel_mode='auto_parallel' and search_mode='sharding_propagation'; "
+                f"this compile uses {state.parallel_mode}"
+                + (f" with {state.search_mode}" if state.parallel_mode == "auto_parallel"
+                   else "")
+            )
 
 
 class AutodiffPass:

@@ -73,6 +73,7 @@ Greater = _simple("Greater")
 Less = _simple("Less")
 Equal = _simple("Equal")
 Select = _simple("Select")
+Identity = _simple("Identity")
 
 
 class MatMul(Primitive):

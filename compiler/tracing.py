@@ -96,6 +96,7 @@ class Tracer:
         self.scopes: list[str] = ["Default"]
         self.params: dict[int, GraphParam] = {}
         self.op_counts: dict[str, int] = {}
+        self.overrides: dict[int, Value] = {}
 
     @property
     def scope(self) -> str:
@@ -116,6 +117,17 @@ class Tracer:
             yield
         finally:
             self.scopes.pop()
+
+    @contextlib.contextmanager
+    def parameter_overrides(self, overrides: dict[int, Value]) -> Iterator[None]:
+        """Inside the block, the given parameters are read as the given values (functional
+        shard's parameter_plan)."""
+        saved = dict(self.overrides)
+        self.overrides.update(overrides)
+        try:
+            yield
+        finally:
+            self.overrides = saved
 
     def add_input(self, name: str, tensor_type: TensorType) -> Tensor:
         param = self.graph.add_param(GraphParam(tensor_type, name, "input"))
@@ -140,6 +152,8 @@ class Tracer:
         """Turn an operand into an IR value: symbolic tensors as they are, parameters as graph
         parameters, concrete data as constants."""
         if isinstance(arg, Parameter):
+            if id(arg) in self.overrides:
+                return self.overrides[id(arg)]
             if arg.name is None:
                 raise PcompileError(
                     "a Parameter without a name is used outside any Cell; give it a name"

@@ -586,7 +586,8 @@ def _register(names: Sequence[str], rule: LabelRule) -> None:
 _register(
     ["Add", "Sub", "Mul", "RealDiv", "Maximum", "Minimum", "Pow", "Greater", "GreaterEqual",
      "Less", "Equal", "Select", "ReluGrad", "Neg", "Exp", "Log", "Sqrt", "Rsqrt", "Square",
-     "Tanh", "Sigmoid", "ReLU", "GeLU", "Cast", "ZerosLike", "OnesLike", "LogicalNot"],
+     "Tanh", "Sigmoid", "ReLU", "GeLU", "Cast", "ZerosLike", "OnesLike", "LogicalNot",
+     "Identity"],
     LabelRule(elementwise_labels),
 )
 _register(["MatMul"], LabelRule(matmul_labels))

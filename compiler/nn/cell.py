@@ -157,6 +157,10 @@ class Cell:
             return self.construct(*args, **kwargs)
         part = f"{self._attr_name or 'cell'}-{type(self).__name__}"
         with tracer.cell_scope(part):
+            if self.shard_config is not None:
+                from compiler.functional_shard import call_sharded
+
+                return call_sharded(self.construct, self.shard_config, args, cell=self)
             return self.construct(*args, **kwargs)
 
     def __repr__(self) -> str:

@@ -674,3 +674,23 @@ register(
         doc="Boolean not.",
     )
 )
+
+
+# -- Identity ---------------------------------------------------------------------------------
+
+
+def _identity_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    return [cot]
+
+
+register(
+    OpDef(
+        "Identity",
+        infer_unary,
+        numpy=lambda x: np.array(x, copy=True),
+        jax=lambda x: x,
+        vjp=_identity_vjp,
+        num_inputs=1,
+        doc="x unchanged; carries a layout constraint (functional shard's in/out strategies).",
+    )
+)

@@ -1,0 +1,227 @@
+"""Strategy search for `auto_parallel` (reference §4): a printable decision, applied later.
+
+`search(graph, devices, mode)` builds the cost graph of the forward graph (`cost_graph.py`:
+ops, `_VirtualDataset`, `TmpIdentity` for shared parameters, redistribution edges through
+Reshape/TupleGetItem), runs one algorithm and returns a `SearchResult`:
+
+* `strategies`: id(node) -> strategy for every op without a user strategy (Reshape,
+  TupleGetItem and MakeTuple have none), to be applied by `step_parallel_begin.assign(...,
+  searched=...)`;
+* `explain`: id(node) -> the chosen strategy, its cost terms, the cost of its edges with the
+  neighbours' chosen strategies, and the runner-up (the best other candidate with the
+  neighbours fixed), so a plan can say why;
+* `reshape_layouts`: id(Reshape) -> output layout for Reshapes feeding other Reshapes (the
+  layout the chain's consumer wants, mapped back through the chain), so a chain costs one
+  redistribution instead of a gather to replicated and a slice;
+* `objective`: the plan's total cost under the cost model.
+
+Modes: `sharding_propagation` (`sharding_propagation.py`), `dynamic_programming`
+(`dynamic_programming.py`), `recursive_programming` (`recursive_programming.py`). The cost
+model is `cost_model.py`, candidates `candidates.py`, checkpoints `checkpoint.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ir.core import Graph, Node
+from ir.layout import TensorLayout
+from ir.sharding import Strategy
+from ir.types import TensorType
+from passes.search.cost_graph import CostGraph, Vertex
+from passes.search.cost_model import Cost, CostConstants
+from passes.search.reshape import map_layout
+
+MODES = ("sharding_propagation", "dynamic_programming", "recursive_programming")
+
+
+@dataclass
+class SearchOptions:
+    """Algorithm options (from `set_algo_parameters` / `set_cost_model_context` by default)."""
+
+    fully_use_devices: bool = False
+    interfered_sapp: bool = False  # recursive programming respects user strategies
+    approximate: bool = False  # dynamic programming keeps ceil(1/epsilon) candidates per op
+    epsilon: float = 0.1
+    max_table: int = 1 << 24  # dynamic programming: largest elimination table (entries)
+
+    @classmethod
+    def from_context(cls) -> SearchOptions:
+        from compiler.context import current_algo_parameters, current_cost_model_context
+
+        algo = current_algo_parameters()
+        cm = current_cost_model_context()
+        approx = bool(algo.enable_algo_approxi or cm.dp_algo_enable_approxi)
+        eps = float(algo.algo_approxi_epsilon if algo.enable_algo_approxi
+                    else cm.dp_algo_approxi_epsilon)
+        return cls(
+            fully_use_devices=bool(algo.fully_use_devices),
+            interfered_sapp=os.environ.get("MS_INTERFERED_SAPP", "0") == "1",
+            approximate=approx,
+            epsilon=eps,
+        )
+
+
+@dataclass
+class SearchResult:
+    """The decision of one search (see the module docstring)."""
+
+    mode: str
+    strategies: dict[int, Strategy] = field(default_factory=dict)
+    explain: dict[int, dict[str, Any]] = field(default_factory=dict)
+    reshape_layouts: dict[int, TensorLayout] = field(default_factory=dict)
+    objective: float = 0.0
+    seconds: float = 0.0
+    cost_graph: CostGraph | None = None
+    choice: list[int] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        return {"mode": self.mode, "objective": round(self.objective, 3),
+                "seconds": round(self.seconds, 4), "searched_ops": len(self.strategies)}
+
+
+def search(
+    graph: Graph,
+    devices: int,
+    mode: str,
+    *,
+    dataset_strategy: Any = None,
+    constants: CostConstants | None = None,
+    options: SearchOptions | None = None,
+    loaded: dict[int, Strategy] | None = None,
+    explain: bool = True,
+) -> SearchResult:
+    """Find a strategy for every op of the forward `graph` without a user strategy.
+
+    `loaded`: id(node) -> strategy read from a strategy checkpoint; such ops count as
+    configured (the loaded strategy overrides the search)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown search mode {mode!r}; expected one of {', '.join(MODES)}")
+    start = time.perf_counter()
+    constants = constants or CostConstants()
+    options = options or SearchOptions()
+    if mode == "recursive_programming":
+        from passes.search.recursive_programming import check_devices
+
+        check_devices(devices)
+    cg = CostGraph(graph, devices, constants, dataset_strategy, options.fully_use_devices,
+                   loaded)
+    via: dict[int, str] = {}
+    if mode == "sharding_propagation":
+        from passes.search.sharding_propagation import propagate
+
+        prop = propagate(cg)
+        choice, via = prop.choice, prop.via
+    elif mode == "dynamic_programming":
+        from passes.search.dynamic_programming import solve
+
+        choice = solve(cg, options).choice
+    else:
+        from passes.search.recursive_programming import recursive_search
+
+        rp = recursive_search(cg, options)
+        choice, via = rp.choice, rp.via
+    result = SearchResult(mode, cost_graph=cg, choice=choice)
+    loaded = loaded or {}
+    for v in cg.vertices:
+        if v.kind != "op" or v.node is None:
+            continue
+        node = v.node
+        if node.attrs.get("in_strategy") is not None:
+            continue
+        result.strategies[id(node)] = v.candidates[choice[v.index]].strategy
+        if explain:
+            info = explain_vertex(cg, v, choice)
+            if v.index in via:
+                info["via"] = via[v.index]
+            if id(node) in loaded:
+                info["via"] = "strategy checkpoint"
+            result.explain[id(node)] = info
+    result.objective = cg.total(choice)
+    result.reshape_layouts = reshape_chain_layouts(graph, cg, choice)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _objectives(cg: CostGraph, costs: list[Cost]) -> np.ndarray:
+    c = cg.constants
+    return np.fromiter((x.objective(c) for x in costs), dtype=np.float64, count=len(costs))
+
+
+def explain_vertex(cg: CostGraph, v: Vertex, choice: list[int]) -> dict[str, Any]:
+    """The chosen candidate's cost terms and the runner-up with the neighbours fixed."""
+    c = cg.constants
+    k = choice[v.index]
+    rows: list[list[Cost]] = []
+    for ei in v.in_edges:
+        e = cg.edges[ei]
+        rows.append(cg.costs_to(e, choice[e.src]))
+    for ei in v.out_edges:
+        e = cg.edges[ei]
+        rows.append(cg.costs_from(e, choice[e.dst]))
+    key = (v.signature, k, tuple(id(r) for r in rows))
+    cache: dict[Any, dict[str, Any]] = cg.__dict__.setdefault("_explain", {})
+    hit = cache.get(key)
+    if hit is not None:
+        return dict(hit)
+    own = cg.op_costs(v)
+    local = cg.op_objectives(v).copy()
+    edge = Cost()
+    for row in rows:
+        local += _objectives(cg, row)
+        edge = edge + row[k]
+    info: dict[str, Any] = {
+        "strategy": v.candidates[k].strategy,
+        "cost": own[k].as_dict(c),
+        "redistribution": edge.as_dict(c),
+        "local_objective": round(float(local[k]), 3),
+        "candidates": len(v.candidates),
+    }
+    if len(v.candidates) > 1:
+        others = local.copy()
+        others[k] = np.inf
+        r = int(np.argmin(others))
+        info["runner_up"] = {"strategy": v.candidates[r].strategy,
+                             "local_objective": round(float(local[r]), 3)}
+    cache[key] = info
+    return dict(info)
+
+
+def reshape_chain_layouts(graph: Graph, cg: CostGraph, choice: list[int]
+                          ) -> dict[int, TensorLayout]:
+    """Output layouts for Reshapes whose first user is a Reshape: what the end of the chain
+    wants, mapped back through it (when such a layout exists)."""
+    out: dict[int, TensorLayout] = {}
+
+    def wanted(node: Node) -> TensorLayout | None:
+        for user, index in node.result.uses:
+            if user.op == "Reshape":
+                after = wanted(user)
+                if after is None:
+                    return None
+                t = node.result.type
+                assert isinstance(t, TensorType)
+                mapped = map_layout(after, t.shape)
+                if mapped is not None:
+                    out[id(node)] = mapped
+                return mapped
+            vi = cg.vertex_of.get(id(user))
+            if vi is None:
+                return None
+            return cg.vertices[vi].candidates[choice[vi]].in_layouts[index]
+        return None
+
+    for node in graph.nodes:
+        if node.op == "Reshape" and id(node) not in out:
+            first = node.result.uses[0][0] if node.result.uses else None
+            if first is not None and first.op == "Reshape":
+                wanted(node)
+    return out
+
+
+__all__ = ["MODES", "SearchOptions", "SearchResult", "search"]

@@ -1,0 +1,78 @@
+"""The driver's side of the search: `step_auto_parallel_begin` and what follows `assign`.
+
+`StepAutoParallelPass` (dumped as `NN_step_auto_parallel_begin.ir`, the graph the search
+reads) loads a strategy checkpoint if one is configured, runs the search of
+`state.search_mode` on the forward graph and keeps the `SearchResult` on the state. After
+`step_parallel_begin.assign(..., searched=result.strategies)`, `finish_assignment` applies the
+Reshape-chain layouts, writes each searched op's cost and runner-up into its parallel
+annotation (`cost`, `runner_up` in the step_parallel_begin dump), records the decision under
+`search` in plan.json, and saves the strategy checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from passes.search import SearchOptions, SearchResult, search
+from passes.search.checkpoint import load_strategies, save_checkpoint
+from passes.search.cost_model import CostConstants
+
+
+class StepAutoParallelPass:
+    """Strategy search for `auto_parallel` (sharding propagation, dynamic or recursive
+    programming)."""
+
+    name = "step_auto_parallel_begin"
+
+    def apply(self, state: Any) -> None:
+        assert state.graph is not None
+        opts = state.options
+        ckpt = opts.get("strategy_ckpt_config")
+        loaded = {}
+        if ckpt is not None and ckpt.load_file:
+            loaded = load_strategies(ckpt.load_file, state.graph)
+        constants = CostConstants.from_context(
+            training=state.training, enable_alltoall=bool(opts.get("enable_alltoall", False)))
+        state.search = search(
+            state.graph,
+            state.devices,
+            state.search_mode,
+            dataset_strategy=opts.get("dataset_strategy"),
+            constants=constants,
+            options=SearchOptions.from_context(),
+            loaded=loaded,
+        )
+
+
+def searched_strategies(state: Any) -> dict[int, Any] | None:
+    result: SearchResult | None = getattr(state, "search", None)
+    return result.strategies if result is not None else None
+
+
+def finish_assignment(state: Any) -> None:
+    """Reshape-chain layouts, cost annotations, plan.json entry and checkpoint (see above)."""
+    result: SearchResult | None = getattr(state, "search", None)
+    if result is None:
+        return
+    graph, assignment = state.graph, state.assignment
+    assignment.reshape_layouts.update(result.reshape_layouts)
+    ops: dict[str, Any] = {}
+    for node in graph.nodes:
+        info = result.explain.get(id(node))
+        if info is None:
+            continue
+        if node.parallel is not None:
+            node.parallel.extra["cost"] = {
+                "local": info["local_objective"],
+                "op": info["cost"]["objective"],
+                "redistribution": info["redistribution"]["objective"],
+            }
+            runner = info.get("runner_up")
+            if runner is not None:
+                node.parallel.extra["runner_up"] = {"strategy": runner["strategy"],
+                                                    "local": runner["local_objective"]}
+        ops[node.fullname] = {"instance_name": node.instance_name, **info}
+    state.plan["search"] = {**result.summary(), "ops": ops}
+    ckpt = state.options.get("strategy_ckpt_config")
+    if ckpt is not None and ckpt.save_file:
+        save_checkpoint(ckpt.save_file, graph, assignment, ckpt.only_trainable_params)

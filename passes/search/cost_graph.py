@@ -1,0 +1,370 @@
+"""The cost graph the three searches share (reference §4.0 steps 1-4).
+
+Vertices:
+
+* one per op with a sharding rule (`Reshape`, `TupleGetItem` and `MakeTuple` have no strategy
+  and are looked through), with its candidate strategies (`candidates.py`); an op with a user
+  `shard()` strategy (or one loaded from a strategy checkpoint) is *configured*: its only
+  candidate is that strategy;
+* `_VirtualDataset`: a configured vertex whose outputs are the graph inputs under
+  `dataset_strategy` (topological index "infinity", so sharding propagation visits it last);
+* `TmpIdentity`, one per parameter used directly by several ops: its candidates are the
+  layouts its users can want, and its edges cost 0 to a user wanting the same layout and
+  infinity otherwise, so that all users of a parameter agree (parameters are stored sliced and
+  never redistributed, §3.4).
+
+Edges run from a producer output to a consumer input, through Reshape and TupleGetItem. An
+edge's cost for a pair of strategies is the redistribution from the producer's output layout to
+the consumer's input layout (through a Reshape the shapes differ and the redistribution
+planner turns the reshape into splits and merges of dims, §2.3). Costs are cached by layout
+pair, edge rows by (producer layout, consumer signature) and whole tables by (producer
+signature, consumer signature), so the repeated layers of a deep model cost one evaluation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ir.core import Constant, Graph, GraphParam, Node, NodeResult, Value
+from ir.layout import TensorLayout
+from ir.sharding import NO_STRATEGY, OpSharding, rule_for
+from ir.types import DType, TensorType
+from passes.search.candidates import Candidate, CandidateTable, LayoutKey, make_candidate
+from passes.search.cost_model import INFINITE, ZERO, Cost, CostConstants, op_cost
+from passes.search.cost_model import redistribution_cost
+from passes.step_parallel_begin import dataset_layouts, shard_node
+
+DATASET_TOPO = 1 << 62
+
+
+@dataclass
+class Vertex:
+    """A node of the cost graph."""
+
+    index: int
+    kind: str  # "op", "dataset" or "param"
+    name: str
+    topo: float
+    candidates: list[Candidate]
+    configured: bool = False
+    node: Node | None = None
+    signature: Any = None
+    in_edges: list[int] = field(default_factory=list)
+    out_edges: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Edge:
+    """Producer output `src_out` of vertex `src` -> input `dst_in` of vertex `dst`."""
+
+    index: int
+    src: int
+    src_out: int
+    dst: int
+    dst_in: int
+    itemsize: int
+    is_bool: bool
+    parameter: bool = False  # an edge of a TmpIdentity: equal layouts or infinity
+
+
+def _identity_candidate(layout: TensorLayout) -> Candidate:
+    sharding = OpSharding((layout.splits,), layout.dev_matrix, [layout], [layout])
+    return make_candidate(sharding)
+
+
+class CostGraph:
+    """Vertices, edges and cached cost tables of one search."""
+
+    def __init__(self, graph: Graph, devices: int, constants: CostConstants,
+                 dataset_strategy: Any = None, fully_use_devices: bool = False,
+                 configured: dict[int, Any] | None = None) -> None:
+        self.graph = graph
+        self.devices = devices
+        self.constants = constants
+        self.table = CandidateTable(devices, fully_use_devices)
+        self.vertices: list[Vertex] = []
+        self.edges: list[Edge] = []
+        self.vertex_of: dict[int, int] = {}  # id(node) -> vertex index
+        self._op_costs: dict[Any, list[Cost]] = {}
+        self._pair: dict[tuple[LayoutKey, LayoutKey, int, bool], Cost] = {}
+        self._rows: dict[Any, list[Cost]] = {}
+        self._matrices: dict[Any, np.ndarray] = {}
+        self._build(dataset_strategy, configured or {})
+
+    # -- construction ---------------------------------------------------------------------------
+    def _add_vertex(self, kind: str, name: str, topo: float, candidates: list[Candidate],
+                    configured: bool, node: Node | None, signature: Any) -> Vertex:
+        v = Vertex(len(self.vertices), kind, name, topo, candidates, configured, node,
+                   signature)
+        self.vertices.append(v)
+        return v
+
+    def _build(self, dataset_strategy: Any, loaded: dict[int, Any]) -> None:
+        devices = self.devices
+        for topo, node in enumerate(self.graph.nodes):
+            if node.op in NO_STRATEGY or rule_for(node.op) is None:
+                continue
+            user = node.attrs.get("in_strategy")
+            if user is None:
+                user = loaded.get(id(node))
+            trainable = tuple(isinstance(v, GraphParam) and v.kind == "weight"
+                              and v.requires_grad for v in node.operands)
+            params = tuple(isinstance(v, GraphParam) and v.kind != "input"
+                           for v in node.operands)
+            if user is not None:
+                sharding = shard_node(node, devices, user, node.attrs.get("out_strategy"))
+                cands = [make_candidate(sharding)]
+                sig = ("configured", id(node))
+            else:
+                cands = self.table.for_node(node)
+                sig = (self.table.signature(node), trainable, params)
+            v = self._add_vertex("op", node.instance_name or node.op, topo, cands,
+                                 user is not None, node, sig)
+            v.trainable = trainable  # type: ignore[attr-defined]
+            v.params = params  # type: ignore[attr-defined]
+            self.vertex_of[id(node)] = v.index
+        inputs = self.graph.inputs
+        self.dataset: Vertex | None = None
+        if inputs:
+            layouts = dataset_layouts(self.graph, dataset_strategy, devices)
+            outs = [layouts[p.name] for p in inputs]
+            sharding = OpSharding(tuple(lay.splits for lay in outs), (devices,), [], outs)
+            self.dataset = self._add_vertex("dataset", "_VirtualDataset", DATASET_TOPO,
+                                            [make_candidate(sharding)], True, None,
+                                            ("dataset",))
+        self._input_index = {id(p): i for i, p in enumerate(inputs)}
+        self._add_parameter_vertices()
+        for v in list(self.vertices):
+            if v.kind != "op":
+                continue
+            assert v.node is not None
+            for index, operand in enumerate(v.node.operands):
+                source = self._source(operand, v.node, index)
+                if source is None:
+                    continue
+                src, out, parameter = source
+                if not isinstance(operand.type, TensorType):
+                    continue
+                dtype = operand.type.dtype
+                self._add_edge(src, out, v.index, index, dtype, parameter)
+
+    def _add_parameter_vertices(self) -> None:
+        users: dict[int, list[tuple[int, int]]] = {}
+        params: dict[int, GraphParam] = {}
+        for v in self.vertices:
+            if v.kind != "op":
+                continue
+            assert v.node is not None
+            for index, operand in enumerate(v.node.operands):
+                if isinstance(operand, GraphParam) and operand.kind != "input":
+                    users.setdefault(id(operand), []).append((v.index, index))
+                    params[id(operand)] = operand
+        self._param_vertex: dict[int, int] = {}
+        for pid, entries in users.items():
+            if len(entries) < 2:
+                continue
+            keys: dict[LayoutKey, TensorLayout] = {}
+            for vi, index in entries:
+                for cand in self.vertices[vi].candidates:
+                    keys.setdefault(cand.in_keys[index], cand.in_layouts[index])
+            cands = [_identity_candidate(lay) for lay in keys.values()]
+            topo = min(self.vertices[vi].topo for vi, _ in entries) - 0.5
+            v = self._add_vertex("param", f"TmpIdentity({params[pid].name})", topo, cands,
+                                 False, None, ("param", tuple(keys)))
+            self._param_vertex[pid] = v.index
+
+    def _source(self, value: Value, user: Node, index: int) -> tuple[int, int, bool] | None:
+        """The vertex output feeding `value`, looking through Reshape and TupleGetItem."""
+        direct = True
+        while True:
+            if isinstance(value, Constant):
+                return None
+            if isinstance(value, GraphParam):
+                if value.kind == "input":
+                    assert self.dataset is not None
+                    return self.dataset.index, self._input_index[id(value)], False
+                if direct and id(value) in self._param_vertex:
+                    return self._param_vertex[id(value)], 0, True
+                return None
+            assert isinstance(value, NodeResult)
+            node = value.node
+            if node.op == "Reshape":
+                value = node.operands[0]
+                direct = False
+                continue
+            if node.op == "TupleGetItem":
+                producer = node.operands[0]
+                if isinstance(producer, NodeResult) and id(producer.node) in self.vertex_of:
+                    return self.vertex_of[id(producer.node)], int(node.attrs["index"]), False
+                return None
+            vi = self.vertex_of.get(id(node))
+            if vi is None or not isinstance(node.result.type, TensorType):
+                return None
+            return vi, 0, False
+
+    def _add_edge(self, src: int, out: int, dst: int, index: int, dtype: DType,
+                  parameter: bool) -> None:
+        e = Edge(len(self.edges), src, out, dst, index, dtype.itemsize,
+                 dtype == DType.bool_, parameter)
+        self.edges.append(e)
+        self.vertices[src].out_edges.append(e.index)
+        self.vertices[dst].in_edges.append(e.index)
+
+    # -- op costs -----------------------------------------------------------------------------------
+    def op_costs(self, v: Vertex) -> list[Cost]:
+        """Cost of every candidate of `v` (cached by signature)."""
+        costs = self._op_costs.get(v.signature)
+        if costs is None:
+            if v.kind != "op":
+                costs = [ZERO] * len(v.candidates)
+            else:
+                node = v.node
+                assert node is not None
+                in_types = [o.type for o in node.operands]
+                out_type = node.result.type
+                if not isinstance(out_type, TensorType):
+                    out_type = out_type.elements[0]  # type: ignore[union-attr]
+                costs = [
+                    op_cost(node.op, c.sharding, in_types, out_type,  # type: ignore[arg-type]
+                            v.trainable, v.params, self.devices,  # type: ignore[attr-defined]
+                            self.constants)
+                    for c in v.candidates
+                ]
+            self._op_costs[v.signature] = costs
+        return costs
+
+    def op_objectives(self, v: Vertex) -> np.ndarray:
+        c = self.constants
+        return np.array([cost.objective(c) for cost in self.op_costs(v)], dtype=np.float64)
+
+    # -- edge costs ---------------------------------------------------------------------------------
+    def pair_cost(self, e: Edge, src_key: LayoutKey, src: TensorLayout, dst_key: LayoutKey,
+                  dst: TensorLayout) -> Cost:
+        """Cost of one edge for a producer layout and a consumer layout (keys: their
+        normalised forms)."""
+        if e.parameter:
+            return ZERO if src_key == dst_key else INFINITE
+        key = (src_key, dst_key, e.itemsize, e.is_bool)
+        cost = self._pair.get(key)
+        if cost is None:
+            if src_key == dst_key:
+                cost = ZERO
+            else:
+                cost = redistribution_cost(src, dst, e.itemsize, e.is_bool, self.constants)
+            self._pair[key] = cost
+        return cost
+
+    def edge_cost(self, e: Edge, cu: int, cv: int) -> Cost:
+        a = self.vertices[e.src].candidates[cu]
+        b = self.vertices[e.dst].candidates[cv]
+        return self.pair_cost(e, a.out_keys[e.src_out], a.out_layouts[e.src_out],
+                              b.in_keys[e.dst_in], b.in_layouts[e.dst_in])
+
+    def costs_to(self, e: Edge, cu: int) -> list[Cost]:
+        """Edge cost of every consumer candidate, the producer fixed at candidate `cu`."""
+        a = self.vertices[e.src].candidates[cu]
+        dst = self.vertices[e.dst]
+        key = ("to", a.out_keys[e.src_out], dst.signature, e.dst_in, e.itemsize, e.is_bool,
+               e.parameter)
+        row = self._rows.get(key)
+        if row is None:
+            src_key, src_layout = a.out_keys[e.src_out], a.out_layouts[e.src_out]
+            i = e.dst_in
+            row = [self.pair_cost(e, src_key, src_layout, b.in_keys[i], b.in_layouts[i])
+                   for b in dst.candidates]
+            self._rows[key] = row
+        return row
+
+    def costs_from(self, e: Edge, cv: int) -> list[Cost]:
+        """Edge cost of every producer candidate, the consumer fixed at candidate `cv`."""
+        b = self.vertices[e.dst].candidates[cv]
+        src = self.vertices[e.src]
+        key = ("from", b.in_keys[e.dst_in], src.signature, e.src_out, e.itemsize, e.is_bool,
+               e.parameter)
+        col = self._rows.get(key)
+        if col is None:
+            dst_key, dst_layout = b.in_keys[e.dst_in], b.in_layouts[e.dst_in]
+            o = e.src_out
+            col = [self.pair_cost(e, a.out_keys[o], a.out_layouts[o], dst_key, dst_layout)
+                   for a in src.candidates]
+            self._rows[key] = col
+        return col
+
+    def edge_matrix(self, e: Edge) -> np.ndarray:
+        """Objective of the edge for every (producer, consumer) candidate pair."""
+        src, dst = self.vertices[e.src], self.vertices[e.dst]
+        key = (src.signature, e.src_out, dst.signature, e.dst_in, e.itemsize, e.is_bool,
+               e.parameter)
+        m = self._matrices.get(key)
+        if m is None:
+            c = self.constants
+
+            def classes(pairs: list[tuple[LayoutKey, TensorLayout]]
+                        ) -> tuple[list[int], list[tuple[LayoutKey, TensorLayout]]]:
+                index: dict[LayoutKey, int] = {}
+                reps: list[tuple[LayoutKey, TensorLayout]] = []
+                rows = []
+                for k, lay in pairs:
+                    if k not in index:
+                        index[k] = len(reps)
+                        reps.append((k, lay))
+                    rows.append(index[k])
+                return rows, reps
+
+            o, i = e.src_out, e.dst_in
+            src_rows, src_reps = classes([(a.out_keys[o], a.out_layouts[o])
+                                          for a in src.candidates])
+            dst_cols, dst_reps = classes([(b.in_keys[i], b.in_layouts[i])
+                                          for b in dst.candidates])
+            small = np.empty((len(src_reps), len(dst_reps)), dtype=np.float64)
+            for r, (ka, la) in enumerate(src_reps):
+                for q, (kb, lb) in enumerate(dst_reps):
+                    small[r, q] = self.pair_cost(e, ka, la, kb, lb).objective(c)
+            m = small[np.ix_(src_rows, dst_cols)]
+            self._matrices[key] = m
+        return m
+
+    # -- evaluation -----------------------------------------------------------------------------------
+    def total(self, choice: Sequence[int]) -> float:
+        """The objective of a full assignment (vertex index -> candidate index)."""
+        c = self.constants
+        value = 0.0
+        for v in self.vertices:
+            value += self.op_costs(v)[choice[v.index]].objective(c)
+        for e in self.edges:
+            value += self.edge_cost(e, choice[e.src], choice[e.dst]).objective(c)
+        return value
+
+    def memory(self, choice: Sequence[int]) -> float:
+        return sum(self.op_costs(v)[choice[v.index]].memory for v in self.vertices)
+
+    def local_costs(self, v: Vertex, choice: Sequence[int]) -> list[tuple[Cost, Cost]]:
+        """For each candidate of `v`, its own cost and the cost of its edges with every
+        neighbour fixed at `choice`."""
+        own = self.op_costs(v)
+        out: list[tuple[Cost, Cost]] = []
+        rows_in = [(self.edges[ei], self.costs_to(self.edges[ei], choice[self.edges[ei].src]))
+                   for ei in v.in_edges]
+        rows_out = [(self.edges[ei], self.costs_from(self.edges[ei],
+                                                     choice[self.edges[ei].dst]))
+                    for ei in v.out_edges]
+        for k in range(len(v.candidates)):
+            edge = ZERO
+            for _, row in rows_in:
+                edge = edge + row[k]
+            for _, row in rows_out:
+                edge = edge + row[k]
+            out.append((own[k], edge))
+        return out
+
+
+def strategy_key(cand: Candidate) -> tuple[int, tuple[int, ...]]:
+    """`Strategy::Compare`: a larger product of all splits, then the lexicographically larger
+    strategy, is preferred (larger key = preferred)."""
+    flat = tuple(x for s in cand.strategy for x in s)
+    return cand.split_product, flat
+

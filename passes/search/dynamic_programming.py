@@ -1,0 +1,317 @@
+"""Dynamic programming (reference §4.3): exact minimisation of the cost model by elimination.
+
+Objective (`cost_model.py`): over one candidate s_v per vertex,
+
+    minimise  F(s) = sum_v op_v(s_v) + sum_(u->v) edge_uv(s_u, s_v)
+
+with `op_v = alpha * comp + beta * comm_partial` of the op and `edge_uv` the same of the
+redistribution, subject to `sum_v mem_v(s_v) <= device_memory_capacity`.
+
+F is a sum of unary and pairwise terms, so MindSpore's graph eliminations are exact when each
+one eliminates a vertex x by minimising over s_x the terms that mention x (`_eliminate`),
+which leaves a term over x's neighbours and a table argmin[s_neighbours] for recovery. The
+rules are tried in MindSpore's order, the first vertex (topological order) that matches wins;
+edges point from the earlier to the later vertex:
+
+1. OpElimination (`_rule` 1): x has one in-edge u->x and one out-edge x->w; the result is an
+   edge u->w, added to an existing one (2. EdgeElimination: parallel edges are summed as soon
+   as they appear);
+3. MergeElimination: x has no in-edge and one out-edge x->v; the result is a unary term on v;
+4. ContractElimination: x has one in-edge u->x and no out-edge; a unary term on u;
+5. TriangleElimination: x has no in-edge and two out-edges x->v, x->w with v, w adjacent; the
+   result is added to the edge between v and w (exact, so no strategy overwrite is needed);
+6. StarElimination: x has no in-edge and several out-edges; the result is one term over all
+   its successors (a table over their candidates);
+7. when nothing matches (terms over three or more vertices), the vertex whose table is
+   smallest is eliminated (min-degree variable elimination).
+
+Vertices with one candidate (configured ops, `_VirtualDataset`) are conditioned away first.
+The final search is over the components: each ends as one constant. Recovery (`solve`) walks
+the eliminations backwards and reads each argmin table.
+
+Memory: the plan minimising F is taken when it fits `device_memory_capacity`; otherwise
+`F + lambda * memory` is minimised with the smallest lambda (found by bisection) whose plan
+fits (Lagrangian relaxation; exact for the penalised objective).
+
+Approximation (`enable_algo_approxi` / `dp_algo_enable_approxi`): an op keeps at most
+ceil(1/epsilon) candidates, evenly sampled after sorting by `alpha * comp + beta * comm`.
+
+Cost: each elimination builds a table over x and its neighbours; tables are capped by
+`SearchOptions.max_table` (a graph whose eliminations need larger tables raises
+`SearchTooLarge`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from math import ceil, prod
+
+import numpy as np
+
+from ir.errors import PcompileError
+from passes.search.cost_graph import CostGraph
+
+
+class SearchTooLarge(PcompileError):
+    """An elimination needs a table larger than the configured cap."""
+
+
+@dataclass
+class DPResult:
+    choice: list[int]
+    objective: float
+    memory: float
+    lagrange: float = 0.0
+    eliminations: list[tuple[int, str]] = field(default_factory=list)
+
+
+Key = tuple[int, ...]
+
+
+class _Problem:
+    """Unary and higher-order terms over the vertices' candidate indices."""
+
+    def __init__(self, cg: CostGraph, allowed: list[list[int]], lagrange: float,
+                 max_table: int) -> None:
+        self.cg = cg
+        self.allowed = allowed
+        self.max_table = max_table
+        self.topo = [v.topo for v in cg.vertices]
+        self.size = [len(a) for a in allowed]
+        n = len(cg.vertices)
+        self.unary: list[np.ndarray] = []
+        for v in cg.vertices:
+            obj = cg.op_objectives(v)
+            if lagrange:
+                mem = np.array([c.memory for c in cg.op_costs(v)], dtype=np.float64)
+                obj = obj + lagrange * mem
+            self.unary.append(obj[allowed[v.index]])
+        self.terms: dict[Key, np.ndarray] = {}
+        self.incident: list[set[Key]] = [set() for _ in range(n)]
+        self.alive = [True] * n
+        self.constant = 0.0
+        self.records: list[tuple[int, Key, np.ndarray]] = []
+        self.rule_names: list[tuple[int, str]] = []
+        for e in cg.edges:
+            m = cg.edge_matrix(e)[np.ix_(allowed[e.src], allowed[e.dst])]
+            self.add_term((e.src, e.dst), m)
+
+    # -- terms --------------------------------------------------------------------------------
+    def order(self, vs: list[int] | tuple[int, ...]) -> Key:
+        return tuple(sorted(vs, key=lambda x: (self.topo[x], x)))
+
+    def add_term(self, vs: tuple[int, ...], table: np.ndarray) -> None:
+        """Add a term over vertices `vs` (axes of `table` in that order)."""
+        if len(vs) == 0:
+            self.constant += float(table)
+            return
+        if len(vs) == 1:
+            self.unary[vs[0]] = self.unary[vs[0]] + table
+            return
+        if len(set(vs)) != len(vs):
+            raise AssertionError("a term mentions a vertex twice")
+        key = self.order(vs)
+        if key != tuple(vs):
+            table = np.transpose(table, [vs.index(x) for x in key])
+        old = self.terms.get(key)
+        self.terms[key] = table if old is None else old + table
+        for x in key:
+            self.incident[x].add(key)
+
+    def drop_term(self, key: Key) -> np.ndarray:
+        table = self.terms.pop(key)
+        for x in key:
+            self.incident[x].discard(key)
+        return table
+
+    # -- structure ----------------------------------------------------------------------------
+    def degrees(self, x: int) -> tuple[list[int], list[int], int]:
+        """Predecessors, successors (through pairwise terms) and the number of larger
+        terms of x."""
+        preds, succs, hyper = [], [], 0
+        for key in self.incident[x]:
+            if len(key) > 2:
+                hyper += 1
+            elif key[0] == x:
+                succs.append(key[1])
+            else:
+                preds.append(key[0])
+        return preds, succs, hyper
+
+    def neighbours(self, x: int) -> set[int]:
+        out: set[int] = set()
+        for key in self.incident[x]:
+            out.update(key)
+        out.discard(x)
+        return out
+
+    def rule(self, x: int) -> int:
+        """The first rule that applies to x (1, 3, 4, 5, 6), 0 for an isolated vertex, 7
+        otherwise."""
+        if not self.incident[x]:
+            return 0
+        preds, succs, hyper = self.degrees(x)
+        if hyper:
+            return 7
+        if len(preds) == 1 and len(succs) == 1:
+            return 1
+        if not preds and len(succs) == 1:
+            return 3
+        if len(preds) == 1 and not succs:
+            return 4
+        if not preds and len(succs) == 2:
+            a, b = self.order(succs)
+            return 5 if (a, b) in self.terms else 6
+        if not preds and len(succs) > 2:
+            return 6
+        return 7
+
+    def table_size(self, x: int) -> int:
+        return self.size[x] * prod(self.size[n] for n in self.neighbours(x))
+
+    # -- elimination ----------------------------------------------------------------------------
+    def eliminate(self, x: int, rule: str) -> None:
+        keys = list(self.incident[x])
+        nbrs = list(self.order(list(self.neighbours(x))))
+        axes = nbrs + [x]
+        shape = [self.size[a] for a in axes]
+        if prod(shape) > self.max_table:
+            raise SearchTooLarge(
+                f"dynamic programming: eliminating {self.cg.vertices[x].name} needs a table of "
+                f"{prod(shape)} entries (over {len(axes)} ops); use sharding_propagation or "
+                "recursive_programming, or set_algo_parameters(enable_algo_approxi=True)"
+            )
+        total = self.unary[x].reshape([1] * len(nbrs) + [self.size[x]])
+        for key in keys:
+            table = self.drop_term(key)
+            pos = sorted(range(len(key)), key=lambda i: axes.index(key[i]))
+            view = np.transpose(table, pos)
+            full = [1] * len(axes)
+            for i in pos:
+                full[axes.index(key[i])] = self.size[key[i]]
+            total = total + view.reshape(full)
+        total = np.broadcast_to(total, shape)
+        arg = np.argmin(total, axis=-1)
+        best = np.take_along_axis(total, arg[..., None], axis=-1)[..., 0]
+        self.records.append((x, tuple(nbrs), arg))
+        self.rule_names.append((x, rule))
+        self.alive[x] = False
+        self.add_term(tuple(nbrs), best)
+
+    def condition_fixed(self) -> None:
+        """Vertices with one candidate: fold their terms into their neighbours."""
+        for x in range(len(self.size)):
+            if self.size[x] == 1 and self.alive[x]:
+                self.eliminate(x, "fixed")
+
+    def run(self) -> None:
+        self.condition_fixed()
+        names = {0: "isolated", 1: "op", 3: "merge", 4: "contract", 5: "triangle",
+                 6: "star", 7: "min-degree"}
+        heaps: dict[int, list[tuple[float, int, int]]] = {r: [] for r in names}
+        status = [-1] * len(self.size)
+
+        def refresh(x: int) -> None:
+            if not self.alive[x]:
+                return
+            r = self.rule(x)
+            status[x] = r
+            weight = float(self.table_size(x)) if r in (6, 7) else self.topo[x]
+            heapq.heappush(heaps[r], (weight, x, r))
+
+        for x in range(len(self.size)):
+            refresh(x)
+        while True:
+            picked = None
+            for r in (1, 3, 4, 5, 6, 7, 0):
+                heap = heaps[r]
+                while heap:
+                    _, x, rr = heap[0]
+                    if not self.alive[x] or status[x] != rr:
+                        heapq.heappop(heap)
+                        continue
+                    if rr in (6, 7) and heap[0][0] != float(self.table_size(x)):
+                        heapq.heappop(heap)
+                        refresh(x)
+                        continue
+                    picked = (x, rr)
+                    break
+                if picked:
+                    break
+            if picked is None:
+                return
+            x, r = picked
+            touched = self.neighbours(x)
+            self.eliminate(x, names[r])
+            around = set(touched)
+            for n in touched:
+                around |= self.neighbours(n)
+            for n in around:
+                refresh(n)
+
+    def recover(self) -> list[int]:
+        local = [0] * len(self.size)
+        for x, nbrs, arg in reversed(self.records):
+            local[x] = int(arg[tuple(local[n] for n in nbrs)]) if nbrs else int(arg)
+        return [self.allowed[x][k] for x, k in enumerate(local)]
+
+
+def allowed_candidates(cg: CostGraph, approximate: bool, epsilon: float) -> list[list[int]]:
+    """Candidate indices each vertex may take (all, or an even sample when approximating)."""
+    out: list[list[int]] = []
+    keep = max(1, ceil(1.0 / epsilon))
+    c = cg.constants
+    for v in cg.vertices:
+        n = len(v.candidates)
+        if not approximate or v.kind != "op" or n <= keep:
+            out.append(list(range(n)))
+            continue
+        costs = cg.op_costs(v)
+        ranked = sorted(range(n), key=lambda k: (c.alpha * costs[k].computation
+                                                 + c.beta * costs[k].communication, k))
+        step = n / keep
+        out.append(sorted({ranked[int(i * step)] for i in range(keep)}))
+    return out
+
+
+def _solve_once(cg: CostGraph, allowed: list[list[int]], lagrange: float,
+                max_table: int) -> DPResult:
+    problem = _Problem(cg, allowed, lagrange, max_table)
+    problem.run()
+    choice = problem.recover()
+    return DPResult(choice, cg.total(choice), cg.memory(choice), lagrange, problem.rule_names)
+
+
+def solve(cg: CostGraph, options: object) -> DPResult:
+    """The plan of least objective whose memory fits the device (see the module doc)."""
+    approximate = bool(getattr(options, "approximate", False))
+    epsilon = float(getattr(options, "epsilon", 0.1))
+    max_table = int(getattr(options, "max_table", 1 << 24))
+    allowed = allowed_candidates(cg, approximate, epsilon)
+    capacity = cg.constants.memory_capacity
+    best = _solve_once(cg, allowed, 0.0, max_table)
+    if best.memory <= capacity:
+        return best
+    low, high = 0.0, 1.0
+    feasible = None
+    for _ in range(60):
+        trial = _solve_once(cg, allowed, high, max_table)
+        if trial.memory <= capacity:
+            feasible = trial
+            break
+        low, high = high, high * 16
+    if feasible is None:
+        raise PcompileError(
+            f"dynamic programming: no plan fits device_memory_capacity={capacity:.0f} bytes "
+            f"(the smallest found needs {best.memory:.0f}); raise it with "
+            "set_cost_model_context(device_memory_capacity=...)"
+        )
+    for _ in range(40):
+        mid = (low + high) / 2
+        trial = _solve_once(cg, allowed, mid, max_table)
+        if trial.memory <= capacity:
+            feasible, high = trial, mid
+        else:
+            low = mid
+    return feasible

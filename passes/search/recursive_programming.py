@@ -1,0 +1,310 @@
+"""Recursive programming, MindSpore's double-recursive search (SAPP, reference §4.4).
+
+The device count must be a power of two, D = 2^R. A strategy is a split count per dimension
+label of an op (`ir.sharding` labels), all 1 at the start. The **outer recursion** runs R rounds;
+each round bisects the machine: every op, visited in **reverse topological order** (the inner
+pass), halves at most one of its labels (`_partition_round`). The op picks the option of least
+
+    op_cost(option) + sum over neighbours already decided in this round of redis(option)
+
+* MatMul / BatchMatMul (`matmul_costs`), with i, j, k the current local sizes of the row,
+  column and reduced labels: cut I costs `j*k/2 * rp_matmul_mem_coef`, cut J `i*k/2`, cut K
+  `i*j/2`, no cut `min(cut I, cut J, cut K)^2 / 25` (REPLICATE_BELOW); a batch label costs
+  `min(i*k, k*j, i*j)/2 / 32` (NUMBER_ASCEND_CORES: batch splits need no communication); J and
+  K are never both cut on one MatMul;
+* batch-only ops (OneHot, the softmax cross-entropies, Gather) may cut only their batch label,
+  other ops (element-wise, Softmax, LayerNorm, BiasAdd, Transpose, reductions, ...) any
+  splittable label; both at no cost of their own, so the choice follows the neighbours;
+* a label is cut only if its local size is even and at least 2, and never when unsplittable;
+* `redis`: for each edge to a neighbour decided in this round, if the two ops halve different
+  dims of the shared tensor (through a Reshape the leading dims of merged or split groups
+  correspond, `reshape.dim_map`), the tensor's local size times REDIS_COEF = 16.
+
+`_VirtualDataset` takes part with its `dataset_strategy` decomposed into one halving per round
+(dims in order); with `MS_INTERFERED_SAPP=1` (`SearchOptions.interfered_sapp`) user `shard()`
+strategies are fixed the same way, otherwise the search ignores them (step_parallel_begin still
+applies them).
+
+Phase 2 (`recursive_search`): the splits become strategies; an op whose strategy is not a valid
+candidate, and every user but the first of a shared parameter whose layouts disagree, are left
+undecided; sharding propagation (`sharding_propagation.propagate`) from the decided ops gives
+their strategies and keeps shared parameters consistent.
+
+Cost: O(R * (ops + edges)), linear in the number of layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import log2, prod
+
+from ir.errors import PcompileError
+from ir.sharding import Labels, is_power_of_two, label_dims, rule_for
+from passes.search.candidates import op_context
+from passes.search.cost_graph import CostGraph
+from passes.search.reshape import dim_map
+from passes.search.sharding_propagation import propagate
+
+REDIS_COEF = 16.0
+REPLICATE_BELOW = 25.0
+NUMBER_ASCEND_CORES = 32.0
+MATMUL_OPS = ("MatMul", "BatchMatMul")
+BATCH_ONLY_OPS = ("OneHot", "SoftmaxCrossEntropyWithLogits",
+                  "SparseSoftmaxCrossEntropyWithLogits", "Gather", "BatchNorm")
+
+
+def check_devices(devices: int) -> None:
+    if not is_power_of_two(devices):
+        raise PcompileError(
+            "The recursive auto parallel strategy searching mode requires the device num be "
+            f"the power of 2, but the device num is {devices}; use a power-of-two device "
+            "count or search_mode='sharding_propagation' / 'dynamic_programming'"
+        )
+
+
+@dataclass
+class RecOp:
+    """One participant of the partition: an op, or a fixed `_VirtualDataset` / configured op
+    with its halvings given per round."""
+
+    vertex: int
+    kind: str  # "matmul", "batch", "common" or "fixed"
+    in_labels: list[str]
+    out_labels: list[str]
+    sizes: dict[str, int]
+    allowed: list[str]  # labels it may cut, in preference order
+    splits: dict[str, int] = field(default_factory=dict)
+    schedule: list[str | None] = field(default_factory=list)  # "fixed": label per round
+    ijk: tuple[str, str, str] = ("", "", "")
+    batch: tuple[str, ...] = ()
+
+    def local(self, label: str) -> int:
+        return self.sizes[label] // self.splits.get(label, 1)
+
+
+@dataclass
+class RPResult:
+    choice: list[int]
+    via: dict[int, str]
+    splits: dict[int, dict[str, int]]
+
+
+def _halvings(splits: dict[str, int], order: list[str]) -> list[str | None]:
+    out: list[str | None] = []
+    for label in order:
+        out += [label] * int(round(log2(max(1, splits.get(label, 1)))))
+    return out
+
+
+def _matmul_labels(labels: Labels) -> tuple[tuple[str, str, str], tuple[str, ...]]:
+    out = labels.outputs[0]
+    used = set("".join(labels.inputs))
+    reduced = [x for x in dict.fromkeys("".join(labels.inputs)) if x not in out]
+    k = reduced[0] if reduced else ""
+    return (out[-2], out[-1], k), tuple(x for x in out[:-2] if x in used)
+
+
+def build_ops(cg: CostGraph, interfered: bool) -> list[RecOp]:
+    ops: list[RecOp] = []
+    for v in cg.vertices:
+        if v.kind == "dataset":
+            lay = v.candidates[0].out_layouts
+            in_labels: list[str] = []
+            out_labels = [["d%d_%d" % (i, j) for j in range(len(l.shape))]
+                          for i, l in enumerate(lay)]
+            flat = [x for labs in out_labels for x in labs]
+            sizes = {x: s for labs, l in zip(out_labels, lay) for x, s in zip(labs, l.shape)}
+            splits = {x: c for labs, l in zip(out_labels, lay) for x, c in zip(labs, l.splits)}
+            op = RecOp(v.index, "fixed", in_labels, ["".join(x) for x in out_labels], sizes,
+                       [], splits)
+            op.out_labels = out_labels  # type: ignore[assignment]
+            op.schedule = _halvings(splits, flat)
+            ops.append(op)
+            continue
+        if v.kind != "op" or v.node is None:
+            continue
+        node = v.node
+        rule = rule_for(node.op)
+        assert rule is not None
+        ctx = op_context(node, cg.devices)
+        labels = rule.labels(ctx)
+        dims = label_dims(ctx, labels)
+        sizes = {d.name: d.size for d in dims}
+        for labs, t in zip(labels.outputs, ctx.out_types):
+            for x, s in zip(labs, t.shape):
+                sizes.setdefault(x, s)
+        splittable = [d.name for d in dims if d.splittable]
+        if node.op in MATMUL_OPS:
+            kind = "matmul"
+            allowed = splittable
+        elif node.op in BATCH_ONLY_OPS:
+            kind = "batch"
+            batch_in = labels.inputs[1] if node.op == "Gather" else labels.inputs[0]
+            allowed = [x for x in batch_in[:1] if x in splittable]
+        else:
+            kind = "common"
+            allowed = splittable
+        op = RecOp(v.index, kind, list(labels.inputs), list(labels.outputs), sizes, allowed)
+        if kind == "matmul":
+            op.ijk, op.batch = _matmul_labels(labels)
+        if v.configured and interfered:
+            strategy = v.candidates[0].strategy
+            user = {}
+            for labs, s in zip(labels.inputs, strategy):
+                for x, c in zip(labs, s):
+                    user.setdefault(x, c)
+            op.kind = "fixed"
+            op.splits = user
+            op.schedule = _halvings(user, [d.name for d in dims])
+        ops.append(op)
+    return ops
+
+
+def matmul_costs(op: RecOp, coef: float) -> dict[str | None, float]:
+    i_l, j_l, k_l = op.ijk
+    i, j = op.local(i_l), op.local(j_l)
+    k = op.local(k_l) if k_l else 1
+    cut_i, cut_j, cut_k = j * k / 2 * coef, i * k / 2, i * j / 2
+    costs: dict[str | None, float] = {}
+    for b in op.batch:
+        costs[b] = min(i * k, k * j, i * j) / 2 / NUMBER_ASCEND_CORES
+    costs[i_l] = cut_i
+    costs[j_l] = cut_j
+    if k_l:
+        costs[k_l] = cut_k
+    costs[None] = min(cut_i, cut_j, cut_k) ** 2 / REPLICATE_BELOW
+    if op.splits.get(j_l, 1) > 1:
+        costs.pop(k_l, None)
+    if k_l and op.splits.get(k_l, 1) > 1:
+        costs.pop(j_l, None)
+    return costs
+
+
+def _options(op: RecOp, coef: float) -> dict[str | None, float]:
+    cuttable = [x for x in op.allowed if op.local(x) >= 2 and op.local(x) % 2 == 0]
+    if op.kind == "matmul":
+        costs = matmul_costs(op, coef)
+        return {x: c for x, c in costs.items() if x is None or x in cuttable}
+    out: dict[str | None, float] = {x: 0.0 for x in cuttable}
+    if not out:
+        out[None] = 0.0
+    return out
+
+
+class _Partition:
+    def __init__(self, cg: CostGraph, ops: list[RecOp], coef: float) -> None:
+        self.cg = cg
+        self.ops = ops
+        self.coef = coef
+        self.by_vertex = {op.vertex: op for op in ops}
+        self.maps: dict[int, dict[int, int] | None] = {}
+
+    def tensor_cut(self, op: RecOp, labels: str | list[str], cut: str | None) -> int | None:
+        if cut is None:
+            return None
+        labs = list(labels)
+        return labs.index(cut) if cut in labs else None
+
+    def edge_map(self, ei: int) -> dict[int, int] | None:
+        """Producer dim -> consumer dim of an edge (None: same shape)."""
+        if ei not in self.maps:
+            e = self.cg.edges[ei]
+            src = self.cg.vertices[e.src].candidates[0].out_layouts[e.src_out].shape
+            dst = self.cg.vertices[e.dst].candidates[0].in_layouts[e.dst_in].shape
+            self.maps[ei] = None if src == dst else dim_map(src, dst)
+        return self.maps[ei]
+
+    def redis(self, op: RecOp, cut: str | None, decided: dict[int, str | None]) -> float:
+        cg = self.cg
+        v = cg.vertices[op.vertex]
+        total = 0.0
+        for ei in v.in_edges + v.out_edges:
+            e = cg.edges[ei]
+            other = e.src if e.dst == op.vertex else e.dst
+            if other not in decided:
+                continue
+            prod_op = self.by_vertex[e.src]
+            cons_op = self.by_vertex[e.dst]
+            prod_cut = decided[e.src] if e.src != op.vertex else cut
+            cons_cut = decided[e.dst] if e.dst != op.vertex else cut
+            p = self.tensor_cut(prod_op, prod_op.out_labels[e.src_out], prod_cut)
+            c = self.tensor_cut(cons_op, cons_op.in_labels[e.dst_in], cons_cut)
+            mapping = self.edge_map(ei)
+            if mapping is not None and p is not None:
+                p = mapping.get(p, -1)
+            if p != c:
+                labs = cons_op.in_labels[e.dst_in]
+                total += prod(cons_op.local(x) for x in labs) * REDIS_COEF
+        return total
+
+    def round(self, r: int) -> None:
+        decided: dict[int, str | None] = {}
+        for op in self.ops:
+            if op.kind == "fixed":
+                decided[op.vertex] = op.schedule[r] if r < len(op.schedule) else None
+        order = sorted((op for op in self.ops if op.kind != "fixed"),
+                       key=lambda o: self.cg.vertices[o.vertex].topo, reverse=True)
+        for op in order:
+            options = _options(op, self.coef)
+            best, best_cost = None, None
+            for cut, own in options.items():
+                cost = own + self.redis(op, cut, decided)
+                if best_cost is None or cost < best_cost:
+                    best, best_cost = cut, cost
+            decided[op.vertex] = best
+            if best is not None:
+                op.splits[best] = op.splits.get(best, 1) * 2
+
+
+def partition(cg: CostGraph, interfered: bool, coef: float) -> list[RecOp]:
+    """The R rounds of bisection; returns the participants with their final splits."""
+    check_devices(cg.devices)
+    ops = build_ops(cg, interfered)
+    part = _Partition(cg, ops, coef)
+    for r in range(int(log2(cg.devices))):
+        part.round(r)
+    return ops
+
+
+def recursive_search(cg: CostGraph, options: object) -> RPResult:
+    from compiler.context import current_cost_model_context
+
+    interfered = bool(getattr(options, "interfered_sapp", False))
+    coef = float(current_cost_model_context().rp_matmul_mem_coef)
+    ops = partition(cg, interfered, coef)
+    fixed: dict[int, int] = {}
+    splits: dict[int, dict[str, int]] = {}
+    for op in ops:
+        v = cg.vertices[op.vertex]
+        if v.kind != "op" or v.configured:
+            continue
+        strategy = tuple(tuple(op.splits.get(x, 1) for x in labs) for labs in op.in_labels)
+        splits[op.vertex] = dict(op.splits)
+        for k, cand in enumerate(v.candidates):
+            if cand.strategy == strategy:
+                fixed[op.vertex] = k
+                break
+    for p in cg.vertices:
+        if p.kind != "param":
+            continue
+        users = sorted((cg.edges[ei] for ei in p.out_edges),
+                       key=lambda e: cg.vertices[e.dst].topo)
+        first_key = None
+        for e in users:
+            u = cg.vertices[e.dst]
+            k = 0 if u.configured else fixed.get(u.index)
+            if k is None:
+                continue
+            key = u.candidates[k].in_keys[e.dst_in]
+            if first_key is None:
+                first_key = key
+                match = [i for i, c in enumerate(p.candidates) if c.out_keys[0] == key]
+                if match:
+                    fixed[p.index] = match[0]
+            elif key != first_key and not u.configured:
+                fixed.pop(u.index, None)
+    prop = propagate(cg, fixed)
+    via = {vi: "recursive programming" for vi in fixed}
+    for vi, why in prop.via.items():
+        via.setdefault(vi, why)
+    return RPResult(prop.choice, via, splits)

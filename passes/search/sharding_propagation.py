@@ -1,0 +1,143 @@
+"""Sharding propagation (reference §4.2, `CostGraph::StrategyPropagate`).
+
+Configured vertices (user `shard()` strategies and layouts, strategies loaded from a checkpoint,
+and `_VirtualDataset`, whose topological index is infinity so it goes last) are taken in
+topological order; each one not yet visited starts a breadth-first search (`propagate`):
+
+* pop a vertex u; for each out-edge u -> v (`_visit_next`), then each in-edge w -> u
+  (`_visit_prev`), decide the unvisited, unconfigured neighbour;
+* a consumer v with several in-edges waits until the producers of all of them are decided
+  (configured vertices count as decided); it then minimises the *sum* over its in-edges
+  (`OperatorInfo::GetStrategyByVisitedEdges`);
+* a neighbour's candidate is the minimum of `swc_key` (`CompareSwcCost`): (1) the edge's
+  redistribution communication, (2) its redistribution computation, (3) the candidate's own
+  forward communication, (4) `Strategy::Compare`: the larger product of all splits, then the
+  lexicographically larger strategy; remaining ties keep candidate order;
+* when every search is done, waiting vertices are decided in topological order from the
+  in-edges they have, and the search continues from them;
+* a vertex no search reached gets its first candidate (usually all ones).
+
+A parameter shared by several ops is a `TmpIdentity` vertex whose edges cost infinity unless
+the layouts are equal, so its users agree. Cost: building the rows an edge needs (cached per
+producer layout and consumer signature) plus a linear walk over the graph.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from passes.search.cost_graph import CostGraph, Vertex, strategy_key
+
+
+def swc_key(cg: CostGraph, v: Vertex, k: int, comm: float, comp: float
+            ) -> tuple[float, float, float, int, tuple[int, ...]]:
+    """`CompareSwcCost` as a sort key (smaller is better)."""
+    product, flat = strategy_key(v.candidates[k])
+    own = cg.op_costs(v)[k].comm_forward
+    return comm, comp, own, -product, tuple(-x for x in flat)
+
+
+def _best_by_in_edges(cg: CostGraph, v: Vertex, choice: list[int], edges: list[int]) -> int:
+    n = len(v.candidates)
+    comm = [0.0] * n
+    comp = [0.0] * n
+    for ei in edges:
+        e = cg.edges[ei]
+        row = cg.costs_to(e, choice[e.src])
+        for k in range(n):
+            comm[k] += row[k].communication
+            comp[k] += row[k].computation
+    return min(range(n), key=lambda k: swc_key(cg, v, k, comm[k], comp[k]))
+
+
+def _best_by_out_edge(cg: CostGraph, w: Vertex, choice: list[int], ei: int) -> int:
+    e = cg.edges[ei]
+    col = cg.costs_from(e, choice[e.dst])
+    return min(range(len(w.candidates)),
+               key=lambda k: swc_key(cg, w, k, col[k].communication, col[k].computation))
+
+
+class Propagation:
+    """State of one propagation: the choice per vertex and why it was made."""
+
+    def __init__(self, cg: CostGraph, fixed: dict[int, int] | None = None) -> None:
+        self.cg = cg
+        n = len(cg.vertices)
+        self.choice = [-1] * n
+        self.decided = [False] * n
+        self.via: dict[int, str] = {}
+        self.waiting: set[int] = set()
+        self.fixed = dict(fixed or {})
+        for v in cg.vertices:
+            if v.configured:
+                self.fixed.setdefault(v.index, 0)
+        for vi, k in self.fixed.items():
+            self.choice[vi] = k
+            self.decided[vi] = True
+
+    def _set(self, vi: int, k: int, via: str) -> None:
+        self.choice[vi] = k
+        self.decided[vi] = True
+        self.via[vi] = via
+        self.waiting.discard(vi)
+
+    def _visit_next(self, u: Vertex, ei: int, queue: deque[int]) -> None:
+        cg = self.cg
+        e = cg.edges[ei]
+        v = cg.vertices[e.dst]
+        if self.decided[v.index]:
+            return
+        ins = v.in_edges
+        if len(ins) > 1 and not all(self.decided[cg.edges[x].src] for x in ins):
+            self.waiting.add(v.index)
+            return
+        k = _best_by_in_edges(cg, v, self.choice, ins)
+        self._set(v.index, k, f"in-edges from {self._names(ins)}")
+        queue.append(v.index)
+
+    def _visit_prev(self, u: Vertex, ei: int, queue: deque[int]) -> None:
+        cg = self.cg
+        w = cg.vertices[cg.edges[ei].src]
+        if self.decided[w.index]:
+            return
+        k = _best_by_out_edge(cg, w, self.choice, ei)
+        self._set(w.index, k, f"out-edge to {u.name}")
+        queue.append(w.index)
+
+    def _names(self, edges: list[int]) -> str:
+        cg = self.cg
+        return ", ".join(dict.fromkeys(cg.vertices[cg.edges[x].src].name for x in edges))
+
+    def bfs(self, start: int) -> None:
+        cg = self.cg
+        queue: deque[int] = deque([start])
+        while queue:
+            u = cg.vertices[queue.popleft()]
+            for ei in u.out_edges:
+                self._visit_next(u, ei, queue)
+            for ei in u.in_edges:
+                self._visit_prev(u, ei, queue)
+
+    def run(self, starts: list[int]) -> list[int]:
+        cg = self.cg
+        for vi in sorted(starts, key=lambda i: cg.vertices[i].topo):
+            self.bfs(vi)
+        while self.waiting:
+            vi = min(self.waiting, key=lambda i: cg.vertices[i].topo)
+            v = cg.vertices[vi]
+            ins = [x for x in v.in_edges if self.decided[cg.edges[x].src]]
+            self._set(vi, _best_by_in_edges(cg, v, self.choice, ins),
+                      f"in-edges from {self._names(ins)} (not all inputs were decided)")
+            self.bfs(vi)
+        for v in cg.vertices:
+            if not self.decided[v.index]:
+                self._set(v.index, 0, "unreachable: first candidate")
+        return self.choice
+
+
+def propagate(cg: CostGraph, fixed: dict[int, int] | None = None) -> Propagation:
+    """Sharding propagation from the configured vertices (and `fixed` ones, which count as
+    configured: recursive programming uses this to finish its plan)."""
+    prop = Propagation(cg, fixed)
+    prop.run(list(prop.fixed))
+    return prop
