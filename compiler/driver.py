@@ -35,6 +35,7 @@ from ir.printer import print_graph
 from ir.registry import get_op
 from ir.verifier import verify
 from passes.autodiff import append_gradients
+from passes.comm_fusion import CommFusionPass
 from passes.optimizer import append_optimizer
 from ir.layout import group_name
 from passes.optimizer_shard import plan_optimizer_sharding
@@ -358,6 +359,8 @@ def pipeline(state: CompileState) -> list[Pass]:
         passes += [StepParallelBeginPass(), StepParallelEndPass()]
     if state.training:
         passes += [AutodiffPass(), OptimizerPass()]
+        if state.parallel:
+            passes.append(CommFusionPass())
     passes.append(ExecutePass())
     return passes
 
@@ -535,6 +538,11 @@ def _write_outputs(out_dir: str, state: CompileState, dumps: Sequence[tuple[str,
         with open(os.path.join(tmp, "plan.json"), "w", encoding="utf-8") as f:
             json.dump(_plan(state), f, indent=1, sort_keys=False)
             f.write("\n")
+        # --- issue 5 hook: rank programs (program.py, params.npz) + kept checkpoints/ ---
+        from backends.jax.codegen import write_rank_artifacts
+
+        write_rank_artifacts(tmp, state, previous=out_dir)
+        # --- end of issue 5 hook ---
         if os.path.exists(out_dir):
             old = out_dir.rstrip("/") + ".old-" + str(os.getpid())
             os.rename(out_dir, old)
