@@ -31,6 +31,7 @@ from compiler.nn.optim_base import Optimizer
 from compiler.trace_model import TracedModel, trace_model
 from ir.core import Graph, Value
 from ir.errors import PcompileError
+from ir.parser import parse_graph
 from ir.printer import print_graph
 from ir.registry import get_op
 from ir.verifier import verify
@@ -530,7 +531,12 @@ def _write_outputs(out_dir: str, state: CompileState, dumps: Sequence[tuple[str,
         ranks = max(1, state.devices)
         for r in range(ranks):
             os.makedirs(os.path.join(tmp, f"rank_{r}"))
+        check = bool(os.environ.get("PCOMPILE_CHECK_ROUNDTRIP"))
         for filename, texts in dumps:
+            if check:  # the test suite sets this: every dump it produces must re-parse exactly
+                for text in texts:
+                    if print_graph(parse_graph(text, filename)) != text:
+                        raise AssertionError(f"{filename} does not round-trip")
             for r in range(ranks):
                 text = texts[r] if len(texts) > 1 else texts[0]
                 with open(os.path.join(tmp, f"rank_{r}", filename), "w", encoding="utf-8") as f:
