@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-
 WORLD_GROUP = "nccl_world_group"
 _RUNTIME: dict[str, int] = {}
 

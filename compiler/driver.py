@@ -162,7 +162,8 @@ class OptimizerPass:
                 f"model file {mf.path} defines loss() but no optimizer(params); training needs "
                 "both"
             )
-        opt = call_user(mf.optimizer, "optimizer(params)", mf.path, traced.network.trainable_params())
+        opt = call_user(mf.optimizer, "optimizer(params)", mf.path,
+                        traced.network.trainable_params())
         if not isinstance(opt, Optimizer):
             raise PcompileError(
                 f"optimizer(params) in {mf.path} must return an nn optimizer (nn.SGD, "

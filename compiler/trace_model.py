@@ -121,7 +121,7 @@ def trace_model(mf: ModelFile, batch_split: int = 1) -> TracedModel:
                 for n, s in zip(input_names, example_inputs)]
         labels = [tracer.add_input(n, _local(_spec_type(s), batch_split, n))
                   for n, s in zip(label_names, example_labels)]
-        for name, param in network.parameters_and_names():
+        for _, param in network.parameters_and_names():
             if param.name in parameters and parameters[param.name] is not param:
                 raise PcompileError(
                     f"two different parameters are both named {param.name!r}; "

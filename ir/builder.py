@@ -73,7 +73,9 @@ class Builder:
                 full.update(opdef.full_attrs(user_attrs, allow_extra=True))
                 full.update(attrs or {})
         except TypeError as exc:
-            raise OpError(op, str(exc), instance_name=instance_name, scope=scope, source=source)
+            raise OpError(
+                op, str(exc), instance_name=instance_name, scope=scope, source=source
+            ) from None
         types = [v.type for v in operands]
         try:
             opdef.check_arity(len(operands))

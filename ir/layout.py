@@ -213,7 +213,8 @@ class TensorLayout:
         return (self.dev_matrix, self.tensor_map, self.slice_shape)
 
     def __str__(self) -> str:
-        return f"(dev {list(self.dev_matrix)}, map {list(self.tensor_map)}, shape {list(self.shape)})"
+        return (f"(dev {list(self.dev_matrix)}, map {list(self.tensor_map)}, "
+                f"shape {list(self.shape)})")
 
 
 def replicated(shape: Sequence[int], dev: Sequence[int]) -> TensorLayout:

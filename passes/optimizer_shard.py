@@ -92,7 +92,7 @@ def _refine_for(use: TensorLayout, free: list[int], shard_size: int
         dev[a:a + 1] = [size // need, need]
         n_old = len(use.dev_matrix)
 
-        def remap(v: int) -> int:
+        def remap(v: int, n_old: int = n_old, a: int = a) -> int:
             # values count from the right: axes left of `a` move one further from the right
             return v + 1 if n_old - 1 - v < a else v
 

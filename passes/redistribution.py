@@ -30,7 +30,7 @@ from math import prod
 from ir.layout import TensorLayout, axis_index, map_axes
 
 
-class NoUnification(Exception):
+class NoUnification(Exception):  # noqa: N818  (a signal, not an error)
     """The two layouts have no common refinement."""
 
 
@@ -38,7 +38,9 @@ def _chain(cuts: set[int], what: str) -> list[int]:
     ordered = sorted(cuts)
     for a, b in zip(ordered, ordered[1:]):
         if b % a:
-            raise NoUnification(f"{what} cut points {ordered} do not nest ({a} does not divide {b})")
+            raise NoUnification(
+                f"{what} cut points {ordered} do not nest ({a} does not divide {b})"
+            )
     return ordered
 
 

@@ -73,7 +73,9 @@ def run_graph(
         values = [feeds[p.name] for p in graph.params]
     else:
         if len(feeds) != len(graph.params):
-            raise ValueError(f"graph {graph.name} takes {len(graph.params)} values, got {len(feeds)}")
+            raise ValueError(
+                f"graph {graph.name} takes {len(graph.params)} values, got {len(feeds)}"
+            )
         values = list(feeds)
     for param, value in zip(graph.params, values):
         arr = np.asarray(value)
