@@ -181,7 +181,12 @@ def layout_sharding(ctx: OpContext, labels: Labels, layouts: list[TensorLayout],
                     "the AllReduce result"
                 )
             forward.append(ForwardComm("ReduceScatter", partial, labels.reduce_op))
-            outs = [out_layout]
+            # ReduceScatter hands chunk j of dim 0 to the j-th rank of the group in rank order:
+            # the reduce axes split dim 0 below its own axes, left to right (row-major).
+            base = outs[0]
+            first = tuple(map_axes(base.tensor_map[0])) + tuple(n - 1 - a for a in partial)
+            entry = first[0] if len(first) == 1 else first
+            outs = [TensorLayout(dev, (entry,) + tuple(base.tensor_map[1:]), base.shape)]
         else:
             forward.append(ForwardComm("AllReduce", partial, labels.reduce_op))
         if labels.mean:

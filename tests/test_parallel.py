@@ -279,3 +279,25 @@ def test_non_power_of_two_devices() -> None:
 
 def test_prod_helper() -> None:
     assert prod(()) == 1
+
+
+def test_reduce_scatter_plans_match_single_device(tmp_path) -> None:
+    program = compile_model(os.path.join(ROOT, "examples", "layout_reduce_scatter.py"),
+                            dump=False)
+    assert any(n.op == "ReduceScatter" for n in program.rank_graphs[0].nodes)
+    assert check(program).ok(1e-5)
+    model = tmp_path / "rs.py"
+    model.write_text(
+        "import numpy as np\nfrom compiler import nn, ops, set_auto_parallel_context\n"
+        "set_auto_parallel_context(parallel_mode='semi_auto_parallel', device_num=8,"
+        " dataset_strategy='full_batch')\n"
+        "class N(nn.Cell):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.mm = ops.MatMul().shard(((2, 4), (4, 1)), ((8, 1),))\n"
+        "    def construct(self, x, w):\n        return self.mm(x, w)\n"
+        "def model():\n    return N()\n"
+        "def inputs():\n    r = np.random.default_rng(0)\n"
+        "    return (r.standard_normal((16, 32)).astype(np.float32),"
+        " r.standard_normal((32, 8)).astype(np.float32))\n")
+    program = compile_model(str(model), dump=False)
+    assert [n.op for n in program.rank_graphs[0].nodes].count("ReduceScatter") == 1
+    assert check(program).ok(1e-5)
