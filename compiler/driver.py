@@ -456,7 +456,8 @@ def _run_pipeline(state: CompileState, out_dir: str | None) -> CompiledProgram:
             if index == 0:
                 raise
             done = ", ".join(q.name for q in passes[:index])
-            raise type(exc)(f"{exc}\n(in pass '{p.name}', after: {done})") from exc
+            exc.args = (f"{exc}\n(in pass '{p.name}', after: {done})",)
+            raise
         timings.append((p.name, time.perf_counter() - start))
         if out_dir is not None:
             texts = [print_graph(g) for g in graphs]  # type: ignore[arg-type]

@@ -34,7 +34,7 @@ from ir.layout import TensorLayout
 from ir.sharding import Strategy
 from ir.types import TensorType
 from passes.search.cost_graph import CostGraph, Vertex
-from passes.search.cost_model import Cost, CostConstants
+from passes.search.cost_model import Cost, CostConstants, printable
 from passes.search.reshape import map_layout
 
 MODES = ("sharding_propagation", "dynamic_programming", "recursive_programming")
@@ -81,7 +81,7 @@ class SearchResult:
     choice: list[int] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
-        return {"mode": self.mode, "objective": round(self.objective, 3),
+        return {"mode": self.mode, "objective": printable(self.objective),
                 "seconds": round(self.seconds, 4), "searched_ops": len(self.strategies)}
 
 
@@ -165,7 +165,7 @@ def explain_vertex(cg: CostGraph, v: Vertex, choice: list[int]) -> dict[str, Any
         e = cg.edges[ei]
         rows.append(cg.costs_from(e, choice[e.dst]))
     key = (v.signature, k, tuple(id(r) for r in rows))
-    cache: dict[Any, dict[str, Any]] = cg.__dict__.setdefault("_explain", {})
+    cache = cg.explain_cache
     hit = cache.get(key)
     if hit is not None:
         return dict(hit)
@@ -179,7 +179,7 @@ def explain_vertex(cg: CostGraph, v: Vertex, choice: list[int]) -> dict[str, Any
         "strategy": v.candidates[k].strategy,
         "cost": own[k].as_dict(c),
         "redistribution": edge.as_dict(c),
-        "local_objective": round(float(local[k]), 3),
+        "local_objective": printable(float(local[k])),
         "candidates": len(v.candidates),
     }
     if len(v.candidates) > 1:
@@ -187,7 +187,7 @@ def explain_vertex(cg: CostGraph, v: Vertex, choice: list[int]) -> dict[str, Any
         others[k] = np.inf
         r = int(np.argmin(others))
         info["runner_up"] = {"strategy": v.candidates[r].strategy,
-                             "local_objective": round(float(local[r]), 3)}
+                             "local_objective": printable(float(local[r]))}
     cache[key] = info
     return dict(info)
 

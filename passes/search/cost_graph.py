@@ -34,8 +34,14 @@ from ir.layout import TensorLayout
 from ir.sharding import NO_STRATEGY, OpSharding, rule_for
 from ir.types import DType, TensorType
 from passes.search.candidates import Candidate, CandidateTable, LayoutKey, make_candidate
-from passes.search.cost_model import INFINITE, ZERO, Cost, CostConstants, op_cost
-from passes.search.cost_model import redistribution_cost
+from passes.search.cost_model import (
+    INFINITE,
+    ZERO,
+    Cost,
+    CostConstants,
+    op_cost,
+    redistribution_cost,
+)
 from passes.step_parallel_begin import dataset_layouts, shard_node
 
 DATASET_TOPO = 1 << 62
@@ -53,6 +59,8 @@ class Vertex:
     configured: bool = False
     node: Node | None = None
     signature: Any = None
+    trainable: tuple[bool, ...] = ()  # operands that are trainable parameters
+    params: tuple[bool, ...] = ()  # operands that are stored parameters
     in_edges: list[int] = field(default_factory=list)
     out_edges: list[int] = field(default_factory=list)
 
@@ -93,9 +101,10 @@ class CostGraph:
         self._pair: dict[tuple[LayoutKey, LayoutKey, int, bool], Cost] = {}
         self._rows: dict[Any, list[Cost]] = {}
         self._matrices: dict[Any, np.ndarray] = {}
+        self.explain_cache: dict[Any, dict[str, Any]] = {}
         self._build(dataset_strategy, configured or {})
 
-    # -- construction ---------------------------------------------------------------------------
+    # -- construction -----------------------------------------------------------------------------
     def _add_vertex(self, kind: str, name: str, topo: float, candidates: list[Candidate],
                     configured: bool, node: Node | None, signature: Any) -> Vertex:
         v = Vertex(len(self.vertices), kind, name, topo, candidates, configured, node,
@@ -115,6 +124,7 @@ class CostGraph:
                               and v.requires_grad for v in node.operands)
             params = tuple(isinstance(v, GraphParam) and v.kind != "input"
                            for v in node.operands)
+            sig: Any
             if user is not None:
                 sharding = shard_node(node, devices, user, node.attrs.get("out_strategy"))
                 cands = [make_candidate(sharding)]
@@ -124,8 +134,7 @@ class CostGraph:
                 sig = (self.table.signature(node), trainable, params)
             v = self._add_vertex("op", node.instance_name or node.op, topo, cands,
                                  user is not None, node, sig)
-            v.trainable = trainable  # type: ignore[attr-defined]
-            v.params = params  # type: ignore[attr-defined]
+            v.trainable, v.params = trainable, params
             self.vertex_of[id(node)] = v.index
         inputs = self.graph.inputs
         self.dataset: Vertex | None = None
@@ -214,7 +223,7 @@ class CostGraph:
         self.vertices[src].out_edges.append(e.index)
         self.vertices[dst].in_edges.append(e.index)
 
-    # -- op costs -----------------------------------------------------------------------------------
+    # -- op costs ---------------------------------------------------------------------------------
     def op_costs(self, v: Vertex) -> list[Cost]:
         """Cost of every candidate of `v` (cached by signature)."""
         costs = self._op_costs.get(v.signature)
@@ -230,8 +239,7 @@ class CostGraph:
                     out_type = out_type.elements[0]  # type: ignore[union-attr]
                 costs = [
                     op_cost(node.op, c.sharding, in_types, out_type,  # type: ignore[arg-type]
-                            v.trainable, v.params, self.devices,  # type: ignore[attr-defined]
-                            self.constants)
+                            v.trainable, v.params, self.devices, self.constants)
                     for c in v.candidates
                 ]
             self._op_costs[v.signature] = costs
@@ -241,7 +249,7 @@ class CostGraph:
         c = self.constants
         return np.array([cost.objective(c) for cost in self.op_costs(v)], dtype=np.float64)
 
-    # -- edge costs ---------------------------------------------------------------------------------
+    # -- edge costs -------------------------------------------------------------------------------
     def pair_cost(self, e: Edge, src_key: LayoutKey, src: TensorLayout, dst_key: LayoutKey,
                   dst: TensorLayout) -> Cost:
         """Cost of one edge for a producer layout and a consumer layout (keys: their
@@ -328,7 +336,7 @@ class CostGraph:
             self._matrices[key] = m
         return m
 
-    # -- evaluation -----------------------------------------------------------------------------------
+    # -- evaluation -------------------------------------------------------------------------------
     def total(self, choice: Sequence[int]) -> float:
         """The objective of a full assignment (vertex index -> candidate index)."""
         c = self.constants

@@ -36,7 +36,7 @@ memory being at most `device_memory_capacity`. The constants come from
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import inf, prod
+from math import inf, isfinite, prod
 
 from ir.layout import TensorLayout
 from ir.sharding import OpSharding
@@ -60,6 +60,7 @@ class CostConstants:
     memory_capacity: float = float(16 * 1024**3)
     training: bool = True
     enable_alltoall: bool = False
+    rp_matmul_mem_coef: float = 0.1  # recursive programming's weight of a MatMul row cut
 
     @classmethod
     def from_context(cls, training: bool = True, enable_alltoall: bool = False
@@ -77,6 +78,7 @@ class CostConstants:
             memory_capacity=float(cm.device_memory_capacity),
             training=training,
             enable_alltoall=enable_alltoall,
+            rp_matmul_mem_coef=float(cm.rp_matmul_mem_coef),
         )
 
 
@@ -103,20 +105,26 @@ class Cost:
                     self.comm_partial + other.comm_partial,
                     self.memory + other.memory)
 
-    def as_dict(self, c: CostConstants) -> dict[str, float]:
-        return {"computation": round(self.computation, 3),
-                "communication": round(self.communication, 3),
-                "comm_forward": round(self.comm_forward, 3),
-                "comm_partial": round(self.comm_partial, 3),
-                "memory": round(self.memory, 3),
-                "objective": round(self.objective(c), 3)}
+    def as_dict(self, c: CostConstants) -> dict[str, float | None]:
+        """The terms, rounded; None for an infinite term (a forbidden layout)."""
+        return {"computation": printable(self.computation),
+                "communication": printable(self.communication),
+                "comm_forward": printable(self.comm_forward),
+                "comm_partial": printable(self.comm_partial),
+                "memory": printable(self.memory),
+                "objective": printable(self.objective(c))}
+
+
+def printable(value: float) -> float | None:
+    """`value` rounded to 3 decimals, or None when infinite (dumps and JSON have no inf)."""
+    return round(value, 3) if isfinite(value) else None
 
 
 ZERO = Cost()
 INFINITE = Cost(inf, inf, inf, inf, 0.0)
 
 
-# -- op cost ------------------------------------------------------------------------------------
+# -- op cost --------------------------------------------------------------------------------------
 
 
 def slice_bytes(layout: TensorLayout, itemsize: int) -> float:

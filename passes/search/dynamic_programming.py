@@ -22,8 +22,8 @@ edges point from the earlier to the later vertex:
    result is added to the edge between v and w (exact, so no strategy overwrite is needed);
 6. StarElimination: x has no in-edge and several out-edges; the result is one term over all
    its successors (a table over their candidates);
-7. when nothing matches (terms over three or more vertices), the vertex whose table is
-   smallest is eliminated (min-degree variable elimination).
+7. when nothing matches (terms over three or more vertices), the vertex whose remaining term
+   is smallest is eliminated (min-weight variable elimination).
 
 Vertices with one candidate (configured ops, `_VirtualDataset`) are conditioned away first.
 The final search is over the components: each ends as one constant. Recovery (`solve`) walks
@@ -36,9 +36,9 @@ fits (Lagrangian relaxation; exact for the penalised objective).
 Approximation (`enable_algo_approxi` / `dp_algo_enable_approxi`): an op keeps at most
 ceil(1/epsilon) candidates, evenly sampled after sorting by `alpha * comp + beta * comm`.
 
-Cost: each elimination builds a table over x and its neighbours; tables are capped by
-`SearchOptions.max_table` (a graph whose eliminations need larger tables raises
-`SearchTooLarge`).
+Cost: each elimination evaluates a table over x and its neighbours (in chunks); the term it
+leaves is capped by `SearchOptions.max_table` entries (a graph whose eliminations need larger
+terms raises `SearchTooLargeError`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from ir.errors import PcompileError
 from passes.search.cost_graph import CostGraph
 
 
-class SearchTooLarge(PcompileError):
+class SearchTooLargeError(PcompileError):
     """An elimination needs a table larger than the configured cap."""
 
 
@@ -67,6 +67,8 @@ class DPResult:
 
 
 Key = tuple[int, ...]
+CHUNK = 1 << 22  # entries of the joint table built at once
+MAX_WORK = 1 << 31  # entries of the joint table of one elimination
 
 
 class _Problem:
@@ -97,7 +99,7 @@ class _Problem:
             m = cg.edge_matrix(e)[np.ix_(allowed[e.src], allowed[e.dst])]
             self.add_term((e.src, e.dst), m)
 
-    # -- terms --------------------------------------------------------------------------------
+    # -- terms ------------------------------------------------------------------------------------
     def order(self, vs: list[int] | tuple[int, ...]) -> Key:
         return tuple(sorted(vs, key=lambda x: (self.topo[x], x)))
 
@@ -125,7 +127,7 @@ class _Problem:
             self.incident[x].discard(key)
         return table
 
-    # -- structure ----------------------------------------------------------------------------
+    # -- structure --------------------------------------------------------------------------------
     def degrees(self, x: int) -> tuple[list[int], list[int], int]:
         """Predecessors, successors (through pairwise terms) and the number of larger
         terms of x."""
@@ -168,32 +170,50 @@ class _Problem:
         return 7
 
     def table_size(self, x: int) -> int:
-        return self.size[x] * prod(self.size[n] for n in self.neighbours(x))
+        """Entries of the term eliminating x leaves (min-weight heuristic)."""
+        return prod(self.size[n] for n in self.neighbours(x))
 
-    # -- elimination ----------------------------------------------------------------------------
+    # -- elimination ------------------------------------------------------------------------------
     def eliminate(self, x: int, rule: str) -> None:
         keys = list(self.incident[x])
         nbrs = list(self.order(list(self.neighbours(x))))
         axes = nbrs + [x]
         shape = [self.size[a] for a in axes]
-        if prod(shape) > self.max_table:
-            raise SearchTooLarge(
+        out_size = prod(shape[:-1])
+        if out_size > self.max_table or out_size * shape[-1] > MAX_WORK:
+            raise SearchTooLargeError(
                 f"dynamic programming: eliminating {self.cg.vertices[x].name} needs a table of "
-                f"{prod(shape)} entries (over {len(axes)} ops); use sharding_propagation or "
-                "recursive_programming, or set_algo_parameters(enable_algo_approxi=True)"
+                f"{out_size} entries over {len(nbrs)} ops ({out_size * shape[-1]} evaluations)"
+                "; use sharding_propagation or recursive_programming, or "
+                "set_algo_parameters(enable_algo_approxi=True)"
             )
-        total = self.unary[x].reshape([1] * len(nbrs) + [self.size[x]])
+        views = [self.unary[x].reshape([1] * len(nbrs) + [self.size[x]])]
         for key in keys:
             table = self.drop_term(key)
             pos = sorted(range(len(key)), key=lambda i: axes.index(key[i]))
-            view = np.transpose(table, pos)
             full = [1] * len(axes)
             for i in pos:
                 full[axes.index(key[i])] = self.size[key[i]]
-            total = total + view.reshape(full)
-        total = np.broadcast_to(total, shape)
-        arg = np.argmin(total, axis=-1)
-        best = np.take_along_axis(total, arg[..., None], axis=-1)[..., 0]
+            views.append(np.transpose(table, pos).reshape(full))
+        if not nbrs:
+            total = views[0][...]
+            for view in views[1:]:
+                total = total + view
+            arg = np.argmin(total, axis=-1)
+            best = np.take_along_axis(total, arg[..., None], axis=-1)[..., 0]
+        else:
+            best = np.empty(shape[:-1], dtype=np.float64)
+            arg = np.empty(shape[:-1], dtype=np.int32)
+            step = max(1, CHUNK // max(1, prod(shape[1:])))
+            for lo in range(0, shape[0], step):
+                hi = min(shape[0], lo + step)
+                total = views[0]
+                for view in views[1:]:
+                    total = total + (view[lo:hi] if view.shape[0] > 1 else view)
+                total = np.broadcast_to(total, [hi - lo] + shape[1:])
+                a = np.argmin(total, axis=-1)
+                arg[lo:hi] = a
+                best[lo:hi] = np.take_along_axis(total, a[..., None], axis=-1)[..., 0]
         self.records.append((x, tuple(nbrs), arg))
         self.rule_names.append((x, rule))
         self.alive[x] = False
@@ -208,7 +228,7 @@ class _Problem:
     def run(self) -> None:
         self.condition_fixed()
         names = {0: "isolated", 1: "op", 3: "merge", 4: "contract", 5: "triangle",
-                 6: "star", 7: "min-degree"}
+                 6: "star", 7: "min-weight"}
         heaps: dict[int, list[tuple[float, int, int]]] = {r: [] for r in names}
         status = [-1] * len(self.size)
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from math import log2, prod
 
 from ir.errors import PcompileError
+from ir.layout import TensorLayout
 from ir.sharding import Labels, is_power_of_two, label_dims, rule_for
 from passes.search.candidates import op_context
 from passes.search.cost_graph import CostGraph
@@ -65,12 +66,12 @@ def check_devices(devices: int) -> None:
 @dataclass
 class RecOp:
     """One participant of the partition: an op, or a fixed `_VirtualDataset` / configured op
-    with its halvings given per round."""
+    with its halvings given per round. Labels are per input / output tensor, one per dim."""
 
     vertex: int
     kind: str  # "matmul", "batch", "common" or "fixed"
-    in_labels: list[str]
-    out_labels: list[str]
+    in_labels: list[list[str]]
+    out_labels: list[list[str]]
     sizes: dict[str, int]
     allowed: list[str]  # labels it may cut, in preference order
     splits: dict[str, int] = field(default_factory=dict)
@@ -104,22 +105,23 @@ def _matmul_labels(labels: Labels) -> tuple[tuple[str, str, str], tuple[str, ...
     return (out[-2], out[-1], k), tuple(x for x in out[:-2] if x in used)
 
 
+def _dataset_op(index: int, layouts: list[TensorLayout]) -> RecOp:
+    labels = [[f"d{i}_{j}" for j in range(len(lay.shape))] for i, lay in enumerate(layouts)]
+    sizes: dict[str, int] = {}
+    splits: dict[str, int] = {}
+    for labs, lay in zip(labels, layouts):
+        for name, size, count in zip(labs, lay.shape, lay.splits):
+            sizes[name], splits[name] = size, count
+    op = RecOp(index, "fixed", [], labels, sizes, [], splits)
+    op.schedule = _halvings(splits, [x for labs in labels for x in labs])
+    return op
+
+
 def build_ops(cg: CostGraph, interfered: bool) -> list[RecOp]:
     ops: list[RecOp] = []
     for v in cg.vertices:
         if v.kind == "dataset":
-            lay = v.candidates[0].out_layouts
-            in_labels: list[str] = []
-            out_labels = [["d%d_%d" % (i, j) for j in range(len(l.shape))]
-                          for i, l in enumerate(lay)]
-            flat = [x for labs in out_labels for x in labs]
-            sizes = {x: s for labs, l in zip(out_labels, lay) for x, s in zip(labs, l.shape)}
-            splits = {x: c for labs, l in zip(out_labels, lay) for x, c in zip(labs, l.splits)}
-            op = RecOp(v.index, "fixed", in_labels, ["".join(x) for x in out_labels], sizes,
-                       [], splits)
-            op.out_labels = out_labels  # type: ignore[assignment]
-            op.schedule = _halvings(splits, flat)
-            ops.append(op)
+            ops.append(_dataset_op(v.index, v.candidates[0].out_layouts))
             continue
         if v.kind != "op" or v.node is None:
             continue
@@ -144,14 +146,14 @@ def build_ops(cg: CostGraph, interfered: bool) -> list[RecOp]:
         else:
             kind = "common"
             allowed = splittable
-        op = RecOp(v.index, kind, list(labels.inputs), list(labels.outputs), sizes, allowed)
+        op = RecOp(v.index, kind, [list(x) for x in labels.inputs],
+                   [list(x) for x in labels.outputs], sizes, allowed)
         if kind == "matmul":
             op.ijk, op.batch = _matmul_labels(labels)
         if v.configured and interfered:
-            strategy = v.candidates[0].strategy
-            user = {}
-            for labs, s in zip(labels.inputs, strategy):
-                for x, c in zip(labs, s):
+            user: dict[str, int] = {}
+            for labs, counts in zip(labels.inputs, v.candidates[0].strategy):
+                for x, c in zip(labs, counts):
                     user.setdefault(x, c)
             op.kind = "fixed"
             op.splits = user
@@ -199,11 +201,11 @@ class _Partition:
         self.by_vertex = {op.vertex: op for op in ops}
         self.maps: dict[int, dict[int, int] | None] = {}
 
-    def tensor_cut(self, op: RecOp, labels: str | list[str], cut: str | None) -> int | None:
-        if cut is None:
+    def tensor_cut(self, labels: list[str], cut: str | None) -> int | None:
+        """The dim of a tensor (given by its labels) that halving `cut` splits."""
+        if cut is None or cut not in labels:
             return None
-        labs = list(labels)
-        return labs.index(cut) if cut in labs else None
+        return labels.index(cut)
 
     def edge_map(self, ei: int) -> dict[int, int] | None:
         """Producer dim -> consumer dim of an edge (None: same shape)."""
@@ -227,8 +229,8 @@ class _Partition:
             cons_op = self.by_vertex[e.dst]
             prod_cut = decided[e.src] if e.src != op.vertex else cut
             cons_cut = decided[e.dst] if e.dst != op.vertex else cut
-            p = self.tensor_cut(prod_op, prod_op.out_labels[e.src_out], prod_cut)
-            c = self.tensor_cut(cons_op, cons_op.in_labels[e.dst_in], cons_cut)
+            p = self.tensor_cut(prod_op.out_labels[e.src_out], prod_cut)
+            c = self.tensor_cut(cons_op.in_labels[e.dst_in], cons_cut)
             mapping = self.edge_map(ei)
             if mapping is not None and p is not None:
                 p = mapping.get(p, -1)
@@ -267,11 +269,8 @@ def partition(cg: CostGraph, interfered: bool, coef: float) -> list[RecOp]:
 
 
 def recursive_search(cg: CostGraph, options: object) -> RPResult:
-    from compiler.context import current_cost_model_context
-
     interfered = bool(getattr(options, "interfered_sapp", False))
-    coef = float(current_cost_model_context().rp_matmul_mem_coef)
-    ops = partition(cg, interfered, coef)
+    ops = partition(cg, interfered, cg.constants.rp_matmul_mem_coef)
     fixed: dict[int, int] = {}
     splits: dict[int, dict[str, int]] = {}
     for op in ops:
@@ -280,9 +279,9 @@ def recursive_search(cg: CostGraph, options: object) -> RPResult:
             continue
         strategy = tuple(tuple(op.splits.get(x, 1) for x in labs) for labs in op.in_labels)
         splits[op.vertex] = dict(op.splits)
-        for k, cand in enumerate(v.candidates):
+        for index, cand in enumerate(v.candidates):
             if cand.strategy == strategy:
-                fixed[op.vertex] = k
+                fixed[op.vertex] = index
                 break
     for p in cg.vertices:
         if p.kind != "param":
@@ -292,7 +291,7 @@ def recursive_search(cg: CostGraph, options: object) -> RPResult:
         first_key = None
         for e in users:
             u = cg.vertices[e.dst]
-            k = 0 if u.configured else fixed.get(u.index)
+            k: int | None = 0 if u.configured else fixed.get(u.index)
             if k is None:
                 continue
             key = u.candidates[k].in_keys[e.dst_in]

@@ -25,6 +25,7 @@ producer layout and consumer signature) plus a linear walk over the graph.
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from passes.search.cost_graph import CostGraph, Vertex, strategy_key
 
@@ -37,24 +38,31 @@ def swc_key(cg: CostGraph, v: Vertex, k: int, comm: float, comp: float
     return comm, comp, own, -product, tuple(-x for x in flat)
 
 
-def _best_by_in_edges(cg: CostGraph, v: Vertex, choice: list[int], edges: list[int]) -> int:
-    n = len(v.candidates)
-    comm = [0.0] * n
-    comp = [0.0] * n
-    for ei in edges:
-        e = cg.edges[ei]
-        row = cg.costs_to(e, choice[e.src])
-        for k in range(n):
-            comm[k] += row[k].communication
-            comp[k] += row[k].computation
-    return min(range(n), key=lambda k: swc_key(cg, v, k, comm[k], comp[k]))
+def _best_by_in_edges(cg: CostGraph, v: Vertex, choice: list[int], edges: list[int],
+                      memo: dict[Any, int]) -> int:
+    rows = [cg.costs_to(cg.edges[ei], choice[cg.edges[ei].src]) for ei in edges]
+    key = ("in", v.signature, tuple(id(row) for row in rows))  # rows are cached objects
+    best = memo.get(key)
+    if best is None:
+        n = len(v.candidates)
+        comm = [sum(row[k].communication for row in rows) for k in range(n)]
+        comp = [sum(row[k].computation for row in rows) for k in range(n)]
+        best = min(range(n), key=lambda k: swc_key(cg, v, k, comm[k], comp[k]))
+        memo[key] = best
+    return best
 
 
-def _best_by_out_edge(cg: CostGraph, w: Vertex, choice: list[int], ei: int) -> int:
+def _best_by_out_edge(cg: CostGraph, w: Vertex, choice: list[int], ei: int,
+                      memo: dict[Any, int]) -> int:
     e = cg.edges[ei]
     col = cg.costs_from(e, choice[e.dst])
-    return min(range(len(w.candidates)),
-               key=lambda k: swc_key(cg, w, k, col[k].communication, col[k].computation))
+    key = ("out", w.signature, id(col))
+    best = memo.get(key)
+    if best is None:
+        best = min(range(len(w.candidates)),
+                   key=lambda k: swc_key(cg, w, k, col[k].communication, col[k].computation))
+        memo[key] = best
+    return best
 
 
 class Propagation:
@@ -67,6 +75,7 @@ class Propagation:
         self.decided = [False] * n
         self.via: dict[int, str] = {}
         self.waiting: set[int] = set()
+        self.memo: dict[Any, int] = {}
         self.fixed = dict(fixed or {})
         for v in cg.vertices:
             if v.configured:
@@ -91,7 +100,7 @@ class Propagation:
         if len(ins) > 1 and not all(self.decided[cg.edges[x].src] for x in ins):
             self.waiting.add(v.index)
             return
-        k = _best_by_in_edges(cg, v, self.choice, ins)
+        k = _best_by_in_edges(cg, v, self.choice, ins, self.memo)
         self._set(v.index, k, f"in-edges from {self._names(ins)}")
         queue.append(v.index)
 
@@ -100,7 +109,7 @@ class Propagation:
         w = cg.vertices[cg.edges[ei].src]
         if self.decided[w.index]:
             return
-        k = _best_by_out_edge(cg, w, self.choice, ei)
+        k = _best_by_out_edge(cg, w, self.choice, ei, self.memo)
         self._set(w.index, k, f"out-edge to {u.name}")
         queue.append(w.index)
 
@@ -126,7 +135,7 @@ class Propagation:
             vi = min(self.waiting, key=lambda i: cg.vertices[i].topo)
             v = cg.vertices[vi]
             ins = [x for x in v.in_edges if self.decided[cg.edges[x].src]]
-            self._set(vi, _best_by_in_edges(cg, v, self.choice, ins),
+            self._set(vi, _best_by_in_edges(cg, v, self.choice, ins, self.memo),
                       f"in-edges from {self._names(ins)} (not all inputs were decided)")
             self.bfs(vi)
         for v in cg.vertices:

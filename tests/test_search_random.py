@@ -1,0 +1,159 @@
+"""The searches on random small graphs (hypothesis): dynamic programming equals brute-force
+enumeration of the cost model; sharding propagation and recursive programming always return a
+plan that step_parallel_begin accepts and that computes what the single-device graph computes."""
+
+from __future__ import annotations
+
+import itertools
+from math import prod
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from backends.numpy import run_graph
+from backends.numpy.simulate import run_ranks
+from ir.builder import Builder
+from ir.core import Graph, GraphParam, Value
+from ir.types import DType, TensorType
+from passes.search import SearchOptions, search
+from passes.search.cost_graph import CostGraph
+from passes.search.cost_model import CostConstants
+from passes.search.dynamic_programming import solve
+from passes.step_parallel import SplitOptions, build_rank_graphs
+from passes.step_parallel_begin import assign
+
+F32 = DType.float32
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@st.composite
+def random_graphs(draw: st.DrawFn, max_ops: int = 8, dims: tuple[int, ...] = (2, 4, 8)
+                  ) -> Graph:
+    """A forward graph of 1..max_ops ops over 2-D tensors: MatMul with fresh or shared weights,
+    ReLU, Add, Transpose, Mul by a constant, Reshape, ReduceSum; a few outputs."""
+    graph = Graph("random")
+    x = graph.add_param(GraphParam(TensorType(F32, (draw(st.sampled_from(dims)),
+                                                    draw(st.sampled_from(dims)))), "x"))
+    values: list[Value] = [x]
+    weights: list[GraphParam] = []
+    b = Builder(graph)
+    for k in range(draw(st.integers(1, max_ops))):
+        kind = draw(st.sampled_from(["matmul", "matmul", "shared", "relu", "add", "transpose",
+                                     "scale", "reshape", "reduce"]))
+        v = draw(st.sampled_from(values))
+        rows, cols = v.shape
+        if kind == "shared":
+            fits = [w for w in weights if w.shape[0] == cols]
+            if not fits:
+                kind = "matmul"
+            else:
+                values.append(b.emit("MatMul", [v, draw(st.sampled_from(fits))],
+                                     instance_name=f"mm{k}"))
+                continue
+        if kind == "matmul":
+            w = graph.add_param(GraphParam(TensorType(F32, (cols, draw(st.sampled_from(dims)))),
+                                           f"w{k}", "weight", True))
+            weights.append(w)
+            values.append(b.emit("MatMul", [v, w], instance_name=f"mm{k}"))
+        elif kind == "relu":
+            values.append(b.emit("ReLU", [v], instance_name=f"relu{k}"))
+        elif kind == "add":
+            same = [u for u in values if u.shape == v.shape]
+            values.append(b.emit("Add", [v, draw(st.sampled_from(same))],
+                                 instance_name=f"add{k}"))
+        elif kind == "transpose":
+            values.append(b.emit("Transpose", [v], {"perm": (1, 0)}, instance_name=f"t{k}"))
+        elif kind == "scale":
+            values.append(b.emit("Mul", [v, b.const(0.5)], instance_name=f"mul{k}"))
+        elif kind == "reshape" and rows % 2 == 0:
+            values.append(b.emit("Reshape", [v], {"shape": (rows // 2, cols * 2)}))
+        elif kind == "reduce":
+            values.append(b.emit("ReduceSum", [v], {"axis": (1,), "keep_dims": True},
+                                 instance_name=f"sum{k}"))
+    produced = [u for u in values[1:]]
+    assume(any(n.op != "Reshape" for n in graph.nodes))
+    graph.outputs = produced[-2:] if len(produced) > 1 else produced
+    return graph
+
+
+def brute_force(cg: CostGraph) -> float:
+    """Minimum of the objective over every assignment, vectorised over the assignments."""
+    sizes = [len(v.candidates) for v in cg.vertices]
+    index = np.indices(sizes).reshape(len(sizes), -1)
+    total = np.zeros(index.shape[1])
+    for v in cg.vertices:
+        total += cg.op_objectives(v)[index[v.index]]
+    for e in cg.edges:
+        total += cg.edge_matrix(e)[index[e.src], index[e.dst]]
+    return float(total.min())
+
+
+@SETTINGS
+@given(random_graphs(max_ops=8, dims=(2, 4)), st.sampled_from([1, 2, 4, 8]),
+       st.sampled_from(["full_batch", "data_parallel"]))
+def test_dynamic_programming_equals_brute_force(graph, devices, dataset) -> None:
+    assume(dataset == "full_batch" or graph.inputs[0].shape[0] % devices == 0)
+    cg = CostGraph(graph, devices, CostConstants(), dataset)
+    assume(prod(len(v.candidates) for v in cg.vertices) <= 40000)
+    result = solve(cg, SearchOptions())
+    best = brute_force(cg)
+    assert np.isfinite(best)
+    assert cg.total(result.choice) == pytest.approx(best, rel=1e-9, abs=1e-6)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(random_graphs(max_ops=5, dims=(2, 4)), st.sampled_from([2, 4]))
+def test_dynamic_programming_respects_the_memory_bound(graph, devices) -> None:
+    cg = CostGraph(graph, devices, CostConstants(), "full_batch")
+    free = solve(cg, SearchOptions())
+    least = min(cg.memory(c) for c in _all_choices(cg))
+    assume(least < free.memory)
+    bounded = CostGraph(graph, devices, CostConstants(memory_capacity=least), "full_batch")
+    result = solve(bounded, SearchOptions())
+    assert bounded.memory(result.choice) <= least + 1e-6
+
+
+def _all_choices(cg: CostGraph) -> list[tuple[int, ...]]:
+    sizes = [len(v.candidates) for v in cg.vertices]
+    assume(prod(sizes) <= 20000)
+    return list(itertools.product(*(range(s) for s in sizes)))
+
+
+def check_plan(graph: Graph, devices: int, mode: str) -> None:
+    """The searched plan is accepted by assign and matches the single-device graph."""
+    result = search(graph, devices, mode, dataset_strategy="full_batch")
+    assignment = assign(graph, devices, "full_batch", searched=result.strategies)
+    assignment.reshape_layouts.update(result.reshape_layouts)
+    ranks, layouts = build_rank_graphs(graph, assignment, SplitOptions(devices, False), {})
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(p.shape).astype(np.float32) for p in graph.params]
+    want = run_graph(graph, arrays)
+    feeds = [[a[tuple(slice(lo, hi) for lo, hi in
+                      assignment.param_layouts[p.name].slice_bounds(r))]
+              for p, a in zip(graph.params, arrays)] for r in range(devices)]
+    outs = run_ranks(ranks, feeds)
+    for i, (w, layout) in enumerate(zip(want, layouts)):
+        full = np.zeros(layout.shape, np.float32)
+        for r in range(devices):
+            full[tuple(slice(lo, hi) for lo, hi in layout.slice_bounds(r))] = outs[r][i]
+        np.testing.assert_allclose(full, w, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(w).max()))
+
+
+@SETTINGS
+@given(random_graphs(), st.sampled_from([2, 4, 6, 8, 16]))
+def test_sharding_propagation_plans_are_valid(graph, devices) -> None:
+    check_plan(graph, devices, "sharding_propagation")
+
+
+@SETTINGS
+@given(random_graphs(), st.sampled_from([2, 4, 8, 16]))
+def test_recursive_programming_plans_are_valid(graph, devices) -> None:
+    check_plan(graph, devices, "recursive_programming")
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(random_graphs(max_ops=5, dims=(2, 4)), st.sampled_from([2, 3, 4]))
+def test_dynamic_programming_plans_are_valid(graph, devices) -> None:
+    check_plan(graph, devices, "dynamic_programming")
