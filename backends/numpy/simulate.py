@@ -34,7 +34,9 @@ def collective_result(node: Node, rank: int, inputs: dict[int, list[np.ndarray]]
     if op == "AllGather":
         return np.concatenate(xs, axis=0)
     if op == "ReduceScatter":
-        total = np.sum(np.stack(xs), axis=0).astype(xs[0].dtype)
+        kind = node.attrs.get("op", "sum")
+        fn = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}[kind]
+        total = fn(np.stack(xs), axis=0).astype(xs[0].dtype)
         return np.split(total, len(ranks), axis=0)[mine]
     if op == "AlltoAll":
         count = node.attrs["split_count"]
