@@ -61,6 +61,14 @@ def _parse_dataset_strategy(text: str | None) -> Any:
               show_default=True, help="Backend for --run.")
 @click.option("--check/--no-check", default=True, show_default=True,
               help="Run one step on the numpy interpreter and on JAX and compare.")
+@click.option("--checkpoint-every", type=click.IntRange(0), default=0, metavar="K",
+              help="With --run: checkpoint every rank every K steps (always at the end).")
+@click.option("--resume", is_flag=True,
+              help="With --run: continue from the last step every rank checkpointed.")
+@click.option("--processes", type=click.IntRange(1), default=None,
+              help="With --run: rank processes to start (default: one per device).")
+@click.option("--timeout", type=click.FloatRange(1), default=300.0, show_default=True,
+              help="With --run: seconds one step (and its collectives) may take.")
 def main(
     model: str,
     devices: int | None,
@@ -72,6 +80,10 @@ def main(
     steps: int,
     backend: str,
     check: bool,
+    checkpoint_every: int,
+    resume: bool,
+    processes: int | None,
+    timeout: float,
 ) -> None:
     """Compile MODEL.py into per-rank execution plans and dump the IR of every pass."""
     from compiler.driver import compile as compile_model
@@ -96,7 +108,9 @@ def main(
         if check:
             _check_backends(program)
         if do_run:
-            _train(program, steps, backend)
+            run_options = {"checkpoint_every": checkpoint_every, "resume": resume,
+                           "processes": processes, "timeout": timeout}
+            _train(program, steps, backend, run_options)
     except PcompileError as exc:
         _fail(str(exc))
     except (ValueError, TypeError, KeyError) as exc:
@@ -188,9 +202,19 @@ def _check_oracle(program: Any) -> None:
         )
 
 
-def _train(program: Any, steps: int, backend: str) -> None:
+def _train(program: Any, steps: int, backend: str,
+           options: dict[str, Any] | None = None) -> None:
     from compiler.runtime import StandAloneRunner, batches, format_loss_line
 
+    options = options or {}
+    launched = program.state.parallel or options.get("checkpoint_every") or options.get(
+        "resume")
+    if launched and backend == "jax":
+        _launch(program, steps, options)
+        return
+    if program.state.parallel:
+        _train_simulated(program, steps)
+        return
     runner = StandAloneRunner(program, backend)
     if not program.training:
         _, _, arrays = next(batches(program, 1))
@@ -213,6 +237,64 @@ def _train(program: Any, steps: int, backend: str) -> None:
             f.write("\n".join(lines) + "\n")
         os.replace(tmp, log)
         click.echo(f"{steps} steps in {elapsed:.2f} s on {backend}; log: {log}")
+
+
+def _launch(program: Any, steps: int, options: dict[str, Any]) -> None:
+    """Train with the generated rank programs, one process per rank (backends/launcher.py)."""
+    from backends.launcher import LaunchError, launch
+
+    if not program.out_dir:
+        _fail("--run on JAX needs the rank programs: do not disable dumps")
+    n = program.state.devices
+    procs = options.get("processes") or n
+    click.echo(f"launching {procs} process(es) for {n} rank(s): {program.out_dir}/rank_*/"
+               "program.py (logs: rank_*/run.log)")
+    start = time.perf_counter()
+    try:
+        result = launch(program.out_dir, steps=steps, processes=procs,
+                        checkpoint_every=int(options.get("checkpoint_every") or 0),
+                        resume=bool(options.get("resume")),
+                        timeout=float(options.get("timeout") or 300.0), echo=click.echo)
+    except LaunchError as exc:
+        _fail(str(exc))
+        return
+    if result.code != 0:
+        sys.exit(result.code)
+    if not program.training:
+        click.echo(f"inference on {n} rank(s) in {time.perf_counter() - start:.2f} s (JAX, "
+                   f"{procs} process(es)); outputs: {program.out_dir}/rank_*/outputs.npz")
+        return
+    log = os.path.join(program.out_dir, "rank_0", "train.log")
+    click.echo(f"{len(result.losses)} steps on {n} rank(s) in {time.perf_counter() - start:.2f} "
+               f"s (JAX, {procs} process(es)); every rank reports the same loss; log: {log}; "
+               f"checkpoints: {os.path.join(program.out_dir, 'checkpoints')}")
+
+
+def _train_simulated(program: Any, steps: int) -> None:
+    """--backend numpy for a parallel plan: every rank on the numpy simulator, one process."""
+    from compiler.oracle import single_device
+    from compiler.runtime import ParallelRunner, batches, format_loss_line
+
+    runner = ParallelRunner(program)
+    data = program if program.state.parallel_mode != "data_parallel" else single_device(program)
+    if not program.training:
+        _, _, arrays = next(batches(data, 1))
+        outs = runner.run(arrays)
+        click.echo("inference (rank 0): " + ", ".join(
+            f"{n} {tuple(o.shape)}" for n, o in zip(program.output_names, outs[0])))
+        return
+    lines = []
+    for epoch, step, arrays in batches(data, steps):
+        lines.append(format_loss_line(epoch, step, runner.step(arrays)))
+        click.echo(lines[-1])
+    if program.out_dir:
+        from backends.checkpoint import atomic_write_text
+
+        for r in range(program.state.devices):
+            atomic_write_text(os.path.join(program.out_dir, f"rank_{r}", "train.log"),
+                              "\n".join(lines) + "\n")
+        click.echo(f"{steps} steps on the numpy simulator; logs: "
+                   f"{program.out_dir}/rank_*/train.log")
 
 
 if __name__ == "__main__":

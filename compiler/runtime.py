@@ -29,11 +29,25 @@ def batches(program: CompiledProgram, steps: int) -> Iterator[tuple[int, int, li
     """Yield (epoch, step-in-epoch, arrays) with arrays = inputs then labels, global shapes.
     Epochs restart `dataset()`; without a data set, one synthetic batch repeats."""
     traced, mf = program.traced, program.state.model_file
-    n_inputs, n_labels = len(traced.input_names), len(traced.label_names)
-    expected = [p for p in program.graph.inputs]
+    expected = [(p.name, tuple(p.shape), p.dtype.np) for p in program.graph.inputs]
+    yield from iter_batches(mf, len(traced.input_names), len(traced.label_names),
+                            traced.example_inputs + traced.example_labels, expected, steps)
+
+
+def iter_batches(
+    mf: Any,
+    n_inputs: int,
+    n_labels: int,
+    examples: list[TensorSpec | np.ndarray],
+    expected: list[tuple[str, tuple[int, ...], Any]],
+    steps: int,
+) -> Iterator[tuple[int, int, list[np.ndarray]]]:
+    """`batches` from a loaded model file without a compiled program (the rank programs use
+    it): `examples` are inputs() + labels (for the synthetic batch when there is no
+    dataset()), `expected` the (name, global shape, numpy dtype) of every graph input."""
     if mf.dataset is None:
         rng = np.random.default_rng(0)
-        batch = [synthetic(s, rng) for s in traced.example_inputs + traced.example_labels]
+        batch = [synthetic(s, rng) for s in examples]
         for k in range(steps):
             yield 1, k + 1, batch
         return
@@ -50,14 +64,14 @@ def batches(program: CompiledProgram, steps: int) -> Iterator[tuple[int, int, li
                     f"{n_inputs} input(s) and {n_labels} label(s)"
                 )
             out = []
-            for arr, param in zip(arrays, expected):
+            for arr, (name, shape, dtype) in zip(arrays, expected):
                 arr = np.asarray(arr)
-                if arr.shape != param.shape:
+                if arr.shape != shape:
                     raise PcompileError(
-                        f"dataset() batch {produced + 1}: {param.name} has shape {arr.shape}, "
-                        f"the program was compiled for {param.shape}"
+                        f"dataset() batch {produced + 1}: {name} has shape {arr.shape}, "
+                        f"the program was compiled for {shape}"
                     )
-                out.append(arr.astype(param.dtype.np))
+                out.append(arr.astype(dtype))
             produced += 1
             done += 1
             yield epoch, produced, out

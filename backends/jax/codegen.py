@@ -1,0 +1,458 @@
+"""Generated rank programs: `<out>/rank_<r>/program.py` (+ `params.npz`, `consts.npz`).
+
+`program.py` is readable JAX source for rank r: one statement per node of the execute dump, in
+its order, each under a comment `# %12 = MatMul(%10, %11) matmul (scope ...)` that points back to
+the dump. Every rank's program computes the same SPMD step (backends/jax/spmd.py): what differs
+between ranks (slice offsets, constants, attribute variants, fallback groups) is read from
+per-rank tables at `me = lax.axis_index(AXES)`, because processes under `jax.distributed` must
+compile identical XLA programs (with rank-specific constants the collectives of different
+processes do not match and hang). The comments show this rank's values; so the files differ
+between ranks only in `RANK` and comments.
+
+`params.npz` holds rank r's initial parameter and optimizer-state slices (after
+`parameter_broadcast`), `consts.npz` the constants too large to print. Running is done by
+`backends.jax.rank_runtime.main` (flags/env, jax.distributed, data, checkpoints, train.log).
+
+This module does not import JAX; `write_rank_artifacts` is called from the driver's output step
+and writes into its temporary folder, so the files appear atomically with the dumps. Output is
+deterministic: the same compile gives byte-identical files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import keyword
+import math
+import os
+import re
+import shutil
+from typing import Any
+
+import numpy as np
+
+from backends.checkpoint import layout_entry, npz_bytes
+from backends.jax.plan import NodePlan, SpmdLoweringError, SpmdPlan
+from ir.core import Constant, Graph
+from ir.types import DType
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+INLINE_CONST_LIMIT = 16  # constants with more elements go to consts.npz
+KEEP_FROM_PREVIOUS = ("checkpoints",)  # folders of an earlier --out carried into a recompile
+
+
+def identifier(name: str, taken: set[str]) -> str:
+    """A unique Python identifier for a graph-parameter name."""
+    base = re.sub(r"\W", "_", name) or "p"
+    if base[0].isdigit() or keyword.iskeyword(base) or base in ("me", "jnp", "np", "lax"):
+        base = "p_" + base
+    out, k = base, 1
+    while out in taken or re.fullmatch(r"v\d+", out):
+        k += 1
+        out = f"{base}_{k}"
+    taken.add(out)
+    return out
+
+
+def literal(value: Any) -> str:
+    """Python source for an attribute value."""
+    if isinstance(value, DType):
+        return f"DType.{value.name}"
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, (int, np.integer)):
+        return repr(int(value))
+    if isinstance(value, (float, np.floating)):
+        f = float(value)
+        return repr(f) if math.isfinite(f) else f"float({str(f)!r})"
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, tuple):
+        inner = ", ".join(literal(v) for v in value)
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    if isinstance(value, list):
+        return "[" + ", ".join(literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{literal(k)}: {literal(v)}" for k, v in value.items()) + "}"
+    raise SpmdLoweringError(f"cannot write attribute value {value!r} as Python source")
+
+
+def array_literal(array: np.ndarray) -> str:
+    return literal(_to_tuple(np.asarray(array).tolist()))
+
+
+def _to_tuple(x: Any) -> Any:
+    return tuple(_to_tuple(v) for v in x) if isinstance(x, list) else x
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    return DType.from_any(dtype).name
+
+
+class _Writer:
+    """Generates one rank's program from the plan."""
+
+    def __init__(self, plan: SpmdPlan, info: dict[str, Any]) -> None:
+        self.plan = plan
+        self.info = info
+        self.consts: dict[str, np.ndarray] = {}
+        self.tables: list[str] = []
+        graph = plan.graph
+        taken: set[str] = set()
+        self.param_names = [identifier(p.name, taken) for p in graph.params]
+        self.dump_names = _dump_names(graph)
+        # The statements (and so the tables) are the same on every rank; only comments differ.
+        self.statements = [self._statement(n) for n in plan.nodes]
+
+    # -- pieces --------------------------------------------------------------------------------
+    def _const(self, n: NodePlan, i: int, value: Constant) -> str:
+        arr = value.array
+        if n.const_tables.get(i) is not None:
+            table = n.const_tables[i]
+            name = f"K{n.index}_{i}"
+            self._table(name, table, f"per-rank constant operand {i} of %{n.index}")
+            return f"pick({name}, me)"
+        dtype = _dtype_name(arr.dtype)
+        if arr.size <= INLINE_CONST_LIMIT and (arr.dtype.kind != "f" or np.isfinite(
+                arr.astype(np.float64)).all()):
+            return f"const({array_literal(arr)}, {dtype!r})"
+        key = f"const.{n.index}.{i}"
+        self.consts[key] = arr
+        return f"jnp.asarray(DATA[{key!r}])"
+
+    def _table(self, name: str, table: np.ndarray, what: str) -> None:
+        if table.size > 64 * max(1, self.plan.num_ranks):
+            key = f"table.{name}"
+            self.consts[key] = np.asarray(table)
+            self.tables.append(f"{name} = LazyTable(DATA, {key!r})  # {what}, in consts.npz")
+            return
+        dtype = "np." + str(np.asarray(table).dtype)
+        rows = [array_literal(row) for row in np.asarray(table)]
+        line = f"{name} = np.array(({', '.join(rows)},), {dtype})  # {what}"
+        if len(line) <= 100:
+            self.tables.append(line)
+            return
+        body = "".join(f"    {row},  # rank {r}\n" for r, row in enumerate(rows))
+        self.tables.append(f"{name} = np.array((  # {what}\n{body}), {dtype})")
+
+    def _arg(self, n: NodePlan, i: int) -> str:
+        kind, idx = n.operands[i]
+        if kind == "node":
+            return f"v{idx}"
+        if kind == "param":
+            return self.param_names[idx]
+        value = n.node.operands[i]
+        assert isinstance(value, Constant)
+        return self._const(n, i, value)
+
+    def _comment(self, n: NodePlan, rank: int) -> list[str]:
+        node = self.plan.graphs[rank].nodes[n.index]
+        args = ", ".join(self._dump_ref(n, i) for i in range(len(n.operands)))
+        name = f" {node.instance_name}" if node.instance_name else ""
+        text = f"# %{n.index} = {node.op}({args}){name} (scope {node.scope})"
+        lines = [_clip(text)]
+        detail = _rank_detail(n, node, rank)
+        if detail:
+            lines.append(_clip(f"#   this rank: {detail}"))
+        return lines
+
+    def _dump_ref(self, n: NodePlan, i: int) -> str:
+        kind, idx = n.operands[i]
+        if kind == "node":
+            return f"%{idx}"
+        if kind == "param":
+            return self.dump_names[idx]
+        return "const"
+
+    def _statement(self, n: NodePlan) -> str:
+        args = [self._arg(n, i) for i in range(len(n.operands))]
+        target = f"v{n.index}"
+        if n.kind == "op":
+            kw = [f"{k}={literal(v)}" for k, v in n.attrs.items()]
+            return f"{target} = ops.{n.op}({', '.join(args + kw)})"
+        if n.kind in ("slice", "slice_grad"):
+            s = n.slice
+            assert s is not None
+            table = f"S{n.index}"
+            self._table(table, s.starts, f"start offsets of %{n.index} ({n.op})")
+            if n.kind == "slice":
+                return (f"{target} = spmd.dyn_slice({args[0]}, pick({table}, me), "
+                        f"{literal(s.span)}, {literal(s.steps)})")
+            return (f"{target} = spmd.dyn_slice_grad({args[0]}, pick({table}, me), "
+                    f"{literal(s.span)}, {literal(s.steps)}, {literal(s.shape)})")
+        if n.kind == "switch":
+            table = f"V{n.index}"
+            self._table(table, np.asarray(n.variant, np.int32),
+                        f"attribute variant of %{n.index} ({n.op})")
+            params = ", ".join(f"a{i}" for i in range(len(args)))
+            branches = []
+            for v in n.variants:
+                call = ", ".join([f"a{i}" for i in range(len(args))]
+                                 + [f"{k}={literal(x)}" for k, x in v.items()])
+                branches.append(f"        lambda {params}: ops.{n.op}({call}),")
+            return (f"{target} = lax.switch(pick({table}, me), (\n" + "\n".join(branches)
+                    + f"\n    ), {', '.join(args)})")
+        if n.kind == "collective":
+            c = n.collective
+            assert c is not None
+            if c.axes is not None:
+                fn = {"AllReduce": "all_reduce", "AllGather": "all_gather",
+                      "ReduceScatter": "reduce_scatter", "AlltoAll": "all_to_all",
+                      "Broadcast": "broadcast"}[c.op]
+                kw = [f"axes={literal(c.axes)}"]
+                if c.op in ("AllReduce", "ReduceScatter"):
+                    kw.append(f"op={literal(c.attrs.get('op', 'sum'))}")
+                if c.op == "AlltoAll":
+                    kw += [f"split_dim={c.attrs['split_dim']}",
+                           f"concat_dim={c.attrs['concat_dim']}"]
+                if c.op == "Broadcast":
+                    kw.append(f"root={c.attrs.get('root_rank', 0)}")
+                return f"{target} = spmd.{fn}({', '.join(args + kw)})"
+            members, positions = f"G{n.index}", f"P{n.index}"
+            self._table(members, c.members, f"group members of %{n.index} ({c.op})")
+            self._table(positions, c.positions, f"position in the group of %{n.index}")
+            kw = [f"{k}={literal(v)}" for k, v in c.attrs.items()]
+            return (f"{target} = spmd.group_collective({c.op!r}, {', '.join(args)}, "
+                    f"all_axes=AXES, members=pick({members}, me), "
+                    f"position=pick({positions}, me){''.join(', ' + k for k in kw)})"
+                    "  # exact fallback: gathers from all ranks")
+        raise SpmdLoweringError(f"unknown node kind {n.kind}")
+
+    # -- the file ------------------------------------------------------------------------------
+    def source(self, rank: int) -> str:
+        plan, info = self.plan, self.info
+        body: list[str] = []
+        for n, stmt in zip(plan.nodes, self.statements):
+            body.extend("    " + line for line in self._comment(n, rank))
+            body.extend("    " + line for line in stmt.split("\n"))
+        outs = []
+        for kind, idx in plan.outputs:
+            outs.append(f"v{idx}" if kind == "node" else self.param_names[idx])
+        ret = "    return (" + ", ".join(outs) + ("," if len(outs) == 1 else "") + ")"
+        params_rows = "".join(f"    {literal(row)},\n" for row in info["params"])
+        mesh = tuple(zip(plan.mesh.names, plan.mesh.sizes))
+        sig = ", ".join(self.param_names)
+        head = _HEADER.format(
+            rank=rank,
+            n=plan.num_ranks,
+            model=os.path.relpath(info["model"], ROOT) if info["model"].startswith(ROOT)
+            else info["model"],
+            mode=info["mode"],
+            what="training step" if info["training"] else "inference",
+            dump=f"rank_{rank}/{info['dump']}",
+            plan_id=info["plan_id"],
+        )
+        parts = [
+            head,
+            f"PCOMPILE_ROOT = {ROOT!r}",
+            "if os.path.isdir(PCOMPILE_ROOT) and PCOMPILE_ROOT not in sys.path:",
+            "    sys.path.insert(0, PCOMPILE_ROOT)",
+            "",
+            "import jax.numpy as jnp  # noqa: E402",
+            "import numpy as np  # noqa: E402",
+            "from jax import lax  # noqa: E402",
+            "",
+            "from backends.jax import spmd  # noqa: E402",
+            "from backends.jax.spmd import LazyTable, const, ops, pick  # noqa: E402,F401",
+            "from ir.types import DType  # noqa: E402,F401",
+            "",
+            f"RANK = {rank}",
+            f"NUM_RANKS = {plan.num_ranks}",
+            f"MODEL_FILE = {info['model']!r}",
+            f"PARALLEL_MODE = {info['mode']!r}",
+            f"TRAINING = {info['training']!r}",
+            f"PLAN_ID = {info['plan_id']!r}",
+            f"MESH = {literal(mesh)}  # rank = row-major index on this mesh",
+            f"AXES = {literal(plan.mesh.names)}",
+            "# Graph parameters in order: (name, kind, local shape, dtype name); their layouts",
+            "# (global shape, device matrix, tensor map) are in LAYOUTS.",
+            f"PARAMS = (\n{params_rows})",
+            f"LAYOUTS = {_layouts_literal(info['layouts'])}",
+            f"OUTPUTS = {literal(tuple(info['outputs']))}",
+            "DATA: dict = {}  # constants and tables from consts.npz, loaded by the runtime",
+            "",
+            "",
+            f"def step({sig}):",
+            f'    """{info["doc"]} of rank RANK\'s slices; runs on every rank of the mesh',
+            '    (inside shard_map): `me` is the rank this device runs."""',
+            "    me = lax.axis_index(AXES)",
+            *body,
+            ret,
+            "",
+            "",
+            *(["# Per-rank tables (row r: rank r)."] if self.tables else []),
+            *self.tables,
+            *([""] if self.tables else []),
+            "",
+            'if __name__ == "__main__":',
+            "    from backends.jax.rank_runtime import main",
+            "",
+            "    sys.exit(main(sys.modules[__name__]))",
+            "",
+        ]
+        return "\n".join(parts)
+
+
+_HEADER = '''#!/usr/bin/env python3
+"""Rank {rank} of {n}: {what} of {model} ({mode}).
+
+Generated by pcompile from {dump} (plan {plan_id}).
+Regenerate it (compile again) rather than editing it.
+Every rank runs this same SPMD step; what differs between ranks (slice offsets, groups,
+constants) is read from per-rank tables at `me = lax.axis_index(AXES)`, so that every process
+compiles the same XLA program. The comments show rank {rank}'s values.
+
+Run one process per rank (docs/running.md):
+    python rank_{rank}/program.py --coordinator HOST:PORT --num-processes {n} \\
+        --process-id {rank} --steps 10
+or set PCOMPILE_COORDINATOR / PCOMPILE_NUM_PROCESSES / PCOMPILE_PROCESS_ID, or start the ranks
+with mpirun / srun (the process id picks the rank); `--num-processes 1` runs all ranks in this
+process on {n} virtual CPU devices; `pcompile MODEL.py ... --run` launches them on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+'''
+
+
+def _clip(line: str, width: int = 96) -> str:
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def _layouts_literal(layouts: dict[str, Any]) -> str:
+    rows = "".join(f"    {name!r}: {literal(_to_tuple_entry(e))},\n" for name, e in layouts.items())
+    return "{\n" + rows + "}"
+
+
+def _to_tuple_entry(e: dict[str, Any]) -> tuple[Any, ...]:
+    tmap = tuple(tuple(x) if isinstance(x, list) else x for x in e["tensor_map"])
+    return (tuple(e["shape"]), tuple(e["dev_matrix"]), tmap)
+
+
+def _dump_names(graph: Graph) -> list[str]:
+    from ir.printer import param_ref
+
+    return [param_ref(i, p) for i, p in enumerate(graph.params)]
+
+
+def _rank_detail(n: NodePlan, node: Any, rank: int) -> str:
+    if n.kind in ("slice", "slice_grad"):
+        a = node.attrs
+        return f"begin {literal(tuple(a['begin']))}, end {literal(tuple(a['end']))}"
+    if n.kind == "collective":
+        c = n.collective
+        assert c is not None
+        how = f"over mesh axes {literal(c.axes)}" if c.axes is not None else "exact fallback"
+        return f"group {literal(c.groups[rank])} ({how})"
+    if n.kind == "switch":
+        return f"variant {n.variant[rank]}: {literal(n.variants[n.variant[rank]])}"
+    if n.const_tables:
+        return "constants " + ", ".join(
+            f"operand {i} = {array_literal(t[rank]) if t[rank].size <= 8 else '...'}"
+            for i, t in n.const_tables.items())
+    return ""
+
+
+# -- the driver hook ---------------------------------------------------------------------------
+
+
+def plan_id(folder: str, ranks: int) -> str:
+    """Digest of the execute dumps of every rank (the last .ir file of each rank)."""
+    h = hashlib.sha256()
+    for r in range(ranks):
+        d = os.path.join(folder, f"rank_{r}")
+        irs = sorted(f for f in os.listdir(d) if f.endswith(".ir"))
+        if irs:
+            with open(os.path.join(d, irs[-1]), "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def initial_rank_values(state: Any) -> list[dict[str, np.ndarray]]:
+    """Each rank's starting values (ParallelRunner's, including parameter_broadcast)."""
+    if state.assignment is None:
+        return [dict(state.initial_values)]
+    from compiler.driver import CompiledProgram
+    from compiler.runtime import ParallelRunner
+
+    return ParallelRunner(CompiledProgram(state, [], None)).values
+
+
+def rank_artifacts(state: Any, folder: str) -> dict[int, dict[str, bytes]]:
+    """The files of every rank: {rank: {filename: bytes}}. `folder` holds the dumps (for the
+    plan id and the dump name)."""
+    graphs: list[Graph] = state.rank_graphs
+    n = len(graphs)
+    ident = plan_id(folder, n)
+    irs = sorted(f for f in os.listdir(os.path.join(folder, "rank_0")) if f.endswith(".ir"))
+    try:
+        plan = SpmdPlan.build(graphs)
+    except SpmdLoweringError as exc:
+        text = _STUB.format(reason=str(exc).replace('"""', "'''"), plan_id=ident)
+        return {r: {"program.py": text.encode()} for r in range(n)}
+    layouts = state.assignment.param_layouts if state.assignment is not None else {}
+    graph = graphs[0]
+    info = {
+        "model": os.path.abspath(state.model_file.path),
+        "mode": state.parallel_mode,
+        "training": bool(state.training),
+        "dump": irs[-1] if irs else "",
+        "plan_id": ident,
+        "outputs": list(graph.attrs.get("outputs") or
+                        [f"output{i}" for i in range(len(graph.outputs))]),
+        "params": [(p.name, p.kind, tuple(p.shape), p.dtype.name) for p in graph.params],
+        "layouts": {p.name: layout_entry(layouts.get(p.name), tuple(p.shape), p.dtype.name)
+                    for p in graph.params},
+        "doc": "One training step" if state.training else "The forward computation",
+    }
+    writer = _Writer(plan, info)
+    values = initial_rank_values(state)
+    stored = [p for p in graph.params if p.kind != "input"]
+    out: dict[int, dict[str, bytes]] = {}
+    for r in range(n):
+        files = {"program.py": writer.source(r).encode()}
+        files["params.npz"] = npz_bytes({p.name: np.asarray(values[r][p.name], p.dtype.np)
+                                         for p in stored})
+        if writer.consts:
+            files["consts.npz"] = npz_bytes(writer.consts)
+        out[r] = files
+    return out
+
+
+_STUB = '''#!/usr/bin/env python3
+"""pcompile could not generate an SPMD program for this plan (plan {plan_id}):
+
+{reason}
+"""
+
+import sys
+
+sys.exit(__doc__)
+'''
+
+
+def write_rank_artifacts(folder: str, state: Any, previous: str | None = None) -> None:
+    """Write every rank's program.py / params.npz / consts.npz into `folder` (the driver's
+    temporary output folder) and carry `checkpoints/` over from the `previous` output folder,
+    so that `--resume` after a recompile finds them."""
+    for rank, files in rank_artifacts(state, folder).items():
+        for name, data in files.items():
+            path = os.path.join(folder, f"rank_{rank}", name)
+            with open(path, "wb") as f:
+                f.write(data)
+            if name == "program.py":
+                os.chmod(path, 0o755)
+    if previous and os.path.isdir(previous):
+        for keep in KEEP_FROM_PREVIOUS:
+            src = os.path.join(previous, keep)
+            if os.path.isdir(src) and not os.path.exists(os.path.join(folder, keep)):
+                shutil.copytree(src, os.path.join(folder, keep), copy_function=_link_or_copy)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard links when possible: checkpoint files are replaced, never modified in place."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)

@@ -1,0 +1,414 @@
+"""SPMD analysis of a list of rank graphs (no JAX import).
+
+The ranks of one plan run graphs of the same structure: node k is the same op on every rank,
+with the same operand wiring and result types. They differ in attributes (StridedSlice offsets,
+the groups of collectives) and in some constants. `SpmdPlan.build(rank_graphs)` checks that and
+records, per node, how one SPMD program serves every rank:
+
+* `op`: the same op with the same attributes everywhere. Constants that differ between ranks are
+  stacked into tables (`const_tables`, shape `(N, *shape)`) indexed by the rank.
+* `slice` / `slice_grad`: StridedSlice(Grad) whose begin/end differ between ranks but whose
+  slice sizes agree: a `dynamic_slice` (`dynamic_update_slice`) at per-rank offsets (`starts`,
+  shape `(N, rank of the tensor)`).
+* `switch`: any other op whose attributes differ: one branch per distinct attribute set, chosen
+  by a per-rank index (`variant`).
+* `collective`: the groups of all ranks (`rank_list` of each rank's node) must partition the
+  ranks into blocks of one size. Ranks are laid out on a mesh of prime-sized axes (`MeshSpec`,
+  rank = row-major index); a block structure that equals "vary these mesh axes, in this order"
+  lowers to one JAX collective over those axes (`axes`). Others use the exact fallback: gather
+  from all ranks and pick the group's members (`members`, `position` tables; N times the data).
+
+The mesh's axis order (for sizes that are not all equal) is chosen to align the most
+collectives. Everything here is deterministic, so generated programs are byte-identical.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from math import prod
+from typing import Any
+
+import numpy as np
+
+from ir.core import Constant, Graph, GraphParam, Node, NodeResult, Value
+from ir.registry import get_op
+
+# Attributes that do not change what a non-collective op computes (its implementation ignores
+# them); they may differ between ranks freely.
+IGNORED_RANK_ATTRS: dict[str, frozenset[str]] = {
+    "_MirrorOperator": frozenset({"group", "rank_list", "fusion", "dev_num", "mean_flag",
+                                  "parameter"}),
+}
+
+COLLECTIVE_OPS = ("AllReduce", "AllGather", "ReduceScatter", "AlltoAll", "Broadcast")
+
+
+class SpmdLoweringError(Exception):
+    """The rank graphs cannot be run as one SPMD program (the message says why)."""
+
+
+# -- mesh ---------------------------------------------------------------------------------------
+
+
+def prime_factors(n: int) -> list[int]:
+    out, p = [], 2
+    while p * p <= n:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    if n > 1:
+        out.append(n)
+    return out
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """Axis names and sizes of the rank mesh; rank r sits at the row-major coordinate of r."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    @staticmethod
+    def from_sizes(sizes: tuple[int, ...]) -> MeshSpec:
+        if not sizes:
+            sizes = (1,)
+        return MeshSpec(tuple(f"r{i}" for i in range(len(sizes))), tuple(sizes))
+
+    @property
+    def size(self) -> int:
+        return prod(self.sizes)
+
+    def coord(self, rank: int) -> tuple[int, ...]:
+        out = []
+        for size in reversed(self.sizes):
+            out.append(rank % size)
+            rank //= size
+        return tuple(reversed(out))
+
+    def rank(self, coord: tuple[int, ...]) -> int:
+        r = 0
+        for c, size in zip(coord, self.sizes):
+            r = r * size + c
+        return r
+
+
+def group_along(mesh: MeshSpec, rank: int, axes: tuple[int, ...]) -> tuple[int, ...]:
+    """The ranks that share `rank`'s coordinates off `axes`, ordered row-major over `axes` in
+    the given order (the order JAX uses for a collective over that tuple of axis names)."""
+    base = list(mesh.coord(rank))
+    out = []
+    for combo in itertools.product(*(range(mesh.sizes[a]) for a in axes)):
+        coord = list(base)
+        for a, c in zip(axes, combo):
+            coord[a] = c
+        out.append(mesh.rank(tuple(coord)))
+    return tuple(out)
+
+
+def align_groups(mesh: MeshSpec, groups: list[tuple[int, ...]]) -> tuple[int, ...] | None:
+    """Mesh axis indices (in collective order) whose groups are exactly `groups[r]` for every
+    rank r (same members in the same order), or None."""
+    first = groups[0]
+    coords = [mesh.coord(r) for r in first]
+    varying = [a for a in range(len(mesh.sizes)) if len({c[a] for c in coords}) > 1]
+    if prod(mesh.sizes[a] for a in varying) != len(first):
+        return None
+    for perm in itertools.permutations(varying):
+        if group_along(mesh, first[0], perm) != first:
+            continue
+        if all(group_along(mesh, r, perm) == g for r, g in enumerate(groups)):
+            return tuple(perm)
+    return None
+
+
+def layout_axes(layout: Any, mesh: MeshSpec) -> tuple[tuple[str, ...] | None, ...] | None:
+    """The mesh axes each dim of a TensorLayout is split over (None: not split), i.e. the
+    PartitionSpec of the global tensor on the rank mesh; None when a device-matrix axis is not
+    a set of mesh axes."""
+    from ir.layout import axis_index, devices_along_axes, map_axes
+
+    dev = layout.dev_matrix
+    if prod(dev) != mesh.size:
+        return None
+    out: list[tuple[str, ...] | None] = []
+    for entry in layout.tensor_map:
+        names: list[str] = []
+        for value in map_axes(entry):
+            a = axis_index(value, dev)
+            groups = [devices_along_axes(r, dev, [a]) for r in range(mesh.size)]
+            axes = align_groups(mesh, groups)
+            if axes is None:
+                return None
+            names += [mesh.names[i] for i in axes]
+        out.append(tuple(names) or None)
+    return tuple(out)
+
+
+# -- per-node plans -----------------------------------------------------------------------------
+
+
+@dataclass
+class CollectivePlan:
+    """How a collective runs: over mesh axes (`axes`, names) or by the gather fallback."""
+
+    op: str
+    groups: tuple[tuple[int, ...], ...]  # groups[r]: rank r's group in rank_list order
+    axes: tuple[str, ...] | None
+    attrs: dict[str, Any]
+
+    @property
+    def group_size(self) -> int:
+        return len(self.groups[0])
+
+    @property
+    def members(self) -> np.ndarray:
+        return np.asarray(self.groups, np.int32)
+
+    @property
+    def positions(self) -> np.ndarray:
+        return np.asarray([g.index(r) for r, g in enumerate(self.groups)], np.int32)
+
+
+@dataclass
+class SlicePlan:
+    """A StridedSlice(Grad) at per-rank offsets: `starts[r]` per dim, `span` elements read
+    (written) from there, every `steps`-th kept; `shape` is the full (Grad: output) shape."""
+
+    starts: np.ndarray  # (N, rank) int32
+    span: tuple[int, ...]
+    steps: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+@dataclass
+class NodePlan:
+    index: int
+    node: Node  # rank 0's node: op, operands and result of the structure
+    kind: str  # "op" | "slice" | "slice_grad" | "switch" | "collective"
+    attrs: dict[str, Any]  # implementation attributes (rank 0's)
+    operands: list[tuple[str, int]]  # ("node", k) | ("param", i) | ("const", i)
+    const_tables: dict[int, np.ndarray] = field(default_factory=dict)  # operand -> (N, ...)
+    slice: SlicePlan | None = None
+    variants: list[dict[str, Any]] = field(default_factory=list)
+    variant: tuple[int, ...] = ()  # rank -> index into variants
+    collective: CollectivePlan | None = None
+
+    @property
+    def op(self) -> str:
+        return self.node.op
+
+
+@dataclass
+class SpmdPlan:
+    """One SPMD program for all ranks (see the module docstring)."""
+
+    graphs: list[Graph]
+    mesh: MeshSpec
+    nodes: list[NodePlan]
+    outputs: list[tuple[str, int]]
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.graphs)
+
+    @property
+    def graph(self) -> Graph:
+        return self.graphs[0]
+
+    @property
+    def params(self) -> list[GraphParam]:
+        return list(self.graphs[0].params)
+
+    @staticmethod
+    def build(graphs: list[Graph]) -> SpmdPlan:
+        if not graphs:
+            raise SpmdLoweringError("no rank graphs")
+        n = len(graphs)
+        _check_structure(graphs)
+        raw: list[tuple[int, Node, list[Node]]] = []
+        collective_groups: list[list[tuple[int, ...]]] = []
+        for k, node in enumerate(graphs[0].nodes):
+            nodes = [g.nodes[k] for g in graphs]
+            raw.append((k, node, nodes))
+            if get_op(node.op).collective:
+                collective_groups.append(_groups(nodes, n))
+        mesh = choose_mesh(n, collective_groups)
+        ref = _Refs(graphs[0])
+        plans = [_plan_node(k, node, nodes, ref, n, mesh) for k, node, nodes in raw]
+        outputs = [ref(v) for v in graphs[0].outputs]
+        return SpmdPlan(list(graphs), mesh, plans, outputs)
+
+
+def choose_mesh(n: int, collective_groups: list[list[tuple[int, ...]]]) -> MeshSpec:
+    """Prime-sized mesh axes; among the distinct orders of the primes, the one that aligns the
+    most collectives (first in sorted order on ties)."""
+    primes = prime_factors(n)
+    orders = sorted(set(itertools.permutations(primes)))
+    best, best_score = MeshSpec.from_sizes(tuple(primes)), -1
+    if len(orders) == 1:
+        return best
+    for order in orders[:720]:
+        mesh = MeshSpec.from_sizes(order)
+        score = sum(align_groups(mesh, g) is not None for g in collective_groups)
+        if score > best_score:
+            best, best_score = mesh, score
+    return best
+
+
+class _Refs:
+    """Where a value comes from, as ("node", k) | ("param", i) | ("const", -1)."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.nodes = {id(node.result): k for k, node in enumerate(graph.nodes)}
+        self.params = {id(p): i for i, p in enumerate(graph.params)}
+
+    def __call__(self, value: Value) -> tuple[str, int]:
+        if isinstance(value, NodeResult):
+            return ("node", self.nodes[id(value)])
+        if isinstance(value, GraphParam):
+            return ("param", self.params[id(value)])
+        if isinstance(value, Constant):
+            return ("const", -1)
+        raise SpmdLoweringError(f"unknown value {value!r}")
+
+
+def _check_structure(graphs: list[Graph]) -> None:
+    first = graphs[0]
+    ref0 = _Refs(first)
+    sig0 = [(p.name, p.kind, p.type) for p in first.params]
+    for r, g in enumerate(graphs[1:], start=1):
+        if g is first:
+            continue
+        ref = _Refs(g)
+        if [(p.name, p.kind, p.type) for p in g.params] != sig0:
+            raise SpmdLoweringError(f"rank {r}'s graph parameters differ from rank 0's")
+        if len(g.nodes) != len(first.nodes):
+            raise SpmdLoweringError(
+                f"rank {r}'s graph has {len(g.nodes)} nodes, rank 0's {len(first.nodes)}: the "
+                "ranks do not share one structure (hand-written per-rank code?)"
+            )
+        if len(g.outputs) != len(first.outputs):
+            raise SpmdLoweringError(f"rank {r}'s graph returns a different number of outputs")
+        for out_a, out_b in zip(first.outputs, g.outputs):
+            if ref0(out_a) != ref(out_b) or out_a.type != out_b.type:
+                raise SpmdLoweringError(f"rank {r}'s graph outputs differ from rank 0's")
+        for k, (a, b) in enumerate(zip(first.nodes, g.nodes)):
+            if a.op != b.op or a.result.type != b.result.type:
+                raise SpmdLoweringError(
+                    f"node %{k} is {a.op} {a.result.type} on rank 0 but {b.op} {b.result.type} "
+                    f"on rank {r}: the ranks do not share one structure"
+                )
+            if len(a.operands) != len(b.operands):
+                raise SpmdLoweringError(f"node %{k} ({a.op}) has different operands on rank {r}")
+            for va, vb in zip(a.operands, b.operands):
+                if ref0(va) != ref(vb) or va.type != vb.type:
+                    raise SpmdLoweringError(
+                        f"node %{k} ({a.where()}) reads different values on rank 0 and rank {r}"
+                    )
+
+
+def _groups(nodes: list[Node], n: int) -> list[tuple[int, ...]]:
+    node = nodes[0]
+    groups = [tuple(int(x) for x in (nd.attrs.get("rank_list") or (0,))) for nd in nodes]
+    if n == 1:
+        if groups[0] != (0,):
+            raise SpmdLoweringError(f"{node.where()}: one rank, but rank_list {groups[0]}")
+        return groups
+    for r, g in enumerate(groups):
+        if r not in g:
+            raise SpmdLoweringError(
+                f"node {node.where()}: rank {r}'s rank_list {g} does not contain rank {r}")
+        if any(not 0 <= x < n for x in g):
+            raise SpmdLoweringError(f"node {node.where()}: rank_list {g} names a rank >= {n}")
+    for r, g in enumerate(groups):
+        for member in g:
+            if groups[member] != g:
+                raise SpmdLoweringError(
+                    f"node {node.where()}: rank {r}'s group is {g} but rank {member}'s is "
+                    f"{groups[member]}; the groups must partition the ranks (same members, "
+                    "same order)"
+                )
+    if len({len(g) for g in groups}) != 1:
+        raise SpmdLoweringError(
+            f"node {node.where()}: groups of different sizes {sorted(set(groups))}")
+    return groups
+
+
+def _impl_attrs(node: Node) -> dict[str, Any]:
+    attrs = get_op(node.op).impl_attrs(node.attrs)
+    ignored = IGNORED_RANK_ATTRS.get(node.op, frozenset())
+    return {k: v for k, v in attrs.items() if k not in ignored}
+
+
+def _plan_node(k: int, node: Node, nodes: list[Node], ref: _Refs, n: int,
+               mesh: MeshSpec) -> NodePlan:
+    opdef = get_op(node.op)
+    operands = [ref(v) for v in node.operands]
+    for i, v in enumerate(node.operands):
+        if isinstance(v, Constant):
+            operands[i] = ("const", i)
+    plan = NodePlan(k, node, "op", _impl_attrs(node), operands)
+    # Constants that differ between ranks become tables.
+    for i, v in enumerate(node.operands):
+        if isinstance(v, Constant):
+            arrays = [nd.operands[i].array for nd in nodes]  # type: ignore[attr-defined]
+            if any(not np.array_equal(arrays[0], a) for a in arrays[1:]):
+                plan.const_tables[i] = np.stack(arrays)
+    if opdef.collective:
+        if node.op not in COLLECTIVE_OPS:
+            raise SpmdLoweringError(f"{node.where()}: no SPMD lowering for collective {node.op}")
+        groups = _groups(nodes, n)
+        axes = align_groups(mesh, groups)
+        names = tuple(mesh.names[a] for a in axes) if axes is not None else None
+        attrs = {k2: v for k2, v in node.attrs.items()
+                 if k2 in ("op", "split_count", "split_dim", "concat_dim", "root_rank")}
+        plan.kind = "collective"
+        plan.collective = CollectivePlan(node.op, tuple(groups), names, attrs)
+        return plan
+    if opdef.jax is None:
+        raise SpmdLoweringError(f"{node.where()}: {node.op} has no JAX implementation")
+    per_rank = [_impl_attrs(nd) for nd in nodes]
+    if all(a == per_rank[0] for a in per_rank[1:]):
+        return plan
+    if node.op in ("StridedSlice", "StridedSliceGrad"):
+        sliced = _slice_plan(node, nodes)
+        if sliced is not None:
+            plan.kind = "slice" if node.op == "StridedSlice" else "slice_grad"
+            plan.slice = sliced
+            return plan
+    variants: list[dict[str, Any]] = []
+    index = []
+    for attrs in per_rank:
+        if attrs not in variants:
+            variants.append(attrs)
+        index.append(variants.index(attrs))
+    plan.kind = "switch"
+    plan.variants = variants
+    plan.variant = tuple(index)
+    return plan
+
+
+def _slice_plan(node: Node, nodes: list[Node]) -> SlicePlan | None:
+    from ir.ops.shape import _slice_spec
+
+    if node.op == "StridedSlice":
+        shape = node.operands[0].shape
+    else:
+        shape = tuple(int(d) for d in node.attrs["shape"])
+    starts, spans, steps_seen = [], set(), set()
+    for nd in nodes:
+        if nd.op == "StridedSliceGrad" and tuple(nd.attrs["shape"]) != shape:
+            return None
+        slices, out = _slice_spec(shape, nd.attrs)
+        starts.append([s.start for s in slices])
+        steps = tuple(s.step for s in slices)
+        spans.add(tuple((o - 1) * st + 1 if o else 0 for o, st in zip(out, steps)))
+        steps_seen.add(steps)
+    if len(spans) != 1 or len(steps_seen) != 1:
+        return None
+    span = spans.pop()
+    if any(d == 0 for d in span):
+        return None
+    return SlicePlan(np.asarray(starts, np.int32), span, steps_seen.pop(), tuple(shape))

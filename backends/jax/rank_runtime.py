@@ -1,0 +1,509 @@
+"""What a generated `<out>/rank_<r>/program.py` runs: process identity, `jax.distributed`, the
+rank mesh, this process's slices of each batch, the training loop, `train.log`, checkpoints and
+a watchdog.
+
+Identity (first found wins):
+  * flags `--coordinator HOST:PORT --num-processes N --process-id I`;
+  * env `PCOMPILE_COORDINATOR`, `PCOMPILE_NUM_PROCESSES`, `PCOMPILE_PROCESS_ID`;
+  * Open MPI (`OMPI_COMM_WORLD_RANK` / `OMPI_COMM_WORLD_SIZE`), SLURM (`SLURM_PROCID` /
+    `SLURM_NTASKS`) or PMI (`PMI_RANK` / `PMI_SIZE`); the coordinator then comes from
+    `PCOMPILE_COORDINATOR`, or from `MASTER_ADDR`/`MASTER_PORT`, else JAX's own cluster
+    detection (`jax.distributed.initialize()` without arguments: SLURM, Open MPI);
+  * nothing: one process runs every rank on N virtual CPU devices.
+With P processes, process p runs ranks p*N/P ... (p+1)*N/P - 1 (one each when P = N); started
+as another rank's program it re-executes its own rank's program (so `mpirun -n 8 python
+out/rank_0/program.py` works).
+
+Data: each process imports the model file (`MODEL_FILE`) and iterates `dataset()` like
+`compiler.runtime.batches` (epochs restart it; without one, inputs()/labels() or a synthetic
+batch repeats), then cuts each rank's part of every global batch by the input's layout
+(`LAYOUTS`, from dataset_strategy). The model file and pcompile must be importable on every host,
+and `dataset()` must give the same batches in every process (seed its random numbers).
+
+Checkpoints: `<out>/checkpoints/rank_<r>/step_<S>.npz` at the end and every `--checkpoint-every`
+steps (backends/checkpoint.py); `--resume` continues from the last step that every rank saved,
+restores train.log, skips the batches already seen, and so gives bit-identical losses.
+
+A watchdog ends the process (exit status 124) when a step takes longer than `--timeout`
+seconds (the first step, which compiles, and `jax.distributed` start-up: `--startup-timeout`),
+e.g. because a collective waits for a rank that died.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+EXIT_TIMEOUT = 124
+EXIT_LAUNCHER_GONE = 125
+EXIT_COORDINATOR_PORT = 75  # EX_TEMPFAIL: the launcher retries on another port
+
+
+class RankError(Exception):
+    """A user-facing error of the rank program (printed without a traceback)."""
+
+
+# -- identity ----------------------------------------------------------------------------------
+
+
+def _env_int(env: dict[str, str], *names: str) -> tuple[int | None, str]:
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value), name  # type: ignore[arg-type]
+            except ValueError:
+                raise RankError(
+                    f"environment variable {name}={value!r} is not an integer") from None
+    return None, ""
+
+
+def resolve_identity(args: argparse.Namespace, env: dict[str, str]
+                     ) -> tuple[str | None, int, int, str]:
+    """(coordinator, number of processes, process id, where they came from)."""
+    coordinator = args.coordinator or env.get("PCOMPILE_COORDINATOR") or None
+    if args.num_processes is not None or args.process_id is not None:
+        if args.num_processes is None or args.process_id is None:
+            raise RankError("give both --num-processes and --process-id")
+        return coordinator, args.num_processes, args.process_id, "flags"
+    for size_var, rank_var, what in (
+        ("PCOMPILE_NUM_PROCESSES", "PCOMPILE_PROCESS_ID", "PCOMPILE_* environment"),
+        ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "Open MPI"),
+        ("SLURM_NTASKS", "SLURM_PROCID", "SLURM"),
+        ("PMI_SIZE", "PMI_RANK", "PMI"),
+    ):
+        size, _ = _env_int(env, size_var)
+        pid, _ = _env_int(env, rank_var)
+        if size is not None and pid is not None:
+            if coordinator is None and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+                coordinator = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+            return coordinator, size, pid, what
+    return coordinator, 1, 0, "single process"
+
+
+def parse_args(argv: list[str] | None, num_ranks: int) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=f"pcompile rank program ({num_ranks} ranks); see docs/running.md")
+    parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
+    parser.add_argument("--num-processes", type=int, default=None)
+    parser.add_argument("--process-id", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=1,
+                        help="train until this many steps are done in all (default 1)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                        help="also checkpoint every K steps (always at the end)")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="default: <out>/checkpoints")
+    parser.add_argument("--no-checkpoint", action="store_true",
+                        help="write no checkpoint at the end")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the last step that every rank checkpointed")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds a step (and its collectives) may take (default 300)")
+    parser.add_argument("--startup-timeout", type=float, default=900.0,
+                        help="seconds for distributed start-up and the first, compiling step")
+    parser.add_argument("--quiet", action="store_true", help="do not print loss lines")
+    args = parser.parse_args(argv)
+    if args.steps < 0 or args.checkpoint_every < 0:
+        parser.error("--steps and --checkpoint-every must be >= 0")
+    return args
+
+
+# -- watchdog ----------------------------------------------------------------------------------
+
+
+class Watchdog:
+    """Ends the process when the current phase passes its deadline (a hung collective)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.deadline = float("inf")
+        self.what = "start-up"
+        self._lock = threading.Lock()
+        thread = threading.Thread(target=self._watch, daemon=True, name="pcompile-watchdog")
+        thread.start()
+
+    def arm(self, seconds: float, what: str) -> None:
+        with self._lock:
+            self.deadline = time.monotonic() + seconds
+            self.what = what
+
+    def disarm(self) -> None:
+        with self._lock:
+            self.deadline = float("inf")
+
+    def _watch(self) -> None:
+        launcher = os.environ.get("PCOMPILE_LAUNCHER_PID")
+        while True:
+            time.sleep(0.5)
+            if launcher and str(os.getppid()) != launcher:
+                sys.stderr.write(f"{self.label}: the launcher (pid {launcher}) is gone. "
+                                 "Exiting.\n")
+                sys.stderr.flush()
+                os._exit(EXIT_LAUNCHER_GONE)
+            with self._lock:
+                late = time.monotonic() > self.deadline
+                what = self.what
+            if late:
+                sys.stderr.write(
+                    f"{self.label}: {what} did not finish in time; a collective is probably "
+                    "waiting for a rank that stopped. Exiting.\n")
+                sys.stderr.flush()
+                os._exit(EXIT_TIMEOUT)
+
+
+def _fault_injection(local: list[int]) -> int | None:
+    """Testing aid: PCOMPILE_FAULT_INJECT="RANK:STEP" makes the process running RANK raise at
+    the start of STEP."""
+    spec = os.environ.get("PCOMPILE_FAULT_INJECT", "")
+    if not spec:
+        return None
+    rank, _, step = spec.partition(":")
+    return int(step) if int(rank) in local else None
+
+
+def _exit_on_sigterm(label: str) -> None:
+    """jax.distributed installs a SIGTERM (preemption) handler that keeps the process alive;
+    a rank asked to stop must stop."""
+    import signal
+
+    def stop(signum: int, frame: Any) -> None:
+        sys.stderr.write(f"{label}: stopped by {signal.Signals(signum).name}\n")
+        sys.stderr.flush()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
+# -- logs --------------------------------------------------------------------------------------
+
+
+class TrainLog:
+    """`<rank dir>/train.log`: rewritten atomically on (re)start, then one append per line."""
+
+    def __init__(self, path: str, lines: list[str]) -> None:
+        from backends.checkpoint import atomic_write_text
+
+        self.path = path
+        self.lines = list(lines)
+        atomic_write_text(path, "".join(line + "\n" for line in lines))
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def main(module: ModuleType, argv: list[str] | None = None) -> int:
+    """Run the rank program `module` (a generated program.py); returns the exit status."""
+    label = f"pcompile rank {getattr(module, 'RANK', '?')}"
+    try:
+        return _main(module, argv)
+    except RankError as exc:
+        print(f"{label}: error: {exc}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        print(f"{label}: interrupted", file=sys.stderr)
+        code = 130
+    except Exception:  # any failure of a rank: report it and leave at once
+        import traceback
+
+        traceback.print_exc()
+        print(f"{label}: failed", file=sys.stderr)
+        code = 1
+    # Exit without the interpreter's shutdown: jax.distributed's atexit hook waits for the
+    # other processes, which may be stuck in a collective with this one.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _main(module: ModuleType, argv: list[str] | None) -> int:
+    num_ranks = int(module.NUM_RANKS)
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(raw_argv, num_ranks)
+    coordinator, nproc, pid, source = resolve_identity(args, dict(os.environ))
+    if nproc < 1 or not 0 <= pid < nproc:
+        raise RankError(f"process id {pid} is not in [0, {nproc}) ({source})")
+    if num_ranks % nproc:
+        raise RankError(f"{num_ranks} ranks cannot be spread evenly over {nproc} processes")
+    per_process = num_ranks // nproc
+    my_ranks = list(range(pid * per_process, (pid + 1) * per_process))
+    program_path = os.path.abspath(str(module.__file__))
+    out_dir = os.path.dirname(os.path.dirname(program_path))
+    if int(module.RANK) not in my_ranks:
+        # Started as another rank's program (mpirun/srun run one command everywhere).
+        target = os.path.join(out_dir, f"rank_{my_ranks[0]}", "program.py")
+        if not os.path.exists(target):
+            raise RankError(f"process {pid} runs rank {my_ranks[0]}, but {target} is missing")
+        os.execv(sys.executable, [sys.executable, target, *raw_argv])
+
+    watchdog = Watchdog(f"pcompile rank {module.RANK}")
+    watchdog.arm(args.startup_timeout, "distributed start-up")
+    import jax
+
+    if per_process > 1:
+        try:
+            jax.config.update("jax_num_cpu_devices", per_process)
+        except RuntimeError as exc:  # JAX already initialised in this process
+            raise RankError(str(exc)) from exc
+    if nproc > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        kwargs: dict[str, Any] = {"initialization_timeout": int(args.startup_timeout)}
+        if coordinator is not None:
+            kwargs.update(coordinator_address=coordinator, num_processes=nproc, process_id=pid)
+        elif source not in ("SLURM", "Open MPI"):
+            raise RankError(
+                f"{nproc} processes ({source}) but no coordinator: pass --coordinator HOST:PORT "
+                "or set PCOMPILE_COORDINATOR (the address of process 0)")
+        try:
+            jax.distributed.initialize(**kwargs)
+        except Exception as exc:
+            if pid == 0 and "Failed to start RPC server" in str(exc):
+                print(f"pcompile rank {module.RANK}: error: the coordinator cannot listen on "
+                      f"{coordinator} (address in use?): {exc}", file=sys.stderr)
+                return EXIT_COORDINATOR_PORT
+            raise
+        _exit_on_sigterm(f"pcompile rank {module.RANK}")
+        if jax.process_index() != pid:
+            raise RankError(f"JAX numbers this process {jax.process_index()}, expected {pid}")
+
+    from backends.jax.plan import MeshSpec
+    from backends.jax.spmd import make_mesh, rank_devices
+
+    spec = MeshSpec(tuple(n for n, _ in module.MESH), tuple(s for _, s in module.MESH))
+    mesh = make_mesh(spec, rank_devices(num_ranks))
+    local = [r for r, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()]
+    if local != my_ranks:
+        raise RankError(f"this process owns devices of ranks {local}, expected {my_ranks}")
+    runner = _Runner(module, mesh, local, out_dir, args, watchdog)
+    code = runner.run()
+    # jax.distributed's exit waits for every process; do not wait for ever.
+    watchdog.arm(args.timeout, "shutdown")
+    return code
+
+
+class _Runner:
+    """The training (or inference) loop of one process."""
+
+    def __init__(self, module: ModuleType, mesh: Any, local: list[int], out_dir: str,
+                 args: argparse.Namespace, watchdog: Watchdog) -> None:
+        self.m = module
+        self.mesh = mesh
+        self.local = local
+        self.out_dir = out_dir
+        self.args = args
+        self.watchdog = watchdog
+        self.ckpt_dir = os.path.abspath(args.checkpoint_dir or os.path.join(out_dir,
+                                                                            "checkpoints"))
+        self.params = list(module.PARAMS)
+        self.inputs = [p for p in self.params if p[1] == "input"]
+        self.stored = [p for p in self.params if p[1] != "input"]
+        from ir.types import DType
+
+        self.dtypes = {p[0]: DType[p[3]].np for p in self.params}
+        consts = os.path.join(out_dir, f"rank_{module.RANK}", "consts.npz")
+        if os.path.exists(consts):
+            from backends.checkpoint import load_npz
+
+            module.DATA.update(load_npz(consts))
+
+    # -- pieces --------------------------------------------------------------------------------
+    def _rank_dir(self, rank: int) -> str:
+        return os.path.join(self.out_dir, f"rank_{rank}")
+
+    def _layout(self, name: str) -> Any:
+        from ir.layout import TensorLayout
+
+        shape, dev, tmap = self.m.LAYOUTS[name]
+        return TensorLayout(tuple(dev), tuple(tmap), tuple(shape))
+
+    def _slice(self, name: str, array: np.ndarray, rank: int) -> np.ndarray:
+        if not array.shape:
+            return array
+        bounds = self._layout(name).slice_bounds(rank)
+        return array[tuple(slice(b, e) for b, e in bounds)]
+
+    def _put(self, name: str, pieces: dict[int, np.ndarray], shape: tuple[int, ...]) -> Any:
+        from backends.jax.spmd import put_stacked
+
+        return put_stacked(self.mesh, pieces, tuple(shape), self.dtypes[name])
+
+    def _batches(self, steps: int) -> Any:
+        from compiler.model_file import as_input_list, call_user, load_model_file
+        from compiler.runtime import iter_batches
+
+        path = self.m.MODEL_FILE
+        if not os.path.exists(path):
+            raise RankError(f"model file {path} (for the data) does not exist on this host")
+        mf = load_model_file(path)
+        examples = as_input_list(call_user(mf.inputs, "inputs()", mf.path), "inputs", mf.path)
+        n_inputs = len(examples)
+        if mf.loss is not None:
+            from compiler.trace_model import _first_batch_labels
+
+            examples = examples + _first_batch_labels(mf)
+        expected = [(name, tuple(self.m.LAYOUTS[name][0]), self.dtypes[name])
+                    for name, *_ in self.inputs]
+        if len(examples) != len(expected):
+            raise RankError(f"the model file gives {len(examples)} inputs and labels, the "
+                            f"program takes {len(expected)}")
+        return iter_batches(mf, n_inputs, len(expected) - n_inputs, examples, expected, steps)
+
+    def _function(self) -> Any:
+        import jax.numpy as jnp
+        from jax import lax
+
+        from backends.jax.spmd import spmd_function
+
+        step = self.m.step
+        mean_loss = self.m.PARALLEL_MODE == "data_parallel" and self.m.TRAINING
+        axes = tuple(self.m.AXES)
+
+        def body(*arrays: Any) -> Any:
+            outs = list(step(*arrays))
+            if mean_loss:  # each rank's loss is its own batch's; report their mean
+                outs.append(lax.pmean(jnp.asarray(outs[0], jnp.float32), axes))
+            return outs
+
+        return spmd_function(body, self.mesh)
+
+    def _load_values(self, resume_step: int | None) -> tuple[dict[int, dict[str, np.ndarray]],
+                                                              dict[str, Any]]:
+        from backends.checkpoint import checkpoint_path, load_npz, read_checkpoint
+
+        values: dict[int, dict[str, np.ndarray]] = {}
+        meta: dict[str, Any] = {}
+        for r in self.local:
+            if resume_step is None:
+                values[r] = load_npz(os.path.join(self._rank_dir(r), "params.npz"))
+                continue
+            arrays, meta_r = read_checkpoint(checkpoint_path(self.ckpt_dir, r, resume_step))
+            if meta_r.get("plan_id") != self.m.PLAN_ID:
+                raise RankError(
+                    f"checkpoint of step {resume_step} was written by plan "
+                    f"{meta_r.get('plan_id')}, this program is plan {self.m.PLAN_ID}; "
+                    "resume with the same model and options, or start afresh without --resume")
+            values[r], meta = arrays, meta_r
+        for r, vals in values.items():
+            missing = [name for name, *_ in self.stored if name not in vals]
+            if missing:
+                raise RankError(f"rank {r}: no value for {', '.join(missing)}")
+        return values, meta
+
+    def _checkpoint(self, step: int, epoch: int, in_epoch: int,
+                    state: dict[str, Any], logs: dict[int, TrainLog]) -> None:
+        from backends.checkpoint import write_checkpoint
+        from backends.jax.spmd import local_pieces
+
+        pieces = {name: local_pieces(a, self.mesh) for name, a in state.items()}
+        layouts = {name: {"shape": list(self.m.LAYOUTS[name][0]), "dtype": dt,
+                          "dev_matrix": list(self.m.LAYOUTS[name][1]),
+                          "tensor_map": [list(e) if isinstance(e, tuple) else e
+                                         for e in self.m.LAYOUTS[name][2]]}
+                   for name, _, _, dt in self.stored}
+        for r in self.local:
+            meta = {"step": step, "epoch": epoch, "step_in_epoch": in_epoch, "rank": r,
+                    "num_ranks": int(self.m.NUM_RANKS), "plan_id": self.m.PLAN_ID,
+                    "log": logs[r].lines, "layouts": layouts}
+            write_checkpoint(self.ckpt_dir, r, step,
+                             {name: pieces[name][r] for name in pieces}, meta)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> int:
+        from backends.checkpoint import latest_common_step
+        from backends.jax.spmd import local_pieces
+        from compiler.runtime import format_loss_line
+
+        m, args = self.m, self.args
+        if not m.TRAINING:
+            return self._infer()
+        resume_step = None
+        if args.resume:
+            resume_step = latest_common_step(self.ckpt_dir, int(m.NUM_RANKS))
+            if resume_step is None:
+                self._say(f"no checkpoint of every rank in {self.ckpt_dir}; starting at step 0")
+        values, meta = self._load_values(resume_step)
+        done = resume_step or 0
+        logs = {r: TrainLog(os.path.join(self._rank_dir(r), "train.log"),
+                            list(meta.get("log", []))[:done]) for r in self.local}
+        state = {name: self._put(name, {r: values[r][name] for r in self.local}, shape)
+                 for name, _, shape, _ in self.stored}
+        fn = self._function()
+        out_names = list(m.OUTPUTS)
+        fault = _fault_injection(self.local)
+        first = True
+        epoch, in_epoch = int(meta.get("epoch", 1)), int(meta.get("step_in_epoch", 0))
+        start = time.perf_counter()
+        for k, (epoch, in_epoch, arrays) in enumerate(self._batches(args.steps)):
+            if k < done:
+                continue
+            self.watchdog.arm(args.startup_timeout if first else args.timeout,
+                              f"step {k + 1}")
+            if fault == k + 1:
+                raise RuntimeError(f"PCOMPILE_FAULT_INJECT: failing at step {k + 1}")
+            feeds = [self._put(name, {r: self._slice(name, a, r) for r in self.local}, shape)
+                     for (name, _, shape, _), a in zip(self.inputs, arrays)]
+            feeds += [state[name] for name, *_ in self.stored]
+            outs = fn(*feeds)
+            for name, value in zip(out_names[1:], outs[1:]):
+                if name in state:
+                    state[name] = value
+            loss_out = outs[-1] if len(outs) > len(out_names) else outs[0]
+            losses = local_pieces(loss_out, self.mesh)
+            for r in self.local:
+                line = format_loss_line(epoch, in_epoch, float(losses[r]))
+                logs[r].add(line)
+            self.watchdog.disarm()
+            first = False
+            self._say(logs[self.local[0]].lines[-1])
+            step_no = k + 1
+            every = args.checkpoint_every
+            if every and step_no % every == 0 and step_no < args.steps:
+                self._checkpoint(step_no, epoch, in_epoch, state, logs)
+        total = len(logs[self.local[0]].lines)
+        if total > done and not args.no_checkpoint:
+            self._checkpoint(total, epoch, in_epoch, state, logs)
+        elapsed = time.perf_counter() - start
+        self._say(f"rank(s) {self.local[0]}..{self.local[-1]}: steps {done + 1}..{total} in "
+                  f"{elapsed:.2f} s", force=True)
+        return 0
+
+    def _infer(self) -> int:
+        from backends.checkpoint import save_npz
+        from backends.jax.spmd import local_pieces
+
+        values, _ = self._load_values(None)
+        state = {name: self._put(name, {r: values[r][name] for r in self.local}, shape)
+                 for name, _, shape, _ in self.stored}
+        self.watchdog.arm(self.args.startup_timeout, "inference")
+        _, _, arrays = next(iter(self._batches(1)))
+        feeds = [self._put(name, {r: self._slice(name, a, r) for r in self.local}, shape)
+                 for (name, _, shape, _), a in zip(self.inputs, arrays)]
+        feeds += [state[name] for name, *_ in self.stored]
+        outs = self._function()(*feeds)
+        self.watchdog.disarm()
+        pieces = [local_pieces(o, self.mesh) for o in outs]
+        for r in self.local:
+            save_npz(os.path.join(self._rank_dir(r), "outputs.npz"),
+                     {name: p[r] for name, p in zip(self.m.OUTPUTS, pieces)})
+        self._say("inference outputs: " + ", ".join(
+            f"{name} {tuple(p[self.local[0]].shape)}" for name, p in zip(self.m.OUTPUTS, pieces)),
+            force=True)
+        return 0
+
+    def _say(self, text: str, force: bool = False) -> None:
+        if force or not self.args.quiet:
+            print(text, flush=True)

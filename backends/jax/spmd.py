@@ -1,0 +1,445 @@
+"""All ranks' graphs as ONE JAX SPMD program (`shard_map` over a mesh of the ranks).
+
+`SpmdPlan` (backends/jax/plan.py) checks that the rank graphs share one structure and records
+what differs per rank. Here the plan becomes a body function that runs on every device of a
+mesh: rank-dependent values (slice offsets, constants, attribute variants, fallback group
+tables) are tables indexed by `lax.axis_index` of the mesh axes, never Python constants, so
+every device (and every process under `jax.distributed`) runs the same HLO.
+
+Collectives lower to `lax.psum`/`pmax`/`pmin`, `all_gather(tiled)`, `psum_scatter(tiled)` and
+`all_to_all(tiled)` over the mesh axes whose variation gives exactly the node's groups (in
+`rank_list` order). JAX's `axis_index_groups` is not used: `psum` with groups raises
+NotImplementedError inside `shard_map` in this JAX, while sub-axes express every group that a
+device matrix builds. Groups that no set of mesh axes gives use an exact fallback:
+`all_gather` over all ranks, then each rank picks its group's members from a table (N/g times
+the traffic of the grouped collective; `GroupCollective`).
+
+The helpers below (`all_reduce`, `all_gather`, ..., `dyn_slice`) are the building blocks of both
+this in-process lowering and the generated per-rank programs (`backends/jax/codegen.py`).
+
+`JaxSpmdRunner(program)` runs a compiled program on N devices of this process (N virtual CPU
+devices: set `jax.config.update("jax_num_cpu_devices", N)` before JAX initialises) with the
+interface of `compiler.runtime.ParallelRunner`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from backends.jax.plan import MeshSpec, NodePlan, SpmdLoweringError, SpmdPlan
+from ir.core import Constant
+from ir.registry import get_op
+from ir.types import DType
+
+Axes = tuple[str, ...]
+
+
+# -- collectives over mesh axes -----------------------------------------------------------------
+
+
+def _each(fn: Callable[[Any], Any], xs: Sequence[Any]) -> Any:
+    """Fused collectives take several operands and return a tuple."""
+    outs = [fn(x) for x in xs]
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def all_reduce(*xs: Any, axes: Axes, op: str = "sum") -> Any:
+    """AllReduce over the ranks that vary along `axes`."""
+    if not axes:
+        return xs[0] if len(xs) == 1 else tuple(xs)
+    if op == "sum":
+        out = lax.psum(tuple(xs), axes)
+        return out[0] if len(xs) == 1 else tuple(out)
+    if op == "max":
+        return _each(lambda x: lax.pmax(x, axes), xs)
+    if op == "min":
+        return _each(lambda x: lax.pmin(x, axes), xs)
+    if op == "prod":
+        return _each(lambda x: jnp.prod(lax.all_gather(x, axes), axis=0).astype(x.dtype), xs)
+    raise SpmdLoweringError(f"AllReduce op {op!r} has no JAX lowering")
+
+
+def all_gather(*xs: Any, axes: Axes) -> Any:
+    """AllGather: concatenation along dim 0 in group order."""
+    if not axes:
+        return xs[0] if len(xs) == 1 else tuple(xs)
+    return _each(lambda x: lax.all_gather(x, axes, tiled=True), xs)
+
+
+def reduce_scatter(*xs: Any, axes: Axes, op: str = "sum") -> Any:
+    """ReduceScatter: reduce, then block `i` of dim 0 to the i-th rank of the group."""
+    if not axes:
+        return xs[0] if len(xs) == 1 else tuple(xs)
+    if op == "sum":
+        return _each(lambda x: lax.psum_scatter(x, axes, tiled=True), xs)
+
+    def other(x: Any) -> Any:
+        total = all_reduce(x, axes=axes, op=op)
+        size = x.shape[0] // _axes_size(axes)
+        return lax.dynamic_slice_in_dim(total, lax.axis_index(axes) * size, size, 0)
+
+    return _each(other, xs)
+
+
+def all_to_all(*xs: Any, axes: Axes, split_dim: int, concat_dim: int) -> Any:
+    """AlltoAll: block i of `split_dim` to the i-th rank; received blocks along `concat_dim`."""
+    if not axes:
+        return xs[0] if len(xs) == 1 else tuple(xs)
+    return _each(lambda x: lax.all_to_all(x, axes, split_dim % x.ndim, concat_dim % x.ndim,
+                                          tiled=True), xs)
+
+
+def broadcast(*xs: Any, axes: Axes, root: int = 0) -> Any:
+    """Broadcast: every rank of the group gets the `root`-th member's value."""
+    if not axes:
+        return xs[0] if len(xs) == 1 else tuple(xs)
+    return _each(lambda x: lax.all_gather(x, axes)[root], xs)
+
+
+def _axes_size(axes: Axes) -> int:
+    return int(np.prod([lax.axis_size(a) for a in axes])) if axes else 1
+
+
+# -- the exact fallback for groups that no mesh axes give ----------------------------------------
+
+
+def group_members(x: Any, all_axes: Axes, members: Any) -> Any:
+    """Every member's x, shape (g, *x.shape), in group order: gather from all ranks, pick."""
+    every = lax.all_gather(x, all_axes)
+    return jnp.take(every, members, axis=0)
+
+
+def group_collective(prim: str, *xs: Any, all_axes: Axes, members: Any, position: Any,
+                     **attrs: Any) -> Any:
+    """Collective `prim` (IR op name) over an arbitrary group: `members` (this rank's group, a
+    traced row of a table) and `position` (this rank's index in it). Exact; costs an
+    all-gather over all ranks."""
+
+    reducers: dict[str, Callable[..., Any]] = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min,
+                                               "prod": jnp.prod}
+
+    def one(x: Any) -> Any:
+        parts = group_members(x, all_axes, members)
+        g = parts.shape[0]
+        if prim == "AllReduce":
+            return reducers[attrs.get("op", "sum")](parts, axis=0).astype(x.dtype)
+        if prim == "AllGather":
+            return parts.reshape((g * x.shape[0],) + x.shape[1:])
+        if prim == "ReduceScatter":
+            total = reducers[attrs.get("op", "sum")](parts, axis=0).astype(x.dtype)
+            size = x.shape[0] // g
+            return lax.dynamic_slice_in_dim(total, position * size, size, 0)
+        if prim == "AlltoAll":
+            split = attrs["split_dim"] % x.ndim
+            concat = attrs["concat_dim"] % x.ndim
+            size = x.shape[split] // g
+            mine = lax.dynamic_slice_in_dim(parts, position * size, size, split + 1)
+            blocks = [mine[j] for j in range(g)]
+            return jnp.concatenate(blocks, axis=concat)
+        if prim == "Broadcast":
+            return parts[attrs.get("root_rank", 0)]
+        raise SpmdLoweringError(f"no JAX lowering for collective {prim}")
+
+    return _each(one, xs)
+
+
+# -- rank-dependent slices ---------------------------------------------------------------------
+
+
+def dyn_slice(x: Any, starts: Any, span: tuple[int, ...], steps: tuple[int, ...]) -> Any:
+    """StridedSlice at traced offsets `starts`: `span` elements, every `steps`-th kept."""
+    out = lax.dynamic_slice(x, tuple(starts[i] for i in range(x.ndim)), span)
+    if any(s != 1 for s in steps):
+        out = out[tuple(slice(None, None, s) for s in steps)]
+    return out
+
+
+def dyn_slice_grad(dy: Any, starts: Any, span: tuple[int, ...], steps: tuple[int, ...],
+                   shape: tuple[int, ...]) -> Any:
+    """StridedSliceGrad at traced offsets: zeros of `shape` with dy written into the slice."""
+    if any(s != 1 for s in steps):
+        dy = jnp.zeros(span, dy.dtype).at[tuple(slice(None, None, s) for s in steps)].set(dy)
+    zeros = jnp.zeros(shape, dy.dtype)
+    return lax.dynamic_update_slice(zeros, dy, tuple(starts[i] for i in range(len(shape))))
+
+
+class LazyTable:
+    """A per-rank table stored in a program's consts.npz (`data` is filled when it loads)."""
+
+    def __init__(self, data: dict[str, np.ndarray], key: str) -> None:
+        self.data = data
+        self.key = key
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        value = np.asarray(self.data[self.key])
+        return value if dtype is None else value.astype(dtype)
+
+
+def pick(table: Any, me: Any) -> Any:
+    """Row `me` (the traced rank index) of a per-rank table."""
+    return jnp.asarray(np.asarray(table))[me]
+
+
+def const(value: Any, dtype: str) -> Any:
+    """A constant operand, `dtype` a DType member name ("float32", "int32", ...)."""
+    return jnp.asarray(np.asarray(value, DType[dtype].np))
+
+
+class _Ops:
+    """`ops.MatMul(x, w, transpose_a=False, ...)`: the registry's JAX implementation of a
+    primitive, by name (what generated programs call)."""
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        impl = get_op(name).jax
+        if impl is None:
+            raise SpmdLoweringError(f"{name} has no JAX implementation")
+        return impl
+
+
+ops = _Ops()
+
+
+# -- lowering of a plan ------------------------------------------------------------------------
+
+
+def lower_spmd(plan: SpmdPlan) -> Callable[..., list[Any]]:
+    """The per-device body: `body(*local_arrays) -> list of local outputs`, arrays in graph
+    parameter order. Call it inside `shard_map` over `make_mesh(plan.mesh)` (see
+    `spmd_function`)."""
+    all_axes = plan.mesh.names
+    nodes = plan.nodes
+    consts = {(n.index, i): np.asarray(v.array) for n in nodes
+              for i, v in enumerate(n.node.operands) if isinstance(v, Constant)}
+
+    def body(*arrays: Any) -> list[Any]:
+        me = lax.axis_index(all_axes)
+        env: dict[int, Any] = {}
+
+        def read(n: NodePlan, i: int, ref: tuple[str, int]) -> Any:
+            kind, idx = ref
+            if kind == "node":
+                return env[idx]
+            if kind == "param":
+                return arrays[idx]
+            table = n.const_tables.get(i)
+            if table is not None:
+                return jnp.asarray(table)[me]
+            return jnp.asarray(consts[(n.index, i)])
+
+        for n in nodes:
+            args = [read(n, i, ref) for i, ref in enumerate(n.operands)]
+            env[n.index] = apply_node(n, args, me, all_axes)
+        outs = []
+        for kind, idx in plan.outputs:
+            outs.append(env[idx] if kind == "node" else arrays[idx])
+        return outs
+
+    return body
+
+
+def apply_node(n: NodePlan, args: list[Any], me: Any, all_axes: Axes) -> Any:
+    """One node of the plan on this device (`me`: the traced rank index)."""
+    if n.kind == "op":
+        return get_op(n.op).jax(*args, **n.attrs)  # type: ignore[misc]
+    if n.kind == "slice":
+        s = n.slice
+        assert s is not None
+        return dyn_slice(args[0], jnp.asarray(s.starts)[me], s.span, s.steps)
+    if n.kind == "slice_grad":
+        s = n.slice
+        assert s is not None
+        return dyn_slice_grad(args[0], jnp.asarray(s.starts)[me], s.span, s.steps, s.shape)
+    if n.kind == "switch":
+        impl = get_op(n.op).jax
+        assert impl is not None
+        branches = [functools.partial(impl, **v) for v in n.variants]
+        return lax.switch(jnp.asarray(n.variant, jnp.int32)[me], branches, *args)
+    if n.kind == "collective":
+        c = n.collective
+        assert c is not None
+        if c.axes is not None:
+            return collective(c.op, *args, axes=c.axes, **c.attrs)
+        return group_collective(c.op, *args, all_axes=all_axes,
+                                members=jnp.asarray(c.members)[me],
+                                position=jnp.asarray(c.positions)[me], **c.attrs)
+    raise SpmdLoweringError(f"unknown node kind {n.kind}")
+
+
+def collective(prim: str, *xs: Any, axes: Axes, **attrs: Any) -> Any:
+    """A collective over mesh axes, by IR op name and attributes."""
+    if prim == "AllReduce":
+        return all_reduce(*xs, axes=axes, op=attrs.get("op", "sum"))
+    if prim == "AllGather":
+        return all_gather(*xs, axes=axes)
+    if prim == "ReduceScatter":
+        return reduce_scatter(*xs, axes=axes, op=attrs.get("op", "sum"))
+    if prim == "AlltoAll":
+        return all_to_all(*xs, axes=axes, split_dim=attrs["split_dim"],
+                          concat_dim=attrs["concat_dim"])
+    if prim == "Broadcast":
+        return broadcast(*xs, axes=axes, root=attrs.get("root_rank", 0))
+    raise SpmdLoweringError(f"no JAX lowering for collective {prim}")
+
+
+# -- mesh, feeding, the jitted step --------------------------------------------------------------
+
+
+def rank_devices(count: int) -> list[Any]:
+    """The devices that run ranks 0..count-1: all devices ordered by (process, id)."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    if len(devices) < count:
+        raise SpmdLoweringError(
+            f"the program has {count} ranks but JAX sees {len(devices)} device(s); on CPU set "
+            f'jax.config.update("jax_num_cpu_devices", {count}) before JAX initialises, or run '
+            f"{count} processes under jax.distributed"
+        )
+    if jax.process_count() > 1 and len(devices) != count:
+        raise SpmdLoweringError(
+            f"the program has {count} ranks but the {jax.process_count()} processes own "
+            f"{len(devices)} devices in all"
+        )
+    return devices[:count]
+
+
+def make_mesh(spec: MeshSpec, devices: Sequence[Any] | None = None) -> Mesh:
+    devices = list(devices) if devices is not None else rank_devices(spec.size)
+    return Mesh(np.array(devices, dtype=object).reshape(spec.sizes), spec.names)
+
+
+def spmd_function(body: Callable[..., Sequence[Any]], mesh: Mesh) -> Callable[..., Any]:
+    """`jit(shard_map(...))` of a per-device body: each argument and result is the stack of all
+    ranks' values along a new leading axis, sharded over every mesh axis (rank order)."""
+    axes = tuple(mesh.axis_names)
+
+    def per_device(*stacked: Any) -> tuple[Any, ...]:
+        outs = body(*[x[0] for x in stacked])
+        return tuple(jnp.asarray(o)[None] for o in outs)
+
+    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=P(axes), out_specs=P(axes))
+    return jax.jit(mapped)
+
+
+def rank_of_devices(mesh: Mesh) -> dict[Any, int]:
+    return {d: r for r, d in enumerate(mesh.devices.flat)}
+
+
+def put_stacked(mesh: Mesh, pieces: dict[int, np.ndarray], shape: tuple[int, ...],
+                dtype: Any) -> jax.Array:
+    """A global (N, *shape) array from this process's ranks' pieces (`pieces[rank]`)."""
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    if len(pieces) == mesh.size:  # every rank is in this process: one transfer
+        stacked = np.stack([np.asarray(pieces[r], dtype) for r in range(mesh.size)])
+        return jax.device_put(stacked, sharding)
+    ranks = rank_of_devices(mesh)
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    arrays = [jax.device_put(np.asarray(pieces[ranks[d]], dtype)[None], d) for d in local]
+    return jax.make_array_from_single_device_arrays((mesh.size, *shape), sharding, arrays)
+
+
+def local_pieces(array: jax.Array, mesh: Mesh) -> dict[int, np.ndarray]:
+    """This process's ranks' values of a stacked global array."""
+    ranks = rank_of_devices(mesh)
+    return {ranks[s.device]: np.asarray(s.data)[0] for s in array.addressable_shards}
+
+
+# -- the runner ------------------------------------------------------------------------------
+
+
+class JaxSpmdRunner:
+    """Runs a compiled program as one SPMD JAX program on N devices of this process and carries
+    each rank's parameters and optimizer state across steps (on the devices). Same interface
+    as `compiler.runtime.ParallelRunner`: `run(arrays)` -> per-rank outputs, `step(arrays)` ->
+    loss, `values[r][name]`, `global_value(name)`."""
+
+    def __init__(self, program: Any, devices: Sequence[Any] | None = None) -> None:
+        from compiler.runtime import ParallelRunner
+
+        self.program = program
+        state = program.state
+        self.graphs = program.rank_graphs
+        self.plan = SpmdPlan.build(self.graphs)
+        self.mesh = make_mesh(self.plan.mesh, devices)
+        if state.assignment is not None:
+            self.layouts = state.assignment.param_layouts
+            initial = ParallelRunner(program).values
+        else:
+            self.layouts = {}
+            initial = [{k: np.array(v, copy=True) for k, v in program.initial_values.items()}]
+        graph = self.graphs[0]
+        self._n_inputs = len(graph.inputs)
+        self._stored = graph.params[self._n_inputs:]
+        self._fn = spmd_function(lower_spmd(self.plan), self.mesh)
+        self._state = {p.name: self._put({r: v[p.name] for r, v in enumerate(initial)}, p)
+                       for p in self._stored}
+        self._values_cache: list[dict[str, np.ndarray]] | None = None
+
+    def _put(self, pieces: dict[int, np.ndarray], param: Any) -> jax.Array:
+        return put_stacked(self.mesh, pieces, param.shape, param.dtype.np)
+
+    def _slice(self, array: np.ndarray, name: str, rank: int) -> np.ndarray:
+        from passes.step_parallel import slice_array
+
+        layout = self.layouts.get(name)
+        return np.asarray(array) if layout is None else slice_array(array, layout, rank)
+
+    def _call(self, arrays: list[np.ndarray]) -> list[jax.Array]:
+        graph = self.graphs[0]
+        n = self.plan.num_ranks
+        feeds = [self._put({r: self._slice(a, p.name, r) for r in range(n)}, p)
+                 for p, a in zip(graph.inputs, arrays)]
+        feeds += [self._state[p.name] for p in self._stored]
+        return list(self._fn(*feeds))
+
+    def _per_rank(self, outs: list[jax.Array]) -> list[list[np.ndarray]]:
+        n = self.plan.num_ranks
+        gathered = [local_pieces(o, self.mesh) for o in outs]
+        return [[g[r] for g in gathered] for r in range(n)]
+
+    def run(self, arrays: list[np.ndarray]) -> list[list[np.ndarray]]:
+        """One execution on global `arrays` (inputs then labels); per-rank outputs. Stored
+        values are not updated."""
+        return self._per_rank(self._call(arrays))
+
+    def step(self, arrays: list[np.ndarray]) -> float:
+        """One training step: returns the loss and keeps the new parameters and state."""
+        outs = self._call(arrays)
+        names = self.program.output_names
+        for name, value in zip(names[1:], outs[1:]):
+            if name in self._state:
+                self._state[name] = value
+        self._values_cache = None
+        losses = [float(v) for v in local_pieces(outs[0], self.mesh).values()]
+        if self.program.state.parallel_mode == "data_parallel":
+            return float(np.mean(np.asarray(losses, np.float64)))
+        if max(losses) - min(losses) > 1e-5 * max(1.0, abs(losses[0])):
+            raise AssertionError(f"ranks disagree on the loss: {losses}")
+        return losses[0]
+
+    @property
+    def values(self) -> list[dict[str, np.ndarray]]:
+        if self._values_cache is None:
+            n = self.plan.num_ranks
+            pieces = {name: local_pieces(a, self.mesh) for name, a in self._state.items()}
+            self._values_cache = [{name: pieces[name][r] for name in pieces} for r in range(n)]
+        return self._values_cache
+
+    def global_value(self, name: str) -> np.ndarray:
+        """Reassemble a parameter (or optimizer state) from the ranks' slices."""
+        values = self.values
+        layout = self.layouts.get(name)
+        first = values[0][name]
+        if layout is None or not first.shape:
+            return first
+        full = np.zeros(layout.shape, first.dtype)
+        for rank, vals in enumerate(values):
+            full[tuple(slice(b, e) for b, e in layout.slice_bounds(rank))] = vals[name]
+        return full

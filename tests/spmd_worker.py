@@ -1,0 +1,192 @@
+"""Subprocess half of tests/test_jax_backend.py: runs with N virtual CPU devices (the test
+process may already have initialised JAX with one) and prints one JSON report.
+
+    python -m tests.spmd_worker examples   # every example: JAX SPMD vs numpy vs one device
+    python -m tests.spmd_worker synthetic  # fallback groups, attribute variants, rank constants
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = [
+    ("quickstart.py", "semi_auto_parallel"),
+    ("layout_mlp.py", "semi_auto_parallel"),
+    ("dense_gelu_blocks.py", "semi_auto_parallel"),
+    ("gpt_block.py", "semi_auto_parallel"),
+    ("quickstart.py", "data_parallel"),
+    ("manual_parallel.py", "hybrid_parallel"),
+]
+STEPS = 2
+
+
+def rel(got: np.ndarray, want: np.ndarray) -> float:
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        return float("inf")
+    if not want.size:
+        return 0.0
+    scale = max(float(np.max(np.abs(want))), 1e-6)
+    return float(np.max(np.abs(got - want))) / scale
+
+
+def compile_for_8(example: str, mode: str) -> tuple[Any, str]:
+    """Compile in `mode`; a model whose shard() calls need another mode (dense_gelu_blocks:
+    Cell.shard needs sharding propagation) compiles with the model file's own mode."""
+    from compiler.driver import compile as compile_model
+    from ir.errors import PcompileError
+
+    path = os.path.join(ROOT, "examples", example)
+    # data_parallel sums the ranks' gradients unless gradients_mean: ask for the mean, so that
+    # the result is comparable with one device.
+    overrides = {"gradients_mean": True} if mode == "data_parallel" else None
+    try:
+        return compile_model(path, devices=8, parallel_mode=mode, dump=False,
+                             overrides=overrides), mode
+    except PcompileError:
+        program = compile_model(path, devices=8, dump=False)
+        return program, program.state.parallel_mode
+
+
+def check_example(example: str, mode: str) -> dict[str, Any]:
+    from backends.jax.spmd import JaxSpmdRunner
+    from compiler.oracle import single_device
+    from compiler.runtime import ParallelRunner, StandAloneRunner, batches
+    from ir.errors import PcompileError
+
+    try:
+        program, used = compile_for_8(example, mode)
+    except PcompileError as exc:
+        return {"skipped": str(exc).splitlines()[0]}
+    ref = single_device(program)
+    jr = JaxSpmdRunner(program)
+    nr = ParallelRunner(program)
+    one = StandAloneRunner(ref, "numpy")
+    for name in one.values:
+        if name in program.initial_values:
+            one.values[name] = np.array(program.initial_values[name], copy=True)
+    losses = []
+    for _, _, arrays in batches(ref, STEPS):
+        losses.append((jr.step(arrays), nr.step(arrays), one.step(arrays)))
+    weights = {p.name for p in ref.graph.weights}
+    vs_numpy = {"param": 0.0, "state": 0.0}
+    for r in range(len(program.rank_graphs)):
+        for name, want in nr.values[r].items():
+            kind = "param" if name in weights else "state"
+            vs_numpy[kind] = max(vs_numpy[kind], rel(jr.values[r][name], want))
+    vs_one = {"param": 0.0, "state": 0.0}
+    for name, want in one.values.items():
+        kind = "param" if name in weights else "state"
+        vs_one[kind] = max(vs_one[kind], rel(jr.global_value(name), want))
+    kinds: dict[str, int] = {}
+    for n in jr.plan.nodes:
+        kinds[n.kind] = kinds.get(n.kind, 0) + 1
+    return {"mode": used, "losses": losses, "vs_numpy": vs_numpy, "vs_single": vs_one,
+            "kinds": kinds, "mesh": list(jr.plan.mesh.sizes),
+            "fallback": sum(1 for n in jr.plan.nodes if n.kind == "collective"
+                            and n.collective.axes is None),
+            "optimizer": type(program.state.optimizer).__name__}
+
+
+# -- synthetic rank graphs ----------------------------------------------------------------------
+
+
+def synthetic_graphs(groups: list[tuple[int, ...]]) -> list[Any]:
+    """4 ranks: x (4, 6) -> every collective over `groups[r]`, a rank-dependent StridedSlice
+    whose strides differ (attribute variants), and a rank-dependent constant."""
+    from ir.builder import Builder
+    from ir.core import Graph, GraphParam
+    from ir.types import DType, TensorType
+
+    graphs = []
+    for rank in range(4):
+        g = Graph(f"rank{rank}")
+        x = g.add_param(GraphParam(TensorType(DType.float32, (4, 6)), "x"))
+        b = Builder(g)
+        group = {"rank_list": groups[rank], "group": f"g{groups[rank]}"}
+        outs = [
+            b("AllReduce", x, op="sum", **group),
+            b("AllReduce", x, op="max", **group),
+            b("AllReduce", x, op="prod", **group),
+            b("AllGather", x, **group),
+            b("ReduceScatter", x, op="sum", **group),
+            b("ReduceScatter", x, op="max", **group),
+            b("AlltoAll", x, split_count=2, split_dim=1, concat_dim=0, **group),
+            b("Broadcast", x, root_rank=1, **group),
+        ]
+        flat = b("Reshape", x, shape=(24,))
+        if rank % 2:
+            outs.append(b("StridedSlice", flat, begin=(1,), end=(9,), strides=(2,)))
+        else:
+            outs.append(b("StridedSlice", flat, begin=(rank,), end=(rank + 4,), strides=(1,)))
+        outs.append(b("Add", x, b.const(np.full((4, 6), rank + 0.5, np.float32))))
+        g.outputs = outs
+        graphs.append(g)
+    return graphs
+
+
+def check_synthetic() -> dict[str, Any]:
+    from backends.jax.plan import SpmdPlan
+    from backends.jax.spmd import (
+        local_pieces,
+        lower_spmd,
+        make_mesh,
+        put_stacked,
+        rank_devices,
+        spmd_function,
+    )
+    from backends.numpy.simulate import run_ranks
+
+    report: dict[str, Any] = {}
+    rng = np.random.default_rng(0)
+    cases = {
+        "aligned_r1": [(0, 1), (0, 1), (2, 3), (2, 3)],
+        "aligned_r0": [(0, 2), (1, 3), (0, 2), (1, 3)],
+        "fallback_diagonal": [(0, 3), (1, 2), (1, 2), (0, 3)],
+        "fallback_reversed": [(1, 0), (1, 0), (3, 2), (3, 2)],
+    }
+    for name, groups in cases.items():
+        graphs = synthetic_graphs(groups)
+        plan = SpmdPlan.build(graphs)
+        mesh = make_mesh(plan.mesh, rank_devices(4))
+        xs = {r: rng.standard_normal((4, 6)).astype(np.float32) for r in range(4)}
+        fn = spmd_function(lower_spmd(plan), mesh)
+        outs = fn(put_stacked(mesh, xs, (4, 6), np.float32))
+        got = [local_pieces(o, mesh) for o in outs]
+        want = run_ranks(graphs, [[xs[r]] for r in range(4)])
+        # The simulator sums in every ReduceScatter; output 5 is ReduceScatter(op=max).
+        for r in range(4):
+            total = np.max(np.stack([xs[m] for m in groups[r]]), axis=0)
+            want[r][5] = np.split(total, len(groups[r]), axis=0)[groups[r].index(r)]
+        err = max(rel(got[i][r], want[r][i]) for r in range(4) for i in range(len(outs)))
+        kinds = sorted({n.kind for n in plan.nodes})
+        axes = [n.collective.axes for n in plan.nodes if n.kind == "collective"]
+        report[name] = {"error": err, "kinds": kinds,
+                        "aligned": [a is not None for a in axes]}
+    return report
+
+
+def main() -> None:
+    what = sys.argv[1]
+    if what == "examples":
+        names = sys.argv[2:] or None
+        report = {f"{e}:{m}": check_example(e, m) for e, m in EXAMPLES
+                  if names is None or e in names}
+    else:
+        report = check_synthetic()
+    print("REPORT " + json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""The JAX SPMD backend: all ranks as one shard_map program on 8 virtual CPU devices, checked
+against the numpy simulator and the single-device oracle; the SPMD plan (mesh axes, fallback
+groups); and the generated rank programs.
+
+The device runs happen in a subprocess (tests/spmd_worker.py): `jax_num_cpu_devices` must be set
+before JAX initialises, and this process may already have initialised it with one device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from backends.jax.plan import (
+    MeshSpec,
+    SpmdLoweringError,
+    SpmdPlan,
+    align_groups,
+    choose_mesh,
+    group_along,
+)
+from compiler.driver import compile as compile_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE_CASES = [
+    "quickstart.py:semi_auto_parallel",
+    "layout_mlp.py:semi_auto_parallel",
+    "dense_gelu_blocks.py:semi_auto_parallel",
+    "gpt_block.py:semi_auto_parallel",
+    "quickstart.py:data_parallel",
+    "manual_parallel.py:hybrid_parallel",
+]
+
+
+def worker(*args: str) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "tests.spmd_worker", *args], cwd=ROOT,
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("REPORT ")][-1]
+    return json.loads(line[len("REPORT "):])
+
+
+@pytest.fixture(scope="module")
+def examples_report() -> dict:
+    return worker("examples")
+
+
+@pytest.mark.parametrize("case", EXAMPLE_CASES)
+def test_spmd_equals_numpy_simulator_and_single_device(case: str, examples_report) -> None:
+    result = examples_report[case]
+    if "skipped" in result:
+        pytest.skip(f"{case} does not compile for 8 devices: {result['skipped']}")
+    for jax_loss, numpy_loss, single_loss in result["losses"]:
+        assert abs(jax_loss - numpy_loss) <= 1e-5 * max(1.0, abs(numpy_loss)), result
+        assert abs(jax_loss - single_loss) <= 1e-5 * max(1.0, abs(single_loss)), result
+    # Optimizer state carries the gradients: 1e-5. Parameters updated by Adam-type optimizers
+    # divide by sqrt(v) and magnify last-bit differences of near-zero gradients (as in
+    # tests/test_modes.py): 1e-4 there.
+    adam = "Adam" in result["optimizer"]
+    for against in ("vs_numpy", "vs_single"):
+        assert result[against]["state"] <= 1e-5, (against, result)
+        assert result[against]["param"] <= (1e-4 if adam else 1e-5), (against, result)
+    assert result["mesh"] == [2, 2, 2]
+
+
+def test_gpt_block_uses_dynamic_slices_and_mesh_axis_collectives(examples_report) -> None:
+    result = examples_report["gpt_block.py:semi_auto_parallel"]
+    assert result["kinds"].get("slice", 0) > 0 and result["kinds"].get("slice_grad", 0) > 0
+    assert result["kinds"]["collective"] > 0 and result["fallback"] == 0
+
+
+def test_fallback_groups_variants_and_rank_constants_match_the_simulator() -> None:
+    report = worker("synthetic")
+    assert all(report[c]["aligned"] == [True] * 8 for c in ("aligned_r1", "aligned_r0"))
+    # (0, 3), (1, 2) is no set of mesh axes; (1, 0) is the mesh axis in reverse order.
+    assert all(report[c]["aligned"] == [False] * 8
+               for c in ("fallback_diagonal", "fallback_reversed"))
+    for name, case in report.items():
+        assert case["error"] <= 1e-6, (name, case)
+        assert "switch" in case["kinds"], (name, case)
+
+
+# -- the plan (no devices) ----------------------------------------------------------------------
+
+
+def test_mesh_axes_of_device_matrix_groups() -> None:
+    mesh = MeshSpec.from_sizes((2, 2, 2))
+    assert group_along(mesh, 3, (1, 2)) == (0, 1, 2, 3)
+    assert group_along(mesh, 3, (2, 0)) == (2, 6, 3, 7)  # axis 2 major, then axis 0
+    # dev matrix (2, 4): groups along the axis of size 4 are the mesh axes r1, r2.
+    groups = [tuple(range(4)) if r < 4 else tuple(range(4, 8)) for r in range(8)]
+    assert align_groups(mesh, groups) == (1, 2)
+    # the mirror groups (r, r + 4) of the quickstart's w
+    assert align_groups(mesh, [(r % 4, r % 4 + 4) for r in range(8)]) == (0,)
+    assert align_groups(mesh, [tuple(range(8))] * 8) == (0, 1, 2)
+    assert align_groups(mesh, [(r,) for r in range(8)]) == ()
+    # rank_list order other than row-major: another axis order, when one exists
+    assert align_groups(mesh, [group_along(mesh, r, (2, 0)) for r in range(8)]) == (2, 0)
+    assert align_groups(mesh, [(0, 3), (1, 2), (1, 2), (0, 3)] + [(4, 7), (5, 6), (5, 6),
+                                                                   (4, 7)]) is None
+
+
+def test_mesh_order_for_mixed_factors_aligns_the_collectives() -> None:
+    # 12 ranks, groups along the axis of size 3 of a (4, 3) device matrix: the mesh must put the
+    # factor 3 last (rank = 3 * a + b).
+    groups = [tuple(range(3 * (r // 3), 3 * (r // 3) + 3)) for r in range(12)]
+    mesh = choose_mesh(12, [groups])
+    assert align_groups(mesh, groups) is not None
+    assert mesh.sizes[-1] == 3
+
+
+def test_plan_rejects_graphs_of_different_structure() -> None:
+    a = compile_model(os.path.join(ROOT, "examples", "quickstart.py"), devices=8,
+                      parallel_mode="semi_auto_parallel", dump=False)
+    b = compile_model(os.path.join(ROOT, "examples", "layout_mlp.py"), devices=8,
+                      parallel_mode="semi_auto_parallel", dump=False)
+    with pytest.raises(SpmdLoweringError, match="rank 1"):
+        SpmdPlan.build([a.rank_graphs[0], b.rank_graphs[1]])
+
+
+# -- generated rank programs ---------------------------------------------------------------------
+
+
+def test_rank_programs_are_written_deterministically(tmp_path) -> None:
+    model = os.path.join(ROOT, "examples", "quickstart.py")
+    files = []
+    for name in ("a", "b"):
+        compile_model(model, devices=8, parallel_mode="semi_auto_parallel",
+                      out_dir=str(tmp_path / name))
+        files.append({(r, f): (tmp_path / name / f"rank_{r}" / f).read_bytes()
+                      for r in range(8) for f in ("program.py", "params.npz")})
+    assert files[0] == files[1]
+    text = files[0][(3, "program.py")].decode()
+    assert "RANK = 3" in text and "NUM_RANKS = 8" in text
+    compile(text, "program.py", "exec")
+    # One comment per node of the execute dump, in its order, with this rank's values.
+    rank3 = tmp_path / "a" / "rank_3"
+    dump = (rank3 / sorted(f for f in os.listdir(rank3) if f.endswith(".ir"))[-1]).read_text()
+    nodes = [line.split("(", 1)[0].strip() for line in dump.splitlines()
+             if line.startswith("  %") and " = " in line]
+    comments = [line.strip()[2:].split(" = ")[0] for line in text.splitlines()
+                if line.strip().startswith("# %")]
+    assert comments == nodes
+    assert "#   this rank: begin (0, 0, 24), end (1, 8, 32)" in text
+    assert "#   this rank: group (3, 7) (over mesh axes ('r0',))" in text
+    assert "spmd.dyn_slice(v7, pick(S8, me), (1, 8, 8), (1, 1, 1))" in text
+    # The programs of two ranks differ only in RANK, the docstring and comments.
+    other = files[0][(5, "program.py")].decode()
+    code = [[line for line in t.splitlines() if not line.lstrip().startswith("#")
+             and "RANK = " not in line and "rank_" not in line and "Rank " not in line
+             and "--process-id" not in line and "values." not in line]
+            for t in (text, other)]
+    assert code[0] == code[1]
+    with np.load(tmp_path / "a" / "rank_3" / "params.npz") as params:
+        assert params["w"].shape == (8, 16) and params["moments.w2"].shape == (16, 16)
+
+
+def test_rank_program_runs_every_rank_in_one_process(tmp_path) -> None:
+    """`python rank_0/program.py` without distributed settings: 8 virtual CPU devices."""
+    from compiler.runtime import ParallelRunner, batches
+
+    out = tmp_path / "out"
+    program = compile_model(os.path.join(ROOT, "examples", "quickstart.py"), devices=8,
+                            parallel_mode="semi_auto_parallel", out_dir=str(out))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PCOMPILE_", "OMPI_",
+                                                                     "SLURM_", "PMI_"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, str(out / "rank_0" / "program.py"), "--steps", "3"],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runner = ParallelRunner(program)
+    want = [runner.step(arrays) for _, _, arrays in batches(program, 3)]
+    for r in (0, 7):
+        lines = (out / f"rank_{r}" / "train.log").read_text().splitlines()
+        assert [line.rsplit(", loss is ", 1)[0] for line in lines] == [
+            "epoch: 1 step: 1", "epoch: 1 step: 2", "epoch: 1 step: 3"]
+        got = [float(line.rsplit(" ", 1)[1]) for line in lines]
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert os.path.exists(out / "checkpoints" / "rank_7" / "step_00000003.npz")

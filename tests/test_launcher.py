@@ -1,0 +1,228 @@
+"""Multi-process runs of the generated rank programs through the launcher (gloo on CPU):
+end to end against single-device training, a killed rank, Ctrl-C, resume, merge, port retry."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from backends.checkpoint import merge_checkpoints
+from backends.launcher import launch
+from compiler.driver import compile as compile_model
+from compiler.runtime import StandAloneRunner, batches
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI = os.path.join(ROOT, "cli.py")
+
+MODEL = """
+import numpy as np
+from compiler import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
+
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="data_parallel")
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.w = Parameter(initializer("normal", [16, 8]), "w")
+        self.w2 = Parameter(initializer("normal", [8, 8]), "w2")
+        self.matmul = ops.MatMul().shard(((2, 2), (2, 1)))
+        self.relu = ops.ReLU()
+        self.matmul2 = ops.MatMul()
+
+    def construct(self, x):
+        return self.matmul2(self.relu(self.matmul(x, self.w)), self.w2)
+
+
+def model():
+    set_seed(3)
+    return Net()
+
+
+def inputs():
+    return (np.zeros((8, 16), np.float32),)
+
+
+def loss():
+    return nn.MSELoss()
+
+
+def optimizer(params):
+    return nn.Momentum(params, learning_rate=0.1, momentum=0.9)
+
+
+def dataset():
+    rng = np.random.default_rng(7)
+    for _ in range(3):
+        yield (rng.standard_normal((8, 16)).astype(np.float32),
+               rng.standard_normal((8, 8)).astype(np.float32))
+"""
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("model") / "mlp4.py"
+    path.write_text(textwrap.dedent(MODEL))
+    return str(path)
+
+
+def env() -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PCOMPILE_", "OMPI_", "SLURM_", "PMI_"))}
+    out["JAX_PLATFORMS"] = "cpu"
+    return out
+
+
+def cli(model: str, out: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, CLI, model, "--devices", "4", "--parallel-mode", "semi_auto_parallel",
+         "--out", out, "--no-check", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(), cwd=ROOT)
+
+
+def losses(out, rank: int = 0) -> list[float]:
+    lines = (out / f"rank_{rank}" / "train.log").read_text().splitlines()
+    return [float(line.rsplit(" ", 1)[1]) for line in lines]
+
+
+def single_device(model: str, parallel, steps: int) -> tuple[list[float], dict]:
+    """Single-device training from the parallel program's initial values (the oracle)."""
+    ref = compile_model(model, devices=1, dump=False)
+    runner = StandAloneRunner(ref, "numpy")
+    for name in runner.values:
+        if name in parallel.initial_values:
+            runner.values[name] = np.array(parallel.initial_values[name], copy=True)
+    return [runner.step(a) for _, _, a in batches(ref, steps)], runner.values
+
+
+def wait_for_progress(out, proc: subprocess.Popen[str], timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    log = out / "rank_0" / "train.log"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the launch ended early:\n{proc.stdout.read()}")
+        if (out / "launch.json").exists() and log.exists() and log.read_text().count("\n") >= 2:
+            return json.loads((out / "launch.json").read_text())
+        time.sleep(0.1)
+    raise AssertionError("no progress")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_four_processes_train_like_one_device_and_merge(model_path, tmp_path) -> None:
+    out = tmp_path / "out"
+    proc = cli(model_path, str(out), "--run", "--steps", "5")
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    assert "every rank reports the same loss" in output
+    info = json.loads((out / "launch.json").read_text())
+    assert [p["ranks"] for p in info["processes"]] == [[0], [1], [2], [3]]
+    parallel = compile_model(model_path, devices=4, dump=False)
+    want, values = single_device(model_path, parallel, 5)
+    for r in range(4):
+        np.testing.assert_allclose(losses(out, r), want, rtol=1e-5)
+    assert (out / "rank_0" / "train.log").read_text().splitlines()[3].startswith(
+        "epoch: 2 step: 1, loss is ")
+    merge = subprocess.run([sys.executable, "-m", "backends.checkpoint", str(out)], cwd=ROOT,
+                           capture_output=True, text=True, env=env())
+    assert merge.returncode == 0, merge.stderr
+    with np.load(out / "merged_step_00000005.npz") as merged:
+        for name in ("w", "w2", "moments.w", "moments.w2"):
+            np.testing.assert_allclose(merged[name], values[name], rtol=1e-5, atol=1e-6)
+    full, info = merge_checkpoints(str(out))
+    assert info["step"] == 5 and full["w"].shape == (16, 8)
+
+
+def test_a_killed_rank_stops_the_launch_within_10_s(model_path, tmp_path) -> None:
+    out = tmp_path / "out"
+    proc = cli(model_path, str(out), "--run", "--steps", "1000000")
+    try:
+        info = wait_for_progress(out, proc)
+        victim = info["processes"][2]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        start = time.monotonic()
+        output, _ = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert elapsed < 10, elapsed
+    assert "rank 2 failed (killed by SIGKILL)" in output, output
+    assert "Last lines of" in output
+    assert not any(alive(p["pid"]) for p in info["processes"])
+
+
+def test_ctrl_c_stops_every_rank(model_path, tmp_path) -> None:
+    out = tmp_path / "out"
+    proc = cli(model_path, str(out), "--run", "--steps", "1000000")
+    try:
+        info = wait_for_progress(out, proc)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output
+    assert "interrupted" in output
+    assert not any(alive(p["pid"]) for p in info["processes"])
+
+
+def test_resume_after_a_failure_is_bit_identical(model_path, tmp_path) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for out in (straight, resumed):
+        compile_model(model_path, devices=4, out_dir=str(out))
+    quiet = lambda line: None  # noqa: E731
+    assert launch(str(straight), steps=7, processes=2, echo=quiet).code == 0
+    failing = dict(env(), PCOMPILE_FAULT_INJECT="3:6")  # rank 3 raises at step 6
+    result = launch(str(resumed), steps=7, processes=2, checkpoint_every=2, env=failing,
+                    echo=quiet)
+    assert result.code == 1 and result.failed_rank == 2  # process 1 runs ranks 2 and 3
+    assert "PCOMPILE_FAULT_INJECT" in result.message
+    steps = sorted(os.listdir(resumed / "checkpoints" / "rank_3"))
+    assert steps == ["step_00000002.npz", "step_00000004.npz"]
+    # A recompile keeps the checkpoints; --resume continues from step 4.
+    compile_model(model_path, devices=4, out_dir=str(resumed))
+    assert launch(str(resumed), steps=7, processes=2, resume=True, echo=quiet).code == 0
+    for r in range(4):
+        a = (straight / f"rank_{r}" / "train.log").read_bytes()
+        assert (resumed / f"rank_{r}" / "train.log").read_bytes() == a
+    for r in range(4):
+        with np.load(straight / "checkpoints" / f"rank_{r}" / "step_00000007.npz") as x, \
+                np.load(resumed / "checkpoints" / f"rank_{r}" / "step_00000007.npz") as y:
+            for name in ("w", "w2", "moments.w", "moments.w2"):
+                assert np.array_equal(x[name], y[name])
+
+
+def test_a_taken_coordinator_port_is_retried(model_path, tmp_path, monkeypatch) -> None:
+    import socket
+
+    import backends.launcher as launcher
+
+    out = tmp_path / "out"
+    compile_model(model_path, devices=4, out_dir=str(out))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        ports = [busy.getsockname()[1]]
+        real = launcher.free_port
+        monkeypatch.setattr(launcher, "free_port",
+                            lambda host="127.0.0.1": ports.pop() if ports else real(host))
+        said: list[str] = []
+        result = launch(str(out), steps=2, processes=2, echo=said.append)
+    assert result.code == 0, said
+    assert any("was taken; retrying" in line for line in said)
