@@ -14,7 +14,7 @@ from compiler.oracle import check
 from ir.errors import PcompileError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NET2 = os.path.join(ROOT, "tests", "models", "functional_shard_net2.py")
+NET2 = os.path.join(ROOT, "examples", "functional_shard.py")
 
 
 def test_net2_compiles_with_sharding_propagation_and_matches_single_device() -> None:
