@@ -186,6 +186,9 @@ class TensorLayout:
 
     def normalized(self) -> TensorLayout:
         """Remove size-1 device axes; entries mapped to them become -1."""
+        return _normalized(self.dev_matrix, self.tensor_map, self.shape)
+
+    def _normalize(self) -> TensorLayout:
         dev = self.dev_matrix
         keep = [a for a, size in enumerate(dev) if size != 1]
         new_dev = tuple(dev[a] for a in keep)
@@ -215,6 +218,17 @@ class TensorLayout:
     def __str__(self) -> str:
         return (f"(dev {list(self.dev_matrix)}, map {list(self.tensor_map)}, "
                 f"shape {list(self.shape)})")
+
+
+@lru_cache(maxsize=65536)
+def _normalized(dev: tuple[int, ...], tmap: tuple[MapEntry, ...], shape: tuple[int, ...]
+                ) -> TensorLayout:
+    """Layouts are compared and hashed through their normalised form all the time (search,
+    redistribution caches): compute it once per distinct layout."""
+    layout = TensorLayout(dev, tmap, shape)
+    if 1 not in dev:
+        return layout
+    return layout._normalize()
 
 
 def replicated(shape: Sequence[int], dev: Sequence[int]) -> TensorLayout:
