@@ -144,6 +144,17 @@ def test_size_mode_is_mindsporess_greedy(monkeypatch: pytest.MonkeyPatch) -> Non
     assert_oracle(program)
 
 
+def test_size_smaller_than_one_weight_gives_one_bucket_per_weight(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # 640 x 640 = 409600 elements per weight > the 1 MB budget (262144 elements): every weight
+    # opens a bucket of its own, so nothing is fused.
+    program = compile_dense(monkeypatch, width=640)
+    (report, *_) = fuse(program, config({"allreduce": {"mode": "size", "config": 1}}))
+    assert [list(b.members) for b in report.buckets] == [[w] for w in BACKWARD]
+    assert not any(b.fused for b in report.buckets)
+    assert report.collectives_after == report.collectives_before == BEFORE
+
+
 @pytest.mark.parametrize("old_api", [False, True],
                          ids=["comm_fusion_index", "all_reduce_fusion_config"])
 def test_index_mode_splits_where_told(monkeypatch: pytest.MonkeyPatch, old_api: bool) -> None:
