@@ -109,7 +109,7 @@ def loss():
 
 
 def optimizer(params):
-    return nn.AdamWeightDecay(params, learning_rate=1e-2, weight_decay=0.01)
+    return nn.AdamWeightDecay(params, learning_rate=1e-3, weight_decay=0.01)
 
 
 def dataset():
