@@ -407,6 +407,11 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
         flags["search_mode"] = search_mode
         if parallel_mode is None:
             parallel_mode = "auto_parallel"
+        elif parallel_mode != "auto_parallel":
+            raise PcompileError(
+                f"--search {search_mode} chooses strategies in auto_parallel mode, but "
+                f"--parallel-mode {parallel_mode} was given; drop one of them"
+            )
     if parallel_mode is not None:
         flags["parallel_mode"] = parallel_mode
     with context_override(**flags):

@@ -243,3 +243,18 @@ def test_console_script_entry_point(tmp_path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "compiled" in proc.stdout
+
+
+def test_search_with_another_parallel_mode_is_refused(tmp_path) -> None:
+    code, output = run_cli([os.path.join(ROOT, "examples", "quickstart.py"), "--devices", "8",
+                            "--search", "dynamic_programming", "--parallel-mode",
+                            "semi_auto_parallel", "--out", str(tmp_path / "o")])
+    assert code == 1 and "--search dynamic_programming chooses strategies in auto_parallel" \
+        in output
+
+
+def test_bad_flag_values_exit_2(tmp_path) -> None:
+    code, output = run_cli([os.path.join(ROOT, "examples", "quickstart.py"), "--devices", "0"])
+    assert code == 2 and "--devices" in output
+    code, output = run_cli([os.path.join(ROOT, "examples", "quickstart.py"), "--search", "bfs"])
+    assert code == 2 and "bfs" in output
