@@ -1,6 +1,7 @@
 """The parallel core's cost: time of step_parallel_begin + step_parallel_end (per-rank graphs)
 for the GPT-style example at 8 and 32 layers on 8 and 64 devices (semi_auto_parallel with
-default strategies; the global batch is max(8, devices)), and the bytes each rank communicates per training step for every example.
+default strategies; the global batch is max(8, devices)), and the bytes each rank communicates
+per training step for every example.
 
     python benchmarks/parallel_compile.py [--layers 8 32] [--devices 8 64]
 

@@ -31,6 +31,7 @@ from compiler.nn.optim_base import Optimizer
 from compiler.trace_model import TracedModel, trace_model
 from ir.core import Graph, Value
 from ir.errors import PcompileError
+from ir.layout import group_name
 from ir.parser import parse_graph
 from ir.printer import print_graph
 from ir.registry import get_op
@@ -38,21 +39,22 @@ from ir.verifier import verify
 from passes.autodiff import append_gradients
 from passes.comm_fusion import CommFusionPass
 from passes.optimizer import append_optimizer
-from ir.layout import group_name
 from passes.optimizer_shard import plan_optimizer_sharding
 from passes.replicated import (
     build_replicated_graphs,
     data_parallel_feed_layouts,
     replicated_assignment,
 )
-from passes.step_parallel import SplitOptions, build_rank_graphs, slice_array
-from passes.step_parallel_begin import ParallelAssignment, assign
+
 # --- search (issue 4): auto_parallel strategy search -------------------------------------------
 from passes.search.auto_parallel_pass import (
     StepAutoParallelPass,
     finish_assignment,
     searched_strategies,
 )
+from passes.step_parallel import SplitOptions, build_rank_graphs, slice_array
+from passes.step_parallel_begin import ParallelAssignment, assign
+
 # --- end search ----------------------------------------------------------------------------------
 
 

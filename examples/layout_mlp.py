@@ -6,8 +6,16 @@ SGD and cross-entropy, on synthetic MNIST-shaped data (28x28 images, 10 classes)
 
 import numpy as np
 
-from compiler import Layout, Parameter, float32, initializer, nn, ops, set_auto_parallel_context
-from compiler import set_seed
+from compiler import (
+    Layout,
+    Parameter,
+    float32,
+    initializer,
+    nn,
+    ops,
+    set_auto_parallel_context,
+    set_seed,
+)
 
 set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="full_batch")
 

@@ -9,8 +9,15 @@ derives relu's and matmul2's strategies. The global batch is 16 (2 per device on
 
 import numpy as np
 
-from compiler import Parameter, initializer, nn, ops, set_algo_parameters
-from compiler import set_auto_parallel_context, set_seed
+from compiler import (
+    Parameter,
+    initializer,
+    nn,
+    ops,
+    set_algo_parameters,
+    set_auto_parallel_context,
+    set_seed,
+)
 
 set_auto_parallel_context(
     parallel_mode="auto_parallel", search_mode="sharding_propagation",

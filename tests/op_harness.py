@@ -25,8 +25,9 @@ def assert_close(got: Any, want: Any, rtol: float = 1e-5, what: str = "",
                  atol: float = 0.0) -> None:
     """Relative closeness; `atol` adds an absolute floor for values that float32 computes by
     cancellation (e.g. a loss near zero from logits of magnitude 3)."""
-    got = np.asarray(got, dtype=np.float64) if np.asarray(got).dtype != bool else np.asarray(got)
-    want = np.asarray(want, dtype=np.float64) if np.asarray(want).dtype != bool else np.asarray(want)
+    got, want = np.asarray(got), np.asarray(want)
+    got = got.astype(np.float64) if got.dtype != bool else got
+    want = want.astype(np.float64) if want.dtype != bool else want
     assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
     if got.dtype == bool:
         np.testing.assert_array_equal(got, want, err_msg=what)

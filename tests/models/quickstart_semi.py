@@ -1,5 +1,7 @@
 import numpy as np
+
 from compiler import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
+
 set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="full_batch")
 class Net(nn.Cell):
     def __init__(self):
@@ -15,7 +17,8 @@ class Net(nn.Cell):
         out = self.matmul2(out, self.weight2)
         return out
 def model():
-    set_seed(1); return Net()
+    set_seed(1)
+    return Net()
 def inputs(): return (np.random.default_rng(0).random((16, 32)).astype(np.float32),)
 def labels(): return (np.random.default_rng(1).random((16, 16)).astype(np.float32),)
 def loss(): return nn.MSELoss()
