@@ -102,9 +102,15 @@ class TracePass:
     def apply(self, state: CompileState) -> None:
         split = state.devices if state.parallel_mode == "data_parallel" else 1
         if state.parallel_mode == "hybrid_parallel":
-            # Rank 0's view; every rank is traced again by ReplicatePass.
+            # The model's own code reads get_rank(): trace every rank; rank 0's is the graph
+            # of record, and each rank's trace is dumped in its own folder.
             with context_override(global_rank=0):
                 traced = trace_model(state.model_file)
+            state.rank_graphs = [traced.graph]
+            for rank in range(1, state.devices):
+                with context_override(global_rank=rank):
+                    state.rank_graphs.append(trace_model(state.model_file).graph)
+            state.split = True
         else:
             traced = trace_model(state.model_file, batch_split=split)
         state.traced = traced
@@ -302,10 +308,7 @@ class ReplicatePass:
         assert state.graph is not None and state.traced is not None
         traced = state.traced
         if state.parallel_mode == "hybrid_parallel":
-            graphs = [state.graph]
-            for rank in range(1, state.devices):
-                with context_override(global_rank=rank):
-                    graphs.append(trace_model(state.model_file).graph)
+            graphs = list(state.rank_graphs)  # traced per rank by TracePass
         else:
             graphs = [state.graph] * state.devices
         opts = state.options

@@ -88,9 +88,13 @@ def test_data_parallel_without_mean_sums_gradients(tmp_path) -> None:
         np.testing.assert_allclose(par[name], 8 * one[name], rtol=1e-4, atol=1e-7)
 
 
-def test_hybrid_manual_parallel_matches_single_device() -> None:
-    program = compile_model(os.path.join(EXAMPLES, "manual_parallel.py"), devices=8, dump=False)
+def test_hybrid_manual_parallel_matches_single_device(tmp_path) -> None:
+    program = compile_model(os.path.join(EXAMPLES, "manual_parallel.py"), devices=8,
+                            out_dir=str(tmp_path / "out"))
     assert program.state.parallel_mode == "hybrid_parallel"
+    # Every rank's own trace is dumped in its folder.
+    trace3 = (tmp_path / "out" / "rank_3" / "00_trace.ir").read_text()
+    assert "begin: (12, 0, 0, 0)" in trace3
     # Each rank traced its own graph: rank 3 slices rows 12..16 of the batch.
     first = program.rank_graphs[3].nodes[0]
     assert first.op == "StridedSlice" and first.attrs["begin"][0] == 12
