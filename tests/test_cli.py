@@ -258,3 +258,19 @@ def test_bad_flag_values_exit_2(tmp_path) -> None:
     assert code == 2 and "--devices" in output
     code, output = run_cli([os.path.join(ROOT, "examples", "quickstart.py"), "--search", "bfs"])
     assert code == 2 and "bfs" in output
+
+
+def test_parallel_outputs_are_byte_identical(tmp_path) -> None:
+    model = os.path.join(ROOT, "examples", "quickstart.py")
+    trees = []
+    for name in ("a", "b"):
+        code, output = run_cli([model, "--devices", "8", "--search", "sharding_propagation",
+                                "--out", str(tmp_path / name), "--no-check"])
+        assert code == 0, output
+        root = tmp_path / name
+        trees.append({str(p.relative_to(root)): p.read_bytes()
+                      for p in sorted(root.rglob("*")) if p.is_file()})
+    assert trees[0].keys() == trees[1].keys()
+    assert any(k.endswith("program.py") for k in trees[0])
+    different = [k for k in trees[0] if trees[0][k] != trees[1][k]]
+    assert not different, different

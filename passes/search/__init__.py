@@ -81,8 +81,10 @@ class SearchResult:
     choice: list[int] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
+        """What plan.json records of the search; no timings, so plans stay byte-identical
+        (the CLI prints each pass's time)."""
         return {"mode": self.mode, "objective": printable(self.objective),
-                "seconds": round(self.seconds, 4), "searched_ops": len(self.strategies)}
+                "searched_ops": len(self.strategies)}
 
 
 def search(
