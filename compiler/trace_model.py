@@ -130,14 +130,17 @@ def trace_model(mf: ModelFile, batch_split: int = 1) -> TracedModel:
             parameters[param.name] = param
             tracer.add_parameter(param)
         if loss_cell is None:
-            result = network.construct(*args)
+            result = call_user(network.construct, f"{net_name}.construct()", mf.path, *args)
             outputs = list(result) if isinstance(result, (tuple, list)) else [result]
         else:
             with tracer.cell_scope("network-WithLossCell"):
                 with tracer.cell_scope(f"_backbone-{net_name}"):
-                    out = network.construct(*args)
+                    out = call_user(network.construct, f"{net_name}.construct()", mf.path,
+                                    *args)
                 with tracer.cell_scope(f"_loss_fn-{type(loss_cell).__name__}"):
-                    loss = loss_cell.construct(out, *labels)
+                    loss = call_user(loss_cell.construct,
+                                     f"{type(loss_cell).__name__}.construct()", mf.path, out,
+                                     *labels)
             outputs = [loss]
         for i, value in enumerate(outputs):
             if not isinstance(value, Tensor) or not value.is_symbolic:

@@ -274,3 +274,28 @@ def test_parallel_outputs_are_byte_identical(tmp_path) -> None:
     assert any(k.endswith("program.py") for k in trees[0])
     different = [k for k in trees[0] if trees[0][k] != trees[1][k]]
     assert not different, different
+
+
+def test_error_inside_construct_is_one_message(tmp_path) -> None:
+    model = write_model(tmp_path, """
+        import numpy as np
+        from compiler import nn, ops
+
+        class Net(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.relu = ops.ReLU()
+
+            def construct(self, x):
+                return self.relu(x) + self.missing
+
+        def model():
+            return Net()
+
+        def inputs():
+            return (np.ones((4, 4), np.float32),)
+    """)
+    code, output = run_cli([model])
+    assert code == 1
+    assert "Net.construct()" in output and "AttributeError" in output
+    assert "model.py:11" in output and "Traceback" not in output
