@@ -211,3 +211,12 @@ def test_non_power_of_two_devices(mode: str, tmp_path) -> None:
     assert any(3 in s or 6 in s for strategy in program.state.search.strategies.values()
                for s in strategy)
     assert check(program, steps=1).ok(1e-5)
+
+
+@pytest.mark.parametrize("mode", ["sharding_propagation", "recursive_programming"])
+def test_gpt_block_on_64_devices_matches_single_device(mode, monkeypatch) -> None:
+    monkeypatch.setenv("GPT_BATCH", "64")
+    program = compile_model(os.path.join(ROOT, "examples", "gpt_block.py"), devices=64,
+                            search_mode=mode, dump=False)
+    # AdamWeightDecay parameters: see compiler.oracle.OracleReport.ok on param_rtol.
+    assert check(program, steps=1).ok(1e-5, 1e-4)
