@@ -83,7 +83,8 @@ def test_layout_scenario_strategies() -> None:
 
 def test_shared_parameter_with_different_layouts_fails() -> None:
     with pytest.raises(PcompileError) as info:
-        compile_model(os.path.join(MODELS, "shared_param_conflict.py"), devices=8, dump=False)
+        compile_model(os.path.join(ROOT, "examples", "shared_parameter_error.py"), devices=8,
+                      dump=False)
     text = str(info.value)
     assert "The parameter: weight1 has multiple users, but the TensorInfo are different" in text
     assert "'mul1'" in text and "'mul2'" in text
