@@ -128,9 +128,4 @@ def _shard_axes(use: TensorLayout, free: list[int], shard_size: int, name: str
     return tuple(chosen)
 
 
-def stored_axis_values(shard: OptShard) -> tuple[int, ...]:
-    """Tensor-map values of dim 0 in the stored layout (for plan.json)."""
-    return tuple(map_axes(shard.stored.tensor_map[0]))
-
-
 __all__ = ["OptShard", "plan_optimizer_sharding"]

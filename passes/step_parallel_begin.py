@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ir.core import Constant, Graph, GraphParam, Node, NodeResult, ParallelInfo, Value
+from ir.core import Graph, GraphParam, Node, ParallelInfo
 from ir.errors import OpError, PcompileError
 from ir.layout import TensorLayout, map_axes
 from ir.sharding import (
@@ -26,7 +26,7 @@ from ir.sharding import (
     StrategyError,
     rule_for,
 )
-from ir.types import TensorType, TupleType
+from ir.types import TensorType
 
 
 @dataclass
@@ -331,23 +331,3 @@ def _assign_reshapes(graph: Graph, result: ParallelAssignment) -> None:
         if wanted is None:
             wanted = replicated(out_type.shape, result.devices)
         result.reshape_layouts[id(node)] = wanted
-
-
-def operand_layout(value: Value, result: ParallelAssignment) -> TensorLayout | None:
-    """The layout a value has where it is produced (None for constants)."""
-    if isinstance(value, Constant):
-        return None
-    if isinstance(value, GraphParam):
-        return result.param_layouts[value.name]
-    assert isinstance(value, NodeResult)
-    node = value.node
-    if node.op == "Reshape":
-        return result.reshape_layouts[id(node)]
-    sharding = result.sharding(node)
-    if sharding is not None:
-        return sharding.out_layouts[0]
-    return None
-
-
-def is_tuple(value: Value) -> bool:
-    return isinstance(value.type, TupleType)

@@ -105,8 +105,4 @@ def run_graph(
     return [read(v) for v in graph.outputs]
 
 
-def feeds_by_name(graph: Graph, arrays: Sequence[Any]) -> dict[str, Any]:
-    return {p.name: a for p, a in zip(graph.params, arrays)}
-
-
-__all__ = ["Collectives", "SingleRank", "run_graph", "feeds_by_name"]
+__all__ = ["Collectives", "SingleRank", "run_graph"]
