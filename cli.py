@@ -86,8 +86,8 @@ def main(
     timeout: float,
 ) -> None:
     """Compile MODEL.py into per-rank execution plans and dump the IR of every pass."""
-    from compiler.driver import compile as compile_model
-    from ir.errors import PcompileError
+    from pcompile.compiler.driver import compile as compile_model
+    from pcompile.ir.errors import PcompileError
 
     overrides: dict[str, Any] = {}
     strategy = _parse_dataset_strategy(dataset_strategy)
@@ -145,7 +145,7 @@ def _summary(program: Any, elapsed: float) -> None:
 
 
 def _check_backends(program: Any) -> None:
-    from compiler.runtime import StandAloneRunner, batches
+    from pcompile.compiler.runtime import StandAloneRunner, batches
 
     if program.state.parallel:
         _check_oracle(program)
@@ -177,7 +177,7 @@ def _check_backends(program: Any) -> None:
 
 def _check_oracle(program: Any) -> None:
     """Parallel programs: all ranks on the numpy simulator against the single-device model."""
-    from compiler.oracle import check
+    from pcompile.compiler.oracle import check
 
     report = check(program, steps=1)
     name, err = report.worst
@@ -204,7 +204,7 @@ def _check_oracle(program: Any) -> None:
 
 def _train(program: Any, steps: int, backend: str,
            options: dict[str, Any] | None = None) -> None:
-    from compiler.runtime import StandAloneRunner, batches, format_loss_line
+    from pcompile.compiler.runtime import StandAloneRunner, batches, format_loss_line
 
     options = options or {}
     launched = program.state.parallel or options.get("checkpoint_every") or options.get(
@@ -241,7 +241,7 @@ def _train(program: Any, steps: int, backend: str,
 
 def _launch(program: Any, steps: int, options: dict[str, Any]) -> None:
     """Train with the generated rank programs, one process per rank (backends/launcher.py)."""
-    from backends.launcher import LaunchError, launch
+    from pcompile.backends.launcher import LaunchError, launch
 
     if not program.out_dir:
         _fail("--run on JAX needs the rank programs: do not disable dumps")
@@ -272,8 +272,8 @@ def _launch(program: Any, steps: int, options: dict[str, Any]) -> None:
 
 def _train_simulated(program: Any, steps: int) -> None:
     """--backend numpy for a parallel plan: every rank on the numpy simulator, one process."""
-    from compiler.oracle import single_device
-    from compiler.runtime import ParallelRunner, batches, format_loss_line
+    from pcompile.compiler.oracle import single_device
+    from pcompile.compiler.runtime import ParallelRunner, batches, format_loss_line
 
     runner = ParallelRunner(program)
     data = program if program.state.parallel_mode != "data_parallel" else single_device(program)
@@ -288,7 +288,7 @@ def _train_simulated(program: Any, steps: int) -> None:
         lines.append(format_loss_line(epoch, step, runner.step(arrays)))
         click.echo(lines[-1])
     if program.out_dir:
-        from backends.checkpoint import atomic_write_text
+        from pcompile.backends.checkpoint import atomic_write_text
 
         for r in range(program.state.devices):
             atomic_write_text(os.path.join(program.out_dir, f"rank_{r}", "train.log"),

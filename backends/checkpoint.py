@@ -147,7 +147,7 @@ def layout_entry(layout: Any, shape: tuple[int, ...], dtype: str) -> dict[str, A
 
 
 def _layout(entry: Mapping[str, Any]) -> Any:
-    from ir.layout import TensorLayout
+    from pcompile.ir.layout import TensorLayout
 
     tmap = tuple(tuple(e) if isinstance(e, list) else e for e in entry["tensor_map"])
     return TensorLayout(tuple(entry["dev_matrix"]), tmap, tuple(entry["shape"]))

@@ -243,7 +243,7 @@ def _write_launch_info(out_dir: str, coordinator: str, ranks: list[_Rank], per: 
     """`<out>/launch.json`: which process runs which ranks (pid, log), for people and tests."""
     import json
 
-    from backends.checkpoint import atomic_write_text
+    from pcompile.backends.checkpoint import atomic_write_text
 
     info = {"coordinator": coordinator, "launcher_pid": os.getpid(),
             "processes": [{"process": r.process, "ranks": list(range(r.rank, r.rank + per)),

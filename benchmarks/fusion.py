@@ -49,11 +49,11 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from compiler.driver import CompiledProgram  # noqa: E402
-from compiler.driver import compile as compile_model  # noqa: E402
-from compiler.runtime import ParallelRunner, batches  # noqa: E402
-from ir.registry import get_op  # noqa: E402
-from passes.comm_fusion import CommFusionPass, FusionConfig  # noqa: E402
+from pcompile.compiler.driver import CompiledProgram  # noqa: E402
+from pcompile.compiler.driver import compile as compile_model  # noqa: E402
+from pcompile.compiler.runtime import ParallelRunner, batches  # noqa: E402
+from pcompile.ir.registry import get_op  # noqa: E402
+from pcompile.passes.comm_fusion import CommFusionPass, FusionConfig  # noqa: E402
 
 GPT = os.path.join(ROOT, "examples", "gpt_block.py")
 ALPHA_US = 10.0  # latency per ring step (assumed)
@@ -111,7 +111,7 @@ HLO_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collecti
 
 
 def jax_available() -> bool:
-    return importlib.util.find_spec("backends.jax.spmd") is not None
+    return importlib.util.find_spec("pcompile.backends.jax.spmd") is not None
 
 
 def hlo_collectives(program: CompiledProgram) -> dict[str, dict[str, int]]:
@@ -120,8 +120,8 @@ def hlo_collectives(program: CompiledProgram) -> dict[str, dict[str, int]]:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from backends.jax.plan import SpmdPlan
-    from backends.jax.spmd import lower_spmd, make_mesh, spmd_function
+    from pcompile.backends.jax.plan import SpmdPlan
+    from pcompile.backends.jax.spmd import lower_spmd, make_mesh, spmd_function
 
     plan = SpmdPlan.build(program.rank_graphs)
     mesh = make_mesh(plan.mesh)
@@ -139,7 +139,7 @@ def hlo_collectives(program: CompiledProgram) -> dict[str, dict[str, int]]:
 
 
 def jax_steps(program: CompiledProgram, steps: int) -> tuple[float, list[float]]:
-    from backends.jax.spmd import JaxSpmdRunner
+    from pcompile.backends.jax.spmd import JaxSpmdRunner
 
     runner = JaxSpmdRunner(program)
     times, losses = [], []

@@ -30,11 +30,11 @@ sys.path.insert(0, ROOT)
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from backends.jax import lower_graph  # noqa: E402
-from backends.jax.plan import layout_axes  # noqa: E402
-from backends.jax.spmd import JaxSpmdRunner  # noqa: E402
-from compiler.driver import compile as compile_model  # noqa: E402
-from compiler.runtime import batches  # noqa: E402
+from pcompile.backends.jax import lower_graph  # noqa: E402
+from pcompile.backends.jax.plan import layout_axes  # noqa: E402
+from pcompile.backends.jax.spmd import JaxSpmdRunner  # noqa: E402
+from pcompile.compiler.driver import compile as compile_model  # noqa: E402
+from pcompile.compiler.runtime import batches  # noqa: E402
 
 
 def time_steps(steps_fns: dict, arrays: list[np.ndarray], steps: int,

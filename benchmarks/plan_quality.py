@@ -42,7 +42,7 @@ MODES = [  # (label, parallel or search mode, extra environment)
 
 ATTENTION = '''
 import numpy as np
-from compiler import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
+from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
 set_auto_parallel_context(dataset_strategy="data_parallel")
 B, S, H, HEADS = 8, 16, 32, 4
 class Attention(nn.Cell):
@@ -87,7 +87,7 @@ def optimizer(params):
 
 EMBEDDING = '''
 import numpy as np
-from compiler import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
+from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
 set_auto_parallel_context(dataset_strategy="full_batch")
 B, S, H, V = 8, 16, 32, 64
 class EmbeddingHead(nn.Cell):
@@ -285,8 +285,8 @@ def summarise(items: list[tuple[str, float, int]], operand: bool) -> dict[str, A
 
 
 def pcompile_plan(path: str, mode: str, env: dict[str, str]) -> dict[str, Any]:
-    from compiler.driver import compile as compile_model
-    from ir.registry import get_op
+    from pcompile.compiler.driver import compile as compile_model
+    from pcompile.ir.registry import get_op
 
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

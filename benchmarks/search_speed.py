@@ -24,9 +24,9 @@ MODES = ("sharding_propagation", "recursive_programming", "dynamic_programming")
 CHILD = r"""
 import json, os, sys, time
 sys.path.insert(0, {root!r})
-from compiler.model_file import load_model_file
-from compiler.trace_model import trace_model
-from passes.search import search
+from pcompile.compiler.model_file import load_model_file
+from pcompile.compiler.trace_model import trace_model
+from pcompile.passes.search import search
 start = time.perf_counter()
 graph = trace_model(load_model_file(os.path.join({root!r}, "examples", "gpt_block.py"))).graph
 traced = time.perf_counter() - start

@@ -1,10 +1,10 @@
-"""The user-facing façade: `from compiler import nn, ops, Parameter, Tensor, ...`.
+"""The user-facing façade, re-exported by `pcompile`: `from pcompile import nn, ops, ...`.
 
-Model files import only from here (and `compiler.communication`); internal module paths may
+Model files import only from `pcompile` (and `pcompile.communication`); internal module paths may
 change, this list does not."""
 
-from compiler import communication, nn, ops
-from compiler.context import (
+from pcompile.compiler import communication, nn, ops
+from pcompile.compiler.context import (
     ParallelMode,
     get_algo_parameters,
     get_auto_parallel_context,
@@ -18,10 +18,10 @@ from compiler.context import (
     set_context,
     set_cost_model_context,
 )
-from compiler.initializer import initializer, set_seed
-from compiler.layout import Layout
-from compiler.tensor import Parameter, Tensor, TensorSpec
-from ir.types import bfloat16, bool_, float16, float32, int32, int64
+from pcompile.compiler.initializer import initializer, set_seed
+from pcompile.compiler.layout import Layout
+from pcompile.compiler.tensor import Parameter, Tensor, TensorSpec
+from pcompile.ir.types import bfloat16, bool_, float16, float32, int32, int64
 
 GRAPH_MODE = 0
 PYNATIVE_MODE = 1
@@ -29,7 +29,7 @@ PYNATIVE_MODE = 1
 
 def compile(model_path: str, **kwargs):  # noqa: A001
     """Compile a model file from Python; see `compiler.driver.compile`."""
-    from compiler.driver import compile as _compile
+    from pcompile.compiler.driver import compile as _compile
 
     return _compile(model_path, **kwargs)
 
@@ -39,9 +39,9 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device="Ascen
     `fn` (a function or a Cell) with its inputs constrained to `in_strategy` (None entries are
     derived by the search) and, for a Cell, its parameters to `parameter_plan`. Valid only with
     auto_parallel and sharding_propagation."""
-    from compiler.functional_shard import call_sharded
-    from compiler.nn.cell import Cell
-    from compiler.primitive import normalize_strategy
+    from pcompile.compiler.functional_shard import call_sharded
+    from pcompile.compiler.nn.cell import Cell
+    from pcompile.compiler.primitive import normalize_strategy
 
     config = {
         "in_strategy": normalize_strategy(in_strategy, "in_strategy"),

@@ -23,7 +23,7 @@ def set_runtime(rank: int, size: int) -> None:
 def get_rank(group: str = WORLD_GROUP) -> int:
     if "rank" in _RUNTIME:
         return _RUNTIME["rank"]
-    from compiler.context import get_auto_parallel_context
+    from pcompile.compiler.context import get_auto_parallel_context
 
     return int(get_auto_parallel_context("global_rank"))
 
@@ -31,7 +31,7 @@ def get_rank(group: str = WORLD_GROUP) -> int:
 def get_group_size(group: str = WORLD_GROUP) -> int:
     if "size" in _RUNTIME:
         return _RUNTIME["size"]
-    from compiler.context import get_auto_parallel_context
+    from pcompile.compiler.context import get_auto_parallel_context
 
     return int(get_auto_parallel_context("device_num"))
 

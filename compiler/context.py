@@ -51,7 +51,7 @@ from pydantic import (
     model_validator,
 )
 
-from compiler.layout import LayoutSpec
+from pcompile.compiler.layout import LayoutSpec
 
 __all__ = [
     "GRAPH_MODE",

@@ -20,40 +20,40 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from compiler.context import (
+from pcompile.compiler.context import (
     context_override,
     current_context,
     get_context,
     reset_auto_parallel_context,
 )
-from compiler.model_file import ModelFile, call_user, load_model_file
-from compiler.nn.optim_base import Optimizer
-from compiler.trace_model import TracedModel, trace_model
-from ir.core import Graph, Value
-from ir.errors import PcompileError
-from ir.layout import group_name
-from ir.parser import parse_graph
-from ir.printer import print_graph
-from ir.registry import get_op
-from ir.verifier import verify
-from passes.autodiff import append_gradients
-from passes.comm_fusion import CommFusionPass
-from passes.optimizer import append_optimizer
-from passes.optimizer_shard import plan_optimizer_sharding
-from passes.replicated import (
+from pcompile.compiler.model_file import ModelFile, call_user, load_model_file
+from pcompile.compiler.nn.optim_base import Optimizer
+from pcompile.compiler.trace_model import TracedModel, trace_model
+from pcompile.ir.core import Graph, Value
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.layout import group_name
+from pcompile.ir.parser import parse_graph
+from pcompile.ir.printer import print_graph
+from pcompile.ir.registry import get_op
+from pcompile.ir.verifier import verify
+from pcompile.passes.autodiff import append_gradients
+from pcompile.passes.comm_fusion import CommFusionPass
+from pcompile.passes.optimizer import append_optimizer
+from pcompile.passes.optimizer_shard import plan_optimizer_sharding
+from pcompile.passes.replicated import (
     build_replicated_graphs,
     data_parallel_feed_layouts,
     replicated_assignment,
 )
 
 # --- search (issue 4): auto_parallel strategy search -------------------------------------------
-from passes.search.auto_parallel_pass import (
+from pcompile.passes.search.auto_parallel_pass import (
     StepAutoParallelPass,
     finish_assignment,
     searched_strategies,
 )
-from passes.step_parallel import SplitOptions, build_rank_graphs, slice_array
-from passes.step_parallel_begin import ParallelAssignment, assign
+from pcompile.passes.step_parallel import SplitOptions, build_rank_graphs, slice_array
+from pcompile.passes.step_parallel_begin import ParallelAssignment, assign
 
 # --- end search ----------------------------------------------------------------------------------
 
@@ -557,7 +557,7 @@ def _write_outputs(out_dir: str, state: CompileState, dumps: Sequence[tuple[str,
             json.dump(_plan(state), f, indent=1, sort_keys=False)
             f.write("\n")
         # --- issue 5 hook: rank programs (program.py, params.npz) + kept checkpoints/ ---
-        from backends.jax.codegen import write_rank_artifacts
+        from pcompile.backends.jax.codegen import write_rank_artifacts
 
         write_rank_artifacts(tmp, state, previous=out_dir)
         # --- end of issue 5 hook ---

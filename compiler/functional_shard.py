@@ -13,15 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from compiler.tensor import Parameter, Tensor
-from compiler.tracing import current_tracer
-from ir.errors import PcompileError
+from pcompile.compiler.tensor import Parameter, Tensor
+from pcompile.compiler.tracing import current_tracer
+from pcompile.ir.errors import PcompileError
 
 MARK = "functional_shard"
 
 
 def _constrain(value: Any, strategy: tuple[int, ...], what: str) -> Any:
-    from compiler import ops
+    from pcompile.compiler import ops
 
     if not isinstance(value, Tensor):
         return value

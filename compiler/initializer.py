@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ir.types import DType
+from pcompile.ir.types import DType
 
 __all__ = [
     "Constant",

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from compiler.tensor import Tensor, TensorSpec
-from ir.errors import PcompileError
+from pcompile.compiler.tensor import Tensor, TensorSpec
+from pcompile.ir.errors import PcompileError
 
 
 @dataclass

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from compiler.primitive import Primitive
-from compiler.tensor import Tensor
-from ir.types import DType
+from pcompile.compiler.primitive import Primitive
+from pcompile.compiler.tensor import Tensor
+from pcompile.ir.types import DType
 
 
 def _pair(value: Any, what: str) -> tuple[int, int]:
@@ -351,7 +351,7 @@ class AvgPool(_Pool):
 
 
 def _world(group: str) -> tuple[str, tuple[int, ...]]:
-    from compiler.communication import group_ranks
+    from pcompile.compiler.communication import group_ranks
 
     return group_ranks(group)
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from compiler.driver import CompiledProgram, compile
-from compiler.runtime import ParallelRunner, StandAloneRunner, batches
+from pcompile.compiler.driver import CompiledProgram, compile
+from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
 
 
 @dataclass

@@ -11,18 +11,18 @@ from typing import Any
 
 import numpy as np
 
-from compiler.tensor import Tensor
-from compiler.tracing import current_tracer, name_hint, python_constant, user_source
-from ir.builder import Builder
-from ir.core import Graph, GraphParam, Value
-from ir.errors import OpError
-from ir.types import DType, TensorType, TupleType
+from pcompile.compiler.tensor import Tensor
+from pcompile.compiler.tracing import current_tracer, name_hint, python_constant, user_source
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Graph, GraphParam, Value
+from pcompile.ir.errors import OpError
+from pcompile.ir.types import DType, TensorType, TupleType
 
 
 def normalize_strategy(strategy: Any, what: str) -> tuple[Any, ...]:
     """Validate a `shard()` strategy: a tuple with one entry per input, each a tuple of
     positive ints, a `Layout(...)` result, or None (derived by the search)."""
-    from compiler.layout import LayoutSpec
+    from pcompile.compiler.layout import LayoutSpec
 
     if not isinstance(strategy, (tuple, list)):
         raise TypeError(
@@ -54,7 +54,7 @@ def normalize_strategy(strategy: Any, what: str) -> tuple[Any, ...]:
 
 def attr_value(value: Any) -> Any:
     """Plain, printable attribute values: lists become tuples, layouts become their dicts."""
-    from compiler.layout import LayoutSpec
+    from pcompile.compiler.layout import LayoutSpec
 
     if isinstance(value, LayoutSpec):
         return attr_value(value.to_dict())
@@ -211,7 +211,7 @@ def _wrap(result: Value, builder: Builder) -> Any:
 
 def _eager(op: str, args: list[Any], attrs: dict[str, Any], prim: Primitive) -> Any:
     """Run one op on concrete data through the numpy reference implementation."""
-    from backends.numpy import run_graph
+    from pcompile.backends.numpy import run_graph
 
     graph = Graph(f"eager_{op}")
     like = _float_like(args)

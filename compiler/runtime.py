@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from compiler.driver import CompiledProgram
-from compiler.model_file import as_input_list, call_user
-from compiler.tensor import TensorSpec
-from ir.errors import PcompileError
+from pcompile.compiler.driver import CompiledProgram
+from pcompile.compiler.model_file import as_input_list, call_user
+from pcompile.compiler.tensor import TensorSpec
+from pcompile.ir.errors import PcompileError
 
 
 def synthetic(item: TensorSpec | np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -95,7 +95,7 @@ class StandAloneRunner:
         if backend == "jax":
             import jax
 
-            from backends.jax import lower_graph
+            from pcompile.backends.jax import lower_graph
 
             self._fn = jax.jit(lower_graph(self.graph))
 
@@ -104,7 +104,7 @@ class StandAloneRunner:
         n = len(graph.inputs)
         feeds = list(arrays[:n]) + [self.values[p.name] for p in graph.params[n:]]
         if self.backend == "numpy":
-            from backends.numpy import run_graph
+            from pcompile.backends.numpy import run_graph
 
             return [np.asarray(o) for o in run_graph(graph, feeds)]
         return [np.asarray(o) for o in self._fn(*feeds)]
@@ -140,7 +140,7 @@ class ParallelRunner:
                     vals[name] = np.array(self.values[0][name], copy=True)
 
     def feeds(self, rank: int, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        from passes.step_parallel import slice_array
+        from pcompile.passes.step_parallel import slice_array
 
         graph = self.graphs[rank]
         inputs = graph.inputs
@@ -148,7 +148,7 @@ class ParallelRunner:
         return out + [self.values[rank][p.name] for p in graph.params[len(inputs):]]
 
     def run(self, arrays: list[np.ndarray]) -> list[list[np.ndarray]]:
-        from backends.numpy.simulate import run_ranks
+        from pcompile.backends.numpy.simulate import run_ranks
 
         feeds = [self.feeds(r, arrays) for r in range(len(self.graphs))]
         return [[np.asarray(o) for o in outs] for outs in run_ranks(self.graphs, feeds)]

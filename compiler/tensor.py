@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from ir.core import Value
-from ir.types import DType, TensorType
+from pcompile.ir.core import Value
+from pcompile.ir.types import DType, TensorType
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ _OPS: Any = None
 def _call(prim_name: str, *args: Any, **kwargs: Any) -> Any:
     global _OPS
     if _OPS is None:
-        from compiler import ops
+        from pcompile.compiler import ops
 
         _OPS = ops
     return getattr(_OPS, prim_name)(**kwargs)(*args)
@@ -167,7 +167,7 @@ class Tensor:
         return _call("BatchMatMul", self, other)
 
     def __getitem__(self, index: Any) -> Tensor:
-        from compiler.ops import getitem
+        from pcompile.compiler.ops import getitem
 
         return getitem(self, index)
 

@@ -15,13 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from compiler.model_file import ModelFile, as_input_list, call_user
-from compiler.nn.cell import Cell
-from compiler.tensor import Parameter, Tensor, TensorSpec
-from compiler.tracing import tracing
-from ir.core import Graph
-from ir.errors import PcompileError
-from ir.types import DType, TensorType
+from pcompile.compiler.model_file import ModelFile, as_input_list, call_user
+from pcompile.compiler.nn.cell import Cell
+from pcompile.compiler.tensor import Parameter, Tensor, TensorSpec
+from pcompile.compiler.tracing import tracing
+from pcompile.ir.core import Graph
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.types import DType, TensorType
 
 
 @dataclass

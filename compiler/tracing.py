@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from compiler.tensor import Parameter, Tensor
-from ir.builder import Builder
-from ir.core import Constant, Graph, GraphParam, SourceLoc, Value
-from ir.errors import PcompileError
-from ir.types import DType, TensorType
+from pcompile.compiler.tensor import Parameter, Tensor
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Constant, Graph, GraphParam, SourceLoc, Value
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.types import DType, TensorType
 
 _PACKAGE_DIRS = tuple(
     os.path.dirname(os.path.abspath(p)) + os.sep

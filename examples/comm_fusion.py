@@ -10,7 +10,7 @@ both weights' gradients (`members: (weight2, weight1)`); buckets are numbered fr
 
 import numpy as np
 
-from compiler import Parameter, Tensor, nn, ops, set_auto_parallel_context
+from pcompile import Parameter, Tensor, nn, ops, set_auto_parallel_context
 
 set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="data_parallel",
                           comm_fusion={"allreduce": {"mode": "auto", "config": None}})

@@ -6,7 +6,7 @@ with `Cell.shard` (input split on its second axis, dense2's weight split by rows
 
 import numpy as np
 
-from compiler import nn, set_auto_parallel_context, set_seed
+from pcompile import nn, set_auto_parallel_context, set_seed
 
 set_auto_parallel_context(
     parallel_mode="auto_parallel", search_mode="sharding_propagation", dataset_strategy="full_batch"

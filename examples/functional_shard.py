@@ -7,8 +7,8 @@ The strategies of every other op come from sharding propagation.
 
 import numpy as np
 
-import compiler as ms
-from compiler import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
+import pcompile as ms
+from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
 
 set_auto_parallel_context(parallel_mode="auto_parallel", search_mode="sharding_propagation",
                           dataset_strategy="full_batch")

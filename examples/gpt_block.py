@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from compiler import Parameter, initializer, nn, ops, set_seed
+from pcompile import Parameter, initializer, nn, ops, set_seed
 
 VOCAB = 64
 SEQ = 16

@@ -6,7 +6,7 @@ SGD and cross-entropy, on synthetic MNIST-shaped data (28x28 images, 10 classes)
 
 import numpy as np
 
-from compiler import (
+from pcompile import (
     Layout,
     Parameter,
     float32,

@@ -8,7 +8,7 @@ output's rows, so the partial products are combined by a ReduceScatter instead o
 
 import numpy as np
 
-from compiler import Layout, nn, ops, set_auto_parallel_context
+from pcompile import Layout, nn, ops, set_auto_parallel_context
 
 set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
                           dataset_strategy="full_batch")

@@ -10,8 +10,8 @@ ranks train exactly like one device on the whole batch.
 
 import numpy as np
 
-from compiler import nn, ops, set_auto_parallel_context, set_seed
-from compiler.communication import get_group_size, get_rank, init
+from pcompile import nn, ops, set_auto_parallel_context, set_seed
+from pcompile.communication import get_group_size, get_rank, init
 
 set_auto_parallel_context(parallel_mode="hybrid_parallel", gradients_mean=True)
 

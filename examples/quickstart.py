@@ -9,7 +9,7 @@ derives relu's and matmul2's strategies. The global batch is 16 (2 per device on
 
 import numpy as np
 
-from compiler import (
+from pcompile import (
     Parameter,
     initializer,
     nn,

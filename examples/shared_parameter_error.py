@@ -8,7 +8,7 @@ compilation fails (parameters are stored sliced and never redistributed):
 
 import numpy as np
 
-from compiler import Parameter, Tensor, float32, nn, ops, set_auto_parallel_context
+from pcompile import Parameter, Tensor, float32, nn, ops, set_auto_parallel_context
 
 set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="full_batch")
 

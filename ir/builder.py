@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from ir.core import Constant, Graph, Node, ParallelInfo, SourceLoc, Value
-from ir.errors import OpError, ShapeError
-from ir.registry import get_op
-from ir.types import DType, TensorType
+from pcompile.ir.core import Constant, Graph, Node, ParallelInfo, SourceLoc, Value
+from pcompile.ir.errors import OpError, ShapeError
+from pcompile.ir.registry import get_op
+from pcompile.ir.types import DType, TensorType
 
 
 class Builder:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ir.types import DType, TensorType, ValueType
+from pcompile.ir.types import DType, TensorType, ValueType
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from ir.core import Constant, Graph, GraphParam, Node, ParallelInfo, SourceLoc, Value
-from ir.errors import PcompileError, ShapeError
-from ir.printer import (
+from pcompile.ir.core import Constant, Graph, GraphParam, Node, ParallelInfo, SourceLoc, Value
+from pcompile.ir.errors import PcompileError, ShapeError
+from pcompile.ir.printer import (
     BARE_NAME,
     BARE_STRING,
     BARE_WORD,
@@ -33,8 +33,8 @@ from ir.printer import (
     RETURN_SCOPE,
     format_name,
 )
-from ir.registry import OpDef, get_op
-from ir.types import DType, TensorType, TupleType, ValueType
+from pcompile.ir.registry import OpDef, get_op
+from pcompile.ir.types import DType, TensorType, TupleType, ValueType
 
 
 class ParseError(PcompileError):

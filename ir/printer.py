@@ -40,8 +40,17 @@ from typing import Any
 
 import numpy as np
 
-from ir.core import Constant, Graph, GraphParam, Node, NodeResult, ParallelInfo, SourceLoc, Value
-from ir.types import DType, ValueType, format_shape
+from pcompile.ir.core import (
+    Constant,
+    Graph,
+    GraphParam,
+    Node,
+    NodeResult,
+    ParallelInfo,
+    SourceLoc,
+    Value,
+)
+from pcompile.ir.types import DType, ValueType, format_shape
 
 # -- lexical rules shared with ir.parser ------------------------------------------------------
 

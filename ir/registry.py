@@ -25,12 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ir.errors import ShapeError
-from ir.types import ValueType
+from pcompile.ir.errors import ShapeError
+from pcompile.ir.types import ValueType
 
 if TYPE_CHECKING:
-    from ir.builder import Builder
-    from ir.core import Node, Value
+    from pcompile.ir.builder import Builder
+    from pcompile.ir.core import Node, Value
 
 InferFn = Callable[[list[ValueType], dict[str, Any]], ValueType]
 VjpFn = Callable[["Builder", "Node", Any], list["Value | None"]]
@@ -121,4 +121,4 @@ def _ensure_loaded() -> None:
     global _loaded
     if not _loaded:
         _loaded = True
-        import ir.ops  # noqa: F401  (registers every primitive)
+        import pcompile.ir.ops  # noqa: F401  (registers every primitive)

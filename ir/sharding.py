@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from math import gcd, prod
 from typing import Any
 
-from ir.layout import TensorLayout
-from ir.types import TensorType, TupleType, ValueType
+from pcompile.ir.layout import TensorLayout
+from pcompile.ir.types import TensorType, TupleType, ValueType
 
 Strategy = tuple[tuple[int, ...], ...]
 

@@ -21,10 +21,10 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from ir import registry
-from ir.core import Constant, Graph, GraphParam, Node, NodeResult, Value
-from ir.errors import PcompileError, ShapeError
-from ir.types import TensorType, TupleType
+from pcompile.ir import registry
+from pcompile.ir.core import Constant, Graph, GraphParam, Node, NodeResult, Value
+from pcompile.ir.errors import PcompileError, ShapeError
+from pcompile.ir.types import TensorType, TupleType
 
 
 class VerifyError(PcompileError):

@@ -18,11 +18,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ir.builder import Builder
-from ir.core import Constant, Graph, GraphParam, Value
-from ir.errors import PcompileError
-from ir.registry import get_op
-from ir.types import TensorType, TupleType
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Constant, Graph, GraphParam, Value
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.registry import get_op
+from pcompile.ir.types import TensorType, TupleType
 
 
 def zeros_like(value_type: TensorType) -> Constant:

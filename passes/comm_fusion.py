@@ -60,12 +60,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ir.builder import Builder
-from ir.core import Graph, GraphParam, Node, NodeResult, ParallelInfo, Value
-from ir.registry import get_op
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Graph, GraphParam, Node, NodeResult, ParallelInfo, Value
+from pcompile.ir.registry import get_op
 
 if TYPE_CHECKING:
-    from compiler.context import AutoParallelContext
+    from pcompile.compiler.context import AutoParallelContext
 
 __all__ = [
     "FUSIBLE_OPS",
@@ -138,7 +138,7 @@ class FusionConfig:
         (the current one by default). A non-empty split-index list (comm_fusion allreduce
         "index", or the old all_reduce_fusion_config) puts AllReduce in index mode."""
         if ctx is None:
-            from compiler.context import current_context
+            from pcompile.compiler.context import current_context
 
             ctx = current_context()
         kinds: dict[str, KindConfig] = {}
@@ -163,7 +163,7 @@ class FusionConfig:
     ) -> FusionConfig:
         """Build a config from a `comm_fusion` dict in MindSpore's spelling (validated by
         `compiler.context`, so errors are the reference's TypeError / KeyError)."""
-        from compiler.context import AutoParallelContext
+        from pcompile.compiler.context import AutoParallelContext
 
         values: dict[str, Any] = {"all_reduce_fusion_config": list(all_reduce_fusion_config)}
         if comm_fusion is not None:

@@ -12,12 +12,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from compiler.nn.optim_base import Optimizer
-from compiler.tensor import Parameter, Tensor
-from compiler.tracing import tracing
-from ir.core import Graph, GraphParam, Value
-from ir.errors import PcompileError
-from ir.types import DType, TensorType
+from pcompile.compiler.nn.optim_base import Optimizer
+from pcompile.compiler.tensor import Parameter, Tensor
+from pcompile.compiler.tracing import tracing
+from pcompile.ir.core import Graph, GraphParam, Value
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.types import DType, TensorType
 
 
 def append_optimizer(

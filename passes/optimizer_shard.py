@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from ir.core import Graph
-from ir.errors import PcompileError
-from ir.layout import TensorLayout, devices_along_axes, map_axes
+from pcompile.ir.core import Graph
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.layout import TensorLayout, devices_along_axes, map_axes
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from math import prod
 
-from ir.layout import TensorLayout, axis_index, map_axes
+from pcompile.ir.layout import TensorLayout, axis_index, map_axes
 
 
 class NoUnification(Exception):  # noqa: N818  (a signal, not an error)

@@ -10,12 +10,12 @@ over equal-size local batches, training equals single-device training on the glo
 
 from __future__ import annotations
 
-from ir.core import Graph, Node
-from ir.layout import TensorLayout
-from ir.sharding import OpSharding
-from ir.types import TensorType, TupleType
-from passes.step_parallel import RankBuilder, SplitOptions
-from passes.step_parallel_begin import ParallelAssignment, replicated
+from pcompile.ir.core import Graph, Node
+from pcompile.ir.layout import TensorLayout
+from pcompile.ir.sharding import OpSharding
+from pcompile.ir.types import TensorType, TupleType
+from pcompile.passes.step_parallel import RankBuilder, SplitOptions
+from pcompile.passes.step_parallel_begin import ParallelAssignment, replicated
 
 
 def _types(node: Node) -> list[TensorType]:

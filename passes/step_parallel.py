@@ -27,14 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from ir.builder import Builder
-from ir.core import Constant, Graph, GraphParam, Node, ParallelInfo, Value
-from ir.layout import TensorLayout, devices_along_axes, group_name, std_hash
-from ir.registry import get_op
-from ir.sharding import OpSharding
-from ir.types import TensorType
-from passes.redistribution import plan_redistribution
-from passes.step_parallel_begin import ParallelAssignment, replicated
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Constant, Graph, GraphParam, Node, ParallelInfo, Value
+from pcompile.ir.layout import TensorLayout, devices_along_axes, group_name, std_hash
+from pcompile.ir.registry import get_op
+from pcompile.ir.sharding import OpSharding
+from pcompile.ir.types import TensorType
+from pcompile.passes.redistribution import plan_redistribution
+from pcompile.passes.step_parallel_begin import ParallelAssignment, replicated
 
 
 @dataclass

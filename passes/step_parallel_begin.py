@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ir.core import Graph, GraphParam, Node, ParallelInfo
-from ir.errors import OpError, PcompileError
-from ir.layout import TensorLayout, map_axes
-from ir.sharding import (
+from pcompile.ir.core import Graph, GraphParam, Node, ParallelInfo
+from pcompile.ir.errors import OpError, PcompileError
+from pcompile.ir.layout import TensorLayout, map_axes
+from pcompile.ir.sharding import (
     NO_STRATEGY,
     Labels,
     OpContext,
@@ -26,7 +26,7 @@ from ir.sharding import (
     StrategyError,
     rule_for,
 )
-from ir.types import TensorType
+from pcompile.ir.types import TensorType
 
 
 @dataclass
@@ -168,7 +168,7 @@ def layout_sharding(ctx: OpContext, labels: Labels, layouts: list[TensorLayout],
     partial_vals = sorted({v for name, axes in axes_of.items() if name not in out_names
                            for v in axes})
     partial = tuple(sorted(n - 1 - v for v in partial_vals))
-    from ir.sharding import ForwardComm
+    from pcompile.ir.sharding import ForwardComm
 
     forward: list[ForwardComm] = []
     if partial:

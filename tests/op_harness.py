@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from backends.jax import lower_graph
-from backends.numpy import run_graph
-from ir.builder import Builder
-from ir.core import Constant, Graph, GraphParam, Value
-from ir.types import DType, TensorType, TupleType
-from passes.autodiff import append_gradients
+from pcompile.backends.jax import lower_graph
+from pcompile.backends.numpy import run_graph
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Constant, Graph, GraphParam, Value
+from pcompile.ir.types import DType, TensorType, TupleType
+from pcompile.passes.autodiff import append_gradients
 
 jax.config.update("jax_enable_x64", True)
 

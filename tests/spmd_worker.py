@@ -44,8 +44,8 @@ def rel(got: np.ndarray, want: np.ndarray) -> float:
 def compile_for_8(example: str, mode: str) -> tuple[Any, str]:
     """Compile in `mode`; a model whose shard() calls need another mode (dense_gelu_blocks:
     Cell.shard needs sharding propagation) compiles with the model file's own mode."""
-    from compiler.driver import compile as compile_model
-    from ir.errors import PcompileError
+    from pcompile.compiler.driver import compile as compile_model
+    from pcompile.ir.errors import PcompileError
 
     path = os.path.join(ROOT, "examples", example)
     # data_parallel sums the ranks' gradients unless gradients_mean: ask for the mean, so that
@@ -60,10 +60,10 @@ def compile_for_8(example: str, mode: str) -> tuple[Any, str]:
 
 
 def check_example(example: str, mode: str) -> dict[str, Any]:
-    from backends.jax.spmd import JaxSpmdRunner
-    from compiler.oracle import single_device
-    from compiler.runtime import ParallelRunner, StandAloneRunner, batches
-    from ir.errors import PcompileError
+    from pcompile.backends.jax.spmd import JaxSpmdRunner
+    from pcompile.compiler.oracle import single_device
+    from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
+    from pcompile.ir.errors import PcompileError
 
     try:
         program, used = compile_for_8(example, mode)
@@ -105,9 +105,9 @@ def check_example(example: str, mode: str) -> dict[str, Any]:
 def synthetic_graphs(groups: list[tuple[int, ...]]) -> list[Any]:
     """4 ranks: x (4, 6) -> every collective over `groups[r]`, a rank-dependent StridedSlice
     whose strides differ (attribute variants), and a rank-dependent constant."""
-    from ir.builder import Builder
-    from ir.core import Graph, GraphParam
-    from ir.types import DType, TensorType
+    from pcompile.ir.builder import Builder
+    from pcompile.ir.core import Graph, GraphParam
+    from pcompile.ir.types import DType, TensorType
 
     graphs = []
     for rank in range(4):
@@ -137,8 +137,8 @@ def synthetic_graphs(groups: list[tuple[int, ...]]) -> list[Any]:
 
 
 def check_synthetic() -> dict[str, Any]:
-    from backends.jax.plan import SpmdPlan
-    from backends.jax.spmd import (
+    from pcompile.backends.jax.plan import SpmdPlan
+    from pcompile.backends.jax.spmd import (
         local_pieces,
         lower_spmd,
         make_mesh,
@@ -146,7 +146,7 @@ def check_synthetic() -> dict[str, Any]:
         rank_devices,
         spmd_function,
     )
-    from backends.numpy.simulate import run_ranks
+    from pcompile.backends.numpy.simulate import run_ranks
 
     report: dict[str, Any] = {}
     rng = np.random.default_rng(0)

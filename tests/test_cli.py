@@ -11,9 +11,9 @@ import textwrap
 import pytest
 from click.testing import CliRunner
 
-from cli import main
-from ir.parser import parse_graph
-from ir.printer import print_graph
+from pcompile.cli import main
+from pcompile.ir.parser import parse_graph
+from pcompile.ir.printer import print_graph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = ["quickstart.py", "layout_mlp.py", "manual_parallel.py", "dense_gelu_blocks.py",
@@ -75,7 +75,7 @@ def write_model(tmp_path, body: str) -> str:
 def test_shape_error_names_op_scope_line_and_shapes(tmp_path) -> None:
     model = write_model(tmp_path, """
         import numpy as np
-        from compiler import nn, ops, Parameter
+        from pcompile import nn, ops, Parameter
 
         class Net(nn.Cell):
             def __init__(self):
@@ -120,7 +120,7 @@ def test_missing_model_function(tmp_path) -> None:
 def test_malformed_strategy_is_a_type_error_at_the_line(tmp_path) -> None:
     model = write_model(tmp_path, """
         import numpy as np
-        from compiler import nn, ops
+        from pcompile import nn, ops
 
         class Net(nn.Cell):
             def __init__(self):
@@ -144,7 +144,7 @@ def test_malformed_strategy_is_a_type_error_at_the_line(tmp_path) -> None:
 def test_strategy_of_wrong_rank_names_the_op(tmp_path) -> None:
     model = write_model(tmp_path, """
         import numpy as np
-        from compiler import nn, ops
+        from pcompile import nn, ops
 
         class Net(nn.Cell):
             def __init__(self):
@@ -167,7 +167,7 @@ def test_strategy_of_wrong_rank_names_the_op(tmp_path) -> None:
 
 def test_unknown_context_option(tmp_path) -> None:
     model = write_model(tmp_path, """
-        from compiler import set_auto_parallel_context
+        from pcompile import set_auto_parallel_context
         set_auto_parallel_context(device_nums=8)
         def model():
             pass
@@ -237,7 +237,7 @@ def test_semi_auto_parallel_on_8_devices_checks_the_oracle(tmp_path) -> None:
 
 def test_console_script_entry_point(tmp_path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "cli", os.path.join(ROOT, "examples", "quickstart.py"),
+        [sys.executable, "-m", "pcompile", os.path.join(ROOT, "examples", "quickstart.py"),
          "--devices", "1", "--out", str(tmp_path / "o"), "--no-check"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
@@ -279,7 +279,7 @@ def test_parallel_outputs_are_byte_identical(tmp_path) -> None:
 def test_error_inside_construct_is_one_message(tmp_path) -> None:
     model = write_model(tmp_path, """
         import numpy as np
-        from compiler import nn, ops
+        from pcompile import nn, ops
 
         class Net(nn.Cell):
             def __init__(self):

@@ -15,18 +15,18 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from backends.numpy.simulate import _same_structure, run_ranks
-from compiler import oracle
-from compiler.context import context_override
-from compiler.driver import CompiledProgram
-from compiler.driver import compile as compile_model
-from ir.builder import Builder
-from ir.core import Graph, GraphParam, Value
-from ir.parser import parse_graph
-from ir.printer import print_graph
-from ir.types import DType, TensorType
-from ir.verifier import verify
-from passes.comm_fusion import (
+from pcompile.backends.numpy.simulate import _same_structure, run_ranks
+from pcompile.compiler import oracle
+from pcompile.compiler.context import context_override
+from pcompile.compiler.driver import CompiledProgram
+from pcompile.compiler.driver import compile as compile_model
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Graph, GraphParam, Value
+from pcompile.ir.parser import parse_graph
+from pcompile.ir.printer import print_graph
+from pcompile.ir.types import DType, TensorType
+from pcompile.ir.verifier import verify
+from pcompile.passes.comm_fusion import (
     MB_TO_ELEMENTS,
     CommFusionPass,
     FusionConfig,

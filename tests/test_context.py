@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from compiler.context import (
+from pcompile.compiler.context import (
     GRAPH_MODE,
     PYNATIVE_MODE,
     AutoParallelContext,
@@ -37,7 +37,7 @@ from compiler.context import (
     set_context,
     set_cost_model_context,
 )
-from compiler.layout import Layout
+from pcompile.compiler.layout import Layout
 
 
 @pytest.fixture(autouse=True)
@@ -797,7 +797,7 @@ def test_algo_parameters_invalid(kwargs: dict[str, Any], exc: type[Exception]) -
 
 
 def test_dict_options_accept_their_models() -> None:
-    from compiler.context import CommFusionConfig, ParallelOptimizerConfig
+    from pcompile.compiler.context import CommFusionConfig, ParallelOptimizerConfig
 
     set_auto_parallel_context(
         parallel_optimizer_config=ParallelOptimizerConfig(optimizer_level="level2"),

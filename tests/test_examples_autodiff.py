@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from backends.jax import lower_graph
-from backends.numpy import run_graph
-from compiler.model_file import load_model_file
-from compiler.runtime import synthetic
-from compiler.tensor import TensorSpec
-from compiler.trace_model import trace_model
-from passes.autodiff import append_gradients
+from pcompile.backends.jax import lower_graph
+from pcompile.backends.numpy import run_graph
+from pcompile.compiler.model_file import load_model_file
+from pcompile.compiler.runtime import synthetic
+from pcompile.compiler.tensor import TensorSpec
+from pcompile.compiler.trace_model import trace_model
+from pcompile.passes.autodiff import append_gradients
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = ["quickstart.py", "layout_mlp.py", "manual_parallel.py", "dense_gelu_blocks.py",

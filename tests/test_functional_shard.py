@@ -7,11 +7,11 @@ import os
 import numpy as np
 import pytest
 
-import compiler as ms
-from compiler import Tensor, nn, ops
-from compiler.driver import compile as compile_model
-from compiler.oracle import check
-from ir.errors import PcompileError
+import pcompile as ms
+from pcompile import Tensor, nn, ops
+from pcompile.compiler.driver import compile as compile_model
+from pcompile.compiler.oracle import check
+from pcompile.ir.errors import PcompileError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NET2 = os.path.join(ROOT, "examples", "functional_shard.py")

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from compiler.driver import compile as compile_model
+from pcompile.compiler.driver import compile as compile_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "golden")

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from compiler.initializer import (
+from pcompile.compiler.initializer import (
     Constant,
     HeUniform,
     InitializedData,
@@ -22,7 +22,7 @@ from compiler.initializer import (
     initializer,
     set_seed,
 )
-from ir.types import DType
+from pcompile.ir.types import DType
 
 
 @pytest.fixture(autouse=True)

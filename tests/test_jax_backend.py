@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from backends.jax.plan import (
+from pcompile.backends.jax.plan import (
     MeshSpec,
     SpmdLoweringError,
     SpmdPlan,
@@ -24,7 +24,7 @@ from backends.jax.plan import (
     choose_mesh,
     group_along,
 )
-from compiler.driver import compile as compile_model
+from pcompile.compiler.driver import compile as compile_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE_CASES = [
@@ -163,7 +163,7 @@ def test_rank_programs_are_written_deterministically(tmp_path) -> None:
 
 def test_rank_program_runs_every_rank_in_one_process(tmp_path) -> None:
     """`python rank_0/program.py` without distributed settings: 8 virtual CPU devices."""
-    from compiler.runtime import ParallelRunner, batches
+    from pcompile.compiler.runtime import ParallelRunner, batches
 
     out = tmp_path / "out"
     program = compile_model(os.path.join(ROOT, "examples", "quickstart.py"), devices=8,

@@ -14,17 +14,17 @@ import time
 import numpy as np
 import pytest
 
-from backends.checkpoint import merge_checkpoints
-from backends.launcher import launch
-from compiler.driver import compile as compile_model
-from compiler.runtime import StandAloneRunner, batches
+from pcompile.backends.checkpoint import merge_checkpoints
+from pcompile.backends.launcher import launch
+from pcompile.compiler.driver import compile as compile_model
+from pcompile.compiler.runtime import StandAloneRunner, batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(ROOT, "cli.py")
 
 MODEL = """
 import numpy as np
-from compiler import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
+from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
 
 set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="data_parallel")
 
@@ -137,8 +137,8 @@ def test_four_processes_train_like_one_device_and_merge(model_path, tmp_path) ->
         np.testing.assert_allclose(losses(out, r), want, rtol=1e-5)
     assert (out / "rank_0" / "train.log").read_text().splitlines()[3].startswith(
         "epoch: 2 step: 1, loss is ")
-    merge = subprocess.run([sys.executable, "-m", "backends.checkpoint", str(out)], cwd=ROOT,
-                           capture_output=True, text=True, env=env())
+    merge = subprocess.run([sys.executable, "-m", "pcompile.backends.checkpoint", str(out)],
+                           cwd=ROOT, capture_output=True, text=True, env=env())
     assert merge.returncode == 0, merge.stderr
     with np.load(out / "merged_step_00000005.npz") as merged:
         for name in ("w", "w2", "moments.w", "moments.w2"):
@@ -211,7 +211,7 @@ def test_resume_after_a_failure_is_bit_identical(model_path, tmp_path) -> None:
 def test_a_taken_coordinator_port_is_retried(model_path, tmp_path, monkeypatch) -> None:
     import socket
 
-    import backends.launcher as launcher
+    import pcompile.backends.launcher as launcher
 
     out = tmp_path / "out"
     compile_model(model_path, devices=4, out_dir=str(out))

@@ -7,9 +7,9 @@ import os
 import numpy as np
 import pytest
 
-from compiler.driver import compile as compile_model
-from compiler.oracle import check
-from compiler.runtime import ParallelRunner, StandAloneRunner, batches
+from pcompile.compiler.driver import compile as compile_model
+from pcompile.compiler.oracle import check
+from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -19,7 +19,7 @@ def sgd_model(tmp_path, extra: str = "", mode: str = "semi_auto_parallel", flag:
     path = tmp_path / "sgd_model.py"
     path.write_text(f"""
 import numpy as np
-from compiler import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
+from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
 set_auto_parallel_context(parallel_mode="{mode}", dataset_strategy="data_parallel" {extra})
 
 class Net(nn.Cell):
@@ -137,7 +137,7 @@ def fp16_model(tmp_path, sync: bool) -> str:
     path = tmp_path / f"fp16_{sync}.py"
     path.write_text(f"""
 import numpy as np
-from compiler import Parameter, initializer, nn, ops, set_auto_parallel_context, float16
+from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, float16
 set_auto_parallel_context(parallel_mode="semi_auto_parallel", gradient_fp32_sync={sync})
 
 class Net(nn.Cell):
@@ -192,7 +192,7 @@ def test_cross_batch_skips_the_forward_allreduce(tmp_path) -> None:
     path = tmp_path / "cb.py"
     path.write_text("""
 import numpy as np
-from compiler import nn, ops, set_auto_parallel_context
+from pcompile import nn, ops, set_auto_parallel_context
 set_auto_parallel_context(parallel_mode="semi_auto_parallel")
 
 class Net(nn.Cell):

@@ -16,12 +16,12 @@ import pytest
 from hypothesis import assume, given, settings
 from jax import lax
 
-from backends.numpy import run_graph
-from compiler import Tensor, nn, ops
-from compiler.nn.layers import LayerInputError
-from compiler.trace_model import trace_cell
-from ir.core import Constant
-from passes.autodiff import append_gradients
+from pcompile import Tensor, nn, ops
+from pcompile.backends.numpy import run_graph
+from pcompile.compiler.nn.layers import LayerInputError
+from pcompile.compiler.trace_model import trace_cell
+from pcompile.ir.core import Constant
+from pcompile.passes.autodiff import append_gradients
 from tests.op_harness import assert_close
 
 SETTINGS = settings(max_examples=20, deadline=None)

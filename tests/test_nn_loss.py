@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from compiler import Tensor, nn
-from compiler.nn.layers import LayerInputError
-from compiler.trace_model import trace_cell
+from pcompile import Tensor, nn
+from pcompile.compiler.nn.layers import LayerInputError
+from pcompile.compiler.trace_model import trace_cell
 from tests.op_harness import assert_close
 from tests.test_nn_layers import check_cell
 

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ir.builder import Builder
-from ir.core import Graph, GraphParam
-from ir.errors import OpError
-from ir.types import DType, TensorType
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Graph, GraphParam
+from pcompile.ir.errors import OpError
+from pcompile.ir.types import DType, TensorType
 from tests.op_harness import check_op
 
 SEEDS = st.integers(0, 2**31 - 1)

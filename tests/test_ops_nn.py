@@ -13,12 +13,12 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jax import lax
 
-from backends.numpy import run_graph
-from ir.builder import Builder
-from ir.core import Graph, GraphParam
-from ir.errors import OpError
-from ir.types import DType, TensorType
-from passes.autodiff import append_gradients
+from pcompile.backends.numpy import run_graph
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Graph, GraphParam
+from pcompile.ir.errors import OpError
+from pcompile.ir.types import DType, TensorType
+from pcompile.passes.autodiff import append_gradients
 from tests.op_harness import check_op as _check_op
 
 SEEDS = st.integers(0, 2**31 - 1)

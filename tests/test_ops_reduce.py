@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ir.builder import Builder
-from ir.core import Graph, GraphParam, Value
-from ir.errors import OpError
-from ir.types import DType, TensorType
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Graph, GraphParam, Value
+from pcompile.ir.errors import OpError
+from pcompile.ir.types import DType, TensorType
 from tests.op_harness import check_op
 
 SEEDS = st.integers(0, 2**31 - 1)

@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.numpy import run_graph
-from ir.builder import Builder
-from ir.core import Graph, GraphParam
-from ir.errors import OpError
-from ir.types import DType, TensorType, TupleType
-from passes.autodiff import append_gradients
+from pcompile.backends.numpy import run_graph
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Graph, GraphParam
+from pcompile.ir.errors import OpError
+from pcompile.ir.types import DType, TensorType, TupleType
+from pcompile.passes.autodiff import append_gradients
 from tests.op_harness import check_op
 
 SEEDS = st.integers(0, 2**31 - 1)

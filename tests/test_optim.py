@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from backends.numpy import run_graph
-from compiler import Parameter, Tensor, nn
-from compiler.trace_model import trace_cell
-from passes.autodiff import append_gradients
-from passes.optimizer import append_optimizer
+from pcompile import Parameter, Tensor, nn
+from pcompile.backends.numpy import run_graph
+from pcompile.compiler.trace_model import trace_cell
+from pcompile.passes.autodiff import append_gradients
+from pcompile.passes.optimizer import append_optimizer
 from tests.op_harness import assert_close
 
 # -- references (float64 numpy, written from MindSpore's documented formulas) ----------------

@@ -11,18 +11,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.numpy import run_graph
-from backends.numpy.simulate import run_ranks
-from compiler.driver import compile as compile_model
-from compiler.oracle import check
-from ir.builder import Builder
-from ir.core import Constant, Graph, GraphParam
-from ir.errors import OpError, PcompileError
-from ir.sharding import OpContext, is_power_of_two, rule_for
-from ir.types import DType, TensorType, TupleType
-from passes.autodiff import append_gradients
-from passes.step_parallel import SplitOptions, build_rank_graphs
-from passes.step_parallel_begin import assign
+from pcompile.backends.numpy import run_graph
+from pcompile.backends.numpy.simulate import run_ranks
+from pcompile.compiler.driver import compile as compile_model
+from pcompile.compiler.oracle import check
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Constant, Graph, GraphParam
+from pcompile.ir.errors import OpError, PcompileError
+from pcompile.ir.sharding import OpContext, is_power_of_two, rule_for
+from pcompile.ir.types import DType, TensorType, TupleType
+from pcompile.passes.autodiff import append_gradients
+from pcompile.passes.step_parallel import SplitOptions, build_rank_graphs
+from pcompile.passes.step_parallel_begin import assign
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = os.path.join(ROOT, "tests", "models")

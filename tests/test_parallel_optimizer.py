@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from compiler.driver import compile as compile_model
-from compiler.oracle import check
+from pcompile.compiler.driver import compile as compile_model
+from pcompile.compiler.oracle import check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MLP = os.path.join(ROOT, "examples", "manual_parallel.py")

@@ -13,14 +13,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ir.builder import Builder
-from ir.core import Constant, Graph, GraphParam, Node, ParallelInfo, SourceLoc, Value
-from ir.errors import PcompileError, ShapeError
-from ir.parser import ParseError, parse_graph
-from ir.printer import format_value, print_graph, sanitize_hint
-from ir.registry import OpDef, get_op, register
-from ir.types import DType, TensorType, TupleType, ValueType
-from ir.verifier import verify
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Constant, Graph, GraphParam, Node, ParallelInfo, SourceLoc, Value
+from pcompile.ir.errors import PcompileError, ShapeError
+from pcompile.ir.parser import ParseError, parse_graph
+from pcompile.ir.printer import format_value, print_graph, sanitize_hint
+from pcompile.ir.registry import OpDef, get_op, register
+from pcompile.ir.types import DType, TensorType, TupleType, ValueType
+from pcompile.ir.verifier import verify
 
 # -- test-only ops (tuple results, attributes of every kind, no operands) ---------------------
 

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ir.layout import TensorLayout as L
-from passes.redistribution import plan_redistribution
+from pcompile.ir.layout import TensorLayout as L
+from pcompile.passes.redistribution import plan_redistribution
 
 GOLDEN = [
     # (from, to, rank-0 ops, rank-5 ops or None when equal to rank 0's)

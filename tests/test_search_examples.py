@@ -9,15 +9,15 @@ import os
 
 import pytest
 
-from compiler import reset_algo_parameters, set_algo_parameters
-from compiler.driver import compile as compile_model
-from compiler.model_file import load_model_file
-from compiler.oracle import check
-from compiler.trace_model import trace_model
-from ir.errors import PcompileError
-from ir.parser import parse_graph
-from ir.printer import print_graph
-from passes.search import search
+from pcompile import reset_algo_parameters, set_algo_parameters
+from pcompile.compiler.driver import compile as compile_model
+from pcompile.compiler.model_file import load_model_file
+from pcompile.compiler.oracle import check
+from pcompile.compiler.trace_model import trace_model
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.parser import parse_graph
+from pcompile.ir.printer import print_graph
+from pcompile.passes.search import search
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ["sharding_propagation", "dynamic_programming", "recursive_programming"]
@@ -177,7 +177,7 @@ def test_recursive_programming_needs_a_power_of_two() -> None:
 
 SIX_DEVICE_MODEL = """
 import numpy as np
-from compiler import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
+from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
 set_auto_parallel_context(dataset_strategy="full_batch")
 class Net(nn.Cell):
     def __init__(self):

@@ -12,17 +12,17 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from backends.numpy import run_graph
-from backends.numpy.simulate import run_ranks
-from ir.builder import Builder
-from ir.core import Graph, GraphParam, Value
-from ir.types import DType, TensorType
-from passes.search import SearchOptions, search
-from passes.search.cost_graph import CostGraph
-from passes.search.cost_model import CostConstants
-from passes.search.dynamic_programming import solve
-from passes.step_parallel import SplitOptions, build_rank_graphs
-from passes.step_parallel_begin import assign
+from pcompile.backends.numpy import run_graph
+from pcompile.backends.numpy.simulate import run_ranks
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Graph, GraphParam, Value
+from pcompile.ir.types import DType, TensorType
+from pcompile.passes.search import SearchOptions, search
+from pcompile.passes.search.cost_graph import CostGraph
+from pcompile.passes.search.cost_model import CostConstants
+from pcompile.passes.search.dynamic_programming import solve
+from pcompile.passes.step_parallel import SplitOptions, build_rank_graphs
+from pcompile.passes.step_parallel_begin import assign
 
 F32 = DType.float32
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from ir.builder import Builder
-from ir.core import Graph, GraphParam
-from ir.errors import PcompileError
-from ir.layout import TensorLayout
-from ir.sharding import OpContext
-from ir.types import DType, TensorType
-from passes.search import SearchOptions, search
-from passes.search.candidates import candidate_strategies, enumerate_splits
-from passes.search.cost_graph import CostGraph
-from passes.search.cost_model import (
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Graph, GraphParam
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.layout import TensorLayout
+from pcompile.ir.sharding import OpContext
+from pcompile.ir.types import DType, TensorType
+from pcompile.passes.search import SearchOptions, search
+from pcompile.passes.search.candidates import candidate_strategies, enumerate_splits
+from pcompile.passes.search.cost_graph import CostGraph
+from pcompile.passes.search.cost_model import (
     Cost,
     CostConstants,
     breaking_ties,
@@ -23,9 +23,9 @@ from passes.search.cost_model import (
     redistribution_cost,
     refine_op,
 )
-from passes.search.dynamic_programming import solve
-from passes.search.recursive_programming import build_ops, check_devices, matmul_costs
-from passes.search.reshape import dim_map, map_layout
+from pcompile.passes.search.dynamic_programming import solve
+from pcompile.passes.search.recursive_programming import build_ops, check_devices, matmul_costs
+from pcompile.passes.search.reshape import dim_map, map_layout
 
 F32 = DType.float32
 
@@ -60,7 +60,7 @@ def test_fully_use_devices_and_unsplittable_labels() -> None:
 
 
 def test_odd_device_factor_goes_on_one_dim() -> None:
-    from ir.sharding import LabelDim
+    from pcompile.ir.sharding import LabelDim
 
     dims = [LabelDim("a", 12, True), LabelDim("b", 4, True)]
     assert enumerate_splits(dims, 6) == [(3, 1), (3, 2), (6, 1)]
@@ -98,7 +98,7 @@ def test_breaking_ties_and_refine() -> None:
 
 
 def test_matmul_op_cost_of_the_quickstart_strategy() -> None:
-    from ir.sharding import rule_for
+    from pcompile.ir.sharding import rule_for
 
     c = ctx("MatMul", [(16, 32), (32, 16)], (16, 16), 8)
     sharding = rule_for("MatMul").apply(c, ((2, 4), (4, 1)))

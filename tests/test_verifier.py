@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ir.builder import Builder
-from ir.core import Constant, Graph, GraphParam, Node
-from ir.errors import PcompileError
-from ir.parser import parse_graph
-from ir.types import DType, TensorType
-from ir.verifier import VerifyError, verify
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Constant, Graph, GraphParam, Node
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.parser import parse_graph
+from pcompile.ir.types import DType, TensorType
+from pcompile.ir.verifier import VerifyError, verify
 from tests.test_printer_parser import GOLDEN, ensure_test_ops, golden_graph
 
 ensure_test_ops()

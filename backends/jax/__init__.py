@@ -13,7 +13,7 @@ __all__ = ["lower_graph"]
 
 def __getattr__(name: str) -> Any:
     if name == "lower_graph":
-        from backends.jax.lowering import lower_graph
+        from pcompile.backends.jax.lowering import lower_graph
 
         return lower_graph
     raise AttributeError(f"module 'backends.jax' has no attribute {name!r}")

@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from backends.checkpoint import layout_entry, npz_bytes
-from backends.jax.plan import NodePlan, SpmdLoweringError, SpmdPlan
-from ir.core import Constant, Graph
-from ir.types import DType
+from pcompile.backends.checkpoint import layout_entry, npz_bytes
+from pcompile.backends.jax.plan import NodePlan, SpmdLoweringError, SpmdPlan
+from pcompile.ir.core import Constant, Graph
+from pcompile.ir.types import DType
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 INLINE_CONST_LIMIT = 16  # constants with more elements go to consts.npz
@@ -243,17 +243,13 @@ class _Writer:
         )
         parts = [
             head,
-            f"PCOMPILE_ROOT = {ROOT!r}",
-            "if os.path.isdir(PCOMPILE_ROOT) and PCOMPILE_ROOT not in sys.path:",
-            "    sys.path.insert(0, PCOMPILE_ROOT)",
-            "",
             "import jax.numpy as jnp  # noqa: E402",
             "import numpy as np  # noqa: E402",
             "from jax import lax  # noqa: E402",
             "",
-            "from backends.jax import spmd  # noqa: E402",
-            "from backends.jax.spmd import LazyTable, const, ops, pick  # noqa: E402,F401",
-            "from ir.types import DType  # noqa: E402,F401",
+            "from pcompile.backends.jax import spmd  # noqa: E402",
+            "from pcompile.backends.jax.spmd import LazyTable, const, ops, pick  # noqa: E402,F401",
+            "from pcompile.ir.types import DType  # noqa: E402,F401",
             "",
             f"RANK = {rank}",
             f"NUM_RANKS = {plan.num_ranks}",
@@ -284,7 +280,7 @@ class _Writer:
             *([""] if self.tables else []),
             "",
             'if __name__ == "__main__":',
-            "    from backends.jax.rank_runtime import main",
+            "    from pcompile.backends.jax.rank_runtime import main",
             "",
             "    sys.exit(main(sys.modules[__name__]))",
             "",
@@ -331,7 +327,7 @@ def _to_tuple_entry(e: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def _dump_names(graph: Graph) -> list[str]:
-    from ir.printer import param_ref
+    from pcompile.ir.printer import param_ref
 
     return [param_ref(i, p) for i, p in enumerate(graph.params)]
 
@@ -373,8 +369,8 @@ def initial_rank_values(state: Any) -> list[dict[str, np.ndarray]]:
     """Each rank's starting values (ParallelRunner's, including parameter_broadcast)."""
     if state.assignment is None:
         return [dict(state.initial_values)]
-    from compiler.driver import CompiledProgram
-    from compiler.runtime import ParallelRunner
+    from pcompile.compiler.driver import CompiledProgram
+    from pcompile.compiler.runtime import ParallelRunner
 
     return ParallelRunner(CompiledProgram(state, [], None)).values
 

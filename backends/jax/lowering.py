@@ -13,8 +13,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from ir.core import Constant, Graph, Node, Value
-from ir.registry import get_op
+from pcompile.ir.core import Constant, Graph, Node, Value
+from pcompile.ir.registry import get_op
 
 CommFn = Callable[[Node, list[Any]], Any]
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from ir.core import Constant, Graph, GraphParam, Node, NodeResult, Value
-from ir.registry import get_op
+from pcompile.ir.core import Constant, Graph, GraphParam, Node, NodeResult, Value
+from pcompile.ir.registry import get_op
 
 # Attributes that do not change what a non-collective op computes (its implementation ignores
 # them); they may differ between ranks freely.
@@ -127,7 +127,7 @@ def layout_axes(layout: Any, mesh: MeshSpec) -> tuple[tuple[str, ...] | None, ..
     """The mesh axes each dim of a TensorLayout is split over (None: not split), i.e. the
     PartitionSpec of the global tensor on the rank mesh; None when a device-matrix axis is not
     a set of mesh axes."""
-    from ir.layout import axis_index, devices_along_axes, map_axes
+    from pcompile.ir.layout import axis_index, devices_along_axes, map_axes
 
     dev = layout.dev_matrix
     if prod(dev) != mesh.size:
@@ -391,7 +391,7 @@ def _plan_node(k: int, node: Node, nodes: list[Node], ref: _Refs, n: int,
 
 
 def _slice_plan(node: Node, nodes: list[Node]) -> SlicePlan | None:
-    from ir.ops.shape import _slice_spec
+    from pcompile.ir.ops.shape import _slice_spec
 
     if node.op == "StridedSlice":
         shape = node.operands[0].shape

@@ -188,7 +188,7 @@ class TrainLog:
     """`<rank dir>/train.log`: rewritten atomically on (re)start, then one append per line."""
 
     def __init__(self, path: str, lines: list[str]) -> None:
-        from backends.checkpoint import atomic_write_text
+        from pcompile.backends.checkpoint import atomic_write_text
 
         self.path = path
         self.lines = list(lines)
@@ -280,8 +280,8 @@ def _main(module: ModuleType, argv: list[str] | None) -> int:
         if jax.process_index() != pid:
             raise RankError(f"JAX numbers this process {jax.process_index()}, expected {pid}")
 
-    from backends.jax.plan import MeshSpec
-    from backends.jax.spmd import make_mesh, rank_devices
+    from pcompile.backends.jax.plan import MeshSpec
+    from pcompile.backends.jax.spmd import make_mesh, rank_devices
 
     spec = MeshSpec(tuple(n for n, _ in module.MESH), tuple(s for _, s in module.MESH))
     mesh = make_mesh(spec, rank_devices(num_ranks))
@@ -311,12 +311,12 @@ class _Runner:
         self.params = list(module.PARAMS)
         self.inputs = [p for p in self.params if p[1] == "input"]
         self.stored = [p for p in self.params if p[1] != "input"]
-        from ir.types import DType
+        from pcompile.ir.types import DType
 
         self.dtypes = {p[0]: DType[p[3]].np for p in self.params}
         consts = os.path.join(out_dir, f"rank_{module.RANK}", "consts.npz")
         if os.path.exists(consts):
-            from backends.checkpoint import load_npz
+            from pcompile.backends.checkpoint import load_npz
 
             module.DATA.update(load_npz(consts))
 
@@ -325,7 +325,7 @@ class _Runner:
         return os.path.join(self.out_dir, f"rank_{rank}")
 
     def _layout(self, name: str) -> Any:
-        from ir.layout import TensorLayout
+        from pcompile.ir.layout import TensorLayout
 
         shape, dev, tmap = self.m.LAYOUTS[name]
         return TensorLayout(tuple(dev), tuple(tmap), tuple(shape))
@@ -337,13 +337,13 @@ class _Runner:
         return array[tuple(slice(b, e) for b, e in bounds)]
 
     def _put(self, name: str, pieces: dict[int, np.ndarray], shape: tuple[int, ...]) -> Any:
-        from backends.jax.spmd import put_stacked
+        from pcompile.backends.jax.spmd import put_stacked
 
         return put_stacked(self.mesh, pieces, tuple(shape), self.dtypes[name])
 
     def _batches(self, steps: int) -> Any:
-        from compiler.model_file import as_input_list, call_user, load_model_file
-        from compiler.runtime import iter_batches
+        from pcompile.compiler.model_file import as_input_list, call_user, load_model_file
+        from pcompile.compiler.runtime import iter_batches
 
         path = self.m.MODEL_FILE
         if not os.path.exists(path):
@@ -352,7 +352,7 @@ class _Runner:
         examples = as_input_list(call_user(mf.inputs, "inputs()", mf.path), "inputs", mf.path)
         n_inputs = len(examples)
         if mf.loss is not None:
-            from compiler.trace_model import _first_batch_labels
+            from pcompile.compiler.trace_model import _first_batch_labels
 
             examples = examples + _first_batch_labels(mf)
         expected = [(name, tuple(self.m.LAYOUTS[name][0]), self.dtypes[name])
@@ -366,7 +366,7 @@ class _Runner:
         import jax.numpy as jnp
         from jax import lax
 
-        from backends.jax.spmd import spmd_function
+        from pcompile.backends.jax.spmd import spmd_function
 
         step = self.m.step
         mean_loss = self.m.PARALLEL_MODE == "data_parallel" and self.m.TRAINING
@@ -382,7 +382,7 @@ class _Runner:
 
     def _load_values(self, resume_step: int | None) -> tuple[dict[int, dict[str, np.ndarray]],
                                                               dict[str, Any]]:
-        from backends.checkpoint import checkpoint_path, load_npz, read_checkpoint
+        from pcompile.backends.checkpoint import checkpoint_path, load_npz, read_checkpoint
 
         values: dict[int, dict[str, np.ndarray]] = {}
         meta: dict[str, Any] = {}
@@ -405,8 +405,8 @@ class _Runner:
 
     def _checkpoint(self, step: int, epoch: int, in_epoch: int,
                     state: dict[str, Any], logs: dict[int, TrainLog]) -> None:
-        from backends.checkpoint import write_checkpoint
-        from backends.jax.spmd import local_pieces
+        from pcompile.backends.checkpoint import write_checkpoint
+        from pcompile.backends.jax.spmd import local_pieces
 
         pieces = {name: local_pieces(a, self.mesh) for name, a in state.items()}
         layouts = {name: {"shape": list(self.m.LAYOUTS[name][0]), "dtype": dt,
@@ -423,9 +423,9 @@ class _Runner:
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
-        from backends.checkpoint import latest_common_step
-        from backends.jax.spmd import local_pieces
-        from compiler.runtime import format_loss_line
+        from pcompile.backends.checkpoint import latest_common_step
+        from pcompile.backends.jax.spmd import local_pieces
+        from pcompile.compiler.runtime import format_loss_line
 
         m, args = self.m, self.args
         if not m.TRAINING:
@@ -482,8 +482,8 @@ class _Runner:
         return 0
 
     def _infer(self) -> int:
-        from backends.checkpoint import save_npz
-        from backends.jax.spmd import local_pieces
+        from pcompile.backends.checkpoint import save_npz
+        from pcompile.backends.jax.spmd import local_pieces
 
         values, _ = self._load_values(None)
         state = {name: self._put(name, {r: values[r][name] for r in self.local}, shape)

@@ -35,10 +35,10 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from backends.jax.plan import MeshSpec, NodePlan, SpmdLoweringError, SpmdPlan
-from ir.core import Constant
-from ir.registry import get_op
-from ir.types import DType
+from pcompile.backends.jax.plan import MeshSpec, NodePlan, SpmdLoweringError, SpmdPlan
+from pcompile.ir.core import Constant
+from pcompile.ir.registry import get_op
+from pcompile.ir.types import DType
 
 Axes = tuple[str, ...]
 
@@ -361,7 +361,7 @@ class JaxSpmdRunner:
     loss, `values[r][name]`, `global_value(name)`."""
 
     def __init__(self, program: Any, devices: Sequence[Any] | None = None) -> None:
-        from compiler.runtime import ParallelRunner
+        from pcompile.compiler.runtime import ParallelRunner
 
         self.program = program
         state = program.state
@@ -386,7 +386,7 @@ class JaxSpmdRunner:
         return put_stacked(self.mesh, pieces, param.shape, param.dtype.np)
 
     def _slice(self, array: np.ndarray, name: str, rank: int) -> np.ndarray:
-        from passes.step_parallel import slice_array
+        from pcompile.passes.step_parallel import slice_array
 
         layout = self.layouts.get(name)
         return np.asarray(array) if layout is None else slice_array(array, layout, rank)

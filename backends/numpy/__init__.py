@@ -1,5 +1,5 @@
 """The numpy reference interpreter: the oracle every plan is checked against."""
 
-from backends.numpy.interpreter import Collectives, SingleRank, run_graph
+from pcompile.backends.numpy.interpreter import Collectives, SingleRank, run_graph
 
 __all__ = ["Collectives", "SingleRank", "run_graph"]

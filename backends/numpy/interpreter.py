@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from ir.core import Constant, Graph, Node, Value
-from ir.registry import get_op
-from ir.types import TensorType, TupleType, ValueType
+from pcompile.ir.core import Constant, Graph, Node, Value
+from pcompile.ir.registry import get_op
+from pcompile.ir.types import TensorType, TupleType, ValueType
 
 
 class Collectives:

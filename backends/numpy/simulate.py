@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from backends.numpy.interpreter import Collectives, _check, run_graph
-from ir.core import Constant, Graph, Node, Value
-from ir.registry import get_op
+from pcompile.backends.numpy.interpreter import Collectives, _check, run_graph
+from pcompile.ir.core import Constant, Graph, Node, Value
+from pcompile.ir.registry import get_op
 
 
 def collective_result(node: Node, rank: int, inputs: dict[int, list[np.ndarray]]) -> Any:

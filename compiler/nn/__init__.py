@@ -1,7 +1,7 @@
 """MindSpore-style `nn`: Cell, layers, losses, optimizers."""
 
-from compiler.nn.cell import Cell
-from compiler.nn.layers import (
+from pcompile.compiler.nn.cell import Cell
+from pcompile.compiler.nn.layers import (
     GELU,
     Conv2d,
     Dense,
@@ -14,15 +14,15 @@ from compiler.nn.layers import (
     Softmax,
     Tanh,
 )
-from compiler.nn.loss import (
+from pcompile.compiler.nn.loss import (
     CrossEntropyLoss,
     L1Loss,
     MSELoss,
     SoftmaxCrossEntropyWithLogits,
     WithLossCell,
 )
-from compiler.nn.optim import SGD, Adam, AdamWeightDecay, Momentum
-from compiler.nn.optim_base import Optimizer
+from pcompile.compiler.nn.optim import SGD, Adam, AdamWeightDecay, Momentum
+from pcompile.compiler.nn.optim_base import Optimizer
 
 __all__ = [
     "Cell",

@@ -12,9 +12,9 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
-from compiler.primitive import Primitive, normalize_strategy
-from compiler.tensor import Parameter
-from compiler.tracing import current_tracer
+from pcompile.compiler.primitive import Primitive, normalize_strategy
+from pcompile.compiler.tensor import Parameter
+from pcompile.compiler.tracing import current_tracer
 
 
 class Cell:
@@ -158,7 +158,7 @@ class Cell:
         part = f"{self._attr_name or 'cell'}-{type(self).__name__}"
         with tracer.cell_scope(part):
             if self.shard_config is not None:
-                from compiler.functional_shard import call_sharded
+                from pcompile.compiler.functional_shard import call_sharded
 
                 return call_sharded(self.construct, self.shard_config, args, cell=self)
             return self.construct(*args, **kwargs)

@@ -21,14 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from compiler import ops
-from compiler.initializer import initializer
-from compiler.nn.cell import Cell
-from compiler.primitive import Primitive
-from compiler.tensor import Parameter, Tensor
-from compiler.tracing import current_tracer
-from ir.errors import PcompileError
-from ir.types import DType
+from pcompile.compiler import ops
+from pcompile.compiler.initializer import initializer
+from pcompile.compiler.nn.cell import Cell
+from pcompile.compiler.primitive import Primitive
+from pcompile.compiler.tensor import Parameter, Tensor
+from pcompile.compiler.tracing import current_tracer
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.types import DType
 
 __all__ = [
     "GELU",

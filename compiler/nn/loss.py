@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from compiler import ops
-from compiler.nn.cell import Cell
-from compiler.nn.layers import LayerInputError, check_bool, check_number
-from compiler.tensor import Tensor
-from compiler.tracing import current_tracer
-from ir.types import DType
+from pcompile.compiler import ops
+from pcompile.compiler.nn.cell import Cell
+from pcompile.compiler.nn.layers import LayerInputError, check_bool, check_number
+from pcompile.compiler.tensor import Tensor
+from pcompile.compiler.tracing import current_tracer
+from pcompile.ir.types import DType
 
 __all__ = [
     "CrossEntropyLoss",

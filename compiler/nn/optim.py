@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from compiler import ops
-from compiler.nn.layers import check_bool, check_number
-from compiler.nn.optim_base import Optimizer
-from compiler.tensor import Parameter, Tensor
+from pcompile.compiler import ops
+from pcompile.compiler.nn.layers import check_bool, check_number
+from pcompile.compiler.nn.optim_base import Optimizer
+from pcompile.compiler.tensor import Parameter, Tensor
 
 __all__ = ["SGD", "Adam", "AdamWeightDecay", "Momentum"]
 

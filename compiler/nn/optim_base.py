@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from compiler.nn.cell import Cell
-from compiler.tensor import Parameter, Tensor
+from pcompile.compiler.nn.cell import Cell
+from pcompile.compiler.tensor import Parameter, Tensor
 
 
 class Optimizer(Cell):

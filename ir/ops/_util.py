@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ir.errors import ShapeError
-from ir.types import DType, TensorType, TupleType, ValueType
+from pcompile.ir.errors import ShapeError
+from pcompile.ir.types import DType, TensorType, TupleType, ValueType
 
 if TYPE_CHECKING:
-    from ir.builder import Builder
-    from ir.core import Value
+    from pcompile.ir.builder import Builder
+    from pcompile.ir.core import Value
 
 
 def tensor(t: ValueType, what: str = "input") -> TensorType:

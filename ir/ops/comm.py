@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ir.builder import Builder
-from ir.core import Node, Value
-from ir.errors import PcompileError, ShapeError
-from ir.ops._util import normalize_axis, tensor
-from ir.registry import OpDef, register
-from ir.types import ValueType
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Node, Value
+from pcompile.ir.errors import PcompileError, ShapeError
+from pcompile.ir.ops._util import normalize_axis, tensor
+from pcompile.ir.registry import OpDef, register
+from pcompile.ir.types import ValueType
 
 _COMM_DEFAULTS: dict[str, Any] = {"group": "", "rank_list": (0,), "fusion": 0}
 _REDUCE_OPS = ("sum", "max", "min", "prod")

@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ir.builder import Builder
-from ir.core import Constant, Node, Value
-from ir.errors import ShapeError
-from ir.ops._util import (
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Constant, Node, Value
+from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._util import (
     broadcast_shapes,
     infer_binary,
     infer_compare,
@@ -34,8 +34,8 @@ from ir.ops._util import (
     tensor,
     unbroadcast,
 )
-from ir.registry import OpDef, register
-from ir.types import DType, TensorType, ValueType
+from pcompile.ir.registry import OpDef, register
+from pcompile.ir.types import DType, TensorType, ValueType
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_COEF = 0.044715

@@ -7,12 +7,12 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ir.builder import Builder
-from ir.core import Node, Value
-from ir.errors import ShapeError
-from ir.ops._util import broadcast_shapes, same_dtype, tensor, unbroadcast
-from ir.registry import OpDef, register
-from ir.types import DType, TensorType, ValueType
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Node, Value
+from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._util import broadcast_shapes, same_dtype, tensor, unbroadcast
+from pcompile.ir.registry import OpDef, register
+from pcompile.ir.types import DType, TensorType, ValueType
 
 
 def _check_flags(attrs: dict[str, Any]) -> tuple[bool, bool]:

@@ -20,12 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ir.builder import Builder
-from ir.core import Node, Value
-from ir.errors import PcompileError, ShapeError
-from ir.ops._util import normalize_axis, same_dtype, tensor, tuple_type
-from ir.registry import OpDef, register
-from ir.types import DType, TensorType, ValueType
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Node, Value
+from pcompile.ir.errors import PcompileError, ShapeError
+from pcompile.ir.ops._util import normalize_axis, same_dtype, tensor, tuple_type
+from pcompile.ir.registry import OpDef, register
+from pcompile.ir.types import DType, TensorType, ValueType
 
 # -- shared helpers -------------------------------------------------------------------------
 

@@ -11,12 +11,12 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ir.builder import Builder
-from ir.core import Node, Value
-from ir.errors import ShapeError
-from ir.ops._util import infer_unary, tensor, unbroadcast
-from ir.registry import InferFn, OpDef, register
-from ir.types import DType, ValueType
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Node, Value
+from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._util import infer_unary, tensor, unbroadcast
+from pcompile.ir.registry import InferFn, OpDef, register
+from pcompile.ir.types import DType, ValueType
 
 # -- axis handling --------------------------------------------------------------------------
 

@@ -11,12 +11,12 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ir.builder import Builder
-from ir.core import Node, Value
-from ir.errors import ShapeError
-from ir.ops._util import same_dtype, tensor
-from ir.registry import OpDef, register
-from ir.types import DType, TensorType, TupleType, ValueType
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Node, Value
+from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._util import same_dtype, tensor
+from pcompile.ir.registry import OpDef, register
+from pcompile.ir.types import DType, TensorType, TupleType, ValueType
 
 # -- attribute checks -----------------------------------------------------------------------
 

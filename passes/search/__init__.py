@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from ir.core import Graph, Node
-from ir.layout import TensorLayout
-from ir.sharding import Strategy
-from ir.types import TensorType
-from passes.search.cost_graph import CostGraph, Vertex
-from passes.search.cost_model import Cost, CostConstants, printable
-from passes.search.reshape import map_layout
+from pcompile.ir.core import Graph, Node
+from pcompile.ir.layout import TensorLayout
+from pcompile.ir.sharding import Strategy
+from pcompile.ir.types import TensorType
+from pcompile.passes.search.cost_graph import CostGraph, Vertex
+from pcompile.passes.search.cost_model import Cost, CostConstants, printable
+from pcompile.passes.search.reshape import map_layout
 
 MODES = ("sharding_propagation", "dynamic_programming", "recursive_programming")
 
@@ -52,7 +52,7 @@ class SearchOptions:
 
     @classmethod
     def from_context(cls) -> SearchOptions:
-        from compiler.context import current_algo_parameters, current_cost_model_context
+        from pcompile.compiler.context import current_algo_parameters, current_cost_model_context
 
         algo = current_algo_parameters()
         cm = current_cost_model_context()
@@ -108,23 +108,23 @@ def search(
     constants = constants or CostConstants()
     options = options or SearchOptions()
     if mode == "recursive_programming":
-        from passes.search.recursive_programming import check_devices
+        from pcompile.passes.search.recursive_programming import check_devices
 
         check_devices(devices)
     cg = CostGraph(graph, devices, constants, dataset_strategy, options.fully_use_devices,
                    loaded)
     via: dict[int, str] = {}
     if mode == "sharding_propagation":
-        from passes.search.sharding_propagation import propagate
+        from pcompile.passes.search.sharding_propagation import propagate
 
         prop = propagate(cg)
         choice, via = prop.choice, prop.via
     elif mode == "dynamic_programming":
-        from passes.search.dynamic_programming import solve
+        from pcompile.passes.search.dynamic_programming import solve
 
         choice = solve(cg, options).choice
     else:
-        from passes.search.recursive_programming import recursive_search
+        from pcompile.passes.search.recursive_programming import recursive_search
 
         rp = recursive_search(cg, options)
         choice, via = rp.choice, rp.via

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from passes.search import SearchOptions, SearchResult, search
-from passes.search.checkpoint import load_strategies, save_checkpoint
-from passes.search.cost_model import CostConstants
+from pcompile.passes.search import SearchOptions, SearchResult, search
+from pcompile.passes.search.checkpoint import load_strategies, save_checkpoint
+from pcompile.passes.search.cost_model import CostConstants
 
 
 class StepAutoParallelPass:

@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from ir.core import Node
-from ir.layout import TensorLayout
-from ir.sharding import (
+from pcompile.ir.core import Node
+from pcompile.ir.layout import TensorLayout
+from pcompile.ir.sharding import (
     LabelDim,
     OpContext,
     OpSharding,

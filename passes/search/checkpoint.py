@@ -22,9 +22,9 @@ import json
 import os
 from typing import Any
 
-from ir.core import Graph, GraphParam, Node
-from ir.errors import PcompileError
-from ir.sharding import NO_STRATEGY, rule_for
+from pcompile.ir.core import Graph, GraphParam, Node
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.sharding import NO_STRATEGY, rule_for
 
 
 def strategy_key(node: Node) -> str | None:

@@ -29,12 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from ir.core import Constant, Graph, GraphParam, Node, NodeResult, Value
-from ir.layout import TensorLayout
-from ir.sharding import NO_STRATEGY, OpSharding, rule_for
-from ir.types import DType, TensorType
-from passes.search.candidates import Candidate, CandidateTable, LayoutKey, make_candidate
-from passes.search.cost_model import (
+from pcompile.ir.core import Constant, Graph, GraphParam, Node, NodeResult, Value
+from pcompile.ir.layout import TensorLayout
+from pcompile.ir.sharding import NO_STRATEGY, OpSharding, rule_for
+from pcompile.ir.types import DType, TensorType
+from pcompile.passes.search.candidates import Candidate, CandidateTable, LayoutKey, make_candidate
+from pcompile.passes.search.cost_model import (
     INFINITE,
     ZERO,
     Cost,
@@ -42,7 +42,7 @@ from passes.search.cost_model import (
     op_cost,
     redistribution_cost,
 )
-from passes.step_parallel_begin import dataset_layouts, shard_node
+from pcompile.passes.step_parallel_begin import dataset_layouts, shard_node
 
 DATASET_TOPO = 1 << 62
 

@@ -38,10 +38,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import inf, isfinite, prod
 
-from ir.layout import TensorLayout
-from ir.sharding import OpSharding
-from ir.types import TensorType
-from passes.redistribution import plan_redistribution
+from pcompile.ir.layout import TensorLayout
+from pcompile.ir.sharding import OpSharding
+from pcompile.ir.types import TensorType
+from pcompile.passes.redistribution import plan_redistribution
 
 EPS = 1e-6
 MATMUL_OPS = ("MatMul", "BatchMatMul")
@@ -65,7 +65,7 @@ class CostConstants:
     @classmethod
     def from_context(cls, training: bool = True, enable_alltoall: bool = False
                      ) -> CostConstants:
-        from compiler.context import current_cost_model_context
+        from pcompile.compiler.context import current_cost_model_context
 
         cm = current_cost_model_context()
         return cls(

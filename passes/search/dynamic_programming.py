@@ -49,8 +49,8 @@ from math import ceil, prod
 
 import numpy as np
 
-from ir.errors import PcompileError
-from passes.search.cost_graph import CostGraph
+from pcompile.ir.errors import PcompileError
+from pcompile.passes.search.cost_graph import CostGraph
 
 
 class SearchTooLargeError(PcompileError):

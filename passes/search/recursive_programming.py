@@ -38,13 +38,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import log2, prod
 
-from ir.errors import PcompileError
-from ir.layout import TensorLayout
-from ir.sharding import Labels, is_power_of_two, label_dims, rule_for
-from passes.search.candidates import op_context
-from passes.search.cost_graph import CostGraph
-from passes.search.reshape import dim_map
-from passes.search.sharding_propagation import propagate
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.layout import TensorLayout
+from pcompile.ir.sharding import Labels, is_power_of_two, label_dims, rule_for
+from pcompile.passes.search.candidates import op_context
+from pcompile.passes.search.cost_graph import CostGraph
+from pcompile.passes.search.reshape import dim_map
+from pcompile.passes.search.sharding_propagation import propagate
 
 REDIS_COEF = 16.0
 REPLICATE_BELOW = 25.0

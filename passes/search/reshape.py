@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from math import prod
 
-from ir.layout import MapEntry, TensorLayout, map_axes
-from passes.redistribution import plan_redistribution
+from pcompile.ir.layout import MapEntry, TensorLayout, map_axes
+from pcompile.passes.redistribution import plan_redistribution
 
 
 def blocks(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[range, range]]:

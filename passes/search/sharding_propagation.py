@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from passes.search.cost_graph import CostGraph, Vertex, strategy_key
+from pcompile.passes.search.cost_graph import CostGraph, Vertex, strategy_key
 
 
 def swc_key(cg: CostGraph, v: Vertex, k: int, comm: float, comp: float

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from compiler import nn, set_auto_parallel_context, set_seed
+from pcompile import nn, set_auto_parallel_context, set_seed
 
 set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="data_parallel")
 

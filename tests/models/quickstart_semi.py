@@ -1,6 +1,6 @@
 import numpy as np
 
-from compiler import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
+from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
 
 set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="full_batch")
 class Net(nn.Cell):

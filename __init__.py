@@ -1,0 +1,72 @@
+"""pcompile: an ahead-of-time auto-parallel compiler.
+
+The user-facing façade, MindSpore-style::
+
+    from pcompile import nn, ops, Parameter, Tensor, Layout, set_auto_parallel_context
+    from pcompile.communication import init, get_rank, get_group_size
+
+Everything of the project lives under this one import package (`pcompile.compiler`,
+`pcompile.ir`, `pcompile.passes`, `pcompile.backends`, `pcompile.cli`). The façade names are
+loaded on first use, so `import pcompile.ir.core` does not import the compiler.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from typing import Any
+
+from pcompile._version import __version__
+
+# Submodules a model file imports by MindSpore's spelling (`import pcompile.nn as nn`,
+# `from pcompile.communication import init`): aliases of the façade's modules.
+_MODULE_ALIASES = {
+    "pcompile.nn": "pcompile.compiler.nn",
+    "pcompile.ops": "pcompile.compiler.ops",
+    "pcompile.communication": "pcompile.compiler.communication",
+}
+
+_FACADE = (
+    "nn", "ops", "communication", "Parameter", "Tensor", "TensorSpec", "Layout", "initializer",
+    "set_seed", "set_auto_parallel_context", "get_auto_parallel_context",
+    "reset_auto_parallel_context", "set_context", "get_context", "set_cost_model_context",
+    "get_cost_model_context", "reset_cost_model_context", "set_algo_parameters",
+    "get_algo_parameters", "reset_algo_parameters", "ParallelMode", "shard", "compile",
+    "GRAPH_MODE", "PYNATIVE_MODE", "float32", "float16", "bfloat16", "int32", "int64", "bool_",
+)
+
+__all__ = [*_FACADE, "__version__"]
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves `pcompile.nn` (etc.) to the module that implements it."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname in _MODULE_ALIASES:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec: Any) -> Any:
+        return importlib.import_module(_MODULE_ALIASES[spec.name])
+
+    def exec_module(self, module: Any) -> None:
+        return None
+
+
+if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
+    sys.meta_path.append(_AliasFinder())
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FACADE:
+        facade = importlib.import_module("pcompile.compiler")
+        value = getattr(facade, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'pcompile' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_FACADE))

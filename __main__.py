@@ -1,0 +1,5 @@
+"""`python -m pcompile MODEL.py ...`: the command line."""
+
+from pcompile.cli import main
+
+main()
