@@ -1145,7 +1145,8 @@ class AlgoParameters(BaseModel):
 
     model_config = _FROZEN
 
-    fully_use_devices: Bool = False
+    # The seeds' (MindSpore r2.0) default; later MindSpore: False (docs/context-options.md).
+    fully_use_devices: Bool = True
     elementwise_op_strategy_follow: Bool = False
     enable_algo_approxi: Bool = False
     algo_approxi_epsilon: PositiveFloat = 0.1

@@ -14,7 +14,6 @@ from pcompile import (
     initializer,
     nn,
     ops,
-    set_algo_parameters,
     set_auto_parallel_context,
     set_seed,
 )
@@ -23,10 +22,6 @@ set_auto_parallel_context(
     parallel_mode="auto_parallel", search_mode="sharding_propagation",
     dataset_strategy="data_parallel",
 )
-# The seed's dumps come from MindSpore r2.0, whose search used every device for every op
-# (fully_use_devices=True was the default then); with it, relu and matmul2 get the seed's
-# strategies ((2, 4),) and ((2, 4), (4, 1)).
-set_algo_parameters(fully_use_devices=True)
 
 STEP_PER_EPOCH = 4
 BATCH_SIZE = 16  # global: 2 per device on 8 devices

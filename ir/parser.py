@@ -60,6 +60,9 @@ def _show(text: str) -> str:
     return repr(text)
 
 
+STRATEGY_KEYS = ("in_strategy", "out_strategy")  # printed as MindSpore prints them
+
+
 class _Line:
     """A cursor over one line of the file; all lexing happens here."""
 
@@ -68,6 +71,7 @@ class _Line:
         self.lineno = lineno
         self.text = text
         self.pos = 0
+        self._strategy_syntax = False
 
     # -- errors -------------------------------------------------------------------------------
     def got(self, pos: int | None = None) -> str:
@@ -187,11 +191,14 @@ class _Line:
         while not self.accept(close):
             self.separator(close)
             items.append(self.value())
-        if tuple_syntax and len(items) == 1:
+        if tuple_syntax and len(items) == 1 and not self._strategy_syntax:
             self.expected("',)' (a 1-tuple)", self.pos - 1)
         return items
 
-    def dict_value(self, str_keys: bool = False) -> dict[Any, Any]:
+    def dict_value(self, str_keys: bool = False,
+                   strategy_keys: tuple[str, ...] = ()) -> dict[Any, Any]:
+        """`{key: value, ...}`; the values of `strategy_keys` use the strategy spelling
+        (`((2, 4))`: a one-element tuple needs no trailing comma, as MindSpore prints it)."""
         self.expect("{")
         out: dict[Any, Any] = {}
         if self.accept("}"):
@@ -208,7 +215,14 @@ class _Line:
             if duplicate:
                 self.fail(f"duplicate key {key!r}", key_pos)
             self.expect(": ")
-            out[key] = self.value()
+            if key in strategy_keys:
+                self._strategy_syntax = True
+                try:
+                    out[key] = self.value()
+                finally:
+                    self._strategy_syntax = False
+            else:
+                out[key] = self.value()
             if self.accept("}"):
                 return out
             self.separator("}")
@@ -578,7 +592,7 @@ class _Parser:
             instance_name = line.name_or_string(BARE_WORD, "an instance name")
             line.expect("}")
         line.expect(" primitive_attrs: ", "' {instance name: ' or ' primitive_attrs: '")
-        attrs: dict[str, Any] = line.dict_value(str_keys=True)
+        attrs: dict[str, Any] = line.dict_value(str_keys=True, strategy_keys=STRATEGY_KEYS)
         parallel: ParallelInfo | None = None
         if line.accept(" "):
             parallel = self.parallel(line)
@@ -620,7 +634,7 @@ class _Parser:
     def parallel(self, line: _Line) -> ParallelInfo:
         """The parallel-info group: in_strategy, out_strategy, then `extra` in order."""
         info = ParallelInfo()
-        for key, value in line.dict_value(str_keys=True).items():
+        for key, value in line.dict_value(str_keys=True, strategy_keys=STRATEGY_KEYS).items():
             if key == "in_strategy":
                 info.in_strategy = value
             elif key == "out_strategy":

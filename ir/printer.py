@@ -143,11 +143,16 @@ def format_value(value: Any) -> str:
     )
 
 
+STRATEGY_KEYS = ("in_strategy", "out_strategy")
+
+
 def format_dict(mapping: dict[Any, Any]) -> str:
-    """`{key: value, ...}` with keys printed as values (normally bare strings)."""
-    return (
-        "{" + ", ".join(f"{format_value(k)}: {format_value(v)}" for k, v in mapping.items()) + "}"
-    )
+    """`{key: value, ...}` with keys printed as values (normally bare strings); the values of
+    `in_strategy` and `out_strategy` in the strategy spelling (`format_strategy`)."""
+    return "{" + ", ".join(
+        f"{format_value(k)}: "
+        f"{format_strategy(v) if k in STRATEGY_KEYS else format_value(v)}"
+        for k, v in mapping.items()) + "}"
 
 
 def format_type(type_: ValueType) -> str:
@@ -249,6 +254,16 @@ def format_parallel(info: ParallelInfo) -> str:
         raise ValueError(f"ParallelInfo.extra must not hold {', '.join(clash)}")
     _check_keys(info.extra, "ParallelInfo.extra")
     return format_dict(dict(info.items()))
+
+
+def format_strategy(value: Any) -> str:
+    """A strategy (one tuple of dims per input) as MindSpore prints it: no trailing comma in a
+    one-element tuple, `((2, 4))`, `((8))`. Other values print as attribute values."""
+    if isinstance(value, tuple) and all(
+        isinstance(s, tuple) and all(isinstance(d, (int, np.integer)) and not isinstance(
+            d, (bool, np.bool_)) for d in s) for s in value):
+        return "(" + ", ".join("(" + ", ".join(str(int(d)) for d in s) + ")" for s in value) + ")"
+    return format_value(value)
 
 
 def _check_keys(mapping: dict[Any, Any], what: str) -> None:

@@ -760,17 +760,17 @@ def test_cost_model_invalid(kwargs: dict[str, Any], exc: type[Exception]) -> Non
 
 
 def test_algo_parameters() -> None:
-    assert get_algo_parameters("fully_use_devices") is False
+    assert get_algo_parameters("fully_use_devices") is True  # the seeds' (r2.0) default
     assert get_algo_parameters("elementwise_op_strategy_follow") is False
     assert get_algo_parameters("enable_algo_approxi") is False
     assert get_algo_parameters("algo_approxi_epsilon") == 0.1
     assert get_algo_parameters("tensor_slice_align_enable") is False
     assert get_algo_parameters("tensor_slice_align_size") == 16
-    set_algo_parameters(fully_use_devices=True, tensor_slice_align_size=1)
-    assert current_algo_parameters().fully_use_devices is True
+    set_algo_parameters(fully_use_devices=False, tensor_slice_align_size=1)
+    assert current_algo_parameters().fully_use_devices is False
     set_algo_parameters(tensor_slice_align_size=1024)
     reset_algo_parameters()
-    assert get_algo_parameters("fully_use_devices") is False
+    assert get_algo_parameters("fully_use_devices") is True
     assert get_algo_parameters("tensor_slice_align_size") == 16
 
 

@@ -184,7 +184,7 @@ Total number of nodes: 9
 Total number of cnodes: 6
 
 subgraph @1_net.construct() {
-  %0(out) = Mul(%para1_x, %para2_w) {instance name: mul} primitive_attrs: {} {in_strategy: ((2, 4), (2, 4)), out_strategy: ((2, 4),), reason: "a b"}
+  %0(out) = Mul(%para1_x, %para2_w) {instance name: mul} primitive_attrs: {} {in_strategy: ((2, 4), (2, 4)), out_strategy: ((2, 4)), reason: "a b"}
       : (<Tensor[Float32], (4, 8)>, <Tensor[Float32], (4, 8)>) -> (<Tensor[Float32], (4, 8)>)
       # scope: (Default/network-WithLossCell/_backbone-Net)
       # In file examples/quickstart.py:17/        out = self.mul(x, self.w)/

@@ -65,17 +65,13 @@ def test_larger_examples_on_16_devices(name: str, mode: str, monkeypatch) -> Non
 
 
 def test_quickstart_seed_strategies_and_rank0_dump(tmp_path) -> None:
-    """Seed auto-parallel-quickstart.md: only `matmul` is configured; the r2.0 docs' run used
-    fully_use_devices=True (the default up to MindSpore 2.0)."""
-    set_algo_parameters(fully_use_devices=True)
-    try:
-        program = compile_model(example("quickstart.py"), devices=8,
-                                search_mode="sharding_propagation", out_dir=str(tmp_path / "o"))
-    finally:
-        reset_algo_parameters()
+    """Seed auto-parallel-quickstart.md, its code unchanged: only `matmul` is configured; the
+    default fully_use_devices=True (the seeds' MindSpore r2.0) gives the seed's strategies."""
+    program = compile_model(example("quickstart.py"), devices=8,
+                            search_mode="sharding_propagation", out_dir=str(tmp_path / "o"))
     text = (tmp_path / "o" / "rank_0" / "02_step_parallel_begin.ir").read_text()
     relu = next(line for line in text.splitlines() if "{instance name: relu}" in line)
-    assert "{in_strategy: ((2, 4),), cost: " in relu
+    assert "{in_strategy: ((2, 4)), cost: " in relu
     matmul2 = next(line for line in text.splitlines() if "{instance name: matmul2}" in line)
     assert "{in_strategy: ((2, 4), (4, 1)), cost: " in matmul2
     rank0 = program.rank_graphs[0]
@@ -95,10 +91,14 @@ def test_quickstart_seed_strategies_and_rank0_dump(tmp_path) -> None:
 
 
 def test_quickstart_with_todays_default_prefers_the_cheaper_relu() -> None:
-    """fully_use_devices=False (today's default): relu keeps matmul's row split with no
-    redistribution at all, and matmul2 follows it (ties broken by Strategy::Compare)."""
+    """fully_use_devices=False (MindSpore's default since 2.1): relu keeps matmul's row split
+    with no redistribution at all, and matmul2 follows it (ties broken by Strategy::Compare)."""
     graph = trace_model(load_model_file(example("quickstart.py"))).graph
-    result = search(graph, 8, "sharding_propagation", dataset_strategy="data_parallel")
+    set_algo_parameters(fully_use_devices=False)
+    try:
+        result = search(graph, 8, "sharding_propagation", dataset_strategy="data_parallel")
+    finally:
+        reset_algo_parameters()
     by_name = {n.instance_name: result.strategies.get(id(n)) for n in graph.nodes}
     assert by_name["relu"] == ((2, 1),)
     assert by_name["matmul2"] == ((2, 1), (1, 4))
