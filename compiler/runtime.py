@@ -81,16 +81,29 @@ def iter_batches(
             raise PcompileError(f"dataset() in {mf.path} yields no batch")
 
 
-class StandAloneRunner:
-    """Runs the single-device program on numpy or JAX and carries parameters across steps."""
+def _held(value: np.ndarray, float64: bool) -> np.ndarray:
+    """A copy of a parameter value as a runner holds it (float64 mode: floats in float64)."""
+    arr = np.array(value, copy=True)
+    if float64 and (arr.dtype.kind == "f" or arr.dtype.name == "bfloat16"):
+        return arr.astype(np.float64)
+    return arr
 
-    def __init__(self, program: CompiledProgram, backend: str = "numpy") -> None:
+
+class StandAloneRunner:
+    """Runs the single-device program on numpy or JAX and carries parameters across steps.
+    `float64=True` (numpy only) evaluates every float in float64 (the oracle's mode)."""
+
+    def __init__(self, program: CompiledProgram, backend: str = "numpy",
+                 float64: bool = False) -> None:
         if backend not in ("numpy", "jax"):
             raise ValueError(f"unknown backend {backend!r}")
+        if float64 and backend != "numpy":
+            raise ValueError("float64 evaluation runs on the numpy backend")
         self.program = program
         self.backend = backend
+        self.float64 = float64
         self.graph = program.rank_graphs[0]
-        self.values = {k: np.array(v, copy=True) for k, v in program.initial_values.items()}
+        self.values = {k: _held(v, float64) for k, v in program.initial_values.items()}
         self._fn: Any = None
         if backend == "jax":
             import jax
@@ -106,7 +119,7 @@ class StandAloneRunner:
         if self.backend == "numpy":
             from pcompile.backends.numpy import run_graph
 
-            return [np.asarray(o) for o in run_graph(graph, feeds)]
+            return [np.asarray(o) for o in run_graph(graph, feeds, float64=self.float64)]
         return [np.asarray(o) for o in self._fn(*feeds)]
 
     def step(self, arrays: list[np.ndarray]) -> float:
@@ -124,15 +137,16 @@ def format_loss_line(epoch: int, step: int, loss: float) -> str:
 
 class ParallelRunner:
     """Runs every rank's graph in one process on the numpy simulator and carries each rank's
-    parameters and optimizer state across steps."""
+    parameters and optimizer state across steps (`float64`: every float in float64)."""
 
-    def __init__(self, program: CompiledProgram) -> None:
+    def __init__(self, program: CompiledProgram, float64: bool = False) -> None:
         self.program = program
+        self.float64 = float64
         state = program.state
         assert state.assignment is not None, "not a parallel program"
         self.layouts = state.assignment.param_layouts
         self.graphs = program.rank_graphs
-        self.values = [{k: np.array(v, copy=True) for k, v in vals.items()}
+        self.values = [{k: _held(v, float64) for k, v in vals.items()}
                        for vals in state.rank_values]
         if state.options.get("parameter_broadcast"):
             for name in broadcast_parameters(program):
@@ -151,7 +165,8 @@ class ParallelRunner:
         from pcompile.backends.numpy.simulate import run_ranks
 
         feeds = [self.feeds(r, arrays) for r in range(len(self.graphs))]
-        return [[np.asarray(o) for o in outs] for outs in run_ranks(self.graphs, feeds)]
+        return [[np.asarray(o) for o in outs]
+                for outs in run_ranks(self.graphs, feeds, self.float64)]
 
     def step(self, arrays: list[np.ndarray]) -> float:
         outs = self.run(arrays)

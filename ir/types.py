@@ -19,6 +19,7 @@ class DType(enum.Enum):
     """Element type of a tensor; the value is the MindIR spelling."""
 
     float32 = "Float32"
+    float64 = "Float64"
     float16 = "Float16"
     bfloat16 = "BFloat16"
     int32 = "Int32"
@@ -36,7 +37,7 @@ class DType(enum.Enum):
 
     @property
     def is_float(self) -> bool:
-        return self in (DType.float32, DType.float16, DType.bfloat16)
+        return self in (DType.float32, DType.float64, DType.float16, DType.bfloat16)
 
     @staticmethod
     def from_any(value: object) -> DType:
@@ -61,6 +62,7 @@ class DType(enum.Enum):
 
 _NP: dict[DType, np.dtype] = {
     DType.float32: np.dtype(np.float32),
+    DType.float64: np.dtype(np.float64),
     DType.float16: np.dtype(np.float16),
     DType.bfloat16: np.dtype(ml_dtypes.bfloat16),
     DType.int32: np.dtype(np.int32),
@@ -69,6 +71,7 @@ _NP: dict[DType, np.dtype] = {
 }
 
 float32 = DType.float32
+float64 = DType.float64
 float16 = DType.float16
 bfloat16 = DType.bfloat16
 int32 = DType.int32

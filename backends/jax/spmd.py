@@ -211,14 +211,33 @@ ops = _Ops()
 # -- lowering of a plan ------------------------------------------------------------------------
 
 
-def lower_spmd(plan: SpmdPlan) -> Callable[..., list[Any]]:
+def promote_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
+    """float64 evaluation: a float dtype attribute (a Cast's target, ...) becomes float64."""
+    return {k: DType.float64 if isinstance(v, DType) and v.is_float else v
+            for k, v in attrs.items()}
+
+
+def lower_spmd(plan: SpmdPlan, float64: bool = False) -> Callable[..., list[Any]]:
     """The per-device body: `body(*local_arrays) -> list of local outputs`, arrays in graph
     parameter order. Call it inside `shard_map` over `make_mesh(plan.mesh)` (see
-    `spmd_function`)."""
+    `spmd_function`). `float64`: every float computed in float64 (needs `jax_enable_x64`), as
+    the numpy interpreter's float64 mode does."""
     all_axes = plan.mesh.names
     nodes = plan.nodes
-    consts = {(n.index, i): np.asarray(v.array) for n in nodes
+    if float64:
+        for n in nodes:
+            n.attrs = promote_attrs(n.attrs)
+            n.variants = [promote_attrs(v) for v in n.variants]
+
+    def held(array: np.ndarray) -> np.ndarray:
+        array = np.asarray(array)
+        if float64 and (array.dtype.kind == "f" or array.dtype.name == "bfloat16"):
+            return array.astype(np.float64)
+        return array
+
+    consts = {(n.index, i): held(v.array) for n in nodes
               for i, v in enumerate(n.node.operands) if isinstance(v, Constant)}
+    tables = {(n.index, i): held(t) for n in nodes for i, t in n.const_tables.items()}
 
     def body(*arrays: Any) -> list[Any]:
         me = lax.axis_index(all_axes)
@@ -230,7 +249,7 @@ def lower_spmd(plan: SpmdPlan) -> Callable[..., list[Any]]:
                 return env[idx]
             if kind == "param":
                 return arrays[idx]
-            table = n.const_tables.get(i)
+            table = tables.get((n.index, i))
             if table is not None:
                 return jnp.asarray(table)[me]
             return jnp.asarray(consts[(n.index, i)])
@@ -360,10 +379,14 @@ class JaxSpmdRunner:
     as `compiler.runtime.ParallelRunner`: `run(arrays)` -> per-rank outputs, `step(arrays)` ->
     loss, `values[r][name]`, `global_value(name)`."""
 
-    def __init__(self, program: Any, devices: Sequence[Any] | None = None) -> None:
+    def __init__(self, program: Any, devices: Sequence[Any] | None = None,
+                 float64: bool = False) -> None:
         from pcompile.compiler.runtime import ParallelRunner
 
+        if float64 and not jax.config.read("jax_enable_x64"):
+            raise SpmdLoweringError("float64 evaluation needs jax_enable_x64")
         self.program = program
+        self.float64 = float64
         state = program.state
         self.graphs = program.rank_graphs
         self.plan = SpmdPlan.build(self.graphs)
@@ -377,13 +400,14 @@ class JaxSpmdRunner:
         graph = self.graphs[0]
         self._n_inputs = len(graph.inputs)
         self._stored = graph.params[self._n_inputs:]
-        self._fn = spmd_function(lower_spmd(self.plan), self.mesh)
+        self._fn = spmd_function(lower_spmd(self.plan, float64), self.mesh)
         self._state = {p.name: self._put({r: v[p.name] for r, v in enumerate(initial)}, p)
                        for p in self._stored}
         self._values_cache: list[dict[str, np.ndarray]] | None = None
 
     def _put(self, pieces: dict[int, np.ndarray], param: Any) -> jax.Array:
-        return put_stacked(self.mesh, pieces, param.shape, param.dtype.np)
+        dtype = np.float64 if self.float64 and param.dtype.is_float else param.dtype.np
+        return put_stacked(self.mesh, pieces, param.shape, dtype)
 
     def _slice(self, array: np.ndarray, name: str, rank: int) -> np.ndarray:
         from pcompile.passes.step_parallel import slice_array

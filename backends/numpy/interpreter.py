@@ -4,6 +4,11 @@ Local ops run through each registry entry's `numpy` callable; collectives go thr
 `Collectives` runtime, so the same interpreter runs one rank alone (`SingleRank`) or many ranks
 in lockstep with simulated collectives. Every result is checked against the node's inferred type,
 so a wrong implementation or inference rule is caught where it happens.
+
+With `float64=True` every floating-point value is computed in float64 whatever its dtype in the
+graph (parameters, constants, results, and the target of every Cast to a float type): the
+program's arithmetic without its rounding. The oracle compares plans this way, so that a check
+decides whether a plan is right independently of the precision it runs in.
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from pcompile.ir.core import Constant, Graph, Node, Value
-from pcompile.ir.registry import get_op
-from pcompile.ir.types import TensorType, TupleType, ValueType
+from pcompile.ir.registry import OpDef, get_op
+from pcompile.ir.types import DType, TensorType, TupleType, ValueType
 
 
 class Collectives:
@@ -41,19 +46,42 @@ class SingleRank(Collectives):
         return tuple(x.copy() for x in inputs)
 
 
-def _check(node: Node, expected: ValueType, got: Any) -> Any:
+def value_dtype(dtype: DType, float64: bool = False) -> np.dtype:
+    """The numpy dtype a value of `dtype` is held in (float64 for every float in float64 mode)."""
+    return np.dtype(np.float64) if float64 and dtype.is_float else dtype.np
+
+
+def node_attrs(opdef: OpDef, node: Node, float64: bool = False) -> dict[str, Any]:
+    """The attributes the numpy implementation receives; in float64 mode a float dtype
+    attribute (a Cast's target, a OneHot's dtype, ...) becomes float64."""
+    attrs = opdef.impl_attrs(node.attrs)
+    if float64:
+        for key, value in attrs.items():
+            if isinstance(value, DType) and value.is_float:
+                attrs[key] = DType.float64
+    return attrs
+
+
+def constant_value(value: Constant, float64: bool = False) -> np.ndarray:
+    if float64 and value.dtype.is_float:
+        return value.array.astype(np.float64)
+    return value.array
+
+
+def _check(node: Node, expected: ValueType, got: Any, float64: bool = False) -> Any:
     if isinstance(expected, TupleType):
         if not isinstance(got, tuple) or len(got) != len(expected.elements):
             raise AssertionError(f"{node.where()}: numpy result is not a {expected}")
-        return tuple(_check(node, e, g) for e, g in zip(expected.elements, got))
+        return tuple(_check(node, e, g, float64) for e, g in zip(expected.elements, got))
     assert isinstance(expected, TensorType)
     arr = np.asarray(got)
     if arr.shape != expected.shape:
         raise AssertionError(
             f"{node.where()}: numpy result shape {arr.shape} != inferred {expected.shape}"
         )
-    if arr.dtype != expected.dtype.np:
-        arr = arr.astype(expected.dtype.np)
+    want = value_dtype(expected.dtype, float64)
+    if arr.dtype != want:
+        arr = arr.astype(want)
     return arr
 
 
@@ -61,9 +89,10 @@ def run_graph(
     graph: Graph,
     feeds: Mapping[str, Any] | Sequence[Any],
     collectives: Collectives | None = None,
+    float64: bool = False,
 ) -> list[Any]:
     """Run `graph`. `feeds` maps parameter names to arrays (or lists them in parameter order).
-    Returns the outputs in order."""
+    Returns the outputs in order (see the module docstring for `float64`)."""
     comm = collectives or SingleRank()
     env: dict[int, Any] = {}
     if isinstance(feeds, Mapping):
@@ -83,11 +112,11 @@ def run_graph(
             raise ValueError(
                 f"parameter {param.name}: expected shape {param.shape}, got {arr.shape}"
             )
-        env[id(param)] = arr.astype(param.dtype.np, copy=False)
+        env[id(param)] = arr.astype(value_dtype(param.dtype, float64), copy=False)
 
     def read(value: Value) -> Any:
         if isinstance(value, Constant):
-            return value.array
+            return constant_value(value, float64)
         try:
             return env[id(value)]
         except KeyError:
@@ -100,9 +129,9 @@ def run_graph(
             out = comm.run(node, args)
         else:
             assert opdef.numpy is not None, f"{node.op} has no numpy implementation"
-            out = opdef.numpy(*args, **opdef.impl_attrs(node.attrs))
-        env[id(node.result)] = _check(node, node.result.type, out)
+            out = opdef.numpy(*args, **node_attrs(opdef, node, float64))
+        env[id(node.result)] = _check(node, node.result.type, out, float64)
     return [read(v) for v in graph.outputs]
 
 
-__all__ = ["Collectives", "SingleRank", "run_graph"]
+__all__ = ["Collectives", "SingleRank", "run_graph", "value_dtype"]

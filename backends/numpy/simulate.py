@@ -14,7 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from pcompile.backends.numpy.interpreter import Collectives, _check, run_graph
+from pcompile.backends.numpy.interpreter import (
+    Collectives,
+    _check,
+    constant_value,
+    node_attrs,
+    run_graph,
+    value_dtype,
+)
 from pcompile.ir.core import Constant, Graph, Node, Value
 from pcompile.ir.registry import get_op
 
@@ -48,11 +55,13 @@ def collective_result(node: Node, rank: int, inputs: dict[int, list[np.ndarray]]
     raise RuntimeError(f"unknown collective {op}")
 
 
-def run_ranks(graphs: Sequence[Graph], feeds: Sequence[Sequence[Any]]) -> list[list[Any]]:
-    """Run every rank's graph; `feeds[r]` lists rank r's parameter values in order."""
+def run_ranks(graphs: Sequence[Graph], feeds: Sequence[Sequence[Any]],
+              float64: bool = False) -> list[list[Any]]:
+    """Run every rank's graph; `feeds[r]` lists rank r's parameter values in order
+    (`float64`: see backends.numpy.interpreter)."""
     if _same_structure(graphs):
-        return _lockstep(graphs, feeds)
-    return _threaded(graphs, feeds)
+        return _lockstep(graphs, feeds, float64)
+    return _threaded(graphs, feeds, float64)
 
 
 def _same_structure(graphs: Sequence[Graph]) -> bool:
@@ -60,7 +69,8 @@ def _same_structure(graphs: Sequence[Graph]) -> bool:
     return all([n.op for n in g.nodes] == first for g in graphs[1:])
 
 
-def _lockstep(graphs: Sequence[Graph], feeds: Sequence[Sequence[Any]]) -> list[list[Any]]:
+def _lockstep(graphs: Sequence[Graph], feeds: Sequence[Sequence[Any]],
+              float64: bool) -> list[list[Any]]:
     envs: list[dict[int, Any]] = []
     for g, values in zip(graphs, feeds):
         env = {}
@@ -69,11 +79,11 @@ def _lockstep(graphs: Sequence[Graph], feeds: Sequence[Sequence[Any]]) -> list[l
             if arr.shape != p.shape:
                 raise ValueError(f"rank graph parameter {p.name}: expected {p.shape}, got "
                                  f"{arr.shape}")
-            env[id(p)] = arr.astype(p.dtype.np, copy=False)
+            env[id(p)] = arr.astype(value_dtype(p.dtype, float64), copy=False)
         envs.append(env)
 
     def read(env: dict[int, Any], value: Value) -> Any:
-        return value.array if isinstance(value, Constant) else env[id(value)]
+        return constant_value(value, float64) if isinstance(value, Constant) else env[id(value)]
 
     for k in range(len(graphs[0].nodes)):
         nodes = [g.nodes[k] for g in graphs]
@@ -84,10 +94,10 @@ def _lockstep(graphs: Sequence[Graph], feeds: Sequence[Sequence[Any]]) -> list[l
             outs = [collective_result(node, r, by_rank) for r, node in enumerate(nodes)]
         else:
             assert opdef.numpy is not None
-            outs = [opdef.numpy(*a, **opdef.impl_attrs(node.attrs)) for a, node in
+            outs = [opdef.numpy(*a, **node_attrs(opdef, node, float64)) for a, node in
                     zip(args, nodes)]
         for env, node, out in zip(envs, nodes, outs):
-            env[id(node.result)] = _check(node, node.result.type, out)
+            env[id(node.result)] = _check(node, node.result.type, out, float64)
     return [[read(env, v) for v in g.outputs] for env, g in zip(envs, graphs)]
 
 
@@ -114,7 +124,8 @@ class _Exchange(Collectives):
         return collective_result(node, self.rank, slot)
 
 
-def _threaded(graphs: Sequence[Graph], feeds: Sequence[Sequence[Any]]) -> list[list[Any]]:
+def _threaded(graphs: Sequence[Graph], feeds: Sequence[Sequence[Any]],
+              float64: bool) -> list[list[Any]]:
     shared: dict = {}
     lock = threading.Condition()
     results: list[Any] = [None] * len(graphs)
@@ -123,7 +134,7 @@ def _threaded(graphs: Sequence[Graph], feeds: Sequence[Sequence[Any]]) -> list[l
     def work(rank: int) -> None:
         try:
             results[rank] = run_graph(graphs[rank], list(feeds[rank]),
-                                      _Exchange(rank, shared, lock))
+                                      _Exchange(rank, shared, lock), float64)
         except BaseException as exc:  # reported below
             errors.append(exc)
 
