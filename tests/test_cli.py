@@ -31,7 +31,7 @@ def test_example_compiles_dumps_and_backends_agree(example: str, tmp_path) -> No
     code, output = run_cli([os.path.join(ROOT, "examples", example), "--devices", "1",
                             "--out", str(out)])
     assert code == 0, output
-    assert "first step loss: numpy" in output
+    assert "first step loss (float64): numpy" in output
     files = sorted(f for f in os.listdir(out / "rank_0") if f.endswith(".ir"))
     assert files == ["00_trace.ir", "01_autodiff.ir", "02_optimizer.ir", "03_execute.ir"]
     for name in files:

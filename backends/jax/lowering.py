@@ -15,8 +15,19 @@ import jax.numpy as jnp
 
 from pcompile.ir.core import Constant, Graph, Node, Value
 from pcompile.ir.registry import get_op
+from pcompile.ir.types import DType
 
 CommFn = Callable[[Node, list[Any]], Any]
+
+
+def x64() -> Any:
+    """A context in which JAX computes in 64-bit (float64 evaluation)."""
+    import jax
+
+    enable = getattr(jax, "enable_x64", None)
+    if enable is None:  # older JAX
+        from jax.experimental import enable_x64 as enable  # type: ignore[no-redef]
+    return enable(True)
 
 
 def single_device_comm(node: Node, inputs: list[Any]) -> Any:
@@ -26,7 +37,10 @@ def single_device_comm(node: Node, inputs: list[Any]) -> Any:
     return inputs[0] if len(inputs) == 1 else tuple(inputs)
 
 
-def lower_graph(graph: Graph, comm: CommFn = single_device_comm) -> Callable[..., list[Any]]:
+def lower_graph(graph: Graph, comm: CommFn = single_device_comm,
+                float64: bool = False) -> Callable[..., list[Any]]:
+    """`float64`: every float computed in float64 (run it under `x64()`), as the numpy
+    interpreter's float64 mode does."""
     nodes = list(graph.nodes)
     params = list(graph.params)
     outputs = list(graph.outputs)
@@ -35,13 +49,19 @@ def lower_graph(graph: Graph, comm: CommFn = single_device_comm) -> Callable[...
         opdef = get_op(node.op)
         if not opdef.collective and opdef.jax is None:
             raise NotImplementedError(f"{node.op} has no JAX implementation")
-        impls.append((opdef, opdef.impl_attrs(node.attrs)))
+        attrs = opdef.impl_attrs(node.attrs)
+        if float64:
+            attrs = {k: DType.float64 if isinstance(v, DType) and v.is_float else v
+                     for k, v in attrs.items()}
+        impls.append((opdef, attrs))
 
     def fn(*arrays: Any) -> list[Any]:
         env: dict[int, Any] = {id(p): a for p, a in zip(params, arrays)}
 
         def read(value: Value) -> Any:
             if isinstance(value, Constant):
+                if float64 and value.dtype.is_float:
+                    return jnp.asarray(value.array.astype("float64"))
                 return jnp.asarray(value.array)
             return env[id(value)]
 
