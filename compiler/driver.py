@@ -33,7 +33,8 @@ from pcompile.ir.core import Graph, Value
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import group_name
 from pcompile.ir.parser import parse_graph
-from pcompile.ir.printer import print_graph
+from pcompile.ir.printer import GraphText, print_graph
+from pcompile.ir.rank import resolve
 from pcompile.ir.registry import get_op
 from pcompile.ir.verifier import verify
 from pcompile.passes.autodiff import append_gradients
@@ -52,7 +53,7 @@ from pcompile.passes.search.auto_parallel_pass import (
     finish_assignment,
     searched_strategies,
 )
-from pcompile.passes.step_parallel import SplitOptions, build_rank_graphs, slice_array
+from pcompile.passes.step_parallel import SplitOptions, build_spmd_graph, slice_array
 from pcompile.passes.step_parallel_begin import ParallelAssignment, assign
 
 # --- end search ----------------------------------------------------------------------------------
@@ -68,9 +69,11 @@ class CompileState:
     search_mode: str
     traced: TracedModel | None = None
     graph: Graph | None = None
+    # After the split, rank r runs rank_graphs[r]. In SPMD modes every entry is the same
+    # rank-parametric graph (what differs between ranks is an `ir.rank` value); hybrid mode
+    # traces the model per rank and has one graph per rank.
     rank_graphs: list[Graph] = field(default_factory=list)
     initial_values: dict[str, np.ndarray] = field(default_factory=dict)
-    rank_values: list[dict[str, np.ndarray]] = field(default_factory=list)
     optimizer: Optimizer | None = None
     plan: dict[str, Any] = field(default_factory=dict)
     assignment: ParallelAssignment | None = None
@@ -78,6 +81,7 @@ class CompileState:
     split: bool = False  # True once every rank has its own graph
     options: dict[str, Any] = field(default_factory=dict)
     search: Any = None  # passes.search.SearchResult in auto_parallel (issue 4)
+    dump_ranks: list[int] = field(default_factory=list)  # the ranks whose folders are written
 
     @property
     def parallel(self) -> bool:
@@ -86,6 +90,27 @@ class CompileState:
     @property
     def training(self) -> bool:
         return self.model_file.training
+
+    @property
+    def graphs(self) -> list[Graph]:
+        """The distinct graphs the ranks run (one in SPMD modes), in rank order."""
+        out: list[Graph] = []
+        seen: set[int] = set()
+        for g in self.rank_graphs:
+            if id(g) not in seen:
+                seen.add(id(g))
+                out.append(g)
+        return out
+
+    def rank_values(self, rank: int) -> dict[str, np.ndarray]:
+        """Rank `rank`'s initial parameter and optimizer-state values: its slice of each
+        global initial value (computed on demand; a compile never holds them for every rank)."""
+        if not self.parallel:
+            return self.initial_values
+        assert self.assignment is not None
+        layouts = self.assignment.param_layouts
+        return {name: slice_array(value, layouts[name], rank) if name in layouts else value
+                for name, value in self.initial_values.items()}
 
 
 class Pass(Protocol):
@@ -120,7 +145,6 @@ class TracePass:
             state.initial_values[name] = np.array(param.asnumpy(), copy=True)
         if not state.parallel:
             state.rank_graphs = [traced.graph]
-            state.rank_values = [state.initial_values]
             state.split = True
 
 
@@ -147,7 +171,7 @@ class AutodiffPass:
     name = "autodiff"
 
     def apply(self, state: CompileState) -> None:
-        for graph in state.rank_graphs:
+        for graph in state.graphs:
             loss = graph.outputs[0]
             wrt = [p for p in graph.weights if p.requires_grad]
             if not wrt:
@@ -178,18 +202,19 @@ class OptimizerPass:
                 f"nn.Momentum, nn.Adam, ...), got {type(opt).__name__}"
             )
         state.optimizer = opt
-        for rank, graph in enumerate(state.rank_graphs):
+        for graph in state.graphs:
             names = graph.attrs["outputs"]
             loss: Value = graph.outputs[0]
             grads = {n[len("grad."):]: v for n, v in zip(names[1:], graph.outputs[1:])}
-            slicer = _state_slicer(state, rank) if state.parallel else None
+            slicer = _state_slicer(state) if state.parallel else None
             init = append_optimizer(graph, opt, traced.parameters, grads, loss, slicer)
-            state.rank_values[rank].update(init)
             if not state.parallel:
                 state.initial_values.update(init)
 
 
-def _state_slicer(state: CompileState, rank: int) -> Any:
+def _state_slicer(state: CompileState) -> Any:
+    """Optimizer state in a local graph: a per-parameter state takes its parameter's layout;
+    the global value is kept (ranks' slices are cut from it on demand)."""
     assert state.assignment is not None
     layouts = state.assignment.param_layouts
 
@@ -198,7 +223,7 @@ def _state_slicer(state: CompileState, rank: int) -> Any:
         if not owner:
             return value
         layouts.setdefault(name, layouts[owner])
-        return slice_array(value, layouts[owner], rank)
+        return slice_array(value, layouts[owner], 0)  # every rank's slice has this shape
 
     return cut
 
@@ -239,14 +264,9 @@ class StepParallelEndPass:
         options.opt_shard = _optimizer_sharding(state, state.assignment.param_layouts)
         for name, shard in options.opt_shard.items():
             state.assignment.param_layouts[name] = shard.stored
-        graphs, layouts = build_rank_graphs(state.graph, state.assignment, options, fusion)
-        state.rank_graphs = graphs
+        graph, layouts = build_spmd_graph(state.graph, state.assignment, options, fusion)
+        state.rank_graphs = [graph] * state.devices
         state.output_layouts = layouts
-        state.rank_values = [
-            {name: slice_array(value, state.assignment.param_layouts[name], rank)
-             for name, value in state.initial_values.items()}
-            for rank in range(state.devices)
-        ]
         state.split = True
 
 
@@ -274,7 +294,13 @@ class CompiledProgram:
 
     @property
     def rank_graphs(self) -> list[Graph]:
+        """The graph each rank runs: in SPMD modes the same rank-parametric graph for every
+        rank (see `rank_graph` for one rank's concrete view)."""
         return self.state.rank_graphs
+
+    def rank_graph(self, rank: int) -> Graph:
+        """Rank `rank`'s own graph, every rank-dependent value evaluated (what its dump shows)."""
+        return self.state.rank_graphs[rank].at_rank(rank)
 
     @property
     def traced(self) -> TracedModel:
@@ -326,11 +352,6 @@ class ReplicatePass:
                 data_parallel_feed_layouts(state.graph, state.devices))
         state.assignment = assignment
         state.output_layouts = [None] * len(state.graph.outputs)
-        state.rank_values = [
-            {k: np.array(slice_array(v, assignment.param_layouts[k], rank), copy=True)
-             for k, v in state.initial_values.items()}
-            for rank in range(state.devices)
-        ]
         state.split = True
 
 
@@ -401,8 +422,11 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
     out_dir: str | None = None,
     dump: bool = True,
     overrides: dict[str, Any] | None = None,
+    dump_ranks: Any = None,
 ) -> CompiledProgram:
-    """Compile a model file. Flags given here override what the model file sets."""
+    """Compile a model file. Flags given here override what the model file sets.
+    `dump_ranks`: the ranks whose folders are written ("all", "none", "0,5", a list of ints;
+    default: every rank up to `DUMP_ALL_UP_TO` devices, else rank 0)."""
     reset_auto_parallel_context()
     mf = load_model_file(model_path)
     flags: dict[str, Any] = dict(overrides or {})
@@ -445,21 +469,22 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
         }
         if out_dir is None:
             out_dir = str(get_context("save_graphs_path") or "") or "./saved_graph"
-        return _run_pipeline(state, out_dir if dump else None)
+        return _run_pipeline(state, out_dir if dump else None, dump_ranks)
 
 
-def _run_pipeline(state: CompileState, out_dir: str | None) -> CompiledProgram:
+def _run_pipeline(state: CompileState, out_dir: str | None,
+                  dump_ranks: Any = None) -> CompiledProgram:
     passes = pipeline(state)
     timings: list[tuple[str, float]] = []
-    dumps: list[tuple[str, list[str]]] = []
+    dumps: list[tuple[str, dict[int, str]]] = []
+    ranks = resolve_dump_ranks(dump_ranks, state.devices)
+    state.dump_ranks = ranks
     for index, p in enumerate(passes):
         start = time.perf_counter()
         try:
             p.apply(state)
-            graphs = state.rank_graphs if state.split else [state.graph]
-            # The ranks' graphs share one structure: verify rank 0 after every pass and every
-            # rank after the last one.
-            for g in graphs if index == len(passes) - 1 else graphs[:1]:
+            graphs = state.graphs if state.split else [state.graph]
+            for g in graphs:  # one rank-parametric graph, or hybrid mode's per-rank graphs
                 assert g is not None
                 verify(g, allow_extra_attrs=True)
         except PcompileError as exc:
@@ -470,11 +495,55 @@ def _run_pipeline(state: CompileState, out_dir: str | None) -> CompiledProgram:
             raise
         timings.append((p.name, time.perf_counter() - start))
         if out_dir is not None:
-            texts = [print_graph(g) for g in graphs]  # type: ignore[arg-type]
-            dumps.append((f"{index:02d}_{p.name}.ir", texts))
+            dumps.append((f"{index:02d}_{p.name}.ir", _rank_texts(state, ranks)))
     if out_dir is not None:
         _write_outputs(out_dir, state, dumps)
     return CompiledProgram(state, timings, out_dir)
+
+
+def resolve_dump_ranks(value: Any, devices: int) -> list[int]:
+    """`--dump-ranks`: "all", "none", a list like "0,5" (or a sequence of ints); None: every
+    rank up to DUMP_ALL_UP_TO devices, else rank 0."""
+    if value is None:
+        return list(range(devices)) if devices <= DUMP_ALL_UP_TO else [0]
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "all":
+            return list(range(devices))
+        if text == "none":
+            return []
+        try:
+            value = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise PcompileError(
+                f"--dump-ranks {value!r}: expected 'all', 'none' or ranks like '0,5'"
+            ) from None
+    ranks = sorted({int(r) for r in value})
+    bad = [r for r in ranks if not 0 <= r < devices]
+    if bad:
+        raise PcompileError(
+            f"--dump-ranks names rank(s) {bad}, but the program has ranks 0..{devices - 1}"
+        )
+    return ranks
+
+
+#: Up to this many devices every rank's folder is dumped by default (the seeds' experience).
+DUMP_ALL_UP_TO = 8
+
+
+def _rank_texts(state: CompileState, ranks: list[int]) -> dict[int, str]:
+    """This pass's dump for each dumped rank, printed now (later passes change the graph).
+    A rank-parametric graph is printed once; only its rank-dependent nodes per rank."""
+    texts: dict[int, str] = {}
+    templates: dict[int, GraphText] = {}
+    for r in ranks:
+        graph = state.rank_graphs[r] if state.split else state.graph
+        assert graph is not None
+        template = templates.get(id(graph))
+        if template is None:
+            template = templates[id(graph)] = GraphText(graph)
+        texts[r] = template.render(r)
+    return texts
 
 
 def _plan(state: CompileState) -> dict[str, Any]:
@@ -502,11 +571,12 @@ def _plan(state: CompileState) -> dict[str, Any]:
             "slice_shape": list(layout.slice_shape) if layout else list(p.shape),
         }
     collectives: dict[str, list[dict[str, Any]]] = {}
-    for rank, g in enumerate(state.rank_graphs):
+    for rank in state.dump_ranks:
+        g = state.rank_graphs[rank]
         rows = []
         for node in g.nodes:
             if get_op(node.op).collective or node.op == "_MirrorOperator":
-                ranks = list(node.attrs.get("rank_list", ()))
+                ranks = list(resolve(node.attrs.get("rank_list", ()), rank))
                 in_bytes = sum(v.tensor_type.nbytes for v in node.operands)
                 rows.append({"node": node.fullname, "op": node.op, "rank_list": ranks,
                              "bytes": in_bytes})
@@ -528,7 +598,8 @@ def _plan(state: CompileState) -> dict[str, Any]:
     return plan
 
 
-def _write_outputs(out_dir: str, state: CompileState, dumps: Sequence[tuple[str, list[str]]]):
+def _write_outputs(out_dir: str, state: CompileState,
+                   dumps: Sequence[tuple[str, dict[int, str]]]) -> None:
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.exists(
         os.path.join(out_dir, "plan.json")
     ):
@@ -540,17 +611,14 @@ def _write_outputs(out_dir: str, state: CompileState, dumps: Sequence[tuple[str,
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".pcompile-", dir=parent)
     try:
-        ranks = max(1, state.devices)
-        for r in range(ranks):
+        for r in state.dump_ranks:
             os.makedirs(os.path.join(tmp, f"rank_{r}"))
         check = bool(os.environ.get("PCOMPILE_CHECK_ROUNDTRIP"))
         for filename, texts in dumps:
-            if check:  # the test suite sets this: every dump it produces must re-parse exactly
-                for text in texts:
-                    if print_graph(parse_graph(text, filename)) != text:
-                        raise AssertionError(f"{filename} does not round-trip")
-            for r in range(ranks):
-                text = texts[r] if len(texts) > 1 else texts[0]
+            for r, text in texts.items():
+                # the test suite sets this: every dump it produces must re-parse exactly
+                if check and print_graph(parse_graph(text, filename)) != text:
+                    raise AssertionError(f"{filename} does not round-trip")
                 with open(os.path.join(tmp, f"rank_{r}", filename), "w", encoding="utf-8") as f:
                     f.write(text)
         with open(os.path.join(tmp, "plan.json"), "w", encoding="utf-8") as f:

@@ -150,8 +150,8 @@ class ParallelRunner:
         assert state.assignment is not None, "not a parallel program"
         self.layouts = state.assignment.param_layouts
         self.graphs = program.rank_graphs
-        self.values = [{k: _held(v, float64) for k, v in vals.items()}
-                       for vals in state.rank_values]
+        self.values = [{k: _held(v, float64) for k, v in state.rank_values(r).items()}
+                       for r in range(state.devices)]
         if state.options.get("parameter_broadcast"):
             for name in broadcast_parameters(program):
                 for vals in self.values[1:]:

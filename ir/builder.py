@@ -12,6 +12,7 @@ import numpy as np
 
 from pcompile.ir.core import Constant, Graph, Node, ParallelInfo, SourceLoc, Value
 from pcompile.ir.errors import OpError, ShapeError
+from pcompile.ir.rank import resolve_attrs
 from pcompile.ir.registry import get_op
 from pcompile.ir.types import DType, TensorType
 
@@ -79,7 +80,8 @@ class Builder:
         types = [v.type for v in operands]
         try:
             opdef.check_arity(len(operands))
-            result_type = opdef.infer(types, opdef.impl_attrs(full))
+            # Rank-dependent attributes (ir.rank) give the same type on every rank: infer at 0.
+            result_type = opdef.infer(types, resolve_attrs(opdef.impl_attrs(full), 0))
         except ShapeError as exc:
             shapes = [getattr(t, "shape", str(t)) for t in types]
             raise OpError(

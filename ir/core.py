@@ -111,6 +111,28 @@ class Constant(Value):
         self.array = data
 
 
+class RankConstant(Constant):
+    """A constant whose data depends on the rank (`ir.rank`): `data.at(rank)` is rank r's array.
+    `array` holds rank 0's, which gives the type (every rank's has the same shape); a consumer
+    that executes or prints one rank's view reads `constant_at(value, rank)`."""
+
+    def __init__(self, data: Any, dtype: DType) -> None:
+        super().__init__(np.asarray(data.at(0)), dtype)
+        self.data = data
+
+    def array_at(self, rank: int) -> np.ndarray:
+        return np.asarray(self.data.at(rank), dtype=self.dtype.np)
+
+
+def constant_at(value: Constant, rank: int | None) -> np.ndarray:
+    """A constant's data on `rank` (plain constants are the same on every rank)."""
+    if isinstance(value, RankConstant):
+        if rank is None:
+            raise ValueError("a rank-dependent constant needs a rank")
+        return value.array_at(rank)
+    return value.array
+
+
 class NodeResult(Value):
     """The (single, possibly tuple-typed) result of a node."""
 
@@ -288,6 +310,34 @@ class Graph:
             if (op is None or n.op == op)
             and (instance_name is None or n.instance_name == instance_name)
         ]
+
+    def at_rank(self, rank: int) -> Graph:
+        """Rank `rank`'s concrete view of a rank-parametric graph: a copy in which every
+        `ir.rank` attribute and rank-dependent constant holds that rank's value."""
+        from pcompile.ir.rank import resolve, resolve_attrs
+
+        out = Graph(self.name)
+        out.attrs = {k: resolve(v, rank) for k, v in self.attrs.items()}
+        mapping: dict[int, Value] = {}
+        for p in self.params:
+            mapping[id(p)] = out.add_param(GraphParam(p.tensor_type, p.name, p.kind,
+                                                      p.requires_grad))
+
+        def value(v: Value) -> Value:
+            if isinstance(v, Constant):  # a copy: constants keep their own use lists
+                return Constant(constant_at(v, rank), v.dtype)
+            return mapping[id(v)]
+
+        for node in self.nodes:
+            copy = Node(node.op, [value(v) for v in node.operands],
+                        resolve_attrs(node.attrs, rank), node.result.type,
+                        instance_name=node.instance_name, scope=node.scope, source=node.source,
+                        name_hint=node.result.name_hint, parallel=node.parallel)
+            copy.fullname = node.fullname
+            out.nodes.append(copy)
+            mapping[id(node.result)] = copy.result
+        out.outputs = [value(v) for v in self.outputs]
+        return out
 
     def dead_code_elimination(self) -> int:
         """Remove nodes whose results reach no output; returns how many were removed."""

@@ -181,8 +181,17 @@ class TensorLayout:
 
     def repeat_group(self, rank: int) -> tuple[int, ...]:
         """Ranks holding the same slice as `rank` (the mirror group of a parameter)."""
-        free = [a for a in range(len(self.dev_matrix)) if a not in self.used_axes]
-        return devices_along_axes(rank, self.dev_matrix, free)
+        return devices_along_axes(rank, self.dev_matrix, self.repeat_axes)
+
+    @property
+    def repeat_axes(self) -> tuple[int, ...]:
+        """Left indices of the device axes the tensor is not split over (it repeats there)."""
+        return tuple(a for a in range(len(self.dev_matrix)) if a not in self.used_axes)
+
+    @property
+    def repeat_count(self) -> int:
+        """How many ranks hold each slice."""
+        return prod(self.dev_matrix[a] for a in self.repeat_axes)
 
     def normalized(self) -> TensorLayout:
         """Remove size-1 device axes; entries mapped to them become -1."""

@@ -47,9 +47,12 @@ from pcompile.ir.core import (
     Node,
     NodeResult,
     ParallelInfo,
+    RankConstant,
     SourceLoc,
     Value,
+    constant_at,
 )
+from pcompile.ir.rank import RankValue, has_rank_values, resolve, resolve_attrs
 from pcompile.ir.types import DType, ValueType, format_shape
 
 # -- lexical rules shared with ir.parser ------------------------------------------------------
@@ -197,11 +200,11 @@ def _nest(texts: list[str], shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(rows) + "]"
 
 
-def format_constant(const: Constant) -> str:
+def format_constant(const: Constant, rank: int | None = None) -> str:
     """`Tensor(shape=[2, 3], dtype=Float32, value=V)`; V is one number for a splat, else the
-    nested list of all values."""
+    nested list of all values (a rank-dependent constant: `rank`'s values)."""
     ttype = const.tensor_type
-    array = np.asarray(const.array)
+    array = np.asarray(constant_at(const, rank))
     if is_splat(array):
         value = _element_texts(array.reshape(-1)[:1], ttype.dtype)[0]
     else:
@@ -272,6 +275,16 @@ def _check_keys(mapping: dict[Any, Any], what: str) -> None:
         raise TypeError(f"{what} keys must be strings, got {bad[0]!r}")
 
 
+class _Hole:
+    """A node whose text depends on the rank (rank-dependent attributes or constants)."""
+
+    def __init__(self, printer: _Printer, index: int, node: Node) -> None:
+        self.printer, self.index, self.node = printer, index, node
+
+    def render(self, rank: int) -> str:
+        return "\n".join(self.printer.node(self.index, self.node, rank)) + "\n"
+
+
 class _Printer:
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
@@ -281,9 +294,9 @@ class _Printer:
         for i, node in enumerate(graph.nodes):
             self.names[id(node.result)] = f"%{i}"
 
-    def operand(self, value: Value, user: str) -> str:
+    def operand(self, value: Value, user: str, rank: int | None = None) -> str:
         if isinstance(value, Constant):
-            return format_constant(value)
+            return format_constant(value, rank)
         name = self.names.get(id(value))
         if name is None:
             kind = "parameter" if isinstance(value, GraphParam) else "node result"
@@ -298,16 +311,17 @@ class _Printer:
     def operand_type(self, value: Value) -> str:
         return format_type(value.type)
 
-    def node(self, index: int, node: Node) -> list[str]:
+    def node(self, index: int, node: Node, rank: int | None = None) -> list[str]:
         user = f"node %{index} ({node.op})"
-        operands = ", ".join(self.operand(v, user) for v in node.operands)
+        operands = ", ".join(self.operand(v, user, rank) for v in node.operands)
         head = (
             f"{NODE_INDENT}%{index}({sanitize_hint(node.result.name_hint)}) = {node.op}({operands})"
         )
         if node.instance_name:
             head += f" {{instance name: {format_word(node.instance_name)}}}"
         _check_keys(node.attrs, f"{user}: attribute")
-        head += f" primitive_attrs: {format_dict(node.attrs)}"
+        attrs = node.attrs if rank is None else resolve_attrs(node.attrs, rank)
+        head += f" primitive_attrs: {format_dict(attrs)}"
         if node.parallel is not None:
             head += " " + format_parallel(node.parallel)
         in_types = ", ".join(self.operand_type(v) for v in node.operands)
@@ -320,13 +334,21 @@ class _Printer:
             lines.append(DETAIL_INDENT + format_source(node.source))
         return lines
 
-    def run(self) -> str:
+    def segments(self) -> list[str | _Hole]:
+        """The text, with a `_Hole` for every node that differs between ranks."""
         g = self.graph
         gname = format_name(g.name)
         lines = [f"# IR entry: @{gname}", "# Total subgraphs: 1", "", "# Attrs:"]
         _check_keys(g.attrs, f"graph {g.name}: attribute")
-        for key, value in g.attrs.items():
-            lines.append(f"{format_string(key)}: {format_value(value)}")
+        out: list[str | _Hole] = []
+        head_attrs = [(k, v) for k, v in g.attrs.items()]
+        if any(isinstance(v, RankValue) for _, v in head_attrs):
+            out.append("\n".join(lines) + "\n")
+            out.append(_AttrsHole(head_attrs))
+            lines = []
+        else:
+            for key, value in head_attrs:
+                lines.append(f"{format_string(key)}: {format_value(value)}")
         lines += ["", f"# Total params: {len(g.params)}", "# Params:"]
         for i, param in enumerate(g.params):
             lines.append(f"{param_ref(i, param)}: {format_param_type(param)}")
@@ -339,7 +361,13 @@ class _Printer:
             f"subgraph @{gname}() {{",
         ]
         for i, node in enumerate(g.nodes):
-            lines.extend(self.node(i, node))
+            if _rank_dependent(node):
+                if lines:
+                    out.append("\n".join(lines) + "\n")
+                    lines = []
+                out.append(_Hole(self, i, node))
+            else:
+                lines.extend(self.node(i, node))
         outputs = ", ".join(self.operand(v, "Return") for v in g.outputs)
         out_types = ", ".join(self.operand_type(v) for v in g.outputs)
         lines += [
@@ -348,13 +376,48 @@ class _Printer:
             f"{DETAIL_INDENT}# scope: ({RETURN_SCOPE})",
             "}",
         ]
-        return "\n".join(lines) + "\n"
+        out.append("\n".join(lines) + "\n")
+        return out
 
 
-def print_graph(graph: Graph) -> str:
-    """The graph as IR text. Deterministic: the same graph always gives the same bytes.
+class _AttrsHole:
+    """The graph attributes, when one of them depends on the rank."""
+
+    def __init__(self, attrs: list[tuple[str, Any]]) -> None:
+        self.attrs = attrs
+
+    def render(self, rank: int) -> str:
+        return "".join(f"{format_string(k)}: {format_value(resolve(v, rank))}\n"
+                       for k, v in self.attrs)
+
+
+def _rank_dependent(node: Node) -> bool:
+    return has_rank_values(node.attrs) or any(isinstance(v, RankConstant)
+                                              for v in node.operands)
+
+
+class GraphText:
+    """The text of a graph for any rank, printed once: the parts that do not depend on the rank
+    are kept as text, the rest is rendered per rank (printing N ranks costs about one print
+    plus the rank-dependent nodes N times)."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.segments = _Printer(graph).segments()
+        self.rank_dependent = any(not isinstance(s, str) for s in self.segments)
+
+    def render(self, rank: int | None = None) -> str:
+        if rank is None:
+            if self.rank_dependent:
+                raise ValueError("this graph differs between ranks: print_graph(graph, rank)")
+            return "".join(self.segments)  # type: ignore[arg-type]
+        return "".join(s if isinstance(s, str) else s.render(rank) for s in self.segments)
+
+
+def print_graph(graph: Graph, rank: int | None = None) -> str:
+    """The graph as IR text (a rank-parametric graph: `rank`'s view of it). Deterministic: the
+    same graph always gives the same bytes.
 
     Raises ValueError when an operand or output is not a constant, a parameter of `graph` or
     the result of one of its nodes (such a value has no name in the text), and TypeError for
     attribute values outside the value grammar."""
-    return _Printer(graph).run()
+    return GraphText(graph).render(rank)

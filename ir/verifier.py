@@ -24,6 +24,7 @@ import numpy as np
 from pcompile.ir import registry
 from pcompile.ir.core import Constant, Graph, GraphParam, Node, NodeResult, Value
 from pcompile.ir.errors import PcompileError, ShapeError
+from pcompile.ir.rank import resolve_attrs
 from pcompile.ir.types import TensorType, TupleType
 
 
@@ -132,7 +133,8 @@ class _Verifier:
         types = [v.type for v in node.operands]
         try:
             opdef.check_arity(len(types))
-            inferred = opdef.infer(types, impl_attrs)
+            # A rank-parametric graph has the same types on every rank: infer at rank 0.
+            inferred = opdef.infer(types, resolve_attrs(impl_attrs, 0))
         except ShapeError as exc:
             shapes = ", ".join(str(t) for t in types)
             self.fail(f"{opdef.name} rejects its operands ({shapes}): {exc}", node, index)

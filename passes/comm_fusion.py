@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Graph, GraphParam, Node, NodeResult, ParallelInfo, Value
+from pcompile.ir.rank import RankGroup, RankValue, resolve
 from pcompile.ir.registry import get_op
 
 if TYPE_CHECKING:
@@ -350,11 +351,16 @@ def _parameter_names(graph: Graph) -> _Owners:
     return owners
 
 
+def _group_key(ranks: Any) -> Any:
+    """A group for bucketing: a `RankGroup` (the same groups at every rank) or a rank list."""
+    return ranks if isinstance(ranks, RankValue) else tuple(ranks)
+
+
 def _key(node: Node) -> tuple[Any, ...]:
     return (
         node.op,
         node.attrs.get("group"),
-        tuple(node.attrs.get("rank_list", ())),
+        _group_key(node.attrs.get("rank_list", ())),
         int(node.attrs.get("fusion", 0)),
         node.operands[0].dtype,
         node.attrs.get("op"),
@@ -458,7 +464,9 @@ def _plan(candidates: list[_Candidate], config: FusionConfig) -> list[list[_Cand
         assert kind is not None
         if kind.mode == "index":
             ranks = key[2]
-            world = config.world_size is None or ranks == tuple(range(config.world_size))
+            world = config.world_size is None or (
+                ranks.is_world if isinstance(ranks, RankGroup)
+                else ranks == tuple(range(config.world_size)))
             segments = _split_by_index(members, kind.split_indices if world else ())
         else:
             segments = _split_by_size(members, kind.threshold_elements)
@@ -666,8 +674,8 @@ def fuse_communication(graph: Graph, config: FusionConfig | None = None) -> Fusi
             kind=op,
             fusion=fusion,
             user_fusion=head.key[3],
-            group=str(head.key[1]),
-            rank_list=tuple(head.key[2]),
+            group=str(resolve(head.key[1], 0)),
+            rank_list=tuple(resolve(head.key[2], 0)),
             dtype=head.key[4].value,
             members=tuple(c.name for c in part),
             elements=sum(c.elements for c in part),
@@ -708,7 +716,9 @@ class CommFusionPass:
         devices = getattr(state, "devices", None)
         if devices:
             config = replace(config, world_size=int(devices))
-        self.reports = [fuse_communication(g, config) for g in state.rank_graphs]
+        graphs = state.graphs if hasattr(state, "graphs") else state.rank_graphs
+        reports = {id(g): fuse_communication(g, config) for g in graphs}
+        self.reports = [reports[id(g)] for g in state.rank_graphs]
         first = self.reports[0]
         plan = getattr(state, "plan", None)
         if isinstance(plan, dict):

@@ -19,6 +19,7 @@ from math import prod
 from pcompile.ir.core import Graph
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout, devices_along_axes, map_axes
+from pcompile.ir.rank import RankGroup
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,21 @@ class OptShard:
         return devices_along_axes(rank, self.use.dev_matrix, self.shard_axes)
 
     def mirror_group(self, rank: int) -> tuple[int, ...]:
-        free = [a for a in range(len(self.use.dev_matrix))
+        return devices_along_axes(rank, self.use.dev_matrix, self._free_axes())
+
+    def _free_axes(self) -> list[int]:
+        return [a for a in range(len(self.use.dev_matrix))
                 if a not in self.use.used_axes and a not in self.shard_axes]
-        return devices_along_axes(rank, self.use.dev_matrix, free)
+
+    @property
+    def shard_rank_group(self) -> RankGroup:
+        """`shard_group` for every rank (ir.rank)."""
+        return RankGroup.along(self.use.dev_matrix, self.shard_axes)
+
+    @property
+    def mirror_rank_group(self) -> RankGroup:
+        """`mirror_group` for every rank (ir.rank)."""
+        return RankGroup.along(self.use.dev_matrix, self._free_axes())
 
 
 def plan_optimizer_sharding(

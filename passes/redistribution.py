@@ -28,6 +28,7 @@ from functools import lru_cache
 from math import prod
 
 from pcompile.ir.layout import TensorLayout, axis_index, map_axes
+from pcompile.ir.rank import RankGroup, RankOffsets
 
 
 class NoUnification(Exception):  # noqa: N818  (a signal, not an error)
@@ -210,6 +211,31 @@ class RedistributionPlan:
                 out.append(("AllConcat", op.group(rank), op.dim))
             else:
                 out.append(("AlltoAll", op.group(rank), op.dim, op.concat_dim, op.count))
+        return out
+
+    def symbolic_ops(self) -> list[tuple]:
+        """The steps for every rank at once (`ir.rank` values): ("StridedSlice", begin, end,
+        strides) with `RankOffsets` begin/end, ("AllConcat", group, axis) and ("AlltoAll",
+        group, split_dim, concat_dim, count) with a `RankGroup`, ("Reshape", shape);
+        `ops_for_rank(r)` is this evaluated at rank r."""
+        world = prod(self.dev)
+        out: list[tuple] = []
+        for op in self.ops:
+            if op.kind == "Reshape":
+                out.append(("Reshape", op.shape))
+            elif op.kind == "Split":
+                length = op.in_shape[op.dim] // op.count
+                rank_len = len(op.in_shape)
+                terms = tuple(((op.stride, op.count, length),) if d == op.dim else ()
+                              for d in range(rank_len))
+                end = tuple(length if d == op.dim else n for d, n in enumerate(op.in_shape))
+                out.append(("StridedSlice", RankOffsets((0,) * rank_len, terms),
+                            RankOffsets(end, terms), (1,) * rank_len))
+            elif op.kind == "Concat":
+                out.append(("AllConcat", RankGroup(world, ((op.stride, op.count),)), op.dim))
+            else:
+                out.append(("AlltoAll", RankGroup(world, ((op.stride, op.count),)), op.dim,
+                            op.concat_dim, op.count))
         return out
 
     def comm_bytes(self, itemsize: int) -> int:

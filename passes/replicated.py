@@ -53,12 +53,13 @@ def build_replicated_graphs(
     graphs: list[Graph], options: SplitOptions, fusion_ids: dict[str, int],
     layerwise: set[str],
 ) -> list[Graph]:
-    """One graph per rank from `graphs[r]` (the same graph for every rank, or one traced per
-    rank in hybrid mode), with mirrors over all ranks."""
-    out = []
+    """The graph of each rank from `graphs[r]`, with mirrors over all ranks: one
+    rank-parametric graph for every rank when they all run the same traced graph
+    (data_parallel), one per rank when the model was traced per rank (hybrid_parallel)."""
     local_options = SplitOptions(options.devices, options.training, options.gradients_mean,
                                  loss_repeated_mean=False, opt_shard=options.opt_shard)
-    for rank, graph in enumerate(graphs):
+
+    def build(graph: Graph, rank: int | None) -> Graph:
         assignment = replicated_assignment(graph, options.devices)
         for name, shard in options.opt_shard.items():
             assignment.param_layouts[name] = shard.stored
@@ -68,8 +69,11 @@ def build_replicated_graphs(
         for node in g.nodes:
             if node.parallel is not None and node.op != "_MirrorOperator":
                 node.parallel = None  # nothing was sharded: no strategy to print
-        out.append(g)
-    return out
+        return g
+
+    if all(g is graphs[0] for g in graphs):
+        return [build(graphs[0], None)] * len(graphs)
+    return [build(graph, rank) for rank, graph in enumerate(graphs)]
 
 
 def data_parallel_feed_layouts(graph: Graph, devices: int) -> dict[str, TensorLayout]:

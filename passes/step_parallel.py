@@ -28,8 +28,26 @@ from typing import Any
 import numpy as np
 
 from pcompile.ir.builder import Builder
-from pcompile.ir.core import Constant, Graph, GraphParam, Node, ParallelInfo, Value
-from pcompile.ir.layout import TensorLayout, devices_along_axes, group_name, std_hash
+from pcompile.ir.core import (
+    Constant,
+    Graph,
+    GraphParam,
+    Node,
+    ParallelInfo,
+    RankConstant,
+    Value,
+)
+from pcompile.ir.layout import TensorLayout, group_name, std_hash
+from pcompile.ir.rank import (
+    GroupName,
+    RankGroup,
+    RankId,
+    RankScalar,
+    RankValue,
+    SlicedArray,
+    layout_offsets,
+    resolve,
+)
 from pcompile.ir.registry import get_op
 from pcompile.ir.sharding import OpSharding
 from pcompile.ir.types import TensorType
@@ -57,9 +75,11 @@ def slice_array(array: np.ndarray, layout: TensorLayout, rank: int) -> np.ndarra
 
 
 class RankBuilder:
-    """Builds one rank's local forward graph from the global graph and its assignment."""
+    """Builds the local forward graph from the global graph and its assignment: for every
+    rank at once (`rank=None`: what differs between ranks is an `ir.rank` value), or for one
+    rank (hybrid mode's per-rank traces)."""
 
-    def __init__(self, graph: Graph, assignment: ParallelAssignment, rank: int,
+    def __init__(self, graph: Graph, assignment: ParallelAssignment, rank: int | None,
                  options: SplitOptions, fusion_ids: dict[str, int]) -> None:
         self.global_graph = graph
         self.assignment = assignment
@@ -68,7 +88,7 @@ class RankBuilder:
         self.fusion_ids = fusion_ids
         self.graph = Graph(graph.name)
         self.graph.attrs = dict(graph.attrs)
-        self.graph.attrs["rank"] = rank
+        self.graph.attrs["rank"] = self.rank_value(RankId())
         self.local: dict[int, tuple[Value, Any]] = {}
         self.redistributed: dict[tuple[int, TensorLayout], Value] = {}
         self.mirrors: dict[int, Value] = {}
@@ -81,8 +101,13 @@ class RankBuilder:
         self.anchor_counts[anchor.fullname] = k + 1
         return f"{kind}_{std_hash(f'{anchor.fullname}_{k}')}{op}"
 
-    def group_attrs(self, ranks: tuple[int, ...]) -> dict[str, Any]:
-        return {"group": group_name(ranks, self.options.devices), "rank_list": tuple(ranks)}
+    def rank_value(self, value: RankValue) -> Any:
+        """`value` for every rank (symbolic), or at this builder's one rank."""
+        return value if self.rank is None else value.at(self.rank)
+
+    def group_attrs(self, group: RankGroup) -> dict[str, Any]:
+        return {"group": self.rank_value(GroupName(group)),
+                "rank_list": self.rank_value(group)}
 
     # -- build ------------------------------------------------------------------------------------
     def build(self) -> Graph:
@@ -111,7 +136,7 @@ class RankBuilder:
         return self.local[id(value)]
 
     def virtual_div(self, loss: Value, layout: TensorLayout) -> Value:
-        copies = len(layout.repeat_group(self.rank))
+        copies = layout.repeat_count
         if copies <= 1 or not self.options.loss_repeated_mean:
             return loss
         node = loss.node if hasattr(loss, "node") else None
@@ -142,7 +167,7 @@ class RankBuilder:
         if shard is not None and self.options.training and local is self.local[id(param)][0]:
             return self.gather_shard(local, param, user, shard)
         if self.options.training and param.kind == "weight" and param.requires_grad:
-            group = layout.repeat_group(self.rank)
+            group = RankGroup.along(layout.dev_matrix, layout.repeat_axes)
             if len(group) > 1:
                 b = Builder(self.graph, scope=user.scope, source=user.source)
                 nbytes = local.tensor_type.nbytes
@@ -167,7 +192,7 @@ class RankBuilder:
         b = Builder(self.graph, scope=user.scope, source=user.source)
         fusion = self.fusion_ids.get(param.name, 1)
         value = local
-        rest = shard.mirror_group(self.rank)
+        rest = shard.mirror_rank_group
         if len(rest) > 1:
             value = b.emit(
                 "_MirrorOperator", [value],
@@ -179,7 +204,7 @@ class RankBuilder:
                 parallel=ParallelInfo(extra={
                     "reason": f"gradient part of parameter {param.name} is all-reduced over "
                               f"the {len(rest)} ranks that store the same part"}))
-        group = shard.shard_group(self.rank)
+        group = shard.shard_rank_group
         nbytes = local.tensor_type.nbytes * (len(group) - 1)
         return b.emit(
             "AllGather", [value],
@@ -195,7 +220,7 @@ class RankBuilder:
 
     def required(self, node: Node, index: int, value: Value, want: TensorLayout) -> Value:
         if isinstance(value, Constant):
-            return Constant(slice_array(value.array, want, self.rank), value.dtype)
+            return self.constant(value, want)
         if isinstance(value, GraphParam) and value.kind != "input":
             return self.mirror(value, node)
         local, have = self.local[id(value)]
@@ -205,6 +230,23 @@ class RankBuilder:
         if key not in self.redistributed:
             self.redistributed[key] = self.redistribute(node, index, local, have, want)
         return self.redistributed[key]
+
+    def _group_attrs_of(self, group: Any) -> dict[str, Any]:
+        """Group attributes of a redistribution step (a `RankGroup`, or one rank's members)."""
+        if isinstance(group, RankGroup):
+            return self.group_attrs(group)
+        return {"group": group_name(group, self.options.devices), "rank_list": tuple(group)}
+
+    def constant(self, value: Constant, want: TensorLayout) -> Constant:
+        """A constant operand as `want` lays it out: the whole constant, or each rank's part."""
+        if all(e == -1 for e in want.tensor_map) or not value.shape:
+            return Constant(value.array, value.dtype)
+        return self.rank_constant(SlicedArray(value.array, want), value.dtype)
+
+    def rank_constant(self, data: RankValue, dtype: Any) -> Constant:
+        if self.rank is not None:
+            return Constant(np.asarray(data.at(self.rank)), dtype)
+        return RankConstant(data, dtype)
 
     def redistribute(self, node: Node, index: int, local: Value, have: TensorLayout,
                      want: TensorLayout) -> Value:
@@ -216,7 +258,10 @@ class RankBuilder:
     def emit_plan(self, node: Node, local: Value, plan: Any, reason: str) -> Value:
         b = Builder(self.graph, scope=node.scope, source=node.source)
         value = local
-        for step in plan.ops_for_rank(self.rank):
+        steps = plan.symbolic_ops()
+        if self.rank is not None:
+            steps = [tuple(resolve(x, self.rank) for x in step) for step in steps]
+        for step in steps:
             kind = step[0]
             if kind == "Reshape":
                 value = b.emit("Reshape", [value], {"shape": tuple(step[1])},
@@ -232,7 +277,7 @@ class RankBuilder:
             elif kind == "AllConcat":
                 ranks, axis = step[1], step[2]
                 nbytes = value.tensor_type.nbytes * (len(ranks) - 1)
-                gathered = b.emit("AllGather", [value], self.group_attrs(ranks),
+                gathered = b.emit("AllGather", [value], self._group_attrs_of(ranks),
                                   instance_name=self.inserted_name(node, "redistribution_op",
                                                                    "AllGather"),
                                   parallel=ParallelInfo(extra={"reason": reason,
@@ -253,7 +298,7 @@ class RankBuilder:
                 nbytes = value.tensor_type.nbytes * (count - 1) // count
                 value = b.emit("AlltoAll", [value],
                                {"split_count": count, "split_dim": split_dim,
-                                "concat_dim": concat_dim, **self.group_attrs(ranks)},
+                                "concat_dim": concat_dim, **self._group_attrs_of(ranks)},
                                instance_name=self.inserted_name(node, "redistribution_op",
                                                                 "AlltoAll"),
                                parallel=ParallelInfo(extra={"reason": reason,
@@ -322,7 +367,7 @@ class RankBuilder:
 
     def forward_comm(self, node: Node, b: Builder, out: Value, sharding: OpSharding) -> Value:
         for comm in sharding.forward:
-            group = devices_along_axes(self.rank, sharding.dev_matrix, comm.axes)
+            group = RankGroup.along(sharding.dev_matrix, comm.axes)
             if comm.kind == "Div":
                 out = b.emit("RealDiv", [out, Constant(np.asarray(comm.divisor), out.dtype)],
                              instance_name=self.inserted_name(node, "forward_op", "RealDiv"),
@@ -348,8 +393,8 @@ class RankBuilder:
         table, idx = operands
         layout = sharding.in_layouts[0]
         rows = table.shape[0]
-        start = layout.slice_bounds(self.rank)[0][0]
-        sub = b.emit("Sub", [idx, Constant(np.asarray(start), idx.dtype)])
+        start = self.rank_constant(RankScalar(layout_offsets(layout), 0), idx.dtype)
+        sub = b.emit("Sub", [idx, start])
         low = b.emit("GreaterEqual", [sub, Constant(np.asarray(0), idx.dtype)])
         high = b.emit("Less", [sub, Constant(np.asarray(rows), idx.dtype)])
         mask = b.emit("Mul", [b.emit("Cast", [low], {"dst_type": table.dtype}),
@@ -382,12 +427,17 @@ class RankBuilder:
         self.local[id(node.result)] = (out, want)
 
 
+def build_spmd_graph(graph: Graph, assignment: ParallelAssignment, options: SplitOptions,
+                     fusion_ids: dict[str, int]) -> tuple[Graph, list[Any]]:
+    """The one local graph every rank runs (rank differences as `ir.rank` values), and the
+    layouts of its outputs."""
+    builder = RankBuilder(graph, assignment, None, options, fusion_ids)
+    return builder.build(), builder.output_layouts
+
+
+
 def build_rank_graphs(graph: Graph, assignment: ParallelAssignment, options: SplitOptions,
                       fusion_ids: dict[str, int]) -> tuple[list[Graph], list[Any]]:
-    graphs, output_layouts = [], []
-    for rank in range(options.devices):
-        builder = RankBuilder(graph, assignment, rank, options, fusion_ids)
-        graphs.append(builder.build())
-        output_layouts = builder.output_layouts
-    return graphs, output_layouts
-
+    """`build_spmd_graph` as the list of what every rank runs (the same graph, once per rank)."""
+    local, layouts = build_spmd_graph(graph, assignment, options, fusion_ids)
+    return [local] * options.devices, layouts

@@ -29,7 +29,7 @@ def test_net2_compiles_with_sharding_propagation_and_matches_single_device() -> 
         ("shard_input_0", ((4, 2),)),  # the sharded dense_relu function
     ]
     # The stored slice of block1.dense2.weight follows the parameter plan: rows split 8 ways.
-    assert program.rank_graphs[0].param("block1.dense2.weight").shape == (4, 32)
+    assert program.rank_graph(0).param("block1.dense2.weight").shape == (4, 32)
     assert check(program, steps=2).ok(1e-5)
 
 

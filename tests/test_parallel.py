@@ -21,7 +21,7 @@ from pcompile.ir.errors import OpError, PcompileError
 from pcompile.ir.sharding import OpContext, is_power_of_two, rule_for
 from pcompile.ir.types import DType, TensorType, TupleType
 from pcompile.passes.autodiff import append_gradients
-from pcompile.passes.step_parallel import SplitOptions, build_rank_graphs
+from pcompile.passes.step_parallel import SplitOptions, build_spmd_graph
 from pcompile.passes.step_parallel_begin import assign
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +31,7 @@ MODELS = os.path.join(ROOT, "tests", "models")
 def test_quickstart_seed_rank0_dump(tmp_path) -> None:
     program = compile_model(os.path.join(MODELS, "quickstart_semi.py"), devices=8,
                             out_dir=str(tmp_path / "out"))
-    rank0 = program.rank_graphs[0]
+    rank0 = program.rank_graph(0)
     fwd = [n for n in rank0.nodes if not n.scope.startswith(("Gradients", "Default/optimizer"))]
     matmul = next(n for n in fwd if n.instance_name == "matmul")
     assert [v.shape for v in matmul.operands] == [(8, 8), (8, 16)]
@@ -46,7 +46,7 @@ def test_quickstart_seed_rank0_dump(tmp_path) -> None:
     matmul2 = next(n for n in fwd if n.instance_name == "matmul2")
     assert [v.shape for v in matmul2.operands] == [(8, 4), (4, 16)]
     # rank 5 = coordinate (1, 1): the other row block and group.
-    rank5 = program.rank_graphs[5]
+    rank5 = program.rank_graph(5)
     ar5 = next(n for n in rank5.nodes if n.op == "AllReduce")
     assert ar5.attrs["rank_list"] == (4, 5, 6, 7)
     text = (tmp_path / "out" / "rank_0" / "01_step_parallel_begin.ir").read_text()
@@ -71,7 +71,7 @@ def test_examples_match_single_device(example) -> None:
 def test_layout_scenario_strategies() -> None:
     program = compile_model(os.path.join(ROOT, "examples", "layout_mlp.py"), devices=8,
                             dump=False)
-    rank0 = program.rank_graphs[0]
+    rank0 = program.rank_graph(0)
     m1 = next(n for n in rank0.nodes if n.instance_name == "matmul1")
     # x (32, 784): dim 0 on "mp" (2), dim 1 on ("sp", "dp") (4); w (784, 512) rows on (sp, dp).
     assert [v.shape for v in m1.operands] == [(16, 196), (196, 512)]
@@ -137,10 +137,10 @@ def run_sharded(op: str, arrays: list[np.ndarray], attrs: dict, strategy, device
     want = run_graph(ref_graph, arrays)
 
     assignment = assign(graph, devices, "full_batch")
-    ranks, out_layouts = build_rank_graphs(graph, assignment, SplitOptions(devices, True), {})
-    for g in ranks:
-        ws = [p for p in g.weights if p.requires_grad]
-        g.outputs = g.outputs + append_gradients(g, g.outputs[0], ws)
+    local, out_layouts = build_spmd_graph(graph, assignment, SplitOptions(devices, True), {})
+    ws = [p for p in local.weights if p.requires_grad]
+    local.outputs = local.outputs + append_gradients(local, local.outputs[0], ws)
+    ranks = [local] * devices
     feeds = []
     for r in range(devices):
         feeds.append([arr[tuple(slice(b, e) for b, e in
@@ -288,7 +288,7 @@ def test_prod_helper() -> None:
 def test_reduce_scatter_plans_match_single_device(tmp_path) -> None:
     program = compile_model(os.path.join(ROOT, "examples", "layout_reduce_scatter.py"),
                             dump=False)
-    assert any(n.op == "ReduceScatter" for n in program.rank_graphs[0].nodes)
+    assert any(n.op == "ReduceScatter" for n in program.rank_graph(0).nodes)
     assert check(program).ok(1e-5)
     model = tmp_path / "rs.py"
     model.write_text(
@@ -303,5 +303,5 @@ def test_reduce_scatter_plans_match_single_device(tmp_path) -> None:
         "    return (r.standard_normal((16, 32)).astype(np.float32),"
         " r.standard_normal((32, 8)).astype(np.float32))\n")
     program = compile_model(str(model), dump=False)
-    assert [n.op for n in program.rank_graphs[0].nodes].count("ReduceScatter") == 1
+    assert [n.op for n in program.rank_graph(0).nodes].count("ReduceScatter") == 1
     assert check(program).ok(1e-5)

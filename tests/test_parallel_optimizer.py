@@ -33,11 +33,11 @@ def test_data_parallel_mlp_memory_drops_8x(mode, tmp_path) -> None:
     sharded = compile_model(str(mlp), devices=8, parallel_mode=mode, dump=False,
                             overrides={"enable_parallel_optimizer": True,
                                        "gradients_mean": mode == "data_parallel"})
-    before, after = state_bytes(base.rank_graphs[0]), state_bytes(sharded.rank_graphs[0])
+    before, after = state_bytes(base.rank_graph(0)), state_bytes(sharded.rank_graph(0))
     for name in ("fc1_weight", "fc2_weight", "moments.fc1_weight", "moments.fc2_weight"):
         assert after[name] * 8 == before[name], name
     assert after["fc3_weight"] == before["fc3_weight"]  # 20 KB < 64 KB threshold
-    nodes = sharded.rank_graphs[0].nodes
+    nodes = sharded.rank_graph(0).nodes
     gathers = [n for n in nodes if n.op == "AllGather" and "parallel_optimizer" in n.instance_name]
     assert len(gathers) == 2 and all(len(n.attrs["rank_list"]) == 8 for n in gathers)
     assert sum(n.op == "ReduceScatter" for n in nodes) == 2
@@ -50,12 +50,12 @@ def test_shard_size_keeps_a_mirror_over_the_rest() -> None:
                                        "parallel_optimizer_config": {
                                            "parallel_optimizer_threshold": 0,
                                            "optimizer_weight_shard_size": 2}})
-    nodes = program.rank_graphs[0].nodes
+    nodes = program.rank_graph(0).nodes
     gather = next(n for n in nodes if n.op == "AllGather")
     mirror = next(n for n in nodes if n.op == "_MirrorOperator")
     assert gather.attrs["rank_list"] == (0, 1)
     assert mirror.attrs["rank_list"] == (0, 2, 4, 6)
-    assert program.rank_graphs[0].param("w").shape == (16, 16)
+    assert program.rank_graph(0).param("w").shape == (16, 16)
     assert check(program, steps=2).ok(1e-5)
 
 
@@ -67,5 +67,5 @@ def test_parameter_opt_out(tmp_path) -> None:
                             overrides={"enable_parallel_optimizer": True,
                                        "parallel_optimizer_config": {
                                            "parallel_optimizer_threshold": 0}})
-    g = program.rank_graphs[0]
+    g = program.rank_graph(0)
     assert g.param("w").shape == (32, 16) and g.param("w2").shape == (2, 16)

@@ -729,7 +729,7 @@ def test_value_parse_errors(line: str, needle: str, message: str) -> None:
 @pytest.mark.parametrize(
     ("old", "new", "message"),
     [
-        ("dtype=Float32, value=0.5", "dtype=Float64, value=0.5", "expected a dtype (Float32, "),
+        ("dtype=Float32, value=0.5", "dtype=Float128, value=0.5", "expected a dtype (Float32, "),
         ("dtype=Float32, value=0.5", "dtype=Int32, value=0.5", "expected ')', got '.5'"),
         ("dtype=Float32, value=0.5", "dtype=Bool, value=1", "expected true or false, got '1'"),
         ("shape=[], dtype=Float32, value=0.5", "shape=[2], dtype=Int32, value=[1, 2**40]", ""),

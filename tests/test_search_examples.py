@@ -74,7 +74,7 @@ def test_quickstart_seed_strategies_and_rank0_dump(tmp_path) -> None:
     assert "{in_strategy: ((2, 4)), cost: " in relu
     matmul2 = next(line for line in text.splitlines() if "{instance name: matmul2}" in line)
     assert "{in_strategy: ((2, 4), (4, 1)), cost: " in matmul2
-    rank0 = program.rank_graphs[0]
+    rank0 = program.rank_graph(0)
     fwd = [n for n in rank0.nodes if not n.scope.startswith(("Gradients", "Default/optimizer"))]
     matmul = next(n for n in fwd if n.instance_name == "matmul")
     assert [v.shape for v in matmul.operands] == [(8, 8), (8, 16)]

@@ -33,6 +33,7 @@ import numpy as np
 from pcompile.backends.checkpoint import layout_entry, npz_bytes
 from pcompile.backends.jax.plan import NodePlan, SpmdLoweringError, SpmdPlan
 from pcompile.ir.core import Constant, Graph
+from pcompile.ir.rank import resolve_attrs
 from pcompile.ir.types import DType
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -334,13 +335,13 @@ def _dump_names(graph: Graph) -> list[str]:
 
 def _rank_detail(n: NodePlan, node: Any, rank: int) -> str:
     if n.kind in ("slice", "slice_grad"):
-        a = node.attrs
+        a = resolve_attrs(node.attrs, rank)
         return f"begin {literal(tuple(a['begin']))}, end {literal(tuple(a['end']))}"
     if n.kind == "collective":
         c = n.collective
         assert c is not None
         how = f"over mesh axes {literal(c.axes)}" if c.axes is not None else "exact fallback"
-        return f"group {literal(c.groups[rank])} ({how})"
+        return f"group {literal(c.group_of(rank))} ({how})"
     if n.kind == "switch":
         return f"variant {n.variant[rank]}: {literal(n.variants[n.variant[rank]])}"
     if n.const_tables:

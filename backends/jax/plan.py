@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from pcompile.ir.core import Constant, Graph, GraphParam, Node, NodeResult, Value
+from pcompile.ir.core import Constant, Graph, GraphParam, Node, NodeResult, RankConstant, Value
+from pcompile.ir.rank import RankGroup, has_rank_values, resolve_attrs
 from pcompile.ir.registry import get_op
 
 # Attributes that do not change what a non-collective op computes (its implementation ignores
@@ -123,6 +124,21 @@ def align_groups(mesh: MeshSpec, groups: list[tuple[int, ...]]) -> tuple[int, ..
     return None
 
 
+def align_digits(mesh: MeshSpec, group: RankGroup) -> tuple[int, ...] | None:
+    """Mesh axis indices (in mesh order) whose variation gives exactly `group`'s members at
+    every rank, or None. Both the mesh and the device matrices are row-major over the ranks,
+    so a digit (stride s, count c) is a run of mesh axes when s and s * c are cut points of
+    the mesh; members ascend, which is the row-major order of the axes in mesh order."""
+    strides = [prod(mesh.sizes[j + 1:]) for j in range(len(mesh.sizes))]
+    cuts = set(strides) | {mesh.size}
+    axes: list[int] = []
+    for stride, count in group.digits:
+        if stride not in cuts or stride * count not in cuts:
+            return None
+        axes += [j for j, s in enumerate(strides) if stride <= s < stride * count]
+    return tuple(sorted(axes))
+
+
 def layout_axes(layout: Any, mesh: MeshSpec) -> tuple[tuple[str, ...] | None, ...] | None:
     """The mesh axes each dim of a TensorLayout is split over (None: not split), i.e. the
     PartitionSpec of the global tensor on the rank mesh; None when a device-matrix axis is not
@@ -151,16 +167,31 @@ def layout_axes(layout: Any, mesh: MeshSpec) -> tuple[tuple[str, ...] | None, ..
 
 @dataclass
 class CollectivePlan:
-    """How a collective runs: over mesh axes (`axes`, names) or by the gather fallback."""
+    """How a collective runs: over mesh axes (`axes`, names) or by the gather fallback.
+    Its groups are given per rank (`rank_groups`) or, in a rank-parametric graph, as one
+    `RankGroup` (`group`) that `groups` evaluates for every rank when it is needed."""
 
     op: str
-    groups: tuple[tuple[int, ...], ...]  # groups[r]: rank r's group in rank_list order
+    rank_groups: tuple[tuple[int, ...], ...] | None
     axes: tuple[str, ...] | None
     attrs: dict[str, Any]
+    group: RankGroup | None = None
+    num_ranks: int = 0
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """groups[r]: rank r's group in rank_list order."""
+        if self.rank_groups is None:
+            assert self.group is not None
+            self.rank_groups = tuple(self.group.table(self.num_ranks))
+        return self.rank_groups
+
+    def group_of(self, rank: int) -> tuple[int, ...]:
+        return self.group.at(rank) if self.group is not None else self.groups[rank]
 
     @property
     def group_size(self) -> int:
-        return len(self.groups[0])
+        return len(self.group) if self.group is not None else len(self.groups[0])
 
     @property
     def members(self) -> np.ndarray:
@@ -226,6 +257,8 @@ class SpmdPlan:
         if not graphs:
             raise SpmdLoweringError("no rank graphs")
         n = len(graphs)
+        if all(g is graphs[0] for g in graphs):
+            return _build_parametric(graphs, n)
         _check_structure(graphs)
         raw: list[tuple[int, Node, list[Node]]] = []
         collective_groups: list[list[tuple[int, ...]]] = []
@@ -241,9 +274,10 @@ class SpmdPlan:
         return SpmdPlan(list(graphs), mesh, plans, outputs)
 
 
-def choose_mesh(n: int, collective_groups: list[list[tuple[int, ...]]]) -> MeshSpec:
+def choose_mesh(n: int, collective_groups: list[Any]) -> MeshSpec:
     """Prime-sized mesh axes; among the distinct orders of the primes, the one that aligns the
-    most collectives (first in sorted order on ties)."""
+    most collectives (first in sorted order on ties). A collective's groups are given per rank
+    or as one `RankGroup`."""
     primes = prime_factors(n)
     orders = sorted(set(itertools.permutations(primes)))
     best, best_score = MeshSpec.from_sizes(tuple(primes)), -1
@@ -251,7 +285,8 @@ def choose_mesh(n: int, collective_groups: list[list[tuple[int, ...]]]) -> MeshS
         return best
     for order in orders[:720]:
         mesh = MeshSpec.from_sizes(order)
-        score = sum(align_groups(mesh, g) is not None for g in collective_groups)
+        score = sum((align_digits(mesh, g) if isinstance(g, RankGroup)
+                     else align_groups(mesh, g)) is not None for g in collective_groups)
         if score > best_score:
             best, best_score = mesh, score
     return best
@@ -365,7 +400,7 @@ def _plan_node(k: int, node: Node, nodes: list[Node], ref: _Refs, n: int,
         attrs = {k2: v for k2, v in node.attrs.items()
                  if k2 in ("op", "split_count", "split_dim", "concat_dim", "root_rank")}
         plan.kind = "collective"
-        plan.collective = CollectivePlan(node.op, tuple(groups), names, attrs)
+        plan.collective = CollectivePlan(node.op, tuple(groups), names, attrs, num_ranks=n)
         return plan
     if opdef.jax is None:
         raise SpmdLoweringError(f"{node.where()}: {node.op} has no JAX implementation")
@@ -390,7 +425,9 @@ def _plan_node(k: int, node: Node, nodes: list[Node], ref: _Refs, n: int,
     return plan
 
 
-def _slice_plan(node: Node, nodes: list[Node]) -> SlicePlan | None:
+def _slice_plan(node: Node, nodes: list[Node],
+                rank_attrs: list[dict[str, Any]] | None = None) -> SlicePlan | None:
+    """`rank_attrs[r]`: rank r's attributes (default: those of `nodes[r]`)."""
     from pcompile.ir.ops.shape import _slice_spec
 
     if node.op == "StridedSlice":
@@ -398,10 +435,10 @@ def _slice_plan(node: Node, nodes: list[Node]) -> SlicePlan | None:
     else:
         shape = tuple(int(d) for d in node.attrs["shape"])
     starts, spans, steps_seen = [], set(), set()
-    for nd in nodes:
-        if nd.op == "StridedSliceGrad" and tuple(nd.attrs["shape"]) != shape:
+    for attrs in rank_attrs if rank_attrs is not None else [nd.attrs for nd in nodes]:
+        if node.op == "StridedSliceGrad" and tuple(attrs["shape"]) != shape:
             return None
-        slices, out = _slice_spec(shape, nd.attrs)
+        slices, out = _slice_spec(shape, attrs)
         starts.append([s.start for s in slices])
         steps = tuple(s.step for s in slices)
         spans.add(tuple((o - 1) * st + 1 if o else 0 for o, st in zip(out, steps)))
@@ -412,3 +449,72 @@ def _slice_plan(node: Node, nodes: list[Node]) -> SlicePlan | None:
     if any(d == 0 for d in span):
         return None
     return SlicePlan(np.asarray(starts, np.int32), span, steps_seen.pop(), tuple(shape))
+
+
+def _build_parametric(graphs: list[Graph], n: int) -> SpmdPlan:
+    """The plan of one rank-parametric graph run by all `n` ranks (`ir.rank` values say what
+    differs between them)."""
+    graph = graphs[0]
+    collective_groups: list[Any] = []
+    for node in graph.nodes:
+        if get_op(node.op).collective:
+            group = node.attrs.get("rank_list")
+            collective_groups.append(group if isinstance(group, RankGroup)
+                                     else _groups([node] * n, n))
+    mesh = choose_mesh(n, collective_groups)
+    ref = _Refs(graph)
+    plans = [_plan_parametric(k, node, ref, n, mesh) for k, node in enumerate(graph.nodes)]
+    return SpmdPlan(list(graphs), mesh, plans, [ref(v) for v in graph.outputs])
+
+
+def _plan_parametric(k: int, node: Node, ref: _Refs, n: int, mesh: MeshSpec) -> NodePlan:
+    opdef = get_op(node.op)
+    operands = [("const", i) if isinstance(v, Constant) else ref(v)
+                for i, v in enumerate(node.operands)]
+    impl = _impl_attrs(node)
+    plan = NodePlan(k, node, "op", resolve_attrs(impl, 0), operands)
+    for i, v in enumerate(node.operands):
+        if isinstance(v, RankConstant):
+            plan.const_tables[i] = np.stack([v.array_at(r) for r in range(n)])
+    if opdef.collective:
+        if node.op not in COLLECTIVE_OPS:
+            raise SpmdLoweringError(f"{node.where()}: no SPMD lowering for collective {node.op}")
+        attrs = {k2: v for k2, v in node.attrs.items()
+                 if k2 in ("op", "split_count", "split_dim", "concat_dim", "root_rank")}
+        group = node.attrs.get("rank_list")
+        plan.kind = "collective"
+        if isinstance(group, RankGroup):
+            if group.world != n:
+                raise SpmdLoweringError(
+                    f"{node.where()}: its group spans {group.world} ranks, the program {n}")
+            axes = align_digits(mesh, group)
+            names = tuple(mesh.names[a] for a in axes) if axes is not None else None
+            plan.collective = CollectivePlan(node.op, None, names, attrs, group, n)
+        else:
+            groups = _groups([node] * n, n)
+            axes = align_groups(mesh, groups)
+            names = tuple(mesh.names[a] for a in axes) if axes is not None else None
+            plan.collective = CollectivePlan(node.op, tuple(groups), names, attrs,
+                                             num_ranks=n)
+        return plan
+    if opdef.jax is None:
+        raise SpmdLoweringError(f"{node.where()}: {node.op} has no JAX implementation")
+    if not has_rank_values(impl):
+        return plan
+    per_rank = [resolve_attrs(impl, r) for r in range(n)]
+    if node.op in ("StridedSlice", "StridedSliceGrad"):
+        sliced = _slice_plan(node, [node] * n, per_rank)
+        if sliced is not None:
+            plan.kind = "slice" if node.op == "StridedSlice" else "slice_grad"
+            plan.slice = sliced
+            return plan
+    variants: list[dict[str, Any]] = []
+    index = []
+    for attrs in per_rank:
+        if attrs not in variants:
+            variants.append(attrs)
+        index.append(variants.index(attrs))
+    plan.kind = "switch"
+    plan.variants = variants
+    plan.variant = tuple(index)
+    return plan

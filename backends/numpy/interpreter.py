@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from pcompile.ir.core import Constant, Graph, Node, Value
+from pcompile.ir.core import Constant, Graph, Node, Value, constant_at
 from pcompile.ir.registry import OpDef, get_op
 from pcompile.ir.types import DType, TensorType, TupleType, ValueType
 
@@ -62,10 +62,13 @@ def node_attrs(opdef: OpDef, node: Node, float64: bool = False) -> dict[str, Any
     return attrs
 
 
-def constant_value(value: Constant, float64: bool = False) -> np.ndarray:
+def constant_value(value: Constant, float64: bool = False, rank: int | None = None
+                   ) -> np.ndarray:
+    """A constant's data (on `rank`, for a rank-dependent constant)."""
+    array = constant_at(value, rank)
     if float64 and value.dtype.is_float:
-        return value.array.astype(np.float64)
-    return value.array
+        return array.astype(np.float64)
+    return array
 
 
 def _check(node: Node, expected: ValueType, got: Any, float64: bool = False) -> Any:

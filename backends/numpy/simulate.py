@@ -23,12 +23,13 @@ from pcompile.backends.numpy.interpreter import (
     value_dtype,
 )
 from pcompile.ir.core import Constant, Graph, Node, Value
+from pcompile.ir.rank import resolve, resolve_attrs
 from pcompile.ir.registry import get_op
 
 
 def collective_result(node: Node, rank: int, inputs: dict[int, list[np.ndarray]]) -> Any:
     """The output on `rank` of collective `node`, given every group member's inputs."""
-    ranks = tuple(node.attrs["rank_list"])
+    ranks = tuple(resolve(node.attrs["rank_list"], rank))
     if rank not in ranks:
         raise RuntimeError(f"{node.where()}: rank {rank} is not in its group {ranks}")
     mine = ranks.index(rank)
@@ -82,23 +83,26 @@ def _lockstep(graphs: Sequence[Graph], feeds: Sequence[Sequence[Any]],
             env[id(p)] = arr.astype(value_dtype(p.dtype, float64), copy=False)
         envs.append(env)
 
-    def read(env: dict[int, Any], value: Value) -> Any:
-        return constant_value(value, float64) if isinstance(value, Constant) else env[id(value)]
+    def read(env: dict[int, Any], value: Value, rank: int) -> Any:
+        if isinstance(value, Constant):
+            return constant_value(value, float64, rank)
+        return env[id(value)]
 
     for k in range(len(graphs[0].nodes)):
         nodes = [g.nodes[k] for g in graphs]
         opdef = get_op(nodes[0].op)
-        args = [[read(env, v) for v in node.operands] for env, node in zip(envs, nodes)]
+        args = [[read(env, v, r) for v in node.operands]
+                for r, (env, node) in enumerate(zip(envs, nodes))]
         if opdef.collective:
             by_rank = dict(enumerate(args))
             outs = [collective_result(node, r, by_rank) for r, node in enumerate(nodes)]
         else:
             assert opdef.numpy is not None
-            outs = [opdef.numpy(*a, **node_attrs(opdef, node, float64)) for a, node in
-                    zip(args, nodes)]
+            outs = [opdef.numpy(*a, **resolve_attrs(node_attrs(opdef, node, float64), r))
+                    for r, (a, node) in enumerate(zip(args, nodes))]
         for env, node, out in zip(envs, nodes, outs):
             env[id(node.result)] = _check(node, node.result.type, out, float64)
-    return [[read(env, v) for v in g.outputs] for env, g in zip(envs, graphs)]
+    return [[read(env, v, r) for v in g.outputs] for r, (env, g) in enumerate(zip(envs, graphs))]
 
 
 class _Exchange(Collectives):
@@ -111,7 +115,7 @@ class _Exchange(Collectives):
         self.counts: dict[tuple[int, ...], int] = {}
 
     def run(self, node: Node, inputs: list[np.ndarray]) -> Any:
-        ranks = tuple(node.attrs["rank_list"])
+        ranks = tuple(resolve(node.attrs["rank_list"], self.rank))
         seq = self.counts.get(ranks, 0)
         self.counts[ranks] = seq + 1
         key = (ranks, seq)
