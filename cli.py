@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import click
+import numpy as np
 
 SEARCH_MODES = ("sharding_propagation", "dynamic_programming", "recursive_programming")
 PARALLEL_MODES = (
@@ -66,8 +67,17 @@ def _parse_dataset_strategy(text: str | None) -> Any:
               help="With --run: continue from the last step every rank checkpointed.")
 @click.option("--processes", type=click.IntRange(1), default=None,
               help="With --run: rank processes to start (default: one per device).")
+@click.option("--startup-timeout", type=click.FloatRange(1), default=600.0, show_default=True,
+              help="With --run: seconds for start-up (processes connecting, the first step "
+                   "compiling) before the launcher names the rank the others wait for.")
 @click.option("--timeout", type=click.FloatRange(1), default=300.0, show_default=True,
-              help="With --run: seconds one step (and its collectives) may take.")
+              help="With --run: seconds each later step may take before the launcher names "
+                   "the rank the others wait for.")
+@click.option("--heartbeat-timeout", type=click.FloatRange(1), default=30.0, show_default=True,
+              help="With --run: seconds without a heartbeat after which a rank process counts "
+                   "as stopped (at most the current deadline).")
+@click.option("--fail-on-nan/--no-fail-on-nan", default=True, show_default=True,
+              help="With --run: stop when the loss is not finite, naming the step.")
 def main(
     model: str,
     devices: int | None,
@@ -82,41 +92,143 @@ def main(
     checkpoint_every: int,
     resume: bool,
     processes: int | None,
+    startup_timeout: float,
     timeout: float,
+    heartbeat_timeout: float,
+    fail_on_nan: bool,
 ) -> None:
     """Compile MODEL.py into per-rank execution plans and dump the IR of every pass."""
+    from contextlib import ExitStack
+
     from pcompile.compiler.driver import compile as compile_model
     from pcompile.ir.errors import PcompileError
 
+    _check_run_flags(do_run)
     overrides: dict[str, Any] = {}
     strategy = _parse_dataset_strategy(dataset_strategy)
     if strategy is not None:
         overrides["dataset_strategy"] = strategy
+    run_options = {"checkpoint_every": checkpoint_every, "resume": resume,
+                   "processes": processes, "timeout": timeout,
+                   "startup_timeout": startup_timeout, "heartbeat_timeout": heartbeat_timeout,
+                   "fail_on_nan": fail_on_nan, "steps": steps, "backend": backend}
     try:
-        start = time.perf_counter()
-        program = compile_model(
-            model,
-            devices=devices,
-            parallel_mode=parallel_mode,
-            search_mode=search,
-            out_dir=out_dir,
-            overrides=overrides,
-        )
-        elapsed = time.perf_counter() - start
-        _summary(program, elapsed)
-        if check:
-            _check_backends(program)
-        if do_run:
-            run_options = {"checkpoint_every": checkpoint_every, "resume": resume,
-                           "processes": processes, "timeout": timeout}
-            _train(program, steps, backend, run_options)
+        with ExitStack() as held:
+            if out_dir is not None:
+                from pcompile.compiler.outdir import resolve
+
+                resolve(out_dir)  # an unusable --out fails before the compile
+            if do_run:
+                _refuse_under_a_launcher()
+
+            def before_write(state: Any, out: str | None) -> None:
+                if do_run:
+                    _check_run(state, out, run_options, held)
+
+            start = time.perf_counter()
+            program = compile_model(
+                model,
+                devices=devices,
+                parallel_mode=parallel_mode,
+                search_mode=search,
+                out_dir=out_dir,
+                overrides=overrides,
+                before_write=before_write,
+            )
+            elapsed = time.perf_counter() - start
+            _summary(program, elapsed)
+            if check:
+                _check_backends(program)
+            if do_run:
+                _train(program, steps, backend, run_options)
     except PcompileError as exc:
         _fail(str(exc))
+    except OSError as exc:  # the file system refused: say which file and why
+        where = f" {exc.filename}" if exc.filename else ""
+        _fail(f"cannot access{where}: {exc.strerror or exc}")
     except (ValueError, TypeError, KeyError) as exc:
         # Option validation (set_auto_parallel_context and friends) raises these by contract.
         if _from_options(exc):
             _fail(f"invalid option: {exc}")
         raise
+
+
+RUN_ONLY = ("steps", "checkpoint_every", "resume", "processes", "startup_timeout", "timeout",
+            "heartbeat_timeout", "fail_on_nan")
+
+
+def _check_run_flags(do_run: bool) -> None:
+    """Flags that only mean something with --run are refused without it (exit status 2)."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    given = [f"--{name.replace('_', '-')}" for name in RUN_ONLY
+             if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE]
+    if given and not do_run:
+        raise click.UsageError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'}"
+                               " with --run; add --run (or drop them)")
+
+
+def _refuse_under_a_launcher() -> None:
+    """`pcompile --run` starts every rank itself: inside a job of several processes (torchrun,
+    msrun, mpirun, srun, ...) each process would run all of them."""
+    from pcompile.backends.cluster import IdentityError, resolve_identity
+
+    try:
+        identity = resolve_identity(None, None, None, dict(os.environ))
+    except IdentityError as exc:
+        _fail(f"pcompile --run starts its own rank processes, and this environment describes "
+              f"a multi-process job it cannot use: {exc}")
+        return
+    if identity.num_processes > 1 or identity.scheduler:
+        n = identity.num_processes
+        _fail(f"pcompile --run starts its own rank processes, but this process is one of "
+              f"{n} started by {identity.source}: together they would run {n} times every "
+              "rank. Compile once (pcompile MODEL.py --out DIR ...), then start the rank "
+              "programs with your launcher, e.g. `torchrun --nproc-per-node "
+              f"{n} DIR/rank_0/program.py --steps N` (docs/running.md, 'Without the "
+              "launcher')")
+
+
+def _launched(program_state: Any, options: dict[str, Any]) -> bool:
+    return bool(program_state.parallel or options.get("checkpoint_every")
+                or options.get("resume"))
+
+
+def _check_run(state: Any, out_dir: str | None, options: dict[str, Any], held: Any) -> None:
+    """--run's options against the compiled program, before anything is written; takes the
+    lock of --out for the rest of the command."""
+    from pcompile.backends.checkpoint import resume_point
+    from pcompile.compiler.outdir import out_lock
+    from pcompile.ir.errors import PcompileError
+
+    launched = _launched(state, options) and options["backend"] == "jax"
+    if (options.get("resume") or options.get("checkpoint_every")) and not launched:
+        raise PcompileError("--resume and --checkpoint-every need the JAX rank programs; drop "
+                            "--backend numpy")
+    n = state.devices
+    procs = options.get("processes")
+    if procs and launched and n % procs:
+        divisors = [d for d in range(1, n + 1) if n % d == 0]
+        raise PcompileError(f"--processes {procs} cannot share {n} ranks evenly; choose one of "
+                            f"{', '.join(map(str, divisors))}")
+    if out_dir is None:
+        if launched:
+            raise PcompileError("--run on JAX needs the rank programs: do not disable dumps")
+        return
+    held.enter_context(out_lock(out_dir))
+    if options.get("resume"):
+        folder = os.path.join(out_dir, "checkpoints")
+        point = resume_point(folder, n)
+        if point.step is None:
+            why = "".join(f"\n  {line}" for line in point.skipped)
+            raise PcompileError(f"--resume: no step has an intact checkpoint of every rank in "
+                                f"{folder}{why or ' (there is none)'}; run without --resume to "
+                                "start afresh")
+        if point.step > options["steps"]:
+            raise PcompileError(f"--resume: the checkpoint is at step {point.step}, beyond "
+                                f"--steps {options['steps']}; ask for at least {point.step} "
+                                "steps")
 
 
 def _from_options(exc: BaseException) -> bool:
@@ -222,13 +334,12 @@ def _train(program: Any, steps: int, backend: str,
     from pcompile.compiler.runtime import StandAloneRunner, batches, format_loss_line
 
     options = options or {}
-    launched = program.state.parallel or options.get("checkpoint_every") or options.get(
-        "resume")
-    if launched and backend == "jax":
+    if _launched(program.state, options) and backend == "jax":
         _launch(program, steps, options)
         return
+    fail_on_nan = bool(options.get("fail_on_nan", True))
     if program.state.parallel:
-        _train_simulated(program, steps)
+        _train_simulated(program, steps, fail_on_nan)
         return
     runner = StandAloneRunner(program, backend)
     if not program.training:
@@ -237,20 +348,22 @@ def _train(program: Any, steps: int, backend: str,
         click.echo("inference: " + ", ".join(f"{n} {tuple(o.shape)}" for n, o in
                                                zip(program.output_names, outs)))
         return
-    lines = []
+    lines: list[str] = []
     start = time.perf_counter()
-    for epoch, step, arrays in batches(program, steps):
+    bad = None
+    for k, (epoch, step, arrays) in enumerate(batches(program, steps)):
         loss = runner.step(arrays)
         line = format_loss_line(epoch, step, loss)
         lines.append(line)
         click.echo(line)
+        if fail_on_nan and not np.isfinite(float(loss)):
+            bad = _nonfinite(float(loss), k + 1, epoch, step)
+            break
     elapsed = time.perf_counter() - start
-    if program.out_dir:
-        log = os.path.join(program.out_dir, "rank_0", "train.log")
-        tmp = log + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
-        os.replace(tmp, log)
+    log = _write_logs(program, lines, 1)
+    if bad:
+        _fail(bad)
+    if log:
         click.echo(f"{steps} steps in {elapsed:.2f} s on {backend}; log: {log}")
 
 
@@ -269,7 +382,10 @@ def _launch(program: Any, steps: int, options: dict[str, Any]) -> None:
         result = launch(program.out_dir, steps=steps, processes=procs,
                         checkpoint_every=int(options.get("checkpoint_every") or 0),
                         resume=bool(options.get("resume")),
-                        timeout=float(options.get("timeout") or 300.0), echo=click.echo)
+                        timeout=float(options.get("timeout") or 300.0),
+                        startup_timeout=float(options.get("startup_timeout") or 600.0),
+                        heartbeat_timeout=float(options.get("heartbeat_timeout") or 30.0),
+                        fail_on_nan=bool(options.get("fail_on_nan", True)), echo=click.echo)
     except LaunchError as exc:
         _fail(str(exc))
         return
@@ -285,7 +401,24 @@ def _launch(program: Any, steps: int, options: dict[str, Any]) -> None:
                f"checkpoints: {os.path.join(program.out_dir, 'checkpoints')}")
 
 
-def _train_simulated(program: Any, steps: int) -> None:
+def _nonfinite(loss: float, step_no: int, epoch: int, in_epoch: int) -> str:
+    return (f"the loss is {loss} at step {step_no} (epoch {epoch}, step {in_epoch}); stopped "
+            "(--no-fail-on-nan trains on)")
+
+
+def _write_logs(program: Any, lines: list[str], ranks: int) -> str | None:
+    """Every rank's train.log (run outputs: kept across recompiles); rank 0's path."""
+    if not program.out_dir:
+        return None
+    from pcompile.backends.checkpoint import atomic_write_text
+
+    for r in range(ranks):
+        atomic_write_text(os.path.join(program.out_dir, f"rank_{r}", "train.log"),
+                          "\n".join(lines) + "\n" if lines else "")
+    return os.path.join(program.out_dir, "rank_0", "train.log")
+
+
+def _train_simulated(program: Any, steps: int, fail_on_nan: bool = True) -> None:
     """--backend numpy for a parallel plan: every rank on the numpy simulator, one process."""
     from pcompile.compiler.oracle import single_device
     from pcompile.compiler.runtime import ParallelRunner, batches, format_loss_line
@@ -298,18 +431,20 @@ def _train_simulated(program: Any, steps: int) -> None:
         click.echo("inference (rank 0): " + ", ".join(
             f"{n} {tuple(o.shape)}" for n, o in zip(program.output_names, outs[0])))
         return
-    lines = []
-    for epoch, step, arrays in batches(data, steps):
-        lines.append(format_loss_line(epoch, step, runner.step(arrays)))
+    lines: list[str] = []
+    bad = None
+    for k, (epoch, step, arrays) in enumerate(batches(data, steps)):
+        loss = runner.step(arrays)
+        lines.append(format_loss_line(epoch, step, loss))
         click.echo(lines[-1])
-    if program.out_dir:
-        from pcompile.backends.checkpoint import atomic_write_text
-
-        for r in range(program.state.devices):
-            atomic_write_text(os.path.join(program.out_dir, f"rank_{r}", "train.log"),
-                              "\n".join(lines) + "\n")
-        click.echo(f"{steps} steps on the numpy simulator; logs: "
+        if fail_on_nan and not np.isfinite(float(loss)):
+            bad = _nonfinite(float(loss), k + 1, epoch, step)
+            break
+    if _write_logs(program, lines, program.state.devices):
+        click.echo(f"{len(lines)} steps on the numpy simulator; logs: "
                    f"{program.out_dir}/rank_*/train.log")
+    if bad:
+        _fail(bad)
 
 
 if __name__ == "__main__":

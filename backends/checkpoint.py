@@ -10,8 +10,15 @@ A checkpoint holds rank r's slice of every stored tensor (weights and optimizer 
 graph-parameter name) and `__meta__`, a JSON string: step, epoch, step in epoch, rank, number
 of ranks, plan id, the train.log lines so far, and every tensor's layout (global shape, dtype,
 device matrix, tensor map), so that merging needs nothing else (plan.json's parameter layouts
-are cross-checked when present). Files are written to a temporary name and moved into place
-with `os.replace`, so a crash never leaves half a checkpoint under the final name.
+are cross-checked when present), and a manifest of every array (shape, dtype, sha256).
+Files are written to a temporary name (`.step_<S>.npz.tmp-<token>`, removed by the next write
+if a kill left it) and moved into place with `os.replace`, so a crash never leaves half a
+checkpoint under the final name.
+
+Reading verifies a checkpoint against its manifest and layouts: a truncated, empty, corrupt
+(bad CRC), unlabelled or misshapen file raises `CheckpointError` naming the file and the fault.
+`resume_point` picks the newest step that every rank holds intact, and says which newer steps
+it passed over and why; `pcompile-merge` and `--resume` use it.
 
     pcompile-merge OUT_DIR [--step S] [--output FILE.npz]
 """
@@ -19,32 +26,44 @@ with `os.replace`, so a crash never leaves half a checkpoint under the final nam
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import os
 import re
+import secrets
 import sys
-import tempfile
 import zipfile
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 META_KEY = "__meta__"
 _STEP_FILE = re.compile(r"^step_(\d+)\.npz$")
+_TEMP_FILE = re.compile(r"\.[^/]+\.tmp-[0-9a-f]+")
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)
 
 
 # -- files -------------------------------------------------------------------------------------
 
 
+def temp_name(path: str) -> str:
+    """The temporary file an atomic write of `path` goes through: `.<name>.tmp-<token>` in the
+    same folder (compiler/outdir.py and `clean_temp_files` recognise leftovers by this name)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, f".{name}.tmp-{secrets.token_hex(4)}")
+
+
 def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file in the same folder and os.replace."""
+    """Write `data` to `path` through a temporary file in the same folder and os.replace (the
+    user's umask applies to the file, as to any other)."""
     folder = os.path.dirname(os.path.abspath(path)) or "."
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", dir=folder)
+    tmp = temp_name(path)
     try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -56,6 +75,24 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
         except OSError:
             pass
         raise
+
+
+def clean_temp_files(folder: str) -> list[str]:
+    """Remove the temporary files of atomic writes in `folder` that were killed before their
+    rename (call it before this process writes there; nobody else writes a rank's folder)."""
+    removed = []
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return removed
+    for name in names:
+        if _TEMP_FILE.fullmatch(name):
+            try:
+                os.unlink(os.path.join(folder, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
 
 
 def atomic_write_text(path: str, text: str) -> None:
@@ -93,7 +130,7 @@ def checkpoint_path(folder: str, rank: int, step: int) -> str:
 
 
 def rank_steps(folder: str, rank: int) -> list[int]:
-    """Steps with a complete checkpoint of `rank`, ascending."""
+    """Steps with a checkpoint file of `rank` (intact or not), ascending."""
     d = os.path.join(folder, f"rank_{rank}")
     if not os.path.isdir(d):
         return []
@@ -101,21 +138,26 @@ def rank_steps(folder: str, rank: int) -> list[int]:
     return sorted(steps)
 
 
-def latest_common_step(folder: str, num_ranks: int) -> int | None:
-    """The last step for which every rank has a checkpoint (None: no such step)."""
-    common: set[int] | None = None
-    for r in range(num_ranks):
-        steps = set(rank_steps(folder, r))
-        common = steps if common is None else common & steps
-    return max(common) if common else None
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message names the file and what is wrong."""
+
+
+def _digest(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 
 
 def write_checkpoint(folder: str, rank: int, step: int, values: Mapping[str, np.ndarray],
                      meta: dict[str, Any], keep: int = 2) -> str:
-    """Rank `rank`'s checkpoint after `step` (atomic); keeps the newest `keep` per rank."""
+    """Rank `rank`'s checkpoint after `step` (atomic); keeps the newest `keep` per rank.
+    `__meta__` gets a manifest of every array (shape, dtype, sha256) that `read_checkpoint`
+    verifies."""
     arrays = {k: np.asarray(v) for k, v in values.items()}
+    meta = dict(meta)
+    meta["arrays"] = {k: {"shape": list(a.shape), "dtype": a.dtype.str, "sha256": _digest(a)}
+                      for k, a in sorted(arrays.items())}
     arrays[META_KEY] = np.array(json.dumps(meta, sort_keys=True))
     path = checkpoint_path(folder, rank, step)
+    clean_temp_files(os.path.dirname(path))
     save_npz(path, arrays)
     for old in rank_steps(folder, rank)[:-keep] if keep > 0 else []:
         try:
@@ -125,12 +167,126 @@ def write_checkpoint(folder: str, rank: int, step: int, values: Mapping[str, np.
     return path
 
 
-def read_checkpoint(path: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    arrays = load_npz(path)
+def read_checkpoint(path: str, rank: int | None = None
+                    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The arrays and metadata of a checkpoint, verified against its manifest (every array
+    present with its shape, dtype and checksum) and, given `rank`, against the slice shapes
+    of the layouts it records. Anything wrong: `CheckpointError` saying what."""
+    try:
+        size = os.path.getsize(path)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read it ({exc.strerror})") from None
+    if size == 0:
+        raise CheckpointError(f"{path} is empty (0 bytes): its write was cut short")
+    try:
+        arrays = load_npz(path)
+    except zipfile.BadZipFile as exc:
+        what = "corrupt" if "CRC" in str(exc) else "truncated or not an .npz file"
+        raise CheckpointError(f"{path} is {what} ({exc})") from None
+    except Exception as exc:  # noqa: BLE001  (a damaged file can fail in numpy or zipfile)
+        raise CheckpointError(f"{path} is damaged: {type(exc).__name__}: {exc}") from None
     if META_KEY not in arrays:
-        raise ValueError(f"{path} is not a pcompile checkpoint (no {META_KEY})")
-    meta = json.loads(str(arrays.pop(META_KEY)))
+        raise CheckpointError(f"{path} has no metadata ({META_KEY}): not a pcompile checkpoint")
+    try:
+        meta = json.loads(str(arrays.pop(META_KEY)))
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: its metadata is not valid JSON ({exc})") from None
+    manifest = meta.get("arrays") if isinstance(meta, dict) else None
+    if not isinstance(manifest, dict) or not isinstance(meta.get("layouts"), dict):
+        raise CheckpointError(f"{path}: its metadata has no manifest of the arrays "
+                              "(written by another tool or an older pcompile)")
+    extra = sorted(set(arrays) - set(manifest))
+    if extra:
+        raise CheckpointError(f"{path} holds arrays its manifest does not list: "
+                              f"{', '.join(extra)}")
+    for name, entry in manifest.items():
+        problem = _array_problem(name, arrays.get(name), entry, meta["layouts"].get(name), rank)
+        if problem:
+            raise CheckpointError(f"{path}: {problem}")
     return arrays, meta
+
+
+def _array_problem(name: str, array: np.ndarray | None, entry: Any, layout: Any,
+                   rank: int | None) -> str:
+    if array is None:
+        return f"{name} is missing"
+    if not isinstance(entry, dict):
+        return f"the manifest entry of {name} is malformed"
+    if list(array.shape) != entry.get("shape") or array.dtype.str != entry.get("dtype"):
+        return (f"{name} has shape {tuple(array.shape)} and dtype {array.dtype}, the manifest "
+                f"says {entry.get('shape')} {entry.get('dtype')}")
+    if _digest(array) != entry.get("sha256"):
+        return f"{name}: its contents do not match the checksum in the manifest"
+    if rank is not None and layout is not None and array.shape:
+        try:
+            want = tuple(e - b for b, e in _layout(layout).slice_bounds(rank))
+        except Exception as exc:  # noqa: BLE001  (malformed layout metadata)
+            return f"the layout of {name} is malformed ({exc})"
+        if tuple(array.shape) != want:
+            return f"{name} has shape {tuple(array.shape)}, rank {rank}'s slice is {want}"
+    return ""
+
+
+def checkpoint_problem(path: str, rank: int, plan_id: str | None = None) -> str:
+    """Why rank `rank`'s checkpoint at `path` cannot be resumed from ('' if it can)."""
+    if not os.path.exists(path):
+        return "no checkpoint"
+    try:
+        _, meta = read_checkpoint(path, rank)
+    except CheckpointError as exc:
+        return str(exc)
+    if plan_id is not None and meta.get("plan_id") != plan_id:
+        return (f"{path} was written by plan {meta.get('plan_id')}, this program is plan "
+                f"{plan_id}")
+    return ""
+
+
+@dataclass
+class ResumePoint:
+    """The newest step that every rank holds intact (None: none), and why newer ones were
+    passed over."""
+
+    step: int | None
+    skipped: list[str] = field(default_factory=list)
+
+
+def resume_point(folder: str, num_ranks: int, plan_id: str | None = None) -> ResumePoint:
+    """The newest step for which every rank's checkpoint reads back intact (verified), with a
+    line per newer step that was passed over (which rank, what is wrong)."""
+    steps: set[int] = set()
+    for r in range(num_ranks):
+        steps.update(rank_steps(folder, r))
+    point = ResumePoint(None)
+    for step in sorted(steps, reverse=True):
+        problems = [f"rank {r}: {why}" for r in range(num_ranks)
+                    if (why := checkpoint_problem(checkpoint_path(folder, r, step), r, plan_id))]
+        if not problems:
+            point.step = step
+            return point
+        point.skipped.append(f"step {step}: " + "; ".join(problems))
+    return point
+
+
+def clear_checkpoints(folder: str) -> None:
+    """Delete the checkpoints (and their leftover temporary files) of a previous run from
+    `folder`, and nothing else: other files and the folders holding them stay."""
+    if not os.path.isdir(folder):
+        return
+    for name in sorted(os.listdir(folder)):
+        sub = os.path.join(folder, name)
+        if not (re.fullmatch(r"rank_\d+", name) and os.path.isdir(sub)):
+            continue
+        for f in os.listdir(sub):
+            if _STEP_FILE.match(f) or _TEMP_FILE.fullmatch(f):
+                os.unlink(os.path.join(sub, f))
+        try:
+            os.rmdir(sub)
+        except OSError:
+            pass
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
 
 
 def layout_entry(layout: Any, shape: tuple[int, ...], dtype: str) -> dict[str, Any]:
@@ -162,19 +318,31 @@ class MergeError(Exception):
 
 def merge_checkpoints(out_dir: str, step: int | None = None,
                       folder: str | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Full tensors from every rank's checkpoint of `step` (default: the last complete step).
-    Checks that replicas of one slice agree bit for bit and that layouts match plan.json."""
+    """Full tensors from every rank's checkpoint of `step` (default: the newest step every
+    rank holds intact; `info["skipped"]` says which newer steps were passed over and why).
+    Checks every file against its manifest, that replicas of one slice agree bit for bit and
+    that layouts match plan.json."""
     folder = folder or os.path.join(out_dir, "checkpoints")
     plan_path = os.path.join(out_dir, "plan.json")
     plan = None
     if os.path.exists(plan_path):
-        with open(plan_path, encoding="utf-8") as f:
-            plan = json.load(f)
-    num_ranks = int(plan["devices"]) if plan else _count_ranks(folder)
+        try:
+            with open(plan_path, encoding="utf-8") as f:
+                plan = json.load(f)
+            num_ranks = int(plan["devices"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise MergeError(f"{plan_path} is unreadable ({type(exc).__name__}: {exc})") from None
+    else:
+        num_ranks = _count_ranks(folder)
+    skipped: list[str] = []
     if step is None:
-        step = latest_common_step(folder, num_ranks)
-        if step is None:
-            raise MergeError(f"no step has a checkpoint of all {num_ranks} ranks in {folder}")
+        point = resume_point(folder, num_ranks)
+        skipped = point.skipped
+        if point.step is None:
+            why = "".join(f"\n  {line}" for line in skipped)
+            raise MergeError(f"no step has an intact checkpoint of all {num_ranks} ranks in "
+                             f"{folder}{why}")
+        step = point.step
     full: dict[str, np.ndarray] = {}
     filled: dict[str, np.ndarray] = {}
     meta0: dict[str, Any] = {}
@@ -182,7 +350,10 @@ def merge_checkpoints(out_dir: str, step: int | None = None,
         path = checkpoint_path(folder, r, step)
         if not os.path.exists(path):
             raise MergeError(f"rank {r} has no checkpoint of step {step} ({path})")
-        arrays, meta = read_checkpoint(path)
+        try:
+            arrays, meta = read_checkpoint(path, r)
+        except CheckpointError as exc:
+            raise MergeError(str(exc)) from None
         if r == 0:
             meta0 = meta
         elif meta.get("plan_id") != meta0.get("plan_id"):
@@ -214,6 +385,7 @@ def merge_checkpoints(out_dir: str, step: int | None = None,
         if not mask.all():
             raise MergeError(f"{name}: some elements are held by no rank")
     info = {k: meta0.get(k) for k in ("step", "epoch", "step_in_epoch", "plan_id", "num_ranks")}
+    info["skipped"] = skipped
     return full, info
 
 
@@ -250,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Merge the per-rank checkpoints of a pcompile run into full tensors.")
     parser.add_argument("out_dir", help="the --out folder of the compile (holds plan.json)")
     parser.add_argument("--step", type=int, default=None,
-                        help="which step (default: the last one every rank has)")
+                        help="which step (default: the newest one every rank holds intact)")
     parser.add_argument("--checkpoint-dir", default=None,
                         help="where the rank checkpoints are (default OUT_DIR/checkpoints)")
     parser.add_argument("--output", default=None,
@@ -258,13 +430,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         full, info = merge_checkpoints(args.out_dir, args.step, args.checkpoint_dir)
-    except (MergeError, OSError, ValueError, KeyError) as exc:
+    except (MergeError, CheckpointError, OSError, ValueError, KeyError) as exc:
         print(f"pcompile-merge: error: {exc}", file=sys.stderr)
         return 1
+    for line in info.pop("skipped"):
+        print(f"pcompile-merge: passed over {line}", file=sys.stderr)
     output = args.output or os.path.join(args.out_dir, f"merged_step_{info['step']:08d}.npz")
     arrays = dict(full)
     arrays[META_KEY] = np.array(json.dumps(info, sort_keys=True))
-    save_npz(output, arrays)
+    try:
+        save_npz(output, arrays)
+    except OSError as exc:
+        print(f"pcompile-merge: error: cannot write {output}: {exc.strerror}", file=sys.stderr)
+        return 1
     total = sum(a.nbytes for a in full.values())
     print(f"merged step {info['step']} of {info['num_ranks']} ranks: {len(full)} tensors, "
           f"{total} bytes -> {output}")

@@ -1,14 +1,24 @@
 """Launch the rank programs of a compiled plan as processes on this machine.
 
-`launch(out_dir, steps=N)` starts one process per rank (`<out>/rank_<r>/program.py`, under
-`jax.distributed` with gloo collectives on CPU), with the coordinator on a free local port, and
-watches them:
+`launch(out_dir, steps=N)` takes the lock of `out_dir` (compiler/outdir.py), starts one process
+per rank (`<out>/rank_<r>/program.py`, under `jax.distributed` with gloo collectives on CPU),
+with the coordinator on a free local port, and watches them:
 
 * progress: rank 0's `train.log` lines are echoed as they appear;
-* a rank that fails (exception, killed, watchdog timeout) stops the others (SIGTERM to each
-  rank's process group, SIGKILL after `stop_grace` seconds) and the launch returns non-zero
-  with a message naming the rank, its exit status and the tail of its log
-  (`<out>/rank_<r>/run.log`, stdout and stderr);
+* liveness: every process sends a heartbeat (phase, steps done) twice a second on a pipe. A
+  process silent for `heartbeat_timeout` seconds (never more than the current deadline) is
+  named as stopped; when a process has not finished start-up within `startup_timeout` seconds
+  (start-up includes `jax.distributed` and compiling the first step) or a later step within
+  `timeout` seconds, the launcher names the process the others wait for (fewest steps done,
+  not inside a step's collectives);
+* a process that fails: the launcher names the one that failed first (a process that had
+  stopped beating, else one killed by a signal, else the earliest failure a process reported
+  before exiting), not the others' follow-on errors;
+* either way it stops the others (SIGTERM and SIGCONT to each rank's process group, SIGKILL
+  after `stop_grace` seconds) and returns non-zero with a message naming the rank, what
+  happened and the tail of its log (`<out>/rank_<r>/run.log`, stdout and stderr);
+* `resume=True` continues from the newest step every rank holds intact (checked here, passed
+  to the ranks as `--resume-step`); a fresh run removes the previous run's checkpoints;
 * a coordinator port taken between choosing and binding it is retried on another port;
 * Ctrl-C stops every rank and returns 130;
 * at the end every rank's train.log must report the same losses.
@@ -29,6 +39,7 @@ from dataclasses import dataclass, field
 
 TAIL_LINES = 25
 EXIT_COORDINATOR_PORT = 75  # backends/jax/rank_runtime.py: process 0 could not listen
+HEARTBEAT_FD = "PCOMPILE_HEARTBEAT_FD"  # backends/jax/rank_runtime.py writes heartbeats there
 _PORT_ERRORS = ("address already in use", "failed to start rpc server", "failed to add port",
                 "errno 98")
 
@@ -59,16 +70,43 @@ def _describe(code: int) -> str:
             return f"killed by signal {-code}"
     if code == 124:
         return "exit status 124 (watchdog: a step or collective timed out)"
+    if code == 3:
+        return "exit status 3: the loss is not finite"
     return f"exit status {code}"
 
 
 @dataclass
-class _Rank:
+class _Proc:
+    """One rank process and what the launcher knows of it."""
+
     process: int  # process index
-    rank: int  # first rank it runs
+    ranks: list[int]
     popen: subprocess.Popen[bytes]
     log: str
+    beats: int  # read end of its heartbeat pipe
+    spawned: float  # time.monotonic()
+    progressed: float  # last time its count of steps done grew (spawn until then)
+    last_beat: float | None = None
+    phase: str = "start"
+    done: int | None = None
+    first_done: int | None = None
+    failed_at: float | None = None  # time.time() the process reported its failure
+    exited_at: float | None = None  # time.time() the launcher saw it exit
     code: int | None = None
+    buffer: bytes = b""
+
+    @property
+    def rank(self) -> int:
+        return self.ranks[0]
+
+    @property
+    def name(self) -> str:
+        if len(self.ranks) == 1:
+            return f"rank {self.ranks[0]}"
+        return f"ranks {self.ranks[0]}-{self.ranks[-1]} (process {self.process})"
+
+    def starting(self) -> bool:
+        return self.done is None or self.done == self.first_done
 
 
 @dataclass
@@ -79,6 +117,20 @@ class LaunchResult:
     losses: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Deadlines:
+    """How long the launcher waits (seconds): for start-up (spawn to the first step done,
+    which includes `jax.distributed` start-up and compiling the step), for each later step,
+    and for a heartbeat (a stopped or frozen process; never more than the current deadline)."""
+
+    startup: float = 600.0
+    step: float = 300.0
+    heartbeat: float = 30.0
+
+    def of(self, proc: _Proc) -> float:
+        return self.startup if proc.starting() else self.step
+
+
 def _num_ranks(out_dir: str) -> int:
     import json
 
@@ -86,8 +138,12 @@ def _num_ranks(out_dir: str) -> int:
     if not os.path.exists(plan):
         raise LaunchError(f"{out_dir} holds no plan.json; compile first (pcompile MODEL.py "
                           f"--out {out_dir} ...)")
-    with open(plan, encoding="utf-8") as f:
-        return int(json.load(f)["devices"])
+    try:
+        with open(plan, encoding="utf-8") as f:
+            return int(json.load(f)["devices"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise LaunchError(f"{plan} is unreadable ({type(exc).__name__}: {exc}); compile "
+                          "again") from None
 
 
 def launch(
@@ -98,7 +154,9 @@ def launch(
     checkpoint_every: int = 0,
     resume: bool = False,
     timeout: float = 300.0,
-    startup_timeout: float = 900.0,
+    startup_timeout: float = 600.0,
+    heartbeat_timeout: float = 30.0,
+    fail_on_nan: bool = True,
     echo: Callable[[str], None] = print,
     python: str | None = None,
     env: dict[str, str] | None = None,
@@ -108,37 +166,77 @@ def launch(
     extra_args: list[str] | None = None,
 ) -> LaunchResult:
     """Run `steps` training steps of the plan in `out_dir` with one process per rank (or
-    `processes` processes, each running N/processes ranks on virtual CPU devices)."""
-    out_dir = os.path.abspath(out_dir)
+    `processes` processes, each running N/processes ranks on virtual CPU devices), holding the
+    lock of `out_dir` (compiler/outdir.py) meanwhile."""
+    from pcompile.compiler.outdir import out_lock
+    from pcompile.ir.errors import PcompileError
+
+    try:
+        with out_lock(out_dir) as out:
+            return _launch(out, steps, processes, checkpoint_every, resume,
+                           Deadlines(startup_timeout, timeout, heartbeat_timeout), fail_on_nan,
+                           echo, python, env, host, stop_grace, port_attempts, extra_args)
+    except PcompileError as exc:
+        raise LaunchError(str(exc)) from None
+
+
+def resume_step(out_dir: str, steps: int, echo: Callable[[str], None] | None = None) -> int:
+    """The step `--resume` continues from: the newest that every rank holds intact (newer,
+    damaged ones are reported through `echo`). LaunchError when there is none, or when it is
+    beyond `steps`."""
+    from pcompile.backends.checkpoint import resume_point
+
+    folder = os.path.join(out_dir, "checkpoints")
+    point = resume_point(folder, _num_ranks(out_dir))
+    if point.step is None:
+        why = "".join(f"\n  {line}" for line in point.skipped)
+        raise LaunchError(f"--resume: no step has an intact checkpoint of every rank in {folder}"
+                          f"{why or ' (there is none)'}; run without --resume to start afresh")
+    for line in point.skipped:
+        if echo is not None:
+            echo(f"pcompile launcher: passed over damaged checkpoint {line}")
+    if point.step > steps:
+        raise LaunchError(f"--resume: the checkpoint is at step {point.step}, beyond --steps "
+                          f"{steps}; ask for at least {point.step} steps")
+    return point.step
+
+
+def _launch(out_dir: str, steps: int, processes: int | None, checkpoint_every: int,
+            resume: bool, deadlines: Deadlines, fail_on_nan: bool,
+            echo: Callable[[str], None], python: str | None, env: dict[str, str] | None,
+            host: str, stop_grace: float, port_attempts: int,
+            extra_args: list[str] | None) -> LaunchResult:
     n = _num_ranks(out_dir)
     procs = processes or n
     if n % procs:
-        raise LaunchError(f"{n} ranks cannot be spread evenly over {procs} processes")
+        raise LaunchError(f"{n} ranks cannot be spread evenly over {procs} processes; choose a "
+                          f"divisor of {n}")
     per = n // procs
     programs = [os.path.join(out_dir, f"rank_{p * per}", "program.py") for p in range(procs)]
     missing = [p for p in programs if not os.path.exists(p)]
     if missing:
         raise LaunchError(f"missing rank program(s): {', '.join(missing)}; compile again")
     ckpt = os.path.join(out_dir, "checkpoints")
-    if not resume and os.path.isdir(ckpt):
-        import shutil
+    common = ["--steps", str(steps), "--timeout", str(deadlines.step),
+              "--startup-timeout", str(deadlines.startup),
+              "--fail-on-nan" if fail_on_nan else "--no-fail-on-nan", *(extra_args or [])]
+    if resume:
+        common += ["--resume", "--resume-step", str(resume_step(out_dir, steps, echo))]
+    else:
+        from pcompile.backends.checkpoint import clear_checkpoints
 
-        shutil.rmtree(ckpt)  # a fresh run: older checkpoints would confuse a later --resume
+        clear_checkpoints(ckpt)  # a fresh run: older checkpoints would confuse a later --resume
+    if checkpoint_every:
+        common += ["--checkpoint-every", str(checkpoint_every)]
     base_env = dict(os.environ if env is None else env)
     base_env.setdefault("JAX_PLATFORMS", "cpu")
     base_env["PYTHONUNBUFFERED"] = "1"
     base_env["PCOMPILE_LAUNCHER_PID"] = str(os.getpid())  # ranks exit when the launcher dies
-    common = ["--steps", str(steps), "--timeout", str(timeout),
-              "--startup-timeout", str(startup_timeout), *(extra_args or [])]
-    if checkpoint_every:
-        common += ["--checkpoint-every", str(checkpoint_every)]
-    if resume:
-        common.append("--resume")
     result = LaunchResult(1)
     restore = _sigterm_as_interrupt()
     try:
         result = _attempts(programs, per, common, base_env, python or sys.executable, echo,
-                           stop_grace, out_dir, host, port_attempts)
+                           stop_grace, out_dir, host, port_attempts, deadlines)
     finally:
         restore()
     if result.code == 0:
@@ -166,12 +264,12 @@ def _sigterm_as_interrupt() -> Callable[[], None]:
 
 def _attempts(programs: list[str], per: int, common: list[str], base_env: dict[str, str],
               python: str, echo: Callable[[str], None], stop_grace: float, out_dir: str,
-              host: str, port_attempts: int) -> LaunchResult:
+              host: str, port_attempts: int, deadlines: Deadlines) -> LaunchResult:
     result = LaunchResult(1)
     for attempt in range(port_attempts):
         port = free_port(host)
         result = _run_once(programs, per, f"{host}:{port}", common, base_env, python, echo,
-                           stop_grace, out_dir)
+                           stop_grace, out_dir, deadlines)
         if result.code != -1:
             break
         echo(f"pcompile launcher: coordinator port {port} was taken; retrying on another port "
@@ -183,11 +281,34 @@ def _attempts(programs: list[str], per: int, common: list[str], base_env: dict[s
     return result
 
 
+def _spawn(p: int, program: str, per: int, coordinator: str, procs: int, common: list[str],
+           env: dict[str, str], python: str, out_dir: str) -> _Proc:
+    log = os.path.join(os.path.dirname(program), "run.log")
+    args = [python, program, "--coordinator", coordinator, "--num-processes", str(procs),
+            "--process-id", str(p), *common]
+    if p:
+        args.append("--quiet")
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    env = dict(env, **{HEARTBEAT_FD: str(write_end)})
+    try:
+        with open(log, "wb") as f:
+            popen = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, cwd=out_dir, pass_fds=(write_end,))
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)
+    now = time.monotonic()
+    return _Proc(p, list(range(p * per, (p + 1) * per)), popen, log, read_end, now, now)
+
+
 def _run_once(programs: list[str], per: int, coordinator: str, common: list[str],
               env: dict[str, str], python: str, echo: Callable[[str], None],
-              stop_grace: float, out_dir: str) -> LaunchResult:
+              stop_grace: float, out_dir: str, deadlines: Deadlines) -> LaunchResult:
     """One attempt; code -1 means 'the coordinator port was taken, try another'."""
-    ranks: list[_Rank] = []
+    ranks: list[_Proc] = []
     procs = len(programs)
     progress = os.path.join(out_dir, "rank_0", "train.log")
     try:
@@ -196,36 +317,42 @@ def _run_once(programs: list[str], per: int, coordinator: str, common: list[str]
         pass
     try:
         for p, program in enumerate(programs):
-            log = os.path.join(os.path.dirname(program), "run.log")
-            args = [python, program, "--coordinator", coordinator, "--num-processes",
-                    str(procs), "--process-id", str(p), *common]
-            if p:
-                args.append("--quiet")
-            with open(log, "wb") as f:
-                popen = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, cwd=out_dir)
-            ranks.append(_Rank(p, p * per, popen, log))
-        _write_launch_info(out_dir, coordinator, ranks, per)
+            ranks.append(_spawn(p, program, per, coordinator, procs, common, env, python,
+                                out_dir))
+        _write_launch_info(out_dir, coordinator, ranks)
         seen = [0, 0]
         while True:
             echoed = _echo_progress(progress, seen, echo)
             for r in ranks:
+                _read_beats(r)
                 if r.code is None:
                     r.code = r.popen.poll()
-            # The first failure seen; a rank killed by a signal before one that exited with an
-            # error (the others usually fail because of it).
-            bad = [r for r in ranks if r.code not in (None, 0)]
-            failed = min(bad, key=lambda r: (r.code >= 0, r.rank)) if bad else None  # type: ignore[operator]
+                    if r.code is not None:
+                        r.exited_at = time.time()
+                        _read_beats(r)
+            failed = _first_failure(ranks)
             if failed is not None:
                 _stop(ranks, stop_grace)
                 text = tail(failed.log)
                 if echoed == 0 and (failed.code == EXIT_COORDINATOR_PORT or any(
                         e in text.lower() for e in _PORT_ERRORS)):
                     return LaunchResult(-1)
-                message = (f"rank {failed.rank} failed ({_describe(failed.code or 0)}); "
-                           f"stopped the other ranks. Last lines of {failed.log}:\n{text}")
+                if failed.code is None or failed.code == 0:  # stopped, not exited
+                    what = _silence(failed)
+                else:
+                    what = _describe(failed.code)
+                message = (f"{failed.name} failed first ({what}); stopped the other ranks. "
+                           f"Last lines of {failed.log}:\n{text}")
                 echo(f"pcompile launcher: {message}")
                 return LaunchResult(1, failed.rank, message)
+            stuck = _overdue(ranks, deadlines)
+            if stuck is not None:
+                proc, why = stuck
+                _stop(ranks, stop_grace)
+                message = (f"{why}; stopped every rank. Last lines of {proc.log}:\n"
+                           f"{tail(proc.log)}")
+                echo(f"pcompile launcher: {message}")
+                return LaunchResult(1, proc.rank, message)
             if all(r.code == 0 for r in ranks):
                 _echo_progress(progress, seen, echo)
                 return LaunchResult(0)
@@ -237,17 +364,129 @@ def _run_once(programs: list[str], per: int, coordinator: str, common: list[str]
     except BaseException:
         _stop(ranks, stop_grace)
         raise
+    finally:
+        for r in ranks:
+            os.close(r.beats)
 
 
-def _write_launch_info(out_dir: str, coordinator: str, ranks: list[_Rank], per: int) -> None:
+def _read_beats(proc: _Proc) -> None:
+    """Take in the heartbeat lines the process wrote since the last call."""
+    import json
+
+    while True:
+        try:
+            chunk = os.read(proc.beats, 65536)
+        except BlockingIOError:
+            break
+        except OSError:
+            break
+        if not chunk:
+            break
+        proc.buffer += chunk
+    *lines, proc.buffer = proc.buffer.split(b"\n")
+    now = time.monotonic()
+    for line in lines:
+        try:
+            beat = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(beat, dict):
+            continue
+        proc.last_beat = now
+        proc.phase = str(beat.get("phase", proc.phase))
+        done = beat.get("done")
+        if isinstance(done, int):
+            if proc.first_done is None:
+                proc.first_done = done
+            if done != proc.done:
+                proc.done, proc.progressed = done, now
+        if proc.phase == "failed" and proc.failed_at is None:
+            at = beat.get("at")
+            proc.failed_at = float(at) if isinstance(at, (int, float)) else time.time()
+
+
+SILENT = 5.0  # seconds without a heartbeat after which a process counts as stopped
+
+
+def _quiet_for(proc: _Proc, now: float) -> float:
+    return now - (proc.last_beat if proc.last_beat is not None else proc.spawned)
+
+
+def _silence(proc: _Proc) -> str:
+    quiet = _quiet_for(proc, time.monotonic())
+    return (f"no heartbeat for {quiet:.0f} s: the process is stopped or frozen, "
+            f"{_where(proc)}")
+
+
+def _first_failure(ranks: list[_Proc]) -> _Proc | None:
+    """The process whose failure came first, once any process has failed: a process that had
+    already stopped beating (the others' errors follow from it), else one killed by a signal,
+    else the earliest reported error."""
+    bad = [r for r in ranks if r.code not in (None, 0)]
+    if not bad:
+        return None
+    now = time.monotonic()
+    silent = [r for r in ranks if r.code is None and _quiet_for(r, now) > SILENT]
+    if silent:
+        return max(silent, key=lambda r: _quiet_for(r, now))
+    signalled = [r for r in bad if r.code is not None and r.code < 0]
+    if signalled:
+        return min(signalled, key=lambda r: (r.exited_at or 0.0, r.rank))
+    return min(bad, key=lambda r: (r.failed_at if r.failed_at is not None
+                                   else r.exited_at or 0.0, r.rank))
+
+
+_PHASES = {
+    "start": "starting (Python, imports)",
+    "connect": "connecting to the other processes (jax.distributed)",
+    "data": "reading its next batch (dataset())",
+    "compute": "computing a step (its collectives wait for every rank)",
+    "checkpoint": "writing a checkpoint",
+    "finish": "finishing",
+}
+
+
+def _where(proc: _Proc) -> str:
+    step = "" if proc.done is None else f" after step {proc.done}"
+    return f"last seen {_PHASES.get(proc.phase, proc.phase)}{step}"
+
+
+def _overdue(ranks: list[_Proc], deadlines: Deadlines) -> tuple[_Proc, str] | None:
+    """A live process that stopped beating, or the one the others wait for once a deadline
+    passed: (process, why)."""
+    now = time.monotonic()
+    live = [r for r in ranks if r.code is None]
+    stalled = [r for r in live
+               if _quiet_for(r, now) > min(deadlines.heartbeat, deadlines.of(r))]
+    if stalled:
+        proc = max(stalled, key=lambda r: _quiet_for(r, now))
+        return proc, f"{proc.name} stopped responding ({_silence(proc)})"
+    late = [r for r in live if now - r.progressed > deadlines.of(r)]
+    if not late:
+        return None
+    # The one the others wait for: fewest steps done, then not inside a step's collectives.
+    proc = min(live, key=lambda r: (-1 if r.done is None else r.done, r.phase == "compute",
+                                    r.rank))
+    limit = deadlines.of(proc)
+    flag = "--startup-timeout" if proc.starting() else "--timeout"
+    behind = [r for r in live if (r.done, r.phase) != (proc.done, proc.phase)]
+    if not behind:
+        return proc, (f"no rank finished its step within {limit:.0f} s ({flag}): every rank is "
+                      f"{_PHASES.get(proc.phase, proc.phase)}; a collective that never "
+                      f"completes? {proc.name} is named for its log")
+    return proc, (f"{proc.name} did not finish within {limit:.0f} s ({flag}); {_where(proc)}, "
+                  "while the other ranks wait for it")
+
+
+def _write_launch_info(out_dir: str, coordinator: str, ranks: list[_Proc]) -> None:
     """`<out>/launch.json`: which process runs which ranks (pid, log), for people and tests."""
     import json
 
     from pcompile.backends.checkpoint import atomic_write_text
 
     info = {"coordinator": coordinator, "launcher_pid": os.getpid(),
-            "processes": [{"process": r.process, "ranks": list(range(r.rank, r.rank + per)),
-                           "pid": r.popen.pid, "log": r.log} for r in ranks]}
+            "processes": [{"process": r.process, "ranks": r.ranks, "pid": r.popen.pid,
+                           "log": r.log} for r in ranks]}
     atomic_write_text(os.path.join(out_dir, "launch.json"), json.dumps(info, indent=1) + "\n")
 
 
@@ -268,11 +507,13 @@ def _echo_progress(path: str, state: list[int], echo: Callable[[str], None]) -> 
     return state[1]
 
 
-def _stop(ranks: list[_Rank], grace: float) -> None:
-    """SIGTERM every live rank's process group, SIGKILL what is left after `grace` s."""
+def _stop(ranks: list[_Proc], grace: float) -> None:
+    """SIGTERM every live rank's process group (and SIGCONT, so a stopped one takes it),
+    SIGKILL what is left after `grace` s."""
     live = [r for r in ranks if r.popen.poll() is None]
     for r in live:
         _signal(r.popen, signal.SIGTERM)
+        _signal(r.popen, signal.SIGCONT)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and any(r.popen.poll() is None for r in live):
         time.sleep(0.05)

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -423,10 +421,14 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
     dump: bool = True,
     overrides: dict[str, Any] | None = None,
     dump_ranks: Any = None,
+    before_write: Callable[[CompileState, str | None], None] | None = None,
 ) -> CompiledProgram:
     """Compile a model file. Flags given here override what the model file sets.
+
     `dump_ranks`: the ranks whose folders are written ("all", "none", "0,5", a list of ints;
-    default: every rank up to `DUMP_ALL_UP_TO` devices, else rank 0)."""
+    default: every rank up to `DUMP_ALL_UP_TO` devices, else rank 0). `before_write(state,
+    out_dir)` runs after the passes and before anything is written (the CLI checks its run
+    options there, so a bad one leaves `--out` untouched)."""
     reset_auto_parallel_context()
     mf = load_model_file(model_path)
     flags: dict[str, Any] = dict(overrides or {})
@@ -469,11 +471,12 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
         }
         if out_dir is None:
             out_dir = str(get_context("save_graphs_path") or "") or "./saved_graph"
-        return _run_pipeline(state, out_dir if dump else None, dump_ranks)
+        return _run_pipeline(state, out_dir if dump else None, dump_ranks, before_write)
 
 
-def _run_pipeline(state: CompileState, out_dir: str | None,
-                  dump_ranks: Any = None) -> CompiledProgram:
+def _run_pipeline(state: CompileState, out_dir: str | None, dump_ranks: Any = None,
+                  before_write: Callable[[CompileState, str | None], None] | None = None
+                  ) -> CompiledProgram:
     passes = pipeline(state)
     timings: list[tuple[str, float]] = []
     dumps: list[tuple[str, dict[int, str]]] = []
@@ -496,6 +499,8 @@ def _run_pipeline(state: CompileState, out_dir: str | None,
         timings.append((p.name, time.perf_counter() - start))
         if out_dir is not None:
             dumps.append((f"{index:02d}_{p.name}.ir", _rank_texts(state, ranks)))
+    if before_write is not None:
+        before_write(state, out_dir)
     if out_dir is not None:
         _write_outputs(out_dir, state, dumps)
     return CompiledProgram(state, timings, out_dir)
@@ -600,17 +605,12 @@ def _plan(state: CompileState) -> dict[str, Any]:
 
 def _write_outputs(out_dir: str, state: CompileState,
                    dumps: Sequence[tuple[str, dict[int, str]]]) -> None:
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.exists(
-        os.path.join(out_dir, "plan.json")
-    ):
-        raise PcompileError(
-            f"output folder {out_dir!r} exists and holds files that pcompile did not write; "
-            "choose another --out"
-        )
-    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".pcompile-", dir=parent)
-    try:
+    """Dumps, plan.json and the rank programs, through compiler/outdir.py: written beside
+    `out_dir` and swapped in when complete; only what an earlier compile wrote is replaced,
+    run outputs survive, a folder holding anything else is refused."""
+    from pcompile.compiler.outdir import write_output_folder
+
+    with write_output_folder(out_dir) as tmp:
         for r in state.dump_ranks:
             os.makedirs(os.path.join(tmp, f"rank_{r}"))
         check = bool(os.environ.get("PCOMPILE_CHECK_ROUNDTRIP"))
@@ -624,18 +624,8 @@ def _write_outputs(out_dir: str, state: CompileState,
         with open(os.path.join(tmp, "plan.json"), "w", encoding="utf-8") as f:
             json.dump(_plan(state), f, indent=1, sort_keys=False)
             f.write("\n")
-        # --- issue 5 hook: rank programs (program.py, params.npz) + kept checkpoints/ ---
+        # --- issue 5 hook: rank programs (program.py, params.npz) ---
         from pcompile.backends.jax.codegen import write_rank_artifacts
 
-        write_rank_artifacts(tmp, state, previous=out_dir)
+        write_rank_artifacts(tmp, state)
         # --- end of issue 5 hook ---
-        if os.path.exists(out_dir):
-            old = out_dir.rstrip("/") + ".old-" + str(os.getpid())
-            os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

@@ -10,7 +10,7 @@ import importlib.util
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -104,15 +104,40 @@ def load_model_file(path: str) -> ModelFile:
     )
 
 
+def _user_error(exc: BaseException, what: str, path: str) -> PcompileError:
+    if isinstance(exc, SystemExit):
+        return PcompileError(
+            f"{what} in {path} called sys.exit({exc.code!r}){_where(exc, path)}; pcompile "
+            "needs it to return, not to end the process")
+    return PcompileError(f"{what} in {path} failed: {type(exc).__name__}: {exc}"
+                         f"{_where(exc, path)}")
+
+
 def call_user(fn: Callable[..., Any], what: str, path: str, *args: Any) -> Any:
-    """Call a model-file function, turning its exceptions into one clear message."""
+    """Call a model-file function, turning its exceptions (and `sys.exit()`) into one clear
+    message."""
     try:
         return fn(*args)
     except PcompileError:
         raise
-    except Exception as exc:
-        raise PcompileError(f"{what} in {path} failed: {type(exc).__name__}: {exc}"
-                            f"{_where(exc, path)}") from exc
+    except (Exception, SystemExit) as exc:
+        raise _user_error(exc, what, path) from exc
+
+
+def iterate_user(iterable: Iterable[Any], what: str, path: str) -> Iterator[Any]:
+    """Iterate what a model-file function returned (a generator runs the user's code on every
+    `next`), with `call_user`'s error handling."""
+    iterator = call_user(iter, what, path, iterable)
+    while True:
+        try:
+            item = next(iterator)
+        except StopIteration:
+            return
+        except PcompileError:
+            raise
+        except (Exception, SystemExit) as exc:
+            raise _user_error(exc, what, path) from exc
+        yield item
 
 
 def as_input_list(value: Any, what: str, path: str) -> list[TensorSpec | np.ndarray]:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from pcompile.compiler.driver import CompiledProgram
-from pcompile.compiler.model_file import as_input_list, call_user
+from pcompile.compiler.model_file import as_input_list, call_user, iterate_user
 from pcompile.compiler.tensor import TensorSpec
 from pcompile.ir.errors import PcompileError
 
@@ -55,7 +55,8 @@ def iter_batches(
     while done < steps:
         epoch += 1
         produced = 0
-        for raw in call_user(mf.dataset, "dataset()", mf.path):
+        for raw in iterate_user(call_user(mf.dataset, "dataset()", mf.path), "dataset()",
+                                mf.path):
             items = list(raw) if isinstance(raw, (tuple, list)) else [raw]
             arrays = as_input_list(tuple(items[: n_inputs + n_labels]), "dataset", mf.path)
             if len(arrays) != n_inputs + n_labels:

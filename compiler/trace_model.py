@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from pcompile.compiler.model_file import ModelFile, as_input_list, call_user
+from pcompile.compiler.model_file import ModelFile, as_input_list, call_user, iterate_user
 from pcompile.compiler.nn.cell import Cell
 from pcompile.compiler.tensor import Parameter, Tensor, TensorSpec
 from pcompile.compiler.tracing import tracing
@@ -64,10 +64,9 @@ def _first_batch_labels(mf: ModelFile) -> list[TensorSpec | np.ndarray]:
         return as_input_list(call_user(mf.labels, "labels()", mf.path), "labels", mf.path)
     if mf.dataset is not None:
         data = call_user(mf.dataset, "dataset()", mf.path)
-        try:
-            batch = next(iter(data))
-        except StopIteration:
-            raise PcompileError(f"dataset() in {mf.path} yields no batch") from None
+        batch = next(iterate_user(data, "dataset()", mf.path), None)
+        if batch is None:
+            raise PcompileError(f"dataset() in {mf.path} yields no batch")
         if not isinstance(batch, (tuple, list)) or len(batch) < 2:
             raise PcompileError(
                 f"dataset() in {mf.path} must yield (input, label) tuples, got "

@@ -162,7 +162,7 @@ def test_a_killed_rank_stops_the_launch_within_10_s(model_path, tmp_path) -> Non
             proc.kill()
     assert proc.returncode != 0
     assert elapsed < 10, elapsed
-    assert "rank 2 failed (killed by SIGKILL)" in output, output
+    assert "rank 2 failed first (killed by SIGKILL)" in output, output
     assert "Last lines of" in output
     assert not any(alive(p["pid"]) for p in info["processes"])
 

@@ -25,7 +25,6 @@ import keyword
 import math
 import os
 import re
-import shutil
 from typing import Any
 
 import numpy as np
@@ -38,7 +37,6 @@ from pcompile.ir.types import DType
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 INLINE_CONST_LIMIT = 16  # constants with more elements go to consts.npz
-KEEP_FROM_PREVIOUS = ("checkpoints",)  # folders of an earlier --out carried into a recompile
 
 
 def identifier(name: str, taken: set[str]) -> str:
@@ -429,10 +427,9 @@ sys.exit(__doc__)
 '''
 
 
-def write_rank_artifacts(folder: str, state: Any, previous: str | None = None) -> None:
+def write_rank_artifacts(folder: str, state: Any) -> None:
     """Write every rank's program.py / params.npz / consts.npz into `folder` (the driver's
-    temporary output folder) and carry `checkpoints/` over from the `previous` output folder,
-    so that `--resume` after a recompile finds them."""
+    staging folder; compiler/outdir.py carries run outputs such as checkpoints over)."""
     for rank, files in rank_artifacts(state, folder).items():
         for name, data in files.items():
             path = os.path.join(folder, f"rank_{rank}", name)
@@ -440,16 +437,3 @@ def write_rank_artifacts(folder: str, state: Any, previous: str | None = None) -
                 f.write(data)
             if name == "program.py":
                 os.chmod(path, 0o755)
-    if previous and os.path.isdir(previous):
-        for keep in KEEP_FROM_PREVIOUS:
-            src = os.path.join(previous, keep)
-            if os.path.isdir(src) and not os.path.exists(os.path.join(folder, keep)):
-                shutil.copytree(src, os.path.join(folder, keep), copy_function=_link_or_copy)
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    """Hard links when possible: checkpoint files are replaced, never modified in place."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)

@@ -1,18 +1,12 @@
 """What a generated `<out>/rank_<r>/program.py` runs: process identity, `jax.distributed`, the
-rank mesh, this process's slices of each batch, the training loop, `train.log`, checkpoints and
-a watchdog.
+rank mesh, this process's slices of each batch, the training loop, `train.log`, checkpoints, a
+heartbeat for the launcher and a watchdog.
 
-Identity (first found wins):
-  * flags `--coordinator HOST:PORT --num-processes N --process-id I`;
-  * env `PCOMPILE_COORDINATOR`, `PCOMPILE_NUM_PROCESSES`, `PCOMPILE_PROCESS_ID`;
-  * Open MPI (`OMPI_COMM_WORLD_RANK` / `OMPI_COMM_WORLD_SIZE`), SLURM (`SLURM_PROCID` /
-    `SLURM_NTASKS`) or PMI (`PMI_RANK` / `PMI_SIZE`); the coordinator then comes from
-    `PCOMPILE_COORDINATOR`, or from `MASTER_ADDR`/`MASTER_PORT`, else JAX's own cluster
-    detection (`jax.distributed.initialize()` without arguments: SLURM, Open MPI);
-  * nothing: one process runs every rank on N virtual CPU devices.
-With P processes, process p runs ranks p*N/P ... (p+1)*N/P - 1 (one each when P = N); started
-as another rank's program it re-executes its own rank's program (so `mpirun -n 8 python
-out/rank_0/program.py` works).
+Identity: backends/cluster.py (flags, `PCOMPILE_*`, torchrun, msrun, MindSpore's
+`RANK_ID`/`RANK_SIZE`, PMI, then JAX's own cluster detection for Open MPI and SLURM; nothing:
+one process runs every rank on N virtual CPU devices). With P processes, process p runs ranks
+p*N/P ... (p+1)*N/P - 1 (one each when P = N); started as another rank's program it
+re-executes its own rank's program (so `mpirun -n 8 python out/rank_0/program.py` works).
 
 Data: each process imports the model file (`MODEL_FILE`) and iterates `dataset()` like
 `compiler.runtime.batches` (epochs restart it; without one, inputs()/labels() or a synthetic
@@ -21,17 +15,23 @@ batch repeats), then cuts each rank's part of every global batch by the input's 
 and `dataset()` must give the same batches in every process (seed its random numbers).
 
 Checkpoints: `<out>/checkpoints/rank_<r>/step_<S>.npz` at the end and every `--checkpoint-every`
-steps (backends/checkpoint.py); `--resume` continues from the last step that every rank saved,
-restores train.log, skips the batches already seen, and so gives bit-identical losses.
+steps (backends/checkpoint.py); `--resume` continues from the newest step that every rank holds
+intact (verified against each file's manifest; damaged newer steps are reported and passed
+over), restores train.log, skips the batches already seen, and so gives bit-identical losses.
+`--fail-on-nan` (on by default) stops at the first step whose loss is not finite.
 
-A watchdog ends the process (exit status 124) when a step takes longer than `--timeout`
-seconds (the first step, which compiles, and `jax.distributed` start-up: `--startup-timeout`),
-e.g. because a collective waits for a rank that died.
+Liveness: under the launcher (`PCOMPILE_HEARTBEAT_FD`), a thread sends a heartbeat twice a
+second with the phase and the steps done; the launcher names the rank that stops beating or
+falls behind. A watchdog ends the process (exit status 124) when a step takes longer than
+`--timeout` seconds (the first step, which compiles, and `jax.distributed` start-up:
+`--startup-timeout`), e.g. because a collective waits for a rank that died; under the launcher
+it fires `LAUNCHER_GRACE` seconds later, so that the launcher's diagnosis comes first.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import threading
@@ -44,6 +44,10 @@ import numpy as np
 EXIT_TIMEOUT = 124
 EXIT_LAUNCHER_GONE = 125
 EXIT_COORDINATOR_PORT = 75  # EX_TEMPFAIL: the launcher retries on another port
+EXIT_NONFINITE = 3  # --fail-on-nan: the loss is not finite
+HEARTBEAT_FD = "PCOMPILE_HEARTBEAT_FD"
+HEARTBEAT_INTERVAL = 0.5  # seconds between heartbeats
+LAUNCHER_GRACE = 60.0  # under the launcher, the rank's own watchdog fires this much later
 
 
 class RankError(Exception):
@@ -53,39 +57,16 @@ class RankError(Exception):
 # -- identity ----------------------------------------------------------------------------------
 
 
-def _env_int(env: dict[str, str], *names: str) -> tuple[int | None, str]:
-    for name in names:
-        value = env.get(name)
-        if value not in (None, ""):
-            try:
-                return int(value), name  # type: ignore[arg-type]
-            except ValueError:
-                raise RankError(
-                    f"environment variable {name}={value!r} is not an integer") from None
-    return None, ""
+def resolve_identity(args: argparse.Namespace, env: dict[str, str]) -> Any:
+    """This process's place in the job (backends/cluster.py: flags, PCOMPILE_*, torchrun,
+    msrun, MindSpore, PMI, then JAX's cluster detection)."""
+    from pcompile.backends.cluster import IdentityError
+    from pcompile.backends.cluster import resolve_identity as resolve
 
-
-def resolve_identity(args: argparse.Namespace, env: dict[str, str]
-                     ) -> tuple[str | None, int, int, str]:
-    """(coordinator, number of processes, process id, where they came from)."""
-    coordinator = args.coordinator or env.get("PCOMPILE_COORDINATOR") or None
-    if args.num_processes is not None or args.process_id is not None:
-        if args.num_processes is None or args.process_id is None:
-            raise RankError("give both --num-processes and --process-id")
-        return coordinator, args.num_processes, args.process_id, "flags"
-    for size_var, rank_var, what in (
-        ("PCOMPILE_NUM_PROCESSES", "PCOMPILE_PROCESS_ID", "PCOMPILE_* environment"),
-        ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "Open MPI"),
-        ("SLURM_NTASKS", "SLURM_PROCID", "SLURM"),
-        ("PMI_SIZE", "PMI_RANK", "PMI"),
-    ):
-        size, _ = _env_int(env, size_var)
-        pid, _ = _env_int(env, rank_var)
-        if size is not None and pid is not None:
-            if coordinator is None and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-                coordinator = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
-            return coordinator, size, pid, what
-    return coordinator, 1, 0, "single process"
+    try:
+        return resolve(args.num_processes, args.process_id, args.coordinator, env)
+    except IdentityError as exc:
+        raise RankError(str(exc)) from None
 
 
 def parse_args(argv: list[str] | None, num_ranks: int) -> argparse.Namespace:
@@ -103,11 +84,16 @@ def parse_args(argv: list[str] | None, num_ranks: int) -> argparse.Namespace:
     parser.add_argument("--no-checkpoint", action="store_true",
                         help="write no checkpoint at the end")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the last step that every rank checkpointed")
+                        help="continue from the newest step that every rank holds intact")
+    parser.add_argument("--resume-step", type=int, default=None, metavar="S",
+                        help="with --resume: continue from step S (the launcher chose it)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds a step (and its collectives) may take (default 300)")
-    parser.add_argument("--startup-timeout", type=float, default=900.0,
-                        help="seconds for distributed start-up and the first, compiling step")
+    parser.add_argument("--startup-timeout", type=float, default=600.0,
+                        help="seconds for distributed start-up and the first, compiling step "
+                             "(default 600)")
+    parser.add_argument("--fail-on-nan", action=argparse.BooleanOptionalAction, default=True,
+                        help="stop when the loss is not finite (default: on)")
     parser.add_argument("--quiet", action="store_true", help="do not print loss lines")
     args = parser.parse_args(argv)
     if args.steps < 0 or args.checkpoint_every < 0:
@@ -115,23 +101,27 @@ def parse_args(argv: list[str] | None, num_ranks: int) -> argparse.Namespace:
     return args
 
 
-# -- watchdog ----------------------------------------------------------------------------------
+# -- watchdog and heartbeat --------------------------------------------------------------------
 
 
 class Watchdog:
-    """Ends the process when the current phase passes its deadline (a hung collective)."""
+    """Ends the process when the current phase passes its deadline (a hung collective), or when
+    the launcher that started it is gone. Under the launcher, which watches every rank's
+    heartbeat and names the rank that stopped first, this is only a backstop: it fires
+    `LAUNCHER_GRACE` seconds after the deadline, so the launcher decides first."""
 
     def __init__(self, label: str) -> None:
         self.label = label
         self.deadline = float("inf")
         self.what = "start-up"
+        self.grace = LAUNCHER_GRACE if os.environ.get(HEARTBEAT_FD) else 0.0
         self._lock = threading.Lock()
         thread = threading.Thread(target=self._watch, daemon=True, name="pcompile-watchdog")
         thread.start()
 
     def arm(self, seconds: float, what: str) -> None:
         with self._lock:
-            self.deadline = time.monotonic() + seconds
+            self.deadline = time.monotonic() + seconds + self.grace
             self.what = what
 
     def disarm(self) -> None:
@@ -156,6 +146,47 @@ class Watchdog:
                     "waiting for a rank that stopped. Exiting.\n")
                 sys.stderr.flush()
                 os._exit(EXIT_TIMEOUT)
+
+
+class Heartbeat:
+    """Tells the launcher this process is alive and where it is: one JSON line per
+    `HEARTBEAT_INTERVAL` from a thread (a stopped or frozen process falls silent) and one on
+    every change of phase, on the pipe the launcher passed as `PCOMPILE_HEARTBEAT_FD`.
+    Without a launcher it does nothing."""
+
+    def __init__(self) -> None:
+        fd = os.environ.get(HEARTBEAT_FD, "")
+        self.fd = int(fd) if fd.isdigit() else None
+        self.state: dict[str, Any] = {"phase": "start", "done": None}
+        self._lock = threading.Lock()
+        if self.fd is not None:
+            os.set_blocking(self.fd, False)
+            threading.Thread(target=self._beat, daemon=True, name="pcompile-heartbeat").start()
+
+    def set(self, **state: Any) -> None:
+        with self._lock:
+            self.state.update(state)
+        self._send()
+
+    def failed(self, why: str) -> None:
+        """The process is about to exit with an error: when, so the launcher can tell the
+        first failure from the ones it caused."""
+        self.set(phase="failed", error=why[-300:], at=time.time())
+
+    def _send(self) -> None:
+        if self.fd is None:
+            return
+        with self._lock:
+            line = json.dumps(self.state) + "\n"
+        try:
+            os.write(self.fd, line.encode())
+        except OSError:  # a full pipe (the launcher reads it soon) or a gone launcher
+            pass
+
+    def _beat(self) -> None:
+        while True:
+            self._send()
+            time.sleep(HEARTBEAT_INTERVAL)
 
 
 def _fault_injection(local: list[int]) -> int | None:
@@ -206,23 +237,29 @@ class TrainLog:
 # -- main --------------------------------------------------------------------------------------
 
 
+class NonFiniteLossError(Exception):
+    """--fail-on-nan: the loss of a step is not finite."""
+
+
 def main(module: ModuleType, argv: list[str] | None = None) -> int:
     """Run the rank program `module` (a generated program.py); returns the exit status."""
     label = f"pcompile rank {getattr(module, 'RANK', '?')}"
+    heartbeat = Heartbeat()
     try:
-        return _main(module, argv)
+        return _main(module, argv, heartbeat)
     except RankError as exc:
-        print(f"{label}: error: {exc}", file=sys.stderr)
-        code = 2
+        message, code = f"{label}: error: {exc}", 2
+    except NonFiniteLossError as exc:
+        message, code = f"{label}: error: {exc}", EXIT_NONFINITE
     except KeyboardInterrupt:
-        print(f"{label}: interrupted", file=sys.stderr)
-        code = 130
-    except Exception:  # any failure of a rank: report it and leave at once
+        message, code = f"{label}: interrupted", 130
+    except Exception as exc:  # any failure of a rank: report it and leave at once
         import traceback
 
         traceback.print_exc()
-        print(f"{label}: failed", file=sys.stderr)
-        code = 1
+        message, code = f"{label}: failed ({type(exc).__name__}: {exc})", 1
+    heartbeat.failed(message)
+    print(message, file=sys.stderr)
     # Exit without the interpreter's shutdown: jax.distributed's atexit hook waits for the
     # other processes, which may be stuck in a collective with this one.
     sys.stdout.flush()
@@ -230,15 +267,19 @@ def main(module: ModuleType, argv: list[str] | None = None) -> int:
     os._exit(code)
 
 
-def _main(module: ModuleType, argv: list[str] | None) -> int:
+def _main(module: ModuleType, argv: list[str] | None, heartbeat: Heartbeat) -> int:
     num_ranks = int(module.NUM_RANKS)
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw_argv, num_ranks)
-    coordinator, nproc, pid, source = resolve_identity(args, dict(os.environ))
-    if nproc < 1 or not 0 <= pid < nproc:
-        raise RankError(f"process id {pid} is not in [0, {nproc}) ({source})")
+    identity = resolve_identity(args, dict(os.environ))
+    if identity.scheduler:
+        print(f"pcompile rank program: {identity.source} runs no ranks (pcompile's process 0 "
+              "is the coordinator); exiting", file=sys.stderr)
+        return 0
+    nproc, pid, coordinator = identity.num_processes, identity.process_id, identity.coordinator
     if num_ranks % nproc:
-        raise RankError(f"{num_ranks} ranks cannot be spread evenly over {nproc} processes")
+        raise RankError(f"{num_ranks} ranks cannot be spread evenly over {nproc} processes "
+                        f"({identity.source})")
     per_process = num_ranks // nproc
     my_ranks = list(range(pid * per_process, (pid + 1) * per_process))
     program_path = os.path.abspath(str(module.__file__))
@@ -264,10 +305,8 @@ def _main(module: ModuleType, argv: list[str] | None) -> int:
         kwargs: dict[str, Any] = {"initialization_timeout": int(args.startup_timeout)}
         if coordinator is not None:
             kwargs.update(coordinator_address=coordinator, num_processes=nproc, process_id=pid)
-        elif source not in ("SLURM", "Open MPI"):
-            raise RankError(
-                f"{nproc} processes ({source}) but no coordinator: pass --coordinator HOST:PORT "
-                "or set PCOMPILE_COORDINATOR (the address of process 0)")
+        # else: JAX's own cluster detection (SLURM, Open MPI) finds everything
+        heartbeat.set(phase="connect")
         try:
             jax.distributed.initialize(**kwargs)
         except Exception as exc:
@@ -278,7 +317,8 @@ def _main(module: ModuleType, argv: list[str] | None) -> int:
             raise
         _exit_on_sigterm(f"pcompile rank {module.RANK}")
         if jax.process_index() != pid:
-            raise RankError(f"JAX numbers this process {jax.process_index()}, expected {pid}")
+            raise RankError(f"JAX numbers this process {jax.process_index()}, expected {pid} "
+                            f"({identity.source})")
 
     from pcompile.backends.jax.plan import MeshSpec
     from pcompile.backends.jax.spmd import make_mesh, rank_devices
@@ -288,7 +328,7 @@ def _main(module: ModuleType, argv: list[str] | None) -> int:
     local = [r for r, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()]
     if local != my_ranks:
         raise RankError(f"this process owns devices of ranks {local}, expected {my_ranks}")
-    runner = _Runner(module, mesh, local, out_dir, args, watchdog)
+    runner = _Runner(module, mesh, local, out_dir, args, watchdog, heartbeat)
     code = runner.run()
     # jax.distributed's exit waits for every process; do not wait for ever.
     watchdog.arm(args.timeout, "shutdown")
@@ -299,8 +339,9 @@ class _Runner:
     """The training (or inference) loop of one process."""
 
     def __init__(self, module: ModuleType, mesh: Any, local: list[int], out_dir: str,
-                 args: argparse.Namespace, watchdog: Watchdog) -> None:
+                 args: argparse.Namespace, watchdog: Watchdog, heartbeat: Heartbeat) -> None:
         self.m = module
+        self.heartbeat = heartbeat
         self.mesh = mesh
         self.local = local
         self.out_dir = out_dir
@@ -382,7 +423,12 @@ class _Runner:
 
     def _load_values(self, resume_step: int | None) -> tuple[dict[int, dict[str, np.ndarray]],
                                                               dict[str, Any]]:
-        from pcompile.backends.checkpoint import checkpoint_path, load_npz, read_checkpoint
+        from pcompile.backends.checkpoint import (
+            CheckpointError,
+            checkpoint_path,
+            load_npz,
+            read_checkpoint,
+        )
 
         values: dict[int, dict[str, np.ndarray]] = {}
         meta: dict[str, Any] = {}
@@ -390,7 +436,11 @@ class _Runner:
             if resume_step is None:
                 values[r] = load_npz(os.path.join(self._rank_dir(r), "params.npz"))
                 continue
-            arrays, meta_r = read_checkpoint(checkpoint_path(self.ckpt_dir, r, resume_step))
+            try:
+                arrays, meta_r = read_checkpoint(checkpoint_path(self.ckpt_dir, r, resume_step),
+                                                 r)
+            except CheckpointError as exc:
+                raise RankError(f"cannot resume from step {resume_step}: {exc}") from None
             if meta_r.get("plan_id") != self.m.PLAN_ID:
                 raise RankError(
                     f"checkpoint of step {resume_step} was written by plan "
@@ -402,6 +452,21 @@ class _Runner:
             if missing:
                 raise RankError(f"rank {r}: no value for {', '.join(missing)}")
         return values, meta
+
+    def _resume_step(self) -> int | None:
+        """--resume: the launcher's choice (--resume-step), else the newest step that every
+        rank holds intact; newer damaged ones are reported and passed over."""
+        from pcompile.backends.checkpoint import resume_point
+
+        if self.args.resume_step is not None:
+            return int(self.args.resume_step)
+        point = resume_point(self.ckpt_dir, int(self.m.NUM_RANKS), self.m.PLAN_ID)
+        for line in point.skipped:
+            self._say(f"passed over checkpoint {line}", force=True)
+        if point.step is None:
+            raise RankError(f"--resume: no step has an intact checkpoint of every rank in "
+                            f"{self.ckpt_dir}; start without --resume")
+        return point.step
 
     def _checkpoint(self, step: int, epoch: int, in_epoch: int,
                     state: dict[str, Any], logs: dict[int, TrainLog]) -> None:
@@ -423,20 +488,21 @@ class _Runner:
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
-        from pcompile.backends.checkpoint import latest_common_step
+        from pcompile.backends.checkpoint import clean_temp_files
         from pcompile.backends.jax.spmd import local_pieces
         from pcompile.compiler.runtime import format_loss_line
 
         m, args = self.m, self.args
         if not m.TRAINING:
             return self._infer()
-        resume_step = None
-        if args.resume:
-            resume_step = latest_common_step(self.ckpt_dir, int(m.NUM_RANKS))
-            if resume_step is None:
-                self._say(f"no checkpoint of every rank in {self.ckpt_dir}; starting at step 0")
+        for r in self.local:  # temporary files of a killed checkpoint write
+            clean_temp_files(os.path.join(self.ckpt_dir, f"rank_{r}"))
+        resume_step = self._resume_step() if args.resume else None
         values, meta = self._load_values(resume_step)
         done = resume_step or 0
+        if done > args.steps:
+            raise RankError(f"--steps {args.steps} is below the step {done} of the checkpoint "
+                            "resumed from; ask for more steps")
         logs = {r: TrainLog(os.path.join(self._rank_dir(r), "train.log"),
                             list(meta.get("log", []))[:done]) for r in self.local}
         state = {name: self._put(name, {r: values[r][name] for r in self.local}, shape)
@@ -447,6 +513,7 @@ class _Runner:
         first = True
         epoch, in_epoch = int(meta.get("epoch", 1)), int(meta.get("step_in_epoch", 0))
         start = time.perf_counter()
+        self.heartbeat.set(phase="data", done=done)
         for k, (epoch, in_epoch, arrays) in enumerate(self._batches(args.steps)):
             if k < done:
                 continue
@@ -457,6 +524,7 @@ class _Runner:
             feeds = [self._put(name, {r: self._slice(name, a, r) for r in self.local}, shape)
                      for (name, _, shape, _), a in zip(self.inputs, arrays)]
             feeds += [state[name] for name, *_ in self.stored]
+            self.heartbeat.set(phase="compute")
             outs = fn(*feeds)
             for name, value in zip(out_names[1:], outs[1:]):
                 if name in state:
@@ -470,10 +538,18 @@ class _Runner:
             first = False
             self._say(logs[self.local[0]].lines[-1])
             step_no = k + 1
+            bad = [r for r in self.local if not np.isfinite(float(losses[r]))]
+            if bad and args.fail_on_nan:
+                raise NonFiniteLossError(
+                    f"the loss is {float(losses[bad[0]])} at step {step_no} (epoch {epoch}, "
+                    f"step {in_epoch}); stopped (--no-fail-on-nan trains on)")
             every = args.checkpoint_every
             if every and step_no % every == 0 and step_no < args.steps:
+                self.heartbeat.set(phase="checkpoint")
                 self._checkpoint(step_no, epoch, in_epoch, state, logs)
+            self.heartbeat.set(phase="data", done=step_no)
         total = len(logs[self.local[0]].lines)
+        self.heartbeat.set(phase="finish", done=total)
         if total > done and not args.no_checkpoint:
             self._checkpoint(total, epoch, in_epoch, state, logs)
         elapsed = time.perf_counter() - start
@@ -489,6 +565,7 @@ class _Runner:
         state = {name: self._put(name, {r: values[r][name] for r in self.local}, shape)
                  for name, _, shape, _ in self.stored}
         self.watchdog.arm(self.args.startup_timeout, "inference")
+        self.heartbeat.set(phase="compute", done=0)
         _, _, arrays = next(iter(self._batches(1)))
         feeds = [self._put(name, {r: self._slice(name, a, r) for r in self.local}, shape)
                  for (name, _, shape, _), a in zip(self.inputs, arrays)]
@@ -499,6 +576,7 @@ class _Runner:
         for r in self.local:
             save_npz(os.path.join(self._rank_dir(r), "outputs.npz"),
                      {name: p[r] for name, p in zip(self.m.OUTPUTS, pieces)})
+        self.heartbeat.set(phase="finish", done=1)
         self._say("inference outputs: " + ", ".join(
             f"{name} {tuple(p[self.local[0]].shape)}" for name, p in zip(self.m.OUTPUTS, pieces)),
             force=True)

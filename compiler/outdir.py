@@ -1,0 +1,374 @@
+"""The `--out` folder: what pcompile owns in it, how a compile replaces it, and its lock.
+
+The guarantees (docs/running.md, "The output folder"):
+
+* Every compile writes a manifest, `.pcompile-manifest.json`, listing each file and folder it
+  wrote. A later compile replaces exactly what the manifest lists, nothing else.
+* Run outputs (what `--run`, the rank programs and `pcompile-merge` write: `rank_<r>/train.log`,
+  `rank_<r>/run.log`, `rank_<r>/outputs.npz`, `launch.json`, `checkpoints/rank_<r>/step_*.npz`,
+  `merged_step_*.npz`) survive a recompile: they are carried into the new folder.
+* Anything else in the folder is foreign: the compile refuses, naming it, and changes nothing.
+  A non-empty folder without a manifest is entirely foreign.
+* A compile writes into a staging folder beside `--out` (`.<name>.pcompile-new-<id>`) and swaps
+  it in with two renames, so a failed or killed compile leaves `--out` as it was. The next
+  compile into the same `--out` removes a killed compile's staging folder (or finishes its swap).
+* One pcompile at a time per `--out`: the lock `.<name>.pcompile-lock` beside it (an advisory
+  `flock`, released by the kernel when its holder dies), held by a compile while it writes and by
+  `--run` from the compile to the end of the run.
+
+`write_output_folder(out)` is the one entry point of the driver; `out_lock(out)` is re-entrant
+within a process, so the CLI can hold it across compile and run.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import filecmp
+import json
+import os
+import re
+import secrets
+import shutil
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from pcompile.ir.errors import PcompileError
+
+MANIFEST = ".pcompile-manifest.json"
+MANIFEST_FORMAT = "pcompile-output-folder/1"
+_STAGING_MARK = ".pcompile-staging"  # present while a staging folder is incomplete
+
+# Files that runs write into the folder (relative, '/'-separated), and the folders holding them.
+_RUN_OUTPUT = re.compile(
+    r"launch\.json|merged_step_\d+\.npz|rank_\d+/(?:train\.log|run\.log|outputs\.npz)"
+    r"|checkpoints/rank_\d+/step_\d+\.npz"
+)
+_RUN_FOLDER = re.compile(r"rank_\d+|checkpoints|checkpoints/rank_\d+")
+# A temporary file of an atomic write (backends/checkpoint.py `atomic_write_bytes`) that was
+# killed before its rename: `.<name>.tmp-<token>` next to `<name>`.
+_TEMP = re.compile(r"(?P<dir>(?:[^/]+/)*)\.(?P<name>[^/]+)\.tmp-[A-Za-z0-9_]+")
+SHOWN = 8  # foreign entries named in a message
+
+
+def is_run_output(rel: str) -> bool:
+    """A file that runs write (kept across recompiles)."""
+    return _RUN_OUTPUT.fullmatch(rel) is not None
+
+
+def is_temp_leftover(rel: str) -> bool:
+    """The temporary file of a killed atomic write of a run output (removed by the next run)."""
+    m = _TEMP.fullmatch(rel)
+    return m is not None and is_run_output(m.group("dir") + m.group("name"))
+
+
+# -- paths -------------------------------------------------------------------------------------
+
+
+def resolve(out_dir: str) -> str:
+    """The absolute, symlink-free path of an --out value (one clear message when unusable)."""
+    if not out_dir or not out_dir.strip():
+        raise PcompileError("--out is empty; give the folder to write the dumps and plan into")
+    path = os.path.realpath(os.path.expanduser(out_dir))
+    if os.path.dirname(path) == path:
+        raise PcompileError(f"--out {out_dir!r} is the root folder; give a folder of its own")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise PcompileError(f"--out {out_dir!r} exists and is not a folder")
+    return path
+
+
+def _beside(out: str, kind: str) -> str:
+    return os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.pcompile-{kind}")
+
+
+def lock_path(out: str) -> str:
+    return _beside(out, "lock")
+
+
+def _os_error(what: str, path: str, exc: OSError) -> PcompileError:
+    reason = exc.strerror or str(exc)
+    hint = " (check its permissions)" if exc.errno in (errno.EACCES, errno.EPERM,
+                                                     errno.EROFS) else ""
+    return PcompileError(f"cannot {what} {path}: {reason}{hint}")
+
+
+# -- the lock ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Held:
+    fd: int
+    path: str
+    depth: int
+
+
+_HELD: dict[str, _Held] = {}
+
+
+@contextmanager
+def out_lock(out_dir: str) -> Iterator[str]:
+    """Hold the lock of `out_dir` (re-entrant in this process); yields the resolved path.
+    Another process holding it: one clear `PcompileError` naming that process."""
+    out = resolve(out_dir)
+    held = _HELD.get(out)
+    if held is not None:
+        held.depth += 1
+    else:
+        parent = os.path.dirname(out)
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as exc:
+            raise _os_error("create the folder", parent, exc) from None
+        held = _HELD[out] = _Held(_acquire(lock_path(out), out), lock_path(out), 1)
+    try:
+        yield out
+    finally:
+        held.depth -= 1
+        if held.depth == 0:
+            del _HELD[out]
+            try:
+                os.unlink(held.path)  # while still holding it: see _acquire
+            except OSError:
+                pass
+            os.close(held.fd)
+
+
+def _acquire(path: str, out: str) -> int:
+    for _ in range(10):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as exc:
+            raise _os_error("write beside --out, creating the lock file", path, exc) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
+            os.close(fd)
+            raise PcompileError(
+                f"--out {out} is in use by another pcompile ({holder}); wait for it to finish "
+                "or choose another --out") from None
+        # The holder before us may have unlinked the file between our open and our flock:
+        # then we locked a file nobody else will see; take the one at `path` instead.
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except OSError:
+            same = False
+        if same:
+            command = " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]) if sys.argv else ""
+            info = f"pid {os.getpid()}: {command}"
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, info.encode("utf-8", "replace")[:4000], 0)
+            return fd
+        os.close(fd)
+    raise PcompileError(f"cannot lock --out {out}: the lock file {path} keeps changing")
+
+
+# -- manifest and foreign files ----------------------------------------------------------------
+
+
+@dataclass
+class Manifest:
+    files: list[str]
+    folders: list[str]
+
+
+def _safe_rel(rel: object) -> bool:
+    return (isinstance(rel, str) and bool(rel) and not rel.startswith("/")
+            and all(part not in ("", ".", "..") for part in rel.split("/")))
+
+
+def read_manifest(out: str) -> Manifest | None:
+    """The folder's manifest; None when there is none or it is not one pcompile wrote."""
+    try:
+        with open(os.path.join(out, MANIFEST), encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
+        return None
+    files, folders = data.get("files"), data.get("folders")
+    if not (isinstance(files, list) and isinstance(folders, list)
+            and all(_safe_rel(x) for x in files + folders)):
+        return None
+    return Manifest(list(files), list(folders))
+
+
+def _scan(root: str) -> tuple[list[str], list[str]]:
+    """(files, folders) under `root`, relative and '/'-separated; links count as files."""
+    files: list[str] = []
+    folders: list[str] = []
+
+    def walk(path: str, rel: str) -> None:
+        with os.scandir(path) as entries:
+            for entry in sorted(entries, key=lambda e: e.name):
+                name = f"{rel}{entry.name}"
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append(name)
+                    walk(entry.path, name + "/")
+                else:
+                    files.append(name)
+
+    walk(root, "")
+    return files, folders
+
+
+def foreign_entries(out: str) -> list[str]:
+    """What in `out` pcompile did not write (folders end in '/')."""
+    if not os.path.isdir(out):
+        return []
+    manifest = read_manifest(out)
+    owned = set(manifest.files) if manifest else set()
+    owned_folders = set(manifest.folders) if manifest else set()
+    files, folders = _scan(out)
+    bad = [f for f in files
+           if not ((f == MANIFEST and manifest is not None) or f in owned or is_run_output(f)
+                   or is_temp_leftover(f))]
+    for d in folders:
+        if d in owned_folders or _RUN_FOLDER.fullmatch(d):
+            continue
+        if not any(x.startswith(d + "/") for x in files):  # an empty folder nobody listed
+            bad.append(d + "/")
+    return bad
+
+
+def check_owned(out: str, shown_as: str) -> None:
+    """Refuse a folder that holds anything pcompile did not write, naming it."""
+    bad = foreign_entries(out)
+    if not bad:
+        return
+    names = ", ".join(bad[:SHOWN]) + (f" and {len(bad) - SHOWN} more" if len(bad) > SHOWN else "")
+    why = "" if read_manifest(out) else f" (it has no pcompile manifest {MANIFEST})"
+    raise PcompileError(
+        f"output folder {shown_as!r} holds files that pcompile did not write{why}: {names}; "
+        "pcompile would not delete them: move them away or choose another --out")
+
+
+# -- replacing the folder ----------------------------------------------------------------------
+
+
+@contextmanager
+def write_output_folder(out_dir: str) -> Iterator[str]:
+    """Yield an empty staging folder for a compile's outputs; when the block ends normally,
+    it replaces `out_dir` (run outputs carried over, a manifest written). On an exception
+    `out_dir` is left as it was."""
+    with out_lock(out_dir) as out:
+        clean_leftovers(out)
+        check_owned(out, out_dir)
+        staging = _beside(out, f"new-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            os.mkdir(staging, 0o777)  # the user's umask applies
+            open(os.path.join(staging, _STAGING_MARK), "wb").close()
+        except OSError as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise _os_error("write beside --out, creating", staging, exc) from None
+        try:
+            yield staging
+            _complete(staging, out)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        try:
+            _swap(staging, out)
+        except OSError as exc:
+            raise _os_error("replace the output folder", out, exc) from None
+
+
+def _complete(staging: str, out: str) -> None:
+    """Manifest, carried run outputs; then the staging folder is complete (mark removed)."""
+    files, folders = _scan(staging)
+    files = [f for f in files if f != _STAGING_MARK]
+    manifest = {"format": MANIFEST_FORMAT, "files": files, "folders": folders}
+    with open(os.path.join(staging, MANIFEST), "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=0)
+        f.write("\n")
+    if os.path.isdir(out):
+        old_files, _ = _scan(out)
+        for rel in old_files:
+            if is_run_output(rel) and not os.path.lexists(os.path.join(staging, rel)):
+                _link_or_copy(os.path.join(out, rel), os.path.join(staging, rel))
+    os.unlink(os.path.join(staging, _STAGING_MARK))
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)
+
+
+def _swap(staging: str, out: str) -> None:
+    if not os.path.exists(out):
+        os.rename(staging, out)
+        return
+    old = _beside(out, f"old-{os.getpid()}-{secrets.token_hex(4)}")
+    os.rename(out, old)
+    os.rename(staging, out)
+    _retire(old, out)
+
+
+def _retire(old: str, out: str) -> None:
+    """Delete what pcompile owns in the replaced folder `old`; anything else (written there
+    after the carry-over) moves into `out`, so nothing pcompile did not write is deleted."""
+    manifest = read_manifest(old)
+    owned = set(manifest.files) if manifest else set()
+    files, folders = _scan(old)
+    for rel in files:
+        path, new = os.path.join(old, rel), os.path.join(out, rel)
+        if rel in owned or rel == MANIFEST or is_temp_leftover(rel) or (
+                is_run_output(rel) and _same_file(path, new)):
+            os.unlink(path)
+        elif not os.path.lexists(new):
+            os.makedirs(os.path.dirname(new), exist_ok=True)
+            os.rename(path, new)
+    for rel in reversed(folders):
+        try:
+            os.rmdir(os.path.join(old, rel))
+        except OSError:
+            pass
+    try:
+        os.rmdir(old)
+    except OSError:
+        warnings.warn(f"the previous contents of {out} that could not be moved back are kept "
+                      f"in {old}", RuntimeWarning, stacklevel=2)
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        if os.path.samestat(os.lstat(a), os.lstat(b)):
+            return True
+        return filecmp.cmp(a, b, shallow=False)
+    except OSError:
+        return False
+
+
+def clean_leftovers(out: str) -> None:
+    """Staging and replaced folders of a killed compile into `out` (call with the lock held:
+    then no other pcompile is writing them). An incomplete staging folder is removed; a complete
+    one whose swap was cut short replaces the missing `out`; a replaced folder is retired."""
+    parent, name = os.path.dirname(out), os.path.basename(out)
+    try:
+        entries = sorted(os.listdir(parent))
+    except OSError:
+        return
+    prefix = f".{name}.pcompile-"
+    staged = [os.path.join(parent, e) for e in entries if e.startswith(prefix + "new-")]
+    olds = [os.path.join(parent, e) for e in entries if e.startswith(prefix + "old-")]
+    for path in staged:
+        if not os.path.isdir(path) or os.path.islink(path):
+            continue
+        complete = not os.path.exists(os.path.join(path, _STAGING_MARK)) and read_manifest(path)
+        if complete and not os.path.exists(out):
+            os.rename(path, out)  # the compile had finished; only its swap was cut short
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    for path in olds:
+        if not os.path.isdir(path) or os.path.islink(path) or read_manifest(path) is None:
+            continue
+        if os.path.exists(out):
+            _retire(path, out)
+        else:
+            os.rename(path, out)
