@@ -54,6 +54,9 @@ def _parse_dataset_strategy(text: str | None) -> Any:
               help="Where dumps and plan.json go (default: save_graphs_path or ./saved_graph).")
 @click.option("--dataset-strategy", default=None,
               help="data_parallel, full_batch, or per-input strategies like '((8, 1), (8, 1))'.")
+@click.option("--dump-ranks", default=None, metavar="RANKS",
+              help="Ranks whose folders are written: all, none, or a list like 0,5 "
+                   "(default: all up to 8 devices, else 0).")
 @click.option("--run", "do_run", is_flag=True, help="Train (or run inference) after compiling.")
 @click.option("--steps", type=click.IntRange(1), default=1, show_default=True,
               help="Training steps with --run.")
@@ -85,6 +88,7 @@ def main(
     parallel_mode: str | None,
     out_dir: str | None,
     dataset_strategy: str | None,
+    dump_ranks: str | None,
     do_run: bool,
     steps: int,
     backend: str,
@@ -133,6 +137,7 @@ def main(
                 search_mode=search,
                 out_dir=out_dir,
                 overrides=overrides,
+                dump_ranks=dump_ranks,
                 before_write=before_write,
             )
             elapsed = time.perf_counter() - start
@@ -251,8 +256,17 @@ def _summary(program: Any, elapsed: float) -> None:
     for name, seconds in program.timings:
         click.echo(f"  pass {name:<24} {seconds * 1000:8.1f} ms")
     if program.out_dir:
-        click.echo(f"dumps: {os.path.join(program.out_dir, 'rank_0')}/*.ir, plan: "
-                   f"{os.path.join(program.out_dir, 'plan.json')}")
+        ranks = state.dump_ranks
+        if ranks:
+            which = ("every rank" if len(ranks) == state.devices and state.devices > 1
+                     else "rank " + ", ".join(map(str, ranks)) if len(ranks) <= 8
+                     else f"{len(ranks)} ranks")
+            first = os.path.join(program.out_dir, f"rank_{ranks[0]}")
+            click.echo(f"dumps ({which}): {first}/*.ir, plan: "
+                       f"{os.path.join(program.out_dir, 'plan.json')}")
+        else:
+            click.echo(f"dumps: none (--dump-ranks none); plan: "
+                       f"{os.path.join(program.out_dir, 'plan.json')}")
 
 
 def _check_backends(program: Any) -> None:

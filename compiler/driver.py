@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -24,6 +24,7 @@ from pcompile.compiler.context import (
     get_context,
     reset_auto_parallel_context,
 )
+from pcompile.compiler.initializer import InitializedData
 from pcompile.compiler.model_file import ModelFile, call_user, load_model_file
 from pcompile.compiler.nn.optim_base import Optimizer
 from pcompile.compiler.trace_model import TracedModel, trace_model
@@ -51,10 +52,53 @@ from pcompile.passes.search.auto_parallel_pass import (
     finish_assignment,
     searched_strategies,
 )
-from pcompile.passes.step_parallel import SplitOptions, build_spmd_graph, slice_array
+from pcompile.passes.step_parallel import SplitOptions, build_spmd_graph
 from pcompile.passes.step_parallel_begin import ParallelAssignment, assign
 
 # --- end search ----------------------------------------------------------------------------------
+
+
+class InitialValues(MutableMapping[str, np.ndarray]):
+    """Initial parameter and optimizer-state values by name, held abstractly (each an
+    `InitializedData`: initializer, seed, shape, dtype; or the user's array): `values[name]`
+    generates the whole value, `source(name)` gives the abstract one, from which a rank makes
+    only its block (`CompileState.rank_values`)."""
+
+    def __init__(self) -> None:
+        self._sources: dict[str, InitializedData] = {}
+
+    def source(self, name: str) -> InitializedData:
+        return self._sources[name]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._sources[name].to_numpy()
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        if not isinstance(value, InitializedData):
+            value = InitializedData.of_array(np.array(value, copy=True))
+        self._sources[name] = value
+
+    def setdefault(self, name: str, value: Any = None) -> Any:  # type: ignore[override]
+        if name not in self._sources:
+            self[name] = value
+        return self._sources[name]
+
+    def __delitem__(self, name: str) -> None:
+        del self._sources[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sources)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._sources
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every value (what materialising them all would take)."""
+        return sum(s.nbytes for s in self._sources.values())
 
 
 @dataclass
@@ -71,7 +115,7 @@ class CompileState:
     # rank-parametric graph (what differs between ranks is an `ir.rank` value); hybrid mode
     # traces the model per rank and has one graph per rank.
     rank_graphs: list[Graph] = field(default_factory=list)
-    initial_values: dict[str, np.ndarray] = field(default_factory=dict)
+    initial_values: InitialValues = field(default_factory=lambda: InitialValues())
     optimizer: Optimizer | None = None
     plan: dict[str, Any] = field(default_factory=dict)
     assignment: ParallelAssignment | None = None
@@ -101,14 +145,20 @@ class CompileState:
         return out
 
     def rank_values(self, rank: int) -> dict[str, np.ndarray]:
-        """Rank `rank`'s initial parameter and optimizer-state values: its slice of each
-        global initial value (computed on demand; a compile never holds them for every rank)."""
+        """Rank `rank`'s initial parameter and optimizer-state values: its block of each
+        global initial value, generated on its own (never the whole value)."""
         if not self.parallel:
-            return self.initial_values
+            return dict(self.initial_values.items())
         assert self.assignment is not None
         layouts = self.assignment.param_layouts
-        return {name: slice_array(value, layouts[name], rank) if name in layouts else value
-                for name, value in self.initial_values.items()}
+        out = {}
+        for name in self.initial_values:
+            source = self.initial_values.source(name)
+            layout = layouts.get(name)
+            bounds = (layout.slice_bounds(rank) if layout is not None and source.shape
+                      else tuple((0, d) for d in source.shape))
+            out[name] = source.block(bounds)
+        return out
 
 
 class Pass(Protocol):
@@ -140,7 +190,7 @@ class TracePass:
         state.graph = traced.graph
         _check_functional_shard(state)
         for name, param in traced.parameters.items():
-            state.initial_values[name] = np.array(param.asnumpy(), copy=True)
+            state.initial_values[name] = param.source  # abstract: nothing is allocated
         if not state.parallel:
             state.rank_graphs = [traced.graph]
             state.split = True
@@ -211,17 +261,18 @@ class OptimizerPass:
 
 
 def _state_slicer(state: CompileState) -> Any:
-    """Optimizer state in a local graph: a per-parameter state takes its parameter's layout;
-    the global value is kept (ranks' slices are cut from it on demand)."""
+    """Optimizer state in a local graph: a per-parameter state takes its parameter's layout
+    (its local shape is the parameter's slice shape); the global value is kept, abstract, and
+    each rank's slice is made from it when needed."""
     assert state.assignment is not None
     layouts = state.assignment.param_layouts
 
-    def cut(name: str, owner: str, value: np.ndarray) -> np.ndarray:
-        state.initial_values.setdefault(name, np.array(value, copy=True))
+    def cut(name: str, owner: str, value: Any) -> tuple[int, ...]:
+        state.initial_values.setdefault(name, value)
         if not owner:
-            return value
+            return tuple(value.shape)
         layouts.setdefault(name, layouts[owner])
-        return slice_array(value, layouts[owner], 0)  # every rank's slice has this shape
+        return layouts[owner].slice_shape
 
     return cut
 

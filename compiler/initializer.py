@@ -10,6 +10,14 @@ Reproducibility: every random initializer call draws a ticket ``(seed, counter)`
 values depend only on that ticket, the init, the shape and the dtype - never on when or how
 often they are materialised. Constant inits (zeros, ones, numbers, arrays) take no ticket.
 
+Any block of a tensor is generated on its own, equal to the same block of the whole tensor
+(`InitializedData.block(bounds)`): element i (its flat C-order index in the whole tensor) takes
+its random bits from a counter-based generator, Philox4x32-10 (Salmon et al., SC 2011) keyed by
+the ticket, at counter (i, draw). So a rank materialises only its own slice of a parameter at
+run time, and the slices of all ranks put together are the single-device initialisation
+exactly. Uniforms take 53 bits; normals use the Box-Muller transform of two uniforms;
+truncated normals redraw (the next `draw`) what falls outside [a, b].
+
 Supported inits: ``"normal"`` (sigma 0.01), ``"zeros"``, ``"ones"``, ``"uniform"`` (scale
 0.07), ``"xavier_uniform"``, ``"he_uniform"``, ``"truncatednormal"`` (sigma 0.01), a number
 (constant fill), a numpy array (its shape must match), or an instance of `Normal`, `Uniform`,
@@ -76,8 +84,70 @@ def _next_ticket() -> tuple[int, int]:
     return ticket
 
 
-def _rng(ticket: tuple[int, int]) -> np.random.Generator:
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(list(ticket))))
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers and Weyl key increments
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85
+_MASK32 = np.uint64(0xFFFFFFFF)
+_CHUNK = 1 << 20  # elements generated at a time: the generator's uint64 temporaries ~100 MB
+
+
+def _key(ticket: tuple[int, int]) -> tuple[int, int]:
+    """Two 32-bit Philox key words from a (seed, counter) ticket (splitmix64 of each)."""
+
+    def mix(x: int) -> int:
+        x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        return x ^ (x >> 31)
+
+    seed, counter = ticket
+    word = mix(mix(seed) ^ counter)
+    return word & 0xFFFFFFFF, word >> 32
+
+
+def philox(index: np.ndarray, draw: int, key: tuple[int, int]) -> tuple[np.ndarray, ...]:
+    """Philox4x32-10 at counters (index_lo, index_hi, draw, 0): four uint32 words (held in
+    uint64 arrays) per element of `index` (uint64)."""
+    c0 = index & _MASK32
+    c1 = index >> np.uint64(32)
+    c2 = np.full(index.shape, draw, np.uint64)
+    c3 = np.zeros(index.shape, np.uint64)
+    k0, k1 = key
+    for _ in range(10):
+        p0 = c0 * np.uint64(_M0)
+        p1 = c2 * np.uint64(_M1)
+        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ np.uint64(k0), p1 & _MASK32,
+                          (p0 >> np.uint64(32)) ^ c3 ^ np.uint64(k1), p0 & _MASK32)
+        k0, k1 = (k0 + _W0) & 0xFFFFFFFF, (k1 + _W1) & 0xFFFFFFFF
+    return c0, c1, c2, c3
+
+
+def uniforms(index: np.ndarray, draw: int, key: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Two independent U[0, 1) float64 values (53 bits each) per element of `index`."""
+    w0, w1, w2, w3 = philox(index, draw, key)
+    scale = 2.0 ** -53
+    u1 = ((w0 << np.uint64(21)) | (w1 >> np.uint64(11))).astype(np.float64) * scale
+    u2 = ((w2 << np.uint64(21)) | (w3 >> np.uint64(11))).astype(np.float64) * scale
+    return u1, u2
+
+
+def standard_normal(index: np.ndarray, draw: int, key: tuple[int, int]) -> np.ndarray:
+    """N(0, 1) per element of `index` (Box-Muller; 1 - u1 is in (0, 1], so the log is finite)."""
+    u1, u2 = uniforms(index, draw, key)
+    return np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2)
+
+
+def block_indices(shape: tuple[int, ...], bounds: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Flat C-order indices (uint64) of the block `bounds` of a tensor of `shape`."""
+    index = np.zeros((1,) * len(shape), np.uint64)
+    stride = 1
+    for dim in reversed(range(len(shape))):
+        lo, hi = bounds[dim]
+        axis = np.arange(lo, hi, dtype=np.uint64) * np.uint64(stride)
+        view = [1] * len(shape)
+        view[dim] = hi - lo
+        index = index + axis.reshape(view)
+        stride *= shape[dim]
+    return index.reshape(tuple(hi - lo for lo, hi in bounds))
 
 
 def _fans(shape: tuple[int, ...], what: str) -> tuple[int, int]:
@@ -101,12 +171,15 @@ def _check_number(value: Any, what: str, *, positive: bool = False) -> float:
 
 
 class Initializer:
-    """Base class: `sample(shape, rng)` returns float64 (or exact) values of `shape`."""
+    """Base class: `sample(shape, index, key)` returns float64 (or exact) values of the
+    elements at flat `index` (any array of uint64 C-order indices) of a tensor of `shape`;
+    `key` is the ticket's Philox key (None for inits that draw no random numbers)."""
 
     random = True
     """Whether the init draws random numbers (and so takes a (seed, counter) ticket)."""
 
-    def sample(self, shape: tuple[int, ...], rng: np.random.Generator | None) -> np.ndarray:
+    def sample(self, shape: tuple[int, ...], index: np.ndarray,
+               key: tuple[int, int] | None) -> np.ndarray:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -127,9 +200,10 @@ class Normal(Initializer):
         self.sigma = _check_number(sigma, "Normal: sigma", positive=True)
         self.mean = _check_number(mean, "Normal: mean")
 
-    def sample(self, shape: tuple[int, ...], rng: np.random.Generator | None) -> np.ndarray:
-        assert rng is not None
-        return rng.normal(self.mean, self.sigma, size=shape)
+    def sample(self, shape: tuple[int, ...], index: np.ndarray,
+               key: tuple[int, int] | None) -> np.ndarray:
+        assert key is not None
+        return self.mean + self.sigma * standard_normal(index, 0, key)
 
 
 class Uniform(Initializer):
@@ -138,9 +212,9 @@ class Uniform(Initializer):
     def __init__(self, scale: float = 0.07) -> None:
         self.scale = _check_number(scale, "Uniform: scale", positive=True)
 
-    def sample(self, shape: tuple[int, ...], rng: np.random.Generator | None) -> np.ndarray:
-        assert rng is not None
-        return rng.uniform(-self.scale, self.scale, size=shape)
+    def sample(self, shape: tuple[int, ...], index: np.ndarray,
+               key: tuple[int, int] | None) -> np.ndarray:
+        return _uniform(-self.scale, self.scale, index, key)
 
 
 class XavierUniform(Initializer):
@@ -149,11 +223,11 @@ class XavierUniform(Initializer):
     def __init__(self, gain: float = 1.0) -> None:
         self.gain = _check_number(gain, "XavierUniform: gain", positive=True)
 
-    def sample(self, shape: tuple[int, ...], rng: np.random.Generator | None) -> np.ndarray:
-        assert rng is not None
+    def sample(self, shape: tuple[int, ...], index: np.ndarray,
+               key: tuple[int, int] | None) -> np.ndarray:
         fan_in, fan_out = _fans(shape, "XavierUniform")
         bound = self.gain * math.sqrt(6.0 / (fan_in + fan_out))
-        return rng.uniform(-bound, bound, size=shape)
+        return _uniform(-bound, bound, index, key)
 
 
 class HeUniform(Initializer):
@@ -173,14 +247,14 @@ class HeUniform(Initializer):
         self.mode = mode
         self.nonlinearity = nonlinearity
 
-    def sample(self, shape: tuple[int, ...], rng: np.random.Generator | None) -> np.ndarray:
-        assert rng is not None
+    def sample(self, shape: tuple[int, ...], index: np.ndarray,
+               key: tuple[int, int] | None) -> np.ndarray:
         fan_in, fan_out = _fans(shape, "HeUniform")
         fan = fan_in if self.mode == "fan_in" else fan_out
         slope = self.negative_slope if self.nonlinearity == "leaky_relu" else 0.0
         gain = math.sqrt(2.0 / (1.0 + slope**2))
         bound = gain * math.sqrt(3.0 / fan)
-        return rng.uniform(-bound, bound, size=shape)
+        return _uniform(-bound, bound, index, key)
 
 
 class TruncatedNormal(Initializer):
@@ -204,14 +278,25 @@ class TruncatedNormal(Initializer):
                 f"{sigma}^2); choose bounds closer to the mean"
             )
 
-    def sample(self, shape: tuple[int, ...], rng: np.random.Generator | None) -> np.ndarray:
-        assert rng is not None
-        out = rng.normal(self.mean, self.sigma, size=shape)
+    def sample(self, shape: tuple[int, ...], index: np.ndarray,
+               key: tuple[int, int] | None) -> np.ndarray:
+        assert key is not None
+        out = self.mean + self.sigma * standard_normal(index, 0, key)
         bad = (out < self.a) | (out > self.b)
+        draw = 0
         while bad.any():  # rejection: the accepted mass is >= 1e-3, so this ends quickly
-            out[bad] = rng.normal(self.mean, self.sigma, size=int(bad.sum()))
+            draw += 1
+            retry = self.mean + self.sigma * standard_normal(index[bad], draw, key)
+            out[bad] = retry
             bad = (out < self.a) | (out > self.b)
         return out
+
+
+def _uniform(low: float, high: float, index: np.ndarray,
+             key: tuple[int, int] | None) -> np.ndarray:
+    assert key is not None
+    u1, _ = uniforms(index, 0, key)
+    return low + (high - low) * u1
 
 
 def _normal_cdf(x: float) -> float:
@@ -228,8 +313,9 @@ class Constant(Initializer):
             raise TypeError(f"Constant: value must be a number, got {type(value).__name__}")
         self.value = value.item() if isinstance(value, np.generic) else value
 
-    def sample(self, shape: tuple[int, ...], rng: np.random.Generator | None) -> np.ndarray:
-        return np.full(shape, self.value)
+    def sample(self, shape: tuple[int, ...], index: np.ndarray,
+               key: tuple[int, int] | None) -> np.ndarray:
+        return np.full(index.shape, self.value)
 
 
 class Zero(Constant):
@@ -278,7 +364,7 @@ class InitializedData:
     ``np.asarray(data)``, ``data.asnumpy()``, ``data.init_data()`` and ``data.to_numpy()`` all
     return the same values (a fresh array each time)."""
 
-    __slots__ = ("init", "shape", "dtype", "ticket", "_array")
+    __slots__ = ("init", "shape", "dtype", "ticket", "_array", "zero_rows")
 
     def __init__(
         self,
@@ -287,12 +373,33 @@ class InitializedData:
         dtype: DType,
         ticket: tuple[int, int] | None,
         array: np.ndarray | None = None,
+        zero_rows: tuple[int, ...] = (),
     ) -> None:
         self.init = init
         self.shape = shape
         self.dtype = dtype
         self.ticket = ticket
         self._array = array
+        self.zero_rows = zero_rows  # rows of dim 0 set to zero (an Embedding's padding_idx)
+
+    @staticmethod
+    def of_array(array: Any, dtype: Any = None) -> InitializedData:
+        """Data given as an array (a numpy array, or a memory-mapped one: blocks are read
+        from it lazily, never copied whole)."""
+        arr = array if isinstance(array, np.ndarray) else np.asarray(array)
+        return InitializedData(None, tuple(int(d) for d in arr.shape),
+                               DType.from_any(dtype if dtype is not None else arr.dtype),
+                               None, arr)
+
+    @property
+    def array(self) -> np.ndarray | None:
+        """The user's array, when the data was given as one."""
+        return self._array
+
+    def with_zero_rows(self, rows: Sequence[int]) -> InitializedData:
+        """The same data with rows `rows` of dim 0 set to zero."""
+        return InitializedData(self.init, self.shape, self.dtype, self.ticket, self._array,
+                               tuple(sorted(set(self.zero_rows) | {int(r) for r in rows})))
 
     @property
     def ndim(self) -> int:
@@ -308,12 +415,43 @@ class InitializedData:
 
     def to_numpy(self) -> np.ndarray:
         """The values, as a new numpy array of `dtype`."""
+        return self.block(tuple((0, d) for d in self.shape))
+
+    def block(self, bounds: Sequence[tuple[int, int]]) -> np.ndarray:
+        """The values of the block `bounds` ((begin, end) per dim), equal to the same block of
+        `to_numpy()`, generated without the rest of the tensor."""
+        bounds = tuple((int(lo), int(hi)) for lo, hi in bounds)
+        if len(bounds) != len(self.shape) or any(
+                not 0 <= lo <= hi <= d for (lo, hi), d in zip(bounds, self.shape)):
+            raise ValueError(f"block {bounds} is outside a tensor of shape {self.shape}")
+        out = self._block(bounds)
+        for row in self.zero_rows:
+            if bounds and bounds[0][0] <= row < bounds[0][1]:
+                out[row - bounds[0][0]] = 0
+        return out
+
+    def _block(self, bounds: tuple[tuple[int, int], ...]) -> np.ndarray:
         if self._array is not None:
-            return self._array.astype(self.dtype.np, copy=True)
+            part = self._array[tuple(slice(lo, hi) for lo, hi in bounds)]
+            return np.array(part, dtype=self.dtype.np, copy=True)
         assert self.init is not None
-        rng = _rng(self.ticket) if self.ticket is not None else None
-        values = self.init.sample(self.shape, rng)
-        return np.asarray(values).astype(self.dtype.np, copy=False).reshape(self.shape)
+        key = _key(self.ticket) if self.ticket is not None else None
+        out = np.empty(tuple(hi - lo for lo, hi in bounds), self.dtype.np)
+        if not out.size:
+            return out
+        if not self.shape:
+            index = np.zeros((), np.uint64)
+            out[...] = np.asarray(self.init.sample(self.shape, index, key)).astype(out.dtype)
+            return out
+        # A few rows at a time, so the generator's temporaries stay small.
+        rows = max(1, _CHUNK // max(1, out[0].size))
+        lo0, hi0 = bounds[0]
+        for start in range(lo0, hi0, rows):
+            stop = min(hi0, start + rows)
+            index = block_indices(self.shape, ((start, stop), *bounds[1:]))
+            values = np.asarray(self.init.sample(self.shape, index, key))
+            out[start - lo0:stop - lo0] = values.astype(out.dtype, copy=False)
+        return out
 
     asnumpy = to_numpy
     init_data = to_numpy

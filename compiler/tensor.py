@@ -77,15 +77,20 @@ class Tensor:
     def shape(self) -> tuple[int, ...]:
         if self._value is not None:
             return self._value.shape
-        assert self._data is not None
+        if self._data is None:
+            return self._lazy_data().shape
         return tuple(self._data.shape)
 
     @property
     def dtype(self) -> DType:
         if self._value is not None:
             return self._value.dtype
-        assert self._data is not None
+        if self._data is None:
+            return self._lazy_data().dtype
         return DType.from_any(self._data.dtype)
+
+    def _lazy_data(self) -> Any:
+        raise AssertionError("tensor without data")
 
     @property
     def ndim(self) -> int:
@@ -96,6 +101,8 @@ class Tensor:
         return int(np.prod(self.shape, dtype=np.int64))
 
     def asnumpy(self) -> np.ndarray:
+        if self._data is None and self._value is None:
+            self._data = self._lazy_data().to_numpy()  # materialised on first use
         if self._data is None:
             raise RuntimeError(
                 "this tensor is symbolic (it is being traced); its value exists only when the "
@@ -227,7 +234,17 @@ class Parameter(Tensor):
         layerwise_parallel: bool = False,
         parallel_optimizer: bool = True,
     ) -> None:
-        super().__init__(default_input)
+        from pcompile.compiler.initializer import InitializedData
+
+        if isinstance(default_input, InitializedData):
+            # Abstract: shape, dtype and how to generate it; nothing is allocated until a
+            # value is asked for (compiling never does; each rank makes its own slice).
+            self._value = None
+            self._data = None
+            self._init: InitializedData | None = default_input
+        else:
+            super().__init__(default_input)
+            self._init = None
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"Parameter name must be a non-empty string, got {name!r}")
         self.name = name
@@ -251,11 +268,34 @@ class Parameter(Tensor):
     def data(self) -> np.ndarray:
         return self.asnumpy()
 
+    @property
+    def source(self) -> Any:
+        """The parameter's data as an `InitializedData` (its initializer, or its array), from
+        which any block is generated without the rest."""
+        from pcompile.compiler.initializer import InitializedData
+
+        if self._data is not None or self._init is None:
+            return InitializedData.of_array(self.asnumpy())
+        return self._init
+
+    def _lazy_data(self) -> Any:
+        if self._init is None:
+            raise AssertionError("tensor without data")
+        return self._init
+
     def set_data(self, data: Any) -> None:
-        arr = np.asarray(data, dtype=self.asnumpy().dtype)
+        from pcompile.compiler.initializer import InitializedData
+
+        if isinstance(data, InitializedData):
+            if data.shape != self.shape:
+                raise ValueError(f"Parameter {self.name}: shape {data.shape} != {self.shape}")
+            self._init, self._data = data, None
+            return
+        arr = np.asarray(data, dtype=self.dtype.np)
         if arr.shape != self.shape:
             raise ValueError(f"Parameter {self.name}: shape {arr.shape} != {self.shape}")
         self._data = arr
+        self._init = None
 
     def __repr__(self) -> str:
         return f"Parameter(name={self.name!r}, shape={self.shape}, dtype={self.dtype.value})"

@@ -9,6 +9,7 @@ results back.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -26,12 +27,14 @@ def append_optimizer(
     params: dict[str, Parameter],
     grads: dict[str, Value],
     loss: Value,
-    slice_state: Callable[[str, str, np.ndarray], np.ndarray] | None = None,
-) -> dict[str, np.ndarray]:
+    slice_state: Callable[[str, str, Any], tuple[int, ...]] | None = None,
+) -> dict[str, Any]:
     """Trace `optimizer` into `graph`; returns the initial values of the new state tensors.
 
-    In a rank's local graph, `slice_state(state_name, param_name, global_value)` cuts a
-    per-parameter state to the parameter's slice (global state has param_name "")."""
+    Initial values may be arrays or abstract data (anything with `shape` and `dtype`, such as
+    `compiler.initializer.InitializedData`); they are returned as given. In a rank's local
+    graph, `slice_state(state_name, param_name, global_value)` gives the local shape of a
+    per-parameter state (the parameter's slice; global state has param_name "")."""
     known = {id(p) for p in params.values()}
     for p in optimizer.parameters:
         if id(p) not in known:
@@ -39,20 +42,22 @@ def append_optimizer(
                 f"{type(optimizer).__name__} was given parameter {p.name!r}, which is not a "
                 "parameter of the network"
             )
-    init: dict[str, np.ndarray] = {}
+    init: dict[str, Any] = {}
     out_names: list[str] = ["loss"]
     outputs: list[Value] = [loss]
     new_states: list[tuple[str, Value]] = []
     scope = f"Default/optimizer-{type(optimizer).__name__}"
     with tracing(graph) as tracer, tracer.absolute_scope(scope):
 
-        def state_param(name: str, value: np.ndarray, owner: str = "") -> Tensor:
-            arr = np.asarray(value)
+        def state_param(name: str, value: Any, owner: str = "") -> Tensor:
+            if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+                value = np.asarray(value)
+            shape = tuple(value.shape)
             if slice_state is not None:
-                arr = slice_state(name, owner, arr)
-            tensor_type = TensorType(DType.from_any(arr.dtype), tuple(arr.shape))
+                shape = tuple(slice_state(name, owner, value))
+            tensor_type = TensorType(DType.from_any(value.dtype), shape)
             gp = graph.add_param(GraphParam(tensor_type, name, "state"))
-            init[name] = arr
+            init[name] = value
             return Tensor(_value=gp)
 
         global_in = {k: state_param(k, v) for k, v in optimizer.global_state().items()}

@@ -222,3 +222,36 @@ def test_set_seed_validation() -> None:
         set_seed("1")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         set_seed(-1)
+
+
+@pytest.mark.parametrize("init", ["normal", "uniform", "xavier_uniform", "he_uniform",
+                                  "truncatednormal", "ones", 0.5])
+def test_any_block_equals_the_same_block_of_the_whole(init: object) -> None:
+    """Each rank materialises only its slice: generating a block on its own gives exactly the
+    block of the whole tensor (counter-based generator), for every split of every dim."""
+    data = initializer(init, [12, 10, 6], DType.float32)
+    whole = data.asnumpy()
+    for bounds in [((0, 12), (0, 10), (0, 6)), ((3, 6), (0, 10), (0, 6)),
+                   ((0, 12), (5, 10), (0, 6)), ((4, 8), (2, 7), (3, 6)),
+                   ((11, 12), (9, 10), (5, 6))]:
+        block = data.block(bounds)
+        np.testing.assert_array_equal(block, whole[tuple(slice(lo, hi) for lo, hi in bounds)])
+    with pytest.raises(ValueError, match="outside"):
+        data.block(((0, 13), (0, 10), (0, 6)))
+
+
+def test_a_block_does_not_allocate_the_whole_tensor() -> None:
+    """A 1 GB parameter: one 1/256 block is generated in memory proportional to the block (the
+    generator works in chunks of 2^20 elements with ~12 uint64 temporaries each, ~100 MB at
+    most), never the whole tensor."""
+    import tracemalloc
+
+    data = initializer("normal", [16384, 16384], DType.float32)
+    tracemalloc.start()
+    try:
+        block = data.block(((0, 1024), (1024, 2048)))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert block.shape == (1024, 1024)
+    assert peak < 0.15 * data.nbytes, f"peak {peak} bytes for a {data.nbytes}-byte tensor"

@@ -112,7 +112,7 @@ def make_parameter(
         data = initializer(init, shape, dtype)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{owner}: {name}: {exc}") from None
-    return Parameter(np.asarray(data), name=name)
+    return Parameter(data, name=name)
 
 
 def _input_error(cell: Cell, message: str) -> LayerInputError:
@@ -364,9 +364,7 @@ class Embedding(Cell):
             "Embedding",
         )
         if padding_idx is not None:
-            data = table.asnumpy().copy()
-            data[padding_idx] = 0
-            table.set_data(data)
+            table.set_data(table.source.with_zero_rows([padding_idx]))
         self.embedding_table = table
         self.gather = ops.Gather()
         self.reshape = ops.Reshape()

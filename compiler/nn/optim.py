@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from pcompile.compiler import ops
+from pcompile.compiler.initializer import initializer
 from pcompile.compiler.nn.layers import check_bool, check_number
 from pcompile.compiler.nn.optim_base import Optimizer
 from pcompile.compiler.tensor import Parameter, Tensor
@@ -109,7 +110,7 @@ class SGD(_Base):
 
     def init_state(self, prefix: str, param: Parameter) -> np.ndarray:
         if prefix == "stat":
-            return np.ones(param.shape, dtype=param.asnumpy().dtype)
+            return initializer("ones", param.shape, param.dtype)
         return super().init_state(prefix, param)
 
     def update(

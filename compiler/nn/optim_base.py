@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from pcompile.compiler.initializer import initializer
 from pcompile.compiler.nn.cell import Cell
 from pcompile.compiler.tensor import Parameter, Tensor
 
@@ -57,9 +58,10 @@ class Optimizer(Cell):
         self.weight_decay = float(weight_decay)
         self.loss_scale = float(loss_scale)
 
-    def init_state(self, prefix: str, param: Parameter) -> np.ndarray:
-        """Initial value of one per-parameter state tensor (zeros by default)."""
-        return np.zeros(param.shape, dtype=param.asnumpy().dtype)
+    def init_state(self, prefix: str, param: Parameter) -> Any:
+        """Initial value of one per-parameter state tensor (zeros by default): an
+        `initializer(...)` (abstract: each rank makes its own slice) or an array."""
+        return initializer("zeros", param.shape, param.dtype)
 
     def global_state(self) -> dict[str, np.ndarray]:
         """Initial values of state shared by all parameters."""
