@@ -212,10 +212,10 @@ def _launch(out_dir: str, steps: int, processes: int | None, checkpoint_every: i
         raise LaunchError(f"{n} ranks cannot be spread evenly over {procs} processes; choose a "
                           f"divisor of {n}")
     per = n // procs
-    programs = [os.path.join(out_dir, f"rank_{p * per}", "program.py") for p in range(procs)]
-    missing = [p for p in programs if not os.path.exists(p)]
-    if missing:
-        raise LaunchError(f"missing rank program(s): {', '.join(missing)}; compile again")
+    program = os.path.join(out_dir, "program.py")  # every rank's SPMD program
+    if not os.path.exists(program):
+        raise LaunchError(f"missing rank program {program}; compile again")
+    programs = [program] * procs
     ckpt = os.path.join(out_dir, "checkpoints")
     common = ["--steps", str(steps), "--timeout", str(deadlines.step),
               "--startup-timeout", str(deadlines.startup),
@@ -283,7 +283,9 @@ def _attempts(programs: list[str], per: int, common: list[str], base_env: dict[s
 
 def _spawn(p: int, program: str, per: int, coordinator: str, procs: int, common: list[str],
            env: dict[str, str], python: str, out_dir: str) -> _Proc:
-    log = os.path.join(os.path.dirname(program), "run.log")
+    first = p * per  # the first rank this process runs: its folder holds the process's log
+    os.makedirs(os.path.join(out_dir, f"rank_{first}"), exist_ok=True)
+    log = os.path.join(out_dir, f"rank_{first}", "run.log")
     args = [python, program, "--coordinator", coordinator, "--num-processes", str(procs),
             "--process-id", str(p), *common]
     if p:

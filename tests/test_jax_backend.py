@@ -135,12 +135,16 @@ def test_rank_programs_are_written_deterministically(tmp_path) -> None:
     for name in ("a", "b"):
         compile_model(model, devices=8, parallel_mode="semi_auto_parallel",
                       out_dir=str(tmp_path / name))
-        files.append({(r, f): (tmp_path / name / f"rank_{r}" / f).read_bytes()
-                      for r in range(8) for f in ("program.py", "params.npz")})
+        files.append({f: (tmp_path / name / f).read_bytes()
+                      for f in ["program.py", "params.json",
+                                *(f"rank_{r}/program.py" for r in range(8))]})
     assert files[0] == files[1]
-    text = files[0][(3, "program.py")].decode()
+    shared = files[0]["program.py"].decode()
+    assert "RANK = None" in shared and "NUM_RANKS = 8" in shared
+    text = files[0]["rank_3/program.py"].decode()
     assert "RANK = 3" in text and "NUM_RANKS = 8" in text
     compile(text, "program.py", "exec")
+    compile(shared, "program.py", "exec")
     # One comment per node of the execute dump, in its order, with this rank's values.
     rank3 = tmp_path / "a" / "rank_3"
     dump = (rank3 / sorted(f for f in os.listdir(rank3) if f.endswith(".ir"))[-1]).read_text()
@@ -152,15 +156,39 @@ def test_rank_programs_are_written_deterministically(tmp_path) -> None:
     assert "#   this rank: begin (0, 0, 24), end (1, 8, 32)" in text
     assert "#   this rank: group (3, 7) (over mesh axes ('r0',))" in text
     assert "spmd.dyn_slice(v7, pick(S8, me), (1, 8, 8), (1, 1, 1))" in text
-    # The programs of two ranks differ only in RANK, the docstring and comments.
-    other = files[0][(5, "program.py")].decode()
-    code = [[line for line in t.splitlines() if not line.lstrip().startswith("#")
-             and "RANK = " not in line and "rank_" not in line and "Rank " not in line
-             and "--process-id" not in line and "values." not in line]
-            for t in (text, other)]
-    assert code[0] == code[1]
-    with np.load(tmp_path / "a" / "rank_3" / "params.npz") as params:
-        assert params["w"].shape == (8, 16) and params["moments.w2"].shape == (16, 16)
+    # The programs of all ranks are one program: they differ only in RANK, the docstring
+    # and comments.
+    def code(t: str) -> list[str]:  # after the docstring, without comments and RANK
+        body = t.split("from __future__ import annotations", 1)[1]
+        return [line for line in body.splitlines()
+                if not line.lstrip().startswith("#") and not line.startswith("RANK = ")]
+
+    assert code(text) == code(files[0]["rank_5/program.py"].decode()) == code(shared)
+
+
+def test_params_manifest_gives_each_rank_its_slice_of_the_initialisation(tmp_path) -> None:
+    """No parameter values are written at compile time: params.json names each value's
+    initializer and seed, and the block a rank makes from it equals that rank's slice of the
+    single-device initialisation."""
+    from pcompile.backends.params import read_manifest
+    from pcompile.compiler.runtime import ParallelRunner
+
+    out = tmp_path / "out"
+    program = compile_model(os.path.join(ROOT, "examples", "gpt_block.py"), devices=8,
+                            parallel_mode="semi_auto_parallel", out_dir=str(out))
+    assert not list(out.rglob("params*.npz")) and not (out / "params").exists()
+    sources = read_manifest(str(out))
+    layouts = program.state.assignment.param_layouts
+    runner = ParallelRunner(program)
+    stored = [p for p in program.rank_graphs[0].params if p.kind != "input"]
+    assert {p.name for p in stored} == set(sources)
+    for name in ("embedding.embedding_table", "blocks.0.fc1.weight", "moment2.blocks.1.fc2.bias"):
+        full = program.initial_values[name]
+        for r in (0, 5):
+            bounds = layouts[name].slice_bounds(r)
+            block = sources[name].block(bounds)
+            np.testing.assert_array_equal(block, full[tuple(slice(b, e) for b, e in bounds)])
+            np.testing.assert_array_equal(block, runner.values[r][name])
 
 
 def test_rank_program_runs_every_rank_in_one_process(tmp_path) -> None:

@@ -243,21 +243,24 @@ class NonFiniteLossError(Exception):
 
 def main(module: ModuleType, argv: list[str] | None = None) -> int:
     """Run the rank program `module` (a generated program.py); returns the exit status."""
-    label = f"pcompile rank {getattr(module, 'RANK', '?')}"
     heartbeat = Heartbeat()
+
+    def label() -> str:  # the ranks this process runs, once it knows them
+        return getattr(module, "LABEL", None) or "pcompile rank program"
+
     try:
         return _main(module, argv, heartbeat)
     except RankError as exc:
-        message, code = f"{label}: error: {exc}", 2
+        message, code = f"{label()}: error: {exc}", 2
     except NonFiniteLossError as exc:
-        message, code = f"{label}: error: {exc}", EXIT_NONFINITE
+        message, code = f"{label()}: error: {exc}", EXIT_NONFINITE
     except KeyboardInterrupt:
-        message, code = f"{label}: interrupted", 130
+        message, code = f"{label()}: interrupted", 130
     except Exception as exc:  # any failure of a rank: report it and leave at once
         import traceback
 
         traceback.print_exc()
-        message, code = f"{label}: failed ({type(exc).__name__}: {exc})", 1
+        message, code = f"{label()}: failed ({type(exc).__name__}: {exc})", 1
     heartbeat.failed(message)
     print(message, file=sys.stderr)
     # Exit without the interpreter's shutdown: jax.distributed's atexit hook waits for the
@@ -283,15 +286,16 @@ def _main(module: ModuleType, argv: list[str] | None, heartbeat: Heartbeat) -> i
     per_process = num_ranks // nproc
     my_ranks = list(range(pid * per_process, (pid + 1) * per_process))
     program_path = os.path.abspath(str(module.__file__))
-    out_dir = os.path.dirname(os.path.dirname(program_path))
-    if int(module.RANK) not in my_ranks:
-        # Started as another rank's program (mpirun/srun run one command everywhere).
-        target = os.path.join(out_dir, f"rank_{my_ranks[0]}", "program.py")
-        if not os.path.exists(target):
-            raise RankError(f"process {pid} runs rank {my_ranks[0]}, but {target} is missing")
-        os.execv(sys.executable, [sys.executable, target, *raw_argv])
+    # `<out>/program.py` runs any rank (RANK is None); `<out>/rank_<r>/program.py` is the same
+    # program commented with rank r's values.
+    out_dir = os.path.dirname(program_path)
+    if module.RANK is not None:
+        out_dir = os.path.dirname(out_dir)
+    label = (f"pcompile rank {my_ranks[0]}" if per_process == 1
+             else f"pcompile ranks {my_ranks[0]}-{my_ranks[-1]}")
+    module.LABEL = label
 
-    watchdog = Watchdog(f"pcompile rank {module.RANK}")
+    watchdog = Watchdog(label)
     watchdog.arm(args.startup_timeout, "distributed start-up")
     import jax
 
@@ -311,11 +315,11 @@ def _main(module: ModuleType, argv: list[str] | None, heartbeat: Heartbeat) -> i
             jax.distributed.initialize(**kwargs)
         except Exception as exc:
             if pid == 0 and "Failed to start RPC server" in str(exc):
-                print(f"pcompile rank {module.RANK}: error: the coordinator cannot listen on "
+                print(f"{label}: error: the coordinator cannot listen on "
                       f"{coordinator} (address in use?): {exc}", file=sys.stderr)
                 return EXIT_COORDINATOR_PORT
             raise
-        _exit_on_sigterm(f"pcompile rank {module.RANK}")
+        _exit_on_sigterm(label)
         if jax.process_index() != pid:
             raise RankError(f"JAX numbers this process {jax.process_index()}, expected {pid} "
                             f"({identity.source})")
@@ -355,7 +359,7 @@ class _Runner:
         from pcompile.ir.types import DType
 
         self.dtypes = {p[0]: DType[p[3]].np for p in self.params}
-        consts = os.path.join(out_dir, f"rank_{module.RANK}", "consts.npz")
+        consts = os.path.join(out_dir, "consts.npz")
         if os.path.exists(consts):
             from pcompile.backends.checkpoint import load_npz
 
@@ -364,6 +368,19 @@ class _Runner:
     # -- pieces --------------------------------------------------------------------------------
     def _rank_dir(self, rank: int) -> str:
         return os.path.join(self.out_dir, f"rank_{rank}")
+
+    def _initial(self, sources: dict[str, Any], rank: int) -> dict[str, np.ndarray]:
+        """Rank `rank`'s initial values: its block of every stored value, generated on its own
+        (backends/params.py), equal to the single-device initialisation's block."""
+        out = {}
+        for name, *_ in self.stored:
+            source = sources.get(name)
+            if source is None:
+                raise RankError(f"params.json has no entry for {name}; compile again")
+            bounds = (self._layout(name).slice_bounds(rank) if source.shape
+                      else ())
+            out[name] = source.block(bounds)
+        return out
 
     def _layout(self, name: str) -> Any:
         from pcompile.ir.layout import TensorLayout
@@ -426,15 +443,22 @@ class _Runner:
         from pcompile.backends.checkpoint import (
             CheckpointError,
             checkpoint_path,
-            load_npz,
             read_checkpoint,
         )
 
         values: dict[int, dict[str, np.ndarray]] = {}
         meta: dict[str, Any] = {}
+        sources = None
         for r in self.local:
             if resume_step is None:
-                values[r] = load_npz(os.path.join(self._rank_dir(r), "params.npz"))
+                if sources is None:
+                    from pcompile.backends.params import ParamsError, read_manifest
+
+                    try:
+                        sources = read_manifest(self.out_dir)
+                    except ParamsError as exc:
+                        raise RankError(str(exc)) from None
+                values[r] = self._initial(sources, r)
                 continue
             try:
                 arrays, meta_r = read_checkpoint(checkpoint_path(self.ckpt_dir, r, resume_step),
