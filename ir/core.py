@@ -237,12 +237,18 @@ class Graph:
         self.outputs: list[Value] = []
         self.attrs: dict[str, Any] = {}
         self._op_counts: dict[str, int] = {}
+        self._param_names: set[str] = set()
 
     # -- construction -------------------------------------------------------------------------
     def add_param(self, param: GraphParam) -> GraphParam:
-        if any(p.name == param.name for p in self.params):
+        names = self._param_names
+        if len(names) != len(self.params):  # params was assigned or edited directly
+            names.clear()
+            names.update(p.name for p in self.params)
+        if param.name in names:
             raise ValueError(f"graph {self.name}: duplicate parameter name {param.name!r}")
         self.params.append(param)
+        names.add(param.name)
         return param
 
     def append(self, node: Node) -> Node:
