@@ -75,8 +75,11 @@ def resolve(out_dir: str) -> str:
     path = os.path.realpath(os.path.expanduser(out_dir))
     if os.path.dirname(path) == path:
         raise PcompileError(f"--out {out_dir!r} is the root folder; give a folder of its own")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise PcompileError(f"--out {out_dir!r} exists and is not a folder")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise PcompileError(f"--out {out_dir!r}: {existing} is a file, not a folder")
     return path
 
 
