@@ -1,4 +1,5 @@
-"""The IR parser on hostile input: mutated real dumps (the golden files) with a fixed seed.
+"""The IR parser on hostile input: mutated real dumps with a fixed seed (the quickstart's dumps,
+stand-alone and data-parallel, and two golden dumps with strategies, layouts and reasons).
 
 Whatever the text, `parse_graph` returns a graph or raises `ParseError`: never MemoryError,
 RecursionError, ValueError or anything else, and never allocates what the text merely declares
@@ -19,7 +20,8 @@ import pytest
 from pcompile.ir.parser import MAX_CONSTANT_ELEMENTS, MAX_DEPTH, ParseError, parse_graph
 from pcompile.ir.printer import print_graph
 
-GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN = os.path.join(ROOT, "tests", "golden")
 MUTATIONS = 2000
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[+-]?\d+)?")
 _SHAPE = re.compile(r"shape=\[[^\]]*\]")
@@ -29,6 +31,22 @@ _ALPHABET = "()[]{}<>,:;%=\"\\-+.eE0123456789azAZ_ \t\u00e9\u2603\x00"
 def dumps() -> dict[str, str]:
     files = sorted(f for f in os.listdir(GOLDEN) if f.endswith(".ir"))
     return {f: open(os.path.join(GOLDEN, f), encoding="utf-8").read() for f in files}
+
+
+@pytest.fixture(scope="module")
+def real_dumps(tmp_path_factory) -> list[tuple[str, str]]:
+    from pcompile.compiler.driver import compile as compile_model
+
+    root = tmp_path_factory.mktemp("dumps")
+    quickstart = os.path.join(ROOT, "examples", "quickstart.py")
+    compile_model(quickstart, devices=1, out_dir=str(root / "one"))
+    compile_model(quickstart, devices=2, parallel_mode="data_parallel", out_dir=str(root / "dp"))
+    texts = [(p.name, p.read_text()) for p in sorted((root / "one" / "rank_0").glob("*.ir"))]
+    texts += [(p.name, p.read_text()) for p in sorted((root / "dp" / "rank_1").glob("*.ir"))]
+    golden = dumps()
+    texts += [(name, golden[name]) for name in ("quickstart_semi.rank5.step_parallel_end.ir",
+                                                "layout_mlp.rank3.step_parallel_end.ir")]
+    return texts
 
 
 def _replace_match(text: str, pattern: re.Pattern[str], rng: random.Random,
@@ -78,10 +96,9 @@ def mutate(text: str, rng: random.Random) -> str:
     return "\n".join(lines)
 
 
-def test_mutated_dumps_raise_only_parse_errors() -> None:
+def test_mutated_dumps_raise_only_parse_errors(real_dumps) -> None:
     rng = random.Random(20240613)
-    texts = list(dumps().items())
-    assert texts, "no golden dumps to mutate"
+    texts = real_dumps
     outcomes = {"parsed": 0, "ParseError": 0}
     slowest = 0.0
     for k in range(MUTATIONS):
@@ -102,8 +119,8 @@ def test_mutated_dumps_raise_only_parse_errors() -> None:
     assert slowest < 2.0, slowest
 
 
-def test_unmutated_dumps_still_round_trip() -> None:
-    for name, text in dumps().items():
+def test_unmutated_dumps_still_round_trip(real_dumps) -> None:
+    for name, text in real_dumps:
         assert print_graph(parse_graph(text, name)) == text
 
 
