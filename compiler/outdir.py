@@ -276,6 +276,7 @@ def write_output_folder(out_dir: str) -> Iterator[str]:
         try:
             _swap(staging, out)
         except OSError as exc:
+            shutil.rmtree(staging, ignore_errors=True)
             raise _os_error("replace the output folder", out, exc) from None
 
 
@@ -309,8 +310,16 @@ def _swap(staging: str, out: str) -> None:
         return
     old = _beside(out, f"old-{os.getpid()}-{secrets.token_hex(4)}")
     os.rename(out, old)
-    os.rename(staging, out)
-    _retire(old, out)
+    try:
+        os.rename(staging, out)
+    except OSError:
+        os.rename(old, out)  # put the previous folder back before reporting
+        raise
+    try:
+        _retire(old, out)
+    except OSError as exc:  # the new folder is in place; the old one waits for the next compile
+        warnings.warn(f"could not remove the previous contents of {out} from {old}: {exc}",
+                      RuntimeWarning, stacklevel=2)
 
 
 def _retire(old: str, out: str) -> None:
