@@ -183,19 +183,21 @@ def test_empty_or_unusable_out_is_one_message(tmp_path) -> None:
     assert code == 1 and "is a file, not a folder" in output and "Traceback" not in output
 
 
-def _drop_capabilities() -> None:
-    """In the child before exec: a root without capabilities obeys file permissions."""
-    import ctypes
+# Permissions mean nothing to root: as root, the child first drops every capability (from its
+# bounding set, so the exec'd command has none), then runs the command.
+_WITHOUT_CAPABILITIES = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+for cap in range(64):
+    libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
+os.execv(sys.argv[1], sys.argv[1:])
+"""
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_capbset_drop = 24
-    for cap in range(64):
-        libc.prctl(pr_capbset_drop, cap, 0, 0, 0)
 
-
-def _unprivileged() -> dict:
-    """Permissions mean nothing to root: run the child without root's capabilities."""
-    return {"preexec_fn": _drop_capabilities} if os.geteuid() == 0 else {}
+def _unprivileged(command: list[str]) -> list[str]:
+    if os.geteuid() != 0:
+        return command
+    return [sys.executable, "-c", _WITHOUT_CAPABILITIES, *command]
 
 
 @pytest.fixture
@@ -206,18 +208,21 @@ def shared_tmp(tmp_path):
             os.chmod(os.path.join(root, d), 0o777)
 
 
-def _cli(args: list[str], **kwargs) -> subprocess.CompletedProcess[str]:
+def _cli(args: list[str], unprivileged: bool = False,
+         **kwargs) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    return subprocess.run([sys.executable, "-m", "pcompile", QUICKSTART, "--devices", "1",
-                           "--no-check", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=300, **kwargs)
+    command = [sys.executable, "-m", "pcompile", QUICKSTART, "--devices", "1", "--no-check",
+               *args]
+    return subprocess.run(_unprivileged(command) if unprivileged else command,
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300,
+                          **kwargs)
 
 
 def test_read_only_places_are_one_message(shared_tmp) -> None:
     readonly = os.path.join(shared_tmp, "readonly")
     os.mkdir(readonly, 0o555)
     os.chmod(readonly, 0o555)
-    proc = _cli(["--out", os.path.join(readonly, "out")], **_unprivileged())
+    proc = _cli(["--out", os.path.join(readonly, "out")], unprivileged=True)
     assert proc.returncode == 1, proc.stderr
     assert "pcompile: error: cannot" in proc.stderr and "Permission denied" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -226,10 +231,10 @@ def test_read_only_places_are_one_message(shared_tmp) -> None:
     os.mkdir(parent, 0o777)
     os.chmod(parent, 0o777)
     out = os.path.join(parent, "out")
-    assert _cli(["--out", out], **_unprivileged()).returncode == 0
+    assert _cli(["--out", out], unprivileged=True).returncode == 0
     os.chmod(parent, 0o555)
     before = sorted(os.listdir(out))
-    proc = _cli(["--out", out], **_unprivileged())
+    proc = _cli(["--out", out], unprivileged=True)
     assert proc.returncode == 1 and "Permission denied" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and sorted(os.listdir(out)) == before
 
