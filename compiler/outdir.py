@@ -160,7 +160,10 @@ def _acquire(path: str, out: str) -> int:
         except OSError:
             same = False
         if same:
-            command = " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]) if sys.argv else ""
+            program = os.path.basename(sys.argv[0]) if sys.argv else "python"
+            if program == "__main__.py":
+                program = "python -m pcompile"
+            command = " ".join([program, *sys.argv[1:]])
             info = f"pid {os.getpid()}: {command}"
             os.ftruncate(fd, 0)
             os.pwrite(fd, info.encode("utf-8", "replace")[:4000], 0)
