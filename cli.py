@@ -167,7 +167,8 @@ def _check_run_flags(do_run: bool) -> None:
     from click.core import ParameterSource
 
     ctx = click.get_current_context()
-    given = [f"--{name.replace('_', '-')}" for name in RUN_ONLY
+    spelling = {p.name: "/".join([*p.opts, *p.secondary_opts]) for p in ctx.command.params}
+    given = [spelling[name] for name in RUN_ONLY
              if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE]
     if given and not do_run:
         raise click.UsageError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'}"

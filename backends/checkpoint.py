@@ -80,7 +80,7 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 def clean_temp_files(folder: str) -> list[str]:
     """Remove the temporary files of atomic writes in `folder` that were killed before their
     rename (call it before this process writes there; nobody else writes a rank's folder)."""
-    removed = []
+    removed: list[str] = []
     try:
         names = sorted(os.listdir(folder))
     except OSError:

@@ -10,9 +10,11 @@
    coordinator `MS_SCHED_HOST:MS_SCHED_PORT` (the `MS_SCHED` process has nothing to run);
 5. MindSpore's `RANK_SIZE` / `RANK_ID`, coordinator from 2 or 3;
 6. PMI (MPICH, Intel MPI): `PMI_SIZE` / `PMI_RANK`, coordinator from 2 or 3;
-7. JAX's own cluster detection (`jax.distributed`'s cluster environments: Open MPI, SLURM, ...),
-   which also finds the coordinator unless `PCOMPILE_COORDINATOR` names one;
-8. nothing: one process.
+7. JAX's own cluster detection (`jax.distributed`'s cluster environments: Open MPI 4, SLURM,
+   ...), which also finds the coordinator unless `PCOMPILE_COORDINATOR` names one;
+8. Open MPI that JAX does not detect (Open MPI 5): `OMPI_COMM_WORLD_SIZE` /
+   `OMPI_COMM_WORLD_RANK`, coordinator from 2 or 3;
+9. nothing: one process.
 
 From 3 on, every convention present must agree on the number of processes and this process's
 id, and a world size pcompile cannot use (one without its rank variable, or from a launcher it
@@ -155,6 +157,8 @@ def resolve_identity(num_processes: int | None, process_id: int | None,
         _pair(env, "RANK_SIZE", "RANK_ID", "MindSpore", master),
         _pair(env, "PMI_SIZE", "PMI_RANK", "PMI", master),
         jax_cluster() if detect else None,
+        # Open MPI that JAX does not detect (Open MPI 5 has no OMPI_MCA_orte_hnp_uri):
+        _pair(env, "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "Open MPI", master),
     ) if f is not None]
     multi = [f for f in found if f.size > 1]
     if not multi:

@@ -416,8 +416,9 @@ def _quiet_for(proc: _Proc, now: float) -> float:
 
 def _silence(proc: _Proc) -> str:
     quiet = _quiet_for(proc, time.monotonic())
-    return (f"no heartbeat for {quiet:.0f} s: the process is stopped or frozen, "
-            f"{_where(proc)}")
+    since = (f"for {quiet:.0f} s" if proc.last_beat is not None
+             else f"in the {quiet:.0f} s since it was started")
+    return f"no heartbeat {since}: the process is stopped or frozen, {_where(proc)}"
 
 
 def _first_failure(ranks: list[_Proc]) -> _Proc | None:
@@ -448,6 +449,9 @@ _PHASES = {
 }
 
 
+_PHASE_ORDER = {"start": 0, "connect": 1, "data": 2, "checkpoint": 2, "compute": 3, "finish": 4}
+
+
 def _where(proc: _Proc) -> str:
     step = "" if proc.done is None else f" after step {proc.done}"
     return f"last seen {_PHASES.get(proc.phase, proc.phase)}{step}"
@@ -466,9 +470,13 @@ def _overdue(ranks: list[_Proc], deadlines: Deadlines) -> tuple[_Proc, str] | No
     late = [r for r in live if now - r.progressed > deadlines.of(r)]
     if not late:
         return None
-    # The one the others wait for: fewest steps done, then not inside a step's collectives.
-    proc = min(live, key=lambda r: (-1 if r.done is None else r.done, r.phase == "compute",
-                                    r.rank))
+    silent = [r for r in live if _quiet_for(r, now) > SILENT]
+    if silent:  # stopped a while ago, short of the heartbeat limit: still the one to blame
+        proc = max(silent, key=lambda r: _quiet_for(r, now))
+        return proc, f"{proc.name} stopped responding ({_silence(proc)})"
+    # The one the others wait for: fewest steps done, then the earliest phase.
+    proc = min(live, key=lambda r: (-1 if r.done is None else r.done,
+                                    _PHASE_ORDER.get(r.phase, 0), r.rank))
     limit = deadlines.of(proc)
     flag = "--startup-timeout" if proc.starting() else "--timeout"
     behind = [r for r in live if (r.done, r.phase) != (proc.done, proc.phase)]

@@ -75,8 +75,11 @@ def resolve(out_dir: str) -> str:
     path = os.path.realpath(os.path.expanduser(out_dir))
     if os.path.dirname(path) == path:
         raise PcompileError(f"--out {out_dir!r} is the root folder; give a folder of its own")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise PcompileError(f"--out {out_dir!r} exists and is not a folder")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise PcompileError(f"--out {out_dir!r}: {existing} is a file, not a folder")
     return path
 
 
@@ -157,7 +160,10 @@ def _acquire(path: str, out: str) -> int:
         except OSError:
             same = False
         if same:
-            command = " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]) if sys.argv else ""
+            program = os.path.basename(sys.argv[0]) if sys.argv else "python"
+            if program == "__main__.py":
+                program = "python -m pcompile"
+            command = " ".join([program, *sys.argv[1:]])
             info = f"pid {os.getpid()}: {command}"
             os.ftruncate(fd, 0)
             os.pwrite(fd, info.encode("utf-8", "replace")[:4000], 0)
@@ -273,6 +279,7 @@ def write_output_folder(out_dir: str) -> Iterator[str]:
         try:
             _swap(staging, out)
         except OSError as exc:
+            shutil.rmtree(staging, ignore_errors=True)
             raise _os_error("replace the output folder", out, exc) from None
 
 
@@ -306,8 +313,16 @@ def _swap(staging: str, out: str) -> None:
         return
     old = _beside(out, f"old-{os.getpid()}-{secrets.token_hex(4)}")
     os.rename(out, old)
-    os.rename(staging, out)
-    _retire(old, out)
+    try:
+        os.rename(staging, out)
+    except OSError:
+        os.rename(old, out)  # put the previous folder back before reporting
+        raise
+    try:
+        _retire(old, out)
+    except OSError as exc:  # the new folder is in place; the old one waits for the next compile
+        warnings.warn(f"could not remove the previous contents of {out} from {old}: {exc}",
+                      RuntimeWarning, stacklevel=2)
 
 
 def _retire(old: str, out: str) -> None:

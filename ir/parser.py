@@ -9,11 +9,19 @@ fullnames are regenerated. A node's result type comes from its type line and is 
 against the op's inference rule; the operand types written on the type line are checked against
 the operands. Every problem raises `ParseError` with a `file:line:column: expected X, got Y`
 message.
+
+The text may come from anywhere, so the parser is bounded by design: the file's size
+(`MAX_TEXT_CHARS`), nesting of attribute values (`MAX_DEPTH`), a number's length
+(`MAX_NUMBER_CHARS`: Python's `int()` refuses thousands of digits), a shape's rank, dimensions
+and element count (`MAX_RANK`, `MAX_DIMENSION`, `MAX_ELEMENTS`), and the elements a constant
+allocates (`MAX_CONSTANT_ELEMENTS`: a one-number splat constant would otherwise allocate
+whatever shape it declares). Each bound is a `ParseError` naming it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -48,6 +56,14 @@ class ParseError(PcompileError):
         self.message = message
 
 
+MAX_TEXT_CHARS = 1 << 29  # a dump of 512 MiB; real ones are a few MB at most
+MAX_DEPTH = 64  # nesting of tuples, lists and dicts in attribute values
+MAX_NUMBER_CHARS = 40  # int64 has 19 digits, a float's repr at most 24 characters
+MAX_RANK = 32  # numpy's limit was 32 dimensions until 2.0
+MAX_DIMENSION = 1 << 48
+MAX_ELEMENTS = 1 << 62  # of a shape in a type (products stay inside int64)
+MAX_CONSTANT_ELEMENTS = 1 << 24  # what a constant may allocate (64 MiB of float32)
+
 _INT = re.compile(r"-?[0-9]+")
 _UINT = re.compile(r"[0-9]+")
 _NUMBER = re.compile(r"-?(?:inf|[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)")
@@ -71,6 +87,7 @@ class _Line:
         self.lineno = lineno
         self.text = text
         self.pos = 0
+        self.depth = 0
         self._strategy_syntax = False
 
     # -- errors -------------------------------------------------------------------------------
@@ -115,8 +132,36 @@ class _Line:
         self.pos = found.end()
         return found.group()
 
+    def number_text(self, pattern: re.Pattern[str], what: str) -> str:
+        """A number's text, at most MAX_NUMBER_CHARS long."""
+        start = self.pos
+        text = self.match(pattern, what)
+        if len(text) > MAX_NUMBER_CHARS:
+            self.expected(f"{what} of at most {MAX_NUMBER_CHARS} characters", start,
+                          f"{len(text)} digits")
+        return text
+
     def integer(self, what: str = "an integer", signed: bool = False) -> int:
-        return int(self.match(_INT if signed else _UINT, what))
+        return int(self.number_text(_INT if signed else _UINT, what))
+
+    def dimensions(self, close: str, what: str) -> tuple[int, ...]:
+        """Dimensions separated by ', ' (the opening bracket consumed), up to `close`, within
+        the rank, dimension and element bounds."""
+        start = self.pos
+        dims: list[int] = []
+        while not self.accept(close):
+            if dims:
+                self.separator(close)
+            if len(dims) == MAX_RANK:
+                self.expected(f"{what} of rank at most {MAX_RANK}", start)
+            pos = self.pos
+            dims.append(self.integer("a dimension"))
+            if dims[-1] > MAX_DIMENSION:
+                self.expected(f"a dimension of at most {MAX_DIMENSION}", pos, str(dims[-1]))
+        if math.prod(dims) > MAX_ELEMENTS:
+            self.expected(f"{what} of at most {MAX_ELEMENTS} elements", start,
+                          str(math.prod(dims)))
+        return tuple(dims)
 
     def json_string(self) -> str:
         """A JSON string literal starting at the cursor."""
@@ -175,12 +220,26 @@ class _Line:
         return DTYPE_NAMES.get(word, word)
 
     def _number(self) -> int | float:
-        text = self.match(_NUMBER, "a number")
+        text = self.number_text(_NUMBER, "a number")
         if any(c in text for c in ".eEn"):
             return float(text)
         return int(text)
 
+    def nest(self) -> None:
+        """Enter one level of nesting (MAX_DEPTH at most)."""
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            self.fail(f"expected a value nested at most {MAX_DEPTH} deep, got one nested deeper "
+                      f"than {MAX_DEPTH}")
+
     def _sequence(self, open_: str, close: str, *, tuple_syntax: bool) -> list[Any]:
+        self.nest()
+        try:
+            return self._items(open_, close, tuple_syntax=tuple_syntax)
+        finally:
+            self.depth -= 1
+
+    def _items(self, open_: str, close: str, *, tuple_syntax: bool) -> list[Any]:
         self.expect(open_)
         items: list[Any] = []
         if self.accept(close):
@@ -199,6 +258,13 @@ class _Line:
                    strategy_keys: tuple[str, ...] = ()) -> dict[Any, Any]:
         """`{key: value, ...}`; the values of `strategy_keys` use the strategy spelling
         (`((2, 4))`: a one-element tuple needs no trailing comma, as MindSpore prints it)."""
+        self.nest()
+        try:
+            return self._dict_items(str_keys, strategy_keys)
+        finally:
+            self.depth -= 1
+
+    def _dict_items(self, str_keys: bool, strategy_keys: tuple[str, ...]) -> dict[Any, Any]:
         self.expect("{")
         out: dict[Any, Any] = {}
         if self.accept("}"):
@@ -240,15 +306,15 @@ class _Line:
         self.expect("(", "a shape")
         if self.accept(")"):
             return ()
-        dims = [self.integer("a dimension")]
+        pos = self.pos
+        first = self.integer("a dimension")
         if self.accept(",)"):
-            return (dims[0],)
-        self.separator(",)")
-        dims.append(self.integer("a dimension"))
-        while not self.accept(")"):
-            self.separator(")")
-            dims.append(self.integer("a dimension"))
-        return tuple(dims)
+            if first > MAX_DIMENSION:
+                self.expected(f"a dimension of at most {MAX_DIMENSION}", pos, str(first))
+            return (first,)
+        self.separator(",)")  # one dimension is spelt `(8,)`
+        self.pos = pos
+        return self.dimensions(")", "a shape")
 
     def value_type(self) -> ValueType:
         """`<Tensor[D], shape>` or `<Tuple[...], TupleShape(shape, ...)>`."""
@@ -281,10 +347,11 @@ class _Line:
                 self.separator(")")
                 shapes.append(self.shape())
         self.expect(">")
+        want = len(dtypes) if count is None else count
+        if want != len(shapes):  # before `dtypes * count`, which would allocate `count`
+            self.expected(f"{want} element shape(s)", shapes_pos, str(len(shapes)))
         if count is not None:
             dtypes = dtypes * count
-        if len(dtypes) != len(shapes):
-            self.expected(f"{len(dtypes)} element shape(s)", shapes_pos, str(len(shapes)))
         return TupleType(tuple(TensorType(d, s) for d, s in zip(dtypes, shapes)))
 
     def type_list(self, close: str) -> tuple[list[tuple[int, ValueType]], int]:
@@ -311,8 +378,8 @@ class _Line:
         if dtype.is_float:
             if self.accept("nan"):
                 return float("nan")
-            return float(self.match(_NUMBER, f"a {dtype.value} number"))
-        value = int(self.match(_INT, f"an {dtype.value} integer"))
+            return float(self.number_text(_NUMBER, f"a {dtype.value} number"))
+        value = int(self.number_text(_INT, f"an {dtype.value} integer"))
         info = np.iinfo(dtype.np)
         if not info.min <= value <= info.max:
             self.expected(f"an {dtype.value} integer", start, str(value))
@@ -334,13 +401,11 @@ class _Line:
     def constant(self) -> Constant:
         """`Tensor(shape=[...], dtype=D, value=V)` (the `Tensor(` is already consumed)."""
         self.expect("shape=[")
-        dims: list[int] = []
-        if not self.accept("]"):
-            dims.append(self.integer("a dimension"))
-            while not self.accept("]"):
-                self.separator("]")
-                dims.append(self.integer("a dimension"))
-        shape = tuple(dims)
+        start = self.pos
+        shape = self.dimensions("]", "a constant's shape")
+        if math.prod(shape) > MAX_CONSTANT_ELEMENTS:
+            self.expected(f"a constant of at most {MAX_CONSTANT_ELEMENTS} elements", start,
+                          f"shape {list(shape)} ({math.prod(shape)} elements)")
         self.expect(", dtype=")
         dtype = self.dtype()
         self.expect(", value=")
@@ -358,6 +423,9 @@ class _Line:
 class _Parser:
     def __init__(self, text: str, filename: str) -> None:
         self.filename = filename
+        if len(text) > MAX_TEXT_CHARS:
+            raise ParseError(filename, 1, 1, f"expected a dump of at most {MAX_TEXT_CHARS} "
+                             f"characters, got {len(text)}")
         self.lines = text.split("\n")
         if self.lines and self.lines[-1] == "":
             self.lines.pop()

@@ -1,5 +1,7 @@
 """Multi-process runs of the generated rank programs through the launcher (gloo on CPU):
-end to end against single-device training, a killed rank, Ctrl-C, resume, merge, port retry."""
+end to end against single-device training, a killed rank, Ctrl-C, resume (and its fall-back past
+damaged checkpoints), merge, port retry, the --out lock, --fail-on-nan on a resumed run, and two
+processes started with torchrun's variables forming one job."""
 
 from __future__ import annotations
 
@@ -182,6 +184,7 @@ def test_ctrl_c_stops_every_rank(model_path, tmp_path) -> None:
     assert not any(alive(p["pid"]) for p in info["processes"])
 
 
+@pytest.mark.slow
 def test_resume_after_a_failure_is_bit_identical(model_path, tmp_path) -> None:
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     for out in (straight, resumed):
@@ -226,3 +229,124 @@ def test_a_taken_coordinator_port_is_retried(model_path, tmp_path, monkeypatch) 
         result = launch(str(out), steps=2, processes=2, echo=said.append)
     assert result.code == 0, said
     assert any("was taken; retrying" in line for line in said)
+
+
+@pytest.mark.slow
+def test_a_second_run_into_the_same_folder_is_refused(model_path, tmp_path) -> None:
+    out = tmp_path / "out"
+    first = cli(model_path, str(out), "--run", "--steps", "1000000")
+    try:
+        info = wait_for_progress(out, first)
+        second = cli(model_path, str(out), "--run", "--steps", "3")
+        output, _ = second.communicate(timeout=120)
+        assert second.returncode == 1, output
+        assert f"is in use by another pcompile (pid {first.pid}" in output, output
+        assert first.poll() is None and all(alive(p["pid"]) for p in info["processes"])
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 130
+
+
+def damage(path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 3])
+
+
+@pytest.mark.slow
+def test_resume_falls_back_past_a_damaged_checkpoint(model_path, tmp_path) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for out in (straight, resumed):
+        compile_model(model_path, devices=4, out_dir=str(out))
+    said: list[str] = []
+    assert launch(str(straight), steps=7, processes=2, echo=said.append).code == 0
+    failing = dict(env(), PCOMPILE_FAULT_INJECT="3:6")
+    assert launch(str(resumed), steps=7, processes=2, checkpoint_every=2, env=failing,
+                  echo=said.append).code == 1
+    ckpt = resumed / "checkpoints"
+    damage(ckpt / "rank_1" / "step_00000004.npz")  # every rank holds step 2 intact
+    leftover = ckpt / "rank_0" / ".step_00000006.npz.tmp-0123abcd"  # a killed write
+    leftover.write_bytes(b"half")
+    said.clear()
+    result = launch(str(resumed), steps=7, processes=2, resume=True, echo=said.append)
+    assert result.code == 0, said
+    assert any("passed over damaged checkpoint step 4: rank 1:" in line for line in said), said
+    for r in range(4):
+        a = (straight / f"rank_{r}" / "train.log").read_bytes()
+        assert (resumed / f"rank_{r}" / "train.log").read_bytes() == a
+    assert not leftover.exists()
+
+
+@pytest.mark.slow
+def test_resume_problems_are_one_message(model_path, tmp_path) -> None:
+    out = tmp_path / "out"
+    proc = cli(model_path, str(out), "--run", "--steps", "4", "--checkpoint-every", "2")
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    proc = cli(model_path, str(out), "--run", "--resume", "--steps", "3")
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    assert "the checkpoint is at step 4, beyond --steps 3; ask for at least 4 steps" in output
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    # Every rank's step 4 and step 2 damaged: nothing to resume from, and it says why.
+    for r in range(4):
+        damage(out / "checkpoints" / f"rank_{r}" / "step_00000004.npz")
+    (out / "checkpoints" / "rank_2" / "step_00000002.npz").write_bytes(b"")
+    proc = cli(model_path, str(out), "--run", "--resume", "--steps", "6")
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    assert "--resume: no step has an intact checkpoint of every rank" in output
+    assert "step 2: rank 2: " in output and "is empty (0 bytes)" in output
+    assert "Traceback" not in output
+
+
+@pytest.mark.slow
+def test_a_checkpoint_full_of_nan_stops_the_resumed_run_at_its_first_step(model_path,
+                                                                          tmp_path) -> None:
+    from pcompile.backends.checkpoint import read_checkpoint, write_checkpoint
+
+    out = tmp_path / "out"
+    compile_model(model_path, devices=4, out_dir=str(out))
+    assert launch(str(out), steps=4, processes=4, echo=lambda line: None).code == 0
+    for r in range(4):
+        path = out / "checkpoints" / f"rank_{r}" / "step_00000004.npz"
+        arrays, meta = read_checkpoint(str(path), r)
+        path.unlink()
+        nan = {k: np.full_like(v, np.nan) if v.dtype.kind == "f" else v
+               for k, v in arrays.items()}
+        meta.pop("arrays")
+        write_checkpoint(str(out / "checkpoints"), r, 4, nan, meta)
+    said: list[str] = []
+    result = launch(str(out), steps=8, processes=4, resume=True, echo=said.append)
+    assert result.code == 1
+    assert "exit status 3: the loss is not finite" in result.message, result.message
+    assert "the loss is nan at step 5 (epoch 2, step 2)" in result.message
+
+
+def test_two_processes_started_by_torchrun_conventions_are_one_job(model_path,
+                                                                   tmp_path) -> None:
+    from pcompile.backends.launcher import free_port
+
+    out = tmp_path / "out"
+    compile_model(model_path, devices=4, out_dir=str(out))
+    port = str(free_port())
+    procs = [subprocess.Popen(
+        [sys.executable, str(out / "rank_0" / "program.py"), "--steps", "3"],
+        env=dict(env(), RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        for r in range(2)]
+    outputs = []
+    for p in procs:
+        output, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, output
+        outputs.append(output)
+    assert "rank(s) 0..1: steps 1..3" in outputs[0], outputs[0]
+    assert "rank(s) 2..3: steps 1..3" in outputs[1], outputs[1]
+    parallel = compile_model(model_path, devices=4, dump=False)
+    want, _ = single_device(model_path, parallel, 3)
+    for r in range(4):
+        np.testing.assert_allclose(losses(out, r), want, rtol=1e-5)

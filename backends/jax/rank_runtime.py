@@ -189,14 +189,14 @@ class Heartbeat:
             time.sleep(HEARTBEAT_INTERVAL)
 
 
-def _fault_injection(local: list[int]) -> int | None:
+def _fault_injection(local: list[int]) -> tuple[int | None, str]:
     """Testing aid: PCOMPILE_FAULT_INJECT="RANK:STEP" makes the process running RANK raise at
-    the start of STEP."""
+    the start of STEP; "RANK:STEP:hang" makes it hang there instead (alive, heartbeat going)."""
     spec = os.environ.get("PCOMPILE_FAULT_INJECT", "")
     if not spec:
-        return None
-    rank, _, step = spec.partition(":")
-    return int(step) if int(rank) in local else None
+        return None, ""
+    rank, step, *mode = spec.split(":")
+    return (int(step) if int(rank) in local else None), (mode[0] if mode else "raise")
 
 
 def _exit_on_sigterm(label: str) -> None:
@@ -533,7 +533,7 @@ class _Runner:
                  for name, _, shape, _ in self.stored}
         fn = self._function()
         out_names = list(m.OUTPUTS)
-        fault = _fault_injection(self.local)
+        fault, fault_mode = _fault_injection(self.local)
         first = True
         epoch, in_epoch = int(meta.get("epoch", 1)), int(meta.get("step_in_epoch", 0))
         start = time.perf_counter()
@@ -544,6 +544,8 @@ class _Runner:
             self.watchdog.arm(args.startup_timeout if first else args.timeout,
                               f"step {k + 1}")
             if fault == k + 1:
+                while fault_mode == "hang":
+                    time.sleep(1)
                 raise RuntimeError(f"PCOMPILE_FAULT_INJECT: failing at step {k + 1}")
             feeds = [self._put(name, {r: self._slice(name, a, r) for r in self.local}, shape)
                      for (name, _, shape, _), a in zip(self.inputs, arrays)]

@@ -1,0 +1,189 @@
+"""Checkpoint verification (backends/checkpoint.py): every kind of damage is one clear message
+naming the file, resume falls back to the newest step every rank holds intact, pcompile-merge
+prints one line, leftovers of a killed write are cleaned, only checkpoints are ever cleared."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+
+from pcompile.backends.checkpoint import (
+    META_KEY,
+    CheckpointError,
+    checkpoint_path,
+    clear_checkpoints,
+    load_npz,
+    merge_checkpoints,
+    read_checkpoint,
+    resume_point,
+    save_npz,
+    write_checkpoint,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# w (4, 6) split over 2 ranks along dim 0: each rank holds (2, 6); b replicated.
+LAYOUTS = {"w": {"shape": [4, 6], "dtype": "float32", "dev_matrix": [2], "tensor_map": [0, -1]},
+           "b": {"shape": [6], "dtype": "float32", "dev_matrix": [2], "tensor_map": [-1]}}
+
+
+def values(rank: int, step: int) -> dict[str, np.ndarray]:
+    w = np.arange(24, dtype=np.float32).reshape(4, 6) + step
+    return {"w": w[2 * rank: 2 * rank + 2], "b": np.full(6, step, np.float32)}
+
+
+def write_steps(folder, steps=(2, 4), ranks=2) -> None:
+    for step in steps:
+        for r in range(ranks):
+            meta = {"step": step, "epoch": 1, "step_in_epoch": step, "rank": r,
+                    "num_ranks": ranks, "plan_id": "p1", "log": [], "layouts": LAYOUTS}
+            write_checkpoint(str(folder), r, step, values(r, step), meta)
+
+
+def truncate(path: str) -> None:
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+
+
+def zero_length(path: str) -> None:
+    open(path, "wb").close()
+
+
+def bad_crc(path: str) -> None:
+    data = bytearray(open(path, "rb").read())
+    i = data.index(b"\x93NUMPY")  # the first member's array data follows its header
+    data[i + 200] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def no_metadata(path: str) -> None:
+    arrays = load_npz(path)
+    del arrays[META_KEY]
+    save_npz(path, arrays)
+
+
+def wrong_shape(path: str) -> None:
+    """A consistent file (its manifest matches its arrays) whose array is not the rank's slice
+    of its layout."""
+    arrays = load_npz(path)
+    meta = json.loads(str(arrays.pop(META_KEY)))
+    arrays["w"] = np.zeros((3, 6), np.float32)
+    os.unlink(path)
+    write_checkpoint(os.path.dirname(os.path.dirname(path)), meta["rank"], meta["step"],
+                     arrays, meta, keep=0)
+
+
+def checksum_mismatch(path: str) -> None:
+    arrays = load_npz(path)
+    arrays["b"] = arrays["b"] + 1  # rewritten with a valid zip CRC, the old manifest
+    save_npz(path, arrays)
+
+
+DAMAGE = {
+    "truncated": (truncate, "truncated or not an .npz file"),
+    "zero-length": (zero_length, "is empty (0 bytes)"),
+    "bad CRC": (bad_crc, "corrupt"),
+    "missing metadata": (no_metadata, "has no metadata"),
+    "wrong shape": (wrong_shape, "rank 1's slice is (2, 6)"),
+    "checksum": (checksum_mismatch, "do not match the checksum"),
+}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_damage_is_one_message_and_resume_falls_back(tmp_path, kind: str) -> None:
+    folder = tmp_path / "checkpoints"
+    write_steps(folder)
+    damage, message = DAMAGE[kind]
+    path = checkpoint_path(str(folder), 1, 4)
+    damage(path)
+    with pytest.raises(CheckpointError) as info:
+        read_checkpoint(path, 1)
+    assert path in str(info.value) and message in str(info.value)
+    point = resume_point(str(folder), 2)
+    assert point.step == 2
+    assert len(point.skipped) == 1 and point.skipped[0].startswith("step 4: rank 1: ")
+    arrays, meta = read_checkpoint(checkpoint_path(str(folder), 1, 2), 1)
+    assert meta["step"] == 2 and np.array_equal(arrays["w"], values(1, 2)["w"])
+
+
+def test_no_intact_step_and_a_missing_rank(tmp_path) -> None:
+    folder = tmp_path / "checkpoints"
+    write_steps(folder, steps=(2, 4))
+    os.unlink(checkpoint_path(str(folder), 0, 4))
+    truncate(checkpoint_path(str(folder), 1, 2))
+    point = resume_point(str(folder), 2)
+    assert point.step is None
+    assert point.skipped[0] == "step 4: rank 0: no checkpoint"
+    assert point.skipped[1].startswith("step 2: rank 1: ")
+
+
+def merge_cli(out) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pcompile.backends.checkpoint", str(out)],
+                          capture_output=True, text=True, cwd=ROOT)
+
+
+def test_merge_passes_over_a_damaged_step_and_says_so(tmp_path) -> None:
+    write_steps(tmp_path / "checkpoints")
+    bad_crc(checkpoint_path(str(tmp_path / "checkpoints"), 0, 4))
+    full, info = merge_checkpoints(str(tmp_path))
+    assert info["step"] == 2
+    assert np.array_equal(full["w"], np.arange(24, dtype=np.float32).reshape(4, 6) + 2)
+    proc = merge_cli(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "passed over step 4: rank 0:" in proc.stderr and "corrupt" in proc.stderr
+    assert (tmp_path / "merged_step_00000002.npz").exists()
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_merge_of_a_damaged_step_is_one_message(tmp_path, kind: str) -> None:
+    write_steps(tmp_path / "checkpoints", steps=(4,))
+    DAMAGE[kind][0](checkpoint_path(str(tmp_path / "checkpoints"), 1, 4))
+    proc = merge_cli(tmp_path)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0].startswith("pcompile-merge: error: no step has an intact checkpoint")
+    assert DAMAGE[kind][1] in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_killed_write_leaves_a_temp_file_that_the_next_write_removes(tmp_path) -> None:
+    folder = tmp_path / "checkpoints"
+    write_steps(folder, steps=(2,))
+    leftover = folder / "rank_0" / ".step_00000004.npz.tmp-0badf00d"
+    leftover.write_bytes(b"half a checkpoint")
+    assert resume_point(str(folder), 2).step == 2  # a temp file is no checkpoint
+    write_steps(folder, steps=(4,))
+    assert sorted(os.listdir(folder / "rank_0")) == ["step_00000002.npz", "step_00000004.npz"]
+
+
+def test_checkpoints_are_written_with_the_users_umask(tmp_path) -> None:
+    old = os.umask(0o027)
+    try:
+        write_steps(tmp_path / "c", steps=(1,))
+    finally:
+        os.umask(old)
+    assert os.stat(checkpoint_path(str(tmp_path / "c"), 0, 1)).st_mode & 0o777 == 0o640
+
+
+def test_clearing_checkpoints_deletes_nothing_else(tmp_path) -> None:
+    folder = tmp_path / "checkpoints"
+    write_steps(folder)
+    (folder / "rank_0" / "notes.txt").write_text("mine")
+    (folder / "README").write_text("mine")
+    clear_checkpoints(str(folder))
+    assert sorted(p.name for p in folder.rglob("*")) == ["README", "notes.txt", "rank_0"]
+
+
+def test_a_member_with_a_bad_crc_is_detected_by_zipfile_itself(tmp_path) -> None:
+    """The bad-CRC case above damages array data inside the zip: zipfile's own check finds
+    it (the damage function does not also break the zip structure)."""
+    write_steps(tmp_path, steps=(1,))
+    path = checkpoint_path(str(tmp_path), 0, 1)
+    bad_crc(path)
+    with zipfile.ZipFile(path) as zf:
+        assert zf.testzip() is not None

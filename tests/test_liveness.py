@@ -1,0 +1,173 @@
+"""The launcher's liveness check on 8 rank processes: a rank stopped (SIGSTOP) mid-run or during
+start-up, a rank alive but stuck, a rank that fails while the others fail after it. Each time
+the launcher must end the run within the deadline + 10 s and name that rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODEL8 = """
+import numpy as np
+from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
+
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="data_parallel")
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.w = Parameter(initializer("normal", [16, 8]), "w")
+        self.w2 = Parameter(initializer("normal", [8, 8]), "w2")
+        self.matmul = ops.MatMul().shard(((2, 4), (4, 1)))
+        self.relu = ops.ReLU()
+        self.matmul2 = ops.MatMul()
+
+    def construct(self, x):
+        return self.matmul2(self.relu(self.matmul(x, self.w)), self.w2)
+
+
+def model():
+    set_seed(3)
+    return Net()
+
+
+def inputs():
+    return (np.zeros((8, 16), np.float32),)
+
+
+def loss():
+    return nn.MSELoss()
+
+
+def optimizer(params):
+    return nn.Momentum(params, learning_rate=0.1, momentum=0.9)
+
+
+def dataset():
+    rng = np.random.default_rng(7)
+    for _ in range(3):
+        yield (rng.standard_normal((8, 16)).astype(np.float32),
+               rng.standard_normal((8, 8)).astype(np.float32))
+"""
+
+
+@pytest.fixture(scope="module")
+def model8(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("model") / "mlp8.py"
+    path.write_text(textwrap.dedent(MODEL8))
+    return str(path)
+
+
+def env(**extra: str) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PCOMPILE_", "OMPI_", "SLURM_", "PMI_"))}
+    out["JAX_PLATFORMS"] = "cpu"
+    out.update(extra)
+    return out
+
+
+def start(model: str, out, *flags: str, **extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pcompile", model, "--devices", "8", "--parallel-mode",
+         "semi_auto_parallel", "--out", str(out), "--no-check", "--run", "--steps", "1000000",
+         *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(**extra),
+        cwd=ROOT)
+
+
+def wait_for(predicate, proc: subprocess.Popen[str], timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the launch ended early:\n{proc.stdout.read()}")
+        time.sleep(0.02)
+    proc.kill()
+    raise AssertionError("timed out waiting")
+
+
+def losses_logged(out, n: int):
+    log = out / "rank_0" / "train.log"
+    return lambda: log.exists() and log.read_text().count("\n") >= n
+
+
+def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[str, float]:
+    begin = time.monotonic()
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return output, time.monotonic() - begin
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def pids(out) -> list[int]:
+    return [p["pid"] for p in json.loads((out / "launch.json").read_text())["processes"]]
+
+
+@pytest.mark.slow
+def test_a_rank_stopped_mid_run_is_named_within_the_deadline(model8, tmp_path) -> None:
+    out = tmp_path / "out"
+    proc = start(model8, out, "--timeout", "10")
+    wait_for(losses_logged(out, 3), proc)
+    os.kill(pids(out)[5], signal.SIGSTOP)
+    output, elapsed = finish(proc, 60)
+    assert proc.returncode == 1, output
+    assert elapsed < 10 + 10, elapsed
+    assert "rank 5 stopped responding (no heartbeat for" in output, output
+    assert not any(alive(p) for p in pids(out))
+
+
+@pytest.mark.slow
+def test_a_rank_stopped_during_start_up_is_named_within_the_deadline(model8, tmp_path) -> None:
+    out = tmp_path / "out"
+    proc = start(model8, out, "--startup-timeout", "20")
+    wait_for(lambda: (out / "launch.json").exists(), proc)
+    os.kill(pids(out)[3], signal.SIGSTOP)
+    output, elapsed = finish(proc, 60)
+    assert proc.returncode == 1, output
+    assert elapsed < 20 + 10, elapsed
+    assert "rank 3 stopped responding (no heartbeat" in output, output
+    assert not (out / "rank_0" / "train.log").exists() or \
+        not (out / "rank_0" / "train.log").read_text()
+    assert not any(alive(p) for p in pids(out))
+
+
+@pytest.mark.slow
+def test_a_rank_alive_but_stuck_is_named_at_the_step_deadline(model8, tmp_path) -> None:
+    out = tmp_path / "out"
+    proc = start(model8, out, "--timeout", "8", PCOMPILE_FAULT_INJECT="6:4:hang")
+    wait_for(losses_logged(out, 3), proc)
+    output, elapsed = finish(proc, 60)
+    assert proc.returncode == 1, output
+    assert elapsed < 8 + 10, elapsed
+    assert "rank 6 did not finish within 8 s (--timeout)" in output, output
+    assert "reading its next batch" in output
+
+
+@pytest.mark.slow
+def test_the_rank_that_failed_first_is_named_not_a_follow_on_error(model8, tmp_path) -> None:
+    out = tmp_path / "out"
+    proc = start(model8, out, PCOMPILE_FAULT_INJECT="6:3")
+    output, _ = finish(proc, 180)
+    assert proc.returncode == 1, output
+    assert "rank 6 failed first (exit status 1)" in output, output
+    assert "PCOMPILE_FAULT_INJECT: failing at step 3" in output
