@@ -217,6 +217,7 @@ class AutodiffPass:
     """Reverse-mode autodiff on the IR: append d loss / d w for every trainable weight."""
 
     name = "autodiff"
+    appends_only = True  # existing nodes are left as they are (their dump text is reused)
 
     def apply(self, state: CompileState) -> None:
         for graph in state.graphs:
@@ -233,6 +234,7 @@ class OptimizerPass:
     """Trace `optimizer(params)` after the gradients: the graph becomes one training step."""
 
     name = "optimizer"
+    appends_only = True
 
     def apply(self, state: CompileState) -> None:
         traced, mf = state.traced, state.model_file
@@ -323,6 +325,7 @@ class ExecutePass:
     """The graph every rank executes (stand-alone: the one global graph)."""
 
     name = "execute"
+    appends_only = True  # changes nothing
 
     def apply(self, state: CompileState) -> None:
         assert state.rank_graphs, "execute needs the per-rank graphs"
@@ -533,6 +536,7 @@ def _run_pipeline(state: CompileState, out_dir: str | None, dump_ranks: Any = No
     dumps: list[tuple[str, dict[int, str]]] = []
     ranks = resolve_dump_ranks(dump_ranks, state.devices)
     state.dump_ranks = ranks
+    templates: dict[int, GraphText] = {}  # the last text of each graph, by id
     for index, p in enumerate(passes):
         start = time.perf_counter()
         try:
@@ -549,7 +553,9 @@ def _run_pipeline(state: CompileState, out_dir: str | None, dump_ranks: Any = No
             raise
         timings.append((p.name, time.perf_counter() - start))
         if out_dir is not None:
-            dumps.append((f"{index:02d}_{p.name}.ir", _rank_texts(state, ranks)))
+            appends = getattr(p, "appends_only", False)
+            texts = _rank_texts(state, ranks, templates if appends else {})
+            dumps.append((f"{index:02d}_{p.name}.ir", texts))
     if before_write is not None:
         before_write(state, out_dir)
     if out_dir is not None:
@@ -587,18 +593,23 @@ def resolve_dump_ranks(value: Any, devices: int) -> list[int]:
 DUMP_ALL_UP_TO = 8
 
 
-def _rank_texts(state: CompileState, ranks: list[int]) -> dict[int, str]:
+def _rank_texts(state: CompileState, ranks: list[int],
+                templates: dict[int, GraphText]) -> dict[int, str]:
     """This pass's dump for each dumped rank, printed now (later passes change the graph).
-    A rank-parametric graph is printed once; only its rank-dependent nodes per rank."""
+    A rank-parametric graph is printed once; only its rank-dependent nodes per rank.
+    `templates` holds the previous pass's text of each graph when this pass only appended
+    to it (its nodes are not printed again); it is updated with this pass's texts."""
     texts: dict[int, str] = {}
-    templates: dict[int, GraphText] = {}
+    fresh: dict[int, GraphText] = {}
     for r in ranks:
         graph = state.rank_graphs[r] if state.split else state.graph
         assert graph is not None
-        template = templates.get(id(graph))
+        template = fresh.get(id(graph))
         if template is None:
-            template = templates[id(graph)] = GraphText(graph)
+            template = fresh[id(graph)] = GraphText(graph, templates.get(id(graph)))
         texts[r] = template.render(r)
+    templates.clear()
+    templates.update(fresh)
     return texts
 
 

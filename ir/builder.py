@@ -81,7 +81,7 @@ class Builder:
         try:
             opdef.check_arity(len(operands))
             # Rank-dependent attributes (ir.rank) give the same type on every rank: infer at 0.
-            result_type = opdef.infer(types, resolve_attrs(opdef.impl_attrs(full), 0))
+            result_type = opdef.infer_type(types, resolve_attrs(opdef.impl_attrs(full), 0))
         except ShapeError as exc:
             shapes = [getattr(t, "shape", str(t)) for t in types]
             raise OpError(

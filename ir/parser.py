@@ -718,7 +718,7 @@ class _Parser:
         declared = impl(attrs) if impl else {k: v for k, v in attrs.items() if k in opdef.attrs}
         try:
             opdef.check_arity(len(operands))
-            return opdef.infer([v.type for v in operands], declared)
+            return opdef.infer_type([v.type for v in operands], declared)
         except ShapeError as exc:
             line.fail(f"{opdef.name} rejects its operands: {exc}", pos)
         except Exception as exc:  # noqa: BLE001  (untrusted text reaches the op's rule)

@@ -52,6 +52,7 @@ from pcompile.ir.core import (
     Value,
     constant_at,
 )
+from pcompile.ir.memo import items_key
 from pcompile.ir.rank import RankValue, has_rank_values, resolve, resolve_attrs
 from pcompile.ir.types import DType, ValueType, format_shape
 
@@ -152,6 +153,19 @@ STRATEGY_KEYS = ("in_strategy", "out_strategy")
 def format_dict(mapping: dict[Any, Any]) -> str:
     """`{key: value, ...}` with keys printed as values (normally bare strings); the values of
     `in_strategy` and `out_strategy` in the strategy spelling (`format_strategy`)."""
+    try:
+        key = items_key(mapping)
+    except TypeError:  # an unhashable value (a list, a dict): no memo
+        return _format_dict(mapping)
+    text = _DICT_TEXT.get(key)
+    if text is None:
+        text = _format_dict(mapping)
+        if len(_DICT_TEXT) < _MEMO_LIMIT:
+            _DICT_TEXT[key] = text
+    return text
+
+
+def _format_dict(mapping: dict[Any, Any]) -> str:
     return "{" + ", ".join(
         f"{format_value(k)}: "
         f"{format_strategy(v) if k in STRATEGY_KEYS else format_value(v)}"
@@ -160,7 +174,22 @@ def format_dict(mapping: dict[Any, Any]) -> str:
 
 def format_type(type_: ValueType) -> str:
     """`<Tensor[Float32], (16, 32)>` or `<Tuple[...], TupleShape(...)>` (see ir.types)."""
-    return str(type_)
+    text = _TYPE_TEXT.get(type_)
+    if text is None:
+        text = str(type_)
+        if len(_TYPE_TEXT) < _MEMO_LIMIT:
+            _TYPE_TEXT[type_] = text
+    return text
+
+
+# Texts printed over and over (every dump repeats a model's types, scopes and source lines):
+# memoised by value, which is all they depend on.
+_MEMO_LIMIT = 200_000
+_TYPE_TEXT: dict[ValueType, str] = {}
+_SOURCE_TEXT: dict[SourceLoc, str] = {}
+_SCOPE_TEXT: dict[str, str] = {}
+_DICT_TEXT: dict[tuple[Any, ...], str] = {}
+_CONST_TEXT: dict[tuple[Any, ...], str] = {}
 
 
 # -- constants --------------------------------------------------------------------------------
@@ -205,6 +234,18 @@ def format_constant(const: Constant, rank: int | None = None) -> str:
     nested list of all values (a rank-dependent constant: `rank`'s values)."""
     ttype = const.tensor_type
     array = np.asarray(constant_at(const, rank))
+    if array.size <= 16:  # scalars and small constants repeat: memoised by their bytes
+        key = (ttype, array.dtype.str, array.tobytes())
+        text = _CONST_TEXT.get(key)
+        if text is None:
+            text = _format_constant(ttype, array)
+            if len(_CONST_TEXT) < _MEMO_LIMIT:
+                _CONST_TEXT[key] = text
+        return text
+    return _format_constant(ttype, array)
+
+
+def _format_constant(ttype: Any, array: np.ndarray) -> str:
     if is_splat(array):
         value = _element_texts(array.reshape(-1)[:1], ttype.dtype)[0]
     else:
@@ -242,6 +283,15 @@ def format_source(source: SourceLoc) -> str:
     """`# In file <file>:<line>/<text>/`; the file is JSON-quoted when it contains `:` (or a
     line break, or starts with a quote); a text with a line break is written as
     `:<line> "<json>"` instead of between slashes."""
+    text = _SOURCE_TEXT.get(source)
+    if text is None:
+        text = _format_source(source)
+        if len(_SOURCE_TEXT) < _MEMO_LIMIT:
+            _SOURCE_TEXT[source] = text
+    return text
+
+
+def _format_source(source: SourceLoc) -> str:
     file = source.file
     if ":" in file or file.startswith('"') or any(c in file for c in _LINE_BREAKS):
         file = quote(file)
@@ -325,22 +375,25 @@ class _Printer:
         if node.parallel is not None:
             head += " " + format_parallel(node.parallel)
         in_types = ", ".join(self.operand_type(v) for v in node.operands)
+        scope = _SCOPE_TEXT.get(node.scope)
+        if scope is None:
+            scope = _SCOPE_TEXT[node.scope] = format_free_text(node.scope)
         lines = [
             head,
             f"{DETAIL_INDENT}: ({in_types}) -> ({format_type(node.result.type)})",
-            f"{DETAIL_INDENT}# scope: ({format_free_text(node.scope)})",
+            f"{DETAIL_INDENT}# scope: ({scope})",
         ]
         if node.source is not None:
             lines.append(DETAIL_INDENT + format_source(node.source))
         return lines
 
-    def segments(self) -> list[str | _Hole]:
-        """The text, with a `_Hole` for every node that differs between ranks."""
+    def head(self) -> list[str | _AttrsHole]:
+        """Everything before the first node: graph attributes, parameters, counts."""
         g = self.graph
         gname = format_name(g.name)
         lines = [f"# IR entry: @{gname}", "# Total subgraphs: 1", "", "# Attrs:"]
         _check_keys(g.attrs, f"graph {g.name}: attribute")
-        out: list[str | _Hole] = []
+        out: list[str | _AttrsHole] = []
         head_attrs = [(k, v) for k, v in g.attrs.items()]
         if any(isinstance(v, RankValue) for _, v in head_attrs):
             out.append("\n".join(lines) + "\n")
@@ -360,24 +413,25 @@ class _Printer:
             "",
             f"subgraph @{gname}() {{",
         ]
-        for i, node in enumerate(g.nodes):
-            if _rank_dependent(node):
-                if lines:
-                    out.append("\n".join(lines) + "\n")
-                    lines = []
-                out.append(_Hole(self, i, node))
-            else:
-                lines.extend(self.node(i, node))
+        out.append("\n".join(lines) + "\n")
+        return out
+
+    def node_segment(self, index: int, node: Node) -> str | _Hole:
+        """A node's lines, or a `_Hole` when they differ between ranks."""
+        if _rank_dependent(node):
+            return _Hole(self, index, node)
+        return "\n".join(self.node(index, node)) + "\n"
+
+    def tail(self) -> str:
+        g = self.graph
         outputs = ", ".join(self.operand(v, "Return") for v in g.outputs)
         out_types = ", ".join(self.operand_type(v) for v in g.outputs)
-        lines += [
+        return "\n".join([
             f"{NODE_INDENT}Return({outputs})",
             f"{DETAIL_INDENT}: ({out_types})",
             f"{DETAIL_INDENT}# scope: ({RETURN_SCOPE})",
             "}",
-        ]
-        out.append("\n".join(lines) + "\n")
-        return out
+        ]) + "\n"
 
 
 class _AttrsHole:
@@ -399,18 +453,37 @@ def _rank_dependent(node: Node) -> bool:
 class GraphText:
     """The text of a graph for any rank, printed once: the parts that do not depend on the rank
     are kept as text, the rest is rendered per rank (printing N ranks costs about one print
-    plus the rank-dependent nodes N times)."""
+    plus the rank-dependent nodes N times).
 
-    def __init__(self, graph: Graph) -> None:
-        self.segments = _Printer(graph).segments()
-        self.rank_dependent = any(not isinstance(s, str) for s in self.segments)
+    `previous`: the text of the same graph before a pass that only appended nodes (and
+    parameters) to it; the nodes it printed, unchanged and at the same positions, are not
+    printed again."""
+
+    def __init__(self, graph: Graph, previous: GraphText | None = None) -> None:
+        printer = _Printer(graph)
+        self.nodes = list(graph.nodes)
+        reuse = previous is not None and previous.graph is graph
+        old = previous.nodes if reuse and previous is not None else []
+        self.node_segments: list[str | _Hole] = []
+        for i, node in enumerate(self.nodes):
+            if i < len(old) and old[i] is node:
+                assert previous is not None
+                self.node_segments.append(previous.node_segments[i])
+            else:
+                self.node_segments.append(printer.node_segment(i, node))
+        self.graph = graph
+        self.head = printer.head()
+        self.tail = printer.tail()
+        self.rank_dependent = any(not isinstance(s, str)
+                                  for s in (*self.head, *self.node_segments))
 
     def render(self, rank: int | None = None) -> str:
         if rank is None:
             if self.rank_dependent:
                 raise ValueError("this graph differs between ranks: print_graph(graph, rank)")
-            return "".join(self.segments)  # type: ignore[arg-type]
-        return "".join(s if isinstance(s, str) else s.render(rank) for s in self.segments)
+            return "".join([*self.head, *self.node_segments, self.tail])  # type: ignore[list-item]
+        return "".join(s if isinstance(s, str) else s.render(rank)
+                       for s in (*self.head, *self.node_segments, self.tail))
 
 
 def print_graph(graph: Graph, rank: int | None = None) -> str:

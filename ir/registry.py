@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pcompile.ir.errors import ShapeError
+from pcompile.ir.memo import items_key
 from pcompile.ir.types import ValueType
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ class OpDef:
     collective: bool = False
     sharding: Any = None  # the op's sharding rule (parallel core); None = default rule
     doc: str = ""
+    _memo: dict[Any, ValueType] = field(default_factory=dict, repr=False, compare=False)
 
     def check_arity(self, count: int) -> None:
         n = self.num_inputs
@@ -79,6 +81,23 @@ class OpDef:
     def impl_attrs(self, attrs: dict[str, Any]) -> dict[str, Any]:
         """The attributes an implementation receives: the declared ones only."""
         return {k: v for k, v in attrs.items() if k in self.attrs}
+
+    def infer_type(self, types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+        """`infer`, memoised: inference is a pure function of the operand types and the
+        attributes, and a model's layers repeat the same (op, types, attrs) many times."""
+        try:
+            key = (tuple(types), items_key(attrs))
+        except TypeError:  # an unhashable attribute value: infer without the memo
+            return self.infer(types, attrs)
+        cached = self._memo.get(key)
+        if cached is None:
+            cached = self.infer(types, attrs)
+            if len(self._memo) < _MEMO_LIMIT:
+                self._memo[key] = cached
+        return cached
+
+
+_MEMO_LIMIT = 100_000  # inferred types remembered per op
 
 
 # Attributes every primitive may carry (set by `shard()` / `add_prim_attr`, read by passes).

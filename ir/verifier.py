@@ -134,7 +134,7 @@ class _Verifier:
         try:
             opdef.check_arity(len(types))
             # A rank-parametric graph has the same types on every rank: infer at rank 0.
-            inferred = opdef.infer(types, resolve_attrs(impl_attrs, 0))
+            inferred = opdef.infer_type(types, resolve_attrs(impl_attrs, 0))
         except ShapeError as exc:
             shapes = ", ".join(str(t) for t in types)
             self.fail(f"{opdef.name} rejects its operands ({shapes}): {exc}", node, index)
@@ -171,34 +171,39 @@ class _Verifier:
 
     def uses(self) -> None:
         values: dict[int, Value] = {id(p): p for p in self.graph.params}
-        expected: dict[int, Counter[tuple[int, int]]] = {}
+        expected: dict[int, list[tuple[int, int]]] = {}
         for index, node in enumerate(self.graph.nodes):
             values[id(node.result)] = node.result
             for j, value in enumerate(node.operands):
                 values[id(value)] = value
-                expected.setdefault(id(value), Counter())[(index, j)] += 1
+                expected.setdefault(id(value), []).append((index, j))
+        position = self.position
         for key, value in values.items():
-            actual: Counter[tuple[int, int]] = Counter()
+            actual = []
             for user, j in value.uses:
-                pos = self.position.get(id(user))
+                pos = position.get(id(user))
                 if pos is None:
                     self.fail(
                         f"use lists: {self.name(value)} lists a use by {user.where()} "
                         f"(operand {j}), which is not in the graph"
                     )
-                actual[(pos, j)] += 1
-            want = expected.get(key, Counter())
-            for index, j in sorted(set(actual) | set(want)):
-                have, need = actual[(index, j)], want[(index, j)]
-                if have == need:
-                    continue
-                if have < need:
-                    problem = f"is operand {j} but its use list lacks that use"
-                else:
-                    problem = f"lists {have} use(s) as operand {j}, but the node has {need}"
-                self.fail(
-                    f"use lists: {self.name(value)} {problem}", self.graph.nodes[index], index
-                )
+                actual.append((pos, j))
+            want = expected.get(key, [])
+            if len(actual) == len(want) and sorted(actual) == want:  # `want` is in order
+                continue
+            self._use_mismatch(value, Counter(actual), Counter(want))
+
+    def _use_mismatch(self, value: Value, actual: Counter[tuple[int, int]],
+                      want: Counter[tuple[int, int]]) -> None:
+        for index, j in sorted(set(actual) | set(want)):
+            have, need = actual[(index, j)], want[(index, j)]
+            if have == need:
+                continue
+            if have < need:
+                problem = f"is operand {j} but its use list lacks that use"
+            else:
+                problem = f"lists {have} use(s) as operand {j}, but the node has {need}"
+            self.fail(f"use lists: {self.name(value)} {problem}", self.graph.nodes[index], index)
 
     def outputs(self) -> None:
         for k, value in enumerate(self.graph.outputs):

@@ -751,3 +751,20 @@ def test_int_constant_out_of_range() -> None:
     )
     with pytest.raises(ParseError, match="expected an Int32 integer, got 2147483648"):
         parse_graph(text)
+
+
+def test_memoised_printing_and_inference_tell_equal_values_of_other_types() -> None:
+    """`True == 1 == 1.0` and `0.0 == -0.0` in Python: the printer's and the inference's memos
+    must still keep them apart (a memo keyed by value alone prints whichever came first)."""
+    from pcompile.ir.errors import ShapeError
+    from pcompile.ir.printer import format_dict
+    from pcompile.ir.registry import get_op
+
+    texts = [format_dict({"a": v}) for v in (1, True, 1.0, 0.0, -0.0, (1, 1), (1, True))]
+    assert texts == ["{a: 1}", "{a: true}", "{a: 1.0}", "{a: 0.0}", "{a: -0.0}",
+                     "{a: (1, 1)}", "{a: (1, true)}"]
+    op = get_op("ReduceSum")
+    x = [TensorType(DType.float32, (2, 3))]
+    assert op.infer_type(x, {"axis": (0,), "keep_dims": False}).shape == (3,)
+    with pytest.raises(ShapeError, match="tuple of ints"):
+        op.infer_type(x, {"axis": (0.0,), "keep_dims": False})
