@@ -587,16 +587,30 @@ def _cast_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [b("Cast", cot, dst_type=src)]
 
 
+def _cast_np(x: Any, dst_type: DType) -> Any:
+    x = np.asarray(x)
+    dst = dst_type.np
+    if x.dtype.kind == "f" or x.dtype == DType.bfloat16.np:
+        if dst.kind in "iu":
+            # XLA's float -> int conversion: truncate toward zero, saturate at the integer
+            # range, NaN -> 0 (numpy's cast of an out-of-range float is undefined).
+            info = np.iinfo(dst)
+            wide = np.nan_to_num(x.astype(np.float64), nan=0.0)
+            return np.trunc(np.clip(wide, info.min, info.max)).astype(dst)
+    return x.astype(dst)
+
+
 register(
     OpDef(
         "Cast",
         _cast_infer,
-        numpy=lambda x, dst_type: np.asarray(x).astype(dst_type.np),
+        numpy=_cast_np,
         jax=lambda x, dst_type: lax.convert_element_type(x, dst_type.np),
         vjp=_cast_vjp,
         attrs={"dst_type": DType.float32},
         num_inputs=1,
-        doc="Convert to dst_type (float->int truncates toward zero; to Bool is x != 0).",
+        doc="Convert to dst_type (float->int truncates toward zero and saturates at the integer "
+        "range, NaN -> 0; int->int wraps; to Bool is x != 0).",
     )
 )
 
