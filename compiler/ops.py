@@ -69,11 +69,32 @@ GeLU = _simple("GeLU")
 Flatten = _simple("Flatten")
 ZerosLike = _simple("ZerosLike")
 OnesLike = _simple("OnesLike")
-Greater = _simple("Greater")
-Less = _simple("Less")
+SiLU = _simple("SiLU")
 Equal = _simple("Equal")
+NotEqual = _simple("NotEqual")
+Greater = _simple("Greater")
+GreaterEqual = _simple("GreaterEqual")
+Less = _simple("Less")
+LessEqual = _simple("LessEqual")
+LogicalAnd = _simple("LogicalAnd")
+LogicalOr = _simple("LogicalOr")
+LogicalNot = _simple("LogicalNot")
 Select = _simple("Select")
 Identity = _simple("Identity")
+
+
+class Shape(_Simple):
+    """`ops.Shape()(x)`: the static shape of x as a Python tuple of ints. Shapes are static
+    at compile time (as in MindSpore's graph mode, which folds Shape to a constant), so no IR
+    node is emitted; the tuple feeds Python arithmetic, Reshape shapes, slice bounds."""
+
+    op = "Shape"
+
+    def __call__(self, x: Any) -> tuple[int, ...]:
+        shape = getattr(x, "shape", None)
+        if shape is None:
+            raise TypeError(f"Shape expects a tensor, got {type(x).__name__} {x!r}")
+        return tuple(int(d) for d in shape)
 
 
 class MatMul(Primitive):
@@ -521,6 +542,54 @@ def sigmoid(x: Any) -> Any:
 
 def relu(x: Any) -> Any:
     return ReLU()(x)
+
+
+def silu(x: Any) -> Any:
+    return SiLU()(x)
+
+
+def shape(x: Any) -> tuple[int, ...]:
+    return Shape()(x)
+
+
+def equal(x: Any, y: Any) -> Any:
+    return Equal()(x, y)
+
+
+def not_equal(x: Any, y: Any) -> Any:
+    return NotEqual()(x, y)
+
+
+def greater(x: Any, y: Any) -> Any:
+    return Greater()(x, y)
+
+
+def greater_equal(x: Any, y: Any) -> Any:
+    return GreaterEqual()(x, y)
+
+
+def less(x: Any, y: Any) -> Any:
+    return Less()(x, y)
+
+
+def less_equal(x: Any, y: Any) -> Any:
+    return LessEqual()(x, y)
+
+
+def logical_and(x: Any, y: Any) -> Any:
+    return LogicalAnd()(x, y)
+
+
+def logical_or(x: Any, y: Any) -> Any:
+    return LogicalOr()(x, y)
+
+
+def logical_not(x: Any) -> Any:
+    return LogicalNot()(x)
+
+
+def select(cond: Any, x: Any, y: Any) -> Any:
+    return Select()(cond, x, y)
 
 
 def gelu(x: Any, approximate: str = "tanh") -> Any:

@@ -584,10 +584,10 @@ def _register(names: Sequence[str], rule: LabelRule) -> None:
 
 
 _register(
-    ["Add", "Sub", "Mul", "RealDiv", "Maximum", "Minimum", "Pow", "Greater", "GreaterEqual",
-     "Less", "Equal", "Select", "ReluGrad", "Neg", "Exp", "Log", "Sqrt", "Rsqrt", "Square",
-     "Tanh", "Sigmoid", "ReLU", "GeLU", "Cast", "ZerosLike", "OnesLike", "LogicalNot",
-     "Identity"],
+    ["Add", "Sub", "Mul", "RealDiv", "Maximum", "Minimum", "Pow", "Equal", "NotEqual",
+     "Greater", "GreaterEqual", "Less", "LessEqual", "LogicalAnd", "LogicalOr", "LogicalNot",
+     "Select", "ReluGrad", "Neg", "Exp", "Log", "Sqrt", "Rsqrt", "Square", "Tanh", "Sigmoid",
+     "ReLU", "GeLU", "SiLU", "Cast", "ZerosLike", "OnesLike", "Identity"],
     LabelRule(elementwise_labels),
 )
 _register(["MatMul"], LabelRule(matmul_labels))
