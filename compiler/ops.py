@@ -296,6 +296,16 @@ class LayerNorm(Primitive):
         return y, mean, var
 
 
+class RmsNorm(Primitive):
+    """`RmsNorm(epsilon)(x, gamma)` -> (y, rstd): normalises over gamma's dims (the trailing
+    dims of x); rstd is Float32 with those dims kept as 1."""
+
+    op = "RmsNorm"
+
+    def __init__(self, epsilon: float = 1e-6) -> None:
+        super().__init__(epsilon=float(epsilon))
+
+
 class SoftmaxCrossEntropyWithLogits(_Simple):
     """Returns (per-sample loss, gradient w.r.t. logits) like MindSpore; the second output is
     computed only when used."""
@@ -668,6 +678,10 @@ def strided_slice(x: Any, begin: Any, end: Any, strides: Any) -> Any:
 
 def layer_norm(x: Any, gamma: Any, beta: Any, begin_norm_axis: int = -1, epsilon: float = 1e-5):
     return LayerNorm(begin_norm_axis, begin_norm_axis, epsilon)(x, gamma, beta)[0]
+
+
+def rms_norm(x: Any, gamma: Any, epsilon: float = 1e-6) -> Any:
+    return RmsNorm(epsilon)(x, gamma)
 
 
 def conv2d(x: Any, weight: Any, stride: Any = 1, pad_mode: str = "valid", padding: Any = 0):

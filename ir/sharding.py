@@ -265,6 +265,7 @@ def _role(ctx: OpContext, name: str, labels: Labels) -> str:
         "Softmax": "the softmax axis",
         "LogSoftmax": "the softmax axis",
         "LayerNorm": "a normalised dim (from begin_norm_axis on)",
+        "RmsNorm": "a normalised dim (one of gamma's dims; gamma is never split)",
         "SoftmaxCrossEntropyWithLogits": "the class axis",
         "SparseSoftmaxCrossEntropyWithLogits": "the class axis",
         "Concat": "the concat axis",
@@ -386,6 +387,16 @@ def layer_norm_labels(ctx: OpContext) -> Labels:
     unsplit = set(lab[norm:])
     plab = lab[params:]
     return Labels([lab, plab, plab], [lab], unsplit)
+
+
+def rms_norm_labels(ctx: OpContext) -> Labels:
+    """x's trailing gamma.ndim dims are normalised (never split); gamma shares their labels;
+    rstd keeps x's leading labels and size-1 normalised dims (MindSpore's rms_norm_info)."""
+    x, gamma = ctx.in_types
+    lab = _ALPHA[: x.rank]
+    begin = x.rank - gamma.rank
+    fresh = "".join(_fresh(gamma.rank, set(lab)))
+    return Labels([lab, lab[begin:]], [lab, lab[:begin] + fresh], set(lab[begin:]) | set(fresh))
 
 
 def bias_add_labels(ctx: OpContext) -> Labels:
@@ -597,6 +608,7 @@ _register(["ReduceMean"], LabelRule(reduce_labels("sum", mean=True)))
 _register(["ReduceMax"], LabelRule(reduce_labels("max")))
 _register(["Softmax", "LogSoftmax"], LabelRule(identity_labels(softmax_axes)))
 _register(["LayerNorm"], LabelRule(layer_norm_labels))
+_register(["RmsNorm"], LabelRule(rms_norm_labels))
 _register(["BiasAdd"], LabelRule(bias_add_labels))
 _register(["Transpose"], LabelRule(transpose_labels))
 _register(["ExpandDims"], LabelRule(expand_dims_labels))

@@ -109,3 +109,63 @@ def test_logical_ops_need_bool_operands(tmp_path: Any) -> None:
             def inputs():
                 return (np.ones((8, 2), np.int32),)
         """)
+
+
+# -- RmsNorm, as LlamaRMSNorm calls it ----------------------------------------------------------
+
+RMS_NORM_MODEL = """
+class LlamaRMSNorm(nn.Cell):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = Parameter(np.linspace(0.5, 1.5, dim, dtype=np.float32), "weight")
+        self.norm = ops.RmsNorm(eps)
+        self.cast = ops.Cast()
+        self.rcast = ops.Cast()
+
+    def construct(self, x):
+        original_type = x.dtype
+        output = self.norm(self.cast(x, np.float32), self.weight)[0]
+        return self.rcast(output, original_type)
+
+    def shard(self, strategy_in):
+        self.norm.shard((strategy_in, (1,)))
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        r = np.random.default_rng(3)
+        self.w = Parameter(r.standard_normal((16, 16)).astype(np.float32), "w")
+        self.matmul = ops.MatMul().shard(((2, 1), (1, 4)))
+        self.norm = LlamaRMSNorm(16)
+        self.norm.shard((2, 1, 1))
+        self.reshape = ops.Reshape()
+
+    def construct(self, x):
+        h = self.reshape(self.matmul(x, self.w), (4, 2, 16))
+        return self.reshape(self.norm(h), (8, 16))
+
+def model():
+    return Net()
+
+def inputs():
+    return (np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32),)
+
+def labels():
+    return (np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32),)
+
+def loss():
+    return nn.MSELoss()
+
+def optimizer(params):
+    return nn.SGD(params, learning_rate=0.1)
+"""
+
+
+def test_rms_norm_as_llama_calls_it_trains_like_one_device(tmp_path: Any) -> None:
+    program = compile_source(tmp_path, RMS_NORM_MODEL)
+    assert "RmsNorm" in node_ops(program) and "RmsNormGrad" in node_ops(program)
+    norm = next(n for n in program.rank_graphs[0].nodes if n.op == "RmsNorm")
+    assert norm.parallel.in_strategy == ((2, 1, 1), (1,))
+    report = check(program, steps=2)
+    assert report.ok(1e-5), report.errors

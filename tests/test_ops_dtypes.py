@@ -104,6 +104,16 @@ def _layer_norm_grad(d: DType, rng: np.random.Generator
     return [values(d, (3, 8), rng), values(d, (3, 8), rng), values(d, (8,), rng)], attrs
 
 
+def _rms_norm(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    return [values(d, (3, 8), rng), values(d, (8,), rng)], {"epsilon": 1e-5}
+
+
+def _rms_norm_grad(d: DType, rng: np.random.Generator
+                   ) -> tuple[list[np.ndarray], dict[str, Any]]:
+    rstd = values(F32, (3, 1), rng, positive=True)
+    return [values(d, (3, 8), rng), values(d, (3, 8), rng), rstd, values(d, (8,), rng)], {}
+
+
 def _sce(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
     labels = np.eye(5)[[0, 3, 1]].astype(d.np)
     return [values(d, (3, 5), rng), labels], {}
@@ -205,6 +215,8 @@ CASES: dict[str, Case] = {
     "LogSoftmaxGrad": Case(same_pair(axis=-1), FLOATS, terms=4),
     "LayerNorm": Case(_layer_norm, FLOATS, terms=8),
     "LayerNormGrad": Case(_layer_norm_grad, FLOATS, terms=8),
+    "RmsNorm": Case(_rms_norm, FLOATS, terms=8),
+    "RmsNormGrad": Case(_rms_norm_grad, FLOATS, terms=8),
     "SoftmaxCrossEntropyWithLogits": Case(_sce, FLOATS, terms=5),
     "SoftmaxCrossEntropyWithLogitsGrad": Case(_sce_grad, FLOATS, terms=5),
     "SparseSoftmaxCrossEntropyWithLogits": Case(_sparse_sce, FLOATS, terms=15),

@@ -1,6 +1,7 @@
 """Sharding rules of the primitives a mindformers-style Llama needs, against the single-device
 oracle: hypothesis draws a device count and a strategy the rule allows, runs the op sharded on
-every simulated rank (forward and input gradients) and compares with the unsharded op."""
+every simulated rank and compares every output (gathered from the ranks by its layout) and the
+gradient of every floating-point input with the unsharded op."""
 
 from __future__ import annotations
 
@@ -11,7 +12,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_parallel import draw_strategy, rnd, run_sharded
+from pcompile.backends.numpy import run_graph
+from pcompile.backends.numpy.simulate import run_ranks
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Constant, Graph, GraphParam, Value
+from pcompile.ir.errors import OpError
+from pcompile.ir.types import DType, TensorType, TupleType
+from pcompile.passes.autodiff import append_gradients
+from pcompile.passes.step_parallel import SplitOptions, build_rank_graphs
+from pcompile.passes.step_parallel_begin import assign
+from tests.test_parallel import draw_strategy, rnd
 
 DEVICES = st.sampled_from([1, 2, 4, 8, 16])
 RULE_EXAMPLES = settings(max_examples=12, deadline=None,
@@ -26,6 +36,83 @@ def bools(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).random(shape) < 0.5
 
 
+def case_graph(op: str, arrays: list[np.ndarray], attrs: dict[str, Any], strategy: Any
+               ) -> tuple[Graph, list[GraphParam]]:
+    """op(*arrays) with every output returned, and a scalar loss: the sum of every float
+    output times a fixed random cotangent."""
+    graph = Graph("case")
+    params = []
+    for i, arr in enumerate(arrays):
+        dtype = DType.from_any(arr.dtype)
+        params.append(graph.add_param(GraphParam(TensorType(dtype, arr.shape), f"x{i}",
+                                                 "weight", dtype.is_float)))
+    b = Builder(graph)
+    user = {"in_strategy": strategy} if strategy is not None else None
+    out = b.emit(op, list(params), attrs, user_attrs=user, instance_name="op")
+    outs: list[Value] = ([b("TupleGetItem", out, index=i)
+                          for i in range(len(out.type.elements))]
+                         if isinstance(out.type, TupleType) else [out])
+    rng = np.random.default_rng(1)
+    terms = []
+    for v in outs:
+        if not v.dtype.is_float and v.dtype is not DType.bool_:
+            continue
+        val = v if v.dtype is DType.float32 else b("Cast", v, dst_type=DType.float32)
+        cot = Constant(rng.standard_normal(v.shape).astype(np.float32), DType.float32)
+        terms.append(b("ReduceSum", b("Mul", val, cot), axis=(), keep_dims=False))
+    loss = terms[0]
+    for t in terms[1:]:
+        loss = b("Add", loss, t)
+    graph.outputs = [loss, *outs]
+    return graph, params
+
+
+def assemble(parts: list[np.ndarray], layout: Any, like: np.ndarray) -> np.ndarray:
+    full = np.zeros(layout.shape, like.dtype)
+    for rank, part in enumerate(parts):
+        full[tuple(slice(lo, hi) for lo, hi in layout.slice_bounds(rank))] = part
+    return full
+
+
+def close(got: np.ndarray, want: np.ndarray, what: str, rtol: float = 1e-5) -> None:
+    if want.dtype == bool or want.dtype.kind in "iu":
+        np.testing.assert_array_equal(got, want, err_msg=what)
+        return
+    scale = max(float(np.max(np.abs(want))) if want.size else 0.0, 1e-6)
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol,
+                               atol=rtol * scale, err_msg=what)
+
+
+def run_sharded(op: str, arrays: list[np.ndarray], attrs: dict[str, Any], strategy: Any,
+                devices: int, rtol: float = 1e-5) -> None:
+    """Every output and every input gradient of `op` under `strategy` equal the unsharded
+    op's (float32: the same arithmetic on slices, up to reduction order)."""
+    ref, ref_params = case_graph(op, arrays, attrs, strategy)
+    wrt = [p for p in ref_params if p.requires_grad]
+    ref.outputs = ref.outputs + append_gradients(ref, ref.outputs[0], wrt)
+    want = run_graph(ref, arrays)
+
+    graph, params = case_graph(op, arrays, attrs, strategy)
+    assignment = assign(graph, devices, "full_batch")
+    ranks, out_layouts = build_rank_graphs(graph, assignment, SplitOptions(devices, True), {})
+    for g in ranks:
+        ws = [p for p in g.weights if p.requires_grad]
+        g.outputs = g.outputs + append_gradients(g, g.outputs[0], ws)
+    feeds = [[arr[tuple(slice(lo, hi) for lo, hi in
+                        assignment.param_layouts[p.name].slice_bounds(r))] if arr.shape else arr
+              for p, arr in zip(graph.params, arrays)] for r in range(devices)]
+    outs = run_ranks(ranks, feeds)
+    close(outs[0][0], want[0], "loss", rtol)
+    n_out = len(graph.outputs)
+    for i in range(1, n_out):
+        got = assemble([o[i] for o in outs], out_layouts[i], want[i])
+        close(got, want[i], f"output {i - 1}", rtol)
+    for k, p in enumerate(wrt):
+        lay = assignment.param_layouts[p.name]
+        got = assemble([o[n_out + k] for o in outs], lay, want[n_out + k])
+        close(got, want[n_out + k], f"gradient of input {ref_params.index(p)}", rtol)
+
+
 CASES: dict[str, Any] = {
     "NotEqual": lambda: ([ints((4, 8)), ints((8,), 2)], {}),
     "Equal": lambda: ([ints((4, 8)), ints((4, 8), 2)], {}),
@@ -36,13 +123,30 @@ CASES: dict[str, Any] = {
     "LogicalNot": lambda: ([bools((4, 8))], {}),
     "Select": lambda: ([bools((4, 8)), rnd((4, 8)), rnd((8,), 2)], {}),
     "SiLU": lambda: ([rnd((8, 4))], {}),
+    "RmsNorm": lambda: ([rnd((4, 4, 8)), rnd((8,), 3)], {"epsilon": 1e-5}),
+    "RmsNorm2": lambda: ([rnd((8, 2, 4)), rnd((2, 4), 3)], {}),
 }
 
 
-@pytest.mark.parametrize("op", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(CASES))
 @RULE_EXAMPLES
 @given(data=st.data(), devices=DEVICES)
-def test_rule_matches_the_oracle(op: str, data: Any, devices: int) -> None:
-    arrays, attrs = CASES[op]()
+def test_rule_matches_the_oracle(case: str, data: Any, devices: int) -> None:
+    op = case.rstrip("0123456789")
+    arrays, attrs = CASES[case]()
     strategy = draw_strategy(data.draw, op, arrays, attrs, devices)
     run_sharded(op, arrays, attrs, strategy, devices)
+
+
+@pytest.mark.parametrize("op,arrays,attrs,strategy,message", [
+    ("RmsNorm", [rnd((4, 8)), rnd((8,))], {}, ((1, 2), (2,)), "normalised dim"),
+    ("RmsNorm", [rnd((4, 8)), rnd((8,))], {}, ((2, 1), (1, 1)), "has 2 values but"),
+    ("LogicalAnd", [bools((4, 8)), bools((1, 8))], {}, ((2, 1), (2, 1)),
+     "cannot be divisible by strategy value 2"),
+])
+def test_invalid_strategies_name_the_problem(op: str, arrays: list[np.ndarray],
+                                             attrs: dict[str, Any], strategy: Any,
+                                             message: str) -> None:
+    graph, _ = case_graph(op, arrays, attrs, strategy)
+    with pytest.raises(OpError, match=message):
+        assign(graph, 8, "full_batch")
