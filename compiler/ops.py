@@ -197,6 +197,16 @@ class BroadcastTo(Primitive):
         super().__init__(shape=tuple(int(d) for d in shape))
 
 
+class Tile(_Simple):
+    """`Tile()(x, multiples)`: x repeated multiples[i] times along dim i. In a strategy, a dim
+    whose multiple is > 1 splits its copies (MindSpore's rule); other dims split x."""
+
+    op = "Tile"
+
+    def __call__(self, x: Any, multiples: Any) -> Any:
+        return self._apply([x], multiples=tuple(int(m) for m in multiples))
+
+
 class Concat(Primitive):
     op = "Concat"
 
@@ -650,6 +660,10 @@ def expand_dims(x: Any, axis: int) -> Any:
 
 def squeeze(x: Any, axis: Any = ()) -> Any:
     return Squeeze(axis)(x)
+
+
+def tile(x: Any, multiples: Any) -> Any:
+    return Tile()(x, multiples)
 
 
 def concat(tensors: Any, axis: int = 0) -> Any:

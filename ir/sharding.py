@@ -275,6 +275,7 @@ def _role(ctx: OpContext, name: str, labels: Labels) -> str:
         "MaxPool": "a spatial dim",
         "AvgPool": "a spatial dim",
         "OneHot": "the depth axis",
+        "Tile": "a tiled dim (multiple > 1): the strategy splits its copies instead",
     }.get(ctx.op, "not splittable for this op")
 
 
@@ -586,6 +587,72 @@ class GatherRule(LabelRule):
                 tuple(count if i == 0 else 1 for i in range(idx.rank)))
 
 
+def tile_labels(ctx: OpContext) -> Labels:
+    """A dim with multiple 1 is shared by input and output; a dim with multiple > 1 is never
+    split in the input (every rank holds the whole input dim), and its output label appears
+    in no input, so only an explicit strategy (TileRule.apply) splits its copies."""
+    x = ctx.in_types[0]
+    out = ctx.out_types[0]
+    olab = _ALPHA[: out.rank]
+    reps = _tile_reps(ctx)
+    lead = out.rank - x.rank
+    fresh = _fresh(x.rank, set(olab))
+    lab = "".join(fresh[j] if reps[lead + j] > 1 else olab[lead + j] for j in range(x.rank))
+    return Labels([lab], [olab], {c for c in lab if c not in olab})
+
+
+def _tile_reps(ctx: OpContext) -> tuple[int, ...]:
+    reps = tuple(ctx.attrs.get("multiples") or ())
+    return (1,) * (ctx.out_types[0].rank - len(reps)) + reps
+
+
+class TileRule(LabelRule):
+    """Tile (MindSpore's tile_info): the strategy has one value per dim; a dim whose multiple
+    is > 1 splits the multiple (each rank tiles its share of the copies of the whole input
+    dim: local multiple = multiple / split), a dim whose multiple is 1 splits the input dim."""
+
+    def __init__(self) -> None:
+        super().__init__(tile_labels)
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        x, out = ctx.in_types[0], ctx.out_types[0]
+        reps = _tile_reps(ctx)
+        if x.rank != out.rank:
+            raise StrategyError(
+                f"a sharded Tile needs len(multiples) == x.ndim; x has rank {x.rank}, the "
+                f"multiples {ctx.attrs.get('multiples')} give rank {out.rank}",
+                "reshape x to the output rank first",
+            )
+        if len(strategy) != 1:
+            raise StrategyError(
+                f"the strategy has {len(strategy)} entries but Tile has 1 tensor input",
+                "give one tuple with a split per dim",
+            )
+        for j, (m, count) in enumerate(zip(reps, strategy[0])):
+            if m > 1 and m % count:
+                raise StrategyError(
+                    f"dim {j} is tiled {m} times, and the strategy of a tiled dim splits its "
+                    f"multiple: {m} cannot be divisible by strategy value {count}",
+                    f"choose a split that divides the multiple {m}",
+                )
+        # The strategy splits a virtual tensor: the multiple of a tiled dim, else the dim.
+        extent = tuple(m if m > 1 else d for m, d in zip(reps, x.shape))
+        virtual = OpContext(ctx.op, [TensorType(x.dtype, extent)], TensorType(x.dtype, extent),
+                            ctx.attrs, ctx.devices)
+        lab = _ALPHA[: x.rank]
+        base = label_sharding(virtual, Labels([lab], [lab]), strategy, out_strategy)
+        tmap = base.in_layouts[0].tensor_map
+        in_map = tuple(-1 if m > 1 else e for m, e in zip(reps, tmap))
+        split = strategy[0]
+        return OpSharding(
+            base.strategy, base.dev_matrix,
+            [TensorLayout(base.dev_matrix, in_map, x.shape)],
+            [TensorLayout(base.dev_matrix, tmap, out.shape)],
+            local_attrs={"multiples": tuple(m // c if m > 1 else 1 for m, c in zip(reps, split))},
+        )
+
+
 RULES: dict[str, LabelRule] = {}
 
 
@@ -624,6 +691,7 @@ _register(["SparseSoftmaxCrossEntropyWithLogits"], LabelRule(sparse_softmax_ce_l
 _register(["Conv2D"], LabelRule(conv2d_labels))
 _register(["MaxPool", "AvgPool"], LabelRule(pool_labels))
 RULES["Gather"] = GatherRule()
+RULES["Tile"] = TileRule()
 
 # Ops without a strategy of their own: Reshape is planned as a redistribution between the
 # layouts around it; tuple plumbing passes layouts through.

@@ -169,3 +169,59 @@ def test_rms_norm_as_llama_calls_it_trains_like_one_device(tmp_path: Any) -> Non
     assert norm.parallel.in_strategy == ((2, 1, 1), (1,))
     report = check(program, steps=2)
     assert report.ok(1e-5), report.errors
+
+
+# -- Tile, as LLamaAttention._repeat_kv calls it -------------------------------------------------
+
+REPEAT_KV_MODEL = """
+DP, MP, N_KV, REP, HD, SEQ, HIDDEN = 2, 4, 4, 2, 4, 6, 16
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        r = np.random.default_rng(5)
+        self.wk = Parameter(r.standard_normal((HIDDEN, N_KV * HD)).astype(np.float32), "wk")
+        self.matmul = ops.MatMul().shard(((DP, 1), (1, MP)))
+        self.shape = ops.Shape()
+        self.reshape = ops.Reshape()
+        self.transpose = ops.Transpose().shard(((DP, 1, MP, 1),))
+        self.tile_kv = ops.Tile().shard(((DP, MP, 1, 1),))
+
+    def _repeat_kv(self, x, rep):
+        bs, n_kv_head, seqlen, head_dim = self.shape(x)
+        x = self.reshape(x, (bs, n_kv_head, 1, seqlen * head_dim))
+        x = self.tile_kv(x, (1, 1, rep, 1))
+        return self.reshape(x, (bs, n_kv_head * rep, seqlen, head_dim))
+
+    def construct(self, x):
+        bs, seq, _ = self.shape(x)
+        k = self.reshape(self.matmul(self.reshape(x, (bs * seq, HIDDEN)), self.wk),
+                         (bs, seq, N_KV, HD))
+        k = self.transpose(k, (0, 2, 1, 3))
+        return self._repeat_kv(k, REP)
+
+def model():
+    return Net()
+
+def inputs():
+    return (np.random.default_rng(0).standard_normal((4, SEQ, HIDDEN)).astype(np.float32),)
+
+def labels():
+    return (np.random.default_rng(1).standard_normal((4, N_KV * REP, SEQ, HD))
+            .astype(np.float32),)
+
+def loss():
+    return nn.MSELoss()
+
+def optimizer(params):
+    return nn.SGD(params, learning_rate=0.1)
+"""
+
+
+def test_tile_as_repeat_kv_calls_it_trains_like_one_device(tmp_path: Any) -> None:
+    program = compile_source(tmp_path, REPEAT_KV_MODEL)
+    tile = next(n for n in program.rank_graphs[0].nodes if n.op == "Tile")
+    assert tile.parallel.in_strategy == ((2, 4, 1, 1),)
+    report = check(program, steps=2)
+    assert report.ok(1e-5), report.errors

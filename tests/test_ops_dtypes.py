@@ -231,6 +231,7 @@ CASES: dict[str, Case] = {
     "ReduceMean": Case(unary(axis=(1,), keep_dims=True), FLOATS, terms=4),
     "ReduceMax": Case(unary(axis=(0,), keep_dims=False), ALL),
     "BroadcastTo": Case(unary((3, 1), shape=(2, 3, 4)), ALL),
+    "Tile": Case(unary((3, 1), multiples=(2, 1, 3)), ALL),
     "ZerosLike": Case(unary(), ALL),
     "OnesLike": Case(unary(), ALL),
     "Reshape": Case(unary(shape=(2, 6)), ALL),

@@ -150,3 +150,51 @@ def test_invalid_strategies_name_the_problem(op: str, arrays: list[np.ndarray],
     graph, _ = case_graph(op, arrays, attrs, strategy)
     with pytest.raises(OpError, match=message):
         assign(graph, 8, "full_batch")
+
+
+# -- Tile: strategies that split the copies of tiled dims ---------------------------------------
+
+
+def draw_tile_strategy(draw: Any, shape: tuple[int, ...], reps: tuple[int, ...],
+                       devices: int) -> tuple[tuple[int, ...]]:
+    """A split per dim dividing its multiple (tiled dims) or its size, within `devices`."""
+    from pcompile.ir.sharding import is_power_of_two
+
+    remaining, split = devices, []
+    for m, d in zip(reps, shape):
+        extent = m if m > 1 else d
+        options = [c for c in range(1, remaining + 1) if remaining % c == 0 and extent % c == 0
+                   and (not is_power_of_two(devices) or is_power_of_two(c))]
+        c = draw(st.sampled_from(options))
+        split.append(c)
+        remaining //= c
+    return (tuple(split),)
+
+
+@RULE_EXAMPLES
+@given(data=st.data(), devices=st.sampled_from([1, 2, 4, 8, 6]),
+       case=st.sampled_from([((2, 2, 1, 6), (1, 1, 4, 1)), ((4, 3), (2, 2)), ((2, 4), (3, 1)),
+                             ((4, 1, 2), (1, 6, 2))]))
+def test_tile_rule_matches_the_oracle(data: Any, devices: int, case: Any) -> None:
+    shape, reps = case
+    strategy = draw_tile_strategy(data.draw, shape, reps, devices)
+    run_sharded("Tile", [rnd(shape)], {"multiples": reps}, strategy, devices)
+
+
+def test_tile_strategy_of_a_tiled_dim_splits_its_multiple() -> None:
+    """mindformers' tile_kv.shard(((dp, mp, 1, 1),)) with multiples (1, 1, rep, 1); and a split
+    of the rep copies (the input stays whole in that dim, the local multiple shrinks)."""
+    from pcompile.ir.sharding import OpContext, rule_for
+    from pcompile.ir.types import TensorType
+
+    x = TensorType(DType.float32, (2, 4, 1, 12))
+    out = TensorType(DType.float32, (2, 4, 4, 12))
+    ctx = OpContext("Tile", [x], out, {"multiples": (1, 1, 4, 1)}, 8)
+    sharding = rule_for("Tile").apply(ctx, ((2, 2, 2, 1),))
+    assert sharding.in_layouts[0].slice_shape == (1, 2, 1, 12)
+    assert sharding.out_layouts[0].slice_shape == (1, 2, 2, 12)
+    assert sharding.local_attrs == {"multiples": (1, 1, 2, 1)}
+    run_sharded("Tile", [rnd((2, 4, 1, 12))], {"multiples": (1, 1, 4, 1)}, ((2, 2, 2, 1),), 8)
+    with pytest.raises(OpError, match="tiled 4 times.*cannot be divisible by strategy value 8"):
+        run_sharded("Tile", [rnd((2, 4, 1, 12))], {"multiples": (1, 1, 4, 1)},
+                    ((1, 1, 8, 1),), 8)
