@@ -260,10 +260,22 @@ class Gather(_Simple):
 
 
 class OneHot(Primitive):
+    """`OneHot(axis)(indices, depth, on_value, off_value)`. Its strategy is MindSpore's
+    `((dp, mp), (), ())` (the split of the [N, depth] output, depth included, then () for the
+    on and off values) or one tuple for the indices."""
+
     op = "OneHot"
 
     def __init__(self, axis: int = -1) -> None:
         super().__init__(axis=int(axis))
+
+    def _check_strategy(self, op: str, values: list[Any], scope: str, source: Any) -> None:
+        strategy = self.in_strategy or ()
+        rank = len(getattr(values[0].type, "shape", ())) if values else 0
+        if (len(strategy) == 3 and strategy[1] == () and strategy[2] == ()
+                and isinstance(strategy[0], tuple) and len(strategy[0]) == rank + 1):
+            return
+        super()._check_strategy(op, values, scope, source)
 
     def __call__(self, indices: Any, depth: int, on_value: Any = 1.0, off_value: Any = 0.0) -> Any:
         dtype = DType.float32

@@ -587,6 +587,52 @@ class GatherRule(LabelRule):
                 tuple(count if i == 0 else 1 for i in range(idx.rank)))
 
 
+class OneHotRule(LabelRule):
+    """OneHot takes its strategy in two forms: one tuple for the indices (the depth axis is
+    whole on every rank), or MindSpore's `((dp, mp), (), ())`, which splits the output
+    `indices.shape + (depth,)` (depth at `axis`), depth included, followed by empty strategies
+    for the on/off values. A rank holding depth slice [start, start + depth / k) looks up
+    `indices - start` with the local depth (indices outside fall off the table: all off_value);
+    `start` differs by rank ("offset_one_hot")."""
+
+    def __init__(self) -> None:
+        super().__init__(one_hot_labels)
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        idx = ctx.in_types[0]
+        if not (len(strategy) == 3 and strategy[1] == () and strategy[2] == ()):
+            return label_sharding(ctx, self.labels(ctx), strategy, out_strategy)
+        out_split = tuple(strategy[0])
+        out = ctx.out_types[0]
+        if len(out_split) != out.rank:
+            raise StrategyError(
+                f"the first strategy of OneHot's MindSpore form splits the output "
+                f"{out.shape}, so it has {out.rank} values; got {out_split}"
+            )
+        axis = int(ctx.attrs.get("axis", -1)) % out.rank
+        depth = out.shape[axis]
+        if depth % out_split[axis]:
+            raise StrategyError(
+                f"the depth {depth} (dim {axis} of the output {out.shape}) cannot be divisible "
+                f"by strategy value {out_split[axis]}",
+                f"choose a split of the depth that divides {depth}",
+            )
+        lab = _ALPHA[: idx.rank]
+        fresh = _fresh(1, set(lab))[0]
+        virtual = OpContext(ctx.op, [idx, TensorType(idx.dtype, (depth,))], out, ctx.attrs,
+                            ctx.devices)
+        labels = Labels([lab, fresh], [lab[:axis] + fresh + lab[axis:]])
+        idx_split = out_split[:axis] + out_split[axis + 1:]
+        result = label_sharding(virtual, labels, (idx_split, (out_split[axis],)), out_strategy)
+        result.in_layouts = result.in_layouts[:1]
+        result.strategy = tuple(strategy)
+        if out_split[axis] > 1:
+            result.local_attrs["depth"] = depth // out_split[axis]
+            result.expand = "offset_one_hot"
+        return result
+
+
 def tile_labels(ctx: OpContext) -> Labels:
     """A dim with multiple 1 is shared by input and output; a dim with multiple > 1 is never
     split in the input (every rank holds the whole input dim), and its output label appears
@@ -685,7 +731,7 @@ _register(["Concat"], LabelRule(concat_labels))
 _register(["Split"], LabelRule(split_labels))
 _register(["StridedSlice"], LabelRule(strided_slice_labels))
 _register(["BroadcastTo"], LabelRule(broadcast_to_labels))
-_register(["OneHot"], LabelRule(one_hot_labels))
+RULES["OneHot"] = OneHotRule()
 _register(["SoftmaxCrossEntropyWithLogits"], LabelRule(softmax_ce_labels))
 _register(["SparseSoftmaxCrossEntropyWithLogits"], LabelRule(sparse_softmax_ce_labels))
 _register(["Conv2D"], LabelRule(conv2d_labels))

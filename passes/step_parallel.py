@@ -287,6 +287,8 @@ class RankBuilder:
         user = {k: v for k, v in node.attrs.items() if k not in opdef.attrs}
         info = ParallelInfo(in_strategy=sharding.strategy,
                             out_strategy=node.parallel.out_strategy if node.parallel else None)
+        if sharding.expand == "offset_one_hot":
+            operands = [self.one_hot_local_indices(node, b, operands[0], sharding)]
         if sharding.expand == "masked_gather":
             out = self.masked_gather(node, b, operands, sharding)
         else:
@@ -361,6 +363,17 @@ class RankBuilder:
                           parallel=ParallelInfo(in_strategy=sharding.strategy))
         mask = b.emit("ExpandDims", [mask], {"axis": -1})
         return b.emit("Mul", [gathered, mask])
+
+    def one_hot_local_indices(self, node: Node, b: Builder, idx: Value,
+                              sharding: OpSharding) -> Value:
+        """OneHot with a split depth axis: this rank holds classes [start, start + depth) of
+        the output, so it looks up `indices - start` (outside [0, depth): all off_value)."""
+        axis = int(node.attrs["axis"]) % len(sharding.out_layouts[0].shape)
+        start = sharding.out_layouts[0].slice_bounds(self.rank)[axis][0]
+        return b.emit("Sub", [idx, Constant(np.asarray(start), idx.dtype)],
+                      parallel=ParallelInfo(extra={
+                          "reason": f"OneHot '{node.instance_name}' holds classes from {start} "
+                                    "on this rank (its depth axis is split)"}))
 
     def lower_reshape(self, node: Node) -> None:
         (value,) = node.operands

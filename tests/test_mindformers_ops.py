@@ -225,3 +225,56 @@ def test_tile_as_repeat_kv_calls_it_trains_like_one_device(tmp_path: Any) -> Non
     assert tile.parallel.in_strategy == ((2, 4, 1, 1),)
     report = check(program, steps=2)
     assert report.ok(1e-5), report.errors
+
+
+# -- OneHot with MindSpore's ((dp, mp), (), ()) strategy -----------------------------------------
+
+ONE_HOT_MODEL = """
+DP, MP, V = 2, 4, 16
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        r = np.random.default_rng(7)
+        self.w = Parameter(r.standard_normal((8, V)).astype(np.float32), "w")
+        self.matmul = ops.MatMul().shard(((DP, 1), (1, MP)))
+        self.onehot = ops.OneHot().shard(((DP, MP), (), ()))
+        self.on_value = Tensor(1.0, np.float32)
+        self.off_value = Tensor(0.0, np.float32)
+        self.mul = ops.Mul().shard(((DP, MP), (DP, MP)))
+
+    def construct(self, x, ids):
+        logits = self.matmul(x, self.w)
+        hot = self.onehot(ids, V, self.on_value, self.off_value)
+        return self.mul(logits, hot)
+
+def model():
+    return Net()
+
+def inputs():
+    r = np.random.default_rng(0)
+    return (r.standard_normal((8, 8)).astype(np.float32),
+            r.integers(0, V, (8,)).astype(np.int32))
+
+def labels():
+    return (np.random.default_rng(1).standard_normal((8, V)).astype(np.float32),)
+
+def loss():
+    return nn.MSELoss()
+
+def optimizer(params):
+    return nn.SGD(params, learning_rate=0.1)
+"""
+
+
+def test_one_hot_mindspore_strategy_splits_depth_and_trains_like_one_device(
+        tmp_path: Any) -> None:
+    program = compile_source(tmp_path, ONE_HOT_MODEL)
+    graph = program.rank_graphs[5]
+    hot = next(n for n in graph.nodes if n.op == "OneHot")
+    assert hot.parallel.in_strategy == ((2, 4), (), ()) and hot.attrs["depth"] == 4
+    shift = hot.operands[0].node
+    assert shift.op == "Sub" and int(shift.operands[1].array) == 4  # rank 5: classes 4..7
+    report = check(program, steps=2)
+    assert report.ok(1e-5), report.errors

@@ -198,3 +198,42 @@ def test_tile_strategy_of_a_tiled_dim_splits_its_multiple() -> None:
     with pytest.raises(OpError, match="tiled 4 times.*cannot be divisible by strategy value 8"):
         run_sharded("Tile", [rnd((2, 4, 1, 12))], {"multiples": (1, 1, 4, 1)},
                     ((1, 1, 8, 1),), 8)
+
+
+# -- OneHot: MindSpore's strategy form splits the [N, depth] output, depth included ---------------
+
+
+@RULE_EXAMPLES
+@given(data=st.data(), devices=st.sampled_from([1, 2, 4, 8, 16, 6]),
+       case=st.sampled_from([((8,), -1), ((8,), 0), ((4, 2), -1), ((4, 2), 1)]))
+def test_one_hot_mindspore_form_matches_the_oracle(data: Any, devices: int, case: Any) -> None:
+    from pcompile.ir.sharding import is_power_of_two
+
+    shape, axis = case
+    depth = 12
+    out_shape = list(shape)
+    out_shape.insert(axis % (len(shape) + 1), depth)
+    remaining, split = devices, []
+    for size in out_shape:
+        options = [c for c in range(1, remaining + 1) if remaining % c == 0 and size % c == 0
+                   and (not is_power_of_two(devices) or is_power_of_two(c))]
+        split.append(data.draw(st.sampled_from(options)))
+        remaining //= split[-1]
+    # Indices in range, out of range (all off) and negative (all off).
+    idx = np.random.default_rng(4).integers(-2, depth + 2, shape).astype(np.int32)
+    attrs = {"depth": depth, "axis": axis, "on_value": 2.0, "off_value": -1.0}
+    run_sharded("OneHot", [idx], attrs, (tuple(split), (), ()), devices)
+
+
+def test_one_hot_forms_agree_and_name_problems() -> None:
+    idx = np.array([1, 0, 3, 11, 7, 5, 2, 9], np.int32)
+    attrs = {"depth": 12}
+    run_sharded("OneHot", [idx], attrs, ((2,),), 8)  # pcompile's form: indices only
+    run_sharded("OneHot", [idx], attrs, ((2, 4), (), ()), 8)
+    graph, _ = case_graph("OneHot", [idx], attrs, ((2, 4, 1), (), ()))
+    with pytest.raises(OpError, match=r"splits the output \(8, 12\), so it has 2 values"):
+        assign(graph, 8, "full_batch")
+    graph, _ = case_graph("OneHot", [idx], attrs, ((1, 8), (), ()))
+    with pytest.raises(OpError, match=r"the depth 12 \(dim 1 of the output \(8, 12\)\) "
+                                      "cannot be divisible by strategy value 8"):
+        assign(graph, 8, "full_batch")
