@@ -328,6 +328,42 @@ class RmsNorm(Primitive):
         super().__init__(epsilon=float(epsilon))
 
 
+class FlashAttentionScore(Primitive):
+    """MindSpore's `FlashAttentionScore(head_num, keep_prob, scale_value, pre_tokens,
+    next_tokens, inner_precise, input_layout, sparse_mode)`, called with (query, key, value,
+    real_shift, drop_mask, padding_mask, attn_mask, prefix, actual_seq_qlen, actual_seq_kvlen)
+    and returning (softmax_max, softmax_sum, softmax_out, attention_out). Of the optional
+    inputs only attn_mask is supported; its strategy lists the passed inputs only, as in
+    MindSpore."""
+
+    op = "FlashAttentionScore"
+
+    def __init__(self, head_num: int, keep_prob: float = 1.0, scale_value: float = 1.0,
+                 pre_tokens: int = 2147483647, next_tokens: int = 2147483647,
+                 inner_precise: int = 0, input_layout: str = "BSH", sparse_mode: int = 0
+                 ) -> None:
+        super().__init__(head_num=int(head_num), keep_prob=float(keep_prob),
+                         scale_value=float(scale_value), pre_tokens=int(pre_tokens),
+                         next_tokens=int(next_tokens), inner_precise=int(inner_precise),
+                         input_layout=str(input_layout), sparse_mode=int(sparse_mode))
+
+    def __call__(self, query: Any, key: Any, value: Any, real_shift: Any = None,
+                 drop_mask: Any = None, padding_mask: Any = None, attn_mask: Any = None,
+                 prefix: Any = None, actual_seq_qlen: Any = None,
+                 actual_seq_kvlen: Any = None) -> Any:
+        given = {"real_shift": real_shift, "drop_mask": drop_mask,
+                 "padding_mask": padding_mask, "prefix": prefix,
+                 "actual_seq_qlen": actual_seq_qlen, "actual_seq_kvlen": actual_seq_kvlen}
+        unsupported = [name for name, value in given.items() if value is not None]
+        if unsupported:
+            raise ValueError(
+                f"FlashAttentionScore: the optional input(s) {', '.join(unsupported)} are not "
+                "supported; pass None (attn_mask is the one optional input pcompile takes)"
+            )
+        operands = [query, key, value] + ([] if attn_mask is None else [attn_mask])
+        return self._apply(operands)
+
+
 class SoftmaxCrossEntropyWithLogits(_Simple):
     """Returns (per-sample loss, gradient w.r.t. logits) like MindSpore; the second output is
     computed only when used."""
@@ -704,6 +740,22 @@ def strided_slice(x: Any, begin: Any, end: Any, strides: Any) -> Any:
 
 def layer_norm(x: Any, gamma: Any, beta: Any, begin_norm_axis: int = -1, epsilon: float = 1e-5):
     return LayerNorm(begin_norm_axis, begin_norm_axis, epsilon)(x, gamma, beta)[0]
+
+
+def flash_attention_score(query: Any, key: Any, value: Any, head_num: int,
+                          real_shift: Any = None, drop_mask: Any = None,
+                          padding_mask: Any = None, attn_mask: Any = None, prefix: Any = None,
+                          actual_seq_qlen: Any = None, actual_seq_kvlen: Any = None,
+                          keep_prob: float = 1.0, scalar_value: float = 1.0,
+                          pre_tokens: int = 2147483647, next_tokens: int = 2147483647,
+                          inner_precise: int = 0, input_layout: str = "BSH",
+                          sparse_mode: int = 0) -> Any:
+    """MindSpore's functional form (its scale argument is spelled `scalar_value`): returns
+    attention_out only."""
+    prim = FlashAttentionScore(head_num, keep_prob, scalar_value, pre_tokens, next_tokens,
+                               inner_precise, input_layout, sparse_mode)
+    return prim(query, key, value, real_shift, drop_mask, padding_mask, attn_mask, prefix,
+                actual_seq_qlen, actual_seq_kvlen)[3]
 
 
 def rms_norm(x: Any, gamma: Any, epsilon: float = 1e-6) -> Any:

@@ -260,7 +260,17 @@ def _reduce_scatter_layout(
     return TensorLayout(tuple(dev), tuple(tmap), out_type.shape)
 
 
+_ATTENTION_ROLES = {
+    "t": "the kv sequence",
+    "d": "the head size",
+    "m": "the kv heads of multi-query attention (one kv head)",
+    "s": "the query sequence",
+}
+
+
 def _role(ctx: OpContext, name: str, labels: Labels) -> str:
+    if ctx.op == "FlashAttentionScore":
+        return _ATTENTION_ROLES.get(name, "a dim of a compressed or broadcast attn_mask")
     return {
         "Softmax": "the softmax axis",
         "LogSoftmax": "the softmax axis",
@@ -633,6 +643,95 @@ class OneHotRule(LabelRule):
         return result
 
 
+def flash_attention_labels(ctx: OpContext) -> Labels:
+    """FlashAttentionScore (MindSpore's flash_attention_score_info): b batch, s query
+    sequence, t kv sequence (never split), n query heads (or hidden N1 * D), d head dim (never
+    split). The kv heads share n's label, so they split as the query heads do, except under
+    multi-query attention (one kv head), where they are never split. The mask's batch and
+    head dims follow b and n where it has them; a compressed mask is never split. The query
+    sequence is not split by this rule."""
+    from pcompile.ir.ops.attention import attention_dims
+
+    q, k = ctx.in_types[0], ctx.in_types[1]
+    layout = str(ctx.attrs.get("input_layout", "BSH"))
+    dims = attention_dims(q.shape, k.shape, int(ctx.attrs["head_num"]), layout)
+    kv = "n" if dims.kv_heads > 1 else "m"
+    q_lab, k_lab = {"BSH": ("bsn", f"bt{kv}"), "SBH": ("sbn", f"tb{kv}"),
+                    "BNSD": ("bnsd", f"b{kv}td"), "BSND": ("bsnd", f"bt{kv}d")}[layout]
+    unsplit = {"t", "d", "m", "s"}
+    ins = [q_lab, k_lab, k_lab]
+    if len(ctx.in_types) == 4:
+        mask = ctx.in_types[3]
+        used = set("bsntdm")
+        if int(ctx.attrs.get("sparse_mode", 0)) in (2, 3, 4):
+            m_lab = "".join(_fresh(mask.rank, used))
+            unsplit |= set(m_lab)
+        elif mask.rank == 2:
+            m_lab = "st"
+        else:
+            m_lab = ""
+            for size, name in zip(mask.shape[:2], "bn"):
+                if size > 1:
+                    m_lab += name
+                else:
+                    fresh = _fresh(1, used)[0]
+                    unsplit.add(fresh)
+                    m_lab += fresh
+            m_lab += "st"
+        ins.append(m_lab)
+    e, f = _fresh(2, set("".join(ins)))
+    return Labels(ins, ["bns" + e, "bns" + e, f, q_lab], unsplit | {e, f})
+
+
+class FlashAttentionRule(LabelRule):
+    """Labels plus what they cannot say: a split of the hidden size (BSH, SBH) or of the
+    heads must keep whole heads on a rank, query and kv alike; the local op sees
+    head_num / split heads."""
+
+    def __init__(self) -> None:
+        super().__init__(flash_attention_labels)
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        from pcompile.ir.ops.attention import attention_dims
+
+        if len(strategy) != len(ctx.in_types):
+            raise StrategyError(
+                f"the strategy has {len(strategy)} entries but the op has {len(ctx.in_types)} "
+                "tensor inputs (query, key, value and attn_mask when it is passed)",
+                "give one tuple per passed input",
+            )
+        q, k = ctx.in_types[0], ctx.in_types[1]
+        layout = str(ctx.attrs.get("input_layout", "BSH"))
+        head_num = int(ctx.attrs["head_num"])
+        dims = attention_dims(q.shape, k.shape, head_num, layout)
+        axis = dims.head_axis
+        heads_split = strategy[0][axis] if len(strategy[0]) > axis else 1
+        kv_split = strategy[1][axis] if len(strategy[1]) > axis else 1
+        if head_num % heads_split:
+            raise StrategyError(
+                f"the query has {head_num} heads, which cannot be split {heads_split} ways "
+                "(head_num % split must be 0)",
+                "split the heads by a divisor of head_num",
+            )
+        if dims.kv_heads == 1 and kv_split > 1:
+            raise StrategyError(
+                "the key and value have one head (multi-query attention), so their head dim "
+                f"cannot be split, but the strategy splits it {kv_split} ways",
+                "use 1 for the kv head dim; the query heads may still be split",
+            )
+        if dims.kv_heads > 1 and dims.kv_heads % kv_split:
+            raise StrategyError(
+                f"the key and value have {dims.kv_heads} heads, which cannot be split "
+                f"{kv_split} ways; under grouped-query attention they split as the query "
+                "heads do",
+                "split the heads by a divisor of the kv head count",
+            )
+        result = label_sharding(ctx, self.labels(ctx), strategy, out_strategy)
+        result.local_attrs["head_num"] = head_num // heads_split
+        return result
+
+
 def tile_labels(ctx: OpContext) -> Labels:
     """A dim with multiple 1 is shared by input and output; a dim with multiple > 1 is never
     split in the input (every rank holds the whole input dim), and its output label appears
@@ -738,6 +837,7 @@ _register(["Conv2D"], LabelRule(conv2d_labels))
 _register(["MaxPool", "AvgPool"], LabelRule(pool_labels))
 RULES["Gather"] = GatherRule()
 RULES["Tile"] = TileRule()
+RULES["FlashAttentionScore"] = FlashAttentionRule()
 
 # Ops without a strategy of their own: Reshape is planned as a redistribution between the
 # layouts around it; tuple plumbing passes layouts through.

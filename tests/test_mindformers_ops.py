@@ -278,3 +278,119 @@ def test_one_hot_mindspore_strategy_splits_depth_and_trains_like_one_device(
     assert shift.op == "Sub" and int(shift.operands[1].array) == 4  # rank 5: classes 4..7
     report = check(program, steps=2)
     assert report.ok(1e-5), report.errors
+
+
+# -- FlashAttentionScore, as mindformers' FlashAttention cell calls it ---------------------------
+
+ATTENTION_MODEL = """
+import math
+
+DP, MP, B, S, N, N_KV, D = 2, 4, 4, 8, 8, 4, 4
+HIDDEN = N * D
+
+
+class FlashAttention(nn.Cell):
+    def __init__(self, head_num, pre_tokens, next_tokens, input_layout, sparse_mode,
+                 scale_value):
+        super().__init__()
+        self.flash_attention = ops.FlashAttentionScore(
+            head_num=head_num, keep_prob=1.0, scale_value=scale_value, pre_tokens=pre_tokens,
+            next_tokens=next_tokens, inner_precise=0, input_layout=input_layout,
+            sparse_mode=sparse_mode)
+
+    def construct(self, query, key, value, attn_mask=None, alibi_mask=None, prefix=None,
+                  padding_mask=None, actual_seq_qlen=None, actual_seq_kvlen=None):
+        _, _, _, output = self.flash_attention(query, key, value, alibi_mask, None,
+                                               padding_mask, attn_mask, prefix,
+                                               actual_seq_qlen, actual_seq_kvlen)
+        return output
+
+    def shard(self, dp, mp):
+        self.flash_attention.shard(((dp, mp, 1, 1), (dp, mp, 1, 1), (dp, mp, 1, 1),
+                                    (dp, 1, 1, 1)))
+        return self
+
+
+class Attention(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        r = np.random.default_rng(11)
+        w = lambda o, i: Parameter(  # noqa: E731
+            (r.standard_normal((o, i)) / math.sqrt(i)).astype(np.float32))
+        self.wq, self.wk, self.wv, self.wo = (w(HIDDEN, HIDDEN), w(N_KV * D, HIDDEN),
+                                              w(N_KV * D, HIDDEN), w(HIDDEN, HIDDEN))
+        self.mm_q = ops.MatMul(transpose_b=True).shard(((DP, 1), (MP, 1)))
+        self.mm_k = ops.MatMul(transpose_b=True).shard(((DP, 1), (MP, 1)))
+        self.mm_v = ops.MatMul(transpose_b=True).shard(((DP, 1), (MP, 1)))
+        self.mm_o = ops.MatMul(transpose_b=True).shard(((DP, MP), (1, MP)))
+        self.shape = ops.Shape()
+        self.reshape = ops.Reshape()
+        self.transpose = ops.Transpose().shard(((DP, 1, MP, 1),))
+        self.merger_head_transpose = ops.Transpose().shard(((DP, MP, 1, 1),))
+        self.flash_attention = FlashAttention(N, 65536, 0, "BNSD", 0,
+                                              1.0 / math.sqrt(D)).shard(DP, MP)
+        mask = np.triu(np.ones((S, S), np.uint8), 1)
+        self.mask = Tensor(np.broadcast_to(mask, (B, 1, S, S)).copy())
+
+    def heads(self, x, n):
+        bs, seq, _ = self.shape(x)
+        return self.transpose(self.reshape(x, (bs, seq, n, D)), (0, 2, 1, 3))
+
+    def construct(self, x):
+        bs, seq, _ = self.shape(x)
+        flat = self.reshape(x, (bs * seq, HIDDEN))
+        q = self.heads(self.reshape(self.mm_q(flat, self.wq), (bs, seq, HIDDEN)), N)
+        k = self.heads(self.reshape(self.mm_k(flat, self.wk), (bs, seq, N_KV * D)), N_KV)
+        v = self.heads(self.reshape(self.mm_v(flat, self.wv), (bs, seq, N_KV * D)), N_KV)
+        context = self.flash_attention(q, k, v, self.mask)
+        context = self.merger_head_transpose(context, (0, 2, 1, 3))
+        context = self.reshape(context, (bs * seq, HIDDEN))
+        return self.reshape(self.mm_o(context, self.wo), (bs, seq, HIDDEN))
+
+def model():
+    return Attention()
+
+def inputs():
+    return (np.random.default_rng(0).standard_normal((B, S, HIDDEN)).astype(np.float32),)
+
+def labels():
+    return (np.random.default_rng(1).standard_normal((B, S, HIDDEN)).astype(np.float32),)
+
+def loss():
+    return nn.MSELoss()
+
+def optimizer(params):
+    return nn.SGD(params, learning_rate=0.1)
+"""
+
+
+def test_flash_attention_as_mindformers_calls_it_trains_like_one_device(tmp_path: Any) -> None:
+    """BNSD, grouped-query attention (8 query heads, 4 kv heads), the causal (B, 1, S, S)
+    uint8 mask with sparse_mode 0, pre_tokens 65536, next_tokens 0; dp 2 x mp 4."""
+    program = compile_source(tmp_path, ATTENTION_MODEL)
+    graph = program.rank_graphs[3]
+    fa = next(n for n in graph.nodes if n.op == "FlashAttentionScore")
+    assert fa.attrs["head_num"] == 2 and fa.operands[0].shape == (2, 2, 8, 4)
+    assert fa.operands[1].shape == (2, 1, 8, 4) and fa.operands[3].shape == (2, 1, 8, 8)
+    assert "FlashAttentionScoreGrad" in node_ops(program)
+    report = check(program, steps=2)
+    assert report.ok(1e-5), report.errors
+
+
+def test_flash_attention_refuses_unsupported_inputs_with_one_message(tmp_path: Any) -> None:
+    with pytest.raises(PcompileError, match="optional input.s. drop_mask are not supported"):
+        compile_source(tmp_path, """
+            class Net(nn.Cell):
+                def __init__(self):
+                    super().__init__()
+                    self.fa = ops.FlashAttentionScore(head_num=2, input_layout="BSH")
+
+                def construct(self, q, mask):
+                    return self.fa(q, q, q, None, mask)[3]
+
+            def model():
+                return Net()
+
+            def inputs():
+                return (np.ones((8, 4, 8), np.float16), np.ones((8, 2, 4, 1), np.uint8))
+        """)

@@ -114,6 +114,26 @@ def _rms_norm_grad(d: DType, rng: np.random.Generator
     return [values(d, (3, 8), rng), values(d, (3, 8), rng), rstd, values(d, (8,), rng)], {}
 
 
+_FA = {"head_num": 2, "input_layout": "BNSD", "scale_value": 0.5, "sparse_mode": 2}
+
+
+def _fa(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    return [values(d, (1, 2, 3, 4), rng), values(d, (1, 1, 3, 4), rng),
+            values(d, (1, 1, 3, 4), rng)], dict(_FA)
+
+
+def _fa_grad(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    q, k, v = (values(d, s, rng) for s in ((1, 2, 3, 4), (1, 1, 3, 4), (1, 1, 3, 4)))
+    dy = values(d, (1, 2, 3, 4), rng)
+    if d not in FLOATS:
+        stats = np.ones((1, 2, 3, 8), np.float32)
+        return [q, k, v, dy, stats, stats, q], dict(_FA)
+    # The numpy backward reads the forward's statistics: give it the true ones.
+    row_max, row_sum, _, out = all_ops()["FlashAttentionScore"].numpy(q, k, v, **{
+        **all_ops()["FlashAttentionScore"].attrs, **_FA})
+    return [q, k, v, dy, row_max, row_sum, out], dict(_FA)
+
+
 def _sce(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
     labels = np.eye(5)[[0, 3, 1]].astype(d.np)
     return [values(d, (3, 5), rng), labels], {}
@@ -215,6 +235,8 @@ CASES: dict[str, Case] = {
     "LogSoftmaxGrad": Case(same_pair(axis=-1), FLOATS, terms=4),
     "LayerNorm": Case(_layer_norm, FLOATS, terms=8),
     "LayerNormGrad": Case(_layer_norm_grad, FLOATS, terms=8),
+    "FlashAttentionScore": Case(_fa, FLOATS, terms=8),
+    "FlashAttentionScoreGrad": Case(_fa_grad, FLOATS, terms=12),
     "RmsNorm": Case(_rms_norm, FLOATS, terms=8),
     "RmsNormGrad": Case(_rms_norm_grad, FLOATS, terms=8),
     "SoftmaxCrossEntropyWithLogits": Case(_sce, FLOATS, terms=5),

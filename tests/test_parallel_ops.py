@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pcompile.backends.numpy import run_graph
@@ -36,10 +36,14 @@ def bools(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).random(shape) < 0.5
 
 
+# Outputs that carry no gradient (read by no differentiated computation in real programs).
+NO_GRAD_OUTPUTS = {"FlashAttentionScore": (0, 1, 2)}
+
+
 def case_graph(op: str, arrays: list[np.ndarray], attrs: dict[str, Any], strategy: Any
                ) -> tuple[Graph, list[GraphParam]]:
     """op(*arrays) with every output returned, and a scalar loss: the sum of every float
-    output times a fixed random cotangent."""
+    output (but NO_GRAD_OUTPUTS) times a fixed random cotangent."""
     graph = Graph("case")
     params = []
     for i, arr in enumerate(arrays):
@@ -54,8 +58,10 @@ def case_graph(op: str, arrays: list[np.ndarray], attrs: dict[str, Any], strateg
                          if isinstance(out.type, TupleType) else [out])
     rng = np.random.default_rng(1)
     terms = []
-    for v in outs:
+    for i, v in enumerate(outs):
         if not v.dtype.is_float and v.dtype is not DType.bool_:
+            continue
+        if i in NO_GRAD_OUTPUTS.get(op, ()):
             continue
         val = v if v.dtype is DType.float32 else b("Cast", v, dst_type=DType.float32)
         cot = Constant(rng.standard_normal(v.shape).astype(np.float32), DType.float32)
@@ -236,4 +242,77 @@ def test_one_hot_forms_agree_and_name_problems() -> None:
     graph, _ = case_graph("OneHot", [idx], attrs, ((1, 8), (), ()))
     with pytest.raises(OpError, match=r"the depth 12 \(dim 1 of the output \(8, 12\)\) "
                                       "cannot be divisible by strategy value 8"):
+        assign(graph, 8, "full_batch")
+
+
+# -- FlashAttentionScore: batch and heads (kv heads with them under grouped-query attention) ------
+
+
+def test_flash_attention_rule_matches_the_oracle_examples() -> None:
+    """mindformers' strategies: BNSD ((dp, mp, 1, 1), (dp, mp, 1, 1) x2, (dp, 1, 1, 1)) with a
+    (B, 1, S, S) mask; BSH ((dp, 1, mp), (dp, 1, mp) x2); multi-query (kv heads whole)."""
+    from tests.test_ops_attention import Case, make_inputs
+
+    bnsd = Case("BNSD", 2, 8, 4, 6, 6, 4, 0, 65536, 0, "b1", np.float32, 0.5)
+    run_sharded("FlashAttentionScore", make_inputs(bnsd, 0), bnsd.attrs,
+                ((2, 4, 1, 1), (2, 4, 1, 1), (2, 4, 1, 1), (2, 1, 1, 1)), 8)
+    bsh = Case("BSH", 2, 8, 2, 4, 6, 2, 3, 0, 0, "none", np.float32, 1.0)
+    run_sharded("FlashAttentionScore", make_inputs(bsh, 1), bsh.attrs,
+                ((2, 1, 2), (2, 1, 2), (2, 1, 2)), 8)
+    mqa = Case("BSND", 2, 4, 1, 5, 5, 2, 2, 0, 0, "compressed", np.float32, 1.0)
+    run_sharded("FlashAttentionScore", make_inputs(mqa, 2), mqa.attrs,
+                ((2, 1, 4, 1), (2, 1, 1, 1), (2, 1, 1, 1), (1, 1)), 8)
+
+
+@st.composite
+def attention_cases(draw: Any) -> Any:
+    from tests.test_ops_attention import cases
+
+    case = draw(cases())
+    case.batch = draw(st.sampled_from([2, 4]))
+    case.kv_heads = draw(st.sampled_from([1, 2, 4]))
+    case.q_heads = case.kv_heads * draw(st.sampled_from([1, 2]))
+    if case.mask == "1n" or (case.mask == "bn" and draw(st.booleans())):
+        case.mask = "bn"
+    return case
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), devices=st.sampled_from([2, 4, 8, 16, 6]), case=attention_cases())
+def test_flash_attention_rule_matches_the_oracle(data: Any, devices: int, case: Any) -> None:
+    from tests.test_ops_attention import make_inputs
+
+    arrays = make_inputs(case, 7)
+    strategy = draw_strategy(data.draw, "FlashAttentionScore", arrays, case.attrs, devices)
+    # The labels allow any split of a BSH/SBH hidden size; the rule keeps whole heads.
+    axis = 2 if case.layout != "BNSD" else 1
+    heads, kv = strategy[0][axis], strategy[1][axis]
+    assume(case.q_heads % heads == 0 and case.kv_heads % kv == 0)
+    run_sharded("FlashAttentionScore", arrays, case.attrs, strategy, devices)
+
+
+@pytest.mark.parametrize("layout,strategy,message", [
+    ("BNSD", ((1, 2, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1)), "split like the dims it is matched"),
+    ("BNSD", ((1, 1, 1, 2), (1, 1, 1, 2), (1, 1, 1, 2)), "it is the head size"),
+    ("BNSD", ((1, 1, 1, 1), (1, 1, 2, 1), (1, 1, 2, 1)), "it is the kv sequence"),
+    ("BNSD", ((1, 1, 2, 1), (1, 1, 1, 1), (1, 1, 1, 1)), "it is the query sequence"),
+    ("BSH", ((1, 1, 8), (1, 1, 8), (1, 1, 8)), "4 heads, which cannot be split 8 ways"),
+    ("BSH", ((1, 1, 4), (1, 1, 4), (1, 1, 4)), "2 heads, which cannot be split 4 ways"),
+])
+def test_flash_attention_invalid_strategies(layout: str, strategy: Any, message: str) -> None:
+    from tests.test_ops_attention import Case, make_inputs
+
+    case = Case(layout, 2, 4, 2, 4, 4, 4, 0, 0, 0, "none", np.float32, 1.0)
+    graph, _ = case_graph("FlashAttentionScore", make_inputs(case, 0), case.attrs, strategy)
+    with pytest.raises(OpError, match=message):
+        assign(graph, 8, "full_batch")
+
+
+def test_flash_attention_multi_query_keeps_kv_heads_whole() -> None:
+    from tests.test_ops_attention import Case, make_inputs
+
+    case = Case("BNSD", 2, 4, 1, 4, 4, 4, 0, 0, 0, "none", np.float32, 1.0)
+    graph, _ = case_graph("FlashAttentionScore", make_inputs(case, 0), case.attrs,
+                          ((1, 2, 1, 1), (1, 2, 1, 1), (1, 2, 1, 1)))
+    with pytest.raises(OpError, match="one head .multi-query attention., so their head dim"):
         assign(graph, 8, "full_batch")
