@@ -648,8 +648,9 @@ def flash_attention_labels(ctx: OpContext) -> Labels:
     sequence, t kv sequence (never split), n query heads (or hidden N1 * D), d head dim (never
     split). The kv heads share n's label, so they split as the query heads do, except under
     multi-query attention (one kv head), where they are never split. The mask's batch and
-    head dims follow b and n where it has them; a compressed mask is never split. The query
-    sequence is not split by this rule."""
+    head dims follow b and n where it has them; a compressed mask is never split. A split
+    query sequence splits the mask's rows with it, and every rank's window (sparse_mode,
+    pre_tokens, next_tokens) is moved to its slice (expand "attention_query_split")."""
     from pcompile.ir.ops.attention import attention_dims
 
     q, k = ctx.in_types[0], ctx.in_types[1]
@@ -658,7 +659,7 @@ def flash_attention_labels(ctx: OpContext) -> Labels:
     kv = "n" if dims.kv_heads > 1 else "m"
     q_lab, k_lab = {"BSH": ("bsn", f"bt{kv}"), "SBH": ("sbn", f"tb{kv}"),
                     "BNSD": ("bnsd", f"b{kv}td"), "BSND": ("bsnd", f"bt{kv}d")}[layout]
-    unsplit = {"t", "d", "m", "s"}
+    unsplit = {"t", "d", "m"}
     ins = [q_lab, k_lab, k_lab]
     if len(ctx.in_types) == 4:
         mask = ctx.in_types[3]
@@ -729,6 +730,8 @@ class FlashAttentionRule(LabelRule):
             )
         result = label_sharding(ctx, self.labels(ctx), strategy, out_strategy)
         result.local_attrs["head_num"] = head_num // heads_split
+        if strategy[0][dims.seq_dim] > 1:
+            result.expand = "attention_query_split"
         return result
 
 

@@ -289,6 +289,8 @@ class RankBuilder:
                             out_strategy=node.parallel.out_strategy if node.parallel else None)
         if sharding.expand == "offset_one_hot":
             operands = [self.one_hot_local_indices(node, b, operands[0], sharding)]
+        if sharding.expand == "attention_query_split":
+            attrs.update(self.attention_query_window(node, sharding))
         if sharding.expand == "masked_gather":
             out = self.masked_gather(node, b, operands, sharding)
         else:
@@ -374,6 +376,19 @@ class RankBuilder:
                       parallel=ParallelInfo(extra={
                           "reason": f"OneHot '{node.instance_name}' holds classes from {start} "
                                     "on this rank (its depth axis is split)"}))
+
+    def attention_query_window(self, node: Node, sharding: OpSharding) -> dict[str, Any]:
+        """FlashAttentionScore with a split query sequence: this rank's query slice keeps
+        the positions the whole query keeps once its window is moved to the slice."""
+        from pcompile.ir.ops.attention import attention_dims, query_split_window
+
+        q_layout = sharding.in_layouts[0]
+        dims = attention_dims(q_layout.shape, node.operands[1].shape,
+                              int(node.attrs["head_num"]), str(node.attrs["input_layout"]))
+        start, stop = q_layout.slice_bounds(self.rank)[dims.seq_dim]
+        count = dims.q_seq // (stop - start)
+        return query_split_window(node.attrs, dims.q_seq, dims.kv_seq, start // (stop - start),
+                                  count)
 
     def lower_reshape(self, node: Node) -> None:
         (value,) = node.operands

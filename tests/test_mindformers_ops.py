@@ -394,3 +394,21 @@ def test_flash_attention_refuses_unsupported_inputs_with_one_message(tmp_path: A
             def inputs():
                 return (np.ones((8, 4, 8), np.float16), np.ones((8, 2, 4, 1), np.uint8))
         """)
+
+
+def test_flash_attention_with_a_split_query_sequence_trains_like_one_device(
+        tmp_path: Any) -> None:
+    """Context parallel as mindformers shards it: query (dp, mp, cp, 1), key/value
+    (dp, mp, 1, 1), mask (dp, 1, cp, 1); the second half of the sequence moves its window."""
+    body = ATTENTION_MODEL.replace(
+        "self.flash_attention.shard(((dp, mp, 1, 1), (dp, mp, 1, 1), (dp, mp, 1, 1),\n"
+        "                                    (dp, 1, 1, 1)))",
+        "self.flash_attention.shard(((dp, 2, 2, 1), (dp, 2, 1, 1), (dp, 2, 1, 1),\n"
+        "                                    (dp, 1, 2, 1)))")
+    assert "(dp, 2, 2, 1)" in body
+    program = compile_source(tmp_path, body)
+    windows = {(n.attrs["pre_tokens"], n.attrs["next_tokens"])
+               for g in program.rank_graphs for n in g.nodes if n.op == "FlashAttentionScore"}
+    assert windows == {(65536, 0), (65532, 4)}
+    report = check(program, steps=2)
+    assert report.ok(1e-5), report.errors

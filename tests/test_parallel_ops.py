@@ -295,7 +295,6 @@ def test_flash_attention_rule_matches_the_oracle(data: Any, devices: int, case: 
     ("BNSD", ((1, 2, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1)), "split like the dims it is matched"),
     ("BNSD", ((1, 1, 1, 2), (1, 1, 1, 2), (1, 1, 1, 2)), "it is the head size"),
     ("BNSD", ((1, 1, 1, 1), (1, 1, 2, 1), (1, 1, 2, 1)), "it is the kv sequence"),
-    ("BNSD", ((1, 1, 2, 1), (1, 1, 1, 1), (1, 1, 1, 1)), "it is the query sequence"),
     ("BSH", ((1, 1, 8), (1, 1, 8), (1, 1, 8)), "4 heads, which cannot be split 8 ways"),
     ("BSH", ((1, 1, 4), (1, 1, 4), (1, 1, 4)), "2 heads, which cannot be split 4 ways"),
 ])
@@ -316,3 +315,69 @@ def test_flash_attention_multi_query_keeps_kv_heads_whole() -> None:
                           ((1, 2, 1, 1), (1, 2, 1, 1), (1, 2, 1, 1)))
     with pytest.raises(OpError, match="one head .multi-query attention., so their head dim"):
         assign(graph, 8, "full_batch")
+
+
+# -- FlashAttentionScore: query-sequence split (windows moved per rank) --------------------------
+
+
+def test_query_split_window_keeps_exactly_the_slice_rows() -> None:
+    """Every mode, window, split and length: the positions a slice keeps with its moved window
+    are the rows of the positions the whole query keeps."""
+    from pcompile.ir.ops.attention import position_keep, query_split_window
+
+    for mode in (0, 1, 2, 3, 4):
+        for q_seq, kv_seq in ((4, 4), (8, 4), (4, 8), (6, 6), (12, 5)):
+            for pre, nxt in ((2147483647, 2147483647), (0, 0), (2, 1), (65536, 0), (-1, 3)):
+                attrs = {"sparse_mode": mode, "pre_tokens": pre, "next_tokens": nxt}
+                whole = position_keep(mode, pre, nxt, q_seq, kv_seq, True)
+                whole = np.ones((q_seq, kv_seq), bool) if whole is None else whole
+                for parts in (2, 4):
+                    if q_seq % parts:
+                        continue
+                    length = q_seq // parts
+                    for sid in range(parts):
+                        local = {**attrs, **query_split_window(attrs, q_seq, kv_seq, sid, parts)}
+                        keep = position_keep(local["sparse_mode"], local["pre_tokens"],
+                                             local["next_tokens"], length, kv_seq, True)
+                        keep = np.ones((length, kv_seq), bool) if keep is None else keep
+                        np.testing.assert_array_equal(
+                            keep, whole[sid * length:(sid + 1) * length],
+                            err_msg=f"{attrs} {q_seq}x{kv_seq} slice {sid}/{parts}")
+
+
+@pytest.mark.parametrize("mode,mask", [(0, "b1"), (0, "2d"), (0, "none"), (1, "bn"),
+                                       (2, "compressed"), (3, "none"), (4, "compressed")])
+def test_flash_attention_query_split_matches_the_oracle(mode: int, mask: str) -> None:
+    """mindformers' context-parallel strategy: query (dp, mp, cp, 1), key/value (dp, mp, 1, 1),
+    a full mask (dp, 1, cp, 1) or a compressed one (1, 1)."""
+    from tests.test_ops_attention import Case, make_inputs
+
+    case = Case("BNSD", 2, 4, 2, 8, 8, 2, mode, 3, 1, mask, np.float32, 0.5)
+    arrays = make_inputs(case, 3)
+    mask_strategy = {"b1": ((2, 1, 2, 1),), "2d": ((2, 1),), "bn": ((2, 2, 2, 1),),
+                     "compressed": ((1, 1),), "none": ()}[mask]
+    strategy = ((2, 2, 2, 1), (2, 2, 1, 1), (2, 2, 1, 1)) + mask_strategy
+    run_sharded("FlashAttentionScore", arrays, case.attrs, strategy, 8)
+    bsh = Case("BSH", 2, 4, 2, 8, 8, 2, mode, 3, 1, mask.replace("bn", "b1"), np.float32, 0.5)
+    mask_strategy = {"b1": ((2, 1, 4, 1),), "2d": ((4, 1),), "compressed": ((1, 1),),
+                     "none": ()}[bsh.mask]
+    run_sharded("FlashAttentionScore", make_inputs(bsh, 4), bsh.attrs,
+                ((2, 4, 1), (2, 1, 1), (2, 1, 1)) + mask_strategy, 8)
+
+
+def test_query_split_windows_per_rank() -> None:
+    """Ranks along the query split get different windows; the SPMD plan runs them as attribute
+    variants of one program."""
+    from pcompile.backends.jax.plan import SpmdPlan
+    from tests.test_ops_attention import Case, make_inputs
+
+    case = Case("BNSD", 2, 2, 2, 8, 8, 2, 2, 0, 0, "none", np.float32, 1.0)
+    graph, _ = case_graph("FlashAttentionScore", make_inputs(case, 0), case.attrs,
+                          ((1, 1, 4, 1), (1, 1, 1, 1), (1, 1, 1, 1)))
+    assignment = assign(graph, 4, "full_batch")
+    ranks, _ = build_rank_graphs(graph, assignment, SplitOptions(4, False), {})
+    windows = [next((n.attrs["sparse_mode"], n.attrs["pre_tokens"], n.attrs["next_tokens"])
+                    for n in g.nodes if n.op == "FlashAttentionScore") for g in ranks]
+    # Left-up causal over 8 x 8, query slices of 2, as bottom-right-aligned bands.
+    assert windows == [(4, 14, -6), (4, 12, -4), (4, 10, -2), (4, 8, 0)]
+    SpmdPlan.build(ranks)

@@ -260,6 +260,44 @@ def keep_mask(xp: Any, mask: Any, attrs: dict[str, Any], dims: AttentionDims) ->
     return out
 
 
+def query_split_window(attrs: dict[str, Any], q_seq: int, kv_seq: int, split_id: int,
+                       split_num: int) -> dict[str, int]:
+    """sparse_mode, pre_tokens and next_tokens for the `split_id`-th of `split_num` equal
+    slices of the query sequence (MindSpore's flash_attention_score_info), so that the slice
+    keeps exactly the positions the whole query keeps. `q_seq` is the whole query length.
+
+    defaultMask shifts its window by the slice offset; the causal modes and band become band
+    (4) aligned to the slice's bottom-right corner; allMask needs no change (its mask rows are
+    split with the query)."""
+    mode = int(attrs["sparse_mode"])
+    if mode == 1 or split_num == 1:
+        return {}
+    length = q_seq // split_num
+    offset = split_id * length
+    pre, nxt = int(attrs["pre_tokens"]), int(attrs["next_tokens"])
+    if mode == 0:
+        pre, nxt = pre - offset, nxt + offset
+    elif mode == 2:
+        # left-up causal (j <= i) seen from the slice's bottom-right corner
+        pre, nxt = 2 * kv_seq - offset - length, offset + length - kv_seq
+    else:
+        if mode == 3:
+            pre, nxt = kv_seq, 0
+        below = (split_num - split_id - 1) * length
+        pre, nxt = pre + below, nxt - below
+    if mode == 2 and q_seq > kv_seq:
+        # MindSpore's window bounds j from below by i - kv_seq, which a causal mask does not
+        # do when the query is longer than the keys: leave it unbounded.
+        pre = INT_MAX
+    return {"sparse_mode": 4 if mode in (2, 3, 4) else mode,
+            "pre_tokens": _int32(pre), "next_tokens": _int32(nxt)}
+
+
+def _int32(value: int) -> int:
+    """MindSpore's saturating add keeps the window in int32."""
+    return max(-INT_MAX - 1, min(INT_MAX, value))
+
+
 # -- layouts -------------------------------------------------------------------------------------
 
 
