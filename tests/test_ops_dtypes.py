@@ -286,6 +286,18 @@ def test_every_op_has_a_dtype_case() -> None:
     assert not missing, f"add a dtype case for {missing}"
 
 
+def test_every_op_is_documented() -> None:
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                        "ops.md")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    names = sorted(n for n in all_ops() if not n.startswith("TestOnly_"))
+    missing = [n for n in names if f"`{n}`" not in text]
+    assert not missing, f"docs/ops.md does not list {missing}"
+
+
 def _graph(op: str, inputs: list[np.ndarray], attrs: dict[str, Any]) -> Graph:
     graph = Graph("dtypes_" + op)
     params = [graph.add_param(GraphParam(TensorType(DType.from_any(a.dtype), a.shape), f"x{i}"))
