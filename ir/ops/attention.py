@@ -35,6 +35,7 @@ reading softmax_max/softmax_sum/softmax_out in a differentiated computation is r
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -374,8 +375,10 @@ def _implementation(dtype: Any, dims: AttentionDims, explicit_mask: bool) -> str
     written here."""
     backend = jax.default_backend()
     half = np.dtype(dtype).itemsize == 2
+    # PCOMPILE_ATTENTION=xla keeps GPUs off cuDNN (a way out should its kernel reject a
+    # configuration at compile time).
     if (backend == "gpu" and half and dims.head_dim % 8 == 0 and dims.head_dim <= 128
-            and not explicit_mask):
+            and not explicit_mask and os.environ.get("PCOMPILE_ATTENTION", "") != "xla"):
         return "cudnn"
     return None if half and backend == "cpu" else "xla"
 
