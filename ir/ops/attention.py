@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -367,7 +367,8 @@ def _fa_np(*arrays: Any, **attrs: Any) -> tuple[np.ndarray, ...]:
 # -- JAX -----------------------------------------------------------------------------------------
 
 
-def _implementation(dtype: Any, dims: AttentionDims, explicit_mask: bool) -> str | None:
+def _implementation(dtype: Any, dims: AttentionDims, explicit_mask: bool
+                    ) -> Literal["xla", "cudnn"] | None:
     """cuDNN's fused kernel where it applies (GPU, 16-bit inputs, head size a multiple of 8
     up to 128, no mask other than causal); jax.nn.dot_product_attention's XLA path elsewhere,
     except 16-bit inputs on CPU, whose backward that path cannot lower (it asks dot_general
