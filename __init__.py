@@ -34,7 +34,8 @@ _FACADE = (
     "reset_auto_parallel_context", "set_context", "get_context", "set_cost_model_context",
     "get_cost_model_context", "reset_cost_model_context", "set_algo_parameters",
     "get_algo_parameters", "reset_algo_parameters", "ParallelMode", "shard", "compile",
-    "GRAPH_MODE", "PYNATIVE_MODE", "float32", "float16", "bfloat16", "int32", "int64", "bool_",
+    "GRAPH_MODE", "PYNATIVE_MODE", "float32", "float16", "bfloat16", "int32", "int64", "uint8",
+    "bool_",
 )
 
 __all__ = [*_FACADE, "__version__"]

@@ -21,7 +21,7 @@ from pcompile.compiler.context import (
 from pcompile.compiler.initializer import initializer, set_seed
 from pcompile.compiler.layout import Layout
 from pcompile.compiler.tensor import Parameter, Tensor, TensorSpec
-from pcompile.ir.types import bfloat16, bool_, float16, float32, int32, int64
+from pcompile.ir.types import bfloat16, bool_, float16, float32, int32, int64, uint8
 
 GRAPH_MODE = 0
 PYNATIVE_MODE = 1
@@ -91,5 +91,6 @@ __all__ = [
     "bfloat16",
     "int32",
     "int64",
+    "uint8",
     "bool_",
 ]

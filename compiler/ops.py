@@ -69,11 +69,32 @@ GeLU = _simple("GeLU")
 Flatten = _simple("Flatten")
 ZerosLike = _simple("ZerosLike")
 OnesLike = _simple("OnesLike")
-Greater = _simple("Greater")
-Less = _simple("Less")
+SiLU = _simple("SiLU")
 Equal = _simple("Equal")
+NotEqual = _simple("NotEqual")
+Greater = _simple("Greater")
+GreaterEqual = _simple("GreaterEqual")
+Less = _simple("Less")
+LessEqual = _simple("LessEqual")
+LogicalAnd = _simple("LogicalAnd")
+LogicalOr = _simple("LogicalOr")
+LogicalNot = _simple("LogicalNot")
 Select = _simple("Select")
 Identity = _simple("Identity")
+
+
+class Shape(_Simple):
+    """`ops.Shape()(x)`: the static shape of x as a Python tuple of ints. Shapes are static
+    at compile time (as in MindSpore's graph mode, which folds Shape to a constant), so no IR
+    node is emitted; the tuple feeds Python arithmetic, Reshape shapes, slice bounds."""
+
+    op = "Shape"
+
+    def __call__(self, x: Any) -> tuple[int, ...]:
+        shape = getattr(x, "shape", None)
+        if shape is None:
+            raise TypeError(f"Shape expects a tensor, got {type(x).__name__} {x!r}")
+        return tuple(int(d) for d in shape)
 
 
 class MatMul(Primitive):
@@ -176,6 +197,16 @@ class BroadcastTo(Primitive):
         super().__init__(shape=tuple(int(d) for d in shape))
 
 
+class Tile(_Simple):
+    """`Tile()(x, multiples)`: x repeated multiples[i] times along dim i. In a strategy, a dim
+    whose multiple is > 1 splits its copies (MindSpore's rule); other dims split x."""
+
+    op = "Tile"
+
+    def __call__(self, x: Any, multiples: Any) -> Any:
+        return self._apply([x], multiples=tuple(int(m) for m in multiples))
+
+
 class Concat(Primitive):
     op = "Concat"
 
@@ -229,10 +260,22 @@ class Gather(_Simple):
 
 
 class OneHot(Primitive):
+    """`OneHot(axis)(indices, depth, on_value, off_value)`. Its strategy is MindSpore's
+    `((dp, mp), (), ())` (the split of the [N, depth] output, depth included, then () for the
+    on and off values) or one tuple for the indices."""
+
     op = "OneHot"
 
     def __init__(self, axis: int = -1) -> None:
         super().__init__(axis=int(axis))
+
+    def _check_strategy(self, op: str, values: list[Any], scope: str, source: Any) -> None:
+        strategy = self.in_strategy or ()
+        rank = len(getattr(values[0].type, "shape", ())) if values else 0
+        if (len(strategy) == 3 and strategy[1] == () and strategy[2] == ()
+                and isinstance(strategy[0], tuple) and len(strategy[0]) == rank + 1):
+            return
+        super()._check_strategy(op, values, scope, source)
 
     def __call__(self, indices: Any, depth: int, on_value: Any = 1.0, off_value: Any = 0.0) -> Any:
         dtype = DType.float32
@@ -273,6 +316,52 @@ class LayerNorm(Primitive):
         centered = Sub()(x, mean)
         var = ReduceMean(keep_dims=True)(Mul()(centered, centered), axes)
         return y, mean, var
+
+
+class RmsNorm(Primitive):
+    """`RmsNorm(epsilon)(x, gamma)` -> (y, rstd): normalises over gamma's dims (the trailing
+    dims of x); rstd is Float32 with those dims kept as 1."""
+
+    op = "RmsNorm"
+
+    def __init__(self, epsilon: float = 1e-6) -> None:
+        super().__init__(epsilon=float(epsilon))
+
+
+class FlashAttentionScore(Primitive):
+    """MindSpore's `FlashAttentionScore(head_num, keep_prob, scale_value, pre_tokens,
+    next_tokens, inner_precise, input_layout, sparse_mode)`, called with (query, key, value,
+    real_shift, drop_mask, padding_mask, attn_mask, prefix, actual_seq_qlen, actual_seq_kvlen)
+    and returning (softmax_max, softmax_sum, softmax_out, attention_out). Of the optional
+    inputs only attn_mask is supported; its strategy lists the passed inputs only, as in
+    MindSpore."""
+
+    op = "FlashAttentionScore"
+
+    def __init__(self, head_num: int, keep_prob: float = 1.0, scale_value: float = 1.0,
+                 pre_tokens: int = 2147483647, next_tokens: int = 2147483647,
+                 inner_precise: int = 0, input_layout: str = "BSH", sparse_mode: int = 0
+                 ) -> None:
+        super().__init__(head_num=int(head_num), keep_prob=float(keep_prob),
+                         scale_value=float(scale_value), pre_tokens=int(pre_tokens),
+                         next_tokens=int(next_tokens), inner_precise=int(inner_precise),
+                         input_layout=str(input_layout), sparse_mode=int(sparse_mode))
+
+    def __call__(self, query: Any, key: Any, value: Any, real_shift: Any = None,
+                 drop_mask: Any = None, padding_mask: Any = None, attn_mask: Any = None,
+                 prefix: Any = None, actual_seq_qlen: Any = None,
+                 actual_seq_kvlen: Any = None) -> Any:
+        given = {"real_shift": real_shift, "drop_mask": drop_mask,
+                 "padding_mask": padding_mask, "prefix": prefix,
+                 "actual_seq_qlen": actual_seq_qlen, "actual_seq_kvlen": actual_seq_kvlen}
+        unsupported = [name for name, value in given.items() if value is not None]
+        if unsupported:
+            raise ValueError(
+                f"FlashAttentionScore: the optional input(s) {', '.join(unsupported)} are not "
+                "supported; pass None (attn_mask is the one optional input pcompile takes)"
+            )
+        operands = [query, key, value] + ([] if attn_mask is None else [attn_mask])
+        return self._apply(operands)
 
 
 class SoftmaxCrossEntropyWithLogits(_Simple):
@@ -523,6 +612,54 @@ def relu(x: Any) -> Any:
     return ReLU()(x)
 
 
+def silu(x: Any) -> Any:
+    return SiLU()(x)
+
+
+def shape(x: Any) -> tuple[int, ...]:
+    return Shape()(x)
+
+
+def equal(x: Any, y: Any) -> Any:
+    return Equal()(x, y)
+
+
+def not_equal(x: Any, y: Any) -> Any:
+    return NotEqual()(x, y)
+
+
+def greater(x: Any, y: Any) -> Any:
+    return Greater()(x, y)
+
+
+def greater_equal(x: Any, y: Any) -> Any:
+    return GreaterEqual()(x, y)
+
+
+def less(x: Any, y: Any) -> Any:
+    return Less()(x, y)
+
+
+def less_equal(x: Any, y: Any) -> Any:
+    return LessEqual()(x, y)
+
+
+def logical_and(x: Any, y: Any) -> Any:
+    return LogicalAnd()(x, y)
+
+
+def logical_or(x: Any, y: Any) -> Any:
+    return LogicalOr()(x, y)
+
+
+def logical_not(x: Any) -> Any:
+    return LogicalNot()(x)
+
+
+def select(cond: Any, x: Any, y: Any) -> Any:
+    return Select()(cond, x, y)
+
+
 def gelu(x: Any, approximate: str = "tanh") -> Any:
     if approximate != "tanh":
         raise ValueError("only the tanh approximation of GeLU is supported")
@@ -573,6 +710,10 @@ def squeeze(x: Any, axis: Any = ()) -> Any:
     return Squeeze(axis)(x)
 
 
+def tile(x: Any, multiples: Any) -> Any:
+    return Tile()(x, multiples)
+
+
 def concat(tensors: Any, axis: int = 0) -> Any:
     return Concat(axis)(tensors)
 
@@ -599,6 +740,26 @@ def strided_slice(x: Any, begin: Any, end: Any, strides: Any) -> Any:
 
 def layer_norm(x: Any, gamma: Any, beta: Any, begin_norm_axis: int = -1, epsilon: float = 1e-5):
     return LayerNorm(begin_norm_axis, begin_norm_axis, epsilon)(x, gamma, beta)[0]
+
+
+def flash_attention_score(query: Any, key: Any, value: Any, head_num: int,
+                          real_shift: Any = None, drop_mask: Any = None,
+                          padding_mask: Any = None, attn_mask: Any = None, prefix: Any = None,
+                          actual_seq_qlen: Any = None, actual_seq_kvlen: Any = None,
+                          keep_prob: float = 1.0, scalar_value: float = 1.0,
+                          pre_tokens: int = 2147483647, next_tokens: int = 2147483647,
+                          inner_precise: int = 0, input_layout: str = "BSH",
+                          sparse_mode: int = 0) -> Any:
+    """MindSpore's functional form (its scale argument is spelled `scalar_value`): returns
+    attention_out only."""
+    prim = FlashAttentionScore(head_num, keep_prob, scalar_value, pre_tokens, next_tokens,
+                               inner_precise, input_layout, sparse_mode)
+    return prim(query, key, value, real_shift, drop_mask, padding_mask, attn_mask, prefix,
+                actual_seq_qlen, actual_seq_kvlen)[3]
+
+
+def rms_norm(x: Any, gamma: Any, epsilon: float = 1e-6) -> Any:
+    return RmsNorm(epsilon)(x, gamma)
 
 
 def conv2d(x: Any, weight: Any, stride: Any = 1, pad_mode: str = "valid", padding: Any = 0):

@@ -128,6 +128,11 @@ class Primitive:
     def __repr__(self) -> str:
         return f"Prim[{self.op}]"
 
+    def _check_strategy(self, op: str, values: list[Value], scope: str, source: Any) -> None:
+        """Check `in_strategy` against the operands (one entry per operand, one value per
+        dim); primitives whose MindSpore strategy has another form override this."""
+        _check_strategy_arity(self, op, values, scope, source)
+
     # -- application --------------------------------------------------------------------------
     def _apply(self, args: list[Any], op: str | None = None, **call_attrs: Any) -> Any:
         """Apply the op to tensor operands `args`; `call_attrs` are attributes that MindSpore
@@ -143,7 +148,7 @@ class Primitive:
         source = user_source()
         user_attrs = dict(self.user_attrs)
         if self.in_strategy is not None:
-            _check_strategy_arity(self, op, values, tracer.scope, source)
+            self._check_strategy(op, values, tracer.scope, source)
             user_attrs["in_strategy"] = attr_value(self.in_strategy)
         if self.out_strategy is not None:
             user_attrs["out_strategy"] = attr_value(self.out_strategy)

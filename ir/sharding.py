@@ -260,11 +260,22 @@ def _reduce_scatter_layout(
     return TensorLayout(tuple(dev), tuple(tmap), out_type.shape)
 
 
+_ATTENTION_ROLES = {
+    "t": "the kv sequence",
+    "d": "the head size",
+    "m": "the kv heads of multi-query attention (one kv head)",
+    "s": "the query sequence",
+}
+
+
 def _role(ctx: OpContext, name: str, labels: Labels) -> str:
+    if ctx.op == "FlashAttentionScore":
+        return _ATTENTION_ROLES.get(name, "a dim of a compressed or broadcast attn_mask")
     return {
         "Softmax": "the softmax axis",
         "LogSoftmax": "the softmax axis",
         "LayerNorm": "a normalised dim (from begin_norm_axis on)",
+        "RmsNorm": "a normalised dim (one of gamma's dims; gamma is never split)",
         "SoftmaxCrossEntropyWithLogits": "the class axis",
         "SparseSoftmaxCrossEntropyWithLogits": "the class axis",
         "Concat": "the concat axis",
@@ -274,6 +285,7 @@ def _role(ctx: OpContext, name: str, labels: Labels) -> str:
         "MaxPool": "a spatial dim",
         "AvgPool": "a spatial dim",
         "OneHot": "the depth axis",
+        "Tile": "a tiled dim (multiple > 1): the strategy splits its copies instead",
     }.get(ctx.op, "not splittable for this op")
 
 
@@ -386,6 +398,16 @@ def layer_norm_labels(ctx: OpContext) -> Labels:
     unsplit = set(lab[norm:])
     plab = lab[params:]
     return Labels([lab, plab, plab], [lab], unsplit)
+
+
+def rms_norm_labels(ctx: OpContext) -> Labels:
+    """x's trailing gamma.ndim dims are normalised (never split); gamma shares their labels;
+    rstd keeps x's leading labels and size-1 normalised dims (MindSpore's rms_norm_info)."""
+    x, gamma = ctx.in_types
+    lab = _ALPHA[: x.rank]
+    begin = x.rank - gamma.rank
+    fresh = "".join(_fresh(gamma.rank, set(lab)))
+    return Labels([lab, lab[begin:]], [lab, lab[:begin] + fresh], set(lab[begin:]) | set(fresh))
 
 
 def bias_add_labels(ctx: OpContext) -> Labels:
@@ -575,6 +597,210 @@ class GatherRule(LabelRule):
                 tuple(count if i == 0 else 1 for i in range(idx.rank)))
 
 
+class OneHotRule(LabelRule):
+    """OneHot takes its strategy in two forms: one tuple for the indices (the depth axis is
+    whole on every rank), or MindSpore's `((dp, mp), (), ())`, which splits the output
+    `indices.shape + (depth,)` (depth at `axis`), depth included, followed by empty strategies
+    for the on/off values. A rank holding depth slice [start, start + depth / k) looks up
+    `indices - start` with the local depth (indices outside fall off the table: all off_value);
+    `start` differs by rank ("offset_one_hot")."""
+
+    def __init__(self) -> None:
+        super().__init__(one_hot_labels)
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        idx = ctx.in_types[0]
+        if not (len(strategy) == 3 and strategy[1] == () and strategy[2] == ()):
+            return label_sharding(ctx, self.labels(ctx), strategy, out_strategy)
+        out_split = tuple(strategy[0])
+        out = ctx.out_types[0]
+        if len(out_split) != out.rank:
+            raise StrategyError(
+                f"the first strategy of OneHot's MindSpore form splits the output "
+                f"{out.shape}, so it has {out.rank} values; got {out_split}"
+            )
+        axis = int(ctx.attrs.get("axis", -1)) % out.rank
+        depth = out.shape[axis]
+        if depth % out_split[axis]:
+            raise StrategyError(
+                f"the depth {depth} (dim {axis} of the output {out.shape}) cannot be divisible "
+                f"by strategy value {out_split[axis]}",
+                f"choose a split of the depth that divides {depth}",
+            )
+        lab = _ALPHA[: idx.rank]
+        fresh = _fresh(1, set(lab))[0]
+        virtual = OpContext(ctx.op, [idx, TensorType(idx.dtype, (depth,))], out, ctx.attrs,
+                            ctx.devices)
+        labels = Labels([lab, fresh], [lab[:axis] + fresh + lab[axis:]])
+        idx_split = out_split[:axis] + out_split[axis + 1:]
+        result = label_sharding(virtual, labels, (idx_split, (out_split[axis],)), out_strategy)
+        result.in_layouts = result.in_layouts[:1]
+        result.strategy = tuple(strategy)
+        if out_split[axis] > 1:
+            result.local_attrs["depth"] = depth // out_split[axis]
+            result.expand = "offset_one_hot"
+        return result
+
+
+def flash_attention_labels(ctx: OpContext) -> Labels:
+    """FlashAttentionScore (MindSpore's flash_attention_score_info): b batch, s query
+    sequence, t kv sequence (never split), n query heads (or hidden N1 * D), d head dim (never
+    split). The kv heads share n's label, so they split as the query heads do, except under
+    multi-query attention (one kv head), where they are never split. The mask's batch and
+    head dims follow b and n where it has them; a compressed mask is never split. A split
+    query sequence splits the mask's rows with it, and every rank's window (sparse_mode,
+    pre_tokens, next_tokens) is moved to its slice (expand "attention_query_split")."""
+    from pcompile.ir.ops.attention import attention_dims
+
+    q, k = ctx.in_types[0], ctx.in_types[1]
+    layout = str(ctx.attrs.get("input_layout", "BSH"))
+    dims = attention_dims(q.shape, k.shape, int(ctx.attrs["head_num"]), layout)
+    kv = "n" if dims.kv_heads > 1 else "m"
+    q_lab, k_lab = {"BSH": ("bsn", f"bt{kv}"), "SBH": ("sbn", f"tb{kv}"),
+                    "BNSD": ("bnsd", f"b{kv}td"), "BSND": ("bsnd", f"bt{kv}d")}[layout]
+    unsplit = {"t", "d", "m"}
+    ins = [q_lab, k_lab, k_lab]
+    if len(ctx.in_types) == 4:
+        mask = ctx.in_types[3]
+        used = set("bsntdm")
+        if int(ctx.attrs.get("sparse_mode", 0)) in (2, 3, 4):
+            m_lab = "".join(_fresh(mask.rank, used))
+            unsplit |= set(m_lab)
+        elif mask.rank == 2:
+            m_lab = "st"
+        else:
+            m_lab = ""
+            for size, name in zip(mask.shape[:2], "bn"):
+                if size > 1:
+                    m_lab += name
+                else:
+                    fresh = _fresh(1, used)[0]
+                    unsplit.add(fresh)
+                    m_lab += fresh
+            m_lab += "st"
+        ins.append(m_lab)
+    e, f = _fresh(2, set("".join(ins)))
+    return Labels(ins, ["bns" + e, "bns" + e, f, q_lab], unsplit | {e, f})
+
+
+class FlashAttentionRule(LabelRule):
+    """Labels plus what they cannot say: a split of the hidden size (BSH, SBH) or of the
+    heads must keep whole heads on a rank, query and kv alike; the local op sees
+    head_num / split heads."""
+
+    def __init__(self) -> None:
+        super().__init__(flash_attention_labels)
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        from pcompile.ir.ops.attention import attention_dims
+
+        if len(strategy) != len(ctx.in_types):
+            raise StrategyError(
+                f"the strategy has {len(strategy)} entries but the op has {len(ctx.in_types)} "
+                "tensor inputs (query, key, value and attn_mask when it is passed)",
+                "give one tuple per passed input",
+            )
+        q, k = ctx.in_types[0], ctx.in_types[1]
+        layout = str(ctx.attrs.get("input_layout", "BSH"))
+        head_num = int(ctx.attrs["head_num"])
+        dims = attention_dims(q.shape, k.shape, head_num, layout)
+        axis = dims.head_axis
+        heads_split = strategy[0][axis] if len(strategy[0]) > axis else 1
+        kv_split = strategy[1][axis] if len(strategy[1]) > axis else 1
+        if head_num % heads_split:
+            raise StrategyError(
+                f"the query has {head_num} heads, which cannot be split {heads_split} ways "
+                "(head_num % split must be 0)",
+                "split the heads by a divisor of head_num",
+            )
+        if dims.kv_heads == 1 and kv_split > 1:
+            raise StrategyError(
+                "the key and value have one head (multi-query attention), so their head dim "
+                f"cannot be split, but the strategy splits it {kv_split} ways",
+                "use 1 for the kv head dim; the query heads may still be split",
+            )
+        if dims.kv_heads > 1 and dims.kv_heads % kv_split:
+            raise StrategyError(
+                f"the key and value have {dims.kv_heads} heads, which cannot be split "
+                f"{kv_split} ways; under grouped-query attention they split as the query "
+                "heads do",
+                "split the heads by a divisor of the kv head count",
+            )
+        result = label_sharding(ctx, self.labels(ctx), strategy, out_strategy)
+        result.local_attrs["head_num"] = head_num // heads_split
+        if strategy[0][dims.seq_dim] > 1:
+            result.expand = "attention_query_split"
+        return result
+
+
+def tile_labels(ctx: OpContext) -> Labels:
+    """A dim with multiple 1 is shared by input and output; a dim with multiple > 1 is never
+    split in the input (every rank holds the whole input dim), and its output label appears
+    in no input, so only an explicit strategy (TileRule.apply) splits its copies."""
+    x = ctx.in_types[0]
+    out = ctx.out_types[0]
+    olab = _ALPHA[: out.rank]
+    reps = _tile_reps(ctx)
+    lead = out.rank - x.rank
+    fresh = _fresh(x.rank, set(olab))
+    lab = "".join(fresh[j] if reps[lead + j] > 1 else olab[lead + j] for j in range(x.rank))
+    return Labels([lab], [olab], {c for c in lab if c not in olab})
+
+
+def _tile_reps(ctx: OpContext) -> tuple[int, ...]:
+    reps = tuple(ctx.attrs.get("multiples") or ())
+    return (1,) * (ctx.out_types[0].rank - len(reps)) + reps
+
+
+class TileRule(LabelRule):
+    """Tile (MindSpore's tile_info): the strategy has one value per dim; a dim whose multiple
+    is > 1 splits the multiple (each rank tiles its share of the copies of the whole input
+    dim: local multiple = multiple / split), a dim whose multiple is 1 splits the input dim."""
+
+    def __init__(self) -> None:
+        super().__init__(tile_labels)
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        x, out = ctx.in_types[0], ctx.out_types[0]
+        reps = _tile_reps(ctx)
+        if x.rank != out.rank:
+            raise StrategyError(
+                f"a sharded Tile needs len(multiples) == x.ndim; x has rank {x.rank}, the "
+                f"multiples {ctx.attrs.get('multiples')} give rank {out.rank}",
+                "reshape x to the output rank first",
+            )
+        if len(strategy) != 1:
+            raise StrategyError(
+                f"the strategy has {len(strategy)} entries but Tile has 1 tensor input",
+                "give one tuple with a split per dim",
+            )
+        for j, (m, count) in enumerate(zip(reps, strategy[0])):
+            if m > 1 and m % count:
+                raise StrategyError(
+                    f"dim {j} is tiled {m} times, and the strategy of a tiled dim splits its "
+                    f"multiple: {m} cannot be divisible by strategy value {count}",
+                    f"choose a split that divides the multiple {m}",
+                )
+        # The strategy splits a virtual tensor: the multiple of a tiled dim, else the dim.
+        extent = tuple(m if m > 1 else d for m, d in zip(reps, x.shape))
+        virtual = OpContext(ctx.op, [TensorType(x.dtype, extent)], TensorType(x.dtype, extent),
+                            ctx.attrs, ctx.devices)
+        lab = _ALPHA[: x.rank]
+        base = label_sharding(virtual, Labels([lab], [lab]), strategy, out_strategy)
+        tmap = base.in_layouts[0].tensor_map
+        in_map = tuple(-1 if m > 1 else e for m, e in zip(reps, tmap))
+        split = strategy[0]
+        return OpSharding(
+            base.strategy, base.dev_matrix,
+            [TensorLayout(base.dev_matrix, in_map, x.shape)],
+            [TensorLayout(base.dev_matrix, tmap, out.shape)],
+            local_attrs={"multiples": tuple(m // c if m > 1 else 1 for m, c in zip(reps, split))},
+        )
+
+
 RULES: dict[str, LabelRule] = {}
 
 
@@ -584,10 +810,10 @@ def _register(names: Sequence[str], rule: LabelRule) -> None:
 
 
 _register(
-    ["Add", "Sub", "Mul", "RealDiv", "Maximum", "Minimum", "Pow", "Greater", "GreaterEqual",
-     "Less", "Equal", "Select", "ReluGrad", "Neg", "Exp", "Log", "Sqrt", "Rsqrt", "Square",
-     "Tanh", "Sigmoid", "ReLU", "GeLU", "Cast", "ZerosLike", "OnesLike", "LogicalNot",
-     "Identity"],
+    ["Add", "Sub", "Mul", "RealDiv", "Maximum", "Minimum", "Pow", "Equal", "NotEqual",
+     "Greater", "GreaterEqual", "Less", "LessEqual", "LogicalAnd", "LogicalOr", "LogicalNot",
+     "Select", "ReluGrad", "Neg", "Exp", "Log", "Sqrt", "Rsqrt", "Square", "Tanh", "Sigmoid",
+     "ReLU", "GeLU", "SiLU", "Cast", "ZerosLike", "OnesLike", "Identity"],
     LabelRule(elementwise_labels),
 )
 _register(["MatMul"], LabelRule(matmul_labels))
@@ -597,6 +823,7 @@ _register(["ReduceMean"], LabelRule(reduce_labels("sum", mean=True)))
 _register(["ReduceMax"], LabelRule(reduce_labels("max")))
 _register(["Softmax", "LogSoftmax"], LabelRule(identity_labels(softmax_axes)))
 _register(["LayerNorm"], LabelRule(layer_norm_labels))
+_register(["RmsNorm"], LabelRule(rms_norm_labels))
 _register(["BiasAdd"], LabelRule(bias_add_labels))
 _register(["Transpose"], LabelRule(transpose_labels))
 _register(["ExpandDims"], LabelRule(expand_dims_labels))
@@ -606,12 +833,14 @@ _register(["Concat"], LabelRule(concat_labels))
 _register(["Split"], LabelRule(split_labels))
 _register(["StridedSlice"], LabelRule(strided_slice_labels))
 _register(["BroadcastTo"], LabelRule(broadcast_to_labels))
-_register(["OneHot"], LabelRule(one_hot_labels))
+RULES["OneHot"] = OneHotRule()
 _register(["SoftmaxCrossEntropyWithLogits"], LabelRule(softmax_ce_labels))
 _register(["SparseSoftmaxCrossEntropyWithLogits"], LabelRule(sparse_softmax_ce_labels))
 _register(["Conv2D"], LabelRule(conv2d_labels))
 _register(["MaxPool", "AvgPool"], LabelRule(pool_labels))
 RULES["Gather"] = GatherRule()
+RULES["Tile"] = TileRule()
+RULES["FlashAttentionScore"] = FlashAttentionRule()
 
 # Ops without a strategy of their own: Reshape is planned as a redistribution between the
 # layouts around it; tuple plumbing passes layouts through.

@@ -24,6 +24,7 @@ class DType(enum.Enum):
     bfloat16 = "BFloat16"
     int32 = "Int32"
     int64 = "Int64"
+    uint8 = "UInt8"
     bool_ = "Bool"
 
     @property
@@ -67,6 +68,7 @@ _NP: dict[DType, np.dtype] = {
     DType.bfloat16: np.dtype(ml_dtypes.bfloat16),
     DType.int32: np.dtype(np.int32),
     DType.int64: np.dtype(np.int64),
+    DType.uint8: np.dtype(np.uint8),
     DType.bool_: np.dtype(np.bool_),
 }
 
@@ -76,6 +78,7 @@ float16 = DType.float16
 bfloat16 = DType.bfloat16
 int32 = DType.int32
 int64 = DType.int64
+uint8 = DType.uint8
 bool_ = DType.bool_
 
 

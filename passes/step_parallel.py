@@ -332,6 +332,10 @@ class RankBuilder:
         user = {k: v for k, v in node.attrs.items() if k not in opdef.attrs}
         info = ParallelInfo(in_strategy=sharding.strategy,
                             out_strategy=node.parallel.out_strategy if node.parallel else None)
+        if sharding.expand == "offset_one_hot":
+            operands = [self.one_hot_local_indices(node, b, operands[0], sharding)]
+        if sharding.expand == "attention_query_split":
+            attrs.update(self.attention_query_window(node, sharding))
         if sharding.expand == "masked_gather":
             out = self.masked_gather(node, b, operands, sharding)
         else:
@@ -406,6 +410,39 @@ class RankBuilder:
                           parallel=ParallelInfo(in_strategy=sharding.strategy))
         mask = b.emit("ExpandDims", [mask], {"axis": -1})
         return b.emit("Mul", [gathered, mask])
+
+    def one_hot_local_indices(self, node: Node, b: Builder, idx: Value,
+                              sharding: OpSharding) -> Value:
+        """OneHot with a split depth axis: this rank holds classes [start, start + depth) of
+        the output, so it looks up `indices - start` (outside [0, depth): all off_value)."""
+        axis = int(node.attrs["axis"]) % len(sharding.out_layouts[0].shape)
+        start = self.rank_constant(RankScalar(layout_offsets(sharding.out_layouts[0]), axis),
+                                   idx.dtype)
+        return b.emit("Sub", [idx, start],
+                      parallel=ParallelInfo(extra={
+                          "reason": f"OneHot '{node.instance_name}': each rank holds a slice "
+                                    "of the classes (its depth axis is split); the indices are "
+                                    "shifted by the first class it holds"}))
+
+    def attention_query_window(self, node: Node, sharding: OpSharding) -> dict[str, Any]:
+        """FlashAttentionScore with a split query sequence: this rank's query slice keeps
+        the positions the whole query keeps once its window is moved to the slice."""
+        from pcompile.ir.ops.attention import QueryWindow, attention_dims, query_split_window
+
+        q_layout = sharding.in_layouts[0]
+        dims = attention_dims(q_layout.shape, node.operands[1].shape,
+                              int(node.attrs["head_num"]), str(node.attrs["input_layout"]))
+        length = q_layout.slice_shape[dims.seq_dim]
+        count = dims.q_seq // length
+        if count == 1 or int(node.attrs["sparse_mode"]) == 1:
+            return {}
+        window = {k: int(node.attrs[k]) for k in ("sparse_mode", "pre_tokens", "next_tokens")}
+        start = RankScalar(layout_offsets(q_layout), dims.seq_dim)
+        out = query_split_window(window, dims.q_seq, dims.kv_seq, 0, count)
+        out.update({key: self.rank_value(QueryWindow(tuple(window.items()), dims.q_seq,
+                                                     dims.kv_seq, start, length, key))
+                    for key in ("pre_tokens", "next_tokens")})
+        return out
 
     def lower_reshape(self, node: Node) -> None:
         (value,) = node.operands

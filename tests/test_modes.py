@@ -78,7 +78,7 @@ def test_data_parallel_with_gradients_mean_matches_single_device(example) -> Non
     assert len(mirrors) == len(graph.weights)
     assert all(len(n.attrs["rank_list"]) == 8 and n.attrs["mean_flag"] for n in mirrors)
     report = check(program, steps=2)
-    assert report.ok(1e-5, 1e-4 if example == "gpt_block.py" else 1e-5), report.worst
+    assert report.ok(), report.worst
 
 
 def test_data_parallel_without_mean_sums_gradients(tmp_path) -> None:
@@ -98,7 +98,7 @@ def test_hybrid_manual_parallel_matches_single_device(tmp_path) -> None:
     # Each rank traced its own graph: rank 3 slices rows 12..16 of the batch.
     first = program.rank_graph(3).nodes[0]
     assert first.op == "StridedSlice" and first.attrs["begin"][0] == 12
-    assert check(program, steps=2).ok(1e-5)
+    assert check(program, steps=2).ok()
 
 
 def test_layerwise_parallel_parameter_gets_no_mirror(tmp_path) -> None:
@@ -130,7 +130,7 @@ def test_semi_auto_without_loss_repeated_mean_counts_every_copy(tmp_path) -> Non
         np.testing.assert_allclose(par[name], 8 * one[name], rtol=1e-4, atol=1e-7)
     default = compile_model(sgd_model(tmp_path), devices=8, dump=False)
     assert any(n.op == "_VirtualDiv" for n in default.rank_graph(0).nodes)
-    assert check(default).ok(1e-5)
+    assert check(default).ok()
 
 
 def fp16_model(tmp_path, sync: bool) -> str:
@@ -214,7 +214,7 @@ def inputs():
 """)
     plain = compile_model(str(path), devices=8, dump=False)
     assert [n.op for n in plain.rank_graph(0).nodes] == ["ReduceMean", "AllReduce", "RealDiv"]
-    assert check(plain).ok(1e-6)
+    assert check(plain).ok()
     path.write_text(path.read_text().replace("CROSS = False", "CROSS = True"))
     cross = compile_model(str(path), devices=8, dump=False)
     assert [n.op for n in cross.rank_graph(0).nodes] == ["ReduceMean"]

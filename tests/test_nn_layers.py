@@ -112,6 +112,7 @@ _JAX_ACT: dict[str | None, Callable[[Any], Any]] = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=True),
     "tanh": jnp.tanh,
     "sigmoid": jax.nn.sigmoid,
+    "silu": jax.nn.silu,
     "softmax": lambda x: jax.nn.softmax(x, axis=-1),
 }
 
@@ -125,7 +126,7 @@ _JAX_ACT: dict[str | None, Callable[[Any], Any]] = {
     in_ch=st.integers(1, 6),
     out_ch=st.integers(1, 6),
     has_bias=st.booleans(),
-    activation=st.sampled_from([None, "relu", "gelu", "tanh", "sigmoid", "softmax"]),
+    activation=st.sampled_from([None, "relu", "gelu", "tanh", "sigmoid", "silu", "softmax"]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_dense(batch, in_ch, out_ch, has_bias, activation, seed):
@@ -349,7 +350,7 @@ def test_conv2d_names_and_errors():
 @SETTINGS
 @given(
     shape=st.lists(st.integers(1, 4), min_size=1, max_size=4),
-    which=st.sampled_from(["relu", "gelu", "tanh", "sigmoid", "softmax", "logsoftmax"]),
+    which=st.sampled_from(["relu", "gelu", "tanh", "sigmoid", "silu", "softmax", "logsoftmax"]),
     data=st.data(),
     seed=st.integers(0, 2**31 - 1),
 )
@@ -360,7 +361,8 @@ def test_activations(shape, which, data, seed):
         "relu": (nn.ReLU(), jax.nn.relu),
         "gelu": (nn.GELU(), lambda x: jax.nn.gelu(x, approximate=True)),
         "tanh": (nn.Tanh(), jnp.tanh),
-        "sigmoid": (nn.layers.Sigmoid(), jax.nn.sigmoid),
+        "sigmoid": (nn.Sigmoid(), jax.nn.sigmoid),
+        "silu": (nn.SiLU(), jax.nn.silu),
         "softmax": (nn.Softmax(axis), lambda x: jax.nn.softmax(x, axis=axis)),
         "logsoftmax": (nn.layers.LogSoftmax(axis), lambda x: jax.nn.log_softmax(x, axis=axis)),
     }
@@ -534,3 +536,67 @@ def test_dense_input_error_names_scope():
 
     with pytest.raises(LayerInputError, match=r"Default/layer1-Dense.*in_channels=4.*\(2, 3\)"):
         trace_cell(Net(), np.zeros((2, 3), np.float32))
+
+
+class _ListNet(nn.Cell):
+    """Blocks held by a CellList, called by index and by iteration, as mindformers does."""
+
+    def __init__(self, count: int):
+        super().__init__()
+        self.embedding = nn.Embedding(10, 4)
+        self.layers = nn.CellList()
+        for _ in range(count):
+            self.layers.append(_Block())
+        self.extra = nn.CellList([nn.SiLU()])
+
+    def construct(self, ids):
+        x = self.embedding(ids)
+        for i in range(len(self.layers) - 1):
+            x = self.layers[i](x)
+        for act in self.extra:
+            x = act(x)
+        return self.layers[-1](x)
+
+
+def test_cell_list_names_scopes_and_values():
+    net = _ListNet(3)
+    ids = np.random.default_rng(9).integers(0, 10, (2, 5)).astype(np.int32)
+    graph, values = trace_cell(net, ids)
+    assert list(values)[:4] == ["embedding.embedding_table", "layers.0.ln.gamma",
+                                "layers.0.ln.beta", "layers.0.fc.weight"]
+    assert "layers.2.fc.bias" in values
+    scopes = {n.scope for n in graph.nodes}
+    assert "Default/layers-CellList/1-_Block/fc-Dense" in scopes
+    assert "Default/extra-CellList/0-SiLU" in scopes
+
+    def block(p, prefix, x):
+        mean = jnp.mean(x, -1, keepdims=True)
+        var = jnp.mean((x - mean) ** 2, -1, keepdims=True)
+        h = (x - mean) / jnp.sqrt(var + 1e-7) * p[prefix + "ln.gamma"] + p[prefix + "ln.beta"]
+        return h @ p[prefix + "fc.weight"].T + p[prefix + "fc.bias"]
+
+    def ref(p, ids):
+        x = p["embedding.embedding_table"][ids]
+        x = jax.nn.silu(block(p, "layers.1.", block(p, "layers.0.", x)))
+        return block(p, "layers.2.", x)
+
+    check_cell(net, [ids], ref, rtol=5e-5)
+
+
+def test_cell_list_container_operations():
+    a, b, c = nn.ReLU(), nn.Tanh(), nn.SiLU()
+    cells = nn.CellList([a, b])
+    cells.insert(0, c)
+    assert list(cells) == [c, a, b] and list(cells.name_cells()) == ["0", "1", "2"]
+    assert cells[-1] is b and len(cells[1:]) == 2 and cells[1:][0] is a
+    cells[1] = nn.GELU()
+    del cells[0]
+    assert [type(x).__name__ for x in cells] == ["GELU", "Tanh"]
+    cells.extend([nn.ReLU()])
+    assert len(cells) == 3 and cells[2]._attr_name == "2"
+    with pytest.raises(TypeError, match="must be a Cell"):
+        cells.append(lambda x: x)
+    with pytest.raises(IndexError, match="out of range"):
+        cells[3]
+    with pytest.raises(TypeError, match="cannot be called"):
+        cells(np.zeros(2, np.float32))

@@ -143,6 +143,7 @@ UNARY: dict[str, tuple[Callable[..., Any], Maker]] = {
     "Tanh": (jnp.tanh, moderate),
     "Sigmoid": (jax.nn.sigmoid, moderate),
     "GeLU": (lambda x: jax.nn.gelu(x, approximate=True), moderate),
+    "SiLU": (jax.nn.silu, moderate),
 }
 
 
@@ -155,7 +156,7 @@ def test_unary(op: str, shape: tuple[int, ...], seed: int) -> None:
     check_op(op, [make(rng, shape)], {}, reference, seed=seed)
 
 
-@pytest.mark.parametrize("op", ["Sigmoid", "Tanh", "GeLU", "Exp"])
+@pytest.mark.parametrize("op", ["Sigmoid", "Tanh", "GeLU", "SiLU", "Exp"])
 def test_unary_extreme_values(op: str) -> None:
     scale = 0.5 if op == "Exp" else 1.0  # exp(80) overflows float32
     x = np.array([-90.0, -30.0, -8.0, -1e-3, 0.0, 1e-3, 8.0, 30.0, 80.0], np.float32) * scale
@@ -217,6 +218,15 @@ def test_gelu_grad(shape: tuple[int, ...], seed: int) -> None:
         lambda dy_, x_: jax.vjp(gelu, x_)[1](dy_)[0],
         grad=False,
     )
+
+
+@FEW
+@given(SHAPES, SEEDS)
+def test_silu_grad(shape: tuple[int, ...], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    dy, x = normal(rng, shape), moderate(rng, shape)
+    check_op("SiLUGrad", [dy, x], {}, lambda dy_, x_: jax.vjp(jax.nn.silu, x_)[1](dy_)[0],
+             grad=False)
 
 
 @FEW
@@ -288,20 +298,44 @@ def test_select(shapes: Any, seed: int) -> None:
 
 
 COMPARISONS = {
+    "Equal": jnp.equal,
+    "NotEqual": jnp.not_equal,
     "Greater": jnp.greater,
     "GreaterEqual": jnp.greater_equal,
     "Less": jnp.less,
-    "Equal": jnp.equal,
+    "LessEqual": jnp.less_equal,
 }
+COMPARED_DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, np.int32, np.int64, np.uint8,
+                   np.bool_]
 
 
-@SOME
-@given(st.sampled_from(sorted(COMPARISONS)), PAIRS, st.sampled_from([np.float32, np.int32]), SEEDS)
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(sorted(COMPARISONS)), PAIRS, st.sampled_from(COMPARED_DTYPES), SEEDS)
 def test_comparison(op: str, shapes: Any, dtype: Any, seed: int) -> None:
     rng = np.random.default_rng(seed)
     sx, sy = shapes.input_shapes
-    x, y = small_ints(rng, sx).astype(dtype), small_ints(rng, sy).astype(dtype)
+    # Integer-valued operands in [0, 2]: equal elements are common, every dtype holds them.
+    x, y = rng.integers(0, 3, sx).astype(dtype), rng.integers(0, 3, sy).astype(dtype)
     check_op(op, [x, y], {}, COMPARISONS[op])
+
+
+@SOME
+@given(st.sampled_from(["LogicalAnd", "LogicalOr"]), PAIRS, SEEDS)
+def test_logical_binary(op: str, shapes: Any, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    sx, sy = shapes.input_shapes
+    fn = {"LogicalAnd": jnp.logical_and, "LogicalOr": jnp.logical_or}[op]
+    check_op(op, [rng.random(sx) < 0.5, rng.random(sy) < 0.5], {}, fn)
+
+
+@SOME
+@given(TRIPLES, st.sampled_from([np.float16, ml_dtypes.bfloat16, np.int32, np.uint8, np.bool_]),
+       SEEDS)
+def test_select_other_dtypes(shapes: Any, dtype: Any, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    sc, sx, sy = shapes.input_shapes
+    x, y = rng.integers(0, 5, sx).astype(dtype), rng.integers(0, 5, sy).astype(dtype)
+    check_op("Select", [rng.random(sc) < 0.5, x, y], {}, jnp.where, seed=seed)
 
 
 def test_comparison_stops_gradient() -> None:
@@ -361,6 +395,10 @@ F32, I32, BOOL = DType.float32, DType.int32, DType.bool_
         ("Select", [(BOOL, (3,)), (F32, (2,)), (F32, (2,))], {}, "cannot be broadcast"),
         ("Greater", [(F32, (2,)), (F32, (3,))], {}, "cannot be broadcast"),
         ("LogicalNot", [(F32, (2,))], {}, "Bool"),
+        ("LogicalAnd", [(BOOL, (2,)), (I32, (2,))], {}, "y must be Bool, got Int32"),
+        ("LogicalOr", [(BOOL, (2,)), (BOOL, (3,))], {}, "cannot be broadcast"),
+        ("NotEqual", [(F32, (2,)), (I32, (2,))], {}, "one dtype"),
+        ("SiLU", [(I32, (2,))], {}, "floating-point"),
         ("SqrtGrad", [(I32, (2,)), (I32, (2,))], {}, "floating-point"),
     ],
 )

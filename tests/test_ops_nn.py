@@ -7,6 +7,7 @@ from typing import Any
 import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -419,3 +420,67 @@ def test_sparse_labels_out_of_range_rejected_by_numpy() -> None:
     g.outputs = [Builder(g)("SparseSoftmaxCrossEntropyWithLogits", logits, labels)]
     with pytest.raises(ValueError, match="labels must lie in"):
         run_graph(g, [np.zeros((2, 3), np.float32), np.array([0, 3], np.int32)])
+
+
+# -- RmsNorm ------------------------------------------------------------------------------------
+
+
+def _rms_norm_ref(epsilon: float) -> Any:
+    def ref(x: Any, gamma: Any) -> Any:
+        xa = x.astype(jnp.float32)
+        axes = tuple(range(x.ndim - gamma.ndim, x.ndim))
+        rstd = lax.rsqrt(jnp.mean(xa * xa, axis=axes, keepdims=True) + epsilon)
+        return (xa * rstd * gamma.astype(jnp.float32)).astype(x.dtype), rstd
+
+    return ref
+
+
+@st.composite
+def _rms_case(draw: Any) -> tuple[tuple[int, ...], int]:
+    shape = draw(hnp.array_shapes(min_dims=1, max_dims=4, min_side=1, max_side=5))
+    return shape, draw(st.integers(1, len(shape)))
+
+
+@settings(max_examples=15, deadline=None)
+@given(_rms_case(), st.sampled_from([1e-6, 1e-5, 0.5]), st.integers(0, 2**31 - 1))
+def test_rms_norm(case: tuple[tuple[int, ...], int], epsilon: float, seed: int) -> None:
+    """y and rstd; gradients for random cotangents of both (rstd's too, though MindSpore's
+    bprop drops it: pcompile differentiates what the program computes)."""
+    shape, k = case
+    rng = np.random.default_rng(seed)
+    x = (2.0 * rng.standard_normal(shape)).astype(np.float32)
+    gamma = rng.standard_normal(shape[len(shape) - k:]).astype(np.float32)
+    # Each output element (and gradient) accumulates the n terms of its row: float32 rounding
+    # of a sum grows like n units of the last place.
+    n = int(np.prod(shape[len(shape) - k:]))
+    eps = float(np.finfo(np.float32).eps)
+    check_op("RmsNorm", [x, gamma], {"epsilon": epsilon}, _rms_norm_ref(epsilon), seed=seed,
+             rtol=4 * eps * (2 + n))
+
+
+@settings(max_examples=10, deadline=None)
+@given(_rms_case(), st.sampled_from([np.float16, ml_dtypes.bfloat16]), st.integers(0, 2**31 - 1))
+def test_rms_norm_low_precision(case: tuple[tuple[int, ...], int], dtype: Any, seed: int) -> None:
+    shape, k = case
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(dtype)
+    gamma = rng.standard_normal(shape[len(shape) - k:]).astype(dtype)
+    # Computed in float32 on every side; y and the gradients are rounded once to 16 bits.
+    eps = float(ml_dtypes.finfo(dtype).eps)
+    check_op("RmsNorm", [x, gamma], {}, _rms_norm_ref(1e-6), seed=seed, rtol=2 * eps)
+
+
+def test_rms_norm_default_epsilon_and_grad_op() -> None:
+    x = np.random.default_rng(1).standard_normal((2, 3, 8)).astype(np.float32)
+    gamma = np.linspace(0.5, 1.5, 8, dtype=np.float32)
+    check_op("RmsNorm", [x, gamma], {}, _rms_norm_ref(1e-6))
+    graph = Graph("g")
+    px = graph.add_param(GraphParam(TensorType(DType.float32, x.shape), "x", "weight", True))
+    pg = graph.add_param(GraphParam(TensorType(DType.float32, gamma.shape), "g", "weight", True))
+    b = Builder(graph)
+    y = b("TupleGetItem", b("RmsNorm", px, pg), index=0)
+    loss = b("ReduceSum", y, axis=(), keep_dims=False)
+    append_gradients(graph, loss, [px, pg])
+    ops = [n.op for n in graph.nodes]
+    # rstd's cotangent is zero here: no extra nodes beyond MindSpore's RmsNormGrad.
+    assert ops.count("RmsNormGrad") == 1 and "Cast" not in ops

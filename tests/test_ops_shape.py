@@ -390,6 +390,9 @@ def _emit(
             "axis 2 is out of range for rank 2",
         ),
         ("OneHot", [(3,)], [DType.int32], {"depth": 4, "axis": 2}, r"axis 2 is out of range"),
+        ("Tile", [(3,)], [DType.float32], {"multiples": (0,)}, "positive ints"),
+        ("Tile", [(3,)], [DType.float32], {"multiples": [2]}, r"write \(2,\)"),
+        ("Tile", [(3,)], [DType.float32], {}, "needs attribute multiples"),
         ("OneHot", [(3,)], [DType.float32], {"depth": 4}, "indices must be Int32 or Int64"),
         ("OneHot", [(3,)], [DType.int32], {"depth": 4, "dtype": "float32"}, "must be an ir.types"),
     ],
@@ -419,3 +422,28 @@ def test_tuple_get_item_errors() -> None:
 def test_strided_slice_grad_shape_mismatch() -> None:
     with pytest.raises(OpError, match=r"dy has shape \(3,\) but slicing \(4,\)"):
         _emit("StridedSliceGrad", [(3,)], shape=(4,), begin=(0,), end=(4,), strides=(2,))
+
+
+# -- Tile ---------------------------------------------------------------------------------------
+
+
+@st.composite
+def _tile_case(draw: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    shape = draw(SHAPES)
+    extra = draw(st.integers(0, 2))
+    count = draw(st.integers(max(0, len(shape) - 1), len(shape) + extra))
+    return shape, tuple(draw(st.integers(1, 3)) for _ in range(count))
+
+
+@EXAMPLES
+@given(_tile_case(), SEEDS)
+def test_tile(case: tuple[tuple[int, ...], tuple[int, ...]], seed: int) -> None:
+    """Fewer multiples than dims, more, or as many (numpy's padding with leading 1s)."""
+    shape, reps = case
+    check_op("Tile", [_rand(shape, seed)], {"multiples": reps}, lambda x: jnp.tile(x, reps))
+
+
+def test_tile_as_repeat_kv() -> None:
+    """mindformers' _repeat_kv: (bs, n_kv, 1, seq * hd) tiled (1, 1, rep, 1)."""
+    x = _rand((2, 2, 1, 12), 3)
+    check_op("Tile", [x], {"multiples": (1, 1, 3, 1)}, lambda x: jnp.tile(x, (1, 1, 3, 1)))

@@ -50,7 +50,7 @@ def test_examples_train_like_one_device(name: str, mode: str) -> None:
     assert program.state.parallel_mode == "auto_parallel"
     assert program.state.search.strategies
     report = check(program, steps=1)
-    assert report.ok(1e-5, 1e-4), (report.losses, report.worst)
+    assert report.ok(), (report.losses, report.worst)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -61,7 +61,7 @@ def test_larger_examples_on_16_devices(name: str, mode: str, monkeypatch) -> Non
     monkeypatch.setenv("GPT_BATCH", "16")
     program = compile_model(example(name), devices=16, search_mode=mode, dump=False)
     report = check(program, steps=1)
-    assert report.ok(1e-5, 1e-4), (report.losses, report.worst)
+    assert report.ok(), (report.losses, report.worst)
 
 
 def test_quickstart_seed_strategies_and_rank0_dump(tmp_path) -> None:
@@ -87,7 +87,7 @@ def test_quickstart_seed_strategies_and_rank0_dump(tmp_path) -> None:
     assert rank0.param("w2").shape == (4, 16)
     mm2 = next(n for n in fwd if n.instance_name == "matmul2")
     assert [v.shape for v in mm2.operands] == [(8, 4), (4, 16)]
-    assert check(program, steps=2).ok(1e-5)
+    assert check(program, steps=2).ok()
 
 
 def test_quickstart_with_todays_default_prefers_the_cheaper_relu() -> None:
@@ -159,7 +159,7 @@ def test_loaded_strategies_override_the_search(tmp_path) -> None:
                             overrides={"strategy_ckpt_config": {"load_file": str(path)}})
     mm2 = next(n for n in program.graph.nodes if n.instance_name == "matmul2")
     assert program.state.assignment.sharding(mm2).strategy == ((1, 8), (8, 1))
-    assert check(program, steps=1).ok(1e-5)
+    assert check(program, steps=1).ok()
 
 
 def test_checkpoint_must_be_json(tmp_path) -> None:
@@ -210,7 +210,7 @@ def test_non_power_of_two_devices(mode: str, tmp_path) -> None:
     program = compile_model(str(path), devices=6, search_mode=mode, dump=False)
     assert any(3 in s or 6 in s for strategy in program.state.search.strategies.values()
                for s in strategy)
-    assert check(program, steps=1).ok(1e-5)
+    assert check(program, steps=1).ok()
 
 
 @pytest.mark.parametrize("mode", ["sharding_propagation", "recursive_programming"])
@@ -219,4 +219,4 @@ def test_gpt_block_on_64_devices_matches_single_device(mode, monkeypatch) -> Non
     program = compile_model(os.path.join(ROOT, "examples", "gpt_block.py"), devices=64,
                             search_mode=mode, dump=False)
     # AdamWeightDecay parameters: see compiler.oracle.OracleReport.ok on param_rtol.
-    assert check(program, steps=1).ok(1e-5, 1e-4)
+    assert check(program, steps=1).ok()

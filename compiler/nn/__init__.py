@@ -3,6 +3,7 @@
 from pcompile.compiler.nn.cell import Cell
 from pcompile.compiler.nn.layers import (
     GELU,
+    CellList,
     Conv2d,
     Dense,
     Dropout,
@@ -11,6 +12,8 @@ from pcompile.compiler.nn.layers import (
     LayerNorm,
     ReLU,
     SequentialCell,
+    Sigmoid,
+    SiLU,
     Softmax,
     Tanh,
 )
@@ -32,10 +35,13 @@ __all__ = [
     "ReLU",
     "GELU",
     "Tanh",
+    "Sigmoid",
+    "SiLU",
     "Softmax",
     "Flatten",
     "Dropout",
     "SequentialCell",
+    "CellList",
     "Conv2d",
     "MSELoss",
     "L1Loss",

@@ -8,6 +8,7 @@ parameters are named by their attribute path (`layer1.weight`), as in MindSpore.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
@@ -156,7 +157,14 @@ class Cell:
         if tracer is None:
             return self.construct(*args, **kwargs)
         part = f"{self._attr_name or 'cell'}-{type(self).__name__}"
-        with tracer.cell_scope(part):
+        with contextlib.ExitStack() as scopes:
+            # A cell held by a CellList (which is never called itself) has the list in its
+            # scope, as in MindSpore: .../layers-CellList/0-Block.
+            container = self.__dict__.get("_container")
+            if container is not None and container._cells.get(self._attr_name) is self:
+                scopes.enter_context(tracer.cell_scope(
+                    f"{container._attr_name or 'cell'}-{type(container).__name__}"))
+            scopes.enter_context(tracer.cell_scope(part))
             if self.shard_config is not None:
                 from pcompile.compiler.functional_shard import call_sharded
 

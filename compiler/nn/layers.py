@@ -176,6 +176,17 @@ class Sigmoid(Cell):
         return self.sigmoid(x)
 
 
+class SiLU(Cell):
+    """x * sigmoid(x), element-wise (also called swish)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.silu = ops.SiLU()
+
+    def construct(self, x: Tensor) -> Tensor:
+        return self.silu(x)
+
+
 def _axis_arg(axis: Any, owner: str) -> int | tuple[int, ...]:
     if _is_int(axis):
         return int(axis)
@@ -215,6 +226,7 @@ _ACTIVATIONS: dict[str, type[Cell]] = {
     "gelu": GELU,
     "tanh": Tanh,
     "sigmoid": Sigmoid,
+    "silu": SiLU,
     "softmax": Softmax,
     "logsoftmax": LogSoftmax,
 }
@@ -232,7 +244,7 @@ class _PrimitiveActivation(Cell):
 
 
 def get_activation(activation: Any, owner: str = "get_activation") -> Cell | None:
-    """An activation Cell from a name ('relu', 'gelu', 'tanh', 'sigmoid', 'softmax',
+    """An activation Cell from a name ('relu', 'gelu', 'tanh', 'sigmoid', 'silu', 'softmax',
     'logsoftmax'), a Cell, a primitive, or None."""
     if activation is None or isinstance(activation, Cell):
         return activation
@@ -687,3 +699,95 @@ class SequentialCell(Cell):
         for cell in self.name_cells().values():
             x = cell(x)
         return x
+
+
+class CellList(Cell):
+    """A list of cells, as MindSpore's `nn.CellList`: the network calls its cells itself
+    (`for layer in self.layers: x = layer(x)` or `self.layers[i](x)`); the list is never called.
+    Children are named "0", "1", ... so their parameters are `layers.0.weight`, ..., and their
+    scopes `.../layers-CellList/0-Block/...`, as in MindSpore's dumps."""
+
+    def __init__(self, args: Any = None, auto_prefix: bool = True) -> None:
+        super().__init__(auto_prefix=auto_prefix)
+        if args is not None:
+            self.extend(args)
+
+    def _check(self, cell: Any, where: str) -> Cell:
+        if not isinstance(cell, Cell):
+            raise TypeError(f"CellList{where}: every item must be a Cell, got "
+                            f"{type(cell).__name__} {cell!r}")
+        return cell
+
+    def _reset(self, cells: list[Cell]) -> None:
+        """Rename the children to their positions after an insert or delete."""
+        for name in list(self._cells):
+            delattr(self, name)
+        for i, cell in enumerate(cells):
+            object.__setattr__(cell, "_attr_name", "")
+            self._put(str(i), cell)
+
+    def _put(self, name: str, cell: Cell) -> None:
+        setattr(self, name, cell)
+        object.__setattr__(cell, "_container", self)
+
+    def _index(self, index: Any) -> int:
+        if not _is_int(index):
+            raise TypeError(f"CellList indices must be ints or slices, got {index!r}")
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"CellList index {index} out of range for {n} cells")
+        return int(index) % n
+
+    def append(self, cell: Cell) -> CellList:
+        self._put(str(len(self)), self._check(cell, ".append"))
+        return self
+
+    def extend(self, cells: Any) -> CellList:
+        if isinstance(cells, Cell) or not hasattr(cells, "__iter__"):
+            raise TypeError(f"CellList.extend: expected a list of cells, got "
+                            f"{type(cells).__name__}")
+        for cell in cells:
+            self.append(cell)
+        return self
+
+    def insert(self, index: int, cell: Cell) -> None:
+        cells = list(self)
+        if not _is_int(index):
+            raise TypeError(f"CellList indices must be ints, got {index!r}")
+        cells.insert(index, self._check(cell, ".insert"))
+        self._reset(cells)
+
+    def __len__(self) -> int:
+        return len(self._cells)
+
+    def __iter__(self) -> Iterator[Cell]:
+        return iter(list(self._cells.values()))
+
+    def __getitem__(self, index: int | slice) -> Any:
+        cells = list(self._cells.values())
+        if isinstance(index, slice):
+            # A view: the cells keep their names and scopes in this list.
+            view = CellList()
+            for i, cell in enumerate(cells[index]):
+                setattr(view, str(i), cell)
+            return view
+        return cells[self._index(index)]
+
+    def __setitem__(self, index: int, cell: Cell) -> None:
+        cells = list(self)
+        cells[self._index(index)] = self._check(cell, "[...] =")
+        self._reset(cells)
+
+    def __delitem__(self, index: int | slice) -> None:
+        cells = list(self)
+        if isinstance(index, slice):
+            del cells[index]
+        else:
+            del cells[self._index(index)]
+        self._reset(cells)
+
+    def construct(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            "a CellList is a container and cannot be called; call its cells instead "
+            "(for cell in self.layers: x = cell(x))"
+        )

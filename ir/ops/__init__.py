@@ -1,3 +1,12 @@
 """Primitive definitions. Importing this package registers every op."""
 
-from pcompile.ir.ops import comm, elementwise, linalg, nn, reduce, shape  # noqa: F401
+from pcompile.ir.ops import (  # noqa: F401
+    attention,
+    comm,
+    elementwise,
+    linalg,
+    nn,
+    norm,
+    reduce,
+    shape,
+)

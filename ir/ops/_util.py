@@ -66,6 +66,14 @@ def infer_compare(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
     return TensorType(DType.bool_, broadcast_shapes(a.shape, b.shape))
 
 
+def is_zero(value: Value) -> bool:
+    """Whether `value` is a constant of zeros (autodiff's cotangent of an unused tuple
+    element), so a vjp can skip the work it would feed."""
+    from pcompile.ir.core import Constant
+
+    return isinstance(value, Constant) and not value.array.any()
+
+
 def tuple_type(*elements: TensorType) -> TupleType:
     return TupleType(tuple(elements))
 

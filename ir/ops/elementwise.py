@@ -1,13 +1,14 @@
 """Element-wise primitives (numpy broadcasting) and the small ops their vjps need.
 
 Binary: Add, Sub, Mul, RealDiv, Maximum, Minimum, Pow. Unary: ReLU, Neg, Exp, Log, Sqrt, Rsqrt,
-Square, Tanh, Sigmoid, GeLU. Others: BiasAdd, Cast, Select. Comparisons (Greater, GreaterEqual,
-Less, Equal, LogicalNot) and gradient helpers (ReluGrad, SqrtGrad, RsqrtGrad, TanhGrad,
-SigmoidGrad, GeLUGrad) stop gradients (`differentiable=False`).
+Square, Tanh, Sigmoid, GeLU, SiLU. Others: BiasAdd, Cast, Select. Comparisons (Equal, NotEqual,
+Greater, GreaterEqual, Less, LessEqual), logical ops (LogicalAnd, LogicalOr, LogicalNot) and
+gradient helpers (ReluGrad, SqrtGrad, RsqrtGrad, TanhGrad, SigmoidGrad, GeLUGrad, SiLUGrad) stop
+gradients (`differentiable=False`).
 
 Gradient-helper operand order follows MindSpore: `SqrtGrad(y, dy)`, `RsqrtGrad(y, dy)`,
-`TanhGrad(y, dy)`, `SigmoidGrad(y, dy)` take the forward output first; `ReluGrad(dy, y)` and
-`GeLUGrad(dy, x)` take the incoming gradient first.
+`TanhGrad(y, dy)`, `SigmoidGrad(y, dy)` take the forward output first; `ReluGrad(dy, y)`,
+`GeLUGrad(dy, x)` and `SiLUGrad(dy, x)` take the incoming gradient first.
 """
 
 from __future__ import annotations
@@ -508,6 +509,43 @@ register(
     )
 )
 
+# -- SiLU -----------------------------------------------------------------------------------
+
+
+def _silu_np(x: Any) -> Any:
+    return x * _sigmoid_np(x)
+
+
+def _silu_grad_formula(dy: Any, x: Any, sigmoid: Callable[[Any], Any]) -> Any:
+    """d/dx of x * s(x) = s + x s (1 - s), s = sigmoid(x)."""
+    sig = sigmoid(x)
+    return dy * (sig * (1.0 + x * (1.0 - sig)))
+
+
+register(
+    OpDef(
+        "SiLU",
+        infer_unary_float,
+        numpy=_np_in_f32(_silu_np),
+        jax=lambda x: jax.nn.silu(x),
+        vjp=lambda b, node, cot: [b("SiLUGrad", cot, node.operands[0])],
+        num_inputs=1,
+        doc="x * sigmoid(x) (also called swish).",
+    )
+)
+
+register(
+    OpDef(
+        "SiLUGrad",
+        _infer_binary_float,
+        numpy=_np_in_f32(lambda dy, x: _silu_grad_formula(dy, x, _sigmoid_np)),
+        jax=lambda dy, x: _silu_grad_formula(dy, x, jax.nn.sigmoid),
+        num_inputs=2,
+        differentiable=False,
+        doc="dy * d SiLU(x) / dx = dy * s (1 + x (1 - s)), s = sigmoid(x); operands (dy, x).",
+    )
+)
+
 # -- BiasAdd --------------------------------------------------------------------------------
 
 _CHANNEL_AXIS = {"NCHW": 1, "NCDHW": 1, "NHWC": -1}
@@ -587,16 +625,30 @@ def _cast_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [b("Cast", cot, dst_type=src)]
 
 
+def _cast_np(x: Any, dst_type: DType) -> Any:
+    x = np.asarray(x)
+    dst = dst_type.np
+    if x.dtype.kind == "f" or x.dtype == DType.bfloat16.np:
+        if dst.kind in "iu":
+            # XLA's float -> int conversion: truncate toward zero, saturate at the integer
+            # range, NaN -> 0 (numpy's cast of an out-of-range float is undefined).
+            info = np.iinfo(dst)
+            wide = np.nan_to_num(x.astype(np.float64), nan=0.0)
+            return np.trunc(np.clip(wide, info.min, info.max)).astype(dst)
+    return x.astype(dst)
+
+
 register(
     OpDef(
         "Cast",
         _cast_infer,
-        numpy=lambda x, dst_type: np.asarray(x).astype(dst_type.np),
+        numpy=_cast_np,
         jax=lambda x, dst_type: lax.convert_element_type(x, dst_type.np),
         vjp=_cast_vjp,
         attrs={"dst_type": DType.float32},
         num_inputs=1,
-        doc="Convert to dst_type (float->int truncates toward zero; to Bool is x != 0).",
+        doc="Convert to dst_type (float->int truncates toward zero and saturates at the integer "
+        "range, NaN -> 0; int->int wraps; to Bool is x != 0).",
     )
 )
 
@@ -636,10 +688,12 @@ register(
 # -- comparisons ----------------------------------------------------------------------------
 
 _COMPARISONS: dict[str, tuple[Callable[..., Any], Callable[..., Any], str]] = {
+    "Equal": (np.equal, jnp.equal, "x == y"),
+    "NotEqual": (np.not_equal, jnp.not_equal, "x != y"),
     "Greater": (np.greater, jnp.greater, "x > y"),
     "GreaterEqual": (np.greater_equal, jnp.greater_equal, "x >= y"),
     "Less": (np.less, jnp.less, "x < y"),
-    "Equal": (np.equal, jnp.equal, "x == y"),
+    "LessEqual": (np.less_equal, jnp.less_equal, "x <= y"),
 }
 
 for _name, (_np_fn, _jax_fn, _text) in _COMPARISONS.items():
@@ -662,6 +716,32 @@ def _logical_not_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueTy
         raise ShapeError(f"needs a Bool input, got {x.dtype.value}")
     return x
 
+
+def _logical_binary_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x, y = tensor(types[0], "x"), tensor(types[1], "y")
+    for name, t in (("x", x), ("y", y)):
+        if t.dtype is not DType.bool_:
+            raise ShapeError(f"{name} must be Bool, got {t.dtype.value} (use a comparison)")
+    return TensorType(DType.bool_, broadcast_shapes(x.shape, y.shape))
+
+
+_LOGICAL: dict[str, tuple[Callable[..., Any], Callable[..., Any], str]] = {
+    "LogicalAnd": (np.logical_and, jnp.logical_and, "x and y"),
+    "LogicalOr": (np.logical_or, jnp.logical_or, "x or y"),
+}
+
+for _name, (_np_fn, _jax_fn, _text) in _LOGICAL.items():
+    register(
+        OpDef(
+            _name,
+            _logical_binary_infer,
+            numpy=_np_fn,
+            jax=_jax_fn,
+            num_inputs=2,
+            differentiable=False,
+            doc=f"Element-wise {_text} of Bool tensors, with broadcasting.",
+        )
+    )
 
 register(
     OpDef(

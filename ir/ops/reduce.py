@@ -1,4 +1,4 @@
-"""Reductions (ReduceSum, ReduceMean, ReduceMax), BroadcastTo, ZerosLike and OnesLike.
+"""Reductions (ReduceSum, ReduceMean, ReduceMax), BroadcastTo, Tile, ZerosLike and OnesLike.
 
 Reductions take `axis`: a tuple of ints (negative counts from the end; `()` reduces every axis)
 and `keep_dims`: whether reduced axes stay as size-1 dims. The result has the input's dtype.
@@ -256,6 +256,60 @@ register(
         attrs={"shape": None},
         num_inputs=1,
         doc="Broadcast x to `shape` with numpy rules (-1 keeps the input's dim).",
+    )
+)
+
+# -- Tile ---------------------------------------------------------------------------------------
+
+
+def tile_multiples(multiples: Any, rank: int) -> tuple[int, ...]:
+    """`multiples` checked and padded with leading 1s to at least `rank` entries (x is padded
+    with leading size-1 dims to as many), as np.tile and MindSpore's Tile do."""
+    if not isinstance(multiples, tuple) or not all(
+        isinstance(m, int) and not isinstance(m, bool) and m >= 1 for m in multiples
+    ):
+        hint = f"; write {tuple(multiples)!r}" if isinstance(multiples, list) else ""
+        raise ShapeError(f"multiples must be a tuple of positive ints, got {multiples!r}{hint}")
+    return (1,) * (rank - len(multiples)) + multiples
+
+
+def _tile_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0])
+    if attrs["multiples"] is None:
+        raise ShapeError("needs attribute multiples, e.g. multiples=(1, 2)")
+    reps = tile_multiples(attrs["multiples"], x.rank)
+    padded = (1,) * (len(reps) - x.rank) + x.shape
+    return x.with_shape(tuple(m * d for m, d in zip(reps, padded)))
+
+
+def _tile_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    """Sum the copies: view the cotangent as (m0, d0, m1, d1, ...) and reduce the m axes."""
+    x = node.operands[0]
+    reps = tile_multiples(node.attrs["multiples"], len(x.shape))
+    padded = (1,) * (len(reps) - len(x.shape)) + tuple(x.shape)
+    if all(m == 1 for m in reps):
+        return [_reshape_same(b, cot, tuple(x.shape))]
+    split = tuple(v for m, d in zip(reps, padded) for v in (m, d))
+    axes = tuple(2 * i for i, m in enumerate(reps) if m > 1)
+    summed = b("ReduceSum", b("Reshape", cot, shape=split), axis=axes, keep_dims=False)
+    return [_reshape_same(b, summed, tuple(x.shape))]
+
+
+def _reshape_same(b: Builder, value: Value, shape: tuple[int, ...]) -> Value:
+    return value if value.shape == shape else b("Reshape", value, shape=shape)
+
+
+register(
+    OpDef(
+        "Tile",
+        _tile_infer,
+        numpy=lambda x, multiples: np.tile(x, multiples),
+        jax=lambda x, multiples: jnp.tile(x, multiples),
+        vjp=_tile_vjp,
+        attrs={"multiples": None},
+        num_inputs=1,
+        doc="x repeated multiples[i] times along dim i (x padded with leading size-1 dims, "
+        "multiples with leading 1s, to one rank).",
     )
 )
 

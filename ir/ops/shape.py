@@ -582,6 +582,8 @@ register(
 def _gather_grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
     dy, indices = tensor(types[0], "dy"), tensor(types[1], "indices")
     _check_indices(indices)
+    if dy.dtype is DType.bool_:
+        raise ShapeError("dy must be numeric (it is scatter-added), got Bool")
     shape = _int_tuple_attr(attrs, "shape")
     axis = _axis(attrs, len(shape))
     expected = shape[:axis] + indices.shape + shape[axis + 1 :]

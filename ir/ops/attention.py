@@ -1,0 +1,586 @@
+"""FlashAttentionScore (MindSpore's `ops.FlashAttentionScore`) and FlashAttentionScoreGrad.
+
+Operands: query, key, value and, optionally, attn_mask (MindSpore's other optional inputs,
+real_shift, drop_mask, padding_mask, prefix and the actual sequence lengths, are refused by the
+user-facing primitive). Attributes and outputs follow MindSpore:
+
+* `input_layout` BSH (B, S, N*D), SBH (S, B, N*D), BNSD (B, N, S, D) or BSND (B, S, N, D);
+  `head_num` is N1, the query's head count; key and value have N2 heads, N2 dividing N1
+  (grouped-query attention: query head h reads kv head h // (N1 / N2)).
+* scores = scale_value * query @ key^T in float32; positions masked out (below) get
+  -0.7 * float32 max before the float32 softmax (a row with every position masked averages
+  the values, as jax.nn.dot_product_attention does); probabilities are rounded to the value
+  dtype and multiplied by value.
+* `sparse_mode` (i a query position, j a key position, S1/S2 the query/kv lengths):
+  0 defaultMask: without attn_mask nothing is masked (pre_tokens/next_tokens ignored); with
+    it, keep where attn_mask == 0 and -pre_tokens <= j - i <= next_tokens;
+  1 allMask: keep where attn_mask == 0;
+  2 leftUpCausal: keep j <= i;
+  3 rightDownCausal: keep j - i <= S2 - S1;
+  4 band: keep -pre_tokens <= j - i - (S2 - S1) <= next_tokens.
+  In modes 2-4 attn_mask, when given, is the kernel's compressed (2048, 2048) causal pattern
+  and its values are not read. Modes 5-8 (prefix, global, dilated, block-local) are refused.
+* `keep_prob` must be 1.0 (dropout inside attention is refused); `inner_precise` selects a
+  precision mode of Ascend's kernel and is kept for the dump only.
+* Outputs: softmax_max and softmax_sum (Float32, (B, N1, S1, 8), the row max and the row sum
+  of exp(scores - max), repeated 8 times as the kernel stores them), softmax_out (a (1,)
+  placeholder of the query dtype, zeros) and attention_out (the query's shape and dtype).
+
+The JAX implementation computes attention_out with `jax.nn.dot_product_attention` (cuDNN's
+fused kernel on GPUs for 16-bit inputs, its XLA path elsewhere; 16-bit inputs on CPU use the
+same computation written out, see `_implementation`); the statistics are computed apart and
+removed by XLA when the program does not read them. Gradients flow through attention_out only:
+reading softmax_max/softmax_sum/softmax_out in a differentiated computation is refused.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Node, Value
+from pcompile.ir.errors import PcompileError, ShapeError
+from pcompile.ir.ops._util import is_zero, same_dtype, tensor, tuple_type
+from pcompile.ir.rank import RankScalar, RankValue
+from pcompile.ir.registry import OpDef, register
+from pcompile.ir.types import DType, TensorType, TupleType, ValueType
+
+LAYOUTS = ("BSH", "SBH", "BNSD", "BSND")
+INT_MAX = 2147483647
+SOFTMAX_LAST_DIM = 8
+COMPRESSED_MASK = (2048, 2048)
+SUPPORTED_SPARSE_MODES = (0, 1, 2, 3, 4)
+# jax.nn.dot_product_attention's fill for masked float32 logits.
+MASKED = -0.7 * float(np.finfo(np.float32).max)
+
+DEFAULTS: dict[str, Any] = {
+    "head_num": None,
+    "keep_prob": 1.0,
+    "scale_value": 1.0,
+    "pre_tokens": INT_MAX,
+    "next_tokens": INT_MAX,
+    "inner_precise": 0,
+    "input_layout": "BSH",
+    "sparse_mode": 0,
+}
+
+
+@dataclass(frozen=True)
+class AttentionDims:
+    """The sizes one FlashAttentionScore application works on."""
+
+    batch: int
+    q_seq: int
+    kv_seq: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    layout: str
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head."""
+        return self.q_heads // self.kv_heads
+
+    @property
+    def seq_dim(self) -> int:
+        """The query/key dim that holds the sequence in this layout."""
+        return {"BSH": 1, "SBH": 0, "BNSD": 2, "BSND": 1}[self.layout]
+
+    @property
+    def head_axis(self) -> int:
+        """The query/key dim that holds the heads (or the hidden size N * D)."""
+        return {"BSH": 2, "SBH": 2, "BNSD": 1, "BSND": 2}[self.layout]
+
+
+def _int(attrs: dict[str, Any], name: str) -> int:
+    value = attrs[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ShapeError(f"attribute {name} must be an int, got {value!r}")
+    return value
+
+
+def check_attrs(attrs: dict[str, Any]) -> tuple[str, int]:
+    """(input_layout, sparse_mode), after checking every attribute."""
+    layout = attrs["input_layout"]
+    if layout not in LAYOUTS:
+        raise ShapeError(
+            f"input_layout must be one of {', '.join(LAYOUTS)}, got {layout!r} (TND and TH "
+            "need actual sequence lengths, which are not supported)"
+        )
+    if attrs["head_num"] is None:
+        raise ShapeError("needs attribute head_num (the number of query heads)")
+    if _int(attrs, "head_num") < 1:
+        raise ShapeError(f"head_num must be positive, got {attrs['head_num']}")
+    keep_prob = attrs["keep_prob"]
+    if isinstance(keep_prob, bool) or not isinstance(keep_prob, (int, float)):
+        raise ShapeError(f"keep_prob must be a float, got {keep_prob!r}")
+    if keep_prob != 1.0:
+        raise ShapeError(
+            f"keep_prob {keep_prob}: dropout inside attention is not supported; use "
+            "keep_prob=1.0 (and no drop_mask)"
+        )
+    scale = attrs["scale_value"]
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ShapeError(f"scale_value must be a float, got {scale!r}")
+    for name in ("pre_tokens", "next_tokens", "inner_precise"):
+        _int(attrs, name)
+    mode = _int(attrs, "sparse_mode")
+    if mode not in SUPPORTED_SPARSE_MODES:
+        raise ShapeError(
+            f"sparse_mode {mode} is not supported; supported: 0 (defaultMask), 1 (allMask), "
+            "2 (leftUpCausal), 3 (rightDownCausal), 4 (band)"
+        )
+    return layout, mode
+
+
+def attention_dims(query: tuple[int, ...], key: tuple[int, ...], head_num: int, layout: str
+                   ) -> AttentionDims:
+    """Sizes from the query and key shapes; ShapeError when they do not fit the layout."""
+    rank = 3 if layout in ("BSH", "SBH") else 4
+    if len(query) != rank or len(key) != rank:
+        raise ShapeError(
+            f"input_layout {layout} needs rank-{rank} query and key, got {query} and {key}"
+        )
+    if layout in ("BSH", "SBH"):
+        b_dim, s_dim = (0, 1) if layout == "BSH" else (1, 0)
+        hidden, kv_hidden = query[2], key[2]
+        if hidden % head_num:
+            raise ShapeError(
+                f"the query hidden size {hidden} must divide by head_num {head_num}"
+            )
+        head_dim = hidden // head_num
+        if kv_hidden % head_dim:
+            raise ShapeError(
+                f"the key hidden size {kv_hidden} must be a multiple of the head size "
+                f"{head_dim} (query hidden {hidden} / head_num {head_num})"
+            )
+        kv_heads = kv_hidden // head_dim
+        batch, kv_batch = query[b_dim], key[b_dim]
+        q_seq, kv_seq = query[s_dim], key[s_dim]
+    else:
+        n_dim, s_dim = (1, 2) if layout == "BNSD" else (2, 1)
+        if query[n_dim] != head_num:
+            raise ShapeError(
+                f"query dim {n_dim} ({layout}) must equal head_num {head_num}, got {query}"
+            )
+        if query[3] != key[3]:
+            raise ShapeError(f"query and key head sizes differ: {query} and {key}")
+        head_dim, kv_heads = query[3], key[n_dim]
+        batch, kv_batch = query[0], key[0]
+        q_seq, kv_seq = query[s_dim], key[s_dim]
+    if batch != kv_batch:
+        raise ShapeError(f"query and key batch sizes differ: {query} and {key} ({layout})")
+    if kv_heads < 1 or head_num % kv_heads:
+        raise ShapeError(
+            f"the key has {kv_heads} head(s), which must divide head_num {head_num} "
+            "(grouped-query attention)"
+        )
+    return AttentionDims(batch, q_seq, kv_seq, head_num, kv_heads, head_dim, layout)
+
+
+def _check_mask(mask: TensorType, dims: AttentionDims, mode: int) -> None:
+    if mask.dtype not in (DType.bool_, DType.uint8):
+        raise ShapeError(
+            f"attn_mask must be Bool or UInt8 (1/True = masked out), got {mask.dtype.value}"
+        )
+    if mode in (2, 3, 4):
+        if mask.shape != COMPRESSED_MASK:
+            raise ShapeError(
+                f"sparse_mode {mode} takes the compressed (2048, 2048) attn_mask (or none), "
+                f"got {mask.shape}"
+            )
+        return
+    b, n, s1, s2 = dims.batch, dims.q_heads, dims.q_seq, dims.kv_seq
+    ok = mask.shape == (s1, s2) or (
+        mask.rank == 4 and mask.shape[2:] == (s1, s2) and mask.shape[0] in (1, b)
+        and mask.shape[1] in (1, n))
+    if not ok:
+        raise ShapeError(
+            f"attn_mask shape {mask.shape} must be ({b}, {n}, {s1}, {s2}), ({b}, 1, {s1}, "
+            f"{s2}) or ({s1}, {s2}) (batch, query heads, query and kv sequence)"
+        )
+
+
+def _infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    q, k, v = (tensor(t, name) for t, name in zip(types, ("query", "key", "value")))
+    layout, mode = check_attrs(attrs)
+    dtype = same_dtype([q, k, v])
+    if not dtype.is_float:
+        raise ShapeError(f"query, key and value must be floating-point, got {dtype.value}")
+    if v.shape != k.shape:
+        raise ShapeError(f"value shape {v.shape} must equal key shape {k.shape}")
+    dims = attention_dims(q.shape, k.shape, attrs["head_num"], layout)
+    if len(types) == 4:
+        _check_mask(tensor(types[3], "attn_mask"), dims, mode)
+    elif mode == 1:
+        raise ShapeError("sparse_mode 1 (allMask) needs attn_mask")
+    stats = TensorType(DType.float32, (dims.batch, dims.q_heads, dims.q_seq, SOFTMAX_LAST_DIM))
+    return tuple_type(stats, stats, TensorType(dtype, (1,)), q)
+
+
+# -- masks ---------------------------------------------------------------------------------------
+
+
+def position_keep(mode: int, pre_tokens: int, next_tokens: int, q_seq: int, kv_seq: int,
+                  has_mask: bool) -> np.ndarray | None:
+    """The positions (q_seq, kv_seq) that `sparse_mode` keeps, None when it keeps all."""
+    i = np.arange(q_seq)[:, None]
+    j = np.arange(kv_seq)[None, :]
+    if mode == 0:
+        if not has_mask:
+            return None
+        keep = (j - i >= -pre_tokens) & (j - i <= next_tokens)
+    elif mode == 1:
+        return None
+    elif mode == 2:
+        keep = j <= i
+    elif mode == 3:
+        keep = j - i <= kv_seq - q_seq
+    else:
+        offset = j - i - (kv_seq - q_seq)
+        keep = (offset >= -pre_tokens) & (offset <= next_tokens)
+    return None if keep.all() else keep
+
+
+def keep_mask(xp: Any, mask: Any, attrs: dict[str, Any], dims: AttentionDims) -> Any:
+    """Boolean keep mask broadcastable to (B, N1, S1, S2), or None (keep everything)."""
+    mode = attrs["sparse_mode"]
+    keep = position_keep(mode, attrs["pre_tokens"], attrs["next_tokens"], dims.q_seq,
+                         dims.kv_seq, mask is not None)
+    out = None if keep is None else xp.asarray(keep)[None, None]
+    if mask is not None and mode in (0, 1):
+        user = mask == 0
+        user = user[None, None] if user.ndim == 2 else user
+        out = user if out is None else xp.logical_and(user, out)
+    return out
+
+
+def query_split_window(attrs: dict[str, Any], q_seq: int, kv_seq: int, split_id: int,
+                       split_num: int) -> dict[str, int]:
+    """sparse_mode, pre_tokens and next_tokens for the `split_id`-th of `split_num` equal
+    slices of the query sequence (MindSpore's flash_attention_score_info), so that the slice
+    keeps exactly the positions the whole query keeps. `q_seq` is the whole query length.
+
+    defaultMask shifts its window by the slice offset; the causal modes and band become band
+    (4) aligned to the slice's bottom-right corner; allMask needs no change (its mask rows are
+    split with the query)."""
+    mode = int(attrs["sparse_mode"])
+    if mode == 1 or split_num == 1:
+        return {}
+    length = q_seq // split_num
+    offset = split_id * length
+    pre, nxt = int(attrs["pre_tokens"]), int(attrs["next_tokens"])
+    if mode == 0:
+        pre, nxt = pre - offset, nxt + offset
+    elif mode == 2:
+        # left-up causal (j <= i) seen from the slice's bottom-right corner
+        pre, nxt = 2 * kv_seq - offset - length, offset + length - kv_seq
+    else:
+        if mode == 3:
+            pre, nxt = kv_seq, 0
+        below = (split_num - split_id - 1) * length
+        pre, nxt = pre + below, nxt - below
+    if mode == 2 and q_seq > kv_seq:
+        # MindSpore's window bounds j from below by i - kv_seq, which a causal mask does not
+        # do when the query is longer than the keys: leave it unbounded.
+        pre = INT_MAX
+    return {"sparse_mode": 4 if mode in (2, 3, 4) else mode,
+            "pre_tokens": _int32(pre), "next_tokens": _int32(nxt)}
+
+
+@dataclass(frozen=True)
+class QueryWindow(RankValue):
+    """`key` (pre_tokens or next_tokens) of `query_split_window` for the query slice a rank
+    holds: the slice starting at `start` (a `RankScalar`) of `length` positions."""
+
+    window: tuple[tuple[str, int], ...]
+    q_seq: int
+    kv_seq: int
+    start: RankScalar
+    length: int
+    key: str
+
+    def at(self, rank: int) -> int:
+        split_id = self.start.at(rank) // self.length
+        out = query_split_window(dict(self.window), self.q_seq, self.kv_seq, split_id,
+                                 self.q_seq // self.length)
+        return int(out.get(self.key, dict(self.window)[self.key]))
+
+
+def _int32(value: int) -> int:
+    """MindSpore's saturating add keeps the window in int32."""
+    return max(-INT_MAX - 1, min(INT_MAX, value))
+
+
+# -- layouts -------------------------------------------------------------------------------------
+
+
+def to_bnsd(xp: Any, x: Any, layout: str, heads: int) -> Any:
+    if layout == "BNSD":
+        return x
+    if layout == "BSND":
+        return xp.transpose(x, (0, 2, 1, 3))
+    if layout == "SBH":
+        x = xp.transpose(x, (1, 0, 2))
+    b, s, h = x.shape
+    return xp.transpose(xp.reshape(x, (b, s, heads, h // heads)), (0, 2, 1, 3))
+
+
+def from_bnsd(xp: Any, x: Any, layout: str) -> Any:
+    if layout == "BNSD":
+        return x
+    x = xp.transpose(x, (0, 2, 1, 3))  # B S N D
+    if layout == "BSND":
+        return x
+    b, s, n, d = x.shape
+    x = xp.reshape(x, (b, s, n * d))
+    return xp.transpose(x, (1, 0, 2)) if layout == "SBH" else x
+
+
+def _operands(arrays: tuple[Any, ...], attrs: dict[str, Any]
+              ) -> tuple[Any, Any, Any, Any, AttentionDims]:
+    q, k, v = arrays[:3]
+    mask = arrays[3] if len(arrays) == 4 else None
+    dims = attention_dims(tuple(q.shape), tuple(k.shape), attrs["head_num"],
+                          attrs["input_layout"])
+    return q, k, v, mask, dims
+
+
+# -- numpy reference -----------------------------------------------------------------------------
+
+
+def _probabilities(q: np.ndarray, k: np.ndarray, mask: Any, attrs: dict[str, Any],
+                   dims: AttentionDims) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(queries, repeated keys, masked scores, keep) in float32, BNSD."""
+    wide = np.result_type(np.float32, q.dtype, k.dtype)  # float64 stays float64 (the oracle)
+    qb = to_bnsd(np, q, dims.layout, dims.q_heads).astype(wide)
+    kb = to_bnsd(np, k, dims.layout, dims.kv_heads).astype(wide)
+    kb = np.repeat(kb, dims.group, axis=1)
+    scores = wide.type(attrs["scale_value"]) * np.einsum("bnsd,bntd->bnst", qb, kb)
+    keep = keep_mask(np, mask, attrs, dims)
+    if keep is not None:
+        scores = np.where(keep, scores, wide.type(MASKED))
+    return qb, kb, scores.astype(wide), keep
+
+
+def _fa_np(*arrays: Any, **attrs: Any) -> tuple[np.ndarray, ...]:
+    q, k, v, mask, dims = _operands(arrays, attrs)
+    _, _, scores, _ = _probabilities(q, k, mask, attrs, dims)
+    row_max = scores.max(axis=-1, keepdims=True)
+    e = np.exp(scores - row_max)
+    row_sum = e.sum(axis=-1, keepdims=True)
+    wide = scores.dtype
+    probs = (e / row_sum).astype(v.dtype).astype(wide)
+    vb = np.repeat(to_bnsd(np, v, dims.layout, dims.kv_heads).astype(wide), dims.group, 1)
+    out = from_bnsd(np, np.einsum("bnst,bntd->bnsd", probs, vb), dims.layout).astype(q.dtype)
+    stats_shape = row_max.shape[:3] + (SOFTMAX_LAST_DIM,)
+    return (np.broadcast_to(row_max, stats_shape).astype(wide),
+            np.broadcast_to(row_sum, stats_shape).astype(wide),
+            np.zeros((1,), q.dtype), out)
+
+
+# -- JAX -----------------------------------------------------------------------------------------
+
+
+def _implementation(dtype: Any, dims: AttentionDims, explicit_mask: bool
+                    ) -> Literal["xla", "cudnn"] | None:
+    """cuDNN's fused kernel where it applies (GPU, 16-bit inputs, head size a multiple of 8
+    up to 128, no mask other than causal); jax.nn.dot_product_attention's XLA path elsewhere,
+    except 16-bit inputs on CPU, whose backward that path cannot lower (it asks dot_general
+    for an F16_F16_F32 / BF16_BF16_F32 precision CPUs lack): None, the same computation
+    written here."""
+    backend = jax.default_backend()
+    half = np.dtype(dtype).itemsize == 2
+    # PCOMPILE_ATTENTION=xla keeps GPUs off cuDNN (a way out should its kernel reject a
+    # configuration at compile time).
+    if (backend == "gpu" and half and dims.head_dim % 8 == 0 and dims.head_dim <= 128
+            and not explicit_mask and os.environ.get("PCOMPILE_ATTENTION", "") != "xla"):
+        return "cudnn"
+    return None if half and backend == "cpu" else "xla"
+
+
+def _attention_xla(q: Any, k: Any, v: Any, mask: Any, scale: float, causal: bool) -> Any:
+    """jax.nn.dot_product_attention's XLA computation (BTNH operands) without an explicit
+    dot precision: float32 scores, masks, float32 softmax, probabilities in v's dtype."""
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    qg = jnp.reshape(q, (b, t, kv_heads, n // kv_heads, h))
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
+    logits = logits * jnp.float32(scale)
+    keep = None if mask is None else jnp.reshape(
+        jnp.broadcast_to(mask, (b, n, t, k.shape[1])), (b, kv_heads, n // kv_heads, t, -1))
+    if causal:
+        tril = jnp.tril(jnp.ones((t, k.shape[1]), bool))
+        keep = tril if keep is None else jnp.logical_and(keep, tril)
+    if keep is not None:
+        logits = jnp.where(keep, logits, MASKED)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    return jnp.reshape(out, (b, t, n, h))
+
+
+def attention_out_jax(q: Any, k: Any, v: Any, mask: Any, attrs: dict[str, Any],
+                      dims: AttentionDims) -> Any:
+    """attention_out through jax.nn.dot_product_attention (BTNH)."""
+    def btnh(x: Any, heads: int) -> Any:
+        return jnp.transpose(to_bnsd(jnp, x, dims.layout, heads), (0, 2, 1, 3))
+
+    mode = attrs["sparse_mode"]
+    keep = position_keep(mode, attrs["pre_tokens"], attrs["next_tokens"], dims.q_seq,
+                         dims.kv_seq, mask is not None)
+    causal = keep is not None and np.array_equal(keep, np.tril(np.ones_like(keep)))
+    uses_mask = mask is not None and mode in (0, 1)
+    combined = None
+    if uses_mask or (keep is not None and not causal):
+        combined = keep_mask(jnp, mask, attrs, dims)
+        causal = False
+    operands = (btnh(q, dims.q_heads), btnh(k, dims.kv_heads), btnh(v, dims.kv_heads))
+    scale = float(attrs["scale_value"])
+    impl = _implementation(q.dtype, dims, combined is not None)
+    if impl is None:
+        out = _attention_xla(*operands, combined, scale, bool(causal))
+    else:
+        out = jax.nn.dot_product_attention(*operands, mask=combined, scale=scale,
+                                           is_causal=bool(causal), implementation=impl)
+    return from_bnsd(jnp, jnp.transpose(out, (0, 2, 1, 3)), dims.layout)
+
+
+def _statistics_jax(q: Any, k: Any, mask: Any, attrs: dict[str, Any], dims: AttentionDims
+                    ) -> tuple[Any, Any]:
+    qb = to_bnsd(jnp, q, dims.layout, dims.q_heads).astype(jnp.float32)
+    kb = jnp.repeat(to_bnsd(jnp, k, dims.layout, dims.kv_heads).astype(jnp.float32),
+                    dims.group, axis=1)
+    scores = float(attrs["scale_value"]) * jnp.einsum("bnsd,bntd->bnst", qb, kb)
+    keep = keep_mask(jnp, mask, attrs, dims)
+    if keep is not None:
+        scores = jnp.where(keep, scores, MASKED)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_sum = jnp.sum(jnp.exp(scores - row_max), axis=-1, keepdims=True)
+    shape = row_max.shape[:3] + (SOFTMAX_LAST_DIM,)
+    return jnp.broadcast_to(row_max, shape), jnp.broadcast_to(row_sum, shape)
+
+
+def _fa_jax(*arrays: Any, **attrs: Any) -> tuple[Any, ...]:
+    q, k, v, mask, dims = _operands(arrays, attrs)
+    row_max, row_sum = _statistics_jax(q, k, mask, attrs, dims)
+    out = attention_out_jax(q, k, v, mask, attrs, dims)
+    return row_max, row_sum, jnp.zeros((1,), q.dtype), out
+
+
+# -- vjp -----------------------------------------------------------------------------------------
+
+_OUTPUT_NAMES = ("softmax_max", "softmax_sum", "softmax_out")
+
+
+def _fa_vjp(b: Builder, node: Node, cot: list[Value]) -> list[Value | None]:
+    for name, c in zip(_OUTPUT_NAMES, cot[:3]):
+        if not is_zero(c):
+            raise PcompileError(
+                f"{node.where()}: the program differentiates through FlashAttentionScore's "
+                f"{name}; gradients flow through attention_out only (as in MindSpore). Use "
+                f"{name} outside the differentiated computation, or compute attention from ops"
+            )
+    q, k, v = node.operands[:3]
+    mask = list(node.operands[3:])
+    stats = [b("TupleGetItem", node.result, index=i) for i in (0, 1, 3)]
+    attrs = {name: node.attrs[name] for name in DEFAULTS}
+    grads = b("FlashAttentionScoreGrad", q, k, v, cot[3], *mask, *stats, **attrs)
+    return [b("TupleGetItem", grads, index=i) for i in range(3)] + [None] * len(mask)
+
+
+register(
+    OpDef(
+        "FlashAttentionScore",
+        _infer,
+        numpy=_fa_np,
+        jax=_fa_jax,
+        vjp=_fa_vjp,
+        attrs=dict(DEFAULTS),
+        num_inputs=(3, 4),
+        doc=(
+            "(softmax_max, softmax_sum, softmax_out, attention_out) of softmax(scale * q k^T, "
+            "masked by sparse_mode/attn_mask) v; layouts BSH, SBH, BNSD, BSND; kv heads may be "
+            "fewer than query heads (grouped-query attention). See ir/ops/attention.py."
+        ),
+    )
+)
+
+# -- FlashAttentionScoreGrad ---------------------------------------------------------------------
+
+
+def _grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    q, k, v, dy = (tensor(t, name) for t, name in zip(types, ("query", "key", "value", "dy")))
+    forward = _infer(list(types[:3]) + list(types[4:-3]), attrs)
+    assert isinstance(forward, TupleType)
+    stats, _, _, out = forward.elements
+    given = [tensor(t, name) for t, name in
+             zip(types[-3:], ("softmax_max", "softmax_sum", "attention_in"))]
+    for t, want, name in zip(given + [dy], [stats, stats, out, out],
+                             ("softmax_max", "softmax_sum", "attention_in", "dy")):
+        if t != want:
+            raise ShapeError(f"{name} must be {want}, got {t}")
+    return tuple_type(q, k, v)
+
+
+def _grad_np(*arrays: Any, **attrs: Any) -> tuple[np.ndarray, ...]:
+    q, k, v, dy = arrays[:4]
+    mask = arrays[4] if len(arrays) == 8 else None
+    row_max, row_sum = arrays[-3], arrays[-2]
+    _, _, _, _, dims = _operands((q, k, v), attrs)
+    qb, kb, scores, keep = _probabilities(q, k, mask, attrs, dims)
+    # The kernel's recomputation: probabilities from the saved row statistics.
+    probs = np.exp(scores - row_max[..., :1]) / row_sum[..., :1]
+    wide = np.result_type(scores.dtype, v.dtype, dy.dtype)  # float32, or float64 (the oracle)
+    vb = np.repeat(to_bnsd(np, v, dims.layout, dims.kv_heads).astype(wide), dims.group, 1)
+    dyb = to_bnsd(np, dy, dims.layout, dims.q_heads).astype(wide)
+    dp = np.einsum("bnsd,bntd->bnst", dyb, vb)
+    ds = probs * (dp - np.sum(probs * dp, axis=-1, keepdims=True))
+    if keep is not None:
+        ds = np.where(keep, ds, wide.type(0))  # masked scores are a constant fill
+    scale = wide.type(attrs["scale_value"])
+    dq = scale * np.einsum("bnst,bntd->bnsd", ds, kb)
+
+    def per_kv_head(x: np.ndarray) -> np.ndarray:
+        b, _, s, d = x.shape
+        return x.reshape(b, dims.kv_heads, dims.group, s, d).sum(axis=2)
+
+    dk = per_kv_head(scale * np.einsum("bnst,bnsd->bntd", ds, qb))
+    dv = per_kv_head(np.einsum("bnst,bnsd->bntd", probs, dyb))
+    return tuple(from_bnsd(np, g, dims.layout).astype(x.dtype)
+                 for g, x in ((dq, q), (dk, k), (dv, v)))
+
+
+def _grad_jax(*arrays: Any, **attrs: Any) -> tuple[Any, ...]:
+    q, k, v, dy = arrays[:4]
+    mask = arrays[4] if len(arrays) == 8 else None
+    dims = attention_dims(tuple(q.shape), tuple(k.shape), attrs["head_num"],
+                          attrs["input_layout"])
+    _, pullback = jax.vjp(lambda q_, k_, v_: attention_out_jax(q_, k_, v_, mask, attrs, dims),
+                          q, k, v)
+    return tuple(pullback(dy))
+
+
+register(
+    OpDef(
+        "FlashAttentionScoreGrad",
+        _grad_infer,
+        numpy=_grad_np,
+        jax=_grad_jax,
+        attrs=dict(DEFAULTS),
+        num_inputs=(7, 8),
+        differentiable=False,
+        doc=(
+            "FlashAttentionScoreGrad(query, key, value, dy, [attn_mask], softmax_max, "
+            "softmax_sum, attention_in) -> (dq, dk, dv), MindSpore's operand order without "
+            "the inputs pcompile does not take. The JAX implementation differentiates the "
+            "fused forward (jax.vjp), so GPUs run cuDNN's fused backward."
+        ),
+    )
+)

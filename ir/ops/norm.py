@@ -1,0 +1,169 @@
+"""RmsNorm (MindSpore's `ops.RmsNorm`) and its gradient helper RmsNormGrad.
+
+`RmsNorm(x, gamma)` normalises over the trailing `gamma.ndim` dims of x:
+rstd = 1 / sqrt(mean(x**2) + epsilon) (float32, shape x.shape[:-k] + (1,) * k) and
+y = x * rstd * gamma (x's dtype). 16-bit inputs are computed in float32 and y is rounded once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Node, Value
+from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._util import is_zero, same_dtype, tensor, tuple_type
+from pcompile.ir.registry import OpDef, register
+from pcompile.ir.types import DType, TensorType, ValueType
+
+_DEFAULTS: dict[str, Any] = {"epsilon": 1e-6}
+
+
+def _check_epsilon(attrs: dict[str, Any]) -> float:
+    eps = attrs["epsilon"]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps <= 1:
+        raise ShapeError(f"epsilon must be a float in (0, 1], got {eps!r}")
+    return float(eps)
+
+
+def _check_operands(x: TensorType, gamma: TensorType) -> int:
+    """The number k of normalised (trailing) dims; ShapeError when x and gamma do not fit."""
+    if not x.dtype.is_float:
+        raise ShapeError(f"x must be a floating-point tensor, got {x.dtype.value}")
+    same_dtype([x, gamma])
+    k = gamma.rank
+    if k == 0 or k > x.rank or x.shape[x.rank - k:] != gamma.shape:
+        raise ShapeError(
+            f"gamma shape {gamma.shape} must equal the trailing dims of x {x.shape} (gamma "
+            f"has rank 1..{x.rank}; it names the normalised dims)"
+        )
+    return k
+
+
+def _rstd_shape(x: TensorType, k: int) -> tuple[int, ...]:
+    return x.shape[: x.rank - k] + (1,) * k
+
+
+def _infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x, gamma = tensor(types[0], "x"), tensor(types[1], "gamma")
+    _check_epsilon(attrs)
+    k = _check_operands(x, gamma)
+    return tuple_type(x, TensorType(DType.float32, _rstd_shape(x, k)))
+
+
+def _forward(xp: Any, x: Any, gamma: Any, eps: float) -> tuple[Any, Any]:
+    """(y, rstd) with the array module `xp`; x and gamma already float32."""
+    axes = tuple(range(x.ndim - gamma.ndim, x.ndim))
+    rstd = 1.0 / xp.sqrt(xp.mean(x * x, axis=axes, keepdims=True) + eps)
+    return x * rstd * gamma, rstd
+
+
+def _wide(*arrays: np.ndarray) -> np.dtype:
+    """At least float32 (16-bit inputs are computed in float32; float64, e.g. the oracle's
+    float64 evaluation, stays float64)."""
+    return np.result_type(np.float32, *(a.dtype for a in arrays))
+
+
+def _rms_norm_np(x: np.ndarray, gamma: np.ndarray, epsilon: float) -> tuple[np.ndarray, ...]:
+    wide = _wide(x, gamma)
+    y, rstd = _forward(np, x.astype(wide), gamma.astype(wide), float(epsilon))
+    return y.astype(x.dtype), rstd.astype(np.result_type(np.float32, x.dtype))
+
+
+def _rms_norm_jax(x: Any, gamma: Any, epsilon: float) -> tuple[Any, Any]:
+    xa, ga = x.astype(jnp.float32), gamma.astype(jnp.float32)
+    axes = tuple(range(x.ndim - gamma.ndim, x.ndim))
+    rstd = lax.rsqrt(jnp.mean(xa * xa, axis=axes, keepdims=True) + float(epsilon))
+    return (xa * rstd * ga).astype(x.dtype), rstd
+
+
+def _rms_norm_vjp(b: Builder, node: Node, cot: list[Value]) -> list[Value | None]:
+    x, gamma = node.operands
+    rstd = b("TupleGetItem", node.result, index=1)
+    grads = b("RmsNormGrad", cot[0], x, rstd, gamma)
+    dx = b("TupleGetItem", grads, index=0)
+    dgamma = b("TupleGetItem", grads, index=1)
+    if not is_zero(cot[1]):
+        # rstd is used too: d rstd / dx = -rstd**3 * x / n (MindSpore's bprop drops this term;
+        # it is zero unless the program reads rstd).
+        n = int(np.prod(gamma.shape))
+        x32 = b("Cast", x, dst_type=DType.float32)
+        cube = b("Mul", rstd, b("Mul", rstd, rstd))
+        extra = b("Mul", b("Mul", cot[1], cube), b("Mul", x32, -1.0 / n))
+        dx = b("Add", dx, b("Cast", extra, dst_type=x.dtype))
+    return [dx, dgamma]
+
+
+register(
+    OpDef(
+        "RmsNorm",
+        _infer,
+        numpy=_rms_norm_np,
+        jax=_rms_norm_jax,
+        vjp=_rms_norm_vjp,
+        attrs=dict(_DEFAULTS),
+        num_inputs=2,
+        doc=(
+            "(y, rstd): rstd = 1/sqrt(mean(x**2) + epsilon) over the trailing gamma.ndim dims "
+            "(Float32, those dims kept as 1), y = x * rstd * gamma."
+        ),
+    )
+)
+
+# -- RmsNormGrad ----------------------------------------------------------------------------
+
+
+def _grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    dy, x = tensor(types[0], "dy"), tensor(types[1], "x")
+    rstd, gamma = tensor(types[2], "rstd"), tensor(types[3], "gamma")
+    k = _check_operands(x, gamma)
+    if dy.shape != x.shape or dy.dtype != x.dtype:
+        raise ShapeError(f"dy {dy} must have the type of x {x}")
+    want = TensorType(DType.float32, _rstd_shape(x, k))
+    if rstd != want:
+        raise ShapeError(f"rstd must be {want} (RmsNorm's second output), got {rstd}")
+    return tuple_type(x, gamma)
+
+
+def _grad(xp: Any, dy: Any, x: Any, rstd: Any, gamma: Any) -> tuple[Any, Any]:
+    """(dx, dgamma) of y = x * rstd * gamma; every array float32."""
+    k = gamma.ndim
+    norm_axes = tuple(range(x.ndim - k, x.ndim))
+    xhat = x * rstd
+    g = dy * gamma
+    dx = rstd * (g - xhat * xp.mean(g * xhat, axis=norm_axes, keepdims=True))
+    dgamma = xp.sum(dy * xhat, axis=tuple(range(x.ndim - k)))
+    return dx, dgamma
+
+
+def _grad_np(dy: np.ndarray, x: np.ndarray, rstd: np.ndarray, gamma: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray]:
+    wide = _wide(dy, x, rstd, gamma)
+    dx, dgamma = _grad(np, *(a.astype(wide) for a in (dy, x, rstd, gamma)))
+    return dx.astype(x.dtype), np.asarray(dgamma).astype(gamma.dtype)
+
+
+def _grad_jax(dy: Any, x: Any, rstd: Any, gamma: Any) -> tuple[Any, Any]:
+    f32 = [a.astype(jnp.float32) for a in (dy, x, rstd, gamma)]
+    dx, dgamma = _grad(jnp, *f32)
+    return dx.astype(x.dtype), dgamma.astype(gamma.dtype)
+
+
+register(
+    OpDef(
+        "RmsNormGrad",
+        _grad_infer,
+        numpy=_grad_np,
+        jax=_grad_jax,
+        num_inputs=4,
+        differentiable=False,
+        doc=(
+            "RmsNormGrad(dy, x, rstd, gamma) -> (dx, dgamma): the vjp of RmsNorm's y "
+            "(MindSpore operand order)."
+        ),
+    )
+)

@@ -1,0 +1,366 @@
+"""Every registered primitive under every element type: the dtypes an op accepts run on the
+numpy interpreter and the JAX lowering with equal results (and the inferred result dtype); the
+dtypes it refuses raise one `OpError` naming the dtype. A new op must add a case here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pcompile.backends.jax import lower_graph
+from pcompile.backends.numpy import run_graph
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Constant, Graph, GraphParam
+from pcompile.ir.errors import OpError
+from pcompile.ir.parser import parse_graph
+from pcompile.ir.printer import print_graph
+from pcompile.ir.registry import all_ops
+from pcompile.ir.types import DType, TensorType, TupleType
+from tests import op_harness  # noqa: F401  (64-bit JAX types, as in the other op tests)
+
+B, U8, I32, I64 = DType.bool_, DType.uint8, DType.int32, DType.int64
+F16, BF16, F32 = DType.float16, DType.bfloat16, DType.float32
+FLOATS = frozenset({F16, BF16, F32})
+INTS = frozenset({U8, I32, I64})
+NUMERIC = FLOATS | INTS
+ALL = NUMERIC | {B}
+SWEPT = (B, U8, I32, I64, F16, BF16, F32)
+
+Maker = Callable[[DType, np.random.Generator], tuple[list[np.ndarray], dict[str, Any]]]
+
+
+def values(dtype: DType, shape: tuple[int, ...], rng: np.random.Generator,
+           positive: bool = False) -> np.ndarray:
+    """Test values of `dtype`: small integers (no overflow in the ops below), or normal floats
+    (in [0.5, 2.5) when `positive`)."""
+    if dtype is B:
+        return rng.random(shape) < 0.5
+    if dtype in INTS:
+        low = 0 if dtype is U8 or positive else -5
+        return rng.integers(low + (1 if positive else 0), 6, shape).astype(dtype.np)
+    if positive:
+        return rng.uniform(0.5, 2.5, shape).astype(dtype.np)
+    return rng.standard_normal(shape).astype(dtype.np)
+
+
+@dataclass
+class Case:
+    """How to call an op with operands of one dtype, and which dtypes it must accept.
+
+    `terms` is the number of products or terms one output element accumulates: rounding
+    differences between the two backends grow with it."""
+
+    make: Maker
+    accepts: frozenset[DType]
+    terms: int = 1
+    skip_dtypes: frozenset[DType] = field(default_factory=frozenset)
+
+
+def unary(in_shape: tuple[int, ...] = (3, 4), positive: bool = False, **attrs: Any) -> Maker:
+    return lambda d, rng: ([values(d, in_shape, rng, positive)], dict(attrs))
+
+
+def binary(sx: tuple[int, ...] = (3, 4), sy: tuple[int, ...] = (4,), positive: bool = False,
+           **attrs: Any) -> Maker:
+    return lambda d, rng: ([values(d, sx, rng, positive), values(d, sy, rng, positive)],
+                           dict(attrs))
+
+
+def same_pair(shape: tuple[int, ...] = (3, 4), **attrs: Any) -> Maker:
+    return lambda d, rng: ([values(d, shape, rng, True), values(d, shape, rng)], dict(attrs))
+
+
+def _select(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    return [rng.random((3, 4)) < 0.5, values(d, (3, 4), rng), values(d, (4,), rng)], {}
+
+
+def _gather(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    return [values(d, (5, 3), rng), np.array([[4, 0], [2, 2]], np.int32)], {"axis": 0}
+
+
+def _gather_grad(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    idx = np.array([[4, 0], [2, 2]], np.int32)
+    return [values(d, (2, 2, 3), rng), idx], {"shape": (5, 3), "axis": 0}
+
+
+def _one_hot(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    return [values(d, (4,), rng, True)], {"depth": 5}
+
+
+def _layer_norm(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    attrs = {"begin_norm_axis": -1, "begin_params_axis": -1, "epsilon": 1e-5}
+    return [values(d, (3, 8), rng), values(d, (8,), rng), values(d, (8,), rng)], attrs
+
+
+def _layer_norm_grad(d: DType, rng: np.random.Generator
+                     ) -> tuple[list[np.ndarray], dict[str, Any]]:
+    attrs = {"begin_norm_axis": -1, "begin_params_axis": -1, "epsilon": 1e-5}
+    return [values(d, (3, 8), rng), values(d, (3, 8), rng), values(d, (8,), rng)], attrs
+
+
+def _rms_norm(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    return [values(d, (3, 8), rng), values(d, (8,), rng)], {"epsilon": 1e-5}
+
+
+def _rms_norm_grad(d: DType, rng: np.random.Generator
+                   ) -> tuple[list[np.ndarray], dict[str, Any]]:
+    rstd = values(F32, (3, 1), rng, positive=True)
+    return [values(d, (3, 8), rng), values(d, (3, 8), rng), rstd, values(d, (8,), rng)], {}
+
+
+_FA = {"head_num": 2, "input_layout": "BNSD", "scale_value": 0.5, "sparse_mode": 2}
+
+
+def _fa(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    return [values(d, (1, 2, 3, 4), rng), values(d, (1, 1, 3, 4), rng),
+            values(d, (1, 1, 3, 4), rng)], dict(_FA)
+
+
+def _fa_grad(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    q, k, v = (values(d, s, rng) for s in ((1, 2, 3, 4), (1, 1, 3, 4), (1, 1, 3, 4)))
+    dy = values(d, (1, 2, 3, 4), rng)
+    if d not in FLOATS:
+        stats = np.ones((1, 2, 3, 8), np.float32)
+        return [q, k, v, dy, stats, stats, q], dict(_FA)
+    # The numpy backward reads the forward's statistics: give it the true ones.
+    row_max, row_sum, _, out = all_ops()["FlashAttentionScore"].numpy(q, k, v, **{
+        **all_ops()["FlashAttentionScore"].attrs, **_FA})
+    return [q, k, v, dy, row_max, row_sum, out], dict(_FA)
+
+
+def _sce(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    labels = np.eye(5)[[0, 3, 1]].astype(d.np)
+    return [values(d, (3, 5), rng), labels], {}
+
+
+def _sce_grad(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    labels = np.eye(5)[[0, 3, 1]].astype(d.np)
+    return [values(d, (3, 5), rng), labels, values(d, (3,), rng)], {}
+
+
+def _sparse_sce(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    return [values(d, (3, 5), rng), np.array([0, 4, 2], np.int32)], {}
+
+
+_CONV = {"out_channel": 4, "kernel_size": (2, 2)}
+_POOL = {"kernel_size": (2, 2), "strides": (2, 2)}
+
+
+def _conv(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    return [values(d, (2, 3, 4, 4), rng), values(d, (4, 3, 2, 2), rng)], dict(_CONV)
+
+
+def _conv_bp_input(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    return ([values(d, (2, 4, 3, 3), rng), values(d, (4, 3, 2, 2), rng)],
+            {**_CONV, "input_size": (2, 3, 4, 4)})
+
+
+def _conv_bp_filter(d: DType, rng: np.random.Generator
+                    ) -> tuple[list[np.ndarray], dict[str, Any]]:
+    return ([values(d, (2, 4, 3, 3), rng), values(d, (2, 3, 4, 4), rng)],
+            {**_CONV, "filter_size": (4, 3, 2, 2)})
+
+
+def _pool_grad(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    x = values(d, (1, 2, 4, 4), rng)
+    return [x, values(d, (1, 2, 2, 2), rng), values(d, (1, 2, 2, 2), rng)], dict(_POOL)
+
+
+def _strided_slice_grad(d: DType, rng: np.random.Generator
+                        ) -> tuple[list[np.ndarray], dict[str, Any]]:
+    return ([values(d, (2, 2), rng)],
+            {"shape": (4, 4), "begin": (1, 0), "end": (3, 4), "strides": (1, 2)})
+
+
+def _concat(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    return [values(d, (2, 3), rng), values(d, (2, 1), rng)], {"axis": 1}
+
+
+def _make_tuple(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    return [values(d, (2, 3), rng), values(d, (4,), rng)], {}
+
+
+GRAD_PAIR = same_pair()
+
+CASES: dict[str, Case] = {
+    "Add": Case(binary(), ALL),
+    "Sub": Case(binary(), NUMERIC),
+    "Mul": Case(binary(), ALL),
+    "RealDiv": Case(binary(positive=True), FLOATS),
+    "Maximum": Case(binary(), ALL),
+    "Minimum": Case(binary(), ALL),
+    "Pow": Case(binary(positive=True), NUMERIC),
+    "ReLU": Case(unary(), ALL),
+    "ReluGrad": Case(binary((3, 4), (3, 4)), ALL),
+    "Neg": Case(unary(), NUMERIC),
+    "Square": Case(unary(), NUMERIC),
+    "Exp": Case(unary(), FLOATS),
+    "Log": Case(unary(positive=True), FLOATS),
+    "Sqrt": Case(unary(positive=True), FLOATS),
+    "SqrtGrad": Case(GRAD_PAIR, FLOATS),
+    "Rsqrt": Case(unary(positive=True), FLOATS),
+    "RsqrtGrad": Case(GRAD_PAIR, FLOATS),
+    "Tanh": Case(unary(), FLOATS),
+    "TanhGrad": Case(GRAD_PAIR, FLOATS),
+    "Sigmoid": Case(unary(), FLOATS),
+    "SigmoidGrad": Case(GRAD_PAIR, FLOATS),
+    "GeLU": Case(unary(), FLOATS),
+    "GeLUGrad": Case(GRAD_PAIR, FLOATS),
+    "BiasAdd": Case(binary((2, 3, 4), (3,)), NUMERIC),
+    "Cast": Case(unary(dst_type=F32), ALL),
+    "Select": Case(_select, ALL),
+    "Greater": Case(binary(), ALL),
+    "GreaterEqual": Case(binary(), ALL),
+    "Less": Case(binary(), ALL),
+    "Equal": Case(binary(), ALL),
+    "NotEqual": Case(binary(), ALL),
+    "LessEqual": Case(binary(), ALL),
+    "LogicalAnd": Case(binary(), frozenset({B})),
+    "LogicalOr": Case(binary(), frozenset({B})),
+    "SiLU": Case(unary(), FLOATS),
+    "SiLUGrad": Case(binary((3, 4), (3, 4)), FLOATS),
+    "LogicalNot": Case(unary(), frozenset({B})),
+    "Identity": Case(unary(), ALL),
+    "MatMul": Case(binary((3, 4), (4, 2)), NUMERIC, terms=4),
+    "BatchMatMul": Case(binary((2, 3, 4), (2, 4, 2)), NUMERIC, terms=4),
+    "Softmax": Case(unary(axis=(-1,)), FLOATS, terms=4),
+    "SoftmaxGrad": Case(same_pair(axis=(-1,)), FLOATS, terms=4),
+    "LogSoftmax": Case(unary(axis=-1), FLOATS, terms=4),
+    "LogSoftmaxGrad": Case(same_pair(axis=-1), FLOATS, terms=4),
+    "LayerNorm": Case(_layer_norm, FLOATS, terms=8),
+    "LayerNormGrad": Case(_layer_norm_grad, FLOATS, terms=8),
+    "FlashAttentionScore": Case(_fa, FLOATS, terms=8),
+    "FlashAttentionScoreGrad": Case(_fa_grad, FLOATS, terms=12),
+    "RmsNorm": Case(_rms_norm, FLOATS, terms=8),
+    "RmsNormGrad": Case(_rms_norm_grad, FLOATS, terms=8),
+    "SoftmaxCrossEntropyWithLogits": Case(_sce, FLOATS, terms=5),
+    "SoftmaxCrossEntropyWithLogitsGrad": Case(_sce_grad, FLOATS, terms=5),
+    "SparseSoftmaxCrossEntropyWithLogits": Case(_sparse_sce, FLOATS, terms=15),
+    "Conv2D": Case(_conv, FLOATS, terms=12),
+    "Conv2DBackpropInput": Case(_conv_bp_input, FLOATS, terms=16),
+    "Conv2DBackpropFilter": Case(_conv_bp_filter, FLOATS, terms=18),
+    "MaxPool": Case(unary((1, 2, 4, 4), **_POOL), FLOATS),
+    "MaxPoolGrad": Case(_pool_grad, FLOATS),
+    "AvgPool": Case(unary((1, 2, 4, 4), **_POOL), FLOATS, terms=4),
+    "AvgPoolGrad": Case(_pool_grad, FLOATS),
+    "ReduceSum": Case(unary(axis=(1,), keep_dims=False), NUMERIC, terms=4),
+    "ReduceMean": Case(unary(axis=(1,), keep_dims=True), FLOATS, terms=4),
+    "ReduceMax": Case(unary(axis=(0,), keep_dims=False), ALL),
+    "BroadcastTo": Case(unary((3, 1), shape=(2, 3, 4)), ALL),
+    "Tile": Case(unary((3, 1), multiples=(2, 1, 3)), ALL),
+    "ZerosLike": Case(unary(), ALL),
+    "OnesLike": Case(unary(), ALL),
+    "Reshape": Case(unary(shape=(2, 6)), ALL),
+    "Transpose": Case(unary((2, 3, 4), perm=(2, 0, 1)), ALL),
+    "ExpandDims": Case(unary(axis=1), ALL),
+    "Squeeze": Case(unary((3, 1, 4), axis=(1,)), ALL),
+    "Flatten": Case(unary((2, 3, 4)), ALL),
+    "StridedSlice": Case(unary((4, 5), begin=(1, 0), end=(3, 5), strides=(1, 2)), ALL),
+    "StridedSliceGrad": Case(_strided_slice_grad, ALL),
+    "Concat": Case(_concat, ALL),
+    "Split": Case(unary((2, 4), axis=1, output_num=2), ALL),
+    "MakeTuple": Case(_make_tuple, ALL),
+    "TupleGetItem": Case(unary(), frozenset()),  # tuple operand: covered with Split
+    "Gather": Case(_gather, ALL),
+    "GatherGrad": Case(_gather_grad, NUMERIC),
+    "OneHot": Case(_one_hot, frozenset({I32, I64})),
+    "_VirtualDiv": Case(unary(divisor=2), ALL),
+    "_MirrorOperator": Case(unary(), ALL),
+}
+
+
+def local_ops() -> list[str]:
+    # TestOnly_* ops are registered by other test modules.
+    return sorted(name for name, op in all_ops().items()
+                  if not op.collective and not name.startswith("TestOnly_"))
+
+
+def test_every_op_has_a_dtype_case() -> None:
+    missing = [name for name in local_ops() if name not in CASES]
+    assert not missing, f"add a dtype case for {missing}"
+
+
+def test_every_op_is_documented() -> None:
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                        "ops.md")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    names = sorted(n for n in all_ops() if not n.startswith("TestOnly_"))
+    missing = [n for n in names if f"`{n}`" not in text]
+    assert not missing, f"docs/ops.md does not list {missing}"
+
+
+def _graph(op: str, inputs: list[np.ndarray], attrs: dict[str, Any]) -> Graph:
+    graph = Graph("dtypes_" + op)
+    params = [graph.add_param(GraphParam(TensorType(DType.from_any(a.dtype), a.shape), f"x{i}"))
+              for i, a in enumerate(inputs)]
+    b = Builder(graph)
+    out = b.emit(op, list(params), attrs)
+    if isinstance(out.type, TupleType):
+        graph.outputs = [b("TupleGetItem", out, index=i) for i in range(len(out.type.elements))]
+    else:
+        graph.outputs = [out]
+    return graph
+
+
+def tolerance(dtype: np.dtype, terms: int) -> float:
+    """Relative difference two correct implementations may show: a few units of the last
+    place, growing with the number of accumulated terms (16-bit results are rounded once from
+    a float32 computation on both sides)."""
+    if dtype.kind != "f" and dtype != ml_dtypes.bfloat16:
+        return 0.0
+    eps = float(ml_dtypes.finfo(dtype).eps)
+    return 2.0 * eps * (1 + terms) if dtype.itemsize < 4 else 4.0 * eps * terms
+
+
+@pytest.mark.parametrize("op", sorted(CASES))
+def test_op_under_every_dtype(op: str) -> None:
+    case = CASES[op]
+    if op == "TupleGetItem":
+        return
+    for dtype in SWEPT:
+        inputs, attrs = case.make(dtype, np.random.default_rng(0))
+        if dtype not in case.accepts:
+            with pytest.raises(OpError, match=dtype.value):
+                _graph(op, inputs, attrs)
+            continue
+        graph = _graph(op, inputs, attrs)
+        got = run_graph(graph, inputs)
+        lowered = lower_graph(graph)(*[jax.numpy.asarray(a) for a in inputs])
+        for i, (out, g, j) in enumerate(zip(graph.outputs, got, lowered)):
+            want = out.dtype.np
+            assert np.asarray(j).dtype == want, f"{op} {dtype.value}: JAX output {i} is " \
+                f"{np.asarray(j).dtype}, inferred {want}"
+            g64 = np.asarray(g).astype(np.float64)
+            j64 = np.asarray(j).astype(np.float64)
+            rtol = tolerance(want, case.terms)
+            scale = float(np.max(np.abs(g64))) if g64.size else 0.0
+            np.testing.assert_allclose(j64, g64, rtol=rtol, atol=rtol * scale,
+                                       err_msg=f"{op} {dtype.value} output {i}")
+
+
+@pytest.mark.parametrize("dtype", SWEPT)
+def test_constants_of_every_dtype_print_and_parse(dtype: DType) -> None:
+    rng = np.random.default_rng(3)
+    graph = Graph("consts")
+    x = graph.add_param(GraphParam(TensorType(dtype, (2, 3)), "x"))
+    b = Builder(graph)
+    const = Constant(values(dtype, (2, 3), rng), dtype)
+    splat = Constant(np.full((2, 3), values(dtype, (), rng)), dtype)
+    graph.outputs = [b("Select", Constant(np.array([[True, False, True]] * 2), B), x, const),
+                     b("Select", Constant(np.array(True), B), splat, x)]
+    text = print_graph(graph)
+    parsed = parse_graph(text)
+    assert print_graph(parsed) == text
+    consts = [v for n in parsed.nodes for v in n.operands if isinstance(v, Constant)]
+    assert consts[1].dtype is dtype and consts[1].array.dtype == dtype.np
+    np.testing.assert_array_equal(consts[1].array.view(np.uint8), const.array.view(np.uint8))
+    np.testing.assert_array_equal(consts[3].array.view(np.uint8), splat.array.view(np.uint8))
