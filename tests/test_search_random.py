@@ -92,12 +92,16 @@ def brute_force(cg: CostGraph) -> float:
 
 @SETTINGS
 @given(random_graphs(max_ops=8, dims=(2, 4)), st.sampled_from([1, 2, 4, 8]),
-       st.sampled_from(["full_batch", "data_parallel"]))
-def test_dynamic_programming_equals_brute_force(graph, devices, dataset) -> None:
+       st.sampled_from(["full_batch", "data_parallel"]), st.sampled_from([0, 256]),
+       st.booleans())
+def test_dynamic_programming_equals_brute_force(graph, devices, dataset, exact_classes,
+                                                 training) -> None:
+    """Exact under the cost model, also when every edge table starts from lower bounds
+    (exact_edge_classes=0: the rounds of dynamic_programming.EdgeTables)."""
     assume(dataset == "full_batch" or graph.inputs[0].shape[0] % devices == 0)
-    cg = CostGraph(graph, devices, CostConstants(), dataset)
+    cg = CostGraph(graph, devices, CostConstants(training=training), dataset)
     assume(prod(len(v.candidates) for v in cg.vertices) <= 40000)
-    result = solve(cg, SearchOptions())
+    result = solve(cg, SearchOptions(exact_edge_classes=exact_classes))
     best = brute_force(cg)
     assert np.isfinite(best)
     assert cg.total(result.choice) == pytest.approx(best, rel=1e-9, abs=1e-6)
@@ -111,7 +115,7 @@ def test_dynamic_programming_respects_the_memory_bound(graph, devices) -> None:
     least = min(cg.memory(c) for c in _all_choices(cg))
     assume(least < free.memory)
     bounded = CostGraph(graph, devices, CostConstants(memory_capacity=least), "full_batch")
-    result = solve(bounded, SearchOptions())
+    result = solve(bounded, SearchOptions(exact_edge_classes=0))
     assert bounded.memory(result.choice) <= least + 1e-6
 
 

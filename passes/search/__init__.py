@@ -49,6 +49,9 @@ class SearchOptions:
     approximate: bool = False  # dynamic programming keeps ceil(1/epsilon) candidates per op
     epsilon: float = 0.1
     max_table: int = 1 << 24  # dynamic programming: largest elimination table (entries)
+    # dynamic programming: edge tables with at most this many layout pairs are planned up
+    # front; larger ones start from lower bounds (0: every table starts from bounds)
+    exact_edge_classes: int = 256
 
     @classmethod
     def from_context(cls) -> SearchOptions:

@@ -79,6 +79,30 @@ class Edge:
     parameter: bool = False  # an edge of a TmpIdentity: equal layouts or infinity
 
 
+@dataclass(frozen=True)
+class EdgeClasses:
+    """Distinct layouts at the two ends of an edge; `src_rows[k]` is the class of producer
+    candidate k, `dst_cols[k]` that of consumer candidate k."""
+
+    src_rows: np.ndarray
+    src_reps: list[tuple[LayoutKey, TensorLayout]]
+    dst_cols: np.ndarray
+    dst_reps: list[tuple[LayoutKey, TensorLayout]]
+
+
+def _classes(pairs: list[tuple[LayoutKey, TensorLayout]]
+             ) -> tuple[list[int], list[tuple[LayoutKey, TensorLayout]]]:
+    index: dict[LayoutKey, int] = {}
+    reps: list[tuple[LayoutKey, TensorLayout]] = []
+    rows = []
+    for k, lay in pairs:
+        if k not in index:
+            index[k] = len(reps)
+            reps.append((k, lay))
+        rows.append(index[k])
+    return rows, reps
+
+
 def _identity_candidate(layout: TensorLayout) -> Candidate:
     sharding = OpSharding((layout.splits,), layout.dev_matrix, [layout], [layout])
     return make_candidate(sharding)
@@ -101,6 +125,7 @@ class CostGraph:
         self._pair: dict[tuple[LayoutKey, LayoutKey, int, bool], Cost] = {}
         self._rows: dict[Any, list[Cost]] = {}
         self._matrices: dict[Any, np.ndarray] = {}
+        self._classes: dict[Any, EdgeClasses] = {}
         self.explain_cache: dict[Any, dict[str, Any]] = {}
         self._build(dataset_strategy, configured or {})
 
@@ -302,37 +327,46 @@ class CostGraph:
             self._rows[key] = col
         return col
 
+    def edge_key(self, e: Edge) -> tuple[Any, ...]:
+        """What an edge's cost table depends on (edges of repeated layers share it)."""
+        src, dst = self.vertices[e.src], self.vertices[e.dst]
+        return (src.signature, e.src_out, dst.signature, e.dst_in, e.itemsize, e.is_bool,
+                e.parameter)
+
+    def edge_classes(self, e: Edge) -> EdgeClasses:
+        """The distinct producer output layouts and consumer input layouts of an edge, with
+        the class of every candidate (the cost table is a table over classes)."""
+        key = self.edge_key(e)
+        hit = self._classes.get(key)
+        if hit is None:
+            src, dst = self.vertices[e.src], self.vertices[e.dst]
+            o, i = e.src_out, e.dst_in
+            src_rows, src_reps = _classes([(a.out_keys[o], a.out_layouts[o])
+                                           for a in src.candidates])
+            dst_cols, dst_reps = _classes([(b.in_keys[i], b.in_layouts[i])
+                                           for b in dst.candidates])
+            hit = EdgeClasses(np.array(src_rows, dtype=np.intp), src_reps,
+                              np.array(dst_cols, dtype=np.intp), dst_reps)
+            self._classes[key] = hit
+        return hit
+
+    def class_cost(self, e: Edge, r: int, q: int) -> float:
+        """Objective of the edge for producer class `r` and consumer class `q`."""
+        cls = self.edge_classes(e)
+        (ka, la), (kb, lb) = cls.src_reps[r], cls.dst_reps[q]
+        return self.pair_cost(e, ka, la, kb, lb).objective(self.constants)
+
     def edge_matrix(self, e: Edge) -> np.ndarray:
         """Objective of the edge for every (producer, consumer) candidate pair."""
-        src, dst = self.vertices[e.src], self.vertices[e.dst]
-        key = (src.signature, e.src_out, dst.signature, e.dst_in, e.itemsize, e.is_bool,
-               e.parameter)
+        key = self.edge_key(e)
         m = self._matrices.get(key)
         if m is None:
-            c = self.constants
-
-            def classes(pairs: list[tuple[LayoutKey, TensorLayout]]
-                        ) -> tuple[list[int], list[tuple[LayoutKey, TensorLayout]]]:
-                index: dict[LayoutKey, int] = {}
-                reps: list[tuple[LayoutKey, TensorLayout]] = []
-                rows = []
-                for k, lay in pairs:
-                    if k not in index:
-                        index[k] = len(reps)
-                        reps.append((k, lay))
-                    rows.append(index[k])
-                return rows, reps
-
-            o, i = e.src_out, e.dst_in
-            src_rows, src_reps = classes([(a.out_keys[o], a.out_layouts[o])
-                                          for a in src.candidates])
-            dst_cols, dst_reps = classes([(b.in_keys[i], b.in_layouts[i])
-                                          for b in dst.candidates])
-            small = np.empty((len(src_reps), len(dst_reps)), dtype=np.float64)
-            for r, (ka, la) in enumerate(src_reps):
-                for q, (kb, lb) in enumerate(dst_reps):
-                    small[r, q] = self.pair_cost(e, ka, la, kb, lb).objective(c)
-            m = small[np.ix_(src_rows, dst_cols)]
+            cls = self.edge_classes(e)
+            small = np.empty((len(cls.src_reps), len(cls.dst_reps)), dtype=np.float64)
+            for r in range(len(cls.src_reps)):
+                for q in range(len(cls.dst_reps)):
+                    small[r, q] = self.class_cost(e, r, q)
+            m = small[np.ix_(cls.src_rows, cls.dst_cols)]
             self._matrices[key] = m
         return m
 
