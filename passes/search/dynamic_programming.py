@@ -58,6 +58,7 @@ explanation needs.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 from dataclasses import dataclass, field
 from math import ceil, prod
@@ -104,6 +105,9 @@ class EdgeTables:
         self.active: dict[Any, tuple[set[int], set[int]]] = {}
         self._expanded: dict[Any, tuple[int, np.ndarray]] = {}
         self.version: dict[Any, int] = {}
+        # elimination results by their input terms: the layers of a deep model, and the
+        # rounds of one search, repeat most eliminations exactly
+        self.memo: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
 
     def _table(self, e: Edge) -> Any:
         cg = self.cg
@@ -186,6 +190,7 @@ class _Problem:
     def __init__(self, cg: CostGraph, allowed: list[list[int]], lagrange: float,
                  max_table: int, tables: EdgeTables) -> None:
         self.cg = cg
+        self.memo = tables.memo
         self.allowed = allowed
         self.max_table = max_table
         self.topo = [v.topo for v in cg.vertices]
@@ -304,7 +309,13 @@ class _Problem:
             for i in pos:
                 full[axes.index(key[i])] = self.size[key[i]]
             views.append(np.transpose(table, pos).reshape(full))
-        if not nbrs:
+        memo_key = tuple((view.shape, hashlib.blake2b(np.ascontiguousarray(view).tobytes(),
+                                                      digest_size=16).digest())
+                         for view in views)
+        hit = self.memo.get(memo_key)
+        if hit is not None:
+            best, arg = hit
+        elif not nbrs:
             total = views[0][...]
             for view in views[1:]:
                 total = total + view
@@ -323,6 +334,8 @@ class _Problem:
                 a = np.argmin(total, axis=-1)
                 arg[lo:hi] = a
                 best[lo:hi] = np.take_along_axis(total, a[..., None], axis=-1)[..., 0]
+        if hit is None:
+            self.memo[memo_key] = (best, arg)
         self.records.append((x, tuple(nbrs), arg))
         self.rule_names.append((x, rule))
         self.alive[x] = False
