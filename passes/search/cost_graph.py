@@ -13,10 +13,11 @@ Vertices:
   infinity otherwise, so that all users of a parameter agree (parameters are stored sliced and
   never redistributed, §3.4).
 
-Edges run from a producer output to a consumer input, through Reshape and TupleGetItem. An
-edge's cost for a pair of strategies is the redistribution from the producer's output layout to
-the consumer's input layout (through a Reshape the shapes differ and the redistribution
-planner turns the reshape into splits and merges of dims, §2.3). Costs are cached by layout
+Edges run from a producer output to a consumer input, through Reshape and TupleGetItem (an
+edge records how many Reshapes it crosses). An edge's cost for a pair of strategies is the
+redistribution from the producer's output layout to the consumer's input layout (through a
+Reshape the shapes differ and the redistribution planner turns the reshape into splits and
+merges of dims, §2.3). Costs are cached by layout
 pair, edge rows by (producer layout, consumer signature) and whole tables by (producer
 signature, consumer signature), so the repeated layers of a deep model cost one evaluation.
 """
@@ -77,6 +78,7 @@ class Edge:
     itemsize: int
     is_bool: bool
     parameter: bool = False  # an edge of a TmpIdentity: equal layouts or infinity
+    reshapes: int = 0  # Reshapes between the producer and the consumer
 
 
 @dataclass(frozen=True)
@@ -180,11 +182,11 @@ class CostGraph:
                 source = self._source(operand, v.node, index)
                 if source is None:
                     continue
-                src, out, parameter = source
+                src, out, parameter, reshapes = source
                 if not isinstance(operand.type, TensorType):
                     continue
                 dtype = operand.type.dtype
-                self._add_edge(src, out, v.index, index, dtype, parameter)
+                self._add_edge(src, out, v.index, index, dtype, parameter, reshapes)
 
     def _add_parameter_vertices(self) -> None:
         users: dict[int, list[tuple[int, int]]] = {}
@@ -211,39 +213,42 @@ class CostGraph:
                                  False, None, ("param", tuple(keys)))
             self._param_vertex[pid] = v.index
 
-    def _source(self, value: Value, user: Node, index: int) -> tuple[int, int, bool] | None:
-        """The vertex output feeding `value`, looking through Reshape and TupleGetItem."""
-        direct = True
+    def _source(self, value: Value, user: Node, index: int
+                ) -> tuple[int, int, bool, int] | None:
+        """The vertex output feeding `value`, looking through Reshape and TupleGetItem, and
+        how many Reshapes lie between."""
+        reshapes = 0
         while True:
             if isinstance(value, Constant):
                 return None
             if isinstance(value, GraphParam):
                 if value.kind == "input":
                     assert self.dataset is not None
-                    return self.dataset.index, self._input_index[id(value)], False
-                if direct and id(value) in self._param_vertex:
-                    return self._param_vertex[id(value)], 0, True
+                    return self.dataset.index, self._input_index[id(value)], False, reshapes
+                if not reshapes and id(value) in self._param_vertex:
+                    return self._param_vertex[id(value)], 0, True, 0
                 return None
             assert isinstance(value, NodeResult)
             node = value.node
             if node.op == "Reshape":
                 value = node.operands[0]
-                direct = False
+                reshapes += 1
                 continue
             if node.op == "TupleGetItem":
                 producer = node.operands[0]
                 if isinstance(producer, NodeResult) and id(producer.node) in self.vertex_of:
-                    return self.vertex_of[id(producer.node)], int(node.attrs["index"]), False
+                    return (self.vertex_of[id(producer.node)], int(node.attrs["index"]), False,
+                            reshapes)
                 return None
             vi = self.vertex_of.get(id(node))
             if vi is None or not isinstance(node.result.type, TensorType):
                 return None
-            return vi, 0, False
+            return vi, 0, False, reshapes
 
     def _add_edge(self, src: int, out: int, dst: int, index: int, dtype: DType,
-                  parameter: bool) -> None:
+                  parameter: bool, reshapes: int) -> None:
         e = Edge(len(self.edges), src, out, dst, index, dtype.itemsize,
-                 dtype == DType.bool_, parameter)
+                 dtype == DType.bool_, parameter, reshapes)
         self.edges.append(e)
         self.vertices[src].out_edges.append(e.index)
         self.vertices[dst].in_edges.append(e.index)

@@ -302,7 +302,7 @@ def recursive_search(cg: CostGraph, options: object) -> RPResult:
                     fixed[p.index] = match[0]
             elif key != first_key and not u.configured:
                 fixed.pop(u.index, None)
-    prop = propagate(cg, fixed)
+    prop = propagate(cg, fixed, cross_reshape_chains=True)
     via = {vi: "recursive programming" for vi in fixed}
     for vi, why in prop.via.items():
         via.setdefault(vi, why)

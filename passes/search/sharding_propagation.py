@@ -15,7 +15,11 @@ topological order; each one not yet visited starts a breadth-first search (`prop
   lexicographically larger strategy; remaining ties keep candidate order;
 * when every search is done, waiting vertices are decided in topological order from the
   in-edges they have, and the search continues from them;
-* a vertex no search reached gets its first candidate (usually all ones).
+* a vertex no search reached gets its first candidate (usually all ones);
+* an edge that crosses two or more Reshapes (a Reshape chain) is not followed, in either
+  direction: MindSpore's `Edge::GetReshapeSWCIndexByPrevOpStrategy` / `ByNextOpStrategy` stop
+  at an edge between two Reshapes ("has two Reshapes, please set the strategy for at least
+  one"), so the ops beyond a chain are decided from elsewhere or get their first candidate.
 
 A parameter shared by several ops is a `TmpIdentity` vertex whose edges cost infinity unless
 the layouts are equal, so its users agree. Cost: building the rows an edge needs (cached per
@@ -68,8 +72,12 @@ def _best_by_out_edge(cg: CostGraph, w: Vertex, choice: list[int], ei: int,
 class Propagation:
     """State of one propagation: the choice per vertex and why it was made."""
 
-    def __init__(self, cg: CostGraph, fixed: dict[int, int] | None = None) -> None:
+    def __init__(self, cg: CostGraph, fixed: dict[int, int] | None = None,
+                 cross_reshape_chains: bool = False) -> None:
         self.cg = cg
+        # MindSpore's propagation stops at an edge between two Reshapes
+        self.blocked = set() if cross_reshape_chains else {
+            e.index for e in cg.edges if e.reshapes >= 2}
         n = len(cg.vertices)
         self.choice = [-1] * n
         self.decided = [False] * n
@@ -94,9 +102,9 @@ class Propagation:
         cg = self.cg
         e = cg.edges[ei]
         v = cg.vertices[e.dst]
-        if self.decided[v.index]:
+        if self.decided[v.index] or ei in self.blocked:
             return
-        ins = v.in_edges
+        ins = self.live(v.in_edges)
         if len(ins) > 1 and not all(self.decided[cg.edges[x].src] for x in ins):
             self.waiting.add(v.index)
             return
@@ -107,11 +115,15 @@ class Propagation:
     def _visit_prev(self, u: Vertex, ei: int, queue: deque[int]) -> None:
         cg = self.cg
         w = cg.vertices[cg.edges[ei].src]
-        if self.decided[w.index]:
+        if self.decided[w.index] or ei in self.blocked:
             return
         k = _best_by_out_edge(cg, w, self.choice, ei, self.memo)
         self._set(w.index, k, f"out-edge to {u.name}")
         queue.append(w.index)
+
+    def live(self, edges: list[int]) -> list[int]:
+        """The edges propagation follows."""
+        return [ei for ei in edges if ei not in self.blocked]
 
     def _names(self, edges: list[int]) -> str:
         cg = self.cg
@@ -134,7 +146,7 @@ class Propagation:
         while self.waiting:
             vi = min(self.waiting, key=lambda i: cg.vertices[i].topo)
             v = cg.vertices[vi]
-            ins = [x for x in v.in_edges if self.decided[cg.edges[x].src]]
+            ins = [x for x in self.live(v.in_edges) if self.decided[cg.edges[x].src]]
             self._set(vi, _best_by_in_edges(cg, v, self.choice, ins, self.memo),
                       f"in-edges from {self._names(ins)} (not all inputs were decided)")
             self.bfs(vi)
@@ -144,9 +156,11 @@ class Propagation:
         return self.choice
 
 
-def propagate(cg: CostGraph, fixed: dict[int, int] | None = None) -> Propagation:
+def propagate(cg: CostGraph, fixed: dict[int, int] | None = None,
+              cross_reshape_chains: bool = False) -> Propagation:
     """Sharding propagation from the configured vertices (and `fixed` ones, which count as
-    configured: recursive programming uses this to finish its plan)."""
-    prop = Propagation(cg, fixed)
+    configured: recursive programming uses this to finish its plan, crossing Reshape chains
+    as its own propagation does)."""
+    prop = Propagation(cg, fixed, cross_reshape_chains)
     prop.run(list(prop.fixed))
     return prop
