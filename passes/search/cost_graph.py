@@ -388,30 +388,3 @@ class CostGraph:
 
     def memory(self, choice: Sequence[int]) -> float:
         return sum(self.op_costs(v)[choice[v.index]].memory for v in self.vertices)
-
-    def local_costs(self, v: Vertex, choice: Sequence[int]) -> list[tuple[Cost, Cost]]:
-        """For each candidate of `v`, its own cost and the cost of its edges with every
-        neighbour fixed at `choice`."""
-        own = self.op_costs(v)
-        out: list[tuple[Cost, Cost]] = []
-        rows_in = [(self.edges[ei], self.costs_to(self.edges[ei], choice[self.edges[ei].src]))
-                   for ei in v.in_edges]
-        rows_out = [(self.edges[ei], self.costs_from(self.edges[ei],
-                                                     choice[self.edges[ei].dst]))
-                    for ei in v.out_edges]
-        for k in range(len(v.candidates)):
-            edge = ZERO
-            for _, row in rows_in:
-                edge = edge + row[k]
-            for _, row in rows_out:
-                edge = edge + row[k]
-            out.append((own[k], edge))
-        return out
-
-
-def strategy_key(cand: Candidate) -> tuple[int, tuple[int, ...]]:
-    """`Strategy::Compare`: a larger product of all splits, then the lexicographically larger
-    strategy, is preferred (larger key = preferred)."""
-    flat = tuple(x for s in cand.strategy for x in s)
-    return cand.split_product, flat
-

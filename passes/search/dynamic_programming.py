@@ -42,6 +42,10 @@ plans at least one new entry, so it ends, in a few rounds in practice. The resul
 planning every entry (`tests/test_search_random.py` checks it against brute force with every
 table starting from bounds).
 
+Invariant (`explain.py`): the plan minimises F, so no op can lower F by changing its own
+candidate; each op's local objective (its terms of F, neighbours fixed) is minimal at its
+choice among the candidates considered, which is what the explanation prints.
+
 Memory: the plan minimising F is taken when it fits `device_memory_capacity`; otherwise
 `F + lambda * memory` is minimised with the smallest lambda (found by bisection) whose plan
 fits (Lagrangian relaxation; exact for the penalised objective).
@@ -83,6 +87,7 @@ class DPResult:
     lagrange: float = 0.0
     eliminations: list[tuple[int, str]] = field(default_factory=list)
     rounds: int = 1  # minimisations until the plan used exact edge costs only
+    allowed: list[list[int]] = field(default_factory=list)  # candidates considered per vertex
 
 
 Key = tuple[int, ...]
@@ -430,7 +435,7 @@ def _solve_once(cg: CostGraph, allowed: list[list[int]], lagrange: float,
         if not tables.settle(choice):
             break
     return DPResult(choice, cg.total(choice), cg.memory(choice), lagrange, problem.rule_names,
-                    rounds)
+                    rounds, allowed)
 
 
 def solve(cg: CostGraph, options: object) -> DPResult:

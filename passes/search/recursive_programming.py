@@ -88,6 +88,8 @@ class RPResult:
     choice: list[int]
     via: dict[int, str]
     splits: dict[int, dict[str, int]]
+    partitioned: set[int] = field(default_factory=set)  # vertices the partition decided
+    decision: dict[int, list[int]] = field(default_factory=dict)  # the others: propagation
 
 
 def _halvings(splits: dict[str, int], order: list[str]) -> list[str | None]:
@@ -306,4 +308,5 @@ def recursive_search(cg: CostGraph, options: object) -> RPResult:
     via = {vi: "recursive programming" for vi in fixed}
     for vi, why in prop.via.items():
         via.setdefault(vi, why)
-    return RPResult(prop.choice, via, splits)
+    decision = {vi: edges for vi, edges in prop.decision.items() if vi not in fixed}
+    return RPResult(prop.choice, via, splits, set(fixed), decision)

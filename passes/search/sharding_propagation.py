@@ -21,6 +21,13 @@ topological order; each one not yet visited starts a breadth-first search (`prop
   at an edge between two Reshapes ("has two Reshapes, please set the strategy for at least
   one"), so the ops beyond a chain are decided from elsewhere or get their first candidate.
 
+Invariant (stated and checked with `explain.py`): every vertex decided here records the edges
+that decided it (`Propagation.decision`), and its candidate is the minimum of `swc_key` over
+all its candidates on exactly those edges; the explanation prints that key for the choice and
+the runner-up, so the choice never contradicts the printed costs. (The local objective over
+all edges, which edges decided later also enter, is not what propagation minimises: printing
+it as the runner-up's cost made the choice look wrong, issue 17.)
+
 A parameter shared by several ops is a `TmpIdentity` vertex whose edges cost infinity unless
 the layouts are equal, so its users agree. Cost: building the rows an edge needs (cached per
 producer layout and consumer signature) plus a linear walk over the graph.
@@ -31,15 +38,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from pcompile.passes.search.cost_graph import CostGraph, Vertex, strategy_key
-
-
-def swc_key(cg: CostGraph, v: Vertex, k: int, comm: float, comp: float
-            ) -> tuple[float, float, float, int, tuple[int, ...]]:
-    """`CompareSwcCost` as a sort key (smaller is better)."""
-    product, flat = strategy_key(v.candidates[k])
-    own = cg.op_costs(v)[k].comm_forward
-    return comm, comp, own, -product, tuple(-x for x in flat)
+from pcompile.passes.search.cost_graph import CostGraph, Vertex
+from pcompile.passes.search.explain import swc_key
 
 
 def _best_by_in_edges(cg: CostGraph, v: Vertex, choice: list[int], edges: list[int],
@@ -82,6 +82,8 @@ class Propagation:
         self.choice = [-1] * n
         self.decided = [False] * n
         self.via: dict[int, str] = {}
+        # vertex -> the edges whose redistribution decided it (empty: first candidate)
+        self.decision: dict[int, list[int]] = {}
         self.waiting: set[int] = set()
         self.memo: dict[Any, int] = {}
         self.fixed = dict(fixed or {})
@@ -92,10 +94,11 @@ class Propagation:
             self.choice[vi] = k
             self.decided[vi] = True
 
-    def _set(self, vi: int, k: int, via: str) -> None:
+    def _set(self, vi: int, k: int, via: str, edges: list[int]) -> None:
         self.choice[vi] = k
         self.decided[vi] = True
         self.via[vi] = via
+        self.decision[vi] = list(edges)
         self.waiting.discard(vi)
 
     def _visit_next(self, u: Vertex, ei: int, queue: deque[int]) -> None:
@@ -109,7 +112,7 @@ class Propagation:
             self.waiting.add(v.index)
             return
         k = _best_by_in_edges(cg, v, self.choice, ins, self.memo)
-        self._set(v.index, k, f"in-edges from {self._names(ins)}")
+        self._set(v.index, k, f"in-edges from {self._names(ins)}", ins)
         queue.append(v.index)
 
     def _visit_prev(self, u: Vertex, ei: int, queue: deque[int]) -> None:
@@ -118,7 +121,7 @@ class Propagation:
         if self.decided[w.index] or ei in self.blocked:
             return
         k = _best_by_out_edge(cg, w, self.choice, ei, self.memo)
-        self._set(w.index, k, f"out-edge to {u.name}")
+        self._set(w.index, k, f"out-edge to {u.name}", [ei])
         queue.append(w.index)
 
     def live(self, edges: list[int]) -> list[int]:
@@ -148,11 +151,11 @@ class Propagation:
             v = cg.vertices[vi]
             ins = [x for x in self.live(v.in_edges) if self.decided[cg.edges[x].src]]
             self._set(vi, _best_by_in_edges(cg, v, self.choice, ins, self.memo),
-                      f"in-edges from {self._names(ins)} (not all inputs were decided)")
+                      f"in-edges from {self._names(ins)} (not all inputs were decided)", ins)
             self.bfs(vi)
         for v in cg.vertices:
             if not self.decided[v.index]:
-                self._set(v.index, 0, "unreachable: first candidate")
+                self._set(v.index, 0, "unreachable: first candidate", [])
         return self.choice
 
 
