@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
+from pcompile import reset_algo_parameters, set_algo_parameters
 from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import check
 
@@ -30,4 +33,26 @@ def test_propagation_stops_at_a_reshape_chain() -> None:
     got = strategies(program)
     assert got["mul"] == ((8, 1), (8, 1))
     assert got["relu2"] == ((1, 1),)
+    assert check(program, steps=1).ok(1e-5, 1e-4)
+
+
+@pytest.mark.parametrize("fully_use_devices", [True, False])
+def test_functional_shard_matmul_keeps_the_shard_layout(fully_use_devices: bool) -> None:
+    """examples/functional_shard.py (seed functional-operator-sharding.md): the MatMul after
+    `ms.shard(dense_relu, in_strategy=((4, 2), None, None))` takes MindSpore's ((4, 2), (2, 1)),
+    which needs no redistribution from the shard, and its printed decision says so: the
+    runner-up's CompareSwcCost terms are not below the choice's (issue 17, item 5)."""
+    set_algo_parameters(fully_use_devices=fully_use_devices)
+    try:
+        program = compile_model(os.path.join(ROOT, "examples", "functional_shard.py"),
+                                devices=8, dump=False)
+    finally:
+        reset_algo_parameters()
+    matmul = next(n for n in program.graph.nodes if n.instance_name == "MatMul-op0")
+    info = program.state.search.explain[id(matmul)]
+    assert info["strategy"] == ((4, 2), (2, 1))
+    assert info["decision"]["communication"] == 0.0
+    chosen = tuple(info["decision"][k] for k in ("communication", "computation", "forward"))
+    runner = tuple(info["runner_up"][k] for k in ("communication", "computation", "forward"))
+    assert chosen <= runner
     assert check(program, steps=1).ok(1e-5, 1e-4)
