@@ -9,7 +9,10 @@ import pytest
 
 from pcompile import reset_algo_parameters, set_algo_parameters
 from pcompile.compiler.driver import compile as compile_model
+from pcompile.compiler.model_file import load_model_file
 from pcompile.compiler.oracle import check
+from pcompile.compiler.trace_model import trace_model
+from pcompile.passes.search import search
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,4 +58,27 @@ def test_functional_shard_matmul_keeps_the_shard_layout(fully_use_devices: bool)
     chosen = tuple(info["decision"][k] for k in ("communication", "computation", "forward"))
     runner = tuple(info["runner_up"][k] for k in ("communication", "computation", "forward"))
     assert chosen <= runner
+    assert check(program, steps=1).ok(1e-5, 1e-4)
+
+
+@pytest.mark.parametrize("with_loss", [False, True])
+def test_recursive_programming_keeps_the_sliced_parameter_unsplit(with_loss: bool,
+                                                                   monkeypatch) -> None:
+    """test_auto_parallel_sapp_strided_slice.py: the StridedSlice of a parameter, reshaped into
+    the right operand of a MatMul, stays ((1, 1, 1)) whatever the MatMul takes (here ((1, 1),
+    (1, 8)) without a loss, as MindSpore's test compiles it, and ((8, 1), (1, 1)) with one): an
+    op reading only parameters takes no part in the partition."""
+    monkeypatch.setenv("STRIDED_SLICE_LOSS", "1" if with_loss else "0")
+    path = model("strided_slice_reshape.py")
+    if not with_loss:
+        graph = trace_model(load_model_file(path)).graph
+        result = search(graph, 8, "recursive_programming", dataset_strategy="full_batch")
+        got = {n.instance_name: result.strategies.get(id(n)) for n in graph.nodes}
+        assert got["matmul"] == ((1, 1), (1, 8))
+        assert got["strided_slice"] == ((1, 1, 1),)
+        return
+    program = compile_model(path, devices=8, dump=False)
+    got = strategies(program)
+    assert got["strided_slice"] == ((1, 1, 1),)
+    assert got["matmul"] == ((8, 1), (1, 1))
     assert check(program, steps=1).ok(1e-5, 1e-4)
