@@ -27,16 +27,39 @@ def strategies(program) -> dict[str, tuple]:
             if assignment.sharding(n) is not None}
 
 
-def test_propagation_stops_at_a_reshape_chain() -> None:
-    """test_auto_parallel_reshape.py (test_reshape_depend_reshape): sharding propagation does
-    not cross an edge between two Reshapes (MindSpore: "has two Reshapes, please set the
-    strategy for at least one"), so the ReLU after Reshape -> Reshape, with nothing configured
-    after it, is not split like the Mul before the chain: ((1, 1)), as MindSpore leaves it."""
+def test_propagation_crosses_consecutive_reshapes_as_one() -> None:
+    """test_auto_parallel_reshape.py's Reshape(96, 32, 4) -> Reshape(128, 96) without the Depend
+    between them: MindSpore 2.10 merges the two Reshapes before its search (its
+    step_auto_parallel_begin dump of this network holds one Reshape), so propagation crosses
+    it and the ReLU keeps the Mul's row split, the chain being a local reshape."""
     program = compile_model(model("reshape_chain.py"), devices=8, dump=False)
     got = strategies(program)
     assert got["mul"] == ((8, 1), (8, 1))
-    assert got["relu2"] == ((1, 1),)
+    assert got["relu2"] == ((8, 1),)
+    relu = next(n for n in program.graph.nodes if n.instance_name == "relu2")
+    assert program.state.search.explain[id(relu)]["decision"]["communication"] == 0.0
     assert check(program, steps=1).ok(1e-5, 1e-4)
+
+
+def test_propagation_stops_between_two_reshape_operators() -> None:
+    """With a node between the two Reshapes (MindSpore's test puts a Depend there), MindSpore's
+    propagation refuses the edge between two Reshape operators ("has two Reshapes, please set
+    the strategy for at least one"), and the ReLU gets its strategy from the loss side:
+    ((1, 1)), as MindSpore leaves it. The edge is marked as crossing two Reshape operators here,
+    as cost_graph marks an edge through Reshape, Depend, Reshape."""
+    from pcompile.passes.search.cost_graph import CostGraph
+    from pcompile.passes.search.cost_model import CostConstants
+    from pcompile.passes.search.sharding_propagation import propagate
+
+    graph = trace_model(load_model_file(model("reshape_chain.py"))).graph
+    cg = CostGraph(graph, 8, CostConstants(), "full_batch", True)
+    (chain,) = [e for e in cg.edges if e.reshapes]
+    assert chain.reshapes == 1  # consecutive Reshapes are one operator
+    chain.reshapes = 2
+    choice = propagate(cg).choice
+    relu = next(v for v in cg.vertices if v.name == "relu2")
+    assert relu.candidates[choice[relu.index]].strategy == ((1, 1),)
+    assert propagate(cg, cross_reshape_chains=True).choice[relu.index] != choice[relu.index]
 
 
 @pytest.mark.parametrize("fully_use_devices", [True, False])
@@ -81,4 +104,20 @@ def test_recursive_programming_keeps_the_sliced_parameter_unsplit(with_loss: boo
     got = strategies(program)
     assert got["strided_slice"] == ((1, 1, 1),)
     assert got["matmul"] == ((8, 1), (1, 1))
+    assert check(program, steps=1).ok(1e-5, 1e-4)
+
+
+def test_dynamic_programming_behind_a_parameter_cast() -> None:
+    """test_auto_parallel_parameter_cast.py: MatMul-op0 (matmul2 in MindSpore 2.10's naming of
+    this network) takes [[8, 1], [1, 1]] and both Casts of the parameter [[1, 1]]. (The test
+    also names a MatMul-op4 with [[1, 1], [1, 8]]; the network has three MatMuls, op0 to op2,
+    so that assertion matches nothing.) Training constants, as the test's set_train(); the
+    compiled inference program matches the single-device one."""
+    path = model("parameter_cast.py")
+    graph = trace_model(load_model_file(path)).graph
+    result = search(graph, 8, "dynamic_programming", dataset_strategy="full_batch")
+    got = {n.instance_name: result.strategies.get(id(n)) for n in graph.nodes}
+    assert got["matmul2"] == ((8, 1), (1, 1))
+    assert got["cast1"] == got["cast2"] == ((1, 1),)
+    program = compile_model(path, devices=8, dump=False)
     assert check(program, steps=1).ok(1e-5, 1e-4)

@@ -13,11 +13,12 @@ Vertices:
   infinity otherwise, so that all users of a parameter agree (parameters are stored sliced and
   never redistributed, §3.4).
 
-Edges run from a producer output to a consumer input, through Reshape and TupleGetItem (an
-edge records how many Reshapes it crosses). An edge's cost for a pair of strategies is the
-redistribution from the producer's output layout to the consumer's input layout (through a
-Reshape the shapes differ and the redistribution planner turns the reshape into splits and
-merges of dims, §2.3). Costs are cached by layout
+Edges run from a producer output to a consumer input, through Reshape, Depend and
+TupleGetItem (an edge records how many Reshape operators it crosses: consecutive Reshapes
+count once, as MindSpore merges them before its search). An edge's cost for a pair of
+strategies is the redistribution from the producer's output layout to the consumer's input
+layout (through a Reshape the shapes differ and the redistribution planner turns the reshape
+into splits and merges of dims, §2.3). Costs are cached by layout
 pair, edge rows by (producer layout, consumer signature) and whole tables by (producer
 signature, consumer signature), so the repeated layers of a deep model cost one evaluation.
 """
@@ -78,7 +79,7 @@ class Edge:
     itemsize: int
     is_bool: bool
     parameter: bool = False  # an edge of a TmpIdentity: equal layouts or infinity
-    reshapes: int = 0  # Reshapes between the producer and the consumer
+    reshapes: int = 0  # Reshape operators between (consecutive Reshapes count once)
 
 
 @dataclass(frozen=True)
@@ -215,9 +216,12 @@ class CostGraph:
 
     def _source(self, value: Value, user: Node, index: int
                 ) -> tuple[int, int, bool, int] | None:
-        """The vertex output feeding `value`, looking through Reshape and TupleGetItem, and
-        how many Reshapes lie between."""
+        """The vertex output feeding `value`, looking through Reshape, Depend and
+        TupleGetItem, and how many Reshape operators lie between: consecutive Reshapes count
+        as one (MindSpore merges Reshape(Reshape(x)) before its search), Reshapes separated
+        by a Depend as two."""
         reshapes = 0
+        run = False  # the previous node looked through was a Reshape
         while True:
             if isinstance(value, Constant):
                 return None
@@ -232,7 +236,12 @@ class CostGraph:
             node = value.node
             if node.op == "Reshape":
                 value = node.operands[0]
-                reshapes += 1
+                reshapes += 0 if run else 1
+                run = True
+                continue
+            if node.op == "Depend":
+                value = node.operands[0]
+                run = False
                 continue
             if node.op == "TupleGetItem":
                 producer = node.operands[0]

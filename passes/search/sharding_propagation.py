@@ -16,10 +16,13 @@ topological order; each one not yet visited starts a breadth-first search (`prop
 * when every search is done, waiting vertices are decided in topological order from the
   in-edges they have, and the search continues from them;
 * a vertex no search reached gets its first candidate (usually all ones);
-* an edge that crosses two or more Reshapes (a Reshape chain) is not followed, in either
-  direction: MindSpore's `Edge::GetReshapeSWCIndexByPrevOpStrategy` / `ByNextOpStrategy` stop
-  at an edge between two Reshapes ("has two Reshapes, please set the strategy for at least
-  one"), so the ops beyond a chain are decided from elsewhere or get their first candidate.
+* an edge that crosses two Reshape operators is not followed, in either direction:
+  MindSpore's `Edge::GetReshapeSWCIndexByPrevOpStrategy` / `ByNextOpStrategy` stop at an edge
+  between two Reshapes ("has two Reshapes, please set the strategy for at least one"), so the
+  ops beyond are decided from elsewhere or get their first candidate. Consecutive Reshapes are
+  one operator there (MindSpore 2.10 merges `Reshape(Reshape(x))` before the search: its
+  `step_auto_parallel_begin` dump holds a single Reshape), so only Reshapes separated by
+  another node (MindSpore's `test_reshape_depend_reshape` puts a Depend between) stop it.
 
 Invariant (stated and checked with `explain.py`): every vertex decided here records the edges
 that decided it (`Propagation.decision`), and its candidate is the minimum of `swc_key` over
@@ -75,7 +78,7 @@ class Propagation:
     def __init__(self, cg: CostGraph, fixed: dict[int, int] | None = None,
                  cross_reshape_chains: bool = False) -> None:
         self.cg = cg
-        # MindSpore's propagation stops at an edge between two Reshapes
+        # MindSpore's propagation stops at an edge between two Reshape operators
         self.blocked = set() if cross_reshape_chains else {
             e.index for e in cg.edges if e.reshapes >= 2}
         n = len(cg.vertices)

@@ -1,7 +1,7 @@
 """A Reshape chain between a configured op and an unconfigured one (after MindSpore's
-test_auto_parallel_reshape.py, test_reshape_depend_reshape): Mul ((8, 1), (8, 1)) of y [256, 48]
-by a weight, Reshape to (96, 32, 4), Reshape to (128, 96), then an unconfigured ReLU and the
-loss."""
+test_auto_parallel_reshape.py, test_reshape_depend_reshape, without its Depend): Mul ((8, 1),
+(8, 1)) of y [256, 48] by a weight, Reshape to (96, 32, 4), Reshape to (128, 96), then an
+unconfigured ReLU and the loss."""
 
 import numpy as np
 
