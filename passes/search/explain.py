@@ -65,6 +65,21 @@ def swc_terms(rows: list[list[Cost]], n: int) -> tuple[list[float], list[float]]
     return comm, comp
 
 
+def _cached(cg: CostGraph, key: tuple[Any, ...], make: Any) -> dict[str, Any]:
+    """Explanations by (op signature, choice, the cost rows involved): the rows are cached
+    objects of the cost graph, so the repeated layers of a deep model are explained once."""
+    hit = cg.explain_cache.get(key)
+    if hit is None:
+        hit = make()
+        cg.explain_cache[key] = hit
+    return {**hit, "cost": dict(hit["cost"]), "redistribution": dict(hit["redistribution"])}
+
+
+def _row_ids(cg: CostGraph, v: Vertex, choice: Sequence[int], edges: Sequence[int]
+             ) -> tuple[int, ...]:
+    return tuple(id(row) for row in decision_rows(cg, v, choice, edges))
+
+
 def _base(cg: CostGraph, v: Vertex, k: int, choice: Sequence[int], decided_by: str
           ) -> dict[str, Any]:
     """What every explanation holds: the strategy, its own cost terms and the redistribution
@@ -94,6 +109,14 @@ def local_objectives(cg: CostGraph, v: Vertex, choice: Sequence[int], lagrange: 
 def local_explanation(cg: CostGraph, v: Vertex, choice: Sequence[int], lagrange: float = 0.0,
                       allowed: Sequence[int] | None = None) -> dict[str, Any]:
     """Dynamic programming: the local objective of the choice and of the runner-up."""
+    key = ("local", v.signature, choice[v.index], lagrange,
+           tuple(allowed) if allowed is not None else None,
+           _row_ids(cg, v, choice, v.in_edges + v.out_edges))
+    return _cached(cg, key, lambda: _local(cg, v, choice, lagrange, allowed))
+
+
+def _local(cg: CostGraph, v: Vertex, choice: Sequence[int], lagrange: float,
+           allowed: Sequence[int] | None) -> dict[str, Any]:
     k = choice[v.index]
     info = _base(cg, v, k, choice, "dynamic programming")
     local = local_objectives(cg, v, choice, lagrange)
@@ -117,6 +140,15 @@ def _swc_dict(comm: float, comp: float, forward: float) -> dict[str, float | Non
 def propagation_explanation(cg: CostGraph, v: Vertex, choice: Sequence[int],
                             edges: Sequence[int], names: str) -> dict[str, Any]:
     """Sharding propagation: `CompareSwcCost` over the edges that decided the op."""
+    key = ("propagation", v.signature, choice[v.index], names, _row_ids(cg, v, choice, edges),
+           _row_ids(cg, v, choice, v.in_edges + v.out_edges))
+    info = _cached(cg, key, lambda: _propagation(cg, v, choice, edges, names))
+    info["decision"] = dict(info["decision"])
+    return info
+
+
+def _propagation(cg: CostGraph, v: Vertex, choice: Sequence[int], edges: Sequence[int],
+                 names: str) -> dict[str, Any]:
     k = choice[v.index]
     info = _base(cg, v, k, choice, "sharding propagation")
     n = len(v.candidates)
@@ -134,7 +166,9 @@ def propagation_explanation(cg: CostGraph, v: Vertex, choice: Sequence[int],
 def plain_explanation(cg: CostGraph, v: Vertex, choice: Sequence[int], decided_by: str
                       ) -> dict[str, Any]:
     """An op the search did not decide by comparing candidates."""
-    return _base(cg, v, choice[v.index], choice, decided_by)
+    key = ("plain", v.signature, choice[v.index], decided_by,
+           _row_ids(cg, v, choice, v.in_edges + v.out_edges))
+    return _cached(cg, key, lambda: _base(cg, v, choice[v.index], choice, decided_by))
 
 
 def dump_annotation(info: dict[str, Any]) -> dict[str, Any]:
