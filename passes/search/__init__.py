@@ -8,8 +8,9 @@ Reshape/TupleGetItem), runs one algorithm and returns a `SearchResult`:
   TupleGetItem and MakeTuple have none), to be applied by `step_parallel_begin.assign(...,
   searched=...)`;
 * `explain`: id(node) -> the chosen strategy, its cost terms, the cost of its edges with the
-  neighbours' chosen strategies, and the runner-up (the best other candidate with the
-  neighbours fixed), so a plan can say why;
+  neighbours' chosen strategies, and the runner-up under the comparison the search made
+  (`explain.py` states the invariant: the chosen cost is never above the runner-up's), so a
+  plan can say why;
 * `reshape_layouts`: id(Reshape) -> output layout for Reshapes feeding other Reshapes (the
   layout the chain's consumer wants, mapped back through the chain), so a chain costs one
   redistribution instead of a gather to replicated and a slice;
@@ -17,7 +18,11 @@ Reshape/TupleGetItem), runs one algorithm and returns a `SearchResult`:
 
 Modes: `sharding_propagation` (`sharding_propagation.py`), `dynamic_programming`
 (`dynamic_programming.py`), `recursive_programming` (`recursive_programming.py`). The cost
-model is `cost_model.py`, candidates `candidates.py`, checkpoints `checkpoint.py`.
+model is `cost_model.py`, candidates `candidates.py`, checkpoints `checkpoint.py`, the
+explanations `explain.py`, which states the invariant every search keeps: the chosen
+strategy's cost is the minimum over the candidates it printed, under the same cost model
+(dynamic programming: the local objective; sharding propagation: `CompareSwcCost` on the
+edges that decided the op).
 """
 
 from __future__ import annotations
@@ -27,14 +32,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from pcompile.ir.core import Graph, Node
 from pcompile.ir.layout import TensorLayout
 from pcompile.ir.sharding import Strategy
 from pcompile.ir.types import TensorType
-from pcompile.passes.search.cost_graph import CostGraph, Vertex
-from pcompile.passes.search.cost_model import Cost, CostConstants, printable
+from pcompile.passes.search.cost_graph import CostGraph
+from pcompile.passes.search.cost_model import CostConstants, printable
+from pcompile.passes.search.explain import (
+    local_explanation,
+    plain_explanation,
+    propagation_explanation,
+)
 from pcompile.passes.search.reshape import map_layout
 
 MODES = ("sharding_propagation", "dynamic_programming", "recursive_programming")
@@ -49,6 +57,9 @@ class SearchOptions:
     approximate: bool = False  # dynamic programming keeps ceil(1/epsilon) candidates per op
     epsilon: float = 0.1
     max_table: int = 1 << 24  # dynamic programming: largest elimination table (entries)
+    # dynamic programming: edge tables with at most this many layout pairs are planned up
+    # front; larger ones start from lower bounds (0: every table starts from bounds)
+    exact_edge_classes: int = 256
 
     @classmethod
     def from_context(cls) -> SearchOptions:
@@ -79,6 +90,8 @@ class SearchResult:
     seconds: float = 0.0
     cost_graph: CostGraph | None = None
     choice: list[int] = field(default_factory=list)
+    # propagation: vertex index -> the edges whose redistribution decided it
+    decisions: dict[int, list[int]] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """What plan.json records of the search; no timings, so plans stay byte-identical
@@ -114,21 +127,24 @@ def search(
     cg = CostGraph(graph, devices, constants, dataset_strategy, options.fully_use_devices,
                    loaded)
     via: dict[int, str] = {}
+    decision: dict[int, list[int]] = {}  # propagation: the edges that decided a vertex
+    lagrange, allowed = 0.0, None
     if mode == "sharding_propagation":
         from pcompile.passes.search.sharding_propagation import propagate
 
         prop = propagate(cg)
-        choice, via = prop.choice, prop.via
+        choice, via, decision = prop.choice, prop.via, prop.decision
     elif mode == "dynamic_programming":
         from pcompile.passes.search.dynamic_programming import solve
 
-        choice = solve(cg, options).choice
+        dp = solve(cg, options)
+        choice, lagrange, allowed = dp.choice, dp.lagrange, dp.allowed
     else:
         from pcompile.passes.search.recursive_programming import recursive_search
 
         rp = recursive_search(cg, options)
-        choice, via = rp.choice, rp.via
-    result = SearchResult(mode, cost_graph=cg, choice=choice)
+        choice, via, decision = rp.choice, rp.via, rp.decision
+    result = SearchResult(mode, cost_graph=cg, choice=choice, decisions=decision)
     loaded = loaded or {}
     for v in cg.vertices:
         if v.kind != "op" or v.node is None:
@@ -137,61 +153,29 @@ def search(
         if node.attrs.get("in_strategy") is not None:
             continue
         result.strategies[id(node)] = v.candidates[choice[v.index]].strategy
-        if explain:
-            info = explain_vertex(cg, v, choice)
-            if v.index in via:
-                info["via"] = via[v.index]
-            if id(node) in loaded:
-                info["via"] = "strategy checkpoint"
-            result.explain[id(node)] = info
+        if not explain:
+            continue
+        if id(node) in loaded:
+            info = plain_explanation(cg, v, choice, "strategy checkpoint")
+        elif mode == "dynamic_programming":
+            info = local_explanation(cg, v, choice, lagrange,
+                                     allowed[v.index] if allowed else None)
+        elif decision.get(v.index):
+            info = propagation_explanation(cg, v, choice, decision[v.index],
+                                           via[v.index])
+        elif v.index in decision:
+            info = plain_explanation(cg, v, choice, "first candidate (not reached)")
+        else:
+            info = plain_explanation(cg, v, choice, "recursive programming")
+        if v.index in via:
+            info["via"] = via[v.index]
+        if id(node) in loaded:
+            info["via"] = "strategy checkpoint"
+        result.explain[id(node)] = info
     result.objective = cg.total(choice)
     result.reshape_layouts = reshape_chain_layouts(graph, cg, choice)
     result.seconds = time.perf_counter() - start
     return result
-
-
-def _objectives(cg: CostGraph, costs: list[Cost]) -> np.ndarray:
-    c = cg.constants
-    return np.fromiter((x.objective(c) for x in costs), dtype=np.float64, count=len(costs))
-
-
-def explain_vertex(cg: CostGraph, v: Vertex, choice: list[int]) -> dict[str, Any]:
-    """The chosen candidate's cost terms and the runner-up with the neighbours fixed."""
-    c = cg.constants
-    k = choice[v.index]
-    rows: list[list[Cost]] = []
-    for ei in v.in_edges:
-        e = cg.edges[ei]
-        rows.append(cg.costs_to(e, choice[e.src]))
-    for ei in v.out_edges:
-        e = cg.edges[ei]
-        rows.append(cg.costs_from(e, choice[e.dst]))
-    key = (v.signature, k, tuple(id(r) for r in rows))
-    cache = cg.explain_cache
-    hit = cache.get(key)
-    if hit is not None:
-        return dict(hit)
-    own = cg.op_costs(v)
-    local = cg.op_objectives(v).copy()
-    edge = Cost()
-    for row in rows:
-        local += _objectives(cg, row)
-        edge = edge + row[k]
-    info: dict[str, Any] = {
-        "strategy": v.candidates[k].strategy,
-        "cost": own[k].as_dict(c),
-        "redistribution": edge.as_dict(c),
-        "local_objective": printable(float(local[k])),
-        "candidates": len(v.candidates),
-    }
-    if len(v.candidates) > 1:
-        others = local.copy()
-        others[k] = np.inf
-        r = int(np.argmin(others))
-        info["runner_up"] = {"strategy": v.candidates[r].strategy,
-                             "local_objective": printable(float(local[r]))}
-    cache[key] = info
-    return dict(info)
 
 
 def reshape_chain_layouts(graph: Graph, cg: CostGraph, choice: list[int]

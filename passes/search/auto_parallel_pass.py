@@ -4,8 +4,9 @@
 reads) loads a strategy checkpoint if one is configured, runs the search of
 `state.search_mode` on the forward graph and keeps the `SearchResult` on the state. After
 `step_parallel_begin.assign(..., searched=result.strategies)`, `finish_assignment` applies the
-Reshape-chain layouts, writes each searched op's cost and runner-up into its parallel
-annotation (`cost`, `runner_up` in the step_parallel_begin dump), records the decision under
+Reshape-chain layouts, writes each searched op's cost, the terms it was chosen by and the
+runner-up into its parallel annotation (`cost`, `decision`, `runner_up` or `decided_by` in the
+step_parallel_begin dump, `explain.dump_annotation`), records the decision under
 `search` in plan.json, and saves the strategy checkpoint.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 from pcompile.passes.search import SearchOptions, SearchResult, search
 from pcompile.passes.search.checkpoint import load_strategies, save_checkpoint
 from pcompile.passes.search.cost_model import CostConstants
+from pcompile.passes.search.explain import dump_annotation
 
 
 class StepAutoParallelPass:
@@ -62,15 +64,7 @@ def finish_assignment(state: Any) -> None:
         if info is None:
             continue
         if node.parallel is not None:
-            node.parallel.extra["cost"] = {
-                "local": info["local_objective"],
-                "op": info["cost"]["objective"],
-                "redistribution": info["redistribution"]["objective"],
-            }
-            runner = info.get("runner_up")
-            if runner is not None:
-                node.parallel.extra["runner_up"] = {"strategy": runner["strategy"],
-                                                    "local": runner["local_objective"]}
+            node.parallel.extra.update(dump_annotation(info))
         ops[node.fullname] = {"instance_name": node.instance_name, **info}
     state.plan["search"] = {**result.summary(), "ops": ops}
     ckpt = state.options.get("strategy_ckpt_config")

@@ -13,10 +13,12 @@ Vertices:
   infinity otherwise, so that all users of a parameter agree (parameters are stored sliced and
   never redistributed, §3.4).
 
-Edges run from a producer output to a consumer input, through Reshape and TupleGetItem. An
-edge's cost for a pair of strategies is the redistribution from the producer's output layout to
-the consumer's input layout (through a Reshape the shapes differ and the redistribution
-planner turns the reshape into splits and merges of dims, §2.3). Costs are cached by layout
+Edges run from a producer output to a consumer input, through Reshape, Depend and
+TupleGetItem (an edge records how many Reshape operators it crosses: consecutive Reshapes
+count once, as MindSpore merges them before its search). An edge's cost for a pair of
+strategies is the redistribution from the producer's output layout to the consumer's input
+layout (through a Reshape the shapes differ and the redistribution planner turns the reshape
+into splits and merges of dims, §2.3). Costs are cached by layout
 pair, edge rows by (producer layout, consumer signature) and whole tables by (producer
 signature, consumer signature), so the repeated layers of a deep model cost one evaluation.
 """
@@ -77,6 +79,31 @@ class Edge:
     itemsize: int
     is_bool: bool
     parameter: bool = False  # an edge of a TmpIdentity: equal layouts or infinity
+    reshapes: int = 0  # Reshape operators between (consecutive Reshapes count once)
+
+
+@dataclass(frozen=True)
+class EdgeClasses:
+    """Distinct layouts at the two ends of an edge; `src_rows[k]` is the class of producer
+    candidate k, `dst_cols[k]` that of consumer candidate k."""
+
+    src_rows: np.ndarray
+    src_reps: list[tuple[LayoutKey, TensorLayout]]
+    dst_cols: np.ndarray
+    dst_reps: list[tuple[LayoutKey, TensorLayout]]
+
+
+def _classes(pairs: list[tuple[LayoutKey, TensorLayout]]
+             ) -> tuple[list[int], list[tuple[LayoutKey, TensorLayout]]]:
+    index: dict[LayoutKey, int] = {}
+    reps: list[tuple[LayoutKey, TensorLayout]] = []
+    rows = []
+    for k, lay in pairs:
+        if k not in index:
+            index[k] = len(reps)
+            reps.append((k, lay))
+        rows.append(index[k])
+    return rows, reps
 
 
 def _identity_candidate(layout: TensorLayout) -> Candidate:
@@ -101,6 +128,7 @@ class CostGraph:
         self._pair: dict[tuple[LayoutKey, LayoutKey, int, bool], Cost] = {}
         self._rows: dict[Any, list[Cost]] = {}
         self._matrices: dict[Any, np.ndarray] = {}
+        self._classes: dict[Any, EdgeClasses] = {}
         self.explain_cache: dict[Any, dict[str, Any]] = {}
         self._build(dataset_strategy, configured or {})
 
@@ -155,11 +183,11 @@ class CostGraph:
                 source = self._source(operand, v.node, index)
                 if source is None:
                     continue
-                src, out, parameter = source
+                src, out, parameter, reshapes = source
                 if not isinstance(operand.type, TensorType):
                     continue
                 dtype = operand.type.dtype
-                self._add_edge(src, out, v.index, index, dtype, parameter)
+                self._add_edge(src, out, v.index, index, dtype, parameter, reshapes)
 
     def _add_parameter_vertices(self) -> None:
         users: dict[int, list[tuple[int, int]]] = {}
@@ -186,39 +214,50 @@ class CostGraph:
                                  False, None, ("param", tuple(keys)))
             self._param_vertex[pid] = v.index
 
-    def _source(self, value: Value, user: Node, index: int) -> tuple[int, int, bool] | None:
-        """The vertex output feeding `value`, looking through Reshape and TupleGetItem."""
-        direct = True
+    def _source(self, value: Value, user: Node, index: int
+                ) -> tuple[int, int, bool, int] | None:
+        """The vertex output feeding `value`, looking through Reshape, Depend and
+        TupleGetItem, and how many Reshape operators lie between: consecutive Reshapes count
+        as one (MindSpore merges Reshape(Reshape(x)) before its search), Reshapes separated
+        by a Depend as two."""
+        reshapes = 0
+        run = False  # the previous node looked through was a Reshape
         while True:
             if isinstance(value, Constant):
                 return None
             if isinstance(value, GraphParam):
                 if value.kind == "input":
                     assert self.dataset is not None
-                    return self.dataset.index, self._input_index[id(value)], False
-                if direct and id(value) in self._param_vertex:
-                    return self._param_vertex[id(value)], 0, True
+                    return self.dataset.index, self._input_index[id(value)], False, reshapes
+                if not reshapes and id(value) in self._param_vertex:
+                    return self._param_vertex[id(value)], 0, True, 0
                 return None
             assert isinstance(value, NodeResult)
             node = value.node
             if node.op == "Reshape":
                 value = node.operands[0]
-                direct = False
+                reshapes += 0 if run else 1
+                run = True
+                continue
+            if node.op == "Depend":
+                value = node.operands[0]
+                run = False
                 continue
             if node.op == "TupleGetItem":
                 producer = node.operands[0]
                 if isinstance(producer, NodeResult) and id(producer.node) in self.vertex_of:
-                    return self.vertex_of[id(producer.node)], int(node.attrs["index"]), False
+                    return (self.vertex_of[id(producer.node)], int(node.attrs["index"]), False,
+                            reshapes)
                 return None
             vi = self.vertex_of.get(id(node))
             if vi is None or not isinstance(node.result.type, TensorType):
                 return None
-            return vi, 0, False
+            return vi, 0, False, reshapes
 
     def _add_edge(self, src: int, out: int, dst: int, index: int, dtype: DType,
-                  parameter: bool) -> None:
+                  parameter: bool, reshapes: int) -> None:
         e = Edge(len(self.edges), src, out, dst, index, dtype.itemsize,
-                 dtype == DType.bool_, parameter)
+                 dtype == DType.bool_, parameter, reshapes)
         self.edges.append(e)
         self.vertices[src].out_edges.append(e.index)
         self.vertices[dst].in_edges.append(e.index)
@@ -302,37 +341,46 @@ class CostGraph:
             self._rows[key] = col
         return col
 
+    def edge_key(self, e: Edge) -> tuple[Any, ...]:
+        """What an edge's cost table depends on (edges of repeated layers share it)."""
+        src, dst = self.vertices[e.src], self.vertices[e.dst]
+        return (src.signature, e.src_out, dst.signature, e.dst_in, e.itemsize, e.is_bool,
+                e.parameter)
+
+    def edge_classes(self, e: Edge) -> EdgeClasses:
+        """The distinct producer output layouts and consumer input layouts of an edge, with
+        the class of every candidate (the cost table is a table over classes)."""
+        key = self.edge_key(e)
+        hit = self._classes.get(key)
+        if hit is None:
+            src, dst = self.vertices[e.src], self.vertices[e.dst]
+            o, i = e.src_out, e.dst_in
+            src_rows, src_reps = _classes([(a.out_keys[o], a.out_layouts[o])
+                                           for a in src.candidates])
+            dst_cols, dst_reps = _classes([(b.in_keys[i], b.in_layouts[i])
+                                           for b in dst.candidates])
+            hit = EdgeClasses(np.array(src_rows, dtype=np.intp), src_reps,
+                              np.array(dst_cols, dtype=np.intp), dst_reps)
+            self._classes[key] = hit
+        return hit
+
+    def class_cost(self, e: Edge, r: int, q: int) -> float:
+        """Objective of the edge for producer class `r` and consumer class `q`."""
+        cls = self.edge_classes(e)
+        (ka, la), (kb, lb) = cls.src_reps[r], cls.dst_reps[q]
+        return self.pair_cost(e, ka, la, kb, lb).objective(self.constants)
+
     def edge_matrix(self, e: Edge) -> np.ndarray:
         """Objective of the edge for every (producer, consumer) candidate pair."""
-        src, dst = self.vertices[e.src], self.vertices[e.dst]
-        key = (src.signature, e.src_out, dst.signature, e.dst_in, e.itemsize, e.is_bool,
-               e.parameter)
+        key = self.edge_key(e)
         m = self._matrices.get(key)
         if m is None:
-            c = self.constants
-
-            def classes(pairs: list[tuple[LayoutKey, TensorLayout]]
-                        ) -> tuple[list[int], list[tuple[LayoutKey, TensorLayout]]]:
-                index: dict[LayoutKey, int] = {}
-                reps: list[tuple[LayoutKey, TensorLayout]] = []
-                rows = []
-                for k, lay in pairs:
-                    if k not in index:
-                        index[k] = len(reps)
-                        reps.append((k, lay))
-                    rows.append(index[k])
-                return rows, reps
-
-            o, i = e.src_out, e.dst_in
-            src_rows, src_reps = classes([(a.out_keys[o], a.out_layouts[o])
-                                          for a in src.candidates])
-            dst_cols, dst_reps = classes([(b.in_keys[i], b.in_layouts[i])
-                                          for b in dst.candidates])
-            small = np.empty((len(src_reps), len(dst_reps)), dtype=np.float64)
-            for r, (ka, la) in enumerate(src_reps):
-                for q, (kb, lb) in enumerate(dst_reps):
-                    small[r, q] = self.pair_cost(e, ka, la, kb, lb).objective(c)
-            m = small[np.ix_(src_rows, dst_cols)]
+            cls = self.edge_classes(e)
+            small = np.empty((len(cls.src_reps), len(cls.dst_reps)), dtype=np.float64)
+            for r in range(len(cls.src_reps)):
+                for q in range(len(cls.dst_reps)):
+                    small[r, q] = self.class_cost(e, r, q)
+            m = small[np.ix_(cls.src_rows, cls.dst_cols)]
             self._matrices[key] = m
         return m
 
@@ -349,30 +397,3 @@ class CostGraph:
 
     def memory(self, choice: Sequence[int]) -> float:
         return sum(self.op_costs(v)[choice[v.index]].memory for v in self.vertices)
-
-    def local_costs(self, v: Vertex, choice: Sequence[int]) -> list[tuple[Cost, Cost]]:
-        """For each candidate of `v`, its own cost and the cost of its edges with every
-        neighbour fixed at `choice`."""
-        own = self.op_costs(v)
-        out: list[tuple[Cost, Cost]] = []
-        rows_in = [(self.edges[ei], self.costs_to(self.edges[ei], choice[self.edges[ei].src]))
-                   for ei in v.in_edges]
-        rows_out = [(self.edges[ei], self.costs_from(self.edges[ei],
-                                                     choice[self.edges[ei].dst]))
-                    for ei in v.out_edges]
-        for k in range(len(v.candidates)):
-            edge = ZERO
-            for _, row in rows_in:
-                edge = edge + row[k]
-            for _, row in rows_out:
-                edge = edge + row[k]
-            out.append((own[k], edge))
-        return out
-
-
-def strategy_key(cand: Candidate) -> tuple[int, tuple[int, ...]]:
-    """`Strategy::Compare`: a larger product of all splits, then the lexicographically larger
-    strategy, is preferred (larger key = preferred)."""
-    flat = tuple(x for s in cand.strategy for x in s)
-    return cand.split_product, flat
-

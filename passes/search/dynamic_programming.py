@@ -29,6 +29,23 @@ Vertices with one candidate (configured ops, `_VirtualDataset`) are conditioned 
 The final search is over the components: each ends as one constant. Recovery (`solve`) walks
 the eliminations backwards and reads each argmin table.
 
+Lazy edge tables (`EdgeTables`): an edge's table has one entry per (producer layout, consumer
+layout) pair, each a redistribution plan; at 64 devices the GPT example has ~235k of them, far
+too many to plan. The tables start from lower bounds instead (`bounds.py`: what any
+redistribution must receive and do, under the planner's own cost formulas; equal layouts are
+exactly 0, small tables and parameter edges are planned up front). With tables H <= F entry by
+entry, the elimination above gives a plan P minimising H. P's entries are then planned
+(`settle`), together with every entry between layouts some earlier plan used on that edge. If
+none of P's entries was raised, H(P) = F(P), and for every plan Q, F(Q) >= H(Q) >= H(P) = F(P):
+P minimises F exactly. Otherwise the minimisation runs again on the raised tables; each round
+plans at least one new entry, so it ends, in a few rounds in practice. The result equals
+planning every entry (`tests/test_search_random.py` checks it against brute force with every
+table starting from bounds).
+
+Invariant (`explain.py`): the plan minimises F, so no op can lower F by changing its own
+candidate; each op's local objective (its terms of F, neighbours fixed) is minimal at its
+choice among the candidates considered, which is what the explanation prints.
+
 Memory: the plan minimising F is taken when it fits `device_memory_capacity`; otherwise
 `F + lambda * memory` is minimised with the smallest lambda (found by bisection) whose plan
 fits (Lagrangian relaxation; exact for the penalised objective).
@@ -38,19 +55,24 @@ ceil(1/epsilon) candidates, evenly sampled after sorting by `alpha * comp + beta
 
 Cost: each elimination evaluates a table over x and its neighbours (in chunks); the term it
 leaves is capped by `SearchOptions.max_table` entries (a graph whose eliminations need larger
-terms raises `SearchTooLargeError`).
+terms raises `SearchTooLargeError`). The redistribution planner runs only for the entries the
+rounds settle (a few hundred for the GPT example at 64 devices), plus the rows the
+explanation needs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 from dataclasses import dataclass, field
 from math import ceil, prod
+from typing import Any
 
 import numpy as np
 
 from pcompile.ir.errors import PcompileError
-from pcompile.passes.search.cost_graph import CostGraph
+from pcompile.passes.search.bounds import lower_bound_matrix
+from pcompile.passes.search.cost_graph import CostGraph, Edge
 
 
 class SearchTooLargeError(PcompileError):
@@ -64,9 +86,105 @@ class DPResult:
     memory: float
     lagrange: float = 0.0
     eliminations: list[tuple[int, str]] = field(default_factory=list)
+    rounds: int = 1  # minimisations until the plan used exact edge costs only
+    allowed: list[list[int]] = field(default_factory=list)  # candidates considered per vertex
 
 
 Key = tuple[int, ...]
+EXACT_EDGE_CLASSES = 256  # default of SearchOptions.exact_edge_classes
+
+
+class EdgeTables:
+    """The objective of every edge per (producer layout class, consumer layout class), exact
+    where the redistribution was planned and a lower bound (`bounds.py`) elsewhere.
+
+    Tables with at most `exact_limit` class pairs, and parameter edges, are exact from the
+    start. `settle(choice)` plans the entries a plan uses, and every entry between classes some
+    plan has used on that edge (`active`), so the next minimisation sees them exactly."""
+
+    def __init__(self, cg: CostGraph, exact_limit: int) -> None:
+        self.cg = cg
+        self.exact_limit = exact_limit
+        self.value: dict[Any, np.ndarray] = {}
+        self.known: dict[Any, np.ndarray] = {}
+        self.active: dict[Any, tuple[set[int], set[int]]] = {}
+        self._expanded: dict[Any, tuple[int, np.ndarray]] = {}
+        self.version: dict[Any, int] = {}
+        # elimination results by their input terms: the layers of a deep model, and the
+        # rounds of one search, repeat most eliminations exactly
+        self.memo: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _table(self, e: Edge) -> Any:
+        cg = self.cg
+        key = cg.edge_key(e)
+        if key in self.value:
+            return key
+        cls = cg.edge_classes(e)
+        a, b = len(cls.src_reps), len(cls.dst_reps)
+        if e.parameter or a * b <= self.exact_limit:
+            value = np.empty((a, b), dtype=np.float64)
+            for r in range(a):
+                for q in range(b):
+                    value[r, q] = cg.class_cost(e, r, q)
+            known = np.ones((a, b), dtype=bool)
+        else:
+            value = lower_bound_matrix([lay for _, lay in cls.src_reps],
+                                       [lay for _, lay in cls.dst_reps], e.itemsize,
+                                       e.is_bool, cg.devices, cg.constants)
+            known = np.zeros((a, b), dtype=bool)
+            cols = {k: q for q, (k, _) in enumerate(cls.dst_reps)}
+            for r, (k, _) in enumerate(cls.src_reps):
+                q = cols.get(k)
+                if q is not None:  # equal layouts: no redistribution, exactly 0
+                    value[r, q] = 0.0
+                    known[r, q] = True
+        self.value[key], self.known[key] = value, known
+        self.active[key] = (set(), set())
+        self.version[key] = 0
+        return key
+
+    def matrix(self, e: Edge) -> np.ndarray:
+        """The table over candidate pairs (producer candidate, consumer candidate)."""
+        key = self._table(e)
+        hit = self._expanded.get(key)
+        if hit is None or hit[0] != self.version[key]:
+            cls = self.cg.edge_classes(e)
+            hit = (self.version[key], self.value[key][np.ix_(cls.src_rows, cls.dst_cols)])
+            self._expanded[key] = hit
+        return hit[1]
+
+    def settle(self, choice: list[int]) -> bool:
+        """Plan the entries `choice` uses (and those between active classes); True when one
+        of the entries `choice` uses was below its exact value."""
+        cg = self.cg
+        raised = False
+        grown: dict[Any, Edge] = {}
+        for e in cg.edges:
+            key = self._table(e)
+            cls = cg.edge_classes(e)
+            r, q = int(cls.src_rows[choice[e.src]]), int(cls.dst_cols[choice[e.dst]])
+            srcs, dsts = self.active[key]
+            if r not in srcs or q not in dsts:
+                srcs.add(r)
+                dsts.add(q)
+                grown[key] = e
+            if not self.known[key][r, q]:
+                exact = cg.class_cost(e, r, q)
+                raised = raised or exact > self.value[key][r, q]
+                self._set(key, r, q, exact)
+        for key, e in grown.items():
+            srcs, dsts = self.active[key]
+            known = self.known[key]
+            for r in srcs:
+                for q in dsts:
+                    if not known[r, q]:
+                        self._set(key, r, q, cg.class_cost(e, r, q))
+        return raised
+
+    def _set(self, key: Any, r: int, q: int, exact: float) -> None:
+        self.value[key][r, q] = exact
+        self.known[key][r, q] = True
+        self.version[key] += 1
 CHUNK = 1 << 22  # entries of the joint table built at once
 MAX_WORK = 1 << 31  # entries of the joint table of one elimination
 
@@ -75,8 +193,9 @@ class _Problem:
     """Unary and higher-order terms over the vertices' candidate indices."""
 
     def __init__(self, cg: CostGraph, allowed: list[list[int]], lagrange: float,
-                 max_table: int) -> None:
+                 max_table: int, tables: EdgeTables) -> None:
         self.cg = cg
+        self.memo = tables.memo
         self.allowed = allowed
         self.max_table = max_table
         self.topo = [v.topo for v in cg.vertices]
@@ -96,7 +215,7 @@ class _Problem:
         self.records: list[tuple[int, Key, np.ndarray]] = []
         self.rule_names: list[tuple[int, str]] = []
         for e in cg.edges:
-            m = cg.edge_matrix(e)[np.ix_(allowed[e.src], allowed[e.dst])]
+            m = tables.matrix(e)[np.ix_(allowed[e.src], allowed[e.dst])]
             self.add_term((e.src, e.dst), m)
 
     # -- terms ------------------------------------------------------------------------------------
@@ -195,7 +314,13 @@ class _Problem:
             for i in pos:
                 full[axes.index(key[i])] = self.size[key[i]]
             views.append(np.transpose(table, pos).reshape(full))
-        if not nbrs:
+        memo_key = tuple((view.shape, hashlib.blake2b(np.ascontiguousarray(view).tobytes(),
+                                                      digest_size=16).digest())
+                         for view in views)
+        hit = self.memo.get(memo_key)
+        if hit is not None:
+            best, arg = hit
+        elif not nbrs:
             total = views[0][...]
             for view in views[1:]:
                 total = total + view
@@ -214,6 +339,8 @@ class _Problem:
                 a = np.argmin(total, axis=-1)
                 arg[lo:hi] = a
                 best[lo:hi] = np.take_along_axis(total, a[..., None], axis=-1)[..., 0]
+        if hit is None:
+            self.memo[memo_key] = (best, arg)
         self.records.append((x, tuple(nbrs), arg))
         self.rule_names.append((x, rule))
         self.alive[x] = False
@@ -296,11 +423,19 @@ def allowed_candidates(cg: CostGraph, approximate: bool, epsilon: float) -> list
 
 
 def _solve_once(cg: CostGraph, allowed: list[list[int]], lagrange: float,
-                max_table: int) -> DPResult:
-    problem = _Problem(cg, allowed, lagrange, max_table)
-    problem.run()
-    choice = problem.recover()
-    return DPResult(choice, cg.total(choice), cg.memory(choice), lagrange, problem.rule_names)
+                max_table: int, tables: EdgeTables) -> DPResult:
+    """The exact minimum of `F + lagrange * memory`: minimise with the edge tables as they
+    are (exact or lower bounds) until the plan found uses exact entries only."""
+    rounds = 0
+    while True:
+        rounds += 1
+        problem = _Problem(cg, allowed, lagrange, max_table, tables)
+        problem.run()
+        choice = problem.recover()
+        if not tables.settle(choice):
+            break
+    return DPResult(choice, cg.total(choice), cg.memory(choice), lagrange, problem.rule_names,
+                    rounds, allowed)
 
 
 def solve(cg: CostGraph, options: object) -> DPResult:
@@ -309,14 +444,15 @@ def solve(cg: CostGraph, options: object) -> DPResult:
     epsilon = float(getattr(options, "epsilon", 0.1))
     max_table = int(getattr(options, "max_table", 1 << 24))
     allowed = allowed_candidates(cg, approximate, epsilon)
+    tables = EdgeTables(cg, int(getattr(options, "exact_edge_classes", EXACT_EDGE_CLASSES)))
     capacity = cg.constants.memory_capacity
-    best = _solve_once(cg, allowed, 0.0, max_table)
+    best = _solve_once(cg, allowed, 0.0, max_table, tables)
     if best.memory <= capacity:
         return best
     low, high = 0.0, 1.0
     feasible = None
     for _ in range(60):
-        trial = _solve_once(cg, allowed, high, max_table)
+        trial = _solve_once(cg, allowed, high, max_table, tables)
         if trial.memory <= capacity:
             feasible = trial
             break
@@ -329,7 +465,7 @@ def solve(cg: CostGraph, options: object) -> DPResult:
         )
     for _ in range(40):
         mid = (low + high) / 2
-        trial = _solve_once(cg, allowed, mid, max_table)
+        trial = _solve_once(cg, allowed, mid, max_table, tables)
         if trial.memory <= capacity:
             feasible, high = trial, mid
         else:

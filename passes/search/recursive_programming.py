@@ -20,6 +20,13 @@ pass), halves at most one of its labels (`_partition_round`). The op picks the o
   dims of the shared tensor (through a Reshape the leading dims of merged or split groups
   correspond, `reshape.dim_map`), the tensor's local size times REDIS_COEF = 16.
 
+Ops that read only parameters and constants (a Cast or StridedSlice of a weight) take no part:
+MindSpore's SAPP eliminates such element-wise ops from the partition and its propagation
+reaches them only from their producer, which they do not have, so they keep `((1, ...))`
+(`test_auto_parallel_sapp_strided_slice.py`: the StridedSlice of a parameter feeding a MatMul
+through a Reshape stays `[[1, 1, 1]]`; `test_auto_parallel_parameter_cast.py`: the Casts of a
+parameter stay `[[1, 1]]`). They are fixed at their all-ones candidate for phase 2.
+
 `_VirtualDataset` takes part with its `dataset_strategy` decomposed into one halving per round
 (dims in order); with `MS_INTERFERED_SAPP=1` (`SearchOptions.interfered_sapp`) user `shard()`
 strategies are fixed the same way, otherwise the search ignores them (step_parallel_begin still
@@ -38,11 +45,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import log2, prod
 
+from pcompile.ir.core import Constant, GraphParam
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
 from pcompile.ir.sharding import Labels, is_power_of_two, label_dims, rule_for
 from pcompile.passes.search.candidates import op_context
-from pcompile.passes.search.cost_graph import CostGraph
+from pcompile.passes.search.cost_graph import CostGraph, Vertex
 from pcompile.passes.search.reshape import dim_map
 from pcompile.passes.search.sharding_propagation import propagate
 
@@ -88,6 +96,8 @@ class RPResult:
     choice: list[int]
     via: dict[int, str]
     splits: dict[int, dict[str, int]]
+    partitioned: set[int] = field(default_factory=set)  # vertices the partition decided
+    decision: dict[int, list[int]] = field(default_factory=dict)  # the others: propagation
 
 
 def _halvings(splits: dict[str, int], order: list[str]) -> list[str | None]:
@@ -117,13 +127,22 @@ def _dataset_op(index: int, layouts: list[TensorLayout]) -> RecOp:
     return op
 
 
+def weight_only(v: Vertex) -> bool:
+    """An unconfigured op reading only parameters and constants (a Cast or StridedSlice of a
+    weight): it takes no part in the partition and stays unsplit (see the module doc)."""
+    node = v.node
+    return (node is not None and not v.configured and bool(node.operands) and all(
+        isinstance(x, Constant) or (isinstance(x, GraphParam) and x.kind != "input")
+        for x in node.operands))
+
+
 def build_ops(cg: CostGraph, interfered: bool) -> list[RecOp]:
     ops: list[RecOp] = []
     for v in cg.vertices:
         if v.kind == "dataset":
             ops.append(_dataset_op(v.index, v.candidates[0].out_layouts))
             continue
-        if v.kind != "op" or v.node is None:
+        if v.kind != "op" or v.node is None or weight_only(v):
             continue
         node = v.node
         rule = rule_for(node.op)
@@ -273,6 +292,11 @@ def recursive_search(cg: CostGraph, options: object) -> RPResult:
     ops = partition(cg, interfered, cg.constants.rp_matmul_mem_coef)
     fixed: dict[int, int] = {}
     splits: dict[int, dict[str, int]] = {}
+    for v in cg.vertices:
+        if v.kind == "op" and weight_only(v):
+            fixed[v.index] = next(
+                (i for i, c in enumerate(v.candidates)
+                 if all(x == 1 for dims in c.strategy for x in dims)), 0)
     for op in ops:
         v = cg.vertices[op.vertex]
         if v.kind != "op" or v.configured:
@@ -302,8 +326,10 @@ def recursive_search(cg: CostGraph, options: object) -> RPResult:
                     fixed[p.index] = match[0]
             elif key != first_key and not u.configured:
                 fixed.pop(u.index, None)
-    prop = propagate(cg, fixed)
-    via = {vi: "recursive programming" for vi in fixed}
+    prop = propagate(cg, fixed, cross_reshape_chains=True)
+    via = {vi: "recursive programming (reads only parameters: unsplit)"
+           if weight_only(cg.vertices[vi]) else "recursive programming" for vi in fixed}
     for vi, why in prop.via.items():
         via.setdefault(vi, why)
-    return RPResult(prop.choice, via, splits)
+    decision = {vi: edges for vi, edges in prop.decision.items() if vi not in fixed}
+    return RPResult(prop.choice, via, splits, set(fixed), decision)
