@@ -28,7 +28,7 @@ from pcompile.compiler.initializer import InitializedData
 from pcompile.compiler.model_file import ModelFile, call_user, load_model_file
 from pcompile.compiler.nn.optim_base import Optimizer
 from pcompile.compiler.trace_model import TracedModel, trace_model
-from pcompile.ir.core import Graph, Value
+from pcompile.ir.core import Graph, Node, Value
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import group_name
 from pcompile.ir.parser import parse_graph
@@ -540,11 +540,15 @@ def _run_pipeline(state: CompileState, out_dir: str | None, dump_ranks: Any = No
     for index, p in enumerate(passes):
         start = time.perf_counter()
         try:
+            before = {id(g): list(g.nodes) for g in (state.graphs if state.split
+                                                      else [state.graph]) if g is not None}
             p.apply(state)
             graphs = state.graphs if state.split else [state.graph]
             for g in graphs:  # one rank-parametric graph, or hybrid mode's per-rank graphs
                 assert g is not None
-                verify(g, allow_extra_attrs=True)
+                verify(g, allow_extra_attrs=True,
+                       start=_unchanged_prefix(before.get(id(g)), g)
+                       if getattr(p, "appends_only", False) else 0)
         except PcompileError as exc:
             if index == 0:
                 raise
@@ -561,6 +565,19 @@ def _run_pipeline(state: CompileState, out_dir: str | None, dump_ranks: Any = No
     if out_dir is not None:
         _write_outputs(out_dir, state, dumps)
     return CompiledProgram(state, timings, out_dir)
+
+
+def _unchanged_prefix(before: list[Node] | None, graph: Graph) -> int:
+    """How many of `graph`'s first nodes are the nodes it had before a pass that only appends
+    (those were verified after the previous pass)."""
+    if before is None:
+        return 0
+    count = 0
+    for old, new in zip(before, graph.nodes):
+        if old is not new:
+            break
+        count += 1
+    return count
 
 
 def resolve_dump_ranks(value: Any, devices: int) -> list[int]:

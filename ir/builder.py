@@ -12,7 +12,6 @@ import numpy as np
 
 from pcompile.ir.core import Constant, Graph, Node, ParallelInfo, SourceLoc, Value
 from pcompile.ir.errors import OpError, ShapeError
-from pcompile.ir.rank import resolve_attrs
 from pcompile.ir.registry import get_op
 from pcompile.ir.types import DType, TensorType
 
@@ -81,7 +80,7 @@ class Builder:
         try:
             opdef.check_arity(len(operands))
             # Rank-dependent attributes (ir.rank) give the same type on every rank: infer at 0.
-            result_type = opdef.infer_type(types, resolve_attrs(opdef.impl_attrs(full), 0))
+            result_type = opdef.infer_type(types, opdef.impl_attrs(full))
         except ShapeError as exc:
             shapes = [getattr(t, "shape", str(t)) for t in types]
             raise OpError(

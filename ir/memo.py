@@ -14,6 +14,8 @@ from typing import Any
 def typed_key(value: Any) -> Any:
     """A hashable key that is equal only for values of the same types and the same values."""
     if isinstance(value, tuple):
+        if all(type(v) is int for v in value):  # shapes, axes, rank lists: the common case
+            return (tuple, int, value)
         return (tuple, tuple(typed_key(v) for v in value))
     if isinstance(value, float):
         return (float, value.hex())  # tells 0.0 from -0.0; nan keys equal each other

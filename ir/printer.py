@@ -165,6 +165,24 @@ def format_dict(mapping: dict[Any, Any]) -> str:
     return text
 
 
+def format_attrs(attrs: dict[str, Any], rank: int | None = None) -> str:
+    """`format_dict` of a node's attributes at `rank` (rank-dependent values evaluated),
+    memoised by the attributes as they are (an `ir.rank` value hashes cheaply; its value at a
+    rank, e.g. a list of 512 ranks, would not)."""
+    if rank is None or not has_rank_values(attrs):
+        return format_dict(attrs)
+    try:
+        key = (rank, items_key(attrs))
+    except TypeError:
+        return _format_dict(resolve_attrs(attrs, rank))
+    text = _RANK_DICT_TEXT.get(key)
+    if text is None:
+        text = _format_dict(resolve_attrs(attrs, rank))
+        if len(_RANK_DICT_TEXT) < _MEMO_LIMIT:
+            _RANK_DICT_TEXT[key] = text
+    return text
+
+
 def _format_dict(mapping: dict[Any, Any]) -> str:
     return "{" + ", ".join(
         f"{format_value(k)}: "
@@ -189,6 +207,7 @@ _TYPE_TEXT: dict[ValueType, str] = {}
 _SOURCE_TEXT: dict[SourceLoc, str] = {}
 _SCOPE_TEXT: dict[str, str] = {}
 _DICT_TEXT: dict[tuple[Any, ...], str] = {}
+_RANK_DICT_TEXT: dict[tuple[Any, ...], str] = {}
 _CONST_TEXT: dict[tuple[Any, ...], str] = {}
 
 
@@ -370,8 +389,7 @@ class _Printer:
         if node.instance_name:
             head += f" {{instance name: {format_word(node.instance_name)}}}"
         _check_keys(node.attrs, f"{user}: attribute")
-        attrs = node.attrs if rank is None else resolve_attrs(node.attrs, rank)
-        head += f" primitive_attrs: {format_dict(attrs)}"
+        head += f" primitive_attrs: {format_attrs(node.attrs, rank)}"
         if node.parallel is not None:
             head += " " + format_parallel(node.parallel)
         in_types = ", ".join(self.operand_type(v) for v in node.operands)

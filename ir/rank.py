@@ -219,7 +219,14 @@ class RankId(RankValue):
 
 def resolve(value: Any, rank: int) -> Any:
     """`value` at `rank` (plain values are returned unchanged)."""
-    return value.at(rank) if isinstance(value, RankValue) else value
+    return _at(value, rank) if isinstance(value, RankValue) else value
+
+
+@lru_cache(maxsize=1 << 16)
+def _at(value: RankValue, rank: int) -> Any:
+    # Passes resolve the same values over and over (types are inferred at rank 0 for every
+    # node that carries one): a group of 512 ranks is listed once.
+    return value.at(rank)
 
 
 def resolve_attrs(attrs: dict[str, Any], rank: int) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.memo import items_key
+from pcompile.ir.rank import resolve_attrs
 from pcompile.ir.types import ValueType
 
 if TYPE_CHECKING:
@@ -84,14 +85,16 @@ class OpDef:
 
     def infer_type(self, types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
         """`infer`, memoised: inference is a pure function of the operand types and the
-        attributes, and a model's layers repeat the same (op, types, attrs) many times."""
+        attributes, and a model's layers repeat the same (op, types, attrs) many times.
+        Rank-dependent attributes (`ir.rank`) give the same type on every rank: they are
+        inferred at rank 0."""
         try:
             key = (tuple(types), items_key(attrs))
         except TypeError:  # an unhashable attribute value: infer without the memo
-            return self.infer(types, attrs)
+            return self.infer(types, resolve_attrs(attrs, 0))
         cached = self._memo.get(key)
         if cached is None:
-            cached = self.infer(types, attrs)
+            cached = self.infer(types, resolve_attrs(attrs, 0))
             if len(self._memo) < _MEMO_LIMIT:
                 self._memo[key] = cached
         return cached

@@ -24,7 +24,6 @@ import numpy as np
 from pcompile.ir import registry
 from pcompile.ir.core import Constant, Graph, GraphParam, Node, NodeResult, Value
 from pcompile.ir.errors import PcompileError, ShapeError
-from pcompile.ir.rank import resolve_attrs
 from pcompile.ir.types import TensorType, TupleType
 
 
@@ -41,9 +40,10 @@ def _generic_attrs() -> frozenset[str]:
 
 
 class _Verifier:
-    def __init__(self, graph: Graph, allow_extra_attrs: bool) -> None:
+    def __init__(self, graph: Graph, allow_extra_attrs: bool, start: int = 0) -> None:
         self.graph = graph
         self.allow_extra_attrs = allow_extra_attrs
+        self.start = start
         self.names: dict[int, str] = {}
         self.position: dict[int, int] = {}  # id(node) -> index in graph.nodes
 
@@ -134,7 +134,7 @@ class _Verifier:
         try:
             opdef.check_arity(len(types))
             # A rank-parametric graph has the same types on every rank: infer at rank 0.
-            inferred = opdef.infer_type(types, resolve_attrs(impl_attrs, 0))
+            inferred = opdef.infer_type(types, impl_attrs)
         except ShapeError as exc:
             shapes = ", ".join(str(t) for t in types)
             self.fail(f"{opdef.name} rejects its operands ({shapes}): {exc}", node, index)
@@ -158,6 +158,9 @@ class _Verifier:
                 )
             self.position[id(node)] = index
         for index, node in enumerate(self.graph.nodes):
+            if index < self.start:
+                self.names[id(node.result)] = f"%{index}"
+                continue
             if node.result.node is not node:
                 self.fail("its result belongs to another node", node, index)
             try:
@@ -177,6 +180,13 @@ class _Verifier:
             for j, value in enumerate(node.operands):
                 values[id(value)] = value
                 expected.setdefault(id(value), []).append((index, j))
+        if self.start:  # only the values the checked nodes define or use
+            touched: dict[int, Value] = {}
+            for node in self.graph.nodes[self.start:]:
+                touched[id(node.result)] = node.result
+                for value in node.operands:
+                    touched[id(value)] = value
+            values = touched
         position = self.position
         for key, value in values.items():
             actual = []
@@ -221,8 +231,10 @@ class _Verifier:
         self.outputs()
 
 
-def verify(graph: Graph, *, allow_extra_attrs: bool = False) -> None:
+def verify(graph: Graph, *, allow_extra_attrs: bool = False, start: int = 0) -> None:
     """Check `graph`'s invariants (see the module docstring); raise `VerifyError` on the first
     violation. `allow_extra_attrs` admits attributes an op does not declare (the user's
-    `add_prim_attr` keys)."""
-    _Verifier(graph, allow_extra_attrs).run()
+    `add_prim_attr` keys). `start`: the nodes before it were verified already and not changed
+    since (a pass only appended): check the nodes from `start`, and the use lists of the
+    values they define or read."""
+    _Verifier(graph, allow_extra_attrs, start).run()
