@@ -2,11 +2,13 @@
 multi-head attention (BatchMatMul, Softmax) and a GeLU MLP, final LayerNorm, LM head and
 cross-entropy over next tokens.
 
-The number of layers and the global batch come from the environment variables GPT_LAYERS
-(default 2) and GPT_BATCH (default 8), so the
-benchmarks can compile 2 to 96 layers from the same file:
+The sizes come from environment variables, so the benchmarks compile anything from the
+default toy to a 7B-class model from the same file: GPT_LAYERS (default 2), GPT_BATCH (global
+batch, default 8), GPT_HIDDEN (32), GPT_HEADS (4), GPT_SEQ (16), GPT_VOCAB (64).
 
     GPT_LAYERS=8 pcompile examples/gpt_block.py --devices 8 --search recursive_programming
+    GPT_LAYERS=32 GPT_HIDDEN=4096 GPT_HEADS=32 GPT_SEQ=2048 GPT_VOCAB=32000 GPT_BATCH=64 \
+        pcompile examples/gpt_block.py --devices 64 --search sharding_propagation --no-check
 """
 
 import os
@@ -15,10 +17,10 @@ import numpy as np
 
 from pcompile import Parameter, initializer, nn, ops, set_seed
 
-VOCAB = 64
-SEQ = 16
-HIDDEN = 32
-HEADS = 4
+VOCAB = int(os.environ.get("GPT_VOCAB", "64"))
+SEQ = int(os.environ.get("GPT_SEQ", "16"))
+HIDDEN = int(os.environ.get("GPT_HIDDEN", "32"))
+HEADS = int(os.environ.get("GPT_HEADS", "4"))
 BATCH = int(os.environ.get("GPT_BATCH", "8"))
 LAYERS = int(os.environ.get("GPT_LAYERS", "2"))
 

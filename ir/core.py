@@ -111,6 +111,43 @@ class Constant(Value):
         self.array = data
 
 
+class OpaqueConstant(Constant):
+    """A constant whose data a dump does not hold: large constants are printed by the digest
+    of their data (`value=@<digest>`), and a parsed dump gets this in their place. Its type
+    is known; its data is not (executing it is an error)."""
+
+    def __init__(self, type_: TensorType, digest: str) -> None:
+        Value.__init__(self, type_, "const")
+        self.digest = digest
+
+    @property  # type: ignore[override]
+    def array(self) -> np.ndarray:
+        raise ValueError(
+            f"the data of this {self.type} constant is not in the dump (printed by its digest "
+            f"@{self.digest}); run the compiled program, not a parsed dump"
+        )
+
+
+def array_digest(array: np.ndarray) -> str:
+    """The digest a dump prints for a large constant: sha256 of its bytes, 16 hex digits.
+    Remembered per array object (constants share their data across passes and layers)."""
+    import hashlib
+    import weakref
+
+    known = _DIGESTS.get(id(array))
+    if known is not None and known[0]() is array:
+        return known[1]
+    digest = hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()[:16]
+    try:
+        _DIGESTS[id(array)] = (weakref.ref(array), digest)
+    except TypeError:
+        pass
+    return digest
+
+
+_DIGESTS: dict[int, tuple[Any, str]] = {}
+
+
 class RankConstant(Constant):
     """A constant whose data depends on the rank (`ir.rank`): `data.at(rank)` is rank r's array.
     `array` holds rank 0's, which gives the type (every rank's has the same shape); a consumer
@@ -125,7 +162,8 @@ class RankConstant(Constant):
 
 
 def constant_at(value: Constant, rank: int | None) -> np.ndarray:
-    """A constant's data on `rank` (plain constants are the same on every rank)."""
+    """A constant's data on `rank` (plain constants are the same on every rank; an
+    `OpaqueConstant` has none and raises)."""
     if isinstance(value, RankConstant):
         if rank is None:
             raise ValueError("a rank-dependent constant needs a rank")

@@ -28,7 +28,16 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from pcompile.ir.core import Constant, Graph, GraphParam, Node, ParallelInfo, SourceLoc, Value
+from pcompile.ir.core import (
+    Constant,
+    Graph,
+    GraphParam,
+    Node,
+    OpaqueConstant,
+    ParallelInfo,
+    SourceLoc,
+    Value,
+)
 from pcompile.ir.errors import PcompileError, ShapeError
 from pcompile.ir.printer import (
     BARE_NAME,
@@ -77,6 +86,7 @@ def _show(text: str) -> str:
 
 
 STRATEGY_KEYS = ("in_strategy", "out_strategy")  # printed as MindSpore prints them
+_DIGEST = re.compile(r"[0-9a-f]{16}")
 
 
 class _Line:
@@ -409,6 +419,10 @@ class _Line:
         self.expect(", dtype=")
         dtype = self.dtype()
         self.expect(", value=")
+        if self.accept("@"):  # a large constant printed by its digest: no data
+            digest = self.match(_DIGEST, "a 16-digit hex digest")
+            self.expect(")")
+            return OpaqueConstant(TensorType(dtype, tuple(shape)), digest)
         values: list[Any] = []
         if self.peek("[") and shape:
             self.nested(dtype, shape, values)

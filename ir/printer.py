@@ -46,10 +46,12 @@ from pcompile.ir.core import (
     GraphParam,
     Node,
     NodeResult,
+    OpaqueConstant,
     ParallelInfo,
     RankConstant,
     SourceLoc,
     Value,
+    array_digest,
     constant_at,
 )
 from pcompile.ir.memo import items_key
@@ -248,10 +250,26 @@ def _nest(texts: list[str], shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(rows) + "]"
 
 
+#: Constants with more elements print by digest unless they are splats (`format_constant`).
+LARGE_CONSTANT = 1024
+
+
 def format_constant(const: Constant, rank: int | None = None) -> str:
-    """`Tensor(shape=[2, 3], dtype=Float32, value=V)`; V is one number for a splat, else the
-    nested list of all values (a rank-dependent constant: `rank`'s values)."""
+    """`Tensor(shape=[2, 3], dtype=Float32, value=V)`; V is one number for a splat, the nested
+    list of all values, or for a constant of more than `LARGE_CONSTANT` elements `@<digest>`
+    (sha256 of its data: a 2048 x 2048 attention mask would be 80 MB of text in every dump).
+    A rank-dependent constant prints `rank`'s values."""
     ttype = const.tensor_type
+    if isinstance(const, OpaqueConstant):
+        return _digest_text(ttype, const.digest)
+    if ttype.size > LARGE_CONSTANT:
+        # Printed once per dump and per rank: remembered on the constant (its data never
+        # changes), so a 16 MB mask is hashed once, not in every dump.
+        memo = const.__dict__.setdefault("_text", {})
+        text = memo.get(rank)
+        if text is None:
+            text = memo[rank] = _format_constant(ttype, np.asarray(constant_at(const, rank)))
+        return text
     array = np.asarray(constant_at(const, rank))
     if array.size <= 16:  # scalars and small constants repeat: memoised by their bytes
         key = (ttype, array.dtype.str, array.tobytes())
@@ -264,9 +282,16 @@ def format_constant(const: Constant, rank: int | None = None) -> str:
     return _format_constant(ttype, array)
 
 
+def _digest_text(ttype: Any, digest: str) -> str:
+    dims = ", ".join(str(d) for d in ttype.shape)
+    return f"Tensor(shape=[{dims}], dtype={ttype.dtype.value}, value=@{digest})"
+
+
 def _format_constant(ttype: Any, array: np.ndarray) -> str:
     if is_splat(array):
         value = _element_texts(array.reshape(-1)[:1], ttype.dtype)[0]
+    elif array.size > LARGE_CONSTANT:
+        return _digest_text(ttype, array_digest(array))
     else:
         value = _nest(_element_texts(array, ttype.dtype), ttype.shape)
     dims = ", ".join(str(d) for d in ttype.shape)

@@ -22,7 +22,15 @@ from typing import Any, NoReturn
 import numpy as np
 
 from pcompile.ir import registry
-from pcompile.ir.core import Constant, Graph, GraphParam, Node, NodeResult, Value
+from pcompile.ir.core import (
+    Constant,
+    Graph,
+    GraphParam,
+    Node,
+    NodeResult,
+    OpaqueConstant,
+    Value,
+)
 from pcompile.ir.errors import PcompileError, ShapeError
 from pcompile.ir.types import TensorType, TupleType
 
@@ -81,10 +89,12 @@ class _Verifier:
             self.names[id(param)] = f"%para{k}_{param.name}"
 
     def constant(self, const: Constant) -> str | None:
-        array = np.asarray(const.array)
         ttype = const.type
         if not isinstance(ttype, TensorType):
             return f"has tuple type {ttype}"
+        if isinstance(const, OpaqueConstant):
+            return None  # a parsed dump's large constant: only its type is known
+        array = np.asarray(const.array)
         if tuple(array.shape) != ttype.shape or array.dtype != ttype.dtype.np:
             return f"holds a {array.dtype} array of shape {array.shape} but has type {ttype}"
         return None

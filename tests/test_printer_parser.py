@@ -768,3 +768,34 @@ def test_memoised_printing_and_inference_tell_equal_values_of_other_types() -> N
     assert op.infer_type(x, {"axis": (0,), "keep_dims": False}).shape == (3,)
     with pytest.raises(ShapeError, match="tuple of ints"):
         op.infer_type(x, {"axis": (0.0,), "keep_dims": False})
+
+
+def test_large_constants_print_by_digest_and_round_trip() -> None:
+    """A constant of more than LARGE_CONSTANT elements prints as the digest of its data (a
+    2048 x 2048 mask would be 80 MB of text per dump); splats print their one value whatever
+    the size; the parser gives an OpaqueConstant that prints the same again."""
+    from pcompile.ir.core import OpaqueConstant
+    from pcompile.ir.printer import LARGE_CONSTANT
+
+    g = Graph("big")
+    x = g.add_param(GraphParam(TensorType(DType.float32, (64, 64)), "x"))
+    b = Builder(g)
+    mask = np.triu(np.full((64, 64), -1e4, np.float32), k=1)
+    assert mask.size > LARGE_CONSTANT
+    y = b.emit("Add", [x, Constant(mask, DType.float32)])
+    z = b.emit("Add", [y, Constant(np.zeros((64, 64), np.float32), DType.float32)])
+    g.outputs = [z]
+    text = print_graph(g)
+    assert "value=@" in text and "value=0.0)" in text and "-10000.0" not in text
+    parsed = parse_graph(text)
+    assert isinstance(parsed.nodes[0].operands[1], OpaqueConstant)
+    assert print_graph(parsed) == text
+    other = mask.copy()
+    other[0, 63] = 1.0
+    g2 = Graph("big")
+    x2 = g2.add_param(GraphParam(TensorType(DType.float32, (64, 64)), "x"))
+    g2.outputs = [Builder(g2).emit("Add", [x2, Constant(other, DType.float32)])]
+    digest = [line for line in text.splitlines() if "value=@" in line][0].split("value=@")[1]
+    assert digest not in print_graph(g2)  # different data, different digest
+    with pytest.raises(ValueError, match="not in the dump"):
+        _ = parsed.nodes[0].operands[1].array

@@ -31,7 +31,7 @@ import numpy as np
 
 from pcompile.backends.checkpoint import layout_entry, npz_bytes
 from pcompile.backends.jax.plan import NodePlan, SpmdLoweringError, SpmdPlan
-from pcompile.ir.core import Constant, Graph
+from pcompile.ir.core import Constant, Graph, array_digest
 from pcompile.ir.rank import resolve_attrs
 from pcompile.ir.types import DType
 
@@ -114,7 +114,7 @@ class _Writer:
         if arr.size <= INLINE_CONST_LIMIT and (arr.dtype.kind != "f" or np.isfinite(
                 arr.astype(np.float64)).all()):
             return f"const({array_literal(arr)}, {dtype!r})"
-        key = f"const.{n.index}.{i}"
+        key = f"const.{array_digest(arr)}"  # the same data (one mask per layer) stored once
         self.consts[key] = arr
         return f"jnp.asarray(DATA[{key!r}])"
 
