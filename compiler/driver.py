@@ -9,7 +9,6 @@ was.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
@@ -27,14 +26,13 @@ from pcompile.compiler.context import (
 from pcompile.compiler.initializer import InitializedData
 from pcompile.compiler.model_file import ModelFile, call_user, load_model_file
 from pcompile.compiler.nn.optim_base import Optimizer
+from pcompile.compiler.plan import Plan, build_plan, write_plan
 from pcompile.compiler.trace_model import TracedModel, trace_model
 from pcompile.ir.core import Graph, Value
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import group_name
 from pcompile.ir.parser import parse_graph
 from pcompile.ir.printer import GraphText, print_graph
-from pcompile.ir.rank import resolve
-from pcompile.ir.registry import get_op
 from pcompile.ir.verifier import verify
 from pcompile.passes.autodiff import append_gradients
 from pcompile.passes.comm_fusion import CommFusionPass
@@ -602,56 +600,9 @@ def _rank_texts(state: CompileState, ranks: list[int]) -> dict[int, str]:
     return texts
 
 
-def _plan(state: CompileState) -> dict[str, Any]:
-    graph = state.graph
-    assert graph is not None
-    assignment = state.assignment
-    ops = {}
-    for node in graph.nodes:
-        entry: dict[str, Any] = {"op": node.op, "instance_name": node.instance_name}
-        sharding = assignment.sharding(node) if assignment else None
-        if sharding is not None:
-            entry["in_strategy"] = [list(s) for s in sharding.strategy]
-            entry["dev_matrix"] = list(sharding.dev_matrix)
-        ops[node.fullname] = entry
-    params = {}
-    for p in graph.params:
-        layout = assignment.param_layouts[p.name] if assignment else None
-        params[p.name] = {
-            "kind": p.kind,
-            "shape": list(p.shape),
-            "dtype": p.dtype.value,
-            "dev_matrix": list(layout.dev_matrix) if layout else [1],
-            "tensor_map": [list(e) if isinstance(e, tuple) else e for e in layout.tensor_map]
-            if layout else [-1] * len(p.shape),
-            "slice_shape": list(layout.slice_shape) if layout else list(p.shape),
-        }
-    collectives: dict[str, list[dict[str, Any]]] = {}
-    for rank in state.dump_ranks:
-        g = state.rank_graphs[rank]
-        rows = []
-        for node in g.nodes:
-            if get_op(node.op).collective or node.op == "_MirrorOperator":
-                ranks = list(resolve(node.attrs.get("rank_list", ()), rank))
-                in_bytes = sum(v.tensor_type.nbytes for v in node.operands)
-                rows.append({"node": node.fullname, "op": node.op, "rank_list": ranks,
-                             "bytes": in_bytes})
-        collectives[str(rank)] = rows
-    plan = {
-        "devices": state.devices,
-        "parallel_mode": state.parallel_mode,
-        "search_mode": state.search_mode if state.parallel_mode == "auto_parallel" else None,
-        "training": state.training,
-        "inputs": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype.value}
-                   for p in graph.inputs],
-        "outputs": list(state.rank_graphs[0].attrs.get("outputs", ())) if state.rank_graphs
-        else [],
-        "ops": ops,
-        "parameters": params,
-        "collectives": collectives,
-    }
-    plan.update(state.plan)
-    return plan
+def _plan(state: CompileState) -> Plan:
+    """plan.json's content (compiler/plan.py: the schema, validated when written)."""
+    return build_plan(state)
 
 
 def _write_outputs(out_dir: str, state: CompileState,
@@ -672,9 +623,7 @@ def _write_outputs(out_dir: str, state: CompileState,
                     raise AssertionError(f"{filename} does not round-trip")
                 with open(os.path.join(tmp, f"rank_{r}", filename), "w", encoding="utf-8") as f:
                     f.write(text)
-        with open(os.path.join(tmp, "plan.json"), "w", encoding="utf-8") as f:
-            json.dump(_plan(state), f, indent=1, sort_keys=False)
-            f.write("\n")
+        write_plan(os.path.join(tmp, "plan.json"), _plan(state))
         # --- issue 5 hook: rank programs (program.py, params.npz) ---
         from pcompile.backends.jax.codegen import write_rank_artifacts
 
