@@ -471,6 +471,7 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
     overrides: dict[str, Any] | None = None,
     dump_ranks: Any = None,
     before_write: Callable[[CompileState, str | None], None] | None = None,
+    on_event: Callable[..., None] | None = None,
 ) -> CompiledProgram:
     """Compile a model file. Flags given here override what the model file sets.
 
@@ -520,12 +521,14 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
         }
         if out_dir is None:
             out_dir = str(get_context("save_graphs_path") or "") or "./saved_graph"
-        return _run_pipeline(state, out_dir if dump else None, dump_ranks, before_write)
+        return _run_pipeline(state, out_dir if dump else None, dump_ranks, before_write,
+                             on_event)
 
 
 def _run_pipeline(state: CompileState, out_dir: str | None, dump_ranks: Any = None,
-                  before_write: Callable[[CompileState, str | None], None] | None = None
-                  ) -> CompiledProgram:
+                  before_write: Callable[[CompileState, str | None], None] | None = None,
+                  on_event: Callable[..., None] | None = None) -> CompiledProgram:
+    notify = on_event or (lambda event, **info: None)
     passes = pipeline(state)
     timings: list[tuple[str, float]] = []
     dumps: list[tuple[str, dict[int, str]]] = []
@@ -546,12 +549,15 @@ def _run_pipeline(state: CompileState, out_dir: str | None, dump_ranks: Any = No
             exc.args = (f"{exc}\n(in pass '{p.name}', after: {done})",)
             raise
         timings.append((p.name, time.perf_counter() - start))
+        notify("pass", name=p.name, index=index, total=len(passes), seconds=timings[-1][1])
         if out_dir is not None:
             dumps.append((f"{index:02d}_{p.name}.ir", _rank_texts(state, ranks)))
     if before_write is not None:
         before_write(state, out_dir)
     if out_dir is not None:
+        notify("write", out_dir=out_dir, ranks=len(ranks))
         _write_outputs(out_dir, state, dumps)
+        notify("written", out_dir=out_dir)
     return CompiledProgram(state, timings, out_dir)
 
 

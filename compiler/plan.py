@@ -50,6 +50,17 @@ class PlanInput(_Strict):
     dtype: str = Field(description="element type as the dumps print it (`Float32`, `Int32`)")
 
 
+class PlanLayout(_Strict):
+    """How one tensor of an op is laid out (MindSpore's TensorLayout)."""
+
+    shape: list[Dim] = Field(description="global shape")
+    dev_matrix: list[Positive] = Field(description="device matrix")
+    tensor_map: list[MapEntry] = Field(
+        description="per dimension, the device-matrix axis it is split along (counted from the "
+                    "right, MindSpore's convention), -1 when not split, a list for several")
+    slice_shape: list[Dim] = Field(description="the shape each rank holds")
+
+
 class PlanOp(_Strict):
     """One op of the forward graph, keyed by its full name `<scope>/<Op>-op<k>`."""
 
@@ -60,6 +71,10 @@ class PlanOp(_Strict):
                           "(null: the op is not sharded, e.g. stand-alone)")
     dev_matrix: list[Positive] | None = Field(
         None, description="the op's device matrix (null when in_strategy is)")
+    in_layouts: list[PlanLayout] | None = Field(
+        None, description="each input's layout under the strategy (null when not sharded)")
+    out_layouts: list[PlanLayout] | None = Field(
+        None, description="each output's layout (null when not sharded)")
 
 
 class PlanParameter(_Strict):
@@ -209,11 +224,16 @@ class Plan(_Strict):
         return self
 
 
-# -- building (the driver) -----------------------------------------------------------------------
+# -- building (the driver) ------------------------------------------------------------------------
 
 
 def _tensor_map(layout: Any) -> list[Any]:
     return [list(e) if isinstance(e, tuple) else e for e in layout.tensor_map]
+
+
+def _layout(layout: Any) -> PlanLayout:
+    return PlanLayout(shape=list(layout.shape), dev_matrix=list(layout.dev_matrix),
+                      tensor_map=_tensor_map(layout), slice_shape=list(layout.slice_shape))
 
 
 def build_plan(state: Any) -> Plan:
@@ -230,7 +250,11 @@ def build_plan(state: Any) -> Plan:
         ops[node.fullname] = PlanOp(
             op=node.op, instance_name=node.instance_name,
             in_strategy=[list(s) for s in sharding.strategy] if sharding is not None else None,
-            dev_matrix=list(sharding.dev_matrix) if sharding is not None else None)
+            dev_matrix=list(sharding.dev_matrix) if sharding is not None else None,
+            in_layouts=[_layout(x) for x in sharding.in_layouts] if sharding is not None
+            else None,
+            out_layouts=[_layout(x) for x in sharding.out_layouts] if sharding is not None
+            else None)
     params: dict[str, PlanParameter] = {}
     for p in graph.params:
         layout = assignment.param_layouts[p.name] if assignment else None
@@ -272,7 +296,7 @@ def build_plan(state: Any) -> Plan:
     )
 
 
-# -- writing and reading ---------------------------------------------------------------------------
+# -- writing and reading --------------------------------------------------------------------------
 
 
 def plan_text(plan: Plan) -> str:

@@ -89,7 +89,7 @@ def backward_annotation(forward: Node, created: list[Node]) -> None:
         if _group_size(node) < 2:
             continue  # a group of one: the identity
         node.parallel = ParallelInfo(extra={
-            "reason": f"backward of {forward.op} '{forward.instance_name or forward.op}': {why}",
+            "reason": f"vjp of {forward.op}: {why}",
             "bytes": node_bytes(node)})
 
 
