@@ -39,8 +39,10 @@ class OnceFilter(logging.Filter):
         return True
 
 
-def setup_logging(verbose: int = 0, quiet: bool = False, stream: Any = None) -> int:
-    """Configure logger `pcompile` for this command; returns the level chosen."""
+def setup_logging(verbose: int = 0, quiet: bool = False, stream: Any = None,
+                  prefix: str = "") -> int:
+    """Configure logger `pcompile` for this command; returns the level chosen. `prefix` goes
+    before every message (a rank program's `[rank r] ` when it is not process 0)."""
     stream = stream or sys.stderr
     if quiet:
         level = logging.WARNING
@@ -55,7 +57,7 @@ def setup_logging(verbose: int = 0, quiet: bool = False, stream: Any = None) -> 
             log.removeHandler(handler)
     handler = logging.StreamHandler(stream)
     handler._pcompile = True  # type: ignore[attr-defined]
-    handler.setFormatter(logging.Formatter("pcompile: %(message)s"))
+    handler.setFormatter(logging.Formatter(prefix.replace("%", "%%") + "pcompile: %(message)s"))
     handler.addFilter(OnceFilter())
     log.addHandler(handler)
     log.setLevel(level)
