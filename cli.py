@@ -110,6 +110,10 @@ def _verbosity(function: Any) -> Any:
 @click.option("--dump-ranks", default=None, metavar="RANKS",
               help="Ranks whose folders are written: all, none, or a list like 0,5 "
                    "(default: all up to 8 devices, else 0).")
+@click.option("--save-graphs", type=click.IntRange(0, 3), default=None, metavar="LEVEL",
+              help="Which passes are dumped (MindSpore's levels): 0 none, 1 trace, "
+                   "step_parallel_begin/end and execute, 2 every pass, 3 also .dot files. "
+                   "Overrides set_context(save_graphs=...) in the model file (default: 2).")
 @click.option("--run", "do_run", is_flag=True, help="Train (or run inference) after compiling.")
 @click.option("--steps", type=click.IntRange(1), default=1, show_default=True,
               help="Training steps with --run.")
@@ -146,6 +150,7 @@ def compile_command(
     out_dir: str | None,
     dataset_strategy: str | None,
     dump_ranks: str | None,
+    save_graphs: int | None,
     do_run: bool,
     steps: int,
     backend: str,
@@ -202,6 +207,7 @@ def compile_command(
                 dump_ranks=dump_ranks,
                 before_write=before_write,
                 on_event=CompileProgress(start),
+                save_graphs=save_graphs,
             )
             elapsed = time.perf_counter() - start
             _summary(program, elapsed, quiet)

@@ -22,6 +22,8 @@ from pcompile.compiler.context import (
     current_context,
     get_context,
     reset_auto_parallel_context,
+    reset_context,
+    save_graphs_level,
 )
 from pcompile.compiler.initializer import InitializedData
 from pcompile.compiler.model_file import ModelFile, call_user, load_model_file
@@ -29,6 +31,7 @@ from pcompile.compiler.nn.optim_base import Optimizer
 from pcompile.compiler.plan import Plan, build_plan, write_plan
 from pcompile.compiler.trace_model import TracedModel, trace_model
 from pcompile.ir.core import Graph, Value
+from pcompile.ir.dot import graph_to_dot
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import group_name
 from pcompile.ir.parser import parse_graph
@@ -472,14 +475,20 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
     dump_ranks: Any = None,
     before_write: Callable[[CompileState, str | None], None] | None = None,
     on_event: Callable[..., None] | None = None,
+    save_graphs: int | None = None,
 ) -> CompiledProgram:
     """Compile a model file. Flags given here override what the model file sets.
 
     `dump_ranks`: the ranks whose folders are written ("all", "none", "0,5", a list of ints;
     default: every rank up to `DUMP_ALL_UP_TO` devices, else rank 0). `before_write(state,
     out_dir)` runs after the passes and before anything is written (the CLI checks its run
-    options there, so a bad one leaves `--out` untouched)."""
+    options there, so a bad one leaves `--out` untouched). `on_event(event, **info)` hears of
+    the compile's progress: "pass" (name, index, total, seconds) after each pass, "write"
+    (out_dir, ranks) before the outputs are written and "written" (out_dir) after.
+    `save_graphs` (0-3, MindSpore's levels, DUMP_LEVELS: which passes are dumped) overrides the
+    model file's `set_context(save_graphs=...)`; neither given: every pass."""
     reset_auto_parallel_context()
+    reset_context()  # a model file's set_context does not leak into the next compile
     mf = load_model_file(model_path)
     flags: dict[str, Any] = dict(overrides or {})
     if devices is not None:
@@ -519,6 +528,7 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
             "enable_parallel_optimizer": ctx.enable_parallel_optimizer,
             "parallel_optimizer_config": ctx.parallel_optimizer_config,
         }
+        state.options["save_graphs"] = save_graphs_level(save_graphs)
         if out_dir is None:
             out_dir = str(get_context("save_graphs_path") or "") or "./saved_graph"
         return _run_pipeline(state, out_dir if dump else None, dump_ranks, before_write,
@@ -550,7 +560,7 @@ def _run_pipeline(state: CompileState, out_dir: str | None, dump_ranks: Any = No
             raise
         timings.append((p.name, time.perf_counter() - start))
         notify("pass", name=p.name, index=index, total=len(passes), seconds=timings[-1][1])
-        if out_dir is not None:
+        if out_dir is not None and p.name in DUMP_LEVELS[state.options.get("save_graphs", 2)]:
             dumps.append((f"{index:02d}_{p.name}.ir", _rank_texts(state, ranks)))
     if before_write is not None:
         before_write(state, out_dir)
@@ -586,6 +596,20 @@ def resolve_dump_ranks(value: Any, devices: int) -> list[int]:
         )
     return ranks
 
+
+#: `save_graphs` level -> the passes whose `.ir` files are written (MindSpore: 1 introductory,
+#: 2 more passes, 3 also `.dot` files; 0 none). plan.json and the rank programs are always written.
+_INTRODUCTORY = frozenset({"trace", "step_parallel_begin", "step_parallel_end", "split_ranks",
+                           "execute"})
+
+
+class _Every(frozenset):  # type: ignore[type-arg]
+    def __contains__(self, name: object) -> bool:
+        return True
+
+
+DUMP_LEVELS: dict[int, frozenset[str]] = {0: frozenset(), 1: _INTRODUCTORY, 2: _Every(),
+                                          3: _Every()}
 
 #: Up to this many devices every rank's folder is dumped by default (the seeds' experience).
 DUMP_ALL_UP_TO = 8
@@ -629,6 +653,10 @@ def _write_outputs(out_dir: str, state: CompileState,
                     raise AssertionError(f"{filename} does not round-trip")
                 with open(os.path.join(tmp, f"rank_{r}", filename), "w", encoding="utf-8") as f:
                     f.write(text)
+                if state.options.get("save_graphs") == 3:  # MindSpore's level 3: .dot files
+                    with open(os.path.join(tmp, f"rank_{r}", filename[:-3] + ".dot"), "w",
+                              encoding="utf-8") as f:
+                        f.write(graph_to_dot(parse_graph(text, filename)))
         write_plan(os.path.join(tmp, "plan.json"), _plan(state))
         # --- issue 5 hook: rank programs (program.py, params.npz) ---
         from pcompile.backends.jax.codegen import write_rank_artifacts
