@@ -179,7 +179,7 @@ def grid_svg(grid: LayoutGrid, width: int = 480) -> str:
            f'height="{height + top + 10}" font-family="monospace" font-size="12">',
            f'<text x="10" y="16">{_esc(grid.name)} {list(grid.shape)}</text>',
            f'<text x="10" y="32">{_esc(grid.layout)} over {grid.devices} ranks</text>']
-    y = top
+    y = float(top)
     for r, rb in enumerate(grid.rows):
         h = height * (rb[1] - rb[0]) / max(1, rows_total)
         x = 10.0

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pcompile.ir.errors import PcompileError
 
 #: Version of the plan.json format written by this pcompile.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Final = 1
 
 PARALLEL_MODES = ("stand_alone", "data_parallel", "hybrid_parallel", "semi_auto_parallel",
                   "auto_parallel")
