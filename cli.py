@@ -1,5 +1,11 @@
 """`pcompile MODEL.py --devices N --search MODE`: the command line. Thin: parse options, call
-`compiler`, print."""
+`compiler`, print.
+
+Commands: `pcompile [compile] MODEL.py ...` (compile is the default: `pcompile MODEL.py` works
+as it always did), `pcompile show DIR`, `pcompile diff DIR --ranks A,B`; `pcompile --version`.
+Progress goes through the `logging` module (logger `pcompile`) to stderr: shown when stderr is
+a terminal, or with `-v`; `-q` keeps only warnings, errors and results.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,8 @@ from typing import Any
 
 import click
 import numpy as np
+
+from pcompile.compiler.progress import CompileProgress, LossMonitor, log, setup_logging
 
 SEARCH_MODES = ("sharding_propagation", "dynamic_programming", "recursive_programming")
 PARALLEL_MODES = (
@@ -42,7 +50,52 @@ def _parse_dataset_strategy(text: str | None) -> Any:
     return value
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+
+
+class _DefaultGroup(click.Group):
+    """A group whose first argument, when it names no command, is the model file of the
+    default command `compile` (`pcompile MODEL.py ...` = `pcompile compile MODEL.py ...`)."""
+
+    default_command = "compile"
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        group_only = ("--version", *CONTEXT["help_option_names"])
+        if args and args[0] not in self.commands and args[0] not in group_only:
+            args = [self.default_command, *args]
+        return super().parse_args(ctx, args)
+
+    def format_usage(self, ctx: click.Context, formatter: Any) -> None:
+        formatter.write_usage(ctx.command_path, "[compile] MODEL.py [OPTIONS] | show DIR | diff "
+                                                "DIR --ranks A,B")
+
+
+def _version() -> str:
+    from pcompile import __version__
+
+    return __version__
+
+
+@click.group(cls=_DefaultGroup, context_settings=CONTEXT, invoke_without_command=False,
+             no_args_is_help=True)
+@click.version_option(_version(), "--version", prog_name="pcompile",
+                      message="%(prog)s %(version)s")
+def main() -> None:
+    """pcompile: compile a MindSpore-style model into per-rank programs, and look at them.
+
+    `pcompile MODEL.py [OPTIONS]` compiles (the `compile` command; `pcompile compile -h` lists
+    its options); `pcompile show DIR` prints the plan of a compile, `pcompile diff DIR --ranks
+    0,5` how two ranks' programs differ."""
+
+
+def _verbosity(function: Any) -> Any:
+    function = click.option("-q", "--quiet", is_flag=True,
+                            help="Only warnings, errors and results.")(function)
+    return click.option("-v", "--verbose", count=True,
+                        help="Progress even when stderr is not a terminal (-vv: more).")(function)
+
+
+@main.command("compile", context_settings=CONTEXT)
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--devices", type=click.IntRange(1, 4096), default=None,
               help="Number of devices (ranks). Overrides device_num set in the model file.")
@@ -57,6 +110,10 @@ def _parse_dataset_strategy(text: str | None) -> Any:
 @click.option("--dump-ranks", default=None, metavar="RANKS",
               help="Ranks whose folders are written: all, none, or a list like 0,5 "
                    "(default: all up to 8 devices, else 0).")
+@click.option("--save-graphs", type=click.IntRange(0, 3), default=None, metavar="LEVEL",
+              help="Which passes are dumped (MindSpore's levels): 0 none, 1 trace, "
+                   "step_parallel_begin/end and execute, 2 every pass, 3 also .dot files. "
+                   "Overrides set_context(save_graphs=...) in the model file (default: 2).")
 @click.option("--run", "do_run", is_flag=True, help="Train (or run inference) after compiling.")
 @click.option("--steps", type=click.IntRange(1), default=1, show_default=True,
               help="Training steps with --run.")
@@ -81,7 +138,11 @@ def _parse_dataset_strategy(text: str | None) -> Any:
                    "as stopped (at most the current deadline).")
 @click.option("--fail-on-nan/--no-fail-on-nan", default=True, show_default=True,
               help="With --run: stop when the loss is not finite, naming the step.")
-def main(
+@click.option("--print-every", type=click.IntRange(1), default=1, show_default=True,
+              metavar="K", help="With --run: print every K-th loss line (and the last), like "
+                                "MindSpore's LossMonitor(per_print_times).")
+@_verbosity
+def compile_command(
     model: str,
     devices: int | None,
     search: str | None,
@@ -89,6 +150,7 @@ def main(
     out_dir: str | None,
     dataset_strategy: str | None,
     dump_ranks: str | None,
+    save_graphs: int | None,
     do_run: bool,
     steps: int,
     backend: str,
@@ -100,8 +162,12 @@ def main(
     timeout: float,
     heartbeat_timeout: float,
     fail_on_nan: bool,
+    print_every: int,
+    verbose: int,
+    quiet: bool,
 ) -> None:
     """Compile MODEL.py into per-rank execution plans and dump the IR of every pass."""
+    setup_logging(verbose, quiet)
     from contextlib import ExitStack
 
     from pcompile.compiler.driver import compile as compile_model
@@ -115,7 +181,8 @@ def main(
     run_options = {"checkpoint_every": checkpoint_every, "resume": resume,
                    "processes": processes, "timeout": timeout,
                    "startup_timeout": startup_timeout, "heartbeat_timeout": heartbeat_timeout,
-                   "fail_on_nan": fail_on_nan, "steps": steps, "backend": backend}
+                   "fail_on_nan": fail_on_nan, "steps": steps, "backend": backend,
+                   "print_every": print_every, "quiet": quiet}
     try:
         with ExitStack() as held:
             if out_dir is not None:
@@ -139,10 +206,13 @@ def main(
                 overrides=overrides,
                 dump_ranks=dump_ranks,
                 before_write=before_write,
+                on_event=CompileProgress(start),
+                save_graphs=save_graphs,
             )
             elapsed = time.perf_counter() - start
-            _summary(program, elapsed)
+            _summary(program, elapsed, quiet)
             if check:
+                log.info("checking one step against the single-device program ...")
                 _check_backends(program)
             if do_run:
                 _train(program, steps, backend, run_options)
@@ -159,7 +229,7 @@ def main(
 
 
 RUN_ONLY = ("steps", "checkpoint_every", "resume", "processes", "startup_timeout", "timeout",
-            "heartbeat_timeout", "fail_on_nan")
+            "heartbeat_timeout", "fail_on_nan", "print_every")
 
 
 def _check_run_flags(do_run: bool) -> None:
@@ -246,7 +316,7 @@ def _from_options(exc: BaseException) -> bool:
     return False
 
 
-def _summary(program: Any, elapsed: float) -> None:
+def _summary(program: Any, elapsed: float, quiet: bool = False) -> None:
     state = program.state
     graph = program.graph
     click.echo(
@@ -254,6 +324,8 @@ def _summary(program: Any, elapsed: float) -> None:
         f"{'training step' if program.training else 'inference'}; {len(graph.nodes)} nodes, "
         f"{len(graph.params)} parameters, {elapsed:.3f} s"
     )
+    if quiet:
+        return
     for name, seconds in program.timings:
         click.echo(f"  pass {name:<24} {seconds * 1000:8.1f} ms")
     if program.out_dir:
@@ -353,8 +425,9 @@ def _train(program: Any, steps: int, backend: str,
         _launch(program, steps, options)
         return
     fail_on_nan = bool(options.get("fail_on_nan", True))
+    monitor = LossMonitor(steps, int(options.get("print_every") or 1), click.echo)
     if program.state.parallel:
-        _train_simulated(program, steps, fail_on_nan)
+        _train_simulated(program, steps, fail_on_nan, monitor)
         return
     runner = StandAloneRunner(program, backend)
     if not program.training:
@@ -370,7 +443,7 @@ def _train(program: Any, steps: int, backend: str,
         loss = runner.step(arrays)
         line = format_loss_line(epoch, step, loss)
         lines.append(line)
-        click.echo(line)
+        monitor(line)
         if fail_on_nan and not np.isfinite(float(loss)):
             bad = _nonfinite(float(loss), k + 1, epoch, step)
             break
@@ -400,7 +473,9 @@ def _launch(program: Any, steps: int, options: dict[str, Any]) -> None:
                         timeout=float(options.get("timeout") or 300.0),
                         startup_timeout=float(options.get("startup_timeout") or 600.0),
                         heartbeat_timeout=float(options.get("heartbeat_timeout") or 30.0),
-                        fail_on_nan=bool(options.get("fail_on_nan", True)), echo=click.echo)
+                        fail_on_nan=bool(options.get("fail_on_nan", True)),
+                        echo=LossMonitor(steps, int(options.get("print_every") or 1),
+                                         click.echo))
     except LaunchError as exc:
         _fail(str(exc))
         return
@@ -433,7 +508,8 @@ def _write_logs(program: Any, lines: list[str], ranks: int) -> str | None:
     return os.path.join(program.out_dir, "rank_0", "train.log")
 
 
-def _train_simulated(program: Any, steps: int, fail_on_nan: bool = True) -> None:
+def _train_simulated(program: Any, steps: int, fail_on_nan: bool = True,
+                     monitor: Any = None) -> None:
     """--backend numpy for a parallel plan: every rank on the numpy simulator, one process."""
     from pcompile.compiler.oracle import single_device
     from pcompile.compiler.runtime import ParallelRunner, batches, format_loss_line
@@ -451,7 +527,7 @@ def _train_simulated(program: Any, steps: int, fail_on_nan: bool = True) -> None
     for k, (epoch, step, arrays) in enumerate(batches(data, steps)):
         loss = runner.step(arrays)
         lines.append(format_loss_line(epoch, step, loss))
-        click.echo(lines[-1])
+        (monitor or click.echo)(lines[-1])
         if fail_on_nan and not np.isfinite(float(loss)):
             bad = _nonfinite(float(loss), k + 1, epoch, step)
             break
@@ -460,6 +536,72 @@ def _train_simulated(program: Any, steps: int, fail_on_nan: bool = True) -> None
                    f"{program.out_dir}/rank_*/train.log")
     if bad:
         _fail(bad)
+
+
+# -- show and diff --------------------------------------------------------------------------------
+
+
+def _guard(function: Any) -> Any:
+    """PcompileError (plan.json refused, rank not dumped, ...) -> one message, exit 1."""
+    import functools
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        from pcompile.ir.errors import PcompileError
+
+        try:
+            return function(*args, **kwargs)
+        except PcompileError as exc:
+            _fail(str(exc))
+        except OSError as exc:
+            where = f" {exc.filename}" if exc.filename else ""
+            _fail(f"cannot access{where}: {exc.strerror or exc}")
+    return run
+
+
+@main.command("show", context_settings=CONTEXT)
+@click.argument("out_dir", metavar="DIR", type=click.Path(file_okay=False, exists=True))
+@click.option("--rank", type=click.IntRange(0), default=None,
+              help="Whose communication to sum up (default: the first dumped rank); its "
+                   "blocks are underlined in the layout grids.")
+@click.option("--op", "op", default=None, metavar="NAME",
+              help="Only this op (instance name like matmul2, or full name), with a layout "
+                   "grid of each of its inputs.")
+@click.option("--tensor", "tensors", multiple=True, metavar="NAME",
+              help="Draw the layout of this parameter (repeatable; default: the weights).")
+@click.option("--svg/--no-svg", default=True, show_default=True,
+              help="Write each layout picture as DIR/show/<tensor>.svg.")
+@_verbosity
+@_guard
+def show_command(out_dir: str, rank: int | None, op: str | None, tensors: tuple[str, ...],
+                 svg: bool, verbose: int, quiet: bool) -> None:
+    """Print the plan of the compile in DIR: a strategy table per op (strategy, device matrix,
+    tensor maps, slice shapes, search cost and runner-up), how each weight is laid out over
+    the ranks, and the communication of one rank per step."""
+    from pcompile.compiler.render import show
+
+    setup_logging(verbose, quiet)
+    show(out_dir, rank=rank, op=op, tensors=tensors, svg=svg)
+
+
+@main.command("diff", context_settings=CONTEXT)
+@click.argument("out_dir", metavar="DIR", type=click.Path(file_okay=False, exists=True))
+@click.option("--ranks", required=True, metavar="A,B", help="The two ranks to compare.")
+@click.option("--pass", "pass_name", default="execute", show_default=True, metavar="NAME",
+              help="Which pass's dumps to compare.")
+@_verbosity
+@_guard
+def diff_command(out_dir: str, ranks: str, pass_name: str, verbose: int, quiet: bool) -> None:
+    """Show where two ranks' programs differ (their dumps of one pass, as a unified diff)."""
+    from pcompile.compiler.render import diff
+
+    setup_logging(verbose, quiet)
+    try:
+        a, b = (int(x) for x in ranks.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected two ranks like 0,5, got {ranks!r}",
+                                 param_hint="--ranks") from None
+    diff(out_dir, (a, b), pass_name)
 
 
 if __name__ == "__main__":

@@ -326,12 +326,13 @@ def merge_checkpoints(out_dir: str, step: int | None = None,
     plan_path = os.path.join(out_dir, "plan.json")
     plan = None
     if os.path.exists(plan_path):
-        try:
-            with open(plan_path, encoding="utf-8") as f:
-                plan = json.load(f)
-            num_ranks = int(plan["devices"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise MergeError(f"{plan_path} is unreadable ({type(exc).__name__}: {exc})") from None
+        from pcompile.compiler.plan import PlanError, read_plan
+
+        try:  # validated against its schema (compiler/plan.py)
+            plan = read_plan(out_dir).model_dump(mode="json")
+        except PlanError as exc:
+            raise MergeError(str(exc)) from None
+        num_ranks = int(plan["devices"])
     else:
         num_ranks = _count_ranks(folder)
     skipped: list[str] = []

@@ -132,18 +132,13 @@ class Deadlines:
 
 
 def _num_ranks(out_dir: str) -> int:
-    import json
+    """The plan's rank count (plan.json validated against its schema, compiler/plan.py)."""
+    from pcompile.compiler.plan import PlanError, read_plan
 
-    plan = os.path.join(out_dir, "plan.json")
-    if not os.path.exists(plan):
-        raise LaunchError(f"{out_dir} holds no plan.json; compile first (pcompile MODEL.py "
-                          f"--out {out_dir} ...)")
     try:
-        with open(plan, encoding="utf-8") as f:
-            return int(json.load(f)["devices"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise LaunchError(f"{plan} is unreadable ({type(exc).__name__}: {exc}); compile "
-                          "again") from None
+        return read_plan(out_dir).devices
+    except PlanError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 def launch(

@@ -1050,7 +1050,8 @@ def set_context(**kwargs: Any) -> None:
         for name in kwargs:
             if name not in _GC_FIELDS and name not in _OTHER_CONTEXT_KEYS:
                 raise _unknown_name(_GC, name, sorted(_GC_FIELDS | _OTHER_CONTEXT_KEYS))
-        values = {name: getattr(_general, name) for name in _GC_FIELDS}
+        # only what was set so far: `model_fields_set` tells a chosen value from a default
+        values = {name: getattr(_general, name) for name in _GC_FIELDS & _general.model_fields_set}
         others = dict(_general.others)
         for name, value in kwargs.items():
             if name in _GC_FIELDS:
@@ -1075,6 +1076,17 @@ def reset_context() -> None:
     global _general
     with _LOCK:
         _general = GeneralContext()
+
+
+def save_graphs_level(override: int | None = None) -> int:
+    """The dump level in force: `override` (the command line), else `save_graphs` when the
+    model file set it, else 2 (every pass)."""
+    if override is not None:
+        return int(override)
+    with _LOCK:
+        if "save_graphs" in _general.model_fields_set:
+            return int(_general.save_graphs)
+    return 2
 
 
 def current_general_context() -> GeneralContext:

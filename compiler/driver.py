@@ -9,7 +9,6 @@ was.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
@@ -23,18 +22,20 @@ from pcompile.compiler.context import (
     current_context,
     get_context,
     reset_auto_parallel_context,
+    reset_context,
+    save_graphs_level,
 )
 from pcompile.compiler.initializer import InitializedData
 from pcompile.compiler.model_file import ModelFile, call_user, load_model_file
 from pcompile.compiler.nn.optim_base import Optimizer
+from pcompile.compiler.plan import Plan, build_plan, write_plan
 from pcompile.compiler.trace_model import TracedModel, trace_model
 from pcompile.ir.core import Graph, Node, Value
+from pcompile.ir.dot import graph_to_dot
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import group_name
 from pcompile.ir.parser import parse_graph
 from pcompile.ir.printer import GraphText, print_graph
-from pcompile.ir.rank import resolve
-from pcompile.ir.registry import get_op
 from pcompile.ir.verifier import verify
 from pcompile.passes.autodiff import append_gradients
 from pcompile.passes.comm_fusion import CommFusionPass
@@ -476,14 +477,21 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
     overrides: dict[str, Any] | None = None,
     dump_ranks: Any = None,
     before_write: Callable[[CompileState, str | None], None] | None = None,
+    on_event: Callable[..., None] | None = None,
+    save_graphs: int | None = None,
 ) -> CompiledProgram:
     """Compile a model file. Flags given here override what the model file sets.
 
     `dump_ranks`: the ranks whose folders are written ("all", "none", "0,5", a list of ints;
     default: every rank up to `DUMP_ALL_UP_TO` devices, else rank 0). `before_write(state,
     out_dir)` runs after the passes and before anything is written (the CLI checks its run
-    options there, so a bad one leaves `--out` untouched)."""
+    options there, so a bad one leaves `--out` untouched). `on_event(event, **info)` hears of
+    the compile's progress: "pass" (name, index, total, seconds) after each pass, "write"
+    (out_dir, ranks) before the outputs are written and "written" (out_dir) after.
+    `save_graphs` (0-3, MindSpore's levels, DUMP_LEVELS: which passes are dumped) overrides the
+    model file's `set_context(save_graphs=...)`; neither given: every pass."""
     reset_auto_parallel_context()
+    reset_context()  # a model file's set_context does not leak into the next compile
     mf = load_model_file(model_path)
     flags: dict[str, Any] = dict(overrides or {})
     if devices is not None:
@@ -523,14 +531,17 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
             "enable_parallel_optimizer": ctx.enable_parallel_optimizer,
             "parallel_optimizer_config": ctx.parallel_optimizer_config,
         }
+        state.options["save_graphs"] = save_graphs_level(save_graphs)
         if out_dir is None:
             out_dir = str(get_context("save_graphs_path") or "") or "./saved_graph"
-        return _run_pipeline(state, out_dir if dump else None, dump_ranks, before_write)
+        return _run_pipeline(state, out_dir if dump else None, dump_ranks, before_write,
+                             on_event)
 
 
 def _run_pipeline(state: CompileState, out_dir: str | None, dump_ranks: Any = None,
-                  before_write: Callable[[CompileState, str | None], None] | None = None
-                  ) -> CompiledProgram:
+                  before_write: Callable[[CompileState, str | None], None] | None = None,
+                  on_event: Callable[..., None] | None = None) -> CompiledProgram:
+    notify = on_event or (lambda event, **info: None)
     passes = pipeline(state)
     timings: list[tuple[str, float]] = []
     dumps: list[tuple[str, dict[int, str]]] = []
@@ -556,14 +567,19 @@ def _run_pipeline(state: CompileState, out_dir: str | None, dump_ranks: Any = No
             exc.args = (f"{exc}\n(in pass '{p.name}', after: {done})",)
             raise
         timings.append((p.name, time.perf_counter() - start))
-        if out_dir is not None:
-            appends = getattr(p, "appends_only", False)
-            texts = _rank_texts(state, ranks, templates if appends else {})
+        notify("pass", name=p.name, index=index, total=len(passes), seconds=timings[-1][1])
+        if out_dir is not None and p.name in DUMP_LEVELS[state.options.get("save_graphs", 2)]:
+            texts = _rank_texts(state, ranks, templates,
+                                reuse=getattr(p, "appends_only", False))
             dumps.append((f"{index:02d}_{p.name}.ir", texts))
+        else:
+            templates.clear()  # a pass not dumped may change nodes: print afresh next time
     if before_write is not None:
         before_write(state, out_dir)
     if out_dir is not None:
+        notify("write", out_dir=out_dir, ranks=len(ranks))
         _write_outputs(out_dir, state, dumps)
+        notify("written", out_dir=out_dir)
     return CompiledProgram(state, timings, out_dir)
 
 
@@ -606,16 +622,31 @@ def resolve_dump_ranks(value: Any, devices: int) -> list[int]:
     return ranks
 
 
+#: `save_graphs` level -> the passes whose `.ir` files are written (MindSpore: 1 introductory,
+#: 2 more passes, 3 also `.dot` files; 0 none). plan.json and the rank programs are always written.
+_INTRODUCTORY = frozenset({"trace", "step_parallel_begin", "step_parallel_end", "split_ranks",
+                           "execute"})
+
+
+class _Every(frozenset):  # type: ignore[type-arg]
+    def __contains__(self, name: object) -> bool:
+        return True
+
+
+DUMP_LEVELS: dict[int, frozenset[str]] = {0: frozenset(), 1: _INTRODUCTORY, 2: _Every(),
+                                          3: _Every()}
+
 #: Up to this many devices every rank's folder is dumped by default (the seeds' experience).
 DUMP_ALL_UP_TO = 8
 
 
-def _rank_texts(state: CompileState, ranks: list[int],
-                templates: dict[int, GraphText]) -> dict[int, str]:
+def _rank_texts(state: CompileState, ranks: list[int], templates: dict[int, GraphText],
+                reuse: bool = False) -> dict[int, str]:
     """This pass's dump for each dumped rank, printed now (later passes change the graph).
     A rank-parametric graph is printed once; only its rank-dependent nodes per rank.
-    `templates` holds the previous pass's text of each graph when this pass only appended
-    to it (its nodes are not printed again); it is updated with this pass's texts."""
+    `templates` holds the previous pass's text of each graph; with `reuse` (this pass only
+    appended to the graph) its unchanged nodes are not printed again. It is updated with this
+    pass's texts."""
     texts: dict[int, str] = {}
     fresh: dict[int, GraphText] = {}
     for r in ranks:
@@ -623,63 +654,17 @@ def _rank_texts(state: CompileState, ranks: list[int],
         assert graph is not None
         template = fresh.get(id(graph))
         if template is None:
-            template = fresh[id(graph)] = GraphText(graph, templates.get(id(graph)))
+            previous = templates.get(id(graph)) if reuse else None
+            template = fresh[id(graph)] = GraphText(graph, previous)
         texts[r] = template.render(r)
     templates.clear()
     templates.update(fresh)
     return texts
 
 
-def _plan(state: CompileState) -> dict[str, Any]:
-    graph = state.graph
-    assert graph is not None
-    assignment = state.assignment
-    ops = {}
-    for node in graph.nodes:
-        entry: dict[str, Any] = {"op": node.op, "instance_name": node.instance_name}
-        sharding = assignment.sharding(node) if assignment else None
-        if sharding is not None:
-            entry["in_strategy"] = [list(s) for s in sharding.strategy]
-            entry["dev_matrix"] = list(sharding.dev_matrix)
-        ops[node.fullname] = entry
-    params = {}
-    for p in graph.params:
-        layout = assignment.param_layouts[p.name] if assignment else None
-        params[p.name] = {
-            "kind": p.kind,
-            "shape": list(p.shape),
-            "dtype": p.dtype.value,
-            "dev_matrix": list(layout.dev_matrix) if layout else [1],
-            "tensor_map": [list(e) if isinstance(e, tuple) else e for e in layout.tensor_map]
-            if layout else [-1] * len(p.shape),
-            "slice_shape": list(layout.slice_shape) if layout else list(p.shape),
-        }
-    collectives: dict[str, list[dict[str, Any]]] = {}
-    for rank in state.dump_ranks:
-        g = state.rank_graphs[rank]
-        rows = []
-        for node in g.nodes:
-            if get_op(node.op).collective or node.op == "_MirrorOperator":
-                ranks = list(resolve(node.attrs.get("rank_list", ()), rank))
-                in_bytes = sum(v.tensor_type.nbytes for v in node.operands)
-                rows.append({"node": node.fullname, "op": node.op, "rank_list": ranks,
-                             "bytes": in_bytes})
-        collectives[str(rank)] = rows
-    plan = {
-        "devices": state.devices,
-        "parallel_mode": state.parallel_mode,
-        "search_mode": state.search_mode if state.parallel_mode == "auto_parallel" else None,
-        "training": state.training,
-        "inputs": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype.value}
-                   for p in graph.inputs],
-        "outputs": list(state.rank_graphs[0].attrs.get("outputs", ())) if state.rank_graphs
-        else [],
-        "ops": ops,
-        "parameters": params,
-        "collectives": collectives,
-    }
-    plan.update(state.plan)
-    return plan
+def _plan(state: CompileState) -> Plan:
+    """plan.json's content (compiler/plan.py: the schema, validated when written)."""
+    return build_plan(state)
 
 
 def _write_outputs(out_dir: str, state: CompileState,
@@ -700,9 +685,11 @@ def _write_outputs(out_dir: str, state: CompileState,
                     raise AssertionError(f"{filename} does not round-trip")
                 with open(os.path.join(tmp, f"rank_{r}", filename), "w", encoding="utf-8") as f:
                     f.write(text)
-        with open(os.path.join(tmp, "plan.json"), "w", encoding="utf-8") as f:
-            json.dump(_plan(state), f, indent=1, sort_keys=False)
-            f.write("\n")
+                if state.options.get("save_graphs") == 3:  # MindSpore's level 3: .dot files
+                    with open(os.path.join(tmp, f"rank_{r}", filename[:-3] + ".dot"), "w",
+                              encoding="utf-8") as f:
+                        f.write(graph_to_dot(parse_graph(text, filename)))
+        write_plan(os.path.join(tmp, "plan.json"), _plan(state))
         # --- issue 5 hook: rank programs (program.py, params.npz) ---
         from pcompile.backends.jax.codegen import write_rank_artifacts
 

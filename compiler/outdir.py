@@ -6,7 +6,8 @@ The guarantees (docs/running.md, "The output folder"):
   wrote. A later compile replaces exactly what the manifest lists, nothing else.
 * Run outputs (what `--run`, the rank programs and `pcompile-merge` write: `rank_<r>/train.log`,
   `rank_<r>/run.log`, `rank_<r>/outputs.npz`, `launch.json`, `checkpoints/rank_<r>/step_*.npz`,
-  `merged_step_*.npz`) survive a recompile: they are carried into the new folder.
+  `merged_step_*.npz`; `pcompile show`'s pictures `show/*.svg`) survive a recompile: they are
+  carried into the new folder.
 * Anything else in the folder is foreign: the compile refuses, naming it, and changes nothing.
   A non-empty folder without a manifest is entirely foreign.
 * A compile writes into a staging folder beside `--out` (`.<name>.pcompile-new-<id>`) and swaps
@@ -45,9 +46,9 @@ _STAGING_MARK = ".pcompile-staging"  # present while a staging folder is incompl
 # Files that runs write into the folder (relative, '/'-separated), and the folders holding them.
 _RUN_OUTPUT = re.compile(
     r"launch\.json|merged_step_\d+\.npz|rank_\d+/(?:train\.log|run\.log|outputs\.npz)"
-    r"|checkpoints/rank_\d+/step_\d+\.npz"
+    r"|checkpoints/rank_\d+/step_\d+\.npz|show/[A-Za-z0-9._-]+\.svg"
 )
-_RUN_FOLDER = re.compile(r"rank_\d+|checkpoints|checkpoints/rank_\d+")
+_RUN_FOLDER = re.compile(r"rank_\d+|checkpoints|checkpoints/rank_\d+|show")
 # A temporary file of an atomic write (backends/checkpoint.py `atomic_write_bytes`) that was
 # killed before its rename: `.<name>.tmp-<token>` next to `<name>`.
 _TEMP = re.compile(r"(?P<dir>(?:[^/]+/)*)\.(?P<name>[^/]+)\.tmp-[A-Za-z0-9_]+")

@@ -9,7 +9,9 @@ Rules:
 * only nodes on a path from some `wrt` parameter to `loss` are differentiated;
 * integer and bool values carry no gradient; ops with `differentiable=False` stop it;
 * cotangents reaching one value from several users are summed with `Add`;
-* a tuple-typed result collects one cotangent per element; unused elements get zeros.
+* a tuple-typed result collects one cotangent per element; unused elements get zeros;
+* the collectives a communication op's vjp emits say why they exist and what they move
+  (`reason`, `bytes`; passes/comm_info.py), as the forward ones do.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pcompile.ir.core import Constant, Graph, GraphParam, Value
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.registry import get_op
 from pcompile.ir.types import TensorType, TupleType
+from pcompile.passes.comm_info import backward_annotation
 
 
 def zeros_like(value_type: TensorType) -> Constant:
@@ -110,6 +113,8 @@ def append_gradients(
             slots[index] = incoming if prev is None else b("Add", prev, incoming)
             continue
         grads = opdef.vjp(b, node, incoming)
+        if opdef.collective or node.op == "_MirrorOperator":
+            backward_annotation(node, b.created)
         if len(grads) != len(node.operands):
             raise AssertionError(f"vjp of {node.op} returned {len(grads)} cotangents")
         for operand, grad in zip(node.operands, grads):

@@ -54,11 +54,12 @@ per key, not over all candidates, and respects the users' ids instead of overwri
 
 from __future__ import annotations
 
-import heapq
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
+
+import networkx as nx
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Graph, GraphParam, Node, NodeResult, ParallelInfo, Value
@@ -430,7 +431,11 @@ def _split_by_index(members: list[_Candidate], indices: Sequence[int]) -> list[l
 
 def _split_by_dependency(members: list[_Candidate]) -> list[list[_Candidate]]:
     """Cut a bucket (members in topological order) wherever a member's input depends on the
-    output of a member already in the current part, in the graph as it is now."""
+    output of a member already in the current part, in the graph as it is now (reachability
+    in the graph's dependency DiGraph, networkx)."""
+    if len(members) < 2:
+        return [list(members)]
+    deps = _dependency_graph([c.node for c in members])
     parts: list[list[_Candidate]] = []
     reach: set[int] = set()
     for cand in members:
@@ -439,19 +444,25 @@ def _split_by_dependency(members: list[_Candidate]) -> list[list[_Candidate]]:
         else:
             parts.append([cand])
             reach = set()
-        _add_descendants(cand.node.result, reach)
+        reach |= nx.descendants(deps, id(cand.node))
     return parts
 
 
-def _add_descendants(value: Value, reach: set[int]) -> None:
-    """Add every node that (transitively) uses `value` to `reach` (node ids)."""
-    stack = [value]
+def _dependency_graph(starts: list[Node]) -> nx.DiGraph:
+    """node -> user edges (by node id) of everything downstream of `starts`: the nodes
+    reachable from them through use lists, which is all a later member can depend on through
+    an earlier one."""
+    deps = nx.DiGraph()
+    deps.add_nodes_from(id(n) for n in starts)
+    stack, seen = list(starts), {id(n) for n in starts}
     while stack:
-        current = stack.pop()
-        for user, _ in current.uses:
-            if id(user) not in reach:
-                reach.add(id(user))
-                stack.append(user.result)
+        node = stack.pop()
+        for user, _ in node.result.uses:
+            deps.add_edge(id(node), id(user))
+            if id(user) not in seen:
+                seen.add(id(user))
+                stack.append(user)
+    return deps
 
 
 def _plan(candidates: list[_Candidate], config: FusionConfig) -> list[list[_Candidate]]:
@@ -599,29 +610,20 @@ def _ordered(graph: Graph) -> bool:
 
 def _stable_toposort(graph: Graph) -> None:
     """Reorder `graph.nodes` into a valid topological order that keeps the current order
-    wherever the dependencies allow (Kahn's algorithm, earliest position first)."""
+    wherever the dependencies allow (networkx's lexicographical topological sort keyed by the
+    current position: Kahn's algorithm, earliest position first)."""
     nodes = list(graph.nodes)
     position = {id(nd): i for i, nd in enumerate(nodes)}
-    waiting: dict[int, int] = {}
-    users: dict[int, list[Node]] = {}
-    for nd in nodes:
-        deps = {id(v.node) for v in nd.operands if isinstance(v, NodeResult)}
-        waiting[id(nd)] = len(deps)
-        for dep in deps:
-            users.setdefault(dep, []).append(nd)
-    ready = [(position[id(nd)], nd) for nd in nodes if waiting[id(nd)] == 0]
-    heapq.heapify(ready)
-    order: list[Node] = []
-    while ready:
-        _, nd = heapq.heappop(ready)
-        order.append(nd)
-        for user in users.get(id(nd), ()):
-            waiting[id(user)] -= 1
-            if waiting[id(user)] == 0:
-                heapq.heappush(ready, (position[id(user)], user))
-    if len(order) != len(nodes):
-        raise AssertionError("comm_fusion produced a cycle")  # excluded by the dependency cut
-    graph.nodes = order
+    deps = nx.DiGraph()
+    deps.add_nodes_from(position)
+    deps.add_edges_from((id(v.node), id(nd)) for nd in nodes for v in nd.operands
+                        if isinstance(v, NodeResult) and id(v.node) in position)
+    try:
+        order = list(nx.lexicographical_topological_sort(deps, key=position.__getitem__))
+    except nx.NetworkXUnfeasible:
+        raise AssertionError("comm_fusion produced a cycle") from None  # excluded by the cut
+    by_id = {id(nd): nd for nd in nodes}
+    graph.nodes = [by_id[k] for k in order]
 
 
 # --------------------------------------------------------------------------------------------

@@ -95,9 +95,18 @@ def parse_args(argv: list[str] | None, num_ranks: int) -> argparse.Namespace:
     parser.add_argument("--fail-on-nan", action=argparse.BooleanOptionalAction, default=True,
                         help="stop when the loss is not finite (default: on)")
     parser.add_argument("--quiet", action="store_true", help="do not print loss lines")
+    parser.add_argument("--print-every", type=int, default=1, metavar="K",
+                        help="print every K-th loss line and the last (MindSpore's "
+                             "LossMonitor(per_print_times); default 1)")
+    parser.add_argument("--all-ranks", action="store_true",
+                        help="every process prints its loss lines, as '[rank r] ...' (default: "
+                             "only process 0; other processes print only their messages)")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="progress (step rate, time left) on stderr even when it is not a "
+                             "terminal")
     args = parser.parse_args(argv)
-    if args.steps < 0 or args.checkpoint_every < 0:
-        parser.error("--steps and --checkpoint-every must be >= 0")
+    if args.steps < 0 or args.checkpoint_every < 0 or args.print_every < 1:
+        parser.error("--steps and --checkpoint-every must be >= 0, --print-every >= 1")
     return args
 
 
@@ -294,6 +303,9 @@ def _main(module: ModuleType, argv: list[str] | None, heartbeat: Heartbeat) -> i
     label = (f"pcompile rank {my_ranks[0]}" if per_process == 1
              else f"pcompile ranks {my_ranks[0]}-{my_ranks[-1]}")
     module.LABEL = label
+    from pcompile.compiler.progress import setup_logging
+
+    setup_logging(args.verbose, prefix="" if pid == 0 else f"[rank {my_ranks[0]}] ")
 
     watchdog = Watchdog(label)
     watchdog.arm(args.startup_timeout, "distributed start-up")
@@ -514,6 +526,7 @@ class _Runner:
     def run(self) -> int:
         from pcompile.backends.checkpoint import clean_temp_files
         from pcompile.backends.jax.spmd import local_pieces
+        from pcompile.compiler.progress import LossMonitor
         from pcompile.compiler.runtime import format_loss_line
 
         m, args = self.m, self.args
@@ -537,6 +550,8 @@ class _Runner:
         first = True
         epoch, in_epoch = int(meta.get("epoch", 1)), int(meta.get("step_in_epoch", 0))
         start = time.perf_counter()
+        monitor = LossMonitor(args.steps, args.print_every,
+                              lambda line: self._say(line, loss=True), done=done)
         self.heartbeat.set(phase="data", done=done)
         for k, (epoch, in_epoch, arrays) in enumerate(self._batches(args.steps)):
             if k < done:
@@ -562,7 +577,7 @@ class _Runner:
                 logs[r].add(line)
             self.watchdog.disarm()
             first = False
-            self._say(logs[self.local[0]].lines[-1])
+            monitor(logs[self.local[0]].lines[-1])
             step_no = k + 1
             bad = [r for r in self.local if not np.isfinite(float(losses[r]))]
             if bad and args.fail_on_nan:
@@ -608,6 +623,12 @@ class _Runner:
             force=True)
         return 0
 
-    def _say(self, text: str, force: bool = False) -> None:
-        if force or not self.args.quiet:
-            print(text, flush=True)
+    def _say(self, text: str, force: bool = False, loss: bool = False) -> None:
+        """Print a line: loss lines only from process 0 (unless --all-ranks); other processes'
+        lines carry `[rank r]` (r: their first rank)."""
+        if self.args.quiet and not force:
+            return
+        first = self.local[0] == 0
+        if loss and not first and not self.args.all_ranks:
+            return
+        print(("" if first else f"[rank {self.local[0]}] ") + text, flush=True)

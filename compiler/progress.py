@@ -1,0 +1,140 @@
+"""Progress and logging of the command line, through the `logging` module (logger `pcompile`).
+
+* Where: stderr, so that stdout keeps the results (summary, losses) for pipes and scripts.
+* When: progress (INFO) is shown when stderr is a terminal, or with `-v`; `-q` keeps only
+  warnings and errors; `-vv` adds DEBUG.
+* Warnings once: a message logged again (e.g. by each rank's graph of a hybrid compile) is
+  dropped (`OnceFilter`); Python warnings go through the same handler.
+* Compiles: `CompileProgress` is the driver's `on_event` hook (pass by pass, the outputs
+  written, elapsed time). Runs: `LossMonitor` prints every K-th loss line (MindSpore's
+  `LossMonitor(per_print_times)`) and logs the step rate and the time left.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("pcompile")
+
+LOSS_LINE = re.compile(r"^epoch: \d+ step: \d+, loss is ")
+
+
+class OnceFilter(logging.Filter):
+    """Drops a record whose (level, text) was already emitted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[tuple[int, str]] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.levelno, record.getMessage())
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+def setup_logging(verbose: int = 0, quiet: bool = False, stream: Any = None,
+                  prefix: str = "") -> int:
+    """Configure logger `pcompile` for this command; returns the level chosen. `prefix` goes
+    before every message (a rank program's `[rank r] ` when it is not process 0)."""
+    stream = stream or sys.stderr
+    if quiet:
+        level = logging.WARNING
+    elif verbose >= 2:
+        level = logging.DEBUG
+    elif verbose == 1 or _isatty(stream):
+        level = logging.INFO
+    else:
+        level = logging.WARNING  # not a terminal: quiet unless asked
+    for handler in list(log.handlers):
+        if getattr(handler, "_pcompile", False):
+            log.removeHandler(handler)
+    handler = logging.StreamHandler(stream)
+    handler._pcompile = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter(prefix.replace("%", "%%") + "pcompile: %(message)s"))
+    handler.addFilter(OnceFilter())
+    log.addHandler(handler)
+    log.setLevel(level)
+    log.propagate = False
+    logging.captureWarnings(True)
+    warnings_log = logging.getLogger("py.warnings")
+    warnings_log.handlers = [handler]
+    warnings_log.propagate = False
+    return level
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+class CompileProgress:
+    """The driver's `on_event` hook: one line per pass, and around the writing of `--out`."""
+
+    def __init__(self, start: float | None = None) -> None:
+        self.start = time.perf_counter() if start is None else start
+        self.writing = 0.0
+
+    def elapsed(self) -> str:
+        return f"[{time.perf_counter() - self.start:7.2f} s]"
+
+    def __call__(self, event: str, **info: Any) -> None:
+        if event == "pass":
+            log.info("%s pass %d/%d %s done in %.3f s", self.elapsed(), info["index"] + 1,
+                     info["total"], info["name"], info["seconds"])
+        elif event == "write":
+            self.writing = time.perf_counter()
+            log.info("%s writing %s: dumps of %d rank(s), plan.json, rank programs",
+                     self.elapsed(), info["out_dir"], info["ranks"])
+        elif event == "written":
+            log.info("%s wrote %s in %.2f s", self.elapsed(), info["out_dir"],
+                     time.perf_counter() - self.writing)
+
+
+class LossMonitor:
+    """Prints loss lines every `per_print` steps (and always the last one, and every line that
+    is not a loss line), and logs the step rate and the time left at INFO."""
+
+    def __init__(self, steps: int, per_print: int = 1,
+                 echo: Callable[[str], None] = print, done: int = 0) -> None:
+        self.steps = steps
+        self.per_print = max(1, per_print)
+        self.echo = echo
+        self.seen = done
+        self.start = time.perf_counter()
+        self.first: int | None = None
+
+    def __call__(self, line: str) -> None:
+        if not LOSS_LINE.match(line):
+            self.echo(line)
+            return
+        self.seen += 1
+        now = time.perf_counter()
+        if self.first is None:  # the first step compiles: measure the rate from the next
+            self.first = self.seen
+            self.start = now
+        if self.seen % self.per_print == 0 or self.seen >= self.steps:
+            self.echo(line)
+            rate = (self.seen - self.first) / (now - self.start) if now > self.start else 0.0
+            if rate > 0:
+                left = max(0, self.steps - self.seen) / rate
+                log.info("step %d/%d, %.2f steps/s, about %s left", self.seen, self.steps, rate,
+                         _duration(left))
+            else:
+                log.info("step %d/%d", self.seen, self.steps)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds // 60:.0f} min {seconds % 60:.0f} s"
+    return f"{seconds // 3600:.0f} h {seconds % 3600 // 60:.0f} min"
