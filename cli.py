@@ -120,7 +120,10 @@ def _verbosity(function: Any) -> Any:
 @click.option("--backend", type=click.Choice(("jax", "numpy")), default="jax",
               show_default=True, help="Backend for --run.")
 @click.option("--check/--no-check", default=True, show_default=True,
-              help="Run one step on the numpy interpreter and on JAX and compare.")
+              help="Run one step on the numpy interpreter and on JAX and compare (parallel "
+                   "plans: against the single-device program), when it holds at most 1 GB.")
+@click.option("--force-check", is_flag=True,
+              help="Run the check even when it would hold more than 1 GB.")
 @click.option("--checkpoint-every", type=click.IntRange(0), default=0, metavar="K",
               help="With --run: checkpoint every rank every K steps (always at the end).")
 @click.option("--resume", is_flag=True,
@@ -155,6 +158,7 @@ def compile_command(
     steps: int,
     backend: str,
     check: bool,
+    force_check: bool,
     checkpoint_every: int,
     resume: bool,
     processes: int | None,
@@ -211,7 +215,7 @@ def compile_command(
             )
             elapsed = time.perf_counter() - start
             _summary(program, elapsed, quiet)
-            if check:
+            if check and _check_affordable(program, force_check):
                 log.info("checking one step against the single-device program ...")
                 _check_backends(program)
             if do_run:
@@ -340,6 +344,22 @@ def _summary(program: Any, elapsed: float, quiet: bool = False) -> None:
         else:
             click.echo(f"dumps: none (--dump-ranks none); plan: "
                        f"{os.path.join(program.out_dir, 'plan.json')}")
+
+
+def _check_affordable(program: Any, force: bool) -> bool:
+    """The check's rule: it runs when it holds at most CHECK_BUDGET_BYTES (or when forced)."""
+    from pcompile.compiler.oracle import CHECK_BUDGET_BYTES, check_cost
+
+    cost = check_cost(program)
+    if force or cost <= CHECK_BUDGET_BYTES:
+        return True
+    click.echo(
+        f"note: check skipped: simulating the {program.state.devices} rank(s) and the "
+        f"single-device program in float64 would hold about {cost / 2**30:.1f} GB (pcompile "
+        f"checks plans that take at most {CHECK_BUDGET_BYTES / 2**30:.0f} GB); --force-check "
+        "runs it anyway; a smaller copy of the model (fewer layers, smaller hidden size) with "
+        "the same strategies checks the same rules")
+    return False
 
 
 def _check_backends(program: Any) -> None:

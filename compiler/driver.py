@@ -176,14 +176,14 @@ class TracePass:
     def apply(self, state: CompileState) -> None:
         split = state.devices if state.parallel_mode == "data_parallel" else 1
         if state.parallel_mode == "hybrid_parallel":
-            # The model's own code reads get_rank(): trace every rank; rank 0's is the graph
-            # of record, and each rank's trace is dumped in its own folder.
-            with context_override(global_rank=0):
-                traced = trace_model(state.model_file)
-            state.rank_graphs = [traced.graph]
-            for rank in range(1, state.devices):
-                with context_override(global_rank=rank):
-                    state.rank_graphs.append(trace_model(state.model_file).graph)
+            # The model's own code reads get_rank(), at module level too (`cur_rank =
+            # get_rank()` after `init()`, as every MindSpore process runs the script as its own
+            # rank): run the model file and trace it once per rank. Rank 0's trace is the graph
+            # of record; each rank's trace is dumped in its own folder.
+            files = [_load_as_rank(state, rank) for rank in range(state.devices)]
+            traces = [_trace_as_rank(mf, rank) for rank, mf in enumerate(files)]
+            state.model_file, traced = files[0], traces[0]
+            state.rank_graphs = [t.graph for t in traces]
             state.split = True
         else:
             traced = trace_model(state.model_file, batch_split=split)
@@ -195,6 +195,18 @@ class TracePass:
         if not state.parallel:
             state.rank_graphs = [traced.graph]
             state.split = True
+
+
+def _load_as_rank(state: CompileState, rank: int) -> ModelFile:
+    """The model file run as rank `rank` (hybrid_parallel): `get_rank()` answers `rank` and
+    `get_group_size()` the device count while its module level runs."""
+    with context_override(global_rank=rank, device_num=state.devices):
+        return load_model_file(state.model_file.path)
+
+
+def _trace_as_rank(mf: ModelFile, rank: int) -> TracedModel:
+    with context_override(global_rank=rank):
+        return trace_model(mf)
 
 
 def _check_functional_shard(state: CompileState) -> None:

@@ -26,6 +26,31 @@ from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
 #: Relative bound for a correct plan evaluated in float64 (derivation in the module docstring).
 FLOAT64_RTOL = 2.0 ** -26
 
+#: The CLI checks a plan when the check holds at most this much (`check_cost`).
+CHECK_BUDGET_BYTES = 1 << 30
+
+
+def check_cost(program: CompiledProgram) -> int:
+    """Bytes the float64 check holds at most: the simulator keeps every value of every rank's
+    step (parameters, optimizer state, every node's result) and the single-device program's,
+    8 bytes per element. The CLI runs the check by default when this is at most
+    `CHECK_BUDGET_BYTES` (a toy GPT on 8 devices: a few MB; a 7B model: terabytes)."""
+    state = program.state
+    local = 0
+    for graph in state.graphs or [program.graph]:
+        copies = state.devices if len(state.graphs) == 1 else 1
+        elements = sum(p.tensor_type.size for p in graph.params)
+        for node in graph.nodes:
+            types = getattr(node.result.type, "elements", None) or (node.result.type,)
+            elements += sum(t.size for t in types)
+        local += elements * copies
+    single = sum(s.size for s in (state.initial_values.source(n)
+                                  for n in state.initial_values))
+    for node in program.graph.nodes:
+        types = getattr(node.result.type, "elements", None) or (node.result.type,)
+        single += 3 * sum(t.size for t in types)  # forward, backward and the update
+    return 8 * (local + single)
+
 
 @dataclass
 class OracleReport:

@@ -101,6 +101,21 @@ def test_hybrid_manual_parallel_matches_single_device(tmp_path) -> None:
     assert check(program, steps=2).ok()
 
 
+def test_literal_manual_parallel_seed_runs_the_model_file_as_each_rank(tmp_path) -> None:
+    """The seed's module-level `cur_rank = get_rank()` (after `init()`) must be each rank's
+    own: the model file runs once per rank in hybrid_parallel, so rank 3 takes rows 12..16 and
+    the first-step loss is the single-device loss over the whole batch."""
+    program = compile_model(os.path.join(ROOT, "tests", "models",
+                                         "manual_parallel_literal.py"), devices=8, dump=False)
+    assert program.state.parallel_mode == "hybrid_parallel"
+    for rank in (0, 3, 7):
+        first = program.rank_graph(rank).nodes[0]
+        assert first.op == "StridedSlice" and first.attrs["begin"][0] == 4 * rank
+    report = check(program, steps=1)
+    (par, one), = report.losses
+    assert abs(par - one) <= report.bound * max(1.0, abs(one)), report.losses
+
+
 def test_layerwise_parallel_parameter_gets_no_mirror(tmp_path) -> None:
     path = sgd_model(tmp_path, mode="data_parallel", flag=", layerwise_parallel=True")
     program = compile_model(path, devices=8, dump=False)
