@@ -183,23 +183,19 @@ class _Verifier:
             self.names[id(node.result)] = f"%{index}"
 
     def uses(self) -> None:
-        values: dict[int, Value] = {id(p): p for p in self.graph.params}
-        expected: dict[int, list[tuple[int, int]]] = {}
-        for index, node in enumerate(self.graph.nodes):
-            values[id(node.result)] = node.result
-            for j, value in enumerate(node.operands):
-                values[id(value)] = value
-                expected.setdefault(id(value), []).append((index, j))
-        if self.start:  # only the values the checked nodes define or use
-            touched: dict[int, Value] = {}
-            for node in self.graph.nodes[self.start:]:
-                touched[id(node.result)] = node.result
-                for value in node.operands:
-                    touched[id(value)] = value
-            values = touched
+        """Use lists are exact: every operand slot of a checked node is listed in its value's
+        uses, and every use a checked value lists is an operand slot of a node in the graph,
+        once. With `start`, the checked values are those the new nodes define or read."""
         position = self.position
+        nodes = self.graph.nodes[self.start:]
+        values: dict[int, Value] = {} if self.start else {id(p): p for p in self.graph.params}
+        for node in nodes:
+            values[id(node.result)] = node.result
+            for value in node.operands:
+                values[id(value)] = value
+        listed: dict[int, set[tuple[int, int]]] = {}
         for key, value in values.items():
-            actual = []
+            seen: set[tuple[int, int]] = set()
             for user, j in value.uses:
                 pos = position.get(id(user))
                 if pos is None:
@@ -207,14 +203,30 @@ class _Verifier:
                         f"use lists: {self.name(value)} lists a use by {user.where()} "
                         f"(operand {j}), which is not in the graph"
                     )
-                actual.append((pos, j))
-            want = expected.get(key, [])
-            if len(actual) == len(want) and sorted(actual) == want:  # `want` is in order
-                continue
-            self._use_mismatch(value, Counter(actual), Counter(want))
+                operands = user.operands
+                if (pos, j) in seen or j >= len(operands) or operands[j] is not value:
+                    self._use_mismatch(value)
+                seen.add((pos, j))
+            listed[key] = seen
+        for index, node in enumerate(nodes, start=self.start):
+            for j, value in enumerate(node.operands):
+                if (index, j) not in listed[id(value)]:
+                    self._use_mismatch(value)
 
-    def _use_mismatch(self, value: Value, actual: Counter[tuple[int, int]],
-                      want: Counter[tuple[int, int]]) -> None:
+    def _expected_uses(self, value: Value) -> Counter[tuple[int, int]]:
+        want: Counter[tuple[int, int]] = Counter()
+        for index, node in enumerate(self.graph.nodes):
+            for j, operand in enumerate(node.operands):
+                if operand is value:
+                    want[(index, j)] += 1
+        return want
+
+    def _use_mismatch(self, value: Value) -> NoReturn:
+        """Name the first slot where `value`'s use list and the graph disagree (the slow,
+        precise comparison, only once a mismatch is known)."""
+        actual: Counter[tuple[int, int]] = Counter(
+            (self.position[id(user)], j) for user, j in value.uses)
+        want = self._expected_uses(value)
         for index, j in sorted(set(actual) | set(want)):
             have, need = actual[(index, j)], want[(index, j)]
             if have == need:
@@ -224,6 +236,7 @@ class _Verifier:
             else:
                 problem = f"lists {have} use(s) as operand {j}, but the node has {need}"
             self.fail(f"use lists: {self.name(value)} {problem}", self.graph.nodes[index], index)
+        self.fail(f"use lists: {self.name(value)} disagree with the graph")
 
     def outputs(self) -> None:
         for k, value in enumerate(self.graph.outputs):

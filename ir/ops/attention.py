@@ -39,13 +39,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import PcompileError, ShapeError
+from pcompile.ir.ops._jax import jax, jnp
 from pcompile.ir.ops._util import is_zero, same_dtype, tensor, tuple_type
 from pcompile.ir.rank import RankScalar, RankValue
 from pcompile.ir.registry import OpDef, register

@@ -17,14 +17,12 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Constant, Node, Value
 from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._jax import deferred, jax, jnp, lax
 from pcompile.ir.ops._util import (
     broadcast_shapes,
     infer_binary,
@@ -688,12 +686,12 @@ register(
 # -- comparisons ----------------------------------------------------------------------------
 
 _COMPARISONS: dict[str, tuple[Callable[..., Any], Callable[..., Any], str]] = {
-    "Equal": (np.equal, jnp.equal, "x == y"),
-    "NotEqual": (np.not_equal, jnp.not_equal, "x != y"),
-    "Greater": (np.greater, jnp.greater, "x > y"),
-    "GreaterEqual": (np.greater_equal, jnp.greater_equal, "x >= y"),
-    "Less": (np.less, jnp.less, "x < y"),
-    "LessEqual": (np.less_equal, jnp.less_equal, "x <= y"),
+    "Equal": (np.equal, deferred(jnp, "equal"), "x == y"),
+    "NotEqual": (np.not_equal, deferred(jnp, "not_equal"), "x != y"),
+    "Greater": (np.greater, deferred(jnp, "greater"), "x > y"),
+    "GreaterEqual": (np.greater_equal, deferred(jnp, "greater_equal"), "x >= y"),
+    "Less": (np.less, deferred(jnp, "less"), "x < y"),
+    "LessEqual": (np.less_equal, deferred(jnp, "less_equal"), "x <= y"),
 }
 
 for _name, (_np_fn, _jax_fn, _text) in _COMPARISONS.items():
@@ -726,8 +724,8 @@ def _logical_binary_infer(types: list[ValueType], attrs: dict[str, Any]) -> Valu
 
 
 _LOGICAL: dict[str, tuple[Callable[..., Any], Callable[..., Any], str]] = {
-    "LogicalAnd": (np.logical_and, jnp.logical_and, "x and y"),
-    "LogicalOr": (np.logical_or, jnp.logical_or, "x or y"),
+    "LogicalAnd": (np.logical_and, deferred(jnp, "logical_and"), "x and y"),
+    "LogicalOr": (np.logical_or, deferred(jnp, "logical_or"), "x or y"),
 }
 
 for _name, (_np_fn, _jax_fn, _text) in _LOGICAL.items():

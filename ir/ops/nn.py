@@ -15,14 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import PcompileError, ShapeError
+from pcompile.ir.ops._jax import jax, jnp, lax
 from pcompile.ir.ops._util import normalize_axis, same_dtype, tensor, tuple_type
 from pcompile.ir.registry import OpDef, register
 from pcompile.ir.types import DType, TensorType, ValueType

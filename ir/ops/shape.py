@@ -8,12 +8,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._jax import jnp
 from pcompile.ir.ops._util import same_dtype, tensor
 from pcompile.ir.registry import OpDef, register
 from pcompile.ir.types import DType, TensorType, TupleType, ValueType
