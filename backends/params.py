@@ -101,9 +101,9 @@ def write_manifest(folder: str, entries: Sequence[tuple[str, str, InitializedDat
     for name, kind, source in entries:
         params[name] = {"kind": kind, "shape": list(source.shape), "dtype": source.dtype.name,
                         "init": _init_entry(source, name, folder, taken)}
+    text = json.dumps({"format": FORMAT, "params": params}, indent=1)
     with open(os.path.join(folder, MANIFEST), "w", encoding="utf-8") as f:
-        json.dump({"format": FORMAT, "params": params}, f, indent=1)
-        f.write("\n")
+        f.write(text + "\n")
 
 
 def read_manifest(out_dir: str) -> dict[str, InitializedData]:

@@ -255,9 +255,10 @@ def _tensor_map(layout: Any) -> list[Any]:
     return [list(e) if isinstance(e, tuple) else e for e in layout.tensor_map]
 
 
-def _layout(layout: Any) -> PlanLayout:
-    return PlanLayout(shape=list(layout.shape), dev_matrix=list(layout.dev_matrix),
-                      tensor_map=_tensor_map(layout), slice_shape=list(layout.slice_shape))
+def _layout(layout: Any) -> dict[str, Any]:
+    """A `PlanLayout` as data (the plan is validated once, as a whole)."""
+    return {"shape": list(layout.shape), "dev_matrix": list(layout.dev_matrix),
+            "tensor_map": _tensor_map(layout), "slice_shape": list(layout.slice_shape)}
 
 
 def build_plan(state: Any) -> Plan:
@@ -268,56 +269,60 @@ def build_plan(state: Any) -> Plan:
     graph = state.graph
     assert graph is not None
     assignment = state.assignment
-    ops: dict[str, PlanOp] = {}
+    # Built as data and validated once as a whole (`Plan.model_validate`): constructing a
+    # model per op costs more than the rest of the plan for a 96-layer graph.
+    ops: dict[str, dict[str, Any]] = {}
     for node in graph.nodes:
         sharding = assignment.sharding(node) if assignment else None
-        ops[node.fullname] = PlanOp(
-            op=node.op, instance_name=node.instance_name,
-            in_strategy=[list(s) for s in sharding.strategy] if sharding is not None else None,
-            dev_matrix=list(sharding.dev_matrix) if sharding is not None else None,
-            in_layouts=[_layout(x) for x in sharding.in_layouts] if sharding is not None
+        ops[node.fullname] = {
+            "op": node.op, "instance_name": node.instance_name,
+            "in_strategy": [list(s) for s in sharding.strategy] if sharding is not None
             else None,
-            out_layouts=[_layout(x) for x in sharding.out_layouts] if sharding is not None
-            else None)
-    params: dict[str, PlanParameter] = {}
+            "dev_matrix": list(sharding.dev_matrix) if sharding is not None else None,
+            "in_layouts": [_layout(x) for x in sharding.in_layouts] if sharding is not None
+            else None,
+            "out_layouts": [_layout(x) for x in sharding.out_layouts] if sharding is not None
+            else None}
+    params: dict[str, dict[str, Any]] = {}
     for p in graph.params:
         layout = assignment.param_layouts[p.name] if assignment else None
-        params[p.name] = PlanParameter(
-            kind=p.kind, shape=list(p.shape), dtype=p.dtype.value,
-            dev_matrix=list(layout.dev_matrix) if layout else [1],
-            tensor_map=_tensor_map(layout) if layout else [-1] * len(p.shape),
-            slice_shape=list(layout.slice_shape) if layout else list(p.shape))
-    collectives: dict[str, list[PlanCollective]] = {}
+        params[p.name] = {
+            "kind": p.kind, "shape": list(p.shape), "dtype": p.dtype.value,
+            "dev_matrix": list(layout.dev_matrix) if layout else [1],
+            "tensor_map": _tensor_map(layout) if layout else [-1] * len(p.shape),
+            "slice_shape": list(layout.slice_shape) if layout else list(p.shape)}
+    collectives: dict[str, list[dict[str, Any]]] = {}
     for rank in state.dump_ranks:
         rows = []
         for node in state.rank_graphs[rank].nodes:
             if not is_communication(node):
                 continue
-            rows.append(PlanCollective(
-                node=node.fullname, op=node.op,
-                rank_list=list(resolve(node.attrs.get("rank_list", ()), rank)),
-                group=str(resolve(node.attrs.get("group", ""), rank)),
-                bytes=node_bytes(node), phase=phase_of(node.scope), reason=node_reason(node)))
+            rows.append({
+                "node": node.fullname, "op": node.op,
+                "rank_list": list(resolve(node.attrs.get("rank_list", ()), rank)),
+                "group": str(resolve(node.attrs.get("group", ""), rank)),
+                "bytes": node_bytes(node), "phase": phase_of(node.scope),
+                "reason": node_reason(node)})
         collectives[str(rank)] = rows
     extra = dict(state.plan)
-    return Plan(
-        devices=state.devices,
-        parallel_mode=state.parallel_mode,
-        search_mode=state.search_mode if state.parallel_mode == "auto_parallel" else None,
-        training=state.training,
-        inputs=[PlanInput(name=p.name, shape=list(p.shape), dtype=p.dtype.value)
-                for p in graph.inputs],
-        outputs=list(state.rank_graphs[0].attrs.get("outputs", ())) if state.rank_graphs
+    return Plan.model_validate({
+        "devices": state.devices,
+        "parallel_mode": state.parallel_mode,
+        "search_mode": state.search_mode if state.parallel_mode == "auto_parallel" else None,
+        "training": state.training,
+        "inputs": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype.value}
+                   for p in graph.inputs],
+        "outputs": list(state.rank_graphs[0].attrs.get("outputs", ())) if state.rank_graphs
         else [],
-        ops=ops,
-        parameters=params,
-        dump_ranks=list(state.dump_ranks),
-        collectives=collectives,
-        search=extra.pop("search", None),
-        comm_fusion=extra.pop("comm_fusion", None),
-        parallel_optimizer=extra.pop("parallel_optimizer", None),
+        "ops": ops,
+        "parameters": params,
+        "dump_ranks": list(state.dump_ranks),
+        "collectives": collectives,
+        "search": extra.pop("search", None),
+        "comm_fusion": extra.pop("comm_fusion", None),
+        "parallel_optimizer": extra.pop("parallel_optimizer", None),
         **extra,  # a pass's new section is refused here until the schema names it
-    )
+    })
 
 
 # -- writing and reading --------------------------------------------------------------------------

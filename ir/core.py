@@ -219,6 +219,7 @@ class Node:
     ) -> None:
         self.op = op
         self._operands: list[Value] = []
+        self._operand_tuple: tuple[Value, ...] | None = None  # `operands`, until they change
         self.attrs: dict[str, Any] = dict(attrs)
         self.instance_name = instance_name
         self.scope = scope
@@ -231,24 +232,30 @@ class Node:
 
     @property
     def operands(self) -> tuple[Value, ...]:
-        return tuple(self._operands)
+        cached = self._operand_tuple
+        if cached is None:
+            cached = self._operand_tuple = tuple(self._operands)
+        return cached
 
     def _append_operand(self, value: Value) -> None:
         if not isinstance(value, Value):
             raise TypeError(f"{self.op}: operand {value!r} is not an IR value")
         self._operands.append(value)
+        self._operand_tuple = None
         value.uses.append((self, len(self._operands) - 1))
 
     def set_operand(self, index: int, value: Value) -> None:
         old = self._operands[index]
         old.uses = [(n, i) for n, i in old.uses if not (n is self and i == index)]
         self._operands[index] = value
+        self._operand_tuple = None
         value.uses.append((self, index))
 
     def drop_operands(self) -> None:
         for index, old in enumerate(self._operands):
             old.uses = [(n, i) for n, i in old.uses if not (n is self and i == index)]
         self._operands = []
+        self._operand_tuple = None
 
     @property
     def operand_types(self) -> list[ValueType]:
