@@ -261,8 +261,9 @@ def assign(
     result = ParallelAssignment(devices)
     result.param_layouts.update(dataset_layouts(graph, dataset_strategy, devices))
     users: dict[str, list[tuple[Node, TensorLayout]]] = {}
+    follow = _followers(graph, searched)
     for node in graph.nodes:
-        if node.op in NO_STRATEGY:
+        if node.op in NO_STRATEGY or id(node) in follow:
             continue
         if rule_for(node.op) is None:
             raise OpError(
@@ -293,6 +294,13 @@ def assign(
         for operand, layout in zip(node.operands, sharding.in_layouts):
             if isinstance(operand, GraphParam) and operand.kind != "input":
                 users.setdefault(operand.name, []).append((node, layout))
+    for node in reversed([n for n in graph.nodes if id(n) in follow]):
+        sharding = _follow_consumer(node, result, devices)
+        result.shardings[id(node)] = sharding
+        node.parallel = ParallelInfo(in_strategy=sharding.strategy)
+        operand = node.operands[0]
+        if isinstance(operand, GraphParam) and operand.kind != "input":
+            users.setdefault(operand.name, []).append((node, sharding.in_layouts[0]))
     for name, entries in users.items():
         first_node, first = entries[0]
         for other_node, layout in entries[1:]:
@@ -312,6 +320,47 @@ def assign(
             result.param_layouts[p.name] = replicated(p.shape, devices)
     _assign_reshapes(graph, result)
     return result
+
+
+#: Strategy-less ops that pass a parameter on unchanged but for its dtype: a parameter read
+#: through them takes the layout of the op that really uses it (MindSpore looks through the
+#: Cast a mixed-precision model puts between a weight and its MatMul).
+PASS_THROUGH = ("Cast", "Identity")
+
+
+def _followers(graph: Graph, searched: dict[int, Any] | None) -> set[int]:
+    """The strategy-less pass-through ops on a stored parameter (directly or through other
+    such ops): their strategy follows their consumer's instead of the default, so the
+    parameter is stored split the way its real user wants it."""
+    out: set[int] = set()
+    for node in graph.nodes:
+        if (node.op not in PASS_THROUGH or len(node.operands) != 1
+                or node.attrs.get("in_strategy") is not None
+                or (searched and id(node) in searched)):
+            continue
+        source = node.operands[0]
+        if isinstance(source, GraphParam) and source.kind != "input":
+            out.add(id(node))
+        elif hasattr(source, "node") and id(source.node) in out:
+            out.add(id(node))
+    return out
+
+
+def _follow_consumer(node: Node, result: ParallelAssignment, devices: int) -> OpSharding:
+    """`node` laid out as its first consumer with a strategy wants its output (replicated
+    when none has one): the same layout in and out, so no redistribution sits between."""
+    ctx = OpContext(node.op, _tensor_inputs(node), node.result.type, node.attrs, devices)
+    rule = rule_for(node.op)
+    assert rule is not None
+    for user, index in node.result.uses:
+        sharding = result.sharding(user)
+        if sharding is not None and index < len(sharding.in_layouts):
+            wanted = sharding.in_layouts[index]
+            try:
+                return layout_sharding(ctx, rule.labels(ctx), [wanted], None)
+            except StrategyError:
+                break
+    return rule.apply(ctx, tuple(tuple(1 for _ in t.shape) for t in ctx.in_types), None)
 
 
 def _assign_reshapes(graph: Graph, result: ParallelAssignment) -> None:
