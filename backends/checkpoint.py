@@ -99,18 +99,60 @@ def atomic_write_text(path: str, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+#: The .npz member naming the arrays stored as the bits of an extension dtype (bfloat16).
+DTYPES_KEY = "__dtypes__"
+
+
+def portable(array: np.ndarray) -> tuple[np.ndarray, str | None]:
+    """An array numpy's .npy format stores faithfully: extension dtypes (bfloat16, which .npy
+    would write as raw `V2` bytes) as the unsigned integers of their bits, with the dtype's
+    name to view them back."""
+    if array.dtype.kind in "biufSU":
+        return array, None
+    from pcompile.ir.types import DType
+
+    try:
+        name = DType.from_any(array.dtype).name
+    except TypeError:  # not an IR dtype (a metadata blob): stored as it is
+        return array, None
+    width = array.dtype.itemsize * 8
+    return array.view(np.dtype(f"uint{width}")), name
+
+
 def npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
     """An .npz (readable by np.load) with fixed timestamps and sorted keys: the same arrays
-    always give the same bytes."""
+    always give the same bytes. bfloat16 arrays keep their dtype (`portable`; `load_npz`
+    restores it)."""
     buf = io.BytesIO()
+    views: dict[str, str] = {}
+    stored: dict[str, np.ndarray] = {}
+    for key, value in arrays.items():
+        stored[key], view = portable(np.asarray(value))
+        if view is not None:
+            views[key] = view
+    if views:
+        stored[DTYPES_KEY] = np.frombuffer(json.dumps(views, sort_keys=True).encode(), np.uint8)
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as zf:
-        for key in sorted(arrays):
+        for key in sorted(stored):
             member = io.BytesIO()
-            np.lib.format.write_array(member, np.asarray(arrays[key]), allow_pickle=False)
+            np.lib.format.write_array(member, stored[key], allow_pickle=False)
             info = zipfile.ZipInfo(key + ".npy", date_time=_FIXED_TIME)
             info.external_attr = 0o644 << 16
             zf.writestr(info, member.getvalue())
     return buf.getvalue()
+
+
+def restore_dtypes(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Undo `portable` for the arrays an .npz's `__dtypes__` member names."""
+    names = arrays.pop(DTYPES_KEY, None)
+    if names is None:
+        return arrays
+    from pcompile.ir.types import DType
+
+    for key, name in json.loads(bytes(names.astype(np.uint8)).decode()).items():
+        if key in arrays:
+            arrays[key] = arrays[key].view(DType[name].np)
+    return arrays
 
 
 def save_npz(path: str, arrays: Mapping[str, np.ndarray]) -> None:
@@ -119,7 +161,7 @@ def save_npz(path: str, arrays: Mapping[str, np.ndarray]) -> None:
 
 def load_npz(path: str) -> dict[str, np.ndarray]:
     with np.load(path, allow_pickle=False) as data:
-        return {k: np.array(data[k]) for k in data.files}
+        return restore_dtypes({k: np.array(data[k]) for k in data.files})
 
 
 # -- checkpoints -------------------------------------------------------------------------------

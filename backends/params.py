@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from pcompile.backends.checkpoint import portable
 from pcompile.compiler.initializer import InitializedData, Initializer
 from pcompile.ir.types import DType
 
@@ -40,15 +41,6 @@ INLINE_LIMIT = 16  # arrays with at most this many elements are written into the
 
 class ParamsError(Exception):
     """The manifest or one of its arrays cannot be used (the message says which and why)."""
-
-
-def portable(array: np.ndarray) -> tuple[np.ndarray, str | None]:
-    """An array numpy's .npy format stores faithfully: extension dtypes (bfloat16) as the
-    unsigned integers of their bits, with the dtype name to view them back."""
-    if array.dtype.kind in "biuf":
-        return array, None
-    width = array.dtype.itemsize * 8
-    return array.view(np.dtype(f"uint{width}")), DType.from_any(array.dtype).name
 
 
 def _file_name(name: str, taken: set[str]) -> str:

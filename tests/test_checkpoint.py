@@ -187,3 +187,23 @@ def test_a_member_with_a_bad_crc_is_detected_by_zipfile_itself(tmp_path) -> None
     bad_crc(path)
     with zipfile.ZipFile(path) as zf:
         assert zf.testzip() is not None
+
+
+def test_bfloat16_arrays_keep_their_dtype_in_npz_and_checkpoints(tmp_path) -> None:
+    """.npy writes bfloat16 as raw `V2` bytes: pcompile's .npz files store its bits and give the
+    bfloat16 array back (constants, checkpoints of bf16 parameters and states)."""
+    import ml_dtypes
+
+    from pcompile.backends.checkpoint import load_npz, save_npz
+
+    values = {"w": (np.arange(12, dtype=np.float32) / 7).astype(ml_dtypes.bfloat16).reshape(3, 4),
+              "m": np.ones(3, np.float32)}
+    save_npz(str(tmp_path / "c.npz"), values)
+    back = load_npz(str(tmp_path / "c.npz"))
+    assert back["w"].dtype == ml_dtypes.bfloat16 and set(back) == {"w", "m"}
+    np.testing.assert_array_equal(back["w"].astype(np.float32), values["w"].astype(np.float32))
+    path = write_checkpoint(str(tmp_path / "ckpt"), 0, 1, values, {"step": 1, "layouts": {}})
+    arrays, _ = read_checkpoint(path, None)
+    assert arrays["w"].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(arrays["w"].astype(np.float32),
+                                  values["w"].astype(np.float32))
