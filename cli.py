@@ -434,6 +434,26 @@ def _check_oracle(program: Any) -> None:
             "what the model computes: please report it with the model file; --no-check skips "
             "this check"
         )
+    if program.training:
+        _low_precision_report(program)
+
+
+def _low_precision_report(program: Any) -> None:
+    """A model that computes in float16/bfloat16: the plan was checked in float64 above; here
+    the first-step loss of the plan and of the single-device program, both in the model's own
+    dtypes, against what the dtype's rounding explains (eps x the longest reduction)."""
+    from pcompile.compiler.oracle import check, low_precision_bound
+
+    dtype, bound = low_precision_bound(program)
+    if dtype is None:
+        return
+    report = check(program, steps=1, float64=False)
+    (par, one), = report.losses
+    diff = abs(par - one) / max(1.0, abs(one))
+    verdict = "within" if diff <= bound else "beyond (accumulated rounding; the plan is right)"
+    click.echo(f"{dtype} compute: first-step loss {program.state.devices} ranks {par!r}, single "
+               f"device {one!r}: relative difference {diff:.2e}, {verdict} the worst case "
+               f"{dtype} rounding explains ({bound:.2g})")
 
 
 def _train(program: Any, steps: int, backend: str,

@@ -30,6 +30,30 @@ FLOAT64_RTOL = 2.0 ** -26
 CHECK_BUDGET_BYTES = 1 << 30
 
 
+def low_precision_bound(program: CompiledProgram) -> tuple[str | None, float]:
+    """The lowest float precision the step computes in, when below float32, and the relative
+    difference its rounding explains between two orders of evaluation: eps of the dtype times
+    the longest reduction (the largest dim of any value, which bounds every contraction)."""
+    import ml_dtypes
+
+    from pcompile.ir.types import DType
+
+    lowest: DType | None = None
+    longest = 1
+    for node in program.graph.nodes:
+        types = getattr(node.result.type, "elements", None) or (node.result.type,)
+        for value_type in (*types, *(v.type for v in node.operands)):
+            if not hasattr(value_type, "dtype"):
+                continue
+            longest = max([longest, *value_type.shape])
+            if value_type.dtype in (DType.float16, DType.bfloat16) and (
+                    lowest is None or value_type.dtype.itemsize <= lowest.itemsize):
+                lowest = value_type.dtype
+    if lowest is None:
+        return None, 0.0
+    return lowest.value, float(ml_dtypes.finfo(lowest.np).eps) * longest
+
+
 def check_cost(program: CompiledProgram) -> int:
     """Bytes the float64 check holds at most: the simulator keeps every value of every rank's
     step (parameters, optimizer state, every node's result) and the single-device program's,
