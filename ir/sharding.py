@@ -200,9 +200,12 @@ def label_sharding(
     forward: list[ForwardComm] = []
     out_layouts = [layout(lab, t) for lab, t in zip(labels.outputs, out_types)]
     if partial:
+        scattered = None
         if out_strategy is not None:
-            out_layouts = [_reduce_scatter_layout(ctx, labels, out_strategy, dev, axis_of,
-                                                  split_of, partial, out_types[0])]
+            scattered = _reduce_scatter_layout(ctx, labels, out_strategy, dev, axis_of,
+                                               split_of, partial, out_types[0])
+        if scattered is not None:
+            out_layouts = [scattered]
             forward.append(ForwardComm("ReduceScatter", partial, labels.reduce_op))
         else:
             forward.append(ForwardComm("AllReduce", partial, labels.reduce_op))
@@ -229,8 +232,10 @@ def _reduce_scatter_layout(
     split_of: dict[str, int],
     partial: tuple[int, ...],
     out_type: TensorType,
-) -> TensorLayout:
-    """`out_strategy` whose first dim also takes the reduced axes: ReduceScatter on dim 0."""
+) -> TensorLayout | None:
+    """The output layout of an `out_strategy` whose first dim also takes the reduced axes
+    (ReduceScatter on dim 0), or None for the AllReduce form (the output of in_strategy,
+    MindSpore's `allreduce_strategy`: the partial sums are all-reduced)."""
     out_lab = labels.outputs[0]
     want = tuple(split_of.get(name, 1) for name in out_lab)
     red = prod(dev[a] for a in partial)
@@ -238,6 +243,8 @@ def _reduce_scatter_layout(
         raise StrategyError(f"out_strategy {out_strategy} must have one entry of rank "
                             f"{len(out_lab)}")
     got = out_strategy[0]
+    if tuple(got) == want:
+        return None
     if got[0] != want[0] * red or tuple(got[1:]) != want[1:]:
         raise StrategyError(
             f"out_strategy {out_strategy} is invalid: with the reduce dims split {red} ways, "

@@ -171,6 +171,16 @@ def layout_sharding(ctx: OpContext, labels: Labels, layouts: list[TensorLayout],
     from pcompile.ir.sharding import ForwardComm
 
     forward: list[ForwardComm] = []
+    if out_layout is not None and out_layout == outs[0]:
+        # MindSpore's AllReduce form: the output layout of the in_strategy, partial sums (if
+        # any) all-reduced
+        out_layout = None
+    elif out_layout is not None and not partial:
+        raise StrategyError(
+            f"out_strategy layout {out_layout} differs from the output layout {outs[0]} of the "
+            "in_strategy, and the op has no reduced axes to scatter",
+            "leave out_strategy out, or give the output layout of in_strategy",
+        )
     if partial:
         if out_layout is not None:
             first = map_axes(out_layout.tensor_map[0]) if out_layout.tensor_map else ()

@@ -8,12 +8,16 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+import pytest
+
 from pcompile import (
     get_auto_parallel_context,
     reset_auto_parallel_context,
     set_auto_parallel_context,
 )
 from pcompile.compiler.driver import compile as compile_model
+from pcompile.compiler.oracle import check
+from pcompile.ir.errors import PcompileError
 
 HEADER = """\
 import numpy as np
@@ -71,3 +75,77 @@ def test_comm_fusion_getter_returns_all_four_keys() -> None:
         assert not current_context().fusion_enabled("allgather")
     finally:
         reset_auto_parallel_context()
+
+
+# -- issue 14, item 1: out_strategy in MindSpore's AllReduce form -------------------------------
+
+OUT_STRATEGY_MODEL = """
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num={devices},
+                          dataset_strategy="full_batch")
+LAYOUT = Layout((2, 2, 2), ("dp", "sp", "mp"))
+FORMS = {{
+    "tuple": (((2, 2), (2, 2)), ((2, 2),)),
+    "reduce_scatter": (((2, 2), (2, 2)), ((4, 2),)),
+    "layout": ((LAYOUT("dp", "sp"), LAYOUT("sp", "mp")), (LAYOUT("dp", "mp"),)),
+}}
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        in_strategy, out_strategy = FORMS["{form}"]
+        if {transpose_b}:
+            in_strategy = (in_strategy[0], in_strategy[1][::-1])
+        self.matmul = ops.MatMul(transpose_b={transpose_b}).shard(in_strategy, out_strategy)
+        self.mul = ops.Mul().shard(((4, 2), (4, 2)))
+
+    def construct(self, x, y, b):
+        return self.mul(self.matmul(x, y), b)
+
+
+def model():
+    return Net()
+
+
+def inputs():
+    r = np.random.default_rng(0)
+    y = (64, 32) if {transpose_b} else (32, 64)
+    return (r.standard_normal((128, 32)).astype(np.float32),
+            r.standard_normal(y).astype(np.float32),
+            r.standard_normal((128, 64)).astype(np.float32))
+"""
+
+
+@pytest.mark.parametrize("form,devices,transpose_b,kind,rank_list", [
+    # test_matmul_output_strategy_all_reduce (and _transpose, _repeat_calc): MindSpore
+    # accepts out_strategy == the output of in_strategy and all-reduces the partial sums
+    # over the k axis of dev [2, 2, 2] (+ a repeat axis of 2 on the right for 16 devices).
+    ("tuple", 8, False, "AllReduce", (0, 2)),
+    ("tuple", 8, True, "AllReduce", (0, 2)),
+    ("tuple", 16, False, "AllReduce", (0, 4)),
+    # the same AllReduce form as a Layout: the output layout of the in_strategy layouts
+    ("layout", 8, False, "AllReduce", (0, 2)),
+    # test_matmul_output_strategy_reduce_scatter: the ReduceScatter form still scatters
+    ("reduce_scatter", 8, False, "ReduceScatter", (0, 2)),
+])
+def test_out_strategy_allreduce_form(tmp_path: Any, form: str, devices: int, transpose_b: bool,
+                                     kind: str, rank_list: tuple) -> None:
+    program = compile_source(tmp_path, OUT_STRATEGY_MODEL.format(
+        devices=devices, form=form, transpose_b=transpose_b))
+    graph = program.rank_graph(0)
+    matmul = next(n for n in graph.nodes if n.op == "MatMul")
+    (forward,) = [u for u, _ in matmul.result.uses]
+    assert forward.op == kind
+    assert tuple(forward.attrs["rank_list"]) == rank_list
+    report = check(program)
+    assert report.ok(), report.errors
+
+
+def test_out_strategy_neither_form_names_both(tmp_path: Any) -> None:
+    body = OUT_STRATEGY_MODEL.format(devices=8, form="tuple", transpose_b=False).replace(
+        '"tuple": (((2, 2), (2, 2)), ((2, 2),))', '"tuple": (((2, 2), (2, 2)), ((8, 1),))')
+    with pytest.raises(PcompileError) as err:
+        compile_source(tmp_path, body)
+    text = str(err.value)
+    assert "((4, 2),) (ReduceScatter) or ((2, 2),) (AllReduce)" in text
+    assert "matmul" in text
