@@ -149,3 +149,75 @@ def test_out_strategy_neither_form_names_both(tmp_path: Any) -> None:
     text = str(err.value)
     assert "((4, 2),) (ReduceScatter) or ((2, 2),) (AllReduce)" in text
     assert "matmul" in text
+
+
+# -- issue 14, item 2: "None" inside a multi-axis Layout tuple ----------------------------------
+
+def test_none_inside_a_layout_tuple_is_an_axis_of_size_one() -> None:
+    from pcompile import Layout
+
+    layout = Layout((2, 2, 2), ("dp", "sp", "mp"))
+    # MindSpore 2.10's Layout(...)(...).to_dict()["tensor_map"], recorded
+    assert layout("dp", ("sp", "None")).to_dict()["tensor_map"] == (2, (1, -1))
+    assert layout(("sp", "None"), "mp").to_dict()["tensor_map"] == ((1, -1), 0)
+    assert layout(("dp", "sp", "None"), "mp").to_dict()["tensor_map"] == ((2, 1, -1), 0)
+    assert layout("dp", ("sp", "None")).shard_strategy == (2, 2)
+
+
+LAYOUT_EXTEND_MODEL = """
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
+                          dataset_strategy="full_batch")
+CASES = {{
+    # test_layout_extend.py, ..._including_reduce_axis_none
+    "reduce_axis_none": (Layout((2, 2, 2), ("dp", "sp", "mp")),
+                         lambda l: (l("dp", ("sp", "None")), l(("sp", "None"), "mp")),
+                         lambda l: (l(("dp", "sp", "None"), "mp"),)),
+    # ..._including_reduce_axis_none_and_not_full
+    "not_full": (Layout((2, 2, 2), ("dp", "sp", "mp")),
+                 lambda l: (l("dp", ("sp", "None")), l(("sp", "None"), "None")),
+                 lambda l: (l(("dp", "sp", "None"), "None"),)),
+    # ..._including_dev1: an axis of size 1 in the device matrix
+    "dev1": (Layout((2, 2, 2, 1), ("dp", "sp", "vp", "mp")),
+             lambda l: (l("dp", ("sp", "mp")), l(("sp", "mp"), "vp")),
+             lambda l: (l(("dp", "sp", "mp"), "vp"),)),
+}}
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        layout, ins, out = CASES["{case}"]
+        self.matmul1 = ops.MatMul().shard(in_strategy=ins(layout), out_strategy=out(layout))
+        self.relu = ops.ReLU()
+        self.w = Parameter(np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32),
+                           "w1")
+
+    def construct(self, y):
+        out1 = self.matmul1(y, self.w)
+        return out1 + self.relu(out1)
+
+
+def model():
+    return Net()
+
+
+def inputs():
+    return (np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32),)
+"""
+
+
+@pytest.mark.parametrize("case,w_slice", [
+    # MindSpore's weight slices for its [1024, 1024] weight, here for a [64, 64] one:
+    ("reduce_axis_none", (32, 32)),   # MindSpore: [512, 512]
+    ("not_full", (32, 64)),           # MindSpore: [512, 1024]
+    ("dev1", (32, 32)),               # MindSpore: [512, 512]
+])
+def test_layout_with_none_in_a_tuple_compiles_as_mindspore(tmp_path: Any, case: str,
+                                                           w_slice: tuple) -> None:
+    program = compile_source(tmp_path, LAYOUT_EXTEND_MODEL.format(case=case))
+    assert program.state.assignment.param_layouts["w1"].slice_shape == w_slice
+    graph = program.rank_graph(0)
+    matmul = next(n for n in graph.nodes if n.op == "MatMul")
+    assert [u.op for u, _ in matmul.result.uses] == ["ReduceScatter"]
+    report = check(program)
+    assert report.ok(), report.errors
