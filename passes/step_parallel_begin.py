@@ -102,10 +102,27 @@ def dataset_layouts(graph: Graph, dataset_strategy: Any, devices: int) -> dict[s
     return out
 
 
-def layout_from_dict(spec: dict, shape: tuple[int, ...], devices: int, what: str
-                     ) -> TensorLayout:
+def physical_layout(spec: dict) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+    """The device matrix and tensor map of a Layout's dict without its
+    `"interleaved_parallel"` axis. That axis (always the last, tensor-map value 0) is the
+    micro-interleave factor of `nn.MicroBatchInterleaved`, which splits the work inside one
+    device, not a device axis; a program without micro-interleaving computes as MindSpore does
+    with the axis removed (the dims it maps keep their other axes)."""
     dev = tuple(spec["device_matrix"])
     tmap = tuple(tuple(e) if isinstance(e, tuple) else e for e in spec["tensor_map"])
+    if not spec.get("interleaved_parallel"):
+        return dev, tmap
+
+    def drop(value: int) -> int:
+        return -1 if value == 0 else (value - 1 if value > 0 else value)
+
+    out = tuple(tuple(drop(v) for v in e) if isinstance(e, tuple) else drop(e) for e in tmap)
+    return dev[:-1], out
+
+
+def layout_from_dict(spec: dict, shape: tuple[int, ...], devices: int, what: str
+                     ) -> TensorLayout:
+    dev, tmap = physical_layout(spec)
     total = 1
     for d in dev:
         total *= d

@@ -5,6 +5,7 @@ against the single-device program at the oracle's derived bound (`report.ok()`).
 
 from __future__ import annotations
 
+import os
 import textwrap
 from typing import Any
 
@@ -19,6 +20,7 @@ from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import check
 from pcompile.ir.errors import PcompileError
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEADER = """\
 import numpy as np
 from pcompile import nn, ops, Parameter, Tensor, Layout, set_auto_parallel_context, shard
@@ -29,6 +31,16 @@ def compile_source(tmp_path: Any, body: str, **kwargs: Any) -> Any:
     path = tmp_path / "model.py"
     path.write_text(HEADER + textwrap.dedent(body))
     return compile_model(str(path), dump=False, **kwargs)
+
+
+def model_path(name: str) -> str:
+    return os.path.join(ROOT, "tests", "models", name)
+
+
+def strategies(program: Any) -> dict[str, tuple]:
+    assignment = program.state.assignment
+    return {n.instance_name: assignment.sharding(n).strategy for n in program.graph.nodes
+            if assignment.sharding(n) is not None}
 
 
 def by_name(program: Any, name: str) -> Any:
@@ -219,5 +231,79 @@ def test_layout_with_none_in_a_tuple_compiles_as_mindspore(tmp_path: Any, case: 
     graph = program.rank_graph(0)
     matmul = next(n for n in graph.nodes if n.op == "MatMul")
     assert [u.op for u, _ in matmul.result.uses] == ["ReduceScatter"]
+    report = check(program)
+    assert report.ok(), report.errors
+
+
+# -- issue 17, plan difference 1 and issue 14, item 3: functional shard with a Layout; the
+#    interleaved_parallel axis ------------------------------------------------------------------
+
+@pytest.mark.parametrize("case,matmul1", [
+    # test_shard_layout.py: test_ms_shard_with_layout_be_set_and_propagate (and the Cell.shard
+    # form with a parameter_plan): the next MatMul's in_strategy is ((2, 1), (1, 4))
+    ("ms", ((2, 1), (1, 4))),
+    ("cell_plan", ((2, 1), (1, 4))),
+    # test_ms_shard_with_multi_dim_and_interleaved_parallel_layout, 16 devices: the
+    # interleaved_parallel axis is no device axis, so ("dp", "interleaved_parallel", "mp")
+    # splits by dp * mp = 8: ((8, 2), (2, 1))
+    ("interleaved", ((8, 2), (2, 1))),
+])
+def test_functional_shard_with_a_layout(monkeypatch: Any, case: str, matmul1: tuple) -> None:
+    monkeypatch.setenv("SHARD_CASE", case)
+    program = compile_model(model_path("shard_net.py"), dump=False)
+    got = strategies(program)
+    assert got["matmul1"] == matmul1
+    if case == "cell_plan":
+        assert got["shard_param_subnet.w1"] == ((1, 4),)
+    report = check(program)
+    assert report.ok(), report.errors
+
+
+INTERLEAVED_MODEL = """
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=16,
+                          dataset_strategy="full_batch")
+layout = Layout((2, 4, 2, 2), ("dp", "mp", "sp", "interleaved_parallel"))
+layout1 = (layout(("dp", "interleaved_parallel"), "mp"), layout("mp", "sp"))
+out_layout1 = (layout(("dp", "interleaved_parallel", "mp"), "sp"),)
+layout2 = (layout(("dp", "interleaved_parallel", "mp"), "sp"), layout("sp", "None"))
+out_layout2 = (layout(("dp", "interleaved_parallel", "mp", "sp"), "None"),)
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        r = np.random.default_rng(1)
+        self.matmul1 = ops.MatMul().shard(in_strategy=layout1, out_strategy=out_layout1)
+        self.matmul2 = ops.MatMul().shard(in_strategy=layout2, out_strategy=out_layout2)
+        self.w1 = Parameter(r.standard_normal((64, 64)).astype(np.float32), "w1")
+        self.w2 = Parameter(r.standard_normal((64, 64)).astype(np.float32), "w2")
+
+    def construct(self, x):
+        return self.matmul2(self.matmul1(x, self.w1), self.w2)
+
+
+def model():
+    return Net()
+
+
+def inputs():
+    return (np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32),)
+"""
+
+
+def test_interleaved_parallel_axis_is_not_a_device_axis(tmp_path: Any) -> None:
+    """test_finegrain_micro_interleaved.py test_interleaved_two_matmul (16 devices, semi-auto):
+    MindSpore compiles it; without nn.MicroBatchInterleaved the interleaved axis only orders
+    the work inside a device, so the plan is the one of Layout((2, 4, 2), ("dp", "mp", "sp")):
+    each MatMul reduce-scatters its partial sums over its reduced axis (mp: 4 ranks, sp: 2)."""
+    program = compile_source(tmp_path, INTERLEAVED_MODEL)
+    got = strategies(program)
+    assert got["matmul1"] == ((2, 4), (4, 2))
+    assert got["matmul2"] == ((8, 2), (2, 1))
+    layouts = program.state.assignment.param_layouts
+    assert layouts["w1"].slice_shape == (16, 32) and layouts["w2"].slice_shape == (32, 64)
+    graph = program.rank_graph(0)
+    scatters = [n for n in graph.nodes if n.op == "ReduceScatter"]
+    assert [tuple(n.attrs["rank_list"]) for n in scatters] == [(0, 2, 4, 6), (0, 1)]
     report = check(program)
     assert report.ok(), report.errors
