@@ -97,6 +97,9 @@ class Labels:
     unsplittable: set[str] = field(default_factory=set)
     reduce_op: str = "sum"  # how partial results over dropped labels combine
     mean: bool = False  # dropped labels are averaged: divide after the AllReduce
+    # The device-matrix order of the labels when it is not their order of first appearance
+    # (MindSpore's Gather puts the indices' axes before the table's); labels left out follow.
+    dev_order: tuple[str, ...] = ()
 
 
 def is_power_of_two(n: int) -> bool:
@@ -164,6 +167,9 @@ def label_sharding(
                     f"({split_of[name]} ways), got {count}",
                     "use the same split for matched dims (e.g. MatMul's reduce dims)",
                 )
+    if labels.dev_order:
+        first = [name for name in labels.dev_order if name in split_of]
+        order = first + [name for name in order if name not in first]
     used = prod(split_of[name] for name in order)
     if ctx.devices % used:
         raise StrategyError(
@@ -503,12 +509,17 @@ def broadcast_to_labels(ctx: OpContext) -> Labels:
 
 
 def gather_labels(ctx: OpContext) -> Labels:
+    """The table's dims with the gathered axis replaced by the indices' dims. The device matrix
+    is [indices' splits..., table's splits...] (MindSpore's gather_info, normal mode), so the
+    output keeps the indices' axes in front: Gather ((1, 2), (4,)) has dev (4, 1, 2) and output
+    map (2, 0), the layout of a following ((4, 2),) op."""
     table, idx = ctx.in_types
     axis = ctx.attrs.get("axis", 0) % table.rank
     tlab = _ALPHA[: table.rank]
     used = set(tlab)
     ilab = "".join(_fresh(idx.rank, used))
-    return Labels([tlab, ilab], [tlab[:axis] + ilab + tlab[axis + 1 :]])
+    return Labels([tlab, ilab], [tlab[:axis] + ilab + tlab[axis + 1 :]],
+                  dev_order=tuple(ilab + tlab))
 
 
 def one_hot_labels(ctx: OpContext) -> Labels:
@@ -572,9 +583,25 @@ class LabelRule:
         )
 
 
+def shard_batch_and_axis(ctx: OpContext, strategy: Strategy) -> bool:
+    """MindSpore's SHARD_BATCH_AND_AXIS mode of Gather (gather_info's ShardBatchAndAxis): axis
+    0 of a 2-D table split `a` ways and the first dim of 2-D indices split `b` ways, nothing
+    else split, a * b the whole stage, neither alone. Each rank looks up its vocabulary slice
+    for its batch slice; the partial rows are summed by a forward AllReduce over the table's
+    axis."""
+    if len(strategy) != 2 or int(ctx.attrs.get("axis", 0)) % ctx.in_types[0].rank != 0:
+        return False
+    table, idx = strategy
+    if len(table) != 2 or len(idx) != 2 or table[1] != 1 or idx[1] != 1:
+        return False
+    return (table[0] * idx[0] == ctx.devices and table[0] != ctx.devices
+            and idx[0] != ctx.devices)
+
+
 class GatherRule(LabelRule):
     """Gather: a split table axis needs the masked local gather plus AllReduce (reference
-    §3.2, SHARD_AXIS_0)."""
+    §3.2, SHARD_AXIS_0), with the indices whole, or split on their batch dim in MindSpore's
+    shard-batch-and-axis mode (`((mp, 1), (dp, 1))`, the vocab-parallel embedding)."""
 
     def __init__(self) -> None:
         super().__init__(gather_labels)
@@ -585,15 +612,19 @@ class GatherRule(LabelRule):
         axis = ctx.attrs.get("axis", 0) % ctx.in_types[0].rank
         table_split = strategy[0][axis] if len(strategy) == 2 and len(strategy[0]) > axis else 1
         if table_split == 1:
-            return label_sharding(ctx, labels, strategy)
+            return label_sharding(ctx, labels, strategy, out_strategy)
         if axis != 0:
             raise StrategyError("only axis 0 of a gathered table can be split")
-        if any(c != 1 for c in strategy[1]):
+        if any(c != 1 for c in strategy[1]) and not shard_batch_and_axis(ctx, strategy):
             raise StrategyError(
-                "when the table's gathered axis is split, the indices cannot be split",
-                "use 1 for every dim of the indices",
+                "when the table's gathered axis is split, the indices cannot be split, except "
+                "in the shard-batch-and-axis mode: a 2-D table split only on axis 0 and 2-D "
+                "indices split only on dim 0, the two splits together using every device "
+                f"({ctx.devices}), neither alone",
+                "use 1 for every dim of the indices, or ((mp, 1), (dp, 1)) with "
+                f"mp * dp = {ctx.devices}",
             )
-        result = label_sharding(ctx, labels, strategy)
+        result = label_sharding(ctx, labels, strategy, out_strategy)
         result.expand = "masked_gather"
         return result
 

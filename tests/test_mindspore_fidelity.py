@@ -307,3 +307,90 @@ def test_interleaved_parallel_axis_is_not_a_device_axis(tmp_path: Any) -> None:
     assert [tuple(n.attrs["rank_list"]) for n in scatters] == [(0, 2, 4, 6), (0, 1)]
     report = check(program)
     assert report.ok(), report.errors
+
+
+# -- issue 17, plan difference 3 and issue 14, item 4: Gather -----------------------------------
+
+GATHER_MODEL = """
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
+                          dataset_strategy="full_batch")
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.gatherv2 = ops.Gather().shard({gather}, out_strategy={out})
+        self.mul = ops.Mul().shard({mul})
+        self.relu = ops.ReLU(){relu}
+        self.index = Tensor(np.arange({index_size}, dtype=np.int32).reshape({index_shape})
+                            * 5 % 64)
+
+    def construct(self, x, y):
+        out = self.gatherv2(x, self.index, 0)
+        out = self.relu(out)
+        return self.mul(out, y)
+
+
+def model():
+    return Net()
+
+
+def inputs():
+    r = np.random.default_rng(0)
+    return (r.standard_normal((64, 64)).astype(np.float32),
+            r.standard_normal({y_shape}).astype(np.float32))
+"""
+
+
+def test_gather_device_matrix_puts_the_indices_first(tmp_path: Any) -> None:
+    """test_dump_ir_parallel_detail.py (semi-auto): Gather ((1, 2), (4,)) with indices [8] has
+    MindSpore's device matrix (4, 1, 2), table map (1, 0), indices (2), output ((2, 0)): the
+    layout of the following ReLU ((4, 2),), so nothing is redistributed between them."""
+    program = compile_source(tmp_path, GATHER_MODEL.format(
+        gather="((1, 2), (4,))", out=None, mul="((4, 2), (4, 2))", relu=".shard(((4, 2),))",
+        index_size=8, index_shape="(8,)", y_shape=(8, 64)))
+    gather = by_name(program, "gatherv2")
+    sharding = program.state.assignment.sharding(gather)
+    assert sharding.dev_matrix == (4, 1, 2)
+    assert sharding.out_layouts[0].tensor_map == (2, 0)
+    relu = by_name(program, "relu")
+    assert program.state.assignment.sharding(relu).in_layouts[0] == sharding.out_layouts[0]
+    ops_0 = rank_ops(program)
+    assert ops_0[ops_0.index("Gather") + 1] == "ReLU"
+    report = check(program)
+    assert report.ok(), report.errors
+
+
+@pytest.mark.parametrize("out,batch,forward", [
+    # test_gather.py test_gatherv2_shard_batch_and_axis (indices [2, 64]): dev (2, 4) =
+    # (indices, table), table map (0, -1), indices (1, -1), a forward AllReduce over the
+    # table's axis
+    (None, 2, "AllReduce"),
+    # ..._shard_batch_and_axis_out_strategy_allreduce / _reducescatter (indices [64, 64])
+    ("((2, 1, 1),)", 64, "AllReduce"),
+    ("((8, 1, 1),)", 64, "ReduceScatter"),
+])
+def test_gather_shard_batch_and_axis(tmp_path: Any, out: str | None, batch: int,
+                                     forward: str) -> None:
+    program = compile_source(tmp_path, GATHER_MODEL.format(
+        gather="((4, 1), (2, 1))", out=out, mul="((2, 4, 1), (2, 4, 1))", relu="",
+        index_size=batch * 64, index_shape=f"({batch}, 64)", y_shape=(batch, 64, 64)))
+    sharding = program.state.assignment.sharding(by_name(program, "gatherv2"))
+    table, idx = (lay.normalized() for lay in sharding.in_layouts)
+    assert table.dev_matrix == (2, 4) and table.tensor_map == (0, -1)
+    assert idx.tensor_map == (1, -1)
+    graph = program.rank_graph(0)
+    (comm,) = [n for n in graph.nodes if n.op in ("AllReduce", "ReduceScatter")]
+    assert comm.op == forward
+    assert tuple(comm.attrs["rank_list"]) == (0, 1, 2, 3)
+    report = check(program)
+    assert report.ok(), report.errors
+
+
+def test_gather_split_axis_with_split_indices_outside_that_mode(tmp_path: Any) -> None:
+    """((2, 1), (2, 1)) uses 4 of 8 devices: not MindSpore's shard-batch-and-axis mode, which
+    refuses split indices when the table's axis is split."""
+    with pytest.raises(PcompileError, match="shard-batch-and-axis"):
+        compile_source(tmp_path, GATHER_MODEL.format(
+            gather="((2, 1), (2, 1))", out=None, mul="((2, 4, 1), (2, 4, 1))", relu="",
+            index_size=128, index_shape="(2, 64)", y_shape=(2, 64, 64)))
