@@ -102,6 +102,19 @@ class InitialValues(MutableMapping[str, np.ndarray]):
 
 
 @dataclass
+class ReferenceOptions:
+    """How a single-device program models a parallel program's options (the oracle's
+    reference, `compiler.oracle`): `transform` rewrites the traced forward graph (e.g. the loss
+    as the mean of the ranks' losses when reductions are rank-local, `cross_batch`), and each
+    trainable parameter's gradient is multiplied by `gradient_scales[name]` before the
+    optimizer (the mirrors' division under `gradients_mean`, a loss held by k ranks without
+    `loss_repeated_mean`)."""
+
+    transform: Callable[[Graph], None] | None = None
+    gradient_scales: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class CompileState:
     """What the passes read and write."""
 
@@ -124,6 +137,8 @@ class CompileState:
     options: dict[str, Any] = field(default_factory=dict)
     search: Any = None  # passes.search.SearchResult in auto_parallel (issue 4)
     dump_ranks: list[int] = field(default_factory=list)  # the ranks whose folders are written
+    opt_shard: dict[str, Any] = field(default_factory=dict)  # the parallel optimizer's plan
+    reference: ReferenceOptions | None = None  # single-device reference of a parallel program
 
     @property
     def parallel(self) -> bool:
@@ -192,6 +207,8 @@ class TracePass:
         for name, param in traced.parameters.items():
             state.initial_values[name] = param.source  # abstract: nothing is allocated
         if not state.parallel:
+            if state.reference is not None and state.reference.transform is not None:
+                state.reference.transform(traced.graph)
             state.rank_graphs = [traced.graph]
             state.split = True
 
@@ -226,8 +243,21 @@ class AutodiffPass:
             if not wrt:
                 raise PcompileError("the network has no trainable parameters to train")
             grads = append_gradients(graph, loss, wrt)
+            scales = state.reference.gradient_scales if state.reference else {}
+            if scales:
+                grads = [_scaled(graph, g, scales.get(p.name, 1.0)) for p, g in zip(wrt, grads)]
             graph.outputs = [loss, *grads]
             graph.attrs["outputs"] = ("loss", *(f"grad.{p.name}" for p in wrt))
+
+
+def _scaled(graph: Graph, grad: Value, scale: float) -> Value:
+    """`grad * scale` appended to `graph` (the reference program's model of a parallel
+    program's gradient scaling)."""
+    if scale == 1.0:
+        return grad
+    from pcompile.ir.builder import Builder
+
+    return Builder(graph)("Mul", grad, scale, name_hint="scaled_grad")
 
 
 class OptimizerPass:
@@ -313,6 +343,7 @@ class StepParallelEndPass:
         )
         fusion = {name: p.comm_fusion for name, p in traced.parameters.items()}
         options.opt_shard = _optimizer_sharding(state, state.assignment.param_layouts)
+        state.opt_shard = dict(options.opt_shard)
         for name, shard in options.opt_shard.items():
             state.assignment.param_layouts[name] = shard.stored
         graph, layouts = build_spmd_graph(state.graph, state.assignment, options, fusion)
@@ -396,6 +427,7 @@ class ReplicatePass:
         layerwise = {name for name, p in traced.parameters.items() if p.layerwise_parallel}
         assignment = replicated_assignment(state.graph, state.devices)
         options.opt_shard = _optimizer_sharding(state, assignment.param_layouts)
+        state.opt_shard = dict(options.opt_shard)
         state.rank_graphs = build_replicated_graphs(graphs, options, fusion, layerwise)
         for name, shard in options.opt_shard.items():
             assignment.param_layouts[name] = shard.stored
@@ -476,8 +508,11 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
     overrides: dict[str, Any] | None = None,
     dump_ranks: Any = None,
     before_write: Callable[[CompileState, str | None], None] | None = None,
+    reference: ReferenceOptions | None = None,
 ) -> CompiledProgram:
     """Compile a model file. Flags given here override what the model file sets.
+    `reference`: for a single-device compile, how it models a parallel program's options (the
+    oracle's reference program; see `ReferenceOptions`).
 
     `dump_ranks`: the ranks whose folders are written ("all", "none", "0,5", a list of ints;
     default: every rank up to `DUMP_ALL_UP_TO` devices, else rank 0). `before_write(state,
@@ -512,6 +547,7 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
                 "implemented yet in this version of pcompile; use pipeline_stages=1"
             )
         state = CompileState(mf, devices, mode, str(ctx.search_mode))
+        state.reference = reference
         state.options = {
             "dataset_strategy": ctx.dataset_strategy,
             "gradients_mean": ctx.gradients_mean,

@@ -394,3 +394,141 @@ def test_gather_split_axis_with_split_indices_outside_that_mode(tmp_path: Any) -
         compile_source(tmp_path, GATHER_MODEL.format(
             gather="((2, 1), (2, 1))", out=None, mul="((2, 4, 1), (2, 4, 1))", relu="",
             index_size=128, index_shape="(2, 64)", y_shape=(2, 64, 64)))
+
+
+# -- issue 14, item 7: the check models gradients_mean, loss_repeated_mean, cross_batch ---------
+
+OPTIONS_MODEL = """
+set_auto_parallel_context(parallel_mode="{mode}", device_num=8, dataset_strategy="{dataset}",
+                          gradients_mean={mean}, loss_repeated_mean={repeated})
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        r = np.random.default_rng(2)
+        self.w = Parameter(r.standard_normal((32, 16)).astype(np.float32), "w")
+        self.w2 = Parameter(r.standard_normal((16, 16)).astype(np.float32), "w2")
+        self.matmul = ops.MatMul().shard(((2, 4), (4, 1)))
+        self.relu = ops.ReLU().shard(((2, 4),))
+        self.matmul2 = ops.MatMul().shard(((8, 1), (1, 1)))
+
+    def construct(self, x):
+        return self.matmul2(self.relu(self.matmul(x, self.w)), self.w2)
+
+
+class Loss(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.sub = ops.Sub().shard(((8, 1), (8, 1)))
+        self.square = ops.Square().shard(((8, 1),))
+        self.mean = ops.ReduceMean().shard(((8, 1),))
+        if {cross_batch}:
+            self.mean.add_prim_attr("cross_batch", True)
+
+    def construct(self, pred, label):
+        return self.mean(self.square(self.sub(pred, label)), ())
+
+
+def model():
+    return Net()
+
+
+def loss():
+    return Loss()
+
+
+def optimizer(params):
+    return nn.Momentum(params, learning_rate=0.1, momentum=0.9)
+
+
+def inputs():
+    return (np.random.default_rng(0).standard_normal((16, 32)).astype(np.float32),)
+
+
+def labels():
+    return (np.random.default_rng(1).standard_normal((16, 16)).astype(np.float32),)
+"""
+
+
+def options_model(tmp_path: Any, mode: str = "semi_auto_parallel", mean: bool = False,
+                  repeated: bool = True, cross_batch: bool = False,
+                  dataset: str = "full_batch") -> str:
+    path = tmp_path / "options.py"
+    path.write_text(HEADER + textwrap.dedent(OPTIONS_MODEL.format(
+        mode=mode, mean=mean, repeated=repeated, cross_batch=cross_batch, dataset=dataset)))
+    return str(path)
+
+
+@pytest.mark.parametrize("mode,mean,repeated,want", [
+    # MindSpore's mirror bprop (grad_comm_ops.py get_bprop_mirror_operator) multiplies the
+    # all-reduced gradient by 1/dev_num under gradients_mean, and gradients_mean leaves the
+    # loss's _VirtualDiv (as_loss_divisor, operator_info.cc InferAsLossDivisor) as it is: in
+    # semi-auto the update of a parameter held by n ranks is 1/n of the single-device one
+    # (w: 2 ranks hold each slice of its (4, 1) split; w2: all 8).
+    ("semi_auto_parallel", True, True, {"w": 1 / 2, "w2": 1 / 8}),
+    # without _VirtualDiv (loss_repeated_mean=False) every copy of the loss counts: 8 times
+    ("semi_auto_parallel", False, False, {"w": 8.0, "w2": 8.0}),
+    ("semi_auto_parallel", True, False, {"w": 4.0}),  # w2: 8 copies / 8 holders
+    # data_parallel: every rank's loss is its own; the mirrors sum (8 times the gradient of
+    # the mean loss), or average (the single-device gradient)
+    ("data_parallel", False, True, {"w": 8.0, "w2": 8.0}),
+    ("data_parallel", True, True, {}),
+])
+def test_check_models_gradient_options(tmp_path: Any, mode: str, mean: bool, repeated: bool,
+                                       want: dict[str, float]) -> None:
+    from pcompile.compiler.oracle import gradient_scales
+
+    dataset = "data_parallel" if mode == "data_parallel" else "full_batch"
+    program = compile_model(options_model(tmp_path, mode, mean, repeated, dataset=dataset),
+                            dump=False)
+    assert gradient_scales(program) == want
+    report = check(program, steps=2)
+    assert report.ok(), report.errors
+
+
+CROSS_BATCH_INFERENCE = """
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
+                          dataset_strategy="full_batch")
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.w = Parameter(np.random.default_rng(2).standard_normal((32, 16)).astype(np.float32),
+                           "w")
+        self.matmul = ops.MatMul().shard(((4, 1), (1, 2)))
+        self.mean = ops.ReduceMean().shard(((4, 2),)).add_prim_attr("cross_batch", True)
+        self.relu = ops.ReLU()
+
+    def construct(self, x):
+        return self.relu(self.mean(self.matmul(x, self.w), 0))
+
+
+def model():
+    return Net()
+
+
+def inputs():
+    return (np.random.default_rng(0).standard_normal((16, 32)).astype(np.float32),)
+"""
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_check_models_cross_batch(tmp_path: Any, training: bool) -> None:
+    """A cross_batch ReduceMean skips the forward AllReduce: each rank's result is the mean of
+    its own rows (for a loss, the ranks disagree on it). The reference is the single-device
+    program with that reduction restricted to each rank's rows: per rank for the outputs
+    (rank r's slice of its reference), and for training the mean of the ranks' losses, whose
+    gradient the parallel program computes (the sum of the ranks' gradients, each divided by
+    the loss's 8 copies)."""
+    if training:
+        program = compile_model(options_model(tmp_path, cross_batch=True), dump=False)
+    else:
+        program = compile_source(tmp_path, CROSS_BATCH_INFERENCE)
+    assert program.training == training
+    graph = program.rank_graph(0)
+    mean = next(n for n in graph.nodes if n.op == "ReduceMean")
+    assert [u.op for u, _ in mean.result.uses] != ["AllReduce"]  # rank-local by definition
+    report = check(program, steps=2)
+    assert report.ok(), report.errors
