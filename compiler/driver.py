@@ -27,6 +27,7 @@ from pcompile.compiler.context import (
 from pcompile.compiler.initializer import InitializedData
 from pcompile.compiler.model_file import ModelFile, call_user, load_model_file
 from pcompile.compiler.nn.optim_base import Optimizer
+from pcompile.compiler.parameter_layout import as_json, parameter_layout_dict, use_layout
 from pcompile.compiler.trace_model import TracedModel, trace_model
 from pcompile.ir.core import Graph, Node, Value
 from pcompile.ir.errors import PcompileError
@@ -138,6 +139,7 @@ class CompileState:
     search: Any = None  # passes.search.SearchResult in auto_parallel (issue 4)
     dump_ranks: list[int] = field(default_factory=list)  # the ranks whose folders are written
     opt_shard: dict[str, Any] = field(default_factory=dict)  # the parallel optimizer's plan
+    state_owners: dict[str, str] = field(default_factory=dict)  # optimizer state -> parameter
     reference: ReferenceOptions | None = None  # single-device reference of a parallel program
 
     @property
@@ -303,6 +305,7 @@ def _state_slicer(state: CompileState) -> Any:
         state.initial_values.setdefault(name, value)
         if not owner:
             return tuple(value.shape)
+        state.state_owners[name] = owner
         layouts.setdefault(name, layouts[owner])
         return layouts[owner].slice_shape
 
@@ -397,6 +400,18 @@ class CompiledProgram:
     @property
     def initial_values(self) -> dict[str, np.ndarray]:
         return self.state.initial_values
+
+    @property
+    def parameter_layout_dict(self) -> dict[str, Any]:
+        """MindSpore's `Cell.parameter_layout_dict` for the compiling rank (`global_rank`):
+        name -> (dev_matrix, tensor_map, slice_shape, field_size, uniform_split,
+        opt_shard_group), for every parameter and input (compiler/parameter_layout.py)."""
+        return parameter_layout_dict(self.state, int(self.state.options.get("global_rank", 0)))
+
+    def parameter_layout(self, rank: int) -> dict[str, Any]:
+        """`parameter_layout_dict` as rank `rank` sees it (only the optimizer shard group
+        differs between ranks)."""
+        return parameter_layout_dict(self.state, rank)
 
     @property
     def output_names(self) -> list[str]:
@@ -558,6 +573,7 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
             "parameter_broadcast": ctx.parameter_broadcast,
             "enable_parallel_optimizer": ctx.enable_parallel_optimizer,
             "parallel_optimizer_config": ctx.parallel_optimizer_config,
+            "global_rank": ctx.global_rank,
         }
         if out_dir is None:
             out_dir = str(get_context("save_graphs_path") or "") or "./saved_graph"
@@ -680,14 +696,18 @@ def _plan(state: CompileState) -> dict[str, Any]:
         ops[node.fullname] = entry
     params = {}
     for p in graph.params:
-        layout = assignment.param_layouts[p.name] if assignment else None
+        layout = use_layout(state, p.name) if assignment else None
+        norm = layout.normalized() if layout else None
         params[p.name] = {
             "kind": p.kind,
             "shape": list(p.shape),
             "dtype": p.dtype.value,
-            "dev_matrix": list(layout.dev_matrix) if layout else [1],
-            "tensor_map": [list(e) if isinstance(e, tuple) else e for e in layout.tensor_map]
-            if layout else [-1] * len(p.shape),
+            # MindSpore's normalised form (size-1 device axes removed), as its
+            # parameter_layout_dict; an optimizer-sharded weight shows its use layout (its
+            # stored split is under "parallel_optimizer")
+            "dev_matrix": list(norm.dev_matrix) if norm else [1],
+            "tensor_map": [list(e) if isinstance(e, tuple) else e for e in norm.tensor_map]
+            if norm else [-1] * len(p.shape),
             "slice_shape": list(layout.slice_shape) if layout else list(p.shape),
         }
     collectives: dict[str, list[dict[str, Any]]] = {}
@@ -712,6 +732,11 @@ def _plan(state: CompileState) -> dict[str, Any]:
         else [],
         "ops": ops,
         "parameters": params,
+        # MindSpore's Cell.parameter_layout_dict for the compiling rank (global_rank):
+        # name -> [dev_matrix, tensor_map, slice_shape, field_size, uniform_split,
+        # opt_shard_group]
+        "parameter_layout_dict": as_json(parameter_layout_dict(
+            state, int(state.options.get("global_rank", 0)))),
         "collectives": collectives,
     }
     plan.update(state.plan)

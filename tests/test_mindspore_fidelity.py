@@ -532,3 +532,127 @@ def test_check_models_cross_batch(tmp_path: Any, training: bool) -> None:
     assert [u.op for u, _ in mean.result.uses] != ["AllReduce"]  # rank-local by definition
     report = check(program, steps=2)
     assert report.ok(), report.errors
+
+
+# -- issue 14, item 9: MindSpore's parameter_layout_dict, normalised layouts in plan.json --------
+
+LAYOUT_DICT_MODEL = """
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num={devices},
+                          dataset_strategy="full_batch", enable_parallel_optimizer={opt},
+                          parallel_optimizer_config={config})
+CASES = {{
+    # test_layout_extend.py, ..._reduce_scatter_opt_shard (16 devices)
+    16: Layout((2, 2, 2, 2), ("dp", "sp", "vp", "mp")),
+    # ..._reduce_scatter_opt_shard_not_full (32 devices, optimizer_weight_shard_size 2)
+    32: Layout((4, 2, 2, 2), ("dp", "sp", "vp", "mp")),
+}}
+layout = CASES[{devices}]
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        ins = (layout("dp", ("sp", "mp")), layout(("sp", "mp"), "vp"))
+        self.matmul1 = ops.MatMul().shard(in_strategy=ins,
+                                          out_strategy=(layout(("dp", "sp", "mp"), "vp"),))
+        self.w = Parameter(np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32),
+                           "w")
+
+    def construct(self, y):
+        return self.matmul1(y, self.w)
+
+
+def model():
+    return Net()
+
+
+def inputs():
+    return (np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32),)
+
+
+def labels():
+    return (np.random.default_rng(2).standard_normal((64, 64)).astype(np.float32),)
+
+
+def loss():
+    return nn.MSELoss()
+
+
+def optimizer(params):
+    return nn.Momentum(params, learning_rate=0.1, momentum=0.9)
+"""
+
+
+@pytest.mark.parametrize("devices,config", [
+    (16, {"parallel_optimizer_threshold": 1}),
+    (32, {"parallel_optimizer_threshold": 1, "optimizer_weight_shard_size": 2}),
+])
+def test_parameter_layout_dict_of_an_optimizer_sharded_weight(tmp_path: Any, devices: int,
+                                                              config: dict) -> None:
+    """MindSpore's recorded check_parameter_layout for its [1024, 1024] weight is
+    ([d, 2, 2, 2], [2, 0, 1], [256, 512], 0, True, '2-16557109384257890687') (d = 2 or 4;
+    the group {0, 8} of the optimizer shard): the use layout, the multi-axis entry flattened,
+    the model-parallel slice, and the shard group. Here the weight is [64, 64] (slice
+    [16, 32]) with a 1 KB threshold, the same plan at a smaller size."""
+    program = compile_source(tmp_path, LAYOUT_DICT_MODEL.format(devices=devices, opt=True,
+                                                                config=config))
+    assert "w" in program.state.opt_shard
+    dev = [devices // 8, 2, 2, 2]
+    assert program.parameter_layout_dict["w"] == (dev, [2, 0, 1], [16, 32], 0, True,
+                                                   "2-16557109384257890687")
+    assert program.parameter_layout_dict["moments.w"] == program.parameter_layout_dict["w"]
+    report = check(program)
+    assert report.ok(), report.errors
+
+
+PARAM_LAYOUT_MODEL = """
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
+                          dataset_strategy="full_batch")
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        r = np.random.default_rng(1)
+        # test_stridedslice.py test_stridedslice_layout: Mul ((1, 4, 2), (1, 4, 2)) on w1
+        self.mul = ops.Mul().shard(((1, 4, 2), (1, 4, 2)))
+        self.w1 = Parameter(r.standard_normal((256, 64, 32)).astype(np.float32), "w1")
+        # a (4, 1) ReLU-like use: dev [4, 1, 2] normalises to [4, 2]
+        self.add = ops.Add().shard(((4, 1, 1), (4, 1, 1)))
+        self.w2 = Parameter(r.standard_normal((256, 64, 32)).astype(np.float32), "w2")
+
+    def construct(self, x):
+        return self.add(self.mul(x, self.w1), self.w2)
+
+
+def model():
+    return Net()
+
+
+def inputs():
+    return (np.random.default_rng(0).standard_normal((256, 64, 32)).astype(np.float32),)
+"""
+
+
+def test_parameter_layout_dict_is_normalised_and_lists_inputs(tmp_path: Any) -> None:
+    """MindSpore's recorded layouts: test_stridedslice_layout's w1 ([4, 2], [-1, 1, 0],
+    [256, 16, 16], 0, True, ''); test_roi_align_layout's full-batch input `features`
+    ([8], [-1, -1, -1, -1], <its whole shape>, 0, True, ''): a full-batch input is
+    replicated. plan.json holds the same dict and the normalised device matrices."""
+    import json
+
+    path = tmp_path / "model.py"
+    path.write_text(HEADER + textwrap.dedent(PARAM_LAYOUT_MODEL))
+    out = tmp_path / "out"
+    program = compile_model(str(path), out_dir=str(out), dump_ranks="0")
+    got = program.parameter_layout_dict
+    assert got["w1"] == ([4, 2], [-1, 1, 0], [256, 16, 16], 0, True, "")
+    assert got["w2"] == ([4, 2], [1, -1, -1], [64, 64, 32], 0, True, "")
+    assert got["x"] == ([8], [-1, -1, -1], [256, 64, 32], 0, True, "")
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["parameter_layout_dict"]["w1"] == [[4, 2], [-1, 1, 0], [256, 16, 16], 0, True,
+                                                    ""]
+    assert plan["parameters"]["w2"]["dev_matrix"] == [4, 2]
+    assert plan["parameters"]["w2"]["tensor_map"] == [1, -1, -1]
+    report = check(program)
+    assert report.ok(), report.errors
