@@ -54,7 +54,11 @@ from pcompile.passes.search.auto_parallel_pass import (
     searched_strategies,
 )
 from pcompile.passes.step_parallel import SplitOptions, build_spmd_graph
-from pcompile.passes.step_parallel_begin import ParallelAssignment, assign
+from pcompile.passes.step_parallel_begin import (
+    ParallelAssignment,
+    annotate_parallel_detail,
+    assign,
+)
 
 # --- end search ----------------------------------------------------------------------------------
 
@@ -323,6 +327,13 @@ class StepParallelBeginPass:
         state.assignment = assign(state.graph, state.devices, opts.get("dataset_strategy"),
                                   searched=searched_strategies(state))  # search (issue 4)
         finish_assignment(state)  # search (issue 4): annotations, plan, checkpoint
+        if opts.get("parallel_detail"):
+            # MindSpore's MS_DEV_DUMP_IR_PARALLEL_DETAIL=1: tensor maps in semi_auto_parallel,
+            # layouts under sharding propagation, nothing for the other searches
+            if state.parallel_mode == "semi_auto_parallel":
+                annotate_parallel_detail(state.graph, state.assignment, "tensor_map")
+            elif state.search_mode == "sharding_propagation":
+                annotate_parallel_detail(state.graph, state.assignment, "layout")
 
 
 class StepParallelEndPass:
@@ -574,6 +585,8 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
             "enable_parallel_optimizer": ctx.enable_parallel_optimizer,
             "parallel_optimizer_config": ctx.parallel_optimizer_config,
             "global_rank": ctx.global_rank,
+            # MindSpore's switch for the parallel detail in dumps (reference §5.2)
+            "parallel_detail": os.environ.get("MS_DEV_DUMP_IR_PARALLEL_DETAIL") == "1",
         }
         if out_dir is None:
             out_dir = str(get_context("save_graphs_path") or "") or "./saved_graph"

@@ -66,6 +66,18 @@ class OpSharding:
     forward: list[ForwardComm] = field(default_factory=list)
     local_attrs: dict[str, Any] = field(default_factory=dict)
     expand: str = ""  # name of a local expansion (e.g. "masked_gather") instead of the op
+    # MindSpore's OperatorInfo tensor maps on `dev_matrix` (inputs, outputs): every dim maps to
+    # its label's axis, split or not (Gather ((1, 2), (4,)): ((1, 0), (2)) on (4, 1, 2)); None
+    # where the rule derives no labels (then the layouts' maps are MindSpore's)
+    tensor_maps: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
+
+    def mindspore_maps(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """(inputs_tensor_map, outputs_tensor_map) as MindSpore's parallel-detail dump shows
+        them."""
+        if self.tensor_maps is not None:
+            return self.tensor_maps
+        return (tuple(lay.tensor_map for lay in self.in_layouts),
+                tuple(lay.tensor_map for lay in self.out_layouts))
 
 
 @dataclass
@@ -100,6 +112,9 @@ class Labels:
     # The device-matrix order of the labels when it is not their order of first appearance
     # (MindSpore's Gather puts the indices' axes before the table's); labels left out follow.
     dev_order: tuple[str, ...] = ()
+    # Size-1 dims broadcast against a larger one: no device axis of their own (MindSpore maps
+    # them to -1 and its device matrix has no axis for them).
+    broadcast: frozenset[str] = frozenset()
 
 
 def is_power_of_two(n: int) -> bool:
@@ -133,6 +148,7 @@ def label_sharding(
         )
     split_of: dict[str, int] = {}
     order: list[str] = []
+    broadcast = labels.broadcast
     for i, (lab, t, s) in enumerate(zip(labels.inputs, ctx.in_types, strategy)):
         if len(s) != t.rank:
             raise StrategyError(
@@ -160,7 +176,8 @@ def label_sharding(
                 )
             if name not in split_of:
                 split_of[name] = count
-                order.append(name)
+                if name not in broadcast:
+                    order.append(name)
             elif split_of[name] != count:
                 raise StrategyError(
                     f"dim {j} of input {i} must be split like the dims it is matched with "
@@ -199,6 +216,12 @@ def label_sharding(
 
     in_layouts = [layout(lab, t) for lab, t in zip(labels.inputs, ctx.in_types)]
     out_types = ctx.out_types
+
+    def origin_map(labs: str) -> tuple[int, ...]:
+        return tuple(n - 1 - axis_of[name] if name in axis_of else -1 for name in labs)
+
+    tensor_maps = (tuple(origin_map(lab) for lab in labels.inputs),
+                   tuple(origin_map(lab) for lab in labels.outputs))
     out_labels = set("".join(labels.outputs))
     partial = tuple(
         axis_of[name] for name in order if name not in out_labels and split_of[name] > 1
@@ -226,7 +249,10 @@ def label_sharding(
                 f"out_strategy {out_strategy} does not match the output of in_strategy; "
                 f"expected {expected}"
             )
-    return OpSharding(tuple(strategy), tuple(dev), in_layouts, out_layouts, forward)
+    if any(f.kind == "ReduceScatter" for f in forward):
+        tensor_maps = (tensor_maps[0], tuple(lay.tensor_map for lay in out_layouts))
+    return OpSharding(tuple(strategy), tuple(dev), in_layouts, out_layouts, forward,
+                      tensor_maps=tensor_maps)
 
 
 def _reduce_scatter_layout(
@@ -326,7 +352,7 @@ def elementwise_labels(ctx: OpContext) -> Labels:
             else:
                 lab += out_lab[lead + j]
         ins.append(lab)
-    return Labels(ins, [out_lab], unsplit)
+    return Labels(ins, [out_lab], unsplit, broadcast=frozenset(unsplit))
 
 
 def _transpose_ab(lab: str, flag: bool) -> str:
@@ -357,7 +383,7 @@ def batch_matmul_labels(ctx: OpContext) -> Labels:
             else:
                 lab += blab[lead + j]
         ins.append(_transpose_ab(lab + tail, bool(flag)))
-    return Labels(ins, [blab + "ij"], unsplit)
+    return Labels(ins, [blab + "ij"], unsplit, broadcast=frozenset(unsplit))
 
 
 def _axes(ctx: OpContext, key: str = "axis") -> tuple[int, ...]:
@@ -674,6 +700,7 @@ class OneHotRule(LabelRule):
         idx_split = out_split[:axis] + out_split[axis + 1:]
         result = label_sharding(virtual, labels, (idx_split, (out_split[axis],)), out_strategy)
         result.in_layouts = result.in_layouts[:1]
+        result.tensor_maps = None
         result.strategy = tuple(strategy)
         if out_split[axis] > 1:
             result.local_attrs["depth"] = depth // out_split[axis]

@@ -358,3 +358,43 @@ def _assign_reshapes(graph: Graph, result: ParallelAssignment) -> None:
         if wanted is None:
             wanted = replicated(out_type.shape, result.devices)
         result.reshape_layouts[id(node)] = wanted
+
+
+_LAYOUT_FIELDS = ("device_matrix", "tensor_map", "interleaved_parallel", "alias_name")
+
+
+def annotate_parallel_detail(graph: Graph, assignment: ParallelAssignment, mode: str) -> None:
+    """MindSpore's `MS_DEV_DUMP_IR_PARALLEL_DETAIL=1` on every op with a strategy (reference
+    §5.2). `mode` "tensor_map" (MindSpore does it in semi_auto_parallel): the attributes
+    `inputs_tensor_map`, `outputs_tensor_map` and `device_matrix` of its OperatorInfo, printed
+    in `primitive_attrs` (`((1, 0), (2))`); "layout" (sharding_propagation): `in_layout` and
+    `out_layout` in the parallel-info group, tuples of `{'device_matrix': ..., 'tensor_map':
+    ...}` (a user's Layout also gives `interleaved_parallel` and `alias_name`)."""
+    for node in graph.nodes:
+        sharding = assignment.sharding(node)
+        if sharding is None or node.parallel is None:
+            continue
+        ins, outs = sharding.mindspore_maps()
+        if mode == "tensor_map":
+            node.attrs["inputs_tensor_map"] = ins
+            node.attrs["outputs_tensor_map"] = outs
+            node.attrs["device_matrix"] = tuple(sharding.dev_matrix)
+            continue
+        dev = tuple(sharding.dev_matrix)
+        user_in = node.attrs.get("in_strategy") or ()
+        user_out = node.attrs.get("out_strategy") or ()
+        layouts = {
+            "in_layout": tuple(_layout_dict(given, dev, tmap) for given, tmap in
+                               zip(list(user_in) + [None] * (len(ins) - len(user_in)), ins)),
+            "out_layout": tuple(_layout_dict(given, dev, tmap) for given, tmap in
+                                zip(list(user_out) + [None] * (len(outs) - len(user_out)),
+                                    outs)),
+        }
+        # right after the strategies, as MindSpore prints them
+        node.parallel.extra = {**layouts, **node.parallel.extra}
+
+
+def _layout_dict(given: Any, dev: tuple[int, ...], tmap: tuple[Any, ...]) -> dict[str, Any]:
+    if isinstance(given, dict):  # a user's Layout: its own fields, as MindSpore prints them
+        return {k: given[k] for k in _LAYOUT_FIELDS if k in given}
+    return {"device_matrix": dev, "tensor_map": tmap}

@@ -656,3 +656,109 @@ def test_parameter_layout_dict_is_normalised_and_lists_inputs(tmp_path: Any) -> 
     assert plan["parameters"]["w2"]["tensor_map"] == [1, -1, -1]
     report = check(program)
     assert report.ok(), report.errors
+
+
+# -- issue 17: MindSpore's parallel detail in dumps (MS_DEV_DUMP_IR_PARALLEL_DETAIL=1) ----------
+
+def test_parallel_detail_semi_auto(tmp_path: Any, monkeypatch: Any) -> None:
+    """test_dump_ir_parallel_detail.py test_dump_ir_parallel_detail_semi: the OperatorInfo's
+    tensor maps and device matrix as primitive attributes, spelled as MindSpore checks them:
+    Gather inputs_tensor_map ((1, 0), (2)), device_matrix (4, 1, 2), outputs_tensor_map
+    ((2, 0)); ReLU ((1, 0)) on (4, 2); Mul ((1, 0), (1, 0)) on (4, 2). Every dump re-parses
+    (the suite checks it as it writes them)."""
+    monkeypatch.setenv("MS_DEV_DUMP_IR_PARALLEL_DETAIL", "1")
+    path = tmp_path / "model.py"
+    path.write_text(HEADER + textwrap.dedent(GATHER_MODEL.format(
+        gather="((1, 2), (4,))", out=None, mul="((4, 2), (4, 2))", relu=".shard(((4, 2),))",
+        index_size=8, index_shape="(8,)", y_shape=(8, 64))))
+    program = compile_model(str(path), out_dir=str(tmp_path / "out"), dump_ranks="0")
+    want = {
+        "gatherv2": "inputs_tensor_map: ((1, 0), (2)), outputs_tensor_map: ((2, 0)), "
+                    "device_matrix: (4, 1, 2)",
+        "relu": "inputs_tensor_map: ((1, 0)), outputs_tensor_map: ((1, 0)), "
+                "device_matrix: (4, 2)",
+        "mul": "inputs_tensor_map: ((1, 0), (1, 0)), outputs_tensor_map: ((1, 0)), "
+               "device_matrix: (4, 2)",
+    }
+    for dump in ("01_step_parallel_begin.ir", "03_execute.ir"):
+        text = (tmp_path / "out" / "rank_0" / dump).read_text()
+        for name, attrs in want.items():
+            (line,) = [ln for ln in text.splitlines() if f"{{instance name: {name}}}" in ln]
+            assert attrs in line, (dump, line)
+    gather = by_name(program, "gatherv2")
+    assert gather.attrs["inputs_tensor_map"] == ((1, 0), (2,))
+    assert check(program).ok()
+
+
+def test_parallel_detail_sharding_propagation(tmp_path: Any, monkeypatch: Any) -> None:
+    """test_dump_ir_parallel_detail_auto: under sharding propagation the parallel-info group of
+    every op holds `in_layout` and `out_layout` (MindSpore's test counts 4 `out_layout` in its
+    dump of this network: ReLU, Sub, ReLU, Sub); a Layout-configured op shows its Layout's
+    fields, as test_shard_layout.py checks them
+    (`{'device_matrix': (8, 1), 'tensor_map': (1, 0), 'interleaved_parallel': false,
+    'alias_name': (dp, mp)}`)."""
+    monkeypatch.setenv("MS_DEV_DUMP_IR_PARALLEL_DETAIL", "1")
+    path = tmp_path / "model.py"
+    path.write_text(HEADER + textwrap.dedent("""
+        set_auto_parallel_context(parallel_mode="auto_parallel", device_num=8,
+                                  search_mode="sharding_propagation",
+                                  dataset_strategy="full_batch")
+        layout = Layout((8, 1), ("dp", "mp"))
+
+
+        class Net(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.relu1 = ops.ReLU().shard((layout("dp", "mp"),))
+                self.relu2 = ops.ReLU().shard(((2, 4),))
+
+            def construct(self, x, y):
+                out = self.relu1(x)
+                out = out - x
+                out = self.relu2(out)
+                return out - y
+
+
+        def model():
+            return Net()
+
+
+        def inputs():
+            r = np.random.default_rng(0)
+            return (r.standard_normal((32, 64)).astype(np.float32),
+                    r.standard_normal((64,)).astype(np.float32))
+    """))
+    program = compile_model(str(path), out_dir=str(tmp_path / "out"), dump_ranks="0")
+    text = (tmp_path / "out" / "rank_0" / "04_execute.ir").read_text()
+    assert text.count("out_layout") == 4
+    assert ("in_layout: ({'device_matrix': (8, 1), 'tensor_map': (1, 0), "
+            "'interleaved_parallel': false, 'alias_name': (dp, mp)})") in text
+    assert ("in_layout: ({'device_matrix': (2, 4), 'tensor_map': (1, 0)}, "
+            "{'device_matrix': (2, 4), 'tensor_map': (0)})") in text
+    assert check(program).ok()
+
+
+def test_parallel_detail_off_by_default(tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.delenv("MS_DEV_DUMP_IR_PARALLEL_DETAIL", raising=False)
+    path = tmp_path / "model.py"
+    path.write_text(HEADER + textwrap.dedent(GATHER_MODEL.format(
+        gather="((1, 2), (4,))", out=None, mul="((4, 2), (4, 2))", relu=".shard(((4, 2),))",
+        index_size=8, index_shape="(8,)", y_shape=(8, 64))))
+    compile_model(str(path), out_dir=str(tmp_path / "out"), dump_ranks="0")
+    for dump in (tmp_path / "out" / "rank_0").glob("*.ir"):
+        text = dump.read_text()
+        assert "tensor_map" not in text and "in_layout" not in text
+
+
+def test_broadcast_dim_has_no_device_axis() -> None:
+    """MindSpore's ArithmeticBase: Add x [8, 16] + b [1, 16] with ((4, 2), (1, 2)) has device
+    matrix (4, 2) and b's tensor map (-1, 0): a broadcast dim gets no axis of its own."""
+    from pcompile.ir.sharding import OpContext, rule_for
+    from pcompile.ir.types import DType, TensorType
+
+    f32 = DType.float32
+    ctx = OpContext("Add", [TensorType(f32, (8, 16)), TensorType(f32, (1, 16))],
+                    TensorType(f32, (8, 16)), {}, 8)
+    sharding = rule_for("Add").apply(ctx, ((4, 2), (1, 2)))
+    assert sharding.dev_matrix == (4, 2)
+    assert sharding.mindspore_maps() == (((1, 0), (-1, 0)), ((1, 0),))
