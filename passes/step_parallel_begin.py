@@ -102,7 +102,7 @@ def dataset_layouts(graph: Graph, dataset_strategy: Any, devices: int) -> dict[s
     return out
 
 
-def physical_layout(spec: dict) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+def physical_layout(spec: dict[str, Any]) -> tuple[tuple[int, ...], tuple[Any, ...]]:
     """The device matrix and tensor map of a Layout's dict without its
     `"interleaved_parallel"` axis. That axis (always the last, tensor-map value 0) is the
     micro-interleave factor of `nn.MicroBatchInterleaved`, which splits the work inside one
