@@ -28,6 +28,7 @@ from pcompile.compiler.context import (
 from pcompile.compiler.initializer import InitializedData
 from pcompile.compiler.model_file import ModelFile, call_user, load_model_file
 from pcompile.compiler.nn.optim_base import Optimizer
+from pcompile.compiler.parameter_layout import parameter_layout_dict
 from pcompile.compiler.plan import Plan, build_plan, write_plan
 from pcompile.compiler.trace_model import TracedModel, trace_model
 from pcompile.ir.core import Graph, Node, Value
@@ -54,7 +55,11 @@ from pcompile.passes.search.auto_parallel_pass import (
     searched_strategies,
 )
 from pcompile.passes.step_parallel import SplitOptions, build_spmd_graph
-from pcompile.passes.step_parallel_begin import ParallelAssignment, assign
+from pcompile.passes.step_parallel_begin import (
+    ParallelAssignment,
+    annotate_parallel_detail,
+    assign,
+)
 
 # --- end search ----------------------------------------------------------------------------------
 
@@ -103,6 +108,19 @@ class InitialValues(MutableMapping[str, np.ndarray]):
 
 
 @dataclass
+class ReferenceOptions:
+    """How a single-device program models a parallel program's options (the oracle's
+    reference, `compiler.oracle`): `transform` rewrites the traced forward graph (e.g. the loss
+    as the mean of the ranks' losses when reductions are rank-local, `cross_batch`), and each
+    trainable parameter's gradient is multiplied by `gradient_scales[name]` before the
+    optimizer (the mirrors' division under `gradients_mean`, a loss held by k ranks without
+    `loss_repeated_mean`)."""
+
+    transform: Callable[[Graph], None] | None = None
+    gradient_scales: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class CompileState:
     """What the passes read and write."""
 
@@ -125,6 +143,9 @@ class CompileState:
     options: dict[str, Any] = field(default_factory=dict)
     search: Any = None  # passes.search.SearchResult in auto_parallel (issue 4)
     dump_ranks: list[int] = field(default_factory=list)  # the ranks whose folders are written
+    opt_shard: dict[str, Any] = field(default_factory=dict)  # the parallel optimizer's plan
+    state_owners: dict[str, str] = field(default_factory=dict)  # optimizer state -> parameter
+    reference: ReferenceOptions | None = None  # single-device reference of a parallel program
 
     @property
     def parallel(self) -> bool:
@@ -193,6 +214,8 @@ class TracePass:
         for name, param in traced.parameters.items():
             state.initial_values[name] = param.source  # abstract: nothing is allocated
         if not state.parallel:
+            if state.reference is not None and state.reference.transform is not None:
+                state.reference.transform(traced.graph)
             state.rank_graphs = [traced.graph]
             state.split = True
 
@@ -239,8 +262,21 @@ class AutodiffPass:
             if not wrt:
                 raise PcompileError("the network has no trainable parameters to train")
             grads = append_gradients(graph, loss, wrt)
+            scales = state.reference.gradient_scales if state.reference else {}
+            if scales:
+                grads = [_scaled(graph, g, scales.get(p.name, 1.0)) for p, g in zip(wrt, grads)]
             graph.outputs = [loss, *grads]
             graph.attrs["outputs"] = ("loss", *(f"grad.{p.name}" for p in wrt))
+
+
+def _scaled(graph: Graph, grad: Value, scale: float) -> Value:
+    """`grad * scale` appended to `graph` (the reference program's model of a parallel
+    program's gradient scaling)."""
+    if scale == 1.0:
+        return grad
+    from pcompile.ir.builder import Builder
+
+    return Builder(graph)("Mul", grad, scale, name_hint="scaled_grad")
 
 
 class OptimizerPass:
@@ -286,6 +322,7 @@ def _state_slicer(state: CompileState) -> Any:
         state.initial_values.setdefault(name, value)
         if not owner:
             return tuple(value.shape)
+        state.state_owners[name] = owner
         layouts.setdefault(name, layouts[owner])
         return layouts[owner].slice_shape
 
@@ -303,6 +340,13 @@ class StepParallelBeginPass:
         state.assignment = assign(state.graph, state.devices, opts.get("dataset_strategy"),
                                   searched=searched_strategies(state))  # search (issue 4)
         finish_assignment(state)  # search (issue 4): annotations, plan, checkpoint
+        if opts.get("parallel_detail"):
+            # MindSpore's MS_DEV_DUMP_IR_PARALLEL_DETAIL=1: tensor maps in semi_auto_parallel,
+            # layouts under sharding propagation, nothing for the other searches
+            if state.parallel_mode == "semi_auto_parallel":
+                annotate_parallel_detail(state.graph, state.assignment, "tensor_map")
+            elif state.search_mode == "sharding_propagation":
+                annotate_parallel_detail(state.graph, state.assignment, "layout")
 
 
 class StepParallelEndPass:
@@ -326,6 +370,7 @@ class StepParallelEndPass:
         )
         fusion = {name: p.comm_fusion for name, p in traced.parameters.items()}
         options.opt_shard = _optimizer_sharding(state, state.assignment.param_layouts)
+        state.opt_shard = dict(options.opt_shard)
         for name, shard in options.opt_shard.items():
             state.assignment.param_layouts[name] = shard.stored
         graph, layouts = build_spmd_graph(state.graph, state.assignment, options, fusion)
@@ -381,6 +426,18 @@ class CompiledProgram:
         return self.state.initial_values
 
     @property
+    def parameter_layout_dict(self) -> dict[str, Any]:
+        """MindSpore's `Cell.parameter_layout_dict` for the compiling rank (`global_rank`):
+        name -> (dev_matrix, tensor_map, slice_shape, field_size, uniform_split,
+        opt_shard_group), for every parameter and input (compiler/parameter_layout.py)."""
+        return parameter_layout_dict(self.state, int(self.state.options.get("global_rank", 0)))
+
+    def parameter_layout(self, rank: int) -> dict[str, Any]:
+        """`parameter_layout_dict` as rank `rank` sees it (only the optimizer shard group
+        differs between ranks)."""
+        return parameter_layout_dict(self.state, rank)
+
+    @property
     def output_names(self) -> list[str]:
         names = self.rank_graphs[0].attrs.get("outputs") if self.rank_graphs else None
         if names:
@@ -409,6 +466,7 @@ class ReplicatePass:
         layerwise = {name for name, p in traced.parameters.items() if p.layerwise_parallel}
         assignment = replicated_assignment(state.graph, state.devices)
         options.opt_shard = _optimizer_sharding(state, assignment.param_layouts)
+        state.opt_shard = dict(options.opt_shard)
         state.rank_graphs = build_replicated_graphs(graphs, options, fusion, layerwise)
         for name, shard in options.opt_shard.items():
             assignment.param_layouts[name] = shard.stored
@@ -491,8 +549,11 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
     before_write: Callable[[CompileState, str | None], None] | None = None,
     on_event: Callable[..., None] | None = None,
     save_graphs: int | None = None,
+    reference: ReferenceOptions | None = None,
 ) -> CompiledProgram:
     """Compile a model file. Flags given here override what the model file sets.
+    `reference`: for a single-device compile, how it models a parallel program's options (the
+    oracle's reference program; see `ReferenceOptions`).
 
     `dump_ranks`: the ranks whose folders are written ("all", "none", "0,5", a list of ints;
     default: every rank up to `DUMP_ALL_UP_TO` devices, else rank 0). `before_write(state,
@@ -532,6 +593,7 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
                 "implemented yet in this version of pcompile; use pipeline_stages=1"
             )
         state = CompileState(mf, devices, mode, str(ctx.search_mode))
+        state.reference = reference
         state.options = {
             "dataset_strategy": ctx.dataset_strategy,
             "gradients_mean": ctx.gradients_mean,
@@ -542,6 +604,9 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
             "parameter_broadcast": ctx.parameter_broadcast,
             "enable_parallel_optimizer": ctx.enable_parallel_optimizer,
             "parallel_optimizer_config": ctx.parallel_optimizer_config,
+            "global_rank": ctx.global_rank,
+            # MindSpore's switch for the parallel detail in dumps (reference §5.2)
+            "parallel_detail": os.environ.get("MS_DEV_DUMP_IR_PARALLEL_DETAIL") == "1",
         }
         state.options["save_graphs"] = save_graphs_level(save_graphs)
         if out_dir is None:

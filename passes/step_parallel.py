@@ -331,7 +331,10 @@ class RankBuilder:
         attrs.update(sharding.local_attrs)
         user = {k: v for k, v in node.attrs.items() if k not in opdef.attrs}
         info = ParallelInfo(in_strategy=sharding.strategy,
-                            out_strategy=node.parallel.out_strategy if node.parallel else None)
+                            out_strategy=node.parallel.out_strategy if node.parallel else None,
+                            extra={k: v for k, v in (node.parallel.extra.items()
+                                                     if node.parallel else ())
+                                   if k in ("in_layout", "out_layout")})
         if sharding.expand == "offset_one_hot":
             operands = [self.one_hot_local_indices(node, b, operands[0], sharding)]
         if sharding.expand == "attention_query_split":
