@@ -81,6 +81,28 @@ LogicalOr = _simple("LogicalOr")
 LogicalNot = _simple("LogicalNot")
 Select = _simple("Select")
 Identity = _simple("Identity")
+FloorDiv = _simple("FloorDiv")
+Cos = _simple("Cos")
+Sin = _simple("Sin")
+IsFinite = _simple("IsFinite")
+
+
+class Depend(_Simple):
+    """`ops.Depend()(value, expr)`: value, computed after expr. `expr` may be a tuple or list
+    of tensors (one Depend per tensor); entries that are not traced tensors (Python values,
+    None) order nothing and are skipped."""
+
+    op = "Depend"
+
+    def __call__(self, value: Any, expr: Any) -> Any:
+        items = list(expr) if isinstance(expr, (tuple, list)) else [expr]
+        out = value
+        for item in items:
+            if isinstance(item, (tuple, list)):
+                out = self(out, item)
+            elif isinstance(item, Tensor) and item.is_symbolic:
+                out = self._apply([out, item])
+        return out
 
 
 class Shape(_Simple):
@@ -760,6 +782,29 @@ def flash_attention_score(query: Any, key: Any, value: Any, head_num: int,
 
 def rms_norm(x: Any, gamma: Any, epsilon: float = 1e-6) -> Any:
     return RmsNorm(epsilon)(x, gamma)
+
+
+def depend(value: Any, expr: Any) -> Any:
+    return Depend()(value, expr)
+
+
+def floor_div(x: Any, y: Any) -> Any:
+    return FloorDiv()(x, y)
+
+
+floor_divide = floor_div
+
+
+def cos(x: Any) -> Any:
+    return Cos()(x)
+
+
+def sin(x: Any) -> Any:
+    return Sin()(x)
+
+
+def isfinite(x: Any) -> Any:
+    return IsFinite()(x)
 
 
 def conv2d(x: Any, weight: Any, stride: Any = 1, pad_mode: str = "valid", padding: Any = 0):

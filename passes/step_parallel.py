@@ -52,7 +52,11 @@ from pcompile.ir.registry import get_op
 from pcompile.ir.sharding import OpSharding
 from pcompile.ir.types import TensorType
 from pcompile.passes.redistribution import plan_redistribution
-from pcompile.passes.step_parallel_begin import ParallelAssignment, replicated
+from pcompile.passes.step_parallel_begin import (
+    LAYOUT_PASS_THROUGH,
+    ParallelAssignment,
+    replicated,
+)
 
 
 @dataclass
@@ -318,6 +322,9 @@ class RankBuilder:
         if node.op == "Reshape":
             self.lower_reshape(node)
             return
+        if node.op in LAYOUT_PASS_THROUGH:
+            self.lower_pass_through(node)
+            return
         sharding = self.assignment.sharding(node)
         assert sharding is not None, f"{node.where()} has no sharding"
         if self.low_precision_cast_of_weight(node):
@@ -345,6 +352,26 @@ class RankBuilder:
         layouts: Any = (sharding.out_layouts if len(sharding.out_layouts) > 1
                         or node.op == "Split" else sharding.out_layouts[0])
         self.local[id(node.result)] = (out, layouts)
+
+    def as_is(self, node: Node, value: Value) -> tuple[Value, Any]:
+        """An operand in whatever layout it has (a parameter behind its mirror)."""
+        if isinstance(value, Constant):
+            return value, replicated(value.shape, self.options.devices)
+        if isinstance(value, GraphParam) and value.kind != "input":
+            return self.mirror(value, node), self.local[id(value)][1]
+        return self.local[id(value)]
+
+    def lower_pass_through(self, node: Node) -> None:
+        """Depend: the first operand in its own layout, ordered after the others (which are
+        not redistributed)."""
+        operands = [self.as_is(node, v) for v in node.operands]
+        b = Builder(self.graph, scope=node.scope, source=node.source)
+        opdef = get_op(node.op)
+        user = {k: v for k, v in node.attrs.items() if k not in opdef.attrs}
+        out = b.emit(node.op, [v for v, _ in operands], opdef.impl_attrs(node.attrs),
+                     instance_name=node.instance_name, name_hint=node.result.name_hint,
+                     user_attrs=user or None)
+        self.local[id(node.result)] = (out, operands[0][1])
 
     def low_precision_cast_of_weight(self, node: Node) -> bool:
         """With gradient_fp32_sync=False, a Cast of an fp32 weight to fp16/bf16 takes the
