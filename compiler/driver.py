@@ -27,7 +27,8 @@ from pcompile.compiler.context import (
 from pcompile.compiler.initializer import InitializedData
 from pcompile.compiler.model_file import ModelFile, call_user, load_model_file
 from pcompile.compiler.nn.optim_base import Optimizer
-from pcompile.compiler.trace_model import TracedModel, trace_model
+from pcompile.compiler.trace_model import TracedModel, check_optimizer, trace_model
+from pcompile.compiler.train_step import ReplayEnv, replay_step
 from pcompile.ir.core import Graph, Node, Value
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import group_name
@@ -124,6 +125,7 @@ class CompileState:
     options: dict[str, Any] = field(default_factory=dict)
     search: Any = None  # passes.search.SearchResult in auto_parallel (issue 4)
     dump_ranks: list[int] = field(default_factory=list)  # the ranks whose folders are written
+    traces: list[TracedModel] = field(default_factory=list)  # hybrid mode: each rank's trace
 
     @property
     def parallel(self) -> bool:
@@ -131,7 +133,16 @@ class CompileState:
 
     @property
     def training(self) -> bool:
-        return self.model_file.training
+        """The program is a training step: it returns the loss and updates stored values."""
+        if self.traced is None:
+            return self.model_file.training
+        return self.traced.mode == "train"
+
+    @property
+    def backward(self) -> bool:
+        """The program differentiates (a training step, or a cell returning gradients): the
+        split inserts gradient communication."""
+        return self.traced is not None and self.traced.differentiates
 
     @property
     def graphs(self) -> list[Graph]:
@@ -179,10 +190,11 @@ class TracePass:
             # of record, and each rank's trace is dumped in its own folder.
             with context_override(global_rank=0):
                 traced = trace_model(state.model_file)
-            state.rank_graphs = [traced.graph]
+            state.traces = [traced]
             for rank in range(1, state.devices):
                 with context_override(global_rank=rank):
-                    state.rank_graphs.append(trace_model(state.model_file).graph)
+                    state.traces.append(trace_model(state.model_file))
+            state.rank_graphs = [t.graph for t in state.traces]
             state.split = True
         else:
             traced = trace_model(state.model_file, batch_split=split)
@@ -221,11 +233,13 @@ class AutodiffPass:
 
     def apply(self, state: CompileState) -> None:
         for graph in state.graphs:
-            loss = graph.outputs[0]
+            # The objective, seeded with ones (MindSpore's sens); a non-scalar objective comes
+            # with its mean, the loss the step reports.
+            objective, loss = graph.outputs[0], graph.outputs[-1]
             wrt = [p for p in graph.weights if p.requires_grad]
             if not wrt:
                 raise PcompileError("the network has no trainable parameters to train")
-            grads = append_gradients(graph, loss, wrt)
+            grads = append_gradients(graph, objective, wrt)
             graph.outputs = [loss, *grads]
             graph.attrs["outputs"] = ("loss", *(f"grad.{p.name}" for p in wrt))
 
@@ -244,13 +258,8 @@ class OptimizerPass:
                 f"model file {mf.path} defines loss() but no optimizer(params); training needs "
                 "both"
             )
-        opt = call_user(mf.optimizer, "optimizer(params)", mf.path,
-                        traced.network.trainable_params())
-        if not isinstance(opt, Optimizer):
-            raise PcompileError(
-                f"optimizer(params) in {mf.path} must return an nn optimizer (nn.SGD, "
-                f"nn.Momentum, nn.Adam, ...), got {type(opt).__name__}"
-            )
+        opt = check_optimizer(call_user(mf.optimizer, "optimizer(params)", mf.path,
+                                        traced.network.trainable_params()), mf.path)
         state.optimizer = opt
         for graph in state.graphs:
             names = graph.attrs["outputs"]
@@ -279,6 +288,41 @@ def _state_slicer(state: CompileState) -> Any:
     return cut
 
 
+class TrainStepPass:
+    """A training step cell (`nn.TrainOneStepCell`, ...): its construct replayed on each local
+    graph (`compiler.train_step`): backward, gradient processing, optimizer, state updates."""
+
+    name = "train_step"
+
+    def apply(self, state: CompileState) -> None:
+        traces = state.traces or [state.traced]
+        done: set[int] = set()
+        for rank, graph in enumerate(state.rank_graphs):
+            if id(graph) in done:
+                continue
+            done.add(id(graph))
+            traced = traces[rank] if len(traces) > rank else traces[0]
+            assert traced is not None and traced.step is not None
+            env = ReplayEnv(
+                devices=state.devices,
+                layouts=state.assignment.param_layouts if state.assignment is not None else {},
+                initial_values=state.initial_values,
+                slicer=_state_slicer(state) if state.parallel else None,
+                network_params=dict(traced.parameters),
+            )
+            result = replay_step(traced.step.top, traced.step.captured, graph, env,
+                                 state.model_file.path)
+            if result.trains != (traced.mode == "train"):
+                what = type(traced.step.top).__name__
+                raise PcompileError(
+                    f"{what} holds an optimizer but its construct never calls it"
+                    if traced.mode == "train" else
+                    f"{what} updates stored values but holds no optimizer; give it the "
+                    "optimizer it applies as an attribute")
+            if rank == 0:
+                state.output_layouts = list(result.layouts)
+
+
 class StepParallelBeginPass:
     """Strategies (user, searched, default) and layouts for every forward op."""
 
@@ -305,7 +349,7 @@ class StepParallelEndPass:
         opts = state.options
         options = SplitOptions(
             devices=state.devices,
-            training=state.training,
+            training=state.backward,
             gradients_mean=bool(opts.get("gradients_mean", False)),
             loss_repeated_mean=bool(opts.get("loss_repeated_mean", True)),
             enable_alltoall=bool(opts.get("enable_alltoall", False)),
@@ -390,7 +434,7 @@ class ReplicatePass:
         else:
             graphs = [state.graph] * state.devices
         opts = state.options
-        options = SplitOptions(state.devices, state.training,
+        options = SplitOptions(state.devices, state.backward,
                                gradients_mean=bool(opts.get("gradients_mean", False)))
         fusion = {name: p.comm_fusion for name, p in traced.parameters.items()}
         layerwise = {name for name, p in traced.parameters.items() if p.layerwise_parallel}
@@ -430,17 +474,21 @@ def _optimizer_sharding(state: CompileState, layouts: dict[str, Any]) -> dict[st
 
 
 def pipeline(state: CompileState) -> list[Pass]:
-    passes: list[Pass] = [TracePass()]
+    """The passes after the trace (which decides whether the program trains, and how)."""
+    passes: list[Pass] = []
     if state.parallel_mode in ("data_parallel", "hybrid_parallel"):
         passes.append(ReplicatePass())
     elif state.parallel:
         if state.parallel_mode == "auto_parallel":  # search (issue 4)
             passes.append(StepAutoParallelPass())
         passes += [StepParallelBeginPass(), StepParallelEndPass()]
-    if state.training:
+    traced = state.traced
+    if traced is not None and traced.step is not None:
+        passes.append(TrainStepPass())
+    elif state.training:
         passes += [AutodiffPass(), OptimizerPass()]
-        if state.parallel:
-            passes.append(CommFusionPass())
+    if state.backward and state.parallel:
+        passes.append(CommFusionPass())
     passes.append(ExecutePass())
     return passes
 
@@ -531,13 +579,16 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
 def _run_pipeline(state: CompileState, out_dir: str | None, dump_ranks: Any = None,
                   before_write: Callable[[CompileState, str | None], None] | None = None
                   ) -> CompiledProgram:
-    passes = pipeline(state)
+    passes: list[Pass] = [TracePass()]
     timings: list[tuple[str, float]] = []
     dumps: list[tuple[str, dict[int, str]]] = []
     ranks = resolve_dump_ranks(dump_ranks, state.devices)
     state.dump_ranks = ranks
     templates: dict[int, GraphText] = {}  # the last text of each graph, by id
-    for index, p in enumerate(passes):
+    index = -1
+    while index + 1 < len(passes):
+        index += 1
+        p = passes[index]
         start = time.perf_counter()
         try:
             before = {id(g): list(g.nodes) for g in (state.graphs if state.split
@@ -560,6 +611,8 @@ def _run_pipeline(state: CompileState, out_dir: str | None, dump_ranks: Any = No
             appends = getattr(p, "appends_only", False)
             texts = _rank_texts(state, ranks, templates if appends else {})
             dumps.append((f"{index:02d}_{p.name}.ir", texts))
+        if index == 0:
+            passes += pipeline(state)
     if before_write is not None:
         before_write(state, out_dir)
     if out_dir is not None:

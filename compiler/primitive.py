@@ -13,6 +13,7 @@ import numpy as np
 
 from pcompile.compiler.tensor import Tensor
 from pcompile.compiler.tracing import current_tracer, name_hint, python_constant, user_source
+from pcompile.compiler.train_step import trace_hook
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Graph, GraphParam, Value
 from pcompile.ir.errors import OpError
@@ -163,6 +164,7 @@ class Primitive:
             name_hint=name_hint(source),
             user_attrs=user_attrs or None,
         )
+        trace_hook(op, values, result)
         return _wrap(result, tracer.builder)
 
 

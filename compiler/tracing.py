@@ -97,6 +97,7 @@ class Tracer:
         self.params: dict[int, GraphParam] = {}
         self.op_counts: dict[str, int] = {}
         self.overrides: dict[int, Value] = {}
+        self.custom_bprop: list[tuple[str, str]] = []  # (cell class, scope) with own bprop
 
     @property
     def scope(self) -> str:
@@ -189,7 +190,13 @@ def current_tracer() -> Tracer | None:
 
 @contextlib.contextmanager
 def tracing(graph: Graph) -> Iterator[Tracer]:
-    tracer = Tracer(graph)
+    with tracing_with(Tracer(graph)) as tracer:
+        yield tracer
+
+
+@contextlib.contextmanager
+def tracing_with(tracer: Tracer) -> Iterator[Tracer]:
+    """Trace with a given tracer (a subclass with its own parameter handling)."""
     _CURRENT.append(tracer)
     try:
         yield tracer

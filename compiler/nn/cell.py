@@ -18,6 +18,11 @@ from pcompile.compiler.tensor import Parameter
 from pcompile.compiler.tracing import current_tracer
 
 
+def has_custom_bprop(cell: Cell) -> bool:
+    """Whether the cell defines its own backward (`def bprop(self, *inputs, out, dout)`)."""
+    return callable(getattr(type(cell), "bprop", None))
+
+
 class Cell:
     """Base class of networks, layers, losses and optimizers."""
 
@@ -125,8 +130,16 @@ class Cell:
         return self
 
     def set_train(self, mode: bool = True) -> Cell:
+        """Training or inference behaviour for this cell and every sub-cell (`self.training`);
+        pcompile calls `set_train(True)` on the network of a training compile, as MindSpore's
+        `Model.train` does."""
         for _, cell in self.cells_and_names():
             object.__setattr__(cell, "training", mode)
+        return self
+
+    def set_grad(self, requires_grad: bool = True) -> Cell:
+        """Accepted for MindSpore scripts (`network.set_grad()`): pcompile knows from the
+        compile which cells are differentiated."""
         return self
 
     def shard(
@@ -156,6 +169,16 @@ class Cell:
         tracer = current_tracer()
         if tracer is None:
             return self.construct(*args, **kwargs)
+        from pcompile.compiler.train_step import current_step
+
+        step = current_step()
+        if step is not None:
+            return step.call_cell(self, args, kwargs, lambda: self._traced_call(args, kwargs))
+        return self._traced_call(args, kwargs)
+
+    def _traced_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        tracer = current_tracer()
+        assert tracer is not None
         part = f"{self._attr_name or 'cell'}-{type(self).__name__}"
         with contextlib.ExitStack() as scopes:
             # A cell held by a CellList (which is never called itself) has the list in its
@@ -165,6 +188,8 @@ class Cell:
                 scopes.enter_context(tracer.cell_scope(
                     f"{container._attr_name or 'cell'}-{type(container).__name__}"))
             scopes.enter_context(tracer.cell_scope(part))
+            if has_custom_bprop(self):
+                tracer.custom_bprop.append((type(self).__name__, tracer.scope))
             if self.shard_config is not None:
                 from pcompile.compiler.functional_shard import call_sharded
 
