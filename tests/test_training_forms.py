@@ -158,6 +158,41 @@ def test_vector_objective_is_differentiated_with_a_sensitivity_of_ones(tmp_path:
     assert abs(loss_vector * 16 - loss_sum) <= FLOAT64_RTOL * abs(loss_sum)
 
 
+LOSS_CELL = """
+def model():
+    return Net()
+
+
+def inputs():
+    return (np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32),)
+
+
+def labels():
+    return (np.random.default_rng(1).standard_normal((16, 16)).astype(np.float32),)
+
+
+def loss():
+    return nn.MSELoss(reduction="{reduction}")
+
+
+def optimizer(params):
+    return nn.SGD(params, learning_rate=0.1)
+"""
+
+
+def test_a_loss_cell_without_reduction_is_differentiated_like_its_sum(tmp_path: Any) -> None:
+    """loss() with reduction='none' (a (16, 16) objective): the backward starts from ones, so
+    the step equals reduction='sum'; 8 devices equal one."""
+    program = compile_source(tmp_path, LOSS_CELL.format(reduction="none"), "none.py",
+                             devices=8)
+    assert_oracle(program)
+    none = single(program, 2)
+    total = single(compile_source(tmp_path, LOSS_CELL.format(reduction="sum"), "sum.py",
+                                  devices=8), 2)
+    for name in ("w1", "w2"):
+        assert relative_error(none.values[name], total.values[name]) <= FLOAT64_RTOL
+
+
 # -- nn.TrainOneStepCell -----------------------------------------------------------------------
 
 TRAIN_ONE_STEP = """
@@ -325,12 +360,13 @@ def test_fixed_power_of_two_scale_changes_nothing(tmp_path: Any) -> None:
     assert float(a.values["scale_sense"]) == 1024.0
 
 
-@pytest.mark.parametrize("parallel", ["semi_auto_parallel", "data_parallel"])
+@pytest.mark.parametrize("parallel", ["semi_auto_parallel", "data_parallel",
+                                      "hybrid_parallel"])
 def test_dynamic_loss_scale_skips_an_overflowing_step_like_one_device(tmp_path: Any,
                                                                       parallel: str) -> None:
     body = LOSS_SCALE.format(scale="nn.DynamicLossScaleUpdateCell(2.0 ** 10, 2, 2)", bad=2)
     program = compile_source(tmp_path, body, devices=8, parallel_mode=parallel,
-                             overrides={"gradients_mean": parallel == "data_parallel"})
+                             overrides={"gradients_mean": parallel != "semi_auto_parallel"})
     assert_oracle(program, steps=6)
     # MindSpore's semantics, on the parallel program's own values, step by step.
     runner = ParallelRunner(program, float64=True)
