@@ -41,6 +41,7 @@ from pcompile.passes.autodiff import append_gradients
 from pcompile.passes.comm_fusion import CommFusionPass
 from pcompile.passes.optimizer import append_optimizer
 from pcompile.passes.optimizer_shard import plan_optimizer_sharding
+from pcompile.passes.recompute import apply_recompute, marked
 from pcompile.passes.replicated import (
     build_replicated_graphs,
     data_parallel_feed_layouts,
@@ -323,6 +324,17 @@ class TrainStepPass:
                 state.output_layouts = list(result.layouts)
 
 
+class RecomputePass:
+    """Recomputed forward values (`recompute: true`) computed again for the backward pass
+    (`passes.recompute`)."""
+
+    name = "recompute"
+
+    def apply(self, state: CompileState) -> None:
+        copied = sum(apply_recompute(graph) for graph in state.graphs)
+        state.plan["recompute"] = {"recomputed_nodes": copied}
+
+
 class StepParallelBeginPass:
     """Strategies (user, searched, default) and layouts for every forward op."""
 
@@ -483,10 +495,12 @@ def pipeline(state: CompileState) -> list[Pass]:
             passes.append(StepAutoParallelPass())
         passes += [StepParallelBeginPass(), StepParallelEndPass()]
     traced = state.traced
+    recompute = [RecomputePass()] if state.backward and state.graph is not None and \
+        marked(state.graph) else []
     if traced is not None and traced.step is not None:
-        passes.append(TrainStepPass())
+        passes += [TrainStepPass(), *recompute]
     elif state.training:
-        passes += [AutodiffPass(), OptimizerPass()]
+        passes += [AutodiffPass(), *recompute, OptimizerPass()]
     if state.backward and state.parallel:
         passes.append(CommFusionPass())
     passes.append(ExecutePass())

@@ -98,6 +98,14 @@ class Tracer:
         self.op_counts: dict[str, int] = {}
         self.overrides: dict[int, Value] = {}
         self.custom_bprop: list[tuple[str, str]] = []  # (cell class, scope) with own bprop
+        # Cell.recompute(): whether the cells being traced are recomputed (innermost last), and
+        # the results marked because of it (a cell's outputs are unmarked when it returns)
+        self.recompute_stack: list[bool] = []
+        self.recompute_marked: set[int] = set()
+
+    @property
+    def recompute(self) -> bool:
+        return bool(self.recompute_stack) and self.recompute_stack[-1]
 
     @property
     def scope(self) -> str:

@@ -261,6 +261,7 @@ class RankBuilder:
 
     def emit_plan(self, node: Node, local: Value, plan: Any, reason: str) -> Value:
         b = Builder(self.graph, scope=node.scope, source=node.source)
+        keep = self.inherited(node)
         value = local
         steps = plan.symbolic_ops()
         if self.rank is not None:
@@ -271,13 +272,15 @@ class RankBuilder:
                 value = b.emit("Reshape", [value], {"shape": tuple(step[1])},
                                instance_name=self.inserted_name(node, "redistribution_op",
                                                                 "Reshape"),
-                               parallel=ParallelInfo(extra={"reason": reason}))
+                               parallel=ParallelInfo(extra={"reason": reason}),
+                               user_attrs=keep)
             elif kind == "StridedSlice":
                 value = b.emit("StridedSlice", [value],
                                {"begin": step[1], "end": step[2], "strides": step[3]},
                                instance_name=self.inserted_name(node, "redistribution_op",
                                                                 "StridedSlice"),
-                               parallel=ParallelInfo(extra={"reason": reason}))
+                               parallel=ParallelInfo(extra={"reason": reason}),
+                               user_attrs=keep)
             elif kind == "AllConcat":
                 ranks, axis = step[1], step[2]
                 nbytes = value.tensor_type.nbytes * (len(ranks) - 1)
@@ -285,17 +288,19 @@ class RankBuilder:
                                   instance_name=self.inserted_name(node, "redistribution_op",
                                                                    "AllGather"),
                                   parallel=ParallelInfo(extra={"reason": reason,
-                                                               "bytes": nbytes}))
+                                                               "bytes": nbytes}),
+                                  user_attrs=keep)
                 if axis != 0:
                     parts = b.emit("Split", [gathered], {"axis": 0, "output_num": len(ranks)},
                                    instance_name=self.inserted_name(node, "redistribution_op",
-                                                                    "Split"))
+                                                                    "Split"), user_attrs=keep)
                     pieces = [b.emit("TupleGetItem", [parts], {"index": i})
                               for i in range(len(ranks))]
                     gathered = b.emit("Concat", pieces, {"axis": axis},
                                       instance_name=self.inserted_name(node,
                                                                        "redistribution_op",
-                                                                       "Concat"))
+                                                                       "Concat"),
+                                      user_attrs=keep)
                 value = gathered
             elif kind == "AlltoAll":
                 _, ranks, split_dim, concat_dim, count = step
@@ -306,7 +311,8 @@ class RankBuilder:
                                instance_name=self.inserted_name(node, "redistribution_op",
                                                                 "AlltoAll"),
                                parallel=ParallelInfo(extra={"reason": reason,
-                                                            "bytes": nbytes}))
+                                                            "bytes": nbytes}),
+                               user_attrs=keep)
         return value
 
     def lower_node(self, node: Node) -> None:
@@ -396,7 +402,14 @@ class RankBuilder:
         self.local[id(node.result)] = (self.mirror_value(cast, param, node),
                                        sharding.out_layouts[0])
 
+    @staticmethod
+    def inherited(node: Node) -> dict[str, Any] | None:
+        """Attributes an inserted op takes from the op it serves: a recomputed op's
+        communication is recomputed with it (MindSpore's mp_comm_recompute)."""
+        return {"recompute": True} if node.attrs.get("recompute") is True else None
+
     def forward_comm(self, node: Node, b: Builder, out: Value, sharding: OpSharding) -> Value:
+        keep = self.inherited(node)
         for comm in sharding.forward:
             group = RankGroup.along(sharding.dev_matrix, comm.axes)
             if comm.kind == "Div":
@@ -404,7 +417,7 @@ class RankBuilder:
                              instance_name=self.inserted_name(node, "forward_op", "RealDiv"),
                              parallel=ParallelInfo(extra={
                                  "reason": f"mean of {node.op} '{node.instance_name}' over "
-                                           f"{comm.divisor} slices"}))
+                                           f"{comm.divisor} slices"}), user_attrs=keep)
                 continue
             if len(group) <= 1:
                 continue
@@ -414,7 +427,8 @@ class RankBuilder:
                       f"{list(sharding.dev_matrix)})")
             out = b.emit(comm.kind, [out], {"op": comm.op, **self.group_attrs(group)},
                          instance_name=self.inserted_name(node, "forward_op"),
-                         parallel=ParallelInfo(extra={"reason": reason, "bytes": nbytes}))
+                         parallel=ParallelInfo(extra={"reason": reason, "bytes": nbytes}),
+                         user_attrs=keep)
         return out
 
     def masked_gather(self, node: Node, b: Builder, operands: list[Value],

@@ -2,9 +2,13 @@
 
 MindSpore scripts use it to order side effects (`loss = F.depend(loss, self.optimizer(grads))`)
 and to keep a computation alive; the recompute pass uses it to hold a recomputed region back
-until the backward pass reaches it. The numpy implementation returns `value`; the JAX one passes
-both through `lax.optimization_barrier`, which is how XLA is told that `value` is used only after
-`expr` exists (and that the two may not be merged with an identical computation elsewhere).
+until the backward pass reaches it. The numpy implementation returns `value`. The JAX one must
+make XLA see a real data dependency, which neither its simplifier nor its common-subexpression
+elimination can remove: a float `value` becomes `value - 0 * |s|`, s one element of `expr` (0
+where it is not finite), which is `value` exactly (x - (+0) = x for every x, -0 included);
+other dtypes go through `lax.optimization_barrier`. (An optimization barrier alone is what
+`jax.checkpoint` uses, but XLA's CPU pipeline expands barriers before it eliminates common
+subexpressions, so a recomputation would be merged back into the forward pass there.)
 
 Gradient: `value`'s cotangent passes through, `expr` gets none (MindSpore's bprop gives it
 zeros). Sharding: no strategy of its own (MindSpore has no operator info for Depend); the
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -36,7 +41,13 @@ def _depend_np(value: Any, expr: Any) -> Any:
 
 
 def _depend_jax(value: Any, expr: Any) -> Any:
-    return lax.optimization_barrier((value, expr))[0]
+    leaves = [e for e in (expr if isinstance(expr, (tuple, list)) else (expr,))
+              if getattr(e, "size", 0)]
+    if not jnp.issubdtype(value.dtype, jnp.floating) or not leaves:
+        return lax.optimization_barrier((value, expr))[0]
+    s = jnp.ravel(leaves[0])[0].astype(value.dtype)
+    zero = jnp.abs(jnp.where(jnp.isfinite(s), s, jnp.zeros_like(s))) * 0
+    return value - zero
 
 
 def _depend_vjp(b: Builder, node: Node, cot: Any) -> list[Value | None]:
