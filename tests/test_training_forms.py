@@ -266,6 +266,67 @@ def test_grad_wrap_with_a_sensitivity(tmp_path: Any) -> None:
         assert relative_error(g, 3.0 * w) <= FLOAT64_RTOL
 
 
+def test_grad_wrap_as_mindspore_parallel_tests_write_it(tmp_path: Any) -> None:
+    """MindSpore's parallel unit tests: a module-level `grad_all = GradOperation(get_all=True)`,
+    GradWrap(NetWithLoss(net)) over three inputs, `set_auto_parallel()` and `set_train()`."""
+    body = """
+    grad_all = ops.GradOperation(get_all=True)
+
+
+    class MatMulNet(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.matmul1 = ops.MatMul().shard(((2, 2), (2, 2)))
+            self.matmul2 = ops.MatMul().shard(((2, 2), (2, 2)))
+
+        def construct(self, x, y, b):
+            return self.matmul2(self.matmul1(x, y), b)
+
+
+    class NetWithLoss(nn.Cell):
+        def __init__(self, network):
+            super().__init__()
+            self.network = network
+            self.loss = ops.ReduceSum()
+
+        def construct(self, x, y, b):
+            return self.loss(self.network(x, y, b))
+
+
+    class GradWrap(nn.Cell):
+        def __init__(self, network):
+            super().__init__()
+            self.network = network
+
+        def construct(self, x, y, b):
+            return grad_all(self.network)(x, y, b)
+
+
+    def model():
+        net = GradWrap(NetWithLoss(MatMulNet()))
+        net.set_auto_parallel()
+        net.set_train()
+        return net
+
+
+    def inputs():
+        rng = np.random.default_rng(0)
+        return tuple(rng.standard_normal(s).astype(np.float32)
+                     for s in ((64, 32), (32, 64), (64, 64)))
+    """
+    program = compile_source(tmp_path, body, devices=8)
+    assert program.output_names == ["output0", "output1", "output2"]
+    assert [layout.shape for layout in program.state.output_layouts] == [
+        (64, 32), (32, 64), (64, 64)]
+    assert_oracle(program)
+    # d sum(x y b) / dx = 1 b^T y^T, written directly
+    one = compile_model(program.state.model_file.path, devices=1, dump=False)
+    arrays = next(batches(one, 1))[2]
+    x, y, b = (a.astype(np.float64) for a in arrays)
+    dx = StandAloneRunner(one, "numpy", float64=True).run(arrays)[0]
+    assert relative_error(dx, np.ones((64, 64)) @ b.T @ y.T) <= FLOAT64_RTOL
+
+
 def test_with_grad_cell_matches_the_analytic_gradient(tmp_path: Any) -> None:
     """nn.WithGradCell(net, loss_fn) on y = x W with MSE: dL/dW = 2 x^T (x W - y) / (N M)."""
     body = """

@@ -173,6 +173,11 @@ class Cell:
             object.__setattr__(cell, "_recompute_root", cell is self)
         return self
 
+    def set_auto_parallel(self) -> Cell:
+        """Accepted for MindSpore scripts (`net.set_auto_parallel()`): the parallel mode comes
+        from the context."""
+        return self
+
     def set_grad(self, requires_grad: bool = True) -> Cell:
         """Accepted for MindSpore scripts (`network.set_grad()`): pcompile knows from the
         compile which cells are differentiated."""
