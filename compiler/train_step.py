@@ -307,6 +307,14 @@ class Replay(StepContext):
             ones = np.ones((), objective.dtype.np)
             return Constant(np.broadcast_to(ones, objective.shape), objective.dtype)
         value = self.tracer.to_value(sens, objective.dtype)
+        b = Builder(self.graph, scope=self.tracer.scope)
+        if isinstance(value.type, TensorType) and value.dtype != objective.dtype and \
+                value.dtype.is_float:
+            value = b.emit("Cast", [value], {"dst_type": objective.dtype})
+        if isinstance(value.type, TensorType) and value.shape != objective.shape and \
+                value.tensor_type.size == objective.tensor_type.size:
+            # a (1,) sensitivity for a scalar loss (a (1,) loss scale), as MindSpore accepts
+            value = b.emit("Reshape", [value], {"shape": objective.shape})
         if value.type != objective.type:
             raise PcompileError(
                 f"GradOperation: the sensitivity is {value.type}, the network's output is "
