@@ -602,6 +602,10 @@ SCHEDULES = {
         lambda t: ((math.cos(min(t, 3) * f32(math.pi) / 3) + 1) * f32(0.5 * (0.1 - 0.01))
                    + f32(0.01)),
     "Halving()": lambda t: f32(0.5) ** t * f32(0.2),
+    "nn.PolynomialDecayLR(0.1, 0.01, 3, 2.0)":
+        lambda t: (1 - min(t, 3) / 3) ** f32(2.0) * f32(0.1 - 0.01) + f32(0.01),
+    "nn.ExponentialDecayLR(0.1, 0.5, 2, is_stair=True)":
+        lambda t: f32(0.5) ** math.floor(t / 2) * f32(0.1),
 }
 
 
