@@ -97,6 +97,15 @@ class Tracer:
         self.params: dict[int, GraphParam] = {}
         self.op_counts: dict[str, int] = {}
         self.overrides: dict[int, Value] = {}
+        self.custom_bprop: list[tuple[str, str]] = []  # (cell class, scope) with own bprop
+        # Cell.recompute(): whether the cells being traced are recomputed (innermost last), and
+        # the results marked because of it (a cell's outputs are unmarked when it returns)
+        self.recompute_stack: list[bool] = []
+        self.recompute_marked: set[int] = set()
+
+    @property
+    def recompute(self) -> bool:
+        return bool(self.recompute_stack) and self.recompute_stack[-1]
 
     @property
     def scope(self) -> str:
@@ -189,7 +198,13 @@ def current_tracer() -> Tracer | None:
 
 @contextlib.contextmanager
 def tracing(graph: Graph) -> Iterator[Tracer]:
-    tracer = Tracer(graph)
+    with tracing_with(Tracer(graph)) as tracer:
+        yield tracer
+
+
+@contextlib.contextmanager
+def tracing_with(tracer: Tracer) -> Iterator[Tracer]:
+    """Trace with a given tracer (a subclass with its own parameter handling)."""
     _CURRENT.append(tracer)
     try:
         yield tracer

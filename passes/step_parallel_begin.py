@@ -4,7 +4,9 @@ Sources of strategies, in order: the user's `shard()` (tuples or `Layout`s), a s
 by the search (auto_parallel, filled in beforehand by `passes.search`), and otherwise
 MindSpore's semi-auto default (data parallel on dim 0 when it divides, else replicated). Graph
 inputs get their layout from `dataset_strategy`. Reshape has no strategy: its output layout is
-what its first consumer wants (reference §2.3).
+what its first consumer wants (reference §2.3). Depend has none either: its output is its first
+operand, in that operand's layout (`LAYOUT_PASS_THROUGH`), as in MindSpore, which gives Depend no
+operator info.
 
 A parameter whose users want different layouts is an error (reference §3.4): parameters are
 stored sliced and never redistributed.
@@ -27,6 +29,10 @@ from pcompile.ir.sharding import (
     rule_for,
 )
 from pcompile.ir.types import TensorType
+
+#: Ops without a strategy whose output is their first operand, in its layout; their other
+#: operands are kept as they are (never redistributed).
+LAYOUT_PASS_THROUGH = frozenset({"Depend"})
 
 
 @dataclass
@@ -290,7 +296,8 @@ def assign(
     users: dict[str, list[tuple[Node, TensorLayout]]] = {}
     follow = _followers(graph, searched)
     for node in graph.nodes:
-        if node.op in NO_STRATEGY or id(node) in follow:
+        if (node.op in NO_STRATEGY or node.op in LAYOUT_PASS_THROUGH
+                or id(node) in follow):
             continue
         if rule_for(node.op) is None:
             raise OpError(
