@@ -199,6 +199,13 @@ class CommFusionInfo(_Strict):
     collectives_per_rank: list[FusionCount] = Field(description="per rank, before and after")
 
 
+class RecomputeInfo(_Strict):
+    """Recomputation (`Cell.recompute()`, `Primitive.recompute()`)."""
+
+    recomputed_nodes: int = Field(
+        ge=0, description="forward nodes computed again for the backward pass")
+
+
 class OptimizerShard(_Strict):
     """How the parallel optimizer stores one parameter."""
 
@@ -235,6 +242,8 @@ class Plan(_Strict):
     comm_fusion: CommFusionInfo | None = Field(None, description="communication fusion")
     parallel_optimizer: dict[str, OptimizerShard] | None = Field(
         None, description="the parallel optimizer's stored layouts, per parameter")
+    recompute: RecomputeInfo | None = Field(
+        None, description="recomputation, when a cell or primitive asked for it")
 
     @model_validator(mode="after")
     def _ranks_in_range(self) -> Plan:
