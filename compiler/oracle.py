@@ -40,6 +40,31 @@ FLOAT64_RTOL = 2.0 ** -26
 CHECK_BUDGET_BYTES = 1 << 30
 
 
+#: How much the rest of a training step may amplify a rounding difference (module docstring).
+AMPLIFICATION = 2.0 ** 7
+
+
+def longest_reduction(program: CompiledProgram) -> int:
+    """The largest dim of any value of the step: it bounds the length of every contraction
+    and reduction."""
+    longest = 1
+    for node in program.graph.nodes:
+        types = getattr(node.result.type, "elements", None) or (node.result.type,)
+        for value_type in (*types, *(v.type for v in node.operands)):
+            if hasattr(value_type, "shape"):
+                longest = max([longest, *value_type.shape])
+    return longest
+
+
+def rounding_rtol(program: CompiledProgram, dtype: object = np.float32, steps: int = 1) -> float:
+    """The relative difference two correct evaluations of `steps` training steps in `dtype`
+    may show (a parallel run against one device, or two backends): the dtype's unit roundoff
+    times the longest reduction times `AMPLIFICATION`, per step (the same derivation as
+    `FLOAT64_RTOL`, with this model's own reduction length)."""
+    unit = float(np.finfo(np.dtype(dtype)).eps) / 2
+    return unit * longest_reduction(program) * AMPLIFICATION * steps
+
+
 def low_precision_bound(program: CompiledProgram) -> tuple[str | None, float]:
     """The lowest float precision the step computes in, when below float32, and the relative
     difference its rounding explains between two orders of evaluation: eps of the dtype times
