@@ -126,6 +126,7 @@ def alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_four_processes_train_like_one_device_and_merge(model_path, tmp_path) -> None:
     out = tmp_path / "out"
     proc = cli(model_path, str(out), "--run", "--steps", "5")
@@ -173,6 +174,7 @@ def test_a_killed_rank_stops_the_launch_within_10_s(model_path, tmp_path) -> Non
     assert not any(alive(p["pid"]) for p in info["processes"])
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_rank(model_path, tmp_path) -> None:
     out = tmp_path / "out"
     proc = cli(model_path, str(out), "--run", "--steps", "1000000")
@@ -215,6 +217,7 @@ def test_resume_after_a_failure_is_bit_identical(model_path, tmp_path) -> None:
                 assert np.array_equal(x[name], y[name])
 
 
+@pytest.mark.slow
 def test_a_taken_coordinator_port_is_retried(model_path, tmp_path, monkeypatch) -> None:
     import socket
 
@@ -330,6 +333,7 @@ def test_a_checkpoint_full_of_nan_stops_the_resumed_run_at_its_first_step(model_
     assert "the loss is nan at step 5 (epoch 2, step 2)" in result.message
 
 
+@pytest.mark.slow
 def test_two_processes_started_by_torchrun_conventions_are_one_job(model_path,
                                                                    tmp_path) -> None:
     from pcompile.backends.launcher import free_port
