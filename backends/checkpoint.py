@@ -603,6 +603,16 @@ def _check_plan_layout(plan: Mapping[str, Any] | None, name: str,
         raise MergeError(f"{name}: the checkpoint's layout differs from plan.json's")
 
 
+def _is_merge_output(path: str) -> bool:
+    """Whether `path` is an .npz an earlier pcompile-merge wrote (its `__meta__` names a plan)."""
+    try:
+        with LazyNpz(path) as npz:
+            meta = json.loads(str(npz.get(META_KEY))) if META_KEY in npz.files else None
+    except Exception:  # noqa: BLE001  (anything unreadable is not ours)
+        return False
+    return isinstance(meta, dict) and "plan_id" in meta and "num_ranks" in meta
+
+
 def main(argv: list[str] | None = None) -> int:
     """`pcompile-merge OUT_DIR [--step S] [--output FILE]`."""
     parser = argparse.ArgumentParser(
@@ -624,6 +634,11 @@ def main(argv: list[str] | None = None) -> int:
     for line in info.pop("skipped"):
         print(f"pcompile-merge: passed over {line}", file=sys.stderr)
     output = args.output or os.path.join(args.out_dir, f"merged_step_{info['step']:08d}.npz")
+    if os.path.exists(output) and not _is_merge_output(output):
+        print(f"pcompile-merge: error: {output} exists and is not a file pcompile-merge wrote; "
+              "name another --output (pcompile never replaces a file it did not write)",
+              file=sys.stderr)
+        return 1
     written = {"tensors": 0, "bytes": 0}
 
     def counted() -> Iterator[tuple[str, np.ndarray]]:

@@ -243,3 +243,16 @@ def test_merge_streams_one_tensor_at_a_time(tmp_path) -> None:
     assert sorted(k for k in merged if k != META_KEY) == sorted(full)
     for name, value in full.items():
         assert np.array_equal(merged[name], value)
+
+
+def test_merge_never_replaces_a_file_it_did_not_write(tmp_path) -> None:
+    write_steps(tmp_path / "checkpoints", steps=(2,))
+    mine = tmp_path / "notes.npz"
+    mine.write_bytes(b"the user's own file")
+    proc = subprocess.run([sys.executable, "-m", "pcompile.backends.checkpoint", str(tmp_path),
+                           "--output", str(mine)], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 1 and "not a file pcompile-merge wrote" in proc.stderr
+    assert mine.read_bytes() == b"the user's own file"
+    # its own output is replaced on a second merge
+    assert merge_cli(tmp_path).returncode == 0
+    assert merge_cli(tmp_path).returncode == 0
