@@ -49,6 +49,7 @@ def _simple(name: str, op: str | None = None) -> type[Primitive]:
 
 
 Add = _simple("Add")
+TensorAdd = Add  # MindSpore's old name of Add
 Sub = _simple("Sub")
 Mul = _simple("Mul")
 RealDiv = _simple("RealDiv")
@@ -56,6 +57,8 @@ Div = _simple("Div", "RealDiv")
 Maximum = _simple("Maximum")
 Minimum = _simple("Minimum")
 Neg = _simple("Neg")
+Abs = _simple("Abs")
+Erf = _simple("Erf")
 Exp = _simple("Exp")
 Log = _simple("Log")
 Sqrt = _simple("Sqrt")
@@ -252,11 +255,35 @@ class StridedSlice(Primitive):
         )
 
 
-class Gather(_Simple):
+class Gather(Primitive):
+    """`Gather(batch_dims=0)(input_params, input_indices, axis)`. With batch_dims = b the
+    first b dims of params and indices are batch dims (MindSpore's batch mode: the gathered
+    axis is never split, the batch dims split alike)."""
+
     op = "Gather"
+
+    def __init__(self, batch_dims: int = 0) -> None:
+        if isinstance(batch_dims, bool) or not isinstance(batch_dims, int):
+            raise TypeError(f"Gather: batch_dims must be an int, got {batch_dims!r}")
+        super().__init__(batch_dims=batch_dims)
 
     def __call__(self, params: Any, indices: Any, axis: int = 0) -> Any:
         return self._apply([params, indices], axis=int(axis))
+
+
+class LpNorm(Primitive):
+    """`LpNorm(axis, p=2, keep_dims=False, epsilon=1e-12)(input)`: max((sum |x|**p)**(1/p),
+    epsilon) over `axis`."""
+
+    op = "LpNorm"
+
+    def __init__(self, axis: Any, p: int = 2, keep_dims: bool = False,
+                 epsilon: float = 1e-12) -> None:
+        if isinstance(p, bool) or not isinstance(p, int):
+            raise TypeError(f"LpNorm: p must be an int, got {p!r}")
+        if not isinstance(keep_dims, bool):
+            raise TypeError(f"LpNorm: keep_dims must be a bool, got {keep_dims!r}")
+        super().__init__(axis=_axes(axis), p=p, keep_dims=keep_dims, epsilon=float(epsilon))
 
 
 class OneHot(Primitive):
