@@ -18,6 +18,7 @@ import numpy as np
 from pcompile.compiler.ops import (
     Abs,
     Add,
+    Assign,
     AvgPool,
     BatchMatMul,
     BiasAdd,
@@ -25,16 +26,20 @@ from pcompile.compiler.ops import (
     Cast,
     Concat,
     Conv2D,
+    Cos,
+    Depend,
     Equal,
     Erf,
     Exp,
     ExpandDims,
     FlashAttentionScore,
     Flatten,
+    FloorDiv,
     Gather,
     GeLU,
     Greater,
     GreaterEqual,
+    IsFinite,
     LayerNorm,
     Less,
     LessEqual,
@@ -66,6 +71,7 @@ from pcompile.compiler.ops import (
     Shape,
     Sigmoid,
     SiLU,
+    Sin,
     Softmax,
     Split,
     Sqrt,
@@ -78,6 +84,8 @@ from pcompile.compiler.ops import (
     Transpose,
     ZerosLike,
 )
+from pcompile.compiler.tensor import Tensor
+from pcompile.ir.types import DType
 
 # -- helpers ------------------------------------------------------------------------------------
 
@@ -193,6 +201,30 @@ def sigmoid(input: Any) -> Any:
 
 def erf(input: Any) -> Any:
     return Erf()(input)
+
+
+def cos(input: Any) -> Any:
+    return Cos()(input)
+
+
+def sin(input: Any) -> Any:
+    return Sin()(input)
+
+
+def floor_div(input: Any, other: Any) -> Any:
+    """floor(input / other), MindSpore's `ops.floor_div`."""
+    return FloorDiv()(input, other)
+
+
+floor_divide = floor_div
+
+
+def isfinite(input: Any) -> Any:
+    return IsFinite()(input)
+
+
+def reciprocal(input: Any) -> Any:
+    return 1.0 / input
 
 
 def relu(input: Any) -> Any:
@@ -605,6 +637,56 @@ def flash_attention_score(query: Any, key: Any, value: Any, head_num: int,
                                inner_precise, input_layout, sparse_mode)
     return prim(query, key, value, real_shift, drop_mask, padding_mask, attn_mask, prefix,
                 actual_seq_qlen, actual_seq_kvlen)[3]
+
+
+# -- dependencies and training steps ------------------------------------------------------------
+
+
+def depend(value: Any, expr: Any) -> Any:
+    """`value`, computed after `expr` (MindSpore's `ops.depend`)."""
+    return Depend()(value, expr)
+
+
+def fill(type: Any, shape: Any, value: Any) -> Tensor:  # noqa: A002  (MindSpore's name)
+    """A tensor of `shape` filled with `value` (a constant)."""
+    return Tensor(np.full(tuple(int(d) for d in shape), value, DType.from_any(type).np))
+
+
+def assign(variable: Any, value: Any) -> Any:
+    return Assign()(variable, value)
+
+
+def global_norm(x: Any) -> Any:
+    """sqrt of the sum of squares of every element of the tensors in `x` (float32); in a
+    parallel training step each gradient slice is counted once over the ranks."""
+    from pcompile.compiler.train_step import current_step
+
+    tensors = list(x) if isinstance(x, (tuple, list)) else [x]
+    step = current_step()
+    if step is not None:
+        return step.global_norm(tensors)
+    total: Any = None
+    for t in tensors:
+        term = ReduceSum(False)(Square()(Cast()(t, DType.float32)), ())
+        total = term if total is None else total + term
+    return Sqrt()(total)
+
+
+def clip_by_global_norm(x: Any, clip_norm: float = 1.0, use_norm: Any = None) -> Any:
+    """MindSpore's `ops.clip_by_global_norm`: x_i * clip_norm / max(global_norm(x), clip_norm)
+    for every tensor of `x` (computed in float32, cast back to each tensor's dtype)."""
+    if use_norm is not None:
+        raise ValueError("clip_by_global_norm: input 'use_norm' only supports None currently, "
+                         f"but got 'use_norm': {use_norm}")
+    if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or clip_norm <= 0:
+        raise ValueError(f"clip_by_global_norm: clip_norm must be > 0, got {clip_norm!r}")
+    single = not isinstance(x, (tuple, list))
+    tensors = [x] if single else list(x)
+    norm = global_norm(tensors)
+    clip = Tensor(np.asarray(clip_norm, np.float32))
+    norm = Select()(GreaterEqual()(norm, clip), norm, clip)
+    out = tuple(Cast()(Cast()(t, DType.float32) * clip / norm, t.dtype) for t in tensors)
+    return out[0] if single else out
 
 
 #: Every functional name (aliases included): `pcompile.ops` re-exports them.

@@ -84,6 +84,28 @@ LogicalOr = _simple("LogicalOr")
 LogicalNot = _simple("LogicalNot")
 Select = _simple("Select")
 Identity = _simple("Identity")
+FloorDiv = _simple("FloorDiv")
+Cos = _simple("Cos")
+Sin = _simple("Sin")
+IsFinite = _simple("IsFinite")
+
+
+class Depend(_Simple):
+    """`ops.Depend()(value, expr)`: value, computed after expr. `expr` may be a tuple or list
+    of tensors (one Depend per tensor); entries that are not traced tensors (Python values,
+    None) order nothing and are skipped."""
+
+    op = "Depend"
+
+    def __call__(self, value: Any, expr: Any) -> Any:
+        items = list(expr) if isinstance(expr, (tuple, list)) else [expr]
+        out = value
+        for item in items:
+            if isinstance(item, (tuple, list)):
+                out = self(out, item)
+            elif isinstance(item, Tensor) and item.is_symbolic:
+                out = self._apply([out, item])
+        return out
 
 
 class Shape(_Simple):
@@ -583,3 +605,24 @@ def __dir__() -> list[str]:
     from pcompile.compiler import functional
 
     return sorted(set(globals()) | set(functional.__all__))
+
+
+# -- training steps (compiler/train_step.py) ----------------------------------------------------
+
+from pcompile.compiler.grad import GradOperation  # noqa: E402,F401  (MindSpore's name)
+
+
+class Assign(_Simple):
+    """`ops.Assign()(variable, value)`: in a training step cell, store `value` as the
+    Parameter's new value (returned by the step, written back by the runtime)."""
+
+    op = "Assign"
+
+    def __call__(self, variable: Any, value: Any) -> Any:
+        from pcompile.compiler.train_step import current_step
+
+        step = current_step()
+        if step is None:
+            raise TypeError("ops.assign stores a Parameter's new value; it is supported in a "
+                            "training step cell (after the gradients), not in a network")
+        return step.assign(variable, value)

@@ -24,8 +24,25 @@ from pcompile.compiler.nn.loss import (
     SoftmaxCrossEntropyWithLogits,
     WithLossCell,
 )
+from pcompile.compiler.nn.lr import (
+    CosineDecayLR,
+    ExponentialDecayLR,
+    LearningRateSchedule,
+    PolynomialDecayLR,
+    WarmUpLR,
+)
 from pcompile.compiler.nn.optim import SGD, Adam, AdamWeightDecay, Momentum
 from pcompile.compiler.nn.optim_base import Optimizer
+from pcompile.compiler.nn.wrap import (
+    ClipByGlobalNorm,
+    ClipGradNorm,
+    DistributedGradReducer,
+    DynamicLossScaleUpdateCell,
+    FixedLossScaleUpdateCell,
+    TrainOneStepCell,
+    TrainOneStepWithLossScaleCell,
+    WithGradCell,
+)
 
 __all__ = [
     "Cell",
@@ -53,4 +70,17 @@ __all__ = [
     "Momentum",
     "Adam",
     "AdamWeightDecay",
+    "LearningRateSchedule",
+    "WarmUpLR",
+    "CosineDecayLR",
+    "PolynomialDecayLR",
+    "ExponentialDecayLR",
+    "TrainOneStepCell",
+    "TrainOneStepWithLossScaleCell",
+    "WithGradCell",
+    "FixedLossScaleUpdateCell",
+    "DynamicLossScaleUpdateCell",
+    "DistributedGradReducer",
+    "ClipByGlobalNorm",
+    "ClipGradNorm",
 ]
