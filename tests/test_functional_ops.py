@@ -380,3 +380,24 @@ def test_functional_model_trains_as_on_one_device(tmp_path: Any) -> None:
     assert gather.attrs["batch_dims"] == 1
     report = check(program, steps=2)
     assert report.ok(), report.errors
+
+
+def test_ops_page_lists_every_functional_name() -> None:
+    """docs/ops.md's functional tables are what `python -m pcompile.compiler.ops_doc`
+    generates from the namespaces now (regenerate them after adding a name)."""
+    from pcompile.compiler import ops_doc
+
+    assert ops_doc.current() == ops_doc.generated(), (
+        "docs/ops.md is stale: run `python -m pcompile.compiler.ops_doc`")
+    for name in EXPORTED:
+        prefix, short = name.split(".", 1)
+        spelled = {"ops": "ops", "mint": "mint", "F": "mint.nn.functional"}[prefix]
+        assert f"| `{spelled}.{short}` |" in ops_doc.current(), name
+
+
+def test_set_device_is_accepted_and_checked() -> None:
+    add = ops.TensorAdd()
+    assert ops.TensorAdd is ops.Add
+    assert add.set_device("CPU") is add and add.device_target == "CPU"
+    with pytest.raises(ValueError, match="device_target must be 'Ascend', 'GPU' or 'CPU'"):
+        ops.MatMul().set_device("TPU")
