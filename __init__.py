@@ -26,11 +26,15 @@ _MODULE_ALIASES = {
     "pcompile.nn": "pcompile.compiler.nn",
     "pcompile.ops": "pcompile.compiler.ops",
     "pcompile.communication": "pcompile.compiler.communication",
+    "pcompile.mint": "pcompile.compiler.mint",
+    "pcompile.mint.nn": "pcompile.compiler.mint.nn",
+    "pcompile.mint.nn.functional": "pcompile.compiler.mint.nn.functional",
 }
 
 _FACADE = (
-    "nn", "ops", "communication", "Parameter", "ParameterTuple", "Tensor", "TensorSpec",
-    "Layout", "initializer", "set_seed", "set_auto_parallel_context", "get_auto_parallel_context",
+    "nn", "ops", "mint", "communication", "Parameter", "ParameterTuple", "Tensor",
+    "TensorSpec", "Layout", "initializer", "set_seed", "set_auto_parallel_context",
+    "get_auto_parallel_context",
     "reset_auto_parallel_context", "set_context", "get_context", "set_cost_model_context",
     "get_cost_model_context", "reset_cost_model_context", "set_algo_parameters",
     "get_algo_parameters", "reset_algo_parameters", "ParallelMode", "shard", "compile",
@@ -57,7 +61,9 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
-    sys.meta_path.append(_AliasFinder())
+    # First: `pcompile.mint.nn` must resolve to the aliased module, not be found again under
+    # the real package's path (a second copy of the module).
+    sys.meta_path.insert(0, _AliasFinder())
 
 
 def __getattr__(name: str) -> Any:

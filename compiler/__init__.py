@@ -3,7 +3,7 @@
 Model files import only from `pcompile` (and `pcompile.communication`); internal module paths may
 change, this list does not."""
 
-from pcompile.compiler import communication, nn, ops
+from pcompile.compiler import communication, mint, nn, ops
 from pcompile.compiler.context import (
     ParallelMode,
     get_algo_parameters,
@@ -64,6 +64,7 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device="Ascen
 __all__ = [
     "nn",
     "ops",
+    "mint",
     "communication",
     "Parameter",
     "ParameterTuple",

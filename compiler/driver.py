@@ -41,7 +41,7 @@ from pcompile.ir.printer import GraphText, print_graph
 from pcompile.ir.verifier import verify
 from pcompile.passes.autodiff import append_gradients
 from pcompile.passes.comm_fusion import CommFusionPass
-from pcompile.passes.optimizer import append_optimizer
+from pcompile.passes.optimizer import append_optimizer, rank_sum
 from pcompile.passes.optimizer_shard import plan_optimizer_sharding
 from pcompile.passes.recompute import apply_recompute, marked
 from pcompile.passes.replicated import (
@@ -316,7 +316,9 @@ class OptimizerPass:
             loss: Value = graph.outputs[0]
             grads = {n[len("grad."):]: v for n, v in zip(names[1:], graph.outputs[1:])}
             slicer = _state_slicer(state) if state.parallel else None
-            init = append_optimizer(graph, opt, traced.parameters, grads, loss, slicer)
+            summer = (rank_sum(graph, state.devices, state.assignment.param_layouts)
+                      if state.parallel and state.assignment is not None else None)
+            init = append_optimizer(graph, opt, traced.parameters, grads, loss, slicer, summer)
             if not state.parallel:
                 state.initial_values.update(init)
 

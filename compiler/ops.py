@@ -49,6 +49,7 @@ def _simple(name: str, op: str | None = None) -> type[Primitive]:
 
 
 Add = _simple("Add")
+TensorAdd = Add  # MindSpore's old name of Add
 Sub = _simple("Sub")
 Mul = _simple("Mul")
 RealDiv = _simple("RealDiv")
@@ -56,6 +57,8 @@ Div = _simple("Div", "RealDiv")
 Maximum = _simple("Maximum")
 Minimum = _simple("Minimum")
 Neg = _simple("Neg")
+Abs = _simple("Abs")
+Erf = _simple("Erf")
 Exp = _simple("Exp")
 Log = _simple("Log")
 Sqrt = _simple("Sqrt")
@@ -274,11 +277,35 @@ class StridedSlice(Primitive):
         )
 
 
-class Gather(_Simple):
+class Gather(Primitive):
+    """`Gather(batch_dims=0)(input_params, input_indices, axis)`. With batch_dims = b the
+    first b dims of params and indices are batch dims (MindSpore's batch mode: the gathered
+    axis is never split, the batch dims split alike)."""
+
     op = "Gather"
+
+    def __init__(self, batch_dims: int = 0) -> None:
+        if isinstance(batch_dims, bool) or not isinstance(batch_dims, int):
+            raise TypeError(f"Gather: batch_dims must be an int, got {batch_dims!r}")
+        super().__init__(batch_dims=batch_dims)
 
     def __call__(self, params: Any, indices: Any, axis: int = 0) -> Any:
         return self._apply([params, indices], axis=int(axis))
+
+
+class LpNorm(Primitive):
+    """`LpNorm(axis, p=2, keep_dims=False, epsilon=1e-12)(input)`: max((sum |x|**p)**(1/p),
+    epsilon) over `axis`."""
+
+    op = "LpNorm"
+
+    def __init__(self, axis: Any, p: int = 2, keep_dims: bool = False,
+                 epsilon: float = 1e-12) -> None:
+        if isinstance(p, bool) or not isinstance(p, int):
+            raise TypeError(f"LpNorm: p must be an int, got {p!r}")
+        if not isinstance(keep_dims, bool):
+            raise TypeError(f"LpNorm: keep_dims must be a bool, got {keep_dims!r}")
+        super().__init__(axis=_axes(axis), p=p, keep_dims=keep_dims, epsilon=float(epsilon))
 
 
 class OneHot(Primitive):
@@ -561,274 +588,28 @@ def getitem(x: Tensor, index: Any) -> Tensor:
     return out
 
 
-# -- functional forms ---------------------------------------------------------------------------
+# -- functional forms (MindSpore's lower-case ops) ---------------------------------------------
 
 
-def matmul(x: Any, y: Any) -> Any:
-    if len(x.shape) == 2 and len(y.shape) == 2:
-        return MatMul()(x, y)
-    return BatchMatMul()(x, y)
+def __getattr__(name: str) -> Any:
+    """`ops.matmul`, `ops.relu`, ...: the functional forms live in `compiler.functional`
+    (which imports the primitives above), loaded on first use."""
+    from pcompile.compiler import functional
 
+    if name in functional.__all__:
+        return getattr(functional, name)
+    raise AttributeError(f"module 'pcompile.ops' has no attribute {name!r}")
 
-def add(x: Any, y: Any) -> Any:
-    return Add()(x, y)
 
+def __dir__() -> list[str]:
+    from pcompile.compiler import functional
 
-def sub(x: Any, y: Any) -> Any:
-    return Sub()(x, y)
-
-
-def mul(x: Any, y: Any) -> Any:
-    return Mul()(x, y)
-
-
-def div(x: Any, y: Any) -> Any:
-    return RealDiv()(x, y)
-
-
-def maximum(x: Any, y: Any) -> Any:
-    return Maximum()(x, y)
-
-
-def minimum(x: Any, y: Any) -> Any:
-    return Minimum()(x, y)
-
-
-def neg(x: Any) -> Any:
-    return Neg()(x)
-
-
-def exp(x: Any) -> Any:
-    return Exp()(x)
-
-
-def log(x: Any) -> Any:
-    return Log()(x)
-
-
-def sqrt(x: Any) -> Any:
-    return Sqrt()(x)
-
-
-def rsqrt(x: Any) -> Any:
-    return Rsqrt()(x)
-
-
-def square(x: Any) -> Any:
-    return Square()(x)
-
-
-def pow(x: Any, y: Any) -> Any:  # noqa: A001  (MindSpore's name)
-    return Pow()(x, y)
-
-
-def tanh(x: Any) -> Any:
-    return Tanh()(x)
-
-
-def sigmoid(x: Any) -> Any:
-    return Sigmoid()(x)
-
-
-def relu(x: Any) -> Any:
-    return ReLU()(x)
-
-
-def silu(x: Any) -> Any:
-    return SiLU()(x)
-
-
-def shape(x: Any) -> tuple[int, ...]:
-    return Shape()(x)
-
-
-def equal(x: Any, y: Any) -> Any:
-    return Equal()(x, y)
-
-
-def not_equal(x: Any, y: Any) -> Any:
-    return NotEqual()(x, y)
-
-
-def greater(x: Any, y: Any) -> Any:
-    return Greater()(x, y)
-
-
-def greater_equal(x: Any, y: Any) -> Any:
-    return GreaterEqual()(x, y)
-
-
-def less(x: Any, y: Any) -> Any:
-    return Less()(x, y)
-
-
-def less_equal(x: Any, y: Any) -> Any:
-    return LessEqual()(x, y)
-
-
-def logical_and(x: Any, y: Any) -> Any:
-    return LogicalAnd()(x, y)
-
-
-def logical_or(x: Any, y: Any) -> Any:
-    return LogicalOr()(x, y)
-
-
-def logical_not(x: Any) -> Any:
-    return LogicalNot()(x)
-
-
-def select(cond: Any, x: Any, y: Any) -> Any:
-    return Select()(cond, x, y)
-
-
-def gelu(x: Any, approximate: str = "tanh") -> Any:
-    if approximate != "tanh":
-        raise ValueError("only the tanh approximation of GeLU is supported")
-    return GeLU()(x)
-
-
-def softmax(x: Any, axis: int = -1) -> Any:
-    return Softmax(axis)(x)
-
-
-def log_softmax(x: Any, axis: int = -1) -> Any:
-    return LogSoftmax(axis)(x)
-
-
-def bias_add(x: Any, bias: Any) -> Any:
-    return BiasAdd()(x, bias)
-
-
-def cast(x: Any, dtype: Any) -> Any:
-    return Cast()(x, dtype)
-
-
-def reduce_sum(x: Any, axis: Any = (), keep_dims: bool = False) -> Any:
-    return ReduceSum(keep_dims)(x, axis)
-
-
-def reduce_mean(x: Any, axis: Any = (), keep_dims: bool = False) -> Any:
-    return ReduceMean(keep_dims)(x, axis)
-
-
-def reduce_max(x: Any, axis: Any = (), keep_dims: bool = False) -> Any:
-    return ReduceMax(keep_dims)(x, axis)
-
-
-def reshape(x: Any, shape: Any) -> Any:
-    return Reshape()(x, shape)
-
-
-def transpose(x: Any, perm: Any) -> Any:
-    return Transpose()(x, perm)
-
-
-def expand_dims(x: Any, axis: int) -> Any:
-    return ExpandDims()(x, axis)
-
-
-def squeeze(x: Any, axis: Any = ()) -> Any:
-    return Squeeze(axis)(x)
-
-
-def tile(x: Any, multiples: Any) -> Any:
-    return Tile()(x, multiples)
-
-
-def concat(tensors: Any, axis: int = 0) -> Any:
-    return Concat(axis)(tensors)
-
-
-def split(x: Any, axis: int = 0, output_num: int = 1) -> Any:
-    return Split(axis, output_num)(x)
-
-
-def gather(params: Any, indices: Any, axis: int = 0) -> Any:
-    return Gather()(params, indices, axis)
-
-
-def one_hot(indices: Any, depth: int, on_value: Any = 1.0, off_value: Any = 0.0, axis: int = -1):
-    return OneHot(axis)(indices, depth, on_value, off_value)
-
-
-def flatten(x: Any) -> Any:
-    return Flatten()(x)
-
-
-def strided_slice(x: Any, begin: Any, end: Any, strides: Any) -> Any:
-    return StridedSlice()(x, begin, end, strides)
-
-
-def layer_norm(x: Any, gamma: Any, beta: Any, begin_norm_axis: int = -1, epsilon: float = 1e-5):
-    return LayerNorm(begin_norm_axis, begin_norm_axis, epsilon)(x, gamma, beta)[0]
-
-
-def flash_attention_score(query: Any, key: Any, value: Any, head_num: int,
-                          real_shift: Any = None, drop_mask: Any = None,
-                          padding_mask: Any = None, attn_mask: Any = None, prefix: Any = None,
-                          actual_seq_qlen: Any = None, actual_seq_kvlen: Any = None,
-                          keep_prob: float = 1.0, scalar_value: float = 1.0,
-                          pre_tokens: int = 2147483647, next_tokens: int = 2147483647,
-                          inner_precise: int = 0, input_layout: str = "BSH",
-                          sparse_mode: int = 0) -> Any:
-    """MindSpore's functional form (its scale argument is spelled `scalar_value`): returns
-    attention_out only."""
-    prim = FlashAttentionScore(head_num, keep_prob, scalar_value, pre_tokens, next_tokens,
-                               inner_precise, input_layout, sparse_mode)
-    return prim(query, key, value, real_shift, drop_mask, padding_mask, attn_mask, prefix,
-                actual_seq_qlen, actual_seq_kvlen)[3]
-
-
-def rms_norm(x: Any, gamma: Any, epsilon: float = 1e-6) -> Any:
-    return RmsNorm(epsilon)(x, gamma)
-
-
-def depend(value: Any, expr: Any) -> Any:
-    return Depend()(value, expr)
-
-
-def floor_div(x: Any, y: Any) -> Any:
-    return FloorDiv()(x, y)
-
-
-floor_divide = floor_div
-
-
-def cos(x: Any) -> Any:
-    return Cos()(x)
-
-
-def sin(x: Any) -> Any:
-    return Sin()(x)
-
-
-def isfinite(x: Any) -> Any:
-    return IsFinite()(x)
+    return sorted(set(globals()) | set(functional.__all__))
 
 
 # -- training steps (compiler/train_step.py) ----------------------------------------------------
 
 from pcompile.compiler.grad import GradOperation  # noqa: E402,F401  (MindSpore's name)
-
-
-def fill(type: Any, shape: Any, value: Any) -> Tensor:  # noqa: A002  (MindSpore's name)
-    """A tensor of `shape` filled with `value` (a constant)."""
-    import numpy as np
-
-    return Tensor(np.full(tuple(int(d) for d in shape), value, DType.from_any(type).np))
-
-
-def ones_like(x: Any) -> Any:
-    return OnesLike()(x)
-
-
-def zeros_like(x: Any) -> Any:
-    return ZerosLike()(x)
-
-
-def reciprocal(x: Any) -> Any:
-    return 1.0 / x
 
 
 class Assign(_Simple):
@@ -845,48 +626,3 @@ class Assign(_Simple):
             raise TypeError("ops.assign stores a Parameter's new value; it is supported in a "
                             "training step cell (after the gradients), not in a network")
         return step.assign(variable, value)
-
-
-def assign(variable: Any, value: Any) -> Any:
-    return Assign()(variable, value)
-
-
-def global_norm(x: Any) -> Any:
-    """sqrt of the sum of squares of every element of the tensors in `x` (float32); in a
-    parallel training step each gradient slice is counted once over the ranks."""
-    from pcompile.compiler.train_step import current_step
-
-    tensors = list(x) if isinstance(x, (tuple, list)) else [x]
-    step = current_step()
-    if step is not None:
-        return step.global_norm(tensors)
-    total: Any = None
-    for t in tensors:
-        term = reduce_sum(square(cast(t, DType.float32)))
-        total = term if total is None else total + term
-    return sqrt(total)
-
-
-def clip_by_global_norm(x: Any, clip_norm: float = 1.0, use_norm: Any = None) -> Any:
-    """MindSpore's `ops.clip_by_global_norm`: x_i * clip_norm / max(global_norm(x), clip_norm)
-    for every tensor of `x` (computed in float32, cast back to each tensor's dtype)."""
-    if use_norm is not None:
-        raise ValueError("clip_by_global_norm: input 'use_norm' only supports None currently, "
-                         f"but got 'use_norm': {use_norm}")
-    if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or clip_norm <= 0:
-        raise ValueError(f"clip_by_global_norm: clip_norm must be > 0, got {clip_norm!r}")
-    import numpy as np
-
-    single = not isinstance(x, (tuple, list))
-    tensors = [x] if single else list(x)
-    norm = global_norm(tensors)
-    clip = Tensor(np.asarray(clip_norm, np.float32))
-    norm = select(greater_equal(norm, clip), norm, clip)
-    out = tuple(cast(cast(t, DType.float32) * clip / norm, t.dtype) for t in tensors)
-    return out[0] if single else out
-
-
-def conv2d(x: Any, weight: Any, stride: Any = 1, pad_mode: str = "valid", padding: Any = 0):
-    return Conv2D(weight.shape[0], weight.shape[2:], pad_mode=pad_mode, pad=padding, stride=stride)(
-        x, weight
-    )

@@ -94,6 +94,7 @@ class Primitive:
         self.in_strategy: tuple[Any, ...] | None = None
         self.out_strategy: tuple[Any, ...] | None = None
         self.instance_name = ""
+        self.device_target: str | None = None
 
     @property
     def name(self) -> str:
@@ -130,6 +131,17 @@ class Primitive:
 
     def set_prim_instance_name(self, name: str) -> Primitive:
         self.instance_name = name
+        return self
+
+    def set_device(self, device_target: str) -> Primitive:
+        """MindSpore's `set_device("CPU")` (run this op on another device type): accepted and
+        recorded; pcompile's plan and rank programs are the same for every target."""
+        if device_target not in ("Ascend", "GPU", "CPU"):
+            raise ValueError(
+                f"{self.op}.set_device(): device_target must be 'Ascend', 'GPU' or 'CPU', got "
+                f"{device_target!r}"
+            )
+        self.device_target = device_target
         return self
 
     def __call__(self, *args: Any) -> Any:

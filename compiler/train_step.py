@@ -324,7 +324,7 @@ class Replay(StepContext):
 
     # -- stored state ---------------------------------------------------------------------------
     def optimizer_step(self, optimizer: Any, grads: Any, skip: Any) -> Any:
-        from pcompile.passes.optimizer import trace_update
+        from pcompile.passes.optimizer import rank_sum, trace_update
 
         grads = list(grads) if isinstance(grads, (tuple, list)) else [grads]
         params = [p for p in optimizer.parameters]
@@ -346,7 +346,9 @@ class Replay(StepContext):
             raise PcompileError(f"{type(optimizer).__name__}(grads, skip=...): skip must be a "
                                 f"Bool tensor, got {skip_value.dtype.value}")
         init, updates = trace_update(self.graph, optimizer, self.env.network_params, by_name,
-                                     self.env.slicer if self.env.parallel else None, skip_value)
+                                     self.env.slicer if self.env.parallel else None, skip_value,
+                                     rank_sum(self.graph, self.env.devices, self.env.layouts)
+                                     if self.env.parallel else None)
         if not self.env.parallel:
             for name, value in init.items():
                 self.env.initial_values[name] = value

@@ -324,6 +324,7 @@ def _role(ctx: OpContext, name: str, labels: Labels) -> str:
         "MaxPool": "a spatial dim",
         "AvgPool": "a spatial dim",
         "OneHot": "the depth axis",
+        "Gather": "the gathered axis, which batch mode (batch_dims > 0) never splits",
         "Tile": "a tiled dim (multiple > 1): the strategy splits its copies instead",
     }.get(ctx.op, "not splittable for this op")
 
@@ -543,9 +544,14 @@ def gather_labels(ctx: OpContext) -> Labels:
     axis = ctx.attrs.get("axis", 0) % table.rank
     tlab = _ALPHA[: table.rank]
     used = set(tlab)
-    ilab = "".join(_fresh(idx.rank, used))
-    return Labels([tlab, ilab], [tlab[:axis] + ilab + tlab[axis + 1 :]],
-                  dev_order=tuple(ilab + tlab))
+    batch = int(ctx.attrs.get("batch_dims", 0) or 0)
+    batch = batch + idx.rank if batch < 0 else batch
+    # batch_dims (MindSpore's batch mode): the indices' leading dims are the table's; the
+    # gathered axis is never split.
+    ilab = tlab[:batch] + "".join(_fresh(idx.rank - batch, used))
+    out = tlab[:axis] + ilab[batch:] + tlab[axis + 1 :]
+    order = tuple(dict.fromkeys(ilab + tlab))  # the indices' splits first, as MindSpore
+    return Labels([tlab, ilab], [out], {tlab[axis]} if batch else set(), dev_order=order)
 
 
 def one_hot_labels(ctx: OpContext) -> Labels:
@@ -635,6 +641,8 @@ class GatherRule(LabelRule):
     def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
               ) -> OpSharding:
         labels = self.labels(ctx)
+        if ctx.attrs.get("batch_dims"):
+            return label_sharding(ctx, labels, strategy)
         axis = ctx.attrs.get("axis", 0) % ctx.in_types[0].rank
         table_split = strategy[0][axis] if len(strategy) == 2 and len(strategy[0]) > axis else 1
         if table_split == 1:
@@ -655,6 +663,8 @@ class GatherRule(LabelRule):
         return result
 
     def default_strategy(self, ctx: OpContext) -> Strategy:
+        if ctx.attrs.get("batch_dims"):
+            return super().default_strategy(ctx)  # the shared batch dim 0
         table, idx = ctx.in_types
         count = gcd(idx.shape[0], ctx.devices) if idx.rank else 1
         return (tuple(1 for _ in table.shape),
@@ -866,6 +876,22 @@ class TileRule(LabelRule):
         )
 
 
+class LpNormRule(LabelRule):
+    """LpNorm: reduction labels (every dim may split). A split normalised dim leaves partial
+    sums: each rank computes sum |x|**p over its slice, the forward AllReduce adds them and
+    the root and the epsilon floor follow (expand "lp_norm_partial")."""
+
+    def __init__(self) -> None:
+        super().__init__(reduce_labels("sum"))
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        result = label_sharding(ctx, self.labels(ctx), strategy, out_strategy)
+        if result.forward:
+            result.expand = "lp_norm_partial"
+        return result
+
+
 RULES: dict[str, LabelRule] = {}
 
 
@@ -878,7 +904,7 @@ _register(
     ["Add", "Sub", "Mul", "RealDiv", "Maximum", "Minimum", "Pow", "Equal", "NotEqual",
      "Greater", "GreaterEqual", "Less", "LessEqual", "LogicalAnd", "LogicalOr", "LogicalNot",
      "Select", "ReluGrad", "Neg", "Exp", "Log", "Sqrt", "Rsqrt", "Square", "Tanh", "Sigmoid",
-     "ReLU", "GeLU", "SiLU", "Cast", "ZerosLike", "OnesLike", "Identity"],
+     "ReLU", "GeLU", "SiLU", "Cast", "ZerosLike", "OnesLike", "Identity", "Abs", "Erf"],
     LabelRule(elementwise_labels),
 )
 _register(["MatMul"], LabelRule(matmul_labels))
@@ -906,6 +932,7 @@ _register(["MaxPool", "AvgPool"], LabelRule(pool_labels))
 RULES["Gather"] = GatherRule()
 RULES["Tile"] = TileRule()
 RULES["FlashAttentionScore"] = FlashAttentionRule()
+RULES["LpNorm"] = LpNormRule()
 
 # Ops without a strategy of their own: Reshape is planned as a redistribution between the
 # layouts around it; tuple plumbing passes layouts through.

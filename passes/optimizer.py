@@ -16,9 +16,11 @@ import numpy as np
 from pcompile.compiler import ops
 from pcompile.compiler.nn.optim_base import Optimizer
 from pcompile.compiler.tensor import Parameter, Tensor
-from pcompile.compiler.tracing import tracing
-from pcompile.ir.core import Graph, GraphParam, Value
+from pcompile.compiler.tracing import current_tracer, tracing
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Graph, GraphParam, ParallelInfo, Value
 from pcompile.ir.errors import PcompileError
+from pcompile.ir.layout import TensorLayout, group_name
 from pcompile.ir.types import DType, TensorType
 
 
@@ -29,6 +31,7 @@ def append_optimizer(
     grads: dict[str, Value],
     loss: Value,
     slice_state: Callable[[str, str, Any], tuple[int, ...]] | None = None,
+    slice_sum: Callable[[Tensor, str], Tensor] | None = None,
 ) -> dict[str, Any]:
     """Trace `optimizer` into `graph`; returns the initial values of the new state tensors.
 
@@ -36,7 +39,8 @@ def append_optimizer(
     `compiler.initializer.InitializedData`); they are returned as given. In a rank's local
     graph, `slice_state(state_name, param_name, global_value)` gives the local shape of a
     per-parameter state (the parameter's slice; global state has param_name "")."""
-    init, updates = trace_update(graph, optimizer, params, grads, slice_state)
+    init, updates = trace_update(graph, optimizer, params, grads, slice_state,
+                                 slice_sum=slice_sum)
     graph.outputs = [loss, *(value for _, value in updates)]
     graph.attrs["outputs"] = ("loss", *(name for name, _ in updates))
     return init
@@ -49,12 +53,15 @@ def trace_update(
     grads: dict[str, Value],
     slice_state: Callable[[str, str, Any], tuple[int, ...]] | None = None,
     skip: Value | None = None,
+    slice_sum: Callable[[Tensor, str], Tensor] | None = None,
 ) -> tuple[dict[str, Any], list[tuple[str, Value]]]:
     """Trace one update of `optimizer` into `graph` from `grads` (by parameter name): returns
     the initial values of the new state tensors and `(name, new value)` of every updated
     parameter, then of every state, in that order. With `skip` (a Bool scalar), every new value
     is `Select(skip, old value, new value)`: the whole update, its step counters included, is
-    skipped when `skip` is true (MindSpore's loss-scale cells on overflow)."""
+    skipped when `skip` is true (MindSpore's loss-scale cells on overflow). `slice_sum` (a
+    rank's local graph: `rank_sum`) completes the per-parameter sums of `Optimizer.whole_sum`
+    (Lamb's norms, AdaFactor's RMS) over the parameter's slices."""
     known = {id(p) for p in params.values()}
     for p in optimizer.parameters:
         if id(p) not in known:
@@ -67,6 +74,19 @@ def trace_update(
     new_states: list[tuple[str, Value]] = []
     olds: dict[str, Value] = {}
     scope = f"Default/optimizer-{type(optimizer).__name__}"
+    object.__setattr__(optimizer, "_slice_sum", slice_sum)
+    try:
+        return _trace_update(graph, optimizer, grads, slice_state, skip, init, updates,
+                             new_states, olds, scope)
+    finally:
+        object.__setattr__(optimizer, "_slice_sum", None)
+
+
+def _trace_update(graph: Graph, optimizer: Optimizer, grads: dict[str, Value],
+                  slice_state: Callable[[str, str, Any], tuple[int, ...]] | None,
+                  skip: Value | None, init: dict[str, Any], updates: list[tuple[str, Value]],
+                  new_states: list[tuple[str, Value]], olds: dict[str, Value], scope: str,
+                  ) -> tuple[dict[str, Any], list[tuple[str, Value]]]:
     with tracing(graph) as tracer, tracer.absolute_scope(scope):
 
         def state_param(name: str, value: Any, owner: str = "") -> Tensor:
@@ -113,6 +133,36 @@ def trace_update(
                                                    Tensor(_value=value)), name))
                        for name, value in updates]
     return init, updates
+
+
+def rank_sum(graph: Graph, devices: int,
+             layouts: dict[str, TensorLayout]) -> Callable[[Tensor, str], Tensor]:
+    """`slice_sum` for a rank's local graph: the rank's partial sum over its slice of a
+    parameter, divided by the number of ranks holding that same slice, summed by an AllReduce
+    over all ranks (every rank computes every parameter's sum, in the same order)."""
+    ranks = tuple(range(devices))
+
+    def total(local: Tensor, owner: str) -> Tensor:
+        layout = layouts.get(owner)
+        copies = layout.repeat_count if layout is not None else devices
+        if copies > 1:
+            local = local * (1.0 / copies)
+        value = local._value
+        assert value is not None
+        tracer = current_tracer()
+        b = Builder(graph, scope=tracer.scope if tracer is not None else "")
+        out = b.emit("AllReduce", [value],
+                     {"op": "sum", "group": group_name(ranks, devices), "rank_list": ranks,
+                      "fusion": 0},
+                     instance_name=f"optimizer_sum_{owner}", name_hint="whole_sum",
+                     parallel=ParallelInfo(extra={
+                         "reason": f"the optimizer's sum over every slice of {owner!r}: each "
+                                   "rank's partial sum (divided by the ranks holding the same "
+                                   "slice) added over all ranks",
+                         "bytes": value.tensor_type.nbytes}))
+        return Tensor(_value=out)
+
+    return total
 
 
 def _value_of(tensor: Tensor, what: str) -> Value:

@@ -50,7 +50,7 @@ from pcompile.ir.rank import (
 )
 from pcompile.ir.registry import get_op
 from pcompile.ir.sharding import OpSharding
-from pcompile.ir.types import TensorType
+from pcompile.ir.types import DType, TensorType
 from pcompile.passes.redistribution import plan_redistribution
 from pcompile.passes.step_parallel_begin import (
     LAYOUT_PASS_THROUGH,
@@ -354,10 +354,14 @@ class RankBuilder:
             attrs.update(self.attention_query_window(node, sharding))
         if sharding.expand == "masked_gather":
             out = self.masked_gather(node, b, operands, sharding)
+        elif sharding.expand == "lp_norm_partial":
+            out = self.lp_norm_partial(node, b, operands[0], attrs, info)
         else:
             out = b.emit(node.op, operands, attrs, instance_name=node.instance_name,
                          name_hint=node.result.name_hint, parallel=info, user_attrs=user)
         out = self.forward_comm(node, b, out, sharding)
+        if sharding.expand == "lp_norm_partial":
+            out = self.lp_norm_finish(node, b, out, attrs)
         layouts: Any = (sharding.out_layouts if len(sharding.out_layouts) > 1
                         or node.op == "Split" else sharding.out_layouts[0])
         self.local[id(node.result)] = (out, layouts)
@@ -454,6 +458,45 @@ class RankBuilder:
                           parallel=ParallelInfo(in_strategy=sharding.strategy))
         mask = b.emit("ExpandDims", [mask], {"axis": -1})
         return b.emit("Mul", [gathered, mask])
+
+    def lp_norm_partial(self, node: Node, b: Builder, x: Value, attrs: dict[str, Any],
+                        info: ParallelInfo) -> Value:
+        """LpNorm with a split normalised dim: this rank's sum of |x|**p over its slice (in
+        float32 for 16-bit inputs); the forward AllReduce adds the ranks' sums."""
+        if x.dtype.itemsize < 4:
+            x = b.emit("Cast", [x], {"dst_type": DType.float32})
+        powered = b.emit("Pow", [b.emit("Abs", [x]),
+                                 Constant(np.asarray(float(attrs["p"])), x.dtype)])
+        return b.emit("ReduceSum", [powered],
+                      {"axis": attrs["axis"], "keep_dims": attrs["keep_dims"]},
+                      instance_name=node.instance_name, name_hint=node.result.name_hint,
+                      parallel=ParallelInfo(in_strategy=info.in_strategy, extra={
+                          "reason": f"LpNorm '{node.instance_name}' splits a normalised dim: "
+                                    "each rank sums |x|**p over its slice"}))
+
+    def lp_norm_finish(self, node: Node, b: Builder, total: Value,
+                       attrs: dict[str, Any]) -> Value:
+        """The p-th root of the all-reduced sum, floored at epsilon, in the op's dtype. The
+        root is taken of a positive sum only (Select), so that a zero norm gets a zero
+        gradient, not 0 * inf; p > 2 takes exp(log(sum) / p): 1/p is not exact in the
+        tensor's dtype, p is."""
+        p = int(attrs["p"])
+        root = total
+        if p > 1:
+            zero = Constant(np.asarray(0.0), total.dtype)
+            positive = b.emit("Greater", [total, zero])
+            safe = b.emit("Select", [positive, total, Constant(np.asarray(1.0), total.dtype)])
+            if p == 2:
+                root = b.emit("Sqrt", [safe])
+            else:
+                scaled = b.emit("RealDiv", [b.emit("Log", [safe]),
+                                            Constant(np.asarray(float(p)), total.dtype)])
+                root = b.emit("Exp", [scaled])
+            root = b.emit("Select", [positive, root, zero])
+        out = b.emit("Maximum", [root, Constant(np.asarray(float(attrs["epsilon"])),
+                                                total.dtype)])
+        dtype = node.result.dtype
+        return out if out.dtype == dtype else b.emit("Cast", [out], {"dst_type": dtype})
 
     def one_hot_local_indices(self, node: Node, b: Builder, idx: Value,
                               sharding: OpSharding) -> Value:

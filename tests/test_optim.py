@@ -87,6 +87,23 @@ def ref_adam_weight_decay(cfg: dict[str, Any]):
     return step
 
 
+def ref_lamb(cfg: dict[str, Any]):
+    lr, b1, b2 = cfg["learning_rate"], cfg.get("beta1", 0.9), cfg.get("beta2", 0.999)
+    eps, wd = cfg.get("eps", 1e-6), cfg.get("weight_decay", 0.0)
+
+    def step(name, w, g, state, t):
+        m = b1 * state.get("m", 0.0) + (1 - b1) * g
+        v = b2 * state.get("v", 0.0) + (1 - b2) * g * g
+        state["m"], state["v"] = m, v
+        r = (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+        r = r + (wd * w if _decays(name) else 0.0)
+        w_norm, r_norm = np.linalg.norm(w), np.linalg.norm(r)
+        trust = w_norm / r_norm if w_norm > 0 and r_norm > 0 else 1.0
+        return w - lr * trust * r
+
+    return step
+
+
 CASES = [
     (nn.SGD, ref_sgd, {}),
     (nn.SGD, ref_sgd, {"learning_rate": 0.05, "momentum": 0.9}),
@@ -103,6 +120,9 @@ CASES = [
     (nn.AdamWeightDecay, ref_adam_weight_decay, {}),
     (nn.AdamWeightDecay, ref_adam_weight_decay,
      {"learning_rate": 0.01, "beta1": 0.8, "eps": 1e-4, "weight_decay": 0.1}),
+    (nn.Lamb, ref_lamb, {"learning_rate": 0.01}),
+    (nn.Lamb, ref_lamb, {"learning_rate": 0.05, "beta1": 0.8, "beta2": 0.9, "eps": 1e-4,
+                         "weight_decay": 0.1}),
 ]
 
 

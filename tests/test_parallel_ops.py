@@ -133,6 +133,14 @@ CASES: dict[str, Any] = {
     "SiLU": lambda: ([rnd((8, 4))], {}),
     "RmsNorm": lambda: ([rnd((4, 4, 8)), rnd((8,), 3)], {"epsilon": 1e-5}),
     "RmsNorm2": lambda: ([rnd((8, 2, 4)), rnd((2, 4), 3)], {}),
+    "Abs": lambda: ([rnd((8, 4))], {}),
+    "Erf": lambda: ([rnd((4, 8))], {}),
+    "Gather": lambda: ([rnd((4, 6, 2)), ints((4, 8))], {"axis": 1, "batch_dims": 1}),
+    "Gather2": lambda: ([rnd((2, 4, 2, 6)), ints((2, 4, 3))], {"axis": 3, "batch_dims": 2}),
+    "LpNorm": lambda: ([rnd((4, 8, 2))], {"axis": (0, 1), "p": 2}),
+    "LpNorm2": lambda: ([rnd((4, 8, 2))], {"axis": (1,), "p": 1, "keep_dims": True}),
+    "LpNorm3": lambda: ([rnd((8, 4))], {"axis": (), "p": 3}),
+    "LpNorm4": lambda: ([rnd((2, 8))], {"axis": (-1,), "p": 4, "keep_dims": False}),
 }
 
 

@@ -69,3 +69,23 @@ def test_parameter_opt_out(tmp_path) -> None:
                                            "parallel_optimizer_threshold": 0}})
     g = program.rank_graph(0)
     assert g.param("w").shape == (32, 16) and g.param("w2").shape == (2, 16)
+
+
+@pytest.mark.parametrize("parallel_optimizer", [False, True])
+def test_lamb_norms_are_of_whole_parameters(parallel_optimizer, tmp_path) -> None:
+    """nn.Lamb's trust ratio uses the norm of each whole parameter: with the weights split by
+    their MatMuls (and further by the parallel optimizer) each rank's partial sums are added
+    over the slices (an AllReduce per norm); the oracle compares two steps with one device."""
+    mlp = tmp_path / "mlp.py"
+    mlp.write_text(open(os.path.join(ROOT, "examples", "layout_mlp.py")).read().replace(
+        "nn.SGD(params, 1e-2)", "nn.Lamb(params, 1e-2, weight_decay=0.01)"))
+    program = compile_model(str(mlp), devices=8, dump=False, overrides={
+        "enable_parallel_optimizer": parallel_optimizer,
+        "parallel_optimizer_config": {"parallel_optimizer_threshold": 0}})
+    graph = program.rank_graph(0)
+    names = {p.name for p in graph.params}
+    assert {"lamb_m.fc1_weight", "lamb_v.fc1_weight", "beta1_power"} <= names
+    sums = [n for n in graph.nodes if n.op == "AllReduce"
+            and n.instance_name.startswith("optimizer_sum_")]
+    assert len(sums) == 2 * sum(1 for p in graph.params if p.name.startswith("lamb_m."))
+    assert check(program, steps=2).ok()

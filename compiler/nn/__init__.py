@@ -31,7 +31,7 @@ from pcompile.compiler.nn.lr import (
     PolynomialDecayLR,
     WarmUpLR,
 )
-from pcompile.compiler.nn.optim import SGD, Adam, AdamWeightDecay, Momentum
+from pcompile.compiler.nn.optim import SGD, Adam, AdamWeightDecay, Lamb, Momentum
 from pcompile.compiler.nn.optim_base import Optimizer
 from pcompile.compiler.nn.wrap import (
     ClipByGlobalNorm,
@@ -70,6 +70,7 @@ __all__ = [
     "Momentum",
     "Adam",
     "AdamWeightDecay",
+    "Lamb",
     "LearningRateSchedule",
     "WarmUpLR",
     "CosineDecayLR",

@@ -1,4 +1,4 @@
-"""MindSpore's optimizers: `SGD`, `Momentum`, `Adam`, `AdamWeightDecay`.
+"""MindSpore's optimizers: `SGD`, `Momentum`, `Adam`, `AdamWeightDecay`, `Lamb`.
 
 Each `update` is written with ordinary tensor ops, so it runs eagerly on concrete tensors and is
 traced into the training graph by `passes.optimizer.append_optimizer`. Gradients are first
@@ -8,8 +8,10 @@ by `SGD` to every parameter, by `Momentum` and `Adam` (and the decoupled decay o
 (LayerNorm's shift and scale), MindSpore's default decay filter.
 
 State (per parameter, named `<prefix>.<parameter name>`): SGD `accum` (+ `stat` with
-dampening), Momentum `moments`, Adam and AdamWeightDecay `moment1`, `moment2`; Adam also keeps
-the global scalars `beta1_power`, `beta2_power` (beta^t after step t, for bias correction).
+dampening), Momentum `moments`, Adam and AdamWeightDecay `moment1`, `moment2`, Lamb `lamb_m`,
+`lamb_v`; Adam and Lamb also keep the global scalars `beta1_power`, `beta2_power` (beta^t after
+step t, for bias correction). Lamb's norms are of whole parameters: in a parallel program each
+rank's partial sum is completed over the parameter's slices (`Optimizer.whole_sum`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pcompile.compiler.nn.layers import check_bool, check_number
 from pcompile.compiler.nn.optim_base import Optimizer
 from pcompile.compiler.tensor import Parameter, Tensor
 
-__all__ = ["SGD", "Adam", "AdamWeightDecay", "Momentum"]
+__all__ = ["SGD", "Adam", "AdamWeightDecay", "Lamb", "Momentum"]
 
 
 def _param_name(param: Tensor) -> str | None:
@@ -285,6 +287,54 @@ class AdamWeightDecay(_Base):
         if self.weight_decay > 0.0 and decays(param):
             step = step + param * self.weight_decay
         return param - step * self.learning_rate, {"moment1": m, "moment2": v}
+
+
+class Lamb(Adam):
+    """LAMB (MindSpore `nn.Lamb`, its Lamb kernel): with t the step (1 first),
+    m = beta1 m + (1 - beta1) g; v = beta2 v + (1 - beta2) g^2;
+    r = (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps) (+ weight_decay * w for
+    decayed parameters); trust = ||w|| / ||r|| (1 when either norm is 0);
+    w -= lr * trust * r. The norms are of the whole parameter (float32), also when it is split
+    over ranks or by the parallel optimizer."""
+
+    state_prefixes = ("lamb_m", "lamb_v")
+
+    def __init__(
+        self,
+        params: Any,
+        learning_rate: float,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+    ) -> None:
+        _Base.__init__(self, params, learning_rate, weight_decay, 1.0)
+        self.beta1, self.beta2, self.eps = _check_betas(beta1, beta2, eps, "Lamb")
+        object.__setattr__(self, "_lr_t_cache", None)
+
+    def update(
+        self,
+        param: Tensor,
+        grad: Tensor,
+        state: dict[str, Tensor],
+        global_state: dict[str, Tensor],
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        name = _param_name(param) or ""
+        m = state["lamb_m"] * self.beta1 + grad * (1.0 - self.beta1)
+        v = state["lamb_v"] * self.beta2 + grad * grad * (1.0 - self.beta2)
+        b1p, b2p = global_state["beta1_power"], global_state["beta2_power"]
+        m_hat = m / ops.Cast()(1.0 - b1p, m.dtype)
+        v_hat = v / ops.Cast()(1.0 - b2p, v.dtype)
+        r = m_hat / (_sqrt(v_hat) + self.eps)
+        if self.weight_decay > 0.0 and decays(param):
+            r = r + param * self.weight_decay
+        w_norm, r_norm = self.whole_norm(param, name), self.whole_norm(r, name)
+        one = ops.OnesLike()(w_norm)
+        positive = ops.LogicalAnd()(ops.Greater()(w_norm, 0.0), ops.Greater()(r_norm, 0.0))
+        # the ratio is taken of a positive r_norm only (Select), so no inf is formed
+        trust = ops.Select()(positive, w_norm / ops.Select()(positive, r_norm, one), one)
+        step = r * ops.Cast()(trust, r.dtype)
+        return param - step * self.learning_rate, {"lamb_m": m, "lamb_v": v}
 
 
 def _sqrt(x: Tensor) -> Tensor:

@@ -31,6 +31,9 @@ class Optimizer(Cell):
     """Base class; subclasses define `state_prefixes`, `global_state` and `update`."""
 
     state_prefixes: tuple[str, ...] = ()
+    # Set by passes.optimizer.trace_update while tracing a rank's local graph: sums a
+    # per-parameter partial sum over the ranks holding the parameter's other slices.
+    _slice_sum: Any = None
 
     def __init__(
         self,
@@ -148,6 +151,23 @@ class Optimizer(Cell):
         """New global state, computed once per step before the parameter updates (subclasses
         add theirs to `super().update_global(state)`)."""
         return self._advance_schedule(state)
+
+    def whole_sum(self, x: Tensor, owner: str) -> Tensor:
+        """The sum of every element of `x`, a tensor sliced like parameter `owner` (its
+        gradient, a state, an update), over the whole parameter: in a parallel program each
+        rank sums its slice and the ranks' sums are added (each slice counted once)."""
+        from pcompile.compiler import ops
+
+        local = ops.ReduceSum(False)(x, ())
+        return local if self._slice_sum is None else self._slice_sum(local, owner)
+
+    def whole_norm(self, x: Tensor, owner: str) -> Tensor:
+        """The 2-norm of `x` (sliced like parameter `owner`) over the whole parameter, in
+        float32."""
+        from pcompile.compiler import ops
+
+        x = ops.Cast()(x, DType.float32)
+        return ops.Sqrt()(self.whole_sum(x * x, owner))
 
     def update(
         self,

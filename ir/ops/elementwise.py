@@ -1,10 +1,10 @@
 """Element-wise primitives (numpy broadcasting) and the small ops their vjps need.
 
-Binary: Add, Sub, Mul, RealDiv, Maximum, Minimum, Pow. Unary: ReLU, Neg, Exp, Log, Sqrt, Rsqrt,
-Square, Tanh, Sigmoid, GeLU, SiLU. Others: BiasAdd, Cast, Select. Comparisons (Equal, NotEqual,
-Greater, GreaterEqual, Less, LessEqual), logical ops (LogicalAnd, LogicalOr, LogicalNot) and
-gradient helpers (ReluGrad, SqrtGrad, RsqrtGrad, TanhGrad, SigmoidGrad, GeLUGrad, SiLUGrad) stop
-gradients (`differentiable=False`).
+Binary: Add, Sub, Mul, RealDiv, Maximum, Minimum, Pow. Unary: ReLU, Neg, Abs, Exp, Log, Sqrt,
+Rsqrt, Square, Tanh, Sigmoid, GeLU, Erf, SiLU. Others: BiasAdd, Cast, Select. Comparisons
+(Equal, NotEqual, Greater, GreaterEqual, Less, LessEqual), logical ops (LogicalAnd, LogicalOr,
+LogicalNot) and gradient helpers (ReluGrad, SqrtGrad, RsqrtGrad, TanhGrad, SigmoidGrad,
+GeLUGrad, SiLUGrad) stop gradients (`differentiable=False`).
 
 Gradient-helper operand order follows MindSpore: `SqrtGrad(y, dy)`, `RsqrtGrad(y, dy)`,
 `TanhGrad(y, dy)`, `SigmoidGrad(y, dy)` take the forward output first; `ReluGrad(dy, y)`,
@@ -307,6 +307,29 @@ register(
     )
 )
 
+# -- Abs ------------------------------------------------------------------------------------
+
+
+def sign_of(b: Builder, x: Value, dtype: DType) -> Value:
+    """sign(x) as a `dtype` tensor (1, -1, or 0 at 0), built with Select: the derivative of
+    |x| as MindSpore's AbsGrad takes it (0 at 0; JAX takes 1 there)."""
+    one, zero = _scalar(1.0, dtype), _scalar(0.0, dtype)
+    negative = b("Select", b("Less", x, _scalar(0.0, x.dtype)), _scalar(-1.0, dtype), zero)
+    return b("Select", b("Greater", x, _scalar(0.0, x.dtype)), one, negative)
+
+
+register(
+    OpDef(
+        "Abs",
+        _infer_unary_numeric,
+        numpy=lambda x: np.abs(x),
+        jax=lambda x: jnp.abs(x),
+        vjp=lambda b, node, cot: [b("Mul", cot, sign_of(b, node.operands[0], cot.dtype))],
+        num_inputs=1,
+        doc="|x| (MindSpore `ops.Abs`); the gradient is sign(x), 0 at 0.",
+    )
+)
+
 # -- Exp, Log -------------------------------------------------------------------------------
 
 register(
@@ -504,6 +527,31 @@ register(
         num_inputs=2,
         differentiable=False,
         doc="dy * d GeLU(x) / dx (tanh approximation); operands (dy, x).",
+    )
+)
+
+# -- Erf ------------------------------------------------------------------------------------
+
+
+@_np_in_f32
+def _erf_np(x: Any) -> Any:
+    from scipy.special import erf  # scipy comes with JAX; imported on first use
+
+    return erf(x)
+
+
+register(
+    OpDef(
+        "Erf",
+        infer_unary_float,
+        numpy=_erf_np,
+        jax=lambda x: lax.erf(x),
+        # d erf(x) / dx = 2 / sqrt(pi) * exp(-x**2)
+        vjp=lambda b, node, cot: [b("Mul", cot, b("Mul", b("Exp", b("Neg", b(
+            "Square", node.operands[0]))), 2.0 / math.sqrt(math.pi)))],
+        num_inputs=1,
+        doc="The Gauss error function (MindSpore `ops.Erf`); exact GeLU is "
+        "0.5 x (1 + erf(x / sqrt(2))).",
     )
 )
 

@@ -1,4 +1,5 @@
-"""RmsNorm (MindSpore's `ops.RmsNorm`) and its gradient helper RmsNormGrad.
+"""RmsNorm (MindSpore's `ops.RmsNorm`) with its gradient helper RmsNormGrad, and LpNorm
+(MindSpore's `ops.LpNorm`).
 
 `RmsNorm(x, gamma)` normalises over the trailing `gamma.ndim` dims of x:
 rstd = 1 / sqrt(mean(x**2) + epsilon) (float32, shape x.shape[:-k] + (1,) * k) and
@@ -12,10 +13,12 @@ from typing import Any
 import numpy as np
 
 from pcompile.ir.builder import Builder
-from pcompile.ir.core import Node, Value
+from pcompile.ir.core import Constant, Node, Value
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._jax import jnp, lax
 from pcompile.ir.ops._util import is_zero, same_dtype, tensor, tuple_type
+from pcompile.ir.ops.elementwise import sign_of
+from pcompile.ir.ops.reduce import reduce_axes
 from pcompile.ir.registry import OpDef, register
 from pcompile.ir.types import DType, TensorType, ValueType
 
@@ -163,6 +166,94 @@ register(
         doc=(
             "RmsNormGrad(dy, x, rstd, gamma) -> (dx, dgamma): the vjp of RmsNorm's y "
             "(MindSpore operand order)."
+        ),
+    )
+)
+
+# -- LpNorm ---------------------------------------------------------------------------------
+
+_LP_DEFAULTS: dict[str, Any] = {"axis": (), "p": 2, "keep_dims": False, "epsilon": 1e-12}
+
+
+def lp_norm_attrs(attrs: dict[str, Any], rank: int) -> tuple[tuple[int, ...], int, bool, float]:
+    """(axes, p, keep_dims, epsilon) of an LpNorm, checked; ShapeError names what is wrong."""
+    axes = reduce_axes(attrs["axis"], rank)
+    p = attrs["p"]
+    if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+        raise ShapeError(f"p must be an int >= 1 (the order of the norm), got {p!r}")
+    keep = attrs["keep_dims"]
+    if not isinstance(keep, bool):
+        raise ShapeError(f"keep_dims must be a bool, got {keep!r}")
+    eps = attrs["epsilon"]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
+        raise ShapeError(f"epsilon must be a float >= 0 (the smallest norm returned), got {eps!r}")
+    return axes, p, keep, float(eps)
+
+
+def _lp_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0], "x")
+    if not x.dtype.is_float:
+        raise ShapeError(f"x must be a floating-point tensor, got {x.dtype.value}")
+    axes, _, keep, _ = lp_norm_attrs(attrs, x.rank)
+    if keep:
+        return x.with_shape(tuple(1 if i in axes else d for i, d in enumerate(x.shape)))
+    return x.with_shape(tuple(d for i, d in enumerate(x.shape) if i not in axes))
+
+
+def _lp_norm(xp: Any, x: Any, axes: tuple[int, ...], p: int, keep: bool, eps: float) -> Any:
+    """max((sum |x|**p)**(1/p), eps) with the array module `xp`."""
+    total = xp.sum(xp.abs(x) ** p, axis=axes, keepdims=keep)
+    norm = total if p == 1 else (xp.sqrt(total) if p == 2 else total ** (1.0 / p))
+    return xp.maximum(norm, eps)
+
+
+def _lp_np(x: np.ndarray, axis: Any, p: int, keep_dims: bool, epsilon: float) -> np.ndarray:
+    axes = reduce_axes(axis, x.ndim)
+    out = _lp_norm(np, x.astype(_wide(x)), axes, int(p), bool(keep_dims), float(epsilon))
+    return np.asarray(out).astype(x.dtype)
+
+
+def _lp_jax(x: Any, axis: Any, p: int, keep_dims: bool, epsilon: float) -> Any:
+    axes = reduce_axes(axis, x.ndim)
+    wide = x.astype(jnp.float32) if x.dtype.itemsize < 4 else x
+    return _lp_norm(jnp, wide, axes, int(p), bool(keep_dims), float(epsilon)).astype(x.dtype)
+
+
+def _lp_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    """d ||x||_p / dx = sign(x) |x|**(p-1) / ||x||**(p-1) where the norm exceeds epsilon (0
+    where epsilon replaced it)."""
+    (x,) = node.operands
+    axes, p, keep, eps = lp_norm_attrs(node.attrs, len(x.shape))
+    norm, grad = node.result, cot
+    if not keep:
+        kept = tuple(1 if i in axes else d for i, d in enumerate(x.shape))
+        norm, grad = b("Reshape", norm, shape=kept), b("Reshape", grad, shape=kept)
+    if p == 1:
+        direction = sign_of(b, x, x.dtype)
+    elif p == 2:
+        direction = b("RealDiv", x, norm)
+    else:
+        power = b("Pow", b("Abs", x), float(p - 2))
+        direction = b("RealDiv", b("Mul", x, power), b("Pow", norm, float(p - 1)))
+    zero = Constant(np.asarray(0.0), x.dtype)
+    live = b("Greater", norm, Constant(np.asarray(eps), x.dtype))
+    return [b("Select", live, b("Mul", grad, direction), zero)]
+
+
+register(
+    OpDef(
+        "LpNorm",
+        _lp_infer,
+        numpy=_lp_np,
+        jax=_lp_jax,
+        vjp=_lp_vjp,
+        attrs=dict(_LP_DEFAULTS),
+        num_inputs=1,
+        doc=(
+            "max((sum over `axis` of |x|**p)**(1/p), epsilon) (MindSpore `ops.LpNorm(axis, p=2, "
+            "keep_dims=False, epsilon=1e-12)`; p an int >= 1; `axis` () = all). 16-bit inputs "
+            "are computed in float32 and rounded once. The gradient is sign(x) |x|**(p-1) / "
+            "norm**(p-1), 0 where epsilon replaced the norm."
         ),
     )
 )

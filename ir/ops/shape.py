@@ -13,7 +13,7 @@ import numpy as np
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import ShapeError
-from pcompile.ir.ops._jax import jnp
+from pcompile.ir.ops._jax import jax, jnp
 from pcompile.ir.ops._util import same_dtype, tensor
 from pcompile.ir.registry import OpDef, register
 from pcompile.ir.types import DType, TensorType, TupleType, ValueType
@@ -551,30 +551,90 @@ def _check_indices(t: TensorType) -> None:
         raise ShapeError(f"indices must be Int32 or Int64, got {t.dtype.value}")
 
 
+def _batch_dims(attrs: dict[str, Any], params: TensorType, indices: TensorType,
+                axis: int) -> int:
+    """`batch_dims` normalized to [0, indices.rank] (negative counts from the end): the leading
+    dims params and indices share, gathered independently (MindSpore's batch mode)."""
+    value = _int_attr(attrs, "batch_dims")
+    bd = value + indices.rank if value < 0 else value
+    if not 0 <= bd <= indices.rank:
+        raise ShapeError(
+            f"batch_dims {value} is out of range for indices of rank {indices.rank}; valid: "
+            f"[{-indices.rank}, {indices.rank}]"
+        )
+    if bd > axis:
+        raise ShapeError(f"batch_dims {bd} must be <= axis {axis} (the batch dims come first)")
+    if params.shape[:bd] != indices.shape[:bd]:
+        raise ShapeError(
+            f"with batch_dims {bd}, the first {bd} dims of params {params.shape} and indices "
+            f"{indices.shape} must be equal"
+        )
+    return bd
+
+
+def gathered_shape(shape: tuple[int, ...], indices: tuple[int, ...], axis: int,
+                   batch_dims: int) -> tuple[int, ...]:
+    """params.shape[:axis] + indices.shape[batch_dims:] + params.shape[axis + 1:]."""
+    return shape[:axis] + indices[batch_dims:] + shape[axis + 1:]
+
+
 def _gather_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
     params, indices = tensor(types[0], "params"), tensor(types[1], "indices")
     _check_indices(indices)
     axis = _axis(attrs, params.rank)
-    return params.with_shape(params.shape[:axis] + indices.shape + params.shape[axis + 1 :])
+    bd = _batch_dims(attrs, params, indices, axis)
+    return params.with_shape(gathered_shape(params.shape, indices.shape, axis, bd))
 
 
 def _gather_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     params, indices = node.operands
-    grad = b("GatherGrad", cot, indices, shape=params.shape, axis=node.attrs["axis"])
+    grad = b("GatherGrad", cot, indices, shape=params.shape, axis=node.attrs["axis"],
+             batch_dims=node.attrs["batch_dims"])
     return [grad, None]
+
+
+def _per_batch(batch: tuple[int, ...], fn: Any, *arrays: Any) -> np.ndarray:
+    """`fn` applied to each batch element of `arrays` (their leading `batch` dims), stacked."""
+    parts = [fn(*(a[index] for a in arrays)) for index in np.ndindex(*batch)]
+    return np.stack(parts).reshape(batch + parts[0].shape)
+
+
+def _gather_np(params: Any, indices: Any, axis: int, batch_dims: int) -> Any:
+    # In-range indices only; negatives wrap. Out of range: numpy raises, JAX fills NaN.
+    axis %= params.ndim
+    bd = batch_dims + indices.ndim if batch_dims < 0 else batch_dims
+    if not bd:
+        return np.take(params, indices, axis)
+    return _per_batch(params.shape[:bd], lambda p, i: np.take(p, i, axis - bd), params, indices)
+
+
+def _batched_jax(fn: Any, batch_dims: int) -> Any:
+    for _ in range(batch_dims):
+        fn = jax.vmap(fn)
+    return fn
+
+
+def _gather_jax(params: Any, indices: Any, axis: int, batch_dims: int) -> Any:
+    axis %= params.ndim
+    bd = batch_dims + indices.ndim if batch_dims < 0 else batch_dims
+    return _batched_jax(lambda p, i: jnp.take(p, i, axis - bd), bd)(params, indices)
 
 
 register(
     OpDef(
         "Gather",
         _gather_infer,
-        # In-range indices only; negatives wrap. Out of range: numpy raises, JAX fills NaN.
-        numpy=lambda params, indices, axis: np.take(params, indices, axis),
-        jax=lambda params, indices, axis: jnp.take(params, indices, axis),
+        numpy=_gather_np,
+        jax=_gather_jax,
         vjp=_gather_vjp,
-        attrs={"axis": 0},
+        attrs={"axis": 0, "batch_dims": 0},
         num_inputs=2,
-        doc="Slices of params along axis picked by integer indices (jnp.take).",
+        doc=(
+            "Slices of params along axis picked by integer indices (jnp.take); with batch_dims "
+            "= b the first b dims of params and indices are batch dims, each batch element "
+            "gathered from its own slice: out shape params.shape[:axis] + indices.shape[b:] + "
+            "params.shape[axis + 1:] (MindSpore's `Gather(batch_dims)`)."
+        ),
     )
 )
 
@@ -586,7 +646,8 @@ def _gather_grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueTy
         raise ShapeError("dy must be numeric (it is scatter-added), got Bool")
     shape = _int_tuple_attr(attrs, "shape")
     axis = _axis(attrs, len(shape))
-    expected = shape[:axis] + indices.shape + shape[axis + 1 :]
+    bd = _batch_dims(attrs, dy.with_shape(shape), indices, axis)
+    expected = gathered_shape(shape, indices.shape, axis, bd)
     if dy.shape != expected:
         raise ShapeError(
             f"dy has shape {dy.shape} but gathering {shape} along axis {axis} with indices "
@@ -597,21 +658,40 @@ def _gather_grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueTy
 
 def _gather_grad_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     _, indices = node.operands
-    return [b("Gather", cot, indices, axis=node.attrs["axis"]), None]
+    return [b("Gather", cot, indices, axis=node.attrs["axis"],
+              batch_dims=node.attrs["batch_dims"]), None]
 
 
 def _gather_index(axis: int, rank: int, indices: Any) -> tuple[Any, ...]:
     return (slice(None),) * (axis % rank) + (indices,)
 
 
-def _gather_grad_np(dy: Any, indices: Any, shape: Any, axis: Any) -> Any:
+def _scatter_np(dy: Any, indices: Any, shape: tuple[int, ...], axis: int) -> Any:
     out = np.zeros(shape, dy.dtype)
     np.add.at(out, _gather_index(axis, len(shape), indices), dy)
     return out
 
 
-def _gather_grad_jax(dy: Any, indices: Any, shape: Any, axis: Any) -> Any:
-    return jnp.zeros(shape, dy.dtype).at[_gather_index(axis, len(shape), indices)].add(dy)
+def _gather_grad_np(dy: Any, indices: Any, shape: Any, axis: Any, batch_dims: Any) -> Any:
+    axis %= len(shape)
+    bd = batch_dims + indices.ndim if batch_dims < 0 else batch_dims
+    if not bd:
+        return _scatter_np(dy, indices, tuple(shape), axis)
+    inner = tuple(shape[bd:])
+    return _per_batch(tuple(shape[:bd]), lambda d, i: _scatter_np(d, i, inner, axis - bd),
+                      dy, indices)
+
+
+def _gather_grad_jax(dy: Any, indices: Any, shape: Any, axis: Any, batch_dims: Any) -> Any:
+    axis %= len(shape)
+    bd = batch_dims + indices.ndim if batch_dims < 0 else batch_dims
+    inner = tuple(shape[bd:])
+
+    def scatter(d: Any, i: Any) -> Any:
+        index = _gather_index(axis - bd, len(inner), i)
+        return jnp.zeros(inner, d.dtype).at[index].add(d)
+
+    return _batched_jax(scatter, bd)(dy, indices)
 
 
 register(
@@ -621,7 +701,7 @@ register(
         numpy=_gather_grad_np,
         jax=_gather_grad_jax,
         vjp=_gather_grad_vjp,
-        attrs={"shape": None, "axis": 0},
+        attrs={"shape": None, "axis": 0, "batch_dims": 0},
         num_inputs=2,
         doc="Scatter-add dy into zeros of `shape` at the Gather positions (Gather's vjp).",
     )
