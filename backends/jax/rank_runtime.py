@@ -101,13 +101,45 @@ def parse_args(argv: list[str] | None, num_ranks: int) -> argparse.Namespace:
     parser.add_argument("--all-ranks", action="store_true",
                         help="every process prints its loss lines, as '[rank r] ...' (default: "
                              "only process 0; other processes print only their messages)")
+    parser.add_argument("--platform", choices=("auto", "cpu", "gpu"), default=None,
+                        help="cpu: virtual CPU devices; gpu: one GPU per rank; auto (default, "
+                             "or PCOMPILE_PLATFORM): JAX's default backend")
+    parser.add_argument("--matmul-precision", choices=("default", "high", "highest"),
+                        default="default",
+                        help="JAX's float32 matmul precision (jax_default_matmul_precision): "
+                             "default lets a GPU use TF32, highest computes in full float32")
+    parser.add_argument("--log-every", type=int, default=1, metavar="N",
+                        help="read the loss back from the device every N steps (all N lines "
+                             "are then written; default 1)")
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="progress (step rate, time left) on stderr even when it is not a "
                              "terminal")
     args = parser.parse_args(argv)
-    if args.steps < 0 or args.checkpoint_every < 0 or args.print_every < 1:
-        parser.error("--steps and --checkpoint-every must be >= 0, --print-every >= 1")
+    if args.steps < 0 or args.checkpoint_every < 0 or args.print_every < 1 or args.log_every < 1:
+        parser.error("--steps and --checkpoint-every must be >= 0, --print-every and "
+                     "--log-every >= 1")
     return args
+
+
+def _platform(args: argparse.Namespace) -> str:
+    """cpu, gpu or auto (JAX's default backend; CPU settings apply only to CPU devices):
+    --platform, else PCOMPILE_PLATFORM (the launcher sets it), else auto."""
+    from pcompile.backends.placement import PLATFORM_ENV, PLATFORMS
+
+    platform = args.platform or os.environ.get(PLATFORM_ENV) or "auto"
+    if platform not in PLATFORMS:
+        raise RankError(f"platform {platform!r}: expected one of {', '.join(PLATFORMS)}")
+    return platform
+
+
+def _local_device_ids() -> list[int] | None:
+    from pcompile.backends.placement import local_device_ids
+    from pcompile.ir.errors import PcompileError
+
+    try:
+        return local_device_ids(os.environ)
+    except PcompileError as exc:
+        raise RankError(str(exc)) from None
 
 
 # -- watchdog and heartbeat --------------------------------------------------------------------
@@ -311,16 +343,25 @@ def _main(module: ModuleType, argv: list[str] | None, heartbeat: Heartbeat) -> i
     watchdog.arm(args.startup_timeout, "distributed start-up")
     import jax
 
-    if per_process > 1:
+    platform = _platform(args)
+    if platform == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+    if platform != "gpu" and per_process > 1:  # only CPU devices are virtual
         try:
             jax.config.update("jax_num_cpu_devices", per_process)
         except RuntimeError as exc:  # JAX already initialised in this process
             raise RankError(str(exc)) from exc
+    if args.matmul_precision != "default":
+        jax.config.update("jax_default_matmul_precision", args.matmul_precision)
     if nproc > 1:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if platform != "gpu":  # GPUs talk over NCCL, CPU devices over gloo
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
         kwargs: dict[str, Any] = {"initialization_timeout": int(args.startup_timeout)}
         if coordinator is not None:
             kwargs.update(coordinator_address=coordinator, num_processes=nproc, process_id=pid)
+        local_ids = _local_device_ids()
+        if local_ids is not None:  # the launcher's placement (else JAX's: by local rank)
+            kwargs["local_device_ids"] = local_ids
         # else: JAX's own cluster detection (SLURM, Open MPI) finds everything
         heartbeat.set(phase="connect")
         try:

@@ -316,6 +316,13 @@ def rank_devices(count: int) -> list[Any]:
     """The devices that run ranks 0..count-1: all devices ordered by (process, id)."""
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if len(devices) < count:
+        if devices and devices[0].platform != "cpu":
+            raise SpmdLoweringError(
+                f"the program has {count} ranks, one {devices[0].platform.upper()} each, but "
+                f"JAX sees {len(devices)} {devices[0].platform.upper()}(s); compile for at "
+                f"most {len(devices)} device(s), start the ranks on several machines "
+                "(docs/running.md, 'GPUs'), or run on CPU devices (--platform cpu, or "
+                "JAX_PLATFORMS=cpu with jax_num_cpu_devices)")
         raise SpmdLoweringError(
             f"the program has {count} ranks but JAX sees {len(devices)} device(s); on CPU set "
             f'jax.config.update("jax_num_cpu_devices", {count}) before JAX initialises, or run '
