@@ -391,8 +391,9 @@ def _check_affordable(program: Any, force: bool) -> bool:
 
 
 def _check_backends(program: Any) -> None:
-    """One device: the numpy interpreter against the JAX lowering, both in float64 (so the
-    check does not depend on the float32 matmul precision of the device, e.g. TF32)."""
+    """One device: the numpy interpreter against the JAX lowering, both in float64 and JAX at
+    matmul precision `highest` (so the check does not depend on the float32 matmul precision
+    of a device, e.g. TF32; this process computes on the CPU anyway)."""
     from pcompile.compiler.oracle import FLOAT64_RTOL, relative_error
     from pcompile.compiler.runtime import StandAloneRunner, batches
     from pcompile.ir.errors import PcompileError
@@ -489,7 +490,8 @@ def _train(program: Any, steps: int, backend: str,
     if program.state.parallel:
         _train_simulated(program, steps, fail_on_nan, monitor)
         return
-    runner = StandAloneRunner(program, backend)
+    runner = StandAloneRunner(program, backend,
+                              matmul_precision=options.get("matmul_precision") or None)
     if not program.training:
         _, _, arrays = next(batches(program, 1))
         outs = runner.run(arrays)
@@ -499,14 +501,29 @@ def _train(program: Any, steps: int, backend: str,
     lines: list[str] = []
     start = time.perf_counter()
     bad = None
+    every = int(options.get("log_every") or 1)
+    pending: list[tuple[int, int, int, Any]] = []  # losses not read back yet
+
+    def flush() -> str | None:
+        """Read the pending losses back (one wait for all of them) and log them."""
+        for k, epoch, step, loss in pending:
+            value = float(loss)
+            line = format_loss_line(epoch, step, value)
+            lines.append(line)
+            monitor(line)
+            if fail_on_nan and not np.isfinite(value):
+                pending.clear()
+                return _nonfinite(value, k + 1, epoch, step)
+        pending.clear()
+        return None
+
     for k, (epoch, step, arrays) in enumerate(batches(program, steps)):
-        loss = runner.step(arrays)
-        line = format_loss_line(epoch, step, loss)
-        lines.append(line)
-        monitor(line)
-        if fail_on_nan and not np.isfinite(float(loss)):
-            bad = _nonfinite(float(loss), k + 1, epoch, step)
-            break
+        pending.append((k, epoch, step, runner.step_async(arrays)))
+        if (k + 1) % every == 0:
+            bad = flush()
+            if bad:
+                break
+    bad = bad or flush()
     elapsed = time.perf_counter() - start
     log = _write_logs(program, lines, 1)
     if bad:

@@ -473,7 +473,9 @@ class _Runner:
                             f"program takes {len(expected)}")
         return iter_batches(mf, n_inputs, len(expected) - n_inputs, examples, expected, steps)
 
-    def _function(self) -> Any:
+    def _function(self, donate: bool = False) -> Any:
+        """The jitted SPMD step; `donate`: it reuses the buffers of the stored values it
+        returns updated (training)."""
         import jax.numpy as jnp
         from jax import lax
 
@@ -489,7 +491,11 @@ class _Runner:
                 outs.append(lax.pmean(jnp.asarray(outs[0], jnp.float32), axes))
             return outs
 
-        return spmd_function(body, self.mesh)
+        n = len(self.inputs)
+        updated = set(self.m.OUTPUTS[1:])
+        donated = tuple(n + i for i, (name, *_) in enumerate(self.stored)
+                        if donate and name in updated)
+        return spmd_function(body, self.mesh, donated)
 
     def _load_values(self, resume_step: int | None) -> tuple[dict[int, dict[str, np.ndarray]],
                                                               dict[str, Any]]:
@@ -585,7 +591,7 @@ class _Runner:
                             list(meta.get("log", []))[:done]) for r in self.local}
         state = {name: self._put(name, {r: values[r][name] for r in self.local}, shape)
                  for name, _, shape, _ in self.stored}
-        fn = self._function()
+        fn = self._function(donate=True)
         out_names = list(m.OUTPUTS)
         fault, fault_mode = _fault_injection(self.local)
         first = True
@@ -594,6 +600,29 @@ class _Runner:
         monitor = LossMonitor(args.steps, args.print_every,
                               lambda line: self._say(line, loss=True), done=done)
         self.heartbeat.set(phase="data", done=done)
+        # Losses still on the device: read back (one wait) every --log-every steps, before a
+        # checkpoint and at the end; the steps in between never wait for the host.
+        pending: list[tuple[int, int, int, Any]] = []
+
+        def flush() -> None:
+            if not pending:
+                return
+            self.watchdog.arm(args.timeout * len(pending), f"steps {pending[0][0] + 1}.."
+                                                           f"{pending[-1][0] + 1}")
+            for k_done, ep, step_in, loss_out in pending:
+                losses = local_pieces(loss_out, self.mesh)
+                for r in self.local:
+                    logs[r].add(format_loss_line(ep, step_in, float(losses[r])))
+                monitor(logs[self.local[0]].lines[-1])
+                bad = [r for r in self.local if not np.isfinite(float(losses[r]))]
+                if bad and args.fail_on_nan:
+                    raise NonFiniteLossError(
+                        f"the loss is {float(losses[bad[0]])} at step {k_done + 1} (epoch "
+                        f"{ep}, step {step_in}); stopped (--no-fail-on-nan trains on)")
+            self.watchdog.disarm()
+            self.heartbeat.set(phase="data", done=pending[-1][0] + 1)
+            pending.clear()
+
         for k, (epoch, in_epoch, arrays) in enumerate(self._batches(args.steps)):
             if k < done:
                 continue
@@ -612,24 +641,18 @@ class _Runner:
                 if name in state:
                     state[name] = value
             loss_out = outs[-1] if len(outs) > len(out_names) else outs[0]
-            losses = local_pieces(loss_out, self.mesh)
-            for r in self.local:
-                line = format_loss_line(epoch, in_epoch, float(losses[r]))
-                logs[r].add(line)
-            self.watchdog.disarm()
-            first = False
-            monitor(logs[self.local[0]].lines[-1])
+            pending.append((k, epoch, in_epoch, loss_out))
             step_no = k + 1
-            bad = [r for r in self.local if not np.isfinite(float(losses[r]))]
-            if bad and args.fail_on_nan:
-                raise NonFiniteLossError(
-                    f"the loss is {float(losses[bad[0]])} at step {step_no} (epoch {epoch}, "
-                    f"step {in_epoch}); stopped (--no-fail-on-nan trains on)")
+            if first or step_no % args.log_every == 0:  # the first step: compiled, on time
+                flush()
+            first = False
             every = args.checkpoint_every
             if every and step_no % every == 0 and step_no < args.steps:
+                flush()
                 self.heartbeat.set(phase="checkpoint")
                 self._checkpoint(step_no, epoch, in_epoch, state, logs)
-            self.heartbeat.set(phase="data", done=step_no)
+                self.heartbeat.set(phase="data", done=step_no)
+        flush()
         total = len(logs[self.local[0]].lines)
         self.heartbeat.set(phase="finish", done=total)
         if total > done and not args.no_checkpoint:
