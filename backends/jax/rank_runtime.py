@@ -595,6 +595,7 @@ class _Runner:
         out_names = list(m.OUTPUTS)
         fault, fault_mode = _fault_injection(self.local)
         first = True
+        after_first = (0.0, 0)  # (time, steps) once the first step is done
         epoch, in_epoch = int(meta.get("epoch", 1)), int(meta.get("step_in_epoch", 0))
         start = time.perf_counter()
         monitor = LossMonitor(args.steps, args.print_every,
@@ -645,6 +646,8 @@ class _Runner:
             step_no = k + 1
             if first or step_no % args.log_every == 0:  # the first step: compiled, on time
                 flush()
+            if first:
+                after_first = (time.perf_counter(), step_no)
             first = False
             every = args.checkpoint_every
             if every and step_no % every == 0 and step_no < args.steps:
@@ -653,13 +656,18 @@ class _Runner:
                 self._checkpoint(step_no, epoch, in_epoch, state, logs)
                 self.heartbeat.set(phase="data", done=step_no)
         flush()
+        loop_end = time.perf_counter()
         total = len(logs[self.local[0]].lines)
         self.heartbeat.set(phase="finish", done=total)
         if total > done and not args.no_checkpoint:
             self._checkpoint(total, epoch, in_epoch, state, logs)
         elapsed = time.perf_counter() - start
+        rate = ""
+        if not first and total > after_first[1]:  # the steady rate: without compiling
+            per = (loop_end - after_first[0]) / (total - after_first[1])
+            rate = f" ({per * 1000:.3f} ms/step after the first)"
         self._say(f"rank(s) {self.local[0]}..{self.local[-1]}: steps {done + 1}..{total} in "
-                  f"{elapsed:.2f} s", force=True)
+                  f"{elapsed:.2f} s{rate}", force=True)
         return 0
 
     def _infer(self) -> int:
