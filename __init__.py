@@ -26,10 +26,11 @@ _MODULE_ALIASES = {
     "pcompile.nn": "pcompile.compiler.nn",
     "pcompile.ops": "pcompile.compiler.ops",
     "pcompile.communication": "pcompile.compiler.communication",
+    "pcompile.amp": "pcompile.compiler.amp",
 }
 
 _FACADE = (
-    "nn", "ops", "communication", "Parameter", "ParameterTuple", "Tensor", "TensorSpec",
+    "nn", "ops", "communication", "amp", "Parameter", "ParameterTuple", "Tensor", "TensorSpec",
     "Layout", "initializer", "set_seed", "set_auto_parallel_context", "get_auto_parallel_context",
     "reset_auto_parallel_context", "set_context", "get_context", "set_cost_model_context",
     "get_cost_model_context", "reset_cost_model_context", "set_algo_parameters",

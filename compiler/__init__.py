@@ -3,7 +3,7 @@
 Model files import only from `pcompile` (and `pcompile.communication`); internal module paths may
 change, this list does not."""
 
-from pcompile.compiler import communication, nn, ops
+from pcompile.compiler import amp, communication, nn, ops
 from pcompile.compiler.context import (
     ParallelMode,
     get_algo_parameters,
@@ -65,6 +65,7 @@ __all__ = [
     "nn",
     "ops",
     "communication",
+    "amp",
     "Parameter",
     "ParameterTuple",
     "Tensor",
