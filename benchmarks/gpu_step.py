@@ -50,6 +50,10 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--runners", default="in_process,spmd,program")
     parser.add_argument("--matmul-precision", default="default",
                         choices=("default", "high", "highest"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="bfloat16: the network under amp O2 (pcompile: "
+                             "amp.auto_mixed_precision(net, 'O2', bfloat16); by hand: the same "
+                             "casts), float32 master weights")
     return parser.parse_args()
 
 
@@ -60,6 +64,8 @@ def handwritten(values: dict, cfg: argparse.Namespace):
     import jax.numpy as jnp
 
     layers, heads, hidden, seq, vocab = cfg.layers, cfg.heads, cfg.hidden, cfg.seq, cfg.vocab
+    # amp O2: everything in `low` but LayerNorm (float32, result back to `low`) and the loss
+    low = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
     head_dim = hidden // heads
     mask = jnp.asarray(__import__("numpy").triu(
         __import__("numpy").full((seq, seq), -1e4, "float32"), k=1))
@@ -70,20 +76,22 @@ def handwritten(values: dict, cfg: argparse.Namespace):
     lr, b1, b2, eps, wd = 1e-3, 0.9, 0.999, 1e-6, 0.01
 
     def ln(x, p):
+        x = x.astype(jnp.float32)
         mean = jnp.mean(x, -1, keepdims=True)
         var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
-        return (x - mean) / jnp.sqrt(var + 1e-7) * p[".gamma"] + p[".beta"]
+        return ((x - mean) / jnp.sqrt(var + 1e-7) * p[".gamma"] + p[".beta"]).astype(low)
 
     def dense(x, p, prefix, bias=True):
-        y = x @ p[prefix + ".weight"].T
-        return y + p[prefix + ".bias"] if bias else y
+        y = x @ p[prefix + ".weight"].astype(low).T
+        return y + p[prefix + ".bias"].astype(low) if bias else y
 
     def gelu(x):
         return 0.5 * x * (1.0 + jnp.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
 
     def forward(p, tokens, labels):
         batch = tokens.shape[0]
-        x = p["embedding.embedding_table"][tokens] + p["position_embedding"]
+        x = (p["embedding.embedding_table"].astype(low)[tokens]
+             + p["position_embedding"].astype(low))
         for i in range(layers):
             b = f"blocks.{i}."
             h = ln(x, {".gamma": p[b + "ln1.gamma"], ".beta": p[b + "ln1.beta"]})
@@ -94,14 +102,15 @@ def handwritten(values: dict, cfg: argparse.Namespace):
             q = split(dense(h, p, b + "attn.query"))
             k = split(dense(h, p, b + "attn.key", bias=False))
             v = split(dense(h, p, b + "attn.value"))
-            scores = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / float(head_dim) ** 0.5) + mask
+            scores = ((q @ k.transpose(0, 1, 3, 2)) * (1.0 / float(head_dim) ** 0.5)
+                      + mask.astype(low))
             ctx = jax.nn.softmax(scores, -1) @ v
             ctx = ctx.transpose(0, 2, 1, 3).reshape(batch, seq, hidden)
             x = x + dense(ctx, p, b + "attn.proj")
             h = ln(x, {".gamma": p[b + "ln2.gamma"], ".beta": p[b + "ln2.beta"]})
             x = x + dense(gelu(dense(h, p, b + "fc1")), p, b + "fc2")
         x = ln(x, {".gamma": p["ln_f.gamma"], ".beta": p["ln_f.beta"]})
-        logits = (x @ p["head.weight"].T).reshape(-1, vocab)
+        logits = (x @ p["head.weight"].astype(low).T).reshape(-1, vocab).astype(jnp.float32)
         logp = jax.nn.log_softmax(logits, -1)
         return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], 1))
 
@@ -151,7 +160,14 @@ def main() -> None:
 
     runners = [r for r in cfg.runners.split(",") if r]
     out_dir = tempfile.mkdtemp(prefix="gpu_step_")
-    program = compile_model(EXAMPLE, devices=1, out_dir=os.path.join(out_dir, "out"),
+    model_file = EXAMPLE
+    if cfg.dtype == "bfloat16":  # the example under amp O2
+        model_file = os.path.join(out_dir, "gpt_bf16.py")
+        with open(EXAMPLE, encoding="utf-8") as f, open(model_file, "w") as g:
+            g.write(f.read() + "\n\nfrom pcompile import amp, bfloat16\n_base_model = model\n\n\n"
+                    "def model():\n    return amp.auto_mixed_precision(_base_model(), 'O2', "
+                    "bfloat16)\n")
+    program = compile_model(model_file, devices=1, out_dir=os.path.join(out_dir, "out"),
                             save_graphs=0)
     total = cfg.warmup + cfg.steps
     data = [arrays for _, _, arrays in batches(program, total)]
@@ -209,7 +225,7 @@ def main() -> None:
         "model": {"layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads,
                   "seq": cfg.seq, "vocab": cfg.vocab, "batch": cfg.batch,
                   "parameters": n_params},
-        "dtype": "float32",
+        "dtype": cfg.dtype if cfg.dtype == "float32" else "bfloat16 (amp O2)",
         "matmul_precision": cfg.matmul_precision,
         "steps": cfg.steps, "warmup": cfg.warmup, "rounds": cfg.rounds,
         "ms_per_step": {k: round(v * 1000, 3) for k, v in best.items()},
