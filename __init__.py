@@ -29,10 +29,11 @@ _MODULE_ALIASES = {
     "pcompile.mint": "pcompile.compiler.mint",
     "pcompile.mint.nn": "pcompile.compiler.mint.nn",
     "pcompile.mint.nn.functional": "pcompile.compiler.mint.nn.functional",
+    "pcompile.amp": "pcompile.compiler.amp",
 }
 
 _FACADE = (
-    "nn", "ops", "mint", "communication", "Parameter", "ParameterTuple", "Tensor",
+    "nn", "ops", "mint", "communication", "amp", "Parameter", "ParameterTuple", "Tensor",
     "TensorSpec", "Layout", "initializer", "set_seed", "set_auto_parallel_context",
     "get_auto_parallel_context",
     "reset_auto_parallel_context", "set_context", "get_context", "set_cost_model_context",

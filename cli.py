@@ -144,6 +144,19 @@ def _verbosity(function: Any) -> Any:
 @click.option("--print-every", type=click.IntRange(1), default=1, show_default=True,
               metavar="K", help="With --run: print every K-th loss line (and the last), like "
                                 "MindSpore's LossMonitor(per_print_times).")
+@click.option("--platform", type=click.Choice(("auto", "cpu", "gpu")), default="auto",
+              show_default=True,
+              help="With --run: gpu runs one GPU per rank (a process with several ranks owns "
+                   "their GPUs), cpu virtual CPU devices, auto GPUs when JAX sees them. This "
+                   "process (compile, check) uses only the CPU.")
+@click.option("--matmul-precision", type=click.Choice(("default", "high", "highest")),
+              default="default", show_default=True,
+              help="With --run: JAX's float32 matmul precision for training (default lets a "
+                   "GPU use TF32; highest is full float32). The check always uses highest.")
+@click.option("--log-every", type=click.IntRange(1), default=1, show_default=True,
+              metavar="N", help="With --run: read the loss back from the device every N steps "
+                                "(the step then never waits for the host; every step is still "
+                                "logged).")
 @_verbosity
 def compile_command(
     model: str,
@@ -167,6 +180,9 @@ def compile_command(
     heartbeat_timeout: float,
     fail_on_nan: bool,
     print_every: int,
+    platform: str,
+    matmul_precision: str,
+    log_every: int,
     verbose: int,
     quiet: bool,
 ) -> None:
@@ -174,6 +190,7 @@ def compile_command(
     setup_logging(verbose, quiet)
     from contextlib import ExitStack
 
+    from pcompile.backends.placement import pin_parent_to_cpu
     from pcompile.compiler.driver import compile as compile_model
     from pcompile.ir.errors import PcompileError
 
@@ -186,8 +203,11 @@ def compile_command(
                    "processes": processes, "timeout": timeout,
                    "startup_timeout": startup_timeout, "heartbeat_timeout": heartbeat_timeout,
                    "fail_on_nan": fail_on_nan, "steps": steps, "backend": backend,
-                   "print_every": print_every, "quiet": quiet}
+                   "print_every": print_every, "quiet": quiet, "platform": platform,
+                   "matmul_precision": matmul_precision, "log_every": log_every}
     try:
+        # The rank processes own the accelerators: compiling and checking here use the CPU.
+        pin_parent_to_cpu()
         with ExitStack() as held:
             if out_dir is not None:
                 from pcompile.compiler.outdir import resolve
@@ -233,7 +253,8 @@ def compile_command(
 
 
 RUN_ONLY = ("steps", "checkpoint_every", "resume", "processes", "startup_timeout", "timeout",
-            "heartbeat_timeout", "fail_on_nan", "print_every")
+            "heartbeat_timeout", "fail_on_nan", "print_every", "platform", "matmul_precision",
+            "log_every")
 
 
 def _check_run_flags(do_run: bool) -> None:
@@ -271,17 +292,24 @@ def _refuse_under_a_launcher() -> None:
 
 
 def _launched(program_state: Any, options: dict[str, Any]) -> bool:
+    """Whether --run starts rank processes (else it runs in this process, on CPU)."""
     return bool(program_state.parallel or options.get("checkpoint_every")
-                or options.get("resume"))
+                or options.get("resume") or options.get("resolved_platform") == "gpu")
 
 
 def _check_run(state: Any, out_dir: str | None, options: dict[str, Any], held: Any) -> None:
     """--run's options against the compiled program, before anything is written; takes the
     lock of --out for the rest of the command."""
     from pcompile.backends.checkpoint import resume_point
+    from pcompile.backends.placement import assign_devices, resolve_platform
     from pcompile.compiler.outdir import out_lock
     from pcompile.ir.errors import PcompileError
 
+    if options["backend"] == "jax":
+        platform, gpus = resolve_platform(options.get("platform") or "auto")
+        options["resolved_platform"], options["gpus"] = platform, gpus
+        if platform == "gpu":  # too few GPUs: refused before anything is written or started
+            assign_devices(options.get("processes") or state.devices, state.devices, gpus)
     launched = _launched(state, options) and options["backend"] == "jax"
     if (options.get("resume") or options.get("checkpoint_every")) and not launched:
         raise PcompileError("--resume and --checkpoint-every need the JAX rank programs; drop "
@@ -363,8 +391,9 @@ def _check_affordable(program: Any, force: bool) -> bool:
 
 
 def _check_backends(program: Any) -> None:
-    """One device: the numpy interpreter against the JAX lowering, both in float64 (so the
-    check does not depend on the float32 matmul precision of the device, e.g. TF32)."""
+    """One device: the numpy interpreter against the JAX lowering, both in float64 and JAX at
+    matmul precision `highest` (so the check does not depend on the float32 matmul precision
+    of a device, e.g. TF32; this process computes on the CPU anyway)."""
     from pcompile.compiler.oracle import FLOAT64_RTOL, relative_error
     from pcompile.compiler.runtime import StandAloneRunner, batches
     from pcompile.ir.errors import PcompileError
@@ -461,7 +490,8 @@ def _train(program: Any, steps: int, backend: str,
     if program.state.parallel:
         _train_simulated(program, steps, fail_on_nan, monitor)
         return
-    runner = StandAloneRunner(program, backend)
+    runner = StandAloneRunner(program, backend,
+                              matmul_precision=options.get("matmul_precision") or None)
     if not program.training:
         _, _, arrays = next(batches(program, 1))
         outs = runner.run(arrays)
@@ -471,14 +501,29 @@ def _train(program: Any, steps: int, backend: str,
     lines: list[str] = []
     start = time.perf_counter()
     bad = None
+    every = int(options.get("log_every") or 1)
+    pending: list[tuple[int, int, int, Any]] = []  # losses not read back yet
+
+    def flush() -> str | None:
+        """Read the pending losses back (one wait for all of them) and log them."""
+        for k, epoch, step, loss in pending:
+            value = float(loss)
+            line = format_loss_line(epoch, step, value)
+            lines.append(line)
+            monitor(line)
+            if fail_on_nan and not np.isfinite(value):
+                pending.clear()
+                return _nonfinite(value, k + 1, epoch, step)
+        pending.clear()
+        return None
+
     for k, (epoch, step, arrays) in enumerate(batches(program, steps)):
-        loss = runner.step(arrays)
-        line = format_loss_line(epoch, step, loss)
-        lines.append(line)
-        monitor(line)
-        if fail_on_nan and not np.isfinite(float(loss)):
-            bad = _nonfinite(float(loss), k + 1, epoch, step)
-            break
+        pending.append((k, epoch, step, runner.step_async(arrays)))
+        if (k + 1) % every == 0:
+            bad = flush()
+            if bad:
+                break
+    bad = bad or flush()
     elapsed = time.perf_counter() - start
     log = _write_logs(program, lines, 1)
     if bad:
@@ -495,8 +540,10 @@ def _launch(program: Any, steps: int, options: dict[str, Any]) -> None:
         _fail("--run on JAX needs the rank programs: do not disable dumps")
     n = program.state.devices
     procs = options.get("processes") or n
-    click.echo(f"launching {procs} process(es) for {n} rank(s): {program.out_dir}/rank_*/"
-               "program.py (logs: rank_*/run.log)")
+    where = ("one GPU per rank" if options.get("resolved_platform") == "gpu"
+             else "CPU devices")
+    click.echo(f"launching {procs} process(es) for {n} rank(s) on {where}: {program.out_dir}/"
+               "rank_*/program.py (logs: rank_*/run.log)")
     start = time.perf_counter()
     try:
         result = launch(program.out_dir, steps=steps, processes=procs,
@@ -507,7 +554,12 @@ def _launch(program: Any, steps: int, options: dict[str, Any]) -> None:
                         heartbeat_timeout=float(options.get("heartbeat_timeout") or 30.0),
                         fail_on_nan=bool(options.get("fail_on_nan", True)),
                         echo=LossMonitor(steps, int(options.get("print_every") or 1),
-                                         click.echo))
+                                         click.echo),
+                        platform=str(options.get("resolved_platform") or "cpu"),
+                        gpus=int(options.get("gpus") or 0),
+                        extra_args=["--matmul-precision",
+                                    str(options.get("matmul_precision") or "default"),
+                                    "--log-every", str(int(options.get("log_every") or 1))])
     except LaunchError as exc:
         _fail(str(exc))
         return

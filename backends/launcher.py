@@ -2,7 +2,10 @@
 
 `launch(out_dir, steps=N)` takes the lock of `out_dir` (compiler/outdir.py), starts one process
 per rank (`<out>/rank_<r>/program.py`, under `jax.distributed` with gloo collectives on CPU),
-with the coordinator on a free local port, and watches them:
+with the coordinator on a free local port, and watches them. `platform="gpu"` gives each
+process its ranks' GPUs (backends/placement.py: `CUDA_VISIBLE_DEVICES`,
+`PCOMPILE_LOCAL_DEVICE_IDS`; fewer GPUs than ranks is refused before anything starts);
+`platform="cpu"` (the default) runs every process on CPU devices.
 
 * progress: rank 0's `train.log` lines are echoed as they appear;
 * liveness: every process sends a heartbeat (phase, steps done) twice a second on a pipe. A
@@ -159,10 +162,13 @@ def launch(
     stop_grace: float = 3.0,
     port_attempts: int = 3,
     extra_args: list[str] | None = None,
+    platform: str = "cpu",
+    gpus: int = 0,
 ) -> LaunchResult:
     """Run `steps` training steps of the plan in `out_dir` with one process per rank (or
-    `processes` processes, each running N/processes ranks on virtual CPU devices), holding the
-    lock of `out_dir` (compiler/outdir.py) meanwhile."""
+    `processes` processes, each running N/processes ranks), holding the lock of `out_dir`
+    (compiler/outdir.py) meanwhile. `platform`: "cpu" (virtual CPU devices) or "gpu" (one of
+    the `gpus` visible GPUs per rank, backends/placement.py)."""
     from pcompile.compiler.outdir import out_lock
     from pcompile.ir.errors import PcompileError
 
@@ -170,7 +176,8 @@ def launch(
         with out_lock(out_dir) as out:
             return _launch(out, steps, processes, checkpoint_every, resume,
                            Deadlines(startup_timeout, timeout, heartbeat_timeout), fail_on_nan,
-                           echo, python, env, host, stop_grace, port_attempts, extra_args)
+                           echo, python, env, host, stop_grace, port_attempts, extra_args,
+                           platform, gpus)
     except PcompileError as exc:
         raise LaunchError(str(exc)) from None
 
@@ -200,13 +207,19 @@ def _launch(out_dir: str, steps: int, processes: int | None, checkpoint_every: i
             resume: bool, deadlines: Deadlines, fail_on_nan: bool,
             echo: Callable[[str], None], python: str | None, env: dict[str, str] | None,
             host: str, stop_grace: float, port_attempts: int,
-            extra_args: list[str] | None) -> LaunchResult:
+            extra_args: list[str] | None, platform: str = "cpu",
+            gpus: int = 0) -> LaunchResult:
+    from pcompile.backends.placement import assign_devices, process_env
+
     n = _num_ranks(out_dir)
     procs = processes or n
     if n % procs:
         raise LaunchError(f"{n} ranks cannot be spread evenly over {procs} processes; choose a "
                           f"divisor of {n}")
     per = n // procs
+    # Before anything starts: fewer GPUs than ranks is refused here (PcompileError).
+    placement = (assign_devices(procs, n, gpus) if platform == "gpu"
+                 else [None] * procs)
     program = os.path.join(out_dir, "program.py")  # every rank's SPMD program
     if not os.path.exists(program):
         raise LaunchError(f"missing rank program {program}; compile again")
@@ -224,13 +237,13 @@ def _launch(out_dir: str, steps: int, processes: int | None, checkpoint_every: i
     if checkpoint_every:
         common += ["--checkpoint-every", str(checkpoint_every)]
     base_env = dict(os.environ if env is None else env)
-    base_env.setdefault("JAX_PLATFORMS", "cpu")
     base_env["PYTHONUNBUFFERED"] = "1"
     base_env["PCOMPILE_LAUNCHER_PID"] = str(os.getpid())  # ranks exit when the launcher dies
+    envs = [process_env(base_env, platform, devices, gpus) for devices in placement]
     result = LaunchResult(1)
     restore = _sigterm_as_interrupt()
     try:
-        result = _attempts(programs, per, common, base_env, python or sys.executable, echo,
+        result = _attempts(programs, per, common, envs, python or sys.executable, echo,
                            stop_grace, out_dir, host, port_attempts, deadlines)
     finally:
         restore()
@@ -257,13 +270,13 @@ def _sigterm_as_interrupt() -> Callable[[], None]:
     return restore
 
 
-def _attempts(programs: list[str], per: int, common: list[str], base_env: dict[str, str],
+def _attempts(programs: list[str], per: int, common: list[str], envs: list[dict[str, str]],
               python: str, echo: Callable[[str], None], stop_grace: float, out_dir: str,
               host: str, port_attempts: int, deadlines: Deadlines) -> LaunchResult:
     result = LaunchResult(1)
     for attempt in range(port_attempts):
         port = free_port(host)
-        result = _run_once(programs, per, f"{host}:{port}", common, base_env, python, echo,
+        result = _run_once(programs, per, f"{host}:{port}", common, envs, python, echo,
                            stop_grace, out_dir, deadlines)
         if result.code != -1:
             break
@@ -302,7 +315,7 @@ def _spawn(p: int, program: str, per: int, coordinator: str, procs: int, common:
 
 
 def _run_once(programs: list[str], per: int, coordinator: str, common: list[str],
-              env: dict[str, str], python: str, echo: Callable[[str], None],
+              envs: list[dict[str, str]], python: str, echo: Callable[[str], None],
               stop_grace: float, out_dir: str, deadlines: Deadlines) -> LaunchResult:
     """One attempt; code -1 means 'the coordinator port was taken, try another'."""
     ranks: list[_Proc] = []
@@ -314,7 +327,7 @@ def _run_once(programs: list[str], per: int, coordinator: str, common: list[str]
         pass
     try:
         for p, program in enumerate(programs):
-            ranks.append(_spawn(p, program, per, coordinator, procs, common, env, python,
+            ranks.append(_spawn(p, program, per, coordinator, procs, common, envs[p], python,
                                 out_dir))
         _write_launch_info(out_dir, coordinator, ranks)
         seen = [0, 0]

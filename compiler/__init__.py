@@ -3,7 +3,7 @@
 Model files import only from `pcompile` (and `pcompile.communication`); internal module paths may
 change, this list does not."""
 
-from pcompile.compiler import communication, mint, nn, ops
+from pcompile.compiler import amp, communication, mint, nn, ops
 from pcompile.compiler.context import (
     ParallelMode,
     get_algo_parameters,
@@ -66,6 +66,7 @@ __all__ = [
     "ops",
     "mint",
     "communication",
+    "amp",
     "Parameter",
     "ParameterTuple",
     "Tensor",

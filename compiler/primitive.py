@@ -168,6 +168,10 @@ class Primitive:
         like = _float_like(args)
         values = [tracer.to_value(a, like) for a in args]
         source = user_source()
+        amp = getattr(self, "_amp_dtype", None)  # amp O1: this primitive in low precision
+        target = amp or tracer.mixed_precision
+        if target is not None and op != "Cast":
+            values = [cast_float(tracer, v, target, source) for v in values]
         user_attrs = dict(self.user_attrs)
         if self.in_strategy is not None:
             self._check_strategy(op, values, tracer.scope, source)
@@ -191,7 +195,25 @@ class Primitive:
         if tracer.recompute and user_attrs.get("recompute") is True and \
                 "recompute" not in self.user_attrs:
             tracer.recompute_marked.add(id(result))
+        if amp is not None:  # amp O1: the result goes back to float32
+            result = cast_float(tracer, result, DType.float32, source)
         return _wrap(result, tracer.builder)
+
+
+def cast_float(tracer: Any, value: Value, dtype: DType, source: Any = None) -> Value:
+    """`value` in float type `dtype` (mixed precision): a float tensor of another float type
+    gets a Cast (a constant is converted as it is built); anything else is returned as is."""
+    from pcompile.ir.core import Constant
+
+    vtype = value.type
+    if not isinstance(vtype, TensorType) or not vtype.dtype.is_float or vtype.dtype == dtype:
+        return value
+    if isinstance(value, Constant):
+        return Constant(np.asarray(value.array).astype(dtype.np), dtype)
+    return tracer.builder.emit("Cast", [value], {"dst_type": dtype},
+                               instance_name=tracer.next_instance_name("Cast"),
+                               scope=tracer.scope, source=source,
+                               name_hint=name_hint(source) if source is not None else "")
 
 
 def _float_like(args: list[Any]) -> DType | None:

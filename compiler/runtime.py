@@ -4,7 +4,7 @@ interpreter or the JAX lowering, and a stand-alone training loop with MindSpore'
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,50 +92,149 @@ def _held(value: np.ndarray, float64: bool) -> np.ndarray:
     return arr
 
 
+class DeviceValues(MutableMapping[str, Any]):
+    """A runner's parameters and optimizer state held on the device (JAX arrays): reading a
+    value copies it to the host once (until it changes), setting one puts it on the device."""
+
+    def __init__(self, values: dict[str, np.ndarray], float64: bool = False) -> None:
+        self.float64 = float64
+        self.device: dict[str, Any] = {}
+        self._host: dict[str, np.ndarray] = {}
+        for name, value in values.items():
+            self[name] = value
+
+    def _x64(self) -> Any:
+        from contextlib import nullcontext
+
+        from pcompile.backends.jax.lowering import x64
+
+        return x64() if self.float64 else nullcontext()
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        host = self._host.get(name)
+        if host is None:
+            host = self._host[name] = np.asarray(self.device[name])
+        return host
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        import jax
+
+        with self._x64():
+            self.device[name] = jax.device_put(np.asarray(value))
+        self._host.pop(name, None)
+
+    def update_device(self, name: str, array: Any) -> None:
+        """A step's new value, already on the device."""
+        self.device[name] = array
+        self._host.pop(name, None)
+
+    def __delitem__(self, name: str) -> None:
+        del self.device[name]
+        self._host.pop(name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.device)
+
+    def __len__(self) -> int:
+        return len(self.device)
+
+
 class StandAloneRunner:
     """Runs the single-device program on numpy or JAX and carries parameters across steps.
     `float64=True` evaluates every float in float64 (the oracle's mode; JAX runs it under
-    `backends.jax.lowering.x64`)."""
+    `backends.jax.lowering.x64`, at matmul precision `highest`).
+
+    On JAX the parameters and optimizer state stay on the device between steps (`values` is a
+    `DeviceValues`); the jitted training step donates them, and `step_async` returns the loss
+    without waiting for it. `matmul_precision` (`default`, `high`, `highest`; None: JAX's
+    setting) is JAX's float32 matmul precision for the steps."""
 
     def __init__(self, program: CompiledProgram, backend: str = "numpy",
-                 float64: bool = False) -> None:
+                 float64: bool = False, matmul_precision: str | None = None) -> None:
         if backend not in ("numpy", "jax"):
             raise ValueError(f"unknown backend {backend!r}")
         self.program = program
         self.backend = backend
         self.float64 = float64
+        self.matmul_precision = "highest" if float64 else matmul_precision
         self.graph = program.rank_graphs[0]
-        self.values = {k: _held(v, float64) for k, v in program.initial_values.items()}
-        self._fn: Any = None
+        held = {k: _held(v, float64) for k, v in program.initial_values.items()}
+        self.values: MutableMapping[str, Any] = held
+        self._run_fn: Any = None
+        self._step_fn: Any = None
         if backend == "jax":
             import jax
 
             from pcompile.backends.jax import lower_graph
 
-            self._fn = jax.jit(lower_graph(self.graph, float64=float64))
+            self.values = DeviceValues(held, float64)
+            lowered = lower_graph(self.graph, float64=float64)
+            n = len(self.graph.inputs)
+            updated = set(program.output_names[1:])
+            donate = tuple(i for i, p in enumerate(self.graph.params)
+                           if i >= n and p.name in updated)
+            self._run_fn = jax.jit(lowered)
+            self._step_fn = jax.jit(lowered, donate_argnums=donate)
 
-    def run(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        graph = self.graph
-        n = len(graph.inputs)
-        feeds = list(arrays[:n]) + [self.values[p.name] for p in graph.params[n:]]
-        if self.backend == "numpy":
-            from pcompile.backends.numpy import run_graph
+    def _context(self) -> Any:
+        """JAX's settings for a call: float64 evaluation, the matmul precision."""
+        from contextlib import ExitStack
 
-            return [np.asarray(o) for o in run_graph(graph, feeds, float64=self.float64)]
+        import jax
+
+        stack = ExitStack()
         if self.float64:
             from pcompile.backends.jax.lowering import x64
 
-            with x64():
-                return [np.asarray(o) for o in self._fn(*feeds)]
-        return [np.asarray(o) for o in self._fn(*feeds)]
+            stack.enter_context(x64())
+        if self.matmul_precision not in (None, "default"):
+            stack.enter_context(jax.default_matmul_precision(self.matmul_precision))
+        return stack
+
+    def _feeds(self, arrays: list[np.ndarray]) -> list[Any]:
+        graph = self.graph
+        n = len(graph.inputs)
+        values = self.values
+        stored = ([values.device[p.name] for p in graph.params[n:]]
+                  if isinstance(values, DeviceValues)
+                  else [values[p.name] for p in graph.params[n:]])
+        return list(arrays[:n]) + stored
+
+    def lowered_text(self, arrays: list[np.ndarray]) -> str:
+        """The StableHLO of the training step (JAX), as it runs (settings included)."""
+        with self._context():
+            return str(self._step_fn.lower(*self._feeds(arrays)).as_text())
+
+    def run(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """One execution; the stored values are not updated."""
+        feeds = self._feeds(arrays)
+        if self.backend == "numpy":
+            from pcompile.backends.numpy import run_graph
+
+            return [np.asarray(o) for o in run_graph(self.graph, feeds, float64=self.float64)]
+        with self._context():
+            return [np.asarray(o) for o in self._run_fn(*feeds)]
+
+    def step_async(self, arrays: list[np.ndarray]) -> Any:
+        """One training step: keeps the updated parameters and state (on the device, for
+        JAX) and returns the loss as the backend holds it (a JAX array is not waited for)."""
+        names = self.program.output_names
+        if self.backend == "numpy":
+            outs: list[Any] = self.run(arrays)
+            for name, value in zip(names[1:], outs[1:]):
+                self.values[name] = value
+            return outs[0]
+        with self._context():
+            outs = list(self._step_fn(*self._feeds(arrays)))
+        values = self.values
+        assert isinstance(values, DeviceValues)
+        for name, value in zip(names[1:], outs[1:]):
+            values.update_device(name, value)
+        return outs[0]
 
     def step(self, arrays: list[np.ndarray]) -> float:
         """One training step: returns the loss and keeps the updated parameters and state."""
-        outs = self.run(arrays)
-        names = self.program.output_names
-        for name, value in zip(names[1:], outs[1:]):
-            self.values[name] = value
-        return float(outs[0])
+        return float(self.step_async(arrays))
 
 
 def format_loss_line(epoch: int, step: int, loss: float) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from pcompile.compiler.model_file import ModelFile, as_input_list, call_user, iterate_user
-from pcompile.compiler.nn.cell import Cell
+from pcompile.compiler.nn.cell import Cell, call_top
 from pcompile.compiler.nn.optim_base import Optimizer
 from pcompile.compiler.nn.wrap import TrainOneStepCell
 from pcompile.compiler.nn.wrap import _StepCell as StepCellBase
@@ -168,7 +168,8 @@ def trace_model(mf: ModelFile, batch_split: int = 1) -> TracedModel:
         _add_parameters(tracer, network, parameters)
         with tracer.cell_scope("network-WithLossCell"):
             with tracer.cell_scope(f"_backbone-{net_name}"):
-                out = call_user(network.construct, f"{net_name}.construct()", mf.path, *args)
+                out = call_top(network, tracer, lambda: call_user(
+                    network.construct, f"{net_name}.construct()", mf.path, *args))
             with tracer.cell_scope(f"_loss_fn-{type(loss_cell).__name__}"):
                 loss = call_user(loss_cell.construct,
                                  f"{type(loss_cell).__name__}.construct()", mf.path, out,
@@ -309,7 +310,8 @@ def _trace_network(mf: ModelFile, top: Cell, batch_split: int) -> TracedModel:
         _add_parameters(tracer, top, parameters)
         try:
             with active(Capture(top, args)):
-                result = call_user(top.construct, f"{net_name}.construct()", mf.path, *args)
+                result = call_top(top, tracer, lambda: call_user(
+                    top.construct, f"{net_name}.construct()", mf.path, *args))
         except Captured as stop:
             captured = stop.info
         if captured is None:

@@ -124,6 +124,13 @@ class Tracer:
         # the results marked because of it (a cell's outputs are unmarked when it returns)
         self.recompute_stack: list[bool] = []
         self.recompute_marked: set[int] = set()
+        # Cell.to_float / amp: the float type the ops of the cells being traced compute in
+        # (innermost last; None: as the model wrote them)
+        self.precision_stack: list[DType | None] = []
+
+    @property
+    def mixed_precision(self) -> DType | None:
+        return self.precision_stack[-1] if self.precision_stack else None
 
     @property
     def recompute(self) -> bool:

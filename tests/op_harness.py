@@ -19,6 +19,9 @@ from pcompile.ir.types import DType, TensorType, TupleType
 from pcompile.passes.autodiff import append_gradients
 
 jax.config.update("jax_enable_x64", True)
+# The references must not depend on the device's float32 matmul precision (TF32 on an H100
+# differs from float32 by ~1e-3): every JAX matmul here is full float32 (or float64).
+jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def assert_close(got: Any, want: Any, rtol: float = 1e-5, what: str = "",

@@ -101,13 +101,45 @@ def parse_args(argv: list[str] | None, num_ranks: int) -> argparse.Namespace:
     parser.add_argument("--all-ranks", action="store_true",
                         help="every process prints its loss lines, as '[rank r] ...' (default: "
                              "only process 0; other processes print only their messages)")
+    parser.add_argument("--platform", choices=("auto", "cpu", "gpu"), default=None,
+                        help="cpu: virtual CPU devices; gpu: one GPU per rank; auto (default, "
+                             "or PCOMPILE_PLATFORM): JAX's default backend")
+    parser.add_argument("--matmul-precision", choices=("default", "high", "highest"),
+                        default="default",
+                        help="JAX's float32 matmul precision (jax_default_matmul_precision): "
+                             "default lets a GPU use TF32, highest computes in full float32")
+    parser.add_argument("--log-every", type=int, default=1, metavar="N",
+                        help="read the loss back from the device every N steps (all N lines "
+                             "are then written; default 1)")
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="progress (step rate, time left) on stderr even when it is not a "
                              "terminal")
     args = parser.parse_args(argv)
-    if args.steps < 0 or args.checkpoint_every < 0 or args.print_every < 1:
-        parser.error("--steps and --checkpoint-every must be >= 0, --print-every >= 1")
+    if args.steps < 0 or args.checkpoint_every < 0 or args.print_every < 1 or args.log_every < 1:
+        parser.error("--steps and --checkpoint-every must be >= 0, --print-every and "
+                     "--log-every >= 1")
     return args
+
+
+def _platform(args: argparse.Namespace) -> str:
+    """cpu, gpu or auto (JAX's default backend; CPU settings apply only to CPU devices):
+    --platform, else PCOMPILE_PLATFORM (the launcher sets it), else auto."""
+    from pcompile.backends.placement import PLATFORM_ENV, PLATFORMS
+
+    platform = args.platform or os.environ.get(PLATFORM_ENV) or "auto"
+    if platform not in PLATFORMS:
+        raise RankError(f"platform {platform!r}: expected one of {', '.join(PLATFORMS)}")
+    return platform
+
+
+def _local_device_ids() -> list[int] | None:
+    from pcompile.backends.placement import local_device_ids
+    from pcompile.ir.errors import PcompileError
+
+    try:
+        return local_device_ids(os.environ)
+    except PcompileError as exc:
+        raise RankError(str(exc)) from None
 
 
 # -- watchdog and heartbeat --------------------------------------------------------------------
@@ -311,16 +343,25 @@ def _main(module: ModuleType, argv: list[str] | None, heartbeat: Heartbeat) -> i
     watchdog.arm(args.startup_timeout, "distributed start-up")
     import jax
 
-    if per_process > 1:
+    platform = _platform(args)
+    if platform == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+    if platform != "gpu" and per_process > 1:  # only CPU devices are virtual
         try:
             jax.config.update("jax_num_cpu_devices", per_process)
         except RuntimeError as exc:  # JAX already initialised in this process
             raise RankError(str(exc)) from exc
+    if args.matmul_precision != "default":
+        jax.config.update("jax_default_matmul_precision", args.matmul_precision)
     if nproc > 1:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if platform != "gpu":  # GPUs talk over NCCL, CPU devices over gloo
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
         kwargs: dict[str, Any] = {"initialization_timeout": int(args.startup_timeout)}
         if coordinator is not None:
             kwargs.update(coordinator_address=coordinator, num_processes=nproc, process_id=pid)
+        local_ids = _local_device_ids()
+        if local_ids is not None:  # the launcher's placement (else JAX's: by local rank)
+            kwargs["local_device_ids"] = local_ids
         # else: JAX's own cluster detection (SLURM, Open MPI) finds everything
         heartbeat.set(phase="connect")
         try:
@@ -432,7 +473,9 @@ class _Runner:
                             f"program takes {len(expected)}")
         return iter_batches(mf, n_inputs, len(expected) - n_inputs, examples, expected, steps)
 
-    def _function(self) -> Any:
+    def _function(self, donate: bool = False) -> Any:
+        """The jitted SPMD step; `donate`: it reuses the buffers of the stored values it
+        returns updated (training)."""
         import jax.numpy as jnp
         from jax import lax
 
@@ -448,7 +491,11 @@ class _Runner:
                 outs.append(lax.pmean(jnp.asarray(outs[0], jnp.float32), axes))
             return outs
 
-        return spmd_function(body, self.mesh)
+        n = len(self.inputs)
+        updated = set(self.m.OUTPUTS[1:])
+        donated = tuple(n + i for i, (name, *_) in enumerate(self.stored)
+                        if donate and name in updated)
+        return spmd_function(body, self.mesh, donated)
 
     def _load_values(self, resume_step: int | None) -> tuple[dict[int, dict[str, np.ndarray]],
                                                               dict[str, Any]]:
@@ -544,15 +591,39 @@ class _Runner:
                             list(meta.get("log", []))[:done]) for r in self.local}
         state = {name: self._put(name, {r: values[r][name] for r in self.local}, shape)
                  for name, _, shape, _ in self.stored}
-        fn = self._function()
+        fn = self._function(donate=True)
         out_names = list(m.OUTPUTS)
         fault, fault_mode = _fault_injection(self.local)
         first = True
+        after_first = (0.0, 0)  # (time, steps) once the first step is done
         epoch, in_epoch = int(meta.get("epoch", 1)), int(meta.get("step_in_epoch", 0))
         start = time.perf_counter()
         monitor = LossMonitor(args.steps, args.print_every,
                               lambda line: self._say(line, loss=True), done=done)
         self.heartbeat.set(phase="data", done=done)
+        # Losses still on the device: read back (one wait) every --log-every steps, before a
+        # checkpoint and at the end; the steps in between never wait for the host.
+        pending: list[tuple[int, int, int, Any]] = []
+
+        def flush() -> None:
+            if not pending:
+                return
+            self.watchdog.arm(args.timeout * len(pending), f"steps {pending[0][0] + 1}.."
+                                                           f"{pending[-1][0] + 1}")
+            for k_done, ep, step_in, loss_out in pending:
+                losses = local_pieces(loss_out, self.mesh)
+                for r in self.local:
+                    logs[r].add(format_loss_line(ep, step_in, float(losses[r])))
+                monitor(logs[self.local[0]].lines[-1])
+                bad = [r for r in self.local if not np.isfinite(float(losses[r]))]
+                if bad and args.fail_on_nan:
+                    raise NonFiniteLossError(
+                        f"the loss is {float(losses[bad[0]])} at step {k_done + 1} (epoch "
+                        f"{ep}, step {step_in}); stopped (--no-fail-on-nan trains on)")
+            self.watchdog.disarm()
+            self.heartbeat.set(phase="data", done=pending[-1][0] + 1)
+            pending.clear()
+
         for k, (epoch, in_epoch, arrays) in enumerate(self._batches(args.steps)):
             if k < done:
                 continue
@@ -571,31 +642,32 @@ class _Runner:
                 if name in state:
                     state[name] = value
             loss_out = outs[-1] if len(outs) > len(out_names) else outs[0]
-            losses = local_pieces(loss_out, self.mesh)
-            for r in self.local:
-                line = format_loss_line(epoch, in_epoch, float(losses[r]))
-                logs[r].add(line)
-            self.watchdog.disarm()
-            first = False
-            monitor(logs[self.local[0]].lines[-1])
+            pending.append((k, epoch, in_epoch, loss_out))
             step_no = k + 1
-            bad = [r for r in self.local if not np.isfinite(float(losses[r]))]
-            if bad and args.fail_on_nan:
-                raise NonFiniteLossError(
-                    f"the loss is {float(losses[bad[0]])} at step {step_no} (epoch {epoch}, "
-                    f"step {in_epoch}); stopped (--no-fail-on-nan trains on)")
+            if first or step_no % args.log_every == 0:  # the first step: compiled, on time
+                flush()
+            if first:
+                after_first = (time.perf_counter(), step_no)
+            first = False
             every = args.checkpoint_every
             if every and step_no % every == 0 and step_no < args.steps:
+                flush()
                 self.heartbeat.set(phase="checkpoint")
                 self._checkpoint(step_no, epoch, in_epoch, state, logs)
-            self.heartbeat.set(phase="data", done=step_no)
+                self.heartbeat.set(phase="data", done=step_no)
+        flush()
+        loop_end = time.perf_counter()
         total = len(logs[self.local[0]].lines)
         self.heartbeat.set(phase="finish", done=total)
         if total > done and not args.no_checkpoint:
             self._checkpoint(total, epoch, in_epoch, state, logs)
         elapsed = time.perf_counter() - start
+        rate = ""
+        if not first and total > after_first[1]:  # the steady rate: without compiling
+            per = (loop_end - after_first[0]) / (total - after_first[1])
+            rate = f" ({per * 1000:.3f} ms/step after the first)"
         self._say(f"rank(s) {self.local[0]}..{self.local[-1]}: steps {done + 1}..{total} in "
-                  f"{elapsed:.2f} s", force=True)
+                  f"{elapsed:.2f} s{rate}", force=True)
         return 0
 
     def _infer(self) -> int:

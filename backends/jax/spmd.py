@@ -316,6 +316,13 @@ def rank_devices(count: int) -> list[Any]:
     """The devices that run ranks 0..count-1: all devices ordered by (process, id)."""
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if len(devices) < count:
+        if devices and devices[0].platform != "cpu":
+            raise SpmdLoweringError(
+                f"the program has {count} ranks, one {devices[0].platform.upper()} each, but "
+                f"JAX sees {len(devices)} {devices[0].platform.upper()}(s); compile for at "
+                f"most {len(devices)} device(s), start the ranks on several machines "
+                "(docs/running.md, 'GPUs'), or run on CPU devices (--platform cpu, or "
+                "JAX_PLATFORMS=cpu with jax_num_cpu_devices)")
         raise SpmdLoweringError(
             f"the program has {count} ranks but JAX sees {len(devices)} device(s); on CPU set "
             f'jax.config.update("jax_num_cpu_devices", {count}) before JAX initialises, or run '
@@ -334,9 +341,12 @@ def make_mesh(spec: MeshSpec, devices: Sequence[Any] | None = None) -> Mesh:
     return Mesh(np.array(devices, dtype=object).reshape(spec.sizes), spec.names)
 
 
-def spmd_function(body: Callable[..., Sequence[Any]], mesh: Mesh) -> Callable[..., Any]:
+def spmd_function(body: Callable[..., Sequence[Any]], mesh: Mesh,
+                  donate_argnums: tuple[int, ...] = ()) -> Callable[..., Any]:
     """`jit(shard_map(...))` of a per-device body: each argument and result is the stack of all
-    ranks' values along a new leading axis, sharded over every mesh axis (rank order)."""
+    ranks' values along a new leading axis, sharded over every mesh axis (rank order).
+    `donate_argnums`: arguments whose buffers the step may reuse (parameters and optimizer
+    state that it returns updated)."""
     axes = tuple(mesh.axis_names)
 
     def per_device(*stacked: Any) -> tuple[Any, ...]:
@@ -344,7 +354,16 @@ def spmd_function(body: Callable[..., Sequence[Any]], mesh: Mesh) -> Callable[..
         return tuple(jnp.asarray(o)[None] for o in outs)
 
     mapped = jax.shard_map(per_device, mesh=mesh, in_specs=P(axes), out_specs=P(axes))
-    return jax.jit(mapped)
+    return jax.jit(mapped, donate_argnums=donate_argnums)
+
+
+def matmul_precision(name: str | None) -> Any:
+    """A context with JAX's float32 matmul precision `name` (None or "default": unchanged)."""
+    from contextlib import nullcontext
+
+    if name in (None, "default"):
+        return nullcontext()
+    return jax.default_matmul_precision(name)
 
 
 def rank_of_devices(mesh: Mesh) -> dict[Any, int]:
@@ -380,13 +399,14 @@ class JaxSpmdRunner:
     loss, `values[r][name]`, `global_value(name)`."""
 
     def __init__(self, program: Any, devices: Sequence[Any] | None = None,
-                 float64: bool = False) -> None:
+                 float64: bool = False, matmul_precision: str | None = None) -> None:
         from pcompile.compiler.runtime import ParallelRunner
 
         if float64 and not jax.config.read("jax_enable_x64"):
             raise SpmdLoweringError("float64 evaluation needs jax_enable_x64")
         self.program = program
         self.float64 = float64
+        self.matmul_precision = "highest" if float64 else matmul_precision
         state = program.state
         self.graphs = program.rank_graphs
         self.plan = SpmdPlan.build(self.graphs)
@@ -400,7 +420,13 @@ class JaxSpmdRunner:
         graph = self.graphs[0]
         self._n_inputs = len(graph.inputs)
         self._stored = graph.params[self._n_inputs:]
-        self._fn = spmd_function(lower_spmd(self.plan, float64), self.mesh)
+        body = lower_spmd(self.plan, float64)
+        self._fn = spmd_function(body, self.mesh)
+        updated = set(program.output_names[1:])
+        donate = tuple(self._n_inputs + i for i, p in enumerate(self._stored)
+                       if p.name in updated)
+        # The training step reuses the buffers of the values it returns updated.
+        self._step_fn = spmd_function(body, self.mesh, donate)
         self._state = {p.name: self._put({r: v[p.name] for r, v in enumerate(initial)}, p)
                        for p in self._stored}
         self._values_cache: list[dict[str, np.ndarray]] | None = None
@@ -415,13 +441,14 @@ class JaxSpmdRunner:
         layout = self.layouts.get(name)
         return np.asarray(array) if layout is None else slice_array(array, layout, rank)
 
-    def _call(self, arrays: list[np.ndarray]) -> list[jax.Array]:
+    def _call(self, arrays: list[np.ndarray], donate: bool = False) -> list[jax.Array]:
         graph = self.graphs[0]
         n = self.plan.num_ranks
         feeds = [self._put({r: self._slice(a, p.name, r) for r in range(n)}, p)
                  for p, a in zip(graph.inputs, arrays)]
         feeds += [self._state[p.name] for p in self._stored]
-        return list(self._fn(*feeds))
+        with matmul_precision(self.matmul_precision):
+            return list((self._step_fn if donate else self._fn)(*feeds))
 
     def _per_rank(self, outs: list[jax.Array]) -> list[list[np.ndarray]]:
         n = self.plan.num_ranks
@@ -434,8 +461,9 @@ class JaxSpmdRunner:
         return self._per_rank(self._call(arrays))
 
     def step(self, arrays: list[np.ndarray]) -> float:
-        """One training step: returns the loss and keeps the new parameters and state."""
-        outs = self._call(arrays)
+        """One training step: returns the loss and keeps the new parameters and state (on the
+        devices; the step donates the old ones)."""
+        outs = self._call(arrays, donate=True)
         names = self.program.output_names
         for name, value in zip(names[1:], outs[1:]):
             if name in self._state:
@@ -445,7 +473,11 @@ class JaxSpmdRunner:
         if self.program.state.parallel_mode == "data_parallel":
             return float(np.mean(np.asarray(losses, np.float64)))
         if max(losses) - min(losses) > 1e-5 * max(1.0, abs(losses[0])):
-            raise AssertionError(f"ranks disagree on the loss: {losses}")
+            from pcompile.ir.errors import PcompileError
+
+            raise PcompileError(
+                f"the ranks disagree on the loss of a step ({losses}), though every rank holds "
+                "the whole loss: the plan is wrong; please report it with the model file")
         return losses[0]
 
     @property

@@ -32,6 +32,34 @@ def _keep_outputs(result: Any, tracer: Any) -> None:
         tracer.recompute_marked.discard(id(node.result))
 
 
+def _cast_outputs(result: Any, dtype: Any, tracer: Any) -> Any:
+    """amp: a cell's float outputs in `dtype` (MindSpore's _OutputTo32 / _OutputTo16)."""
+    from pcompile.compiler.primitive import _wrap, cast_float
+    from pcompile.compiler.tensor import Tensor
+
+    if isinstance(result, (tuple, list)):
+        return type(result)(_cast_outputs(r, dtype, tracer) for r in result)
+    if isinstance(result, Tensor) and result.is_symbolic:
+        assert result._value is not None
+        return _wrap(cast_float(tracer, result._value, dtype), tracer.builder)
+    return result
+
+
+def call_top(cell: Cell, tracer: Any, call: Any) -> Any:
+    """Trace `call()`, the construct of a top cell that the compiler calls directly (not through
+    `Cell.__call__`), with the cell's mixed precision (to_float, amp) applied as a call would."""
+    if cell._mixed_precision is not None:
+        tracer.precision_stack.append(cell._mixed_precision)
+    try:
+        result = call()
+    finally:
+        if cell._mixed_precision is not None:
+            tracer.precision_stack.pop()
+    if cell._output_dtype is not None:
+        result = _cast_outputs(result, cell._output_dtype, tracer)
+    return result
+
+
 def has_custom_bprop(cell: Cell) -> bool:
     """Whether the cell defines its own backward (`def bprop(self, *inputs, out, dout)`)."""
     return callable(getattr(type(cell), "bprop", None))
@@ -49,6 +77,8 @@ class Cell:
         object.__setattr__(self, "training", False)
         object.__setattr__(self, "shard_config", None)
         object.__setattr__(self, "_recompute", None)
+        object.__setattr__(self, "_mixed_precision", None)  # to_float's type
+        object.__setattr__(self, "_output_dtype", None)  # amp: the outputs' float type
 
     # -- attribute bookkeeping ----------------------------------------------------------------
     def __setattr__(self, name: str, value: Any) -> None:
@@ -173,6 +203,25 @@ class Cell:
             object.__setattr__(cell, "_recompute_root", cell is self)
         return self
 
+    def to_float(self, dst_type: Any) -> Cell:
+        """MindSpore's `Cell.to_float`: the ops of this cell and of its sub-cells compute in
+        `dst_type` (float16, bfloat16 or float32): every float operand of another float type
+        (inputs, parameters, constants) is cast to it first, with a Cast in the graph. The
+        parameters themselves keep their type (float32 master weights: the Cast's gradient
+        brings the gradient back to it)."""
+        from pcompile.ir.types import DType
+
+        try:
+            dtype = DType.from_any(dst_type)
+        except (TypeError, ValueError, KeyError):
+            dtype = None
+        if dtype not in (DType.float16, DType.bfloat16, DType.float32):
+            raise ValueError(f"For 'to_float', the argument 'dst_type' must be float16, "
+                             f"bfloat16 or float32, but got {dst_type!r}")
+        for _, cell in self.cells_and_names():
+            object.__setattr__(cell, "_mixed_precision", dtype)
+        return self
+
     def set_auto_parallel(self) -> Cell:
         """Accepted for MindSpore scripts (`net.set_auto_parallel()`): the parallel mode comes
         from the context."""
@@ -234,6 +283,9 @@ class Cell:
             if self._recompute is not None:
                 tracer.recompute_stack.append(self._recompute)
                 scopes.callback(tracer.recompute_stack.pop)
+            if self._mixed_precision is not None:
+                tracer.precision_stack.append(self._mixed_precision)
+                scopes.callback(tracer.precision_stack.pop)
             if self.shard_config is not None:
                 from pcompile.compiler.functional_shard import call_sharded
 
@@ -242,6 +294,8 @@ class Cell:
                 result = self.construct(*args, **kwargs)
             if self._recompute and self.__dict__.get("_recompute_root"):
                 _keep_outputs(result, tracer)
+            if self._output_dtype is not None:
+                result = _cast_outputs(result, self._output_dtype, tracer)
             return result
 
     def __repr__(self) -> str:
