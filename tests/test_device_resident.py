@@ -109,6 +109,7 @@ def _loss_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("epoch: ")]
 
 
+@pytest.mark.slow
 def test_log_every_logs_every_step(tmp_path) -> None:
     """In-process (1 device) and a rank program: --log-every 3 reads back every 3 steps and
     logs the same lines, bit for bit, as --log-every 1; --print-every still picks lines."""

@@ -112,6 +112,7 @@ def test_parallel_plan_with_amp_passes_the_oracle(tmp_path) -> None:
     assert report.ok(), report.worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how, dtype", [("O2", "bfloat16"), ("O3", "bfloat16"),
                                         ("O2_fp16", "float16")])
 def test_low_precision_training_follows_float32(tmp_path, how, dtype) -> None:

@@ -226,6 +226,7 @@ print(json.dumps({{"backends": sorted(initialised_backends()),
 """
 
 
+@pytest.mark.slow
 def test_parent_initialises_only_the_cpu_backend(compiled4, tmp_path) -> None:
     """compile + check + an in-process run (1 device) and a launched run (4 ranks): the
     parent's JAX is pinned to the CPU before anything initialises a backend."""
