@@ -350,7 +350,7 @@ class LlamaModel(nn.Cell):
         if FLASH:
             self.mask = Tensor(causal)
         else:
-            self.mask = Tensor((causal.astype(np.float32) * -10000.0))
+            self.mask = Tensor(causal.astype(np.float32) * -10000.0)
             self.mask_cast = ops.Cast()
 
     def construct(self, tokens):
@@ -461,8 +461,12 @@ class TrainStep(nn.TrainOneStepWithLossScaleCell):
         return loss, overflow, scaling_sens, global_norm
 
 
-def optimizer(params):
+def adamw(params):
     return nn.AdamWeightDecay(params, learning_rate=1e-3, weight_decay=0.01)
+
+
+if not TRAIN_STEP:  # a training step cell brings its own optimizer
+    optimizer = adamw
 
 
 def model():
@@ -471,7 +475,7 @@ def model():
         return net
     scale = float(os.environ.get("LLAMA_LOSS_SCALE", str(2.0 ** 12)))
     clip = float(os.environ.get("LLAMA_CLIP", "1.0"))
-    return TrainStep(net, optimizer(net.trainable_params()),
+    return TrainStep(net, adamw(net.trainable_params()),
                      nn.DynamicLossScaleUpdateCell(scale, 2, 1000), clip)
 
 
