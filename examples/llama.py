@@ -22,8 +22,9 @@ more), LLAMA_BATCH (global batch). Other knobs:
 * LLAMA_FLASH: `1` (default) FlashAttentionScore (BNSD, causal uint8 mask), `0` the
   BatchMatMul + Softmax path with Tile-repeated kv heads;
 * LLAMA_RECOMPUTE: `none` (default), `full` (`Cell.recompute()` on every decoder layer, as
-  mindformers' `recompute: True`) or `select` (mindformers' select_recompute: the attention
-  core's primitives and the SwiGLU's SiLU and Mul);
+  mindformers' `recompute: True`) or `select` (mindformers' select_recompute: the SwiGLU's
+  gate path (w1's Casts, SiLU, Reshape) and Mul, and without flash attention the attention
+  core's primitives);
 * LLAMA_VOCAB_EMB_DP: `1` (default, mindformers' `vocab_emb_dp`: the embedding table is
   replicated, the lookup split by batch) or `0` (the table split by vocabulary rows over mp);
 * LLAMA_TRAIN_STEP: `0` (default: model() is the network, optimizer() AdamWeightDecay) or `1`
@@ -290,8 +291,10 @@ class LlamaFeedForward(nn.Cell):
         self.w3 = Linear(dim, hidden_dim, compute_dtype).shard(((dp, 1), (mp, 1)))
         self.mul = ops.Mul().shard(((dp, 1, mp), (dp, 1, mp)))
         if RECOMPUTE == "select":
-            self.w1.activation.silu.recompute()
-            self.mul.recompute()
+            # SiLU's output reaches the Mul through w1's Cast and Reshape: recompute them too,
+            # or the Mul's backward keeps their (equally large) result.
+            for prim in (self.w1.activation.silu, self.w1.cast, self.w1.reshape, self.mul):
+                prim.recompute()
 
     def construct(self, x):
         x = self.cast(x, self.dtype)
