@@ -10,7 +10,8 @@ what it wrote, and the compile's own pass timings (`--profile` adds a cProfile o
 functions, run in-process). Configurations:
 
 * `llama3_8b`: the preset (32 layers, hidden 4096, 32 heads, 8 kv heads, FFN 14336, vocabulary
-  128256, sequence 8192), bf16 compute, flash attention, global batch 64;
+  128256, sequence 8192), bf16 compute, flash attention, global batch 64 (or one sample per
+  data-parallel rank where there are more: 128 on 512 devices);
 * `llama2_7b`: the preset (sequence 4096), global batch 64;
 * `small`: 8 layers, hidden 512, 8 heads, FFN 1536, vocabulary 1024, sequence 256, batch 32
   (28M parameters).
@@ -52,6 +53,8 @@ def run(config: str, devices: int) -> dict:
                "--no-check", "--dump-ranks", "0", "--out", out]
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_")}
         env.update(CONFIGS[config], JAX_PLATFORMS="cpu")
+        # at least one sample per data-parallel rank (dp = devices / mp, mp 4)
+        env["LLAMA_BATCH"] = str(max(int(env["LLAMA_BATCH"]), devices // 4))
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, cwd=tmp)
