@@ -20,6 +20,15 @@ For each variant the script reports, per rank:
   keep between its forward and backward computations), from the IR;
 * `recomputed_nodes` and `step_seconds` (median of `--repeat` runs after one warm-up).
 
+`--model llama` measures `examples/llama.py` instead (mindformers' Llama: embedding, GQA
+with RoPE, the LM head and the cross-entropy in the network; `--dtype`, `--flash`), with its own
+knob LLAMA_RECOMPUTE: `none`, `full` (`Cell.recompute()` on every decoder layer) and `select`
+(mindformers' select_recompute: the SwiGLU's gate path and Mul, and without flash attention
+the attention core's primitives):
+
+    python benchmarks/recompute_memory.py --model llama --layers 2 4 --dtype float32
+    python benchmarks/recompute_memory.py --model llama --devices 8 --layers 4
+
 One JSON object is printed. Nothing is asserted: numbers go to docs/benchmarks.md.
 """
 
@@ -195,6 +204,29 @@ def measure(path: str, devices: int, repeat: int) -> dict[str, Any]:
     }
 
 
+LLAMA = os.path.join(ROOT, "examples", "llama.py")
+LLAMA_MODES = {"none": "none", "full": "full", "selective": "select"}
+
+
+def measure_llama(args: Any, layers: int, mode: str) -> dict[str, Any]:
+    """examples/llama.py at this size, its LLAMA_RECOMPUTE knob set to `mode`."""
+    env = {"LLAMA_LAYERS": layers, "LLAMA_BATCH": args.batch, "LLAMA_SEQ": args.seq,
+           "LLAMA_HIDDEN": args.hidden, "LLAMA_HEADS": args.heads,
+           "LLAMA_KV_HEADS": args.kv_heads or args.heads, "LLAMA_FFN": args.ffn,
+           "LLAMA_VOCAB": args.vocab, "LLAMA_DTYPE": args.dtype,
+           "LLAMA_FLASH": "1" if args.flash else "0", "LLAMA_RECOMPUTE": LLAMA_MODES[mode]}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: str(v) for k, v in env.items()})
+    try:
+        return measure(LLAMA, args.devices, args.repeat)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
@@ -205,6 +237,11 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--ffn", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--model", choices=("block", "llama"), default="block")
+    parser.add_argument("--kv-heads", type=int, default=0, help="llama: default --heads")
+    parser.add_argument("--vocab", type=int, default=1024, help="llama")
+    parser.add_argument("--dtype", default="bfloat16", help="llama: compute dtype")
+    parser.add_argument("--flash", type=int, default=1, help="llama: 1 flash attention, 0 not")
     args = parser.parse_args()
     if args.devices > 1:
         import jax
@@ -217,6 +254,9 @@ def main() -> None:
         for layers in args.layers:
             row: dict[str, Any] = {"layers": layers}
             for mode in ("none", "full", "selective"):
+                if args.model == "llama":
+                    row[mode] = measure_llama(args, layers, mode)
+                    continue
                 path = os.path.join(tmp, f"llama_{layers}_{mode}.py")
                 with open(path, "w", encoding="utf-8") as f:
                     f.write(MODEL.format(devices=args.devices, batch=args.batch, seq=args.seq,
@@ -226,10 +266,14 @@ def main() -> None:
             rows.append(row)
     print(json.dumps({
         "benchmark": "recompute_memory",
+        "model": args.model,
         "backend": jax.default_backend(),
         "devices": args.devices,
         "shape": {"batch": args.batch, "seq": args.seq, "hidden": args.hidden,
-                  "heads": args.heads, "ffn": args.ffn},
+                  "heads": args.heads, "ffn": args.ffn,
+                  **({"kv_heads": args.kv_heads or args.heads, "vocab": args.vocab,
+                      "dtype": args.dtype, "flash": bool(args.flash)}
+                     if args.model == "llama" else {})},
         "per_rank": rows,
     }, indent=1))
 

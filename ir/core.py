@@ -399,11 +399,11 @@ class Graph:
             if isinstance(value, NodeResult) and id(value.node) not in live:
                 live.add(id(value.node))
                 stack.extend(value.node.operands)
-        removed = 0
-        for node in reversed(list(self.nodes)):
-            if id(node) not in live:
-                node.result.uses.clear()
-                self.remove(node)
-                removed += 1
-        return removed
+        dead = [node for node in reversed(self.nodes) if id(node) not in live]
+        for node in dead:
+            node.result.uses.clear()
+            node.drop_operands()
+        if dead:  # one pass over the list: removing one by one is quadratic in graph size
+            self.nodes[:] = [node for node in self.nodes if id(node) in live]
+        return len(dead)
 

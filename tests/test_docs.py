@@ -3,6 +3,7 @@ is extracted and run. The rule (also in README.md, "Docs are tested"):
 
 * Untagged blocks are output, file listings and formats: not run. ```bash and ```python blocks
   are run, in a scratch folder holding `examples/`, `benchmarks/` and a copy of `docs/`.
+* Leading `NAME=value` words are environment variables given to the command.
 * Placeholders: `MODEL.py`/`model.py` is examples/quickstart.py, `DIR` a folder of the scratch
   folder; `--steps N` runs 2 steps.
 * A synopsis (a line with `[optional]` groups or `a|b` alternatives) is checked for its flags:
@@ -101,7 +102,21 @@ def split_comment(command: str) -> tuple[str, str]:
     return code, comment
 
 
+ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
+
+
+def split_env(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Leading `NAME=value` words (environment variables the command is given) and the rest."""
+    env = {}
+    while argv and ASSIGNMENT.match(argv[0]):
+        name, _, value = argv[0].partition("=")
+        env[name] = value
+        argv = argv[1:]
+    return env, argv
+
+
 def kind(argv: list[str], line: str) -> str:
+    argv = split_env(argv)[1]
     if any(tuple(argv[:len(s)]) == s for s in SETUP):
         return "setup"
     if re.search(r"\[|\S\|\S", line):
@@ -231,15 +246,16 @@ def scratch(tmp_path, monkeypatch) -> str:
 
 
 def run_command(argv: list[str], where: str) -> None:
+    env, argv = split_env(argv)
     if argv[0] == "pcompile":
-        result = CliRunner().invoke(main, argv[1:])
+        result = CliRunner().invoke(main, argv[1:], env=env)
         assert result.exit_code == 0, f"{where}: {shlex.join(argv)}\n{result.output}"
         return
     exe = {"python": sys.executable,
            "pcompile-merge": os.path.join(os.path.dirname(sys.executable), "pcompile-merge")}
     assert argv[0] in exe, f"{where}: the doc test does not know how to run {argv[0]}"
     proc = subprocess.run([exe[argv[0]], *argv[1:]], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env={**os.environ, **env})
     assert proc.returncode == 0, f"{where}: {shlex.join(argv)}\n{proc.stdout}{proc.stderr}"
 
 
