@@ -155,7 +155,10 @@ def test_rank_programs_are_written_deterministically(tmp_path) -> None:
     assert comments == nodes
     assert "#   this rank: begin (0, 0, 24), end (1, 8, 32)" in text
     assert "#   this rank: group (3, 7) (over mesh axes ('r0',))" in text
-    assert "spmd.dyn_slice(v7, pick(S8, me), (1, 8, 8), (1, 1, 1))" in text
+    # a layout's slice offsets are arithmetic on the rank (stride 1, 4 ranks, 8 per rank along
+    # the last dim), not a table with a row per rank
+    assert ("spmd.dyn_slice(v7, spmd.rank_offsets(me, (0, 0, 0), ((), (), ((1, 4, 8),))), "
+            "(1, 8, 8), (1, 1, 1))") in text
     # The programs of all ranks are one program: they differ only in RANK, the docstring
     # and comments.
     def code(t: str) -> list[str]:  # after the docstring, without comments and RANK

@@ -171,12 +171,17 @@ class _Writer:
         if n.kind in ("slice", "slice_grad"):
             s = n.slice
             assert s is not None
-            table = f"S{n.index}"
-            self._table(table, s.starts, f"start offsets of %{n.index} ({n.op})")
+            if s.offsets is not None:  # arithmetic on the rank: no table per rank
+                starts = (f"spmd.rank_offsets(me, {literal(s.offsets.base)}, "
+                          f"{literal(s.offsets.terms)})")
+            else:
+                table = f"S{n.index}"
+                self._table(table, s.starts, f"start offsets of %{n.index} ({n.op})")
+                starts = f"pick({table}, me)"
             if n.kind == "slice":
-                return (f"{target} = spmd.dyn_slice({args[0]}, pick({table}, me), "
+                return (f"{target} = spmd.dyn_slice({args[0]}, {starts}, "
                         f"{literal(s.span)}, {literal(s.steps)})")
-            return (f"{target} = spmd.dyn_slice_grad({args[0]}, pick({table}, me), "
+            return (f"{target} = spmd.dyn_slice_grad({args[0]}, {starts}, "
                     f"{literal(s.span)}, {literal(s.steps)}, {literal(s.shape)})")
         if n.kind == "switch":
             table = f"V{n.index}"

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from pcompile.ir.core import Constant, Graph, GraphParam, Node, NodeResult, RankConstant, Value
-from pcompile.ir.rank import RankGroup, has_rank_values, resolve_attrs
+from pcompile.ir.rank import RankGroup, RankOffsets, has_rank_values, resolve_attrs
 from pcompile.ir.registry import get_op
 
 # Attributes that do not change what a non-collective op computes (its implementation ignores
@@ -211,6 +211,10 @@ class SlicePlan:
     span: tuple[int, ...]
     steps: tuple[int, ...]
     shape: tuple[int, ...]
+    #: The offsets as arithmetic on the rank (`ir.rank.RankOffsets`) when the slice is a
+    #: layout's: the program computes them from the rank index instead of reading `starts`,
+    #: so its size does not grow with the device count.
+    offsets: RankOffsets | None = None
 
 
 @dataclass
@@ -451,6 +455,42 @@ def _slice_plan(node: Node, nodes: list[Node],
     return SlicePlan(np.asarray(starts, np.int32), span, steps_seen.pop(), tuple(shape))
 
 
+_MASKS = ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")
+
+
+def _affine_slice_plan(node: Node, impl: dict[str, Any], n: int) -> SlicePlan | None:
+    """A StridedSlice(Grad) whose begin and end are one `RankOffsets` apart by a fixed span
+    (a layout's slice): planned without visiting the ranks one by one. None when the slice
+    has another form (masks, rank-dependent strides or spans, a window that could leave the
+    tensor), which `_slice_plan` handles rank by rank."""
+    begin, end, strides = impl.get("begin"), impl.get("end"), impl.get("strides")
+    if not (isinstance(begin, RankOffsets) and isinstance(end, RankOffsets)
+            and begin.terms == end.terms and isinstance(strides, tuple)
+            and all(isinstance(st, int) and st > 0 for st in strides)
+            and all(impl.get(m, 0) == 0 for m in _MASKS)):
+        return None
+    if node.op == "StridedSlice":
+        shape = tuple(node.operands[0].shape)
+    else:
+        raw = impl.get("shape")
+        if not isinstance(raw, (tuple, list)) or not all(isinstance(d, int) for d in raw):
+            return None
+        shape = tuple(raw)
+    if not len(shape) == len(begin.base) == len(strides):
+        return None
+    span, steps = [], []
+    for d, (b, e, st) in enumerate(zip(begin.base, end.base, strides)):
+        length = e - b
+        reach = b + sum((c - 1) * u for _, c, u in begin.terms[d])  # the last rank's begin
+        if b < 0 or length <= 0 or reach + length > shape[d]:
+            return None
+        count = -(-length // st)
+        span.append((count - 1) * st + 1)
+        steps.append(st)
+    starts = begin.array(n).astype(np.int32)
+    return SlicePlan(starts, tuple(span), tuple(steps), shape, offsets=begin)
+
+
 def _build_parametric(graphs: list[Graph], n: int) -> SpmdPlan:
     """The plan of one rank-parametric graph run by all `n` ranks (`ir.rank` values say what
     differs between them)."""
@@ -501,6 +541,12 @@ def _plan_parametric(k: int, node: Node, ref: _Refs, n: int, mesh: MeshSpec) -> 
         raise SpmdLoweringError(f"{node.where()}: {node.op} has no JAX implementation")
     if not has_rank_values(impl):
         return plan
+    if node.op in ("StridedSlice", "StridedSliceGrad"):
+        sliced = _affine_slice_plan(node, impl, n)
+        if sliced is not None:
+            plan.kind = "slice" if node.op == "StridedSlice" else "slice_grad"
+            plan.slice = sliced
+            return plan
     per_rank = [resolve_attrs(impl, r) for r in range(n)]
     if node.op in ("StridedSlice", "StridedSliceGrad"):
         sliced = _slice_plan(node, [node] * n, per_rank)

@@ -155,6 +155,21 @@ def group_collective(prim: str, *xs: Any, all_axes: Axes, members: Any, position
 # -- rank-dependent slices ---------------------------------------------------------------------
 
 
+def rank_offsets(me: Any, base: tuple[int, ...],
+                 terms: tuple[tuple[tuple[int, int, int], ...], ...]) -> tuple[Any, ...]:
+    """A layout's slice offsets at traced rank `me` (`ir.rank.RankOffsets`): per dim,
+    `base + sum((me // stride) % count * unit)`."""
+    return tuple(jnp.asarray(b + sum(((me // s) % c) * u for s, c, u in ts), jnp.int32)
+                 for b, ts in zip(base, terms))
+
+
+def slice_starts(s: Any, me: Any) -> Any:
+    """The offsets of SlicePlan `s` at traced rank `me`: computed, or read from its table."""
+    if s.offsets is not None:
+        return rank_offsets(me, s.offsets.base, s.offsets.terms)
+    return jnp.asarray(s.starts)[me]
+
+
 def dyn_slice(x: Any, starts: Any, span: tuple[int, ...], steps: tuple[int, ...]) -> Any:
     """StridedSlice at traced offsets `starts`: `span` elements, every `steps`-th kept."""
     out = lax.dynamic_slice(x, tuple(starts[i] for i in range(x.ndim)), span)
@@ -272,11 +287,11 @@ def apply_node(n: NodePlan, args: list[Any], me: Any, all_axes: Axes) -> Any:
     if n.kind == "slice":
         s = n.slice
         assert s is not None
-        return dyn_slice(args[0], jnp.asarray(s.starts)[me], s.span, s.steps)
+        return dyn_slice(args[0], slice_starts(s, me), s.span, s.steps)
     if n.kind == "slice_grad":
         s = n.slice
         assert s is not None
-        return dyn_slice_grad(args[0], jnp.asarray(s.starts)[me], s.span, s.steps, s.shape)
+        return dyn_slice_grad(args[0], slice_starts(s, me), s.span, s.steps, s.shape)
     if n.kind == "switch":
         impl = get_op(n.op).jax
         assert impl is not None
