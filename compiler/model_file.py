@@ -90,8 +90,8 @@ def load_model_file(path: str) -> ModelFile:
 
     loss = get("loss", False)
     optimizer = get("optimizer", False)
-    if optimizer is not None and loss is None:
-        raise PcompileError(f"model file {path} defines optimizer() but no loss()")
+    # optimizer() without loss(): model() must return nn.PipelineCell (its network computes
+    # the loss); compiler.trace_model says so otherwise.
     return ModelFile(
         path=path,
         module=module,

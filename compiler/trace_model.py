@@ -91,12 +91,27 @@ def _local(t: TensorType, batch_split: int, name: str) -> TensorType:
     return t.with_shape((t.shape[0] // batch_split, *t.shape[1:]))
 
 
-def trace_model(mf: ModelFile, batch_split: int = 1) -> TracedModel:
+def trace_model(mf: ModelFile, batch_split: int = 1, micro_batches: bool = False
+                ) -> TracedModel:
     """Trace the model file. `batch_split` > 1 traces each input and label with dim 0 divided
-    by it (the local batch of one rank in data_parallel mode)."""
+    by it (the local batch of one rank in data_parallel mode). A model() that returns
+    `nn.PipelineCell` is traced by `compiler.pipelining` (one micro-batch when
+    `micro_batches`, else the whole batch)."""
     network = call_user(mf.model, "model()", mf.path)
     if not isinstance(network, Cell):
         raise PcompileError(f"model() in {mf.path} must return an nn.Cell, got {type(network)}")
+    from pcompile.compiler.nn.pipeline import PipelineCell
+
+    if isinstance(network, PipelineCell):
+        if mf.loss is not None:
+            raise PcompileError(
+                f"model() in {mf.path} returns nn.PipelineCell, whose network computes its own "
+                "loss (nn.WithLossCell), and the file also defines loss(); remove loss()")
+        from pcompile.compiler.pipelining import trace_pipeline_cell
+
+        return trace_pipeline_cell(mf, network, network.micro_size if micro_batches else 1)
+    if mf.loss is None and mf.optimizer is not None:
+        raise PcompileError(f"model file {mf.path} defines optimizer() but no loss()")
     network.finalize_parameter_names()
     example_inputs = as_input_list(call_user(mf.inputs, "inputs()", mf.path), "inputs", mf.path)
     input_names = _arg_names(network.construct, len(example_inputs), "input")

@@ -26,6 +26,7 @@ from pcompile.compiler.nn.loss import (
 )
 from pcompile.compiler.nn.optim import SGD, Adam, AdamWeightDecay, Momentum
 from pcompile.compiler.nn.optim_base import Optimizer
+from pcompile.compiler.nn.pipeline import MicroBatchInterleaved, Pipeline, PipelineCell
 
 __all__ = [
     "Cell",
@@ -48,6 +49,9 @@ __all__ = [
     "SoftmaxCrossEntropyWithLogits",
     "CrossEntropyLoss",
     "WithLossCell",
+    "PipelineCell",
+    "Pipeline",
+    "MicroBatchInterleaved",
     "Optimizer",
     "SGD",
     "Momentum",

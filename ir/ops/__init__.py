@@ -7,6 +7,7 @@ from pcompile.ir.ops import (  # noqa: F401
     linalg,
     nn,
     norm,
+    pipeline,
     reduce,
     shape,
 )
