@@ -228,14 +228,18 @@ class TracePass:
 def _pipeline_trace(state: CompileState, traced: TracedModel, cells: dict[str, Any]) -> None:
     """nn.PipelineCell's micro size, and the stage of every op when there are stages."""
     from pcompile.compiler.nn.pipeline import PipelineCell
-    from pcompile.compiler.pipelining import PipelineSettings, stage_map
+    from pcompile.compiler.pipelining import PipelineSettings, check_micro_split, stage_map
 
     settings = state.pipeline
     if isinstance(traced.network, PipelineCell) and state.parallel:
         if settings is None:
             settings = state.pipeline = PipelineSettings(1, 1, "1f1b")
         settings.micro_size = traced.network.micro_size
-    if settings is None or settings.stages <= 1:
+    if settings is None:
+        return
+    check_micro_split(traced.graph, settings.micro_size, state.stage_devices,
+                      state.options.get("dataset_strategy"))
+    if settings.stages <= 1:
         return
     if not traced.graph.attrs.get("training"):
         raise PcompileError(
@@ -406,6 +410,7 @@ class ExecutePass:
         assert state.rank_graphs, "execute needs the per-rank graphs"
         if state.pipelined:  # the schedule of the final stage graphs
             state.pipeline.program.finish()
+            state.plan["pipeline"] = state.pipeline.program.describe()
 
 
 @dataclass

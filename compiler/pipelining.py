@@ -188,6 +188,23 @@ def trace_pipeline_cell(mf: ModelFile, cell: PipelineCell, micro: int) -> Any:
         loss_cell=loss_fn if loss_fn is not None else cell)
 
 
+def check_micro_split(graph: Graph, micro: int, devices: int, dataset_strategy: Any) -> None:
+    """With dataset_strategy "data_parallel" a micro-batch is split over a stage's devices:
+    its rows must divide (one message naming the input, the micro size and what works)."""
+    if dataset_strategy not in (None, "data_parallel") or devices == 1:
+        return
+    for p in graph.inputs:
+        if p.shape and p.shape[0] % devices:
+            whole = p.shape[0] * micro
+            raise PcompileError(
+                f"nn.PipelineCell(micro_size={micro}) cuts the batch of {p.name} "
+                f"{(whole, *p.shape[1:])} into micro-batches of {p.shape[0]} rows, which "
+                f"dataset_strategy 'data_parallel' splits over the {devices} devices of a "
+                f"stage, but {p.shape[0]} is not divisible by {devices}; use a batch that is a "
+                f"multiple of micro_size x {devices} = {micro * devices}, a smaller "
+                "micro_size, or dataset_strategy='full_batch'")
+
+
 # -- the stage of every op ----------------------------------------------------------------------
 
 
@@ -305,3 +322,18 @@ class PipelineSplitPass:
         settings.program = program
         n = program.per_stage
         state.rank_graphs = [program.graphs[r // n] for r in range(state.devices)]
+
+
+def schedule_from_plan(info: Any) -> Any:
+    """The schedule plan.json's `pipeline` section describes (to draw it: `.text()`)."""
+    from pcompile.passes.pipeline_schedule import Schedule, StageUnits
+
+    units = []
+    for st in info.per_stage:
+        seq = [(u.unit[0], int(u.unit[1:])) for u in st.units]
+        units.append(StageUnits(st.stage, seq, [u.tick for u in st.units]))
+    out = Schedule(info.scheduler, info.stages, info.micro_size, info.devices_per_stage, units)
+    for name in sorted(info.per_stage[0].activation_bytes):
+        out.held_bytes[name] = [st.activation_bytes[name] for st in info.per_stage]
+        out.in_flight[name] = [st.micro_batches_in_flight[name] for st in info.per_stage]
+    return out

@@ -25,7 +25,6 @@ the longest path through the unit graph). Both runtimes execute units in tick or
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from pcompile.ir.core import Graph, Node, NodeResult
 from pcompile.ir.errors import PcompileError
@@ -244,14 +243,3 @@ def schedule(graphs: list[Graph], scheduler: str, micro: int, devices_per_stage:
         out.held_bytes[name] = [p for p, _ in peaks]
         out.in_flight[name] = [f for _, f in peaks]
     return out
-
-
-def describe(schedule_: Schedule) -> dict[str, Any]:
-    """plan.json's `pipeline.schedule` part."""
-    return {
-        "ticks": schedule_.num_ticks,
-        "per_stage": [[{"tick": t, "unit": f"{lab[0]}{lab[1]}"} for lab, t in
-                       zip(u.sequence, u.ticks)] for u in schedule_.units],
-        "bubble": schedule_.bubble,
-        "ideal_bubble": schedule_.ideal_bubble,
-    }

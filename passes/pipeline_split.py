@@ -210,6 +210,7 @@ class PipelineProgram:
     graphs: list[Graph]
     transfers: list[Transfer]
     param_stages: dict[str, list[int]]
+    outputs: tuple[str, ...] = ()  # every output name of the step (loss, then stored values)
     schedule: Schedule | None = None
 
     @property
@@ -226,6 +227,27 @@ class PipelineProgram:
         """The schedule of the final graphs (after comm_fusion)."""
         self.schedule = schedule(self.graphs, self.scheduler, self.micro, self.per_stage)
         return self.schedule
+
+    def describe(self) -> dict[str, Any]:
+        """plan.json's `pipeline` section (compiler/plan.py: PipelineInfo)."""
+        sched = self.schedule
+        assert sched is not None
+        return {
+            "stages": self.stages, "devices_per_stage": self.per_stage,
+            "micro_size": self.micro, "scheduler": self.scheduler, "ticks": sched.num_ticks,
+            "bubble": sched.bubble, "ideal_bubble": sched.ideal_bubble,
+            "per_stage": [{
+                "stage": s, "ranks": list(self.ranks(s)),
+                "parameters": [p.name for p in self.graphs[s].params if p.kind != "input"],
+                "units": [{"tick": t, "unit": f"{lab[0]}{lab[1]}"}
+                          for lab, t in zip(sched.units[s].sequence, sched.units[s].ticks)],
+                "activation_bytes": {k: v[s] for k, v in sched.held_bytes.items()},
+                "micro_batches_in_flight": {k: v[s] for k, v in sched.in_flight.items()},
+            } for s in range(self.stages)],
+            "transfers": [{"sr_tag": t.tag, "src_stage": t.src, "dst_stage": t.dst,
+                           "value": t.value, "shape": list(t.shape), "dtype": t.dtype,
+                           "bytes": t.nbytes} for t in self.transfers],
+        }
 
 
 def _world(value: Any, devices: int) -> Any:
@@ -350,8 +372,26 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
         g.attrs["outputs"] = tuple(kept)
     for s, g in enumerate(outs):
         order_by_units(g, unit_sequence(scheduler, stages, s, micro))
+    transfers = _renumber(outs, transfers)
     params = {name: sorted(sites) for name, sites in placed.param_stages.items()}
-    return PipelineProgram(stages, devices, micro, scheduler, outs, transfers, params)
+    return PipelineProgram(stages, devices, micro, scheduler, outs, transfers, params,
+                           tuple(names))
+
+
+def _renumber(graphs: list[Graph], transfers: list[Transfer]) -> list[Transfer]:
+    """sr_tags in the order the stages send (stage by stage, in schedule order)."""
+    order = [int(n.attrs["sr_tag"]) for g in graphs for n in g.nodes if n.op == "Send"]
+    new = {old: k for k, old in enumerate(order)}
+    for g in graphs:
+        for node in g.nodes:
+            if node.op in ("Send", "Receive"):
+                tag = new[int(node.attrs["sr_tag"])]
+                node.attrs["sr_tag"] = tag
+                node.instance_name = f"pipeline_{node.op.lower()}_{tag}"
+    out = [transfers[old] for old in order]
+    for k, t in enumerate(out):
+        t.tag = k
+    return out
 
 
 def empty_stages(program: PipelineProgram) -> list[int]:
