@@ -63,13 +63,26 @@ def positions(graph: Graph, sequence: list[Label]) -> dict[int, int]:
     """id(node) -> index in `sequence` of the unit that runs it (see the module docstring)."""
     index = {label: i for i, label in enumerate(sequence)}
     out: dict[int, int] = {}
+    free: set[int] = set()  # unlabelled, reading no labelled node: placed by their users
     for node in graph.nodes:
         label = node_label(node)
         pos = index[label] if label is not None else 0
+        bound = label is not None
         for value in node.operands:
             if isinstance(value, NodeResult):
                 pos = max(pos, out[id(value.node)])
+                bound = bound or id(value.node) not in free
         out[id(node)] = pos
+        if not bound:
+            free.add(id(node))
+    # A node that depends on no micro-batch (a weight's mirror or cast, a constant, the
+    # optimizer's work on its state) runs in the unit of its first user, not the first unit:
+    # it is not held longer than needed.
+    last = len(sequence) - 1
+    for node in reversed(graph.nodes):
+        if id(node) in free:
+            users = [out[id(u)] for u in node.result.users if id(u) in out]
+            out[id(node)] = min(users) if users else last
     return out
 
 

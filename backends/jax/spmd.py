@@ -334,16 +334,20 @@ def make_mesh(spec: MeshSpec, devices: Sequence[Any] | None = None) -> Mesh:
     return Mesh(np.array(devices, dtype=object).reshape(spec.sizes), spec.names)
 
 
-def spmd_function(body: Callable[..., Sequence[Any]], mesh: Mesh) -> Callable[..., Any]:
+def spmd_function(body: Callable[..., Sequence[Any]], mesh: Mesh,
+                  check_vma: bool = True) -> Callable[..., Any]:
     """`jit(shard_map(...))` of a per-device body: each argument and result is the stack of all
-    ranks' values along a new leading axis, sharded over every mesh axis (rank order)."""
+    ranks' values along a new leading axis, sharded over every mesh axis (rank order).
+    `check_vma=False` for a pipeline program, whose `lax.switch` branches (one per stage) run
+    collectives over different axes."""
     axes = tuple(mesh.axis_names)
 
     def per_device(*stacked: Any) -> tuple[Any, ...]:
         outs = body(*[x[0] for x in stacked])
         return tuple(jnp.asarray(o)[None] for o in outs)
 
-    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=P(axes), out_specs=P(axes))
+    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=P(axes), out_specs=P(axes),
+                           check_vma=check_vma)
     return jax.jit(mapped)
 
 

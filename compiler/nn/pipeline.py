@@ -41,15 +41,24 @@ def _positive_int(value: Any, cls: str, what: str) -> int:
     return value
 
 
-def _apply_config(network: Cell, config: dict[str, int] | None, attr: str) -> None:
-    """`stage_config` / `segment_config`: {cell name: value}, names as the network's
-    `cells_and_names()` gives them (a leading `network.` is accepted too)."""
+def _backbone(network: Cell) -> Cell:
+    while isinstance(network, (MicroBatchInterleaved, PipelineCell)):
+        network = network.network
+    return network.backbone_network if isinstance(network, WithLossCell) else network
+
+
+def _apply_config(network: Cell, config: dict[str, int] | None, what: str) -> None:
+    """`stage_config` / `segment_config`: {cell name: value}; a name is a path of
+    `network.cells_and_names()` (`_backbone.layer1`), or of the network inside the
+    wrappers (`layer1`)."""
     if not config:
         return
+    attr = {"stage_config": "pipeline_stage", "segment_config": "pipeline_segment"}[what]
     if not isinstance(config, dict):
-        raise TypeError(f"For 'PipelineCell', {attr[1:]}_config must be a dict of cell names to "
-                        f"ints, got {type(config).__name__}")
-    cells = dict(network.cells_and_names())
+        raise TypeError(f"For 'PipelineCell', {what} must be a dict of cell names to ints, got "
+                        f"{type(config).__name__}")
+    cells = {**dict(network.cells_and_names()), **dict(_backbone(network).cells_and_names())}
+    cells.pop("", None)
     left = dict(config)
     for name, value in config.items():
         key = name[len("network."):] if name.startswith("network.") else name
@@ -57,9 +66,8 @@ def _apply_config(network: Cell, config: dict[str, int] | None, attr: str) -> No
             setattr(cells[key], attr, value)
             left.pop(name)
     if left:
-        raise KeyError(f"For 'PipelineCell', {attr[1:]}_config names cells the network does not "
-                       f"have: {', '.join(sorted(left))} (its cells: "
-                       f"{', '.join(n for n in cells if n) or 'none'})")
+        raise KeyError(f"For 'PipelineCell', {what} names cells the network does not have: "
+                       f"{', '.join(sorted(left))} (its cells: {', '.join(cells) or 'none'})")
 
 
 class PipelineCell(Cell):
@@ -78,8 +86,8 @@ class PipelineCell(Cell):
                             f"got {type(network).__name__}.")
         self.network = network
         self.micro_size = _positive_int(micro_size, "PipelineCell", "micro_size")
-        _apply_config(network, stage_config, "pipeline_stage")
-        _apply_config(network, segment_config, "pipeline_segment")
+        _apply_config(network, stage_config, "stage_config")
+        _apply_config(network, segment_config, "segment_config")
 
     def construct(self, *inputs: Any) -> Any:
         # The compiler cuts the batch into micro-batches (passes/micro_batch.py): traced, the
