@@ -29,8 +29,8 @@ _MODULE_ALIASES = {
 }
 
 _FACADE = (
-    "nn", "ops", "communication", "Parameter", "Tensor", "TensorSpec", "Layout", "initializer",
-    "set_seed", "set_auto_parallel_context", "get_auto_parallel_context",
+    "nn", "ops", "communication", "Parameter", "ParameterTuple", "Tensor", "TensorSpec",
+    "Layout", "initializer", "set_seed", "set_auto_parallel_context", "get_auto_parallel_context",
     "reset_auto_parallel_context", "set_context", "get_context", "set_cost_model_context",
     "get_cost_model_context", "reset_cost_model_context", "set_algo_parameters",
     "get_algo_parameters", "reset_algo_parameters", "ParallelMode", "shard", "compile",

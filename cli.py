@@ -423,14 +423,6 @@ def _check_oracle(program: Any) -> None:
                 f"within {bound:.2g} relative). The plan does not compute what the model "
                 "computes: please report it with the model file; --no-check skips this check"
             )
-    if program.training and state.parallel_mode in ("data_parallel", "hybrid_parallel") \
-            and not state.options.get("gradients_mean"):
-        click.echo(
-            f"note: {state.parallel_mode} with gradients_mean=False sums parameter "
-            f"gradients over {state.devices} ranks (MindSpore semantics), so updates "
-            "differ from single-device training; set gradients_mean=True to match it"
-        )
-        return
     name, err = report.worst
     click.echo(f"parallel plan vs single device (float64): worst relative error {err:.2e} "
                f"({name or 'none'}; bound {bound:.2g})")

@@ -34,7 +34,7 @@ import re
 import secrets
 import sys
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,13 +59,19 @@ def temp_name(path: str) -> str:
 def atomic_write_bytes(path: str, data: bytes) -> None:
     """Write `data` to `path` through a temporary file in the same folder and os.replace (the
     user's umask applies to the file, as to any other)."""
+    atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_write(path: str, write: Callable[[Any], object]) -> None:
+    """Call `write(f)` on a new temporary file in `path`'s folder, then fsync and os.replace it
+    onto `path`; on any failure the temporary file is removed and `path` is untouched."""
     folder = os.path.dirname(os.path.abspath(path)) or "."
     os.makedirs(folder, exist_ok=True)
     tmp = temp_name(path)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -119,26 +125,43 @@ def portable(array: np.ndarray) -> tuple[np.ndarray, str | None]:
     return array.view(np.dtype(f"uint{width}")), name
 
 
-def npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
-    """An .npz (readable by np.load) with fixed timestamps and sorted keys: the same arrays
-    always give the same bytes. bfloat16 arrays keep their dtype (`portable`; `load_npz`
-    restores it)."""
-    buf = io.BytesIO()
-    views: dict[str, str] = {}
-    stored: dict[str, np.ndarray] = {}
-    for key, value in arrays.items():
-        stored[key], view = portable(np.asarray(value))
-        if view is not None:
-            views[key] = view
-    if views:
-        stored[DTYPES_KEY] = np.frombuffer(json.dumps(views, sort_keys=True).encode(), np.uint8)
-    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as zf:
-        for key in sorted(stored):
-            member = io.BytesIO()
-            np.lib.format.write_array(member, stored[key], allow_pickle=False)
+def write_npz(f: Any, arrays: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]]
+              ) -> None:
+    """Write an .npz (readable by np.load) to the binary file `f`, member by member: fixed
+    timestamps and sorted keys, so the same arrays always give the same bytes; bfloat16
+    arrays keep their dtype (`portable`; `load_npz` restores it). Given an iterable of
+    (key, array) pairs, they are written in the order given, one array held at a time
+    (`pcompile-merge` streams a model larger than memory this way)."""
+    items = sorted(arrays.items()) if isinstance(arrays, Mapping) else arrays
+    members = _members(items)
+    with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for key, array in members:
             info = zipfile.ZipInfo(key + ".npy", date_time=_FIXED_TIME)
             info.external_attr = 0o644 << 16
-            zf.writestr(info, member.getvalue())
+            # zipfile needs to know in advance whether a member passes the zip32 limit
+            big = array.nbytes + 4096 > zipfile.ZIP64_LIMIT
+            with zf.open(info, "w", force_zip64=big) as member:
+                np.lib.format.write_array(member, array, allow_pickle=False)
+
+
+def _members(items: Iterable[tuple[str, np.ndarray]]
+                    ) -> Iterator[tuple[str, np.ndarray]]:
+    """The members as written: extension dtypes as their bits (`portable`), then
+    `__dtypes__` naming them."""
+    views: dict[str, str] = {}
+    for key, value in items:
+        stored, view = portable(np.asarray(value))
+        if view is not None:
+            views[key] = view
+        yield key, stored
+    if views:
+        yield DTYPES_KEY, np.frombuffer(json.dumps(views, sort_keys=True).encode(), np.uint8)
+
+
+def npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """The bytes `write_npz` writes for `arrays`."""
+    buf = io.BytesIO()
+    write_npz(buf, arrays)
     return buf.getvalue()
 
 
@@ -155,13 +178,47 @@ def restore_dtypes(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return arrays
 
 
-def save_npz(path: str, arrays: Mapping[str, np.ndarray]) -> None:
-    atomic_write_bytes(path, npz_bytes(arrays))
+def save_npz(path: str, arrays: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]]
+             ) -> None:
+    """`write_npz` to `path`, atomically (a temporary file in the same folder, then
+    os.replace), streaming: nothing but the array being written is held."""
+    atomic_write(path, lambda f: write_npz(f, arrays))
 
 
 def load_npz(path: str) -> dict[str, np.ndarray]:
     with np.load(path, allow_pickle=False) as data:
         return restore_dtypes({k: np.array(data[k]) for k in data.files})
+
+
+class LazyNpz:
+    """An .npz opened for reading one array at a time (`get`), bfloat16 restored; use as a
+    context manager or `close()` it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._data = np.load(path, allow_pickle=False)
+        self.files = [k for k in self._data.files if k != DTYPES_KEY]
+        self._views: dict[str, str] = {}
+        if DTYPES_KEY in self._data.files:
+            raw = np.asarray(self._data[DTYPES_KEY]).astype(np.uint8)
+            self._views = json.loads(bytes(raw).decode())
+
+    def get(self, key: str) -> np.ndarray:
+        array = np.asarray(self._data[key])  # a fresh array read from the file
+        if key in self._views:
+            from pcompile.ir.types import DType
+
+            array = array.view(DType[self._views[key]].np)
+        return array
+
+    def close(self) -> None:
+        self._data.close()
+
+    def __enter__(self) -> LazyNpz:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 # -- checkpoints -------------------------------------------------------------------------------
@@ -185,7 +242,8 @@ class CheckpointError(Exception):
 
 
 def _digest(array: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+    raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)  # no copy of the bytes
+    return hashlib.sha256(raw.data).hexdigest()
 
 
 def write_checkpoint(folder: str, rank: int, step: int, values: Mapping[str, np.ndarray],
@@ -209,43 +267,92 @@ def write_checkpoint(folder: str, rank: int, step: int, values: Mapping[str, np.
     return path
 
 
+class CheckpointReader:
+    """One rank's checkpoint opened for reading array by array (`array`, verified against the
+    manifest when read): `pcompile-merge` holds one tensor at a time this way. Opening checks
+    the file and its metadata; a fault raises `CheckpointError` naming the file and what."""
+
+    def __init__(self, path: str, rank: int | None = None) -> None:
+        self.path, self.rank = path, rank
+        try:
+            size = os.path.getsize(path)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read it ({exc.strerror})") from None
+        if size == 0:
+            raise CheckpointError(f"{path} is empty (0 bytes): its write was cut short")
+        try:
+            self._npz = LazyNpz(path)
+        except zipfile.BadZipFile as exc:
+            raise CheckpointError(f"{path} is truncated or not an .npz file ({exc})") from None
+        except Exception as exc:  # noqa: BLE001  (a damaged file can fail in numpy or zipfile)
+            raise CheckpointError(f"{path} is damaged: {type(exc).__name__}: {exc}") from None
+        try:
+            self.meta = self._meta()
+        except BaseException:
+            self.close()
+            raise
+
+    def _meta(self) -> dict[str, Any]:
+        path = self.path
+        if META_KEY not in self._npz.files:
+            raise CheckpointError(f"{path} has no metadata ({META_KEY}): not a pcompile "
+                                  "checkpoint")
+        try:
+            meta = json.loads(str(self._read(META_KEY)))
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: its metadata is not valid JSON ({exc})") from None
+        manifest = meta.get("arrays") if isinstance(meta, dict) else None
+        if not isinstance(manifest, dict) or not isinstance(meta.get("layouts"), dict):
+            raise CheckpointError(f"{path}: its metadata has no manifest of the arrays "
+                                  "(written by another tool or an older pcompile)")
+        extra = sorted(set(self._npz.files) - set(manifest) - {META_KEY})
+        if extra:
+            raise CheckpointError(f"{path} holds arrays its manifest does not list: "
+                                  f"{', '.join(extra)}")
+        return meta
+
+    def _read(self, name: str) -> np.ndarray:
+        try:
+            return self._npz.get(name)
+        except zipfile.BadZipFile as exc:
+            what = "corrupt" if "CRC" in str(exc) else "truncated or not an .npz file"
+            raise CheckpointError(f"{self.path} is {what} ({exc})") from None
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"{self.path} is damaged: {type(exc).__name__}: "
+                                  f"{exc}") from None
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.meta["arrays"])
+
+    def array(self, name: str) -> np.ndarray:
+        """The array `name`, checked against its manifest entry and the rank's slice shape."""
+        value = self._read(name) if name in self._npz.files else None
+        problem = _array_problem(name, value, self.meta["arrays"].get(name),
+                                 self.meta["layouts"].get(name), self.rank)
+        if problem:
+            raise CheckpointError(f"{self.path}: {problem}")
+        assert value is not None
+        return value
+
+    def close(self) -> None:
+        if hasattr(self, "_npz"):
+            self._npz.close()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def read_checkpoint(path: str, rank: int | None = None
                     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The arrays and metadata of a checkpoint, verified against its manifest (every array
     present with its shape, dtype and checksum) and, given `rank`, against the slice shapes
     of the layouts it records. Anything wrong: `CheckpointError` saying what."""
-    try:
-        size = os.path.getsize(path)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read it ({exc.strerror})") from None
-    if size == 0:
-        raise CheckpointError(f"{path} is empty (0 bytes): its write was cut short")
-    try:
-        arrays = load_npz(path)
-    except zipfile.BadZipFile as exc:
-        what = "corrupt" if "CRC" in str(exc) else "truncated or not an .npz file"
-        raise CheckpointError(f"{path} is {what} ({exc})") from None
-    except Exception as exc:  # noqa: BLE001  (a damaged file can fail in numpy or zipfile)
-        raise CheckpointError(f"{path} is damaged: {type(exc).__name__}: {exc}") from None
-    if META_KEY not in arrays:
-        raise CheckpointError(f"{path} has no metadata ({META_KEY}): not a pcompile checkpoint")
-    try:
-        meta = json.loads(str(arrays.pop(META_KEY)))
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: its metadata is not valid JSON ({exc})") from None
-    manifest = meta.get("arrays") if isinstance(meta, dict) else None
-    if not isinstance(manifest, dict) or not isinstance(meta.get("layouts"), dict):
-        raise CheckpointError(f"{path}: its metadata has no manifest of the arrays "
-                              "(written by another tool or an older pcompile)")
-    extra = sorted(set(arrays) - set(manifest))
-    if extra:
-        raise CheckpointError(f"{path} holds arrays its manifest does not list: "
-                              f"{', '.join(extra)}")
-    for name, entry in manifest.items():
-        problem = _array_problem(name, arrays.get(name), entry, meta["layouts"].get(name), rank)
-        if problem:
-            raise CheckpointError(f"{path}: {problem}")
-    return arrays, meta
+    with CheckpointReader(path, rank) as reader:
+        return {name: reader.array(name) for name in reader.names}, reader.meta
 
 
 def _array_problem(name: str, array: np.ndarray | None, entry: Any, layout: Any,
@@ -274,7 +381,10 @@ def checkpoint_problem(path: str, rank: int, plan_id: str | None = None) -> str:
     if not os.path.exists(path):
         return "no checkpoint"
     try:
-        _, meta = read_checkpoint(path, rank)
+        with CheckpointReader(path, rank) as reader:
+            for name in reader.names:  # verified one array at a time, none kept
+                reader.array(name)
+            meta = reader.meta
     except CheckpointError as exc:
         return str(exc)
     if plan_id is not None and meta.get("plan_id") != plan_id:
@@ -360,10 +470,20 @@ class MergeError(Exception):
 
 def merge_checkpoints(out_dir: str, step: int | None = None,
                       folder: str | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Full tensors from every rank's checkpoint of `step` (default: the newest step every
-    rank holds intact; `info["skipped"]` says which newer steps were passed over and why).
-    Checks every file against its manifest, that replicas of one slice agree bit for bit and
-    that layouts match plan.json."""
+    """`merged_tensors` gathered into a dict (for models that fit in memory)."""
+    info, tensors = merged_tensors(out_dir, step, folder)
+    return dict(tensors), info
+
+
+def merged_tensors(out_dir: str, step: int | None = None, folder: str | None = None
+                   ) -> tuple[dict[str, Any], Iterator[tuple[str, np.ndarray]]]:
+    """The full tensors of every rank's checkpoint of `step` (default: the newest step every
+    rank holds intact; `info["skipped"]` says which newer steps were passed over and why), as
+    an iterator of (name, tensor) in name order that reads the ranks' slices of one tensor at
+    a time: memory holds one full tensor, never the model. Checks every array against its
+    manifest, that replicas of one slice agree bit for bit, that every element is held by
+    some rank and that layouts match plan.json; a fault raises `MergeError` (while iterating
+    for faults inside a tensor)."""
     folder = folder or os.path.join(out_dir, "checkpoints")
     plan_path = os.path.join(out_dir, "plan.json")
     plan = None
@@ -386,50 +506,75 @@ def merge_checkpoints(out_dir: str, step: int | None = None,
             raise MergeError(f"no step has an intact checkpoint of all {num_ranks} ranks in "
                              f"{folder}{why}")
         step = point.step
-    full: dict[str, np.ndarray] = {}
-    filled: dict[str, np.ndarray] = {}
-    meta0: dict[str, Any] = {}
-    for r in range(num_ranks):
-        path = checkpoint_path(folder, r, step)
-        if not os.path.exists(path):
-            raise MergeError(f"rank {r} has no checkpoint of step {step} ({path})")
-        try:
-            arrays, meta = read_checkpoint(path, r)
-        except CheckpointError as exc:
-            raise MergeError(str(exc)) from None
-        if r == 0:
-            meta0 = meta
-        elif meta.get("plan_id") != meta0.get("plan_id"):
-            raise MergeError(f"rank {r}'s checkpoint belongs to another plan than rank 0's")
-        for name, value in arrays.items():
-            entry = meta["layouts"][name]
-            _check_plan_layout(plan, name, entry)
-            layout = _layout(entry)
-            if name not in full:
-                full[name] = np.zeros(layout.shape, value.dtype)
-                filled[name] = np.zeros(layout.shape, bool)
-            if not value.shape:  # a scalar (step counters): every rank holds it
-                if filled[name].all() and not np.array_equal(full[name], value):
-                    raise MergeError(f"{name}: rank {r}'s value differs from another rank's")
-                full[name][...] = value
-                filled[name][...] = True
-                continue
-            index = tuple(slice(b, e) for b, e in layout.slice_bounds(r))
-            if value.shape != full[name][index].shape:
-                raise MergeError(
-                    f"{name}: rank {r} holds shape {value.shape}, its layout gives "
-                    f"{full[name][index].shape}")
-            seen = filled[name][index]
-            if seen.any() and not np.array_equal(full[name][index][seen], value[seen]):
-                raise MergeError(f"{name}: rank {r}'s replica differs from another rank's")
-            full[name][index] = value
-            filled[name][index] = True
-    for name, mask in filled.items():
-        if not mask.all():
-            raise MergeError(f"{name}: some elements are held by no rank")
+    readers: list[CheckpointReader] = []
+    try:
+        for r in range(num_ranks):
+            path = checkpoint_path(folder, r, step)
+            if not os.path.exists(path):
+                raise MergeError(f"rank {r} has no checkpoint of step {step} ({path})")
+            readers.append(CheckpointReader(path, r))
+            if readers[-1].meta.get("plan_id") != readers[0].meta.get("plan_id"):
+                raise MergeError(f"rank {r}'s checkpoint belongs to another plan than rank 0's")
+    except CheckpointError as exc:
+        for reader in readers:
+            reader.close()
+        raise MergeError(str(exc)) from None
+    except BaseException:
+        for reader in readers:
+            reader.close()
+        raise
+    meta0 = readers[0].meta
     info = {k: meta0.get(k) for k in ("step", "epoch", "step_in_epoch", "plan_id", "num_ranks")}
     info["skipped"] = skipped
-    return full, info
+    names = sorted({name for reader in readers for name in reader.names})
+
+    def tensors() -> Iterator[tuple[str, np.ndarray]]:
+        try:
+            for name in names:
+                yield name, _merge_one(name, readers, plan)
+        except CheckpointError as exc:
+            raise MergeError(str(exc)) from None
+        finally:
+            for reader in readers:
+                reader.close()
+
+    return info, tensors()
+
+
+def _merge_one(name: str, readers: list[CheckpointReader],
+               plan: Mapping[str, Any] | None) -> np.ndarray:
+    """Tensor `name` assembled from the slices the ranks hold."""
+    full: np.ndarray | None = None
+    filled: np.ndarray | None = None
+    for r, reader in enumerate(readers):
+        if name not in reader.meta["arrays"]:
+            continue
+        value = reader.array(name)
+        entry = reader.meta["layouts"][name]
+        _check_plan_layout(plan, name, entry)
+        layout = _layout(entry)
+        if full is None or filled is None:
+            full = np.zeros(layout.shape, value.dtype)
+            filled = np.zeros(layout.shape, bool)
+        if not value.shape:  # a scalar (step counters): every rank holds it
+            if filled.all() and not np.array_equal(full, value):
+                raise MergeError(f"{name}: rank {r}'s value differs from another rank's")
+            full[...] = value
+            filled[...] = True
+            continue
+        index = tuple(slice(b, e) for b, e in layout.slice_bounds(r))
+        if value.shape != full[index].shape:
+            raise MergeError(f"{name}: rank {r} holds shape {value.shape}, its layout gives "
+                             f"{full[index].shape}")
+        seen = filled[index]
+        if seen.any() and not np.array_equal(full[index][seen], value[seen]):
+            raise MergeError(f"{name}: rank {r}'s replica differs from another rank's")
+        full[index] = value
+        filled[index] = True
+    assert full is not None and filled is not None
+    if not filled.all():
+        raise MergeError(f"{name}: some elements are held by no rank")
+    return full
 
 
 def _count_ranks(folder: str) -> int:
@@ -458,6 +603,16 @@ def _check_plan_layout(plan: Mapping[str, Any] | None, name: str,
         raise MergeError(f"{name}: the checkpoint's layout differs from plan.json's")
 
 
+def _is_merge_output(path: str) -> bool:
+    """Whether `path` is an .npz an earlier pcompile-merge wrote (its `__meta__` names a plan)."""
+    try:
+        with LazyNpz(path) as npz:
+            meta = json.loads(str(npz.get(META_KEY))) if META_KEY in npz.files else None
+    except Exception:  # noqa: BLE001  (anything unreadable is not ours)
+        return False
+    return isinstance(meta, dict) and "plan_id" in meta and "num_ranks" in meta
+
+
 def main(argv: list[str] | None = None) -> int:
     """`pcompile-merge OUT_DIR [--step S] [--output FILE]`."""
     parser = argparse.ArgumentParser(
@@ -472,23 +627,38 @@ def main(argv: list[str] | None = None) -> int:
                         help="merged .npz (default OUT_DIR/merged_step_<S>.npz)")
     args = parser.parse_args(argv)
     try:
-        full, info = merge_checkpoints(args.out_dir, args.step, args.checkpoint_dir)
+        info, tensors = merged_tensors(args.out_dir, args.step, args.checkpoint_dir)
     except (MergeError, CheckpointError, OSError, ValueError, KeyError) as exc:
         print(f"pcompile-merge: error: {exc}", file=sys.stderr)
         return 1
     for line in info.pop("skipped"):
         print(f"pcompile-merge: passed over {line}", file=sys.stderr)
     output = args.output or os.path.join(args.out_dir, f"merged_step_{info['step']:08d}.npz")
-    arrays = dict(full)
-    arrays[META_KEY] = np.array(json.dumps(info, sort_keys=True))
+    if os.path.exists(output) and not _is_merge_output(output):
+        print(f"pcompile-merge: error: {output} exists and is not a file pcompile-merge wrote; "
+              "name another --output (pcompile never replaces a file it did not write)",
+              file=sys.stderr)
+        return 1
+    written = {"tensors": 0, "bytes": 0}
+
+    def counted() -> Iterator[tuple[str, np.ndarray]]:
+        # one tensor at a time into the output: the merge never holds the whole model
+        for name, tensor in tensors:
+            written["tensors"] += 1
+            written["bytes"] += tensor.nbytes
+            yield name, tensor
+        yield META_KEY, np.array(json.dumps(info, sort_keys=True))
+
     try:
-        save_npz(output, arrays)
+        save_npz(output, counted())
+    except (MergeError, CheckpointError, ValueError, KeyError) as exc:
+        print(f"pcompile-merge: error: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"pcompile-merge: error: cannot write {output}: {exc.strerror}", file=sys.stderr)
         return 1
-    total = sum(a.nbytes for a in full.values())
-    print(f"merged step {info['step']} of {info['num_ranks']} ranks: {len(full)} tensors, "
-          f"{total} bytes -> {output}")
+    print(f"merged step {info['step']} of {info['num_ranks']} ranks: {written['tensors']} "
+          f"tensors, {written['bytes']} bytes -> {output}")
     return 0
 
 

@@ -18,6 +18,7 @@ from pcompile.compiler.context import (
     set_context,
     set_cost_model_context,
 )
+from pcompile.compiler.grad import ParameterTuple
 from pcompile.compiler.initializer import initializer, set_seed
 from pcompile.compiler.layout import Layout
 from pcompile.compiler.tensor import Parameter, Tensor, TensorSpec
@@ -65,6 +66,7 @@ __all__ = [
     "ops",
     "communication",
     "Parameter",
+    "ParameterTuple",
     "Tensor",
     "TensorSpec",
     "Layout",

@@ -485,13 +485,23 @@ class CommFusionConfig(BaseModel):
         return check_comm_fusion(data)
 
     def as_dict(self) -> dict[str, Any]:
-        """The dict `get_auto_parallel_context("comm_fusion")` returns."""
+        """The kinds that were set (what `set_auto_parallel_context(comm_fusion=...)` takes
+        back unchanged: a kind left out stays unfused)."""
         out: dict[str, Any] = {"openstate": self.openstate}
         for op in _FUSION_OPS:
             entry = getattr(self, op)
             if entry is not None:
                 out[op] = entry.as_dict()
         return out
+
+    def displayed(self) -> dict[str, Any]:
+        """The dict `get_auto_parallel_context("comm_fusion")` returns: as MindSpore, all four
+        keys, a kind never set showing its default `{"mode": "auto", "config": None}` (its
+        fusion stays off until it is set, as MindSpore's enable flags)."""
+        out = self.as_dict()
+        for op in _FUSION_OPS:
+            out.setdefault(op, {"mode": "auto", "config": None})
+        return {key: out[key] for key in ("openstate", *_FUSION_OPS)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -690,7 +700,7 @@ class AutoParallelContext(BaseModel):
             raise _unknown_name("get_auto_parallel_context", key, sorted(_AP_GETTABLE))
         if key in _DICT_FIELDS:
             sub = getattr(self, key)
-            return sub.as_dict() if isinstance(sub, CommFusionConfig) else sub.model_dump()
+            return sub.displayed() if isinstance(sub, CommFusionConfig) else sub.model_dump()
         if key == "all_reduce_fusion_config":
             return list(self.all_reduce_fusion_config)
         return getattr(self, key)

@@ -28,8 +28,10 @@ from pcompile.compiler.context import (
 from pcompile.compiler.initializer import InitializedData
 from pcompile.compiler.model_file import ModelFile, call_user, load_model_file
 from pcompile.compiler.nn.optim_base import Optimizer
+from pcompile.compiler.parameter_layout import parameter_layout_dict
 from pcompile.compiler.plan import Plan, build_plan, write_plan
-from pcompile.compiler.trace_model import TracedModel, trace_model
+from pcompile.compiler.trace_model import TracedModel, check_optimizer, trace_model
+from pcompile.compiler.train_step import ReplayEnv, replay_step
 from pcompile.ir.core import Graph, Node, Value
 from pcompile.ir.dot import graph_to_dot
 from pcompile.ir.errors import PcompileError
@@ -41,6 +43,7 @@ from pcompile.passes.autodiff import append_gradients
 from pcompile.passes.comm_fusion import CommFusionPass
 from pcompile.passes.optimizer import append_optimizer
 from pcompile.passes.optimizer_shard import plan_optimizer_sharding
+from pcompile.passes.recompute import apply_recompute, marked
 from pcompile.passes.replicated import (
     build_replicated_graphs,
     data_parallel_feed_layouts,
@@ -54,7 +57,11 @@ from pcompile.passes.search.auto_parallel_pass import (
     searched_strategies,
 )
 from pcompile.passes.step_parallel import SplitOptions, build_spmd_graph
-from pcompile.passes.step_parallel_begin import ParallelAssignment, assign
+from pcompile.passes.step_parallel_begin import (
+    ParallelAssignment,
+    annotate_parallel_detail,
+    assign,
+)
 
 # --- end search ----------------------------------------------------------------------------------
 
@@ -103,6 +110,19 @@ class InitialValues(MutableMapping[str, np.ndarray]):
 
 
 @dataclass
+class ReferenceOptions:
+    """How a single-device program models a parallel program's options (the oracle's
+    reference, `compiler.oracle`): `transform` rewrites the traced forward graph (e.g. the loss
+    as the mean of the ranks' losses when reductions are rank-local, `cross_batch`), and each
+    trainable parameter's gradient is multiplied by `gradient_scales[name]` before the
+    optimizer (the mirrors' division under `gradients_mean`, a loss held by k ranks without
+    `loss_repeated_mean`)."""
+
+    transform: Callable[[Graph], None] | None = None
+    gradient_scales: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class CompileState:
     """What the passes read and write."""
 
@@ -128,6 +148,10 @@ class CompileState:
     # Pipeline parallelism (compiler/pipelining.py): stages, micro-batches, the stage of every
     # op; None when neither pipeline_stages > 1 nor nn.PipelineCell is used.
     pipeline: Any = None
+    opt_shard: dict[str, Any] = field(default_factory=dict)  # the parallel optimizer's plan
+    state_owners: dict[str, str] = field(default_factory=dict)  # optimizer state -> parameter
+    reference: ReferenceOptions | None = None  # single-device reference of a parallel program
+    traces: list[TracedModel] = field(default_factory=list)  # hybrid mode: each rank's trace
 
     @property
     def parallel(self) -> bool:
@@ -135,9 +159,16 @@ class CompileState:
 
     @property
     def training(self) -> bool:
-        # model() returning nn.PipelineCell trains without loss(): known once traced
-        return self.model_file.training or bool(
-            self.traced is not None and self.traced.graph.attrs.get("training"))
+        """The program is a training step: it returns the loss and updates stored values."""
+        if self.traced is None:
+            return self.model_file.training
+        return self.traced.mode == "train"
+
+    @property
+    def backward(self) -> bool:
+        """The program differentiates (a training step, or a cell returning gradients): the
+        split inserts gradient communication."""
+        return self.traced is not None and self.traced.differentiates
 
     @property
     def stage_devices(self) -> int:
@@ -206,6 +237,7 @@ class TracePass:
             files = [_load_as_rank(state, rank) for rank in range(state.devices)]
             traces = [_trace_as_rank(mf, rank) for rank, mf in enumerate(files)]
             state.model_file, traced = files[0], traces[0]
+            state.traces = traces
             state.rank_graphs = [t.graph for t in traces]
             state.split = True
         else:
@@ -221,6 +253,8 @@ class TracePass:
         for name, param in traced.parameters.items():
             state.initial_values[name] = param.source  # abstract: nothing is allocated
         if not state.parallel:
+            if state.reference is not None and state.reference.transform is not None:
+                state.reference.transform(traced.graph)
             state.rank_graphs = [traced.graph]
             state.split = True
 
@@ -241,12 +275,27 @@ def _pipeline_trace(state: CompileState, traced: TracedModel, cells: dict[str, A
                       state.options.get("dataset_strategy"))
     if settings.stages <= 1:
         return
-    if not traced.graph.attrs.get("training"):
+    if traced.step is not None:
+        raise PcompileError(
+            f"pipeline_stages={settings.stages}: this model file trains through a training "
+            f"step cell ({type(traced.network).__name__}: model() returns one, or its network "
+            "computes its own loss and the file defines optimizer() without loss()); pipeline "
+            "parallelism in this version of pcompile trains nn.PipelineCell(nn.WithLossCell("
+            "net, loss_fn), micro_size) returned from model() with optimizer(), or model() + "
+            "loss() + optimizer()")
+    if traced.mode != "train":
         raise PcompileError(
             f"pipeline_stages={settings.stages}: pipeline parallelism trains (a loss, "
             "gradients, an update per step); this model file compiles inference: return "
             "nn.PipelineCell(nn.WithLossCell(net, loss_fn), micro_size) from model() or define "
             "loss() and optimizer()")
+    recomputed = next((n for n in traced.graph.nodes if n.attrs.get("recompute")), None)
+    if recomputed is not None:
+        raise PcompileError(
+            f"pipeline_stages={settings.stages}: {recomputed.op} "
+            f"({recomputed.source or recomputed.scope}) is marked for recomputation; "
+            "recompute is not implemented together with pipeline stages in this version of "
+            "pcompile; remove recompute() or use pipeline_stages=1")
     settings.stage_map = stage_map(traced.graph, cells, traced, settings.stages)
 
 
@@ -287,18 +336,33 @@ class AutodiffPass:
 
     def apply(self, state: CompileState) -> None:
         for graph in state.graphs:
-            loss = graph.outputs[0]
+            # The objective, seeded with ones (MindSpore's sens); a non-scalar objective comes
+            # with its mean, the loss the step reports.
+            objective, loss = graph.outputs[0], graph.outputs[-1]
             wrt = [p for p in graph.weights if p.requires_grad]
             if not wrt:
                 raise PcompileError("the network has no trainable parameters to train")
             origins: dict[int, Node] | None = {} if state.micro_batched else None
-            grads = append_gradients(graph, loss, wrt, origins=origins)
+            grads = append_gradients(graph, objective, wrt, origins=origins)
             if origins is not None:  # backward nodes run in their forward node's stage
                 from pcompile.passes.pipeline_split import inherit
 
                 inherit(origins, state.pipeline.local_stage, state.pipeline.labels)
+            scales = state.reference.gradient_scales if state.reference else {}
+            if scales:
+                grads = [_scaled(graph, g, scales.get(p.name, 1.0)) for p, g in zip(wrt, grads)]
             graph.outputs = [loss, *grads]
             graph.attrs["outputs"] = ("loss", *(f"grad.{p.name}" for p in wrt))
+
+
+def _scaled(graph: Graph, grad: Value, scale: float) -> Value:
+    """`grad * scale` appended to `graph` (the reference program's model of a parallel
+    program's gradient scaling)."""
+    if scale == 1.0:
+        return grad
+    from pcompile.ir.builder import Builder
+
+    return Builder(graph)("Mul", grad, scale, name_hint="scaled_grad")
 
 
 class OptimizerPass:
@@ -315,13 +379,8 @@ class OptimizerPass:
                 f"model file {mf.path} defines loss() but no optimizer(params); training needs "
                 "both"
             )
-        opt = call_user(mf.optimizer, "optimizer(params)", mf.path,
-                        traced.network.trainable_params())
-        if not isinstance(opt, Optimizer):
-            raise PcompileError(
-                f"optimizer(params) in {mf.path} must return an nn optimizer (nn.SGD, "
-                f"nn.Momentum, nn.Adam, ...), got {type(opt).__name__}"
-            )
+        opt = check_optimizer(call_user(mf.optimizer, "optimizer(params)", mf.path,
+                                        traced.network.trainable_params()), mf.path)
         state.optimizer = opt
         for graph in state.graphs:
             names = graph.attrs["outputs"]
@@ -344,10 +403,57 @@ def _state_slicer(state: CompileState) -> Any:
         state.initial_values.setdefault(name, value)
         if not owner:
             return tuple(value.shape)
+        state.state_owners[name] = owner
         layouts.setdefault(name, layouts[owner])
         return layouts[owner].slice_shape
 
     return cut
+
+
+class TrainStepPass:
+    """A training step cell (`nn.TrainOneStepCell`, ...): its construct replayed on each local
+    graph (`compiler.train_step`): backward, gradient processing, optimizer, state updates."""
+
+    name = "train_step"
+
+    def apply(self, state: CompileState) -> None:
+        traces = state.traces or [state.traced]
+        done: set[int] = set()
+        for rank, graph in enumerate(state.rank_graphs):
+            if id(graph) in done:
+                continue
+            done.add(id(graph))
+            traced = traces[rank] if len(traces) > rank else traces[0]
+            assert traced is not None and traced.step is not None
+            env = ReplayEnv(
+                devices=state.devices,
+                layouts=state.assignment.param_layouts if state.assignment is not None else {},
+                initial_values=state.initial_values,
+                slicer=_state_slicer(state) if state.parallel else None,
+                network_params=dict(traced.parameters),
+            )
+            result = replay_step(traced.step.top, traced.step.captured, graph, env,
+                                 state.model_file.path)
+            if result.trains != (traced.mode == "train"):
+                what = type(traced.step.top).__name__
+                raise PcompileError(
+                    f"{what} holds an optimizer but its construct never calls it"
+                    if traced.mode == "train" else
+                    f"{what} updates stored values but holds no optimizer; give it the "
+                    "optimizer it applies as an attribute")
+            if rank == 0:
+                state.output_layouts = list(result.layouts)
+
+
+class RecomputePass:
+    """Recomputed forward values (`recompute: true`) computed again for the backward pass
+    (`passes.recompute`)."""
+
+    name = "recompute"
+
+    def apply(self, state: CompileState) -> None:
+        copied = sum(apply_recompute(graph) for graph in state.graphs)
+        state.plan["recompute"] = {"recomputed_nodes": copied}
 
 
 class StepParallelBeginPass:
@@ -362,6 +468,13 @@ class StepParallelBeginPass:
                                   opts.get("dataset_strategy"),
                                   searched=searched_strategies(state))  # search (issue 4)
         finish_assignment(state)  # search (issue 4): annotations, plan, checkpoint
+        if opts.get("parallel_detail"):
+            # MindSpore's MS_DEV_DUMP_IR_PARALLEL_DETAIL=1: tensor maps in semi_auto_parallel,
+            # layouts under sharding propagation, nothing for the other searches
+            if state.parallel_mode == "semi_auto_parallel":
+                annotate_parallel_detail(state.graph, state.assignment, "tensor_map")
+            elif state.search_mode == "sharding_propagation":
+                annotate_parallel_detail(state.graph, state.assignment, "layout")
 
 
 class StepParallelEndPass:
@@ -377,7 +490,7 @@ class StepParallelEndPass:
         opts = state.options
         options = SplitOptions(
             devices=state.stage_devices,
-            training=state.training,
+            training=state.backward,
             gradients_mean=bool(opts.get("gradients_mean", False)),
             loss_repeated_mean=bool(opts.get("loss_repeated_mean", True)),
             enable_alltoall=bool(opts.get("enable_alltoall", False)),
@@ -385,6 +498,7 @@ class StepParallelEndPass:
         )
         fusion = {name: p.comm_fusion for name, p in traced.parameters.items()}
         options.opt_shard = _optimizer_sharding(state, state.assignment.param_layouts)
+        state.opt_shard = dict(options.opt_shard)
         for name, shard in options.opt_shard.items():
             state.assignment.param_layouts[name] = shard.stored
         if state.pipelined:  # the stage of every local node (compiler/pipelining.py)
@@ -450,6 +564,18 @@ class CompiledProgram:
         return self.state.initial_values
 
     @property
+    def parameter_layout_dict(self) -> dict[str, Any]:
+        """MindSpore's `Cell.parameter_layout_dict` for the compiling rank (`global_rank`):
+        name -> (dev_matrix, tensor_map, slice_shape, field_size, uniform_split,
+        opt_shard_group), for every parameter and input (compiler/parameter_layout.py)."""
+        return parameter_layout_dict(self.state, int(self.state.options.get("global_rank", 0)))
+
+    def parameter_layout(self, rank: int) -> dict[str, Any]:
+        """`parameter_layout_dict` as rank `rank` sees it (only the optimizer shard group
+        differs between ranks)."""
+        return parameter_layout_dict(self.state, rank)
+
+    @property
     def output_names(self) -> list[str]:
         names = self.rank_graphs[0].attrs.get("outputs") if self.rank_graphs else None
         if names:
@@ -472,12 +598,13 @@ class ReplicatePass:
         else:
             graphs = [state.graph] * state.devices
         opts = state.options
-        options = SplitOptions(state.devices, state.training,
+        options = SplitOptions(state.devices, state.backward,
                                gradients_mean=bool(opts.get("gradients_mean", False)))
         fusion = {name: p.comm_fusion for name, p in traced.parameters.items()}
         layerwise = {name for name, p in traced.parameters.items() if p.layerwise_parallel}
         assignment = replicated_assignment(state.graph, state.devices)
         options.opt_shard = _optimizer_sharding(state, assignment.param_layouts)
+        state.opt_shard = dict(options.opt_shard)
         state.rank_graphs = build_replicated_graphs(graphs, options, fusion, layerwise)
         for name, shard in options.opt_shard.items():
             assignment.param_layouts[name] = shard.stored
@@ -512,7 +639,8 @@ def _optimizer_sharding(state: CompileState, layouts: dict[str, Any]) -> dict[st
 
 
 def pipeline(state: CompileState) -> list[Pass]:
-    passes: list[Pass] = [TracePass()]
+    """The passes after the trace (which decides whether the program trains, and how)."""
+    passes: list[Pass] = []
     if state.parallel_mode in ("data_parallel", "hybrid_parallel"):
         passes.append(ReplicatePass())
     elif state.parallel:
@@ -523,14 +651,19 @@ def pipeline(state: CompileState) -> list[Pass]:
             from pcompile.compiler.pipelining import MicroBatchPass
 
             passes.append(MicroBatchPass())
-    if state.training:
-        passes += [AutodiffPass(), OptimizerPass()]
+    traced = state.traced
+    recompute = [RecomputePass()] if state.backward and state.graph is not None and \
+        marked(state.graph) else []
+    if traced is not None and traced.step is not None:
+        passes += [TrainStepPass(), *recompute]
+    elif state.training:
+        passes += [AutodiffPass(), *recompute, OptimizerPass()]
         if state.pipelined:
             from pcompile.compiler.pipelining import PipelineSplitPass
 
             passes.append(PipelineSplitPass())
-        if state.parallel:
-            passes.append(CommFusionPass())
+    if state.backward and state.parallel:
+        passes.append(CommFusionPass())
     passes.append(ExecutePass())
     return passes
 
@@ -568,8 +701,11 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
     before_write: Callable[[CompileState, str | None], None] | None = None,
     on_event: Callable[..., None] | None = None,
     save_graphs: int | None = None,
+    reference: ReferenceOptions | None = None,
 ) -> CompiledProgram:
     """Compile a model file. Flags given here override what the model file sets.
+    `reference`: for a single-device compile, how it models a parallel program's options (the
+    oracle's reference program; see `ReferenceOptions`).
 
     `dump_ranks`: the ranks whose folders are written ("all", "none", "0,5", a list of ints;
     default: every rank up to `DUMP_ALL_UP_TO` devices, else rank 0). `before_write(state,
@@ -609,6 +745,7 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
         state = CompileState(mf, devices, mode, str(ctx.search_mode))
         if settings.stages > 1:
             state.pipeline = settings
+        state.reference = reference
         state.options = {
             "dataset_strategy": ctx.dataset_strategy,
             "gradients_mean": ctx.gradients_mean,
@@ -619,6 +756,9 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
             "parameter_broadcast": ctx.parameter_broadcast,
             "enable_parallel_optimizer": ctx.enable_parallel_optimizer,
             "parallel_optimizer_config": ctx.parallel_optimizer_config,
+            "global_rank": ctx.global_rank,
+            # MindSpore's switch for the parallel detail in dumps (reference §5.2)
+            "parallel_detail": os.environ.get("MS_DEV_DUMP_IR_PARALLEL_DETAIL") == "1",
         }
         state.options["save_graphs"] = save_graphs_level(save_graphs)
         if out_dir is None:
@@ -631,20 +771,21 @@ def _run_pipeline(state: CompileState, out_dir: str | None, dump_ranks: Any = No
                   before_write: Callable[[CompileState, str | None], None] | None = None,
                   on_event: Callable[..., None] | None = None) -> CompiledProgram:
     notify = on_event or (lambda event, **info: None)
-    passes = pipeline(state)
+    passes: list[Pass] = [TracePass()]
     timings: list[tuple[str, float]] = []
     dumps: list[tuple[str, dict[int, str]]] = []
     ranks = resolve_dump_ranks(dump_ranks, state.devices)
     state.dump_ranks = ranks
     templates: dict[int, GraphText] = {}  # the last text of each graph, by id
-    for index, p in enumerate(passes):
+    index = -1
+    while index + 1 < len(passes):
+        index += 1
+        p = passes[index]
         start = time.perf_counter()
         try:
             before = {id(g): list(g.nodes) for g in (state.graphs if state.split
                                                       else [state.graph]) if g is not None}
             p.apply(state)
-            if index == 0:  # the trace tells what else runs (nn.PipelineCell trains)
-                passes[1:] = pipeline(state)[1:]
             graphs = state.graphs if state.split else [state.graph]
             for g in graphs:  # one rank-parametric graph, or hybrid mode's per-rank graphs
                 assert g is not None
@@ -665,6 +806,8 @@ def _run_pipeline(state: CompileState, out_dir: str | None, dump_ranks: Any = No
             dumps.append((f"{index:02d}_{p.name}.ir", texts))
         else:
             templates.clear()  # a pass not dumped may change nodes: print afresh next time
+        if index == 0:
+            passes += pipeline(state)
     if before_write is not None:
         before_write(state, out_dir)
     if out_dir is not None:

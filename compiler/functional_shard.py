@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pcompile.compiler.layout import LayoutSpec
 from pcompile.compiler.tensor import Parameter, Tensor
 from pcompile.compiler.tracing import current_tracer
 from pcompile.ir.errors import PcompileError
@@ -20,14 +21,18 @@ from pcompile.ir.errors import PcompileError
 MARK = "functional_shard"
 
 
-def _constrain(value: Any, strategy: tuple[int, ...], what: str) -> Any:
+def _constrain(value: Any, strategy: tuple[int, ...] | LayoutSpec, what: str) -> Any:
+    """`value` read through an Identity configured with `strategy` (a tuple of split counts,
+    or a `Layout(...)` result, as MindSpore's functional shard takes both)."""
     from pcompile.compiler import ops
 
     if not isinstance(value, Tensor):
         return value
-    if len(strategy) != value.ndim:
+    count = strategy.ndim if isinstance(strategy, LayoutSpec) else len(strategy)
+    if count != value.ndim:
+        kind = "layout" if isinstance(strategy, LayoutSpec) else "strategy"
         raise PcompileError(
-            f"functional shard: the strategy {strategy} of {what} has {len(strategy)} values but "
+            f"functional shard: the {kind} {strategy} of {what} has {count} entries but "
             f"the tensor has shape {value.shape}"
         )
     prim = ops.Identity().shard((strategy,)).add_prim_attr(MARK, True)
@@ -35,7 +40,7 @@ def _constrain(value: Any, strategy: tuple[int, ...], what: str) -> Any:
     return prim(value)
 
 
-def _resolve_plan(cell: Any, plan: dict[str, Any]) -> dict[int, tuple[Parameter, tuple]]:
+def _resolve_plan(cell: Any, plan: dict[str, Any]) -> dict[int, tuple[Parameter, Any]]:
     """Map `parameter_plan` keys ('self.block1.dense2.weight') to the cell's parameters: a key
     names a parameter when a suffix of its path is the parameter's path inside the cell.
     Unknown names are skipped, as the seed documents."""
@@ -48,7 +53,8 @@ def _resolve_plan(cell: Any, plan: dict[str, Any]) -> dict[int, tuple[Parameter,
         for start in range(len(parts)):
             path = ".".join(parts[start:])
             if path in params:
-                out[id(params[path])] = (params[path], tuple(strategy))
+                out[id(params[path])] = (params[path], strategy if isinstance(
+                    strategy, LayoutSpec) else tuple(strategy))
                 break
     return out
 

@@ -270,15 +270,12 @@ class Layout:
                         f'Layout: tensor map entry {position} is an empty tuple; use "None" '
                         "for a dim that is not split"
                     )
-                for alias in entry:
-                    if alias == NONE_ALIAS:
-                        raise ValueError(
-                            f'Layout: "None" cannot appear inside the tuple {tuple(entry)!r} '
-                            f"(tensor map entry {position})"
-                        )
-                values.append(tuple(self._index(a, position) for a in entry))
+                # "None" inside a tuple is an axis of size 1 (-1), as in MindSpore:
+                # ("sp", "None") splits the dim as "sp" alone.
+                values.append(tuple(-1 if a == NONE_ALIAS else self._index(a, position)
+                                    for a in entry))
                 names.append(tuple(entry))
-                used.extend(entry)
+                used.extend(a for a in entry if a != NONE_ALIAS)
             elif entry == NONE_ALIAS:
                 values.append(-1)
                 names.append(NONE_ALIAS)

@@ -1,7 +1,10 @@
 """Loading a user's model file (the contract of DESIGN.md §2 "Model file").
 
 A model file defines `model()`, `inputs()` and optionally `loss()`, `optimizer(params)`,
-`dataset()` and `labels()`. Every way this can go wrong becomes one clear `PcompileError`.
+`dataset()` and `labels()`. `optimizer()` without `loss()`: the network computes its own loss
+(MindSpore's training form); `model()` may also return a training step cell
+(`nn.TrainOneStepCell`, ...), see `compiler.trace_model`. Every way this can go wrong becomes
+one clear `PcompileError`.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ class ModelFile:
 
     @property
     def training(self) -> bool:
-        return self.loss is not None
+        """Trains with loss() or optimizer() (a network that returns its own loss); a model()
+        that returns a training step cell is known to train only once traced."""
+        return self.loss is not None or self.optimizer is not None
 
 
 def _where(exc: BaseException, path: str) -> str:
@@ -90,8 +95,6 @@ def load_model_file(path: str) -> ModelFile:
 
     loss = get("loss", False)
     optimizer = get("optimizer", False)
-    # optimizer() without loss(): model() must return nn.PipelineCell (its network computes
-    # the loss); compiler.trace_model says so otherwise.
     return ModelFile(
         path=path,
         module=module,

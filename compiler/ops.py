@@ -81,6 +81,28 @@ LogicalOr = _simple("LogicalOr")
 LogicalNot = _simple("LogicalNot")
 Select = _simple("Select")
 Identity = _simple("Identity")
+FloorDiv = _simple("FloorDiv")
+Cos = _simple("Cos")
+Sin = _simple("Sin")
+IsFinite = _simple("IsFinite")
+
+
+class Depend(_Simple):
+    """`ops.Depend()(value, expr)`: value, computed after expr. `expr` may be a tuple or list
+    of tensors (one Depend per tensor); entries that are not traced tensors (Python values,
+    None) order nothing and are skipped."""
+
+    op = "Depend"
+
+    def __call__(self, value: Any, expr: Any) -> Any:
+        items = list(expr) if isinstance(expr, (tuple, list)) else [expr]
+        out = value
+        for item in items:
+            if isinstance(item, (tuple, list)):
+                out = self(out, item)
+            elif isinstance(item, Tensor) and item.is_symbolic:
+                out = self._apply([out, item])
+        return out
 
 
 class Shape(_Simple):
@@ -760,6 +782,108 @@ def flash_attention_score(query: Any, key: Any, value: Any, head_num: int,
 
 def rms_norm(x: Any, gamma: Any, epsilon: float = 1e-6) -> Any:
     return RmsNorm(epsilon)(x, gamma)
+
+
+def depend(value: Any, expr: Any) -> Any:
+    return Depend()(value, expr)
+
+
+def floor_div(x: Any, y: Any) -> Any:
+    return FloorDiv()(x, y)
+
+
+floor_divide = floor_div
+
+
+def cos(x: Any) -> Any:
+    return Cos()(x)
+
+
+def sin(x: Any) -> Any:
+    return Sin()(x)
+
+
+def isfinite(x: Any) -> Any:
+    return IsFinite()(x)
+
+
+# -- training steps (compiler/train_step.py) ----------------------------------------------------
+
+from pcompile.compiler.grad import GradOperation  # noqa: E402,F401  (MindSpore's name)
+
+
+def fill(type: Any, shape: Any, value: Any) -> Tensor:  # noqa: A002  (MindSpore's name)
+    """A tensor of `shape` filled with `value` (a constant)."""
+    import numpy as np
+
+    return Tensor(np.full(tuple(int(d) for d in shape), value, DType.from_any(type).np))
+
+
+def ones_like(x: Any) -> Any:
+    return OnesLike()(x)
+
+
+def zeros_like(x: Any) -> Any:
+    return ZerosLike()(x)
+
+
+def reciprocal(x: Any) -> Any:
+    return 1.0 / x
+
+
+class Assign(_Simple):
+    """`ops.Assign()(variable, value)`: in a training step cell, store `value` as the
+    Parameter's new value (returned by the step, written back by the runtime)."""
+
+    op = "Assign"
+
+    def __call__(self, variable: Any, value: Any) -> Any:
+        from pcompile.compiler.train_step import current_step
+
+        step = current_step()
+        if step is None:
+            raise TypeError("ops.assign stores a Parameter's new value; it is supported in a "
+                            "training step cell (after the gradients), not in a network")
+        return step.assign(variable, value)
+
+
+def assign(variable: Any, value: Any) -> Any:
+    return Assign()(variable, value)
+
+
+def global_norm(x: Any) -> Any:
+    """sqrt of the sum of squares of every element of the tensors in `x` (float32); in a
+    parallel training step each gradient slice is counted once over the ranks."""
+    from pcompile.compiler.train_step import current_step
+
+    tensors = list(x) if isinstance(x, (tuple, list)) else [x]
+    step = current_step()
+    if step is not None:
+        return step.global_norm(tensors)
+    total: Any = None
+    for t in tensors:
+        term = reduce_sum(square(cast(t, DType.float32)))
+        total = term if total is None else total + term
+    return sqrt(total)
+
+
+def clip_by_global_norm(x: Any, clip_norm: float = 1.0, use_norm: Any = None) -> Any:
+    """MindSpore's `ops.clip_by_global_norm`: x_i * clip_norm / max(global_norm(x), clip_norm)
+    for every tensor of `x` (computed in float32, cast back to each tensor's dtype)."""
+    if use_norm is not None:
+        raise ValueError("clip_by_global_norm: input 'use_norm' only supports None currently, "
+                         f"but got 'use_norm': {use_norm}")
+    if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or clip_norm <= 0:
+        raise ValueError(f"clip_by_global_norm: clip_norm must be > 0, got {clip_norm!r}")
+    import numpy as np
+
+    single = not isinstance(x, (tuple, list))
+    tensors = [x] if single else list(x)
+    norm = global_norm(tensors)
+    clip = Tensor(np.asarray(clip_norm, np.float32))
+    norm = select(greater_equal(norm, clip), norm, clip)
+    out = tuple(cast(cast(t, DType.float32) * clip / norm, t.dtype) for t in tensors)
+    return out[0] if single else out
 
 
 def conv2d(x: Any, weight: Any, stride: Any = 1, pad_mode: str = "valid", padding: Any = 0):

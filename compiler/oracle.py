@@ -16,18 +16,53 @@ is off by whole terms: orders of magnitude more. Correct plans measure ~1e-15.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from pcompile.compiler.driver import CompiledProgram, compile
-from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
+from pcompile.compiler.driver import CompiledProgram, ReferenceOptions, compile
+from pcompile.compiler.runtime import (
+    ParallelRunner,
+    RankLocal,
+    StandAloneRunner,
+    batches,
+    rank_local_reductions,
+)
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Graph, Value
+from pcompile.ir.errors import PcompileError
 
 #: Relative bound for a correct plan evaluated in float64 (derivation in the module docstring).
 FLOAT64_RTOL = 2.0 ** -26
 
 #: The CLI checks a plan when the check holds at most this much (`check_cost`).
 CHECK_BUDGET_BYTES = 1 << 30
+
+
+#: How much the rest of a training step may amplify a rounding difference (module docstring).
+AMPLIFICATION = 2.0 ** 7
+
+
+def longest_reduction(program: CompiledProgram) -> int:
+    """The largest dim of any value of the step: it bounds the length of every contraction
+    and reduction."""
+    longest = 1
+    for node in program.graph.nodes:
+        types = getattr(node.result.type, "elements", None) or (node.result.type,)
+        for value_type in (*types, *(v.type for v in node.operands)):
+            if hasattr(value_type, "shape"):
+                longest = max([longest, *value_type.shape])
+    return longest
+
+
+def rounding_rtol(program: CompiledProgram, dtype: object = np.float32, steps: int = 1) -> float:
+    """The relative difference two correct evaluations of `steps` training steps in `dtype`
+    may show (a parallel run against one device, or two backends): the dtype's unit roundoff
+    times the longest reduction times `AMPLIFICATION`, per step (the same derivation as
+    `FLOAT64_RTOL`, with this model's own reduction length)."""
+    unit = float(np.finfo(np.dtype(dtype)).eps) / 2
+    return unit * longest_reduction(program) * AMPLIFICATION * steps
 
 
 def low_precision_bound(program: CompiledProgram) -> tuple[str | None, float]:
@@ -103,39 +138,163 @@ class OracleReport:
         derived `bound`); updated parameters within `param_rtol` (default `rtol`)."""
         if rtol is None:
             rtol = self.bound
-        loss_ok = all(abs(a - b) <= rtol * max(1.0, abs(b)) for a, b in self.losses)
+        loss_ok = all(_same_nonfinite(a, b) or abs(a - b) <= rtol * max(1.0, abs(b))
+                      for a, b in self.losses)
         limit = rtol if param_rtol is None else param_rtol
         return loss_ok and all(
             err <= (limit if name in self.params else rtol) for name, err in self.errors.items()
         )
 
 
+def _same_nonfinite(a: float, b: float) -> bool:
+    """Both NaN, or the same infinity: a step that overflows in both programs (a loss-scale
+    cell then skips its update in both)."""
+    return (np.isnan(a) and np.isnan(b)) or (np.isinf(a) and a == b)
+
+
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    """max |got - want| / max |want|; elements that are non-finite in the same way in both
+    (NaN and NaN, or the same infinity) agree."""
     got = np.asarray(got, np.float64)
     want = np.asarray(want, np.float64)
     if got.shape != want.shape:
         return float("inf")
+    same = (np.isnan(got) & np.isnan(want)) | (np.isinf(want) & (got == want))
+    if same.any():
+        got, want = np.where(same, 0.0, got), np.where(same, 0.0, want)
     scale = max(float(np.max(np.abs(want))) if want.size else 0.0, 1e-6)
     return float(np.max(np.abs(got - want))) / scale if want.size else 0.0
 
 
-def single_device(program: CompiledProgram) -> CompiledProgram:
-    """The same model file compiled for one device (no dumps)."""
-    return compile(program.state.model_file.path, devices=1, dump=False)
+def gradient_scales(program: CompiledProgram) -> dict[str, float]:
+    """What the parallel program's options do to each trainable parameter's gradient, relative
+    to the gradient of the single-device loss (MindSpore's semantics, reference §3.3):
+
+    * `gradients_mean`: the mirror's vjp (and the parallel optimizer's AllGather's) divides
+      the all-reduced gradient by its group size, i.e. by the number of ranks holding the
+      parameter's slice (`grad_comm_ops.py`, `get_bprop_mirror_operator`). In semi/auto modes
+      the loss's sensitivity is already divided by its copies (`_VirtualDiv`), so the update
+      is 1/copies of the single-device one; in data/hybrid modes each rank's loss is its own
+      and the mean gives the single-device update (of a loss that is a mean over the batch).
+    * a loss held by k ranks without `_VirtualDiv` (`loss_repeated_mean=False`; data/hybrid
+      modes, where every rank's loss counts): k times the gradient.
+    """
+    state = program.state
+    if not program.training or not state.parallel:
+        return {}
+    assert state.assignment is not None
+    options = state.options
+    replicated_modes = state.parallel_mode in ("data_parallel", "hybrid_parallel")
+    if replicated_modes:
+        copies = state.devices
+    elif options.get("loss_repeated_mean", True):
+        copies = 1
+    else:
+        layout = state.output_layouts[0] if state.output_layouts else None
+        copies = layout.repeat_count if layout is not None else 1
+    traced = program.traced
+    scales = {}
+    for p in program.graph.weights:
+        if not p.requires_grad:
+            continue
+        owner = traced.parameters.get(p.name)
+        if replicated_modes and owner is not None and owner.layerwise_parallel:
+            continue  # no mirror: each rank keeps its own gradient (the user's sharding)
+        shard = state.opt_shard.get(p.name)
+        use = shard.use if shard is not None else state.assignment.param_layouts[p.name]
+        held = use.repeat_count
+        mean = held if options.get("gradients_mean") and held > 1 else 1
+        if copies != mean:
+            scales[p.name] = copies / mean
+    return scales
+
+
+def _restrict(graph: Graph, local: RankLocal, rank: int) -> None:
+    """Feed the reduction `local` of `graph` with `rank`'s part of its input only."""
+    (node,) = [n for n in graph.nodes if n.fullname == local.fullname]
+    x = node.operands[0]
+    bounds = local.bounds(rank)
+    b = Builder(graph, scope=node.scope, source=node.source)
+    node_before = graph.nodes[graph.index_of(node) - 1] if graph.index_of(node) else None
+    b.cursor = node_before
+    part = b.emit("StridedSlice", [x], {"begin": tuple(lo for lo, _ in bounds),
+                                        "end": tuple(hi for _, hi in bounds),
+                                        "strides": (1,) * len(bounds)},
+                  name_hint="rank_part")
+    if node_before is None:
+        graph.remove(part.node)
+        graph.insert_before(node, part.node)
+    node.set_operand(0, part)
+
+
+def _mean_over_ranks(locals_: list[RankLocal], devices: int) -> Callable[[Graph], None]:
+    """The training objective of a program with rank-local reductions: the mean over the
+    ranks of each rank's loss (its reductions restricted to its part). The parallel program's
+    gradient is that of the sum of the ranks' losses, each divided by the loss's copies
+    (`_VirtualDiv`), i.e. of this mean for a loss every rank holds."""
+
+    def transform(graph: Graph) -> None:
+        if graph.outputs and graph.outputs[0].shape:
+            raise PcompileError(
+                "the check models cross_batch reductions for a scalar loss only; this loss has "
+                f"shape {graph.outputs[0].shape}; --no-check skips the check"
+            )
+        old = list(graph.nodes)
+        losses = []
+        for rank in range(devices):
+            env: dict[int, Value] = {}
+            for node in old:
+                operands = [env.get(id(v), v) for v in node.operands]
+                local = next((lo for lo in locals_ if lo.fullname == node.fullname), None)
+                b = Builder(graph, scope=node.scope, source=node.source)
+                if local is not None:
+                    bounds = local.bounds(rank)
+                    operands[0] = b.emit(
+                        "StridedSlice", [operands[0]],
+                        {"begin": tuple(lo for lo, _ in bounds),
+                         "end": tuple(hi for _, hi in bounds), "strides": (1,) * len(bounds)})
+                env[id(node.result)] = b.emit(node.op, operands, None,
+                                              instance_name=node.instance_name,
+                                              user_attrs=dict(node.attrs))
+            losses.append(env[id(graph.outputs[0])])
+        b = Builder(graph)
+        total = losses[0]
+        for loss in losses[1:]:
+            total = b("Add", total, loss)
+        graph.outputs = [b("Mul", total, 1.0 / devices, name_hint="loss"), *graph.outputs[1:]]
+        graph.dead_code_elimination()
+
+    return transform
+
+
+def single_device(program: CompiledProgram, rank: int | None = None) -> CompiledProgram:
+    """The same model file compiled for one device (no dumps), modelling the parallel
+    program's options: gradient scales (`gradient_scales`), and rank-local reductions
+    (`cross_batch`): restricted to `rank`'s part when `rank` is given (rank `rank`'s own
+    result), else, for training, the loss as the mean of the ranks' losses."""
+    reference = ReferenceOptions(gradient_scales=gradient_scales(program))
+    locals_ = rank_local_reductions(program)
+    if locals_ and rank is not None:
+        def restrict_all(graph: Graph) -> None:
+            for local in locals_:
+                _restrict(graph, local, rank)
+        reference.transform = restrict_all
+    elif locals_ and program.training:
+        reference.transform = _mean_over_ranks(locals_, program.state.devices)
+    return compile(program.state.model_file.path, devices=1, dump=False, reference=reference)
 
 
 def check(program: CompiledProgram, steps: int = 1,
           reference: CompiledProgram | None = None, float64: bool = True) -> OracleReport:
     """Run `steps` steps of the parallel program (all ranks, numpy simulator) and of the
-    single-device program from the same initial values; `float64`: evaluate both in float64
-    (the default; see the module docstring), else in the graphs' own dtypes."""
+    single-device program from the same initial values, under the parallel program's options
+    (`single_device`); `float64`: evaluate both in float64 (the default; see the module
+    docstring), else in the graphs' own dtypes."""
+    if not program.training and rank_local_reductions(program) and reference is None:
+        return _check_rank_local(program, float64)
     ref = reference or single_device(program)
     par = ParallelRunner(program, float64=float64)
-    one = StandAloneRunner(ref, "numpy", float64=float64)
-    for name in one.values:
-        if name in program.initial_values:
-            value = np.array(program.initial_values[name], copy=True)
-            one.values[name] = value.astype(one.values[name].dtype)
+    one = _reference_runner(program, ref, float64)
     report = OracleReport(float64=float64)
     for _, _, arrays in batches(ref, steps):
         if program.training:
@@ -151,6 +310,37 @@ def check(program: CompiledProgram, steps: int = 1,
     report.params = {p.name for p in ref.graph.weights}
     for name, value in one.values.items():
         report.errors[name] = relative_error(par.global_value(name), value)
+    return report
+
+
+def _reference_runner(program: CompiledProgram, ref: CompiledProgram,
+                      float64: bool) -> StandAloneRunner:
+    one = StandAloneRunner(ref, "numpy", float64=float64)
+    for name in one.values:
+        if name in program.initial_values:
+            value = np.array(program.initial_values[name], copy=True)
+            one.values[name] = value.astype(one.values[name].dtype)
+    return one
+
+
+def _check_rank_local(program: CompiledProgram, float64: bool) -> OracleReport:
+    """Inference with rank-local reductions: each rank's outputs against the single-device
+    program whose reductions see that rank's part only (its slice of each output)."""
+    par = ParallelRunner(program, float64=float64)
+    report = OracleReport(float64=float64)
+    layouts = program.state.output_layouts
+    outs: list[list[np.ndarray]] | None = None
+    for rank in range(program.state.devices):
+        ref = single_device(program, rank)
+        _, _, arrays = next(batches(ref, 1))
+        if outs is None:
+            outs = par.run(arrays)
+        want = _reference_runner(program, ref, float64).run(arrays)
+        for i, (w, layout) in enumerate(zip(want, layouts)):
+            mine = w if layout is None or not w.shape else w[tuple(
+                slice(lo, hi) for lo, hi in layout.slice_bounds(rank))]
+            err = relative_error(outs[rank][i], mine)
+            report.errors[f"output{i}"] = max(report.errors.get(f"output{i}", 0.0), err)
     return report
 
 

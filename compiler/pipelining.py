@@ -185,7 +185,7 @@ def trace_pipeline_cell(mf: ModelFile, cell: PipelineCell, micro: int) -> Any:
     return TracedModel(
         graph=graph, network=cell, input_names=input_names, label_names=label_names,
         example_inputs=example_inputs, example_labels=example_labels, parameters=parameters,
-        loss_cell=loss_fn if loss_fn is not None else cell)
+        loss_cell=loss_fn if loss_fn is not None else cell, mode="train")
 
 
 def check_micro_split(graph: Graph, micro: int, devices: int, dataset_strategy: Any) -> None:

@@ -199,6 +199,13 @@ class CommFusionInfo(_Strict):
     collectives_per_rank: list[FusionCount] = Field(description="per rank, before and after")
 
 
+class RecomputeInfo(_Strict):
+    """Recomputation (`Cell.recompute()`, `Primitive.recompute()`)."""
+
+    recomputed_nodes: int = Field(
+        ge=0, description="forward nodes computed again for the backward pass")
+
+
 class OptimizerShard(_Strict):
     """How the parallel optimizer stores one parameter."""
 
@@ -271,6 +278,11 @@ class Plan(_Strict):
     parameters: dict[str, PlanParameter] = Field(
         description="every graph parameter (inputs, weights, states) and its layout")
     dump_ranks: list[Rank] = Field(description="the ranks whose folders were written")
+    parameter_layout_dict: dict[str, list[Any]] = Field(
+        default_factory=dict,
+        description="MindSpore's Cell.parameter_layout_dict for the compiling rank "
+                    "(global_rank): every parameter, input and optimizer state -> [dev_matrix, "
+                    "tensor_map, slice_shape, field_size, uniform_split, opt_shard_group]")
     collectives: dict[str, list[PlanCollective]] = Field(
         description="per dumped rank (key: the rank as a string), its communication nodes")
     search: SearchInfo | None = Field(None, description="the strategy search (auto_parallel)")
@@ -279,6 +291,8 @@ class Plan(_Strict):
         None, description="the parallel optimizer's stored layouts, per parameter")
     pipeline: PipelineInfo | None = Field(
         None, description="pipeline stages, micro-batches and schedule (pipeline_stages > 1)")
+    recompute: RecomputeInfo | None = Field(
+        None, description="recomputation, when a cell or primitive asked for it")
 
     @model_validator(mode="after")
     def _ranks_in_range(self) -> Plan:
@@ -312,6 +326,7 @@ def _layout(layout: Any) -> dict[str, Any]:
 
 def build_plan(state: Any) -> Plan:
     """The plan of a finished compile (`compiler.driver.CompileState`)."""
+    from pcompile.compiler.parameter_layout import as_json, parameter_layout_dict, use_layout
     from pcompile.ir.rank import resolve
     from pcompile.passes.comm_info import is_communication, node_bytes, node_reason, phase_of
 
@@ -334,13 +349,17 @@ def build_plan(state: Any) -> Plan:
             else None}
     params: dict[str, dict[str, Any]] = {}
     for p in graph.params:
-        layout = assignment.param_layouts[p.name] if assignment else None
+        # MindSpore's normalised form (size-1 device axes removed), as its
+        # parameter_layout_dict; an optimizer-sharded weight shows its use layout (its stored
+        # split is under "parallel_optimizer")
+        layout = use_layout(state, p.name) if assignment else None
+        norm = layout.normalized() if layout else None
         params[p.name] = {
             "kind": p.kind, "dtype": p.dtype.value,
             # an input's global shape is its layout's (nn.PipelineCell traces one micro-batch)
             "shape": list(layout.shape) if layout else list(p.shape),
-            "dev_matrix": list(layout.dev_matrix) if layout else [1],
-            "tensor_map": _tensor_map(layout) if layout else [-1] * len(p.shape),
+            "dev_matrix": list(norm.dev_matrix) if norm else [1],
+            "tensor_map": _tensor_map(norm) if norm else [-1] * len(p.shape),
             "slice_shape": list(layout.slice_shape) if layout else list(p.shape)}
     collectives: dict[str, list[dict[str, Any]]] = {}
     for rank in state.dump_ranks:
@@ -371,6 +390,11 @@ def build_plan(state: Any) -> Plan:
         "ops": ops,
         "parameters": params,
         "dump_ranks": list(state.dump_ranks),
+        # MindSpore's Cell.parameter_layout_dict for the compiling rank (global_rank):
+        # name -> [dev_matrix, tensor_map, slice_shape, field_size, uniform_split,
+        # opt_shard_group]
+        "parameter_layout_dict": as_json(parameter_layout_dict(
+            state, int(state.options.get("global_rank", 0)))),
         "collectives": collectives,
         "search": extra.pop("search", None),
         "comm_fusion": extra.pop("comm_fusion", None),

@@ -13,6 +13,7 @@ import numpy as np
 
 from pcompile.compiler.tensor import Tensor
 from pcompile.compiler.tracing import current_tracer, name_hint, python_constant, user_source
+from pcompile.compiler.train_step import trace_hook
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Graph, GraphParam, Value
 from pcompile.ir.errors import OpError
@@ -118,6 +119,15 @@ class Primitive:
         self.user_attrs[name] = attr_value(value)
         return self
 
+    def recompute(self, mode: bool = True) -> Primitive:
+        """MindSpore's `Primitive.recompute()`: the op's output is not kept for the backward
+        pass but computed again there (`passes.recompute`; the dumps show `recompute: true`).
+        `recompute(False)` keeps it even inside a recomputed Cell."""
+        if not isinstance(mode, bool):
+            raise TypeError(f"{self.op}.recompute(): mode must be a bool, got {mode!r}")
+        self.user_attrs["recompute"] = mode
+        return self
+
     def set_prim_instance_name(self, name: str) -> Primitive:
         self.instance_name = name
         return self
@@ -152,6 +162,8 @@ class Primitive:
             user_attrs["in_strategy"] = attr_value(self.in_strategy)
         if self.out_strategy is not None:
             user_attrs["out_strategy"] = attr_value(self.out_strategy)
+        if tracer.recompute and "recompute" not in user_attrs:
+            user_attrs["recompute"] = True  # inside a Cell.recompute() cell
         instance = self.instance_name or tracer.next_instance_name(op)
         result = tracer.builder.emit(
             op,
@@ -163,6 +175,10 @@ class Primitive:
             name_hint=name_hint(source),
             user_attrs=user_attrs or None,
         )
+        trace_hook(op, values, result)
+        if tracer.recompute and user_attrs.get("recompute") is True and \
+                "recompute" not in self.user_attrs:
+            tracer.recompute_marked.add(id(result))
         return _wrap(result, tracer.builder)
 
 

@@ -5,6 +5,7 @@ interpreter or the JAX lowering, and a stand-alone training loop with MindSpore'
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ from pcompile.compiler.driver import CompiledProgram
 from pcompile.compiler.model_file import as_input_list, call_user, iterate_user
 from pcompile.compiler.tensor import TensorSpec
 from pcompile.ir.errors import PcompileError
+from pcompile.ir.layout import TensorLayout
 
 
 def synthetic(item: TensorSpec | np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -202,11 +204,16 @@ class ParallelRunner:
         if self.program.state.pipelined:  # the last stage computes the loss
             outs = [o for r, o in enumerate(outs) if "loss" in self.graphs[r].attrs["outputs"]]
         losses = [float(o[0]) for o in outs]
-        if self.program.state.parallel_mode == "data_parallel":
-            # Each rank's loss is the mean over its own batch; their mean is the global loss.
+        if (self.program.state.parallel_mode == "data_parallel"
+                or rank_local_reductions(self.program)):
+            # Each rank's loss is its own (its batch in data_parallel; its part of a
+            # cross_batch reduction): report their mean, the global loss of a mean loss.
             return float(np.mean(np.asarray(losses, np.float64)))
         if max(losses) - min(losses) > 1e-5 * max(1.0, abs(losses[0])):
-            raise AssertionError(f"ranks disagree on the loss: {losses}")
+            raise PcompileError(
+                f"the ranks disagree on the loss of a step ({losses}), though every rank holds "
+                "the whole loss: the plan is wrong; please report it with the model file"
+            )
         return losses[0]
 
     def global_value(self, name: str) -> np.ndarray:
@@ -236,6 +243,46 @@ def assemble(program: CompiledProgram, name: str, layout: Any,
     for rank in ranks:
         full[tuple(slice(b, e) for b, e in layout.slice_bounds(rank))] = values[rank][name]
     return full
+
+
+@dataclass(frozen=True)
+class RankLocal:
+    """A reduction whose result differs between ranks: `cross_batch` on a reduction whose
+    reduced dims are split. Each rank reduces its own part only (MindSpore skips the forward
+    AllReduce), so its result is that of the single-device reduction of its slice."""
+
+    fullname: str
+    layout: TensorLayout  # the layout of the reduction's input
+    axes: tuple[int, ...]  # the split reduced dims
+
+    def bounds(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """`rank`'s part of the input: its slice on the split reduced dims, whole elsewhere."""
+        mine = self.layout.slice_bounds(rank)
+        return tuple(mine[d] if d in self.axes else (0, size)
+                     for d, size in enumerate(self.layout.shape))
+
+
+def rank_local_reductions(program: CompiledProgram) -> list[RankLocal]:
+    """The program's rank-local reductions (`cross_batch` with a split reduced dim)."""
+    state = program.state
+    if state.assignment is None or state.graph is None:
+        return []
+    out = []
+    for node in state.graph.nodes:
+        if not (node.attrs.get("cross_batch") and node.op.startswith("Reduce")):
+            continue
+        sharding = state.assignment.sharding(node)
+        if sharding is None:
+            continue
+        layout = sharding.in_layouts[0]
+        rank = len(layout.shape)
+        axis = node.attrs.get("axis", ())
+        axes = (axis,) if isinstance(axis, int) else tuple(axis)
+        reduced = {a % rank for a in axes} if axes else set(range(rank))
+        split = tuple(sorted(d for d in reduced if layout.splits[d] > 1))
+        if split:
+            out.append(RankLocal(node.fullname, layout, split))
+    return out
 
 
 def broadcast_parameters(program: CompiledProgram) -> list[str]:

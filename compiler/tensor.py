@@ -126,9 +126,16 @@ class Tensor:
 
     def __bool__(self) -> bool:
         if self._value is not None:
+            from pcompile.compiler.train_step import current_step
+
+            hint = ""
+            if current_step() is not None:
+                hint = ("; in a training step, skip the update on overflow with "
+                        "`loss = ops.depend(loss, self.optimizer(grads, skip=overflow))` instead "
+                        "of `if not overflow: ...`, and choose values with ops.select")
             raise TypeError(
                 "the truth value of a traced tensor is unknown at compile time; Python control "
-                "flow may depend only on shapes and Python values"
+                "flow may depend only on shapes and Python values" + hint
             )
         return bool(self.asnumpy())
 

@@ -53,14 +53,36 @@ def user_source() -> SourceLoc | None:
     """The innermost stack frame outside this package: the user's line that made the call."""
     frame = sys._getframe(1)
     while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        if filename in _ENTRY_FILES:
+        code_file = frame.f_code.co_filename
+        kind = _FILE_KIND.get(code_file)
+        if kind is None:
+            kind = _FILE_KIND[code_file] = _file_kind(code_file)
+        if kind == "entry":
             return None  # reached the compiler's own call of the model: no user line
-        if not filename.startswith(_PACKAGE_DIRS) and "importlib" not in filename:
-            text = _line_text(frame.f_code.co_filename, frame.f_lineno)
-            return SourceLoc(_display_path(filename), frame.f_lineno, text)
+        if kind != "internal":  # the user's file (its absolute path)
+            text = _line_text(code_file, frame.f_lineno)
+            key = (kind, os.getcwd())
+            shown = _SHOWN.get(key)
+            if shown is None:
+                shown = _SHOWN[key] = _display_path(kind)
+            return SourceLoc(shown, frame.f_lineno, text)
         frame = frame.f_back  # type: ignore[assignment]
     return None
+
+
+# code filename -> "entry", "internal" or the user file's absolute path (one abspath per file,
+# not per frame per traced op: tracing a 96-layer model walks ~100k frames)
+_FILE_KIND: dict[str, str] = {}
+_SHOWN: dict[tuple[str, str], str] = {}  # (absolute path, cwd) -> the path as displayed
+
+
+def _file_kind(code_file: str) -> str:
+    filename = os.path.abspath(code_file)
+    if filename in _ENTRY_FILES:
+        return "entry"
+    if filename.startswith(_PACKAGE_DIRS) or "importlib" in filename:
+        return "internal"
+    return filename
 
 
 _LINES: dict[str, list[str]] = {}
@@ -97,6 +119,15 @@ class Tracer:
         self.params: dict[int, GraphParam] = {}
         self.op_counts: dict[str, int] = {}
         self.overrides: dict[int, Value] = {}
+        self.custom_bprop: list[tuple[str, str]] = []  # (cell class, scope) with own bprop
+        # Cell.recompute(): whether the cells being traced are recomputed (innermost last), and
+        # the results marked because of it (a cell's outputs are unmarked when it returns)
+        self.recompute_stack: list[bool] = []
+        self.recompute_marked: set[int] = set()
+
+    @property
+    def recompute(self) -> bool:
+        return bool(self.recompute_stack) and self.recompute_stack[-1]
 
     @property
     def scope(self) -> str:
@@ -208,7 +239,13 @@ def current_tracer() -> Tracer | None:
 
 @contextlib.contextmanager
 def tracing(graph: Graph) -> Iterator[Tracer]:
-    tracer = Tracer(graph)
+    with tracing_with(Tracer(graph)) as tracer:
+        yield tracer
+
+
+@contextlib.contextmanager
+def tracing_with(tracer: Tracer) -> Iterator[Tracer]:
+    """Trace with a given tracer (a subclass with its own parameter handling)."""
     _CURRENT.append(tracer)
     try:
         yield tracer

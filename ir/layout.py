@@ -91,6 +91,18 @@ def _along(rank: int, dev: tuple[int, ...], axes: tuple[int, ...]) -> tuple[int,
     return tuple(sorted(out))
 
 
+def _canonical_entry(entry: MapEntry | list[int]) -> MapEntry:
+    """One tensor-map entry in canonical form: an int, or a tuple of at least two axes. A -1
+    inside a tuple (MindSpore's `("sp", "None")`) adds an axis of size 1, i.e. nothing; a tuple
+    left with one axis is that axis."""
+    if not isinstance(entry, (tuple, list)):
+        return int(entry)
+    axes = tuple(int(a) for a in entry if int(a) != -1)
+    if not axes:
+        return -1
+    return axes[0] if len(axes) == 1 else axes
+
+
 def map_axes(entry: MapEntry) -> tuple[int, ...]:
     """The device-axis values (from the right) one tensor-map entry uses."""
     if isinstance(entry, tuple):
@@ -109,12 +121,7 @@ class TensorLayout:
     def __post_init__(self) -> None:
         dev, tmap, shape = self.dev_matrix, self.tensor_map, self.shape
         object.__setattr__(self, "dev_matrix", tuple(int(d) for d in dev))
-        object.__setattr__(
-            self,
-            "tensor_map",
-            tuple(tuple(int(a) for a in e) if isinstance(e, (tuple, list)) else int(e)
-                  for e in tmap),
-        )
+        object.__setattr__(self, "tensor_map", tuple(_canonical_entry(e) for e in tmap))
         object.__setattr__(self, "shape", tuple(int(d) for d in shape))
         if len(self.tensor_map) != len(self.shape):
             raise ValueError(

@@ -87,6 +87,12 @@ def _show(text: str) -> str:
 
 STRATEGY_KEYS = ("in_strategy", "out_strategy")  # printed as MindSpore prints them
 _DIGEST = re.compile(r"[0-9a-f]{16}")
+# MS_DEV_DUMP_IR_PARALLEL_DETAIL keys (ir.printer.DETAIL_KEYS): MindSpore's tuple spelling, and
+# single-quoted keys in the layout dicts of LAYOUT_KEYS
+DETAIL_KEYS = ("inputs_tensor_map", "outputs_tensor_map", "device_matrix", "in_layout",
+               "out_layout")
+LAYOUT_KEYS = ("in_layout", "out_layout")
+_QUOTED_KEY = re.compile(r"'([A-Za-z_][A-Za-z0-9_]*)'")
 
 
 class _Line:
@@ -99,6 +105,7 @@ class _Line:
         self.pos = 0
         self.depth = 0
         self._strategy_syntax = False
+        self._quoted_keys = False
 
     # -- errors -------------------------------------------------------------------------------
     def got(self, pos: int | None = None) -> str:
@@ -281,7 +288,10 @@ class _Line:
             return out
         while True:
             key_pos = self.pos
-            key = self.value()
+            if self._quoted_keys and self.peek("'"):
+                key = self.match(_QUOTED_KEY, "a quoted key")[1:-1]
+            else:
+                key = self.value()
             if str_keys and not isinstance(key, str):
                 self.expected("a string key", key_pos)
             try:
@@ -293,10 +303,12 @@ class _Line:
             self.expect(": ")
             if key in strategy_keys:
                 self._strategy_syntax = True
+                self._quoted_keys = key in LAYOUT_KEYS
                 try:
                     out[key] = self.value()
                 finally:
                     self._strategy_syntax = False
+                    self._quoted_keys = False
             else:
                 out[key] = self.value()
             if self.accept("}"):
@@ -674,7 +686,8 @@ class _Parser:
             instance_name = line.name_or_string(BARE_WORD, "an instance name")
             line.expect("}")
         line.expect(" primitive_attrs: ", "' {instance name: ' or ' primitive_attrs: '")
-        attrs: dict[str, Any] = line.dict_value(str_keys=True, strategy_keys=STRATEGY_KEYS)
+        attrs: dict[str, Any] = line.dict_value(str_keys=True,
+                                                strategy_keys=STRATEGY_KEYS + DETAIL_KEYS)
         parallel: ParallelInfo | None = None
         if line.accept(" "):
             parallel = self.parallel(line)
@@ -716,7 +729,8 @@ class _Parser:
     def parallel(self, line: _Line) -> ParallelInfo:
         """The parallel-info group: in_strategy, out_strategy, then `extra` in order."""
         info = ParallelInfo()
-        for key, value in line.dict_value(str_keys=True, strategy_keys=STRATEGY_KEYS).items():
+        for key, value in line.dict_value(str_keys=True,
+                                          strategy_keys=STRATEGY_KEYS + DETAIL_KEYS).items():
             if key == "in_strategy":
                 info.in_strategy = value
             elif key == "out_strategy":

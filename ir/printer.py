@@ -151,20 +151,43 @@ def format_value(value: Any) -> str:
 
 STRATEGY_KEYS = ("in_strategy", "out_strategy")
 
+#: Keys of a node's attributes or parallel-info group printed as MindSpore prints them with
+#: `MS_DEV_DUMP_IR_PARALLEL_DETAIL=1` (`format_mindspore`): the tensor maps and device matrix
+#: of its OperatorInfo, and the layouts of sharding propagation.
+DETAIL_KEYS = ("inputs_tensor_map", "outputs_tensor_map", "device_matrix", "in_layout",
+               "out_layout")
+#: Detail keys whose value is a tuple of layout dicts with quoted keys,
+#: `({'device_matrix': (2, 4, 1), 'tensor_map': (2, 0)})`.
+LAYOUT_KEYS = ("in_layout", "out_layout")
 
-def format_dict(mapping: dict[Any, Any]) -> str:
+
+def format_dict(mapping: dict[Any, Any], top: bool = False) -> str:
     """`{key: value, ...}` with keys printed as values (normally bare strings); the values of
-    `in_strategy` and `out_strategy` in the strategy spelling (`format_strategy`)."""
+    `in_strategy` and `out_strategy` in the strategy spelling (`format_strategy`) and, in a
+    node's own attributes or parallel-info group (`top`), those of `DETAIL_KEYS` in
+    MindSpore's (`format_mindspore`)."""
     try:
-        key = items_key(mapping)
+        key = (top, *items_key(mapping))
     except TypeError:  # an unhashable value (a list, a dict): no memo
-        return _format_dict(mapping)
+        return _format_dict(mapping, top)
     text = _DICT_TEXT.get(key)
     if text is None:
-        text = _format_dict(mapping)
+        text = _format_dict(mapping, top)
         if len(_DICT_TEXT) < _MEMO_LIMIT:
             _DICT_TEXT[key] = text
     return text
+
+
+def format_mindspore(value: Any) -> str:
+    """A value as MindSpore's `ValuePtr::ToString` prints it: tuples without a trailing comma
+    in a one-element tuple (`((1, 0), (2))`), dicts with single-quoted keys; scalars and
+    strings as attribute values."""
+    if isinstance(value, tuple):
+        return "(" + ", ".join(format_mindspore(v) for v in value) + ")"
+    if isinstance(value, dict):
+        _check_keys(value, "a layout dict")
+        return "{" + ", ".join(f"'{k}': {format_mindspore(v)}" for k, v in value.items()) + "}"
+    return format_value(value)
 
 
 def format_attrs(attrs: dict[str, Any], rank: int | None = None) -> str:
@@ -172,24 +195,28 @@ def format_attrs(attrs: dict[str, Any], rank: int | None = None) -> str:
     memoised by the attributes as they are (an `ir.rank` value hashes cheaply; its value at a
     rank, e.g. a list of 512 ranks, would not)."""
     if rank is None or not has_rank_values(attrs):
-        return format_dict(attrs)
+        return format_dict(attrs, top=True)
     try:
         key = (rank, items_key(attrs))
     except TypeError:
-        return _format_dict(resolve_attrs(attrs, rank))
+        return _format_dict(resolve_attrs(attrs, rank), top=True)
     text = _RANK_DICT_TEXT.get(key)
     if text is None:
-        text = _format_dict(resolve_attrs(attrs, rank))
+        text = _format_dict(resolve_attrs(attrs, rank), top=True)
         if len(_RANK_DICT_TEXT) < _MEMO_LIMIT:
             _RANK_DICT_TEXT[key] = text
     return text
 
 
-def _format_dict(mapping: dict[Any, Any]) -> str:
-    return "{" + ", ".join(
-        f"{format_value(k)}: "
-        f"{format_strategy(v) if k in STRATEGY_KEYS else format_value(v)}"
-        for k, v in mapping.items()) + "}"
+def _format_dict(mapping: dict[Any, Any], top: bool = False) -> str:
+    def text(k: Any, v: Any) -> str:
+        if k in STRATEGY_KEYS:
+            return format_strategy(v)
+        if top and k in DETAIL_KEYS:
+            return format_mindspore(v)
+        return format_value(v)
+
+    return "{" + ", ".join(f"{format_value(k)}: {text(k, v)}" for k, v in mapping.items()) + "}"
 
 
 def format_type(type_: ValueType) -> str:
@@ -350,7 +377,7 @@ def format_parallel(info: ParallelInfo) -> str:
     if clash:
         raise ValueError(f"ParallelInfo.extra must not hold {', '.join(clash)}")
     _check_keys(info.extra, "ParallelInfo.extra")
-    return format_dict(dict(info.items()))
+    return format_dict(dict(info.items()), top=True)
 
 
 def format_strategy(value: Any) -> str:

@@ -111,6 +111,8 @@ GENERIC_ATTRS = (
     "skip_redistribution",
     "repeated_num_in_dev_matrix_right_",
     "self_define_shard",
+    "recompute",  # Primitive.recompute() / Cell.recompute(): rematerialised for the backward
+    "duplicated",  # a recomputed copy made by passes.recompute (MindSpore's mark)
 )
 
 _REGISTRY: dict[str, OpDef] = {}

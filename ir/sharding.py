@@ -66,6 +66,18 @@ class OpSharding:
     forward: list[ForwardComm] = field(default_factory=list)
     local_attrs: dict[str, Any] = field(default_factory=dict)
     expand: str = ""  # name of a local expansion (e.g. "masked_gather") instead of the op
+    # MindSpore's OperatorInfo tensor maps on `dev_matrix` (inputs, outputs): every dim maps to
+    # its label's axis, split or not (Gather ((1, 2), (4,)): ((1, 0), (2)) on (4, 1, 2)); None
+    # where the rule derives no labels (then the layouts' maps are MindSpore's)
+    tensor_maps: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
+
+    def mindspore_maps(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """(inputs_tensor_map, outputs_tensor_map) as MindSpore's parallel-detail dump shows
+        them."""
+        if self.tensor_maps is not None:
+            return self.tensor_maps
+        return (tuple(lay.tensor_map for lay in self.in_layouts),
+                tuple(lay.tensor_map for lay in self.out_layouts))
 
 
 @dataclass
@@ -97,6 +109,12 @@ class Labels:
     unsplittable: set[str] = field(default_factory=set)
     reduce_op: str = "sum"  # how partial results over dropped labels combine
     mean: bool = False  # dropped labels are averaged: divide after the AllReduce
+    # The device-matrix order of the labels when it is not their order of first appearance
+    # (MindSpore's Gather puts the indices' axes before the table's); labels left out follow.
+    dev_order: tuple[str, ...] = ()
+    # Size-1 dims broadcast against a larger one: no device axis of their own (MindSpore maps
+    # them to -1 and its device matrix has no axis for them).
+    broadcast: frozenset[str] = frozenset()
 
 
 def is_power_of_two(n: int) -> bool:
@@ -130,6 +148,7 @@ def label_sharding(
         )
     split_of: dict[str, int] = {}
     order: list[str] = []
+    broadcast = labels.broadcast
     for i, (lab, t, s) in enumerate(zip(labels.inputs, ctx.in_types, strategy)):
         if len(s) != t.rank:
             raise StrategyError(
@@ -157,13 +176,17 @@ def label_sharding(
                 )
             if name not in split_of:
                 split_of[name] = count
-                order.append(name)
+                if name not in broadcast:
+                    order.append(name)
             elif split_of[name] != count:
                 raise StrategyError(
                     f"dim {j} of input {i} must be split like the dims it is matched with "
                     f"({split_of[name]} ways), got {count}",
                     "use the same split for matched dims (e.g. MatMul's reduce dims)",
                 )
+    if labels.dev_order:
+        first = [name for name in labels.dev_order if name in split_of]
+        order = first + [name for name in order if name not in first]
     used = prod(split_of[name] for name in order)
     if ctx.devices % used:
         raise StrategyError(
@@ -193,6 +216,12 @@ def label_sharding(
 
     in_layouts = [layout(lab, t) for lab, t in zip(labels.inputs, ctx.in_types)]
     out_types = ctx.out_types
+
+    def origin_map(labs: str) -> tuple[int, ...]:
+        return tuple(n - 1 - axis_of[name] if name in axis_of else -1 for name in labs)
+
+    tensor_maps = (tuple(origin_map(lab) for lab in labels.inputs),
+                   tuple(origin_map(lab) for lab in labels.outputs))
     out_labels = set("".join(labels.outputs))
     partial = tuple(
         axis_of[name] for name in order if name not in out_labels and split_of[name] > 1
@@ -200,9 +229,12 @@ def label_sharding(
     forward: list[ForwardComm] = []
     out_layouts = [layout(lab, t) for lab, t in zip(labels.outputs, out_types)]
     if partial:
+        scattered = None
         if out_strategy is not None:
-            out_layouts = [_reduce_scatter_layout(ctx, labels, out_strategy, dev, axis_of,
-                                                  split_of, partial, out_types[0])]
+            scattered = _reduce_scatter_layout(ctx, labels, out_strategy, dev, axis_of,
+                                               split_of, partial, out_types[0])
+        if scattered is not None:
+            out_layouts = [scattered]
             forward.append(ForwardComm("ReduceScatter", partial, labels.reduce_op))
         else:
             forward.append(ForwardComm("AllReduce", partial, labels.reduce_op))
@@ -217,7 +249,10 @@ def label_sharding(
                 f"out_strategy {out_strategy} does not match the output of in_strategy; "
                 f"expected {expected}"
             )
-    return OpSharding(tuple(strategy), tuple(dev), in_layouts, out_layouts, forward)
+    if any(f.kind == "ReduceScatter" for f in forward):
+        tensor_maps = (tensor_maps[0], tuple(lay.tensor_map for lay in out_layouts))
+    return OpSharding(tuple(strategy), tuple(dev), in_layouts, out_layouts, forward,
+                      tensor_maps=tensor_maps)
 
 
 def _reduce_scatter_layout(
@@ -229,8 +264,10 @@ def _reduce_scatter_layout(
     split_of: dict[str, int],
     partial: tuple[int, ...],
     out_type: TensorType,
-) -> TensorLayout:
-    """`out_strategy` whose first dim also takes the reduced axes: ReduceScatter on dim 0."""
+) -> TensorLayout | None:
+    """The output layout of an `out_strategy` whose first dim also takes the reduced axes
+    (ReduceScatter on dim 0), or None for the AllReduce form (the output of in_strategy,
+    MindSpore's `allreduce_strategy`: the partial sums are all-reduced)."""
     out_lab = labels.outputs[0]
     want = tuple(split_of.get(name, 1) for name in out_lab)
     red = prod(dev[a] for a in partial)
@@ -238,6 +275,8 @@ def _reduce_scatter_layout(
         raise StrategyError(f"out_strategy {out_strategy} must have one entry of rank "
                             f"{len(out_lab)}")
     got = out_strategy[0]
+    if tuple(got) == want:
+        return None
     if got[0] != want[0] * red or tuple(got[1:]) != want[1:]:
         raise StrategyError(
             f"out_strategy {out_strategy} is invalid: with the reduce dims split {red} ways, "
@@ -313,7 +352,7 @@ def elementwise_labels(ctx: OpContext) -> Labels:
             else:
                 lab += out_lab[lead + j]
         ins.append(lab)
-    return Labels(ins, [out_lab], unsplit)
+    return Labels(ins, [out_lab], unsplit, broadcast=frozenset(unsplit))
 
 
 def _transpose_ab(lab: str, flag: bool) -> str:
@@ -344,7 +383,7 @@ def batch_matmul_labels(ctx: OpContext) -> Labels:
             else:
                 lab += blab[lead + j]
         ins.append(_transpose_ab(lab + tail, bool(flag)))
-    return Labels(ins, [blab + "ij"], unsplit)
+    return Labels(ins, [blab + "ij"], unsplit, broadcast=frozenset(unsplit))
 
 
 def _axes(ctx: OpContext, key: str = "axis") -> tuple[int, ...]:
@@ -496,12 +535,17 @@ def broadcast_to_labels(ctx: OpContext) -> Labels:
 
 
 def gather_labels(ctx: OpContext) -> Labels:
+    """The table's dims with the gathered axis replaced by the indices' dims. The device matrix
+    is [indices' splits..., table's splits...] (MindSpore's gather_info, normal mode), so the
+    output keeps the indices' axes in front: Gather ((1, 2), (4,)) has dev (4, 1, 2) and output
+    map (2, 0), the layout of a following ((4, 2),) op."""
     table, idx = ctx.in_types
     axis = ctx.attrs.get("axis", 0) % table.rank
     tlab = _ALPHA[: table.rank]
     used = set(tlab)
     ilab = "".join(_fresh(idx.rank, used))
-    return Labels([tlab, ilab], [tlab[:axis] + ilab + tlab[axis + 1 :]])
+    return Labels([tlab, ilab], [tlab[:axis] + ilab + tlab[axis + 1 :]],
+                  dev_order=tuple(ilab + tlab))
 
 
 def one_hot_labels(ctx: OpContext) -> Labels:
@@ -565,9 +609,25 @@ class LabelRule:
         )
 
 
+def shard_batch_and_axis(ctx: OpContext, strategy: Strategy) -> bool:
+    """MindSpore's SHARD_BATCH_AND_AXIS mode of Gather (gather_info's ShardBatchAndAxis): axis
+    0 of a 2-D table split `a` ways and the first dim of 2-D indices split `b` ways, nothing
+    else split, a * b the whole stage, neither alone. Each rank looks up its vocabulary slice
+    for its batch slice; the partial rows are summed by a forward AllReduce over the table's
+    axis."""
+    if len(strategy) != 2 or int(ctx.attrs.get("axis", 0)) % ctx.in_types[0].rank != 0:
+        return False
+    table, idx = strategy
+    if len(table) != 2 or len(idx) != 2 or table[1] != 1 or idx[1] != 1:
+        return False
+    return (table[0] * idx[0] == ctx.devices and table[0] != ctx.devices
+            and idx[0] != ctx.devices)
+
+
 class GatherRule(LabelRule):
     """Gather: a split table axis needs the masked local gather plus AllReduce (reference
-    §3.2, SHARD_AXIS_0)."""
+    §3.2, SHARD_AXIS_0), with the indices whole, or split on their batch dim in MindSpore's
+    shard-batch-and-axis mode (`((mp, 1), (dp, 1))`, the vocab-parallel embedding)."""
 
     def __init__(self) -> None:
         super().__init__(gather_labels)
@@ -578,15 +638,19 @@ class GatherRule(LabelRule):
         axis = ctx.attrs.get("axis", 0) % ctx.in_types[0].rank
         table_split = strategy[0][axis] if len(strategy) == 2 and len(strategy[0]) > axis else 1
         if table_split == 1:
-            return label_sharding(ctx, labels, strategy)
+            return label_sharding(ctx, labels, strategy, out_strategy)
         if axis != 0:
             raise StrategyError("only axis 0 of a gathered table can be split")
-        if any(c != 1 for c in strategy[1]):
+        if any(c != 1 for c in strategy[1]) and not shard_batch_and_axis(ctx, strategy):
             raise StrategyError(
-                "when the table's gathered axis is split, the indices cannot be split",
-                "use 1 for every dim of the indices",
+                "when the table's gathered axis is split, the indices cannot be split, except "
+                "in the shard-batch-and-axis mode: a 2-D table split only on axis 0 and 2-D "
+                "indices split only on dim 0, the two splits together using every device "
+                f"({ctx.devices}), neither alone",
+                "use 1 for every dim of the indices, or ((mp, 1), (dp, 1)) with "
+                f"mp * dp = {ctx.devices}",
             )
-        result = label_sharding(ctx, labels, strategy)
+        result = label_sharding(ctx, labels, strategy, out_strategy)
         result.expand = "masked_gather"
         return result
 
@@ -636,6 +700,7 @@ class OneHotRule(LabelRule):
         idx_split = out_split[:axis] + out_split[axis + 1:]
         result = label_sharding(virtual, labels, (idx_split, (out_split[axis],)), out_strategy)
         result.in_layouts = result.in_layouts[:1]
+        result.tensor_maps = None
         result.strategy = tuple(strategy)
         if out_split[axis] > 1:
             result.local_attrs["depth"] = depth // out_split[axis]

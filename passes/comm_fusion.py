@@ -586,11 +586,14 @@ def _fuse_bucket(graph: Graph, members: list[_Candidate]) -> Node:
     # Move the new nodes (the Builder appended them) right after the last producer of a
     # member input. (list.index and slicing: C speed, this runs once per bucket.)
     rest = graph.nodes[: len(graph.nodes) - len(created)]
-    producers = {id(v.node): v.node for v in inputs if isinstance(v, NodeResult)}
-    at = max((rest.index(nd) + 1 for nd in producers.values()), default=0)
+    producers = {id(v.node) for v in inputs if isinstance(v, NodeResult)}
+    at = max((i + 1 for i, nd in enumerate(rest) if id(nd) in producers), default=0)
     graph.nodes = rest[:at] + created + rest[at:]
+    replaced: dict[int, Value] = {}
     for result, new in zip(results, outs):
-        result.replace_all_uses_with(new, graph)
+        result.replace_all_uses_with(new)
+        replaced[id(result)] = new
+    graph.outputs = [replaced.get(id(o), o) for o in graph.outputs]  # one pass, not one per member
     for m in members:
         assert not m.node.result.uses
         m.node.drop_operands()  # removed from graph.nodes once every bucket is fused

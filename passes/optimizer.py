@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from pcompile.compiler import ops
 from pcompile.compiler.nn.optim_base import Optimizer
 from pcompile.compiler.tensor import Parameter, Tensor
 from pcompile.compiler.tracing import tracing
@@ -35,6 +36,25 @@ def append_optimizer(
     `compiler.initializer.InitializedData`); they are returned as given. In a rank's local
     graph, `slice_state(state_name, param_name, global_value)` gives the local shape of a
     per-parameter state (the parameter's slice; global state has param_name "")."""
+    init, updates = trace_update(graph, optimizer, params, grads, slice_state)
+    graph.outputs = [loss, *(value for _, value in updates)]
+    graph.attrs["outputs"] = ("loss", *(name for name, _ in updates))
+    return init
+
+
+def trace_update(
+    graph: Graph,
+    optimizer: Optimizer,
+    params: dict[str, Parameter],
+    grads: dict[str, Value],
+    slice_state: Callable[[str, str, Any], tuple[int, ...]] | None = None,
+    skip: Value | None = None,
+) -> tuple[dict[str, Any], list[tuple[str, Value]]]:
+    """Trace one update of `optimizer` into `graph` from `grads` (by parameter name): returns
+    the initial values of the new state tensors and `(name, new value)` of every updated
+    parameter, then of every state, in that order. With `skip` (a Bool scalar), every new value
+    is `Select(skip, old value, new value)`: the whole update, its step counters included, is
+    skipped when `skip` is true (MindSpore's loss-scale cells on overflow)."""
     known = {id(p) for p in params.values()}
     for p in optimizer.parameters:
         if id(p) not in known:
@@ -43,9 +63,9 @@ def append_optimizer(
                 "parameter of the network"
             )
     init: dict[str, Any] = {}
-    out_names: list[str] = ["loss"]
-    outputs: list[Value] = [loss]
+    updates: list[tuple[str, Value]] = []
     new_states: list[tuple[str, Value]] = []
+    olds: dict[str, Value] = {}
     scope = f"Default/optimizer-{type(optimizer).__name__}"
     with tracing(graph) as tracer, tracer.absolute_scope(scope):
 
@@ -58,6 +78,7 @@ def append_optimizer(
             tensor_type = TensorType(DType.from_any(value.dtype), shape)
             gp = graph.add_param(GraphParam(tensor_type, name, "state"))
             init[name] = value
+            olds[name] = gp
             return Tensor(_value=gp)
 
         global_in = {k: state_param(k, v) for k, v in optimizer.global_state().items()}
@@ -73,21 +94,25 @@ def append_optimizer(
                 for prefix in optimizer.state_prefixes
             }
             weight = Tensor(_value=graph.param(p.name))
-            new_param, new_state = optimizer.update(
-                weight, Tensor(_value=grads[p.name]), state, global_new
-            )
-            out_names.append(p.name)
-            outputs.append(_value_of(new_param, p.name))
+            olds[p.name] = weight._value  # type: ignore[assignment]
+            with optimizer.learning_rate_for(weight.dtype):
+                new_param, new_state = optimizer.update(
+                    weight, Tensor(_value=grads[p.name]), state, global_new
+                )
+            updates.append((p.name, _value_of(new_param, p.name)))
             for prefix in optimizer.state_prefixes:
                 new_states.append((f"{prefix}.{p.name}", _value_of(new_state[prefix], prefix)))
         for name, tensor in global_new.items():
             new_states.append((name, _value_of(tensor, name)))
-    for name, value in new_states:
-        out_names.append(name)
-        outputs.append(value)
-    graph.outputs = outputs
-    graph.attrs["outputs"] = tuple(out_names)
-    return init
+        updates += new_states
+        if skip is not None:
+            cond = Tensor(_value=skip)
+            if cond.shape != ():
+                cond = cond.reshape(())
+            updates = [(name, _value_of(ops.select(cond, Tensor(_value=olds[name]),
+                                                   Tensor(_value=value)), name))
+                       for name, value in updates]
+    return init, updates
 
 
 def _value_of(tensor: Tensor, what: str) -> Value:

@@ -30,6 +30,9 @@ class OptShard:
     use: TensorLayout
     stored: TensorLayout
     shard_axes: tuple[int, ...]
+    # the model-parallel layout as the strategies give it (`use` may split a replication axis
+    # in two for optimizer_weight_shard_size); MindSpore's parameter_layout_dict shows it
+    model: TensorLayout | None = None
 
     def shard_group(self, rank: int) -> tuple[int, ...]:
         return devices_along_axes(rank, self.use.dev_matrix, self.shard_axes)
@@ -70,7 +73,8 @@ def plan_optimizer_sharding(
             continue
         if p.tensor_type.nbytes < threshold_kb * 1024:
             continue
-        use = layouts[p.name].normalized()
+        model = layouts[p.name]
+        use = model.normalized()
         free = [a for a in range(len(use.dev_matrix)) if a not in use.used_axes]
         if not free:
             continue
@@ -83,7 +87,7 @@ def plan_optimizer_sharding(
         first = tuple(map_axes(use.tensor_map[0])) + tuple(len(dev) - 1 - a for a in axes)
         entry = first[0] if len(first) == 1 else first
         stored = TensorLayout(dev, (entry,) + tuple(use.tensor_map[1:]), use.shape)
-        out[p.name] = OptShard(use, stored, axes)
+        out[p.name] = OptShard(use, stored, axes, model)
     return out
 
 

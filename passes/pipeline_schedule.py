@@ -176,9 +176,10 @@ def _units(graph: Graph, sequence: list[Label]) -> list[list[int]]:
 
 
 def held(graph: Graph, sequence: list[Label]) -> tuple[int, int]:
-    """Peak bytes of the values computed in one unit and read in a later one (activations,
-    gradient sums; not the parameters), and the peak number of micro-batches whose forward
-    ran and backward did not."""
+    """Peak bytes of the activations held: values computed in a forward unit and read in a
+    later unit (not the parameters, nor the gradient sums of the backward units, which both
+    schedules hold alike), and the peak number of micro-batches whose forward ran and
+    backward did not."""
     pos = positions(graph, sequence)
     last: dict[int, int] = {}
     for node in graph.nodes:
@@ -189,7 +190,7 @@ def held(graph: Graph, sequence: list[Label]) -> tuple[int, int]:
     delta = [0] * (len(sequence) + 2)  # delta[i]: change of what is held when unit i starts
     for node in graph.nodes:
         first, end = pos[id(node)], last.get(id(node), pos[id(node)])
-        if end > first:
+        if end > first and sequence[first][0] == "F":
             nbytes = _nbytes(node)
             delta[first + 1] += nbytes
             delta[end + 1] -= nbytes

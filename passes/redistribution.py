@@ -29,6 +29,7 @@ from math import prod
 
 from pcompile.ir.layout import TensorLayout, axis_index, map_axes
 from pcompile.ir.rank import RankGroup, RankOffsets
+from pcompile.passes.redistribution_order import SlotMap
 
 
 class NoUnification(Exception):  # noqa: N818  (a signal, not an error)
@@ -308,65 +309,84 @@ def _local(shape: list[int], mapping: list[int], dev: list[int]) -> tuple[int, .
 def _infer_ops(
     dev: list[int], shape: list[int], src: list[int], dst: list[int], enable_alltoall: bool
 ) -> list[AbstractOp]:
+    """MindSpore's `InferRedistributionOperator` on the unified layouts (maps give the left
+    index of each sub-dim's atomic axis, or -1). The pending dims live in a `SlotMap`, walked
+    and mutated as MindSpore walks its hash map, so independent ops come in MindSpore's order."""
     cur = list(src)
-    pending = {d for d in range(len(shape)) if src[d] != dst[d]}
+    pending = SlotMap()
+    for d, axis in enumerate(src):
+        pending.set(d, axis)
     ops: list[AbstractOp] = []
 
     def emit(kind: str, **kw: int) -> None:
         stride = prod(dev[kw["axis"] + 1 :])
         ops.append(AbstractOp(kind, _local(shape, cur, dev), stride=stride, **kw))
 
-    while pending:
-        before = len(ops)
-        changed = True
-        while changed:
-            changed = False
-            for d in sorted(pending):  # split phase
-                if cur[d] == dst[d]:
-                    pending.discard(d)
-                    changed = True
-                elif cur[d] == -1 and all(cur[o] != dst[d] for o in range(len(cur)) if o != d):
-                    emit("Split", dim=d, axis=dst[d], count=dev[dst[d]])
-                    cur[d] = dst[d]
-                    pending.discard(d)
-                    changed = True
-            permuted = True
-            while permuted:  # permute phase
-                permuted = False
-                for d in sorted(pending):
-                    if cur[d] != -1 or dst[d] == -1:
-                        continue
-                    holders = [o for o in range(len(cur)) if o != d and cur[o] == dst[d]]
-                    if not holders:
-                        continue
-                    c = holders[0]
-                    axis, n = dst[d], dev[dst[d]]
-                    if enable_alltoall:
-                        emit("Permute", dim=d, axis=axis, count=n, concat_dim=c)
-                        cur[c] = -1
-                        cur[d] = axis
-                    else:
-                        emit("Concat", dim=c, axis=axis, count=n)
-                        cur[c] = -1
-                        emit("Split", dim=d, axis=axis, count=n)
-                        cur[d] = axis
-                    pending.discard(d)
-                    if cur[c] == dst[c]:
-                        pending.discard(c)
-                    else:
-                        pending.add(c)
-                    permuted = changed = True
-        for d in sorted(pending):  # concat phase
-            if cur[d] != -1 and cur[d] not in dst:
-                emit("Concat", dim=d, axis=cur[d], count=dev[cur[d]])
+    def split_phase() -> None:  # InferSplitByAxis
+        pos = pending.begin()
+        while pos != pending.end():
+            d, axis = pending.item(pos)
+            if axis == dst[d]:
+                pos = pending.erase(pos)
+            elif axis == -1 and not pending.holds(dst[d]):
+                emit("Split", dim=d, axis=dst[d], count=dev[dst[d]])
+                cur[d] = dst[d]
+                pos = pending.erase(pos)
+            else:
+                pos = pending.next(pos)
+
+    def permute_phase() -> None:  # InferPermuteByAxis
+        pos = pending.begin()
+        while pos != pending.end():
+            d, axis = pending.item(pos)
+            if axis == dst[d]:
+                pos = pending.erase(pos)
+            elif axis == -1 and pending.holds(dst[d]):
+                c = cur.index(dst[d])  # the dim holding the wanted axis
+                target, n = dst[d], dev[dst[d]]
+                if enable_alltoall:
+                    emit("Permute", dim=d, axis=target, count=n, concat_dim=c)
+                else:
+                    emit("Concat", dim=c, axis=target, count=n)
+                    cur[c] = -1
+                    emit("Split", dim=d, axis=target, count=n)
+                cur[c], cur[d] = -1, target
+                pos = pending.erase(pos)
+                pending.set(c, -1)
+            else:
+                pos = pending.next(pos)
+
+    def concat_phase() -> None:  # InferConcatByAxis
+        pos = pending.begin()
+        while pos != pending.end():
+            d, axis = pending.item(pos)
+            if axis != -1 and axis not in dst:
+                emit("Concat", dim=d, axis=axis, count=dev[axis])
                 cur[d] = -1
                 if dst[d] == -1:
-                    pending.discard(d)
-        if len(ops) == before and pending:
-            d = min(pending)
-            if cur[d] == -1:  # pragma: no cover - cannot happen: split or permute would apply
-                raise AssertionError("redistribution made no progress")
-            emit("Concat", dim=d, axis=cur[d], count=dev[cur[d]])
+                    pos = pending.erase(pos)
+                    continue
+                pending.assign(pos, -1)
+            pos = pending.next(pos)
+
+    while len(pending):
+        before = len(ops)
+        while len(pending):
+            before_split = len(ops)
+            split_phase()
+            while len(pending):
+                before_permute = len(ops)
+                permute_phase()
+                if len(ops) == before_permute:
+                    break
+            if len(ops) == before_split:
+                break
+        concat_phase()
+        if len(ops) == before and len(pending):  # break a cycle: gather the first entry
+            pos = pending.begin()
+            d, axis = pending.item(pos)
+            pending.assign(pos, -1)
+            emit("Concat", dim=d, axis=axis, count=dev[axis])
             cur[d] = -1
     return ops
 
@@ -395,7 +415,20 @@ def _plan_cached(src: TensorLayout, dst: TensorLayout, enable_alltoall: bool) ->
     exp_dst_local = _local(u.shape, u.dst_map, u.dev)
     if exp_dst_local != dst.slice_shape:
         ops.append(AbstractOp("Reshape", exp_dst_local, shape=dst.slice_shape))
-    return RedistributionPlan(src, dst, tuple(u.dev), ops)
+    return RedistributionPlan(src, dst, tuple(u.dev), _drop_noop_reshapes(ops))
+
+
+def _drop_noop_reshapes(ops: list[AbstractOp]) -> list[AbstractOp]:
+    """Consecutive Reshapes are one; a Reshape to the shape it already has is dropped (e.g. the
+    pair around an empty list between two replicated layouts on different device matrices,
+    which MindSpore emits as Reshape [1] then Reshape [1, 1]: it does nothing and costs
+    2 x its size in computation)."""
+    out: list[AbstractOp] = []
+    for op in ops:
+        if op.kind == "Reshape" and out and out[-1].kind == "Reshape":
+            op = AbstractOp("Reshape", out.pop().in_shape, shape=op.shape)
+        out.append(op)
+    return [op for op in out if not (op.kind == "Reshape" and op.shape == op.in_shape)]
 
 
 def _unexpand(src: TensorLayout, dst: TensorLayout, enable_alltoall: bool) -> RedistributionPlan:

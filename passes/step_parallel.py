@@ -52,7 +52,11 @@ from pcompile.ir.registry import get_op
 from pcompile.ir.sharding import OpSharding
 from pcompile.ir.types import TensorType
 from pcompile.passes.redistribution import plan_redistribution
-from pcompile.passes.step_parallel_begin import ParallelAssignment, replicated
+from pcompile.passes.step_parallel_begin import (
+    LAYOUT_PASS_THROUGH,
+    ParallelAssignment,
+    replicated,
+)
 
 
 @dataclass
@@ -257,6 +261,7 @@ class RankBuilder:
 
     def emit_plan(self, node: Node, local: Value, plan: Any, reason: str) -> Value:
         b = Builder(self.graph, scope=node.scope, source=node.source)
+        keep = self.inherited(node)
         value = local
         steps = plan.symbolic_ops()
         if self.rank is not None:
@@ -267,13 +272,15 @@ class RankBuilder:
                 value = b.emit("Reshape", [value], {"shape": tuple(step[1])},
                                instance_name=self.inserted_name(node, "redistribution_op",
                                                                 "Reshape"),
-                               parallel=ParallelInfo(extra={"reason": reason}))
+                               parallel=ParallelInfo(extra={"reason": reason}),
+                               user_attrs=keep)
             elif kind == "StridedSlice":
                 value = b.emit("StridedSlice", [value],
                                {"begin": step[1], "end": step[2], "strides": step[3]},
                                instance_name=self.inserted_name(node, "redistribution_op",
                                                                 "StridedSlice"),
-                               parallel=ParallelInfo(extra={"reason": reason}))
+                               parallel=ParallelInfo(extra={"reason": reason}),
+                               user_attrs=keep)
             elif kind == "AllConcat":
                 ranks, axis = step[1], step[2]
                 nbytes = value.tensor_type.nbytes * (len(ranks) - 1)
@@ -281,17 +288,19 @@ class RankBuilder:
                                   instance_name=self.inserted_name(node, "redistribution_op",
                                                                    "AllGather"),
                                   parallel=ParallelInfo(extra={"reason": reason,
-                                                               "bytes": nbytes}))
+                                                               "bytes": nbytes}),
+                                  user_attrs=keep)
                 if axis != 0:
                     parts = b.emit("Split", [gathered], {"axis": 0, "output_num": len(ranks)},
                                    instance_name=self.inserted_name(node, "redistribution_op",
-                                                                    "Split"))
+                                                                    "Split"), user_attrs=keep)
                     pieces = [b.emit("TupleGetItem", [parts], {"index": i})
                               for i in range(len(ranks))]
                     gathered = b.emit("Concat", pieces, {"axis": axis},
                                       instance_name=self.inserted_name(node,
                                                                        "redistribution_op",
-                                                                       "Concat"))
+                                                                       "Concat"),
+                                      user_attrs=keep)
                 value = gathered
             elif kind == "AlltoAll":
                 _, ranks, split_dim, concat_dim, count = step
@@ -302,7 +311,8 @@ class RankBuilder:
                                instance_name=self.inserted_name(node, "redistribution_op",
                                                                 "AlltoAll"),
                                parallel=ParallelInfo(extra={"reason": reason,
-                                                            "bytes": nbytes}))
+                                                            "bytes": nbytes}),
+                               user_attrs=keep)
         return value
 
     def lower_node(self, node: Node) -> None:
@@ -318,6 +328,9 @@ class RankBuilder:
         if node.op == "Reshape":
             self.lower_reshape(node)
             return
+        if node.op in LAYOUT_PASS_THROUGH:
+            self.lower_pass_through(node)
+            return
         sharding = self.assignment.sharding(node)
         assert sharding is not None, f"{node.where()} has no sharding"
         if self.low_precision_cast_of_weight(node):
@@ -331,7 +344,10 @@ class RankBuilder:
         attrs.update(sharding.local_attrs)
         user = {k: v for k, v in node.attrs.items() if k not in opdef.attrs}
         info = ParallelInfo(in_strategy=sharding.strategy,
-                            out_strategy=node.parallel.out_strategy if node.parallel else None)
+                            out_strategy=node.parallel.out_strategy if node.parallel else None,
+                            extra={k: v for k, v in (node.parallel.extra.items()
+                                                     if node.parallel else ())
+                                   if k in ("in_layout", "out_layout")})
         if sharding.expand == "offset_one_hot":
             operands = [self.one_hot_local_indices(node, b, operands[0], sharding)]
         if sharding.expand == "attention_query_split":
@@ -345,6 +361,26 @@ class RankBuilder:
         layouts: Any = (sharding.out_layouts if len(sharding.out_layouts) > 1
                         or node.op == "Split" else sharding.out_layouts[0])
         self.local[id(node.result)] = (out, layouts)
+
+    def as_is(self, node: Node, value: Value) -> tuple[Value, Any]:
+        """An operand in whatever layout it has (a parameter behind its mirror)."""
+        if isinstance(value, Constant):
+            return value, replicated(value.shape, self.options.devices)
+        if isinstance(value, GraphParam) and value.kind != "input":
+            return self.mirror(value, node), self.local[id(value)][1]
+        return self.local[id(value)]
+
+    def lower_pass_through(self, node: Node) -> None:
+        """Depend: the first operand in its own layout, ordered after the others (which are
+        not redistributed)."""
+        operands = [self.as_is(node, v) for v in node.operands]
+        b = Builder(self.graph, scope=node.scope, source=node.source)
+        opdef = get_op(node.op)
+        user = {k: v for k, v in node.attrs.items() if k not in opdef.attrs}
+        out = b.emit(node.op, [v for v, _ in operands], opdef.impl_attrs(node.attrs),
+                     instance_name=node.instance_name, name_hint=node.result.name_hint,
+                     user_attrs=user or None)
+        self.local[id(node.result)] = (out, operands[0][1])
 
     def low_precision_cast_of_weight(self, node: Node) -> bool:
         """With gradient_fp32_sync=False, a Cast of an fp32 weight to fp16/bf16 takes the
@@ -369,7 +405,14 @@ class RankBuilder:
         self.local[id(node.result)] = (self.mirror_value(cast, param, node),
                                        sharding.out_layouts[0])
 
+    @staticmethod
+    def inherited(node: Node) -> dict[str, Any] | None:
+        """Attributes an inserted op takes from the op it serves: a recomputed op's
+        communication is recomputed with it (MindSpore's mp_comm_recompute)."""
+        return {"recompute": True} if node.attrs.get("recompute") is True else None
+
     def forward_comm(self, node: Node, b: Builder, out: Value, sharding: OpSharding) -> Value:
+        keep = self.inherited(node)
         for comm in sharding.forward:
             group = RankGroup.along(sharding.dev_matrix, comm.axes)
             if comm.kind == "Div":
@@ -377,7 +420,7 @@ class RankBuilder:
                              instance_name=self.inserted_name(node, "forward_op", "RealDiv"),
                              parallel=ParallelInfo(extra={
                                  "reason": f"mean of {node.op} '{node.instance_name}' over "
-                                           f"{comm.divisor} slices"}))
+                                           f"{comm.divisor} slices"}), user_attrs=keep)
                 continue
             if len(group) <= 1:
                 continue
@@ -387,7 +430,8 @@ class RankBuilder:
                       f"{list(sharding.dev_matrix)})")
             out = b.emit(comm.kind, [out], {"op": comm.op, **self.group_attrs(group)},
                          instance_name=self.inserted_name(node, "forward_op"),
-                         parallel=ParallelInfo(extra={"reason": reason, "bytes": nbytes}))
+                         parallel=ParallelInfo(extra={"reason": reason, "bytes": nbytes}),
+                         user_attrs=keep)
         return out
 
     def masked_gather(self, node: Node, b: Builder, operands: list[Value],

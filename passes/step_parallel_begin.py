@@ -4,7 +4,9 @@ Sources of strategies, in order: the user's `shard()` (tuples or `Layout`s), a s
 by the search (auto_parallel, filled in beforehand by `passes.search`), and otherwise
 MindSpore's semi-auto default (data parallel on dim 0 when it divides, else replicated). Graph
 inputs get their layout from `dataset_strategy`. Reshape has no strategy: its output layout is
-what its first consumer wants (reference §2.3).
+what its first consumer wants (reference §2.3). Depend has none either: its output is its first
+operand, in that operand's layout (`LAYOUT_PASS_THROUGH`), as in MindSpore, which gives Depend no
+operator info.
 
 A parameter whose users want different layouts is an error (reference §3.4): parameters are
 stored sliced and never redistributed.
@@ -27,6 +29,10 @@ from pcompile.ir.sharding import (
     rule_for,
 )
 from pcompile.ir.types import TensorType
+
+#: Ops without a strategy whose output is their first operand, in its layout; their other
+#: operands are kept as they are (never redistributed).
+LAYOUT_PASS_THROUGH = frozenset({"Depend"})
 
 
 @dataclass
@@ -102,10 +108,27 @@ def dataset_layouts(graph: Graph, dataset_strategy: Any, devices: int) -> dict[s
     return out
 
 
-def layout_from_dict(spec: dict, shape: tuple[int, ...], devices: int, what: str
-                     ) -> TensorLayout:
+def physical_layout(spec: dict[str, Any]) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+    """The device matrix and tensor map of a Layout's dict without its
+    `"interleaved_parallel"` axis. That axis (always the last, tensor-map value 0) is the
+    micro-interleave factor of `nn.MicroBatchInterleaved`, which splits the work inside one
+    device, not a device axis; a program without micro-interleaving computes as MindSpore does
+    with the axis removed (the dims it maps keep their other axes)."""
     dev = tuple(spec["device_matrix"])
     tmap = tuple(tuple(e) if isinstance(e, tuple) else e for e in spec["tensor_map"])
+    if not spec.get("interleaved_parallel"):
+        return dev, tmap
+
+    def drop(value: int) -> int:
+        return -1 if value == 0 else (value - 1 if value > 0 else value)
+
+    out = tuple(tuple(drop(v) for v in e) if isinstance(e, tuple) else drop(e) for e in tmap)
+    return dev[:-1], out
+
+
+def layout_from_dict(spec: dict, shape: tuple[int, ...], devices: int, what: str
+                     ) -> TensorLayout:
+    dev, tmap = physical_layout(spec)
     total = 1
     for d in dev:
         total *= d
@@ -171,6 +194,16 @@ def layout_sharding(ctx: OpContext, labels: Labels, layouts: list[TensorLayout],
     from pcompile.ir.sharding import ForwardComm
 
     forward: list[ForwardComm] = []
+    if out_layout is not None and out_layout == outs[0]:
+        # MindSpore's AllReduce form: the output layout of the in_strategy, partial sums (if
+        # any) all-reduced
+        out_layout = None
+    elif out_layout is not None and not partial:
+        raise StrategyError(
+            f"out_strategy layout {out_layout} differs from the output layout {outs[0]} of the "
+            "in_strategy, and the op has no reduced axes to scatter",
+            "leave out_strategy out, or give the output layout of in_strategy",
+        )
     if partial:
         if out_layout is not None:
             first = map_axes(out_layout.tensor_map[0]) if out_layout.tensor_map else ()
@@ -263,7 +296,8 @@ def assign(
     users: dict[str, list[tuple[Node, TensorLayout]]] = {}
     follow = _followers(graph, searched)
     for node in graph.nodes:
-        if node.op in NO_STRATEGY or id(node) in follow:
+        if (node.op in NO_STRATEGY or node.op in LAYOUT_PASS_THROUGH
+                or id(node) in follow):
             continue
         if rule_for(node.op) is None:
             raise OpError(
@@ -380,3 +414,43 @@ def _assign_reshapes(graph: Graph, result: ParallelAssignment) -> None:
         if wanted is None:
             wanted = replicated(out_type.shape, result.devices)
         result.reshape_layouts[id(node)] = wanted
+
+
+_LAYOUT_FIELDS = ("device_matrix", "tensor_map", "interleaved_parallel", "alias_name")
+
+
+def annotate_parallel_detail(graph: Graph, assignment: ParallelAssignment, mode: str) -> None:
+    """MindSpore's `MS_DEV_DUMP_IR_PARALLEL_DETAIL=1` on every op with a strategy (reference
+    §5.2). `mode` "tensor_map" (MindSpore does it in semi_auto_parallel): the attributes
+    `inputs_tensor_map`, `outputs_tensor_map` and `device_matrix` of its OperatorInfo, printed
+    in `primitive_attrs` (`((1, 0), (2))`); "layout" (sharding_propagation): `in_layout` and
+    `out_layout` in the parallel-info group, tuples of `{'device_matrix': ..., 'tensor_map':
+    ...}` (a user's Layout also gives `interleaved_parallel` and `alias_name`)."""
+    for node in graph.nodes:
+        sharding = assignment.sharding(node)
+        if sharding is None or node.parallel is None:
+            continue
+        ins, outs = sharding.mindspore_maps()
+        if mode == "tensor_map":
+            node.attrs["inputs_tensor_map"] = ins
+            node.attrs["outputs_tensor_map"] = outs
+            node.attrs["device_matrix"] = tuple(sharding.dev_matrix)
+            continue
+        dev = tuple(sharding.dev_matrix)
+        user_in = node.attrs.get("in_strategy") or ()
+        user_out = node.attrs.get("out_strategy") or ()
+        layouts = {
+            "in_layout": tuple(_layout_dict(given, dev, tmap) for given, tmap in
+                               zip(list(user_in) + [None] * (len(ins) - len(user_in)), ins)),
+            "out_layout": tuple(_layout_dict(given, dev, tmap) for given, tmap in
+                                zip(list(user_out) + [None] * (len(outs) - len(user_out)),
+                                    outs)),
+        }
+        # right after the strategies, as MindSpore prints them
+        node.parallel.extra = {**layouts, **node.parallel.extra}
+
+
+def _layout_dict(given: Any, dev: tuple[int, ...], tmap: tuple[Any, ...]) -> dict[str, Any]:
+    if isinstance(given, dict):  # a user's Layout: its own fields, as MindSpore prints them
+        return {k: given[k] for k in _LAYOUT_FIELDS if k in given}
+    return {"device_matrix": dev, "tensor_map": tmap}

@@ -207,3 +207,52 @@ def test_bfloat16_arrays_keep_their_dtype_in_npz_and_checkpoints(tmp_path) -> No
     assert arrays["w"].dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(arrays["w"].astype(np.float32),
                                   values["w"].astype(np.float32))
+
+
+def test_merge_streams_one_tensor_at_a_time(tmp_path) -> None:
+    """pcompile-merge of 8 ranks x 12 tensors of 1 MiB (12 MiB in all) holds about one full
+    tensor (plus its fill mask and one slice), never the model, and writes what
+    merge_checkpoints returns."""
+    import tracemalloc
+
+    from pcompile.backends.checkpoint import main as merge_main
+
+    ranks, rows, cols, count = 8, 512, 512, 12
+    layout = {"shape": [rows, cols], "dtype": "float32", "dev_matrix": [ranks],
+              "tensor_map": [0, -1]}
+    layouts = {f"t{i:02d}": layout for i in range(count)}
+    rng = np.random.default_rng(0)
+    full = {name: rng.standard_normal((rows, cols)).astype(np.float32) for name in layouts}
+    part = rows // ranks
+    for r in range(ranks):
+        meta = {"step": 1, "epoch": 1, "step_in_epoch": 1, "rank": r, "num_ranks": ranks,
+                "plan_id": "p", "log": [], "layouts": layouts}
+        write_checkpoint(str(tmp_path / "checkpoints"), r, 1,
+                         {n: v[r * part:(r + 1) * part] for n, v in full.items()}, meta)
+    tensor = rows * cols * 4
+    tracemalloc.start()
+    try:
+        assert merge_main([str(tmp_path), "--output", str(tmp_path / "m.npz")]) == 0
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # the tensor being assembled and its bool mask (a quarter of it), the one being written,
+    # the slice being read: about 2.5 tensors; the old merge held all 12
+    assert peak < 4 * tensor < count * tensor, peak
+    merged = load_npz(str(tmp_path / "m.npz"))
+    assert sorted(k for k in merged if k != META_KEY) == sorted(full)
+    for name, value in full.items():
+        assert np.array_equal(merged[name], value)
+
+
+def test_merge_never_replaces_a_file_it_did_not_write(tmp_path) -> None:
+    write_steps(tmp_path / "checkpoints", steps=(2,))
+    mine = tmp_path / "notes.npz"
+    mine.write_bytes(b"the user's own file")
+    proc = subprocess.run([sys.executable, "-m", "pcompile.backends.checkpoint", str(tmp_path),
+                           "--output", str(mine)], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 1 and "not a file pcompile-merge wrote" in proc.stderr
+    assert mine.read_bytes() == b"the user's own file"
+    # its own output is replaced on a second merge
+    assert merge_cli(tmp_path).returncode == 0
+    assert merge_cli(tmp_path).returncode == 0

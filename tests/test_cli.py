@@ -231,7 +231,7 @@ def test_semi_auto_parallel_on_8_devices_checks_the_oracle(tmp_path) -> None:
             text = (out / f"rank_{r}" / name).read_text()
             assert print_graph(parse_graph(text, name)) == text
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["parameters"]["w"]["dev_matrix"] == [2, 4, 1]
+    assert plan["parameters"]["w"]["dev_matrix"] == [2, 4]  # normalised, as MindSpore
     assert plan["parameters"]["w"]["slice_shape"] == [8, 16]
     assert any(c["op"] == "AllReduce" for c in plan["collectives"]["0"])
 

@@ -276,6 +276,7 @@ def test_synopses_and_cluster_commands() -> None:
     assert checked >= 8
 
 
+@pytest.mark.slow  # ~100 s: every compile command of the docs
 def test_commands_run(scratch: str) -> None:
     """Commands about a compiled DIR (show, diff) find the quickstart compiled there."""
     run_command(["pcompile", "examples/quickstart.py", "--devices", "8", "--search",

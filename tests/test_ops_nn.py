@@ -213,11 +213,13 @@ def _conv_ref(attrs: dict[str, Any]) -> Any:
         padding = mode.upper()
 
     def conv(x: Any, w: Any) -> Any:
+        if mode == "pad":  # padded by jnp.pad: JAX's own transpose of conv padding can be wrong
+            x = jnp.pad(x, ((0, 0), (0, 0), *padding))
         return lax.conv_general_dilated(
             x,
             w,
             attrs["stride"],
-            padding,
+            "VALID" if mode == "pad" else padding,
             rhs_dilation=attrs["dilation"],
             dimension_numbers=("NCHW", "OIHW", "NCHW"),
             feature_group_count=attrs["group"],
@@ -225,6 +227,24 @@ def _conv_ref(attrs: dict[str, Any]) -> Any:
         )
 
     return conv
+
+
+def test_conv2d_gradient_with_a_pad_as_wide_as_the_kernel() -> None:
+    """JAX 0.10 transposes `conv_general_dilated(padding=[(1, 1), (2, 0)])` wrongly (a pad that
+    reaches the 2x2 kernel's width): pcompile's gradient (numpy, and JAX through jnp.pad) must
+    be the true one; checked against the gradient summed element by element."""
+    attrs = {"out_channel": 2, "kernel_size": (2, 2), "stride": (1, 1), "dilation": (1, 1),
+             "pad_mode": "pad", "pad": (1, 1, 2, 0), "group": 1}
+    x, w = _rand((2, 1, 1, 2), 0), _rand((2, 1, 2, 2), 1)
+    check_op("Conv2D", [x, w], attrs, _conv_ref(attrs), rtol=2e-5)
+    ref = _conv_ref(attrs)
+    d = _rand(tuple(jax.eval_shape(ref, x, w).shape), 2)
+    basis = np.eye(x.size, dtype=np.float32).reshape((x.size, *x.shape))
+    brute = [float(np.sum(d * np.asarray(ref(e, w)))) for e in basis]
+    grad = jax.vjp(lambda a: ref(a, w), jnp.asarray(x))[1](jnp.asarray(d))[0]
+    bound = d.size * float(np.finfo(np.float32).eps)  # float32 sums of d.size terms
+    scale = max(abs(b) for b in brute)
+    np.testing.assert_allclose(np.asarray(grad).ravel(), brute, rtol=bound, atol=bound * scale)
 
 
 @settings(max_examples=15, deadline=None)

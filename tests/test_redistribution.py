@@ -4,6 +4,8 @@ target layout's slices."""
 
 from __future__ import annotations
 
+import json
+import os
 from math import prod
 
 import numpy as np
@@ -184,3 +186,73 @@ def test_cost_of_gather_matches_reference_formula() -> None:
     assert cost.forward_comm == size * 8 * 0.5 * 4
     assert cost.backward_comm == size * 0.5 * 4
     assert cost.comm == size * 9 * 0.5 * 4
+
+
+# -- MindSpore's solver on recorded random pairs -------------------------------------------------
+
+RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
+                        "mindspore_redistribution.json")
+
+
+def as_mindspore(ops: list[tuple]) -> list[list]:
+    """Our concrete op list in the form `_transform_tensor_by_layout` returns."""
+    out: list[list] = []
+    for op in ops:
+        if op[0] == "AllConcat":
+            out.append(["AllConcat", [*op[1], op[2]]])
+        elif op[0] == "StridedSlice":
+            out.append(["StridedSlice", [*op[1], *op[2], *op[3]]])
+        else:
+            out.append([op[0], list(op[1])])
+    return out
+
+
+def without_noop_reshapes(ops: list[list], start: list[int]) -> list[list]:
+    """MindSpore's list with consecutive Reshapes merged and Reshapes to the shape the tensor
+    already has dropped (pcompile drops them: they do nothing)."""
+    shape, merged = list(start), []
+    for name, args in ops:
+        before = list(shape)
+        if name == "Reshape":
+            shape = list(args)
+            if merged and merged[-1][0] == "Reshape":
+                merged[-1] = ["Reshape", list(shape), merged[-1][2]]
+                continue
+            merged.append(["Reshape", list(shape), before])
+            continue
+        if name == "StridedSlice":
+            n = len(args) // 3
+            shape = [e - b for b, e in zip(args[:n], args[n:2 * n])]
+        elif name == "AllConcat":
+            shape[args[-1]] *= len(args) - 1
+        merged.append([name, args])
+    return [op[:2] for op in merged if not (op[0] == "Reshape" and op[1] == op[2])]
+
+
+def test_mindspore_recorded_op_lists() -> None:
+    """400 random pairs on 8, 16 and 64 devices, recorded from MindSpore 2.10's solver
+    (tests/data/record_mindspore_redistribution.py): the same op list, op for op and rank for
+    rank (the order of independent gathers and slices included: it follows the slot order of
+    MindSpore's hash map, passes/redistribution_order.py), except for Reshapes that do
+    nothing, which pcompile drops."""
+    with open(RECORDED) as f:
+        cases = json.load(f)["cases"]
+    assert len(cases) == 400
+    dropped = 0
+    for case in cases:
+        src, dst = (L(tuple(c[0]), tuple(c[1]), tuple(c[2])) for c in (case["from"], case["to"]))
+        plan = plan_redistribution(src, dst)
+        for rank, want in case["ops"].items():
+            expected = without_noop_reshapes(want, list(src.slice_shape))
+            dropped += expected != want
+            assert as_mindspore(plan.ops_for_rank(int(rank))) == expected, (case, rank)
+    assert dropped <= 4  # the few pairs where MindSpore reshapes to the same shape
+
+
+def test_noop_reshape_pairs_are_dropped() -> None:
+    """Two replicated layouts on different device matrices: MindSpore emits Reshape [1] then
+    Reshape [1, 1] (recorded); that does nothing and costs computation, so the plan is empty."""
+    src, dst = L((2, 2, 2), (-1, -1), (1, 1)), L((8,), (-1, -1), (1, 1))
+    plan = plan_redistribution(src, dst)
+    assert plan.ops == [] and plan.cost().computation == 0
+    assert without_noop_reshapes([["Reshape", [1]], ["Reshape", [1, 1]]], [1, 1]) == []

@@ -71,9 +71,13 @@ def test_odd_device_factor_goes_on_one_dim() -> None:
 def test_gather_candidates_are_valid() -> None:
     c = OpContext("Gather", [TensorType(F32, (8, 4)), TensorType(DType.int32, (4, 2))],
                   TensorType(F32, (4, 2, 4)), {"axis": 0}, 4)
-    for s in candidate_strategies(c):
-        table, idx = s.strategy
-        assert table[0] == 1 or all(x == 1 for x in idx)
+    from pcompile.ir.sharding import shard_batch_and_axis
+
+    got = [s.strategy for s in candidate_strategies(c)]
+    for strategy in got:
+        table, idx = strategy
+        assert table[0] == 1 or all(x == 1 for x in idx) or shard_batch_and_axis(c, strategy)
+    assert ((2, 1), (2, 1)) in got  # MindSpore's shard-batch-and-axis mode is a candidate
 
 
 # -- cost formulas --------------------------------------------------------------------------------

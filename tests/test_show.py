@@ -52,9 +52,9 @@ def test_show_quickstart_strategies_and_grid(quickstart: str) -> None:
     assert "((2, 4))" in _row(output, "relu")
     assert "((2, 4), (4, 1))" in _row(output, "matmul2")
     assert "in-edges from" in _row(output, "relu")  # the search's reason, with its cost
-    # w [32, 16] over 8 ranks, split by rows over the "4" axis of [2, 4, 1]: four row blocks,
+    # w [32, 16] over 8 ranks, split by rows over the "4" axis of [2, 4]: four row blocks,
     # each held by two ranks
-    assert "w [32, 16]: dev [2, 4, 1], map [1, -1]" in output
+    assert "w [32, 16]: dev [2, 4], map [0, -1]" in output  # MindSpore's normalised form
     for ranks, rows in (("0,4", "0:8"), ("1,5", "8:16"), ("2,6", "16:24"), ("3,7", "24:32")):
         assert f"ranks {ranks}" in output and f"[{rows}, 0:16]" in output
     svg = os.path.join(quickstart, "show", "w.svg")

@@ -24,9 +24,26 @@ from pcompile.compiler.nn.loss import (
     SoftmaxCrossEntropyWithLogits,
     WithLossCell,
 )
+from pcompile.compiler.nn.lr import (
+    CosineDecayLR,
+    ExponentialDecayLR,
+    LearningRateSchedule,
+    PolynomialDecayLR,
+    WarmUpLR,
+)
 from pcompile.compiler.nn.optim import SGD, Adam, AdamWeightDecay, Momentum
 from pcompile.compiler.nn.optim_base import Optimizer
 from pcompile.compiler.nn.pipeline import MicroBatchInterleaved, Pipeline, PipelineCell
+from pcompile.compiler.nn.wrap import (
+    ClipByGlobalNorm,
+    ClipGradNorm,
+    DistributedGradReducer,
+    DynamicLossScaleUpdateCell,
+    FixedLossScaleUpdateCell,
+    TrainOneStepCell,
+    TrainOneStepWithLossScaleCell,
+    WithGradCell,
+)
 
 __all__ = [
     "Cell",
@@ -57,4 +74,17 @@ __all__ = [
     "Momentum",
     "Adam",
     "AdamWeightDecay",
+    "LearningRateSchedule",
+    "WarmUpLR",
+    "CosineDecayLR",
+    "PolynomialDecayLR",
+    "ExponentialDecayLR",
+    "TrainOneStepCell",
+    "TrainOneStepWithLossScaleCell",
+    "WithGradCell",
+    "FixedLossScaleUpdateCell",
+    "DynamicLossScaleUpdateCell",
+    "DistributedGradReducer",
+    "ClipByGlobalNorm",
+    "ClipGradNorm",
 ]

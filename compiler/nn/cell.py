@@ -18,6 +18,25 @@ from pcompile.compiler.tensor import Parameter
 from pcompile.compiler.tracing import current_tracer, note_cell
 
 
+def _keep_outputs(result: Any, tracer: Any) -> None:
+    """The outputs of the cell `recompute()` was called on are kept (MindSpore: "all the
+    primitives in the cell except the outputs"): unmark the ones the cell's scope marked."""
+    items = result if isinstance(result, (tuple, list)) else [result]
+    for item in items:
+        node = getattr(getattr(item, "_value", None), "node", None)
+        if node is not None and node.op == "TupleGetItem":
+            node = getattr(node.operands[0], "node", None)
+        if node is None or id(node.result) not in tracer.recompute_marked:
+            continue
+        node.attrs = {k: v for k, v in node.attrs.items() if k != "recompute"}
+        tracer.recompute_marked.discard(id(node.result))
+
+
+def has_custom_bprop(cell: Cell) -> bool:
+    """Whether the cell defines its own backward (`def bprop(self, *inputs, out, dout)`)."""
+    return callable(getattr(type(cell), "bprop", None))
+
+
 class Cell:
     """Base class of networks, layers, losses and optimizers."""
 
@@ -31,6 +50,7 @@ class Cell:
         object.__setattr__(self, "shard_config", None)
         object.__setattr__(self, "_pipeline_stage", -1)
         object.__setattr__(self, "_pipeline_segment", 0)
+        object.__setattr__(self, "_recompute", None)
 
     # -- attribute bookkeeping ----------------------------------------------------------------
     def __setattr__(self, name: str, value: Any) -> None:
@@ -159,8 +179,42 @@ class Cell:
         return self
 
     def set_train(self, mode: bool = True) -> Cell:
+        """Training or inference behaviour for this cell and every sub-cell (`self.training`);
+        pcompile calls `set_train(True)` on the network of a training compile, as MindSpore's
+        `Model.train` does."""
         for _, cell in self.cells_and_names():
             object.__setattr__(cell, "training", mode)
+        return self
+
+    def recompute(self, mode: bool = True, **kwargs: Any) -> Cell:
+        """MindSpore's `Cell.recompute()`: every primitive in this cell and its sub-cells,
+        except the cell's outputs, is recomputed in the backward pass instead of kept
+        (`passes.recompute`); a primitive's own `recompute(False)` wins. MindSpore's keyword
+        options (`mp_comm_recompute`, `parallel_optimizer_comm_recompute`,
+        `recompute_slice_activation`) are accepted; communication inserted for a recomputed op
+        is recomputed with it."""
+        if not isinstance(mode, bool):
+            raise TypeError(f"{type(self).__name__}.recompute(): mode must be a bool, got "
+                            f"{mode!r}")
+        known = {"mp_comm_recompute", "parallel_optimizer_comm_recompute",
+                 "recompute_slice_activation"}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.recompute() got unexpected keyword "
+                            f"argument(s) {', '.join(unknown)}")
+        for _, cell in self.cells_and_names():
+            object.__setattr__(cell, "_recompute", mode)
+            object.__setattr__(cell, "_recompute_root", cell is self)
+        return self
+
+    def set_auto_parallel(self) -> Cell:
+        """Accepted for MindSpore scripts (`net.set_auto_parallel()`): the parallel mode comes
+        from the context."""
+        return self
+
+    def set_grad(self, requires_grad: bool = True) -> Cell:
+        """Accepted for MindSpore scripts (`network.set_grad()`): pcompile knows from the
+        compile which cells are differentiated."""
         return self
 
     def shard(
@@ -190,6 +244,16 @@ class Cell:
         tracer = current_tracer()
         if tracer is None:
             return self.construct(*args, **kwargs)
+        from pcompile.compiler.train_step import current_step
+
+        step = current_step()
+        if step is not None:
+            return step.call_cell(self, args, kwargs, lambda: self._traced_call(args, kwargs))
+        return self._traced_call(args, kwargs)
+
+    def _traced_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        tracer = current_tracer()
+        assert tracer is not None
         part = f"{self._attr_name or 'cell'}-{type(self).__name__}"
         with contextlib.ExitStack() as scopes:
             # A cell held by a CellList (which is never called itself) has the list in its
@@ -200,11 +264,20 @@ class Cell:
                     f"{container._attr_name or 'cell'}-{type(container).__name__}"))
             scopes.enter_context(tracer.cell_scope(part))
             note_cell(tracer.scope, self)  # pipeline stages are looked up by scope
+            if has_custom_bprop(self):
+                tracer.custom_bprop.append((type(self).__name__, tracer.scope))
+            if self._recompute is not None:
+                tracer.recompute_stack.append(self._recompute)
+                scopes.callback(tracer.recompute_stack.pop)
             if self.shard_config is not None:
                 from pcompile.compiler.functional_shard import call_sharded
 
-                return call_sharded(self.construct, self.shard_config, args, cell=self)
-            return self.construct(*args, **kwargs)
+                result = call_sharded(self.construct, self.shard_config, args, cell=self)
+            else:
+                result = self.construct(*args, **kwargs)
+            if self._recompute and self.__dict__.get("_recompute_root"):
+                _keep_outputs(result, tracer)
+            return result
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}<{', '.join(self._cells)}>"

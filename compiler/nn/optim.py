@@ -189,7 +189,7 @@ class Adam(_Base):
     `use_amsgrad=True` is not supported."""
 
     state_prefixes = ("moment1", "moment2")
-    _lr_t_cache: tuple[Tensor, Tensor, Tensor] | None
+    _lr_t_cache: tuple[Tensor, Tensor, Tensor, Any] | None
 
     def __init__(
         self,
@@ -214,10 +214,11 @@ class Adam(_Base):
 
     def global_state(self) -> dict[str, np.ndarray]:
         one = np.ones((), dtype=np.float32)
-        return {"beta1_power": one, "beta2_power": one.copy()}
+        return {**super().global_state(), "beta1_power": one, "beta2_power": one.copy()}
 
     def update_global(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         return {
+            **super().update_global(state),
             "beta1_power": state["beta1_power"] * self.beta1,
             "beta2_power": state["beta2_power"] * self.beta2,
         }
@@ -225,11 +226,15 @@ class Adam(_Base):
     def _lr_t(self, global_state: dict[str, Tensor]) -> Tensor:
         """The bias-corrected step size, computed once per step (cached by state tensor)."""
         b1p, b2p = global_state["beta1_power"], global_state["beta2_power"]
+        lr = self.learning_rate
+        if isinstance(lr, Tensor) and lr.dtype != b1p.dtype:
+            lr = ops.Cast()(lr, b1p.dtype)
         cached = self._lr_t_cache
-        if cached is not None and cached[0] is b1p and cached[1] is b2p:
+        if cached is not None and cached[0] is b1p and cached[1] is b2p and cached[3] is (
+                self.learning_rate):
             return cached[2]
-        lr_t = _sqrt(1.0 - b2p) * self.learning_rate / (1.0 - b1p)
-        object.__setattr__(self, "_lr_t_cache", (b1p, b2p, lr_t))
+        lr_t = _sqrt(1.0 - b2p) * lr / (1.0 - b1p)
+        object.__setattr__(self, "_lr_t_cache", (b1p, b2p, lr_t, self.learning_rate))
         return lr_t
 
     def update(

@@ -5,10 +5,18 @@ parameter, `update(param, grad, state, global_state)` computes the new value and
 ordinary ops, so the update is part of the IR like everything else and later passes can shard
 it. Per-parameter state tensors are named `<prefix>.<parameter name>` (`moments.w`, as
 MindSpore names them); global state (`beta1_power`, ...) by its own name.
+
+`learning_rate` is a number or an `nn.LearningRateSchedule` (`nn.WarmUpLR`, `nn.CosineDecayLR`,
+your own subclass). With a schedule the optimizer keeps MindSpore's `global_step` (Int32, shape
+(1,), 0 before the first step): each update uses `schedule(global_step)` and then adds 1, as
+MindSpore's `Optimizer.get_lr` does; inside `update`, `self.learning_rate` is that step's rate
+(a scalar tensor of the parameter's dtype).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -16,6 +24,7 @@ import numpy as np
 from pcompile.compiler.initializer import initializer
 from pcompile.compiler.nn.cell import Cell
 from pcompile.compiler.tensor import Parameter, Tensor
+from pcompile.ir.types import DType
 
 
 class Optimizer(Cell):
@@ -40,12 +49,22 @@ class Optimizer(Cell):
                     f"{type(self).__name__}: expected Parameters (net.trainable_params()), "
                     f"got {type(p).__name__}"
                 )
+        from pcompile.compiler.nn.lr import LearningRateSchedule
+
+        schedule = learning_rate if isinstance(learning_rate, LearningRateSchedule) else None
+        object.__setattr__(self, "_schedule", schedule)
+        if schedule is not None and not schedule._attr_name:
+            object.__setattr__(schedule, "_attr_name", "learning_rate")
+        object.__setattr__(self, "_lr_now", None)
+        if schedule is not None:
+            learning_rate = 0.0  # checked below as a number; the schedule gives the rate
         for name, value in (("learning_rate", learning_rate), ("weight_decay", weight_decay),
                             ("loss_scale", loss_scale)):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(
-                    f"{type(self).__name__}: {name} must be a number, got {value!r} "
-                    "(schedules are not supported)"
+                    f"{type(self).__name__}: {name} must be a number"
+                    + (" or an nn.LearningRateSchedule" if name == "learning_rate" else "")
+                    + f", got {value!r}"
                 )
         if learning_rate < 0:
             raise ValueError(f"{type(self).__name__}: learning_rate must be >= 0")
@@ -54,9 +73,66 @@ class Optimizer(Cell):
         if loss_scale <= 0:
             raise ValueError(f"{type(self).__name__}: loss_scale must be > 0")
         object.__setattr__(self, "parameters", params)
-        self.learning_rate = float(learning_rate)
+        object.__setattr__(self, "_lr", float(learning_rate))
         self.weight_decay = float(weight_decay)
         self.loss_scale = float(loss_scale)
+
+    # -- the learning rate ------------------------------------------------------------------------
+    @property
+    def learning_rate(self) -> Any:
+        """The rate `update` uses: a float, or this step's scheduled rate (a scalar tensor)."""
+        if self._lr_now is not None:
+            return self._lr_now
+        if self._schedule is not None:
+            return self._schedule
+        return self._lr
+
+    @learning_rate.setter
+    def learning_rate(self, value: Any) -> None:
+        object.__setattr__(self, "_lr", float(value))
+
+    @property
+    def dynamic_lr(self) -> bool:
+        return self._schedule is not None
+
+    @contextlib.contextmanager
+    def learning_rate_for(self, dtype: DType) -> Iterator[None]:
+        """Inside the block `self.learning_rate` is this step's scheduled rate in `dtype`
+        (computed by `update_global`); a fixed rate stays a float."""
+        rate = self.__dict__.get("_scheduled_rate")
+        if rate is None:
+            yield
+            return
+        if rate.dtype != dtype:
+            from pcompile.compiler import ops
+
+            rate = ops.cast(rate, dtype)
+        object.__setattr__(self, "_lr_now", rate)
+        try:
+            yield
+        finally:
+            object.__setattr__(self, "_lr_now", None)
+
+    def _schedule_state(self) -> dict[str, Any]:
+        if self._schedule is None:
+            return {}
+        return {"global_step": np.zeros((1,), np.int32)}
+
+    def _advance_schedule(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """This step's rate from `global_step` (kept for `learning_rate_for`), and the next
+        `global_step`."""
+        if self._schedule is None:
+            return {}
+        from pcompile.compiler import ops
+
+        step = state["global_step"]
+        rate = self._schedule(step)
+        if not isinstance(rate, Tensor):
+            rate = Tensor(np.asarray(rate, np.float32))
+        if rate.shape != ():
+            rate = ops.reshape(rate, ())
+        object.__setattr__(self, "_scheduled_rate", rate)
+        return {"global_step": step + 1}
 
     def init_state(self, prefix: str, param: Parameter) -> Any:
         """Initial value of one per-parameter state tensor (zeros by default): an
@@ -64,12 +140,14 @@ class Optimizer(Cell):
         return initializer("zeros", param.shape, param.dtype)
 
     def global_state(self) -> dict[str, np.ndarray]:
-        """Initial values of state shared by all parameters."""
-        return {}
+        """Initial values of state shared by all parameters (`global_step` with a schedule;
+        subclasses add theirs to `super().global_state()`)."""
+        return self._schedule_state()
 
     def update_global(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
-        """New global state, computed once per step before the parameter updates."""
-        return state
+        """New global state, computed once per step before the parameter updates (subclasses
+        add theirs to `super().update_global(state)`)."""
+        return self._advance_schedule(state)
 
     def update(
         self,
@@ -80,8 +158,17 @@ class Optimizer(Cell):
     ) -> tuple[Tensor, dict[str, Tensor]]:
         raise NotImplementedError
 
-    def construct(self, *args: Any) -> Any:
-        raise TypeError(
-            "optimizers are applied by the compiler after the backward pass; do not call them "
-            "from construct()"
-        )
+    def construct(self, gradients: Any, skip: Any = None) -> Any:
+        """`optimizer(grads)` in a training step cell: the update of every parameter from its
+        gradient (in `self.parameters`' order). `skip` (pcompile's spelling of MindSpore's
+        `if not overflow: self.optimizer(grads)`): a Bool tensor; when true the update, step
+        counters included, is skipped."""
+        from pcompile.compiler.train_step import current_step
+
+        step = current_step()
+        if step is None:
+            raise TypeError(
+                "optimizers are applied after the backward pass: by pcompile (optimizer() in "
+                "the model file) or by a training step cell (nn.TrainOneStepCell); do not call "
+                "them from a network's construct()")
+        return step.optimizer_step(self, gradients, skip)

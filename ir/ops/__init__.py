@@ -1,8 +1,10 @@
 """Primitive definitions. Importing this package registers every op."""
 
 from pcompile.ir.ops import (  # noqa: F401
+    arith,
     attention,
     comm,
+    control,
     elementwise,
     linalg,
     nn,

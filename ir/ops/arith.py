@@ -1,0 +1,142 @@
+"""More element-wise primitives: FloorDiv, Cos, Sin, IsFinite.
+
+* `FloorDiv(x, y)`: floor(x / y) for floats, floor division (rounding toward -inf) for integers,
+  as MindSpore's FloorDiv. Its gradient is zero for both operands (MindSpore's bprop returns
+  `zeros_like` of each), so the vjp returns no cotangent.
+* `Cos`, `Sin`: the learning-rate schedules (`nn.CosineDecayLR`) and rotary embeddings need them.
+* `IsFinite(x)`: Bool, False where x is inf or NaN (integers and Bool are always finite); the
+  loss-scale cells test gradients for overflow with it. It stops gradients.
+
+Sharding: all four are element-wise (each output dim may be split, a broadcast dim never),
+registered in `ir.sharding.RULES` right below their entries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Node, Value
+from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._util import infer_binary, infer_unary_float, tensor
+from pcompile.ir.registry import OpDef, register
+from pcompile.ir.sharding import RULES, LabelRule, elementwise_labels
+from pcompile.ir.types import DType, TensorType, ValueType
+
+
+def _in_f32(fn: Any) -> Any:
+    """A float formula computed in float32 for 16-bit inputs and rounded once (as XLA does)."""
+
+    def impl(*arrays: Any) -> Any:
+        dtype = np.asarray(arrays[0]).dtype
+        if dtype.kind == "f" and dtype.itemsize < 4 or dtype.name == "bfloat16":
+            arrays = tuple(np.asarray(a, np.float32) for a in arrays)
+        return np.asarray(fn(*arrays)).astype(dtype, copy=False)
+
+    return impl
+
+
+def _elementwise_rule(name: str) -> None:
+    RULES[name] = LabelRule(elementwise_labels)
+
+
+# -- FloorDiv ---------------------------------------------------------------------------------
+
+
+def _floor_div_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    out = tensor(infer_binary(types, attrs))
+    if out.dtype is DType.bool_:
+        raise ShapeError("needs numeric operands, got Bool")
+    return out
+
+
+def _floor_div_np(x: Any, y: Any) -> Any:
+    if np.asarray(x).dtype.kind in "iu":
+        with np.errstate(divide="ignore"):
+            return np.floor_divide(x, y)
+    return _in_f32(lambda a, b: np.floor(a / b))(x, y)
+
+
+def _floor_div_jax(x: Any, y: Any) -> Any:
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return jnp.floor_divide(x, y)
+    if x.dtype.itemsize < 4:  # as the numpy implementation: divide in float32, round once
+        wide = jnp.float32
+        return jnp.floor(x.astype(wide) / y.astype(wide)).astype(x.dtype)
+    return jnp.floor(x / y)
+
+
+def _floor_div_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    return [None, None]  # MindSpore's bprop: zeros for both operands
+
+
+register(
+    OpDef(
+        "FloorDiv",
+        _floor_div_infer,
+        numpy=_floor_div_np,
+        jax=_floor_div_jax,
+        vjp=_floor_div_vjp,
+        num_inputs=2,
+        doc="floor(x / y) with broadcasting (integers: floor division); zero gradient.",
+    )
+)
+_elementwise_rule("FloorDiv")
+
+# -- Cos, Sin ---------------------------------------------------------------------------------
+
+register(
+    OpDef(
+        "Cos",
+        infer_unary_float,
+        numpy=_in_f32(np.cos),
+        jax=lambda x: jnp.cos(x),
+        vjp=lambda b, node, cot: [b("Neg", b("Mul", cot, b("Sin", node.operands[0])))],
+        num_inputs=1,
+        doc="cos(x).",
+    )
+)
+_elementwise_rule("Cos")
+
+register(
+    OpDef(
+        "Sin",
+        infer_unary_float,
+        numpy=_in_f32(np.sin),
+        jax=lambda x: jnp.sin(x),
+        vjp=lambda b, node, cot: [b("Mul", cot, b("Cos", node.operands[0]))],
+        num_inputs=1,
+        doc="sin(x).",
+    )
+)
+_elementwise_rule("Sin")
+
+# -- IsFinite ---------------------------------------------------------------------------------
+
+
+def _is_finite_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    return TensorType(DType.bool_, tensor(types[0]).shape)
+
+
+def _is_finite_np(x: Any) -> Any:
+    x = np.asarray(x)
+    if x.dtype.kind in "f" or x.dtype.name == "bfloat16":
+        return np.isfinite(x.astype(np.float32) if x.dtype.itemsize < 4 else x)
+    return np.ones(x.shape, bool)
+
+
+register(
+    OpDef(
+        "IsFinite",
+        _is_finite_infer,
+        numpy=_is_finite_np,
+        jax=lambda x: jnp.isfinite(x),
+        num_inputs=1,
+        differentiable=False,
+        doc="Bool: x is neither inf nor NaN (always True for integers and Bool).",
+    )
+)
+_elementwise_rule("IsFinite")
