@@ -6,6 +6,7 @@ mistake. The JAX runs (8 virtual devices, 8 processes) are in tests/test_pipelin
 from __future__ import annotations
 
 import json
+import math
 import os
 import textwrap
 
@@ -404,3 +405,22 @@ DATASET = """def dataset():
     for _ in range(4):
         yield (rng.standard_normal((BATCH, 16)).astype(np.float32),
                rng.standard_normal((BATCH, 8)).astype(np.float32))"""
+
+
+# -- search ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("search", ["sharding_propagation", "recursive_programming",
+                                    "dynamic_programming"])
+def test_auto_parallel_searches_within_each_stage(monkeypatch, search) -> None:
+    """auto_parallel with pipeline stages: every strategy is chosen for the stage's devices
+    (each layout's device matrix has 8 / 2 = 4 devices), and the plan trains like one device."""
+    monkeypatch.setenv("GPT_MICRO", "2")
+    monkeypatch.setenv("GPT_BATCH", "16")
+    program = compile_model(GPT, devices=8, dump=False, parallel_mode="auto_parallel",
+                            search_mode=search, overrides={"pipeline_stages": 2})
+    assert program.state.pipelined and program.state.stage_devices == 4
+    layouts = program.state.assignment.param_layouts
+    assert layouts and {math.prod(lay.dev_matrix) for lay in layouts.values()} == {4}
+    report = check(program, steps=2)
+    assert report.ok(), (report.losses, report.worst)
