@@ -107,6 +107,9 @@ def _verbosity(function: Any) -> Any:
               help="Where dumps and plan.json go (default: save_graphs_path or ./saved_graph).")
 @click.option("--dataset-strategy", default=None,
               help="data_parallel, full_batch, or per-input strategies like '((8, 1), (8, 1))'.")
+@click.option("--pipeline-stages", type=click.IntRange(1), default=None, metavar="S",
+              help="Pipeline stages (stage s owns ranks [s*n, (s+1)*n), n = devices / S). "
+                   "Overrides pipeline_stages set in the model file.")
 @click.option("--dump-ranks", default=None, metavar="RANKS",
               help="Ranks whose folders are written: all, none, or a list like 0,5 "
                    "(default: all up to 8 devices, else 0).")
@@ -165,6 +168,7 @@ def compile_command(
     parallel_mode: str | None,
     out_dir: str | None,
     dataset_strategy: str | None,
+    pipeline_stages: int | None,
     dump_ranks: str | None,
     save_graphs: int | None,
     do_run: bool,
@@ -199,6 +203,8 @@ def compile_command(
     strategy = _parse_dataset_strategy(dataset_strategy)
     if strategy is not None:
         overrides["dataset_strategy"] = strategy
+    if pipeline_stages is not None:
+        overrides["pipeline_stages"] = pipeline_stages
     run_options = {"checkpoint_every": checkpoint_every, "resume": resume,
                    "processes": processes, "timeout": timeout,
                    "startup_timeout": startup_timeout, "heartbeat_timeout": heartbeat_timeout,
@@ -358,6 +364,8 @@ def _summary(program: Any, elapsed: float, quiet: bool = False) -> None:
     )
     if quiet:
         return
+    if state.pipelined:
+        click.echo(state.pipeline.program.schedule.text())
     for name, seconds in program.timings:
         click.echo(f"  pass {name:<24} {seconds * 1000:8.1f} ms")
     if program.out_dir:

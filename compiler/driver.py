@@ -145,6 +145,9 @@ class CompileState:
     options: dict[str, Any] = field(default_factory=dict)
     search: Any = None  # passes.search.SearchResult in auto_parallel (issue 4)
     dump_ranks: list[int] = field(default_factory=list)  # the ranks whose folders are written
+    # Pipeline parallelism (compiler/pipelining.py): stages, micro-batches, the stage of every
+    # op; None when neither pipeline_stages > 1 nor nn.PipelineCell is used.
+    pipeline: Any = None
     opt_shard: dict[str, Any] = field(default_factory=dict)  # the parallel optimizer's plan
     state_owners: dict[str, str] = field(default_factory=dict)  # optimizer state -> parameter
     reference: ReferenceOptions | None = None  # single-device reference of a parallel program
@@ -166,6 +169,24 @@ class CompileState:
         """The program differentiates (a training step, or a cell returning gradients): the
         split inserts gradient communication."""
         return self.traced is not None and self.traced.differentiates
+
+    @property
+    def stage_devices(self) -> int:
+        """Devices of one pipeline stage (all devices without pipeline stages): operator
+        strategies, layouts and collectives live inside a stage."""
+        stages = self.pipeline.stages if self.pipeline is not None else 1
+        return self.devices // stages
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the step is cut into pipeline stages (pipeline_stages > 1)."""
+        return self.pipeline is not None and self.pipeline.stages > 1
+
+    @property
+    def micro_batched(self) -> bool:
+        """Whether the local program is repeated per micro-batch (passes/micro_batch.py)."""
+        return self.pipeline is not None and self.parallel and (
+            self.pipeline.stages > 1 or self.pipeline.micro_size > 1)
 
     @property
     def graphs(self) -> list[Graph]:
@@ -220,7 +241,12 @@ class TracePass:
             state.rank_graphs = [t.graph for t in traces]
             state.split = True
         else:
-            traced = trace_model(state.model_file, batch_split=split)
+            from pcompile.compiler.tracing import recording_cells
+
+            with recording_cells() as cells:
+                traced = trace_model(state.model_file, batch_split=split,
+                                     micro_batches=state.parallel)
+            _pipeline_trace(state, traced, cells)
         state.traced = traced
         state.graph = traced.graph
         _check_functional_shard(state)
@@ -231,6 +257,46 @@ class TracePass:
                 state.reference.transform(traced.graph)
             state.rank_graphs = [traced.graph]
             state.split = True
+
+
+def _pipeline_trace(state: CompileState, traced: TracedModel, cells: dict[str, Any]) -> None:
+    """nn.PipelineCell's micro size, and the stage of every op when there are stages."""
+    from pcompile.compiler.nn.pipeline import PipelineCell
+    from pcompile.compiler.pipelining import PipelineSettings, check_micro_split, stage_map
+
+    settings = state.pipeline
+    if isinstance(traced.network, PipelineCell) and state.parallel:
+        if settings is None:
+            settings = state.pipeline = PipelineSettings(1, 1, "1f1b")
+        settings.micro_size = traced.network.micro_size
+    if settings is None:
+        return
+    check_micro_split(traced.graph, settings.micro_size, state.stage_devices,
+                      state.options.get("dataset_strategy"))
+    if settings.stages <= 1:
+        return
+    if traced.step is not None:
+        raise PcompileError(
+            f"pipeline_stages={settings.stages}: this model file trains through a training "
+            f"step cell ({type(traced.network).__name__}: model() returns one, or its network "
+            "computes its own loss and the file defines optimizer() without loss()); pipeline "
+            "parallelism in this version of pcompile trains nn.PipelineCell(nn.WithLossCell("
+            "net, loss_fn), micro_size) returned from model() with optimizer(), or model() + "
+            "loss() + optimizer()")
+    if traced.mode != "train":
+        raise PcompileError(
+            f"pipeline_stages={settings.stages}: pipeline parallelism trains (a loss, "
+            "gradients, an update per step); this model file compiles inference: return "
+            "nn.PipelineCell(nn.WithLossCell(net, loss_fn), micro_size) from model() or define "
+            "loss() and optimizer()")
+    recomputed = next((n for n in traced.graph.nodes if n.attrs.get("recompute")), None)
+    if recomputed is not None:
+        raise PcompileError(
+            f"pipeline_stages={settings.stages}: {recomputed.op} "
+            f"({recomputed.source or recomputed.scope}) is marked for recomputation; "
+            "recompute is not implemented together with pipeline stages in this version of "
+            "pcompile; remove recompute() or use pipeline_stages=1")
+    settings.stage_map = stage_map(traced.graph, cells, traced, settings.stages)
 
 
 def _load_as_rank(state: CompileState, rank: int) -> ModelFile:
@@ -276,7 +342,12 @@ class AutodiffPass:
             wrt = [p for p in graph.weights if p.requires_grad]
             if not wrt:
                 raise PcompileError("the network has no trainable parameters to train")
-            grads = append_gradients(graph, objective, wrt)
+            origins: dict[int, Node] | None = {} if state.micro_batched else None
+            grads = append_gradients(graph, objective, wrt, origins=origins)
+            if origins is not None:  # backward nodes run in their forward node's stage
+                from pcompile.passes.pipeline_split import inherit
+
+                inherit(origins, state.pipeline.local_stage, state.pipeline.labels)
             scales = state.reference.gradient_scales if state.reference else {}
             if scales:
                 grads = [_scaled(graph, g, scales.get(p.name, 1.0)) for p, g in zip(wrt, grads)]
@@ -395,7 +466,8 @@ class StepParallelBeginPass:
     def apply(self, state: CompileState) -> None:
         assert state.graph is not None
         opts = state.options
-        state.assignment = assign(state.graph, state.devices, opts.get("dataset_strategy"),
+        state.assignment = assign(state.graph, state.stage_devices,
+                                  opts.get("dataset_strategy"),
                                   searched=searched_strategies(state))  # search (issue 4)
         finish_assignment(state)  # search (issue 4): annotations, plan, checkpoint
         if opts.get("parallel_detail"):
@@ -419,7 +491,7 @@ class StepParallelEndPass:
         assert traced is not None
         opts = state.options
         options = SplitOptions(
-            devices=state.devices,
+            devices=state.stage_devices,
             training=state.backward,
             gradients_mean=bool(opts.get("gradients_mean", False)),
             loss_repeated_mean=bool(opts.get("loss_repeated_mean", True)),
@@ -431,7 +503,14 @@ class StepParallelEndPass:
         state.opt_shard = dict(options.opt_shard)
         for name, shard in options.opt_shard.items():
             state.assignment.param_layouts[name] = shard.stored
-        graph, layouts = build_spmd_graph(state.graph, state.assignment, options, fusion)
+        if state.pipelined:  # the stage of every local node (compiler/pipelining.py)
+            from pcompile.passes.pipeline_split import build_staged_spmd_graph
+
+            graph, layouts, state.pipeline.local_stage = build_staged_spmd_graph(
+                state.graph, state.assignment, options, fusion,
+                state.pipeline.stage_map.node_stage)
+        else:
+            graph, layouts = build_spmd_graph(state.graph, state.assignment, options, fusion)
         state.rank_graphs = [graph] * state.devices
         state.output_layouts = layouts
         state.split = True
@@ -445,6 +524,9 @@ class ExecutePass:
 
     def apply(self, state: CompileState) -> None:
         assert state.rank_graphs, "execute needs the per-rank graphs"
+        if state.pipelined:  # the schedule of the final stage graphs
+            state.pipeline.program.finish()
+            state.plan["pipeline"] = state.pipeline.program.describe()
 
 
 @dataclass
@@ -567,6 +649,10 @@ def pipeline(state: CompileState) -> list[Pass]:
         if state.parallel_mode == "auto_parallel":  # search (issue 4)
             passes.append(StepAutoParallelPass())
         passes += [StepParallelBeginPass(), StepParallelEndPass()]
+        if state.micro_batched:
+            from pcompile.compiler.pipelining import MicroBatchPass
+
+            passes.append(MicroBatchPass())
     traced = state.traced
     recompute = [RecomputePass()] if state.backward and state.graph is not None and \
         marked(state.graph) else []
@@ -574,6 +660,10 @@ def pipeline(state: CompileState) -> list[Pass]:
         passes += [TrainStepPass(), *recompute]
     elif state.training:
         passes += [AutodiffPass(), *recompute, OptimizerPass()]
+        if state.pipelined:
+            from pcompile.compiler.pipelining import PipelineSplitPass
+
+            passes.append(PipelineSplitPass())
     if state.backward and state.parallel:
         passes.append(CommFusionPass())
     passes.append(ExecutePass())
@@ -651,12 +741,12 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
         if devices == 1 and mode != "stand_alone":
             mode = "stand_alone"  # one device: every mode is stand-alone
         _check_mode(devices, mode, str(ctx.search_mode))
-        if int(ctx.pipeline_stages) > 1:
-            raise PcompileError(
-                f"pipeline_stages={ctx.pipeline_stages}: pipeline parallelism is not "
-                "implemented yet in this version of pcompile; use pipeline_stages=1"
-            )
+        from pcompile.compiler.pipelining import settings_from_context
+
+        settings = settings_from_context(ctx, devices, mode)
         state = CompileState(mf, devices, mode, str(ctx.search_mode))
+        if settings.stages > 1:
+            state.pipeline = settings
         state.reference = reference
         state.options = {
             "dataset_strategy": ctx.dataset_strategy,

@@ -97,7 +97,7 @@ def check_cost(program: CompiledProgram) -> int:
     state = program.state
     local = 0
     for graph in state.graphs or [program.graph]:
-        copies = state.devices if len(state.graphs) == 1 else 1
+        copies = sum(1 for g in state.rank_graphs if g is graph) or 1  # ranks running it
         elements = sum(p.tensor_type.size for p in graph.params)
         for node in graph.nodes:
             types = getattr(node.result.type, "elements", None) or (node.result.type,)

@@ -215,6 +215,53 @@ class OptimizerShard(_Strict):
     opt_shard_group: str
 
 
+class PipelineUnit(_Strict):
+    """One unit of a stage's schedule."""
+
+    tick: Annotated[int, Field(ge=0)] = Field(description="when it runs (units take one tick)")
+    unit: str = Field(description="`F<k>`: the forward of micro-batch k, `B<k>`: its backward")
+
+
+class PipelineStage(_Strict):
+    """One pipeline stage: its ranks, parameters, schedule and activation memory."""
+
+    stage: Annotated[int, Field(ge=0)]
+    ranks: list[Rank] = Field(description="the ranks that run it: [s*n, (s+1)*n)")
+    parameters: list[str] = Field(description="the weights and optimizer states it holds")
+    units: list[PipelineUnit] = Field(description="its units in the order it runs them")
+    activation_bytes: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        description="per scheduler (1f1b, gpipe): peak bytes of values one unit computes and "
+                    "a later unit reads (activations, gradient sums), per rank")
+    micro_batches_in_flight: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        description="per scheduler: most micro-batches whose forward ran and backward did not")
+
+
+class PipelineTransfer(_Strict):
+    """One Send/Receive pair (between the ranks at the same position of two stages)."""
+
+    sr_tag: Annotated[int, Field(ge=0)] = Field(description="the tag both sides carry")
+    src_stage: Annotated[int, Field(ge=0)]
+    dst_stage: Annotated[int, Field(ge=0)]
+    value: str = Field(description="what crosses: the producing op")
+    shape: list[Dim] = Field(description="the local shape one rank sends")
+    dtype: str
+    bytes: Annotated[int, Field(ge=0)] = Field(description="bytes one rank sends")
+
+
+class PipelineInfo(_Strict):
+    """Pipeline parallelism (pipeline_stages > 1): stages, micro-batches and the schedule."""
+
+    stages: Positive = Field(description="pipeline_stages")
+    devices_per_stage: Positive
+    micro_size: Positive = Field(description="micro-batches per step (nn.PipelineCell)")
+    scheduler: Literal["1f1b", "gpipe"] = Field(description="pipeline_config's scheduler")
+    ticks: Annotated[int, Field(ge=0)] = Field(description="ticks of one step")
+    bubble: float = Field(description="idle stage-ticks over all stage-ticks")
+    ideal_bubble: float = Field(description="(S-1)/(m+S-1)")
+    per_stage: list[PipelineStage]
+    transfers: list[PipelineTransfer]
+
+
 class Plan(_Strict):
     """plan.json (schema version `SCHEMA_VERSION`)."""
 
@@ -242,6 +289,8 @@ class Plan(_Strict):
     comm_fusion: CommFusionInfo | None = Field(None, description="communication fusion")
     parallel_optimizer: dict[str, OptimizerShard] | None = Field(
         None, description="the parallel optimizer's stored layouts, per parameter")
+    pipeline: PipelineInfo | None = Field(
+        None, description="pipeline stages, micro-batches and schedule (pipeline_stages > 1)")
     recompute: RecomputeInfo | None = Field(
         None, description="recomputation, when a cell or primitive asked for it")
 
@@ -306,7 +355,9 @@ def build_plan(state: Any) -> Plan:
         layout = use_layout(state, p.name) if assignment else None
         norm = layout.normalized() if layout else None
         params[p.name] = {
-            "kind": p.kind, "shape": list(p.shape), "dtype": p.dtype.value,
+            "kind": p.kind, "dtype": p.dtype.value,
+            # an input's global shape is its layout's (nn.PipelineCell traces one micro-batch)
+            "shape": list(layout.shape) if layout else list(p.shape),
             "dev_matrix": list(norm.dev_matrix) if norm else [1],
             "tensor_map": _tensor_map(norm) if norm else [-1] * len(p.shape),
             "slice_shape": list(layout.slice_shape) if layout else list(p.shape)}
@@ -316,9 +367,11 @@ def build_plan(state: Any) -> Plan:
         for node in state.rank_graphs[rank].nodes:
             if not is_communication(node):
                 continue
+            peer = node.attrs.get("dest_rank", node.attrs.get("src_rank"))
             rows.append({
                 "node": node.fullname, "op": node.op,
-                "rank_list": list(resolve(node.attrs.get("rank_list", ()), rank)),
+                "rank_list": sorted([rank, resolve(peer, rank)]) if peer is not None
+                else list(resolve(node.attrs.get("rank_list", ()), rank)),
                 "group": str(resolve(node.attrs.get("group", ""), rank)),
                 "bytes": node_bytes(node), "phase": phase_of(node.scope),
                 "reason": node_reason(node)})
@@ -329,9 +382,10 @@ def build_plan(state: Any) -> Plan:
         "parallel_mode": state.parallel_mode,
         "search_mode": state.search_mode if state.parallel_mode == "auto_parallel" else None,
         "training": state.training,
-        "inputs": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype.value}
+        "inputs": [{"name": p.name, "shape": params[p.name]["shape"], "dtype": p.dtype.value}
                    for p in graph.inputs],
-        "outputs": list(state.rank_graphs[0].attrs.get("outputs", ())) if state.rank_graphs
+        "outputs": list(state.pipeline.program.outputs) if getattr(state, "pipelined", False)
+        else list(state.rank_graphs[0].attrs.get("outputs", ())) if state.rank_graphs
         else [],
         "ops": ops,
         "parameters": params,
@@ -345,6 +399,7 @@ def build_plan(state: Any) -> Plan:
         "search": extra.pop("search", None),
         "comm_fusion": extra.pop("comm_fusion", None),
         "parallel_optimizer": extra.pop("parallel_optimizer", None),
+        "pipeline": extra.pop("pipeline", None),
         **extra,  # a pass's new section is refused here until the schema names it
     })
 

@@ -135,6 +135,10 @@ def show(out_dir: str, *, rank: int | None = None, op: str | None = None,
         out.print(Padding(Group(*grids), (1, 0, 0, 0)))
     if written:
         out.print(f"layout pictures: {', '.join(written)}")
+    if plan.pipeline is not None:
+        from pcompile.compiler.pipelining import schedule_from_plan
+
+        out.print(Text(schedule_from_plan(plan.pipeline).text()), overflow="ignore", crop=False)
     which = rank if rank is not None else (plan.dump_ranks[0] if plan.dump_ranks else None)
     if which is None:
         out.print("communication: no rank was dumped (--dump-ranks none)")

@@ -31,9 +31,20 @@ def batches(program: CompiledProgram, steps: int) -> Iterator[tuple[int, int, li
     """Yield (epoch, step-in-epoch, arrays) with arrays = inputs then labels, global shapes.
     Epochs restart `dataset()`; without a data set, one synthetic batch repeats."""
     traced, mf = program.traced, program.state.model_file
-    expected = [(p.name, tuple(p.shape), p.dtype.np) for p in program.graph.inputs]
+    expected = [(p.name, shape, p.dtype.np)
+                for p, shape in zip(program.graph.inputs, input_shapes(program))]
     yield from iter_batches(mf, len(traced.input_names), len(traced.label_names),
                             traced.example_inputs + traced.example_labels, expected, steps)
+
+
+def input_shapes(program: CompiledProgram) -> list[tuple[int, ...]]:
+    """The global shape of every graph input (the whole batch: with nn.PipelineCell the
+    traced graph takes one micro-batch, passes/micro_batch.py the whole)."""
+    state = program.state
+    if state.micro_batched:
+        layouts = state.assignment.param_layouts
+        return [tuple(layouts[p.name].shape) for p in program.graph.inputs]
+    return [tuple(p.shape) for p in program.graph.inputs]
 
 
 def iter_batches(
@@ -260,26 +271,37 @@ class ParallelRunner:
                     vals[name] = np.array(self.values[0][name], copy=True)
 
     def feeds(self, rank: int, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """Rank `rank`'s graph parameters: its slices of the global `arrays` (the program's
+        inputs in order; a pipeline stage reads those it uses), then its stored values."""
         from pcompile.passes.step_parallel import slice_array
 
         graph = self.graphs[rank]
+        by_name = {p.name: a for p, a in zip(self.program.graph.inputs, arrays)}
         inputs = graph.inputs
-        out = [slice_array(a, self.layouts[p.name], rank) for p, a in zip(inputs, arrays)]
+        out = [slice_array(by_name[p.name], self.layouts[p.name], rank) for p in inputs]
         return out + [self.values[rank][p.name] for p in graph.params[len(inputs):]]
 
     def run(self, arrays: list[np.ndarray]) -> list[list[np.ndarray]]:
         from pcompile.backends.numpy.simulate import run_ranks
 
         feeds = [self.feeds(r, arrays) for r in range(len(self.graphs))]
-        return [[np.asarray(o) for o in outs]
-                for outs in run_ranks(self.graphs, feeds, self.float64)]
+        if self.program.state.pipelined:
+            from pcompile.backends.numpy.pipeline import run_pipeline
+
+            outs = run_pipeline(self.program.state.pipeline.program, feeds, self.float64)
+        else:
+            outs = run_ranks(self.graphs, feeds, self.float64)
+        return [[np.asarray(o) for o in rank_outs] for rank_outs in outs]
 
     def step(self, arrays: list[np.ndarray]) -> float:
         outs = self.run(arrays)
-        names = self.program.output_names
         for rank, rank_outs in enumerate(outs):
-            for name, value in zip(names[1:], rank_outs[1:]):
-                self.values[rank][name] = value
+            names = list(self.graphs[rank].attrs["outputs"])
+            for name, value in zip(names, rank_outs):
+                if name != "loss":
+                    self.values[rank][name] = value
+        if self.program.state.pipelined:  # the last stage computes the loss
+            outs = [o for r, o in enumerate(outs) if "loss" in self.graphs[r].attrs["outputs"]]
         losses = [float(o[0]) for o in outs]
         if (self.program.state.parallel_mode == "data_parallel"
                 or rank_local_reductions(self.program)):
@@ -294,15 +316,32 @@ class ParallelRunner:
         return losses[0]
 
     def global_value(self, name: str) -> np.ndarray:
-        """Reassemble a parameter (or optimizer state) from the ranks' slices."""
-        layout = self.layouts.get(name)
-        first = self.values[0][name]
-        if layout is None or not first.shape:
-            return first
-        full = np.zeros(layout.shape, first.dtype)
-        for rank, vals in enumerate(self.values):
-            full[tuple(slice(b, e) for b, e in layout.slice_bounds(rank))] = vals[name]
-        return full
+        """Reassemble a parameter (or optimizer state) from the ranks' slices (with pipeline
+        stages, the ranks of the first stage that holds it)."""
+        return assemble(self.program, name, self.layouts.get(name), self.values)
+
+
+def holders(program: CompiledProgram, name: str) -> list[int]:
+    """The ranks that hold stored value `name` (every rank; with pipeline stages, those of the
+    first stage that holds it)."""
+    state = program.state
+    if not state.pipelined:
+        return list(range(state.devices))
+    pipe = state.pipeline.program
+    return list(pipe.ranks(pipe.param_stages[name][0]))
+
+
+def assemble(program: CompiledProgram, name: str, layout: Any,
+             values: list[dict[str, np.ndarray]]) -> np.ndarray:
+    """A stored value from its holders' slices (`values[rank][name]`)."""
+    ranks = holders(program, name)
+    first = values[ranks[0]][name]
+    if layout is None or not first.shape:
+        return first
+    full = np.zeros(layout.shape, first.dtype)
+    for rank in ranks:
+        full[tuple(slice(b, e) for b, e in layout.slice_bounds(rank))] = values[rank][name]
+    return full
 
 
 @dataclass(frozen=True)

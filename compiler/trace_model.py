@@ -116,18 +116,31 @@ def _local(t: TensorType, batch_split: int, name: str) -> TensorType:
     return t.with_shape((t.shape[0] // batch_split, *t.shape[1:]))
 
 
-def trace_model(mf: ModelFile, batch_split: int = 1) -> TracedModel:
+def trace_model(mf: ModelFile, batch_split: int = 1, micro_batches: bool = False
+                ) -> TracedModel:
     """Trace the model file. `batch_split` > 1 traces each input and label with dim 0 divided
     by it (the local batch of one rank in data_parallel mode).
 
     Training forms: `loss()` + `optimizer()` (the network's output goes to the loss); a
     network that returns its own loss + `optimizer()` (traced as `nn.TrainOneStepCell(network,
-    optimizer)`); or `model()` returning a training step cell (`nn.TrainOneStepCell`,
+    optimizer)`); `model()` returning a training step cell (`nn.TrainOneStepCell`,
     `nn.WithGradCell`, your own cell calling `ops.GradOperation`), traced in two parts by
-    `compiler.train_step`."""
+    `compiler.train_step`; or `model()` returning `nn.PipelineCell`, traced by
+    `compiler.pipelining` (one micro-batch when `micro_batches`, else the whole batch)."""
     network = call_user(mf.model, "model()", mf.path)
     if not isinstance(network, Cell):
         raise PcompileError(f"model() in {mf.path} must return an nn.Cell, got {type(network)}")
+    from pcompile.compiler.nn.pipeline import PipelineCell
+
+    if isinstance(network, PipelineCell):
+        if mf.loss is not None:
+            raise PcompileError(
+                f"model() in {mf.path} returns nn.PipelineCell, whose network computes its own "
+                "loss (nn.WithLossCell), and the file also defines loss(); remove loss()")
+        from pcompile.compiler.pipelining import trace_pipeline_cell
+
+        network.set_train(True)
+        return trace_pipeline_cell(mf, network, network.micro_size if micro_batches else 1)
     step_cell = isinstance(network, StepCellBase)
     if step_cell and (mf.loss is not None or mf.optimizer is not None):
         defined = " and ".join(f"{n}()" for n, f in (("loss", mf.loss),

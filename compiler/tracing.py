@@ -219,6 +219,25 @@ def python_constant(arg: Any, like: DType | None) -> Constant:
 
 
 _CURRENT: list[Tracer] = []
+_CELL_LOGS: list[dict[str, Any]] = []
+
+
+@contextlib.contextmanager
+def recording_cells() -> Iterator[dict[str, Any]]:
+    """Inside the block, every Cell call made while tracing is recorded as {its scope: the
+    cell} (the pipeline passes read each op's stage from the cells around it)."""
+    log: dict[str, Any] = {}
+    _CELL_LOGS.append(log)
+    try:
+        yield log
+    finally:
+        _CELL_LOGS.remove(log)
+
+
+def note_cell(scope: str, cell: Any) -> None:
+    """A Cell was entered at `scope` (called by `Cell.__call__` while tracing)."""
+    for log in _CELL_LOGS:
+        log.setdefault(scope, cell)
 
 
 def current_tracer() -> Tracer | None:

@@ -6,6 +6,15 @@ The sizes come from environment variables, so the benchmarks compile anything fr
 default toy to a 7B-class model from the same file: GPT_LAYERS (default 2), GPT_BATCH (global
 batch, default 8), GPT_HIDDEN (32), GPT_HEADS (4), GPT_SEQ (16), GPT_VOCAB (64).
 
+Pipeline parallelism: with `pipeline_stages` S > 1 in the context, model() puts the embedding in
+stage 0, the head (final LayerNorm, LM head) in stage S-1 and spreads the blocks between
+(`pipeline_stage`); GPT_MICRO=m makes model() return
+`nn.PipelineCell(nn.WithLossCell(gpt, nn.CrossEntropyLoss()), m)` (the loss is then part of
+the model, and the file defines no loss()).
+
+    GPT_MICRO=4 pcompile examples/gpt_block.py --devices 8 --parallel-mode semi_auto_parallel \
+        --pipeline-stages 4
+
     GPT_LAYERS=8 pcompile examples/gpt_block.py --devices 8 --search recursive_programming
     GPT_LAYERS=32 GPT_HIDDEN=4096 GPT_HEADS=32 GPT_SEQ=2048 GPT_VOCAB=32000 GPT_BATCH=64 \
         pcompile examples/gpt_block.py --devices 64 --search sharding_propagation --no-check
@@ -15,7 +24,7 @@ import os
 
 import numpy as np
 
-from pcompile import Parameter, initializer, nn, ops, set_seed
+from pcompile import Parameter, get_auto_parallel_context, initializer, nn, ops, set_seed
 
 VOCAB = int(os.environ.get("GPT_VOCAB", "64"))
 SEQ = int(os.environ.get("GPT_SEQ", "16"))
@@ -23,6 +32,7 @@ HIDDEN = int(os.environ.get("GPT_HIDDEN", "32"))
 HEADS = int(os.environ.get("GPT_HEADS", "4"))
 BATCH = int(os.environ.get("GPT_BATCH", "8"))
 LAYERS = int(os.environ.get("GPT_LAYERS", "2"))
+MICRO = int(os.environ.get("GPT_MICRO", "0"))  # > 0: model() returns nn.PipelineCell
 
 
 class Attention(nn.Cell):
@@ -97,17 +107,34 @@ class GPT(nn.Cell):
         return self.reshape(logits, (-1, VOCAB))
 
 
+def assign_stages(gpt, stages):
+    """Embedding in stage 0, head in the last, the blocks spread between (cell i of the
+    layers + 2 cells in stage i * stages // (layers + 2))."""
+    cells = [gpt.embedding, *gpt.blocks, gpt.ln_f]
+    for i, cell in enumerate(cells):
+        cell.pipeline_stage = i * stages // len(cells)
+    gpt.head.pipeline_stage = stages - 1
+
+
 def model():
     set_seed(1)
-    return GPT()
+    gpt = GPT()
+    stages = get_auto_parallel_context("pipeline_stages")
+    if stages > 1:
+        assign_stages(gpt, stages)
+    if MICRO:
+        return nn.PipelineCell(nn.WithLossCell(gpt, nn.CrossEntropyLoss()), micro_size=MICRO)
+    return gpt
 
 
 def inputs():
     return (np.zeros((BATCH, SEQ), np.int32),)
 
 
-def loss():
-    return nn.CrossEntropyLoss()
+if not MICRO:  # with nn.PipelineCell the loss is part of model()
+
+    def loss():
+        return nn.CrossEntropyLoss()
 
 
 def optimizer(params):

@@ -17,7 +17,9 @@ axis sizes to its right). So:
 * `RankOffsets(base, terms)`: per-dim offsets `base[d] + sum(digit * unit)` over `terms[d]`
   (the begin/end of a rank's slice);
 * `SlicedArray(array, layout)` / `RankScalar(offsets, dim, dtype)`: rank-dependent constant
-  data (a constant sliced to the rank's part, the first row a rank holds).
+  data (a constant sliced to the rank's part, the first row a rank holds);
+* `RankShift(delta)`: the rank `delta` places away (a pipeline Send's `dest_rank`, a
+  Receive's `src_rank`: the rank at the same position of another stage).
 
 Digits are kept canonical (sorted by stride, adjacent digits merged), so two descriptions of the
 same groups compare equal, which communication fusion relies on.
@@ -215,6 +217,17 @@ class RankId(RankValue):
 
     def at(self, rank: int) -> int:
         return rank
+
+
+@dataclass(frozen=True)
+class RankShift(RankValue):
+    """`rank + delta`: the peer of a point-to-point transfer between pipeline stages (stage s
+    owns ranks [s*n, (s+1)*n), so the rank at the same position k stages on is k*n away)."""
+
+    delta: int
+
+    def at(self, rank: int) -> int:
+        return rank + self.delta
 
 
 def resolve(value: Any, rank: int) -> Any:

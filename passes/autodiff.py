@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pcompile.ir.builder import Builder
-from pcompile.ir.core import Constant, Graph, GraphParam, Value
+from pcompile.ir.core import Constant, Graph, GraphParam, Node, Value
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.registry import get_op
 from pcompile.ir.types import TensorType, TupleType
@@ -45,11 +45,14 @@ def append_gradients(
     loss: Value | Sequence[Value],
     wrt: Sequence[GraphParam],
     seeds: Sequence[Value] | None = None,
+    origins: dict[int, Node] | None = None,
 ) -> list[Value]:
     """Append the backward graph; returns one gradient value per entry of `wrt`.
 
     `loss` is usually one scalar, seeded with 1. Several values with explicit `seeds`
-    (cotangents of their types) compute a vector-Jacobian product instead."""
+    (cotangents of their types) compute a vector-Jacobian product instead. `origins`, when
+    given, receives id(backward node) -> the forward node whose vjp made it (the pipeline
+    passes run a backward node in its forward node's stage and micro-batch)."""
     losses = [loss] if isinstance(loss, Value) else list(loss)
     for value in losses:
         if not isinstance(value.type, TensorType) or not value.dtype.is_float:
@@ -83,7 +86,11 @@ def append_gradients(
         key = id(value)
         cot[key] = contribution if key not in cot else b("Add", cot[key], contribution)
 
+    made, previous = len(graph.nodes), None
     for node in reversed(list(graph.nodes)):
+        if origins is not None:
+            _note_origins(graph, made, previous, origins)
+            made, previous = len(graph.nodes), node
         result = node.result
         if id(result) not in active:
             continue
@@ -122,11 +129,21 @@ def append_gradients(
                 continue
             accumulate(b, operand, grad)
 
+    if origins is not None:
+        _note_origins(graph, made, previous, origins)
     out: list[Value] = []
     for param in wrt:
         g = cot.get(id(param))
         out.append(g if g is not None else zeros_like(param.tensor_type))
     return out
+
+
+def _note_origins(graph: Graph, made: int, forward: Node | None,
+                  origins: dict[int, Node]) -> None:
+    """The nodes appended since `made` were made by `forward`'s vjp."""
+    if forward is not None:
+        for node in graph.nodes[made:]:
+            origins[id(node)] = forward
 
 
 __all__ = ["append_gradients", "zeros_like"]

@@ -1,5 +1,5 @@
-"""Golden per-rank dumps: the execute graphs of two plans, compared byte for byte with the
-files under tests/golden/. Regenerate after an intended change with
+"""Golden per-rank dumps: the execute graphs of three plans (one a pipeline), compared byte for
+byte with the files under tests/golden/. Regenerate after an intended change with
 
     PCOMPILE_ACCEPT=1 python -m pytest tests/test_golden_dumps.py
 
@@ -18,6 +18,8 @@ GOLDEN = os.path.join(ROOT, "tests", "golden")
 CASES = [
     ("quickstart_semi", os.path.join("tests", "models", "quickstart_semi.py"), 8, None, [0, 5]),
     ("layout_mlp", os.path.join("examples", "layout_mlp.py"), 8, None, [0, 3]),
+    # 4 pipeline stages x 2 devices, 4 micro-batches, 1F1B: the first and the last stage
+    ("pipeline_mlp", os.path.join("examples", "pipeline_mlp.py"), 8, None, [0, 7]),
 ]
 
 

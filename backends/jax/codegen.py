@@ -90,6 +90,8 @@ def _dtype_name(dtype: np.dtype) -> str:
 class _Writer:
     """Generates one rank's program from the plan."""
 
+    prefix = ""  # of table names (a pipeline program has one writer per stage)
+
     def __init__(self, plan: SpmdPlan, info: dict[str, Any]) -> None:
         self.plan = plan
         self.info = info
@@ -107,7 +109,7 @@ class _Writer:
         arr = value.array
         if n.const_tables.get(i) is not None:
             table = n.const_tables[i]
-            name = f"K{n.index}_{i}"
+            name = f"{self.prefix}K{n.index}_{i}"
             self._table(name, table, f"per-rank constant operand {i} of %{n.index}")
             return f"pick({name}, me)"
         dtype = _dtype_name(arr.dtype)
@@ -133,12 +135,14 @@ class _Writer:
         body = "".join(f"    {row},  # rank {r}\n" for r, row in enumerate(rows))
         self.tables.append(f"{name} = np.array((  # {what}\n{body}), {dtype})")
 
+    def _value(self, kind: str, idx: int) -> str:
+        """How the source names node `idx`'s result or parameter `idx`."""
+        return f"v{idx}" if kind == "node" else self.param_names[idx]
+
     def _arg(self, n: NodePlan, i: int) -> str:
         kind, idx = n.operands[i]
-        if kind == "node":
-            return f"v{idx}"
-        if kind == "param":
-            return self.param_names[idx]
+        if kind in ("node", "param"):
+            return self._value(kind, idx)
         value = n.node.operands[i]
         assert isinstance(value, Constant)
         return self._const(n, i, value)
@@ -164,7 +168,7 @@ class _Writer:
 
     def _statement(self, n: NodePlan) -> str:
         args = [self._arg(n, i) for i in range(len(n.operands))]
-        target = f"v{n.index}"
+        target = self._value("node", n.index)
         if n.kind == "op":
             kw = [f"{k}={literal(v)}" for k, v in n.attrs.items()]
             return f"{target} = ops.{n.op}({', '.join(args + kw)})"
@@ -175,7 +179,7 @@ class _Writer:
                 starts = (f"spmd.rank_offsets(me, {literal(s.offsets.base)}, "
                           f"{literal(s.offsets.terms)})")
             else:
-                table = f"S{n.index}"
+                table = f"{self.prefix}S{n.index}"
                 self._table(table, s.starts, f"start offsets of %{n.index} ({n.op})")
                 starts = f"pick({table}, me)"
             if n.kind == "slice":
@@ -184,7 +188,7 @@ class _Writer:
             return (f"{target} = spmd.dyn_slice_grad({args[0]}, {starts}, "
                     f"{literal(s.span)}, {literal(s.steps)}, {literal(s.shape)})")
         if n.kind == "switch":
-            table = f"V{n.index}"
+            table = f"{self.prefix}V{n.index}"
             self._table(table, np.asarray(n.variant, np.int32),
                         f"attribute variant of %{n.index} ({n.op})")
             params = ", ".join(f"a{i}" for i in range(len(args)))
@@ -211,7 +215,7 @@ class _Writer:
                 if c.op == "Broadcast":
                     kw.append(f"root={c.attrs.get('root_rank', 0)}")
                 return f"{target} = spmd.{fn}({', '.join(args + kw)})"
-            members, positions = f"G{n.index}", f"P{n.index}"
+            members, positions = f"{self.prefix}G{n.index}", f"{self.prefix}P{n.index}"
             self._table(members, c.members, f"group members of %{n.index} ({c.op})")
             self._table(positions, c.positions, f"position in the group of %{n.index}")
             kw = [f"{k}={literal(v)}" for k, v in c.attrs.items()]
@@ -388,6 +392,10 @@ def rank_artifacts(state: Any, folder: str) -> dict[str, bytes]:
     dumped = list(getattr(state, "dump_ranks", range(n)))
     first = os.path.join(folder, f"rank_{dumped[0]}") if dumped else ""
     irs = sorted(f for f in os.listdir(first) if f.endswith(".ir")) if first else []
+    if getattr(state, "pipelined", False):  # one program of all stages (pipeline_codegen.py)
+        from pcompile.backends.jax.pipeline_codegen import pipeline_artifacts
+
+        return pipeline_artifacts(state, dumped, irs[-1] if irs else "")
     try:
         plan = SpmdPlan.build(graphs)
     except SpmdLoweringError as exc:
@@ -422,9 +430,12 @@ def rank_artifacts(state: Any, folder: str) -> dict[str, bytes]:
 def stored_values(state: Any) -> list[tuple[str, str, Any]]:
     """(name, kind, abstract initial value) of every parameter and optimizer state the
     program stores (what `params.json` describes)."""
-    graph = state.rank_graphs[0]
-    return [(p.name, p.kind, state.initial_values.source(p.name))
-            for p in graph.params if p.kind != "input"]
+    seen: dict[str, Any] = {}
+    for graph in state.graphs:  # the stages' graphs of a pipeline hold different values
+        for p in graph.params:
+            if p.kind != "input" and p.name not in seen:
+                seen[p.name] = (p.name, p.kind, state.initial_values.source(p.name))
+    return list(seen.values())
 
 
 _STUB = '''#!/usr/bin/env python3

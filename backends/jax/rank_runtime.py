@@ -422,14 +422,26 @@ class _Runner:
     def _rank_dir(self, rank: int) -> str:
         return os.path.join(self.out_dir, f"rank_{rank}")
 
+    def _owns(self, name: str, rank: int) -> bool:
+        """Whether `rank` holds stored value `name` (a pipeline stage holds its own; the
+        program passes the others' through unchanged)."""
+        stages = getattr(self.m, "PARAM_STAGES", None)
+        if stages is None:
+            return True
+        return rank // int(self.m.RANKS_PER_STAGE) in stages[name]
+
     def _initial(self, sources: dict[str, Any], rank: int) -> dict[str, np.ndarray]:
         """Rank `rank`'s initial values: its block of every stored value, generated on its own
-        (backends/params.py), equal to the single-device initialisation's block."""
+        (backends/params.py), equal to the single-device initialisation's block (another
+        pipeline stage's values: zeros, never read)."""
         out = {}
-        for name, *_ in self.stored:
+        for name, _, shape, _ in self.stored:
             source = sources.get(name)
             if source is None:
                 raise RankError(f"params.json has no entry for {name}; compile again")
+            if not self._owns(name, rank):
+                out[name] = np.zeros(shape, self.dtypes[name])
+                continue
             bounds = (self._layout(name).slice_bounds(rank) if source.shape
                       else ())
             out[name] = source.block(bounds)
@@ -462,7 +474,7 @@ class _Runner:
         mf = load_model_file(path)
         examples = as_input_list(call_user(mf.inputs, "inputs()", mf.path), "inputs", mf.path)
         n_inputs = len(examples)
-        if mf.loss is not None:
+        if mf.loss is not None or len(self.inputs) > n_inputs:  # labels (nn.PipelineCell)
             from pcompile.compiler.trace_model import _first_batch_labels
 
             examples = examples + _first_batch_labels(mf)
@@ -493,9 +505,11 @@ class _Runner:
 
         n = len(self.inputs)
         updated = set(self.m.OUTPUTS[1:])
+        pipeline = hasattr(self.m, "PIPELINE")
+        # a pipeline program's step is assembled per tick (pipeline.run_step): no donation there
         donated = tuple(n + i for i, (name, *_) in enumerate(self.stored)
-                        if donate and name in updated)
-        return spmd_function(body, self.mesh, donated)
+                        if donate and not pipeline and name in updated)
+        return spmd_function(body, self.mesh, donated, check_vma=not pipeline)
 
     def _load_values(self, resume_step: int | None) -> tuple[dict[int, dict[str, np.ndarray]],
                                                               dict[str, Any]]:
@@ -530,6 +544,9 @@ class _Runner:
                     f"{meta_r.get('plan_id')}, this program is plan {self.m.PLAN_ID}; "
                     "resume with the same model and options, or start afresh without --resume")
             values[r], meta = arrays, meta_r
+            for name, _, shape, _ in self.stored:  # another pipeline stage's: never read
+                if not self._owns(name, r):
+                    values[r].setdefault(name, np.zeros(shape, self.dtypes[name]))
         for r, vals in values.items():
             missing = [name for name, *_ in self.stored if name not in vals]
             if missing:
@@ -563,11 +580,13 @@ class _Runner:
                                          for e in self.m.LAYOUTS[name][2]]}
                    for name, _, _, dt in self.stored}
         for r in self.local:
+            mine = [name for name in pieces if self._owns(name, r)]
             meta = {"step": step, "epoch": epoch, "step_in_epoch": in_epoch, "rank": r,
                     "num_ranks": int(self.m.NUM_RANKS), "plan_id": self.m.PLAN_ID,
-                    "log": logs[r].lines, "layouts": layouts}
-            write_checkpoint(self.ckpt_dir, r, step,
-                             {name: pieces[name][r] for name in pieces}, meta)
+                    "log": logs[r].lines,
+                    "layouts": {name: layouts[name] for name in mine}}
+            write_checkpoint(self.ckpt_dir, r, step, {name: pieces[name][r] for name in mine},
+                             meta)
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:

@@ -357,18 +357,21 @@ def make_mesh(spec: MeshSpec, devices: Sequence[Any] | None = None) -> Mesh:
 
 
 def spmd_function(body: Callable[..., Sequence[Any]], mesh: Mesh,
-                  donate_argnums: tuple[int, ...] = ()) -> Callable[..., Any]:
+                  donate_argnums: tuple[int, ...] = (), check_vma: bool = True
+                  ) -> Callable[..., Any]:
     """`jit(shard_map(...))` of a per-device body: each argument and result is the stack of all
     ranks' values along a new leading axis, sharded over every mesh axis (rank order).
     `donate_argnums`: arguments whose buffers the step may reuse (parameters and optimizer
-    state that it returns updated)."""
+    state that it returns updated). `check_vma=False` for a pipeline program, whose
+    `lax.switch` branches (one per stage) run collectives over different axes."""
     axes = tuple(mesh.axis_names)
 
     def per_device(*stacked: Any) -> tuple[Any, ...]:
         outs = body(*[x[0] for x in stacked])
         return tuple(jnp.asarray(o)[None] for o in outs)
 
-    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=P(axes), out_specs=P(axes))
+    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=P(axes), out_specs=P(axes),
+                           check_vma=check_vma)
     return jax.jit(mapped, donate_argnums=donate_argnums)
 
 

@@ -33,6 +33,7 @@ from pcompile.compiler.nn.lr import (
 )
 from pcompile.compiler.nn.optim import SGD, Adam, AdamWeightDecay, Lamb, Momentum
 from pcompile.compiler.nn.optim_base import Optimizer
+from pcompile.compiler.nn.pipeline import MicroBatchInterleaved, Pipeline, PipelineCell
 from pcompile.compiler.nn.wrap import (
     ClipByGlobalNorm,
     ClipGradNorm,
@@ -65,6 +66,9 @@ __all__ = [
     "SoftmaxCrossEntropyWithLogits",
     "CrossEntropyLoss",
     "WithLossCell",
+    "PipelineCell",
+    "Pipeline",
+    "MicroBatchInterleaved",
     "Optimizer",
     "SGD",
     "Momentum",

@@ -15,7 +15,7 @@ from typing import Any
 
 from pcompile.compiler.primitive import Primitive, normalize_strategy
 from pcompile.compiler.tensor import Parameter
-from pcompile.compiler.tracing import current_tracer
+from pcompile.compiler.tracing import current_tracer, note_cell
 
 
 def _keep_outputs(result: Any, tracer: Any) -> None:
@@ -76,6 +76,8 @@ class Cell:
         object.__setattr__(self, "_auto_prefix", auto_prefix)
         object.__setattr__(self, "training", False)
         object.__setattr__(self, "shard_config", None)
+        object.__setattr__(self, "_pipeline_stage", -1)
+        object.__setattr__(self, "_pipeline_segment", 0)
         object.__setattr__(self, "_recompute", None)
         object.__setattr__(self, "_mixed_precision", None)  # to_float's type
         object.__setattr__(self, "_output_dtype", None)  # amp: the outputs' float type
@@ -165,6 +167,38 @@ class Cell:
                 base = param.name if param._explicit_name else attr
                 param.name = f"{path}.{base}" if path and cell._auto_prefix else base
                 param._final = True  # type: ignore[attr-defined]
+
+    # -- pipeline parallelism (compiler/nn/pipeline.py) ------------------------------------
+    @property
+    def pipeline_stage(self) -> int:
+        """The pipeline stage this cell (and every sub-cell without its own) runs in; -1: not
+        set. Stage s owns ranks [s*n, (s+1)*n) of `pipeline_stages` stages of n devices."""
+        return int(self.__dict__.get("_pipeline_stage", -1))
+
+    @pipeline_stage.setter
+    def pipeline_stage(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError("For 'Cell', the property 'pipeline_stage' must be int type, but "
+                            f"got type : {type(value).__name__}")
+        if value < 0:
+            raise ValueError("For 'Cell', the property 'pipeline_stage' can not be less than "
+                             f"0, but got {value}")
+        object.__setattr__(self, "_pipeline_stage", value)
+
+    @property
+    def pipeline_segment(self) -> int:
+        """The pipeline segment (virtual stage) of this cell; 0 unless interleaved."""
+        return int(self.__dict__.get("_pipeline_segment", 0))
+
+    @pipeline_segment.setter
+    def pipeline_segment(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError("For 'Cell', the property 'pipeline_segment' must be int type, "
+                            f"but got type : {type(value).__name__}")
+        if value < 0:
+            raise ValueError("For 'Cell', the property 'pipeline_segment' can not be less "
+                             f"than 0, but got {value}")
+        object.__setattr__(self, "_pipeline_segment", value)
 
     def set_comm_fusion(self, fusion_type: int, recurse: bool = True) -> Cell:
         if isinstance(fusion_type, bool) or not isinstance(fusion_type, int) or fusion_type < 0:
@@ -278,6 +312,7 @@ class Cell:
                 scopes.enter_context(tracer.cell_scope(
                     f"{container._attr_name or 'cell'}-{type(container).__name__}"))
             scopes.enter_context(tracer.cell_scope(part))
+            note_cell(tracer.scope, self)  # pipeline stages are looked up by scope
             if has_custom_bprop(self):
                 tracer.custom_bprop.append((type(self).__name__, tracer.scope))
             if self._recompute is not None:

@@ -9,6 +9,7 @@ from pcompile.ir.ops import (  # noqa: F401
     linalg,
     nn,
     norm,
+    pipeline,
     reduce,
     shape,
 )

@@ -37,7 +37,7 @@ class StepAutoParallelPass:
             training=state.training, enable_alltoall=bool(opts.get("enable_alltoall", False)))
         state.search = search(
             state.graph,
-            state.devices,
+            getattr(state, "stage_devices", state.devices),  # a pipeline stage's devices
             state.search_mode,
             dataset_strategy=opts.get("dataset_strategy"),
             constants=constants,

@@ -1,0 +1,86 @@
+"""Pipeline step time against the ideal bubble, and activation memory of 1F1B vs GPipe.
+
+    python benchmarks/pipeline.py                     # m = 1 2 4 8, both schedules
+    python benchmarks/pipeline.py --micro 4 --repeat 3
+
+The model is examples/pipeline_mlp.py: 4 stages, each a 2-way model-parallel block, on 8
+virtual CPU devices (one JAX program over the mesh with a stage axis, `JaxPipelineRunner`).
+The global batch is fixed (`--batch`, default 64), so m micro-batches each hold batch / m rows.
+For each micro size m and scheduler the script reports:
+
+* `ideal_bubble`: (S-1)/(m+S-1); `schedule_bubble`: idle stage-ticks of the compiled
+  schedule (equal to the ideal for GPipe and 1F1B);
+* `ticks`: ticks of one step, 2 (m + S - 1);
+* `step_seconds`: the median of `--repeat` steps after one warm-up;
+  `seconds_per_tick`: step_seconds / ticks;
+* `activation_bytes` per stage and `micro_batches_in_flight` per stage, from the schedule
+  (forward values held for a later unit at the stage's peak).
+
+The virtual CPU devices share this machine's cores, so the measured times show the cost of
+the ticks (a tick runs every stage's unit, busy or idle, through `lax.switch`), not a
+parallel speed-up. One JSON object is printed. Nothing is asserted: numbers go to
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(ROOT))
+MODEL = os.path.join(ROOT, "examples", "pipeline_mlp.py")
+
+
+def measure(micro: int, scheduler: str, batch: int, hidden: int, repeat: int) -> dict[str, Any]:
+    from pcompile.backends.jax.pipeline import JaxPipelineRunner
+    from pcompile.compiler.driver import compile as compile_model
+    from pcompile.compiler.runtime import batches
+
+    os.environ.update(PIPE_MICRO=str(micro), PIPE_SCHEDULER=scheduler, PIPE_BATCH=str(batch),
+                      PIPE_HIDDEN=str(hidden))
+    program = compile_model(MODEL, devices=8, dump=False)
+    sched = program.state.pipeline.program.schedule
+    runner = JaxPipelineRunner(program)
+    data = [a for _, _, a in batches(program, repeat + 1)]
+    runner.step(data[0])  # warm-up: compiles the step
+    times = []
+    for arrays in data[1:]:
+        start = time.perf_counter()
+        runner.step(arrays)
+        times.append(time.perf_counter() - start)
+    step = statistics.median(times)
+    return {
+        "micro": micro, "scheduler": scheduler, "stages": sched.stages,
+        "ideal_bubble": sched.ideal_bubble, "schedule_bubble": sched.bubble,
+        "ticks": sched.num_ticks, "step_seconds": step,
+        "seconds_per_tick": step / sched.num_ticks,
+        "activation_bytes": sched.held_bytes[scheduler],
+        "micro_batches_in_flight": sched.in_flight[scheduler],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--schedulers", nargs="+", default=["gpipe", "1f1b"])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    runs = [measure(m, s, args.batch, args.hidden, args.repeat)
+            for m in args.micro for s in args.schedulers]
+    print(json.dumps({"model": "examples/pipeline_mlp.py", "devices": 8,
+                      "batch": args.batch, "hidden": args.hidden, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

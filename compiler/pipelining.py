@@ -1,0 +1,339 @@
+"""Pipeline parallelism in the driver: tracing `nn.PipelineCell`, the stage of every op, and
+the settings the pipeline passes read.
+
+`model()` may return `nn.PipelineCell(nn.WithLossCell(net, loss_fn), micro_size=m)` (no
+`loss()` then). It is traced like `model()` + `loss()`: one step of the network and its loss,
+in MindSpore's scopes (`Default/network-PipelineCell/network-WithLossCell/_backbone-Net/...`).
+In a parallel compile the trace takes ONE micro-batch (every input's dim 0 divided by m), and
+`passes/micro_batch.py` repeats its local program m times after the split; on one device the
+cell is its network (the whole batch: the step equals what the micro-batches compute when the
+loss averages over the batch, and the single-device program is the reference).
+
+`PipelineSettings` carries what the passes need: the stage count, the micro size, the
+scheduler, and the stage of every traced op (`passes/pipeline_stages.py`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pcompile.compiler.model_file import ModelFile, as_input_list, call_user
+from pcompile.compiler.nn.cell import Cell
+from pcompile.compiler.nn.loss import WithLossCell
+from pcompile.compiler.nn.pipeline import MicroBatchInterleaved, PipelineCell
+from pcompile.compiler.tensor import Parameter, Tensor, TensorSpec
+from pcompile.compiler.tracing import tracing
+from pcompile.ir.core import Graph
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.types import DType, TensorType
+from pcompile.passes.pipeline_stages import ScopeCell, StageMap, assign_stages
+
+#: pipeline_config pipeline_scheduler values pcompile implements.
+SCHEDULERS = ("1f1b", "gpipe")
+
+
+@dataclass
+class PipelineSettings:
+    """Pipeline options of one compile and what the passes derived from the trace."""
+
+    stages: int
+    micro_size: int
+    scheduler: str
+    stage_map: StageMap | None = None
+    loss_scope: str = "Default"
+    # Filled by the passes, keyed by id of a node of the current local graph: its stage
+    # (step_parallel_end, micro_batch, autodiff) and its unit label ("F" | "B", micro-batch).
+    local_stage: dict[int, int] = field(default_factory=dict)
+    labels: dict[int, tuple[str, int]] = field(default_factory=dict)
+    program: Any = None  # passes.pipeline_split.PipelineProgram once split
+
+    @property
+    def pipelined(self) -> bool:
+        return self.stages > 1
+
+
+def settings_from_context(ctx: Any, devices: int, mode: str) -> PipelineSettings:
+    """The context's pipeline options, checked (one message per mistake)."""
+    stages = int(ctx.pipeline_stages)
+    config = ctx.pipeline_config
+    if mode == "stand_alone" or devices == 1:
+        return PipelineSettings(1, 1, str(config.pipeline_scheduler))
+    if stages > 1 and mode not in ("semi_auto_parallel", "auto_parallel"):
+        raise PcompileError(
+            f"pipeline_stages={stages} needs parallel_mode semi_auto_parallel or auto_parallel "
+            f"(the stages split the devices and operator strategies apply inside each); this "
+            f"compile uses {mode}")
+    if devices % stages:
+        divisors = [s for s in range(1, devices + 1) if devices % s == 0]
+        raise PcompileError(
+            f"pipeline_stages={stages} does not divide the {devices} devices (stage s owns "
+            f"ranks [s*n, (s+1)*n), n = devices / pipeline_stages); use one of "
+            f"{', '.join(map(str, divisors))}, or --devices a multiple of {stages}")
+    if config.pipeline_interleave:
+        raise PcompileError(
+            "pipeline_config pipeline_interleave=True (interleaved virtual stages, "
+            "pipeline_segment) is not implemented in this version of pcompile; use "
+            "pipeline_interleave=False")
+    if config.pipeline_scheduler not in SCHEDULERS:
+        raise PcompileError(
+            f"pipeline_config pipeline_scheduler={config.pipeline_scheduler!r} is not "
+            f"implemented in this version of pcompile; use one of "
+            f"{', '.join(repr(s) for s in SCHEDULERS)}")
+    return PipelineSettings(stages, 1, str(config.pipeline_scheduler))
+
+
+# -- tracing nn.PipelineCell ---------------------------------------------------------------------
+
+
+def _spec_type(item: TensorSpec | np.ndarray) -> TensorType:
+    if isinstance(item, TensorSpec):
+        return item.type
+    return TensorType(DType.from_any(item.dtype), tuple(int(d) for d in item.shape))
+
+
+def _arg_names(fn: Any, count: int, fallback: str) -> list[str]:
+    try:
+        params = [p.name for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    names = params[:count]
+    while len(names) < count:
+        names.append(f"{fallback}{len(names)}")
+    return names
+
+
+def _micro_type(t: TensorType, micro: int, name: str, path: str) -> TensorType:
+    if micro == 1:
+        return t
+    if not t.shape:
+        raise PcompileError(
+            f"nn.PipelineCell(micro_size={micro}) in {path} cuts dim 0 of every input into "
+            f"micro-batches, but {name} is a scalar; give it a batch dimension")
+    if t.shape[0] % micro:
+        ok = [m for m in range(1, t.shape[0] + 1) if t.shape[0] % m == 0]
+        raise PcompileError(
+            f"nn.PipelineCell(micro_size={micro}) in {path} cuts dim 0 of {name} {t.shape} into "
+            f"{micro} micro-batches, but {t.shape[0]} is not divisible by {micro}; use a "
+            f"micro_size among {', '.join(map(str, ok))} or a batch that divides")
+    return t.with_shape((t.shape[0] // micro, *t.shape[1:]))
+
+
+def _labels(mf: ModelFile) -> list[TensorSpec | np.ndarray]:
+    from pcompile.compiler.trace_model import _first_batch_labels
+
+    if mf.labels is None and mf.dataset is None:
+        raise PcompileError(
+            f"model() in {mf.path} returns nn.PipelineCell, which trains its network's loss: "
+            "define labels() or dataset() so that the label shape is known")
+    return _first_batch_labels(mf)
+
+
+def inner_network(cell: PipelineCell) -> tuple[Cell, Cell | None]:
+    """(the network whose sub-cells carry the stages, its loss function or None) inside a
+    PipelineCell (through MicroBatchInterleaved wrappers and WithLossCell)."""
+    net = cell.network
+    while isinstance(net, (MicroBatchInterleaved, PipelineCell)):
+        net = net.network
+    if isinstance(net, WithLossCell):
+        return net.backbone_network, net._loss_fn
+    return net, None
+
+
+def trace_pipeline_cell(mf: ModelFile, cell: PipelineCell, micro: int) -> Any:
+    """The training step of a model() that returns `nn.PipelineCell(...)`: the loss of its
+    network on one micro-batch (`micro` = micro_size), or on the whole batch (`micro` = 1).
+    Graph inputs: the network's inputs (named after its backbone's construct arguments) then
+    the labels (`label`, `label1`, ...), as `model()` + `loss()` names them."""
+    from pcompile.compiler.trace_model import TracedModel
+
+    cell.finalize_parameter_names()
+    backbone, loss_fn = inner_network(cell)
+    example_inputs = as_input_list(call_user(mf.inputs, "inputs()", mf.path), "inputs", mf.path)
+    example_labels = _labels(mf)
+    input_names = _arg_names(backbone.construct, len(example_inputs), "input")
+    label_names = ["label" if i == 0 else f"label{i}" for i in range(len(example_labels))]
+    graph = Graph("TrainOneStepCell_construct")
+    graph.attrs["training"] = True
+    parameters: dict[str, Parameter] = {}
+    with tracing(graph) as tracer:
+        args = [tracer.add_input(n, _micro_type(_spec_type(s), micro, n, mf.path))
+                for n, s in zip(input_names + label_names, example_inputs + example_labels)]
+        for _, param in cell.parameters_and_names():
+            if param.name in parameters and parameters[param.name] is not param:
+                raise PcompileError(f"two different parameters are both named {param.name!r}; "
+                                    "give them distinct names")
+            parameters[param.name] = param
+            tracer.add_parameter(param)
+        with tracer.cell_scope("network-PipelineCell"):
+            loss = call_user(cell.construct, "PipelineCell.construct()", mf.path, *args)
+        if not isinstance(loss, Tensor) or not loss.is_symbolic:
+            raise PcompileError(
+                f"the network inside nn.PipelineCell in {mf.path} returned "
+                f"{type(loss).__name__}; it must return its loss (wrap the network and its loss "
+                "function in nn.WithLossCell)")
+        graph.outputs = [loss._value]  # type: ignore[list-item]
+    if graph.outputs[0].shape != ():
+        raise PcompileError(
+            f"the loss returned inside nn.PipelineCell in {mf.path} has shape "
+            f"{graph.outputs[0].shape}; it must be a scalar (use a reduction such as 'mean')")
+    graph.dead_code_elimination()
+    return TracedModel(
+        graph=graph, network=cell, input_names=input_names, label_names=label_names,
+        example_inputs=example_inputs, example_labels=example_labels, parameters=parameters,
+        loss_cell=loss_fn if loss_fn is not None else cell, mode="train")
+
+
+def check_micro_split(graph: Graph, micro: int, devices: int, dataset_strategy: Any) -> None:
+    """With dataset_strategy "data_parallel" a micro-batch is split over a stage's devices:
+    its rows must divide (one message naming the input, the micro size and what works)."""
+    if dataset_strategy not in (None, "data_parallel") or devices == 1:
+        return
+    for p in graph.inputs:
+        if p.shape and p.shape[0] % devices:
+            whole = p.shape[0] * micro
+            raise PcompileError(
+                f"nn.PipelineCell(micro_size={micro}) cuts the batch of {p.name} "
+                f"{(whole, *p.shape[1:])} into micro-batches of {p.shape[0]} rows, which "
+                f"dataset_strategy 'data_parallel' splits over the {devices} devices of a "
+                f"stage, but {p.shape[0]} is not divisible by {devices}; use a batch that is a "
+                f"multiple of micro_size x {devices} = {micro * devices}, a smaller "
+                "micro_size, or dataset_strategy='full_batch'")
+
+
+# -- the stage of every op ----------------------------------------------------------------------
+
+
+def scope_cells(log: dict[str, Any], traced: Any) -> dict[str, ScopeCell]:
+    """The cells the trace entered, by scope, as `passes/pipeline_stages.py` sees them."""
+    network = traced.network
+    roots: set[int] = set()
+    free: set[int] = set()
+    if isinstance(network, PipelineCell):
+        backbone, loss_fn = inner_network(network)
+        wrapper: Any = network
+        while isinstance(wrapper, (PipelineCell, MicroBatchInterleaved, WithLossCell)):
+            roots.add(id(wrapper))
+            wrapper = getattr(wrapper, "network", None) if not isinstance(
+                wrapper, WithLossCell) else None
+        inner = network.network
+        while isinstance(inner, (PipelineCell, MicroBatchInterleaved)):
+            inner = inner.network
+        roots.add(id(inner))
+    else:
+        backbone, loss_fn = network, traced.loss_cell
+        # model() + loss(): the backbone and the loss are called by the tracer itself.
+        net_scope = f"Default/network-WithLossCell/_backbone-{type(network).__name__}"
+        log.setdefault(net_scope, network)
+        if loss_fn is not None:
+            log.setdefault(f"Default/network-WithLossCell/_loss_fn-{type(loss_fn).__name__}",
+                           loss_fn)
+    roots.add(id(backbone))
+    if loss_fn is not None:
+        free.update(id(c) for _, c in loss_fn.cells_and_names())
+    paths = {id(c): path for path, c in backbone.cells_and_names()}
+    out: dict[str, ScopeCell] = {}
+    for scope, cell in log.items():
+        stage = cell.pipeline_stage if isinstance(cell, Cell) else -1
+        kind = "root" if id(cell) in roots or id(cell) in free else "cell"
+        if cell.pipeline_segment:
+            raise PcompileError(
+                f"cell `{paths.get(id(cell), scope)}` has pipeline_segment "
+                f"{cell.pipeline_segment}: interleaved pipelines (virtual stages) are not "
+                "implemented in this version of pcompile; use segment 0")
+        out[scope] = ScopeCell(stage if stage >= 0 else None, kind,
+                               paths.get(id(cell), ""), type(cell).__name__)
+    return out
+
+
+def stage_map(graph: Graph, log: dict[str, Any], traced: Any, stages: int) -> StageMap:
+    return assign_stages(graph, scope_cells(log, traced), stages)
+
+
+# -- the driver's passes -------------------------------------------------------------------------
+
+
+class MicroBatchPass:
+    """`micro_batch` (after step_parallel_end): the local forward program once per micro-batch
+    of nn.PipelineCell (passes/micro_batch.py); every graph input becomes the rank's whole
+    share of the batch."""
+
+    name = "micro_batch"
+
+    def apply(self, state: Any) -> None:
+        from pcompile.ir.layout import TensorLayout
+        from pcompile.passes.micro_batch import replicate
+
+        settings: PipelineSettings = state.pipeline
+        micro = settings.micro_size
+        layouts = state.assignment.param_layouts
+        splits = {p.name: layouts[p.name].splits[0] for p in state.graph.inputs if p.shape}
+        if len(set(splits.values())) > 1:
+            shown = ", ".join(f"{name} {ways} ways" for name, ways in splits.items())
+            raise PcompileError(
+                f"nn.PipelineCell: micro-batch k is the k-th block of each rank's rows of every "
+                f"input, so every input must split dim 0 the same number of ways, but the "
+                f"layouts split it {shown}; give them one dim-0 split (dataset_strategy)")
+        opts = state.options.get("parallel_optimizer_config")
+        shard_acc = bool(getattr(opts, "gradient_accumulation_shard", False)) and bool(
+            state.options.get("enable_parallel_optimizer"))
+
+        def per_micro(node: Any) -> bool:  # gradient_accumulation_shard: the AllGather repeats
+            return shard_acc and node.op == "AllGather" and node.instance_name.startswith(
+                "parallel_optimizer_allgather")
+
+        graph = state.rank_graphs[0]
+        loss_scope = ("Default/network-PipelineCell" if isinstance(
+            state.traced.network, PipelineCell) else "Default")
+        out = replicate(graph, micro, loss_scope=loss_scope, labels=settings.labels,
+                        stages=settings.local_stage, copy_also=per_micro)
+        alive = {id(n) for n in out.nodes}
+        settings.local_stage = {k: v for k, v in settings.local_stage.items() if k in alive}
+        settings.labels = {k: v for k, v in settings.labels.items() if k in alive}
+        state.rank_graphs = [out] * state.devices
+        for p in state.graph.inputs:
+            lay = layouts[p.name]
+            if p.shape:
+                layouts[p.name] = TensorLayout(lay.dev_matrix, lay.tensor_map,
+                                               (lay.shape[0] * micro, *lay.shape[1:]))
+
+
+class PipelineSplitPass:
+    """`pipeline_split` (after the optimizer): one program per stage, joined by Send/Receive
+    (passes/pipeline_split.py); rank r runs its stage's program."""
+
+    name = "pipeline_split"
+
+    def apply(self, state: Any) -> None:
+        from pcompile.passes.pipeline_split import assign, check_loss, split
+
+        settings: PipelineSettings = state.pipeline
+        assert settings.stage_map is not None
+        graph = state.rank_graphs[0]
+        placed = assign(graph, settings.stages, settings.local_stage,
+                        settings.stage_map.param_stage)
+        program = split(graph, settings.stages, state.devices, settings.micro_size,
+                        settings.scheduler, placed, settings.labels)
+        check_loss(program)
+        settings.program = program
+        n = program.per_stage
+        state.rank_graphs = [program.graphs[r // n] for r in range(state.devices)]
+
+
+def schedule_from_plan(info: Any) -> Any:
+    """The schedule plan.json's `pipeline` section describes (to draw it: `.text()`)."""
+    from pcompile.passes.pipeline_schedule import Schedule, StageUnits
+
+    units = []
+    for st in info.per_stage:
+        seq = [(u.unit[0], int(u.unit[1:])) for u in st.units]
+        units.append(StageUnits(st.stage, seq, [u.tick for u in st.units]))
+    out = Schedule(info.scheduler, info.stages, info.micro_size, info.devices_per_stage, units)
+    for name in sorted(info.per_stage[0].activation_bytes):
+        out.held_bytes[name] = [st.activation_bytes[name] for st in info.per_stage]
+        out.in_flight[name] = [st.micro_batches_in_flight[name] for st in info.per_stage]
+    return out

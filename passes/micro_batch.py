@@ -1,0 +1,166 @@
+"""`micro_batch`: the local forward program repeated for each micro-batch of a step.
+
+`nn.PipelineCell(network, micro_size=m)` runs each step as m micro-batches. The program was
+traced and split for ONE micro-batch (passes/step_parallel.py); this pass, on the local graph
+every rank runs:
+
+* widens every graph input to the rank's whole share of the batch (dim 0 times m) and slices
+  micro-batch k out of it: rows [k*b, (k+1)*b) of the local input (b: a micro-batch's local
+  rows) -- MindSpore's `_MicroBatch` on what the rank reads;
+* repeats every node that depends on an input once per micro-batch (its parallel annotation
+  gets `micro: k`); nodes that do not (a weight's `_MirrorOperator`, its low-precision Cast, the
+  parallel optimizer's AllGather) are computed once and shared by the copies. Sharing the
+  mirror is MindSpore's `_MirrorMicroStepOperator`: autodiff sums the micro-batches' gradients
+  into the mirror's cotangent, and its AllReduce runs once per step, on the accumulated
+  gradient. With `gradient_accumulation_shard` the parallel optimizer's AllGather is repeated
+  instead, so each micro-batch's gradient is reduce-scattered and only the shard accumulates;
+* returns the mean of the micro-batches' losses (so that, for a loss averaged over the batch,
+  loss and gradients equal the whole batch's).
+
+The copies are emitted last micro-batch first: autodiff sweeps the graph backwards, so it
+meets micro-batch 0 first and accumulates each gradient in the order 0, 1, ..., m-1, the order
+the schedules run the backward passes in (a stage then holds one running sum, not m parts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import (
+    Constant,
+    Graph,
+    GraphParam,
+    Node,
+    NodeResult,
+    OpaqueConstant,
+    ParallelInfo,
+    RankConstant,
+    Value,
+)
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.types import TensorType
+
+#: A node label: ("F", k) forward of micro-batch k, ("B", k) its backward.
+Label = tuple[str, int]
+
+
+def with_micro(info: ParallelInfo | None, micro: int) -> ParallelInfo:
+    """A copy of a parallel annotation with `micro: k` (MindSpore's cnode attr)."""
+    if info is None:
+        return ParallelInfo(extra={"micro": micro})
+    return ParallelInfo(info.in_strategy, info.out_strategy, {**info.extra, "micro": micro})
+
+
+def copy_constant(value: Constant) -> Constant:
+    """A constant for another graph (constants keep their own use lists)."""
+    if isinstance(value, RankConstant):
+        return RankConstant(value.data, value.dtype)
+    if isinstance(value, OpaqueConstant):
+        return OpaqueConstant(value.tensor_type, value.digest)
+    return Constant(value.array, value.dtype)
+
+
+def copy_node(node: Node, operands: list[Value], parallel: ParallelInfo | None) -> Node:
+    """A fresh node doing what `node` does on `operands` (its full name is assigned anew)."""
+    return Node(node.op, operands, dict(node.attrs), node.result.type,
+                instance_name=node.instance_name, scope=node.scope, source=node.source,
+                name_hint=node.result.name_hint, parallel=parallel)
+
+
+def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
+              labels: dict[int, Label] | None = None,
+              stages: dict[int, int] | None = None,
+              copy_also: Callable[[Node], bool] | None = None) -> Graph:
+    """The graph of one step of `micro` micro-batches (see the module docstring).
+
+    `labels` receives ("F", k) for every node of micro-batch k; `stages` (id(node) -> stage)
+    is extended to the copies; `copy_also(node)` marks nodes that are repeated although they
+    read no input."""
+    labels = labels if labels is not None else {}
+    if not graph.attrs.get("training"):
+        raise PcompileError("nn.PipelineCell trains: the program has no loss")
+    inputs = {id(p) for p in graph.inputs}
+    per_micro: set[int] = set(inputs)
+    for node in graph.nodes:
+        if any(id(v) in per_micro for v in node.operands) or (copy_also and copy_also(node)):
+            per_micro.add(id(node.result))
+    out = Graph(graph.name)
+    out.attrs = dict(graph.attrs)
+    shared: dict[int, Value] = {}
+    widened: dict[int, GraphParam] = {}
+    for p in graph.params:
+        if p.kind == "input":
+            if not p.shape:
+                raise PcompileError(f"nn.PipelineCell: input {p.name} is a scalar; micro-batches "
+                                    "cut dim 0 of every input")
+            wide = TensorType(p.dtype, (p.shape[0] * micro, *p.shape[1:]))
+            widened[id(p)] = out.add_param(GraphParam(wide, p.name, "input"))
+        else:
+            shared[id(p)] = out.add_param(GraphParam(p.tensor_type, p.name, p.kind,
+                                                     p.requires_grad))
+
+    def fresh(value: Value) -> Value:
+        if isinstance(value, Constant):
+            return copy_constant(value)
+        return shared[id(value)]
+
+    stage_of = stages if stages is not None else {}
+    for node in graph.nodes:  # computed once, before every micro-batch
+        if id(node.result) in per_micro:
+            continue
+        copy = out.append(copy_node(node, [fresh(v) for v in node.operands], node.parallel))
+        shared[id(node.result)] = copy.result
+        if id(node) in stage_of:
+            stage_of[id(copy)] = stage_of[id(node)]
+    losses: dict[int, Value] = {}
+    for k in reversed(range(micro)):
+        local: dict[int, Value] = {}
+        for p in graph.inputs:
+            wide = widened[id(p)]
+            rows = p.shape[0]
+            b = Builder(out, scope=loss_scope)
+            sliced = b.emit(
+                "StridedSlice", [wide],
+                {"begin": (k * rows,) + (0,) * (len(p.shape) - 1),
+                 "end": ((k + 1) * rows,) + tuple(p.shape[1:]),
+                 "strides": (1,) * len(p.shape)},
+                instance_name="micro_batch", name_hint=p.name,
+                parallel=ParallelInfo(extra={"micro": k, "reason": (
+                    f"micro-batch {k} of {micro}: rows [{k * rows}, {(k + 1) * rows}) of the "
+                    f"rank's {p.shape[0] * micro} rows of {p.name}")}))
+            assert isinstance(sliced, NodeResult)
+            labels[id(sliced.node)] = ("F", k)
+            local[id(p)] = sliced
+
+        for node in graph.nodes:
+            if id(node.result) not in per_micro:
+                continue
+            copy = out.append(copy_node(node, [_lookup(v, local, shared) for v in node.operands],
+                                        with_micro(node.parallel, k)))
+            local[id(node.result)] = copy.result
+            labels[id(copy)] = ("F", k)
+            if id(node) in stage_of:
+                stage_of[id(copy)] = stage_of[id(node)]
+        losses[k] = _lookup(graph.outputs[0], local, shared)
+    loss: Value = losses[0]
+    b = Builder(out, scope=loss_scope)
+    for k in range(1, micro):
+        loss = b.emit("Add", [loss, losses[k]], instance_name="micro_loss_add",
+                      name_hint="loss")
+    if micro > 1:
+        loss = b.emit("RealDiv", [loss, Constant(np.asarray(micro), loss.dtype)],
+                      instance_name="micro_loss_mean", name_hint="loss",
+                      parallel=ParallelInfo(extra={
+                          "reason": f"the step's loss: the mean of its {micro} micro-batches'"}))
+    out.outputs = [loss] + [_lookup(v, local, shared) for v in graph.outputs[1:]]
+    return out
+
+
+def _lookup(value: Value, local: dict[int, Value], shared: dict[int, Value]) -> Value:
+    """`value` in the copy of one micro-batch (`local`) or among the shared values."""
+    if isinstance(value, Constant):
+        return copy_constant(value)
+    return local[id(value)] if id(value) in local else shared[id(value)]

@@ -1,0 +1,405 @@
+"""`pipeline_split`: one training step cut into one program per pipeline stage.
+
+Input: the local training step every rank runs (forward of all micro-batches, backward,
+gradient communication, optimizer update), built for the n devices of ONE stage: operator
+strategies, redistribution and collectives are stage-local (a device-matrix axis never spans
+stages), and `ir.rank` values evaluated at a global rank give its position in its stage.
+
+Every node gets a stage (`assign`): a forward op the stage of its cell (passes/
+pipeline_stages.py, carried to what step_parallel and micro_batch made of it), a backward node
+its forward op's, a node that reads a weight the weight's (the optimizer update), others
+follow their data (the latest stage among their operands; reading only inputs, the earliest
+stage that uses them). Computations on the optimizer's global state alone (`beta1_power`, a
+step counter) are *pure*: every stage that needs them computes them on its own copy of that
+state, so the copies stay equal.
+
+Each stage s gets a graph (`split`) with its inputs, its weights and optimizer states, its
+nodes in order, and for every value it reads from another stage t a `Receive` (and a `Send`
+after the producer in t) with one `sr_tag`, `dest_rank` / `src_rank` = the rank at the same
+position of the other stage (`ir.rank.RankShift`), the value's local shape and dtype. A
+stage's graph returns its weights' and states' new values, the last stage also the loss.
+Groups are renamed for the whole world (a stage's group of n ranks is not the world group).
+The nodes are put in the order of the stage's schedule units (passes/pipeline_schedule.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pcompile.ir.core import (
+    Constant,
+    Graph,
+    GraphParam,
+    Node,
+    NodeResult,
+    ParallelInfo,
+    Value,
+)
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.layout import WORLD_GROUP
+from pcompile.ir.rank import GroupName, RankGroup, RankShift
+from pcompile.passes.micro_batch import copy_constant
+from pcompile.passes.pipeline_schedule import (
+    Label,
+    Schedule,
+    order_by_units,
+    schedule,
+    unit_sequence,
+)
+from pcompile.passes.step_parallel import RankBuilder, SplitOptions
+
+# -- the forward program, with the stage of every local node ------------------------------------
+
+
+class _StagedBuilder(RankBuilder):
+    """`RankBuilder` that records which forward op each local node was made for."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.origin: dict[int, Node] = {}
+
+    def lower_node(self, node: Node) -> None:
+        start = len(self.graph.nodes)
+        super().lower_node(node)
+        for made in self.graph.nodes[start:]:
+            self.origin[id(made)] = node
+
+
+def build_staged_spmd_graph(graph: Graph, assignment: Any, options: SplitOptions,
+                            fusion_ids: dict[str, int], node_stage: dict[int, int]
+                            ) -> tuple[Graph, list[Any], dict[int, int]]:
+    """`step_parallel.build_spmd_graph` that also returns the stage of each local node (that
+    of the forward op it was made for; `node_stage` by id of the forward op)."""
+    builder = _StagedBuilder(graph, assignment, None, options, fusion_ids)
+    local = builder.build()
+    stages = {key: node_stage[id(op)] for key, op in builder.origin.items()
+              if id(op) in node_stage}
+    return local, builder.output_layouts, stages
+
+
+def inherit(created: dict[int, Node], stages: dict[int, int], labels: dict[int, Label]) -> None:
+    """Autodiff made the nodes `created` (id -> the forward node it differentiates): they run
+    in its stage, in the backward unit of its micro-batch."""
+    for key, forward in created.items():
+        if id(forward) in stages:
+            stages[key] = stages[id(forward)]
+        label = labels.get(id(forward))
+        if label is not None:
+            labels[key] = ("B", label[1])
+
+
+# -- stage assignment ---------------------------------------------------------------------------
+
+
+@dataclass
+class Assignment:
+    """The stage of every node (`stage`), the stages that compute each pure node and hold
+    each stored parameter (`copies`), and where every graph input is read (`reads`)."""
+
+    stage: dict[int, int] = field(default_factory=dict)
+    copies: dict[int, set[int]] = field(default_factory=dict)
+    param_stages: dict[str, set[int]] = field(default_factory=dict)
+
+
+def assign(graph: Graph, stages: int, node_stage: dict[int, int],
+           weight_stage: dict[str, int]) -> Assignment:
+    """Stages of every node and parameter of the local training step (module docstring)."""
+    out = Assignment()
+    stage = out.stage
+    for node in graph.nodes:
+        if id(node) in node_stage:
+            stage[id(node)] = node_stage[id(node)]
+            continue
+        for v in node.operands:  # the optimizer update runs where its weight lives
+            if isinstance(v, GraphParam) and v.kind == "weight" and v.name in weight_stage:
+                stage[id(node)] = weight_stage[v.name]
+                break
+    pure: set[int] = set()
+    for node in graph.nodes:
+        if id(node) in stage:
+            continue
+        seen = []
+        impure = False
+        for v in node.operands:
+            if isinstance(v, NodeResult):
+                if id(v.node) in stage:
+                    seen.append(stage[id(v.node)])
+                elif id(v.node) not in pure:
+                    impure = True
+            elif isinstance(v, GraphParam):
+                if v.kind == "weight" and v.name in weight_stage:
+                    seen.append(weight_stage[v.name])
+                elif v.kind != "state":
+                    impure = True
+        if seen:
+            stage[id(node)] = max(seen)
+        elif not impure:
+            pure.add(id(node))
+    for node in reversed(graph.nodes):
+        if id(node) in stage or id(node) in pure:
+            continue
+        users = [stage[id(u)] for u in node.result.users if id(u) in stage]
+        stage[id(node)] = min(users) if users else stages - 1
+    # Pure nodes and states: computed / held in every stage that needs them.
+    names = list(graph.attrs.get("outputs") or ())
+    out_stage: dict[int, set[int]] = {}
+    for name, value in zip(names, graph.outputs):
+        if isinstance(value, NodeResult):
+            where = weight_stage.get(name)
+            out_stage.setdefault(id(value.node), set())
+            if where is not None:
+                out_stage[id(value.node)].add(where)
+    for node in reversed(graph.nodes):
+        if id(node) not in pure:
+            continue
+        need = set(out_stage.get(id(node), ()))
+        for user in node.result.users:
+            need |= out.copies.get(id(user), {stage[id(user)]} if id(user) in stage else set())
+        out.copies[id(node)] = need
+    for p in graph.params:
+        if p.kind == "input":
+            continue
+        if p.kind == "weight" and p.name in weight_stage:
+            out.param_stages[p.name] = {weight_stage[p.name]}
+            continue
+        need = set()
+        for user in p.users:
+            need |= out.copies.get(id(user), {stage[id(user)]} if id(user) in stage else set())
+        out.param_stages[p.name] = need or {stages - 1}
+    # A state's update must be computable wherever the state is held.
+    for name, value in zip(names, graph.outputs):
+        held = out.param_stages.get(name)
+        if not held or not isinstance(value, NodeResult):
+            continue
+        node = value.node
+        where = out.copies.get(id(node), {stage[id(node)]} if id(node) in stage else set())
+        if id(node) in pure:
+            out.copies[id(node)] = where | held
+        elif len(held) > 1 or held != where:
+            raise PcompileError(
+                f"pipeline: optimizer state {name!r} is used in stages "
+                f"{sorted(held)} but updated in stage {sorted(where)}; report the optimizer")
+    return out
+
+
+# -- the cut -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Transfer:
+    """One Send/Receive pair."""
+
+    tag: int
+    src: int  # stage
+    dst: int
+    value: str  # what crosses: the producer's op and instance name
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+@dataclass
+class PipelineProgram:
+    """The stages' graphs and how they fit together."""
+
+    stages: int
+    devices: int
+    micro: int
+    scheduler: str
+    graphs: list[Graph]
+    transfers: list[Transfer]
+    param_stages: dict[str, list[int]]
+    outputs: tuple[str, ...] = ()  # every output name of the step (loss, then stored values)
+    schedule: Schedule | None = None
+
+    @property
+    def per_stage(self) -> int:
+        return self.devices // self.stages
+
+    def stage_of_rank(self, rank: int) -> int:
+        return rank // self.per_stage
+
+    def ranks(self, stage: int) -> range:
+        return range(stage * self.per_stage, (stage + 1) * self.per_stage)
+
+    def finish(self) -> Schedule:
+        """The schedule of the final graphs (after comm_fusion)."""
+        self.schedule = schedule(self.graphs, self.scheduler, self.micro, self.per_stage)
+        return self.schedule
+
+    def describe(self) -> dict[str, Any]:
+        """plan.json's `pipeline` section (compiler/plan.py: PipelineInfo)."""
+        sched = self.schedule
+        assert sched is not None
+        return {
+            "stages": self.stages, "devices_per_stage": self.per_stage,
+            "micro_size": self.micro, "scheduler": self.scheduler, "ticks": sched.num_ticks,
+            "bubble": sched.bubble, "ideal_bubble": sched.ideal_bubble,
+            "per_stage": [{
+                "stage": s, "ranks": list(self.ranks(s)),
+                "parameters": [p.name for p in self.graphs[s].params if p.kind != "input"],
+                "units": [{"tick": t, "unit": f"{lab[0]}{lab[1]}"}
+                          for lab, t in zip(sched.units[s].sequence, sched.units[s].ticks)],
+                "activation_bytes": {k: v[s] for k, v in sched.held_bytes.items()},
+                "micro_batches_in_flight": {k: v[s] for k, v in sched.in_flight.items()},
+            } for s in range(self.stages)],
+            "transfers": [{"sr_tag": t.tag, "src_stage": t.src, "dst_stage": t.dst,
+                           "value": t.value, "shape": list(t.shape), "dtype": t.dtype,
+                           "bytes": t.nbytes} for t in self.transfers],
+        }
+
+
+def _world(value: Any, devices: int) -> Any:
+    """Groups named for the whole world (a stage's group of n ranks is not the world)."""
+    if isinstance(value, RankGroup):
+        return RankGroup(devices, value.digits)
+    if isinstance(value, GroupName):
+        return GroupName(RankGroup(devices, value.group.digits))
+    return value
+
+
+def _describe(node: Node) -> str:
+    return f"{node.op} '{node.instance_name}'" if node.instance_name else node.op
+
+
+def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
+          placed: Assignment, labels: dict[int, Label]) -> PipelineProgram:
+    """One graph per stage (see the module docstring)."""
+    n = devices // stages
+    names = list(graph.attrs.get("outputs") or ())
+    outs: list[Graph] = []
+    for s in range(stages):
+        g = Graph(graph.name)
+        g.attrs = {k: _world(v, devices) for k, v in graph.attrs.items() if k != "outputs"}
+        g.attrs.update({"pipeline_stage": s, "pipeline_stages": stages, "micro_size": micro,
+                        "pipeline_scheduler": scheduler})
+        outs.append(g)
+    where: dict[int, set[int]] = {}
+    for p in graph.params:
+        if p.kind == "input":
+            where[id(p)] = set()
+        else:
+            where[id(p)] = set(placed.param_stages[p.name])
+    for node in graph.nodes:
+        sites = placed.copies.get(id(node), {placed.stage.get(id(node), -1)})
+        for v in node.operands:
+            if isinstance(v, GraphParam) and v.kind == "input":
+                where[id(v)] |= sites
+    mapped: list[dict[int, Value]] = [{} for _ in range(stages)]
+    for p in graph.params:
+        for s in sorted(where[id(p)]):
+            mapped[s][id(p)] = outs[s].add_param(GraphParam(p.tensor_type, p.name, p.kind,
+                                                            p.requires_grad))
+    transfers: list[Transfer] = []
+    received: dict[tuple[int, int], Value] = {}
+    home: dict[int, int] = {}  # id(node result) -> the stage that computes it (non-pure)
+
+    def operand(v: Value, s: int, user: Node) -> Value:
+        if isinstance(v, Constant):
+            return copy_constant(v)
+        if id(v) in mapped[s]:
+            return mapped[s][id(v)]
+        assert isinstance(v, NodeResult), f"{v!r} is not available in stage {s}"
+        key = (id(v), s)
+        if key in received:
+            return received[key]
+        src = home[id(v)]
+        producer = mapped[src][id(v)]
+        assert isinstance(producer, NodeResult)
+        tag = len(transfers)
+        ttype = v.tensor_type
+        what = _describe(v.node)
+        transfers.append(Transfer(tag, src, s, what, ttype.shape, ttype.dtype.value,
+                                  ttype.nbytes))
+        label = labels.get(id(v.node))
+        send = Node("Send", [producer],
+                    {"sr_tag": tag, "dest_rank": RankShift((s - src) * n), "group": WORLD_GROUP,
+                     "shape": ttype.shape, "dtype": ttype.dtype},
+                    ttype, instance_name=f"pipeline_send_{tag}", scope=v.node.scope,
+                    source=v.node.source, name_hint=v.name_hint,
+                    parallel=ParallelInfo(extra={
+                        **({"micro": label[1]} if label else {}),
+                        "reason": f"pipeline: stage {src} sends {what} to stage {s}",
+                        "bytes": 0}))
+        outs[src].append(send)
+        user_label = labels.get(id(user))
+        recv = Node("Receive", [],
+                    {"sr_tag": tag, "src_rank": RankShift((src - s) * n), "group": WORLD_GROUP,
+                     "shape": ttype.shape, "dtype": ttype.dtype},
+                    ttype, instance_name=f"pipeline_receive_{tag}", scope=user.scope,
+                    source=v.node.source, name_hint=v.name_hint,
+                    parallel=ParallelInfo(extra={
+                        **({"micro": user_label[1]} if user_label else {}),
+                        "reason": f"pipeline: stage {s} receives {what} from stage {src}",
+                        "bytes": ttype.nbytes}))
+        outs[s].append(recv)
+        received[key] = recv.result
+        return recv.result
+
+    for node in graph.nodes:
+        sites = placed.copies.get(id(node))
+        pure = sites is not None
+        for s in sorted(sites) if pure else [placed.stage[id(node)]]:
+            label = labels.get(id(node))
+            parallel = node.parallel
+            if label is not None:
+                base = parallel or ParallelInfo()
+                parallel = ParallelInfo(base.in_strategy, base.out_strategy,
+                                        {**base.extra, "micro": label[1]})
+            copy = Node(node.op, [operand(v, s, node) for v in node.operands],
+                        {k: _world(v, devices) for k, v in node.attrs.items()},
+                        node.result.type, instance_name=node.instance_name, scope=node.scope,
+                        source=node.source, name_hint=node.result.name_hint, parallel=parallel)
+            copy.fullname = node.fullname
+            outs[s].nodes.append(copy)
+            mapped[s][id(node.result)] = copy.result
+            if not pure:
+                home[id(node.result)] = s
+    for s, g in enumerate(outs):
+        values: list[Value] = []
+        kept: list[str] = []
+        for name, value in zip(names, graph.outputs):
+            if name == "loss":
+                if id(value) not in mapped[s]:
+                    continue
+            elif s not in placed.param_stages.get(name, set()):
+                continue
+            values.append(operand(value, s, value.node) if isinstance(value, NodeResult)
+                          else mapped[s][id(value)])
+            kept.append(name)
+        g.outputs = values
+        g.attrs["outputs"] = tuple(kept)
+    for s, g in enumerate(outs):
+        order_by_units(g, unit_sequence(scheduler, stages, s, micro))
+    transfers = _renumber(outs, transfers)
+    params = {name: sorted(sites) for name, sites in placed.param_stages.items()}
+    return PipelineProgram(stages, devices, micro, scheduler, outs, transfers, params,
+                           tuple(names))
+
+
+def _renumber(graphs: list[Graph], transfers: list[Transfer]) -> list[Transfer]:
+    """sr_tags in the order the stages send (stage by stage, in schedule order)."""
+    order = [int(n.attrs["sr_tag"]) for g in graphs for n in g.nodes if n.op == "Send"]
+    new = {old: k for k, old in enumerate(order)}
+    for g in graphs:
+        for node in g.nodes:
+            if node.op in ("Send", "Receive"):
+                tag = new[int(node.attrs["sr_tag"])]
+                node.attrs["sr_tag"] = tag
+                node.instance_name = f"pipeline_{node.op.lower()}_{tag}"
+    out = [transfers[old] for old in order]
+    for k, t in enumerate(out):
+        t.tag = k
+    return out
+
+
+def empty_stages(program: PipelineProgram) -> list[int]:
+    return [s for s, g in enumerate(program.graphs) if not g.nodes]
+
+
+def check_loss(program: PipelineProgram) -> None:
+    if "loss" not in program.graphs[-1].attrs["outputs"]:
+        raise PcompileError("pipeline: the loss is not computed in the last stage; put the "
+                            "loss function's cells in the last stage")
+

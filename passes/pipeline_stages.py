@@ -1,0 +1,170 @@
+"""Which pipeline stage every op of the traced forward graph runs in.
+
+`set_auto_parallel_context(pipeline_stages=S)` splits the devices into S stages; the user puts
+cells into stages with `cell.pipeline_stage = s`. An op runs in the stage of the innermost cell
+around it that has one (`ScopeCell.stage`). The rules, and the error each breach gives:
+
+* every sub-cell of the network that runs ops must have a stage, its own or an enclosing
+  cell's (else: "... has no pipeline stage");
+* ops outside every staged cell that the compiler owns or the user did not put in a sub-cell
+  (the network's own construct, the loss function of `nn.WithLossCell`, the wrappers
+  `nn.PipelineCell` and `nn.MicroBatchInterleaved`) follow their data: the latest stage among
+  their inputs, or, reading only parameters and graph inputs, the earliest stage that reads
+  them;
+* stages are 0..S-1 (else: "... has pipeline_stage 5, but ..."), each of them runs some op
+  (else: "stage 2 has no op"), and data flows from a stage to itself or a later one only
+  (else: "stages out of order");
+* a weight belongs to one stage: the ops that use it are all in one stage (else: "parameter
+  ... is used in stages 0 and 3"; pcompile does not share weights between stages).
+
+`assign_stages(graph, cells, stages)` returns the stage of every node and weight, or raises
+`PcompileError` with one of the messages above, naming the op, its scope and source line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pcompile.ir.core import Graph, GraphParam, Node, NodeResult
+from pcompile.ir.errors import PcompileError
+
+
+@dataclass(frozen=True)
+class ScopeCell:
+    """The cell a scope belongs to, as the stage rules see it: `stage` (None: not set),
+    `kind` ("cell": a sub-cell of the network, which must be staged; "root": the network
+    itself or a wrapper or loss function, whose own ops follow their data), and for messages
+    its attribute path and class."""
+
+    stage: int | None
+    kind: str
+    path: str
+    cls: str
+
+
+@dataclass
+class StageMap:
+    """The result: stage of every forward node (by id) and of every weight (by name)."""
+
+    stages: int
+    node_stage: dict[int, int] = field(default_factory=dict)
+    param_stage: dict[str, int] = field(default_factory=dict)
+
+    def of(self, node: Node) -> int:
+        return self.node_stage[id(node)]
+
+
+def _scopes(scope: str) -> list[str]:
+    """`scope` and its enclosing scopes, innermost first."""
+    out = []
+    while scope:
+        out.append(scope)
+        if "/" not in scope:
+            break
+        scope = scope.rsplit("/", 1)[0]
+    return out
+
+
+def _cell_text(info: ScopeCell) -> str:
+    return f"cell `{info.path}` ({info.cls})" if info.path else f"the network ({info.cls})"
+
+
+def declared_stage(node: Node, cells: dict[str, ScopeCell], stages: int) -> int | None:
+    """The stage of the innermost staged cell around `node`; None when the node follows its
+    data; PcompileError for an unstaged sub-cell or a stage out of range."""
+    first: tuple[str, ScopeCell] | None = None
+    for scope in _scopes(node.scope):
+        info = cells.get(scope)
+        if info is None:
+            continue
+        if info.stage is not None:
+            if not 0 <= info.stage < stages:
+                raise PcompileError(
+                    f"pipeline_stages={stages}: {_cell_text(info)} has pipeline_stage "
+                    f"{info.stage}, but the stages are 0..{stages - 1} ({node.where()} runs "
+                    "in it); use a stage below pipeline_stages or raise pipeline_stages")
+            return info.stage
+        if info.kind == "root":
+            if first is None or first[1].kind == "root":
+                return None
+            break
+        if first is None:
+            first = (scope, info)
+    if first is None:
+        return None
+    info = first[1]
+    hint = f"net.{info.path}.pipeline_stage = s" if info.path else "cell.pipeline_stage = s"
+    raise PcompileError(
+        f"pipeline_stages={stages}: {node.where()} runs in {_cell_text(info)}, which has no "
+        f"pipeline stage, nor has any cell around it; set `{hint}` (0 <= s < {stages}) on it "
+        "or on a cell that contains it: every sub-cell of the network runs in a stage")
+
+
+def assign_stages(graph: Graph, cells: dict[str, ScopeCell], stages: int) -> StageMap:
+    """The stage of every node and weight of the forward graph (see the module docstring)."""
+    result = StageMap(stages)
+    stage = result.node_stage
+    declared: set[int] = set()
+    for node in graph.nodes:
+        s = declared_stage(node, cells, stages)
+        if s is not None:
+            stage[id(node)] = s
+            declared.add(id(node))
+    # Ops that follow their data: the latest stage of their inputs ...
+    for node in graph.nodes:
+        if id(node) in stage:
+            continue
+        seen = [stage[id(v.node)] for v in node.operands
+                if isinstance(v, NodeResult) and id(v.node) in stage]
+        if seen:
+            stage[id(node)] = max(seen)
+    # ... or, reading only parameters and inputs, the earliest stage that reads them.
+    for node in reversed(graph.nodes):
+        if id(node) in stage:
+            continue
+        users = [stage[id(u)] for u in node.result.users if id(u) in stage]
+        stage[id(node)] = min(users) if users else stages - 1
+    _check_order(graph, result, declared)
+    _check_weights(graph, result)
+    used = set(stage.values())
+    empty = [s for s in range(stages) if s not in used]
+    if empty:
+        raise PcompileError(
+            f"pipeline_stages={stages}: stage {empty[0]} has no op (stages used: "
+            f"{', '.join(map(str, sorted(used)))}); give cells the stages 0..{stages - 1}, "
+            f"every stage at least one (`cell.pipeline_stage = s`), or use fewer stages")
+    return result
+
+
+def _check_order(graph: Graph, result: StageMap, declared: set[int]) -> None:
+    stage = result.node_stage
+    for node in graph.nodes:
+        for value in node.operands:
+            if not isinstance(value, NodeResult):
+                continue
+            producer = value.node
+            a, b = stage[id(producer)], stage[id(node)]
+            if a > b:
+                raise PcompileError(
+                    f"pipeline stages out of order: {node.where()} in stage {b} reads the output "
+                    f"of {producer.where()} in stage {a}; data flows from a stage to itself or "
+                    "a later one only: give the cells stages that grow along the network")
+
+
+def _check_weights(graph: Graph, result: StageMap) -> None:
+    for param in graph.params:
+        if param.kind == "input":
+            continue
+        users = {result.node_stage[id(u)]: u for u in param.users}
+        if len(users) > 1:
+            (a, ua), (b, ub) = sorted(users.items())[:2]
+            raise PcompileError(
+                f"parameter {param.name!r} is used in stages {a} ({ua.where()}) and {b} "
+                f"({ub.where()}); a weight belongs to one pipeline stage: put the cells that "
+                "share it into one stage (pcompile does not share weights between stages)")
+        if users:
+            result.param_stage[param.name] = next(iter(users))
+
+
+def weight_stage(param: GraphParam, result: StageMap) -> int | None:
+    return result.param_stage.get(param.name)

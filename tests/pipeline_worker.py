@@ -1,0 +1,75 @@
+"""Subprocess half of tests/test_pipeline_jax.py: pipeline programs as ONE JAX program over a
+mesh with a stage axis on 8 virtual CPU devices (float64), against the numpy pipeline
+simulator and the single-device program. Prints one JSON report.
+
+    python -m tests.pipeline_worker
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_enable_x64", True)
+
+import numpy as np  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# name: (model file, environment, compile overrides, steps)
+CASES: dict[str, tuple[str, dict[str, str], dict[str, Any], int]] = {
+    # 4 stages x 2-way model parallel, 1F1B, 2 micro-batches
+    "mlp_1f1b": (os.path.join(ROOT, "examples", "pipeline_mlp.py"),
+                 {"PIPE_MICRO": "2", "PIPE_SCHEDULER": "1f1b"}, {}, 3),
+    # the GPT example on 2 stages x 4 devices, GPipe, 4 micro-batches
+    "gpt_gpipe": (os.path.join(ROOT, "examples", "gpt_block.py"),
+                  {"GPT_MICRO": "4", "GPT_BATCH": "16"},
+                  {"pipeline_stages": 2, "pipeline_config": {"pipeline_scheduler": "gpipe"}},
+                  2),
+}
+
+
+def rel(got: Any, want: Any) -> float:
+    from pcompile.compiler.oracle import relative_error
+
+    return relative_error(np.asarray(got), np.asarray(want))
+
+
+def run_case(path: str, env: dict[str, str], overrides: dict[str, Any],
+             steps: int) -> dict[str, Any]:
+    from pcompile.backends.jax.pipeline import JaxPipelineRunner
+    from pcompile.compiler.driver import compile as compile_model
+    from pcompile.compiler.oracle import single_device
+    from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
+
+    os.environ.update(env)
+    program = compile_model(path, devices=8, dump=False, parallel_mode="semi_auto_parallel",
+                            overrides=overrides)
+    assert program.state.pipelined
+    ref = single_device(program)
+    jr = JaxPipelineRunner(program, float64=True)
+    nr = ParallelRunner(program, float64=True)
+    one = StandAloneRunner(ref, "numpy", float64=True)
+    losses = [[jr.step(a), nr.step(a), one.step(a)] for _, _, a in batches(ref, steps)]
+    worst = {"jax_vs_numpy": 0.0, "jax_vs_single": 0.0}
+    compared = 0
+    for r in range(8):
+        for name, want in nr.values[r].items():
+            worst["jax_vs_numpy"] = max(worst["jax_vs_numpy"], rel(jr.values[r][name], want))
+            compared += 1
+    for name, want in one.values.items():
+        worst["jax_vs_single"] = max(worst["jax_vs_single"], rel(jr.global_value(name), want))
+    return {"losses": losses, "worst": worst, "compared": compared,
+            "stored": len(one.values)}
+
+
+def main() -> None:
+    report = {name: run_case(*case) for name, case in CASES.items()}
+    print("REPORT " + json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

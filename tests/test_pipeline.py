@@ -1,0 +1,426 @@
+"""Pipeline parallelism (issue 11): plans equal single-device training (float64 oracle) for a
+4-stage x 2-way model-parallel MLP and the GPT example on 2 and 4 stages, micro sizes 1, 2, 4,
+GPipe and 1F1B; Send/Receive pairs in the dumps; the schedules; plan.json; one message per
+mistake. The JAX runs (8 virtual devices, 8 processes) are in tests/test_pipeline_jax.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import textwrap
+
+import pytest
+
+from pcompile.compiler.driver import compile as compile_model
+from pcompile.compiler.oracle import check
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.parser import parse_graph
+from pcompile.passes.pipeline_schedule import unit_sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MLP = os.path.join(ROOT, "examples", "pipeline_mlp.py")
+GPT = os.path.join(ROOT, "examples", "gpt_block.py")
+
+
+def mlp(monkeypatch, micro: int = 4, scheduler: str = "1f1b", **kwargs):
+    monkeypatch.setenv("PIPE_MICRO", str(micro))
+    monkeypatch.setenv("PIPE_SCHEDULER", scheduler)
+    kwargs.setdefault("dump", False)
+    return compile_model(MLP, devices=8, **kwargs)
+
+
+def gpt(monkeypatch, stages: int, micro: int, scheduler: str, **kwargs):
+    monkeypatch.setenv("GPT_MICRO", str(micro))
+    monkeypatch.setenv("GPT_BATCH", "16")
+    kwargs.setdefault("dump", False)
+    return compile_model(GPT, devices=8, parallel_mode="semi_auto_parallel",
+                         overrides={"pipeline_stages": stages,
+                                    "pipeline_config": {"pipeline_scheduler": scheduler}},
+                         **kwargs)
+
+
+# -- the oracle ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheduler", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("micro", [1, 2, 4])
+def test_mlp_four_stages_two_way_model_parallel_trains_like_one_device(monkeypatch, micro,
+                                                                        scheduler) -> None:
+    program = mlp(monkeypatch, micro, scheduler)
+    pipe = program.state.pipeline.program
+    assert (pipe.stages, pipe.per_stage, pipe.micro) == (4, 2, micro)
+    assert [program.rank_graphs[r] is pipe.graphs[r // 2] for r in range(8)] == [True] * 8
+    report = check(program, steps=3)
+    assert report.ok(), (report.losses, report.worst)
+    # every weight and its momentum were compared, each held by one stage
+    assert {n for n in report.errors if not n.startswith("moments.")} == {
+        f"blocks.{i}.w{j}" for i in range(4) for j in (1, 2)}
+
+
+@pytest.mark.parametrize("scheduler", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("micro", [1, 2, 4])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_gpt_example_trains_like_one_device(monkeypatch, stages, micro, scheduler) -> None:
+    program = gpt(monkeypatch, stages, micro, scheduler)
+    report = check(program, steps=2)
+    assert report.ok(), (report.losses, report.worst)
+    # AdamWeightDecay's global state (beta powers) is kept by every stage that updates weights
+    pipe = program.state.pipeline.program
+    assert all(len(s) == 1 for n, s in pipe.param_stages.items() if "." in n)
+
+
+def test_micro_batches_without_stages_accumulate_gradients(monkeypatch) -> None:
+    monkeypatch.setenv("PIPE_MICRO", "4")
+    program = compile_model(MLP, devices=8, dump=False, overrides={"pipeline_stages": 1})
+    assert not program.state.pipelined and program.state.micro_batched
+    assert len(program.state.graphs) == 1
+    assert check(program, steps=2).ok()
+
+
+def test_gradient_communication_happens_once_per_step(monkeypatch) -> None:
+    """_MirrorMicroStepOperator: the mirror is shared by the micro-batches, so its AllReduce
+    runs once on the accumulated gradient, whatever the micro size."""
+
+    def gradient_allreduces(micro: int) -> tuple[int, int, int]:
+        """(AllReduce nodes of the backward shared by the micro-batches, weight gradients
+        they carry (members when fused), AllReduce nodes of one micro-batch's backward)."""
+        program = gpt(monkeypatch, 2, micro, "1f1b")
+        nodes = [n for g in program.state.graphs for n in g.nodes
+                 if n.op == "AllReduce" and n.scope.startswith("Gradients/")]
+        per_micro = [n for n in nodes if "micro" in n.parallel.extra]
+        shared = [n for n in nodes if "micro" not in n.parallel.extra]
+        carried = sum(len(n.parallel.extra.get("members", ())) or 1 for n in shared)
+        return len(shared), carried, len(per_micro)
+
+    once = gradient_allreduces(1)
+    weights = len([p for p in compile_model(GPT, devices=1, dump=False).graph.weights])
+    assert once[1] == weights  # every weight's gradient, all replicated (data parallel)
+    # the mirrors' AllReduces do not multiply with the micro-batches; the vjp of a forward
+    # AllReduce (the loss's partial sums over the batch) belongs to each micro-batch
+    assert gradient_allreduces(4) == (once[0], once[1], 4 * once[2])
+
+
+def test_gradient_accumulation_shard_reduce_scatters_every_micro_batch(tmp_path) -> None:
+    path = write_model(tmp_path, TWO_STAGES, context="enable_parallel_optimizer=True, "
+                       "parallel_optimizer_config={'parallel_optimizer_threshold': 0, "
+                       "'gradient_accumulation_shard': SHARD}")
+
+    def scatters(shard: bool) -> int:
+        program = compile_model(path, devices=4, dump=False, overrides={
+            "parallel_optimizer_config": {"gradient_accumulation_shard": shard}})
+        assert check(program, steps=2).ok()
+        return sum(1 for g in program.state.graphs for n in g.nodes if n.op == "ReduceScatter")
+
+    assert scatters(True) == 2 * scatters(False) > 0  # micro_size 2
+
+
+# -- dumps --------------------------------------------------------------------------------------
+
+
+def test_dumps_show_send_receive_pairs_and_micro_batches(monkeypatch, tmp_path) -> None:
+    out = tmp_path / "out"
+    mlp(monkeypatch, 2, "1f1b", dump=True, out_dir=str(out))
+    sends, receives = {}, {}
+    for r in range(8):
+        text = (out / f"rank_{r}" / "08_execute.ir").read_text()
+        graph = parse_graph(text)
+        assert graph.attrs["pipeline_stage"] == r // 2
+        micro = {n.parallel.extra.get("micro") for n in graph.nodes if n.parallel is not None}
+        assert {0, 1} <= micro
+        for node in graph.nodes:
+            if node.op == "Send":
+                sends[(r, node.attrs["sr_tag"])] = (node.attrs["dest_rank"],
+                                                    node.attrs["shape"], node.attrs["dtype"])
+            elif node.op == "Receive":
+                receives[(r, node.attrs["sr_tag"])] = (node.attrs["src_rank"],
+                                                       node.attrs["shape"], node.attrs["dtype"])
+    assert sends and len(sends) == len(receives)
+    for (r, tag), (dest, shape, dtype) in sends.items():
+        assert abs(dest - r) == 2  # the same position of the neighbouring stage
+        assert receives[(dest, tag)] == (r, shape, dtype)
+    plan = json.loads((out / "plan.json").read_text())
+    info = plan["pipeline"]
+    assert info["stages"] == 4 and info["micro_size"] == 2 and info["scheduler"] == "1f1b"
+    assert [s["ranks"] for s in info["per_stage"]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert len(info["transfers"]) == len(sends) // 2  # one transfer per pair of positions
+    assert plan["inputs"][0]["shape"] == [16, 32]  # the whole batch
+
+
+def test_cli_draws_the_schedule(monkeypatch, tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from pcompile.cli import main
+
+    monkeypatch.setenv("PIPE_MICRO", "2")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["compile", MLP, "--devices", "8", "--out", str(out),
+                                       "--no-check"])
+    assert result.exit_code == 0, result.output
+    assert "pipeline schedule: 1f1b, 4 stages x 2 device(s), 2 micro-batch(es)" in result.output
+    assert "stage 3  .  .  .  F0 B0 F1 B1" in result.output
+    assert "bubble: 60.0% of stage-ticks idle (ideal (S-1)/(m+S-1) = 60.0%)" in result.output
+    shown = CliRunner().invoke(main, ["show", str(out)])
+    assert shown.exit_code == 0, shown.output
+    assert "stage 0  F0 F1 .  .  .  .  .  B0 .  B1" in shown.output
+
+
+# -- schedules ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stages,micro", [(2, 1), (2, 4), (4, 2), (4, 8)])
+def test_schedules_run_every_unit_once_and_1f1b_holds_fewer_micro_batches(stages, micro) -> None:
+    for s in range(stages):
+        gpipe = unit_sequence("gpipe", stages, s, micro)
+        one = unit_sequence("1f1b", stages, s, micro)
+        assert sorted(gpipe) == sorted(one) == sorted(
+            [(p, k) for p in "FB" for k in range(micro)])
+        for seq in (gpipe, one):  # a micro-batch's backward after its forward
+            assert all(seq.index(("F", k)) < seq.index(("B", k)) for k in range(micro))
+        flight = max(sum(1 if p == "F" else -1 for p, _ in one[:i + 1])
+                     for i in range(len(one)))
+        assert flight == min(stages - s, micro)
+
+
+@pytest.mark.parametrize("micro", [1, 2, 4, 8])
+def test_ticks_give_the_ideal_bubble_and_1f1b_needs_less_memory(monkeypatch, micro) -> None:
+    monkeypatch.setenv("PIPE_BATCH", "32")
+    for scheduler in ("gpipe", "1f1b"):
+        sched = mlp(monkeypatch, micro, scheduler).state.pipeline.program.schedule
+        assert sched.num_ticks == 2 * (micro + 4 - 1)
+        assert sched.bubble == pytest.approx(sched.ideal_bubble)
+        assert sched.in_flight["gpipe"] == [micro] * 4
+        assert sched.in_flight["1f1b"] == [min(4 - s, micro) for s in range(4)]
+        gp, one = sched.held_bytes["gpipe"], sched.held_bytes["1f1b"]
+        assert all(a <= b for a, b in zip(one, gp))
+        assert (one[-1] < gp[-1]) == (micro > 1)
+
+
+# -- mistakes -----------------------------------------------------------------------------------
+
+TWO_STAGES = """
+import numpy as np
+from pcompile import nn, ops, set_auto_parallel_context, set_seed
+
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=STAGES,
+                          CONTEXT)
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Dense(16, 16)
+        self.l2 = nn.Dense(16, 8)
+        self.l1.pipeline_stage = STAGE1
+        self.l2.pipeline_stage = STAGE2
+
+    def construct(self, x):
+        return self.l2(self.l1(x))
+
+
+def model():
+    set_seed(2)
+    return nn.PipelineCell(nn.WithLossCell(Net(), nn.MSELoss()), micro_size=MICRO)
+
+
+def inputs():
+    return (np.zeros((BATCH, 16), np.float32),)
+
+
+def optimizer(params):
+    return nn.Momentum(params, learning_rate=0.1, momentum=0.9)
+
+
+def labels():
+    return (np.zeros((BATCH, 8), np.float32),)
+"""
+
+
+def write_model(tmp_path, text: str, *, stages: int = 2, stage1: int = 0, stage2: int = 1,
+                micro: int = 2, batch: int = 8, context: str = "", shard: bool = False,
+                name: str = "pipe.py") -> str:
+    source = (textwrap.dedent(text).replace("STAGES", str(stages))
+              .replace("STAGE1", str(stage1)).replace("STAGE2", str(stage2))
+              .replace("MICRO", str(micro)).replace("BATCH", str(batch))
+              .replace("CONTEXT", context).replace("SHARD", str(shard)))
+    path = tmp_path / name
+    path.write_text(source)
+    return str(path)
+
+
+def error_of(path: str, devices: int = 4, **kwargs) -> str:
+    with pytest.raises(PcompileError) as info:
+        compile_model(path, devices=devices, dump=False, **kwargs)
+    return str(info.value)
+
+
+def test_a_cell_with_no_stage_is_named(tmp_path) -> None:
+    text = TWO_STAGES.replace("        self.l2.pipeline_stage = STAGE2\n", "")
+    message = error_of(write_model(tmp_path, text))
+    assert "cell `l2` (Dense), which has no pipeline stage" in message
+    assert "net.l2.pipeline_stage = s" in message and "0 <= s < 2" in message
+    assert "MatMul" in message and "pipe.py" in message  # the op and its source line
+
+
+def test_stages_out_of_order_are_named(tmp_path) -> None:
+    message = error_of(write_model(tmp_path, TWO_STAGES, stage1=1, stage2=0))
+    assert message.startswith("pipeline stages out of order:")
+    assert "in stage 0 reads the output of" in message and "in stage 1" in message
+
+
+def test_a_stage_beyond_pipeline_stages_is_refused(tmp_path) -> None:
+    message = error_of(write_model(tmp_path, TWO_STAGES, stage2=2))
+    assert "cell `l2` (Dense) has pipeline_stage 2, but the stages are 0..1" in message
+
+
+def test_an_empty_stage_is_refused(tmp_path) -> None:
+    message = error_of(write_model(tmp_path, TWO_STAGES, stages=4, stage2=1), devices=8)
+    assert "pipeline_stages=4: stage 2 has no op (stages used: 0, 1)" in message
+
+
+def test_a_stage_count_that_does_not_divide_the_devices_is_refused(tmp_path) -> None:
+    message = error_of(write_model(tmp_path, TWO_STAGES, stages=3))
+    assert "pipeline_stages=3 does not divide the 4 devices" in message
+    assert "use one of 1, 2, 4" in message
+
+
+def test_a_micro_size_that_does_not_divide_the_batch_is_refused(tmp_path) -> None:
+    message = error_of(write_model(tmp_path, TWO_STAGES, micro=3))
+    assert "nn.PipelineCell(micro_size=3)" in message and "x (8, 16)" in message
+    assert "8 is not divisible by 3" in message and "among 1, 2, 4, 8" in message
+
+
+def test_a_micro_batch_the_stage_cannot_split_is_refused(tmp_path) -> None:
+    message = error_of(write_model(tmp_path, TWO_STAGES, micro=8))
+    assert "micro-batches of 1 rows" in message and "over the 2 devices of a stage" in message
+    assert "multiple of micro_size x 2 = 16" in message
+
+
+def test_a_weight_shared_between_stages_is_refused(tmp_path) -> None:
+    """l2 (stage 1) reads l1's weight (stage 0): a tied weight across stages."""
+    text = TWO_STAGES.replace(
+        "self.l2 = nn.Dense(16, 8)",
+        "self.l2 = nn.Dense(16, 16)\n        self.l2.weight = self.l1.weight").replace(
+        "(BATCH, 8)", "(BATCH, 16)")
+    message = error_of(write_model(tmp_path, text))
+    assert "parameter 'l1.weight' is used in stages 0" in message
+    assert "a weight belongs to one pipeline stage" in message
+
+
+@pytest.mark.parametrize("config,expected", [
+    ("pipeline_config={'pipeline_interleave': True}", "pipeline_interleave=True"),
+    ("pipeline_config={'pipeline_scheduler': 'seqpipe'}", "pipeline_scheduler='seqpipe'"),
+])
+def test_unimplemented_pipeline_configs_are_refused(tmp_path, config, expected) -> None:
+    message = error_of(write_model(tmp_path, TWO_STAGES, context=config))
+    assert expected in message and "not implemented" in message
+
+
+def test_pipeline_segments_are_refused(tmp_path) -> None:
+    text = TWO_STAGES.replace("        self.l1.pipeline_stage = STAGE1\n",
+                              "        self.l1.pipeline_stage = STAGE1\n"
+                              "        self.l1.pipeline_segment = 1\n")
+    assert "has pipeline_segment 1" in error_of(write_model(tmp_path, text))
+
+
+def test_pipeline_stages_need_an_auto_or_semi_auto_mode(tmp_path) -> None:
+    message = error_of(write_model(tmp_path, TWO_STAGES), parallel_mode="data_parallel")
+    assert "needs parallel_mode semi_auto_parallel or auto_parallel" in message
+
+
+def test_pipeline_inference_is_refused(tmp_path) -> None:
+    text = TWO_STAGES.replace(
+        "return nn.PipelineCell(nn.WithLossCell(Net(), nn.MSELoss()), micro_size=MICRO)",
+        "return Net()").replace("def optimizer(params):", "def _unused(params):")
+    assert "pipeline parallelism trains" in error_of(write_model(tmp_path, text))
+
+
+def test_pipeline_cell_with_loss_function_is_refused(tmp_path) -> None:
+    text = TWO_STAGES + "\n\ndef loss():\n    return nn.MSELoss()\n"
+    assert "remove loss()" in error_of(write_model(tmp_path, text))
+
+
+def test_a_training_step_cell_in_a_pipeline_is_refused(tmp_path) -> None:
+    """A network computing its own loss with optimizer() and no loss() trains as
+    nn.TrainOneStepCell, which pipeline stages do not take (yet)."""
+    text = TWO_STAGES.replace(
+        "return nn.PipelineCell(nn.WithLossCell(Net(), nn.MSELoss()), micro_size=MICRO)",
+        "return nn.WithLossCell(Net(), nn.MSELoss())")
+    message = error_of(write_model(tmp_path, text))
+    assert "pipeline_stages=2" in message and "training step cell (TrainOneStepCell" in message
+
+
+def test_recompute_in_a_pipeline_is_refused(tmp_path) -> None:
+    text = TWO_STAGES.replace("        self.l1.pipeline_stage = STAGE1\n",
+                              "        self.l1.pipeline_stage = STAGE1\n"
+                              "        self.l1.recompute()\n")
+    message = error_of(write_model(tmp_path, text))
+    assert "marked for recomputation" in message and "pipeline_stages=1" in message
+
+
+def test_inputs_split_differently_are_refused(tmp_path) -> None:
+    path = write_model(tmp_path, TWO_STAGES,
+                       context="dataset_strategy=((2, 1), (1, 1))")
+    message = error_of(path)
+    assert "x 2 ways" in message and "label 1 ways" in message
+
+
+def test_pipeline_cell_arguments_are_checked() -> None:
+    from pcompile import nn
+
+    net = nn.Dense(4, 4)
+    with pytest.raises(TypeError, match="micro_size' must be integer"):
+        nn.PipelineCell(net, 2.0)
+    with pytest.raises(ValueError, match="must be large than 0"):
+        nn.PipelineCell(net, 0)
+    with pytest.raises(TypeError, match="must be a Cell"):
+        nn.PipelineCell(lambda x: x, 2)
+    with pytest.raises(KeyError, match="names cells the network does not have: nope"):
+        nn.PipelineCell(nn.WithLossCell(net, nn.MSELoss()), 2, stage_config={"nope": 1})
+    with pytest.raises(ValueError, match="interleave_num' must be large than 0"):
+        nn.MicroBatchInterleaved(net, 0)
+    with pytest.raises(TypeError, match="pipeline_stage' must be int"):
+        net.pipeline_stage = "1"
+    with pytest.raises(ValueError, match="can not be less than 0"):
+        net.pipeline_stage = -1
+    cell = nn.PipelineCell(nn.WithLossCell(nn.SequentialCell([nn.Dense(4, 4)]), nn.MSELoss()),
+                           2, stage_config={"0": 1}, segment_config={"_backbone.0": 0})
+    assert cell.network.backbone_network[0].pipeline_stage == 1
+
+
+def test_micro_batch_interleaved_in_a_pipeline_trains_like_one_device(tmp_path) -> None:
+    text = TWO_STAGES.replace(
+        "nn.PipelineCell(nn.WithLossCell(Net(), nn.MSELoss()), micro_size=MICRO)",
+        "nn.PipelineCell(nn.MicroBatchInterleaved(nn.WithLossCell(Net(), nn.MSELoss()), 2), "
+        "micro_size=MICRO, stage_config={'l1': 0, 'l2': 1})").replace(
+        "        self.l1.pipeline_stage = STAGE1\n        self.l2.pipeline_stage = STAGE2\n", "")
+    text = text.replace("def labels():\n    return (np.zeros((BATCH, 8), np.float32),)",
+                        DATASET)
+    program = compile_model(write_model(tmp_path, text, batch=16), devices=4, dump=False)
+    assert check(program, steps=2).ok()
+
+
+DATASET = """def dataset():
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        yield (rng.standard_normal((BATCH, 16)).astype(np.float32),
+               rng.standard_normal((BATCH, 8)).astype(np.float32))"""
+
+
+# -- search ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("search", ["sharding_propagation", "recursive_programming",
+                                    "dynamic_programming"])
+def test_auto_parallel_searches_within_each_stage(monkeypatch, search) -> None:
+    """auto_parallel with pipeline stages: every strategy is chosen for the stage's devices
+    (each layout's device matrix has 8 / 2 = 4 devices), and the plan trains like one device."""
+    monkeypatch.setenv("GPT_MICRO", "2")
+    monkeypatch.setenv("GPT_BATCH", "16")
+    program = compile_model(GPT, devices=8, dump=False, parallel_mode="auto_parallel",
+                            search_mode=search, overrides={"pipeline_stages": 2})
+    assert program.state.pipelined and program.state.stage_devices == 4
+    layouts = program.state.assignment.param_layouts
+    assert layouts and {math.prod(lay.dev_matrix) for lay in layouts.values()} == {4}
+    report = check(program, steps=2)
+    assert report.ok(), (report.losses, report.worst)
