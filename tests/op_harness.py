@@ -95,11 +95,14 @@ def check_op(
               if np.asarray(a).dtype.kind == "f" and np.asarray(a).size]
     magnitude = max([float(np.max(x[np.isfinite(x)])) for x in finite
                      if np.isfinite(x).any()] + [1.0])
-    floor = 1e-6 * magnitude
     # Low-precision inputs: both sides round every step to the dtype, in different orders, so
     # the bound is the dtype's: a reduction of n terms differs by at most n * eps relative to
-    # its scale (n bounded by the largest tensor); float32 keeps the caller's rtol.
-    rtol = max(rtol, _rounding_bound(inputs))
+    # the scale of its terms (n bounded by the largest tensor), which is the inputs' magnitude
+    # when the result cancels to near zero (a mean of +-1 values); float32 keeps the caller's
+    # rtol.
+    low = _rounding_bound(inputs)
+    floor = max(1e-6, low) * magnitude
+    rtol = max(rtol, low)
     for i, (g, lj, w) in enumerate(zip(got, lowered, want_list)):
         assert_close(g, w, rtol, f"{op} numpy output {i}", atol=floor)
         assert_close(lj, w, rtol, f"{op} jax output {i}", atol=floor)
