@@ -144,3 +144,144 @@ def test_low_precision_graph_numpy_agrees_with_jax(tmp_path) -> None:
     n = StandAloneRunner(bf16, "numpy", float64=True).run(arrays)
     j = StandAloneRunner(bf16, "jax", float64=True).run(arrays)
     assert abs(float(n[0]) - float(j[0])) <= 2.0 ** -26 * max(1.0, abs(float(n[0])))
+
+
+# -- amp.build_train_network: amp_level as MindSpore spells it for training --------------------
+
+BUILD = """\
+import numpy as np
+from pcompile import amp, nn, ops, Parameter, initializer, set_seed, set_auto_parallel_context
+from pcompile import float16, float32
+
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        set_seed(3)
+        self.w1 = Parameter(initializer("normal", [16, 32]), "w1")
+        self.w2 = Parameter(initializer("normal", [32, 16]), "w2")
+        self.matmul1 = ops.MatMul().shard(((2, 4), (4, 1)))
+        self.matmul2 = ops.MatMul().shard(((2, 4), (4, 1)))
+        self.relu = ops.ReLU()
+
+    def construct(self, x):
+        return self.matmul2(self.relu(self.matmul1(x, self.w1)), self.w2)
+
+
+def model():
+    net = Net()
+    opt = nn.Momentum(net.trainable_params(), learning_rate=0.01, momentum=0.9)
+    return amp.build_train_network(net, opt, {args})
+
+
+def dataset():
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        yield (rng.standard_normal((16, 16)).astype(np.float32),
+               rng.standard_normal((16, 16)).astype(np.float32))
+
+
+def inputs():
+    return next(iter(dataset()))
+"""
+
+
+def build_file(tmp_path, args: str, name: str = "build.py") -> str:
+    path = tmp_path / name
+    path.write_text(BUILD.format(args=args))
+    return str(path)
+
+
+def test_build_train_network_o2_is_float16_with_a_dynamic_loss_scale(tmp_path) -> None:
+    """O2 (MindSpore's table): network float16, the loss_fn float32, a
+    TrainOneStepWithLossScaleCell with DynamicLossScaleManager()'s cell (2^24, 2, 2000); the
+    plan passes the float64 oracle and the dumps show the Casts and the loss scale."""
+    out = tmp_path / "out"
+    program = compile_model(build_file(tmp_path, 'nn.MSELoss(), level="O2"'), devices=8,
+                            out_dir=str(out))
+    graph = program.traced.graph
+    for dtypes in _operand_dtypes(graph, "MatMul"):
+        assert dtypes == [DType.float16, DType.float16]
+    # the loss (MSELoss) reads the network's output cast back to float32
+    assert all(d == DType.float32 for ds in _operand_dtypes(graph, "Square") for d in ds)
+    assert program.output_names[:3] == ["loss", "w1", "w2"]
+    assert {"moments.w1", "moments.w2", "scale_sense", "current_iterator_step",
+            "last_overflow_iterator_step"} <= set(program.output_names)
+    assert float(np.asarray(program.initial_values["scale_sense"])) == 2.0 ** 24
+    assert {"current_iterator_step", "last_overflow_iterator_step"} <= set(
+        program.initial_values)
+    assert_plan_ok(program)
+    trace = (out / "rank_0" / "00_trace.ir").read_text()
+    assert "dst_type: Float16" in trace and "dst_type: Float32" in trace
+    step = next(p for p in sorted((out / "rank_0").iterdir()) if "train_step" in p.name)
+    text = step.read_text()
+    assert "scale_sense" in text and "current_iterator_step" in text
+
+
+def assert_plan_ok(program) -> None:
+    report = check(program, steps=2)
+    assert report.ok(), report.worst
+
+
+def test_build_train_network_o2_float16_backs_off_like_mindspore(tmp_path) -> None:
+    """Run in float16 as compiled: 2^24 times the float16 output gradient (|2 (out - y) / 256|
+    of order 1e-2 on these data) exceeds float16's 65504, so the first steps overflow: each is
+    skipped (parameters unchanged) and halves the scale, until a scale fits and the step
+    updates; the scales follow MindSpore's update rule on the observed overflows."""
+    from tests.test_training_forms import dynamic_scale_reference
+
+    program = compile_model(build_file(tmp_path, 'nn.MSELoss(), level="O2"'), devices=1,
+                            dump=False)
+    runner = StandAloneRunner(program, "numpy")
+    overflows, scales = [], []
+    with np.errstate(all="ignore"):
+        for _, _, arrays in batches(program, 20):
+            before = np.array(runner.values["w1"])
+            runner.step(arrays)
+            overflow = bool(runner.values["output1"])
+            overflows.append(overflow)
+            scales.append(float(runner.values["scale_sense"]))
+            assert np.array_equal(runner.values["w1"], before) == overflow
+    assert overflows[0] and not all(overflows)
+    assert scales == dynamic_scale_reference(2.0 ** 24, 2.0, 2000, overflows)
+    assert np.asarray(runner.values["w1"]).dtype == np.float32  # master weights
+
+
+@pytest.mark.parametrize("args, step_cell, low", [
+    ('nn.MSELoss(), level="O3"', "TrainOneStepCell", DType.float16),
+    ('nn.MSELoss(), level="O0"', "TrainOneStepCell", None),
+    ('nn.MSELoss(), level="O2", loss_scale_manager=None', "TrainOneStepCell", DType.float16),
+    ('nn.MSELoss(), level="O3", loss_scale_manager=amp.FixedLossScaleManager(1024.0)',
+     "TrainOneStepWithLossScaleCell", DType.float16),
+    ('nn.MSELoss(), level="O2", cast_model_type=float32', "TrainOneStepWithLossScaleCell",
+     None),
+])
+def test_build_train_network_levels_and_overrides(tmp_path, args, step_cell, low) -> None:
+    program = compile_model(build_file(tmp_path, args), devices=8, dump=False)
+    assert type(program.state.model_file.model()).__name__ == step_cell
+    casts = _casts(program.traced.graph)
+    if low is None:
+        assert not casts
+    else:
+        assert all(ds == [low, low] for ds in _operand_dtypes(program.traced.graph, "MatMul"))
+    assert ("scale_sense" in program.initial_values) == (step_cell != "TrainOneStepCell")
+    assert_plan_ok(program)
+
+
+def test_build_train_network_bad_arguments() -> None:
+    from pcompile import amp, nn
+
+    net = nn.Dense(2, 2)
+    opt = nn.SGD(net.trainable_params(), 0.1)
+    with pytest.raises(ValueError, match="level"):
+        amp.build_train_network(net, opt, level="O4")
+    with pytest.raises(ValueError, match="unsupported argument 'dtype'"):
+        amp.build_train_network(net, opt, level="O2", dtype="float16")
+    with pytest.raises(TypeError, match="optimizer"):
+        amp.build_train_network(net, None, level="O2")
+    with pytest.raises(TypeError, match="loss_scale_manager"):
+        amp.build_train_network(net, opt, level="O2", loss_scale_manager=128.0)
+    with pytest.raises(ValueError, match="boost_level"):
+        amp.build_train_network(net, opt, level="O2", boost_level="O1")
