@@ -285,3 +285,35 @@ def test_build_train_network_bad_arguments() -> None:
         amp.build_train_network(net, opt, level="O2", loss_scale_manager=128.0)
     with pytest.raises(ValueError, match="boost_level"):
         amp.build_train_network(net, opt, level="O2", boost_level="O1")
+
+
+# -- gradient_fp32_sync: where the gradient mirror sits relative to amp's Casts --------------
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_gradient_fp32_sync_places_the_mirror_of_an_amp_network(tmp_path, sync) -> None:
+    """MindSpore: the mirror sits next to the float32 parameter (its gradient is all-reduced
+    after the Cast's gradient brought it back to float32) unless gradient_fp32_sync=False,
+    where it follows the Cast to float16 (a float16 AllReduce, half the bytes). Either way the
+    plan computes what one device computes (float64 oracle), and the dumps show it."""
+    out = tmp_path / "out"
+    program = compile_model(build_file(tmp_path, 'nn.MSELoss(), level="O2"'), devices=8,
+                            out_dir=str(out), overrides={"gradient_fp32_sync": sync})
+    nodes = program.rank_graph(0).nodes
+    mirrors = [n for n in nodes if n.op == "_MirrorOperator"]
+    assert sorted(n.attrs["parameter"] for n in mirrors) == ["w1", "w2"]
+    low = DType.float16
+    for mirror in mirrors:
+        (src,) = mirror.operands
+        if sync:
+            assert getattr(src, "kind", None) == "weight"
+            assert mirror.result.dtype == DType.float32
+        else:
+            assert src.node.op == "Cast" and src.node.attrs["dst_type"] == low
+            assert mirror.result.dtype == low
+        # the gradients' AllReduce over the mirror's group (fused into one by comm_fusion)
+        grads = [n for n in nodes if n.op == "AllReduce" and n.scope.startswith("Gradients")
+                 and n.attrs["rank_list"] == mirror.attrs["rank_list"]]
+        assert grads and all(g.result.dtype == (DType.float32 if sync else low) for g in grads)
+    dump = (out / "rank_0" / "02_step_parallel_end.ir").read_text()
+    assert ("_MirrorOperator(%para" in dump) == sync
+    assert_plan_ok(program)
