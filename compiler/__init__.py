@@ -22,6 +22,7 @@ from pcompile.compiler.grad import ParameterTuple
 from pcompile.compiler.initializer import initializer, set_seed
 from pcompile.compiler.layout import Layout
 from pcompile.compiler.tensor import Parameter, Tensor, TensorSpec
+from pcompile.compiler.train_model import Model
 from pcompile.ir.types import bfloat16, bool_, float16, float32, int32, int64, uint8
 
 GRAPH_MODE = 0
@@ -62,6 +63,7 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device="Ascen
 
 
 __all__ = [
+    "Model",
     "nn",
     "ops",
     "mint",

@@ -26,6 +26,7 @@ from pcompile.compiler.nn.wrap import TrainOneStepCell
 from pcompile.compiler.nn.wrap import _StepCell as StepCellBase
 from pcompile.compiler.tensor import Parameter, Tensor, TensorSpec
 from pcompile.compiler.tracing import tracing
+from pcompile.compiler.train_model import Model
 from pcompile.compiler.train_step import Capture, Captured, CapturedGrad, active
 from pcompile.ir.core import Graph, NodeResult, Value
 from pcompile.ir.errors import PcompileError
@@ -128,6 +129,8 @@ def trace_model(mf: ModelFile, batch_split: int = 1, micro_batches: bool = False
     `compiler.train_step`; or `model()` returning `nn.PipelineCell`, traced by
     `compiler.pipelining` (one micro-batch when `micro_batches`, else the whole batch)."""
     network = call_user(mf.model, "model()", mf.path)
+    if isinstance(network, Model):
+        network = network.train_network
     if not isinstance(network, Cell):
         raise PcompileError(f"model() in {mf.path} must return an nn.Cell, got {type(network)}")
     from pcompile.compiler.nn.pipeline import PipelineCell
