@@ -320,6 +320,22 @@ def test_gradient_fp32_sync_places_the_mirror_of_an_amp_network(tmp_path, sync) 
     assert_plan_ok(program)
 
 
+
+@pytest.mark.parametrize("sync, mirrors", [(True, 1), (False, 2)])
+def test_gradient_fp32_sync_with_a_weight_used_twice(tmp_path, sync, mirrors) -> None:
+    """A weight read by two MatMuls: amp casts each use, so with gradient_fp32_sync=False each
+    Cast has its own mirror (two low-precision all-reduces, whose sum is the all-reduce of the
+    summed gradient); with True the weight has one mirror. Both pass the float64 oracle."""
+    text = BUILD.replace('self.w2 = Parameter(initializer("normal", [32, 16]), "w2")', "")
+    text = text.replace('[16, 32]), "w1"', '[16, 16]), "w1"')
+    text = text.replace("self.w1)), self.w2)", "self.w1)), self.w1)")
+    path = tmp_path / "twice.py"
+    path.write_text(text.format(args='nn.MSELoss(), level="O2"'))
+    program = compile_model(str(path), devices=8, dump=False,
+                            overrides={"gradient_fp32_sync": sync})
+    assert len([n for n in program.rank_graph(0).nodes if n.op == "_MirrorOperator"]) == mirrors
+    assert_plan_ok(program)
+
 MODEL_FORM = """\
 import numpy as np
 from pcompile import Model, amp, nn
