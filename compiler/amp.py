@@ -226,9 +226,10 @@ def _amp_with_loss_cell(backbone: Any, loss_fn: Any) -> Any:
     """`loss_fn(backbone(data), label)` with the backbone's float output and a float label
     cast to float32 first: the loss of a low-precision network is computed in float32."""
     from pcompile.compiler import ops
-    from pcompile.compiler.nn.loss import WithLossCell
+    from pcompile.compiler.nn import loss
 
-    class _AmpWithLossCell(WithLossCell):
+    # named as MindSpore's amp names its own: the dumps' scope reads `network-WithLossCell`
+    class WithLossCell(loss.WithLossCell):
         def construct(self, data: Any, label: Any) -> Any:
             out = self._backbone(data)
             return self._loss_fn(_to_fp32(out), _to_fp32(label))
@@ -240,7 +241,7 @@ def _amp_with_loss_cell(backbone: Any, loss_fn: Any) -> Any:
             return ops.cast(x, DType.float32)
         return x
 
-    return _AmpWithLossCell(backbone, loss_fn)
+    return WithLossCell(backbone, loss_fn)
 
 
 def build_train_network(network: Any, optimizer: Any, loss_fn: Any = None, level: str = "O0",
