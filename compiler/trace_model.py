@@ -126,7 +126,8 @@ def trace_model(mf: ModelFile, batch_split: int = 1, micro_batches: bool = False
     network that returns its own loss + `optimizer()` (traced as `nn.TrainOneStepCell(network,
     optimizer)`); `model()` returning a training step cell (`nn.TrainOneStepCell`,
     `nn.WithGradCell`, your own cell calling `ops.GradOperation`), traced in two parts by
-    `compiler.train_step`; or `model()` returning `nn.PipelineCell`, traced by
+    `compiler.train_step` (a `Model(...)` stands for its `train_network`, the step cell
+    `amp.build_train_network` builds); or `model()` returning `nn.PipelineCell`, traced by
     `compiler.pipelining` (one micro-batch when `micro_batches`, else the whole batch)."""
     network = call_user(mf.model, "model()", mf.path)
     if isinstance(network, Model):
