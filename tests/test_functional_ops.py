@@ -230,6 +230,47 @@ case("ops.sin", ops.sin, np.sin, X)
 case("ops.floor_div", ops.floor_div, lambda x, y: np.floor(x / y), X, POS)
 case("ops.floor_divide", ops.floor_divide, lambda x, y: np.floor(x / y), X * 3, POS)
 case("ops.isfinite", ops.isfinite, np.isfinite, np.where(X > 0, X, np.inf).astype(np.float32))
+for _name, _ref in (("cos", np.cos), ("sin", np.sin)):
+    case(f"mint.{_name}", getattr(mint, _name), _ref, X)
+case("mint.floor_divide", mint.floor_divide, lambda x, y: np.floor(x / y), X * 3, POS)
+case("mint.isfinite", mint.isfinite, np.isfinite, np.where(X > 0, X, np.nan).astype(np.float32))
+
+
+def _cross_entropy(x: np.ndarray, t: np.ndarray, weight: np.ndarray | None = None,
+                   ignore: int = -100, reduction: str = "mean", smoothing: float = 0.0) -> Any:
+    """PyTorch's documented formula (MindSpore 2.x's `ops.cross_entropy`), in float64."""
+    x = x.astype(np.float64)
+    n, c = x.shape
+    logp = x - x.max(1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(1, keepdims=True))
+    w = np.ones(c) if weight is None else weight.astype(np.float64)
+    if t.dtype.kind in "iu":
+        keep = (t != ignore) & (t >= 0) & (t < c)
+        hot = np.zeros((n, c))
+        hot[np.arange(n)[keep], t[keep]] = 1.0
+        target = w * ((1 - smoothing) * hot + smoothing / c * keep[:, None])
+        losses = -(target * logp).sum(1)
+        if reduction == "mean":
+            return losses.sum() / (hot * w).sum()
+    else:
+        losses = -(w * ((1 - smoothing) * t + smoothing / c) * logp).sum(1)
+        if reduction == "mean":
+            return losses.mean()
+    return losses.sum() if reduction == "sum" else losses
+
+
+CE_W = np.array([0.5, 1.0, 2.0, 1.5], np.float32)
+CE_IDS = np.array([0, 3, 2], np.int32)
+CE_PROBS = _softmax(RNG.standard_normal((3, 4))).astype(np.float32)
+case("ops.cross_entropy", ops.cross_entropy, _cross_entropy, M, CE_IDS)
+case("ops.cross_entropy.weighted_ignored_smoothed",
+     lambda x, t: ops.cross_entropy(x, t, Tensor(CE_W), ignore_index=2, label_smoothing=0.1),
+     lambda x, t: _cross_entropy(x, t, CE_W, 2, "mean", 0.1), M, CE_IDS)
+case("ops.cross_entropy.probabilities_sum",
+     lambda x, t: ops.cross_entropy(x, t, reduction="sum", label_smoothing=0.2),
+     lambda x, t: _cross_entropy(x, t, None, -100, "sum", 0.2), M, CE_PROBS)
+case("F.cross_entropy", lambda x, t: mf.cross_entropy(x, t, reduction="none"),
+     lambda x, t: _cross_entropy(x, t, reduction="none"), M, CE_IDS)
 case("ops.reciprocal", ops.reciprocal, lambda x: 1 / x, POS)
 case("ops.depend", ops.depend, lambda x, y: x, X, Y)
 case("ops.fill", lambda: ops.fill(np.float32, (2, 3), 1.5), lambda: np.full((2, 3), 1.5))
