@@ -84,7 +84,7 @@ from pcompile.compiler.ops import (
     Transpose,
     ZerosLike,
 )
-from pcompile.compiler.tensor import Tensor
+from pcompile.compiler.tensor import Parameter, Tensor
 from pcompile.ir.types import DType
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -647,9 +647,10 @@ def cross_entropy(input: Any, target: Any, weight: Any = None, ignore_index: int
     weights."""
     from pcompile.compiler.nn.loss import CrossEntropyLoss
 
-    if isinstance(weight, Tensor) and weight.is_symbolic:
-        raise _unsupported("cross_entropy", "weight", "a traced tensor", "class weights must "
-                           "be a constant (a Tensor of data, a numpy array or a list)")
+    if isinstance(weight, Parameter) or (isinstance(weight, Tensor) and weight.is_symbolic):
+        what = f"Parameter {weight.name!r}" if isinstance(weight, Parameter) else "a traced tensor"
+        raise _unsupported("cross_entropy", "weight", what, "class weights must be a constant "
+                           "(a Tensor of data, a numpy array or a list)")
     return CrossEntropyLoss(weight, ignore_index, reduction, label_smoothing)(input, target)
 
 # -- dependencies and training steps ------------------------------------------------------------

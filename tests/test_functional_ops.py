@@ -381,14 +381,16 @@ class Net(nn.Cell):
         self.gather = ops.Gather(batch_dims=1).shard(((2, 1, 4), (2, 1)))
         self.norm = ops.LpNorm(axis=1, p=2, keep_dims=True).shard(((2, 4),))
 
-    def construct(self, x, idx):
+    def construct(self, x, idx, labels):
         h = mint.matmul(x, self.w)                       # MatMul
         h = F.gelu(self.add(h, ops.abs(h)))             # TensorAdd, Abs, exact GeLU (Erf)
         h = F.linear(h, self.w2)                         # MatMul, transpose_b
         rows = self.gather(self.table, idx, 1)           # (4, 2, 8): batch_dims=1
         h = mint.add(h, mint.sum(rows, dim=1), alpha=0.5)
         h = h / self.norm(h)
-        return ops.mean(mint.square(h))
+        ce = F.cross_entropy(mint.sin(h) + mint.cos(h), labels, np.linspace(0.5, 1.5, 8),
+                             label_smoothing=0.1)
+        return ops.mean(mint.square(h)) + ce
 
 
 def model():
@@ -398,7 +400,8 @@ def model():
 def inputs():
     rng = np.random.default_rng(0)
     return [rng.standard_normal((4, 16)).astype(np.float32),
-            rng.integers(0, 6, (4, 2)).astype(np.int32)]
+            rng.integers(0, 6, (4, 2)).astype(np.int32),
+            rng.integers(0, 8, (4,)).astype(np.int32)]
 
 
 def optimizer(params):
@@ -416,7 +419,8 @@ def test_functional_model_trains_as_on_one_device(tmp_path: Any) -> None:
     path.write_text(FUNCTIONAL_MODEL)
     program = compile_model(str(path), devices=8, dump=False)
     ops_used = {n.op for n in program.graph.nodes}
-    assert {"Abs", "Erf", "Gather", "LpNorm", "Add", "MatMul"} <= ops_used
+    assert {"Abs", "Erf", "Gather", "LpNorm", "Add", "MatMul", "Sin", "Cos",
+            "SoftmaxCrossEntropyWithLogits"} <= ops_used
     gather = next(n for n in program.graph.nodes if n.op == "Gather")
     assert gather.attrs["batch_dims"] == 1
     report = check(program, steps=2)
@@ -442,3 +446,18 @@ def test_set_device_is_accepted_and_checked() -> None:
     assert add.set_device("CPU") is add and add.device_target == "CPU"
     with pytest.raises(ValueError, match="device_target must be 'Ascend', 'GPU' or 'CPU'"):
         ops.MatMul().set_device("TPU")
+
+
+def test_cross_entropy_weight_must_be_a_constant(tmp_path: Any) -> None:
+    """Class weights become constants of the loss; a traced weight (a Parameter) is refused
+    with one message naming the argument."""
+    from pcompile.compiler.driver import compile as compile_model
+    from pcompile.ir.errors import PcompileError
+
+    path = tmp_path / "ce_model.py"
+    path.write_text(FUNCTIONAL_MODEL.replace(
+        "np.linspace(0.5, 1.5, 8)", "self.class_weight").replace(
+        '        self.w = Parameter(', '        self.class_weight = Parameter(initializer("ones", '
+        '[8]), "class_weight")\n        self.w = Parameter('))
+    with pytest.raises(PcompileError, match="cross_entropy: weight=.*must be a constant"):
+        compile_model(str(path), devices=8, dump=False)
