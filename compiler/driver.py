@@ -35,7 +35,7 @@ from pcompile.compiler.train_step import ReplayEnv, replay_step
 from pcompile.ir.core import Graph, Node, Value
 from pcompile.ir.dot import graph_to_dot
 from pcompile.ir.errors import PcompileError
-from pcompile.ir.layout import group_name
+from pcompile.ir.layout import TensorLayout, group_name
 from pcompile.ir.parser import parse_graph
 from pcompile.ir.printer import GraphText, print_graph
 from pcompile.ir.verifier import verify
@@ -401,13 +401,23 @@ def _state_slicer(state: CompileState) -> Any:
     assert state.assignment is not None
     layouts = state.assignment.param_layouts
 
-    def cut(name: str, owner: str, value: Any) -> tuple[int, ...]:
+    def cut(name: str, owner: str, value: Any,
+            dims: tuple[int | None, ...] | None = None) -> tuple[int, ...]:
         state.initial_values.setdefault(name, value)
         if not owner:
             return tuple(value.shape)
         state.state_owners[name] = owner
-        layouts.setdefault(name, layouts[owner])
-        return layouts[owner].slice_shape
+        if dims is None:
+            layouts.setdefault(name, layouts[owner])
+            return layouts[owner].slice_shape
+        # a factored state (AdaFactor's row / column statistics): each of its dims is split as
+        # the parameter dim it follows (None: not split)
+        owner_layout = layouts[owner]
+        layout = TensorLayout(owner_layout.dev_matrix,
+                              tuple(-1 if d is None else owner_layout.tensor_map[d]
+                                    for d in dims), tuple(value.shape))
+        layouts.setdefault(name, layout)
+        return layouts[name].slice_shape
 
     return cut
 

@@ -84,7 +84,7 @@ from pcompile.compiler.ops import (
     Transpose,
     ZerosLike,
 )
-from pcompile.compiler.tensor import Tensor
+from pcompile.compiler.tensor import Parameter, Tensor
 from pcompile.ir.types import DType
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -638,6 +638,20 @@ def flash_attention_score(query: Any, key: Any, value: Any, head_num: int,
     return prim(query, key, value, real_shift, drop_mask, padding_mask, attn_mask, prefix,
                 actual_seq_qlen, actual_seq_kvlen)[3]
 
+
+
+def cross_entropy(input: Any, target: Any, weight: Any = None, ignore_index: int = -100,  # noqa: A002
+                  reduction: str = "mean", label_smoothing: float = 0.0) -> Any:
+    """MindSpore 2.x's `ops.cross_entropy`: logits (N, C) against class ids (N,) or class
+    probabilities (N, C), as `nn.CrossEntropyLoss`; `weight` is a constant (C,) tensor of class
+    weights."""
+    from pcompile.compiler.nn.loss import CrossEntropyLoss
+
+    if isinstance(weight, Parameter) or (isinstance(weight, Tensor) and weight.is_symbolic):
+        what = f"Parameter {weight.name!r}" if isinstance(weight, Parameter) else "a traced tensor"
+        raise _unsupported("cross_entropy", "weight", what, "class weights must be a constant "
+                           "(a Tensor of data, a numpy array or a list)")
+    return CrossEntropyLoss(weight, ignore_index, reduction, label_smoothing)(input, target)
 
 # -- dependencies and training steps ------------------------------------------------------------
 

@@ -32,11 +32,25 @@ def _primitives(fn: Any) -> list[str]:
         source = inspect.getsource(fn)
     except (OSError, TypeError):
         return []
+    from pcompile.compiler import nn
+    from pcompile.compiler.nn.cell import Cell
+
     found: list[str] = []
     for name in _CALL.findall(source):
         cls = getattr(ops, name, None)
         if isinstance(cls, type) and issubclass(cls, Primitive) and name not in found:
             found.append(name)
+            continue
+        cell = getattr(nn, name, None)
+        if isinstance(cell, type) and issubclass(cell, Cell) and not _seen.get(id(cell)):
+            # a Cell it calls (`CrossEntropyLoss(...)(x, y)`): the primitives it creates
+            _seen[id(cell)] = True
+            try:
+                for klass in cell.__mro__:  # its own and its bases' (a loss's ReduceSum)
+                    if issubclass(klass, Cell) and klass is not Cell and "__init__" in vars(klass):
+                        found += [p for p in _primitives(klass.__init__) if p not in found]
+            finally:
+                _seen.pop(id(cell), None)
     # helpers it delegates to: `fn.gelu(...)` (mint), `_flatten(...)` (its own module)
     helpers = [getattr(functional, n, None) for n in re.findall(r"\bfn\.(_?[a-z_0-9]+)\(", source)]
     helpers += [fn.__globals__.get(n) for n in re.findall(r"\b(_[a-z][a-z_0-9]*)\(", source)]

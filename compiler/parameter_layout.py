@@ -63,8 +63,14 @@ def parameter_layout_dict(state: CompileState, rank: int = 0) -> dict[str, Param
         shard = state.opt_shard.get(p.name)
         group = group_name(shard.shard_group(rank), state.devices) if shard is not None else ""
         out[p.name] = (dev, tmap, list(layout.slice_shape), 0, True, group)
+    layouts = state.assignment.param_layouts if state.assignment is not None else {}
     for name, owner in state.state_owners.items():  # optimizer states: their parameter's
-        if owner in out:
+        own = layouts.get(name)
+        if own is not None and owner in layouts and own.shape != layouts[owner].shape:
+            # a factored state (AdaFactor's row / column statistics) has its own layout
+            dev, tmap = normalized_fields(own)
+            out[name] = (dev, tmap, list(own.slice_shape), 0, True, "")
+        elif owner in out:
             out[name] = out[owner]
     return out
 

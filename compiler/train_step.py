@@ -345,10 +345,17 @@ class Replay(StepContext):
         if skip_value is not None and skip_value.dtype is not DType.bool_:
             raise PcompileError(f"{type(optimizer).__name__}(grads, skip=...): skip must be a "
                                 f"Bool tensor, got {skip_value.dtype.value}")
-        init, updates = trace_update(self.graph, optimizer, self.env.network_params, by_name,
-                                     self.env.slicer if self.env.parallel else None, skip_value,
-                                     rank_sum(self.graph, self.env.devices, self.env.layouts)
-                                     if self.env.parallel else None)
+        # The optimizer's reductions of gradient slices (Lamb's norms, AdaFactor's means) are
+        # completed over the slices by `rank_sum`: not the local reductions `after_op` refuses.
+        self.trusted += 1
+        try:
+            init, updates = trace_update(
+                self.graph, optimizer, self.env.network_params, by_name,
+                self.env.slicer if self.env.parallel else None, skip_value,
+                rank_sum(self.graph, self.env.devices, self.env.layouts)
+                if self.env.parallel else None)
+        finally:
+            self.trusted -= 1
         if not self.env.parallel:
             for name, value in init.items():
                 self.env.initial_values[name] = value

@@ -20,7 +20,8 @@ from pcompile.compiler.tracing import current_tracer, tracing
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Graph, GraphParam, ParallelInfo, Value
 from pcompile.ir.errors import PcompileError
-from pcompile.ir.layout import TensorLayout, group_name
+from pcompile.ir.layout import TensorLayout, axis_index, group_name, map_axes
+from pcompile.ir.rank import GroupName, RankGroup
 from pcompile.ir.types import DType, TensorType
 
 
@@ -38,7 +39,9 @@ def append_optimizer(
     Initial values may be arrays or abstract data (anything with `shape` and `dtype`, such as
     `compiler.initializer.InitializedData`); they are returned as given. In a rank's local
     graph, `slice_state(state_name, param_name, global_value)` gives the local shape of a
-    per-parameter state (the parameter's slice; global state has param_name "")."""
+    per-parameter state (the parameter's slice; global state has param_name ""); a state whose
+    shape is not its parameter's (`Optimizer.state_dims`) is sliced by
+    `slice_state(state_name, param_name, global_value, dims)`."""
     init, updates = trace_update(graph, optimizer, params, grads, slice_state,
                                  slice_sum=slice_sum)
     graph.outputs = [loss, *(value for _, value in updates)]
@@ -89,12 +92,14 @@ def _trace_update(graph: Graph, optimizer: Optimizer, grads: dict[str, Value],
                   ) -> tuple[dict[str, Any], list[tuple[str, Value]]]:
     with tracing(graph) as tracer, tracer.absolute_scope(scope):
 
-        def state_param(name: str, value: Any, owner: str = "") -> Tensor:
+        def state_param(name: str, value: Any, owner: str = "",
+                        dims: tuple[int | None, ...] | None = None) -> Tensor:
             if not (hasattr(value, "shape") and hasattr(value, "dtype")):
                 value = np.asarray(value)
             shape = tuple(value.shape)
             if slice_state is not None:
-                shape = tuple(slice_state(name, owner, value))
+                shape = tuple(slice_state(name, owner, value, dims) if dims is not None
+                              else slice_state(name, owner, value))
             tensor_type = TensorType(DType.from_any(value.dtype), shape)
             gp = graph.add_param(GraphParam(tensor_type, name, "state"))
             init[name] = value
@@ -110,7 +115,8 @@ def _trace_update(graph: Graph, optimizer: Optimizer, grads: dict[str, Value],
             if p.name not in grads:
                 raise PcompileError(f"no gradient for parameter {p.name!r}")
             state = {
-                prefix: state_param(f"{prefix}.{p.name}", optimizer.init_state(prefix, p), p.name)
+                prefix: state_param(f"{prefix}.{p.name}", optimizer.init_state(prefix, p), p.name,
+                                    optimizer.state_dims(prefix, p))
                 for prefix in optimizer.state_prefixes
             }
             weight = Tensor(_value=graph.param(p.name))
@@ -136,14 +142,20 @@ def _trace_update(graph: Graph, optimizer: Optimizer, grads: dict[str, Value],
 
 
 def rank_sum(graph: Graph, devices: int,
-             layouts: dict[str, TensorLayout]) -> Callable[[Tensor, str], Tensor]:
-    """`slice_sum` for a rank's local graph: the rank's partial sum over its slice of a
-    parameter, divided by the number of ranks holding that same slice, summed by an AllReduce
-    over all ranks (every rank computes every parameter's sum, in the same order)."""
+             layouts: dict[str, TensorLayout]) -> Callable[..., Tensor]:
+    """`slice_sum` for a rank's local graph. `total(local, owner)`: the rank's partial sum over
+    its slice of a parameter, divided by the number of ranks holding that same slice, summed by
+    an AllReduce over all ranks (every rank computes every parameter's sum, in the same order).
+    `total(local, owner, along)`: `local` is a partial sum over the parameter dims `along` (a
+    row mean of AdaFactor's); it is completed by an AllReduce over only the ranks that split
+    those dims (the ranks holding the other slices of the same rows), or returned as it is when
+    none does."""
     ranks = tuple(range(devices))
 
-    def total(local: Tensor, owner: str) -> Tensor:
+    def total(local: Tensor, owner: str, along: tuple[int, ...] | None = None) -> Tensor:
         layout = layouts.get(owner)
+        if along is not None:
+            return _sum_along(graph, devices, local, owner, layout, along)
         copies = layout.repeat_count if layout is not None else devices
         if copies > 1:
             local = local * (1.0 / copies)
@@ -163,6 +175,42 @@ def rank_sum(graph: Graph, devices: int,
         return Tensor(_value=out)
 
     return total
+
+
+def _sum_along(graph: Graph, devices: int, local: Tensor, owner: str,
+               layout: TensorLayout | None, along: tuple[int, ...]) -> Tensor:
+    """`local` summed over the ranks that split parameter `owner`'s dims `along`."""
+    if layout is None:
+        return local
+    axes = sorted({axis_index(v, layout.dev_matrix)
+                   for d in along for v in map_axes(layout.tensor_map[d])})
+    if not axes:
+        return local
+    if layout.device_num != devices:
+        raise PcompileError(
+            f"the optimizer's partial sums of {owner!r} need its layout over all {devices} "
+            f"devices, got device matrix {layout.dev_matrix}")
+    group = RankGroup.along(layout.dev_matrix, axes)
+    rank = graph.attrs.get("rank")
+    attrs: dict[str, Any] = {"op": "sum", "fusion": 0}
+    if isinstance(rank, int):
+        members = group.at(rank)
+        attrs.update(group=group_name(members, devices), rank_list=members)
+    else:
+        attrs.update(group=GroupName(group), rank_list=group)
+    value = local._value
+    assert value is not None
+    tracer = current_tracer()
+    b = Builder(graph, scope=tracer.scope if tracer is not None else "")
+    dims = ", ".join(str(d) for d in along)
+    out = b.emit("AllReduce", [value], attrs,
+                 instance_name=f"optimizer_sum_{owner}_dims_{'_'.join(map(str, along))}",
+                 name_hint="partial_sum",
+                 parallel=ParallelInfo(extra={
+                     "reason": f"the optimizer's sum over dims ({dims}) of {owner!r}: added "
+                               "over the ranks holding the other slices of those dims",
+                     "bytes": value.tensor_type.nbytes}))
+    return Tensor(_value=out)
 
 
 def _value_of(tensor: Tensor, what: str) -> Value:

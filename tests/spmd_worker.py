@@ -3,6 +3,7 @@ process may already have initialised JAX with one) and prints one JSON report.
 
     python -m tests.spmd_worker examples   # every example: JAX SPMD vs numpy vs one device
     python -m tests.spmd_worker synthetic  # fallback groups, attribute variants, rank constants
+    python -m tests.spmd_worker adafactor  # nn.AdaFactor's factored states on a (2, 2) split
 """
 
 from __future__ import annotations
@@ -63,15 +64,21 @@ def compile_for_8(example: str, mode: str) -> tuple[Any, str]:
 
 
 def check_example(example: str, mode: str) -> dict[str, Any]:
-    from pcompile.backends.jax.spmd import JaxSpmdRunner
-    from pcompile.compiler.oracle import single_device
-    from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
     from pcompile.ir.errors import PcompileError
 
     try:
         program, used = compile_for_8(example, mode)
     except PcompileError as exc:
         return {"skipped": str(exc).splitlines()[0]}
+    return compare(program, used)
+
+
+def compare(program: Any, used: str) -> dict[str, Any]:
+    """`STEPS` steps of `program` by JAX SPMD, the numpy simulator and one device."""
+    from pcompile.backends.jax.spmd import JaxSpmdRunner
+    from pcompile.compiler.oracle import single_device
+    from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
+
     ref = single_device(program)
     jr = JaxSpmdRunner(program, float64=True)
     nr = ParallelRunner(program, float64=True)
@@ -182,12 +189,40 @@ def check_synthetic() -> dict[str, Any]:
     return report
 
 
+def check_adafactor() -> dict[str, Any]:
+    """nn.AdaFactor on the quickstart network with w (32, 16) split (2, 2): its factored
+    statistics and their partial-sum AllReduces, with and without the parallel optimizer."""
+    import tempfile
+
+    from pcompile.compiler.driver import compile as compile_model
+
+    source = open(os.path.join(ROOT, "examples", "quickstart.py")).read().replace(
+        "((2, 4), (4, 1))", "((2, 2), (2, 2))").replace(
+        "nn.Momentum(params, learning_rate=0.2, momentum=0.1)",
+        "nn.AdaFactor(params, weight_decay=0.01)")
+    report = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "adafactor_quickstart.py")
+        with open(path, "w") as f:
+            f.write(source)
+        for sharded in (False, True):
+            program = compile_model(path, devices=8, parallel_mode="semi_auto_parallel",
+                                    dump=False, overrides={
+                                        "enable_parallel_optimizer": sharded,
+                                        "parallel_optimizer_config": {
+                                            "parallel_optimizer_threshold": 0}})
+            report[f"parallel_optimizer={sharded}"] = compare(program, "semi_auto_parallel")
+    return report
+
+
 def main() -> None:
     what = sys.argv[1]
     if what == "examples":
         names = sys.argv[2:] or None
         report = {f"{e}:{m}": check_example(e, m) for e, m in EXAMPLES
                   if names is None or e in names}
+    elif what == "adafactor":
+        report = check_adafactor()
     else:
         report = check_synthetic()
     print("REPORT " + json.dumps(report))

@@ -230,6 +230,47 @@ case("ops.sin", ops.sin, np.sin, X)
 case("ops.floor_div", ops.floor_div, lambda x, y: np.floor(x / y), X, POS)
 case("ops.floor_divide", ops.floor_divide, lambda x, y: np.floor(x / y), X * 3, POS)
 case("ops.isfinite", ops.isfinite, np.isfinite, np.where(X > 0, X, np.inf).astype(np.float32))
+for _name, _ref in (("cos", np.cos), ("sin", np.sin)):
+    case(f"mint.{_name}", getattr(mint, _name), _ref, X)
+case("mint.floor_divide", mint.floor_divide, lambda x, y: np.floor(x / y), X * 3, POS)
+case("mint.isfinite", mint.isfinite, np.isfinite, np.where(X > 0, X, np.nan).astype(np.float32))
+
+
+def _cross_entropy(x: np.ndarray, t: np.ndarray, weight: np.ndarray | None = None,
+                   ignore: int = -100, reduction: str = "mean", smoothing: float = 0.0) -> Any:
+    """PyTorch's documented formula (MindSpore 2.x's `ops.cross_entropy`), in float64."""
+    x = x.astype(np.float64)
+    n, c = x.shape
+    logp = x - x.max(1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(1, keepdims=True))
+    w = np.ones(c) if weight is None else weight.astype(np.float64)
+    if t.dtype.kind in "iu":
+        keep = (t != ignore) & (t >= 0) & (t < c)
+        hot = np.zeros((n, c))
+        hot[np.arange(n)[keep], t[keep]] = 1.0
+        target = w * ((1 - smoothing) * hot + smoothing / c * keep[:, None])
+        losses = -(target * logp).sum(1)
+        if reduction == "mean":
+            return losses.sum() / (hot * w).sum()
+    else:
+        losses = -(w * ((1 - smoothing) * t + smoothing / c) * logp).sum(1)
+        if reduction == "mean":
+            return losses.mean()
+    return losses.sum() if reduction == "sum" else losses
+
+
+CE_W = np.array([0.5, 1.0, 2.0, 1.5], np.float32)
+CE_IDS = np.array([0, 3, 2], np.int32)
+CE_PROBS = _softmax(RNG.standard_normal((3, 4))).astype(np.float32)
+case("ops.cross_entropy", ops.cross_entropy, _cross_entropy, M, CE_IDS)
+case("ops.cross_entropy.weighted_ignored_smoothed",
+     lambda x, t: ops.cross_entropy(x, t, Tensor(CE_W), ignore_index=2, label_smoothing=0.1),
+     lambda x, t: _cross_entropy(x, t, CE_W, 2, "mean", 0.1), M, CE_IDS)
+case("ops.cross_entropy.probabilities_sum",
+     lambda x, t: ops.cross_entropy(x, t, reduction="sum", label_smoothing=0.2),
+     lambda x, t: _cross_entropy(x, t, None, -100, "sum", 0.2), M, CE_PROBS)
+case("F.cross_entropy", lambda x, t: mf.cross_entropy(x, t, reduction="none"),
+     lambda x, t: _cross_entropy(x, t, reduction="none"), M, CE_IDS)
 case("ops.reciprocal", ops.reciprocal, lambda x: 1 / x, POS)
 case("ops.depend", ops.depend, lambda x, y: x, X, Y)
 case("ops.fill", lambda: ops.fill(np.float32, (2, 3), 1.5), lambda: np.full((2, 3), 1.5))
@@ -340,14 +381,16 @@ class Net(nn.Cell):
         self.gather = ops.Gather(batch_dims=1).shard(((2, 1, 4), (2, 1)))
         self.norm = ops.LpNorm(axis=1, p=2, keep_dims=True).shard(((2, 4),))
 
-    def construct(self, x, idx):
+    def construct(self, x, idx, labels):
         h = mint.matmul(x, self.w)                       # MatMul
         h = F.gelu(self.add(h, ops.abs(h)))             # TensorAdd, Abs, exact GeLU (Erf)
         h = F.linear(h, self.w2)                         # MatMul, transpose_b
         rows = self.gather(self.table, idx, 1)           # (4, 2, 8): batch_dims=1
         h = mint.add(h, mint.sum(rows, dim=1), alpha=0.5)
         h = h / self.norm(h)
-        return ops.mean(mint.square(h))
+        ce = F.cross_entropy(mint.sin(h) + mint.cos(h), labels, np.linspace(0.5, 1.5, 8),
+                             label_smoothing=0.1)
+        return ops.mean(mint.square(h)) + ce
 
 
 def model():
@@ -357,7 +400,8 @@ def model():
 def inputs():
     rng = np.random.default_rng(0)
     return [rng.standard_normal((4, 16)).astype(np.float32),
-            rng.integers(0, 6, (4, 2)).astype(np.int32)]
+            rng.integers(0, 6, (4, 2)).astype(np.int32),
+            rng.integers(0, 8, (4,)).astype(np.int32)]
 
 
 def optimizer(params):
@@ -375,7 +419,8 @@ def test_functional_model_trains_as_on_one_device(tmp_path: Any) -> None:
     path.write_text(FUNCTIONAL_MODEL)
     program = compile_model(str(path), devices=8, dump=False)
     ops_used = {n.op for n in program.graph.nodes}
-    assert {"Abs", "Erf", "Gather", "LpNorm", "Add", "MatMul"} <= ops_used
+    assert {"Abs", "Erf", "Gather", "LpNorm", "Add", "MatMul", "Sin", "Cos",
+            "SoftmaxCrossEntropyWithLogits"} <= ops_used
     gather = next(n for n in program.graph.nodes if n.op == "Gather")
     assert gather.attrs["batch_dims"] == 1
     report = check(program, steps=2)
@@ -401,3 +446,18 @@ def test_set_device_is_accepted_and_checked() -> None:
     assert add.set_device("CPU") is add and add.device_target == "CPU"
     with pytest.raises(ValueError, match="device_target must be 'Ascend', 'GPU' or 'CPU'"):
         ops.MatMul().set_device("TPU")
+
+
+def test_cross_entropy_weight_must_be_a_constant(tmp_path: Any) -> None:
+    """Class weights become constants of the loss; a traced weight (a Parameter) is refused
+    with one message naming the argument."""
+    from pcompile.compiler.driver import compile as compile_model
+    from pcompile.ir.errors import PcompileError
+
+    path = tmp_path / "ce_model.py"
+    path.write_text(FUNCTIONAL_MODEL.replace(
+        "np.linspace(0.5, 1.5, 8)", "self.class_weight").replace(
+        '        self.w = Parameter(', '        self.class_weight = Parameter(initializer("ones", '
+        '[8]), "class_weight")\n        self.w = Parameter('))
+    with pytest.raises(PcompileError, match="cross_entropy: weight=.*must be a constant"):
+        compile_model(str(path), devices=8, dump=False)

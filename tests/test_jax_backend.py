@@ -71,6 +71,22 @@ def test_spmd_equals_numpy_simulator_and_single_device(case: str, examples_repor
     assert result["mesh"] == [2, 2, 2]
 
 
+def test_adafactor_spmd_equals_numpy_simulator_and_single_device() -> None:
+    """nn.AdaFactor's row/column statistics and their group AllReduces lower to JAX: two
+    steps agree with the numpy simulator and one device (float64), with and without the
+    parallel optimizer."""
+    report = worker("adafactor")
+    bound = FLOAT64_RTOL
+    assert set(report) == {"parallel_optimizer=False", "parallel_optimizer=True"}
+    for case, result in report.items():
+        assert result["optimizer"] == "AdaFactor" and result["fallback"] == 0, case
+        for jax_loss, numpy_loss, single_loss in result["losses"]:
+            assert abs(jax_loss - numpy_loss) <= bound * max(1.0, abs(numpy_loss)), result
+            assert abs(jax_loss - single_loss) <= bound * max(1.0, abs(single_loss)), result
+        for against in ("vs_numpy", "vs_single"):
+            assert result[against]["state"] <= bound, (case, against, result)
+            assert result[against]["param"] <= bound, (case, against, result)
+
 def test_gpt_block_uses_dynamic_slices_and_mesh_axis_collectives(examples_report) -> None:
     result = examples_report["gpt_block.py:semi_auto_parallel"]
     assert result["kinds"].get("slice", 0) > 0 and result["kinds"].get("slice_grad", 0) > 0

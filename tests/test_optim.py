@@ -104,6 +104,45 @@ def ref_lamb(cfg: dict[str, Any]):
     return step
 
 
+
+def ref_adafactor(cfg: dict[str, Any]):
+    """MindSpore's AdaFactor graph (float64), written from its documented formulas."""
+    lr_cfg, relative = cfg.get("learning_rate"), cfg.get("relative_step", True)
+    eps1, eps2 = cfg.get("eps", (1e-30, 1e-3))
+    clip, decay = cfg.get("clip_threshold", 1.0), cfg.get("decay_rate", 0.8)
+    beta1, wd = cfg.get("beta1", 0.9) or 0.0, cfg.get("weight_decay", 0.0)
+    scale, warmup = cfg.get("scale_parameter", True), cfg.get("warmup_init", False)
+
+    def rms(x):
+        return np.sqrt(np.mean(x * x))
+
+    def step(name, w, g, state, t):
+        beta2t = 1.0 - t ** (-decay)
+        lr = min(1e-6 * t if warmup else 1e-2, 1 / np.sqrt(t)) if relative else lr_cfg
+        if scale:
+            lr = lr * max(eps2, rms(w))
+        sq = g * g + eps1
+        if w.ndim >= 2:
+            row = beta2t * state.get("row", 0.0) + (1 - beta2t) * sq.mean(-1)
+            col = beta2t * state.get("col", 0.0) + (1 - beta2t) * sq.mean(-2)
+            state["row"], state["col"] = row, col
+            r = 1 / np.sqrt(row / row.mean(-1, keepdims=True))
+            u = r[..., None] * (1 / np.sqrt(col))[..., None, :] * g
+        else:
+            v = beta2t * state.get("v", 0.0) + (1 - beta2t) * sq
+            state["v"] = v
+            u = g / np.sqrt(v)
+        u = u / max(rms(u) / clip, 1.0) * lr
+        if beta1 > 0:
+            state["m"] = beta1 * state.get("m", 0.0) + (1 - beta1) * u
+            u = state["m"]
+        if wd:
+            w = w - wd * lr * w
+        return w - u
+
+    return step
+
+
 CASES = [
     (nn.SGD, ref_sgd, {}),
     (nn.SGD, ref_sgd, {"learning_rate": 0.05, "momentum": 0.9}),
@@ -123,6 +162,12 @@ CASES = [
     (nn.Lamb, ref_lamb, {"learning_rate": 0.01}),
     (nn.Lamb, ref_lamb, {"learning_rate": 0.05, "beta1": 0.8, "beta2": 0.9, "eps": 1e-4,
                          "weight_decay": 0.1}),
+    (nn.AdaFactor, ref_adafactor, {}),
+    (nn.AdaFactor, ref_adafactor, {"beta1": None, "warmup_init": True, "weight_decay": 0.1,
+                                   "clip_threshold": 0.5}),
+    (nn.AdaFactor, ref_adafactor, {"learning_rate": 0.05, "relative_step": False,
+                                   "scale_parameter": False, "decay_rate": 0.5,
+                                   "eps": (1e-20, 1e-2)}),
 ]
 
 
@@ -177,6 +222,38 @@ def test_state_prefixes():
     assert set(nn.Adam(p).global_state()) == {"beta1_power", "beta2_power"}
     assert nn.AdamWeightDecay(p).state_prefixes == ("moment1", "moment2")
     assert nn.AdamWeightDecay(p).global_state() == {}
+
+
+
+def test_adafactor_state_shapes_and_arguments():
+    w = Parameter(np.zeros((3, 4, 5), np.float32), name="w")
+    b = Parameter(np.zeros((5,), np.float32), name="b")
+    opt = nn.AdaFactor([w, b])
+    assert opt.state_prefixes == ("exp_avg", "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq")
+    assert nn.AdaFactor([w], beta1=None).state_prefixes[0] == "exp_avg_sq_row"
+    shapes = {k: tuple(opt.init_state(k, w).shape) for k in opt.state_prefixes}
+    assert shapes == {"exp_avg": (3, 4, 5), "exp_avg_sq_row": (3, 4),
+                      "exp_avg_sq_col": (3, 5), "exp_avg_sq": (1,)}
+    assert opt.state_dims("exp_avg_sq_row", w) == (0, 1)
+    assert opt.state_dims("exp_avg_sq_col", w) == (0, 2)
+    assert tuple(opt.init_state("exp_avg_sq", b).shape) == (5,)
+    assert tuple(opt.init_state("exp_avg_sq_row", b).shape) == (1,)
+    assert set(opt.global_state()) == {"afactor_step"}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"learning_rate": 0.1}, "relative_step"),
+    ({"relative_step": False}, "needs a learning_rate"),
+    ({"learning_rate": 0.1, "relative_step": False, "warmup_init": True}, "warmup_init"),
+    ({"eps": (1e-30,)}, "eps must be a pair"),
+    ({"decay_rate": 1.0}, "decay_rate"),
+    ({"weight_decay": 1.0}, "weight_decay"),
+    ({"compression": True}, "compression"),
+])
+def test_adafactor_argument_errors(kwargs, match):
+    w = Parameter(np.zeros((2, 2), np.float32), name="w")
+    with pytest.raises(ValueError, match=match):
+        nn.AdaFactor([w], **kwargs)
 
 
 # -- the traced training step ------------------------------------------------------------------

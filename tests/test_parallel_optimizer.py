@@ -89,3 +89,36 @@ def test_lamb_norms_are_of_whole_parameters(parallel_optimizer, tmp_path) -> Non
             and n.instance_name.startswith("optimizer_sum_")]
     assert len(sums) == 2 * sum(1 for p in graph.params if p.name.startswith("lamb_m."))
     assert check(program, steps=2).ok()
+
+
+@pytest.mark.parametrize("parallel_optimizer", [False, True])
+def test_adafactor_factored_states_follow_the_split_dims(parallel_optimizer, tmp_path) -> None:
+    """nn.AdaFactor's row statistics (32,) of w (32, 16) follow w's row split and its column
+    statistics (16,) the column split; the row means are completed over the ranks splitting the
+    columns only, the column means over those splitting the rows (with the parallel optimizer
+    the rows are split further over the data-parallel ranks). Three steps against one device."""
+    model = tmp_path / "q.py"
+    model.write_text(open(QUICK).read().replace("((2, 4), (4, 1))", "((2, 2), (2, 2))").replace(
+        "nn.Momentum(params, learning_rate=0.2, momentum=0.1)",
+        "nn.AdaFactor(params, weight_decay=0.01)"))
+    program = compile_model(str(model), devices=8, parallel_mode="semi_auto_parallel",
+                            dump=False, overrides={
+                                "enable_parallel_optimizer": parallel_optimizer,
+                                "parallel_optimizer_config": {"parallel_optimizer_threshold": 0}})
+    layouts = program.state.assignment.param_layouts
+    w = layouts["w"]
+    row, col = layouts["exp_avg_sq_row.w"], layouts["exp_avg_sq_col.w"]
+    assert row.shape == (32,) and row.tensor_map == (w.tensor_map[0],)
+    assert col.shape == (16,) and col.tensor_map == (w.tensor_map[1],)
+    graph = program.rank_graph(0)
+    assert graph.param("exp_avg_sq_row.w").shape == (w.slice_shape[0],)
+    assert graph.param("exp_avg_sq_col.w").shape == (w.slice_shape[1],)
+    groups = {n.instance_name: n.attrs["rank_list"] for n in graph.nodes
+              if n.op == "AllReduce" and n.instance_name.startswith("optimizer_sum_w_dims")}
+    # dev matrix (2, 2, 2): the columns are split over ranks 0/1, the rows over 0/2 (and 4/6
+    # with the parallel optimizer)
+    assert tuple(groups["optimizer_sum_w_dims_1"]) == (0, 1)
+    assert tuple(groups["optimizer_sum_w_dims_0"]) == ((0, 2, 4, 6) if parallel_optimizer
+                                                       else (0, 2))
+    report = check(program, steps=3)
+    assert report.ok(), report

@@ -640,6 +640,26 @@ def test_a_schedule_in_a_training_step_cell(tmp_path: Any) -> None:
     assert_oracle(compile_source(tmp_path, body, devices=8), steps=3)
 
 
+
+def test_adafactor_and_lamb_in_a_training_step_cell(tmp_path: Any) -> None:
+    """nn.AdaFactor (relative step, and a schedule without parameter scaling) and nn.Lamb
+    replayed by a training step cell: their sums over the split weights' slices (factored
+    statistics, whole-parameter norms) are not refused as local reductions of a gradient and
+    train as on one device."""
+    for make in ("nn.AdaFactor(net.trainable_params(), beta1=None, weight_decay=0.01)",
+                 "nn.AdaFactor(net.trainable_params(), learning_rate=nn.CosineDecayLR(0.001, "
+                 "0.1, 4), relative_step=False)",
+                 "nn.Lamb(net.trainable_params(), 0.01, weight_decay=0.01)"):
+        body = f"""
+        def model():
+            net = Net()
+            return nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), {make})
+        """
+        program = compile_source(tmp_path, body, devices=8)
+        if "AdaFactor" in make:  # w1 (16, 32): rows split 4 ways
+            assert program.rank_graph(0).param("exp_avg_sq_row.w1").shape == (4,)
+        assert_oracle(program, steps=3)
+
 # -- set_train, bprop, misuse ------------------------------------------------------------------
 
 def test_training_compiles_take_the_training_branch(tmp_path: Any) -> None:

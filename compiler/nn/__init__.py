@@ -31,7 +31,7 @@ from pcompile.compiler.nn.lr import (
     PolynomialDecayLR,
     WarmUpLR,
 )
-from pcompile.compiler.nn.optim import SGD, Adam, AdamWeightDecay, Lamb, Momentum
+from pcompile.compiler.nn.optim import SGD, AdaFactor, Adam, AdamWeightDecay, Lamb, Momentum
 from pcompile.compiler.nn.optim_base import Optimizer
 from pcompile.compiler.nn.pipeline import MicroBatchInterleaved, Pipeline, PipelineCell
 from pcompile.compiler.nn.wrap import (
@@ -75,6 +75,7 @@ __all__ = [
     "Adam",
     "AdamWeightDecay",
     "Lamb",
+    "AdaFactor",
     "LearningRateSchedule",
     "WarmUpLR",
     "CosineDecayLR",

@@ -1,4 +1,4 @@
-"""MindSpore's optimizers: `SGD`, `Momentum`, `Adam`, `AdamWeightDecay`, `Lamb`.
+"""MindSpore's optimizers: `SGD`, `Momentum`, `Adam`, `AdamWeightDecay`, `Lamb`, `AdaFactor`.
 
 Each `update` is written with ordinary tensor ops, so it runs eagerly on concrete tensors and is
 traced into the training graph by `passes.optimizer.append_optimizer`. Gradients are first
@@ -12,6 +12,10 @@ dampening), Momentum `moments`, Adam and AdamWeightDecay `moment1`, `moment2`, L
 `lamb_v`; Adam and Lamb also keep the global scalars `beta1_power`, `beta2_power` (beta^t after
 step t, for bias correction). Lamb's norms are of whole parameters: in a parallel program each
 rank's partial sum is completed over the parameter's slices (`Optimizer.whole_sum`).
+AdaFactor keeps `exp_avg` (with beta1 > 0), `exp_avg_sq_row`, `exp_avg_sq_col` and `exp_avg_sq`
+and the global `afactor_step`; its row and column statistics have their own shapes and layouts
+(`Optimizer.state_dims`) and their means are completed over the ranks that split the averaged
+dim (`Optimizer.dim_sum`).
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from pcompile.compiler.initializer import initializer
 from pcompile.compiler.nn.layers import check_bool, check_number
 from pcompile.compiler.nn.optim_base import Optimizer
 from pcompile.compiler.tensor import Parameter, Tensor
+from pcompile.ir.types import DType
 
-__all__ = ["SGD", "Adam", "AdamWeightDecay", "Lamb", "Momentum"]
+__all__ = ["SGD", "AdaFactor", "Adam", "AdamWeightDecay", "Lamb", "Momentum"]
 
 
 def _param_name(param: Tensor) -> str | None:
@@ -335,6 +340,167 @@ class Lamb(Adam):
         trust = ops.Select()(positive, w_norm / ops.Select()(positive, r_norm, one), one)
         step = r * ops.Cast()(trust, r.dtype)
         return param - step * self.learning_rate, {"lamb_m": m, "lamb_v": v}
+
+
+class AdaFactor(_Base):
+    """Adafactor (MindSpore `nn.AdaFactor`, its non-fused graph): with t the step (1 first,
+    the global `afactor_step`), beta2_t = 1 - t^(-decay_rate); the rate is
+    min(1e-2, 1 / sqrt(t)) with `relative_step` (min(1e-6 t, 1 / sqrt(t)) with `warmup_init`),
+    else `learning_rate`; with `scale_parameter` it is multiplied by max(eps[1], RMS(w)).
+    s = g^2 + eps[0]. A parameter of rank >= 2 keeps factored statistics: row = beta2_t row
+    + (1 - beta2_t) mean(s, -1), col = beta2_t col + (1 - beta2_t) mean(s, -2), and
+    u = g / sqrt(row / mean(row, -1) (x) col); other parameters keep v = beta2_t v + (1 -
+    beta2_t) s and u = g / sqrt(v). u /= max(1, RMS(u) / clip_threshold); u *= rate; with
+    beta1 > 0, exp_avg = beta1 exp_avg + (1 - beta1) u and u = exp_avg; with weight_decay,
+    w -= weight_decay * rate' * w (rate' the scaled rate); w -= u. RMS and the means are over
+    whole parameters, also when they are split over ranks. As MindSpore's graph, the update
+    does not divide by `loss_scale` and decays every parameter; `compression` is not
+    supported."""
+
+    def __init__(
+        self,
+        params: Any,
+        learning_rate: Any = None,
+        eps: Any = (1e-30, 1e-3),
+        clip_threshold: float = 1.0,
+        decay_rate: float = 0.8,
+        beta1: float | None = 0.9,
+        weight_decay: float = 0.0,
+        scale_parameter: bool = True,
+        relative_step: bool = True,
+        warmup_init: bool = False,
+        compression: bool = False,
+        loss_scale: float = 1.0,
+    ) -> None:
+        owner = "AdaFactor"
+        relative_step = check_bool(relative_step, "relative_step", owner)
+        warmup_init = check_bool(warmup_init, "warmup_init", owner)
+        if learning_rate is not None and relative_step:
+            raise ValueError(f"{owner}: a learning_rate cannot be combined with "
+                             "relative_step=True (pass relative_step=False)")
+        if warmup_init and not relative_step:
+            raise ValueError(f"{owner}: warmup_init=True requires relative_step=True")
+        if learning_rate is None and not relative_step:
+            raise ValueError(f"{owner}: relative_step=False needs a learning_rate")
+        super().__init__(params, 0.0 if learning_rate is None else learning_rate,
+                         weight_decay, loss_scale)
+        if not isinstance(eps, (tuple, list)) or len(eps) != 2:
+            raise ValueError(f"{owner}: eps must be a pair (eps1, eps2), got {eps!r}")
+        self.eps = (_range(eps[0], "eps[0]", owner, 0.0), _range(eps[1], "eps[1]", owner, 0.0))
+        self.clip_threshold = _range(clip_threshold, "clip_threshold", owner, 0.0)
+        self.decay_rate = _range(decay_rate, "decay_rate", owner, 0.0, 1.0, low_open=True)
+        self.beta1 = 0.0 if beta1 is None else _range(beta1, "beta1", owner, 0.0)
+        _range(weight_decay, "weight_decay", owner, 0.0, 1.0)
+        self.scale_parameter = check_bool(scale_parameter, "scale_parameter", owner)
+        if self.dynamic_lr:
+            self.scale_parameter = False  # MindSpore: a schedule's rate is not rescaled
+        self.relative_step = relative_step
+        self.warmup_init = warmup_init
+        if check_bool(compression, "compression", owner):
+            raise ValueError(f"{owner}: compression=True (float16 statistics) is not supported")
+        self.state_prefixes = (("exp_avg",) if self.beta1 > 0.0 else ()) + (
+            "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq")
+
+    # -- state --------------------------------------------------------------------------------
+    def _state_shape(self, prefix: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        factored = len(shape) >= 2
+        if prefix == "exp_avg_sq_row":
+            return shape[:-1] if factored else (1,)
+        if prefix == "exp_avg_sq_col":
+            return shape[:-2] + shape[-1:] if factored else (1,)
+        if prefix == "exp_avg_sq":
+            return (1,) if factored else shape
+        return shape
+
+    def init_state(self, prefix: str, param: Parameter) -> Any:
+        return initializer("zeros", self._state_shape(prefix, tuple(param.shape)), param.dtype)
+
+    def state_dims(self, prefix: str, param: Parameter) -> tuple[int | None, ...] | None:
+        n = len(param.shape)
+        if prefix == "exp_avg" or (prefix == "exp_avg_sq" and n < 2):
+            return None
+        if n < 2:
+            return (None,)  # an unused (1,) placeholder, as MindSpore keeps
+        if prefix == "exp_avg_sq_row":
+            return tuple(range(n - 1))
+        if prefix == "exp_avg_sq_col":
+            return (*range(n - 2), n - 1)
+        return (None,)
+
+    def global_state(self) -> dict[str, np.ndarray]:
+        return {**super().global_state(), "afactor_step": np.zeros((1,), np.float32)}
+
+    def update_global(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {**super().update_global(state), "afactor_step": state["afactor_step"] + 1.0}
+
+    # -- the update ---------------------------------------------------------------------------
+    def _rms(self, x: Tensor, owner: str, size: int) -> Tensor:
+        """sqrt(mean(x^2)) over the whole parameter-shaped `x`."""
+        return _sqrt(self.whole_sum(x * x, owner) * (1.0 / size))
+
+    def _rate_and_beta2(self, global_state: dict[str, Tensor]) -> tuple[Any, Tensor]:
+        t = ops.reshape(global_state["afactor_step"], ())
+        beta2t = 1.0 - ops.Pow()(t, -self.decay_rate)
+        if not self.relative_step:
+            rate = self.learning_rate
+            if isinstance(rate, Tensor):
+                rate = ops.cast(rate, t.dtype)
+            return rate, beta2t
+        floor = t * 1e-6 if self.warmup_init else Tensor(np.asarray(1e-2, np.float32))
+        return ops.Minimum()(floor, 1.0 / _sqrt(t)), beta2t
+
+    def update(
+        self,
+        param: Tensor,
+        grad: Tensor,
+        state: dict[str, Tensor],
+        global_state: dict[str, Tensor],
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        name = _param_name(param) or ""
+        dtype = param.dtype
+        work = dtype if dtype.itemsize >= 4 else DType.float32  # float16 math in float32
+        w, g = ops.Cast()(param, work), ops.Cast()(grad, work)
+        # the whole parameter's shape (in a rank's local graph `param` is its slice)
+        whole = next((p for p in self.parameters if p.name == name), param)
+        shape = tuple(whole.shape)
+        size = max(1, int(np.prod(shape)))
+        rate, beta2t = self._rate_and_beta2(global_state)
+        if self.scale_parameter:
+            rms = self._rms(w, name, size)
+            rate = rate * ops.Maximum()(rms, Tensor(np.asarray(self.eps[1], np.float32)))
+        rate = ops.Cast()(rate, work) if isinstance(rate, Tensor) else rate
+        beta2t = ops.Cast()(beta2t, work)
+        square = g * g + self.eps[0]
+        new_state = dict(state)
+        n = len(shape)
+        if n >= 2:
+            rows, cols = shape[-2], shape[-1]
+            row_mean = self.dim_sum(square, name, n - 1, n - 1) * (1.0 / cols)
+            col_mean = self.dim_sum(square, name, n - 2, n - 2) * (1.0 / rows)
+            row = ops.Cast()(state["exp_avg_sq_row"], work) * beta2t + row_mean * (1.0 - beta2t)
+            col = ops.Cast()(state["exp_avg_sq_col"], work) * beta2t + col_mean * (1.0 - beta2t)
+            new_state["exp_avg_sq_row"] = ops.Cast()(row, dtype)
+            new_state["exp_avg_sq_col"] = ops.Cast()(col, dtype)
+            # the stored (rounded) statistics are what MindSpore reads back
+            row, col = ops.Cast()(new_state["exp_avg_sq_row"], work), ops.Cast()(
+                new_state["exp_avg_sq_col"], work)
+            row_norm = self.dim_sum(row, name, n - 2, n - 2, keep_dims=True) * (1.0 / rows)
+            r_factor = ops.ExpandDims()(1.0 / _sqrt(row / row_norm), -1)
+            c_factor = ops.ExpandDims()(1.0 / _sqrt(col), -2)
+            u = r_factor * c_factor * g
+        else:
+            v = ops.Cast()(state["exp_avg_sq"], work) * beta2t + square * (1.0 - beta2t)
+            new_state["exp_avg_sq"] = ops.Cast()(v, dtype)
+            u = (1.0 / _sqrt(ops.Cast()(new_state["exp_avg_sq"], work))) * g
+        clip = self._rms(u, name, size) * (1.0 / self.clip_threshold)
+        u = u / ops.Maximum()(clip, ops.OnesLike()(clip)) * rate
+        if self.beta1 > 0.0:
+            m = ops.Cast()(state["exp_avg"], work) * self.beta1 + u * (1.0 - self.beta1)
+            new_state["exp_avg"] = ops.Cast()(m, dtype)
+            u = ops.Cast()(new_state["exp_avg"], work)
+        if self.weight_decay > 0.0:
+            w = w + w * (-self.weight_decay) * rate
+        return ops.Cast()(w - u, dtype), new_state
 
 
 def _sqrt(x: Tensor) -> Tensor:

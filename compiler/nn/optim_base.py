@@ -1,4 +1,5 @@
-"""`Optimizer`: the base of `nn.SGD`, `nn.Momentum`, `nn.Adam`, `nn.AdamWeightDecay`.
+"""`Optimizer`: the base of `nn.SGD`, `nn.Momentum`, `nn.Adam`, `nn.AdamWeightDecay`, `nn.Lamb`,
+`nn.AdaFactor`.
 
 An optimizer is traced into the training graph after the backward pass: for every trainable
 parameter, `update(param, grad, state, global_state)` computes the new value and new state with
@@ -160,6 +161,22 @@ class Optimizer(Cell):
 
         local = ops.ReduceSum(False)(x, ())
         return local if self._slice_sum is None else self._slice_sum(local, owner)
+
+    def state_dims(self, prefix: str, param: Parameter) -> tuple[int | None, ...] | None:
+        """How per-parameter state `prefix` of `param` is split over ranks: None when it has the
+        parameter's shape (and layout), else for each of its dims the parameter dim whose split
+        it follows (None: not split) — AdaFactor's row statistics follow the rows."""
+        return None
+
+    def dim_sum(self, x: Tensor, owner: str, axis: int, param_dim: int,
+                keep_dims: bool = False) -> Tensor:
+        """`x` (sliced like parameter `owner` on its other dims) summed over its dim `axis`,
+        which is parameter dim `param_dim`: in a parallel program each rank sums its slice and
+        the sums are added over the ranks that split that dim."""
+        from pcompile.compiler import ops
+
+        local = ops.ReduceSum(keep_dims)(x, (axis,))
+        return local if self._slice_sum is None else self._slice_sum(local, owner, (param_dim,))
 
     def whole_norm(self, x: Tensor, owner: str) -> Tensor:
         """The 2-norm of `x` (sliced like parameter `owner`) over the whole parameter, in

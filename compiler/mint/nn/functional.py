@@ -97,6 +97,12 @@ def normalize(input: Any, p: float = 2.0, dim: int = 1, eps: float = 1e-12) -> A
     return RealDiv()(input, LpNorm((dim,), order, True, float(eps))(input))
 
 
+def cross_entropy(input: Any, target: Any, weight: Any = None, ignore_index: int = -100,  # noqa: A002
+                  reduction: str = "mean", label_smoothing: float = 0.0) -> Any:
+    """Cross entropy of logits (N, C) against class ids (N,) or probabilities (N, C)."""
+    return fn.cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing)
+
+
 __all__ = sorted(name for name, value in globals().items()
                  if not name.startswith("_") and callable(value) and not isinstance(value, type)
                  and name != "Any")
