@@ -9,6 +9,8 @@ was.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import time
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
@@ -779,9 +781,31 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
                              on_event)
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the duration. A compile allocates millions of
+    small objects that all stay alive until it ends (the graphs, their texts); each automatic
+    collection scans them again, which cost 40% of a 96-layer compile. The IR makes almost no
+    cyclic garbage (measured: the peak RSS is the same without the collector)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _run_pipeline(state: CompileState, out_dir: str | None, dump_ranks: Any = None,
                   before_write: Callable[[CompileState, str | None], None] | None = None,
                   on_event: Callable[..., None] | None = None) -> CompiledProgram:
+    with gc_paused():
+        return _run_passes(state, out_dir, dump_ranks, before_write, on_event)
+
+
+def _run_passes(state: CompileState, out_dir: str | None, dump_ranks: Any,
+                before_write: Callable[[CompileState, str | None], None] | None,
+                on_event: Callable[..., None] | None) -> CompiledProgram:
     notify = on_event or (lambda event, **info: None)
     passes: list[Pass] = [TracePass()]
     timings: list[tuple[str, float]] = []
@@ -789,6 +813,10 @@ def _run_pipeline(state: CompileState, out_dir: str | None, dump_ranks: Any = No
     ranks = resolve_dump_ranks(dump_ranks, state.devices)
     state.dump_ranks = ranks
     templates: dict[int, GraphText] = {}  # the last text of each graph, by id
+    # The traced graph and the final one are always verified; between passes only where asked
+    # (the test suite sets it), since verifying every pass costs as much as a pass.
+    verify_each = bool(os.environ.get("PCOMPILE_VERIFY_EACH"))
+    verified = False
     index = -1
     while index + 1 < len(passes):
         index += 1
@@ -799,11 +827,15 @@ def _run_pipeline(state: CompileState, out_dir: str | None, dump_ranks: Any = No
                                                       else [state.graph]) if g is not None}
             p.apply(state)
             graphs = state.graphs if state.split else [state.graph]
-            for g in graphs:  # one rank-parametric graph, or hybrid mode's per-rank graphs
-                assert g is not None
-                verify(g, allow_extra_attrs=True,
-                       start=_unchanged_prefix(before.get(id(g)), g)
-                       if getattr(p, "appends_only", False) else 0)
+            if index == 0 or index + 1 == len(passes) or verify_each:
+                for g in graphs:  # one rank-parametric graph, or hybrid mode's per-rank graphs
+                    assert g is not None
+                    verify(g, allow_extra_attrs=True,
+                           start=_unchanged_prefix(before.get(id(g)), g)
+                           if getattr(p, "appends_only", False) and verified else 0)
+                verified = True
+            else:
+                verified = False
         except PcompileError as exc:
             if index == 0:
                 raise

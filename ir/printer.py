@@ -113,7 +113,12 @@ def format_free_text(text: str) -> str:
 
 def sanitize_hint(hint: str) -> str:
     """The name hint as printed: characters outside `HINT` become `_`; empty → `CNode`."""
-    return _HINT_BAD.sub("_", hint) or "CNode"
+    text = _HINT_TEXT.get(hint)
+    if text is None:
+        text = _HINT_BAD.sub("_", hint) or "CNode"
+        if len(_HINT_TEXT) < _MEMO_LIMIT:
+            _HINT_TEXT[hint] = text
+    return text
 
 
 def format_float(value: float) -> str:
@@ -235,6 +240,7 @@ _MEMO_LIMIT = 200_000
 _TYPE_TEXT: dict[ValueType, str] = {}
 _SOURCE_TEXT: dict[SourceLoc, str] = {}
 _SCOPE_TEXT: dict[str, str] = {}
+_HINT_TEXT: dict[str, str] = {}
 _DICT_TEXT: dict[tuple[Any, ...], str] = {}
 _RANK_DICT_TEXT: dict[tuple[Any, ...], str] = {}
 _CONST_TEXT: dict[tuple[Any, ...], str] = {}
@@ -433,18 +439,25 @@ class _Printer:
         return format_type(value.type)
 
     def node(self, index: int, node: Node, rank: int | None = None) -> list[str]:
-        user = f"node %{index} ({node.op})"
-        operands = ", ".join(self.operand(v, user, rank) for v in node.operands)
+        names = self.names
+        operand_values = node.operands
+        texts = []
+        for v in operand_values:
+            text = names.get(id(v))  # a parameter or node result: the common case
+            texts.append(text if text is not None
+                         else self.operand(v, f"node %{index} ({node.op})", rank))
         head = (
-            f"{NODE_INDENT}%{index}({sanitize_hint(node.result.name_hint)}) = {node.op}({operands})"
+            f"{NODE_INDENT}%{index}({sanitize_hint(node.result.name_hint)}) = {node.op}"
+            f"({', '.join(texts)})"
         )
         if node.instance_name:
             head += f" {{instance name: {format_word(node.instance_name)}}}"
-        _check_keys(node.attrs, f"{user}: attribute")
+        if not all(type(k) is str for k in node.attrs):
+            _check_keys(node.attrs, f"node %{index} ({node.op}): attribute")
         head += f" primitive_attrs: {format_attrs(node.attrs, rank)}"
         if node.parallel is not None:
             head += " " + format_parallel(node.parallel)
-        in_types = ", ".join(self.operand_type(v) for v in node.operands)
+        in_types = ", ".join([format_type(v.type) for v in operand_values])
         scope = _SCOPE_TEXT.get(node.scope)
         if scope is None:
             scope = _SCOPE_TEXT[node.scope] = format_free_text(node.scope)

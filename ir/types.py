@@ -27,6 +27,10 @@ class DType(enum.Enum):
     uint8 = "UInt8"
     bool_ = "Bool"
 
+    # Members are singletons compared by identity: hash them by identity too (Enum's own
+    # __hash__ is Python code hashing the name, called for every type and memo key).
+    __hash__ = object.__hash__
+
     @property
     def np(self) -> np.dtype:
         """The numpy dtype used by the reference interpreter."""
@@ -95,6 +99,18 @@ class TensorType:
 
     dtype: DType
     shape: tuple[int, ...]
+
+    def __hash__(self) -> int:
+        # Types key every memo (inference, printing): hash once per instance.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.dtype, self.shape))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict[str, object]:
+        # Not the cached hash: a DType's hash differs between processes.
+        return {"dtype": self.dtype, "shape": self.shape}
 
     @property
     def rank(self) -> int:

@@ -103,6 +103,7 @@ class _Writer:
         self.dump_names = _dump_names(graph)
         # The statements (and so the tables) are the same on every rank; only comments differ.
         self.statements = [self._statement(n) for n in plan.nodes]
+        self._body: list[str] | None = None  # comment and statement of each node, indented
 
     # -- pieces --------------------------------------------------------------------------------
     def _const(self, n: NodePlan, i: int, value: Constant) -> str:
@@ -147,16 +148,20 @@ class _Writer:
         assert isinstance(value, Constant)
         return self._const(n, i, value)
 
-    def _comment(self, n: NodePlan, rank: int | None) -> list[str]:
-        node = self.plan.graphs[rank if rank is not None else 0].nodes[n.index]
+    def _comment(self, n: NodePlan, view: int = 0) -> str:
+        """The node's line of the dump, as a comment (the same on every rank; `view`: the
+        rank whose graph is read)."""
+        node = self.plan.graphs[view].nodes[n.index]
         args = ", ".join(self._dump_ref(n, i) for i in range(len(n.operands)))
         name = f" {node.instance_name}" if node.instance_name else ""
-        text = f"# %{n.index} = {node.op}({args}){name} (scope {node.scope})"
-        lines = [_clip(text)]
-        detail = _rank_detail(n, node, rank) if rank is not None else ""
-        if detail:
-            lines.append(_clip(f"#   this rank: {detail}"))
-        return lines
+        return _clip(f"# %{n.index} = {node.op}({args}){name} (scope {node.scope})")
+
+    def _detail(self, n: NodePlan, rank: int) -> str:
+        """`rank`'s values of a node that differs between ranks, as a comment ("" if none)."""
+        if n.kind not in ("slice", "slice_grad", "collective", "switch") and not n.const_tables:
+            return ""
+        detail = _rank_detail(n, self.plan.graphs[rank].nodes[n.index], rank)
+        return _clip(f"#   this rank: {detail}") if detail else ""
 
     def _dump_ref(self, n: NodePlan, i: int) -> str:
         kind, idx = n.operands[i]
@@ -229,10 +234,17 @@ class _Writer:
     def source(self, rank: int | None) -> str:
         """The program, commented with `rank`'s values (None: every rank's file)."""
         plan, info = self.plan, self.info
-        body: list[str] = []
-        for n, stmt in zip(plan.nodes, self.statements):
-            body.extend("    " + line for line in self._comment(n, rank))
-            body.extend("    " + line for line in stmt.split("\n"))
+        if self._body is None:
+            self._body = [f"    {self._comment(n)}\n    " + stmt.replace("\n", "\n    ")
+                          for n, stmt in zip(plan.nodes, self.statements)]
+        body = self._body
+        if rank is not None:
+            body = list(body)
+            for i, n in enumerate(plan.nodes):
+                detail = self._detail(n, rank)
+                if detail:
+                    head, _, stmt = body[i].partition("\n")
+                    body[i] = f"{head}\n    {detail}\n{stmt}"
         outs = []
         for kind, idx in plan.outputs:
             outs.append(f"v{idx}" if kind == "node" else self.param_names[idx])

@@ -96,7 +96,10 @@ class _StageWriter(_Writer):
             first = False
             for k in members:
                 n = self.plan.nodes[k]
-                lines.extend("        " + c for c in self._comment(n, view))
+                lines.append("        " + self._comment(n, view))
+                detail = self._detail(n, view)
+                if detail:
+                    lines.append("        " + detail)
                 lines.extend("        " + part for part in self.statements[k].split("\n"))
             if not members:
                 lines.append("        pass")

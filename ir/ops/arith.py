@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._jax import jnp
 from pcompile.ir.ops._util import infer_binary, infer_unary_float, tensor
 from pcompile.ir.registry import OpDef, register
 from pcompile.ir.sharding import RULES, LabelRule, elementwise_labels

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._jax import jnp, lax
 from pcompile.ir.registry import OpDef, register
 from pcompile.ir.types import TensorType, ValueType
 
