@@ -93,7 +93,13 @@ def write_manifest(folder: str, entries: Sequence[tuple[str, str, InitializedDat
     for name, kind, source in entries:
         params[name] = {"kind": kind, "shape": list(source.shape), "dtype": source.dtype.name,
                         "init": _init_entry(source, name, folder, taken)}
-    text = json.dumps({"format": FORMAT, "params": params}, indent=1)
+    # One value per line (json's indented form goes through its slow pure-Python encoder and
+    # spreads a 7B model's 1,500 entries over 30,000 lines).
+    rows = ",\n".join(f"  {json.dumps(name)}: {json.dumps(entry)}"
+                       for name, entry in params.items())
+    text = f'{{\n "format": {json.dumps(FORMAT)},\n "params": {{\n{rows}\n }}\n}}'
+    if not params:
+        text = json.dumps({"format": FORMAT, "params": {}})
     with open(os.path.join(folder, MANIFEST), "w", encoding="utf-8") as f:
         f.write(text + "\n")
 

@@ -408,10 +408,12 @@ def build_plan(state: Any) -> Plan:
 
 
 def plan_text(plan: Plan) -> str:
-    """plan.json's text: validated again (a model built with wrong values is refused before it
-    is written), fields in schema order, one-space indent."""
+    """plan.json's text: fields in schema order, one-space indent. The model was validated
+    when it was built (`build_plan`); under the test suite (PCOMPILE_VERIFY_EACH) the text is
+    validated again, which catches a serialiser that writes what the schema refuses."""
     text = plan.model_dump_json(indent=1)  # pydantic's serialiser: fast for big plans
-    Plan.model_validate_json(text)
+    if os.environ.get("PCOMPILE_VERIFY_EACH"):
+        Plan.model_validate_json(text)
     return text + "\n"
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from pcompile.backends.checkpoint import layout_entry, npz_bytes
 from pcompile.backends.jax.plan import NodePlan, SpmdLoweringError, SpmdPlan
 from pcompile.ir.core import Constant, Graph, array_digest
+from pcompile.ir.memo import items_key
 from pcompile.ir.rank import resolve_attrs
 from pcompile.ir.types import DType
 
@@ -85,6 +86,9 @@ def _to_tuple(x: Any) -> Any:
 
 def _dtype_name(dtype: np.dtype) -> str:
     return DType.from_any(dtype).name
+
+
+_KEYWORDS: dict[tuple[Any, ...], list[str]] = {}
 
 
 class _Writer:
@@ -163,6 +167,19 @@ class _Writer:
         detail = _rank_detail(n, self.plan.graphs[rank].nodes[n.index], rank)
         return _clip(f"#   this rank: {detail}") if detail else ""
 
+    def _keywords(self, attrs: dict[str, Any]) -> list[str]:
+        """`k=<literal>` of each attribute; memoised, as a model's layers repeat them."""
+        try:
+            key = items_key(attrs)
+        except TypeError:  # an unhashable value
+            return [f"{k}={literal(v)}" for k, v in attrs.items()]
+        kw = _KEYWORDS.get(key)
+        if kw is None:
+            kw = [f"{k}={literal(v)}" for k, v in attrs.items()]
+            if len(_KEYWORDS) < 100_000:
+                _KEYWORDS[key] = kw
+        return kw
+
     def _dump_ref(self, n: NodePlan, i: int) -> str:
         kind, idx = n.operands[i]
         if kind == "node":
@@ -175,8 +192,7 @@ class _Writer:
         args = [self._arg(n, i) for i in range(len(n.operands))]
         target = self._value("node", n.index)
         if n.kind == "op":
-            kw = [f"{k}={literal(v)}" for k, v in n.attrs.items()]
-            return f"{target} = ops.{n.op}({', '.join(args + kw)})"
+            return f"{target} = ops.{n.op}({', '.join(args + self._keywords(n.attrs))})"
         if n.kind in ("slice", "slice_grad"):
             s = n.slice
             assert s is not None
