@@ -39,6 +39,16 @@ def assert_close(got: Any, want: Any, rtol: float = 1e-5, what: str = "",
     np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * scale + atol, err_msg=what)
 
 
+def low_precision_rtol(dtype: Any) -> float:
+    """The relative bound for an element-wise op in a dtype below float32, against JAX in the
+    same dtype: each side rounds at most 4 times along an output or its gradient (the result,
+    then at most three ops of its derivative), each rounding within one ulp, which is at most
+    eps relative; the two sides' errors add: 2 x 4 eps."""
+    import ml_dtypes
+
+    return 8 * float(ml_dtypes.finfo(dtype).eps)
+
+
 def _rounding_bound(inputs: Sequence[np.ndarray]) -> float:
     import ml_dtypes
 

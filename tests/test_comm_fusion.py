@@ -343,9 +343,11 @@ def check_same_results(shapes: list[tuple[int, ...]], body: Callable[..., list[V
         verify(g)
     want = run_ranks(plain, feeds(shapes))
     got = run_ranks(fused, feeds(shapes))
+    # A fused collective reduces each element over the same ranks in the same order as the
+    # collectives it replaces (only the buffer around it changes): the results are bitwise equal.
     for w_rank, g_rank in zip(want, got):
         for w, g in zip(w_rank, g_rank):
-            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+            np.testing.assert_array_equal(g, w)
     return fused, reports[0]
 
 

@@ -22,7 +22,7 @@ from pcompile.ir.core import Graph, GraphParam, Value
 from pcompile.ir.errors import OpError
 from pcompile.ir.types import DType, TensorType
 from pcompile.passes.autodiff import append_gradients
-from tests.op_harness import check_op
+from tests.op_harness import check_op, low_precision_rtol
 
 SEEDS = st.integers(0, 2**31 - 1)
 SHAPES = hnp.array_shapes(min_dims=0, max_dims=3, min_side=1, max_side=5)
@@ -117,7 +117,7 @@ def test_binary_low_precision(op: str, dtype: Any, shapes: Any, seed: int) -> No
     rng = np.random.default_rng(seed)
     sx, sy = shapes.input_shapes
     x, y = make_x(rng, sx).astype(dtype), make_y(rng, sy).astype(dtype)
-    check_op(op, [x, y], {}, reference, rtol=3e-2, seed=seed)
+    check_op(op, [x, y], {}, reference, rtol=low_precision_rtol(dtype), seed=seed)
 
 
 @SOME
@@ -173,7 +173,7 @@ def test_unary_extreme_values(op: str) -> None:
 def test_unary_low_precision(op: str, dtype: Any, shape: tuple[int, ...], seed: int) -> None:
     reference, make = UNARY[op]
     x = make(np.random.default_rng(seed), shape).astype(dtype)
-    check_op(op, [x], {}, reference, rtol=3e-2, seed=seed)
+    check_op(op, [x], {}, reference, rtol=low_precision_rtol(dtype), seed=seed)
 
 
 @FEW
