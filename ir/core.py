@@ -283,6 +283,7 @@ class Graph:
         self.attrs: dict[str, Any] = {}
         self._op_counts: dict[str, int] = {}
         self._param_names: set[str] = set()
+        self._param_index: dict[str, int] = {}  # name -> position, for `param` (may be stale)
 
     # -- construction -------------------------------------------------------------------------
     def add_param(self, param: GraphParam) -> GraphParam:
@@ -331,10 +332,15 @@ class Graph:
 
     # -- queries ------------------------------------------------------------------------------
     def param(self, name: str) -> GraphParam:
-        for p in self.params:
-            if p.name == name:
-                return p
-        raise KeyError(f"graph {self.name} has no parameter {name!r}")
+        params = self.params
+        index = self._param_index.get(name)
+        if index is not None and index < len(params) and params[index].name == name:
+            return params[index]  # names are unique: the position remembered is still it
+        self._param_index = {p.name: i for i, p in enumerate(params)}
+        index = self._param_index.get(name)
+        if index is None:
+            raise KeyError(f"graph {self.name} has no parameter {name!r}")
+        return params[index]
 
     @property
     def inputs(self) -> list[GraphParam]:
