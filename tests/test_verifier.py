@@ -164,3 +164,30 @@ def test_duplicate_parameter_names() -> None:
     g = small_graph()
     g.params.append(GraphParam(F32, "x"))
     fails(g, "graph small: duplicate parameter name 'x'")
+
+
+@pytest.mark.parametrize("each,where", [("1", "comm_fusion"), ("", "execute")])
+def test_a_compile_verifies_the_final_graph(monkeypatch, tmp_path, each: str, where: str) -> None:
+    """A pass that leaves an invalid graph is caught: in that pass with PCOMPILE_VERIFY_EACH,
+    else by the verification of the final graph, before anything is written."""
+    import os
+
+    from pcompile.compiler.driver import compile as compile_model
+    from pcompile.passes import comm_fusion
+
+    original = comm_fusion.CommFusionPass.apply
+
+    def corrupting(self, state) -> None:
+        original(self, state)
+        graph = state.graphs[0] if state.split else state.graph
+        node = graph.nodes[-1]
+        node.result.type = TensorType(DType.int32, (3, 5, 7))  # not what its op infers
+
+    monkeypatch.setattr(comm_fusion.CommFusionPass, "apply", corrupting)
+    monkeypatch.setenv("PCOMPILE_VERIFY_EACH", each)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "out"
+    with pytest.raises(PcompileError, match=rf"(?s)disagrees with .*in pass '{where}'"):
+        compile_model(os.path.join(root, "examples", "quickstart.py"), devices=8,
+                      out_dir=str(out))
+    assert not out.exists()
