@@ -329,3 +329,27 @@ def test_8_processes_track_single_device_training(monkeypatch: Any, tmp_path: An
         for step, (g, w) in enumerate(zip(got, want), start=1):
             assert abs(g - w) <= step * eps * longest * abs(w), (step, g, w)
     assert got[-1] < got[0]  # it learns
+
+
+@pytest.mark.slow
+def test_full_recompute_keeps_8_rank_temporary_memory_flat() -> None:
+    """XLA's temporary memory of the 8-rank step (JAX SPMD, dp 2 x mp 4) under full recompute
+    (`benchmarks/recompute_memory.py --model llama`, a long sequence and a small hidden size
+    so that activations dominate): one more decoder layer adds at most what it keeps for the
+    backward pass (the IR's saved activations) and its parameters' share (their gradients,
+    live until the update; bounded by the growth of the step's argument bytes), since the
+    recomputation's working set is one layer's, the same for every layer. It failed before
+    the backward slices' zero buffers were made when their gradient is (`spmd.zeros_after`):
+    +5.1 MiB per layer against 0.1 MiB saved."""
+    script = os.path.join(ROOT, "benchmarks", "recompute_memory.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_", "XLA_FLAGS"))}
+    proc = subprocess.run(
+        [sys.executable, script, "--model", "llama", "--devices", "8", "--layers", "1", "2",
+         "--seq", "256", "--hidden", "64", "--ffn", "256", "--vocab", "128", "--repeat", "1",
+         "--modes", "full"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = (row["full"] for row in json.loads(proc.stdout)["per_rank"])
+    assert two["recomputed_nodes"] > one["recomputed_nodes"] > 0
+    allowed = (two["saved_activation_bytes"] - one["saved_activation_bytes"]
+               + two["xla_argument_bytes"] - one["xla_argument_bytes"])
+    assert two["xla_temp_bytes"] - one["xla_temp_bytes"] <= allowed, (one, two)
