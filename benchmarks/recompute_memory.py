@@ -242,6 +242,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=1024, help="llama")
     parser.add_argument("--dtype", default="bfloat16", help="llama: compute dtype")
     parser.add_argument("--flash", type=int, default=1, help="llama: 1 flash attention, 0 not")
+    parser.add_argument("--modes", nargs="+", choices=("none", "full", "selective"),
+                        default=["none", "full", "selective"], help="the variants measured")
     args = parser.parse_args()
     if args.devices > 1:
         import jax
@@ -253,7 +255,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for layers in args.layers:
             row: dict[str, Any] = {"layers": layers}
-            for mode in ("none", "full", "selective"):
+            for mode in args.modes:
                 if args.model == "llama":
                     row[mode] = measure_llama(args, layers, mode)
                     continue

@@ -178,13 +178,29 @@ def dyn_slice(x: Any, starts: Any, span: tuple[int, ...], steps: tuple[int, ...]
     return out
 
 
+def zeros_after(x: Any, shape: tuple[int, ...]) -> Any:
+    """Zeros of `shape` in x's dtype that XLA can compute only once `x` is: a broadcast of
+    `|s| * 0` (s one element of x, 0 where it is not finite; exactly +0).
+
+    A gradient written into a zero buffer (`dynamic_update_slice`, in place) needs a buffer of
+    its own. With constant zeros, XLA merges every such buffer of one shape into one
+    broadcast and gives each user a copy, scheduled at the start of the step: each backward
+    slice's full-size buffer then lives through the whole forward pass (on the Llama example
+    on 8 ranks, most of the step's temporary memory and what recompute could not remove;
+    docs/benchmarks.md). Depending on x, the buffer is made when the gradient arrives."""
+    s = jnp.ravel(x)[0] if x.size else jnp.zeros((), x.dtype)
+    zero = jnp.abs(jnp.where(jnp.isfinite(s), s, jnp.zeros_like(s))) * 0
+    return jnp.broadcast_to(zero, shape)
+
+
 def dyn_slice_grad(dy: Any, starts: Any, span: tuple[int, ...], steps: tuple[int, ...],
                    shape: tuple[int, ...]) -> Any:
-    """StridedSliceGrad at traced offsets: zeros of `shape` with dy written into the slice."""
+    """StridedSliceGrad at traced offsets: zeros of `shape` with dy written into the slice
+    (zeros made when dy is, `zeros_after`)."""
     if any(s != 1 for s in steps):
-        dy = jnp.zeros(span, dy.dtype).at[tuple(slice(None, None, s) for s in steps)].set(dy)
-    zeros = jnp.zeros(shape, dy.dtype)
-    return lax.dynamic_update_slice(zeros, dy, tuple(starts[i] for i in range(len(shape))))
+        dy = zeros_after(dy, span).at[tuple(slice(None, None, s) for s in steps)].set(dy)
+    return lax.dynamic_update_slice(zeros_after(dy, shape), dy,
+                                    tuple(starts[i] for i in range(len(shape))))
 
 
 class LazyTable:
