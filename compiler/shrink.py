@@ -53,11 +53,6 @@ def _refuse_mode(program: Any) -> None:
         raise PcompileError(
             "the shrunk check does not reproduce pipeline stages or nn.PipelineCell yet; "
             "--force-check checks the plan at full size")
-    if state.traced is not None and state.traced.step is not None:
-        raise PcompileError(
-            f"the shrunk check does not replay a training step cell "
-            f"({type(state.traced.step.top).__name__}) yet; --force-check checks the plan at "
-            "full size")
 
 
 def plan_splits(program: Any) -> list[tuple[Value, int, int, int]]:
@@ -184,9 +179,17 @@ class ShrunkCheck:
     shrink: Shrink
 
     def describe(self) -> str:
-        sizes = ", ".join(f"{a}->{b}" for a, b in sorted(self.shrink.sizes.items(),
-                                                          reverse=True) if a != b)
-        return f"factor {self.shrink.factor} ({sizes or 'nothing shrank'})"
+        return describe(self.shrink)
+
+
+def describe(shrink: Shrink) -> str:
+    """The factor, the dims it changed (old -> new size), and what kept dims at full size."""
+    sizes = ", ".join(f"{a} -> {b}" for a, b in sorted(shrink.sizes.items(), reverse=True)
+                      if a != b)
+    text = f"factor {shrink.factor}, dims {sizes or 'unchanged'}"
+    if shrink.kept:
+        text += "; kept at full size by " + "; ".join(shrink.kept)
+    return text
 
 
 def compile_shrunk(program: Any, shrink: Shrink) -> Any:

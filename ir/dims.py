@@ -391,7 +391,8 @@ def _relate(solver: _Solver, node: Node, i: int, rel: Relation) -> None:
         solver.totals.append((_syms(solver, node, rel.target),
                               [_syms(solver, node, r) for r in rel.parts]))
     elif isinstance(rel, Fixed):
-        solver.fixed[_syms(solver, node, rel.ref)] = f"{why}: {rel.why}" if rel.why else why
+        # without a reason the dim is the op's own constant (nothing to report)
+        solver.fixed[_syms(solver, node, rel.ref)] = f"{why}: {rel.why}" if rel.why else ""
     elif isinstance(rel, Divides):
         solver.divides.append((_syms(solver, node, rel.ref), rel.k, 1))
     elif isinstance(rel, Index):
