@@ -184,8 +184,8 @@ class ShrunkCheck:
 
 def describe(shrink: Shrink) -> str:
     """The factor, the dims it changed (old -> new size), and what kept dims at full size."""
-    sizes = ", ".join(f"{a} -> {b}" for a, b in sorted(shrink.sizes.items(), reverse=True)
-                      if a != b)
+    sizes = ", ".join(f"{a} -> {'/'.join(map(str, sorted(b)))}"
+                      for a, b in sorted(shrink.sizes.items(), reverse=True) if b != {a})
     text = f"factor {shrink.factor}, dims {sizes or 'unchanged'}"
     if shrink.kept:
         text += "; kept at full size by " + "; ".join(shrink.kept)

@@ -196,7 +196,7 @@ class Shrink:
     bounds: dict[str, int] = field(default_factory=dict)
     const_bounds: dict[tuple[int, int], int] = field(default_factory=dict)
     kept: dict[str, list[str]] = field(default_factory=dict)  # full-size dim -> why
-    sizes: dict[int, int] = field(default_factory=dict)  # original size -> new (a summary)
+    sizes: dict[int, set[int]] = field(default_factory=dict)  # original size -> new sizes
     original: dict[str, Shape] = field(default_factory=dict)  # parameter shapes before
 
     def ratio(self, graph: Graph) -> float:
@@ -521,5 +521,5 @@ def _result(solver: _Solver, graph: Graph, factor: int, sym_size: Callable[[Sym]
             why = fixed_roots.get(solver.find(s)[0]) or solver.fixed.get(s)
             if why:
                 shrink.kept.setdefault(why, [])
-        shrink.sizes.setdefault(solver.size[s], sym_size(s))
+        shrink.sizes.setdefault(solver.size[s], set()).add(sym_size(s))
     return shrink

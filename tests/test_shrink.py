@@ -1,0 +1,141 @@
+"""The shrunk check (compiler/shrink.py, ir/dims.py): a plan checked op by op on a copy of its
+model with the same graph and strategies and smaller dims."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from pcompile.compiler.driver import compile as compile_model
+from pcompile.compiler.oracle import CHECK_BUDGET_BYTES, check_cost
+from pcompile.compiler.shrink import choose_shrink, compile_shrunk, plan_splits, shrunk_check
+from pcompile.ir import dims
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.ops.shape import reshape_blocks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPT = os.path.join(ROOT, "examples", "gpt_block.py")
+LLAMA = os.path.join(ROOT, "examples", "llama.py")
+
+#: A GPT layer stack of 7B-class width, sequence and vocabulary (two layers keep it quick).
+LARGE_GPT = {"GPT_LAYERS": "2", "GPT_HIDDEN": "4096", "GPT_HEADS": "32", "GPT_SEQ": "2048",
+             "GPT_VOCAB": "32000", "GPT_BATCH": "64"}
+
+
+def _compile(path: str, devices: int, monkeypatch: pytest.MonkeyPatch, **env: str):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    search = "sharding_propagation" if path == GPT else None
+    return compile_model(path, devices=devices, search_mode=search, dump=False)
+
+
+def test_reshape_blocks() -> None:
+    assert reshape_blocks((32, 16, 4096), (32, 16, 32, 128)) == [([0], [0]), ([1], [1]),
+                                                                 ([2], [2, 3])]
+    assert reshape_blocks((8, 16, 64), (128, 64)) == [([0, 1], [0]), ([2], [1])]
+    assert reshape_blocks((1, 6, 1, 4), (24,)) == [([1, 3], [0])]
+
+
+@pytest.mark.parametrize("path,devices,env", [
+    (GPT, 8, {}),
+    (GPT, 64, {"GPT_BATCH": "64"}),
+    (LLAMA, 8, {}),
+    (LLAMA, 64, {"LLAMA_BATCH": "16"}),
+])
+def test_shrunk_check_passes(path: str, devices: int, env: dict[str, str],
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    program = _compile(path, devices, monkeypatch, **env)
+    result = shrunk_check(program, factor=4)
+    assert result.report.ok(), result.report.worst
+    assert result.report.losses and result.report.errors
+    shrunk = result.program
+    # the copy is smaller and keeps every op and strategy (also checked by compile_shrunk)
+    assert check_cost(shrunk) < check_cost(program)
+    assert [n.op for n in shrunk.graph.nodes] == [n.op for n in program.graph.nodes]
+    for full, small in zip(program.graph.nodes, shrunk.graph.nodes):
+        assert (full.parallel is None) == (small.parallel is None)
+        if full.parallel is not None:
+            assert full.parallel.in_strategy == small.parallel.in_strategy
+
+
+def test_shrink_keeps_every_split_valid(monkeypatch: pytest.MonkeyPatch) -> None:
+    program = _compile(LLAMA, 8, monkeypatch)
+    shrink = choose_shrink(program, factor=8)
+    positions = {id(n.result): i for i, n in enumerate(program.graph.nodes)}
+    for value, elem, dim, k in plan_splits(program):
+        old = dims.shapes_of(value.type)[elem][dim]
+        if id(value) in positions:
+            new = shrink.results[positions[id(value)]][elem][dim]
+        elif hasattr(value, "name") and value.name in shrink.params:
+            new = shrink.params[value.name][dim]
+        else:
+            continue
+        assert new % k == 0 and new // k >= min(2, old // k), (value, dim, old, new, k)
+    # some dims did shrink, and the token ids stay below the shrunk vocabulary
+    vocab = program.graph.param("model.embedding_weight").shape[0]
+    new_vocab = shrink.params["model.embedding_weight"][0]
+    assert new_vocab < vocab and shrink.bounds["input_ids"] == new_vocab
+
+
+def test_large_plan_is_checked_shrunk_by_the_cli(tmp_path, monkeypatch) -> None:
+    from pcompile.cli import main
+
+    for key, value in LARGE_GPT.items():
+        monkeypatch.setenv(key, value)
+    result = CliRunner().invoke(main, [GPT, "--devices", "64", "--search",
+                                       "sharding_propagation", "--dump-ranks", "0",
+                                       "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    assert "check skipped" in result.output
+    assert "shrunk check: factor" in result.output and "4096 -> " in result.output
+    assert "worst relative error" in result.output
+
+
+def test_large_llama_plan_shrinks_within_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    program = _compile(LLAMA, 64, monkeypatch, LLAMA_PRESET="llama2_7b", LLAMA_LAYERS="2",
+                       LLAMA_SEQ="2048", LLAMA_BATCH="16")
+    assert check_cost(program) > CHECK_BUDGET_BYTES
+    shrink = choose_shrink(program)
+    shrunk = compile_shrunk(program, shrink)
+    assert check_cost(shrunk) <= CHECK_BUDGET_BYTES
+
+
+def test_broken_plan_fails_the_shrunk_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan without its forward AllReduces (partial sums left unsummed) is caught."""
+    from pcompile.passes.step_parallel import RankBuilder
+
+    program = _compile(LLAMA, 8, monkeypatch)
+    monkeypatch.setattr(RankBuilder, "forward_comm", lambda self, node, b, out, sharding: out)
+    with pytest.raises(PcompileError, match="the plan is wrong"):
+        shrunk_check(program, factor=4)
+
+
+def test_missing_gradient_mirror_fails_the_shrunk_check(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Gradients of replicated parameters left without their AllReduce: every rank runs,
+    the updated parameters differ from the single-device program's."""
+    from pcompile.passes.step_parallel import RankBuilder
+
+    program = _compile(GPT, 8, monkeypatch)
+    monkeypatch.setattr(RankBuilder, "mirror_value", lambda self, local, param, user: local)
+    result = shrunk_check(program, factor=4)
+    assert not result.report.ok()
+    assert result.report.worst[1] > 1e3 * result.report.bound
+
+
+def test_op_without_a_rule_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    program = _compile(GPT, 8, monkeypatch)
+    dims.rule_of("MatMul")  # the rules are loaded
+    monkeypatch.delitem(dims._RULES, "MatMul")
+    shrink = choose_shrink(program, factor=4)
+    assert any("MatMul" in why and "no dimension rule" in why for why in shrink.kept)
+    with pytest.raises(PcompileError, match="kept at full size by: MatMul .*no dimension rule"):
+        choose_shrink(program, budget=1)
+
+
+def test_modes_it_cannot_reproduce_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    program = compile_model(GPT, devices=8, parallel_mode="data_parallel", dump=False)
+    with pytest.raises(PcompileError, match="shrunk check reproduces semi_auto_parallel"):
+        choose_shrink(program, factor=2)
