@@ -241,7 +241,7 @@ class Shrink:
         shape = self.params[name]
         out = np.asarray(array)[tuple(slice(0, n) for n in shape)]
         bound = self.bounds.get(name)
-        return out % bound if bound is not None else np.ascontiguousarray(out)
+        return np.array(out % bound if bound is not None else out)  # a copy; 0-d stays 0-d
 
 
 class _Solver:
