@@ -21,7 +21,7 @@ from typing import Any
 
 from pcompile.compiler.initializer import InitializedData
 from pcompile.ir.core import Graph, GraphParam, Value
-from pcompile.ir.dims import Shrink, shapes_of, shrink_graph
+from pcompile.ir.dims import Shrink, shapes_of, shrinker
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
 
@@ -101,12 +101,13 @@ def choose_shrink(program: Any, factor: int | None = None,
     if factor is not None:
         if factor < 1:
             raise PcompileError(f"the shrink factor must be >= 1, got {factor}")
-        return shrink_graph(graph, splits, factor)
+        return shrinker(graph, splits)(factor)
+    solve = shrinker(graph, splits)
     budget = CHECK_BUDGET_BYTES if budget is None else budget
     cost = check_cost(program)
     best = None
     for f in FACTORS:
-        shrink = shrink_graph(graph, splits, f)
+        shrink = solve(f)
         if best is not None and shrink.sizes == best.sizes:
             break  # no dim shrinks further
         best = shrink

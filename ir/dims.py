@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from pcompile.ir.core import Constant, Graph, GraphParam, Node, NodeResult, Value
+from pcompile.ir.errors import PcompileError
 from pcompile.ir.types import TensorType, TupleType, ValueType
 
 Shape = tuple[int, ...]
@@ -176,7 +177,7 @@ def keep_attrs(attrs: dict[str, Any], *_: Any) -> dict[str, Any]:
 Sym = tuple[int, int, int]  # (id(value), elem, dim)
 
 
-class ShrinkError(Exception):
+class ShrinkError(PcompileError):
     """The graph cannot be shrunk as asked (the message says why)."""
 
 
@@ -302,6 +303,12 @@ def shrink_graph(graph: Graph, splits: Iterable[tuple[Value, int, int, int]],
     """Divide the dims of `graph` by up to `factor`, keeping every op's dimension relations
     and every (value, elem, dim, k) of `splits` a multiple of k with at least 2 elements
     per slice (or as many as before, when fewer)."""
+    return shrinker(graph, splits)(factor)
+
+
+def shrinker(graph: Graph, splits: Iterable[tuple[Value, int, int, int]]
+             ) -> Callable[[int], Shrink]:
+    """`shrink_graph` for several factors: the relations are gathered once."""
     solver = _Solver(graph)
     for p in graph.params:
         for d, n in enumerate(p.shape):
@@ -341,7 +348,7 @@ def shrink_graph(graph: Graph, splits: Iterable[tuple[Value, int, int, int]],
             solver.fixed[s] = (f"{_where(graph.nodes[i])} indexes it with values computed by "
                                f"{what}, whose range a shrunk copy cannot bound")
     _unify_factorizations(solver)
-    return _solve(solver, graph, factor, preserving)
+    return lambda factor: _solve(solver, graph, factor, preserving)
 
 
 def _unify_factorizations(solver: _Solver) -> None:
@@ -421,7 +428,7 @@ def _solve(solver: _Solver, graph: Graph, factor: int, preserving: dict[int, Nod
             derived[r] = ("sum", parts, 0)
     chosen: dict[Sym, int] = {}
     cache: dict[Sym, int] = {}
-
+    where = {s: find(s) for s in solver.parent}  # the classes no longer change
     def root_size(r: Sym, seen: frozenset[Sym] = frozenset()) -> int:
         if r in chosen:
             return chosen[r]
@@ -431,31 +438,40 @@ def _solve(solver: _Solver, graph: Graph, factor: int, preserving: dict[int, Nod
         if r in cache:
             return cache[r]
         kind, parts, c = rule
-        vals = [sym_size(p, seen | {r}) for p in parts]
+        vals = [root_size(where[p][0], seen | {r}) + where[p][1] for p in parts]
         cache[r] = math.prod(vals) * c if kind == "prod" else sum(vals)
         return cache[r]
 
-    def sym_size(s: Sym, seen: frozenset[Sym] = frozenset()) -> int:
-        r, off = find(s)
-        return root_size(r, seen) + off
+    def term_size(t: tuple[Sym, int]) -> int:
+        return root_size(t[0]) + t[1]
+
+    def sym_size(s: Sym) -> int:
+        return term_size(where[s])
+
+    # the constraints on classes, each once (a model's layers repeat the same ones)
+    products = {(tuple(sorted(where[x] for x in lhs)), tuple(sorted(where[x] for x in rhs)), c)
+                for lhs, rhs, c in solver.products}
+    totals = {(where[t], tuple(sorted(where[x] for x in parts))) for t, parts in solver.totals}
+    divides = {(where[x], k, least) for x, k, least in solver.divides}
+    fixed = {(where[x], size[x]) for x in solver.fixed}
+    # a dim never becomes 1 (that would change broadcasting and which dims are units)
+    offsets = {where[x] for x in solver.parent if where[x][1] != 0}
 
     def consistent() -> bool:
-        for lhs, rhs, const in solver.products:
-            if math.prod(map(sym_size, lhs)) * const != math.prod(map(sym_size, rhs)):
+        for lhs, rhs, const in products:
+            if math.prod(map(term_size, lhs)) * const != math.prod(map(term_size, rhs)):
                 return False
-        for target, parts in solver.totals:
-            if sym_size(target) != sum(map(sym_size, parts)):
+        for target, parts in totals:
+            if term_size(target) != sum(map(term_size, parts)):
                 return False
-        for s, k, least in solver.divides:
-            n = sym_size(s)
+        for t, k, least in divides:
+            n = term_size(t)
             if n % k or n // k < least:
                 return False
-        if any(sym_size(s) != size[s] for s in solver.fixed):
+        if any(term_size(t) != n for t, n in fixed):
             return False
-        # a dim never becomes 1 (that would change broadcasting and which dims are units)
-        return all(sym_size(s) >= 2 for s in offsets)
+        return all(term_size(t) >= 2 for t in offsets)
 
-    offsets = [s for s in solver.parent if find(s)[1] != 0]
     free = [r for r in roots if r not in derived and r not in fixed_roots and size[r] > 1]
     free.sort(key=lambda r: -size[r])
     for r in free:
