@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pcompile.compiler.initializer import InitializedData
-from pcompile.ir.core import Graph, GraphParam, Value
+from pcompile.ir.core import Graph, Value
 from pcompile.ir.dims import Shrink, shapes_of, shrinker
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
@@ -141,7 +141,17 @@ def pin_plan(program: Any, shrink: Shrink) -> PinnedPlan:
 
 def apply_to_trace(shrink: Shrink, traced: Any) -> None:
     """Shrink a fresh trace of the model file: its graph, its parameters' shapes and data."""
+    from pcompile.ir.verifier import verify
+
     shrink.apply(traced.graph)
+    try:
+        verify(traced.graph, allow_extra_attrs=True)
+    except PcompileError as exc:  # a dimension rule (ir/dims.py) that does not hold
+        raise PcompileError(
+            f"the shrunk copy (factor {shrink.factor}) breaks an op's shape rule, so its "
+            f"dimension rule in ir/ops is wrong; please report it with the model file "
+            f"(--check-shrunk FACTOR with another factor, or --force-check, may avoid it): "
+            f"{exc}") from exc
     for name, param in traced.parameters.items():
         shape = shrink.params.get(name)
         if shape is None or tuple(param.shape) == shape:
@@ -232,6 +242,3 @@ def shrunk_check(program: Any, factor: int | None = None, steps: int = 1) -> Shr
     shrunk = compile_shrunk(program, shrink)
     return ShrunkCheck(shrunk, check(shrunk, steps=steps), shrink)
 
-
-def is_input(value: Value) -> bool:
-    return isinstance(value, GraphParam) and value.kind == "input"

@@ -139,3 +139,26 @@ def test_modes_it_cannot_reproduce_are_refused(monkeypatch: pytest.MonkeyPatch) 
     program = compile_model(GPT, devices=8, parallel_mode="data_parallel", dump=False)
     with pytest.raises(PcompileError, match="shrunk check reproduces semi_auto_parallel"):
         choose_shrink(program, factor=2)
+
+
+def test_a_wrong_dimension_rule_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rule that lets a shape attribute go stale breaks the op's shape rule: one message."""
+    program = _compile(GPT, 8, monkeypatch)
+    monkeypatch.setattr(dims.rule_of("Reshape"), "rewrite", None)
+    with pytest.raises(PcompileError, match="dimension rule in ir/ops is wrong.*Reshape"):
+        compile_shrunk(program, choose_shrink(program, factor=4))
+
+
+def test_cli_check_shrunk_flag(tmp_path) -> None:
+    from pcompile.cli import main
+
+    runner = CliRunner()
+    result = runner.invoke(main, [GPT, "--devices", "8", "--search", "sharding_propagation",
+                                  "--check-shrunk", "4", "--out", str(tmp_path / "a")])
+    assert result.exit_code == 0, result.output
+    assert "shrunk check: factor 4, dims" in result.output
+    assert "worst relative error" in result.output
+    result = runner.invoke(main, [GPT, "--devices", "1", "--check-shrunk",
+                                  "--out", str(tmp_path / "b")])
+    assert result.exit_code == 1
+    assert "--check-shrunk: the shrunk check checks parallel plans" in result.output
