@@ -361,7 +361,7 @@ def _unify_factorizations(solver: _Solver) -> None:
         seen: dict[tuple[Any, ...], list[Sym]] = {}
         for lhs, rhs, const in solver.products:
             for one, other in ((rhs, lhs), (lhs, rhs)):
-                if len(one) != 1 or len(other) < 2 or solver.find(one[0])[1] != 0:
+                if len(one) != 1 or not other or solver.find(one[0])[1] != 0:
                     continue
                 key = (solver.find(one[0])[0], const if one is rhs or const == 1 else -const,
                        tuple(solver.size[o] for o in other))

@@ -162,3 +162,45 @@ def test_cli_check_shrunk_flag(tmp_path) -> None:
                                   "--out", str(tmp_path / "b")])
     assert result.exit_code == 1
     assert "--check-shrunk: the shrunk check checks parallel plans" in result.output
+
+
+def test_shape_op_rules_keep_every_shape_rule() -> None:
+    """Split, Concat, Tile, ExpandDims, Squeeze, Transpose, StridedSlice, reductions,
+    BroadcastTo, Gather and OneHot shrunk together still infer what the shrink says (the
+    verifier re-infers every node), and index inputs get the shrunk range."""
+    import numpy as np
+
+    from pcompile.ir.builder import Builder
+    from pcompile.ir.core import Graph, GraphParam
+    from pcompile.ir.types import DType, TensorType
+    from pcompile.ir.verifier import verify
+
+    g = Graph("net")
+    x = g.add_param(GraphParam(TensorType(DType.float32, (8, 12, 16)), "x"))
+    table = g.add_param(GraphParam(TensorType(DType.float32, (40, 16)), "table", "weight"))
+    ids = g.add_param(GraphParam(TensorType(DType.int32, (8, 13)), "ids"))
+    b = Builder(g)
+    parts = b("Split", x, axis=1, output_num=2)
+    y = b("Concat", b("TupleGetItem", parts, index=1), b("TupleGetItem", parts, index=0),
+          axis=1)
+    y = b("Tile", b("ExpandDims", y, axis=0), multiples=(2, 1, 1, 1))
+    y = b("Transpose", b("ReduceSum", y, axis=(0,), keep_dims=True), perm=(0, 2, 1, 3))
+    y = b("Squeeze", y, axis=(0,))
+    tokens = b("StridedSlice", ids, begin=(0, 1), end=(8, 13), strides=(1, 1))
+    emb = b("Gather", table, tokens, axis=0)
+    hot = b("OneHot", tokens, depth=40)
+    z = b("Add", b("Transpose", y, perm=(1, 0, 2)), emb)
+    z = b("Add", z, b("BroadcastTo", b("ReduceMean", z, axis=(1,), keep_dims=True),
+                      shape=(8, 12, 16)))
+    g.outputs = [z, hot]
+    verify(g)
+    shrink = dims.shrink_graph(g, [], 4)
+    shrink.apply(g)
+    verify(g)
+    # the split halves (6) divide by 3 at most (a dim never becomes 1): 12 -> 4; the ids keep
+    # the one extra column the slice drops (13 -> 5)
+    assert g.param("x").shape == (2, 4, 4) and g.param("table").shape == (10, 4)
+    assert g.param("ids").shape == (2, 5) and shrink.bounds == {"ids": 10}
+    assert hot.shape == (2, 4, 10)
+    batch = shrink.shrink_input("ids", np.arange(8 * 13).reshape(8, 13))
+    assert batch.shape == (2, 5) and batch.max() < 10

@@ -859,8 +859,9 @@ def _split_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
         for d in range(rank):
             if d != axis:
                 yield Same(In(0, d), Out(d, k))
-            else:
+            else:  # equal pieces
                 yield Product((Out(d, k),), (In(0, d),), attrs["output_num"])
+                yield Same(Out(d, 0), Out(d, k))
 
 
 def _slice_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
