@@ -116,9 +116,14 @@ def choose_shrink(program: Any, factor: int | None = None,
     assert best is not None
     kept = "; ".join(best.kept) or "the plan's splits (at least 2 elements per slice)"
     raise PcompileError(
-        f"the shrunk check does not fit in {budget / 2**30:.1f} GB: at factor {best.factor} "
-        f"the check would still hold about {cost * best.ratio(graph) / 2**30:.1f} GB; dims "
-        f"kept at full size by: {kept}")
+        f"the shrunk check does not fit in {_size(budget)}: at factor {best.factor} the check "
+        f"would still hold about {_size(cost * best.ratio(graph))}; dims kept at full size "
+        f"by: {kept}")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GB" if nbytes >= 2**27 else f"{nbytes / 2**20:.2f} MB"
+
 
 
 def pin_plan(program: Any, shrink: Shrink) -> PinnedPlan:

@@ -255,6 +255,7 @@ class _Solver:
         self.fixed: dict[Sym, str] = {}
         self.divides: list[tuple[Sym, int, int]] = []  # sym, k, minimum per slice
         self.indexes: list[tuple[int, int, Sym]] = []  # node index, operand, indexed dim
+        self.tangled: dict[Sym, str] = {}  # dims a Reshape regroups across several dims
         self.values: dict[int, Value] = {}
 
     # union-find with offsets: size(sym) = size(root) + offset
@@ -394,6 +395,11 @@ def _relate(solver: _Solver, node: Node, i: int, rel: Relation) -> None:
             solver.union(lhs[0], rhs[0], 0, why)
         elif lhs or rhs:
             solver.products.append((lhs, rhs, rel.const))
+            if len(lhs) > 1 and len(rhs) > 1:  # no side is one dim: only shrinks as a whole
+                what = (f"{why} regroups dims {[solver.size[x] for x in lhs]} as "
+                        f"{[solver.size[x] for x in rhs]}")
+                for x in (*lhs, *rhs):
+                    solver.tangled.setdefault(x, what)
     elif isinstance(rel, Total):
         solver.totals.append((_syms(solver, node, rel.target),
                               [_syms(solver, node, r) for r in rel.parts]))
@@ -534,7 +540,8 @@ def _result(solver: _Solver, graph: Graph, factor: int, sym_size: Callable[[Sym]
                     shrink.const_bounds[(ci, cj)] = bound
     for s in solver.parent:
         if solver.size[s] > 1 and sym_size(s) == solver.size[s]:
-            why = fixed_roots.get(solver.find(s)[0]) or solver.fixed.get(s)
+            why = (fixed_roots.get(solver.find(s)[0]) or solver.fixed.get(s)
+                   or solver.tangled.get(s))
             if why:
                 shrink.kept.setdefault(why, [])
         shrink.sizes.setdefault(solver.size[s], set()).add(sym_size(s))

@@ -135,6 +135,15 @@ def test_op_without_a_rule_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
         choose_shrink(program, budget=1)
 
 
+def test_a_reshape_that_regroups_dims_is_named() -> None:
+    """[256, 48] -> [96, 32, 4] -> [128, 96]: no dim maps to a dim, so none shrinks alone."""
+    program = compile_model(os.path.join(ROOT, "tests", "models", "reshape_chain.py"),
+                            devices=8, dump=False)
+    with pytest.raises(PcompileError, match=r"Reshape \(.*reshape_chain.py:25\) regroups dims "
+                                            r"\[256, 48\] as \[96, 32, 4\]"):
+        choose_shrink(program, budget=1)
+
+
 def test_modes_it_cannot_reproduce_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     program = compile_model(GPT, devices=8, parallel_mode="data_parallel", dump=False)
     with pytest.raises(PcompileError, match="shrunk check reproduces semi_auto_parallel"):
