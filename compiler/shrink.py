@@ -28,6 +28,10 @@ from pcompile.ir.layout import TensorLayout
 #: Modes whose plans the shrunk check reproduces (one strategy per op).
 SHRINKABLE_MODES = ("semi_auto_parallel", "auto_parallel")
 
+#: What the automatically chosen shrunk check aims to hold (`oracle.check_cost`): a check of
+#: seconds; a plan whose dims cannot shrink that far is checked within the full budget.
+SHRUNK_CHECK_BYTES = 1 << 26
+
 #: Factors the automatic choice tries, smallest first.
 FACTORS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -91,8 +95,9 @@ def plan_splits(program: Any) -> list[tuple[Value, int, int, int]]:
 def choose_shrink(program: Any, factor: int | None = None,
                   budget: int | None = None) -> Shrink:
     """The shrink of `program`'s traced graph by `factor`; None: the smallest factor (of
-    `FACTORS`) whose check fits `budget` (default `CHECK_BUDGET_BYTES`), by the share of
-    elements left. PcompileError when no factor fits, naming what kept dims at full size."""
+    `FACTORS`) whose check holds at most `SHRUNK_CHECK_BYTES` (a check of seconds), or failing
+    that the most shrunk copy within `budget` (default `CHECK_BUDGET_BYTES`), estimated by the
+    share of elements left. PcompileError when none fits, naming what kept dims at full size."""
     from pcompile.compiler.oracle import CHECK_BUDGET_BYTES, check_cost
 
     _refuse_mode(program)
@@ -104,6 +109,7 @@ def choose_shrink(program: Any, factor: int | None = None,
         return shrinker(graph, splits)(factor)
     solve = shrinker(graph, splits)
     budget = CHECK_BUDGET_BYTES if budget is None else budget
+    target = min(budget, SHRUNK_CHECK_BYTES)
     cost = check_cost(program)
     best = None
     for f in FACTORS:
@@ -111,9 +117,11 @@ def choose_shrink(program: Any, factor: int | None = None,
         if best is not None and shrink.sizes == best.sizes:
             break  # no dim shrinks further
         best = shrink
-        if cost * shrink.ratio(graph) <= budget:
+        if cost * shrink.ratio(graph) <= target:
             return shrink
     assert best is not None
+    if cost * best.ratio(graph) <= budget:
+        return best
     kept = "; ".join(best.kept) or "the plan's splits (at least 2 elements per slice)"
     raise PcompileError(
         f"the shrunk check does not fit in {_size(budget)}: at factor {best.factor} the check "
