@@ -127,6 +127,12 @@ def _verbosity(function: Any) -> Any:
                    "plans: against the single-device program), when it holds at most 1 GB.")
 @click.option("--force-check", is_flag=True,
               help="Run the check even when it would hold more than 1 GB.")
+@click.option("--check-shrunk", "check_shrunk", type=click.IntRange(0), default=None,
+              is_flag=False, flag_value=0, metavar="[FACTOR]",
+              help="Check the plan on a shrunk copy of the model: the same graph and "
+                   "strategies, dims divided by up to FACTOR (every split kept valid; no "
+                   "FACTOR: the smallest that fits the budget). Done by default when the "
+                   "full-size check is over budget.")
 @click.option("--checkpoint-every", type=click.IntRange(0), default=0, metavar="K",
               help="With --run: checkpoint every rank every K steps (always at the end).")
 @click.option("--resume", is_flag=True,
@@ -176,6 +182,7 @@ def compile_command(
     backend: str,
     check: bool,
     force_check: bool,
+    check_shrunk: int | None,
     checkpoint_every: int,
     resume: bool,
     processes: int | None,
@@ -241,9 +248,13 @@ def compile_command(
             )
             elapsed = time.perf_counter() - start
             _summary(program, elapsed, quiet)
-            if check and _check_affordable(program, force_check):
+            if check and check_shrunk is not None:
+                _check_shrunk(program, check_shrunk or None)
+            elif check and _check_affordable(program, force_check):
                 log.info("checking one step against the single-device program ...")
                 _check_backends(program)
+            elif check:
+                _check_shrunk(program, None, automatic=True)
             if do_run:
                 _train(program, steps, backend, run_options)
     except PcompileError as exc:
@@ -393,9 +404,36 @@ def _check_affordable(program: Any, force: bool) -> bool:
         f"note: check skipped: simulating the {program.state.devices} rank(s) and the "
         f"single-device program in float64 would hold about {cost / 2**30:.1f} GB (pcompile "
         f"checks plans that take at most {CHECK_BUDGET_BYTES / 2**30:.0f} GB); --force-check "
-        "runs it anyway; a smaller copy of the model (fewer layers, smaller hidden size) with "
-        "the same strategies checks the same rules")
+        "runs it anyway; the same plan is checked on a shrunk copy of the model instead "
+        "(--check-shrunk FACTOR chooses how much it shrinks)")
     return False
+
+
+def _check_shrunk(program: Any, factor: int | None, automatic: bool = False) -> None:
+    """The plan checked on a shrunk copy of the model (compiler/shrink.py): same graph and
+    strategies, dims divided by up to `factor` (None: the smallest factor within the budget).
+    `automatic` (the full-size check was over budget): a model the copy cannot be made of is
+    a note, not an error."""
+    from pcompile.compiler.shrink import choose_shrink, compile_shrunk, describe
+    from pcompile.ir.errors import PcompileError
+
+    if not program.state.parallel:
+        message = ("the shrunk check checks parallel plans; this program runs on one device "
+                   "(--force-check runs the full-size check)")
+        if automatic:
+            click.echo(f"note: {message}")
+            return
+        raise PcompileError(f"--check-shrunk: {message}")
+    try:
+        shrink = choose_shrink(program, factor)
+    except PcompileError as exc:
+        if automatic:
+            click.echo(f"note: no shrunk check: {exc}")
+            return
+        raise
+    click.echo(f"shrunk check: {describe(shrink)}")
+    log.info("checking one step of the shrunk copy against its single-device program ...")
+    _check_oracle(compile_shrunk(program, shrink))
 
 
 def _check_backends(program: Any) -> None:

@@ -154,6 +154,10 @@ class CompileState:
     state_owners: dict[str, str] = field(default_factory=dict)  # optimizer state -> parameter
     reference: ReferenceOptions | None = None  # single-device reference of a parallel program
     traces: list[TracedModel] = field(default_factory=list)  # hybrid mode: each rank's trace
+    # The shrunk check (compiler/shrink.py): the shrink applied to the trace and the plan's
+    # pinned strategies; and the overrides the compile was given (to compile it again).
+    shrink: Any = None
+    overrides: dict[str, Any] = field(default_factory=dict)
 
     @property
     def parallel(self) -> bool:
@@ -249,6 +253,10 @@ class TracePass:
                 traced = trace_model(state.model_file, batch_split=split,
                                      micro_batches=state.parallel)
             _pipeline_trace(state, traced, cells)
+        if state.shrink is not None:  # the shrunk check's copy (compiler/shrink.py)
+            from pcompile.compiler.shrink import apply_to_trace
+
+            apply_to_trace(state.shrink.shrink, traced)
         state.traced = traced
         state.graph = traced.graph
         _check_functional_shard(state)
@@ -491,6 +499,18 @@ class StepParallelBeginPass:
                 annotate_parallel_detail(state.graph, state.assignment, "layout")
 
 
+class PinnedSearchPass:
+    """The shrunk check's compile (compiler/shrink.py): the plan's searched strategies and
+    Reshape layouts, pinned by position, in place of a search."""
+
+    name = "step_auto_parallel_begin"
+
+    def apply(self, state: CompileState) -> None:
+        from pcompile.compiler.shrink import pinned_search
+
+        state.search = pinned_search(state)
+
+
 class StepParallelEndPass:
     """One local forward graph per rank: slices, redistributions, forward communication,
     mirrors (split_ranks)."""
@@ -658,7 +678,9 @@ def pipeline(state: CompileState) -> list[Pass]:
     if state.parallel_mode in ("data_parallel", "hybrid_parallel"):
         passes.append(ReplicatePass())
     elif state.parallel:
-        if state.parallel_mode == "auto_parallel":  # search (issue 4)
+        if state.parallel_mode == "auto_parallel" and state.shrink is not None:
+            passes.append(PinnedSearchPass())  # the shrunk check: the plan's strategies
+        elif state.parallel_mode == "auto_parallel":  # search (issue 4)
             passes.append(StepAutoParallelPass())
         passes += [StepParallelBeginPass(), StepParallelEndPass()]
         if state.micro_batched:
@@ -716,6 +738,7 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
     on_event: Callable[..., None] | None = None,
     save_graphs: int | None = None,
     reference: ReferenceOptions | None = None,
+    shrink: Any = None,
 ) -> CompiledProgram:
     """Compile a model file. Flags given here override what the model file sets.
     `reference`: for a single-device compile, how it models a parallel program's options (the
@@ -728,7 +751,8 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
     the compile's progress: "pass" (name, index, total, seconds) after each pass, "write"
     (out_dir, ranks) before the outputs are written and "written" (out_dir) after.
     `save_graphs` (0-3, MindSpore's levels, DUMP_LEVELS: which passes are dumped) overrides the
-    model file's `set_context(save_graphs=...)`; neither given: every pass."""
+    model file's `set_context(save_graphs=...)`; neither given: every pass. `shrink`: the
+    shrunk check's copy (`compiler.shrink.PinnedPlan`: the trace shrunk, strategies pinned)."""
     reset_auto_parallel_context()
     reset_context()  # a model file's set_context does not leak into the next compile
     mf = load_model_file(model_path)
@@ -760,6 +784,8 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
         if settings.stages > 1:
             state.pipeline = settings
         state.reference = reference
+        state.shrink = shrink
+        state.overrides = dict(overrides or {})
         state.options = {
             "dataset_strategy": ctx.dataset_strategy,
             "gradients_mean": ctx.gradients_mean,

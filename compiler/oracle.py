@@ -281,7 +281,13 @@ def single_device(program: CompiledProgram, rank: int | None = None) -> Compiled
         reference.transform = restrict_all
     elif locals_ and program.training:
         reference.transform = _mean_over_ranks(locals_, program.state.devices)
-    return compile(program.state.model_file.path, devices=1, dump=False, reference=reference)
+    shrink = program.state.shrink
+    if shrink is not None:  # the shrunk check: the same shrunk copy on one device
+        from pcompile.compiler.shrink import PinnedPlan
+
+        shrink = PinnedPlan(shrink.shrink)
+    return compile(program.state.model_file.path, devices=1, dump=False, reference=reference,
+                   shrink=shrink)
 
 
 def check(program: CompiledProgram, steps: int = 1,

@@ -33,8 +33,17 @@ def batches(program: CompiledProgram, steps: int) -> Iterator[tuple[int, int, li
     traced, mf = program.traced, program.state.model_file
     expected = [(p.name, shape, p.dtype.np)
                 for p, shape in zip(program.graph.inputs, input_shapes(program))]
-    yield from iter_batches(mf, len(traced.input_names), len(traced.label_names),
-                            traced.example_inputs + traced.example_labels, expected, steps)
+    shrink = program.state.shrink
+    if shrink is not None:  # the shrunk check (compiler/shrink.py): the model's batches, shrunk
+        expected = [(name, shrink.shrink.original[name], dtype) for name, _, dtype in expected]
+    batches = iter_batches(mf, len(traced.input_names), len(traced.label_names),
+                           traced.example_inputs + traced.example_labels, expected, steps)
+    if shrink is None:
+        yield from batches
+        return
+    names = [name for name, _, _ in expected]
+    for epoch, step, arrays in batches:
+        yield epoch, step, [shrink.shrink.shrink_input(n, a) for n, a in zip(names, arrays)]
 
 
 def input_shapes(program: CompiledProgram) -> list[tuple[int, ...]]:

@@ -140,3 +140,9 @@ register(
     )
 )
 _elementwise_rule("IsFinite")
+
+
+# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
+from pcompile.ir.dims import broadcast, dim_rule  # noqa: E402
+
+dim_rule("FloorDiv", "Cos", "Sin", "IsFinite", relations=broadcast)

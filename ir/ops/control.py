@@ -64,3 +64,10 @@ register(
         doc="value, computed after expr (an ordering edge; no strategy, value's layout).",
     )
 )
+
+
+# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
+from pcompile.ir.dims import In, Out, Same, dim_rule  # noqa: E402
+
+dim_rule("Depend", relations=lambda ins, outs, attrs: (
+    Same(In(0, d), Out(d)) for d in range(len(outs[0]))), preserves_values=True)

@@ -820,3 +820,17 @@ register(
         doc="x unchanged; carries a layout constraint (functional shard's in/out strategies).",
     )
 )
+
+
+# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
+from pcompile.ir.dims import In, Out, Same, broadcast, dim_rule  # noqa: E402
+
+dim_rule("Add", "Sub", "Mul", "RealDiv", "Maximum", "Minimum", "Pow", "ReluGrad", "SqrtGrad",
+         "RsqrtGrad", "TanhGrad", "SigmoidGrad", "GeLUGrad", "SiLUGrad", "Select",
+         *_COMPARISONS, *_LOGICAL, relations=broadcast)
+dim_rule("ReLU", "Neg", "Square", "Abs", "Exp", "Log", "Sqrt", "Rsqrt", "Tanh", "Sigmoid",
+         "GeLU", "Erf", "SiLU", "LogicalNot", relations=broadcast)
+dim_rule("Cast", "Identity", relations=broadcast, preserves_values=True)
+dim_rule("BiasAdd", relations=lambda ins, outs, attrs: [
+    *broadcast(ins[:1], outs, attrs),
+    Same(In(1, 0), Out(_bias_axis(attrs["data_format"], len(outs[0]))))])

@@ -157,3 +157,27 @@ register(
         "numpy-style and one operand may be a rank-2 matrix.",
     )
 )
+
+
+# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
+from pcompile.ir.dims import In, Out, Same, dim_rule  # noqa: E402
+
+
+def _matmul_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """m, n follow the result, the contraction is shared; batch dims broadcast."""
+    a, b, out = ins[0][0], ins[1][0], outs[0]
+    ta, tb = attrs["transpose_a"], attrs["transpose_b"]
+    ra, rb, ro = len(a), len(b), len(out)
+    am, ak = (ra - 1, ra - 2) if ta else (ra - 2, ra - 1)
+    bk, bn = (rb - 1, rb - 2) if tb else (rb - 2, rb - 1)
+    yield Same(In(0, am), Out(ro - 2))
+    yield Same(In(1, bn), Out(ro - 1))
+    yield Same(In(0, ak), In(1, bk))
+    for i, shape in enumerate((a, b)):
+        for d in range(len(shape) - 2):
+            od = ro - 2 - (len(shape) - 2) + d
+            if shape[d] == out[od] and shape[d] != 1:
+                yield Same(In(i, d), Out(od))
+
+
+dim_rule("MatMul", "BatchMatMul", relations=_matmul_dims)

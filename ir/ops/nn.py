@@ -1078,3 +1078,36 @@ register(
         doc="AvgPoolGrad(x, y, dy): spreads dy / window count over each window (x, y: shapes).",
     )
 )
+
+
+# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
+from pcompile.ir.dims import In, Index, Out, Same, broadcast, dim_rule  # noqa: E402
+
+
+def _layer_norm_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    x = ins[0][0]
+    _, bpa = _layer_norm_axes(len(x), attrs)
+    for d in range(len(x)):
+        yield Same(In(0, d), Out(d))
+        if d >= bpa:
+            yield Same(In(1, d - bpa), In(0, d))
+            yield Same(In(2, d - bpa), In(0, d))
+
+
+def _sce_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    yield Same(In(0, 0), In(1, 0))
+    yield Same(In(0, 1), In(1, 1))
+    yield Same(In(0, 0), Out(0))
+
+
+def _sparse_sce_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    yield Same(In(0, 0), In(1, 0))
+    yield Index(1, In(0, 1))
+    for d in range(len(outs[0])):
+        yield Same(In(0, d), Out(d))
+
+
+dim_rule("Softmax", "LogSoftmax", "SoftmaxGrad", "LogSoftmaxGrad", relations=broadcast)
+dim_rule("LayerNorm", relations=_layer_norm_dims)
+dim_rule("SoftmaxCrossEntropyWithLogits", relations=_sce_dims)
+dim_rule("SparseSoftmaxCrossEntropyWithLogits", relations=_sparse_sce_dims)

@@ -257,3 +257,22 @@ register(
         ),
     )
 )
+
+
+# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
+from pcompile.ir.dims import In, Out, Same, dim_rule  # noqa: E402
+
+
+def _rms_norm_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """y is x; rstd keeps x's leading dims; gamma is x's trailing dims."""
+    x, gamma = ins[0][0], ins[1][0]
+    lead = len(x) - len(gamma)
+    for d in range(len(x)):
+        yield Same(In(0, d), Out(d, 0))
+        if d < lead:
+            yield Same(In(0, d), Out(d, 1))
+        else:
+            yield Same(In(1, d - lead), In(0, d))
+
+
+dim_rule("RmsNorm", relations=_rms_norm_dims)

@@ -338,3 +338,43 @@ register(
         doc="Ones of x's shape and dtype.",
     )
 )
+
+
+# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
+from pcompile.ir.dims import In, Out, Product, Same, broadcast, dim_rule  # noqa: E402
+
+
+def _reduce_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """Kept dims follow the input; reduced dims are free (summing fewer terms)."""
+    rank = len(ins[0][0])
+    axes = reduce_axes(attrs["axis"], rank)
+    o = 0
+    for d in range(rank):
+        if d in axes:
+            o += 1 if attrs["keep_dims"] else 0
+            continue
+        yield Same(In(0, d), Out(o))
+        o += 1
+
+
+def _tile_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """out = in * multiple; a tiled size-1 dim is free (its multiple follows the result)."""
+    x, out = ins[0][0], outs[0]
+    lead = len(out) - len(x)
+    for d, n in enumerate(x):
+        if n != 1:
+            yield Product((In(0, d),), (Out(lead + d),), out[lead + d] // n)
+
+
+def _tile_rewrite(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
+                  new_out: Any) -> dict[str, Any]:
+    x, out = new_in[0][0], new_out[0]
+    padded = (1,) * (len(out) - len(x)) + tuple(x)
+    return {**attrs, "multiples": tuple(o // i for o, i in zip(out, padded))}
+
+
+dim_rule("ReduceSum", "ReduceMean", "ReduceMax", relations=_reduce_dims)
+dim_rule("Tile", relations=_tile_dims, rewrite=_tile_rewrite, preserves_values=True)
+dim_rule("BroadcastTo", relations=broadcast, preserves_values=True,
+         rewrite=lambda attrs, oi, oo, ni, no: {**attrs, "shape": tuple(no[0])})
+dim_rule("ZerosLike", "OnesLike", relations=broadcast)

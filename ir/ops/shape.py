@@ -772,3 +772,170 @@ register(
         "(out-of-range indices give all off_value).",
     )
 )
+
+
+# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
+from pcompile.ir.dims import (  # noqa: E402
+    Fixed,
+    In,
+    Index,
+    Offset,
+    Out,
+    Product,
+    Same,
+    Total,
+    dim_rule,
+)
+
+
+def reshape_blocks(src: tuple[int, ...], dst: tuple[int, ...]
+                   ) -> list[tuple[list[int], list[int]]]:
+    """The dims of `src` and `dst` (size-1 dims left out) grouped into consecutive blocks of
+    equal products: (32, 16, 4096) -> (32, 16, 32, 128) is ([0], [0]), ([1], [1]), ([2], [2, 3])."""
+    a = [d for d, n in enumerate(src) if n != 1]
+    b = [d for d, n in enumerate(dst) if n != 1]
+    blocks: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        left, right = [a[i]], [b[j]]
+        pl, pr = src[a[i]], dst[b[j]]
+        i, j = i + 1, j + 1
+        while pl != pr:
+            if pl < pr:
+                left.append(a[i])
+                pl *= src[a[i]]
+                i += 1
+            else:
+                right.append(b[j])
+                pr *= dst[b[j]]
+                j += 1
+        blocks.append((left, right))
+    return blocks
+
+
+def _reshape_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    for left, right in reshape_blocks(ins[0][0], outs[0]):
+        yield Product(tuple(In(0, d) for d in left), tuple(Out(d) for d in right))
+
+
+def _new_shape(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
+               new_out: Any) -> dict[str, Any]:
+    return {**attrs, "shape": tuple(new_out[0])}
+
+
+def _pair_non_unit(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """Ops that only add or drop size-1 dims: the other dims pair up in order."""
+    a = [d for d, n in enumerate(ins[0][0]) if n != 1]
+    b = [d for d, n in enumerate(outs[0]) if n != 1]
+    for d, e in zip(a, b):
+        yield Same(In(0, d), Out(e))
+
+
+def _transpose_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    for d, p in enumerate(attrs["perm"]):
+        yield Same(In(0, p), Out(d))
+
+
+def _flatten_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    x = ins[0][0]
+    yield Same(In(0, 0), Out(0))
+    yield Product(tuple(In(0, d) for d in range(1, len(x))), (Out(1),))
+
+
+def _concat_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    rank = len(outs[0])
+    axis = attrs["axis"] % rank
+    for i in range(len(ins)):
+        for d in range(rank):
+            if d != axis:
+                yield Same(In(i, d), Out(d))
+    yield Total(Out(axis), tuple(In(i, axis) for i in range(len(ins))))
+
+
+def _split_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    rank = len(ins[0][0])
+    axis = attrs["axis"] % rank
+    for k in range(len(outs)):
+        for d in range(rank):
+            if d != axis:
+                yield Same(In(0, d), Out(d, k))
+            else:  # equal pieces
+                yield Product((Out(d, k),), (In(0, d),), attrs["output_num"])
+                yield Same(Out(d, 0), Out(d, k))
+
+
+def _slice_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """A dim sliced with stride 1 keeps its margins: in = out + what the slice leaves out."""
+    slices, out = _slice_spec(ins[0][0], attrs)
+    for d, (s, n) in enumerate(zip(slices, ins[0][0])):
+        if s.step != 1:
+            yield Fixed(In(0, d), "a strided slice")
+            yield Fixed(Out(d), "a strided slice")
+        elif out[d] == n:
+            yield Same(In(0, d), Out(d))
+        else:
+            yield Offset(In(0, d), Out(d), n - out[d])
+
+
+def _slice_rewrite(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
+                   new_out: Any) -> dict[str, Any]:
+    slices, _ = _slice_spec(old_in[0][0], attrs)
+    begin = tuple(s.start for s in slices)
+    end = tuple(s.start + n * s.step for s, n in zip(slices, new_out[0]))
+    strides = tuple(s.step for s in slices)
+    return {**attrs, "begin": begin, "end": end, "strides": strides}
+
+
+def _gather_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    params, indices = ins[0][0], ins[1][0]
+    axis = attrs["axis"] % len(params)
+    bd = attrs["batch_dims"] % (len(indices) + 1) if attrs["batch_dims"] < 0 \
+        else attrs["batch_dims"]
+    for d in range(bd):
+        yield Same(In(0, d), In(1, d))
+    for d in range(axis):
+        yield Same(In(0, d), Out(d))
+    for d in range(bd, len(indices)):
+        yield Same(In(1, d), Out(axis + d - bd))
+    tail = axis + len(indices) - bd
+    for d in range(axis + 1, len(params)):
+        yield Same(In(0, d), Out(tail + d - axis - 1))
+    yield Index(1, In(0, axis))
+
+
+def _onehot_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    rank = len(ins[0][0])
+    axis = attrs["axis"] % (rank + 1)
+    for d in range(rank):
+        yield Same(In(0, d), Out(d if d < axis else d + 1))
+    yield Index(0, Out(axis))
+
+
+def _onehot_rewrite(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
+                    new_out: Any) -> dict[str, Any]:
+    rank = len(new_in[0][0])
+    return {**attrs, "depth": new_out[0][attrs["axis"] % (rank + 1)]}
+
+
+def _make_tuple_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    for i, shapes in enumerate(ins):
+        for d in range(len(shapes[0])):
+            yield Same(In(i, d), Out(d, i))
+
+
+def _tuple_get_item_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    for d in range(len(outs[0])):
+        yield Same(In(0, d, attrs["index"]), Out(d))
+
+
+dim_rule("Reshape", relations=_reshape_dims, rewrite=_new_shape, preserves_values=True)
+dim_rule("Transpose", relations=_transpose_dims, preserves_values=True)
+dim_rule("ExpandDims", "Squeeze", relations=_pair_non_unit, preserves_values=True)
+dim_rule("Flatten", relations=_flatten_dims, preserves_values=True)
+dim_rule("Concat", relations=_concat_dims)
+dim_rule("Split", relations=_split_dims)
+dim_rule("StridedSlice", relations=_slice_dims, rewrite=_slice_rewrite, preserves_values=True)
+dim_rule("Gather", relations=_gather_dims)
+dim_rule("OneHot", relations=_onehot_dims, rewrite=_onehot_rewrite)
+dim_rule("MakeTuple", relations=_make_tuple_dims)
+dim_rule("TupleGetItem", relations=_tuple_get_item_dims, preserves_values=True)

@@ -1,0 +1,257 @@
+"""The shrunk check: the oracle check of a plan on a shrunk copy of its model.
+
+A plan too large for the float64 simulator (`oracle.check_cost` above `CHECK_BUDGET_BYTES`)
+is checked on a copy of the traced model with the same graph, the same strategies and the same
+layouts, whose dims are divided by up to a factor (`ir.dims.shrink_graph`): every split dim
+stays a multiple of its split count with at least two elements per slice, and every op's
+dimension relations hold (Reshape's blocks, contractions, broadcasting, slices, index ranges).
+The copy is compiled by the same passes, with each op's strategy (and each searched Reshape
+layout) pinned to the plan's, and checked op by op against the single-device program of the
+same copy (`oracle.check`).
+
+Parameters keep their initializer (generated at the shrunk shape) or the leading block of the
+user's array; input batches and constants keep their leading block, and integer values that
+index a shrunk dim (token ids, labels) are taken modulo its new size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pcompile.compiler.initializer import InitializedData
+from pcompile.ir.core import Graph, Value
+from pcompile.ir.dims import Shrink, shapes_of, shrinker
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.layout import TensorLayout
+
+#: Modes whose plans the shrunk check reproduces (one strategy per op).
+SHRINKABLE_MODES = ("semi_auto_parallel", "auto_parallel")
+
+#: What the automatically chosen shrunk check aims to hold (`oracle.check_cost`): a check of
+#: seconds; a plan whose dims cannot shrink that far is checked within the full budget.
+SHRUNK_CHECK_BYTES = 1 << 26
+
+#: Factors the automatic choice tries, smallest first.
+FACTORS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+@dataclass
+class PinnedPlan:
+    """What a shrunk compile takes from the plan: the shrink, and the searched strategy and
+    Reshape layout of every op by its position in the traced graph."""
+
+    shrink: Shrink
+    strategies: dict[int, Any] = field(default_factory=dict)
+    reshape_layouts: dict[int, TensorLayout] = field(default_factory=dict)
+    mode: str = ""
+
+
+def _refuse_mode(program: Any) -> None:
+    state = program.state
+    if state.parallel_mode not in SHRINKABLE_MODES:
+        raise PcompileError(
+            f"the shrunk check reproduces semi_auto_parallel and auto_parallel plans; this "
+            f"program is {state.parallel_mode}; --force-check checks it at full size")
+    if state.pipeline is not None:
+        raise PcompileError(
+            "the shrunk check does not reproduce pipeline stages or nn.PipelineCell yet; "
+            "--force-check checks the plan at full size")
+
+
+def plan_splits(program: Any) -> list[tuple[Value, int, int, int]]:
+    """(value, tuple element, dim, split count) of every split dim the plan lays out: each
+    op's operands and results, each graph parameter, each searched Reshape layout."""
+    state = program.state
+    graph: Graph = program.graph
+    assignment = state.assignment
+    out: list[tuple[Value, int, int, int]] = []
+
+    def add(value: Value, elem: int, layout: TensorLayout | None) -> None:
+        if layout is None or value is None:
+            return
+        shapes = shapes_of(value.type)
+        if elem >= len(shapes) or tuple(layout.shape) != shapes[elem]:
+            return
+        for d, (n, s) in enumerate(zip(layout.shape, layout.slice_shape)):
+            if s and n // s > 1:
+                out.append((value, elem, d, n // s))
+
+    for node in graph.nodes:
+        sharding = assignment.shardings.get(id(node))
+        if sharding is not None:
+            for operand, layout in zip(node.operands, sharding.in_layouts):
+                add(operand, 0, layout)
+            for k, layout in enumerate(sharding.out_layouts):
+                add(node.result, k, layout)
+        layout = assignment.reshape_layouts.get(id(node))
+        if layout is not None:
+            add(node.result, 0, layout)
+    for p in graph.params:
+        add(p, 0, assignment.param_layouts.get(p.name))
+    return out
+
+
+def choose_shrink(program: Any, factor: int | None = None,
+                  budget: int | None = None) -> Shrink:
+    """The shrink of `program`'s traced graph by `factor`; None: the smallest factor (of
+    `FACTORS`) whose check holds at most `SHRUNK_CHECK_BYTES` (a check of seconds), or failing
+    that the most shrunk copy within `budget` (default `CHECK_BUDGET_BYTES`), estimated by the
+    share of elements left. PcompileError when none fits, naming what kept dims at full size."""
+    from pcompile.compiler.oracle import CHECK_BUDGET_BYTES, check_cost
+
+    _refuse_mode(program)
+    splits = plan_splits(program)
+    graph = program.graph
+    if factor is not None:
+        if factor < 1:
+            raise PcompileError(f"the shrink factor must be >= 1, got {factor}")
+        return shrinker(graph, splits)(factor)
+    solve = shrinker(graph, splits)
+    budget = CHECK_BUDGET_BYTES if budget is None else budget
+    target = min(budget, SHRUNK_CHECK_BYTES)
+    cost = check_cost(program)
+    best = None
+    for f in FACTORS:
+        shrink = solve(f)
+        if best is not None and shrink.sizes == best.sizes:
+            break  # no dim shrinks further
+        best = shrink
+        if cost * shrink.ratio(graph) <= target:
+            return shrink
+    assert best is not None
+    if cost * best.ratio(graph) <= budget:
+        return best
+    kept = "; ".join(best.kept) or "the plan's splits (at least 2 elements per slice)"
+    raise PcompileError(
+        f"the shrunk check does not fit in {_size(budget)}: at factor {best.factor} the check "
+        f"would still hold about {_size(cost * best.ratio(graph))}; dims kept at full size "
+        f"by: {kept}")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GB" if nbytes >= 2**27 else f"{nbytes / 2**20:.2f} MB"
+
+
+
+def pin_plan(program: Any, shrink: Shrink) -> PinnedPlan:
+    """The plan's strategies and Reshape layouts by node position, layouts at shrunk shapes."""
+    state = program.state
+    pinned = PinnedPlan(shrink, mode=state.search_mode)
+    search = state.search
+    if search is None:
+        return pinned
+    for i, node in enumerate(program.graph.nodes):
+        strategy = search.strategies.get(id(node))
+        if strategy is not None:
+            pinned.strategies[i] = strategy
+        layout = search.reshape_layouts.get(id(node))
+        if layout is not None:
+            pinned.reshape_layouts[i] = TensorLayout(layout.dev_matrix, layout.tensor_map,
+                                                     shrink.results[i][0])
+    return pinned
+
+
+def apply_to_trace(shrink: Shrink, traced: Any) -> None:
+    """Shrink a fresh trace of the model file: its graph, its parameters' shapes and data."""
+    from pcompile.ir.verifier import verify
+
+    shrink.apply(traced.graph)
+    try:
+        verify(traced.graph, allow_extra_attrs=True)
+    except PcompileError as exc:  # a dimension rule (ir/dims.py) that does not hold
+        raise PcompileError(
+            f"the shrunk copy (factor {shrink.factor}) breaks an op's shape rule, so its "
+            f"dimension rule in ir/ops is wrong; please report it with the model file "
+            f"(--check-shrunk FACTOR with another factor, or --force-check, may avoid it): "
+            f"{exc}") from exc
+    for name, param in traced.parameters.items():
+        shape = shrink.params.get(name)
+        if shape is None or tuple(param.shape) == shape:
+            continue
+        param._init = shrunk_source(param.source, shape)  # noqa: SLF001  (abstract data)
+        param._data = None  # noqa: SLF001
+
+
+def shrunk_source(source: InitializedData, shape: tuple[int, ...]) -> InitializedData:
+    """The same initializer at `shape`, or the leading block of the user's array."""
+    array = source.array
+    if array is not None:
+        array = array[tuple(slice(0, n) for n in shape)]
+    rows = tuple(r for r in source.zero_rows if shape and r < shape[0])
+    return InitializedData(source.init, shape, source.dtype, source.ticket, array, rows)
+
+
+def pinned_search(state: Any) -> Any:
+    """The plan's search result for the shrunk trace (`PinnedPlan`), in place of a search."""
+    from pcompile.passes.search import SearchResult
+
+    pinned: PinnedPlan = state.shrink
+    nodes = state.graph.nodes
+    return SearchResult(
+        mode=pinned.mode,
+        strategies={id(nodes[i]): s for i, s in pinned.strategies.items()},
+        reshape_layouts={id(nodes[i]): lay for i, lay in pinned.reshape_layouts.items()})
+
+
+@dataclass
+class ShrunkCheck:
+    """The shrunk compile, its oracle report, and what was shrunk."""
+
+    program: Any
+    report: Any
+    shrink: Shrink
+
+    def describe(self) -> str:
+        return describe(self.shrink)
+
+
+def describe(shrink: Shrink) -> str:
+    """The factor, the dims it changed (old -> new size), and what kept dims at full size."""
+    sizes = ", ".join(f"{a} -> {'/'.join(map(str, sorted(b)))}"
+                      for a, b in sorted(shrink.sizes.items(), reverse=True) if b != {a})
+    text = f"factor {shrink.factor}, dims {sizes or 'unchanged'}"
+    if shrink.kept:
+        text += "; kept at full size by " + "; ".join(shrink.kept)
+    return text
+
+
+def compile_shrunk(program: Any, shrink: Shrink) -> Any:
+    """`program`'s model file compiled again with the same options, traced graph shrunk by
+    `shrink` and every strategy pinned to `program`'s (no dumps)."""
+    from pcompile.compiler.driver import compile as compile_model
+
+    state = program.state
+    pinned = pin_plan(program, shrink)
+    shrunk = compile_model(state.model_file.path, devices=state.devices,
+                           parallel_mode=state.parallel_mode,
+                           search_mode=state.search_mode
+                           if state.parallel_mode == "auto_parallel" else None,
+                           dump=False, overrides=dict(state.overrides), shrink=pinned)
+    _same_plan(program, shrunk)
+    return shrunk
+
+
+def _same_plan(program: Any, shrunk: Any) -> None:
+    """Same ops, same strategies (a difference is a bug of the shrink, not of the plan)."""
+    a, b = program.graph.nodes, shrunk.graph.nodes
+    if [n.op for n in a] != [n.op for n in b]:
+        raise PcompileError("the shrunk copy traced a different graph than the plan's")
+    for x, y in zip(a, b):
+        sx = x.parallel.in_strategy if x.parallel is not None else None
+        sy = y.parallel.in_strategy if y.parallel is not None else None
+        if sx != sy:
+            raise PcompileError(
+                f"the shrunk copy of {x.op} ({x.source or x.scope}) got strategy {sy}, the "
+                f"plan {sx}")
+
+
+def shrunk_check(program: Any, factor: int | None = None, steps: int = 1) -> ShrunkCheck:
+    """Check `program`'s plan on a shrunk copy (see the module docstring): the report is
+    `oracle.check` of the shrunk parallel program against its single-device program."""
+    from pcompile.compiler.oracle import check
+
+    shrink = choose_shrink(program, factor)
+    shrunk = compile_shrunk(program, shrink)
+    return ShrunkCheck(shrunk, check(shrunk, steps=steps), shrink)
+
