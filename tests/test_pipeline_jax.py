@@ -49,6 +49,30 @@ def test_pipeline_on_jax_equals_the_simulator_and_one_device() -> None:
             assert abs(numpy_loss - single) <= FLOAT64_RTOL * abs(single), case
 
 
+@pytest.mark.slow
+def test_pipeline_matrix_on_jax_equals_one_device() -> None:
+    """The issue's matrix on 8 virtual CPU devices in one process, 20 steps each: the MLP
+    example (2-way model parallel inside each stage) and the GPT example, 2 and 4 stages,
+    micro sizes 1, 2, 4, GPipe and 1F1B, as one JAX program in float64 against the
+    single-device program in float64 (bound: `rounding_rtol(program, float64, 20)`)."""
+    proc = subprocess.run([sys.executable, "-m", "tests.pipeline_worker", "matrix"], cwd=ROOT,
+                          capture_output=True, text=True, env=clean_env(), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("REPORT ")][-1]
+    report = json.loads(line[len("REPORT "):])
+    assert {(r["stages"], r["micro"], r["scheduler"], name.split("_")[0])
+            for name, r in report.items()} == {
+        (s, m, k, model) for s in (2, 4) for m in (1, 2, 4) for k in ("gpipe", "1f1b")
+        for model in ("mlp", "gpt")}
+    for name, result in report.items():
+        bound = result["bound"]
+        assert result["compared"] >= result["stored"] > 0, name
+        assert result["worst"] <= bound, (name, result["worst"], bound)
+        assert len(result["losses"]) == 20, name
+        for jax_loss, single in result["losses"]:
+            assert abs(jax_loss - single) <= bound * abs(single), (name, jax_loss, single)
+
+
 #: Steps the multi-process runs train (the issue's check).
 STEPS = 20
 MLP = os.path.join(ROOT, "examples", "pipeline_mlp.py")
