@@ -124,6 +124,8 @@ def compare_with_one_device(program: Any, out: Any, steps: int) -> dict[str, flo
     assert len(errors) >= len(one.values) > 0
     worst = max(errors, key=lambda k: errors[k])
     assert errors[worst] <= bound, (worst, errors[worst], bound)
+    print(f"{program.state.model_file.path}: worst relative error {errors[worst]:.2e} "
+          f"({worst}; {len(errors)} values), bound {bound:.2e}")
     return errors
 
 
