@@ -12,7 +12,13 @@ For each micro size m and scheduler the script reports:
   schedule (equal to the ideal for GPipe and 1F1B);
 * `ticks`: ticks of one step, 2 (m + S - 1);
 * `step_seconds`: the median of `--repeat` steps after one warm-up;
-  `seconds_per_tick`: step_seconds / ticks;
+  `seconds_per_tick`: step_seconds / ticks; `step_cpu_seconds`: the median CPU time of this
+  process per step (all virtual devices together; less sensitive than wall time to other
+  work on the machine);
+* `carried_elements`: elements every device repacks into its carry per step (the sum over
+  ticks of the carry buffer, padded to the largest stage's), and `carried_weight_sized`: per
+  stage, the part of what the stage holds between ticks that is weight-sized (gradient
+  accumulators, updated weights and optimizer state), summed over ticks;
 * `activation_bytes` per stage and `micro_batches_in_flight` per stage, from the schedule
   (forward values held for a later unit at the stage's peak).
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -49,17 +56,26 @@ def measure(micro: int, scheduler: str, batch: int, hidden: int, repeat: int) ->
     runner = JaxPipelineRunner(program)
     data = [a for _, _, a in batches(program, repeat + 1)]
     runner.step(data[0])  # warm-up: compiles the step
-    times = []
+    times, cpu = [], []
     for arrays in data[1:]:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         runner.step(arrays)
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     step = statistics.median(times)
+    tables = runner.tables
+    weight = min(math.prod(p[2]) for p in tables.union_params if p[1] == "weight")
+    weight_sized = [sum(math.prod(slot[3]) for t in range(1, tables.ticks + 1)
+                        for slot in tables.carry[t][s] if math.prod(slot[3]) >= weight)
+                    for s in range(tables.stages)]
     return {
         "micro": micro, "scheduler": scheduler, "stages": sched.stages,
         "ideal_bubble": sched.ideal_bubble, "schedule_bubble": sched.bubble,
         "ticks": sched.num_ticks, "step_seconds": step,
         "seconds_per_tick": step / sched.num_ticks,
+        "step_cpu_seconds": statistics.median(cpu),
+        "carried_elements": sum(sum(c.values()) for c in tables.carry_sizes[1:]),
+        "carried_weight_sized": weight_sized,
         "activation_bytes": sched.held_bytes[scheduler],
         "micro_batches_in_flight": sched.in_flight[scheduler],
     }

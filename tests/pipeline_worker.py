@@ -2,13 +2,17 @@
 mesh with a stage axis on 8 virtual CPU devices (float64), against the numpy pipeline
 simulator and the single-device program. Prints one JSON report.
 
-    python -m tests.pipeline_worker
+    python -m tests.pipeline_worker           # two cases, also against the simulator
+    python -m tests.pipeline_worker matrix    # both models x stages 2, 4 x micro sizes 1, 2,
+                                              # 4 x GPipe, 1F1B: 20 steps against one device
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 from typing import Any
 
 import jax
@@ -66,8 +70,72 @@ def run_case(path: str, env: dict[str, str], overrides: dict[str, Any],
             "stored": len(one.values)}
 
 
+#: Steps of each matrix case (the issue's check trains 20).
+MATRIX_STEPS = 20
+
+
+def matrix() -> dict[str, tuple[str, dict[str, str], dict[str, Any]]]:
+    """The issue's matrix: the MLP example (2-way model parallel inside each stage) and the
+    GPT example, 2 and 4 stages, micro sizes 1, 2, 4, GPipe and 1F1B."""
+    cases = {}
+    for stages in (2, 4):
+        for micro in (1, 2, 4):
+            for scheduler in ("gpipe", "1f1b"):
+                cases[f"mlp_s{stages}_m{micro}_{scheduler}"] = (
+                    os.path.join(ROOT, "examples", "pipeline_mlp.py"),
+                    {"PIPE_STAGES": str(stages), "PIPE_MICRO": str(micro),
+                     "PIPE_SCHEDULER": scheduler}, {})
+                cases[f"gpt_s{stages}_m{micro}_{scheduler}"] = (
+                    os.path.join(ROOT, "examples", "gpt_block.py"),
+                    {"GPT_MICRO": str(micro), "GPT_BATCH": "16"},
+                    {"pipeline_stages": stages,
+                     "pipeline_config": {"pipeline_scheduler": scheduler}})
+    return cases
+
+
+def run_matrix_case(path: str, env: dict[str, str], overrides: dict[str, Any],
+                    steps: int) -> dict[str, Any]:
+    """`steps` steps of the JAX pipeline program against the single-device program, both in
+    float64: losses, and every weight and optimizer state (which carries the gradients) of
+    every stage that holds it; the bound is `rounding_rtol(program, float64, steps)`."""
+    from pcompile.backends.jax.pipeline import JaxPipelineRunner
+    from pcompile.compiler.driver import compile as compile_model
+    from pcompile.compiler.oracle import rounding_rtol, single_device
+    from pcompile.compiler.runtime import StandAloneRunner, batches
+
+    os.environ.update(env)
+    program = compile_model(path, devices=8, dump=False, parallel_mode="semi_auto_parallel",
+                            overrides=overrides)
+    pipe = program.state.pipeline.program
+    ref = single_device(program)
+    jr = JaxPipelineRunner(program, float64=True)
+    one = StandAloneRunner(ref, "numpy", float64=True)
+    losses = [[jr.step(a), one.step(a)] for _, _, a in batches(ref, steps)]
+    layouts = program.state.assignment.param_layouts
+    worst, compared = 0.0, 0
+    for name, want in one.values.items():
+        for stage in pipe.param_stages[name]:  # every stage's copy
+            got = np.zeros(want.shape)
+            for r in pipe.ranks(stage):
+                bounds = layouts[name].slice_bounds(r) if want.shape else ()
+                got[tuple(slice(b, e) for b, e in bounds)] = jr.values[r][name]
+            worst = max(worst, rel(got, want))
+            compared += 1
+    return {"stages": pipe.stages, "micro": pipe.micro, "scheduler": pipe.scheduler,
+            "losses": losses, "worst": worst, "compared": compared,
+            "stored": len(one.values), "bound": rounding_rtol(program, np.float64, steps)}
+
+
 def main() -> None:
-    report = {name: run_case(*case) for name, case in CASES.items()}
+    if sys.argv[1:] == ["matrix"]:
+        report = {}
+        for name, case in matrix().items():
+            start = time.perf_counter()
+            report[name] = run_matrix_case(*case, MATRIX_STEPS)
+            report[name]["seconds"] = time.perf_counter() - start
+            print(name, f"{report[name]['seconds']:.1f} s", flush=True)
+    else:
+        report = {name: run_case(*case) for name, case in CASES.items()}
     print("REPORT " + json.dumps(report))
 
 

@@ -36,6 +36,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -282,15 +283,19 @@ class NonFiniteLossError(Exception):
     """--fail-on-nan: the loss of a step is not finite."""
 
 
-def main(module: ModuleType, argv: list[str] | None = None) -> int:
-    """Run the rank program `module` (a generated program.py); returns the exit status."""
+def main(module: ModuleType | Sequence[ModuleType], argv: list[str] | None = None) -> int:
+    """Run the rank program `module` (a generated program.py); returns the exit status.
+    Several programs of the same number of ranks (a sequence): trained one after the other
+    with the same arguments, after one `jax.distributed` start-up (each in its own output
+    folder); the first failure ends the process."""
+    modules = [module] if isinstance(module, ModuleType) else list(module)
     heartbeat = Heartbeat()
 
     def label() -> str:  # the ranks this process runs, once it knows them
-        return getattr(module, "LABEL", None) or "pcompile rank program"
+        return getattr(modules[0], "LABEL", None) or "pcompile rank program"
 
     try:
-        return _main(module, argv, heartbeat)
+        return _main(modules, argv, heartbeat)
     except RankError as exc:
         message, code = f"{label()}: error: {exc}", 2
     except NonFiniteLossError as exc:
@@ -311,8 +316,11 @@ def main(module: ModuleType, argv: list[str] | None = None) -> int:
     os._exit(code)
 
 
-def _main(module: ModuleType, argv: list[str] | None, heartbeat: Heartbeat) -> int:
-    num_ranks = int(module.NUM_RANKS)
+def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbeat) -> int:
+    num_ranks = int(modules[0].NUM_RANKS)
+    if any(int(m.NUM_RANKS) != num_ranks for m in modules):
+        raise RankError("the programs run by one process must have the same number of ranks: "
+                        + ", ".join(f"{m.__file__} has {m.NUM_RANKS}" for m in modules))
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw_argv, num_ranks)
     identity = resolve_identity(args, dict(os.environ))
@@ -326,15 +334,10 @@ def _main(module: ModuleType, argv: list[str] | None, heartbeat: Heartbeat) -> i
                         f"({identity.source})")
     per_process = num_ranks // nproc
     my_ranks = list(range(pid * per_process, (pid + 1) * per_process))
-    program_path = os.path.abspath(str(module.__file__))
-    # `<out>/program.py` runs any rank (RANK is None); `<out>/rank_<r>/program.py` is the same
-    # program commented with rank r's values.
-    out_dir = os.path.dirname(program_path)
-    if module.RANK is not None:
-        out_dir = os.path.dirname(out_dir)
     label = (f"pcompile rank {my_ranks[0]}" if per_process == 1
              else f"pcompile ranks {my_ranks[0]}-{my_ranks[-1]}")
-    module.LABEL = label
+    for module in modules:
+        module.LABEL = label
     from pcompile.compiler.progress import setup_logging
 
     setup_logging(args.verbose, prefix="" if pid == 0 else f"[rank {my_ranks[0]}] ")
@@ -376,17 +379,33 @@ def _main(module: ModuleType, argv: list[str] | None, heartbeat: Heartbeat) -> i
         if jax.process_index() != pid:
             raise RankError(f"JAX numbers this process {jax.process_index()}, expected {pid} "
                             f"({identity.source})")
+    return _train(modules, args, num_ranks, my_ranks, watchdog, heartbeat)
+
+
+def _train(modules: list[ModuleType], args: argparse.Namespace, num_ranks: int,
+           my_ranks: list[int], watchdog: Watchdog, heartbeat: Heartbeat) -> int:
+    import jax
 
     from pcompile.backends.jax.plan import MeshSpec
     from pcompile.backends.jax.spmd import make_mesh, rank_devices
 
-    spec = MeshSpec(tuple(n for n, _ in module.MESH), tuple(s for _, s in module.MESH))
-    mesh = make_mesh(spec, rank_devices(num_ranks))
-    local = [r for r, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()]
-    if local != my_ranks:
-        raise RankError(f"this process owns devices of ranks {local}, expected {my_ranks}")
-    runner = _Runner(module, mesh, local, out_dir, args, watchdog, heartbeat)
-    code = runner.run()
+    code = 0
+    for module in modules:
+        # `<out>/program.py` runs any rank (RANK is None); `<out>/rank_<r>/program.py` is the
+        # same program commented with rank r's values.
+        out_dir = os.path.dirname(os.path.abspath(str(module.__file__)))
+        if module.RANK is not None:
+            out_dir = os.path.dirname(out_dir)
+        spec = MeshSpec(tuple(n for n, _ in module.MESH), tuple(s for _, s in module.MESH))
+        mesh = make_mesh(spec, rank_devices(num_ranks))
+        local = [r for r, d in enumerate(mesh.devices.flat)
+                 if d.process_index == jax.process_index()]
+        if local != my_ranks:
+            raise RankError(f"this process owns devices of ranks {local}, expected {my_ranks}")
+        watchdog.arm(args.startup_timeout, "start-up")
+        code = _Runner(module, mesh, local, out_dir, args, watchdog, heartbeat).run()
+        if code:
+            break
     # jax.distributed's exit waits for every process; do not wait for ever.
     watchdog.arm(args.timeout, "shutdown")
     return code
