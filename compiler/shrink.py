@@ -26,7 +26,7 @@ from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
 
 #: Modes whose plans the shrunk check reproduces (one strategy per op).
-SHRINKABLE_MODES = ("semi_auto_parallel", "auto_parallel")
+SHRINKABLE_MODES = ("semi_auto_parallel", "auto_parallel", "data_parallel")
 
 #: What the automatically chosen shrunk check aims to hold (`oracle.check_cost`): a check of
 #: seconds; a plan whose dims cannot shrink that far is checked within the full budget.
@@ -45,13 +45,17 @@ class PinnedPlan:
     strategies: dict[int, Any] = field(default_factory=dict)
     reshape_layouts: dict[int, TensorLayout] = field(default_factory=dict)
     mode: str = ""
+    #: data_parallel: the shrink of the whole-batch trace (the single-device program's), where
+    #: `shrink` is that of the one-rank trace the plan compiles
+    reference: Shrink | None = None
 
 
 def _refuse_mode(program: Any) -> None:
     state = program.state
     if state.parallel_mode not in SHRINKABLE_MODES:
         raise PcompileError(
-            f"the shrunk check reproduces semi_auto_parallel and auto_parallel plans; this "
+            f"the shrunk check reproduces semi_auto_parallel, auto_parallel and data_parallel "
+            f"plans; this "
             f"program is {state.parallel_mode}; --force-check checks it at full size")
     if state.pipeline is not None:
         raise PcompileError(
@@ -134,10 +138,37 @@ def _size(nbytes: float) -> str:
 
 
 
+def whole_batch_shrink(program: Any, shrink: Shrink) -> Shrink:
+    """data_parallel traces one rank's part of the batch; its single-device program traces
+    the whole batch. The whole-batch trace shrunk by the same factor, with dim 0 of every
+    input and label kept a multiple of the ranks, must be `shrink` with dim 0 of the inputs
+    and labels times the ranks (else PcompileError: the two copies would not be one model)."""
+    from pcompile.compiler.driver import compile as compile_model
+
+    state = program.state
+    devices = state.devices
+    whole = compile_model(state.model_file.path, devices=1, dump=False,
+                          overrides=dict(state.overrides), trace_only=True).graph
+    inputs = [p for p in whole.inputs if p.shape]
+    solved = shrinker(whole, [(p, 0, 0, devices) for p in inputs])(shrink.factor)
+    names = {p.name for p in inputs}
+    for name, shape in solved.params.items():
+        local = shrink.params.get(name)
+        expect = (local[0] * devices, *local[1:]) if name in names and local else local
+        if expect != shape:
+            raise PcompileError(
+                f"the shrunk check (factor {shrink.factor}) cannot shrink this data_parallel "
+                f"plan: {name} would be {shape} on one device but {local} on each of "
+                f"{devices} ranks; --check-shrunk with another factor, or --force-check")
+    return solved
+
+
 def pin_plan(program: Any, shrink: Shrink) -> PinnedPlan:
     """The plan's strategies and Reshape layouts by node position, layouts at shrunk shapes."""
     state = program.state
     pinned = PinnedPlan(shrink, mode=state.search_mode)
+    if state.parallel_mode == "data_parallel":
+        pinned.reference = whole_batch_shrink(program, shrink)
     search = state.search
     if search is None:
         return pinned

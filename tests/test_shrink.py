@@ -144,8 +144,35 @@ def test_a_reshape_that_regroups_dims_is_named() -> None:
         choose_shrink(program, budget=1)
 
 
-def test_modes_it_cannot_reproduce_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("batch", ["8", "64"])
+def test_data_parallel_plan_is_checked_shrunk(batch: str, monkeypatch: pytest.MonkeyPatch
+                                              ) -> None:
+    """data_parallel traces one rank's part of the batch, its single-device program the whole
+    batch: both copies shrink alike (the whole batch stays a multiple of the ranks)."""
+    monkeypatch.setenv("GPT_BATCH", batch)
     program = compile_model(GPT, devices=8, parallel_mode="data_parallel", dump=False)
+    result = shrunk_check(program, factor=4)
+    assert result.report.ok(), result.report.worst
+    assert check_cost(result.program) < check_cost(program)
+    reference = result.program.state.shrink.reference
+    local = result.shrink.params["tokens"]
+    assert reference.params["tokens"] == (local[0] * 8, *local[1:])
+    assert local[1] < program.graph.param("tokens").shape[1]  # the sequence did shrink
+
+
+def test_data_parallel_without_gradient_mirrors_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pcompile.passes.step_parallel import RankBuilder
+
+    monkeypatch.setenv("GPT_BATCH", "64")
+    program = compile_model(GPT, devices=8, parallel_mode="data_parallel", dump=False)
+    monkeypatch.setattr(RankBuilder, "mirror_value", lambda self, local, param, user: local)
+    result = shrunk_check(program, factor=4)
+    assert not result.report.ok()
+
+
+def test_modes_it_cannot_reproduce_are_refused() -> None:
+    program = compile_model(os.path.join(ROOT, "examples", "manual_parallel.py"), devices=8,
+                            dump=False)
     with pytest.raises(PcompileError, match="shrunk check reproduces semi_auto_parallel"):
         choose_shrink(program, factor=2)
 
