@@ -158,6 +158,9 @@ class CompileState:
     # pinned strategies; and the overrides the compile was given (to compile it again).
     shrink: Any = None
     trace_only: bool = False  # compile(trace_only=True): the trace pass alone
+    # Each distinct rank graph's nodes before communication fusion (whose buckets depend on
+    # byte sizes): the shrunk check compares a plan's communication by them.
+    unfused: list[list[Node]] = field(default_factory=list)
     overrides: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -855,6 +858,8 @@ def _run_passes(state: CompileState, out_dir: str | None, dump_ranks: Any,
         try:
             before = {id(g): list(g.nodes) for g in (state.graphs if state.split
                                                       else [state.graph]) if g is not None}
+            if p.name == CommFusionPass.name:
+                state.unfused = [list(g.nodes) for g in state.graphs]
             p.apply(state)
             graphs = state.graphs if state.split else [state.graph]
             if index == 0 or index + 1 == len(passes) or verify_each:

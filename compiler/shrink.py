@@ -260,6 +260,7 @@ def compile_shrunk(program: Any, shrink: Shrink) -> Any:
                            if state.parallel_mode == "auto_parallel" else None,
                            dump=False, overrides=dict(state.overrides), shrink=pinned)
     _same_plan(program, shrunk)
+    same_communication(program, shrunk)
     return shrunk
 
 
@@ -275,6 +276,76 @@ def _same_plan(program: Any, shrunk: Any) -> None:
             raise PcompileError(
                 f"the shrunk copy of {x.op} ({x.source or x.scope}) got strategy {sy}, the "
                 f"plan {sx}")
+
+
+#: Collective attrs that follow from sizes, not from the plan: a point-to-point transfer's
+#: shape, and the communication fusion id (buckets are filled by bytes, so smaller gradients
+#: share fewer of them; fused or not, each collective computes the same). The programs are
+#: compared before communication fusion (`CompileState.unfused`) for the same reason.
+SIZE_ATTRS = frozenset({"shape", "fusion"})
+
+
+def communication(program: Any) -> list[list[tuple[str, tuple[tuple[str, str], ...]]]]:
+    """Each distinct rank graph's op sequence, with every collective's attrs (group, ranks,
+    reduction, split/concat dims, tags, peers; no sizes, no fusion buckets): what the plan
+    communicates, and the redistributions (slices, concats, reshapes) around it, in order."""
+    from pcompile.ir.registry import get_op
+
+    state = program.state
+    out = []
+    for nodes in state.unfused or [g.nodes for g in state.graphs]:
+        seq = []
+        for node in nodes:
+            attrs: tuple[tuple[str, str], ...] = ()
+            if get_op(node.op).collective or node.op.startswith("_"):
+                attrs = tuple((k, repr(v)) for k, v in sorted(node.attrs.items())
+                              if k not in SIZE_ATTRS)
+            seq.append((node.op, attrs))
+        out.append(seq)
+    return out
+
+
+def same_communication(program: Any, shrunk: Any) -> None:
+    """The shrunk compile re-derives redistributions, collectives, communication fusion and
+    the parallel optimizer's sharding on smaller shapes; its verdict is about the plan only
+    if they are the same ops with the same groups and attrs (PcompileError: the first
+    difference)."""
+    full, small = communication(program), communication(shrunk)
+    graphs_a = program.state.unfused or [g.nodes for g in program.state.graphs]
+    graphs_b = shrunk.state.unfused or [g.nodes for g in shrunk.state.graphs]
+    if len(full) != len(small):
+        raise PcompileError(
+            f"the shrunk copy's ranks run {len(small)} distinct programs, the plan's "
+            f"{len(full)}; the shrunk check would not check the same plan (--force-check)")
+    for g, (a, b) in enumerate(zip(full, small)):
+        if a == b:
+            continue
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        nodes_a, nodes_b = graphs_a[g], graphs_b[g]
+
+        raise PcompileError(
+            f"the shrunk copy (factor {shrunk.state.shrink.shrink.factor}) communicates "
+            f"differently from the plan, so its check would not be about the same plan: "
+            f"{_graph_name(program, g)}, op {i}: the plan has {_show(nodes_a, a, i)}, the "
+            f"shrunk copy {_show(nodes_b, b, i)}; --check-shrunk with a smaller factor, or "
+            f"--force-check")
+
+
+def _show(nodes: list[Any], seq: list[Any], i: int) -> str:
+    if i >= len(seq):
+        return "nothing (the program ends)"
+    node = nodes[i]
+    where = node.source or node.scope or "?"
+    return f"{node.op}{dict(seq[i][1]) if seq[i][1] else ''} ({where})"
+
+
+def _graph_name(program: Any, index: int) -> str:
+    graph = program.state.graphs[index]
+    ranks = [r for r, g in enumerate(program.state.rank_graphs) if g is graph]
+    if len(ranks) == len(program.state.rank_graphs):
+        return "every rank's program"
+    return f"the program of rank{'s' if len(ranks) > 1 else ''} {ranks[0]}" + (
+        f"..{ranks[-1]}" if len(ranks) > 1 else "")
 
 
 def shrunk_check(program: Any, factor: int | None = None, steps: int = 1) -> ShrunkCheck:

@@ -106,8 +106,8 @@ def test_broken_plan_fails_the_shrunk_check(monkeypatch: pytest.MonkeyPatch) -> 
     """A plan without its forward AllReduces (partial sums left unsummed) is caught."""
     from pcompile.passes.step_parallel import RankBuilder
 
-    program = _compile(LLAMA, 8, monkeypatch)
     monkeypatch.setattr(RankBuilder, "forward_comm", lambda self, node, b, out, sharding: out)
+    program = _compile(LLAMA, 8, monkeypatch)
     with pytest.raises(PcompileError, match="the plan is wrong"):
         shrunk_check(program, factor=4)
 
@@ -118,8 +118,8 @@ def test_missing_gradient_mirror_fails_the_shrunk_check(monkeypatch: pytest.Monk
     the updated parameters differ from the single-device program's."""
     from pcompile.passes.step_parallel import RankBuilder
 
-    program = _compile(GPT, 8, monkeypatch)
     monkeypatch.setattr(RankBuilder, "mirror_value", lambda self, local, param, user: local)
+    program = _compile(GPT, 8, monkeypatch)
     result = shrunk_check(program, factor=4)
     assert not result.report.ok()
     assert result.report.worst[1] > 1e3 * result.report.bound
@@ -164,10 +164,24 @@ def test_data_parallel_without_gradient_mirrors_fails(monkeypatch: pytest.Monkey
     from pcompile.passes.step_parallel import RankBuilder
 
     monkeypatch.setenv("GPT_BATCH", "64")
-    program = compile_model(GPT, devices=8, parallel_mode="data_parallel", dump=False)
     monkeypatch.setattr(RankBuilder, "mirror_value", lambda self, local, param, user: local)
+    program = compile_model(GPT, devices=8, parallel_mode="data_parallel", dump=False)
     result = shrunk_check(program, factor=4)
     assert not result.report.ok()
+
+
+def test_a_shrunk_copy_that_communicates_differently_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shrunk compile re-derives the communication on smaller shapes: if it differs from
+    the plan's (here: its gradient mirrors are lost), the check is not about the plan."""
+    from pcompile.passes.step_parallel import RankBuilder
+
+    program = _compile(GPT, 8, monkeypatch)
+    monkeypatch.setattr(RankBuilder, "mirror_value", lambda self, local, param, user: local)
+    with pytest.raises(PcompileError, match=r"communicates differently from the plan.*every "
+                                            r"rank's program, op \d+: the plan has "
+                                            r"_MirrorOperator.*the shrunk copy Gather"):
+        shrunk_check(program, factor=4)
 
 
 def test_modes_it_cannot_reproduce_are_refused() -> None:
