@@ -52,15 +52,13 @@ class PinnedPlan:
 
 def _refuse_mode(program: Any) -> None:
     state = program.state
+    # pipelines (stages, nn.PipelineCell) are reproduced: the stage of each op follows the
+    # traced graph, and the micro-batch keeps its size (`plan_splits`)
     if state.parallel_mode not in SHRINKABLE_MODES:
         raise PcompileError(
             f"the shrunk check reproduces semi_auto_parallel, auto_parallel and data_parallel "
             f"plans; this "
             f"program is {state.parallel_mode}; --force-check checks it at full size")
-    if state.pipeline is not None:
-        raise PcompileError(
-            "the shrunk check does not reproduce pipeline stages or nn.PipelineCell yet; "
-            "--force-check checks the plan at full size")
 
 
 def plan_splits(program: Any) -> list[tuple[Value, int, int, int]]:
@@ -93,6 +91,8 @@ def plan_splits(program: Any) -> list[tuple[Value, int, int, int]]:
             add(node.result, 0, layout)
     for p in graph.params:
         add(p, 0, assignment.param_layouts.get(p.name))
+    if state.micro_batched:  # the micro-batch keeps its size: the same micro-batches, splits
+        out += [(p, 0, 0, p.shape[0]) for p in graph.inputs if p.shape]
     return out
 
 
@@ -139,27 +139,38 @@ def _size(nbytes: float) -> str:
 
 
 def whole_batch_shrink(program: Any, shrink: Shrink) -> Shrink:
-    """data_parallel traces one rank's part of the batch; its single-device program traces
-    the whole batch. The whole-batch trace shrunk by the same factor, with dim 0 of every
-    input and label kept a multiple of the ranks, must be `shrink` with dim 0 of the inputs
-    and labels times the ranks (else PcompileError: the two copies would not be one model)."""
+    """data_parallel traces one rank's part of the batch, a pipeline (nn.PipelineCell) one
+    micro-batch; their single-device program traces the whole batch. The whole-batch trace
+    shrunk by the same factor, with dim 0 of every input and label kept a multiple of the
+    parts (ranks or micro-batches) times its split in the plan, must be `shrink` with dim 0
+    of the inputs and labels times the parts (else PcompileError: the two copies would not be
+    one model)."""
     from pcompile.compiler.driver import compile as compile_model
 
     state = program.state
-    devices = state.devices
     whole = compile_model(state.model_file.path, devices=1, dump=False,
                           overrides=dict(state.overrides), trace_only=True).graph
-    inputs = [p for p in whole.inputs if p.shape]
-    solved = shrinker(whole, [(p, 0, 0, devices) for p in inputs])(shrink.factor)
-    names = {p.name for p in inputs}
+    parts: dict[str, int] = {}
+    splits = []
+    for p in whole.inputs:
+        if not p.shape:
+            continue
+        parts[p.name] = p.shape[0] // program.graph.param(p.name).shape[0]
+        # the ranks of data_parallel split the batch; a pipeline's batch keeps its size
+        # (`plan_splits`), so that its micro-batches stay what the plan splits
+        splits.append((p, 0, 0, parts[p.name] if state.parallel_mode == "data_parallel"
+                       else p.shape[0]))
+    solved = shrinker(whole, splits)(shrink.factor)
     for name, shape in solved.params.items():
         local = shrink.params.get(name)
-        expect = (local[0] * devices, *local[1:]) if name in names and local else local
+        n = parts.get(name, 1)
+        expect = (local[0] * n, *local[1:]) if local else local
         if expect != shape:
             raise PcompileError(
-                f"the shrunk check (factor {shrink.factor}) cannot shrink this data_parallel "
-                f"plan: {name} would be {shape} on one device but {local} on each of "
-                f"{devices} ranks; --check-shrunk with another factor, or --force-check")
+                f"the shrunk check (factor {shrink.factor}) cannot shrink this plan: {name} "
+                f"would be {shape} on one device but {local} in each of its {n} parts "
+                f"({'ranks' if state.parallel_mode == 'data_parallel' else 'micro-batches'}); "
+                f"--check-shrunk with another factor, or --force-check")
     return solved
 
 
@@ -167,7 +178,7 @@ def pin_plan(program: Any, shrink: Shrink) -> PinnedPlan:
     """The plan's strategies and Reshape layouts by node position, layouts at shrunk shapes."""
     state = program.state
     pinned = PinnedPlan(shrink, mode=state.search_mode)
-    if state.parallel_mode == "data_parallel":
+    if state.parallel_mode == "data_parallel" or state.micro_batched:
         pinned.reference = whole_batch_shrink(program, shrink)
     search = state.search
     if search is None:

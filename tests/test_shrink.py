@@ -10,7 +10,13 @@ from click.testing import CliRunner
 
 from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import CHECK_BUDGET_BYTES, check_cost
-from pcompile.compiler.shrink import choose_shrink, compile_shrunk, plan_splits, shrunk_check
+from pcompile.compiler.shrink import (
+    choose_shrink,
+    communication,
+    compile_shrunk,
+    plan_splits,
+    shrunk_check,
+)
 from pcompile.ir import dims
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.ops.shape import reshape_blocks
@@ -182,6 +188,41 @@ def test_a_shrunk_copy_that_communicates_differently_is_refused(
                                             r"rank's program, op \d+: the plan has "
                                             r"_MirrorOperator.*the shrunk copy Gather"):
         shrunk_check(program, factor=4)
+
+
+PIPELINE_MLP = os.path.join(ROOT, "examples", "pipeline_mlp.py")
+
+
+@pytest.mark.parametrize("path,env,search", [
+    (PIPELINE_MLP, {}, None),
+    (GPT, {"GPT_MICRO": "2"}, "sharding_propagation"),
+    (GPT, {"GPT_MICRO": "4", "GPT_BATCH": "16", "GPT_SEQ": "32", "GPT_HIDDEN": "64"}, None),
+])
+def test_pipeline_plan_is_checked_shrunk(path: str, env: dict[str, str], search: str | None,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The traced graph is one micro-batch, the single-device program the whole batch: the
+    batch keeps its size (so do the micro-batches and their splits), the rest shrinks; the
+    stages, sends and receives are the plan's (`same_communication`)."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    overrides = {"pipeline_stages": 2} if path == GPT else {}
+    mode = None if search else ("semi_auto_parallel" if path == GPT else None)
+    program = compile_model(path, devices=8, search_mode=search, parallel_mode=mode,
+                            overrides=overrides, dump=False)
+    assert program.state.micro_batched and program.state.pipeline.stages > 1
+    result = shrunk_check(program, factor=4)
+    assert result.report.ok(), result.report.worst
+    assert check_cost(result.program) < check_cost(program)
+    shrunk = result.program.state
+    assert shrunk.pipeline.stages == program.state.pipeline.stages
+    assert shrunk.pipeline.micro_size == program.state.pipeline.micro_size
+    for p in program.graph.inputs:  # the micro-batch and the whole batch keep their sizes
+        if p.shape:
+            assert result.shrink.params[p.name][0] == p.shape[0]
+            assert shrunk.shrink.reference.params[p.name][0] == \
+                p.shape[0] * program.state.pipeline.micro_size
+    assert any(op in {"Send", "Receive"} for seq in
+               communication(result.program) for op, _ in seq)
 
 
 def test_modes_it_cannot_reproduce_are_refused() -> None:
