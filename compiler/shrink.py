@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pcompile.compiler.initializer import InitializedData
-from pcompile.ir.core import Graph, Value
+from pcompile.ir.core import Graph, GraphParam, Value
 from pcompile.ir.dims import Shrink, shapes_of, shrinker
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
@@ -160,6 +160,13 @@ def whole_batch_shrink(program: Any, shrink: Shrink) -> Shrink:
         # (`plan_splits`), so that its micro-batches stay what the plan splits
         splits.append((p, 0, 0, parts[p.name] if state.parallel_mode == "data_parallel"
                        else p.shape[0]))
+    # the plan's splits of weights (the parallel optimizer's shards) hold in both copies
+    names = {p.name for p in whole.params}
+    for value, elem, dim, k in plan_splits(program):
+        name = getattr(value, "name", None)
+        if isinstance(value, GraphParam) and name in names and name not in parts and \
+                whole.param(name).shape == value.shape:
+            splits.append((whole.param(name), elem, dim, k))
     solved = shrinker(whole, splits)(shrink.factor)
     for name, shape in solved.params.items():
         local = shrink.params.get(name)

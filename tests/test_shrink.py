@@ -190,6 +190,19 @@ def test_a_shrunk_copy_that_communicates_differently_is_refused(
         shrunk_check(program, factor=4)
 
 
+def test_optimizer_shards_lost_when_shrunk_are_refused() -> None:
+    """A parameter over `parallel_optimizer_threshold` (KB) at full size but under it shrunk
+    would not be sharded by the copy: its AllGather becomes a mirror, so the check refuses."""
+    program = compile_model(GPT, devices=8, parallel_mode="data_parallel", dump=False,
+                            overrides={"enable_parallel_optimizer": True,
+                                       "parallel_optimizer_config":
+                                           {"parallel_optimizer_threshold": 8}})
+    assert "embedding.embedding_table" in program.state.opt_shard
+    with pytest.raises(PcompileError, match=r"communicates differently from the plan.*the plan "
+                                            r"has AllGather.*the shrunk copy _MirrorOperator"):
+        shrunk_check(program, factor=4)
+
+
 PIPELINE_MLP = os.path.join(ROOT, "examples", "pipeline_mlp.py")
 
 
