@@ -9,6 +9,11 @@ The copy is compiled by the same passes, with each op's strategy (and each searc
 layout) pinned to the plan's, and checked op by op against the single-device program of the
 same copy (`oracle.check`).
 
+data_parallel and pipeline plans trace one rank's part of the batch or one micro-batch; their
+single-device program is the whole-batch trace shrunk alike (`whole_batch_shrink`). The copy's
+communication (each rank program's ops, collectives' groups and attrs, before communication
+fusion) must be the plan's (`same_communication`), so that the verdict is about the plan.
+
 Parameters keep their initializer (generated at the shrunk shape) or the leading block of the
 user's array; input batches and constants keep their leading block, and integer values that
 index a shrunk dim (token ids, labels) are taken modulo its new size.
