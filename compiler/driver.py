@@ -157,6 +157,10 @@ class CompileState:
     # The shrunk check (compiler/shrink.py): the shrink applied to the trace and the plan's
     # pinned strategies; and the overrides the compile was given (to compile it again).
     shrink: Any = None
+    trace_only: bool = False  # compile(trace_only=True): the trace pass alone
+    # Each distinct rank graph's nodes before communication fusion (whose buckets depend on
+    # byte sizes): the shrunk check compares a plan's communication by them.
+    unfused: list[list[Node]] = field(default_factory=list)
     overrides: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -739,6 +743,7 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
     save_graphs: int | None = None,
     reference: ReferenceOptions | None = None,
     shrink: Any = None,
+    trace_only: bool = False,
 ) -> CompiledProgram:
     """Compile a model file. Flags given here override what the model file sets.
     `reference`: for a single-device compile, how it models a parallel program's options (the
@@ -752,7 +757,8 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
     (out_dir, ranks) before the outputs are written and "written" (out_dir) after.
     `save_graphs` (0-3, MindSpore's levels, DUMP_LEVELS: which passes are dumped) overrides the
     model file's `set_context(save_graphs=...)`; neither given: every pass. `shrink`: the
-    shrunk check's copy (`compiler.shrink.PinnedPlan`: the trace shrunk, strategies pinned)."""
+    shrunk check's copy (`compiler.shrink.PinnedPlan`: the trace shrunk, strategies pinned).
+    `trace_only`: stop after the trace (the program's graph is the forward graph; no dumps)."""
     reset_auto_parallel_context()
     reset_context()  # a model file's set_context does not leak into the next compile
     mf = load_model_file(model_path)
@@ -785,6 +791,7 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
             state.pipeline = settings
         state.reference = reference
         state.shrink = shrink
+        state.trace_only = trace_only
         state.overrides = dict(overrides or {})
         state.options = {
             "dataset_strategy": ctx.dataset_strategy,
@@ -851,6 +858,8 @@ def _run_passes(state: CompileState, out_dir: str | None, dump_ranks: Any,
         try:
             before = {id(g): list(g.nodes) for g in (state.graphs if state.split
                                                       else [state.graph]) if g is not None}
+            if p.name == CommFusionPass.name:
+                state.unfused = [list(g.nodes) for g in state.graphs]
             p.apply(state)
             graphs = state.graphs if state.split else [state.graph]
             if index == 0 or index + 1 == len(passes) or verify_each:
@@ -876,7 +885,7 @@ def _run_passes(state: CompileState, out_dir: str | None, dump_ranks: Any,
             dumps.append((f"{index:02d}_{p.name}.ir", texts))
         else:
             templates.clear()  # a pass not dumped may change nodes: print afresh next time
-        if index == 0:
+        if index == 0 and not state.trace_only:
             passes += pipeline(state)
     if before_write is not None:
         before_write(state, out_dir)

@@ -285,7 +285,7 @@ def single_device(program: CompiledProgram, rank: int | None = None) -> Compiled
     if shrink is not None:  # the shrunk check: the same shrunk copy on one device
         from pcompile.compiler.shrink import PinnedPlan
 
-        shrink = PinnedPlan(shrink.shrink)
+        shrink = PinnedPlan(shrink.reference or shrink.shrink)
     return compile(program.state.model_file.path, devices=1, dump=False, reference=reference,
                    shrink=shrink)
 

@@ -9,6 +9,11 @@ The copy is compiled by the same passes, with each op's strategy (and each searc
 layout) pinned to the plan's, and checked op by op against the single-device program of the
 same copy (`oracle.check`).
 
+data_parallel and pipeline plans trace one rank's part of the batch or one micro-batch; their
+single-device program is the whole-batch trace shrunk alike (`whole_batch_shrink`). The copy's
+communication (each rank program's ops, collectives' groups and attrs, before communication
+fusion) must be the plan's (`same_communication`), so that the verdict is about the plan.
+
 Parameters keep their initializer (generated at the shrunk shape) or the leading block of the
 user's array; input batches and constants keep their leading block, and integer values that
 index a shrunk dim (token ids, labels) are taken modulo its new size.
@@ -20,13 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pcompile.compiler.initializer import InitializedData
-from pcompile.ir.core import Graph, Value
+from pcompile.ir.core import Graph, GraphParam, Value
 from pcompile.ir.dims import Shrink, shapes_of, shrinker
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
 
 #: Modes whose plans the shrunk check reproduces (one strategy per op).
-SHRINKABLE_MODES = ("semi_auto_parallel", "auto_parallel")
+SHRINKABLE_MODES = ("semi_auto_parallel", "auto_parallel", "data_parallel")
 
 #: What the automatically chosen shrunk check aims to hold (`oracle.check_cost`): a check of
 #: seconds; a plan whose dims cannot shrink that far is checked within the full budget.
@@ -45,18 +50,20 @@ class PinnedPlan:
     strategies: dict[int, Any] = field(default_factory=dict)
     reshape_layouts: dict[int, TensorLayout] = field(default_factory=dict)
     mode: str = ""
+    #: data_parallel: the shrink of the whole-batch trace (the single-device program's), where
+    #: `shrink` is that of the one-rank trace the plan compiles
+    reference: Shrink | None = None
 
 
 def _refuse_mode(program: Any) -> None:
     state = program.state
+    # pipelines (stages, nn.PipelineCell) are reproduced: the stage of each op follows the
+    # traced graph, and the micro-batch keeps its size (`plan_splits`)
     if state.parallel_mode not in SHRINKABLE_MODES:
         raise PcompileError(
-            f"the shrunk check reproduces semi_auto_parallel and auto_parallel plans; this "
+            f"the shrunk check reproduces semi_auto_parallel, auto_parallel and data_parallel "
+            f"plans; this "
             f"program is {state.parallel_mode}; --force-check checks it at full size")
-    if state.pipeline is not None:
-        raise PcompileError(
-            "the shrunk check does not reproduce pipeline stages or nn.PipelineCell yet; "
-            "--force-check checks the plan at full size")
 
 
 def plan_splits(program: Any) -> list[tuple[Value, int, int, int]]:
@@ -89,6 +96,8 @@ def plan_splits(program: Any) -> list[tuple[Value, int, int, int]]:
             add(node.result, 0, layout)
     for p in graph.params:
         add(p, 0, assignment.param_layouts.get(p.name))
+    if state.micro_batched:  # the micro-batch keeps its size: the same micro-batches, splits
+        out += [(p, 0, 0, p.shape[0]) for p in graph.inputs if p.shape]
     return out
 
 
@@ -134,10 +143,55 @@ def _size(nbytes: float) -> str:
 
 
 
+def whole_batch_shrink(program: Any, shrink: Shrink) -> Shrink:
+    """data_parallel traces one rank's part of the batch, a pipeline (nn.PipelineCell) one
+    micro-batch; their single-device program traces the whole batch. The whole-batch trace
+    shrunk by the same factor, with dim 0 of every input and label kept a multiple of the
+    parts (ranks or micro-batches) times its split in the plan, must be `shrink` with dim 0
+    of the inputs and labels times the parts (else PcompileError: the two copies would not be
+    one model)."""
+    from pcompile.compiler.driver import compile as compile_model
+
+    state = program.state
+    whole = compile_model(state.model_file.path, devices=1, dump=False,
+                          overrides=dict(state.overrides), trace_only=True).graph
+    parts: dict[str, int] = {}
+    splits = []
+    for p in whole.inputs:
+        if not p.shape:
+            continue
+        parts[p.name] = p.shape[0] // program.graph.param(p.name).shape[0]
+        # the ranks of data_parallel split the batch; a pipeline's batch keeps its size
+        # (`plan_splits`), so that its micro-batches stay what the plan splits
+        splits.append((p, 0, 0, parts[p.name] if state.parallel_mode == "data_parallel"
+                       else p.shape[0]))
+    # the plan's splits of weights (the parallel optimizer's shards) hold in both copies
+    names = {p.name for p in whole.params}
+    for value, elem, dim, k in plan_splits(program):
+        name = getattr(value, "name", None)
+        if isinstance(value, GraphParam) and name in names and name not in parts and \
+                whole.param(name).shape == value.shape:
+            splits.append((whole.param(name), elem, dim, k))
+    solved = shrinker(whole, splits)(shrink.factor)
+    for name, shape in solved.params.items():
+        local = shrink.params.get(name)
+        n = parts.get(name, 1)
+        expect = (local[0] * n, *local[1:]) if local else local
+        if expect != shape:
+            raise PcompileError(
+                f"the shrunk check (factor {shrink.factor}) cannot shrink this plan: {name} "
+                f"would be {shape} on one device but {local} in each of its {n} parts "
+                f"({'ranks' if state.parallel_mode == 'data_parallel' else 'micro-batches'}); "
+                f"--check-shrunk with another factor, or --force-check")
+    return solved
+
+
 def pin_plan(program: Any, shrink: Shrink) -> PinnedPlan:
     """The plan's strategies and Reshape layouts by node position, layouts at shrunk shapes."""
     state = program.state
     pinned = PinnedPlan(shrink, mode=state.search_mode)
+    if state.parallel_mode == "data_parallel" or state.micro_batched:
+        pinned.reference = whole_batch_shrink(program, shrink)
     search = state.search
     if search is None:
         return pinned
@@ -229,6 +283,7 @@ def compile_shrunk(program: Any, shrink: Shrink) -> Any:
                            if state.parallel_mode == "auto_parallel" else None,
                            dump=False, overrides=dict(state.overrides), shrink=pinned)
     _same_plan(program, shrunk)
+    same_communication(program, shrunk)
     return shrunk
 
 
@@ -244,6 +299,76 @@ def _same_plan(program: Any, shrunk: Any) -> None:
             raise PcompileError(
                 f"the shrunk copy of {x.op} ({x.source or x.scope}) got strategy {sy}, the "
                 f"plan {sx}")
+
+
+#: Collective attrs that follow from sizes, not from the plan: a point-to-point transfer's
+#: shape, and the communication fusion id (buckets are filled by bytes, so smaller gradients
+#: share fewer of them; fused or not, each collective computes the same). The programs are
+#: compared before communication fusion (`CompileState.unfused`) for the same reason.
+SIZE_ATTRS = frozenset({"shape", "fusion"})
+
+
+def communication(program: Any) -> list[list[tuple[str, tuple[tuple[str, str], ...]]]]:
+    """Each distinct rank graph's op sequence, with every collective's attrs (group, ranks,
+    reduction, split/concat dims, tags, peers; no sizes, no fusion buckets): what the plan
+    communicates, and the redistributions (slices, concats, reshapes) around it, in order."""
+    from pcompile.ir.registry import get_op
+
+    state = program.state
+    out = []
+    for nodes in state.unfused or [g.nodes for g in state.graphs]:
+        seq = []
+        for node in nodes:
+            attrs: tuple[tuple[str, str], ...] = ()
+            if get_op(node.op).collective or node.op.startswith("_"):
+                attrs = tuple((k, repr(v)) for k, v in sorted(node.attrs.items())
+                              if k not in SIZE_ATTRS)
+            seq.append((node.op, attrs))
+        out.append(seq)
+    return out
+
+
+def same_communication(program: Any, shrunk: Any) -> None:
+    """The shrunk compile re-derives redistributions, collectives, communication fusion and
+    the parallel optimizer's sharding on smaller shapes; its verdict is about the plan only
+    if they are the same ops with the same groups and attrs (PcompileError: the first
+    difference)."""
+    full, small = communication(program), communication(shrunk)
+    graphs_a = program.state.unfused or [g.nodes for g in program.state.graphs]
+    graphs_b = shrunk.state.unfused or [g.nodes for g in shrunk.state.graphs]
+    if len(full) != len(small):
+        raise PcompileError(
+            f"the shrunk copy's ranks run {len(small)} distinct programs, the plan's "
+            f"{len(full)}; the shrunk check would not check the same plan (--force-check)")
+    for g, (a, b) in enumerate(zip(full, small)):
+        if a == b:
+            continue
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        nodes_a, nodes_b = graphs_a[g], graphs_b[g]
+
+        raise PcompileError(
+            f"the shrunk copy (factor {shrunk.state.shrink.shrink.factor}) communicates "
+            f"differently from the plan, so its check would not be about the same plan: "
+            f"{_graph_name(program, g)}, op {i}: the plan has {_show(nodes_a, a, i)}, the "
+            f"shrunk copy {_show(nodes_b, b, i)}; --check-shrunk with a smaller factor, or "
+            f"--force-check")
+
+
+def _show(nodes: list[Any], seq: list[Any], i: int) -> str:
+    if i >= len(seq):
+        return "nothing (the program ends)"
+    node = nodes[i]
+    where = node.source or node.scope or "?"
+    return f"{node.op}{dict(seq[i][1]) if seq[i][1] else ''} ({where})"
+
+
+def _graph_name(program: Any, index: int) -> str:
+    graph = program.state.graphs[index]
+    ranks = [r for r, g in enumerate(program.state.rank_graphs) if g is graph]
+    if len(ranks) == len(program.state.rank_graphs):
+        return "every rank's program"
+    return f"the program of rank{'s' if len(ranks) > 1 else ''} {ranks[0]}" + (
+        f"..{ranks[-1]}" if len(ranks) > 1 else "")
 
 
 def shrunk_check(program: Any, factor: int | None = None, steps: int = 1) -> ShrunkCheck:

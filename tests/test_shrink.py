@@ -10,7 +10,13 @@ from click.testing import CliRunner
 
 from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import CHECK_BUDGET_BYTES, check_cost
-from pcompile.compiler.shrink import choose_shrink, compile_shrunk, plan_splits, shrunk_check
+from pcompile.compiler.shrink import (
+    choose_shrink,
+    communication,
+    compile_shrunk,
+    plan_splits,
+    shrunk_check,
+)
 from pcompile.ir import dims
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.ops.shape import reshape_blocks
@@ -106,8 +112,8 @@ def test_broken_plan_fails_the_shrunk_check(monkeypatch: pytest.MonkeyPatch) -> 
     """A plan without its forward AllReduces (partial sums left unsummed) is caught."""
     from pcompile.passes.step_parallel import RankBuilder
 
-    program = _compile(LLAMA, 8, monkeypatch)
     monkeypatch.setattr(RankBuilder, "forward_comm", lambda self, node, b, out, sharding: out)
+    program = _compile(LLAMA, 8, monkeypatch)
     with pytest.raises(PcompileError, match="the plan is wrong"):
         shrunk_check(program, factor=4)
 
@@ -118,8 +124,8 @@ def test_missing_gradient_mirror_fails_the_shrunk_check(monkeypatch: pytest.Monk
     the updated parameters differ from the single-device program's."""
     from pcompile.passes.step_parallel import RankBuilder
 
-    program = _compile(GPT, 8, monkeypatch)
     monkeypatch.setattr(RankBuilder, "mirror_value", lambda self, local, param, user: local)
+    program = _compile(GPT, 8, monkeypatch)
     result = shrunk_check(program, factor=4)
     assert not result.report.ok()
     assert result.report.worst[1] > 1e3 * result.report.bound
@@ -144,8 +150,97 @@ def test_a_reshape_that_regroups_dims_is_named() -> None:
         choose_shrink(program, budget=1)
 
 
-def test_modes_it_cannot_reproduce_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("batch", ["8", "64"])
+def test_data_parallel_plan_is_checked_shrunk(batch: str, monkeypatch: pytest.MonkeyPatch
+                                              ) -> None:
+    """data_parallel traces one rank's part of the batch, its single-device program the whole
+    batch: both copies shrink alike (the whole batch stays a multiple of the ranks)."""
+    monkeypatch.setenv("GPT_BATCH", batch)
     program = compile_model(GPT, devices=8, parallel_mode="data_parallel", dump=False)
+    result = shrunk_check(program, factor=4)
+    assert result.report.ok(), result.report.worst
+    assert check_cost(result.program) < check_cost(program)
+    reference = result.program.state.shrink.reference
+    local = result.shrink.params["tokens"]
+    assert reference.params["tokens"] == (local[0] * 8, *local[1:])
+    assert local[1] < program.graph.param("tokens").shape[1]  # the sequence did shrink
+
+
+def test_data_parallel_without_gradient_mirrors_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pcompile.passes.step_parallel import RankBuilder
+
+    monkeypatch.setenv("GPT_BATCH", "64")
+    monkeypatch.setattr(RankBuilder, "mirror_value", lambda self, local, param, user: local)
+    program = compile_model(GPT, devices=8, parallel_mode="data_parallel", dump=False)
+    result = shrunk_check(program, factor=4)
+    assert not result.report.ok()
+
+
+def test_a_shrunk_copy_that_communicates_differently_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shrunk compile re-derives the communication on smaller shapes: if it differs from
+    the plan's (here: its gradient mirrors are lost), the check is not about the plan."""
+    from pcompile.passes.step_parallel import RankBuilder
+
+    program = _compile(GPT, 8, monkeypatch)
+    monkeypatch.setattr(RankBuilder, "mirror_value", lambda self, local, param, user: local)
+    with pytest.raises(PcompileError, match=r"communicates differently from the plan.*every "
+                                            r"rank's program, op \d+: the plan has "
+                                            r"_MirrorOperator.*the shrunk copy Gather"):
+        shrunk_check(program, factor=4)
+
+
+def test_optimizer_shards_lost_when_shrunk_are_refused() -> None:
+    """A parameter over `parallel_optimizer_threshold` (KB) at full size but under it shrunk
+    would not be sharded by the copy: its AllGather becomes a mirror, so the check refuses."""
+    program = compile_model(GPT, devices=8, parallel_mode="data_parallel", dump=False,
+                            overrides={"enable_parallel_optimizer": True,
+                                       "parallel_optimizer_config":
+                                           {"parallel_optimizer_threshold": 8}})
+    assert "embedding.embedding_table" in program.state.opt_shard
+    with pytest.raises(PcompileError, match=r"communicates differently from the plan.*the plan "
+                                            r"has AllGather.*the shrunk copy _MirrorOperator"):
+        shrunk_check(program, factor=4)
+
+
+PIPELINE_MLP = os.path.join(ROOT, "examples", "pipeline_mlp.py")
+
+
+@pytest.mark.parametrize("path,env,search", [
+    (PIPELINE_MLP, {}, None),
+    (GPT, {"GPT_MICRO": "2"}, "sharding_propagation"),
+    (GPT, {"GPT_MICRO": "4", "GPT_BATCH": "16", "GPT_SEQ": "32", "GPT_HIDDEN": "64"}, None),
+])
+def test_pipeline_plan_is_checked_shrunk(path: str, env: dict[str, str], search: str | None,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The traced graph is one micro-batch, the single-device program the whole batch: the
+    batch keeps its size (so do the micro-batches and their splits), the rest shrinks; the
+    stages, sends and receives are the plan's (`same_communication`)."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    overrides = {"pipeline_stages": 2} if path == GPT else {}
+    mode = None if search else ("semi_auto_parallel" if path == GPT else None)
+    program = compile_model(path, devices=8, search_mode=search, parallel_mode=mode,
+                            overrides=overrides, dump=False)
+    assert program.state.micro_batched and program.state.pipeline.stages > 1
+    result = shrunk_check(program, factor=4)
+    assert result.report.ok(), result.report.worst
+    assert check_cost(result.program) < check_cost(program)
+    shrunk = result.program.state
+    assert shrunk.pipeline.stages == program.state.pipeline.stages
+    assert shrunk.pipeline.micro_size == program.state.pipeline.micro_size
+    for p in program.graph.inputs:  # the micro-batch and the whole batch keep their sizes
+        if p.shape:
+            assert result.shrink.params[p.name][0] == p.shape[0]
+            assert shrunk.shrink.reference.params[p.name][0] == \
+                p.shape[0] * program.state.pipeline.micro_size
+    assert any(op in {"Send", "Receive"} for seq in
+               communication(result.program) for op, _ in seq)
+
+
+def test_modes_it_cannot_reproduce_are_refused() -> None:
+    program = compile_model(os.path.join(ROOT, "examples", "manual_parallel.py"), devices=8,
+                            dump=False)
     with pytest.raises(PcompileError, match="shrunk check reproduces semi_auto_parallel"):
         choose_shrink(program, factor=2)
 
