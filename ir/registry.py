@@ -21,6 +21,7 @@ Contracts of the callables (`attrs` is the node's full attribute dict, defaults 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -90,6 +91,7 @@ class OpDef:
     sharding: Any = None  # the op's sharding rule (parallel core); None = default rule
     doc: str = ""
     page: OpDoc | None = None  # its row on docs/ops.md
+    module: str = ""  # the module that registered it (filled in by `register`)
     _memo: dict[Any, ValueType] = field(default_factory=dict, repr=False, compare=False)
 
     def check_arity(self, count: int) -> None:
@@ -158,6 +160,8 @@ _REGISTRY: dict[str, OpDef] = {}
 def register(opdef: OpDef) -> OpDef:
     if opdef.name in _REGISTRY:
         raise ValueError(f"op {opdef.name} registered twice")
+    if not opdef.module:  # the declaring module (orders docs/ops.md's rows)
+        opdef.module = sys._getframe(1).f_globals.get("__name__", "")
     _REGISTRY[opdef.name] = opdef
     return opdef
 

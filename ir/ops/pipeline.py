@@ -74,7 +74,7 @@ register(
             "compiler",
             "x; `dest_rank`, `sr_tag`, `shape`, `dtype` -> x",
             ALL,
-            rule="*no strategy*: inserted between pipeline stages",
+            rule="*no strategy*: between pipeline stages; sent to the Receive of the same `sr_tag`",
             spelling="inserted by the compiler",
             tests=(
                 "test_pipeline.py::test_dumps_show_send_receive_pairs_and_micro_batches",
@@ -109,7 +109,7 @@ register(
             "compiler",
             "`src_rank`, `sr_tag`, `shape`, `dtype` -> tensor",
             ALL,
-            rule="*no strategy*: inserted between pipeline stages",
+            rule="*no strategy*: between pipeline stages; receives the Send of the same `sr_tag`",
             spelling="inserted by the compiler",
             tests=(
                 "test_pipeline.py::test_dumps_show_send_receive_pairs_and_micro_batches",
