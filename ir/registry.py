@@ -50,12 +50,15 @@ SECTIONS = ("elementwise", "linalg", "attention", "shape", "conv", "compiler")
 
 @dataclass(frozen=True)
 class OpDoc:
-    """What docs/ops.md says of one primitive; `python -m pcompile.compiler.ops_doc` writes the
-    page from these records, and tests/test_ops_doc.py fails when the two disagree.
+    """What docs/ops.md says of one primitive. `python -m pcompile.compiler.ops_doc` writes the
+    page from these records; `test_ops_page_lists_every_functional_name`
+    (tests/test_functional_ops.py) fails when the page is stale, tests/test_ops_dtypes.py when
+    `dtypes` is not exactly what the op accepts on both backends or a named test is missing.
 
     How a model file spells the op (`ops.Div()` for RealDiv, `ops.TensorAdd()` for Add) is
     read from `compiler/ops.py`, not restated here; `spelling` is for ops no `ops.X` class
-    emits (tuple plumbing, compiler-inserted ops)."""
+    emits (tuple plumbing, compiler-inserted ops). Whether the op has a sharding rule is
+    checked against `ir/sharding.py`: a `rule` not starting with "no strategy" claims one."""
 
     section: str  # one of SECTIONS
     operands: str  # "x, y (broadcast) -> Bool"; attributes after a ";"

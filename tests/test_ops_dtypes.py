@@ -299,6 +299,27 @@ def test_every_op_has_a_doc_record() -> None:
     assert ops_doc.problems() == []
 
 
+def test_doc_record_problems_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A renamed test, a rule the sharding registry does not have, a missing record: each is
+    named, and the page is then not generated."""
+    import dataclasses
+
+    from pcompile.compiler import ops_doc
+
+    add, neg, sqrt_grad = get_op("Add"), get_op("Neg"), get_op("SqrtGrad")
+    assert add.page is not None and neg.page is not None
+    monkeypatch.setattr(add, "page", dataclasses.replace(
+        add.page, tests=("test_ops_elementwise.py::test_binary_renamed",)))
+    monkeypatch.setattr(neg, "page", dataclasses.replace(neg.page, rule="no strategy"))
+    monkeypatch.setattr(sqrt_grad, "page", None)
+    found = "\n".join(ops_doc.problems())
+    assert "Add's OpDoc names test_ops_elementwise.py::test_binary_renamed" in found
+    assert "Neg: ir/sharding.py has rule for it" in found
+    assert "SqrtGrad has no OpDoc record" in found
+    with pytest.raises(ValueError, match="cannot be generated"):
+        ops_doc.generated()
+
+
 def test_collectives_accept_their_documented_dtypes() -> None:
     """Collectives have no numpy/JAX callables (the test below skips them): their shape
     inference accepts every dtype their record names, with the result of that dtype."""

@@ -363,6 +363,7 @@ register(
             "elementwise",
             "dy, y",
             ALL,
+            rule="element-wise",
             grad_of="ReLU",
             tests=("test_ops_elementwise.py::test_relu_grad",),
         ),
