@@ -113,7 +113,9 @@ semi-auto default) and differentiate as those do. `import pcompile.mint as mint`
 argument a primitive cannot express (a rounding mode, pooling padding, a data-dependent size)
 raises ValueError naming it. Every name below is checked against numpy by
 `tests/test_functional_ops.py` (`test_functional_matches_numpy[<prefix>.<name>]`, `F.` for
-`mint.nn.functional`).
+`mint.nn.functional`; `test_every_functional_name_has_a_case` fails for a name without one),
+but `ops.assign`, which stores a Parameter's new value in a training step cell only
+(`test_assign_outside_a_step_cell_is_refused` checks the refusal elsewhere).
 
 The tables are generated from the namespaces themselves (signature, the primitives the body
 calls, the docstring's first line)."""
