@@ -21,6 +21,7 @@ Contracts of the callables (`attrs` is the node's full attribute dict, defaults 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,13 +29,52 @@ from typing import TYPE_CHECKING, Any
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.memo import items_key
 from pcompile.ir.rank import resolve_attrs
-from pcompile.ir.types import ValueType
+from pcompile.ir.types import DType, ValueType
 
 if TYPE_CHECKING:
     from pcompile.ir.builder import Builder
     from pcompile.ir.core import Node, Value
 
 InferFn = Callable[[list[ValueType], dict[str, Any]], ValueType]
+
+FLOATS = frozenset({DType.float16, DType.bfloat16, DType.float32})
+INTS = frozenset({DType.uint8, DType.int32, DType.int64})
+NUMERIC = FLOATS | INTS
+ALL = NUMERIC | {DType.bool_}
+BOOL = frozenset({DType.bool_})
+
+# The sections of docs/ops.md an op's table row goes to (compiler/ops_doc.py gives their
+# titles and prose, in this order).
+SECTIONS = ("elementwise", "linalg", "attention", "shape", "conv", "compiler")
+
+
+@dataclass(frozen=True)
+class OpDoc:
+    """What docs/ops.md says of one primitive. `python -m pcompile.compiler.ops_doc` writes the
+    page from these records; `test_ops_page_lists_every_functional_name`
+    (tests/test_functional_ops.py) fails when the page is stale, tests/test_ops_dtypes.py when
+    `dtypes` is not exactly what the op accepts on both backends or a named test is missing.
+
+    How a model file spells the op (`ops.Div()` for RealDiv, `ops.TensorAdd()` for Add) is
+    read from `compiler/ops.py`, not restated here; `spelling` is for ops no `ops.X` class
+    emits (tuple plumbing, compiler-inserted ops). Whether the op has a sharding rule is
+    checked against `ir/sharding.py`: a `rule` not starting with "no strategy" claims one."""
+
+    section: str  # one of SECTIONS
+    operands: str  # "x, y (broadcast) -> Bool"; attributes after a ";"
+    dtypes: frozenset[DType]  # accepted element types (tests/test_ops_dtypes.py runs each)
+    rule: str = ""  # the sharding rule in one line; "" with `grad_of`: no rule (per rank)
+    tests: tuple[str, ...] = ()  # "test_ops_nn.py::test_softmax" (tests/ implied)
+    grad_of: str = ""  # a gradient helper: the op whose vjp emits it
+    spelling: str = ""  # the user's spelling when no `ops.X` class emits the op
+    note: str = ""  # facts that do not fit a table cell, printed after the section's table
+
+    def __post_init__(self) -> None:
+        if self.section not in SECTIONS:
+            raise ValueError(f"OpDoc section {self.section!r} is not one of {SECTIONS}")
+        if not self.rule and not self.grad_of:
+            raise ValueError("OpDoc needs a sharding rule, or grad_of for a gradient helper")
+
 VjpFn = Callable[["Builder", "Node", Any], list["Value | None"]]
 
 
@@ -53,6 +93,8 @@ class OpDef:
     collective: bool = False
     sharding: Any = None  # the op's sharding rule (parallel core); None = default rule
     doc: str = ""
+    page: OpDoc | None = None  # its row on docs/ops.md
+    module: str = ""  # the module that registered it (filled in by `register`)
     _memo: dict[Any, ValueType] = field(default_factory=dict, repr=False, compare=False)
 
     def check_arity(self, count: int) -> None:
@@ -121,6 +163,8 @@ _REGISTRY: dict[str, OpDef] = {}
 def register(opdef: OpDef) -> OpDef:
     if opdef.name in _REGISTRY:
         raise ValueError(f"op {opdef.name} registered twice")
+    if not opdef.module:  # the declaring module (orders docs/ops.md's rows)
+        opdef.module = sys._getframe(1).f_globals.get("__name__", "")
     _REGISTRY[opdef.name] = opdef
     return opdef
 

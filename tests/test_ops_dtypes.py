@@ -1,11 +1,12 @@
-"""Every registered primitive under every element type: the dtypes an op accepts run on the
-numpy interpreter and the JAX lowering with equal results (and the inferred result dtype); the
-dtypes it refuses raise one `OpError` naming the dtype. A new op must add a case here."""
+"""Every registered primitive under every element type: the dtypes an op accepts (its `OpDoc`
+record's `dtypes`, which docs/ops.md prints) run on the numpy interpreter and the JAX lowering
+with equal results (and the inferred result dtype); the dtypes it refuses raise one `OpError`
+naming the dtype. A new op must add a case here, and a doc record next to its declaration."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -20,16 +21,13 @@ from pcompile.ir.core import Constant, Graph, GraphParam
 from pcompile.ir.errors import OpError
 from pcompile.ir.parser import parse_graph
 from pcompile.ir.printer import print_graph
-from pcompile.ir.registry import all_ops
+from pcompile.ir.registry import FLOATS, all_ops, get_op
 from pcompile.ir.types import DType, TensorType, TupleType
 from tests import op_harness  # noqa: F401  (64-bit JAX types, as in the other op tests)
 
 B, U8, I32, I64 = DType.bool_, DType.uint8, DType.int32, DType.int64
 F16, BF16, F32 = DType.float16, DType.bfloat16, DType.float32
-FLOATS = frozenset({F16, BF16, F32})
 INTS = frozenset({U8, I32, I64})
-NUMERIC = FLOATS | INTS
-ALL = NUMERIC | {B}
 SWEPT = (B, U8, I32, I64, F16, BF16, F32)
 
 Maker = Callable[[DType, np.random.Generator], tuple[list[np.ndarray], dict[str, Any]]]
@@ -51,15 +49,14 @@ def values(dtype: DType, shape: tuple[int, ...], rng: np.random.Generator,
 
 @dataclass
 class Case:
-    """How to call an op with operands of one dtype, and which dtypes it must accept.
+    """How to call an op with operands of one dtype (the dtypes it must accept are its doc
+    record's, `all_ops()[op].page.dtypes`).
 
     `terms` is the number of products or terms one output element accumulates: rounding
     differences between the two backends grow with it."""
 
     make: Maker
-    accepts: frozenset[DType]
     terms: int = 1
-    skip_dtypes: frozenset[DType] = field(default_factory=frozenset)
 
 
 def unary(in_shape: tuple[int, ...] = (3, 4), positive: bool = False, **attrs: Any) -> Maker:
@@ -189,97 +186,97 @@ def _make_tuple(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], d
 GRAD_PAIR = same_pair()
 
 CASES: dict[str, Case] = {
-    "Add": Case(binary(), ALL),
-    "Sub": Case(binary(), NUMERIC),
-    "Mul": Case(binary(), ALL),
-    "RealDiv": Case(binary(positive=True), FLOATS),
-    "Maximum": Case(binary(), ALL),
-    "Minimum": Case(binary(), ALL),
-    "Pow": Case(binary(positive=True), NUMERIC),
-    "ReLU": Case(unary(), ALL),
-    "ReluGrad": Case(binary((3, 4), (3, 4)), ALL),
-    "Neg": Case(unary(), NUMERIC),
-    "Abs": Case(unary(), NUMERIC),
-    "Square": Case(unary(), NUMERIC),
-    "Exp": Case(unary(), FLOATS),
-    "Log": Case(unary(positive=True), FLOATS),
-    "Sqrt": Case(unary(positive=True), FLOATS),
-    "SqrtGrad": Case(GRAD_PAIR, FLOATS),
-    "Rsqrt": Case(unary(positive=True), FLOATS),
-    "RsqrtGrad": Case(GRAD_PAIR, FLOATS),
-    "Tanh": Case(unary(), FLOATS),
-    "TanhGrad": Case(GRAD_PAIR, FLOATS),
-    "Sigmoid": Case(unary(), FLOATS),
-    "SigmoidGrad": Case(GRAD_PAIR, FLOATS),
-    "GeLU": Case(unary(), FLOATS),
-    "GeLUGrad": Case(GRAD_PAIR, FLOATS),
-    "Erf": Case(unary(), FLOATS),
-    "BiasAdd": Case(binary((2, 3, 4), (3,)), NUMERIC),
-    "Cast": Case(unary(dst_type=F32), ALL),
-    "Select": Case(_select, ALL),
-    "Greater": Case(binary(), ALL),
-    "GreaterEqual": Case(binary(), ALL),
-    "Less": Case(binary(), ALL),
-    "Equal": Case(binary(), ALL),
-    "NotEqual": Case(binary(), ALL),
-    "LessEqual": Case(binary(), ALL),
-    "LogicalAnd": Case(binary(), frozenset({B})),
-    "LogicalOr": Case(binary(), frozenset({B})),
-    "SiLU": Case(unary(), FLOATS),
-    "SiLUGrad": Case(binary((3, 4), (3, 4)), FLOATS),
-    "LogicalNot": Case(unary(), frozenset({B})),
-    "Identity": Case(unary(), ALL),
-    "FloorDiv": Case(binary(positive=True), NUMERIC),
-    "Cos": Case(unary(), FLOATS),
-    "Sin": Case(unary(), FLOATS),
-    "IsFinite": Case(unary(), ALL),
-    "Depend": Case(binary(), ALL),
-    "MatMul": Case(binary((3, 4), (4, 2)), NUMERIC, terms=4),
-    "BatchMatMul": Case(binary((2, 3, 4), (2, 4, 2)), NUMERIC, terms=4),
-    "Softmax": Case(unary(axis=(-1,)), FLOATS, terms=4),
-    "SoftmaxGrad": Case(same_pair(axis=(-1,)), FLOATS, terms=4),
-    "LogSoftmax": Case(unary(axis=-1), FLOATS, terms=4),
-    "LogSoftmaxGrad": Case(same_pair(axis=-1), FLOATS, terms=4),
-    "LayerNorm": Case(_layer_norm, FLOATS, terms=8),
-    "LayerNormGrad": Case(_layer_norm_grad, FLOATS, terms=8),
-    "FlashAttentionScore": Case(_fa, FLOATS, terms=8),
-    "FlashAttentionScoreGrad": Case(_fa_grad, FLOATS, terms=12),
-    "RmsNorm": Case(_rms_norm, FLOATS, terms=8),
-    "RmsNormGrad": Case(_rms_norm_grad, FLOATS, terms=8),
-    "LpNorm": Case(unary((3, 4), axis=(1,), p=3), FLOATS, terms=4),
-    "SoftmaxCrossEntropyWithLogits": Case(_sce, FLOATS, terms=5),
-    "SoftmaxCrossEntropyWithLogitsGrad": Case(_sce_grad, FLOATS, terms=5),
-    "SparseSoftmaxCrossEntropyWithLogits": Case(_sparse_sce, FLOATS, terms=15),
-    "Conv2D": Case(_conv, FLOATS, terms=12),
-    "Conv2DBackpropInput": Case(_conv_bp_input, FLOATS, terms=16),
-    "Conv2DBackpropFilter": Case(_conv_bp_filter, FLOATS, terms=18),
-    "MaxPool": Case(unary((1, 2, 4, 4), **_POOL), FLOATS),
-    "MaxPoolGrad": Case(_pool_grad, FLOATS),
-    "AvgPool": Case(unary((1, 2, 4, 4), **_POOL), FLOATS, terms=4),
-    "AvgPoolGrad": Case(_pool_grad, FLOATS),
-    "ReduceSum": Case(unary(axis=(1,), keep_dims=False), NUMERIC, terms=4),
-    "ReduceMean": Case(unary(axis=(1,), keep_dims=True), FLOATS, terms=4),
-    "ReduceMax": Case(unary(axis=(0,), keep_dims=False), ALL),
-    "BroadcastTo": Case(unary((3, 1), shape=(2, 3, 4)), ALL),
-    "Tile": Case(unary((3, 1), multiples=(2, 1, 3)), ALL),
-    "ZerosLike": Case(unary(), ALL),
-    "OnesLike": Case(unary(), ALL),
-    "Reshape": Case(unary(shape=(2, 6)), ALL),
-    "Transpose": Case(unary((2, 3, 4), perm=(2, 0, 1)), ALL),
-    "ExpandDims": Case(unary(axis=1), ALL),
-    "Squeeze": Case(unary((3, 1, 4), axis=(1,)), ALL),
-    "Flatten": Case(unary((2, 3, 4)), ALL),
-    "StridedSlice": Case(unary((4, 5), begin=(1, 0), end=(3, 5), strides=(1, 2)), ALL),
-    "StridedSliceGrad": Case(_strided_slice_grad, ALL),
-    "Concat": Case(_concat, ALL),
-    "Split": Case(unary((2, 4), axis=1, output_num=2), ALL),
-    "MakeTuple": Case(_make_tuple, ALL),
-    "TupleGetItem": Case(unary(), frozenset()),  # tuple operand: covered with Split
-    "Gather": Case(_gather, ALL),
-    "GatherGrad": Case(_gather_grad, NUMERIC),
-    "OneHot": Case(_one_hot, frozenset({I32, I64})),
-    "_VirtualDiv": Case(unary(divisor=2), ALL),
-    "_MirrorOperator": Case(unary(), ALL),
+    "Add": Case(binary()),
+    "Sub": Case(binary()),
+    "Mul": Case(binary()),
+    "RealDiv": Case(binary(positive=True)),
+    "Maximum": Case(binary()),
+    "Minimum": Case(binary()),
+    "Pow": Case(binary(positive=True)),
+    "ReLU": Case(unary()),
+    "ReluGrad": Case(binary((3, 4), (3, 4))),
+    "Neg": Case(unary()),
+    "Abs": Case(unary()),
+    "Square": Case(unary()),
+    "Exp": Case(unary()),
+    "Log": Case(unary(positive=True)),
+    "Sqrt": Case(unary(positive=True)),
+    "SqrtGrad": Case(GRAD_PAIR),
+    "Rsqrt": Case(unary(positive=True)),
+    "RsqrtGrad": Case(GRAD_PAIR),
+    "Tanh": Case(unary()),
+    "TanhGrad": Case(GRAD_PAIR),
+    "Sigmoid": Case(unary()),
+    "SigmoidGrad": Case(GRAD_PAIR),
+    "GeLU": Case(unary()),
+    "GeLUGrad": Case(GRAD_PAIR),
+    "Erf": Case(unary()),
+    "BiasAdd": Case(binary((2, 3, 4), (3,))),
+    "Cast": Case(unary(dst_type=F32)),
+    "Select": Case(_select),
+    "Greater": Case(binary()),
+    "GreaterEqual": Case(binary()),
+    "Less": Case(binary()),
+    "Equal": Case(binary()),
+    "NotEqual": Case(binary()),
+    "LessEqual": Case(binary()),
+    "LogicalAnd": Case(binary()),
+    "LogicalOr": Case(binary()),
+    "SiLU": Case(unary()),
+    "SiLUGrad": Case(binary((3, 4), (3, 4))),
+    "LogicalNot": Case(unary()),
+    "Identity": Case(unary()),
+    "FloorDiv": Case(binary(positive=True)),
+    "Cos": Case(unary()),
+    "Sin": Case(unary()),
+    "IsFinite": Case(unary()),
+    "Depend": Case(binary()),
+    "MatMul": Case(binary((3, 4), (4, 2)), terms=4),
+    "BatchMatMul": Case(binary((2, 3, 4), (2, 4, 2)), terms=4),
+    "Softmax": Case(unary(axis=(-1,)), terms=4),
+    "SoftmaxGrad": Case(same_pair(axis=(-1,)), terms=4),
+    "LogSoftmax": Case(unary(axis=-1), terms=4),
+    "LogSoftmaxGrad": Case(same_pair(axis=-1), terms=4),
+    "LayerNorm": Case(_layer_norm, terms=8),
+    "LayerNormGrad": Case(_layer_norm_grad, terms=8),
+    "FlashAttentionScore": Case(_fa, terms=8),
+    "FlashAttentionScoreGrad": Case(_fa_grad, terms=12),
+    "RmsNorm": Case(_rms_norm, terms=8),
+    "RmsNormGrad": Case(_rms_norm_grad, terms=8),
+    "LpNorm": Case(unary((3, 4), axis=(1,), p=3), terms=4),
+    "SoftmaxCrossEntropyWithLogits": Case(_sce, terms=5),
+    "SoftmaxCrossEntropyWithLogitsGrad": Case(_sce_grad, terms=5),
+    "SparseSoftmaxCrossEntropyWithLogits": Case(_sparse_sce, terms=15),
+    "Conv2D": Case(_conv, terms=12),
+    "Conv2DBackpropInput": Case(_conv_bp_input, terms=16),
+    "Conv2DBackpropFilter": Case(_conv_bp_filter, terms=18),
+    "MaxPool": Case(unary((1, 2, 4, 4), **_POOL)),
+    "MaxPoolGrad": Case(_pool_grad),
+    "AvgPool": Case(unary((1, 2, 4, 4), **_POOL), terms=4),
+    "AvgPoolGrad": Case(_pool_grad),
+    "ReduceSum": Case(unary(axis=(1,), keep_dims=False), terms=4),
+    "ReduceMean": Case(unary(axis=(1,), keep_dims=True), terms=4),
+    "ReduceMax": Case(unary(axis=(0,), keep_dims=False)),
+    "BroadcastTo": Case(unary((3, 1), shape=(2, 3, 4))),
+    "Tile": Case(unary((3, 1), multiples=(2, 1, 3))),
+    "ZerosLike": Case(unary()),
+    "OnesLike": Case(unary()),
+    "Reshape": Case(unary(shape=(2, 6))),
+    "Transpose": Case(unary((2, 3, 4), perm=(2, 0, 1))),
+    "ExpandDims": Case(unary(axis=1)),
+    "Squeeze": Case(unary((3, 1, 4), axis=(1,))),
+    "Flatten": Case(unary((2, 3, 4))),
+    "StridedSlice": Case(unary((4, 5), begin=(1, 0), end=(3, 5), strides=(1, 2))),
+    "StridedSliceGrad": Case(_strided_slice_grad),
+    "Concat": Case(_concat),
+    "Split": Case(unary((2, 4), axis=1, output_num=2)),
+    "MakeTuple": Case(_make_tuple),
+    "TupleGetItem": Case(unary()),  # tuple operand: covered with Split
+    "Gather": Case(_gather),
+    "GatherGrad": Case(_gather_grad),
+    "OneHot": Case(_one_hot),
+    "_VirtualDiv": Case(unary(divisor=2)),
+    "_MirrorOperator": Case(unary()),
 }
 
 
@@ -294,16 +291,54 @@ def test_every_op_has_a_dtype_case() -> None:
     assert not missing, f"add a dtype case for {missing}"
 
 
-def test_every_op_is_documented() -> None:
-    import os
+def test_every_op_has_a_doc_record() -> None:
+    """Every registered op (collectives included) has the OpDoc record docs/ops.md is
+    generated from, and every test it names exists (a renamed test fails here)."""
+    from pcompile.compiler import ops_doc
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
-                        "ops.md")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    names = sorted(n for n in all_ops() if not n.startswith("TestOnly_"))
-    missing = [n for n in names if f"`{n}`" not in text]
-    assert not missing, f"docs/ops.md does not list {missing}"
+    assert ops_doc.problems() == []
+
+
+def test_doc_record_problems_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A renamed test, a rule the sharding registry does not have, a missing record: each is
+    named, and the page is then not generated."""
+    import dataclasses
+
+    from pcompile.compiler import ops_doc
+
+    add, neg, sqrt_grad = get_op("Add"), get_op("Neg"), get_op("SqrtGrad")
+    assert add.page is not None and neg.page is not None
+    monkeypatch.setattr(add, "page", dataclasses.replace(
+        add.page, tests=("test_ops_elementwise.py::test_binary_renamed",)))
+    monkeypatch.setattr(neg, "page", dataclasses.replace(neg.page, rule="no strategy"))
+    monkeypatch.setattr(sqrt_grad, "page", None)
+    found = "\n".join(ops_doc.problems())
+    assert "Add's OpDoc names test_ops_elementwise.py::test_binary_renamed" in found
+    assert "Neg: ir/sharding.py has rule for it" in found
+    assert "SqrtGrad has no OpDoc record" in found
+    with pytest.raises(ValueError, match="cannot be generated"):
+        ops_doc.generated()
+
+
+def test_collectives_accept_their_documented_dtypes() -> None:
+    """Collectives have no numpy/JAX callables (the test below skips them): their shape
+    inference accepts every dtype their record names, with the result of that dtype."""
+    x_ops = {"AllReduce": {"op": "sum"}, "AllGather": {}, "ReduceScatter": {"op": "sum"},
+             "AlltoAll": {}, "Broadcast": {}}
+    collectives = sorted(n for n, o in all_ops().items() if o.collective)
+    assert set(collectives) == set(x_ops) | {"Send", "Receive"}
+    for name in collectives:
+        op = get_op(name)
+        assert op.page is not None
+        for dtype in sorted(op.page.dtypes, key=lambda d: d.value):
+            x = TensorType(dtype, (4, 2))
+            if name == "Receive":
+                attrs = op.full_attrs({"shape": (4, 2), "dtype": dtype})
+                got = op.infer_type([], attrs)
+            else:
+                extra = {"shape": (4, 2), "dtype": dtype} if name == "Send" else x_ops[name]
+                got = op.infer_type([x], op.full_attrs(extra))
+            assert isinstance(got, TensorType) and got.dtype is dtype, (name, dtype)
 
 
 def _graph(op: str, inputs: list[np.ndarray], attrs: dict[str, Any]) -> Graph:
@@ -336,7 +371,9 @@ def test_op_under_every_dtype(op: str) -> None:
         return
     for dtype in SWEPT:
         inputs, attrs = case.make(dtype, np.random.default_rng(0))
-        if dtype not in case.accepts:
+        page = get_op(op).page
+        assert page is not None, f"{op} has no doc record"
+        if dtype not in page.dtypes:
             with pytest.raises(OpError, match=dtype.value):
                 _graph(op, inputs, attrs)
             continue

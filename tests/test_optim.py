@@ -241,6 +241,86 @@ def test_adafactor_state_shapes_and_arguments():
     assert set(opt.global_state()) == {"afactor_step"}
 
 
+def test_adafactor_compression_stores_vector_statistics_in_float16():
+    """MindSpore's `compression=True`: the second-moment statistic of a parameter of rank < 2
+    is stored in float16 (rounded once per step, read back rounded); the factored row and
+    column statistics, the first moment and a matrix's (1,) placeholder keep the parameter's
+    dtype, so a matrix updates exactly as without compression."""
+    rng = np.random.default_rng(5)
+    w = Parameter(rng.standard_normal((3, 4)).astype(np.float32), name="w")
+    b = Parameter(rng.standard_normal((4,)).astype(np.float32), name="b")
+    plain, packed = nn.AdaFactor([w, b]), nn.AdaFactor([w, b], compression=True)
+    dtypes = {(k, p.name): np.asarray(packed.init_state(k, p)).dtype
+              for k in packed.state_prefixes for p in (w, b)}
+    assert dtypes.pop(("exp_avg_sq", "b")) == np.float16
+    assert set(dtypes.values()) == {np.dtype(np.float32)}
+    grads = {p.name: rng.standard_normal(p.shape).astype(np.float32) for p in (w, b)}
+    out = {}
+    for opt in (plain, packed):
+        glob = opt.update_global({k: Tensor(v) for k, v in opt.global_state().items()})
+        for p in (w, b):
+            state = {k: Tensor(opt.init_state(k, p)) for k in opt.state_prefixes}
+            out[opt.compression, p.name] = opt.update(p, Tensor(grads[p.name]), state, glob)
+    (w16, state16), (w32, state32) = out[True, "w"], out[False, "w"]
+    for k in plain.state_prefixes:  # the matrix: bit for bit the same
+        np.testing.assert_array_equal(state16[k].asnumpy(), state32[k].asnumpy())
+    np.testing.assert_array_equal(w16.asnumpy(), w32.asnumpy())
+    # the vector's statistic: the float32 one rounded to float16
+    v16 = out[True, "b"][1]["exp_avg_sq"].asnumpy()
+    v32 = out[False, "b"][1]["exp_avg_sq"].asnumpy()
+    assert v16.dtype == np.float16 and v32.dtype == np.float32
+    np.testing.assert_array_equal(v16, v32.astype(np.float16))
+    assert not np.array_equal(v16.astype(np.float32), v32)  # the rounding is not a no-op here
+    with pytest.raises(TypeError, match="compression must be a bool"):
+        nn.AdaFactor([w], compression=1)
+
+
+def test_adafactor_compressed_update_reads_the_rounded_statistic():
+    """Each step's update divides by the float16 statistic it stored, not by the float32 value
+    before rounding: three steps of a vector parameter against float64 references built from
+    the stored statistic and from the unrounded one. The optimizer computes in float32: u =
+    g / sqrt(v) / max(1, RMS(u)) * lr, the RMS summing n = 64 squares, so u is within
+    2 * eps32 * (n + 4) relative of the first reference; the rounded statistic differs from
+    the unrounded one by up to 2**-11 relative, so the second reference is missed."""
+    n, lr = 64, 0.5
+    rng = np.random.default_rng(2)
+    b = Parameter((rng.standard_normal((n,)) * 1e-3).astype(np.float32), name="b")
+    opt = nn.AdaFactor([b], learning_rate=lr, relative_step=False, scale_parameter=False,
+                       beta1=None, compression=True)
+    state = {k: Tensor(opt.init_state(k, b)) for k in opt.state_prefixes}
+    glob = {k: Tensor(v) for k, v in opt.global_state().items()}
+    eps32 = float(np.finfo(np.float32).eps)
+    rtol = 2 * eps32 * (n + 4)
+    missed = 0
+    for t in range(1, 4):
+        glob = opt.update_global(glob)
+        grad = rng.standard_normal((n,)).astype(np.float32)
+        v_prev = state["exp_avg_sq"].asnumpy().astype(np.float64)
+        w_prev = b.asnumpy().astype(np.float64)
+        new_w, state = opt.update(b, Tensor(grad), state, glob)
+        b.set_data(new_w.asnumpy())
+        stored = state["exp_avg_sq"].asnumpy()
+        assert stored.dtype == np.float16
+        g = grad.astype(np.float64)
+        beta2t = 1.0 - t ** -0.8
+        v = beta2t * v_prev + (1 - beta2t) * (g * g + 1e-30)
+        # rounded once to float16 (the float32 value may round one unit apart)
+        ulp = np.spacing(np.abs(v).astype(np.float16)).astype(np.float64)
+        assert np.all(np.abs(stored.astype(np.float64) - v) <= ulp), t
+
+        def update(stat: np.ndarray, g: np.ndarray = g) -> np.ndarray:
+            u = g / np.sqrt(stat)
+            return u / max(1.0, float(np.sqrt(np.mean(u * u)))) * lr
+
+        got = w_prev - b.asnumpy().astype(np.float64)
+        slack = eps32 * np.abs(b.asnumpy()).astype(np.float64) + eps32 * np.abs(w_prev)
+        want = update(stored.astype(np.float64))
+        assert np.all(np.abs(got - want) <= rtol * np.abs(want) + slack), t
+        unrounded = update(v)
+        missed += int(np.any(np.abs(got - unrounded) > rtol * np.abs(unrounded) + slack))
+    assert missed == 3  # the test tells the stored statistic from the unrounded one
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"learning_rate": 0.1}, "relative_step"),
     ({"relative_step": False}, "needs a learning_rate"),
@@ -248,7 +328,6 @@ def test_adafactor_state_shapes_and_arguments():
     ({"eps": (1e-30,)}, "eps must be a pair"),
     ({"decay_rate": 1.0}, "decay_rate"),
     ({"weight_decay": 1.0}, "weight_decay"),
-    ({"compression": True}, "compression"),
 ])
 def test_adafactor_argument_errors(kwargs, match):
     w = Parameter(np.zeros((2, 2), np.float32), name="w")

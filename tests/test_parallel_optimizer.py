@@ -122,3 +122,62 @@ def test_adafactor_factored_states_follow_the_split_dims(parallel_optimizer, tmp
                                                        else (0, 2))
     report = check(program, steps=3)
     assert report.ok(), report
+
+
+BIASED = """
+import numpy as np
+from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
+
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="data_parallel")
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.w = Parameter(initializer("normal", [32, 16]), "w")
+        self.b = Parameter(initializer("normal", [16]), "b")
+        self.matmul = ops.MatMul().shard(((2, 4), (4, 1)))
+        self.add = ops.Add().shard(((8, 1), (1,)))
+
+    def construct(self, x):
+        return self.add(self.matmul(x, self.w), self.b)
+
+
+def model():
+    set_seed(1)
+    return Net()
+
+
+def inputs():
+    return (np.random.default_rng(0).random((16, 32)).astype(np.float32),)
+
+
+def labels():
+    return (np.random.default_rng(1).random((16, 16)).astype(np.float32),)
+
+
+def loss():
+    return nn.MSELoss()
+
+
+def optimizer(params):
+    return nn.AdaFactor(params, compression=True)
+"""
+
+
+def test_adafactor_compressed_statistics_split_by_the_parallel_optimizer(tmp_path) -> None:
+    """nn.AdaFactor(compression=True): the bias's float16 second-moment statistic is stored
+    split over the data-parallel ranks like the bias itself, and three steps train as on one
+    device."""
+    model = tmp_path / "biased.py"
+    model.write_text(BIASED)
+    program = compile_model(str(model), devices=8, dump=False, overrides={
+        "enable_parallel_optimizer": True,
+        "parallel_optimizer_config": {"parallel_optimizer_threshold": 0}})
+    graph = program.rank_graph(0)
+    stat, bias = graph.param("exp_avg_sq.b"), graph.param("b")
+    assert stat.dtype.value == "Float16" and bias.dtype.value == "Float32"
+    assert stat.shape == bias.shape and stat.shape[0] < 16
+    assert graph.param("exp_avg_sq_row.w").dtype.value == "Float32"
+    report = check(program, steps=3)
+    assert report.ok(), report

@@ -354,8 +354,12 @@ class AdaFactor(_Base):
     beta1 > 0, exp_avg = beta1 exp_avg + (1 - beta1) u and u = exp_avg; with weight_decay,
     w -= weight_decay * rate' * w (rate' the scaled rate); w -= u. RMS and the means are over
     whole parameters, also when they are split over ranks. As MindSpore's graph, the update
-    does not divide by `loss_scale` and decays every parameter; `compression` is not
-    supported."""
+    does not divide by `loss_scale` and decays every parameter. `compression=True` stores v
+    (the statistic of a parameter of rank < 2) in float16, as MindSpore does: each step
+    rounds the new v to float16 and the update reads the rounded value back (the other
+    states keep the parameter's dtype). Statistics read back in float16 (compressed, or of a
+    float16 parameter) enter the update's float32 arithmetic; MindSpore's graph takes their
+    inverse square root in float16."""
 
     def __init__(
         self,
@@ -396,8 +400,7 @@ class AdaFactor(_Base):
             self.scale_parameter = False  # MindSpore: a schedule's rate is not rescaled
         self.relative_step = relative_step
         self.warmup_init = warmup_init
-        if check_bool(compression, "compression", owner):
-            raise ValueError(f"{owner}: compression=True (float16 statistics) is not supported")
+        self.compression = check_bool(compression, "compression", owner)
         self.state_prefixes = (("exp_avg",) if self.beta1 > 0.0 else ()) + (
             "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq")
 
@@ -413,7 +416,10 @@ class AdaFactor(_Base):
         return shape
 
     def init_state(self, prefix: str, param: Parameter) -> Any:
-        return initializer("zeros", self._state_shape(prefix, tuple(param.shape)), param.dtype)
+        dtype = param.dtype
+        if self.compression and prefix == "exp_avg_sq" and len(param.shape) < 2:
+            dtype = DType.float16  # MindSpore: compression stores this statistic in float16
+        return initializer("zeros", self._state_shape(prefix, tuple(param.shape)), dtype)
 
     def state_dims(self, prefix: str, param: Parameter) -> tuple[int | None, ...] | None:
         n = len(param.shape)
@@ -490,7 +496,7 @@ class AdaFactor(_Base):
             u = r_factor * c_factor * g
         else:
             v = ops.Cast()(state["exp_avg_sq"], work) * beta2t + square * (1.0 - beta2t)
-            new_state["exp_avg_sq"] = ops.Cast()(v, dtype)
+            new_state["exp_avg_sq"] = ops.Cast()(v, state["exp_avg_sq"].dtype)
             u = (1.0 / _sqrt(ops.Cast()(new_state["exp_avg_sq"], work))) * g
         clip = self._rms(u, name, size) * (1.0 / self.clip_threshold)
         u = u / ops.Maximum()(clip, ops.OnesLike()(clip)) * rate

@@ -22,7 +22,7 @@ from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._jax import jnp
 from pcompile.ir.ops._util import infer_binary, infer_unary_float, tensor
-from pcompile.ir.registry import OpDef, register
+from pcompile.ir.registry import ALL, FLOATS, NUMERIC, OpDef, OpDoc, register
 from pcompile.ir.sharding import RULES, LabelRule, elementwise_labels
 from pcompile.ir.types import DType, TensorType, ValueType
 
@@ -82,6 +82,19 @@ register(
         vjp=_floor_div_vjp,
         num_inputs=2,
         doc="floor(x / y) with broadcasting (integers: floor division); zero gradient.",
+        page=OpDoc(
+            "elementwise",
+            "x, y (broadcast)",
+            NUMERIC,
+            rule="element-wise",
+            tests=(
+                "test_ops_arith.py::test_floor_div_matches_jax",
+                "test_ops_arith.py::test_floor_div_rounds_toward_minus_infinity",
+                "test_ops_arith.py::test_rules_match_the_oracle",
+            ),
+            note="`FloorDiv` computes floor(x / y) (integers floor-divide); its gradient is zero, "
+            "as MindSpore's bprop.",
+        ),
     )
 )
 _elementwise_rule("FloorDiv")
@@ -97,6 +110,16 @@ register(
         vjp=lambda b, node, cot: [b("Neg", b("Mul", cot, b("Sin", node.operands[0])))],
         num_inputs=1,
         doc="cos(x).",
+        page=OpDoc(
+            "elementwise",
+            "x",
+            FLOATS,
+            rule="element-wise",
+            tests=(
+                "test_ops_arith.py::test_cos_sin_match_jax",
+                "test_ops_arith.py::test_rules_match_the_oracle",
+            ),
+        ),
     )
 )
 _elementwise_rule("Cos")
@@ -110,6 +133,16 @@ register(
         vjp=lambda b, node, cot: [b("Mul", cot, b("Cos", node.operands[0]))],
         num_inputs=1,
         doc="sin(x).",
+        page=OpDoc(
+            "elementwise",
+            "x",
+            FLOATS,
+            rule="element-wise",
+            tests=(
+                "test_ops_arith.py::test_cos_sin_match_jax",
+                "test_ops_arith.py::test_rules_match_the_oracle",
+            ),
+        ),
     )
 )
 _elementwise_rule("Sin")
@@ -137,6 +170,13 @@ register(
         num_inputs=1,
         differentiable=False,
         doc="Bool: x is neither inf nor NaN (always True for integers and Bool).",
+        page=OpDoc(
+            "elementwise",
+            "x -> Bool",
+            ALL,
+            rule="element-wise; stops gradients",
+            tests=("test_ops_arith.py::test_is_finite",),
+        ),
     )
 )
 _elementwise_rule("IsFinite")

@@ -47,7 +47,7 @@ from pcompile.ir.errors import PcompileError, ShapeError
 from pcompile.ir.ops._jax import jax, jnp
 from pcompile.ir.ops._util import is_zero, same_dtype, tensor, tuple_type
 from pcompile.ir.rank import RankScalar, RankValue
-from pcompile.ir.registry import OpDef, register
+from pcompile.ir.registry import FLOATS, OpDef, OpDoc, register
 from pcompile.ir.types import DType, TensorType, TupleType, ValueType
 
 LAYOUTS = ("BSH", "SBH", "BNSD", "BSND")
@@ -494,6 +494,78 @@ def _fa_vjp(b: Builder, node: Node, cot: list[Value]) -> list[Value | None]:
     return [b("TupleGetItem", grads, index=i) for i in range(3)] + [None] * len(mask)
 
 
+_FLASH_ATTENTION_NOTE = '''\
+MindSpore's `FlashAttentionScore(head_num, keep_prob=1.0, scale_value=1.0,
+pre_tokens=2147483647, next_tokens=2147483647, inner_precise=0, input_layout="BSH",
+sparse_mode=0)`, called as MindSpore calls it:
+
+```python
+import math
+
+n_head, head_dim, dp, mp = 8, 64, 2, 4
+
+
+class Attention(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.fa = ops.FlashAttentionScore(head_num=n_head, scale_value=1 / math.sqrt(head_dim),
+                                          pre_tokens=65536, next_tokens=0, input_layout="BNSD")
+        self.fa.shard(((dp, mp, 1, 1), (dp, mp, 1, 1), (dp, mp, 1, 1), (dp, 1, 1, 1)))
+
+    def construct(self, query, key, value, attn_mask):
+        _, _, _, out = self.fa(query, key, value, None, None, None, attn_mask, None, None, None)
+        return out
+
+
+attention = Attention()
+```
+
+* **Inputs.** query, key, value in layout BSH `(B, S, N*D)`, SBH `(S, B, N*D)`, BNSD
+  `(B, N, S, D)` or BSND `(B, S, N, D)`; Float16, BFloat16 (MindSpore's types) or Float32.
+  key and value may have fewer heads than the query (grouped-query attention: query head h
+  reads kv head h // (N1 / N2)). `attn_mask` is UInt8 or Bool, 1/True = masked out, shaped
+  `(B, N1, S1, S2)`, `(B, 1, S1, S2)` or `(S1, S2)`. The other optional inputs (real_shift,
+  drop_mask, padding_mask, prefix, actual_seq_qlen, actual_seq_kvlen) are refused, as are
+  `keep_prob` < 1 (dropout) and the layouts TND/TH.
+* **sparse_mode** (i a query position, j a key position): 0 masks nothing without attn_mask
+  and keeps `attn_mask == 0` and `-pre_tokens <= j - i <= next_tokens` with it; 1 keeps
+  `attn_mask == 0`; 2 keeps `j <= i` (causal from the top-left corner); 3 keeps
+  `j - i <= S2 - S1` (causal from the bottom-right corner); 4 keeps the band
+  `-pre_tokens <= j - i - (S2 - S1) <= next_tokens`. Modes 2-4 take MindSpore's compressed
+  `(2048, 2048)` mask or none; pcompile does not read its values. Modes 5-8 are refused.
+* **Outputs**, MindSpore's four: softmax_max and softmax_sum (Float32, `(B, N1, S1, 8)`: the
+  row max of the masked, scaled scores and the row sum of exp(score - max), repeated 8 times
+  as Ascend's kernel stores them), softmax_out (a `(1,)` placeholder, zeros) and
+  attention_out (the query's shape and dtype).
+* **Numerics.** Scores and softmax in float32; masked positions get -0.7 * the float32 max
+  (a row with every position masked averages the values, as `jax.nn.dot_product_attention`
+  does); the probabilities are rounded to the value dtype before the product with value.
+* **Backends.** numpy computes the definition; JAX calls `jax.nn.dot_product_attention`:
+  cuDNN's fused kernel on GPUs for 16-bit inputs with head size a multiple of 8 up to 128 and
+  no mask other than causal, its XLA path otherwise (16-bit inputs on CPU use the same
+  computation written out: that path's backward needs a dot precision CPUs lack);
+  `PCOMPILE_ATTENTION=xla` keeps GPUs on the XLA path. The statistics are computed apart; XLA
+  removes them when nothing reads them.
+* **Gradients** flow through attention_out only. The vjp emits `FlashAttentionScoreGrad`
+  (query, key, value, dy, [attn_mask], softmax_max, softmax_sum, attention_in) -> (dq, dk, dv)
+  (MindSpore's operand order without the inputs pcompile does not take); its numpy form
+  rebuilds the probabilities from the saved statistics, its JAX form differentiates the fused
+  forward (`jax.vjp`, so GPUs run the fused backward). Reading softmax_max, softmax_sum or
+  softmax_out in a differentiated computation is refused.
+* **Rule** (MindSpore's flash_attention_score_info): the strategy lists the passed inputs.
+  Batch and query heads split freely; key and value split their heads exactly as the query
+  (whole heads per rank: head_num and the kv head count divide by the split), except under
+  multi-query attention (one kv head), where they stay whole; the kv sequence and the head
+  size never split. The mask follows the batch and heads where it has those dims and the
+  query sequence (a compressed mask never splits). Each rank runs with `head_num / split`
+  heads. The **query sequence** may split too (context parallelism, e.g. mindformers'
+  `((dp, mp, cp, 1), (dp, mp, 1, 1), (dp, mp, 1, 1), (dp, 1, cp, 1))`): the mask's rows split
+  with it and each rank's window moves to its slice: mode 0 shifts pre/next_tokens by the
+  slice offset, modes 2-4 become a band (mode 4) aligned with the slice's bottom-right
+  corner, mode 1 needs no change (`ir/ops/attention.py::query_split_window`, applied per rank
+  by `passes/step_parallel.py`). Ranks with different windows run one SPMD program with
+  attribute variants.'''
+
 register(
     OpDef(
         "FlashAttentionScore",
@@ -507,6 +579,24 @@ register(
             "(softmax_max, softmax_sum, softmax_out, attention_out) of softmax(scale * q k^T, "
             "masked by sparse_mode/attn_mask) v; layouts BSH, SBH, BNSD, BSND; kv heads may be "
             "fewer than query heads (grouped-query attention). See ir/ops/attention.py."
+        ),
+        page=OpDoc(
+            "attention",
+            "query, key, value, [attn_mask] -> (softmax_max, softmax_sum, softmax_out, "
+            "attention_out)",
+            FLOATS,
+            rule="batch and query heads split (kv heads as the query's); the query sequence may "
+                 "split; kv sequence and head size never",
+            tests=(
+                "test_ops_attention.py::test_flash_attention_float32",
+                "test_ops_attention.py::test_flash_attention_16_bit",
+                "test_ops_attention.py::test_llama_call_causal_gqa",
+                "test_parallel_ops.py::test_flash_attention_rule_matches_the_oracle",
+                "test_parallel_ops.py::test_flash_attention_query_split_matches_the_oracle",
+                "test_mindformers_ops.py::test_flash_attention_as_mindformers_calls_it_trains_lik"
+                "e_one_device",
+            ),
+            note=_FLASH_ATTENTION_NOTE,
         ),
     )
 )
@@ -580,6 +670,17 @@ register(
             "softmax_sum, attention_in) -> (dq, dk, dv), MindSpore's operand order without "
             "the inputs pcompile does not take. The JAX implementation differentiates the "
             "fused forward (jax.vjp), so GPUs run cuDNN's fused backward."
+        ),
+        page=OpDoc(
+            "attention",
+            "query, key, value, dy, [attn_mask], softmax_max, softmax_sum, attention_in -> (dq, "
+            "dk, dv)",
+            FLOATS,
+            grad_of="FlashAttentionScore",
+            tests=(
+                "test_ops_attention.py::test_flash_attention_float32",
+                "test_ops_attention.py::test_flash_attention_16_bit",
+            ),
         ),
     )
 )

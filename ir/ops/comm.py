@@ -23,7 +23,7 @@ from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import PcompileError, ShapeError
 from pcompile.ir.ops._util import normalize_axis, tensor
-from pcompile.ir.registry import OpDef, register
+from pcompile.ir.registry import ALL, OpDef, OpDoc, register
 from pcompile.ir.types import ValueType
 
 _COMM_DEFAULTS: dict[str, Any] = {"group": "", "rank_list": (0,), "fusion": 0}
@@ -109,6 +109,18 @@ register(
             "Element-wise reduction (op sum|max|min|prod) over the ranks of the group. vjp: "
             "AllReduce(sum) of the cotangent; for max/min masked by x == result; prod has none."
         ),
+        page=OpDoc(
+            "compiler",
+            "x; `op`, `group`, `rank_list`, `fusion`",
+            ALL,
+            rule="*no strategy*: inserted per rank by the parallel passes (user-callable in "
+                 "hybrid_parallel mode)",
+            tests=(
+                "test_ops_comm.py::test_shape_inference",
+                "test_ops_comm.py::test_all_reduce_sum_vjp_is_all_reduce_sum",
+                "test_ops_comm.py::test_single_rank_collectives_are_identity",
+            ),
+        ),
     )
 )
 
@@ -142,6 +154,18 @@ register(
         doc=(
             "Concatenates the ranks' x along dim 0 in rank_list order (dim 0 grows n times). "
             "vjp: ReduceScatter(sum), times 1/n if mean_flag."
+        ),
+        page=OpDoc(
+            "compiler",
+            "x; `group`, `rank_list`, `fusion` (gathers on dim 0)",
+            ALL,
+            rule="*no strategy*: inserted per rank by the parallel passes (user-callable in "
+                 "hybrid_parallel mode)",
+            tests=(
+                "test_ops_comm.py::test_gather_scatter_shapes",
+                "test_ops_comm.py::test_all_gather_vjp_is_reduce_scatter",
+                "test_ops_comm.py::test_single_rank_collectives_are_identity",
+            ),
         ),
     )
 )
@@ -181,6 +205,18 @@ register(
         doc=(
             "Reduces x over the group and gives rank i the i-th of n blocks along dim 0. "
             "vjp (op sum only): AllGather."
+        ),
+        page=OpDoc(
+            "compiler",
+            "x; `op`, `group`, `rank_list`, `fusion` (scatters dim 0)",
+            ALL,
+            rule="*no strategy*: inserted per rank by the parallel passes (user-callable in "
+                 "hybrid_parallel mode)",
+            tests=(
+                "test_ops_comm.py::test_gather_scatter_shapes",
+                "test_ops_comm.py::test_reduce_scatter_vjp_is_all_gather",
+                "test_ops_comm.py::test_single_rank_collectives_are_identity",
+            ),
         ),
     )
 )
@@ -241,6 +277,18 @@ register(
             "and concatenates the received blocks along concat_dim. split_count must equal "
             "len(rank_list). vjp: AlltoAll with split_dim and concat_dim swapped."
         ),
+        page=OpDoc(
+            "compiler",
+            "x; `split_count`, `split_dim`, `concat_dim`, `group`, `rank_list`",
+            ALL,
+            rule="*no strategy*: inserted per rank by the parallel passes (user-callable in "
+                 "hybrid_parallel mode)",
+            tests=(
+                "test_ops_comm.py::test_shape_inference",
+                "test_ops_comm.py::test_all_to_all_vjp_swaps_dims",
+                "test_ops_comm.py::test_single_rank_collectives_are_identity",
+            ),
+        ),
     )
 )
 
@@ -268,6 +316,18 @@ register(
             "Every rank receives the root_rank's x. Not differentiable here: the correct "
             "gradient (sum of the cotangents onto the root, zero elsewhere) needs a rank-"
             "dependent op; MindSpore's own bprop passes the cotangent through unchanged."
+        ),
+        page=OpDoc(
+            "compiler",
+            "x; `root_rank`, `group`, `rank_list`",
+            ALL,
+            rule="*no strategy*: inserted per rank by the parallel passes (user-callable in "
+                 "hybrid_parallel mode)",
+            tests=(
+                "test_ops_comm.py::test_shape_inference",
+                "test_ops_comm.py::test_broadcast_is_not_differentiable",
+                "test_ops_comm.py::test_single_rank_collectives_are_identity",
+            ),
         ),
     )
 )
@@ -315,6 +375,17 @@ register(
             "Forward identity placed after a parameter; vjp: AllReduce(sum) of the gradient "
             "over the parameter's mirror group, times 1/dev_num if mean_flag."
         ),
+        page=OpDoc(
+            "compiler",
+            "x (identity; its vjp all-reduces a parameter's gradient)",
+            ALL,
+            rule="*no strategy*: inserted per rank by the parallel passes",
+            spelling="inserted by the compiler",
+            tests=(
+                "test_ops_comm.py::test_mirror_vjp_is_all_reduce",
+                "test_ops_comm.py::test_virtual_ops_single_rank",
+            ),
+        ),
     )
 )
 
@@ -343,5 +414,16 @@ register(
         attrs={"divisor": 1},
         num_inputs=1,
         doc="Forward identity on the loss; vjp: cotangent / divisor (the loss repeat count).",
+        page=OpDoc(
+            "compiler",
+            "x; `divisor` (identity; its vjp divides by the loss's repeat count)",
+            ALL,
+            rule="*no strategy*: inserted per rank by the parallel passes",
+            spelling="inserted by the compiler",
+            tests=(
+                "test_ops_comm.py::test_virtual_div_vjp_divides",
+                "test_ops_comm.py::test_virtual_ops_single_rank",
+            ),
+        ),
     )
 )

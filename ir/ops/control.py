@@ -25,7 +25,7 @@ from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._jax import jnp, lax
-from pcompile.ir.registry import OpDef, register
+from pcompile.ir.registry import ALL, OpDef, OpDoc, register
 from pcompile.ir.types import TensorType, ValueType
 
 
@@ -53,6 +53,12 @@ def _depend_vjp(b: Builder, node: Node, cot: Any) -> list[Value | None]:
     return [cot, None]
 
 
+_DEPEND_NOTE = """\
+`Depend` (`ops.depend(value, expr)`) returns value, computed after expr. It takes no
+strategy: the result has value's layout and expr is never redistributed. In JAX a float value
+is computed as value minus an exact zero derived from expr, which XLA can neither drop nor
+merge; other dtypes use an optimization barrier."""
+
 register(
     OpDef(
         "Depend",
@@ -62,6 +68,19 @@ register(
         vjp=_depend_vjp,
         num_inputs=2,
         doc="value, computed after expr (an ordering edge; no strategy, value's layout).",
+        page=OpDoc(
+            "elementwise",
+            "value, expr -> value",
+            ALL,
+            rule="*no strategy*: value's layout; expr is never redistributed",
+            tests=(
+                "test_ops_arith.py::test_depend_matches_jax",
+                "test_ops_arith.py::test_depend_needs_a_tensor_value",
+                "test_ops_arith.py::test_depend_in_the_forward_graph_trains_like_one_device",
+                "test_ops_arith.py::test_depend_skips_python_values",
+            ),
+            note=_DEPEND_NOTE,
+        ),
     )
 )
 

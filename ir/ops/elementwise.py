@@ -33,7 +33,7 @@ from pcompile.ir.ops._util import (
     tensor,
     unbroadcast,
 )
-from pcompile.ir.registry import OpDef, register
+from pcompile.ir.registry import ALL, BOOL, FLOATS, NUMERIC, OpDef, OpDoc, register
 from pcompile.ir.types import DType, TensorType, ValueType
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -111,6 +111,16 @@ register(
         vjp=_add_vjp,
         num_inputs=2,
         doc="x + y with broadcasting.",
+        page=OpDoc(
+            "elementwise",
+            "x, y (broadcast)",
+            ALL,
+            rule="element-wise",
+            tests=(
+                "test_ops_elementwise.py::test_binary",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -130,6 +140,16 @@ register(
         vjp=_sub_vjp,
         num_inputs=2,
         doc="x - y with broadcasting.",
+        page=OpDoc(
+            "elementwise",
+            "x, y (broadcast)",
+            NUMERIC,
+            rule="element-wise",
+            tests=(
+                "test_ops_elementwise.py::test_binary",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -150,6 +170,16 @@ register(
         vjp=_mul_vjp,
         num_inputs=2,
         doc="x * y with broadcasting.",
+        page=OpDoc(
+            "elementwise",
+            "x, y (broadcast)",
+            ALL,
+            rule="element-wise",
+            tests=(
+                "test_ops_elementwise.py::test_binary",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -173,6 +203,16 @@ register(
         vjp=_real_div_vjp,
         num_inputs=2,
         doc="x / y with broadcasting (floating-point operands).",
+        page=OpDoc(
+            "elementwise",
+            "x, y (broadcast)",
+            FLOATS,
+            rule="element-wise",
+            tests=(
+                "test_ops_elementwise.py::test_binary",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -202,6 +242,17 @@ register(
         vjp=_chooser_vjp,
         num_inputs=2,
         doc="Element-wise max(x, y) with broadcasting.",
+        page=OpDoc(
+            "elementwise",
+            "x, y (broadcast)",
+            ALL,
+            rule="element-wise",
+            tests=(
+                "test_ops_elementwise.py::test_binary",
+                "test_ops_elementwise.py::test_max_min_ties_split_gradient",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -214,6 +265,16 @@ register(
         vjp=_chooser_vjp,
         num_inputs=2,
         doc="Element-wise min(x, y) with broadcasting.",
+        page=OpDoc(
+            "elementwise",
+            "x, y (broadcast)",
+            ALL,
+            rule="element-wise",
+            tests=(
+                "test_ops_elementwise.py::test_binary",
+                "test_ops_elementwise.py::test_max_min_ties_split_gradient",
+            ),
+        ),
     )
 )
 
@@ -238,6 +299,16 @@ register(
         vjp=_pow_vjp,
         num_inputs=2,
         doc="x ** y with broadcasting; the y-gradient uses log(x), so needs x > 0.",
+        page=OpDoc(
+            "elementwise",
+            "x, y (broadcast)",
+            NUMERIC,
+            rule="element-wise",
+            tests=(
+                "test_ops_elementwise.py::test_binary",
+                "test_ops_elementwise.py::test_pow_integer_exponents_and_zero_base",
+            ),
+        ),
     )
 )
 
@@ -257,6 +328,16 @@ register(
         vjp=_relu_vjp,
         num_inputs=1,
         doc="max(x, 0).",
+        page=OpDoc(
+            "elementwise",
+            "x",
+            ALL,
+            rule="element-wise",
+            tests=(
+                "test_ops_elementwise.py::test_unary",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -278,6 +359,14 @@ register(
         num_inputs=2,
         differentiable=False,
         doc="dy where y > 0 else 0 (y is ReLU's output).",
+        page=OpDoc(
+            "elementwise",
+            "dy, y",
+            ALL,
+            rule="element-wise",
+            grad_of="ReLU",
+            tests=("test_ops_elementwise.py::test_relu_grad",),
+        ),
     )
 )
 
@@ -292,6 +381,13 @@ register(
         vjp=lambda b, node, cot: [b("Neg", cot)],
         num_inputs=1,
         doc="-x.",
+        page=OpDoc(
+            "elementwise",
+            "x",
+            NUMERIC,
+            rule="element-wise",
+            tests=("test_ops_elementwise.py::test_unary",),
+        ),
     )
 )
 
@@ -304,6 +400,13 @@ register(
         vjp=lambda b, node, cot: [b("Mul", cot, b("Mul", node.operands[0], 2.0))],
         num_inputs=1,
         doc="x * x.",
+        page=OpDoc(
+            "elementwise",
+            "x",
+            NUMERIC,
+            rule="element-wise",
+            tests=("test_ops_elementwise.py::test_unary",),
+        ),
     )
 )
 
@@ -327,6 +430,17 @@ register(
         vjp=lambda b, node, cot: [b("Mul", cot, sign_of(b, node.operands[0], cot.dtype))],
         num_inputs=1,
         doc="|x| (MindSpore `ops.Abs`); the gradient is sign(x), 0 at 0.",
+        page=OpDoc(
+            "elementwise",
+            "x",
+            NUMERIC,
+            rule="element-wise",
+            tests=(
+                "test_ops_lp_norm.py::test_abs",
+                "test_ops_lp_norm.py::test_abs_gradient_is_sign",
+                "test_parallel_ops.py::test_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -341,6 +455,16 @@ register(
         vjp=lambda b, node, cot: [b("Mul", cot, node.result)],
         num_inputs=1,
         doc="e ** x.",
+        page=OpDoc(
+            "elementwise",
+            "x",
+            FLOATS,
+            rule="element-wise",
+            tests=(
+                "test_ops_elementwise.py::test_unary",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -353,6 +477,13 @@ register(
         vjp=lambda b, node, cot: [b("RealDiv", cot, node.operands[0])],
         num_inputs=1,
         doc="Natural logarithm.",
+        page=OpDoc(
+            "elementwise",
+            "x",
+            FLOATS,
+            rule="element-wise",
+            tests=("test_ops_elementwise.py::test_unary",),
+        ),
     )
 )
 
@@ -367,6 +498,13 @@ register(
         vjp=lambda b, node, cot: [b("SqrtGrad", node.result, cot)],
         num_inputs=1,
         doc="Square root.",
+        page=OpDoc(
+            "elementwise",
+            "x",
+            FLOATS,
+            rule="element-wise",
+            tests=("test_ops_elementwise.py::test_unary",),
+        ),
     )
 )
 
@@ -385,6 +523,13 @@ register(
         num_inputs=2,
         differentiable=False,
         doc="dy * 0.5 / y, y = sqrt(x) (MindSpore operand order: y, dy).",
+        page=OpDoc(
+            "elementwise",
+            "y, dy",
+            FLOATS,
+            grad_of="Sqrt",
+            tests=("test_ops_elementwise.py::test_output_based_grad_helpers",),
+        ),
     )
 )
 
@@ -397,6 +542,13 @@ register(
         vjp=lambda b, node, cot: [b("RsqrtGrad", node.result, cot)],
         num_inputs=1,
         doc="1 / sqrt(x).",
+        page=OpDoc(
+            "elementwise",
+            "x",
+            FLOATS,
+            rule="element-wise",
+            tests=("test_ops_elementwise.py::test_unary",),
+        ),
     )
 )
 
@@ -415,6 +567,13 @@ register(
         num_inputs=2,
         differentiable=False,
         doc="-0.5 * dy * y**3, y = rsqrt(x) (MindSpore operand order: y, dy).",
+        page=OpDoc(
+            "elementwise",
+            "y, dy",
+            FLOATS,
+            grad_of="Rsqrt",
+            tests=("test_ops_elementwise.py::test_output_based_grad_helpers",),
+        ),
     )
 )
 
@@ -429,6 +588,13 @@ register(
         vjp=lambda b, node, cot: [b("TanhGrad", node.result, cot)],
         num_inputs=1,
         doc="Hyperbolic tangent.",
+        page=OpDoc(
+            "elementwise",
+            "x",
+            FLOATS,
+            rule="element-wise",
+            tests=("test_ops_elementwise.py::test_unary",),
+        ),
     )
 )
 
@@ -448,6 +614,13 @@ register(
         num_inputs=2,
         differentiable=False,
         doc="dy * (1 - y**2), y = tanh(x) (MindSpore operand order: y, dy).",
+        page=OpDoc(
+            "elementwise",
+            "y, dy",
+            FLOATS,
+            grad_of="Tanh",
+            tests=("test_ops_elementwise.py::test_output_based_grad_helpers",),
+        ),
     )
 )
 
@@ -468,6 +641,13 @@ register(
         vjp=lambda b, node, cot: [b("SigmoidGrad", node.result, cot)],
         num_inputs=1,
         doc="1 / (1 + exp(-x)).",
+        page=OpDoc(
+            "elementwise",
+            "x",
+            FLOATS,
+            rule="element-wise",
+            tests=("test_ops_elementwise.py::test_unary",),
+        ),
     )
 )
 
@@ -486,6 +666,13 @@ register(
         num_inputs=2,
         differentiable=False,
         doc="dy * y * (1 - y), y = sigmoid(x) (MindSpore operand order: y, dy).",
+        page=OpDoc(
+            "elementwise",
+            "y, dy",
+            FLOATS,
+            grad_of="Sigmoid",
+            tests=("test_ops_elementwise.py::test_output_based_grad_helpers",),
+        ),
     )
 )
 
@@ -515,6 +702,16 @@ register(
         vjp=lambda b, node, cot: [b("GeLUGrad", cot, node.operands[0])],
         num_inputs=1,
         doc="GeLU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).",
+        page=OpDoc(
+            "elementwise",
+            "x (tanh form)",
+            FLOATS,
+            rule="element-wise",
+            tests=(
+                "test_ops_elementwise.py::test_unary",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -527,6 +724,13 @@ register(
         num_inputs=2,
         differentiable=False,
         doc="dy * d GeLU(x) / dx (tanh approximation); operands (dy, x).",
+        page=OpDoc(
+            "elementwise",
+            "dy, x",
+            FLOATS,
+            grad_of="GeLU",
+            tests=("test_ops_elementwise.py::test_gelu_grad",),
+        ),
     )
 )
 
@@ -552,6 +756,16 @@ register(
         num_inputs=1,
         doc="The Gauss error function (MindSpore `ops.Erf`); exact GeLU is "
         "0.5 x (1 + erf(x / sqrt(2))).",
+        page=OpDoc(
+            "elementwise",
+            "x",
+            FLOATS,
+            rule="element-wise",
+            tests=(
+                "test_ops_lp_norm.py::test_erf",
+                "test_parallel_ops.py::test_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -577,6 +791,16 @@ register(
         vjp=lambda b, node, cot: [b("SiLUGrad", cot, node.operands[0])],
         num_inputs=1,
         doc="x * sigmoid(x) (also called swish).",
+        page=OpDoc(
+            "elementwise",
+            "x",
+            FLOATS,
+            rule="element-wise",
+            tests=(
+                "test_ops_elementwise.py::test_unary",
+                "test_parallel_ops.py::test_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -589,6 +813,13 @@ register(
         num_inputs=2,
         differentiable=False,
         doc="dy * d SiLU(x) / dx = dy * s (1 + x (1 - s)), s = sigmoid(x); operands (dy, x).",
+        page=OpDoc(
+            "elementwise",
+            "dy, x",
+            FLOATS,
+            grad_of="SiLU",
+            tests=("test_ops_elementwise.py::test_silu_grad",),
+        ),
     )
 )
 
@@ -647,6 +878,16 @@ register(
         attrs={"data_format": "NCHW"},
         num_inputs=2,
         doc="x + bias along the channel axis (1 for NCHW/NCDHW, last for NHWC).",
+        page=OpDoc(
+            "elementwise",
+            "x, bias on the channel axis (`data_format`)",
+            NUMERIC,
+            rule="bias follows the channel dim",
+            tests=(
+                "test_ops_elementwise.py::test_bias_add",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -684,6 +925,10 @@ def _cast_np(x: Any, dst_type: DType) -> Any:
     return x.astype(dst)
 
 
+_CAST_NOTE = """\
+`Cast` from a float to an integer type truncates toward zero and saturates at the
+integer range (NaN gives 0), as XLA does; integer to integer wraps."""
+
 register(
     OpDef(
         "Cast",
@@ -695,6 +940,17 @@ register(
         num_inputs=1,
         doc="Convert to dst_type (float->int truncates toward zero and saturates at the integer "
         "range, NaN -> 0; int->int wraps; to Bool is x != 0).",
+        page=OpDoc(
+            "elementwise",
+            "x; `dst_type`",
+            ALL,
+            rule="element-wise",
+            tests=(
+                "test_ops_elementwise.py::test_cast",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+            note=_CAST_NOTE,
+        ),
     )
 )
 
@@ -728,6 +984,17 @@ register(
         vjp=_select_vjp,
         num_inputs=3,
         doc="x where cond else y, all three broadcast together.",
+        page=OpDoc(
+            "elementwise",
+            "Bool cond, x, y (all broadcast)",
+            ALL,
+            rule="element-wise",
+            tests=(
+                "test_ops_elementwise.py::test_select",
+                "test_ops_elementwise.py::test_select_other_dtypes",
+                "test_parallel_ops.py::test_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -742,6 +1009,17 @@ _COMPARISONS: dict[str, tuple[Callable[..., Any], Callable[..., Any], str]] = {
     "LessEqual": (np.less_equal, deferred(jnp, "less_equal"), "x <= y"),
 }
 
+# Sharding rules checked against the unsharded op (the others share their rule).
+_COMPARISON_TESTS = {
+    "Equal": ("test_parallel_ops.py::test_rule_matches_the_oracle",),
+    "NotEqual": (
+        "test_parallel_ops.py::test_rule_matches_the_oracle",
+        "test_mindformers_ops.py::test_not_equal_with_a_scalar_and_its_empty_strategy",
+    ),
+    "LessEqual": ("test_parallel_ops.py::test_rule_matches_the_oracle",),
+    "GreaterEqual": ("test_parallel_ops.py::test_rule_matches_the_oracle",),
+}
+
 for _name, (_np_fn, _jax_fn, _text) in _COMPARISONS.items():
     register(
         OpDef(
@@ -752,6 +1030,17 @@ for _name, (_np_fn, _jax_fn, _text) in _COMPARISONS.items():
             num_inputs=2,
             differentiable=False,
             doc=f"{_text} with broadcasting; Bool result.",
+            page=OpDoc(
+                "elementwise",
+                "x, y (broadcast) -> Bool",
+                ALL,
+                rule="element-wise; stops gradients",
+                tests=(
+                    "test_ops_elementwise.py::test_comparison",
+                    "test_ops_elementwise.py::test_comparison_stops_gradient",
+                    *_COMPARISON_TESTS.get(_name, ()),
+                ),
+            ),
         )
     )
 
@@ -786,6 +1075,17 @@ for _name, (_np_fn, _jax_fn, _text) in _LOGICAL.items():
             num_inputs=2,
             differentiable=False,
             doc=f"Element-wise {_text} of Bool tensors, with broadcasting.",
+            page=OpDoc(
+                "elementwise",
+                "Bool x, y (broadcast) -> Bool",
+                BOOL,
+                rule="element-wise; stops gradients",
+                tests=(
+                    "test_ops_elementwise.py::test_logical_binary",
+                    "test_parallel_ops.py::test_rule_matches_the_oracle",
+                    "test_mindformers_ops.py::test_logical_ops_need_bool_operands",
+                ),
+            ),
         )
     )
 
@@ -798,6 +1098,16 @@ register(
         num_inputs=1,
         differentiable=False,
         doc="Boolean not.",
+        page=OpDoc(
+            "elementwise",
+            "Bool x -> Bool",
+            BOOL,
+            rule="element-wise; stops gradients",
+            tests=(
+                "test_ops_elementwise.py::test_logical_not",
+                "test_parallel_ops.py::test_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -818,6 +1128,16 @@ register(
         vjp=_identity_vjp,
         num_inputs=1,
         doc="x unchanged; carries a layout constraint (functional shard's in/out strategies).",
+        page=OpDoc(
+            "elementwise",
+            "x",
+            ALL,
+            rule="element-wise (carries functional shard's layouts)",
+            tests=(
+                "test_functional_shard.py::test_net2_compiles_with_sharding_propagation_and_match"
+                "es_single_device",
+            ),
+        ),
     )
 )
 

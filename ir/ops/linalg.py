@@ -11,7 +11,7 @@ from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._jax import jnp
 from pcompile.ir.ops._util import broadcast_shapes, same_dtype, tensor, unbroadcast
-from pcompile.ir.registry import OpDef, register
+from pcompile.ir.registry import NUMERIC, OpDef, OpDoc, register
 from pcompile.ir.types import DType, TensorType, ValueType
 
 
@@ -109,6 +109,18 @@ register(
         attrs={"transpose_a": False, "transpose_b": False},
         num_inputs=2,
         doc="op(a) @ op(b) for 2-D a, b; op transposes when transpose_a/transpose_b is set.",
+        page=OpDoc(
+            "linalg",
+            "a, b; `transpose_a`, `transpose_b`",
+            NUMERIC,
+            rule="`ik,kj->ij`; a split k all-reduces (or reduce-scatters with `out_strategy`)",
+            tests=(
+                "test_ops_linalg.py::test_matmul",
+                "test_ops_linalg.py::test_matmul_int32",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+                "test_parallel.py::test_reduce_scatter_out_strategy",
+            ),
+        ),
     )
 )
 
@@ -155,6 +167,17 @@ register(
         num_inputs=2,
         doc="Batched op(a) @ op(b) over the last two dims; leading batch dims broadcast "
         "numpy-style and one operand may be a rank-2 matrix.",
+        page=OpDoc(
+            "linalg",
+            "a, b (batch dims broadcast); `transpose_a`, `transpose_b`",
+            NUMERIC,
+            rule="batch labels plus `ik,kj->ij`",
+            tests=(
+                "test_ops_linalg.py::test_batch_matmul",
+                "test_ops_linalg.py::test_batch_matmul_rank2_rhs",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 

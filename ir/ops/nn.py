@@ -22,7 +22,7 @@ from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import PcompileError, ShapeError
 from pcompile.ir.ops._jax import jax, jnp, lax
 from pcompile.ir.ops._util import normalize_axis, same_dtype, tensor, tuple_type
-from pcompile.ir.registry import OpDef, register
+from pcompile.ir.registry import FLOATS, OpDef, OpDoc, register
 from pcompile.ir.types import DType, TensorType, ValueType
 
 # -- shared helpers -------------------------------------------------------------------------
@@ -98,6 +98,17 @@ register(
         attrs={"axis": (-1,)},
         num_inputs=1,
         doc="exp(x) / sum(exp(x), axis); axis is a tuple of ints (MindSpore) or an int.",
+        page=OpDoc(
+            "linalg",
+            "x; `axis` (tuple)",
+            FLOATS,
+            rule="the softmax axis never splits",
+            tests=(
+                "test_ops_nn.py::test_softmax",
+                "test_ops_nn.py::test_softmax_default_axis_and_int_axis",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -133,6 +144,13 @@ register(
         num_inputs=2,
         differentiable=False,
         doc="(dy - sum(dy * y, axis)) * y, where y = Softmax(x): the vjp of Softmax.",
+        page=OpDoc(
+            "linalg",
+            "y, dy; `axis`",
+            FLOATS,
+            grad_of="Softmax",
+            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",),
+        ),
     )
 )
 
@@ -177,6 +195,16 @@ register(
         attrs={"axis": -1},
         num_inputs=1,
         doc="x - log(sum(exp(x), axis)); axis is an int.",
+        page=OpDoc(
+            "linalg",
+            "x; `axis` (int)",
+            FLOATS,
+            rule="the softmax axis never splits",
+            tests=(
+                "test_ops_nn.py::test_log_softmax",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -205,6 +233,13 @@ register(
         num_inputs=2,
         differentiable=False,
         doc="dy - exp(y) * sum(dy, axis), where y = LogSoftmax(x): the vjp of LogSoftmax.",
+        page=OpDoc(
+            "linalg",
+            "y, dy; `axis`",
+            FLOATS,
+            grad_of="LogSoftmax",
+            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",),
+        ),
     )
 )
 
@@ -298,6 +333,19 @@ register(
             "begin_norm_axis.., gamma/beta of shape x.shape[begin_params_axis:]. Only y is "
             "returned (MindSpore also returns mean and variance)."
         ),
+        page=OpDoc(
+            "linalg",
+            "x, gamma, beta; `begin_norm_axis`, `begin_params_axis`, `epsilon` -> y",
+            FLOATS,
+            rule="normalised dims never split",
+            tests=(
+                "test_ops_nn.py::test_layer_norm",
+                "test_ops_nn.py::test_layer_norm_defaults",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+            note="`LayerNorm`'s IR op returns y; the Python op also gives mean and variance, as "
+            "MindSpore's does.",
+        ),
     )
 )
 
@@ -353,6 +401,13 @@ register(
             "LayerNormGrad(dy, x, gamma) -> (dx, dgamma, dbeta); mean and variance are "
             "recomputed from x (the forward op does not return them)."
         ),
+        page=OpDoc(
+            "linalg",
+            "dy, x, gamma -> (dx, dgamma, dbeta)",
+            FLOATS,
+            grad_of="LayerNorm",
+            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",),
+        ),
     )
 )
 
@@ -406,6 +461,16 @@ register(
             "logits/labels (N, C). MindSpore also returns the backprop tensor; this op "
             "returns only the loss."
         ),
+        page=OpDoc(
+            "linalg",
+            "logits, labels (N, C) -> (N,)",
+            FLOATS,
+            rule="the class axis never splits",
+            tests=(
+                "test_ops_nn.py::test_softmax_cross_entropy",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -444,6 +509,13 @@ register(
         doc=(
             "(softmax(logits) * sum(labels, -1) - labels) * dloss[:, None]: the logits vjp "
             "of SoftmaxCrossEntropyWithLogits (exact also when label rows do not sum to 1)."
+        ),
+        page=OpDoc(
+            "linalg",
+            "logits, labels, dloss -> dlogits",
+            FLOATS,
+            grad_of="SoftmaxCrossEntropyWithLogits",
+            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",),
         ),
     )
 )
@@ -525,6 +597,17 @@ register(
             "(N, C) and integer labels (N,) in [0, C). is_grad=True returns the gradient "
             "(softmax(logits) - one_hot(labels)) / N instead (MindSpore's bprop uses it). "
             "Out-of-range labels raise in the numpy impl and are unspecified under JAX."
+        ),
+        page=OpDoc(
+            "linalg",
+            "logits (N, C), int labels (N,) -> scalar mean",
+            FLOATS,
+            rule="batch only",
+            tests=(
+                "test_ops_nn.py::test_sparse_softmax_cross_entropy",
+                "test_ops_nn.py::test_sparse_labels_out_of_range_rejected_by_numpy",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
         ),
     )
 )
@@ -788,6 +871,18 @@ register(
             "(explicit pad = (top, bottom, left, right)). stride/dilation: int, pair, or "
             "MindSpore's (1, 1, h, w)."
         ),
+        page=OpDoc(
+            "conv",
+            "x NCHW, weight; `out_channel`, `kernel_size`, `pad_mode`, `pad`, `stride`, "
+            "`dilation`, `group`",
+            FLOATS,
+            rule="batch, out channels and in channels (all-reduced) split; spatial dims never",
+            tests=(
+                "test_ops_nn.py::test_conv2d",
+                "test_ops_nn.py::test_conv2d_mindspore_style_attrs",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -842,6 +937,13 @@ register(
         num_inputs=2,
         differentiable=False,
         doc="Conv2DBackpropInput(dout, weight): d Conv2D / d x, x of shape input_size.",
+        page=OpDoc(
+            "conv",
+            "dy, weight; `input_size` and Conv2D's attributes",
+            FLOATS,
+            grad_of="Conv2D",
+            tests=("test_ops_nn.py::test_conv2d_backprop_ops",),
+        ),
     )
 )
 
@@ -884,6 +986,13 @@ register(
         num_inputs=2,
         differentiable=False,
         doc="Conv2DBackpropFilter(dout, x): d Conv2D / d weight, weight of shape filter_size.",
+        page=OpDoc(
+            "conv",
+            "dy, x; `filter_size` and Conv2D's attributes",
+            FLOATS,
+            grad_of="Conv2D",
+            tests=("test_ops_nn.py::test_conv2d_backprop_ops",),
+        ),
     )
 )
 
@@ -972,6 +1081,16 @@ register(
         attrs=dict(_POOL_DEFAULTS),
         num_inputs=1,
         doc="2-D max pooling over NCHW; 'SAME' pads with -inf (TF-style placement).",
+        page=OpDoc(
+            "conv",
+            "x NCHW; `kernel_size`, `strides`, `pad_mode`",
+            FLOATS,
+            rule="batch and channels",
+            tests=(
+                "test_ops_nn.py::test_max_pool",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -1004,6 +1123,13 @@ register(
         doc=(
             "MaxPoolGrad(x, y, dy): routes each dy to the first maximum of its window "
             "(row-major order), summing over overlapping windows."
+        ),
+        page=OpDoc(
+            "conv",
+            "x, y, dy",
+            FLOATS,
+            grad_of="MaxPool",
+            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",),
         ),
     )
 )
@@ -1049,6 +1175,16 @@ register(
             "2-D average pooling over NCHW. With 'SAME' the divisor counts only the "
             "non-padding elements of each window (TF / cuDNN exclude-padding semantics)."
         ),
+        page=OpDoc(
+            "conv",
+            "x NCHW; `kernel_size`, `strides`, `pad_mode`",
+            FLOATS,
+            rule="batch and channels",
+            tests=(
+                "test_ops_nn.py::test_avg_pool",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -1076,6 +1212,13 @@ register(
         num_inputs=3,
         differentiable=False,
         doc="AvgPoolGrad(x, y, dy): spreads dy / window count over each window (x, y: shapes).",
+        page=OpDoc(
+            "conv",
+            "x, y, dy",
+            FLOATS,
+            grad_of="AvgPool",
+            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",),
+        ),
     )
 )
 

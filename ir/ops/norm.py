@@ -19,7 +19,7 @@ from pcompile.ir.ops._jax import jnp, lax
 from pcompile.ir.ops._util import is_zero, same_dtype, tensor, tuple_type
 from pcompile.ir.ops.elementwise import sign_of
 from pcompile.ir.ops.reduce import reduce_axes
-from pcompile.ir.registry import OpDef, register
+from pcompile.ir.registry import FLOATS, OpDef, OpDoc, register
 from pcompile.ir.types import DType, TensorType, ValueType
 
 _DEFAULTS: dict[str, Any] = {"epsilon": 1e-6}
@@ -100,6 +100,14 @@ def _rms_norm_vjp(b: Builder, node: Node, cot: list[Value]) -> list[Value | None
     return [dx, dgamma]
 
 
+_RMS_NORM_NOTE = """\
+`RmsNorm` is MindSpore's: it normalises over the trailing `gamma.ndim` dims of x;
+rstd = 1 / sqrt(mean(x**2) + epsilon) is Float32 with those dims kept as 1 (`(B, S, 1)` for x
+`(B, S, H)`), y = x * rstd * gamma has x's dtype (x and gamma share a dtype). The strategy is
+mindformers' `norm.shard(((dp, 1, 1), (1,)))`. Its gradient helper `RmsNormGrad(dy, x, rstd,
+gamma) -> (dx, dgamma)` takes MindSpore's operands; when the program also reads rstd in a
+differentiated computation, its contribution is added (MindSpore's bprop drops it)."""
+
 register(
     OpDef(
         "RmsNorm",
@@ -112,6 +120,19 @@ register(
         doc=(
             "(y, rstd): rstd = 1/sqrt(mean(x**2) + epsilon) over the trailing gamma.ndim dims "
             "(Float32, those dims kept as 1), y = x * rstd * gamma."
+        ),
+        page=OpDoc(
+            "linalg",
+            "x, gamma; `epsilon` (default 1e-6) -> (y, rstd)",
+            FLOATS,
+            rule="x splits only before the normalised (gamma's) dims; gamma never",
+            tests=(
+                "test_ops_nn.py::test_rms_norm",
+                "test_ops_nn.py::test_rms_norm_default_epsilon_and_grad_op",
+                "test_parallel_ops.py::test_rule_matches_the_oracle",
+                "test_mindformers_ops.py::test_rms_norm_as_llama_calls_it_trains_like_one_device",
+            ),
+            note=_RMS_NORM_NOTE,
         ),
     )
 )
@@ -166,6 +187,13 @@ register(
         doc=(
             "RmsNormGrad(dy, x, rstd, gamma) -> (dx, dgamma): the vjp of RmsNorm's y "
             "(MindSpore operand order)."
+        ),
+        page=OpDoc(
+            "linalg",
+            "dy, x, rstd, gamma -> (dx, dgamma)",
+            FLOATS,
+            grad_of="RmsNorm",
+            tests=("test_ops_nn.py::test_rms_norm_default_epsilon_and_grad_op",),
         ),
     )
 )
@@ -254,6 +282,20 @@ register(
             "keep_dims=False, epsilon=1e-12)`; p an int >= 1; `axis` () = all). 16-bit inputs "
             "are computed in float32 and rounded once. The gradient is sign(x) |x|**(p-1) / "
             "norm**(p-1), 0 where epsilon replaced the norm."
+        ),
+        page=OpDoc(
+            "linalg",
+            "x; `axis`, `p`, `keep_dims`, `epsilon`",
+            FLOATS,
+            rule="every dim may split; a split normalised dim sums |x|**p per rank, all-reduces, "
+                 "then takes the root",
+            tests=(
+                "test_ops_lp_norm.py::test_lp_norm",
+                "test_ops_lp_norm.py::test_lp_norm_mindspore_example",
+                "test_ops_lp_norm.py::test_lp_norm_split_normalised_dims",
+                "test_ops_lp_norm.py::test_lp_norm_split_emits_partial_sum_and_all_reduce",
+                "test_parallel_ops.py::test_rule_matches_the_oracle",
+            ),
         ),
     )
 )

@@ -20,7 +20,7 @@ from typing import Any
 
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._util import tensor
-from pcompile.ir.registry import OpDef, register
+from pcompile.ir.registry import ALL, OpDef, OpDoc, register
 from pcompile.ir.types import DType, TensorType, ValueType
 
 _P2P_DEFAULTS: dict[str, Any] = {"sr_tag": 0, "group": "", "shape": (),
@@ -70,6 +70,18 @@ register(
             "shape and dtype describe x. Not differentiated (the pipeline cut follows "
             "autodiff)."
         ),
+        page=OpDoc(
+            "compiler",
+            "x; `dest_rank`, `sr_tag`, `shape`, `dtype` -> x",
+            ALL,
+            rule="*no strategy*: between pipeline stages; sent to the Receive of the same `sr_tag`",
+            spelling="inserted by the compiler",
+            tests=(
+                "test_pipeline.py::test_dumps_show_send_receive_pairs_and_micro_batches",
+                "test_pipeline.py::test_mlp_four_stages_two_way_model_parallel_trains_like_one_de"
+                "vice",
+            ),
+        ),
     )
 )
 
@@ -92,6 +104,18 @@ register(
         collective=True,
         doc=(
             "Receives the tensor (shape, dtype) that rank src_rank sends with the same sr_tag."
+        ),
+        page=OpDoc(
+            "compiler",
+            "`src_rank`, `sr_tag`, `shape`, `dtype` -> tensor",
+            ALL,
+            rule="*no strategy*: between pipeline stages; receives the Send of the same `sr_tag`",
+            spelling="inserted by the compiler",
+            tests=(
+                "test_pipeline.py::test_dumps_show_send_receive_pairs_and_micro_batches",
+                "test_pipeline.py::test_mlp_four_stages_two_way_model_parallel_trains_like_one_de"
+                "vice",
+            ),
         ),
     )
 )

@@ -15,7 +15,7 @@ from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._jax import jnp
 from pcompile.ir.ops._util import infer_unary, tensor, unbroadcast
-from pcompile.ir.registry import InferFn, OpDef, register
+from pcompile.ir.registry import ALL, FLOATS, NUMERIC, InferFn, OpDef, OpDoc, register
 from pcompile.ir.types import DType, ValueType
 
 # -- axis handling --------------------------------------------------------------------------
@@ -126,6 +126,17 @@ register(
         attrs={"axis": (), "keep_dims": False},
         num_inputs=1,
         doc="Sum over `axis` (() = all axes).",
+        page=OpDoc(
+            "linalg",
+            "x; `axis`, `keep_dims`",
+            NUMERIC,
+            rule="reduced dims may split (AllReduce sum)",
+            tests=(
+                "test_ops_reduce.py::test_reduce",
+                "test_ops_reduce.py::test_reduce_integer",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -161,6 +172,16 @@ register(
         attrs={"axis": (), "keep_dims": False},
         num_inputs=1,
         doc="Mean over `axis` (() = all axes); floating-point input.",
+        page=OpDoc(
+            "linalg",
+            "x; `axis`, `keep_dims`",
+            FLOATS,
+            rule="reduced dims may split (AllReduce sum, then divides)",
+            tests=(
+                "test_ops_reduce.py::test_reduce",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -196,6 +217,18 @@ register(
         attrs={"axis": (), "keep_dims": False},
         num_inputs=1,
         doc="Max over `axis` (() = all axes); gradient split evenly among ties.",
+        page=OpDoc(
+            "linalg",
+            "x; `axis`, `keep_dims`",
+            ALL,
+            rule="reduced dims may split (AllReduce max)",
+            tests=(
+                "test_ops_reduce.py::test_reduce",
+                "test_ops_reduce.py::test_reduce_max_bool",
+                "test_ops_reduce.py::test_reduce_max_gradient_shared_by_ties",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -256,6 +289,13 @@ register(
         attrs={"shape": None},
         num_inputs=1,
         doc="Broadcast x to `shape` with numpy rules (-1 keeps the input's dim).",
+        page=OpDoc(
+            "shape",
+            "x; `shape` (-1 keeps a dim)",
+            ALL,
+            rule="broadcast dims never split",
+            tests=("test_ops_reduce.py::test_broadcast_to",),
+        ),
     )
 )
 
@@ -299,6 +339,16 @@ def _reshape_same(b: Builder, value: Value, shape: tuple[int, ...]) -> Value:
     return value if value.shape == shape else b("Reshape", value, shape=shape)
 
 
+_TILE_NOTE = """\
+**Tile** follows MindSpore's tile_info: the strategy has one value per dim. A dim whose
+multiple is > 1 splits its *copies*: every rank holds the whole input dim and tiles it
+`multiple / split` times (the split divides the multiple); a dim whose multiple is 1 splits
+the input dim. So mindformers' `tile_kv.shard(((dp, mp, 1, 1),))` with multiples
+`(1, 1, rep, 1)` splits batch and kv heads and tiles every head fully. `multiples` may be
+shorter than x's rank (leading 1s) or longer (x gains leading size-1 dims), as in numpy; a
+sharded Tile needs them of equal length. The vjp reshapes the cotangent to
+`(m0, d0, m1, d1, ...)` and sums the copies."""
+
 register(
     OpDef(
         "Tile",
@@ -310,6 +360,21 @@ register(
         num_inputs=1,
         doc="x repeated multiples[i] times along dim i (x padded with leading size-1 dims, "
         "multiples with leading 1s, to one rank).",
+        page=OpDoc(
+            "shape",
+            "x; `multiples`",
+            ALL,
+            rule="a dim with multiple > 1 splits its copies, a dim with multiple 1 splits the "
+                 "input dim",
+            tests=(
+                "test_ops_shape.py::test_tile",
+                "test_ops_shape.py::test_tile_as_repeat_kv",
+                "test_parallel_ops.py::test_tile_rule_matches_the_oracle",
+                "test_parallel_ops.py::test_tile_strategy_of_a_tiled_dim_splits_its_multiple",
+                "test_mindformers_ops.py::test_tile_as_repeat_kv_calls_it_trains_like_one_device",
+            ),
+            note=_TILE_NOTE,
+        ),
     )
 )
 
@@ -324,6 +389,13 @@ register(
         num_inputs=1,
         differentiable=False,
         doc="Zeros of x's shape and dtype.",
+        page=OpDoc(
+            "elementwise",
+            "x",
+            ALL,
+            rule="element-wise",
+            tests=("test_ops_reduce.py::test_zeros_ones_like",),
+        ),
     )
 )
 
@@ -336,6 +408,13 @@ register(
         num_inputs=1,
         differentiable=False,
         doc="Ones of x's shape and dtype.",
+        page=OpDoc(
+            "elementwise",
+            "x",
+            ALL,
+            rule="element-wise",
+            tests=("test_ops_reduce.py::test_zeros_ones_like",),
+        ),
     )
 )
 

@@ -15,7 +15,7 @@ from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._jax import jax, jnp
 from pcompile.ir.ops._util import same_dtype, tensor
-from pcompile.ir.registry import OpDef, register
+from pcompile.ir.registry import ALL, NUMERIC, OpDef, OpDoc, register
 from pcompile.ir.types import DType, TensorType, TupleType, ValueType
 
 # -- attribute checks -----------------------------------------------------------------------
@@ -96,6 +96,16 @@ register(
         attrs={"shape": None},
         num_inputs=1,
         doc="x with a new shape of the same size; one dim may be -1 (inferred).",
+        page=OpDoc(
+            "shape",
+            "x; `shape` (one -1)",
+            ALL,
+            rule="no strategy: its output takes the layout its consumer wants",
+            tests=(
+                "test_ops_shape.py::test_reshape",
+                "test_redistribution.py::test_reshape_redistributions_execute_exactly",
+            ),
+        ),
     )
 )
 
@@ -136,6 +146,16 @@ register(
         attrs={"perm": None},
         num_inputs=1,
         doc="Permute the axes of x: output dim i is input dim perm[i].",
+        page=OpDoc(
+            "shape",
+            "x; `perm`",
+            ALL,
+            rule="dims follow the permutation",
+            tests=(
+                "test_ops_shape.py::test_transpose",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -172,6 +192,16 @@ register(
         attrs={"axis": 0},
         num_inputs=1,
         doc="Insert a size-1 dim at axis (negative: counted from the end of the output).",
+        page=OpDoc(
+            "shape",
+            "x; `axis`",
+            ALL,
+            rule="the new dim never splits",
+            tests=(
+                "test_ops_shape.py::test_expand_dims",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -229,6 +259,17 @@ register(
         attrs={"axis": ()},
         num_inputs=1,
         doc="Remove the size-1 dims in axis (a tuple; () removes every size-1 dim).",
+        page=OpDoc(
+            "shape",
+            "x; `axis`",
+            ALL,
+            rule="the removed dims never split",
+            tests=(
+                "test_ops_shape.py::test_squeeze",
+                "test_ops_shape.py::test_squeeze_int_axis",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -259,6 +300,16 @@ register(
         vjp=_shape_restoring_vjp,
         num_inputs=1,
         doc="Keep dim 0 and flatten the rest: (N, ...) -> (N, prod(...)); (N,) -> (N, 1).",
+        page=OpDoc(
+            "shape",
+            "x (N, ...) -> (N, prod(...))",
+            ALL,
+            rule="the flattened dims never split",
+            tests=(
+                "test_ops_shape.py::test_flatten",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -354,6 +405,16 @@ register(
         num_inputs=1,
         doc="x[begin[i]:end[i]:strides[i], ...] with Python clamping; positive strides only "
         "and all masks 0.",
+        page=OpDoc(
+            "shape",
+            "x; `begin`, `end`, `strides`",
+            ALL,
+            rule="sliced dims never split",
+            tests=(
+                "test_ops_shape.py::test_strided_slice",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -398,6 +459,16 @@ register(
         attrs={"shape": None, "begin": None, "end": None, "strides": None},
         num_inputs=1,
         doc="Zeros of `shape` with dy written into the StridedSlice region (its vjp).",
+        page=OpDoc(
+            "shape",
+            "dy; `shape`, `begin`, `end`, `strides`",
+            ALL,
+            grad_of="StridedSlice",
+            tests=(
+                "test_ops_shape.py::test_strided_slice_grad",
+                "test_ops_shape.py::test_strided_slice_grad_shape_mismatch",
+            ),
+        ),
     )
 )
 
@@ -450,6 +521,16 @@ register(
         attrs={"axis": 0},
         num_inputs=(1, 1000),
         doc="Join the inputs along axis; all other dims must match.",
+        page=OpDoc(
+            "shape",
+            "tensors; `axis`",
+            ALL,
+            rule="the concat axis never splits",
+            tests=(
+                "test_ops_shape.py::test_concat",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -486,6 +567,17 @@ register(
         attrs={"axis": 0, "output_num": 1},
         num_inputs=1,
         doc="output_num equal pieces of x along axis, as a tuple (read with TupleGetItem).",
+        page=OpDoc(
+            "shape",
+            "x; `axis`, `output_num` -> tuple",
+            ALL,
+            rule="the split axis never splits",
+            tests=(
+                "test_ops_shape.py::test_split",
+                "test_ops_shape.py::test_split_partial_use_gradient",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+            ),
+        ),
     )
 )
 
@@ -509,6 +601,14 @@ register(
         vjp=_make_tuple_vjp,
         num_inputs=(1, 1000),
         doc="A tuple of the tensor inputs.",
+        page=OpDoc(
+            "shape",
+            "tensors -> tuple",
+            ALL,
+            rule="no strategy",
+            spelling="a Python tuple of tensors",
+            tests=("test_ops_shape.py::test_make_tuple",),
+        ),
     )
 )
 
@@ -540,6 +640,18 @@ register(
         attrs={"index": 0},
         num_inputs=1,
         doc="Element `index` of a tuple value.",
+        page=OpDoc(
+            "shape",
+            "tuple; `index`",
+            ALL,
+            rule="no strategy",
+            spelling="indexing a tuple result (`out[0]`)",
+            tests=(
+                "test_ops_shape.py::test_tuple_get_item_negative_index",
+                "test_ops_shape.py::test_tuple_get_item_errors",
+                "test_ops_shape.py::test_split",
+            ),
+        ),
     )
 )
 
@@ -620,6 +732,15 @@ def _gather_jax(params: Any, indices: Any, axis: int, batch_dims: int) -> Any:
     return _batched_jax(lambda p, i: jnp.take(p, i, axis - bd), bd)(params, indices)
 
 
+_GATHER_NOTE = """\
+**Gather** with `batch_dims` = b > 0 (MindSpore's batch mode: the first b dims of
+params and indices are shared batch dims) splits the batch dims alike and never the gathered
+axis. Otherwise its device matrix is [indices' splits, table's splits], as MindSpore's; the
+indices and the table's other dims split freely; a split gathered axis (0) becomes a masked
+local lookup plus AllReduce (or ReduceScatter with `out_strategy`), with whole indices, or
+with indices split on dim 0 in MindSpore's shard-batch-and-axis mode `((mp, 1), (dp, 1))`,
+mp · dp = devices."""
+
 register(
     OpDef(
         "Gather",
@@ -634,6 +755,20 @@ register(
             "= b the first b dims of params and indices are batch dims, each batch element "
             "gathered from its own slice: out shape params.shape[:axis] + indices.shape[b:] + "
             "params.shape[axis + 1:] (MindSpore's `Gather(batch_dims)`)."
+        ),
+        page=OpDoc(
+            "shape",
+            "params, int indices; `axis`, `batch_dims` (default 0)",
+            ALL,
+            rule="indices and the table's other dims split freely; a split gathered axis is a "
+                 "masked local lookup plus AllReduce",
+            tests=(
+                "test_ops_shape.py::test_gather",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+                "test_parallel.py::test_gather_on_a_split_table",
+                "test_parallel_ops.py::test_rule_matches_the_oracle",
+            ),
+            note=_GATHER_NOTE,
         ),
     )
 )
@@ -704,6 +839,13 @@ register(
         attrs={"shape": None, "axis": 0, "batch_dims": 0},
         num_inputs=2,
         doc="Scatter-add dy into zeros of `shape` at the Gather positions (Gather's vjp).",
+        page=OpDoc(
+            "shape",
+            "dy, int indices; `shape`, `axis`, `batch_dims`",
+            NUMERIC,
+            grad_of="Gather",
+            tests=("test_ops_shape.py::test_gather_grad",),
+        ),
     )
 )
 
@@ -753,6 +895,14 @@ def _onehot_jax(
     return jnp.moveaxis(out, -1, axis % (indices.ndim + 1))
 
 
+_ONE_HOT_NOTE = """\
+**OneHot** takes its strategy in MindSpore's form `((dp, mp), (), ())`: the first
+tuple splits the output `indices.shape + (depth,)` (depth at `axis`), the depth included; the
+two `()` stand for the on and off values. A rank holding classes `[start, start + depth / mp)`
+looks up `indices - start` with the local depth (other classes give off_value). The older
+form, one tuple for the indices (depth whole on every rank), still works. Out-of-range and
+negative indices give a row of off_value."""
+
 register(
     OpDef(
         "OneHot",
@@ -770,6 +920,21 @@ register(
         differentiable=False,
         doc="on_value where indices == k along a new depth dim at axis, off_value elsewhere "
         "(out-of-range indices give all off_value).",
+        page=OpDoc(
+            "shape",
+            "int indices; `depth`, `on_value`, `off_value`, `axis`, `dtype`",
+            frozenset({DType.int32, DType.int64}),
+            rule="MindSpore's `((dp, mp), (), ())` splits the output, depth included",
+            tests=(
+                "test_ops_shape.py::test_one_hot",
+                "test_parallel.py::test_every_rule_matches_the_oracle",
+                "test_parallel_ops.py::test_one_hot_mindspore_form_matches_the_oracle",
+                "test_parallel_ops.py::test_one_hot_forms_agree_and_name_problems",
+                "test_mindformers_ops.py::test_one_hot_mindspore_strategy_splits_depth_and_trains"
+                "_like_one_device",
+            ),
+            note=_ONE_HOT_NOTE,
+        ),
     )
 )
 
