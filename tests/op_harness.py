@@ -42,11 +42,11 @@ def assert_close(got: Any, want: Any, rtol: float = 1e-5, what: str = "",
 def low_precision_rtol(dtype: Any) -> float:
     """The relative bound for an element-wise op in a dtype below float32, against JAX in the
     same dtype: each side rounds at most 4 times along an output or its gradient (the result,
-    then at most three ops of its derivative), each rounding within one ulp, which is at most
-    eps relative; the two sides' errors add: 2 x 4 eps."""
+    then at most three ops of its derivative), each rounding to nearest, within half an ulp:
+    at most u = eps / 2 relative; the two sides' errors add: 2 x 4 u = 4 eps."""
     import ml_dtypes
 
-    return 8 * float(ml_dtypes.finfo(dtype).eps)
+    return 4 * float(ml_dtypes.finfo(dtype).eps)
 
 
 def _rounding_bound(inputs: Sequence[np.ndarray]) -> float:
