@@ -276,7 +276,12 @@ class TracePass:
 def _pipeline_trace(state: CompileState, traced: TracedModel, cells: dict[str, Any]) -> None:
     """nn.PipelineCell's micro size, and the stage of every op when there are stages."""
     from pcompile.compiler.nn.pipeline import PipelineCell
-    from pcompile.compiler.pipelining import PipelineSettings, check_micro_split, stage_map
+    from pcompile.compiler.pipelining import (
+        PipelineSettings,
+        check_interleave,
+        check_micro_split,
+        stage_map,
+    )
 
     settings = state.pipeline
     if isinstance(traced.network, PipelineCell) and state.parallel:
@@ -310,7 +315,9 @@ def _pipeline_trace(state: CompileState, traced: TracedModel, cells: dict[str, A
             f"({recomputed.source or recomputed.scope}) is marked for recomputation; "
             "recompute is not implemented together with pipeline stages in this version of "
             "pcompile; remove recompute() or use pipeline_stages=1")
-    settings.stage_map = stage_map(traced.graph, cells, traced, settings.stages)
+    settings.stage_map = stage_map(traced.graph, cells, traced, settings.stages,
+                                   settings.interleave)
+    check_interleave(settings)
 
 
 def _load_as_rank(state: CompileState, rank: int) -> ModelFile:

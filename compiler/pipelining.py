@@ -10,7 +10,9 @@ cell is its network (the whole batch: the step equals what the micro-batches com
 loss averages over the batch, and the single-device program is the reference).
 
 `PipelineSettings` carries what the passes need: the stage count, the micro size, the
-scheduler, and the stage of every traced op (`passes/pipeline_stages.py`).
+scheduler, whether stages are interleaved (`pipeline_interleave`: cells also carry a
+`pipeline_segment`, and each stage runs several chunks of the network), and the (virtual)
+stage of every traced op (`passes/pipeline_stages.py`).
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ class PipelineSettings:
     stages: int
     micro_size: int
     scheduler: str
+    interleave: bool = False
     stage_map: StageMap | None = None
     loss_scope: str = "Default"
-    # Filled by the passes, keyed by id of a node of the current local graph: its stage
-    # (step_parallel_end, micro_batch, autodiff) and its unit label ("F" | "B", micro-batch).
+    # Filled by the passes, keyed by id of a node of the current local graph: its virtual
+    # stage (step_parallel_end, micro_batch, autodiff) and its label ("F" | "B", micro-batch).
     local_stage: dict[int, int] = field(default_factory=dict)
     labels: dict[int, tuple[str, int]] = field(default_factory=dict)
     program: Any = None  # passes.pipeline_split.PipelineProgram once split
@@ -54,6 +57,11 @@ class PipelineSettings:
     @property
     def pipelined(self) -> bool:
         return self.stages > 1
+
+    @property
+    def chunks(self) -> int:
+        """Chunks (segments) per stage: 1 unless interleaved."""
+        return self.stage_map.chunks if self.stage_map is not None else 1
 
 
 def settings_from_context(ctx: Any, devices: int, mode: str) -> PipelineSettings:
@@ -73,17 +81,13 @@ def settings_from_context(ctx: Any, devices: int, mode: str) -> PipelineSettings
             f"pipeline_stages={stages} does not divide the {devices} devices (stage s owns "
             f"ranks [s*n, (s+1)*n), n = devices / pipeline_stages); use one of "
             f"{', '.join(map(str, divisors))}, or --devices a multiple of {stages}")
-    if config.pipeline_interleave:
-        raise PcompileError(
-            "pipeline_config pipeline_interleave=True (interleaved virtual stages, "
-            "pipeline_segment) is not implemented in this version of pcompile; use "
-            "pipeline_interleave=False")
     if config.pipeline_scheduler not in SCHEDULERS:
         raise PcompileError(
             f"pipeline_config pipeline_scheduler={config.pipeline_scheduler!r} is not "
             f"implemented in this version of pcompile; use one of "
             f"{', '.join(repr(s) for s in SCHEDULERS)}")
-    return PipelineSettings(stages, 1, str(config.pipeline_scheduler))
+    return PipelineSettings(stages, 1, str(config.pipeline_scheduler),
+                            bool(config.pipeline_interleave))
 
 
 # -- tracing nn.PipelineCell ---------------------------------------------------------------------
@@ -205,6 +209,23 @@ def check_micro_split(graph: Graph, micro: int, devices: int, dataset_strategy: 
                 "micro_size, or dataset_strategy='full_batch'")
 
 
+def check_interleave(settings: PipelineSettings) -> None:
+    """Interleaved 1F1B runs the micro-batches in groups of `stages` (Megatron-LM's order): a
+    last, partial group would make the stages wait on each other, so m must be a multiple of
+    S (or at most S, one group)."""
+    stages, micro = settings.stages, settings.micro_size
+    if settings.chunks == 1 or settings.scheduler != "1f1b":
+        return
+    if micro > stages and micro % stages:
+        ok = [m for m in range(1, 4 * stages + 1) if m <= stages or m % stages == 0]
+        raise PcompileError(
+            f"pipeline_interleave with the 1f1b scheduler runs micro-batches in groups of "
+            f"pipeline_stages={stages} through the {settings.chunks} chunks of every stage, so "
+            f"nn.PipelineCell's micro_size must be a multiple of {stages} (or at most "
+            f"{stages}); micro_size={micro} is neither: use one of "
+            f"{', '.join(map(str, ok))}, ..., or pipeline_scheduler 'gpipe'")
+
+
 # -- the stage of every op ----------------------------------------------------------------------
 
 
@@ -240,18 +261,15 @@ def scope_cells(log: dict[str, Any], traced: Any) -> dict[str, ScopeCell]:
     for scope, cell in log.items():
         stage = cell.pipeline_stage if isinstance(cell, Cell) else -1
         kind = "root" if id(cell) in roots or id(cell) in free else "cell"
-        if cell.pipeline_segment:
-            raise PcompileError(
-                f"cell `{paths.get(id(cell), scope)}` has pipeline_segment "
-                f"{cell.pipeline_segment}: interleaved pipelines (virtual stages) are not "
-                "implemented in this version of pcompile; use segment 0")
+        segment = cell.pipeline_segment if isinstance(cell, Cell) else 0
         out[scope] = ScopeCell(stage if stage >= 0 else None, kind,
-                               paths.get(id(cell), ""), type(cell).__name__)
+                               paths.get(id(cell), ""), type(cell).__name__, segment)
     return out
 
 
-def stage_map(graph: Graph, log: dict[str, Any], traced: Any, stages: int) -> StageMap:
-    return assign_stages(graph, scope_cells(log, traced), stages)
+def stage_map(graph: Graph, log: dict[str, Any], traced: Any, stages: int,
+              interleave: bool = False) -> StageMap:
+    return assign_stages(graph, scope_cells(log, traced), stages, interleave)
 
 
 # -- the driver's passes -------------------------------------------------------------------------
@@ -314,10 +332,10 @@ class PipelineSplitPass:
         settings: PipelineSettings = state.pipeline
         assert settings.stage_map is not None
         graph = state.rank_graphs[0]
-        placed = assign(graph, settings.stages, settings.local_stage,
+        placed = assign(graph, settings.stage_map.virtual, settings.local_stage,
                         settings.stage_map.param_stage)
         program = split(graph, settings.stages, state.devices, settings.micro_size,
-                        settings.scheduler, placed, settings.labels)
+                        settings.scheduler, placed, settings.labels, settings.chunks)
         check_loss(program)
         settings.program = program
         n = program.per_stage
@@ -326,13 +344,14 @@ class PipelineSplitPass:
 
 def schedule_from_plan(info: Any) -> Any:
     """The schedule plan.json's `pipeline` section describes (to draw it: `.text()`)."""
-    from pcompile.passes.pipeline_schedule import Schedule, StageUnits
+    from pcompile.passes.pipeline_schedule import Schedule, StageUnits, parse_unit
 
     units = []
     for st in info.per_stage:
-        seq = [(u.unit[0], int(u.unit[1:])) for u in st.units]
+        seq = [parse_unit(u.unit) for u in st.units]
         units.append(StageUnits(st.stage, seq, [u.tick for u in st.units]))
-    out = Schedule(info.scheduler, info.stages, info.micro_size, info.devices_per_stage, units)
+    out = Schedule(info.scheduler, info.stages, info.micro_size, info.devices_per_stage, units,
+                   chunks=info.chunks)
     for name in sorted(info.per_stage[0].activation_bytes):
         out.held_bytes[name] = [st.activation_bytes[name] for st in info.per_stage]
         out.in_flight[name] = [st.micro_batches_in_flight[name] for st in info.per_stage]

@@ -219,7 +219,8 @@ class PipelineUnit(_Strict):
     """One unit of a stage's schedule."""
 
     tick: Annotated[int, Field(ge=0)] = Field(description="when it runs (units take one tick)")
-    unit: str = Field(description="`F<k>`: the forward of micro-batch k, `B<k>`: its backward")
+    unit: str = Field(description="`F<k>`: the forward of micro-batch k, `B<k>`: its backward; "
+                                  "interleaved (chunks > 1): `F<k>c<g>`, `B<k>c<g>` on chunk g")
 
 
 class PipelineStage(_Strict):
@@ -233,7 +234,8 @@ class PipelineStage(_Strict):
         description="per scheduler (1f1b, gpipe): peak bytes of values one unit computes and "
                     "a later unit reads (activations, gradient sums), per rank")
     micro_batches_in_flight: dict[str, Annotated[int, Field(ge=0)]] = Field(
-        description="per scheduler: most micro-batches whose forward ran and backward did not")
+        description="per scheduler: most micro-batches whose forward ran and backward did not "
+                    "(interleaved: most chunk-units)")
 
 
 class PipelineTransfer(_Strict):
@@ -254,10 +256,12 @@ class PipelineInfo(_Strict):
     stages: Positive = Field(description="pipeline_stages")
     devices_per_stage: Positive
     micro_size: Positive = Field(description="micro-batches per step (nn.PipelineCell)")
+    chunks: Positive = Field(default=1, description="chunks (pipeline segments) each stage "
+                             "runs: 1, or more with pipeline_interleave")
     scheduler: Literal["1f1b", "gpipe"] = Field(description="pipeline_config's scheduler")
     ticks: Annotated[int, Field(ge=0)] = Field(description="ticks of one step")
     bubble: float = Field(description="idle stage-ticks over all stage-ticks")
-    ideal_bubble: float = Field(description="(S-1)/(m+S-1)")
+    ideal_bubble: float = Field(description="(S-1)/(m*v+S-1), v = chunks")
     per_stage: list[PipelineStage]
     transfers: list[PipelineTransfer]
 

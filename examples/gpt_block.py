@@ -10,7 +10,9 @@ Pipeline parallelism: with `pipeline_stages` S > 1 in the context, model() puts 
 stage 0, the head (final LayerNorm, LM head) in stage S-1 and spreads the blocks between
 (`pipeline_stage`); GPT_MICRO=m makes model() return
 `nn.PipelineCell(nn.WithLossCell(gpt, nn.CrossEntropyLoss()), m)` (the loss is then part of
-the model, and the file defines no loss()).
+the model, and the file defines no loss()). With `pipeline_config={"pipeline_interleave": True}`
+the cells are spread over S x GPT_CHUNKS (default 2) chunks instead: chunk c runs on stage
+c % S as `pipeline_segment` c // S.
 
     GPT_MICRO=4 pcompile examples/gpt_block.py --devices 8 --parallel-mode semi_auto_parallel \
         --pipeline-stages 4
@@ -107,13 +109,17 @@ class GPT(nn.Cell):
         return self.reshape(logits, (-1, VOCAB))
 
 
-def assign_stages(gpt, stages):
-    """Embedding in stage 0, head in the last, the blocks spread between (cell i of the
-    layers + 2 cells in stage i * stages // (layers + 2))."""
+def assign_stages(gpt, stages, chunks=1):
+    """Embedding in the first chunk, head in the last, the blocks spread between (cell i of
+    the layers + 2 cells in chunk c = i * stages * chunks // (layers + 2), which is stage
+    c % stages, segment c // stages)."""
     cells = [gpt.embedding, *gpt.blocks, gpt.ln_f]
     for i, cell in enumerate(cells):
-        cell.pipeline_stage = i * stages // len(cells)
+        chunk = i * stages * chunks // len(cells)
+        cell.pipeline_stage = chunk % stages
+        cell.pipeline_segment = chunk // stages
     gpt.head.pipeline_stage = stages - 1
+    gpt.head.pipeline_segment = chunks - 1
 
 
 def model():
@@ -121,7 +127,8 @@ def model():
     gpt = GPT()
     stages = get_auto_parallel_context("pipeline_stages")
     if stages > 1:
-        assign_stages(gpt, stages)
+        interleave = get_auto_parallel_context("pipeline_config")["pipeline_interleave"]
+        assign_stages(gpt, stages, int(os.environ.get("GPT_CHUNKS", "2")) if interleave else 1)
     if MICRO:
         return nn.PipelineCell(nn.WithLossCell(gpt, nn.CrossEntropyLoss()), micro_size=MICRO)
     return gpt

@@ -12,7 +12,11 @@ the last stage.
 
 PIPE_STAGES (default 4), PIPE_MICRO (4), PIPE_SCHEDULER (1f1b) and PIPE_MP (2, the
 model-parallel ways inside a stage) change the plan; PIPE_BATCH (16), PIPE_HIDDEN (32) and
-PIPE_BLOCKS (per stage, 1) the model.
+PIPE_BLOCKS (per stage, 1) the model. PIPE_CHUNKS=v > 1 interleaves the stages: the network
+gets v times the blocks, block i goes to chunk c = i // PIPE_BLOCKS, which runs on stage
+c % STAGES as segment c // STAGES (`pipeline_segment`), and `pipeline_interleave` is set:
+
+    PIPE_CHUNKS=2 PIPE_MICRO=4 pcompile examples/pipeline_mlp.py --devices 8
 """
 
 import os
@@ -27,10 +31,12 @@ MP = int(os.environ.get("PIPE_MP", "2"))
 BATCH = int(os.environ.get("PIPE_BATCH", "16"))
 HIDDEN = int(os.environ.get("PIPE_HIDDEN", "32"))
 BLOCKS = int(os.environ.get("PIPE_BLOCKS", "1"))
+CHUNKS = int(os.environ.get("PIPE_CHUNKS", "1"))
 
 set_auto_parallel_context(
     parallel_mode="semi_auto_parallel", pipeline_stages=STAGES, dataset_strategy="full_batch",
-    pipeline_config={"pipeline_scheduler": os.environ.get("PIPE_SCHEDULER", "1f1b")},
+    pipeline_config={"pipeline_scheduler": os.environ.get("PIPE_SCHEDULER", "1f1b"),
+                     "pipeline_interleave": CHUNKS > 1},
 )
 
 
@@ -54,9 +60,10 @@ class Block(nn.Cell):
 class MLP(nn.Cell):
     def __init__(self):
         super().__init__()
-        self.blocks = nn.CellList([Block(HIDDEN) for _ in range(STAGES * BLOCKS)])
+        self.blocks = nn.CellList([Block(HIDDEN) for _ in range(STAGES * CHUNKS * BLOCKS)])
         for i, block in enumerate(self.blocks):
-            block.pipeline_stage = i // BLOCKS
+            block.pipeline_stage = i // BLOCKS % STAGES
+            block.pipeline_segment = i // BLOCKS // STAGES
 
     def construct(self, x):
         for block in self.blocks:

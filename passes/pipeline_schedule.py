@@ -9,6 +9,14 @@ micro-batch k), `B k` (its backward). A schedule is each stage's order of units:
   alternates one forward and one backward, then the last w backwards (at most S-s
   micro-batches in flight).
 
+Interleaved (`pipeline_interleave`, v chunks per stage, passes/pipeline_stages.py): a unit is
+`F k c` / `B k c`, micro-batch k on chunk c, and a chunk-unit is 1/v of a stage's work. The
+forward order takes the micro-batches in groups of S and runs each group through chunk 0, then
+chunk 1, ...; the backward order the same with the chunks reversed (Megatron-LM's interleaved
+schedule). GPipe runs every forward, then every backward; 1F1B runs
+w = min(2(S-1-s) + (v-1)S, m v) forwards, then alternates, then the last w backwards. The ideal
+bubble falls to (S-1)/(m v+S-1).
+
 Which unit a node belongs to (`positions`): a node labelled with a micro-batch (`micro: k` in
 its parallel annotation; backward when its scope is autodiff's `Gradients/...`) runs in that
 micro-batch's unit, or later if an operand is computed later; a node without a label (a weight's
@@ -29,34 +37,61 @@ from dataclasses import dataclass, field
 from pcompile.ir.core import Graph, Node, NodeResult
 from pcompile.ir.errors import PcompileError
 
-Label = tuple[str, int]  # ("F" | "B", micro-batch)
+Label = tuple[str, int, int]  # ("F" | "B", micro-batch, chunk)
 
 SCHEDULERS = ("1f1b", "gpipe")
 
 
-def unit_sequence(scheduler: str, stages: int, stage: int, micro: int) -> list[Label]:
+def unit_name(label: Label, chunks: int = 1) -> str:
+    """`F3` (chunks = 1) or `F3c1`: how dumps, plan.json and the schedule picture name a unit."""
+    return f"{label[0]}{label[1]}" if chunks == 1 else f"{label[0]}{label[1]}c{label[2]}"
+
+
+def parse_unit(text: str) -> Label:
+    """The label `unit_name` wrote."""
+    micro, _, chunk = text[1:].partition("c")
+    return (text[0], int(micro), int(chunk or 0))
+
+
+def _orders(stages: int, micro: int, chunks: int) -> tuple[list[Label], list[Label]]:
+    """Every stage's forward and backward unit orders (module docstring)."""
+    forward: list[Label] = []
+    backward: list[Label] = []
+    for start in range(0, micro, stages):
+        group = range(start, min(start + stages, micro))
+        forward += [("F", k, c) for c in range(chunks) for k in group]
+        backward += [("B", k, c) for c in reversed(range(chunks)) for k in group]
+    return forward, backward
+
+
+def unit_sequence(scheduler: str, stages: int, stage: int, micro: int,
+                  chunks: int = 1) -> list[Label]:
     """The order in which `stage` runs its units."""
-    forward = [("F", k) for k in range(micro)]
-    backward = [("B", k) for k in range(micro)]
+    forward, backward = _orders(stages, micro, chunks)
     if scheduler == "gpipe":
         return forward + backward
     if scheduler != "1f1b":
         raise ValueError(f"unknown pipeline scheduler {scheduler!r}")
-    warm = min(stages - 1 - stage, micro)
+    total = micro * chunks
+    if chunks == 1:
+        warm = min(stages - 1 - stage, micro)
+    else:
+        warm = min(2 * (stages - 1 - stage) + (chunks - 1) * stages, total)
     out = forward[:warm]
-    for i in range(micro - warm):
+    for i in range(total - warm):
         out += [forward[warm + i], backward[i]]
-    return out + backward[micro - warm:]
+    return out + backward[total - warm:]
 
 
 def node_label(node: Node) -> Label | None:
-    """A node's unit label: its `micro` annotation, backward under autodiff's scope."""
+    """A node's unit label: its `micro` (and `chunk`) annotation, backward under autodiff's
+    scope."""
     extra = node.parallel.extra if node.parallel is not None else {}
     micro = extra.get("micro")
     if micro is None:
         return None
     phase = "B" if node.scope.startswith("Gradients") else "F"
-    return (phase, int(micro))
+    return (phase, int(micro), int(extra.get("chunk", 0)))
 
 
 def positions(graph: Graph, sequence: list[Label]) -> dict[int, int]:
@@ -115,6 +150,7 @@ class Schedule:
     units: list[StageUnits]
     held_bytes: dict[str, list[int]] = field(default_factory=dict)
     in_flight: dict[str, list[int]] = field(default_factory=dict)
+    chunks: int = 1
 
     @property
     def num_ticks(self) -> int:
@@ -128,14 +164,15 @@ class Schedule:
 
     @property
     def ideal_bubble(self) -> float:
-        return (self.stages - 1) / float(self.micro + self.stages - 1)
+        """(S-1)/(m v+S-1), v = chunks."""
+        return (self.stages - 1) / float(self.micro * self.chunks + self.stages - 1)
 
     def grid(self) -> list[list[str]]:
-        """grid[stage][tick]: "F3", "B0" or "" (idle)."""
+        """grid[stage][tick]: "F3", "B0" (or "F3c1" interleaved) or "" (idle)."""
         rows = [[""] * self.num_ticks for _ in self.units]
         for u in self.units:
             for label, tick in zip(u.sequence, u.ticks):
-                rows[u.stage][tick] = f"{label[0]}{label[1]}"
+                rows[u.stage][tick] = unit_name(label, self.chunks)
         return rows
 
     def text(self) -> str:
@@ -143,19 +180,25 @@ class Schedule:
         rows = self.grid()
         width = max(3, max((len(c) for r in rows for c in r), default=2) + 1)
         head = "tick     " + "".join(f"{t:<{width}}" for t in range(self.num_ticks))
-        lines = [
-            f"pipeline schedule: {self.scheduler}, {self.stages} stages x "
-            f"{self.devices_per_stage} device(s), {self.micro} micro-batch(es) per step "
-            "(Fk: forward of micro-batch k, Bk: its backward; . idle)",
-            head.rstrip(),
-        ]
+        if self.chunks == 1:
+            title = (f"pipeline schedule: {self.scheduler}, {self.stages} stages x "
+                     f"{self.devices_per_stage} device(s), {self.micro} micro-batch(es) per "
+                     "step (Fk: forward of micro-batch k, Bk: its backward; . idle)")
+        else:
+            title = (f"pipeline schedule: {self.scheduler} interleaved, {self.stages} stages x "
+                     f"{self.devices_per_stage} device(s), {self.chunks} chunks per stage, "
+                     f"{self.micro} micro-batch(es) per step (Fkcg: forward of micro-batch k "
+                     "on chunk g, Bkcg: its backward; . idle)")
+        lines = [title, head.rstrip()]
         for s, row in enumerate(rows):
             cells = "".join(f"{(c or '.'):<{width}}" for c in row)
             lines.append(f"stage {s:<3}{cells}".rstrip())
-        lines.append(f"bubble: {self.bubble:.1%} of stage-ticks idle (ideal (S-1)/(m+S-1) = "
+        formula = "(S-1)/(m+S-1)" if self.chunks == 1 else "(S-1)/(m*v+S-1)"
+        lines.append(f"bubble: {self.bubble:.1%} of stage-ticks idle (ideal {formula} = "
                      f"{self.ideal_bubble:.1%})")
+        what = "mb" if self.chunks == 1 else "chunk-units"
         for name in sorted(self.held_bytes):
-            held = ", ".join(f"{_mib(b)} ({n} mb)" for b, n in
+            held = ", ".join(f"{_mib(b)} ({n} {what})" for b, n in
                              zip(self.held_bytes[name], self.in_flight[name]))
             lines.append(f"activation memory per stage, {name}: {held}")
         return "\n".join(lines)
@@ -210,14 +253,15 @@ def _nbytes(node: Node) -> int:
     return sum(int(getattr(t, "nbytes", 0)) for t in types)
 
 
-def schedule(graphs: list[Graph], scheduler: str, micro: int, devices_per_stage: int) -> Schedule:
+def schedule(graphs: list[Graph], scheduler: str, micro: int, devices_per_stage: int,
+             chunks: int = 1) -> Schedule:
     """The ticks of every unit of the stage graphs `graphs` (one per stage) under `scheduler`,
     and both schedules' activation memory. PcompileError when the transfers between stages
     form a cycle that no order of units can run."""
     stages = len(graphs)
     units = []
     for s, graph in enumerate(graphs):
-        seq = unit_sequence(scheduler, stages, s, micro)
+        seq = unit_sequence(scheduler, stages, s, micro, chunks)
         units.append(StageUnits(s, seq, [-1] * len(seq), _units(graph, seq)))
     sends: dict[int, tuple[int, int]] = {}
     receives: list[tuple[int, int, int]] = []
@@ -244,16 +288,17 @@ def schedule(graphs: list[Graph], scheduler: str, micro: int, devices_per_stage:
             stuck = sorted(pending)[0]
             raise PcompileError(
                 f"pipeline schedule {scheduler}: stage {stuck[0]}'s unit "
-                f"{''.join(map(str, units[stuck[0]].sequence[stuck[1]]))} waits on data that "
+                f"{unit_name(units[stuck[0]].sequence[stuck[1]], chunks)} waits on data that "
                 "is only sent after it (a cycle between stages); report the model")
         for k in ready:
             done[k] = max((done[d] + 1 for d in deps[k]), default=0)
             pending.discard(k)
     for (s, i), tick in done.items():
         units[s].ticks[i] = tick
-    out = Schedule(scheduler, stages, micro, devices_per_stage, units)
+    out = Schedule(scheduler, stages, micro, devices_per_stage, units, chunks=chunks)
     for name in SCHEDULERS:
-        peaks = [held(g, unit_sequence(name, stages, s, micro)) for s, g in enumerate(graphs)]
+        peaks = [held(g, unit_sequence(name, stages, s, micro, chunks))
+                 for s, g in enumerate(graphs)]
         out.held_bytes[name] = [p for p, _ in peaks]
         out.in_flight[name] = [f for _, f in peaks]
     return out

@@ -20,6 +20,12 @@ position of the other stage (`ir.rank.RankShift`), the value's local shape and d
 stage's graph returns its weights' and states' new values, the last stage also the loss.
 Groups are renamed for the whole world (a stage's group of n ranks is not the world group).
 The nodes are put in the order of the stage's schedule units (passes/pipeline_schedule.py).
+
+Interleaved (v chunks per stage): `assign` works on virtual stages (segment * S + stage,
+passes/pipeline_stages.py), `split` puts virtual stage u on stage u mod S and marks its
+labelled nodes with `chunk: u div S` next to `micro`. A value that crosses chunks of one
+stage is read in place; one that crosses stages gets a Send/Receive as above (from the last
+stage of a segment to stage 0 of the next: `dest_rank` = rank - (S-1)n).
 """
 
 from __future__ import annotations
@@ -41,10 +47,10 @@ from pcompile.ir.layout import WORLD_GROUP
 from pcompile.ir.rank import GroupName, RankGroup, RankShift
 from pcompile.passes.micro_batch import copy_constant
 from pcompile.passes.pipeline_schedule import (
-    Label,
     Schedule,
     order_by_units,
     schedule,
+    unit_name,
     unit_sequence,
 )
 from pcompile.passes.step_parallel import RankBuilder, SplitOptions
@@ -78,7 +84,12 @@ def build_staged_spmd_graph(graph: Graph, assignment: Any, options: SplitOptions
     return local, builder.output_layouts, stages
 
 
-def inherit(created: dict[int, Node], stages: dict[int, int], labels: dict[int, Label]) -> None:
+#: ("F" | "B", micro-batch) of a local node (its chunk follows from its virtual stage).
+MicroLabel = tuple[str, int]
+
+
+def inherit(created: dict[int, Node], stages: dict[int, int],
+            labels: dict[int, MicroLabel]) -> None:
     """Autodiff made the nodes `created` (id -> the forward node it differentiates): they run
     in its stage, in the backward unit of its micro-batch."""
     for key, forward in created.items():
@@ -212,6 +223,7 @@ class PipelineProgram:
     param_stages: dict[str, list[int]]
     outputs: tuple[str, ...] = ()  # every output name of the step (loss, then stored values)
     schedule: Schedule | None = None
+    chunks: int = 1
 
     @property
     def per_stage(self) -> int:
@@ -225,7 +237,8 @@ class PipelineProgram:
 
     def finish(self) -> Schedule:
         """The schedule of the final graphs (after comm_fusion)."""
-        self.schedule = schedule(self.graphs, self.scheduler, self.micro, self.per_stage)
+        self.schedule = schedule(self.graphs, self.scheduler, self.micro, self.per_stage,
+                                 self.chunks)
         return self.schedule
 
     def describe(self) -> dict[str, Any]:
@@ -234,12 +247,13 @@ class PipelineProgram:
         assert sched is not None
         return {
             "stages": self.stages, "devices_per_stage": self.per_stage,
-            "micro_size": self.micro, "scheduler": self.scheduler, "ticks": sched.num_ticks,
+            "micro_size": self.micro, "chunks": self.chunks, "scheduler": self.scheduler,
+            "ticks": sched.num_ticks,
             "bubble": sched.bubble, "ideal_bubble": sched.ideal_bubble,
             "per_stage": [{
                 "stage": s, "ranks": list(self.ranks(s)),
                 "parameters": [p.name for p in self.graphs[s].params if p.kind != "input"],
-                "units": [{"tick": t, "unit": f"{lab[0]}{lab[1]}"}
+                "units": [{"tick": t, "unit": unit_name(lab, self.chunks)}
                           for lab, t in zip(sched.units[s].sequence, sched.units[s].ticks)],
                 "activation_bytes": {k: v[s] for k, v in sched.held_bytes.items()},
                 "micro_batches_in_flight": {k: v[s] for k, v in sched.in_flight.items()},
@@ -264,9 +278,25 @@ def _describe(node: Node) -> str:
 
 
 def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
-          placed: Assignment, labels: dict[int, Label]) -> PipelineProgram:
-    """One graph per stage (see the module docstring)."""
+          placed: Assignment, labels: dict[int, MicroLabel], chunks: int = 1
+          ) -> PipelineProgram:
+    """One graph per stage (see the module docstring); `placed` in virtual stages."""
     n = devices // stages
+
+    def mark(node: Node, label: MicroLabel | None, s: int) -> dict[str, int]:
+        """The unit annotation of the copy of `node` (labelled `label`) in stage s."""
+        if label is None:
+            return {}
+        if chunks == 1:
+            return {"micro": label[1]}
+        if id(node) in placed.stage:
+            return {"micro": label[1], "chunk": placed.stage[id(node)] // stages}
+        # A pure node (computed where needed): the chunk of its copies on stage s whose unit
+        # comes first (forward: the lowest chunk, backward: the highest).
+        mine = [u // stages for u in placed.copies.get(id(node), ()) if u % stages == s]
+        chunk = (max(mine) if label[0] == "B" else min(mine)) if mine else 0
+        return {"micro": label[1], "chunk": chunk}
+
     names = list(graph.attrs.get("outputs") or ())
     outs: list[Graph] = []
     for s in range(stages):
@@ -274,15 +304,18 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
         g.attrs = {k: _world(v, devices) for k, v in graph.attrs.items() if k != "outputs"}
         g.attrs.update({"pipeline_stage": s, "pipeline_stages": stages, "micro_size": micro,
                         "pipeline_scheduler": scheduler})
+        if chunks > 1:
+            g.attrs["pipeline_chunks"] = chunks
         outs.append(g)
     where: dict[int, set[int]] = {}
     for p in graph.params:
         if p.kind == "input":
             where[id(p)] = set()
         else:
-            where[id(p)] = set(placed.param_stages[p.name])
+            where[id(p)] = {u % stages for u in placed.param_stages[p.name]}
     for node in graph.nodes:
-        sites = placed.copies.get(id(node), {placed.stage.get(id(node), -1)})
+        sites = {u % stages for u in placed.copies.get(
+            id(node), {placed.stage.get(id(node), -1)})}
         for v in node.operands:
             if isinstance(v, GraphParam) and v.kind == "input":
                 where[id(v)] |= sites
@@ -319,7 +352,7 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
                     ttype, instance_name=f"pipeline_send_{tag}", scope=v.node.scope,
                     source=v.node.source, name_hint=v.name_hint,
                     parallel=ParallelInfo(extra={
-                        **({"micro": label[1]} if label else {}),
+                        **mark(v.node, label, src),
                         "reason": f"pipeline: stage {src} sends {what} to stage {s}",
                         "bytes": 0}))
         outs[src].append(send)
@@ -330,7 +363,7 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
                     ttype, instance_name=f"pipeline_receive_{tag}", scope=user.scope,
                     source=v.node.source, name_hint=v.name_hint,
                     parallel=ParallelInfo(extra={
-                        **({"micro": user_label[1]} if user_label else {}),
+                        **mark(user, user_label, s),
                         "reason": f"pipeline: stage {s} receives {what} from stage {src}",
                         "bytes": ttype.nbytes}))
         outs[s].append(recv)
@@ -340,13 +373,14 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
     for node in graph.nodes:
         sites = placed.copies.get(id(node))
         pure = sites is not None
-        for s in sorted(sites) if pure else [placed.stage[id(node)]]:
+        for s in sorted({u % stages for u in sites}) if pure else [
+                placed.stage[id(node)] % stages]:
             label = labels.get(id(node))
             parallel = node.parallel
             if label is not None:
                 base = parallel or ParallelInfo()
                 parallel = ParallelInfo(base.in_strategy, base.out_strategy,
-                                        {**base.extra, "micro": label[1]})
+                                        {**base.extra, **mark(node, label, s)})
             copy = Node(node.op, [operand(v, s, node) for v in node.operands],
                         {k: _world(v, devices) for k, v in node.attrs.items()},
                         node.result.type, instance_name=node.instance_name, scope=node.scope,
@@ -363,7 +397,7 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
             if name == "loss":
                 if id(value) not in mapped[s]:
                     continue
-            elif s not in placed.param_stages.get(name, set()):
+            elif s not in {u % stages for u in placed.param_stages.get(name, ())}:
                 continue
             values.append(operand(value, s, value.node) if isinstance(value, NodeResult)
                           else mapped[s][id(value)])
@@ -371,11 +405,12 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
         g.outputs = values
         g.attrs["outputs"] = tuple(kept)
     for s, g in enumerate(outs):
-        order_by_units(g, unit_sequence(scheduler, stages, s, micro))
+        order_by_units(g, unit_sequence(scheduler, stages, s, micro, chunks))
     transfers = _renumber(outs, transfers)
-    params = {name: sorted(sites) for name, sites in placed.param_stages.items()}
+    params = {name: sorted({u % stages for u in sites})
+              for name, sites in placed.param_stages.items()}
     return PipelineProgram(stages, devices, micro, scheduler, outs, transfers, params,
-                           tuple(names))
+                           tuple(names), chunks=chunks)
 
 
 def _renumber(graphs: list[Graph], transfers: list[Transfer]) -> list[Transfer]:
@@ -400,6 +435,8 @@ def empty_stages(program: PipelineProgram) -> list[int]:
 
 def check_loss(program: PipelineProgram) -> None:
     if "loss" not in program.graphs[-1].attrs["outputs"]:
-        raise PcompileError("pipeline: the loss is not computed in the last stage; put the "
-                            "loss function's cells in the last stage")
+        where = "stage" if program.chunks == 1 else "stage and its last segment"
+        raise PcompileError(f"pipeline: the loss is not computed in the last stage; put the "
+                            f"loss function's cells (or the cells it follows) in the last "
+                            f"{where}")
 

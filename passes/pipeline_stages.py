@@ -17,8 +17,18 @@ around it that has one (`ScopeCell.stage`). The rules, and the error each breach
 * a weight belongs to one stage: the ops that use it are all in one stage (else: "parameter
   ... is used in stages 0 and 3"; pcompile does not share weights between stages).
 
-`assign_stages(graph, cells, stages)` returns the stage of every node and weight, or raises
-`PcompileError` with one of the messages above, naming the op, its scope and source line.
+Interleaved pipelines (`pipeline_config={"pipeline_interleave": True}`): a cell also has a
+`pipeline_segment` g (MindSpore's name; default 0), taken from the same cell as its stage. The
+network is then cut into S x v *chunks* (v = the largest segment + 1) that data flows through
+in the order (segment, stage): stage 0..S-1 of segment 0, then stage 0..S-1 of segment 1, ...
+Every stage runs v chunks. Inside this module the *virtual stage* g * S + s stands for (stage
+s, segment g): the order rule above holds for virtual stages, a weight belongs to one of them,
+and every physical stage must run some op. A segment above 0 without `pipeline_interleave` is
+refused.
+
+`assign_stages(graph, cells, stages, interleave)` returns the virtual stage of every node and
+weight, or raises `PcompileError` with one of the messages above, naming the op, its scope and
+source line.
 """
 
 from __future__ import annotations
@@ -40,18 +50,36 @@ class ScopeCell:
     kind: str
     path: str
     cls: str
+    segment: int = 0
 
 
 @dataclass
 class StageMap:
-    """The result: stage of every forward node (by id) and of every weight (by name)."""
+    """The result: virtual stage (segment * stages + stage) of every forward node (by id) and
+    of every weight (by name); `chunks`: the segments (1 without interleaving)."""
 
     stages: int
     node_stage: dict[int, int] = field(default_factory=dict)
     param_stage: dict[str, int] = field(default_factory=dict)
+    chunks: int = 1
 
     def of(self, node: Node) -> int:
         return self.node_stage[id(node)]
+
+    @property
+    def virtual(self) -> int:
+        """The number of virtual stages (stages x chunks)."""
+        return self.stages * self.chunks
+
+    def text(self, virtual: int) -> str:
+        """'stage s' (or 'stage s segment g' when interleaved) of a virtual stage."""
+        return stage_text(virtual, self.stages, self.chunks)
+
+
+def stage_text(virtual: int, stages: int, chunks: int) -> str:
+    if chunks == 1:
+        return f"stage {virtual}"
+    return f"stage {virtual % stages} segment {virtual // stages}"
 
 
 def _scopes(scope: str) -> list[str]:
@@ -70,8 +98,9 @@ def _cell_text(info: ScopeCell) -> str:
 
 
 def declared_stage(node: Node, cells: dict[str, ScopeCell], stages: int) -> int | None:
-    """The stage of the innermost staged cell around `node`; None when the node follows its
-    data; PcompileError for an unstaged sub-cell or a stage out of range."""
+    """The virtual stage of the innermost staged cell around `node` (segment * stages +
+    stage); None when the node follows its data; PcompileError for an unstaged sub-cell or a
+    stage out of range."""
     first: tuple[str, ScopeCell] | None = None
     for scope in _scopes(node.scope):
         info = cells.get(scope)
@@ -83,7 +112,7 @@ def declared_stage(node: Node, cells: dict[str, ScopeCell], stages: int) -> int 
                     f"pipeline_stages={stages}: {_cell_text(info)} has pipeline_stage "
                     f"{info.stage}, but the stages are 0..{stages - 1} ({node.where()} runs "
                     "in it); use a stage below pipeline_stages or raise pipeline_stages")
-            return info.stage
+            return info.segment * stages + info.stage
         if info.kind == "root":
             if first is None or first[1].kind == "root":
                 return None
@@ -100,9 +129,14 @@ def declared_stage(node: Node, cells: dict[str, ScopeCell], stages: int) -> int 
         "or on a cell that contains it: every sub-cell of the network runs in a stage")
 
 
-def assign_stages(graph: Graph, cells: dict[str, ScopeCell], stages: int) -> StageMap:
-    """The stage of every node and weight of the forward graph (see the module docstring)."""
+def assign_stages(graph: Graph, cells: dict[str, ScopeCell], stages: int,
+                  interleave: bool = False) -> StageMap:
+    """The virtual stage of every node and weight of the forward graph (see the module
+    docstring)."""
+    _check_segments(cells, interleave)
     result = StageMap(stages)
+    result.chunks = 1 + max((c.segment for c in cells.values() if c.stage is not None),
+                            default=0)
     stage = result.node_stage
     declared: set[int] = set()
     for node in graph.nodes:
@@ -123,10 +157,10 @@ def assign_stages(graph: Graph, cells: dict[str, ScopeCell], stages: int) -> Sta
         if id(node) in stage:
             continue
         users = [stage[id(u)] for u in node.result.users if id(u) in stage]
-        stage[id(node)] = min(users) if users else stages - 1
+        stage[id(node)] = min(users) if users else result.virtual - 1
     _check_order(graph, result, declared)
     _check_weights(graph, result)
-    used = set(stage.values())
+    used = {v % stages for v in stage.values()}
     empty = [s for s in range(stages) if s not in used]
     if empty:
         raise PcompileError(
@@ -145,10 +179,15 @@ def _check_order(graph: Graph, result: StageMap, declared: set[int]) -> None:
             producer = value.node
             a, b = stage[id(producer)], stage[id(node)]
             if a > b:
+                order = ("a stage to itself or a later one only: give the cells stages that grow "
+                         "along the network") if result.chunks == 1 else (
+                    "a chunk to itself or a later one only, in the order (segment, stage): "
+                    "give the cells stages that grow along each segment and segments that grow "
+                    "along the network")
                 raise PcompileError(
-                    f"pipeline stages out of order: {node.where()} in stage {b} reads the output "
-                    f"of {producer.where()} in stage {a}; data flows from a stage to itself or "
-                    "a later one only: give the cells stages that grow along the network")
+                    f"pipeline stages out of order: {node.where()} in {result.text(b)} reads "
+                    f"the output of {producer.where()} in {result.text(a)}; data flows from "
+                    f"{order}")
 
 
 def _check_weights(graph: Graph, result: StageMap) -> None:
@@ -158,12 +197,32 @@ def _check_weights(graph: Graph, result: StageMap) -> None:
         users = {result.node_stage[id(u)]: u for u in param.users}
         if len(users) > 1:
             (a, ua), (b, ub) = sorted(users.items())[:2]
+            where = (f"stages {a} ({ua.where()}) and {b} ({ub.where()})" if result.chunks == 1
+                     else f"{result.text(a)} ({ua.where()}) and {result.text(b)} "
+                          f"({ub.where()})")
             raise PcompileError(
-                f"parameter {param.name!r} is used in stages {a} ({ua.where()}) and {b} "
-                f"({ub.where()}); a weight belongs to one pipeline stage: put the cells that "
-                "share it into one stage (pcompile does not share weights between stages)")
+                f"parameter {param.name!r} is used in {where}; a weight belongs to one "
+                "pipeline stage: put the cells that share it into one stage (and segment); "
+                "pcompile does not share weights between stages")
         if users:
             result.param_stage[param.name] = next(iter(users))
+
+
+def _check_segments(cells: dict[str, ScopeCell], interleave: bool) -> None:
+    for info in cells.values():
+        if info.segment < 0:
+            raise PcompileError(
+                f"{_cell_text(info)} has pipeline_segment {info.segment}; segments are 0 or more")
+        if info.segment and not interleave:
+            raise PcompileError(
+                f"{_cell_text(info)} has pipeline_segment {info.segment}, but pipeline_config "
+                "pipeline_interleave is False: segments (interleaved virtual stages) need "
+                "set_auto_parallel_context(pipeline_config={'pipeline_interleave': True, ...}); "
+                "set it, or leave every pipeline_segment at 0")
+        if info.segment and info.stage is None:
+            raise PcompileError(
+                f"{_cell_text(info)} has pipeline_segment {info.segment} but no "
+                "pipeline_stage; set both on the same cell")
 
 
 def weight_stage(param: GraphParam, result: StageMap) -> int | None:

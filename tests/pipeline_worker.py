@@ -4,7 +4,8 @@ simulator and the single-device program. Prints one JSON report.
 
     python -m tests.pipeline_worker           # two cases, also against the simulator
     python -m tests.pipeline_worker matrix    # both models x stages 2, 4 x micro sizes 1, 2,
-                                              # 4 x GPipe, 1F1B: 20 steps against one device
+                                              # 4 x GPipe, 1F1B: 20 steps against one device;
+                                              # and interleaved stages (2 chunks per stage)
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ CASES: dict[str, tuple[str, dict[str, str], dict[str, Any], int]] = {
                   {"GPT_MICRO": "4", "GPT_BATCH": "16"},
                   {"pipeline_stages": 2, "pipeline_config": {"pipeline_scheduler": "gpipe"}},
                   2),
+    # interleaved: 4 stages x 2 chunks (8 blocks), 1F1B, 4 micro-batches
+    "mlp_interleaved_1f1b": (os.path.join(ROOT, "examples", "pipeline_mlp.py"),
+                             {"PIPE_MICRO": "4", "PIPE_SCHEDULER": "1f1b", "PIPE_CHUNKS": "2"},
+                             {}, 3),
 }
 
 
@@ -49,6 +54,7 @@ def run_case(path: str, env: dict[str, str], overrides: dict[str, Any],
     from pcompile.compiler.oracle import single_device
     from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
 
+    os.environ.pop("PIPE_CHUNKS", None)  # left by an earlier case
     os.environ.update(env)
     program = compile_model(path, devices=8, dump=False, parallel_mode="semi_auto_parallel",
                             overrides=overrides)
@@ -90,6 +96,17 @@ def matrix() -> dict[str, tuple[str, dict[str, str], dict[str, Any]]]:
                     {"GPT_MICRO": str(micro), "GPT_BATCH": "16"},
                     {"pipeline_stages": stages,
                      "pipeline_config": {"pipeline_scheduler": scheduler}})
+    for scheduler in ("gpipe", "1f1b"):  # interleaved: 2 chunks per stage
+        for stages, micro in ((4, 4), (2, 2)):
+            cases[f"mlp_s{stages}_v2_m{micro}_{scheduler}"] = (
+                os.path.join(ROOT, "examples", "pipeline_mlp.py"),
+                {"PIPE_STAGES": str(stages), "PIPE_MICRO": str(micro),
+                 "PIPE_SCHEDULER": scheduler, "PIPE_CHUNKS": "2"}, {})
+        cases[f"gpt_s2_v2_m4_{scheduler}"] = (
+            os.path.join(ROOT, "examples", "gpt_block.py"),
+            {"GPT_MICRO": "4", "GPT_BATCH": "16", "GPT_LAYERS": "2", "GPT_CHUNKS": "2"},
+            {"pipeline_stages": 2, "pipeline_config": {"pipeline_scheduler": scheduler,
+                                                       "pipeline_interleave": True}})
     return cases
 
 
@@ -103,6 +120,8 @@ def run_matrix_case(path: str, env: dict[str, str], overrides: dict[str, Any],
     from pcompile.compiler.oracle import rounding_rtol, single_device
     from pcompile.compiler.runtime import StandAloneRunner, batches
 
+    for key in ("PIPE_CHUNKS", "GPT_CHUNKS", "GPT_LAYERS"):  # left by an earlier case
+        os.environ.pop(key, None)
     os.environ.update(env)
     program = compile_model(path, devices=8, dump=False, parallel_mode="semi_auto_parallel",
                             overrides=overrides)
@@ -122,7 +141,7 @@ def run_matrix_case(path: str, env: dict[str, str], overrides: dict[str, Any],
             worst = max(worst, rel(got, want))
             compared += 1
     return {"stages": pipe.stages, "micro": pipe.micro, "scheduler": pipe.scheduler,
-            "losses": losses, "worst": worst, "compared": compared,
+            "chunks": pipe.chunks, "losses": losses, "worst": worst, "compared": compared,
             "stored": len(one.values), "bound": rounding_rtol(program, np.float64, steps)}
 
 

@@ -30,13 +30,15 @@ def mlp(monkeypatch, micro: int = 4, scheduler: str = "1f1b", **kwargs):
     return compile_model(MLP, devices=8, **kwargs)
 
 
-def gpt(monkeypatch, stages: int, micro: int, scheduler: str, **kwargs):
+def gpt(monkeypatch, stages: int, micro: int, scheduler: str, interleave: bool = False,
+        **kwargs):
     monkeypatch.setenv("GPT_MICRO", str(micro))
     monkeypatch.setenv("GPT_BATCH", "16")
     kwargs.setdefault("dump", False)
     return compile_model(GPT, devices=8, parallel_mode="semi_auto_parallel",
                          overrides={"pipeline_stages": stages,
-                                    "pipeline_config": {"pipeline_scheduler": scheduler}},
+                                    "pipeline_config": {"pipeline_scheduler": scheduler,
+                                                        "pipeline_interleave": interleave}},
                          **kwargs)
 
 
@@ -68,6 +70,66 @@ def test_gpt_example_trains_like_one_device(monkeypatch, stages, micro, schedule
     # AdamWeightDecay's global state (beta powers) is kept by every stage that updates weights
     pipe = program.state.pipeline.program
     assert all(len(s) == 1 for n, s in pipe.param_stages.items() if "." in n)
+
+
+@pytest.mark.parametrize("scheduler", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("micro", [1, 4, 8])
+def test_interleaved_mlp_trains_like_one_device(monkeypatch, micro, scheduler) -> None:
+    """4 stages x 2 chunks (pipeline_segment 0 and 1) x 2-way model parallel: stage s holds
+    blocks s and s + 4, and the activations go round the stages twice."""
+    monkeypatch.setenv("PIPE_CHUNKS", "2")
+    monkeypatch.setenv("PIPE_BATCH", "32")
+    program = mlp(monkeypatch, micro, scheduler)
+    pipe = program.state.pipeline.program
+    assert (pipe.stages, pipe.chunks, pipe.micro) == (4, 2, micro)
+    assert {name: stages for name, stages in pipe.param_stages.items()
+            if name.startswith("blocks.") and name.endswith("w1")} == {
+        f"blocks.{i}.w1": [i % 4] for i in range(8)}
+    # the last stage of segment 0 sends to the first stage of segment 1
+    assert {(t.src, t.dst) for t in pipe.transfers} >= {(3, 0), (0, 3)}
+    report = check(program, steps=3)
+    assert report.ok(), (report.losses, report.worst)
+    sched = pipe.schedule
+    if micro % 4 == 0:  # whole groups of S micro-batches: the ideal interleaved bubble
+        assert sched.num_ticks == 2 * (micro * 2 + 4 - 1)
+        assert sched.bubble == pytest.approx((4 - 1) / (micro * 2 + 4 - 1))
+
+
+@pytest.mark.parametrize("scheduler", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("micro", [2, 4])
+def test_interleaved_gpt_trains_like_one_device(monkeypatch, micro, scheduler) -> None:
+    monkeypatch.setenv("GPT_LAYERS", "6")
+    program = gpt(monkeypatch, 2, micro, scheduler, interleave=True)
+    pipe = program.state.pipeline.program
+    assert pipe.chunks == 2
+    report = check(program, steps=2)
+    assert report.ok(), (report.losses, report.worst)
+
+
+def test_interleaved_dumps_name_the_chunk_of_every_unit(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("PIPE_CHUNKS", "2")
+    out = tmp_path / "out"
+    mlp(monkeypatch, 4, "1f1b", dump=True, out_dir=str(out))
+    sends, receives = {}, {}
+    for r in range(8):
+        graph = parse_graph((out / f"rank_{r}" / "08_execute.ir").read_text())
+        assert graph.attrs["pipeline_chunks"] == 2
+        units = {(n.parallel.extra.get("micro"), n.parallel.extra.get("chunk"))
+                 for n in graph.nodes if n.parallel is not None and "micro" in n.parallel.extra}
+        assert units == {(k, c) for k in range(4) for c in range(2)}
+        for node in graph.nodes:
+            if node.op in ("Send", "Receive"):
+                key = "dest_rank" if node.op == "Send" else "src_rank"
+                side = sends if node.op == "Send" else receives
+                side[(r, node.attrs["sr_tag"])] = (node.attrs[key], node.parallel.extra["micro"])
+    assert sends and len(sends) == len(receives)
+    for (r, tag), (dest, micro) in sends.items():
+        assert abs(dest - r) in (2, 6)  # a neighbouring stage, or round from 3 to 0
+        assert receives[(dest, tag)] == (r, micro)
+    info = json.loads((out / "plan.json").read_text())["pipeline"]
+    assert info["chunks"] == 2
+    assert info["per_stage"][0]["units"][:2] == [{"tick": 0, "unit": "F0c0"},
+                                                 {"tick": 1, "unit": "F1c0"}]
 
 
 def test_micro_batches_without_stages_accumulate_gradients(monkeypatch) -> None:
@@ -168,18 +230,71 @@ def test_cli_draws_the_schedule(monkeypatch, tmp_path) -> None:
 # -- schedules ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stages,micro", [(2, 1), (2, 4), (4, 2), (4, 8)])
-def test_schedules_run_every_unit_once_and_1f1b_holds_fewer_micro_batches(stages, micro) -> None:
+@pytest.mark.parametrize("stages,micro,chunks", [(2, 1, 1), (2, 4, 1), (4, 2, 1), (4, 8, 1),
+                                                 (2, 4, 2), (4, 8, 2), (4, 2, 3), (3, 6, 4)])
+def test_schedules_run_every_unit_once_and_1f1b_holds_fewer_micro_batches(stages, micro,
+                                                                          chunks) -> None:
     for s in range(stages):
-        gpipe = unit_sequence("gpipe", stages, s, micro)
-        one = unit_sequence("1f1b", stages, s, micro)
+        gpipe = unit_sequence("gpipe", stages, s, micro, chunks)
+        one = unit_sequence("1f1b", stages, s, micro, chunks)
         assert sorted(gpipe) == sorted(one) == sorted(
-            [(p, k) for p in "FB" for k in range(micro)])
-        for seq in (gpipe, one):  # a micro-batch's backward after its forward
-            assert all(seq.index(("F", k)) < seq.index(("B", k)) for k in range(micro))
-        flight = max(sum(1 if p == "F" else -1 for p, _ in one[:i + 1])
+            [(p, k, c) for p in "FB" for k in range(micro) for c in range(chunks)])
+        for seq in (gpipe, one):  # a chunk's backward after its forward
+            assert all(seq.index(("F", k, c)) < seq.index(("B", k, c))
+                       for k in range(micro) for c in range(chunks))
+        flight = max(sum(1 if p == "F" else -1 for p, _, _ in one[:i + 1])
                      for i in range(len(one)))
-        assert flight == min(stages - s, micro)
+        if chunks == 1:
+            assert flight == min(stages - s, micro)
+        else:  # Megatron-LM's warm-up: 2(S-1-s) + (v-1)S chunk-units, then one more
+            assert flight == min(2 * (stages - 1 - s) + (chunks - 1) * stages + 1,
+                                 micro * chunks)
+
+
+def unit_ticks(stages: int, micro: int, chunks: int, scheduler: str) -> dict | None:
+    """Earliest ticks of every stage's units when chunk g * S + s of micro-batch k needs
+    chunk g * S + s - 1's forward (and + 1's backward) of k, one unit per tick and stage;
+    None when the stages wait on each other in a cycle."""
+    deps = {}
+    for s in range(stages):
+        seq = unit_sequence(scheduler, stages, s, micro, chunks)
+        for i, (phase, k, c) in enumerate(seq):
+            need = {(s, seq[i - 1])} if i else set()
+            u = c * stages + s
+            if phase == "F" and u > 0:
+                need.add(((u - 1) % stages, ("F", k, (u - 1) // stages)))
+            elif phase == "B":
+                last = u == stages * chunks - 1
+                need.add((s, ("F", k, c)) if last else
+                         ((u + 1) % stages, ("B", k, (u + 1) // stages)))
+            deps[(s, (phase, k, c))] = need
+    done: dict = {}
+    while len(done) < len(deps):
+        ready = [x for x in deps if x not in done and deps[x] <= done.keys()]
+        if not ready:
+            return None
+        for x in ready:
+            done[x] = max((done[d] + 1 for d in deps[x]), default=0)
+    return done
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 8])
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+def test_interleaved_schedules_never_deadlock_and_reach_the_ideal_bubble(stages, chunks) -> None:
+    for micro in range(1, 3 * stages + 1):
+        for scheduler in ("gpipe", "1f1b"):
+            ticks = unit_ticks(stages, micro, chunks, scheduler)
+            refused = scheduler == "1f1b" and chunks > 1 and micro > stages and micro % stages
+            if refused:  # check_interleave refuses these: the stages wait on each other
+                continue
+            assert ticks is not None, (stages, micro, chunks, scheduler)
+            span = 1 + max(ticks.values())
+            bubble = 1 - 2 * micro * chunks / span
+            ideal = (stages - 1) / (micro * chunks + stages - 1)
+            if micro % stages == 0 or chunks == 1:
+                assert bubble == pytest.approx(ideal), (stages, micro, chunks, scheduler)
+            else:  # a partial group of micro-batches leaves stages idle
+                assert bubble >= ideal - 1e-12
 
 
 @pytest.mark.parametrize("micro", [1, 2, 4, 8])
@@ -308,7 +423,6 @@ def test_a_weight_shared_between_stages_is_refused(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("config,expected", [
-    ("pipeline_config={'pipeline_interleave': True}", "pipeline_interleave=True"),
     ("pipeline_config={'pipeline_scheduler': 'seqpipe'}", "pipeline_scheduler='seqpipe'"),
 ])
 def test_unimplemented_pipeline_configs_are_refused(tmp_path, config, expected) -> None:
@@ -316,11 +430,40 @@ def test_unimplemented_pipeline_configs_are_refused(tmp_path, config, expected) 
     assert expected in message and "not implemented" in message
 
 
-def test_pipeline_segments_are_refused(tmp_path) -> None:
-    text = TWO_STAGES.replace("        self.l1.pipeline_stage = STAGE1\n",
-                              "        self.l1.pipeline_stage = STAGE1\n"
-                              "        self.l1.pipeline_segment = 1\n")
-    assert "has pipeline_segment 1" in error_of(write_model(tmp_path, text))
+def segments(first: int, second: int) -> str:
+    return TWO_STAGES.replace("        self.l2.pipeline_stage = STAGE2\n",
+                              "        self.l2.pipeline_stage = STAGE2\n"
+                              f"        self.l1.pipeline_segment = {first}\n"
+                              f"        self.l2.pipeline_segment = {second}\n")
+
+
+def test_pipeline_segments_need_pipeline_interleave(tmp_path) -> None:
+    message = error_of(write_model(tmp_path, segments(0, 1)))
+    assert "cell `l2` (Dense) has pipeline_segment 1, but pipeline_config " \
+           "pipeline_interleave is False" in message
+
+
+INTERLEAVE = "pipeline_config={'pipeline_interleave': True}"
+
+
+def test_segments_out_of_order_are_named(tmp_path) -> None:
+    """l1 in stage 0 segment 1 feeds l2 in stage 1 segment 0: backwards in (segment, stage)."""
+    message = error_of(write_model(tmp_path, segments(1, 0), context=INTERLEAVE))
+    assert "in stage 1 segment 0 reads the output of" in message
+    assert "in stage 0 segment 1" in message and "in the order (segment, stage)" in message
+
+
+def test_interleaved_1f1b_needs_whole_groups_of_micro_batches(tmp_path) -> None:
+    """l1 on stage 0, l2 on stage 1, both in segment 1: chunks 2 and 3 of 4."""
+    path = write_model(tmp_path, segments(1, 1), micro=3, batch=12, context=INTERLEAVE)
+    message = error_of(path)
+    assert "micro_size must be a multiple of 2 (or at most 2); micro_size=3" in message
+    assert "pipeline_scheduler 'gpipe'" in message
+    gpipe = "pipeline_config={'pipeline_interleave': True, 'pipeline_scheduler': 'gpipe'}"
+    program = compile_model(write_model(tmp_path, segments(1, 1), micro=3, batch=12,
+                                        context=gpipe, name="gpipe.py"),
+                            devices=4, dump=False)
+    assert program.state.pipeline.program.chunks == 2 and check(program, steps=2).ok()
 
 
 def test_pipeline_stages_need_an_auto_or_semi_auto_mode(tmp_path) -> None:

@@ -38,7 +38,7 @@ def test_pipeline_on_jax_equals_the_simulator_and_one_device() -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("REPORT ")][-1]
     report = json.loads(line[len("REPORT "):])
-    assert set(report) == {"mlp_1f1b", "gpt_gpipe"}
+    assert set(report) == {"mlp_1f1b", "gpt_gpipe", "mlp_interleaved_1f1b"}
     for case, result in report.items():
         # every rank's stored values (its stage's weights and optimizer state) were compared
         assert result["stored"] > 0 and result["compared"] >= result["stored"], case
@@ -53,17 +53,20 @@ def test_pipeline_on_jax_equals_the_simulator_and_one_device() -> None:
 def test_pipeline_matrix_on_jax_equals_one_device() -> None:
     """The issue's matrix on 8 virtual CPU devices in one process, 20 steps each: the MLP
     example (2-way model parallel inside each stage) and the GPT example, 2 and 4 stages,
-    micro sizes 1, 2, 4, GPipe and 1F1B, as one JAX program in float64 against the
+    micro sizes 1, 2, 4, GPipe and 1F1B, and six interleaved configurations (2 chunks per
+    stage), as one JAX program in float64 against the
     single-device program in float64 (bound: `rounding_rtol(program, float64, 20)`)."""
     proc = subprocess.run([sys.executable, "-m", "tests.pipeline_worker", "matrix"], cwd=ROOT,
                           capture_output=True, text=True, env=clean_env(), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("REPORT ")][-1]
     report = json.loads(line[len("REPORT "):])
-    assert {(r["stages"], r["micro"], r["scheduler"], name.split("_")[0])
+    assert {(r["stages"], r["micro"], r["scheduler"], name.split("_")[0], r["chunks"])
             for name, r in report.items()} == {
-        (s, m, k, model) for s in (2, 4) for m in (1, 2, 4) for k in ("gpipe", "1f1b")
-        for model in ("mlp", "gpt")}
+        (s, m, k, model, 1) for s in (2, 4) for m in (1, 2, 4) for k in ("gpipe", "1f1b")
+        for model in ("mlp", "gpt")} | {
+        (s, m, k, model, 2) for s, m, model in ((4, 4, "mlp"), (2, 2, "mlp"), (2, 4, "gpt"))
+        for k in ("gpipe", "1f1b")}
     for name, result in report.items():
         bound = result["bound"]
         assert result["compared"] >= result["stored"] > 0, name
@@ -87,6 +90,9 @@ PROCESS_CASES: list[tuple[str, str, dict[str, str], dict[str, Any]]] = [
      {"pipeline_stages": 2, "pipeline_config": {"pipeline_scheduler": "1f1b"}}),
     ("gpt2_1f1b_m4", GPT, {"GPT_MICRO": "4"},
      {"pipeline_stages": 2, "pipeline_config": {"pipeline_scheduler": "1f1b"}}),
+    # interleaved: 4 stages x 2 chunks of the MLP, 1F1B, 4 micro-batches
+    ("mlp_v2_1f1b_m4", MLP, {"PIPE_MICRO": "4", "PIPE_SCHEDULER": "1f1b", "PIPE_CHUNKS": "2"},
+     {}),
 ]
 
 
@@ -157,7 +163,8 @@ def test_gpt_pipeline_trains_on_8_processes(tmp_path: Any, monkeypatch) -> None:
 def test_pipeline_matrix_trains_on_8_processes(tmp_path: Any, monkeypatch) -> None:
     """The issue's check on 8 `jax.distributed` processes, 20 steps each: the 4-stage x
     2-way MLP (1F1B with 4 micro-batches, GPipe with 1) and the GPT example (4 stages GPipe
-    with 2 micro-batches; 2 stages 1F1B with 1 and 4), compiled here, trained by one launch
+    with 2 micro-batches; 2 stages 1F1B with 1 and 4) and the MLP interleaved (2 chunks per
+    stage, 1F1B with 4 micro-batches), compiled here, trained by one launch
     (tests/pipeline_processes.py), each against single-device float32 training."""
     from pcompile.backends.launcher import free_port
 

@@ -37,6 +37,7 @@ from pcompile.backends.jax.plan import (
 from pcompile.ir.core import Graph, NodeResult
 from pcompile.ir.rank import RankGroup
 from pcompile.ir.registry import get_op
+from pcompile.passes.pipeline_schedule import unit_name
 
 #: (node index, dtype name, offset, shape): one value in a packed buffer.
 Slot = tuple[int, str, int, tuple[int, ...]]
@@ -145,7 +146,7 @@ def _tables(program: Any) -> PipelineTables:
     tick_of: list[dict[int, int]] = [{} for _ in graphs]  # node index -> tick
     for u in sched.units:
         for label, tick, members in zip(u.sequence, u.ticks, u.nodes):
-            units[tick][u.stage] = (f"{label[0]}{label[1]}", tuple(members))
+            units[tick][u.stage] = (unit_name(label, sched.chunks), tuple(members))
             for k in members:
                 tick_of[u.stage][k] = tick
     # When each sent value arrives (the tick after it is sent).
