@@ -555,13 +555,18 @@ DATASET = """def dataset():
 
 @pytest.mark.parametrize("search", ["sharding_propagation", "recursive_programming",
                                     "dynamic_programming"])
-def test_auto_parallel_searches_within_each_stage(monkeypatch, search) -> None:
+@pytest.mark.parametrize("interleave", [False, True])
+def test_auto_parallel_searches_within_each_stage(monkeypatch, search, interleave) -> None:
     """auto_parallel with pipeline stages: every strategy is chosen for the stage's devices
-    (each layout's device matrix has 8 / 2 = 4 devices), and the plan trains like one device."""
+    (each layout's device matrix has 8 / 2 = 4 devices), and the plan trains like one device;
+    also with interleaved stages (2 chunks per stage)."""
     monkeypatch.setenv("GPT_MICRO", "2")
     monkeypatch.setenv("GPT_BATCH", "16")
     program = compile_model(GPT, devices=8, dump=False, parallel_mode="auto_parallel",
-                            search_mode=search, overrides={"pipeline_stages": 2})
+                            search_mode=search, overrides={
+                                "pipeline_stages": 2,
+                                "pipeline_config": {"pipeline_interleave": interleave}})
+    assert program.state.pipeline.program.chunks == (2 if interleave else 1)
     assert program.state.pipelined and program.state.stage_devices == 4
     layouts = program.state.assignment.param_layouts
     assert layouts and {math.prod(lay.dev_matrix) for lay in layouts.values()} == {4}
