@@ -106,6 +106,42 @@ def test_interleaved_gpt_trains_like_one_device(monkeypatch, micro, scheduler) -
     assert report.ok(), (report.losses, report.worst)
 
 
+def test_interleaved_stages_with_the_parallel_optimizer(monkeypatch) -> None:
+    """4 stages x 2 chunks, each stage 2-way data parallel: the parallel optimizer shards every
+    chunk's weights over its stage, and gradient_accumulation_shard reduce-scatters each
+    micro-batch's gradient instead of the step's."""
+    monkeypatch.setenv("PIPE_CHUNKS", "2")
+    monkeypatch.setenv("PIPE_MP", "1")
+
+    def scatters(shard: bool) -> int:
+        program = mlp(monkeypatch, 2, "1f1b", overrides={
+            "enable_parallel_optimizer": True,
+            "parallel_optimizer_config": {"parallel_optimizer_threshold": 0,
+                                          "gradient_accumulation_shard": shard}})
+        assert program.state.pipeline.program.chunks == 2
+        report = check(program, steps=2)
+        assert report.ok(), (report.losses, report.worst)
+        return sum(1 for g in program.state.graphs for n in g.nodes if n.op == "ReduceScatter")
+
+    assert scatters(True) > scatters(False) > 0
+
+
+def test_segment_config_and_micro_batch_interleaved_in_an_interleaved_pipeline(tmp_path) -> None:
+    text = TWO_STAGES.replace(
+        "nn.PipelineCell(nn.WithLossCell(Net(), nn.MSELoss()), micro_size=MICRO)",
+        "nn.PipelineCell(nn.MicroBatchInterleaved(nn.WithLossCell(Net(), nn.MSELoss()), 2), "
+        "micro_size=MICRO, stage_config={'l1': 0, 'l2': 1}, segment_config={'l1': 0, 'l2': 1})"
+    ).replace("        self.l1.pipeline_stage = STAGE1\n        self.l2.pipeline_stage = STAGE2\n",
+              "").replace("def labels():\n    return (np.zeros((BATCH, 8), np.float32),)", DATASET)
+    program = compile_model(write_model(tmp_path, text, batch=16, context=INTERLEAVE),
+                            devices=4, dump=False)
+    pipe = program.state.pipeline.program
+    assert pipe.chunks == 2 and pipe.param_stages["l1.weight"] == [0]
+    assert pipe.param_stages["l2.weight"] == [1]
+    assert len(pipe.schedule.units[1].sequence) == 2 * 2 * 2  # F and B, 2 micro, 2 chunks
+    assert check(program, steps=2).ok()
+
+
 def test_interleaved_dumps_name_the_chunk_of_every_unit(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("PIPE_CHUNKS", "2")
     out = tmp_path / "out"
