@@ -481,6 +481,43 @@ def test_a_scale_that_overflows_float32_is_lowered(tmp_path: Any) -> None:
         assert np.array_equal(runner.values[name], value)
 
 
+# -- ops.assign in a training step cell ---------------------------------------------------------
+
+ASSIGN = """
+class SmoothedLossStep(nn.TrainOneStepCell):
+    def __init__(self, network, optimizer):
+        super().__init__(network, optimizer)
+        self.smooth = Parameter(Tensor(np.zeros((), np.float32)), "smooth", requires_grad=False)
+
+    def construct(self, *inputs):
+        loss = self.network(*inputs)
+        grads = self.grad(self.network, self.weights)(*inputs)
+        loss = ops.depend(loss, self.optimizer(grads))
+        ops.assign(self.smooth, self.smooth * 0.5 + loss * 0.5)
+        return loss
+
+
+def model():
+    net = Net()
+    return SmoothedLossStep(nn.WithLossCell(net, nn.MSELoss()),
+                            nn.SGD(net.trainable_params(), learning_rate=0.1))
+"""
+
+
+def test_assign_stores_a_new_value_of_a_step_parameter(tmp_path: Any) -> None:
+    """ops.assign keeps a smoothed loss in the step cell's own Parameter: the step returns it
+    as a stored value, every step reads the previous one, and the plan trains like one
+    device."""
+    program = compile_source(tmp_path, ASSIGN, devices=8)
+    assert program.output_names == ["loss", "w1", "w2", "smooth"]
+    assert_oracle(program, steps=3)
+    runner = ParallelRunner(program, float64=True)
+    want = 0.0
+    for _, _, arrays in batches(program, 3):
+        want = 0.5 * want + 0.5 * runner.step(arrays)
+        assert abs(float(runner.global_value("smooth")) - want) <= FLOAT64_RTOL * want
+
+
 # -- global-norm clipping ----------------------------------------------------------------------
 
 CLIP = """
