@@ -133,6 +133,10 @@ def test_four_processes_train_like_one_device_and_merge(model_path, tmp_path) ->
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output
     assert "every rank reports the same loss" in output
+    # process 0 compiled the step; the three others loaded its executable
+    for r in (1, 2, 3):
+        log = (out / f"rank_{r}" / "run.log").read_text()
+        assert "(the executable compiled by process 0)" in log, log
     info = json.loads((out / "launch.json").read_text())
     assert [p["ranks"] for p in info["processes"]] == [[0], [1], [2], [3]]
     parallel = compile_model(model_path, devices=4, dump=False)

@@ -170,9 +170,18 @@ def test_pipeline_matrix_trains_on_8_processes(tmp_path: Any, monkeypatch) -> No
 
     monkeypatch.setenv("GPT_BATCH", "16")
     programs = {}
-    for name, path, env, overrides in PROCESS_CASES:
+
+    def use_env(env: dict[str, str]) -> None:
+        """This case's variables and no other case's (the single-device reference traces the
+        model file again under them)."""
+        for _, _, other, _ in PROCESS_CASES:
+            for key in other:
+                monkeypatch.delenv(key, raising=False)
         for key, value in env.items():
             monkeypatch.setenv(key, value)
+
+    for name, path, env, overrides in PROCESS_CASES:
+        use_env(env)
         programs[name] = compile_model(path, devices=8, out_dir=str(tmp_path / name),
                                        dump_ranks="none", parallel_mode="semi_auto_parallel",
                                        overrides=overrides)
@@ -197,5 +206,9 @@ def test_pipeline_matrix_trains_on_8_processes(tmp_path: Any, monkeypatch) -> No
                 proc.kill()
     assert codes == [0] * 8, "\n".join(f"process {p}: {codes[p]}\n"
                                        + logs[p].read_text()[-2000:] for p in range(8))
-    for name, program in programs.items():
-        compare_with_one_device(program, tmp_path / name, STEPS)
+    for p in range(1, 8):  # process 0 compiled each program, the others loaded its executable
+        assert logs[p].read_text().count("(the executable compiled by process 0)") == len(
+            PROCESS_CASES), logs[p].read_text()[-2000:]
+    for name, _, env, _ in PROCESS_CASES:
+        use_env(env)
+        compare_with_one_device(programs[name], tmp_path / name, STEPS)

@@ -510,6 +510,7 @@ class _Runner:
         import jax.numpy as jnp
         from jax import lax
 
+        from pcompile.backends.jax.shared_compile import SharedStep
         from pcompile.backends.jax.spmd import spmd_function
 
         step = self.m.step
@@ -528,7 +529,9 @@ class _Runner:
         # a pipeline program's step is assembled per tick (pipeline.run_step): no donation there
         donated = tuple(n + i for i, (name, *_) in enumerate(self.stored)
                         if donate and not pipeline and name in updated)
-        return spmd_function(body, self.mesh, donated, check_vma=not pipeline)
+        jitted = spmd_function(body, self.mesh, donated, check_vma=not pipeline)
+        # compiled by process 0 only, when the processes run the same program on one host
+        return SharedStep(jitted, f"{self.m.PLAN_ID}/{'train' if donate else 'infer'}")
 
     def _load_values(self, resume_step: int | None) -> tuple[dict[int, dict[str, np.ndarray]],
                                                               dict[str, Any]]:
@@ -704,8 +707,9 @@ class _Runner:
         if not first and total > after_first[1]:  # the steady rate: without compiling
             per = (loop_end - after_first[0]) / (total - after_first[1])
             rate = f" ({per * 1000:.3f} ms/step after the first)"
+        shared = " (the executable compiled by process 0)" if getattr(fn, "shared", False) else ""
         self._say(f"rank(s) {self.local[0]}..{self.local[-1]}: steps {done + 1}..{total} in "
-                  f"{elapsed:.2f} s{rate}", force=True)
+                  f"{elapsed:.2f} s{rate}{shared}", force=True)
         return 0
 
     def _infer(self) -> int:
