@@ -166,6 +166,15 @@ def test_interleaved_dumps_name_the_chunk_of_every_unit(monkeypatch, tmp_path) -
     assert info["chunks"] == 2
     assert info["per_stage"][0]["units"][:2] == [{"tick": 0, "unit": "F0c0"},
                                                  {"tick": 1, "unit": "F1c0"}]
+    from click.testing import CliRunner
+
+    from pcompile.cli import main
+
+    shown = CliRunner().invoke(main, ["show", str(out)])
+    assert shown.exit_code == 0, shown.output
+    assert "pipeline schedule: 1f1b interleaved, 4 stages x 2 device(s), 2 chunks" in shown.output
+    assert "stage 3  .    .    .    F0c0 F1c0 F2c0 F3c0 F0c1 B0c1 F1c1" in shown.output
+    assert "ideal (S-1)/(m*v+S-1) = 27.3%" in shown.output
 
 
 def test_micro_batches_without_stages_accumulate_gradients(monkeypatch) -> None:
