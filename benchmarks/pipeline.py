@@ -15,10 +15,13 @@ For each micro size m and scheduler the script reports:
   `seconds_per_tick`: step_seconds / ticks; `step_cpu_seconds`: the median CPU time of this
   process per step (all virtual devices together; less sensitive than wall time to other
   work on the machine);
-* `carried_elements`: elements every device repacks into its carry per step (the sum over
-  ticks of the carry buffer, padded to the largest stage's), and `carried_weight_sized`: per
-  stage, the part of what the stage holds between ticks that is weight-sized (gradient
-  accumulators, updated weights and optimizer state), summed over ticks;
+* `carried_elements`: elements every device writes into what it holds between ticks per
+  step: the sum over ticks of the registers some stage writes at that tick (a device whose
+  stage does not write one passes it through the tick's `lax.switch`, which XLA copies;
+  backends/jax/pipeline_plan.py), `carry_buffer_elements`: the size of all registers, and
+  `carried_weight_sized`: per stage, the part of what the stage holds between ticks that is
+  weight-sized (gradient accumulators, updated weights and optimizer state), summed over
+  ticks (elements x ticks held);
 * `activation_bytes` per stage and `micro_batches_in_flight` per stage, from the schedule
   (forward values held for a later unit at the stage's peak).
 
@@ -65,8 +68,9 @@ def measure(micro: int, scheduler: str, batch: int, hidden: int, repeat: int) ->
     step = statistics.median(times)
     tables = runner.tables
     weight = min(math.prod(p[2]) for p in tables.union_params if p[1] == "weight")
-    weight_sized = [sum(math.prod(slot[3]) for t in range(1, tables.ticks + 1)
-                        for slot in tables.carry[t][s] if math.prod(slot[3]) >= weight)
+    size = [math.prod(shape) for _, shape in tables.registers]
+    weight_sized = [sum(size[r] * (last - first + 1) for _, r, first, last in tables.held[s]
+                        if size[r] >= weight)
                     for s in range(tables.stages)]
     return {
         "micro": micro, "scheduler": scheduler, "stages": sched.stages,
@@ -74,7 +78,8 @@ def measure(micro: int, scheduler: str, batch: int, hidden: int, repeat: int) ->
         "ticks": sched.num_ticks, "step_seconds": step,
         "seconds_per_tick": step / sched.num_ticks,
         "step_cpu_seconds": statistics.median(cpu),
-        "carried_elements": sum(sum(c.values()) for c in tables.carry_sizes[1:]),
+        "carried_elements": sum(size[r] for row in tables.writes for r in row),
+        "carry_buffer_elements": sum(size),
         "carried_weight_sized": weight_sized,
         "activation_bytes": sched.held_bytes[scheduler],
         "micro_batches_in_flight": sched.in_flight[scheduler],

@@ -2,10 +2,13 @@
 
 `run_step(tables, units, arrays, float64)` is the per-device body (call it inside `shard_map`
 over the mesh with the `stage` axis): for each tick, `lax.switch` on the device's stage runs
-`units[s](label, env, params, me)` -- the nodes of stage s's unit at that tick -- after
-unpacking what the stage holds and what just arrived, and packs what it keeps and what it
-sends; then one `ppermute` per stage distance and dtype moves the sent values along the stage
-axis. After the last tick every device returns the step's outputs by name (the union of the
+`units[s](label, env, params, me)` -- the nodes of stage s's unit at that tick -- with what the
+stage holds (its registers, `PipelineTables.held`) and what just arrived; it returns the
+registers written at this tick (its new values in those it writes, the others passed through)
+and packs what it sends; then one `ppermute` per stage distance and dtype moves the sent
+values along the stage axis. The registers no stage writes at a tick do not leave the
+switch's operands, so a long-lived value is not copied.
+After the last tick every device returns the step's outputs by name (the union of the
 stages' outputs): its own stage's results, the inputs it was given for the others', and the
 loss (computed by the last stage) on every device.
 
@@ -27,7 +30,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from pcompile.backends.jax.pipeline_plan import PipelinePlan, PipelineTables, Slot
+from pcompile.backends.jax.pipeline_plan import Held, PipelinePlan, PipelineTables, Slot
 from pcompile.backends.jax.spmd import (
     apply_node,
     group_collective,
@@ -53,6 +56,11 @@ def _unpack(buffers: dict[str, Any], slots: Sequence[Slot], env: dict[int, Any])
         env[key] = lax.slice_in_dim(buffers[dtype], offset, offset + size).reshape(shape)
 
 
+def _read(registers: Sequence[Any], held: Sequence[Held], env: dict[int, Any]) -> None:
+    for key, r, *_ in held:
+        env[key] = registers[r]
+
+
 def _pack(sizes: dict[str, int], slots: Sequence[Slot], env: dict[int, Any],
           float64: bool) -> dict[str, Any]:
     parts: dict[str, list[Any]] = {dtype: [] for dtype in sizes}
@@ -70,8 +78,8 @@ def _pack(sizes: dict[str, int], slots: Sequence[Slot], env: dict[int, Any],
     return out
 
 
-def _zeros(sizes: dict[str, int], float64: bool) -> dict[str, Any]:
-    return {d: jnp.zeros((n,), _np_dtype(d, float64)) for d, n in sizes.items()}
+def _zeros(registers: Sequence[tuple[str, Sequence[int]]], float64: bool) -> list[Any]:
+    return [jnp.zeros(tuple(shape), _np_dtype(dtype, float64)) for dtype, shape in registers]
 
 
 def run_step(tables: PipelineTables | dict[str, Any], units: Sequence[UnitFn],
@@ -84,11 +92,13 @@ def run_step(tables: PipelineTables | dict[str, Any], units: Sequence[UnitFn],
     me = lax.axis_index(axes)
     stage = lax.axis_index(stage_axis)
     params = tuple(arrays)
-    carry = _zeros(tb.carry_sizes[0], float64)
+    carry = _zeros(tb.registers, float64)
     arrived: dict[int, dict[str, Any]] = {}
     for t in range(tb.ticks):
         branches = [_branch(tb, units, s, t, me, float64) for s in range(tb.stages)]
-        carry, sends = lax.switch(stage, branches, params, carry, arrived)
+        written, sends = lax.switch(stage, branches, params, tuple(carry), arrived)
+        for r, value in zip(tb.writes[t], written):
+            carry[r] = value
         arrived = {}
         for d, bufs in sends.items():
             perm = [(s, s + d) for s in range(tb.stages) if 0 <= s + d < tb.stages]
@@ -98,18 +108,22 @@ def run_step(tables: PipelineTables | dict[str, Any], units: Sequence[UnitFn],
 
 def _branch(tb: PipelineTables, units: Sequence[UnitFn], s: int, t: int, me: Any,
             float64: bool) -> Callable[..., Any]:
-    """Stage s at tick t: unpack what it holds and what arrived, run its unit, pack what it
-    keeps and what it sends."""
+    """Stage s at tick t: read what it holds and unpack what arrived, run its unit, return
+    the registers written at tick t (its new values where it writes, the rest as they
+    were) and pack what it sends."""
+    holds = tb.carry(s, t)
+    mine = {r: (key, tb.registers[r][0]) for key, r, *_ in tb.written(s, t)}
 
-    def run(params: Any, held: dict[str, Any], came: dict[int, dict[str, Any]]) -> Any:
+    def run(params: Any, regs: tuple[Any, ...], came: dict[int, dict[str, Any]]) -> Any:
         env: dict[int, Any] = {}
-        _unpack(held, tb.carry[t][s], env)
+        _read(regs, holds, env)
         for d, slots in tb.arrivals[t][s]:
             _unpack(came[d], slots, env)
         entry = tb.units[t][s]
         if entry is not None:
             units[s](entry[0], env, [params[i] for i in tb.params[s]], me)
-        kept = _pack(tb.carry_sizes[t + 1], tb.carry[t + 1][s], env, float64)
+        kept = tuple(jnp.asarray(env[mine[r][0]]).astype(_np_dtype(mine[r][1], float64))
+                     if r in mine else regs[r] for r in tb.writes[t])
         sent = {d: _pack(sizes, tb.sends[t][d][s], env, float64)
                 for d, sizes in tb.send_sizes[t].items()}
         return kept, sent
@@ -117,7 +131,7 @@ def _branch(tb: PipelineTables, units: Sequence[UnitFn], s: int, t: int, me: Any
     return run
 
 
-def _outputs(tb: PipelineTables, params: tuple[Any, ...], carry: dict[str, Any], stage: Any,
+def _outputs(tb: PipelineTables, params: tuple[Any, ...], carry: list[Any], stage: Any,
              stage_axis: str, float64: bool) -> list[Any]:
     names = list(tb.union_outputs)
     index = {p[0]: i for i, p in enumerate(tb.union_params)}
@@ -125,7 +139,7 @@ def _outputs(tb: PipelineTables, params: tuple[Any, ...], carry: dict[str, Any],
     def branch(s: int) -> Callable[..., Any]:
         def run(params: Any, carry: Any) -> Any:
             env: dict[int, Any] = {}
-            _unpack(carry, tb.carry[tb.ticks][s], env)
+            _read(carry, tb.carry(s, tb.ticks), env)
             mine = [params[i] for i in tb.params[s]]
             out = []
             for name in names:
@@ -139,7 +153,8 @@ def _outputs(tb: PipelineTables, params: tuple[Any, ...], carry: dict[str, Any],
             return tuple(out)
         return run
 
-    outs = list(lax.switch(stage, [branch(s) for s in range(tb.stages)], params, carry))
+    outs = list(lax.switch(stage, [branch(s) for s in range(tb.stages)], params,
+                           tuple(carry)))
     if "loss" in names:  # every device reports the last stage's loss
         k = names.index("loss")
         outs[k] = lax.psum(outs[k], stage_axis)
@@ -149,9 +164,9 @@ def _outputs(tb: PipelineTables, params: tuple[Any, ...], carry: dict[str, Any],
 def _loss_dtype(tb: PipelineTables, float64: bool) -> Any:
     last = tb.stages - 1
     where = tb.outputs[last]["loss"]
-    for slot in tb.carry[tb.ticks][last]:
-        if where[0] == "node" and slot[0] == where[1]:
-            return _np_dtype(slot[1], float64)
+    for key, r, *_ in tb.carry(last, tb.ticks):
+        if where[0] == "node" and key == where[1]:
+            return _np_dtype(tb.registers[r][0], float64)
     return np.float64 if float64 else np.float32
 
 

@@ -7,12 +7,20 @@ sequence of ticks (passes/pipeline_schedule.py); at each tick, `lax.switch` on t
 stage runs that stage's unit (its collectives run over stage-internal mesh axes only), and the
 values that cross stages move by `ppermute` along the stage axis right after the tick.
 
-What a stage keeps between ticks is packed per dtype into one flat buffer per tick boundary
-(`carry`): a value computed at one tick and read at a later one, a value received before the
-tick that reads it, the stage's results (new weights and optimizer state, the loss). Buffers of
-all stages have one size per dtype (the largest stage's); a switch branch unpacks its own
-stage's layout. The values one tick sends are packed the same way, one buffer per dtype and
-stage distance (`sends`); a stage unpacks what arrives by the sender's layout (`arrivals`).
+What a stage keeps between ticks lives in `registers`: arrays of one dtype and shape, the same
+set on every stage and at every tick. Each value a stage holds (one computed at one tick and
+read at a later one, one received before a later tick reads it, the stage's results: new
+weights and optimizer state, the loss) has ONE register for its whole lifetime (`held`), so a
+tick reads what it holds as is and writes only the values it defines. Only the registers
+some stage writes at a tick (`writes[t]`) come out of that tick's `lax.switch`: a register no
+stage writes then stays outside it, unmoved, while a register one stage writes is passed
+through by the others (XLA copies it there, as it copies every buffer a conditional's branch
+may change). So the allocation (in tick order, per stage) puts a value in a register that
+another stage writes at the same tick where it can (the devices' copies of one register then
+serve several stages), else in the lowest free register of its dtype and shape, else a new
+one. The values one tick sends are packed per dtype and stage distance into one flat buffer
+each (`sends`, offsets from 0); a stage unpacks what arrives by the sender's layout
+(`arrivals`).
 Graph parameters (inputs, weights, states) are the union of the stages' parameters by name; a
 device reads only its stage's.
 
@@ -41,6 +49,10 @@ from pcompile.passes.pipeline_schedule import unit_name
 
 #: (node index, dtype name, offset, shape): one value in a packed buffer.
 Slot = tuple[int, str, int, tuple[int, ...]]
+#: (node index, register, first, last): a value a stage holds in `registers[register]` entering
+#: ticks first..last (last = ticks: at the end of the step); tick first - 1, which computed or
+#: received it, writes it.
+Held = tuple[int, int, int, int]
 
 
 def _size(shape: tuple[int, ...]) -> int:
@@ -50,17 +62,20 @@ def _size(shape: tuple[int, ...]) -> int:
 @dataclass
 class PipelineTables:
     """The schedule as data (see the module docstring). Per tick t (0..ticks-1) and stage s:
-    `units[t][s]`: (label, node indices) or None; `carry[t][s]`: the slots of what stage s
-    holds entering tick t (`carry[ticks]`: at the end); `sends[t][d][s]`: what stage s sends to
-    stage s + d after tick t; `arrivals[t][s]`: (d, slots keyed by the receiver's Receive
-    nodes) unpacked at the start of tick t. Sizes are per dtype, the largest stage's."""
+    `units[t][s]`: (label, node indices) or None; `registers[r]`: (dtype name, shape) of
+    register r; `held[s]`: what stage s holds between ticks, each value in one register for
+    its lifetime (`Held`); `writes[t]`: the registers some stage writes at tick t;
+    `sends[t][d][s]`: what stage s sends to stage s + d after tick t; `arrivals[t][s]`: (d,
+    slots keyed by the receiver's Receive nodes) unpacked at the start of tick t. Send sizes
+    are per dtype, the largest stage's."""
 
     stages: int
     per_stage: int
     ticks: int
     units: list[list[tuple[str, tuple[int, ...]] | None]]
-    carry: list[list[list[Slot]]]
-    carry_sizes: list[dict[str, int]]
+    registers: list[tuple[str, tuple[int, ...]]]
+    held: list[list[Held]]
+    writes: list[list[int]]
     sends: list[dict[int, list[list[Slot]]]]
     send_sizes: list[dict[int, dict[str, int]]]
     arrivals: list[list[list[tuple[int, list[Slot]]]]]
@@ -71,6 +86,15 @@ class PipelineTables:
 
     def literal(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    def carry(self, s: int, t: int) -> list[Held]:
+        """What stage s holds entering tick t (t = ticks: at the end)."""
+        return [h for h in self.held[s] if h[2] <= t <= h[3]]
+
+    def written(self, s: int, t: int) -> list[Held]:
+        """What stage s writes at tick t: what it computed or received then and holds for a
+        later tick."""
+        return [h for h in self.held[s] if h[2] == t + 1]
 
 
 @dataclass
@@ -175,18 +199,10 @@ def _tables(program: Any) -> PipelineTables:
             if isinstance(v, NodeResult):
                 use[index[id(v)]] = ticks
         last.append(use)
-    carry: list[list[list[Slot]]] = []
-    carry_sizes: list[dict[str, int]] = []
-    for t in range(ticks + 1):
-        row, sizes = [], {}
-        for s, g in enumerate(graphs):
-            keys = [k for k in range(len(g.nodes))
-                    if defined[s][k] < t <= last[s].get(k, -1)]
-            slots = _pack([(k, g.nodes[k].result) for k in keys])
-            row.append(slots)
-            _grow(sizes, slots)
-        carry.append(row)
-        carry_sizes.append(sizes)
+    lives = [[(k, _dtype_name(g.nodes[k].result), tuple(g.nodes[k].result.shape),
+               defined[s][k] + 1, last[s][k]) for k in range(len(g.nodes))
+              if defined[s][k] < last[s].get(k, -1)] for s, g in enumerate(graphs)]
+    registers, held, writes = _allocate(lives, ticks)
     sends: list[dict[int, list[list[Slot]]]] = []
     send_sizes: list[dict[int, dict[str, int]]] = []
     by_tag: dict[int, tuple[int, int, Slot]] = {}  # tag -> (src stage, distance, sender slot)
@@ -250,9 +266,46 @@ def _tables(program: Any) -> PipelineTables:
         for name, v in zip(g.attrs["outputs"], g.outputs):
             row[name] = ("node", index[id(v)]) if id(v) in index else ("param", pindex[id(v)])
         outputs.append(row)
-    return PipelineTables(stages, program.per_stage, ticks, units, carry, carry_sizes, sends,
+    return PipelineTables(stages, program.per_stage, ticks, units, registers, held, writes,
+                          sends,
                           send_sizes, arrivals, params, outputs, list(union.values()),
                           list(program.outputs))
+
+
+def _allocate(lives: list[list[tuple[int, str, tuple[int, ...], int, int]]], ticks: int
+              ) -> tuple[list[tuple[str, tuple[int, ...]]], list[list[Held]], list[list[int]]]:
+    """Registers for the values (node, dtype, shape, first, last) each stage holds entering
+    ticks first..last. In tick order, then stage and node order, a value takes a register of
+    its dtype and shape that is free on its stage over its lifetime: first one another stage
+    writes at the same tick, else the lowest, else a new one. Returns the registers, the
+    placed values per stage and the registers written per tick."""
+    registers: list[tuple[str, tuple[int, ...]]] = []
+    by_kind: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    busy: list[dict[int, int]] = [{} for _ in lives]  # per stage: register -> last tick held
+    held: list[list[Held]] = [[] for _ in lives]
+    writes: list[list[int]] = [[] for _ in range(ticks)]
+    starts: dict[int, list[tuple[int, tuple[int, str, tuple[int, ...], int, int]]]] = {}
+    for s, values in enumerate(lives):
+        for v in values:
+            starts.setdefault(v[3], []).append((s, v))
+    for first in sorted(starts):
+        now: list[int] = []  # registers written at tick first - 1
+        for s, (k, dtype, shape, _, last) in starts[first]:
+            pool = by_kind.setdefault((dtype, shape), [])
+            free = [r for r in pool if busy[s].get(r, -1) < first]
+            shared = [r for r in free if r in now]
+            if shared or free:
+                r = (shared or free)[0]
+            else:
+                r = len(registers)
+                registers.append((dtype, shape))
+                pool.append(r)
+            busy[s][r] = last
+            held[s].append((k, r, first, last))
+            if r not in now:
+                now.append(r)
+        writes[first - 1] = sorted(now)
+    return registers, held, writes
 
 
 def _pack(values: list[tuple[int, Any]]) -> list[Slot]:
