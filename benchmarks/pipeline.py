@@ -2,15 +2,17 @@
 
     python benchmarks/pipeline.py                     # m = 1 2 4 8, both schedules
     python benchmarks/pipeline.py --micro 4 --repeat 3
+    python benchmarks/pipeline.py --chunks 2          # interleaved: 2 chunks per stage
 
 The model is examples/pipeline_mlp.py: 4 stages, each a 2-way model-parallel block, on 8
 virtual CPU devices (one JAX program over the mesh with a stage axis, `JaxPipelineRunner`).
 The global batch is fixed (`--batch`, default 64), so m micro-batches each hold batch / m rows.
 For each micro size m and scheduler the script reports:
 
-* `ideal_bubble`: (S-1)/(m+S-1); `schedule_bubble`: idle stage-ticks of the compiled
-  schedule (equal to the ideal for GPipe and 1F1B);
-* `ticks`: ticks of one step, 2 (m + S - 1);
+* `ideal_bubble`: (S-1)/(m+S-1), interleaved (`--chunks v`: the network has v x 4 blocks,
+  v per stage) (S-1)/(m v+S-1); `schedule_bubble`: idle stage-ticks of the compiled
+  schedule (equal to the ideal for GPipe and 1F1B, interleaved when m is a multiple of S);
+* `ticks`: ticks of one step, 2 (m + S - 1), interleaved 2 (m v + S - 1);
 * `step_seconds`: the median of `--repeat` steps after one warm-up;
   `seconds_per_tick`: step_seconds / ticks; `step_cpu_seconds`: the median CPU time of this
   process per step (all virtual devices together; less sensitive than wall time to other
@@ -47,13 +49,14 @@ sys.path.insert(0, os.path.dirname(ROOT))
 MODEL = os.path.join(ROOT, "examples", "pipeline_mlp.py")
 
 
-def measure(micro: int, scheduler: str, batch: int, hidden: int, repeat: int) -> dict[str, Any]:
+def measure(micro: int, scheduler: str, batch: int, hidden: int, repeat: int,
+            chunks: int = 1) -> dict[str, Any]:
     from pcompile.backends.jax.pipeline import JaxPipelineRunner
     from pcompile.compiler.driver import compile as compile_model
     from pcompile.compiler.runtime import batches
 
     os.environ.update(PIPE_MICRO=str(micro), PIPE_SCHEDULER=scheduler, PIPE_BATCH=str(batch),
-                      PIPE_HIDDEN=str(hidden))
+                      PIPE_HIDDEN=str(hidden), PIPE_CHUNKS=str(chunks))
     program = compile_model(MODEL, devices=8, dump=False)
     sched = program.state.pipeline.program.schedule
     runner = JaxPipelineRunner(program)
@@ -73,7 +76,7 @@ def measure(micro: int, scheduler: str, batch: int, hidden: int, repeat: int) ->
                         if size[r] >= weight)
                     for s in range(tables.stages)]
     return {
-        "micro": micro, "scheduler": scheduler, "stages": sched.stages,
+        "micro": micro, "scheduler": scheduler, "stages": sched.stages, "chunks": chunks,
         "ideal_bubble": sched.ideal_bubble, "schedule_bubble": sched.bubble,
         "ticks": sched.num_ticks, "step_seconds": step,
         "seconds_per_tick": step / sched.num_ticks,
@@ -93,12 +96,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--chunks", type=int, default=1,
+                        help="chunks per stage (pipeline_interleave when above 1)")
     args = parser.parse_args()
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    runs = [measure(m, s, args.batch, args.hidden, args.repeat)
-            for m in args.micro for s in args.schedulers]
+    runs = [measure(m, s, args.batch, args.hidden, args.repeat, args.chunks)
+            for m in args.micro for s in args.schedulers
+            if not (args.chunks > 1 and s == "1f1b" and m > 4 and m % 4)]
     print(json.dumps({"model": "examples/pipeline_mlp.py", "devices": 8,
                       "batch": args.batch, "hidden": args.hidden, "runs": runs}, indent=1))
 
