@@ -119,7 +119,6 @@ def test_reduce_low_precision(
         [x],
         {"axis": axis, "keep_dims": keep_dims},
         lambda x: ref(x, axis=_jax_axis(axis), keepdims=keep_dims),
-        rtol=3e-2,
         seed=seed,
     )
 

@@ -77,7 +77,7 @@ def _rms_norm_np(x: np.ndarray, gamma: np.ndarray, epsilon: float) -> tuple[np.n
 
 
 def _rms_norm_jax(x: Any, gamma: Any, epsilon: float) -> tuple[Any, Any]:
-    xa, ga = x.astype(jnp.float32), gamma.astype(jnp.float32)
+    xa, ga = (a.astype(jnp.result_type(jnp.float32, x, gamma)) for a in (x, gamma))
     axes = tuple(range(x.ndim - gamma.ndim, x.ndim))
     rstd = lax.rsqrt(jnp.mean(xa * xa, axis=axes, keepdims=True) + float(epsilon))
     return (xa * rstd * ga).astype(x.dtype), rstd
@@ -171,8 +171,8 @@ def _grad_np(dy: np.ndarray, x: np.ndarray, rstd: np.ndarray, gamma: np.ndarray
 
 
 def _grad_jax(dy: Any, x: Any, rstd: Any, gamma: Any) -> tuple[Any, Any]:
-    f32 = [a.astype(jnp.float32) for a in (dy, x, rstd, gamma)]
-    dx, dgamma = _grad(jnp, *f32)
+    dx, dgamma = _grad(jnp, *(a.astype(jnp.result_type(jnp.float32, dy, x, rstd, gamma))
+                              for a in (dy, x, rstd, gamma)))
     return dx.astype(x.dtype), dgamma.astype(gamma.dtype)
 
 
