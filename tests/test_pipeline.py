@@ -498,6 +498,15 @@ def test_segments_out_of_order_are_named(tmp_path) -> None:
     assert "in stage 0 segment 1" in message and "in the order (segment, stage)" in message
 
 
+def test_an_interleaved_loss_outside_the_last_chunk_is_refused(tmp_path) -> None:
+    """l1 on stage 1 segment 0, l2 (and the loss after it) on stage 0 segment 1: the loss is
+    computed on stage 0, not the last stage."""
+    message = error_of(write_model(tmp_path, segments(0, 1), stage1=1, stage2=0,
+                                   context=INTERLEAVE))
+    assert "the loss is not computed in the last stage" in message
+    assert "in the last stage and its last segment" in message
+
+
 def test_interleaved_1f1b_needs_whole_groups_of_micro_batches(tmp_path) -> None:
     """l1 on stage 0, l2 on stage 1, both in segment 1: chunks 2 and 3 of 4."""
     path = write_model(tmp_path, segments(1, 1), micro=3, batch=12, context=INTERLEAVE)
