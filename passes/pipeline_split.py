@@ -297,6 +297,11 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
         chunk = (max(mine) if label[0] == "B" else min(mine)) if mine else 0
         return {"micro": label[1], "chunk": chunk}
 
+    def physical(sites: Any) -> set[int]:
+        return {u % stages for u in sites}
+
+    # the stages that hold each stored parameter (its virtual stages' stages)
+    holders = {name: physical(sites) for name, sites in placed.param_stages.items()}
     names = list(graph.attrs.get("outputs") or ())
     outs: list[Graph] = []
     for s in range(stages):
@@ -312,10 +317,9 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
         if p.kind == "input":
             where[id(p)] = set()
         else:
-            where[id(p)] = {u % stages for u in placed.param_stages[p.name]}
+            where[id(p)] = set(holders[p.name])
     for node in graph.nodes:
-        sites = {u % stages for u in placed.copies.get(
-            id(node), {placed.stage.get(id(node), -1)})}
+        sites = physical(placed.copies.get(id(node), {placed.stage.get(id(node), -1)}))
         for v in node.operands:
             if isinstance(v, GraphParam) and v.kind == "input":
                 where[id(v)] |= sites
@@ -373,8 +377,7 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
     for node in graph.nodes:
         sites = placed.copies.get(id(node))
         pure = sites is not None
-        for s in sorted({u % stages for u in sites}) if pure else [
-                placed.stage[id(node)] % stages]:
+        for s in sorted(physical(sites)) if pure else [placed.stage[id(node)] % stages]:
             label = labels.get(id(node))
             parallel = node.parallel
             if label is not None:
@@ -397,7 +400,7 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
             if name == "loss":
                 if id(value) not in mapped[s]:
                     continue
-            elif s not in {u % stages for u in placed.param_stages.get(name, ())}:
+            elif s not in holders.get(name, ()):
                 continue
             values.append(operand(value, s, value.node) if isinstance(value, NodeResult)
                           else mapped[s][id(value)])
@@ -407,8 +410,7 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
     for s, g in enumerate(outs):
         order_by_units(g, unit_sequence(scheduler, stages, s, micro, chunks))
     transfers = _renumber(outs, transfers)
-    params = {name: sorted({u % stages for u in sites})
-              for name, sites in placed.param_stages.items()}
+    params = {name: sorted(sites) for name, sites in holders.items()}
     return PipelineProgram(stages, devices, micro, scheduler, outs, transfers, params,
                            tuple(names), chunks=chunks)
 

@@ -73,13 +73,9 @@ class StageMap:
 
     def text(self, virtual: int) -> str:
         """'stage s' (or 'stage s segment g' when interleaved) of a virtual stage."""
-        return stage_text(virtual, self.stages, self.chunks)
-
-
-def stage_text(virtual: int, stages: int, chunks: int) -> str:
-    if chunks == 1:
-        return f"stage {virtual}"
-    return f"stage {virtual % stages} segment {virtual // stages}"
+        if self.chunks == 1:
+            return f"stage {virtual}"
+        return f"stage {virtual % self.stages} segment {virtual // self.stages}"
 
 
 def _scopes(scope: str) -> list[str]:
@@ -209,10 +205,7 @@ def _check_weights(graph: Graph, result: StageMap) -> None:
 
 
 def _check_segments(cells: dict[str, ScopeCell], interleave: bool) -> None:
-    for info in cells.values():
-        if info.segment < 0:
-            raise PcompileError(
-                f"{_cell_text(info)} has pipeline_segment {info.segment}; segments are 0 or more")
+    for info in cells.values():  # (Cell's setter refuses a negative segment)
         if info.segment and not interleave:
             raise PcompileError(
                 f"{_cell_text(info)} has pipeline_segment {info.segment}, but pipeline_config "

@@ -267,8 +267,7 @@ def _tables(program: Any) -> PipelineTables:
             row[name] = ("node", index[id(v)]) if id(v) in index else ("param", pindex[id(v)])
         outputs.append(row)
     return PipelineTables(stages, program.per_stage, ticks, units, registers, held, writes,
-                          sends,
-                          send_sizes, arrivals, params, outputs, list(union.values()),
+                          sends, send_sizes, arrivals, params, outputs, list(union.values()),
                           list(program.outputs))
 
 

@@ -32,9 +32,12 @@ def _client() -> Any:
     import os
 
     import jax
-    from jax._src import distributed
 
     if jax.process_count() == 1 or os.environ.get("PCOMPILE_SHARE_EXECUTABLE") == "0":
+        return None
+    try:  # JAX keeps the client in a private module: without it, every process compiles
+        from jax._src import distributed
+    except ImportError:
         return None
     return getattr(distributed.global_state, "client", None)
 
