@@ -11,6 +11,7 @@ from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
 from pcompile.ir.sharding import OpContext
 from pcompile.ir.types import DType, TensorType
+from pcompile.passes.reshape_layout import dim_map, map_layout
 from pcompile.passes.search import SearchOptions, search
 from pcompile.passes.search.candidates import candidate_strategies, enumerate_splits
 from pcompile.passes.search.cost_graph import CostGraph
@@ -25,7 +26,6 @@ from pcompile.passes.search.cost_model import (
 )
 from pcompile.passes.search.dynamic_programming import solve
 from pcompile.passes.search.recursive_programming import build_ops, check_devices, matmul_costs
-from pcompile.passes.search.reshape import dim_map, map_layout
 
 F32 = DType.float32
 

@@ -36,6 +36,7 @@ from pcompile.ir.core import Graph, Node
 from pcompile.ir.layout import TensorLayout
 from pcompile.ir.sharding import Strategy
 from pcompile.ir.types import TensorType
+from pcompile.passes.reshape_layout import map_layout
 from pcompile.passes.search.cost_graph import CostGraph
 from pcompile.passes.search.cost_model import CostConstants, printable
 from pcompile.passes.search.explain import (
@@ -43,7 +44,6 @@ from pcompile.passes.search.explain import (
     plain_explanation,
     propagation_explanation,
 )
-from pcompile.passes.search.reshape import map_layout
 
 MODES = ("sharding_propagation", "dynamic_programming", "recursive_programming")
 

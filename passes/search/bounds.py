@@ -47,8 +47,8 @@ from math import inf, prod
 import numpy as np
 
 from pcompile.ir.layout import TensorLayout, axis_index, map_axes, rank_to_coord
+from pcompile.passes.reshape_layout import map_layout
 from pcompile.passes.search.cost_model import EPS, CostConstants
-from pcompile.passes.search.reshape import map_layout
 
 
 def practical_lower(volume: float, c: CostConstants) -> float:

@@ -49,9 +49,9 @@ from pcompile.ir.core import Constant, GraphParam
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
 from pcompile.ir.sharding import Labels, is_power_of_two, label_dims, rule_for
+from pcompile.passes.reshape_layout import dim_map
 from pcompile.passes.search.candidates import op_context
 from pcompile.passes.search.cost_graph import CostGraph, Vertex
-from pcompile.passes.search.reshape import dim_map
 from pcompile.passes.search.sharding_propagation import propagate
 
 REDIS_COEF = 16.0

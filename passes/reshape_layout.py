@@ -1,4 +1,5 @@
-"""Layouts through a Reshape (reference §2.3), for the searches and for Reshape chains.
+"""Layouts through a Reshape (reference §2.3), for the searches, Reshape chains and
+step_parallel_begin's layout flow.
 
 A Reshape from shape A to shape B keeps the row-major order of the elements, so a layout of A
 has an equal layout on B exactly when every rank's slice stays a contiguous block of each group
@@ -115,6 +116,29 @@ def map_layout(layout: TensorLayout, shape: tuple[int, ...]) -> TensorLayout | N
     if any(op.kind != "Reshape" for op in plan.ops):
         return None
     return mapped
+
+
+def map_layout_partly(layout: TensorLayout, shape: tuple[int, ...]) -> TensorLayout | None:
+    """The layout of `shape` that keeps every split of `layout` the reshape allows: the splits
+    of each group of dims that has no equal layout are dropped (gathered), the others kept.
+    None when nothing split survives."""
+    shape = tuple(shape)
+    if prod(layout.shape) != prod(shape):
+        return None
+    groups = blocks(layout.shape, shape)
+
+    def only(keep: set[int]) -> TensorLayout:
+        return TensorLayout(layout.dev_matrix,
+                            tuple(e if d in keep else -1 for d, e in enumerate(layout.tensor_map)),
+                            layout.shape)
+
+    kept: set[int] = set()
+    for ra, _ in groups:
+        if map_layout(only(set(ra)), shape) is not None:
+            kept.update(ra)
+    if not any(map_axes(layout.tensor_map[d]) for d in kept):
+        return None
+    return map_layout(only(kept), shape)
 
 
 def dim_map(a: tuple[int, ...], b: tuple[int, ...]) -> dict[int, int]:
