@@ -29,6 +29,7 @@ from pcompile.ir.sharding import (
     rule_for,
 )
 from pcompile.ir.types import TensorType
+from pcompile.passes.reshape_layout import map_layout, map_layout_partly
 
 #: Ops without a strategy whose output is their first operand, in its layout; their other
 #: operands are kept as they are (never redistributed).
@@ -295,9 +296,10 @@ def assign(
     result.param_layouts.update(dataset_layouts(graph, dataset_strategy, devices))
     users: dict[str, list[tuple[Node, TensorLayout]]] = {}
     follow = _followers(graph, searched)
+    transparent = _transparent(graph, searched, follow)
     for node in graph.nodes:
         if (node.op in NO_STRATEGY or node.op in LAYOUT_PASS_THROUGH
-                or id(node) in follow):
+                or id(node) in follow or id(node) in transparent):
             continue
         if rule_for(node.op) is None:
             raise OpError(
@@ -352,7 +354,7 @@ def assign(
     for p in graph.params:
         if p.name not in result.param_layouts:
             result.param_layouts[p.name] = replicated(p.shape, devices)
-    _assign_reshapes(graph, result)
+    _assign_layout_flow(graph, result, transparent)
     return result
 
 
@@ -397,23 +399,98 @@ def _follow_consumer(node: Node, result: ParallelAssignment, devices: int) -> Op
     return rule.apply(ctx, tuple(tuple(1 for _ in t.shape) for t in ctx.in_types), None)
 
 
-def _assign_reshapes(graph: Graph, result: ParallelAssignment) -> None:
-    """A Reshape's output takes the layout its first consumer wants; otherwise the natural
-    layout that keeps a dim-0 split."""
-    for node in graph.nodes:
-        if node.op != "Reshape":
+#: Strategy-less ops that are not planned: MindSpore gives a Cast without a strategy no
+#: operator info, so its output keeps its input's layout and no redistribution sits around it.
+TRANSPARENT = frozenset({"Cast"})
+
+
+def _transparent(graph: Graph, searched: dict[int, Any] | None, follow: set[int]) -> set[int]:
+    """The strategy-less Casts (not on a stored parameter, not given a strategy by the search):
+    laid out as their input, in `_assign_layout_flow`."""
+    return {id(node) for node in graph.nodes
+            if node.op in TRANSPARENT and len(node.operands) == 1
+            and node.attrs.get("in_strategy") is None
+            and not (searched and id(node) in searched) and id(node) not in follow}
+
+
+def value_layout(value: Any, result: ParallelAssignment) -> TensorLayout | None:
+    """The layout `value` is produced in, where already decided (None for constants)."""
+    if isinstance(value, GraphParam):
+        return result.param_layouts.get(value.name)
+    node = getattr(value, "node", None)
+    if node is None:
+        return None
+    if node.op == "Reshape":
+        return result.reshape_layouts.get(id(node))
+    if node.op in LAYOUT_PASS_THROUGH:
+        return value_layout(node.operands[0], result)
+    if node.op == "TupleGetItem":
+        producer = getattr(node.operands[0], "node", None)
+        sharding = result.sharding(producer) if producer is not None else None
+        index = int(node.attrs["index"])
+        if sharding is None or index >= len(sharding.out_layouts):
+            return None
+        return sharding.out_layouts[index]
+    sharding = result.sharding(node)
+    if sharding is None or len(sharding.out_layouts) != 1:
+        return None
+    return sharding.out_layouts[0]
+
+
+def _consumer_layout(node: Node, result: ParallelAssignment,
+                     transparent: set[int]) -> TensorLayout | None:
+    """The layout the first user with a strategy wants `node`'s output in, looking through
+    transparent Casts (which keep the shape)."""
+    for user, index in node.result.uses:
+        if id(user) in transparent:
+            wanted = _consumer_layout(user, result, transparent)
+            if wanted is not None:
+                return wanted
             continue
-        out_type = node.result.type
-        assert isinstance(out_type, TensorType)
-        wanted: TensorLayout | None = None
-        for user, index in node.result.uses:
-            sharding = result.sharding(user)
-            if sharding is not None:
-                wanted = sharding.in_layouts[index]
-                break
-        if wanted is None:
-            wanted = replicated(out_type.shape, result.devices)
-        result.reshape_layouts[id(node)] = wanted
+        sharding = result.sharding(user)
+        if sharding is not None and index < len(sharding.in_layouts):
+            return sharding.in_layouts[index]
+    return None
+
+
+def _assign_layout_flow(graph: Graph, result: ParallelAssignment,
+                        transparent: set[int]) -> None:
+    """Layouts of the strategy-less ops, in graph order. A Reshape's output takes the layout
+    its first user with a strategy wants (reference §2.3); a Reshape feeding only Reshapes
+    keeps its input's layout carried through the shape change (`map_layout`: split dims
+    that map to one group of dims stay split; where a group cannot keep its split, only that
+    group is gathered), so a chain redistributes once, where the shapes force it. A
+    transparent Cast takes its input's layout."""
+    for node in graph.nodes:
+        if node.op == "Reshape":
+            out_type = node.result.type
+            assert isinstance(out_type, TensorType)
+            wanted = _consumer_layout(node, result, transparent)
+            if wanted is None:
+                source = value_layout(node.operands[0], result)
+                if source is not None:
+                    wanted = (map_layout(source, out_type.shape)
+                              or map_layout_partly(source, out_type.shape))
+            if wanted is None:
+                wanted = replicated(out_type.shape, result.devices)
+            result.reshape_layouts[id(node)] = wanted
+        elif id(node) in transparent:
+            source = value_layout(node.operands[0], result)
+            sharding = None
+            if source is not None:
+                ctx = OpContext(node.op, _tensor_inputs(node), node.result.type, node.attrs,
+                                result.devices)
+                rule = rule_for(node.op)
+                assert rule is not None
+                try:
+                    sharding = layout_sharding(ctx, rule.labels(ctx), [source], None)
+                except StrategyError:
+                    sharding = None
+            if sharding is None:
+                sharding = shard_node(node, result.devices,
+                                      default_strategy(node, result.devices), None)
+            result.shardings[id(node)] = sharding
+            node.parallel = ParallelInfo(in_strategy=sharding.strategy)
 
 
 _LAYOUT_FIELDS = ("device_matrix", "tensor_map", "interleaved_parallel", "alias_name")
