@@ -39,6 +39,9 @@ def replicated_assignment(graph: Graph, devices: int) -> ParallelAssignment:
 
 
 class _Builder(RankBuilder):
+    # every value is laid out "replicated" though each rank holds its own batch
+    reduce_cotangents = False
+
     def __init__(self, *args, layerwise: set[str], **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.layerwise = layerwise

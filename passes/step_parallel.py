@@ -23,6 +23,7 @@ communication (AllReduce <-> AllReduce, AllGather <-> ReduceScatter, StridedSlic
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import prod
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,7 @@ from pcompile.ir.rank import (
 from pcompile.ir.registry import get_op
 from pcompile.ir.sharding import OpSharding
 from pcompile.ir.types import DType, TensorType
+from pcompile.passes.comm_info import collective_bytes
 from pcompile.passes.redistribution import plan_redistribution
 from pcompile.passes.step_parallel_begin import (
     LAYOUT_PASS_THROUGH,
@@ -83,6 +85,10 @@ class RankBuilder:
     rank at once (`rank=None`: what differs between ranks is an `ir.rank` value), or for one
     rank (hybrid mode's per-rank traces)."""
 
+    #: whether the layouts say which ranks hold the same values (so that partial cotangents
+    #: may be summed where it is cheapest, `plan_cotangent_reductions`)
+    reduce_cotangents = True
+
     def __init__(self, graph: Graph, assignment: ParallelAssignment, rank: int | None,
                  options: SplitOptions, fusion_ids: dict[str, int]) -> None:
         self.global_graph = graph
@@ -95,9 +101,11 @@ class RankBuilder:
         self.graph.attrs["rank"] = self.rank_value(RankId())
         self.local: dict[int, tuple[Value, Any]] = {}
         self.redistributed: dict[tuple[int, TensorLayout], Value] = {}
+        self.reshaped: dict[tuple[int, TensorLayout], Value] = {}
         self.mirrors: dict[int, Value] = {}
         self.anchor_counts: dict[str, int] = {}
         self.output_layouts: list[TensorLayout | None] = []
+        self.reductions = CotangentReductions()
 
     # -- naming ---------------------------------------------------------------------------------
     def inserted_name(self, anchor: Node, kind: str, op: str = "") -> str:
@@ -115,6 +123,9 @@ class RankBuilder:
 
     # -- build ------------------------------------------------------------------------------------
     def build(self) -> Graph:
+        if self.options.training and self.reduce_cotangents:
+            self.reductions = plan_cotangent_reductions(self.global_graph, self.assignment,
+                                                        self.options)
         for p in self.global_graph.params:
             layout = self.assignment.param_layouts[p.name]
             local_type = TensorType(p.dtype, layout.slice_shape)
@@ -171,7 +182,8 @@ class RankBuilder:
         if shard is not None and self.options.training and local is self.local[id(param)][0]:
             return self.gather_shard(local, param, user, shard)
         if self.options.training and param.kind == "weight" and param.requires_grad:
-            group = RankGroup.along(layout.dev_matrix, layout.repeat_axes)
+            axes = self.reductions.param_axes.get(param.name, layout.repeat_axes)
+            group = RankGroup.along(layout.dev_matrix, axes)
             if len(group) > 1:
                 b = Builder(self.graph, scope=user.scope, source=user.source)
                 nbytes = local.tensor_type.nbytes
@@ -184,11 +196,18 @@ class RankBuilder:
                     instance_name=self.inserted_name(user, "mirror_op"),
                     name_hint=param.name.replace(".", "_"),
                     parallel=ParallelInfo(extra={
-                        "reason": f"gradient of parameter {param.name} is all-reduced over the "
-                                  f"{len(group)} ranks that hold the same slice {layout}",
+                        "reason": self.mirror_reason(param, layout, len(group)),
                         "bytes": nbytes}),
                 )
         return value
+
+    def mirror_reason(self, param: GraphParam, layout: TensorLayout, size: int) -> str:
+        if param.name in self.reductions.param_axes:
+            return (f"gradient of parameter {param.name} is all-reduced over {size} of the "
+                    f"{layout.repeat_count} ranks that hold the same slice {layout} (the "
+                    "others' shares are summed on its user's output)")
+        return (f"gradient of parameter {param.name} is all-reduced over the {size} ranks "
+                f"that hold the same slice {layout}")
 
     def gather_shard(self, local: Value, param: GraphParam, user: Node, shard: Any) -> Value:
         """Parallel optimizer: mirror the stored part over the ranks that store the same part,
@@ -360,11 +379,34 @@ class RankBuilder:
             out = b.emit(node.op, operands, attrs, instance_name=node.instance_name,
                          name_hint=node.result.name_hint, parallel=info, user_attrs=user)
         out = self.forward_comm(node, b, out, sharding)
+        if id(node) in self.reductions.outputs:
+            out = self.output_mirror(node, b, out, self.reductions.outputs[id(node)])
         if sharding.expand == "lp_norm_partial":
             out = self.lp_norm_finish(node, b, out, attrs)
         layouts: Any = (sharding.out_layouts if len(sharding.out_layouts) > 1
                         or node.op == "Split" else sharding.out_layouts[0])
         self.local[id(node.result)] = (out, layouts)
+
+    def output_mirror(self, node: Node, b: Builder, out: Value,
+                      choice: OutputReduction) -> Value:
+        """The cotangent of `node`'s output summed over the ranks that hold the same slice of
+        it (a `_MirrorOperator` with no parameter: identity forward, AllReduce backward)."""
+        group = RankGroup.along(choice.dev_matrix, choice.axes)
+        return b.emit(
+            "_MirrorOperator", [out],
+            {**self.group_attrs(group), "dev_num": len(group),
+             "mean_flag": self.options.gradients_mean, "fusion": 0, "parameter": ""},
+            instance_name=self.inserted_name(node, "mirror_op"),
+            name_hint=node.result.name_hint,
+            user_attrs=self.inherited(node),
+            parallel=ParallelInfo(extra={
+                "reason": f"the cotangent of {node.op} '{node.instance_name}' is summed over "
+                          f"the {len(group)} ranks that hold the same slice, so parameter "
+                          f"{choice.parameter}'s gradient is all-reduced over "
+                          f"{choice.param_group} ranks instead of {choice.full_group} "
+                          f"(ring bytes {choice.chosen_bytes:.0f} instead of "
+                          f"{choice.default_bytes:.0f})",
+                "bytes": out.tensor_type.nbytes}))
 
     def as_is(self, node: Node, value: Value) -> tuple[Value, Any]:
         """An operand in whatever layout it has (a parameter behind its mirror)."""
@@ -428,14 +470,16 @@ class RankBuilder:
                 continue
             if len(group) <= 1:
                 continue
-            nbytes = out.tensor_type.nbytes
             reason = (f"forward: {node.op} '{node.instance_name}' leaves partial results over "
                       f"split reduced dims (device axes {list(comm.axes)} of "
                       f"{list(sharding.dev_matrix)})")
+            info = ParallelInfo(extra={"reason": reason})
+            partial = out
             out = b.emit(comm.kind, [out], {"op": comm.op, **self.group_attrs(group)},
                          instance_name=self.inserted_name(node, "forward_op"),
-                         parallel=ParallelInfo(extra={"reason": reason, "bytes": nbytes}),
-                         user_attrs=keep)
+                         parallel=info, user_attrs=keep)
+            info.extra["bytes"] = collective_bytes(comm.kind, partial.type, out.type,
+                                                   len(group))
         return out
 
     def masked_gather(self, node: Node, b: Builder, operands: list[Value],
@@ -542,13 +586,147 @@ class RankBuilder:
         else:
             local, have = self.local[id(value)]
         plan = plan_redistribution(have, want, self.options.enable_alltoall)
+        # Reshapes of one value to one layout that communicate are done once (the Linears
+        # that read one activation each flatten it: one AllGather, not one per Linear)
+        key = (id(local), want)
+        if plan.communicates and key in self.reshaped:
+            self.local[id(node.result)] = (self.reshaped[key], want)
+            return
         reason = f"Reshape '{node.instance_name}': {have} -> {want}"
         out = self.emit_plan(node, local, plan, reason)
         if out.shape != want.slice_shape:
             b = Builder(self.graph, scope=node.scope, source=node.source)
             out = b.emit("Reshape", [out], {"shape": want.slice_shape},
                          instance_name=node.instance_name, name_hint=node.result.name_hint)
+        if plan.communicates:
+            self.reshaped[key] = out
         self.local[id(node.result)] = (out, want)
+
+
+def ring_all_reduce_bytes(group: int, nbytes: int) -> float:
+    """Bytes one rank sends in a ring AllReduce of `nbytes` over `group` ranks."""
+    return 2.0 * (group - 1) / group * nbytes if group > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class OutputReduction:
+    """Sum an op's output cotangent over device axes `axes` (left indices of `dev_matrix`)
+    so that the gradient of `parameter` is reduced over fewer ranks."""
+
+    parameter: str
+    dev_matrix: tuple[int, ...]
+    axes: tuple[int, ...]
+    param_group: int
+    full_group: int
+    chosen_bytes: float
+    default_bytes: float
+
+
+@dataclass
+class CotangentReductions:
+    """Where partial cotangents are summed: per parameter, the device axes its gradient is
+    all-reduced over (when not all of its repeat axes); per op (id), an output reduction."""
+
+    param_axes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    outputs: dict[int, OutputReduction] = field(default_factory=dict)
+
+
+def _real_users(value: Value, follow: frozenset[str]) -> list[tuple[Node, int]] | None:
+    """The users of `value`, looking through single-operand pass-through ops (a weight's
+    Cast); None when a pass-through op is used by more than one op."""
+    out: list[tuple[Node, int]] = []
+    for user, index in value.uses:
+        if user.op in follow and len(user.operands) == 1:
+            inner = _real_users(user.result, follow)
+            if inner is None or len(inner) != 1:
+                return None
+            out.extend(inner)
+        else:
+            out.append((user, index))
+    return out
+
+
+def _cheapest_cast(node: Node, assignment: ParallelAssignment, nbytes: int
+                   ) -> tuple[Node, int]:
+    """Where along `node`'s chain of sole-user Casts (linear, same layout) its output is
+    smallest: an embedding's float32 rows are summed after their cast to the compute dtype."""
+    best, best_bytes = node, nbytes
+    layout = assignment.shardings[id(node)].out_layouts[0]
+    while len(node.result.uses) == 1:
+        user = node.result.uses[0][0]
+        sharding = assignment.sharding(user)
+        if (user.op != "Cast" or sharding is None or sharding.forward
+                or sharding.out_layouts[0] != layout):
+            break
+        node = user
+        t = node.result.type
+        assert isinstance(t, TensorType)
+        size = prod(layout.slice_shape) * t.dtype.itemsize
+        if size < best_bytes:
+            best, best_bytes = node, size
+    return best, best_bytes
+
+
+def plan_cotangent_reductions(graph: Graph, assignment: ParallelAssignment,
+                              options: SplitOptions) -> CotangentReductions:
+    """Reduce partial cotangents once, where it moves fewest bytes.
+
+    Under the parallel passes' convention a value held by several ranks (replicated over some
+    device axes) carries a *share* of its cotangent on each of them, so a parameter that is
+    replicated gets a share of its gradient on every rank holding it and its mirror sums over
+    all of them (MindSpore's rule). When the parameter's only user U (an op without forward
+    communication whose other operands carry no gradient, such as an embedding's Gather) has
+    an output replicated over axes B that the parameter is replicated over too, the shares can
+    instead be summed on U's output over B; the ranks of a B group then compute the same
+    gradient, and the mirror sums only over the remaining axes A. The choice is made per
+    parameter by ring bytes: AR(|A||B|, P) against AR(|B|, O) + AR(|A|, P), P the gradient
+    slice and O the output slice, taken after the Casts that follow U where it is smallest
+    (Megatron-LM's embedding: the activation is summed over the
+    tensor-parallel group, the table's gradient over the data-parallel group only)."""
+    out = CotangentReductions()
+    users_of: dict[str, list[tuple[Node, int]] | None] = {}
+    for param in graph.params:
+        if (param.kind != "weight" or not param.requires_grad
+                or param.name in options.opt_shard):
+            continue
+        users_of[param.name] = _real_users(param, frozenset({"Cast", "Identity"}))
+    for param in graph.params:
+        users = users_of.get(param.name)
+        if not users or len(users) != 1:
+            continue
+        user, index = users[0]
+        sharding = assignment.sharding(user)
+        if (sharding is None or sharding.forward or sharding.expand
+                or len(sharding.out_layouts) != 1 or get_op(user.op).collective):
+            continue
+        out_type = user.result.type
+        if not isinstance(out_type, TensorType) or not out_type.dtype.is_float:
+            continue
+        if any(i != index and isinstance(v.type, TensorType) and v.type.dtype.is_float
+               and not isinstance(v, Constant) for i, v in enumerate(user.operands)):
+            continue
+        p_layout = assignment.param_layouts[param.name]
+        o_layout = sharding.out_layouts[0]
+        if p_layout.dev_matrix != o_layout.dev_matrix:
+            continue
+        shared = tuple(a for a in o_layout.repeat_axes if a in p_layout.repeat_axes)
+        rest = tuple(a for a in p_layout.repeat_axes if a not in shared)
+        dev = p_layout.dev_matrix
+        b_size = prod(dev[a] for a in shared)
+        a_size = prod(dev[a] for a in rest)
+        if b_size <= 1:
+            continue
+        p_bytes = prod(p_layout.slice_shape) * param.dtype.itemsize
+        at, o_bytes = _cheapest_cast(user, assignment,
+                                     prod(o_layout.slice_shape) * out_type.dtype.itemsize)
+        default = ring_all_reduce_bytes(a_size * b_size, p_bytes)
+        chosen = ring_all_reduce_bytes(b_size, o_bytes) + ring_all_reduce_bytes(a_size, p_bytes)
+        if chosen >= default:
+            continue
+        out.param_axes[param.name] = rest
+        out.outputs[id(at)] = OutputReduction(param.name, dev, shared, a_size,
+                                                a_size * b_size, chosen, default)
+    return out
 
 
 def build_spmd_graph(graph: Graph, assignment: ParallelAssignment, options: SplitOptions,
