@@ -28,6 +28,8 @@ the attention core's primitives):
 
     python benchmarks/recompute_memory.py --model llama --layers 2 4 --dtype float32
     python benchmarks/recompute_memory.py --model llama --devices 8 --layers 4
+    python benchmarks/recompute_memory.py --model llama --devices 8 --layers 4 --modes none \
+        --seq-parallel 1   # sequence parallelism (LLAMA_SEQ_PARALLEL=1)
 
 One JSON object is printed. Nothing is asserted: numbers go to docs/benchmarks.md.
 """
@@ -214,7 +216,8 @@ def measure_llama(args: Any, layers: int, mode: str) -> dict[str, Any]:
            "LLAMA_HIDDEN": args.hidden, "LLAMA_HEADS": args.heads,
            "LLAMA_KV_HEADS": args.kv_heads or args.heads, "LLAMA_FFN": args.ffn,
            "LLAMA_VOCAB": args.vocab, "LLAMA_DTYPE": args.dtype,
-           "LLAMA_FLASH": "1" if args.flash else "0", "LLAMA_RECOMPUTE": LLAMA_MODES[mode]}
+           "LLAMA_FLASH": "1" if args.flash else "0", "LLAMA_RECOMPUTE": LLAMA_MODES[mode],
+           "LLAMA_SEQ_PARALLEL": "1" if args.seq_parallel else "0"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update({k: str(v) for k, v in env.items()})
     try:
@@ -242,6 +245,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=1024, help="llama")
     parser.add_argument("--dtype", default="bfloat16", help="llama: compute dtype")
     parser.add_argument("--flash", type=int, default=1, help="llama: 1 flash attention, 0 not")
+    parser.add_argument("--seq-parallel", type=int, default=0,
+                        help="llama: 1 sequence parallelism (LLAMA_SEQ_PARALLEL)")
     parser.add_argument("--modes", nargs="+", choices=("none", "full", "selective"),
                         default=["none", "full", "selective"], help="the variants measured")
     args = parser.parse_args()
@@ -274,7 +279,8 @@ def main() -> None:
         "shape": {"batch": args.batch, "seq": args.seq, "hidden": args.hidden,
                   "heads": args.heads, "ffn": args.ffn,
                   **({"kv_heads": args.kv_heads or args.heads, "vocab": args.vocab,
-                      "dtype": args.dtype, "flash": bool(args.flash)}
+                      "dtype": args.dtype, "flash": bool(args.flash),
+                      "seq_parallel": bool(args.seq_parallel)}
                      if args.model == "llama" else {})},
         "per_rank": rows,
     }, indent=1))

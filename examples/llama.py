@@ -27,6 +27,12 @@ more), LLAMA_BATCH (global batch). Other knobs:
   core's primitives);
 * LLAMA_VOCAB_EMB_DP: `1` (default, mindformers' `vocab_emb_dp`: the embedding table is
   replicated, the lookup split by batch) or `0` (the table split by vocabulary rows over mp);
+* LLAMA_SEQ_PARALLEL: `0` (default) or `1` (mindformers' `use_seq_parallel`, as in its
+  Llama-2-70B configuration): the norms and residual adds are split over the sequence on the
+  model-parallel axis ((dp, mp, 1)), wo and w2 reduce-scatter their output over the tokens
+  (`out_strategy` ((dp * mp, 1),)) instead of all-reducing it, and the column-parallel
+  projections gather their input: the same bytes, the norms' and residuals' activations
+  divided by mp;
 * LLAMA_TRAIN_STEP: `0` (default: model() is the network, optimizer() AdamWeightDecay) or `1`
   (model() is mindformers' training step: dynamic loss scale from LLAMA_LOSS_SCALE, default
   2^12, global-norm clipping at LLAMA_CLIP, default 1.0, AdamWeightDecay).
@@ -75,6 +81,7 @@ FLASH = os.environ.get("LLAMA_FLASH", "1") == "1"
 RECOMPUTE = os.environ.get("LLAMA_RECOMPUTE", "none")
 VOCAB_EMB_DP = os.environ.get("LLAMA_VOCAB_EMB_DP", "1") == "1"
 TRAIN_STEP = os.environ.get("LLAMA_TRAIN_STEP", "0") == "1"
+SEQ_PARALLEL = os.environ.get("LLAMA_SEQ_PARALLEL", "0") == "1"
 PAD_TOKEN_ID, IGNORE_TOKEN_ID, NORM_EPS = 0, -100, 1e-5
 
 # mindformers trains Llama in semi-auto parallel with full_batch: every rank reads the whole
@@ -90,6 +97,20 @@ def parallel_config():
     if devices % mp:
         raise ValueError(f"LLAMA_MP={mp} does not divide the {devices} devices")
     return devices // mp, mp
+
+
+def residual_strategy(dp, mp):
+    """The strategy of the residual stream [batch, seq, hidden] (its adds and norms). Under
+    sequence parallelism it is split over the tokens on mp, the same tokens as wo's and w2's
+    reduce-scattered [batch * seq, hidden] rows: (dp, mp, 1) as mindformers writes it when a
+    data-parallel rank holds one sequence (its usual batch_size 1), else over the batch,
+    (dp * mp, 1, 1) (rows are batch-major, so mp then splits whole sequences)."""
+    if not SEQ_PARALLEL:
+        return (dp, 1, 1)
+    local = BATCH // dp
+    if local == 1 or local % mp:
+        return (dp, mp, 1)
+    return (dp * mp, 1, 1)
 
 
 class Linear(nn.Cell):
@@ -205,9 +226,11 @@ class LlamaAttention(nn.Cell):
         self.wq = Linear(dim, dim, compute_dtype).shard(((dp, 1), (mp, 1)))
         self.wk = Linear(dim, self.kv_dim, compute_dtype).shard(((dp, 1), (mp, 1)))
         self.wv = Linear(dim, self.kv_dim, compute_dtype).shard(((dp, 1), (mp, 1)))
-        # mindformers gives wo out_strategy_matmul ((dp, 1),): the AllReduce form.
+        # mindformers gives wo out_strategy_matmul ((dp, 1),): the AllReduce form; under
+        # sequence parallelism ((dp * mp, 1),): the ReduceScatter form.
         self.wo = Linear(dim, dim, compute_dtype)
-        self.wo.matmul.shard(((dp, mp), (1, mp)), out_strategy=((dp, 1),))
+        self.wo.matmul.shard(((dp, mp), (1, mp)),
+                             out_strategy=((dp * mp, 1),) if SEQ_PARALLEL else ((dp, 1),))
         self.transpose = ops.Transpose().shard(((dp, 1, mp, 1),))
         self.merger_head_transpose = ops.Transpose().shard(((dp, mp, 1, 1),))
         self.apply_rotary_emb = RotaryEmbedding(self.head_dim)
@@ -288,6 +311,8 @@ class LlamaFeedForward(nn.Cell):
         self.w1 = Linear(dim, hidden_dim, compute_dtype, activation=LlamaSiLU).shard(
             ((dp, 1), (mp, 1)), strategy_activation=((dp, mp),))
         self.w2 = Linear(hidden_dim, dim, compute_dtype).shard(((dp, mp), (1, mp)))
+        if SEQ_PARALLEL:
+            self.w2.matmul.shard(((dp, mp), (1, mp)), out_strategy=((dp * mp, 1),))
         self.w3 = Linear(dim, hidden_dim, compute_dtype).shard(((dp, 1), (mp, 1)))
         self.mul = ops.Mul().shard(((dp, 1, mp), (dp, 1, mp)))
         if RECOMPUTE == "select":
@@ -310,9 +335,10 @@ class LlamaDecodeLayer(nn.Cell):
         self.ffn_norm = LlamaRMSNorm(dim)
         self.attention = LlamaAttention(dim, n_heads, n_kv_heads, compute_dtype, dp, mp)
         self.feed_forward = LlamaFeedForward(dim, ffn, compute_dtype, dp, mp)
-        self.add = ops.Add().shard(((dp, 1, 1), (dp, 1, 1)))
-        self.attention_norm.shard((dp, 1, 1))
-        self.ffn_norm.shard((dp, 1, 1))
+        residual = residual_strategy(dp, mp)
+        self.add = ops.Add().shard((residual, residual))
+        self.attention_norm.shard(residual)
+        self.ffn_norm.shard(residual)
 
     def construct(self, x, freqs_cis, mask):
         h = self.add(x, self.attention(self.attention_norm(x), freqs_cis, mask))
@@ -340,7 +366,7 @@ class LlamaModel(nn.Cell):
             for layer in self.layers:
                 layer.recompute()
         self.norm_out = LlamaRMSNorm(HIDDEN)
-        self.norm_out.shard((dp, 1, 1))
+        self.norm_out.shard(residual_strategy(dp, mp))
         # FreqsMgr's tables (float32 [seq, head_dim]) and the causal mask (1 = masked).
         head_dim = HIDDEN // HEADS
         inv_freq = 1.0 / ROPE_THETA ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
