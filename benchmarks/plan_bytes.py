@@ -23,8 +23,11 @@ in plan.json; rank 0's collectives by phase and kind, and the largest total over
 plain softmax attention, SGD update) under `jax.jit` with `NamedSharding`s on the weights and
 the tokens only (Megatron's column / row splits, LM head column-split, embedding and norms
 replicated, tokens split over dp), lowered and compiled on N virtual CPU devices
-(`jax_num_cpu_devices`, one subprocess per configuration); every collective of
-`.compile().as_text()` counts (`collective_bytes.hlo_collectives`).
+(`jax_num_cpu_devices`, one subprocess per configuration). Counted twice
+(`collective_bytes.hlo_collectives`): every collective of `.compile().as_text()`
+(`xla_gspmd`), and of the HLO right after the `spmd-partitioning` pass (`xla_gspmd_partitioner`,
+dumped with XLA_FLAGS). They agree in float32; in bfloat16 the CPU backend promotes bfloat16
+all-reduces to float32 after partitioning, so the partitioner's count is what a GPU moves.
 
 **Megatron-LM minimum** (`megatron_minimum`), per rank and step, with b = batch / dp the local
 batch, s the sequence, h the hidden size, e the compute dtype's bytes, A = b s h e the
