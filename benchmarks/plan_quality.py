@@ -13,7 +13,8 @@ written in JAX with the same annotations (`in_shardings` for inputs and annotate
 `with_sharding_constraint` on the annotated ops' operands; everything else is left to GSPMD).
 Two numbers per plan: `payload` (bytes of the collectives' operands on one rank) and `ring`
 (bytes one rank sends with ring algorithms: AllReduce 2(n-1)/n S, AllGather (n-1) S,
-ReduceScatter and AlltoAll (n-1)/n S). Prints one JSON object.
+ReduceScatter and AlltoAll (n-1)/n S), both from `benchmarks/collective_bytes.py`. Prints one
+JSON object.
 
     python benchmarks/plan_quality.py
 """
@@ -27,8 +28,12 @@ import sys
 import tempfile
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCHMARKS)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, BENCHMARKS)
+
+from collective_bytes import Collective, tally  # noqa: E402  (benchmarks/ on the path)
 
 DEVICES = 8
 MODES = [  # (label, parallel or search mode, extra environment)
@@ -115,8 +120,9 @@ def optimizer(params):
 '''
 
 XLA = r'''
-import json, re
+import json
 import numpy as np
+from collective_bytes import hlo_collectives
 import jax
 jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp
@@ -203,44 +209,6 @@ CASES = {
                        [(spec((B, T), jnp.int32), S()), (spec((B * T,), jnp.int32), S())]),
 }
 
-SIZES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-         "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-OP = re.compile(r"=\s*(.*?)\s(all-reduce|all-gather|reduce-scatter|all-to-all|"
-                r"collective-permute)(-start)?\(")
-TYPE = re.compile(r"\b(" + "|".join(SIZES) + r")\[([0-9,]*)\]")
-
-def group_size(line):
-    m = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
-    if m:
-        return len(m.group(1).split(","))
-    m = re.search(r"replica_groups=\[([0-9,]+)\]<=", line)
-    if m:
-        return int(m.group(1).split(",")[-1])
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-    if m:
-        sizes = dict((k.strip("'"), int(v)) for k, v in
-                     (x.split("=") for x in m.group(1).split(",")))
-        n = 1
-        for axis in m.group(2).split(","):
-            n *= sizes[axis.strip().strip("'")]
-        return n
-    return 8
-
-def collectives(text):
-    out = []
-    for line in text.splitlines():
-        m = OP.search(line)
-        if not m:
-            continue
-        size = 0
-        for dtype, dims in TYPE.findall(m.group(1)):
-            n = 1
-            for d in dims.split(","):
-                n *= int(d) if d else 1
-            size += n * SIZES[dtype]
-        out.append((m.group(2), size, group_size(line)))
-    return out
-
 result = {}
 for name, (fn, params, data) in CASES.items():
     p_spec = {k: spec(s) for k, (s, _) in params.items()}
@@ -249,39 +217,16 @@ for name, (fn, params, data) in CASES.items():
                    in_shardings=(p_shard, *[sh for _, sh in data]),
                    out_shardings=(S(), p_shard))
     text = step.lower(p_spec, *[s for s, _ in data]).compile().as_text()
-    result[name] = collectives(text)
+    result[name] = [(c.kind, c.operand_bytes, list(c.group), c.phase)
+                    for c in hlo_collectives(text, 8)]
 print(json.dumps(result))
 '''
 
 
-def ring_bytes(kind: str, result_or_operand: float, n: int, operand: bool) -> tuple[float, float]:
-    """(payload, ring) bytes on one rank. `operand`: the size given is the operand's (pcompile)
-    rather than the result's (XLA)."""
-    size = result_or_operand
-    if kind in ("all-gather", "AllGather"):
-        payload = size if operand else size / n
-        return payload, (n - 1) * payload
-    if kind in ("reduce-scatter", "ReduceScatter"):
-        payload = size if operand else size * n
-        return payload, (n - 1) / n * payload
-    if kind in ("all-reduce", "AllReduce"):
-        return size, 2 * (n - 1) / n * size
-    if kind in ("all-to-all", "AlltoAll"):
-        return size, (n - 1) / n * size
-    return size, size
-
-
-def summarise(items: list[tuple[str, float, int]], operand: bool) -> dict[str, Any]:
-    counts: dict[str, int] = {}
-    payload = ring = 0.0
-    for kind, size, n in items:
-        if n <= 1:
-            continue
-        counts[kind] = counts.get(kind, 0) + 1
-        p, r = ring_bytes(kind, size, n, operand)
-        payload += p
-        ring += r
-    return {"collectives": counts, "payload_bytes": int(payload), "ring_bytes": int(ring)}
+def summarise(items: list[Collective]) -> dict[str, Any]:
+    found = tally(items)
+    return {"collectives": {k: v["count"] for k, v in found.by_kind.items()},
+            "payload_bytes": found.payload, "ring_bytes": found.ring}
 
 
 def pcompile_plan(path: str, mode: str, env: dict[str, str]) -> dict[str, Any]:
@@ -303,11 +248,11 @@ def pcompile_plan(path: str, mode: str, env: dict[str, str]) -> dict[str, Any]:
             else:
                 os.environ[k] = v
     items = []
-    for node in program.rank_graphs[0].nodes:
+    for node in program.rank_graph(0).nodes:
         if get_op(node.op).collective:
             size = sum(v.tensor_type.nbytes for v in node.operands)
-            items.append((node.op, float(size), len(node.attrs.get("rank_list", ())) or 1))
-    out = summarise(items, operand=True)
+            items.append(Collective(node.op, size, tuple(node.attrs.get("rank_list", (0,)))))
+    out = summarise(items)
     if program.state.search is not None:
         out["objective"] = round(program.state.search.objective, 1)
     out["status"] = "ok"
@@ -315,12 +260,15 @@ def pcompile_plan(path: str, mode: str, env: dict[str, str]) -> dict[str, Any]:
 
 
 def xla_plans() -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [BENCHMARKS, *filter(None, [os.environ.get("PYTHONPATH")])])}
     done = subprocess.run([sys.executable, "-c", XLA], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env=env)
     if done.returncode != 0:
         return {"status": done.stderr.strip().splitlines()[-1][:300]}
     raw = json.loads(done.stdout.strip().splitlines()[-1])
-    return {name: summarise([tuple(x) for x in items], operand=False)
+    return {name: summarise([Collective(k, size, tuple(group), phase)
+                             for k, size, group, phase in items])
             for name, items in raw.items()}
 
 

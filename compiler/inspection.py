@@ -221,8 +221,9 @@ class CommRow:
     rank_list: list[int]
     phase: str
     count: int
-    bytes: int
+    bytes: int  # received (plan.json's `bytes`)
     reasons: list[str]
+    ring_bytes: int | None = 0  # sent with ring algorithms; None: an older plan.json lacks it
 
 
 def comm_summary(plan: Plan, rank: int) -> list[CommRow]:
@@ -239,6 +240,8 @@ def comm_summary(plan: Plan, rank: int) -> list[CommRow]:
             row = rows[key] = CommRow(c.op, c.group, list(c.rank_list), c.phase, 0, 0, [])
         row.count += 1
         row.bytes += c.bytes
+        row.ring_bytes = (None if row.ring_bytes is None or c.ring_bytes is None
+                          else row.ring_bytes + c.ring_bytes)
         if c.reason not in row.reasons:
             row.reasons.append(c.reason)
     return list(rows.values())
@@ -252,12 +255,16 @@ def collectives_of(plan: Plan, rank: int) -> list[PlanCollective]:
     return plan.collectives[str(rank)]
 
 
-def comm_totals(rows: list[CommRow]) -> dict[str, int]:
-    """Bytes per phase and in all (key 'total')."""
+def comm_totals(rows: list[CommRow], ring: bool = False) -> dict[str, int]:
+    """Bytes per phase and in all (key 'total'): received (plan.json's `bytes`), or with
+    `ring` the bytes sent with ring algorithms (`ring_bytes`; {} when the plan lacks them)."""
     totals: dict[str, int] = defaultdict(int)
     for row in rows:
-        totals[row.phase] += row.bytes
-        totals["total"] += row.bytes
+        size = row.ring_bytes if ring else row.bytes
+        if size is None:
+            return {}
+        totals[row.phase] += size
+        totals["total"] += size
     return dict(totals)
 
 

@@ -110,6 +110,12 @@ class PlanCollective(_Strict):
     bytes: Annotated[int, Field(ge=0)] = Field(
         description="bytes this rank receives per step (passes/comm_info.py; the `bytes` "
                     "annotation of the dump)")
+    ring_bytes: Annotated[int, Field(ge=0)] | None = Field(
+        None, description="bytes this rank sends per step when the collective runs with ring "
+                          "algorithms (AllReduce 2(n-1)/n S, AllGather (n-1) S, ReduceScatter "
+                          "and AlltoAll (n-1)/n S, S its operand on one rank; "
+                          "passes/comm_info.py); null in a plan.json written before the field "
+                          "existed")
     phase: Literal["forward", "backward", "optimizer"] = Field(
         description="which part of the step runs it")
     reason: str = Field(description="why it exists (the `reason` annotation of the dump)")
@@ -332,7 +338,13 @@ def build_plan(state: Any) -> Plan:
     """The plan of a finished compile (`compiler.driver.CompileState`)."""
     from pcompile.compiler.parameter_layout import as_json, parameter_layout_dict, use_layout
     from pcompile.ir.rank import resolve
-    from pcompile.passes.comm_info import is_communication, node_bytes, node_reason, phase_of
+    from pcompile.passes.comm_info import (
+        is_communication,
+        node_bytes,
+        node_reason,
+        node_ring_bytes,
+        phase_of,
+    )
 
     graph = state.graph
     assert graph is not None
@@ -377,7 +389,8 @@ def build_plan(state: Any) -> Plan:
                 "rank_list": sorted([rank, resolve(peer, rank)]) if peer is not None
                 else list(resolve(node.attrs.get("rank_list", ()), rank)),
                 "group": str(resolve(node.attrs.get("group", ""), rank)),
-                "bytes": node_bytes(node), "phase": phase_of(node.scope),
+                "bytes": node_bytes(node), "ring_bytes": node_ring_bytes(node),
+                "phase": phase_of(node.scope),
                 "reason": node_reason(node)})
         collectives[str(rank)] = rows
     extra = dict(state.plan)

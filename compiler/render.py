@@ -88,20 +88,29 @@ def comm_table(rows: list[inspection.CommRow], rank: int) -> Table:
     table.add_column("phase")
     table.add_column("count", justify="right")
     table.add_column("bytes", justify="right", no_wrap=True)
+    table.add_column("ring sent", justify="right", no_wrap=True)
     table.add_column("why", ratio=1)
     for r in rows:
         shown = r.reasons[:MAX_REASONS]
         more = len(r.reasons) - len(shown)
         why = "\n".join(shown) + (f"\n(+{more} more)" if more > 0 else "")
         table.add_row(r.kind, r.group, ",".join(map(str, r.rank_list)), r.phase,
-                      str(r.count), f"{r.bytes:,}", why)
-    totals = inspection.comm_totals(rows)
-    parts = [f"{phase} {totals[phase]:,}" for phase in ("forward", "backward", "optimizer")
-             if phase in totals]
-    table.caption = (f"total {totals.get('total', 0):,} bytes per step"
-                     + (f" ({', '.join(parts)})" if parts else ""))
+                      str(r.count), f"{r.bytes:,}",
+                      "?" if r.ring_bytes is None else f"{r.ring_bytes:,}", why)
+    received = inspection.comm_totals(rows)
+    sent = inspection.comm_totals(rows, ring=True)
+    table.caption = (f"total {received.get('total', 0):,} bytes per step received"
+                     + _phase_parts(received) + "; "
+                     + (f"{sent.get('total', 0):,} sent with ring algorithms" + _phase_parts(sent)
+                        if sent or not rows else "ring bytes not in this plan.json (recompile)"))
     table.caption_justify = "left"
     return table
+
+
+def _phase_parts(totals: dict[str, int]) -> str:
+    parts = [f"{phase} {totals[phase]:,}" for phase in ("forward", "backward", "optimizer")
+             if phase in totals]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 #: Distinct reasons listed per row of the communication table.

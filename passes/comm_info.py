@@ -14,6 +14,23 @@ Bytes are what ONE rank receives in one step, the convention of the parallel pas
 n is the group size (`rank_list`). A `_MirrorOperator` is the identity when the program runs;
 the bytes the parallel pass writes on it are those of the gradient AllReduce that its vjp
 emits in the backward part (alone, or as a member of a fused bucket), which is counted there.
+
+The second convention, `ring_bytes` (plan.json, `pcompile show`), is what ONE rank SENDS when
+the collective runs with ring algorithms, S the operand on one rank (one function per
+collective below, `RING_SENT`):
+
+| collective | bytes one rank sends |
+| --- | --- |
+| AllReduce | 2 (n - 1) / n x S (a ReduceScatter then an AllGather) |
+| AllGather | (n - 1) x S (its own piece passed on n - 1 times: (n - 1) / n of the output) |
+| ReduceScatter | (n - 1) / n x S |
+| AlltoAll | (n - 1) / n x S |
+| Broadcast | S (the root and every relay of the chain; the last rank sends nothing) |
+| Send / Receive | S / 0 |
+
+A group of one sends nothing. Received bytes favour an AllReduce over its ReduceScatter +
+AllGather split (S against 2 (n - 1) / n x S); ring bytes count both the same, which is what
+comparing plans with different collectives needs.
 """
 
 from __future__ import annotations
@@ -43,6 +60,69 @@ def collective_bytes(op: str, in_type: Any, out_type: Any, group_size: int) -> i
     if op == "AlltoAll":
         return nbytes(in_type) * (n - 1) // n
     return nbytes(in_type)
+
+
+def all_reduce_ring(size: int, n: int) -> int:
+    """A ring AllReduce: ReduceScatter then AllGather, each (n - 1) / n of the tensor."""
+    return 2 * (n - 1) * size // n
+
+
+def all_gather_ring(size: int, n: int) -> int:
+    """A ring AllGather of an operand of `size` bytes: n - 1 pieces passed on."""
+    return (n - 1) * size
+
+
+def reduce_scatter_ring(size: int, n: int) -> int:
+    """A ring ReduceScatter of an operand of `size` bytes: n - 1 blocks of size / n."""
+    return (n - 1) * size // n
+
+
+def all_to_all_ring(size: int, n: int) -> int:
+    """AlltoAll: every block but one's own leaves the rank."""
+    return (n - 1) * size // n
+
+
+def broadcast_ring(size: int, n: int) -> int:
+    """A chain Broadcast: the root and each relay send the tensor once."""
+    return size
+
+
+def send_ring(size: int, n: int) -> int:
+    return size
+
+
+def receive_ring(size: int, n: int) -> int:
+    return 0
+
+
+#: Bytes one rank sends under ring algorithms, per collective: f(operand bytes, group size).
+RING_SENT = {
+    "AllReduce": all_reduce_ring, "AllGather": all_gather_ring,
+    "ReduceScatter": reduce_scatter_ring, "AlltoAll": all_to_all_ring,
+    "Broadcast": broadcast_ring, "Send": send_ring, "Receive": receive_ring,
+    # the identity when run; stands for its vjp's gradient AllReduce, as its `bytes` do
+    "_MirrorOperator": all_reduce_ring,
+}
+
+
+def ring_bytes(op: str, operand_bytes: int, group_size: int) -> int:
+    """Bytes one rank sends in collective `op` over `group_size` ranks with ring algorithms,
+    `operand_bytes` its operand on one rank (table above). Send / Receive are point to
+    point: pass group size 2."""
+    n = int(group_size)
+    if n < 2:
+        return 0
+    return RING_SENT[op](int(operand_bytes), n)
+
+
+def node_ring_bytes(node: Node) -> int:
+    """`ring_bytes` of a communication node of a rank's graph (Send / Receive: its peer)."""
+    if node.op in ("Send", "Receive"):
+        size = node.result.type.nbytes if isinstance(node.result.type, TensorType) else 0
+        return ring_bytes(node.op, size, 2)
+    operand = node.operands[0].type if node.operands else None
+    size = operand.nbytes if isinstance(operand, TensorType) else 0
+    return ring_bytes(node.op, size, _group_size(node))
 
 
 def node_bytes(node: Node) -> int:

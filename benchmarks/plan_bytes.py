@@ -1,0 +1,424 @@
+"""Bytes per rank per training step of the Llama of `examples/llama.py` under Megatron tensor
+parallelism (dp x mp): pcompile's plan, XLA GSPMD's plan of the same model with the same
+shardings, and the analytic minimum of the scheme. Prints one JSON object.
+
+    python benchmarks/plan_bytes.py                        # the three configurations
+    python benchmarks/plan_bytes.py --quick                # the smallest one
+    python benchmarks/plan_bytes.py --config mid_dp4_mp4   # one of them
+
+Configurations (`CONFIGS`; heads 8, kv heads 4, flash attention, AdamWeightDecay):
+
+* `tiny_dp2_mp4`: 2 layers, hidden 64, FFN 128, vocab 128, seq 16, batch 4, float32, 8 devices;
+* `mid_dp2_mp4_bf16`: 4 layers, hidden 512, FFN 1408, vocab 4096, seq 128, batch 16, bfloat16
+  compute, 8 devices;
+* `mid_dp4_mp4`: the same in float32 on 16 devices.
+
+**pcompile**: `pcompile examples/llama.py --devices N --no-check` with LLAMA_* set to the
+configuration (mindformers' strategies: wq/wk/wv/w1/w3 column-split, wo/w2 row-split over
+mp, the LM head column-split, the embedding replicated, the batch split over dp), every rank
+in plan.json; rank 0's collectives by phase and kind, and the largest total over the ranks.
+`_MirrorOperator`s are left out (their gradient AllReduce is counted where it runs).
+
+**XLA GSPMD**: the same model written in JAX (`jax_llama`: same shapes, dtypes and casts,
+plain softmax attention, SGD update) under `jax.jit` with `NamedSharding`s on the weights and
+the tokens only (Megatron's column / row splits, LM head column-split, embedding and norms
+replicated, tokens split over dp), lowered and compiled on N virtual CPU devices
+(`jax_num_cpu_devices`, one subprocess per configuration). Counted twice
+(`collective_bytes.hlo_collectives`): every collective of `.compile().as_text()`
+(`xla_gspmd`), and of the HLO right after the `spmd-partitioning` pass (`xla_gspmd_partitioner`,
+dumped with XLA_FLAGS). They agree in float32; in bfloat16 the CPU backend promotes bfloat16
+all-reduces to float32 after partitioning, so the partitioner's count is what a GPU moves.
+
+**Megatron-LM minimum** (`megatron_minimum`), per rank and step, with b = batch / dp the local
+batch, s the sequence, h the hidden size, e the compute dtype's bytes, A = b s h e the
+activation, L the layers, AR(S, n) one AllReduce of S bytes over n ranks:
+
+    forward   2 L AR(A, mp)                the outputs of wo and w2 (row-parallel)
+              + 3 AR(4 b s, mp)            vocab-parallel cross-entropy: max, sum of exp,
+                                           target logit (float32 per token)
+              + 2 AR(4, dp)                the masked mean: loss sum and token count
+    backward  2 L AR(A, mp)                the input gradients of q/k/v and of w1/w3
+                                           (column-parallel, summed before the reduction)
+              + AR(A, mp)                  the input gradient of the LM head
+    gradients AR(4 P, dp)                  each rank's float32 parameter slices, P =
+              L (2 h^2 + 2 h kv + 3 h f) / mp + 2 L h   (wq, wo; wk, wv; w1, w2, w3; norms)
+              + h + V h + V h / mp                      (final norm, embedding, LM head)
+
+with kv = kv_heads x head_dim, f the FFN size, V the vocabulary. Not counted: the optimizer
+(element-wise on the slices) and anything of the data pipeline. Bytes in two conventions
+(`collective_bytes.py`): `payload`, the operand on one rank (AR(S, n) = S), and `ring`, what
+one rank sends with ring algorithms (AR(S, n) = 2 (n - 1) / n S; AllGather (n - 1) S_in,
+ReduceScatter and AlltoAll (n - 1) / n S_in). Phases: forward, backward (activation
+gradients), gradient_reduction (pcompile: the gradient AllReduces of `_MirrorOperator`s and
+their fused buckets; XLA: backward collectives whose group spans data-parallel replicas) and
+optimizer. `ratio_to_minimum` compares ring bytes. Nothing is asserted: the numbers go to
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCHMARKS)
+sys.path.insert(0, BENCHMARKS)
+LLAMA = os.path.join(ROOT, "examples", "llama.py")
+
+from collective_bytes import Collective, Tally, hlo_collectives, tally  # noqa: E402
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class LlamaSizes:
+    """One configuration of examples/llama.py and its mesh (devices = dp x mp)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    batch: int
+    dtype: str
+    dp: int
+    mp: int
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.mp
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def env(self) -> dict[str, str]:
+        """LLAMA_* for examples/llama.py."""
+        return {"LLAMA_LAYERS": str(self.layers), "LLAMA_HIDDEN": str(self.hidden),
+                "LLAMA_HEADS": str(self.heads), "LLAMA_KV_HEADS": str(self.kv_heads),
+                "LLAMA_FFN": str(self.ffn), "LLAMA_VOCAB": str(self.vocab),
+                "LLAMA_SEQ": str(self.seq), "LLAMA_BATCH": str(self.batch),
+                "LLAMA_DTYPE": self.dtype, "LLAMA_MP": str(self.mp)}
+
+
+CONFIGS = {
+    "tiny_dp2_mp4": LlamaSizes(2, 64, 8, 4, 128, 128, 16, 4, "float32", 2, 4),
+    "mid_dp2_mp4_bf16": LlamaSizes(4, 512, 8, 4, 1408, 4096, 128, 16, "bfloat16", 2, 4),
+    "mid_dp4_mp4": LlamaSizes(4, 512, 8, 4, 1408, 4096, 128, 16, "float32", 4, 4),
+}
+QUICK = "tiny_dp2_mp4"
+
+
+# -- the analytic minimum -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Term:
+    """`count` AllReduces of `operand_bytes` over groups of `group_size` ranks."""
+
+    what: str
+    phase: str
+    operand_bytes: int
+    group_size: int
+    count: int
+
+
+def megatron_minimum(c: LlamaSizes) -> list[Term]:
+    """The scheme's collectives per rank and step (module docstring)."""
+    b = c.batch // c.dp
+    act = b * c.seq * c.hidden * DTYPE_BYTES[c.dtype]
+    kv = c.kv_heads * c.head_dim
+    per_layer = (2 * c.hidden * c.hidden + 2 * c.hidden * kv + 3 * c.hidden * c.ffn) // c.mp
+    params = (c.layers * (per_layer + 2 * c.hidden) + c.hidden + c.vocab * c.hidden
+              + c.vocab * c.hidden // c.mp)
+    return [
+        Term("wo and w2 outputs (row-parallel)", "forward", act, c.mp, 2 * c.layers),
+        Term("cross-entropy over the split vocabulary: max, sum of exp, target logit",
+             "forward", 4 * b * c.seq, c.mp, 3),
+        Term("masked mean of the loss: sum and token count", "forward", 4, c.dp, 2),
+        Term("input gradients of q/k/v and of w1/w3 (column-parallel)", "backward", act,
+             c.mp, 2 * c.layers),
+        Term("input gradient of the LM head (column-parallel)", "backward", act, c.mp, 1),
+        Term(f"float32 gradients of the rank's {params} parameters", "gradient_reduction",
+             4 * params, c.dp, 1),
+    ]
+
+
+def minimum_tally(c: LlamaSizes) -> dict[str, Any]:
+    found = Tally()
+    for t in megatron_minimum(c):
+        found.add(Collective("AllReduce", t.operand_bytes, tuple(range(t.group_size)),
+                             t.phase), t.count)
+    return {**found.as_json(), "terms": [asdict(t) for t in megatron_minimum(c)]}
+
+
+# -- pcompile -------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def llama_environment(c: LlamaSizes) -> Iterator[None]:
+    """LLAMA_* of the configuration, and no other LLAMA_* (restored afterwards)."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("LLAMA_")}
+    for k in saved:
+        del os.environ[k]
+    os.environ.update(c.env())
+    try:
+        yield
+    finally:
+        for k in c.env():
+            os.environ.pop(k, None)
+        os.environ.update(saved)
+
+
+def _is_gradient_reduction(reason: str) -> bool:
+    """A `_MirrorOperator`'s gradient AllReduce, alone or fused (passes/comm_fusion.py)."""
+    return reason.startswith(("vjp of _MirrorOperator", "comm_fusion:"))
+
+
+def pcompile_bytes(c: LlamaSizes) -> dict[str, Any]:
+    from pcompile.compiler.driver import compile as compile_model
+    from pcompile.compiler.plan import read_plan
+    from pcompile.ir.types import TensorType
+
+    start = time.perf_counter()
+    with llama_environment(c), tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out")
+        program = compile_model(LLAMA, devices=c.devices, out_dir=out, dump_ranks="all",
+                                save_graphs=0)
+        plan = read_plan(out)
+    seconds = time.perf_counter() - start
+    ranks: dict[int, Tally] = {}
+    plan_json: dict[str, int] = {"received_bytes": 0, "ring_bytes": 0}
+    for rank in range(c.devices):
+        # operands on this rank, by node (the graph is rank-parametric: the same local shapes)
+        operand = {}
+        for node in program.state.rank_graphs[rank].nodes:
+            types = [v.type for v in node.operands] or [node.result.type]
+            operand[node.fullname] = sum(t.nbytes for t in types if isinstance(t, TensorType))
+        items = []
+        for row in plan.collectives[str(rank)]:
+            if row.op == "_MirrorOperator":
+                continue
+            phase = ("gradient_reduction" if row.phase == "backward"
+                     and _is_gradient_reduction(row.reason) else row.phase)
+            items.append(Collective(row.op, operand[row.node], tuple(row.rank_list), phase))
+            if rank == 0:
+                plan_json["received_bytes"] += row.bytes
+                plan_json["ring_bytes"] += row.ring_bytes or 0
+        ranks[rank] = tally(items)
+    worst = max(ranks, key=lambda r: (ranks[r].ring, -r))
+    return {**ranks[0].as_json(), "rank": 0,
+            "plan_json_rank0": plan_json,
+            "max_over_ranks": {"rank": worst, "payload_bytes": ranks[worst].payload,
+                               "ring_bytes": ranks[worst].ring},
+            "compile_s": round(seconds, 2)}
+
+
+# -- XLA GSPMD ------------------------------------------------------------------------------------
+
+
+def jax_llama(c: LlamaSizes) -> tuple[Any, Any, Any]:
+    """The Llama in JAX: (train step, parameter ShapeDtypeStructs, their NamedShardings, the
+    tokens' ShapeDtypeStruct and NamedSharding) on a (dp, mp) mesh of jax.devices()."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    f32, cd = jnp.float32, jnp.dtype(c.dtype)
+    hd, kv = c.head_dim, c.kv_heads * c.head_dim
+    mesh = Mesh(np.array(jax.devices()[:c.devices]).reshape(c.dp, c.mp), ("dp", "mp"))
+    inv_freq = 1.0 / 10000.0 ** (np.arange(0, hd, 2) / hd)
+    angles = np.outer(np.arange(c.seq), inv_freq)
+    angles = np.concatenate([angles, angles], -1)
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    causal = np.triu(np.ones((c.seq, c.seq), bool), 1)
+
+    def rms_norm(x: Any, w: Any) -> Any:
+        xf = x.astype(f32)
+        return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-5) * w
+                ).astype(x.dtype)
+
+    def linear(x: Any, w: Any) -> Any:  # weight [out, in], computed in the compute dtype
+        return (x.astype(cd) @ w.astype(cd).T).astype(x.dtype)
+
+    def rotary(x: Any) -> Any:
+        xf = x.astype(f32)
+        half = hd // 2
+        rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], -1)
+        return (xf * cos + rotated * sin).astype(x.dtype)
+
+    def attention(p: dict, x: Any) -> Any:
+        b, s, _ = x.shape
+
+        def heads(t: Any, n: int) -> Any:
+            return t.reshape(b, s, n, hd).transpose(0, 2, 1, 3)
+
+        q = rotary(heads(linear(x, p["wq"]), c.heads))
+        k = rotary(heads(linear(x, p["wk"]), c.kv_heads))
+        v = heads(linear(x, p["wv"]), c.kv_heads)
+        k, v = (jnp.repeat(t, c.heads // c.kv_heads, axis=1) for t in (k, v))
+        scores = (q @ k.transpose(0, 1, 3, 2)).astype(f32) / np.sqrt(hd)
+        probs = jax.nn.softmax(jnp.where(causal, -1e4, scores), -1).astype(cd)
+        context = (probs @ v).transpose(0, 2, 1, 3).reshape(b, s, c.hidden)
+        return linear(context, p["wo"])
+
+    def feed_forward(p: dict, x: Any) -> Any:
+        return linear(jax.nn.silu(linear(x, p["w1"])) * linear(x, p["w3"]), p["w2"])
+
+    def loss(p: dict, ids: Any) -> Any:
+        tokens, labels = ids[:, :-1], ids[:, 1:]
+        h = jnp.take(p["embedding"], tokens, axis=0).astype(cd)
+        for layer in p["layers"]:
+            h = h + attention(layer, rms_norm(h, layer["attention_norm"]))
+            h = h + feed_forward(layer, rms_norm(h, layer["ffn_norm"]))
+        logits = linear(rms_norm(h, p["norm_out"]), p["lm_head"]).astype(f32)
+        logits = logits.reshape(-1, c.vocab)
+        labels = labels.reshape(-1)
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), labels[:, None], -1)[:, 0]
+        mask = ((tokens.reshape(-1) != 0) & (labels != -100)).astype(f32)
+        return jnp.sum(nll * mask) / (jnp.sum(mask) + 1e-8)
+
+    def step(p: dict, ids: Any) -> Any:
+        value, grads = jax.value_and_grad(loss)(p, ids)
+        return value, jax.tree.map(lambda w, g: w - 1e-3 * g, p, grads)
+
+    column, row, replicated = P("mp", None), P(None, "mp"), P()
+    layer = {"attention_norm": ((c.hidden,), replicated),
+             "wq": ((c.hidden, c.hidden), column), "wk": ((kv, c.hidden), column),
+             "wv": ((kv, c.hidden), column), "wo": ((c.hidden, c.hidden), row),
+             "ffn_norm": ((c.hidden,), replicated), "w1": ((c.ffn, c.hidden), column),
+             "w3": ((c.ffn, c.hidden), column), "w2": ((c.hidden, c.ffn), row)}
+    tree = {"embedding": ((c.vocab, c.hidden), replicated), "layers": [layer] * c.layers,
+            "norm_out": ((c.hidden,), replicated), "lm_head": ((c.vocab, c.hidden), column)}
+
+    def leaf(t: Any) -> bool:
+        return isinstance(t, tuple) and len(t) == 2 and isinstance(t[1], P)
+
+    specs = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t[0], f32), tree, is_leaf=leaf)
+    shardings = jax.tree.map(lambda t: NamedSharding(mesh, t[1]), tree, is_leaf=leaf)
+    tokens = (jax.ShapeDtypeStruct((c.batch, c.seq + 1), jnp.int32),
+              NamedSharding(mesh, P("dp", None)))
+    return step, (specs, shardings), tokens
+
+
+def xla_worker(name: str, dump_dir: str) -> None:
+    """In a fresh process (the device count is fixed at JAX's start; XLA_FLAGS dump the HLO
+    after SPMD partitioning into `dump_dir`): compile the JAX step and print, for the
+    compiled HLO and for the partitioner's output, the collectives as rank 0 runs them and
+    every rank's ring total."""
+    import glob
+
+    c = CONFIGS[name]
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", c.devices)
+    step, (specs, shardings), (tokens, token_sharding) = jax_llama(c)
+    replicated = jax.sharding.NamedSharding(token_sharding.mesh, jax.sharding.PartitionSpec())
+    jitted = jax.jit(step, in_shardings=(shardings, token_sharding),
+                     out_shardings=(replicated, shardings))
+    texts = {"compiled": jitted.lower(specs, tokens).compile().as_text()}
+    found = sorted(glob.glob(os.path.join(dump_dir, "*jit_step*after_spmd-partitioning*.txt")))
+    if found:
+        with open(found[-1], encoding="utf-8") as f:
+            texts["partitioned"] = f.read()
+    out = {}
+    for key, text in texts.items():
+        out[key] = {"collectives": [(x.kind, x.operand_bytes, list(x.group), x.phase)
+                                    for x in hlo_collectives(text, c.devices)],
+                    "ring_per_rank": [tally(hlo_collectives(text, c.devices, r)).ring
+                                      for r in range(c.devices)]}
+    print(json.dumps(out))
+
+
+def xla_bytes(name: str) -> dict[str, dict[str, Any]]:
+    """{"xla_gspmd": the compiled HLO's collectives, "xla_gspmd_partitioner": those of the
+    HLO right after SPMD partitioning}. The two carry the same bytes in float32; on CPU, XLA
+    then promotes bfloat16 all-reduces to float32 (`all-reduce-promotion`,
+    `float-normalization-bf16`: the CPU runtime does not reduce bfloat16), so in bfloat16 the
+    partitioner's count is what a GPU build moves."""
+    c = CONFIGS[name]
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as dump:
+        flags = f"--xla_dump_to={dump} --xla_dump_hlo_pass_re=spmd-partitioning"
+        env = {**os.environ, "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--xla-worker", name,
+                               dump], capture_output=True, text=True, timeout=900, env=env)
+    seconds = round(time.perf_counter() - start, 2)
+    if done.returncode != 0:
+        failed = {"status": (done.stderr.strip().splitlines() or ["failed"])[-1][:300]}
+        return {"xla_gspmd": failed}
+    raw = json.loads(done.stdout.strip().splitlines()[-1])
+    sides = {}
+    for key, side in (("compiled", "xla_gspmd"), ("partitioned", "xla_gspmd_partitioner")):
+        if key not in raw:
+            continue
+        items = []
+        for kind, size, group, phase in raw[key]["collectives"]:
+            if phase == "backward" and len({r // c.mp for r in group}) > 1:
+                phase = "gradient_reduction"  # crosses data-parallel replicas
+            items.append(Collective(kind, size, tuple(group), phase))
+        per_rank = raw[key]["ring_per_rank"]
+        worst = max(range(len(per_rank)), key=lambda r: (per_rank[r], -r))
+        sides[side] = {**tally(items).as_json(), "rank": 0,
+                       "max_over_ranks": {"rank": worst, "ring_bytes": per_rank[worst]},
+                       "compile_s": seconds}
+    return sides
+
+
+# -- driver ---------------------------------------------------------------------------------------
+
+
+def measure(name: str, xla: bool = True) -> dict[str, Any]:
+    c = CONFIGS[name]
+    minimum = minimum_tally(c)
+    row: dict[str, Any] = {"sizes": asdict(c), "devices": c.devices,
+                           "pcompile": pcompile_bytes(c)}
+    if xla:
+        row.update(xla_bytes(name))
+    row["megatron_minimum"] = minimum
+    row["ratio_to_minimum"] = {
+        side: round(row[side]["ring_bytes"] / minimum["ring_bytes"], 3)
+        for side in ("pcompile", "xla_gspmd", "xla_gspmd_partitioner")
+        if "ring_bytes" in row.get(side, {})}
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", choices=sorted(CONFIGS), action="append",
+                        help="measure this configuration (repeatable; default: all)")
+    parser.add_argument("--quick", action="store_true", help=f"only {QUICK}")
+    parser.add_argument("--no-xla", action="store_true", help="skip the XLA GSPMD side")
+    parser.add_argument("--xla-worker", nargs=2, metavar=("CONFIG", "DUMP"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.xla_worker:
+        xla_worker(*args.xla_worker)
+        return
+    names = [QUICK] if args.quick else args.config or list(CONFIGS)
+    results = {}
+    for name in names:
+        results[name] = measure(name, xla=not args.no_xla)
+        print(name, json.dumps(results[name]["ratio_to_minimum"]), file=sys.stderr, flush=True)
+    print(json.dumps({"benchmark": "plan_bytes", "convention": {
+        "payload": "bytes of each collective's operand on one rank",
+        "ring": "bytes one rank sends with ring algorithms"}, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
