@@ -2,7 +2,7 @@
 parallelism (dp x mp): pcompile's plan, XLA GSPMD's plan of the same model with the same
 shardings, and the analytic minimum of the scheme. Prints one JSON object.
 
-    python benchmarks/plan_bytes.py                        # the three configurations
+    python benchmarks/plan_bytes.py                        # every configuration
     python benchmarks/plan_bytes.py --quick                # the smallest one
     python benchmarks/plan_bytes.py --config mid_dp4_mp4   # one of them
 
@@ -11,7 +11,11 @@ Configurations (`CONFIGS`; heads 8, kv heads 4, flash attention, AdamWeightDecay
 * `tiny_dp2_mp4`: 2 layers, hidden 64, FFN 128, vocab 128, seq 16, batch 4, float32, 8 devices;
 * `mid_dp2_mp4_bf16`: 4 layers, hidden 512, FFN 1408, vocab 4096, seq 128, batch 16, bfloat16
   compute, 8 devices;
-* `mid_dp4_mp4`: the same in float32 on 16 devices.
+* `mid_dp4_mp4`: the same in float32 on 16 devices;
+* `mid_dp2_mp4_bf16_sp`: `mid_dp2_mp4_bf16` with sequence parallelism (LLAMA_SEQ_PARALLEL=1;
+  pcompile and the minimum only: each activation AllReduce of the minimum is then a
+  ReduceScatter and an AllGather of the same ring bytes, plus the AllGather of the embedding
+  output's gradient over the sequence).
 
 **pcompile**: `pcompile examples/llama.py --devices N --no-check` with LLAMA_* set to the
 configuration (mindformers' strategies: wq/wk/wv/w1/w3 column-split, wo/w2 row-split over
@@ -94,6 +98,7 @@ class LlamaSizes:
     dtype: str
     dp: int
     mp: int
+    seq_parallel: bool = False
 
     @property
     def devices(self) -> int:
@@ -109,13 +114,16 @@ class LlamaSizes:
                 "LLAMA_HEADS": str(self.heads), "LLAMA_KV_HEADS": str(self.kv_heads),
                 "LLAMA_FFN": str(self.ffn), "LLAMA_VOCAB": str(self.vocab),
                 "LLAMA_SEQ": str(self.seq), "LLAMA_BATCH": str(self.batch),
-                "LLAMA_DTYPE": self.dtype, "LLAMA_MP": str(self.mp)}
+                "LLAMA_DTYPE": self.dtype, "LLAMA_MP": str(self.mp),
+                "LLAMA_SEQ_PARALLEL": "1" if self.seq_parallel else "0"}
 
 
 CONFIGS = {
     "tiny_dp2_mp4": LlamaSizes(2, 64, 8, 4, 128, 128, 16, 4, "float32", 2, 4),
     "mid_dp2_mp4_bf16": LlamaSizes(4, 512, 8, 4, 1408, 4096, 128, 16, "bfloat16", 2, 4),
     "mid_dp4_mp4": LlamaSizes(4, 512, 8, 4, 1408, 4096, 128, 16, "float32", 4, 4),
+    "mid_dp2_mp4_bf16_sp": LlamaSizes(4, 512, 8, 4, 1408, 4096, 128, 16, "bfloat16", 2, 4,
+                                      seq_parallel=True),
 }
 QUICK = "tiny_dp2_mp4"
 
@@ -125,13 +133,14 @@ QUICK = "tiny_dp2_mp4"
 
 @dataclass(frozen=True)
 class Term:
-    """`count` AllReduces of `operand_bytes` over groups of `group_size` ranks."""
+    """`count` collectives `kind` of `operand_bytes` over groups of `group_size` ranks."""
 
     what: str
     phase: str
     operand_bytes: int
     group_size: int
     count: int
+    kind: str = "AllReduce"
 
 
 def megatron_minimum(c: LlamaSizes) -> list[Term]:
@@ -142,7 +151,7 @@ def megatron_minimum(c: LlamaSizes) -> list[Term]:
     per_layer = (2 * c.hidden * c.hidden + 2 * c.hidden * kv + 3 * c.hidden * c.ffn) // c.mp
     params = (c.layers * (per_layer + 2 * c.hidden) + c.hidden + c.vocab * c.hidden
               + c.vocab * c.hidden // c.mp)
-    return [
+    terms = [
         Term("wo and w2 outputs (row-parallel)", "forward", act, c.mp, 2 * c.layers),
         Term("cross-entropy over the split vocabulary: max, sum of exp, target logit",
              "forward", 4 * b * c.seq, c.mp, 3),
@@ -153,12 +162,19 @@ def megatron_minimum(c: LlamaSizes) -> list[Term]:
         Term(f"float32 gradients of the rank's {params} parameters", "gradient_reduction",
              4 * params, c.dp, 1),
     ]
+    if c.seq_parallel:
+        # each AllReduce of an activation is a ReduceScatter and an AllGather (the same ring
+        # bytes, counted as the AllReduce above); the embedding's output is scattered over the
+        # sequence, so its gradient is gathered
+        terms.append(Term("sequence parallel: the embedding output's gradient, gathered over "
+                          "the sequence", "backward", act // c.mp, c.mp, 1, "AllGather"))
+    return terms
 
 
 def minimum_tally(c: LlamaSizes) -> dict[str, Any]:
     found = Tally()
     for t in megatron_minimum(c):
-        found.add(Collective("AllReduce", t.operand_bytes, tuple(range(t.group_size)),
+        found.add(Collective(t.kind, t.operand_bytes, tuple(range(t.group_size)),
                              t.phase), t.count)
     return {**found.as_json(), "terms": [asdict(t) for t in megatron_minimum(c)]}
 
@@ -387,7 +403,7 @@ def measure(name: str, xla: bool = True) -> dict[str, Any]:
     minimum = minimum_tally(c)
     row: dict[str, Any] = {"sizes": asdict(c), "devices": c.devices,
                            "pcompile": pcompile_bytes(c)}
-    if xla:
+    if xla and not c.seq_parallel:  # the JAX model has no sequence-parallel shardings
         row.update(xla_bytes(name))
     row["megatron_minimum"] = minimum
     row["ratio_to_minimum"] = {
