@@ -540,6 +540,7 @@ class StepParallelEndPass:
             loss_repeated_mean=bool(opts.get("loss_repeated_mean", True)),
             enable_alltoall=bool(opts.get("enable_alltoall", False)),
             gradient_fp32_sync=bool(opts.get("gradient_fp32_sync", True)),
+            seeded_loss=state.training and traced.step is None,  # AutodiffPass seeds output 0
         )
         fusion = {name: p.comm_fusion for name, p in traced.parameters.items()}
         options.opt_shard = _optimizer_sharding(state, state.assignment.param_layouts)

@@ -23,7 +23,6 @@ communication (AllReduce <-> AllReduce, AllGather <-> ReduceScatter, StridedSlic
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from math import prod
 from typing import Any
 
 import numpy as np
@@ -53,6 +52,13 @@ from pcompile.ir.registry import get_op
 from pcompile.ir.sharding import OpSharding
 from pcompile.ir.types import DType, TensorType
 from pcompile.passes.comm_info import collective_bytes
+from pcompile.passes.cotangents import (
+    REPLICATED_COTANGENT,
+    CotangentReductions,
+    OutputReduction,
+    plan_cotangent_reductions,
+    replicated_cotangents,
+)
 from pcompile.passes.redistribution import plan_redistribution
 from pcompile.passes.step_parallel_begin import (
     LAYOUT_PASS_THROUGH,
@@ -70,6 +76,9 @@ class SplitOptions:
     enable_alltoall: bool = False
     gradient_fp32_sync: bool = True
     opt_shard: dict[str, Any] = field(default_factory=dict)  # name -> OptShard
+    # the backward pass is seeded alike on every rank at output 0 (the standard training
+    # form; a training step cell seeds it with a value of its own)
+    seeded_loss: bool = False
 
 
 def slice_array(array: np.ndarray, layout: TensorLayout, rank: int) -> np.ndarray:
@@ -106,6 +115,7 @@ class RankBuilder:
         self.anchor_counts: dict[str, int] = {}
         self.output_layouts: list[TensorLayout | None] = []
         self.reductions = CotangentReductions()
+        self.alike: set[tuple[int, int]] = set()  # forward AllReduces, replicated_cotangents
 
     # -- naming ---------------------------------------------------------------------------------
     def inserted_name(self, anchor: Node, kind: str, op: str = "") -> str:
@@ -125,7 +135,9 @@ class RankBuilder:
     def build(self) -> Graph:
         if self.options.training and self.reduce_cotangents:
             self.reductions = plan_cotangent_reductions(self.global_graph, self.assignment,
-                                                        self.options)
+                                                        self.options.opt_shard)
+            if self.options.seeded_loss:
+                self.alike = replicated_cotangents(self.global_graph, self.assignment)
         for p in self.global_graph.params:
             layout = self.assignment.param_layouts[p.name]
             local_type = TensorType(p.dtype, layout.slice_shape)
@@ -459,7 +471,7 @@ class RankBuilder:
 
     def forward_comm(self, node: Node, b: Builder, out: Value, sharding: OpSharding) -> Value:
         keep = self.inherited(node)
-        for comm in sharding.forward:
+        for index, comm in enumerate(sharding.forward):
             group = RankGroup.along(sharding.dev_matrix, comm.axes)
             if comm.kind == "Div":
                 out = b.emit("RealDiv", [out, Constant(np.asarray(comm.divisor), out.dtype)],
@@ -475,9 +487,12 @@ class RankBuilder:
                       f"{list(sharding.dev_matrix)})")
             info = ParallelInfo(extra={"reason": reason})
             partial = out
+            marks = dict(keep or {})
+            if (id(node), index) in self.alike:
+                marks[REPLICATED_COTANGENT] = True
             out = b.emit(comm.kind, [out], {"op": comm.op, **self.group_attrs(group)},
                          instance_name=self.inserted_name(node, "forward_op"),
-                         parallel=info, user_attrs=keep)
+                         parallel=info, user_attrs=marks or None)
             info.extra["bytes"] = collective_bytes(comm.kind, partial.type, out.type,
                                                    len(group))
         return out
@@ -601,132 +616,6 @@ class RankBuilder:
         if plan.communicates:
             self.reshaped[key] = out
         self.local[id(node.result)] = (out, want)
-
-
-def ring_all_reduce_bytes(group: int, nbytes: int) -> float:
-    """Bytes one rank sends in a ring AllReduce of `nbytes` over `group` ranks."""
-    return 2.0 * (group - 1) / group * nbytes if group > 1 else 0.0
-
-
-@dataclass(frozen=True)
-class OutputReduction:
-    """Sum an op's output cotangent over device axes `axes` (left indices of `dev_matrix`)
-    so that the gradient of `parameter` is reduced over fewer ranks."""
-
-    parameter: str
-    dev_matrix: tuple[int, ...]
-    axes: tuple[int, ...]
-    param_group: int
-    full_group: int
-    chosen_bytes: float
-    default_bytes: float
-
-
-@dataclass
-class CotangentReductions:
-    """Where partial cotangents are summed: per parameter, the device axes its gradient is
-    all-reduced over (when not all of its repeat axes); per op (id), an output reduction."""
-
-    param_axes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    outputs: dict[int, OutputReduction] = field(default_factory=dict)
-
-
-def _real_users(value: Value, follow: frozenset[str]) -> list[tuple[Node, int]] | None:
-    """The users of `value`, looking through single-operand pass-through ops (a weight's
-    Cast); None when a pass-through op is used by more than one op."""
-    out: list[tuple[Node, int]] = []
-    for user, index in value.uses:
-        if user.op in follow and len(user.operands) == 1:
-            inner = _real_users(user.result, follow)
-            if inner is None or len(inner) != 1:
-                return None
-            out.extend(inner)
-        else:
-            out.append((user, index))
-    return out
-
-
-def _cheapest_cast(node: Node, assignment: ParallelAssignment, nbytes: int
-                   ) -> tuple[Node, int]:
-    """Where along `node`'s chain of sole-user Casts (linear, same layout) its output is
-    smallest: an embedding's float32 rows are summed after their cast to the compute dtype."""
-    best, best_bytes = node, nbytes
-    layout = assignment.shardings[id(node)].out_layouts[0]
-    while len(node.result.uses) == 1:
-        user = node.result.uses[0][0]
-        sharding = assignment.sharding(user)
-        if (user.op != "Cast" or sharding is None or sharding.forward
-                or sharding.out_layouts[0] != layout):
-            break
-        node = user
-        t = node.result.type
-        assert isinstance(t, TensorType)
-        size = prod(layout.slice_shape) * t.dtype.itemsize
-        if size < best_bytes:
-            best, best_bytes = node, size
-    return best, best_bytes
-
-
-def plan_cotangent_reductions(graph: Graph, assignment: ParallelAssignment,
-                              options: SplitOptions) -> CotangentReductions:
-    """Reduce partial cotangents once, where it moves fewest bytes.
-
-    Under the parallel passes' convention a value held by several ranks (replicated over some
-    device axes) carries a *share* of its cotangent on each of them, so a parameter that is
-    replicated gets a share of its gradient on every rank holding it and its mirror sums over
-    all of them (MindSpore's rule). When the parameter's only user U (an op without forward
-    communication whose other operands carry no gradient, such as an embedding's Gather) has
-    an output replicated over axes B that the parameter is replicated over too, the shares can
-    instead be summed on U's output over B; the ranks of a B group then compute the same
-    gradient, and the mirror sums only over the remaining axes A. The choice is made per
-    parameter by ring bytes: AR(|A||B|, P) against AR(|B|, O) + AR(|A|, P), P the gradient
-    slice and O the output slice, taken after the Casts that follow U where it is smallest
-    (Megatron-LM's embedding: the activation is summed over the
-    tensor-parallel group, the table's gradient over the data-parallel group only)."""
-    out = CotangentReductions()
-    users_of: dict[str, list[tuple[Node, int]] | None] = {}
-    for param in graph.params:
-        if (param.kind != "weight" or not param.requires_grad
-                or param.name in options.opt_shard):
-            continue
-        users_of[param.name] = _real_users(param, frozenset({"Cast", "Identity"}))
-    for param in graph.params:
-        users = users_of.get(param.name)
-        if not users or len(users) != 1:
-            continue
-        user, index = users[0]
-        sharding = assignment.sharding(user)
-        if (sharding is None or sharding.forward or sharding.expand
-                or len(sharding.out_layouts) != 1 or get_op(user.op).collective):
-            continue
-        out_type = user.result.type
-        if not isinstance(out_type, TensorType) or not out_type.dtype.is_float:
-            continue
-        if any(i != index and isinstance(v.type, TensorType) and v.type.dtype.is_float
-               and not isinstance(v, Constant) for i, v in enumerate(user.operands)):
-            continue
-        p_layout = assignment.param_layouts[param.name]
-        o_layout = sharding.out_layouts[0]
-        if p_layout.dev_matrix != o_layout.dev_matrix:
-            continue
-        shared = tuple(a for a in o_layout.repeat_axes if a in p_layout.repeat_axes)
-        rest = tuple(a for a in p_layout.repeat_axes if a not in shared)
-        dev = p_layout.dev_matrix
-        b_size = prod(dev[a] for a in shared)
-        a_size = prod(dev[a] for a in rest)
-        if b_size <= 1:
-            continue
-        p_bytes = prod(p_layout.slice_shape) * param.dtype.itemsize
-        at, o_bytes = _cheapest_cast(user, assignment,
-                                     prod(o_layout.slice_shape) * out_type.dtype.itemsize)
-        default = ring_all_reduce_bytes(a_size * b_size, p_bytes)
-        chosen = ring_all_reduce_bytes(b_size, o_bytes) + ring_all_reduce_bytes(a_size, p_bytes)
-        if chosen >= default:
-            continue
-        out.param_axes[param.name] = rest
-        out.outputs[id(at)] = OutputReduction(param.name, dev, shared, a_size,
-                                                a_size * b_size, chosen, default)
-    return out
 
 
 def build_spmd_graph(graph: Graph, assignment: ParallelAssignment, options: SplitOptions,

@@ -247,3 +247,69 @@ def test_sequence_parallel_moves_the_same_bytes_in_a_quarter_of_the_memory(
     assert sent["base"] <= sent["sp"] <= sent["base"] + 2 * 1.5 * activation, sent
     assert _saved_norm_bytes(seq) * mp == _saved_norm_bytes(base)
     _assert_oracle(seq)
+
+
+EMBEDDING_HEAD = """
+import numpy as np
+from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
+set_auto_parallel_context(parallel_mode="auto_parallel", search_mode="sharding_propagation",
+                          dataset_strategy="full_batch")
+B, S, H, V = 8, 16, 32, 64
+class EmbeddingHead(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.table = Parameter(initializer("normal", [V, H]), "table")
+        self.head = Parameter(initializer("normal", [H, V]), "head")
+        self.gather = ops.Gather().shard(((1, 8), (1, 1)))
+        self.reshape = ops.Reshape()
+        self.matmul = ops.MatMul().shard(((1, 8), (8, 1)))
+    def construct(self, tokens):
+        h = self.reshape(self.gather(self.table, tokens, 0), (B * S, H))
+        return self.matmul(h, self.head)
+def model():
+    set_seed(1)
+    return EmbeddingHead()
+def inputs():
+    return (np.random.default_rng(0).integers(0, V, (B, S)).astype(np.int32),)
+def labels():
+    return (np.random.default_rng(1).integers(0, V, (B * S,)).astype(np.int32),)
+def loss():
+    return nn.CrossEntropyLoss()
+def optimizer(params):
+    return nn.SGD(params, learning_rate=0.1)
+"""
+
+
+def test_a_replicated_loss_after_a_row_parallel_matmul_needs_no_backward_all_reduce(
+        tmp_path: Any) -> None:
+    """The LM head's partial logits are all-reduced over the 8 ranks and the loss is computed
+    alike on all of them, so every rank holds the same cotangent share of the logits: the
+    AllReduce's vjp is that share times 8, a local Mul (as XLA does), not a second AllReduce
+    of the logits."""
+    path = tmp_path / "model.py"
+    path.write_text(EMBEDDING_HEAD)
+    program = compile_model(str(path), devices=8, out_dir=str(tmp_path / "out"),
+                            dump_ranks="0")
+    graph = program.rank_graph(0)
+    reduces = [n for n in graph.nodes if n.op == "AllReduce"]
+    forward = [n for n in reduces if not n.scope.startswith("Gradients")]
+    assert [n.attrs.get("replicated_cotangent") for n in forward] == [True]
+    assert forward[0].result.type.shape == (16 * 8, 64)
+    assert not [n for n in reduces if n.scope.startswith("Gradients")]
+    _assert_oracle(program)
+
+
+def test_an_all_reduce_whose_result_is_split_again_keeps_its_backward_all_reduce() -> None:
+    """The quickstart's row-split MatMul feeds a ReLU split over other ranks: the cotangent
+    shares differ between the ranks of the AllReduce's group, so they are summed."""
+    program = compile_model(os.path.join(ROOT, "tests", "models", "quickstart_semi.py"),
+                            devices=8, dump=False)
+    graph = program.rank_graph(0)
+    matmul = [n for n in graph.nodes if n.op == "AllReduce"
+              and not n.scope.startswith("Gradients")
+              and str(n.parallel.extra.get("reason")).startswith("forward: MatMul")]
+    assert matmul and not any(n.attrs.get("replicated_cotangent") for n in matmul)
+    backward = [n for n in graph.nodes if n.op == "AllReduce"
+                and "vjp of AllReduce: forward: MatMul" in str(n.parallel.extra.get("reason"))]
+    assert len(backward) == len(matmul)
+    _assert_oracle(program)

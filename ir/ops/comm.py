@@ -85,7 +85,12 @@ def _all_reduce_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueTyp
 
 def _all_reduce_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     op = node.attrs["op"]
-    grad = _sum_collective(b, "AllReduce", cot, node)
+    if node.attrs.get("replicated_cotangent") is True:
+        # every rank of the group holds the same cotangent share (passes/cotangents.py): their
+        # sum is the share times the group size, with no communication
+        grad = b("Mul", cot, float(len(node.attrs["rank_list"])))
+    else:
+        grad = _sum_collective(b, "AllReduce", cot, node)
     if op == "sum":
         return [grad]
     if op in ("max", "min"):
@@ -107,7 +112,9 @@ register(
         collective=True,
         doc=(
             "Element-wise reduction (op sum|max|min|prod) over the ranks of the group. vjp: "
-            "AllReduce(sum) of the cotangent; for max/min masked by x == result; prod has none."
+            "AllReduce(sum) of the cotangent (the cotangent times the group size when the "
+            "node has `replicated_cotangent: true`: every rank of the group holds the same "
+            "one); for max/min masked by x == result; prod has none."
         ),
         page=OpDoc(
             "compiler",
