@@ -59,6 +59,7 @@ from pcompile.passes.cotangents import (
     plan_cotangent_reductions,
     replicated_cotangents,
 )
+from pcompile.passes.forward_scatter import scatter_layouts
 from pcompile.passes.redistribution import plan_redistribution
 from pcompile.passes.step_parallel_begin import (
     LAYOUT_PASS_THROUGH,
@@ -94,8 +95,9 @@ class RankBuilder:
     rank at once (`rank=None`: what differs between ranks is an `ir.rank` value), or for one
     rank (hybrid mode's per-rank traces)."""
 
-    #: whether the layouts say which ranks hold the same values (so that partial cotangents
-    #: may be summed where it is cheapest, `plan_cotangent_reductions`)
+    #: whether the layouts say which ranks hold the same values, so that partial sums may be
+    #: reduced where it is cheapest (`scatter_layouts`, `plan_cotangent_reductions`,
+    #: `replicated_cotangents`)
     reduce_cotangents = True
 
     def __init__(self, graph: Graph, assignment: ParallelAssignment, rank: int | None,
@@ -116,6 +118,7 @@ class RankBuilder:
         self.output_layouts: list[TensorLayout | None] = []
         self.reductions = CotangentReductions()
         self.alike: set[tuple[int, int]] = set()  # forward AllReduces, replicated_cotangents
+        self.scatter: dict[int, TensorLayout] = {}  # forward AllReduces that reduce-scatter
 
     # -- naming ---------------------------------------------------------------------------------
     def inserted_name(self, anchor: Node, kind: str, op: str = "") -> str:
@@ -133,6 +136,8 @@ class RankBuilder:
 
     # -- build ------------------------------------------------------------------------------------
     def build(self) -> Graph:
+        if self.reduce_cotangents:
+            self.scatter = scatter_layouts(self.global_graph, self.assignment)
         if self.options.training and self.reduce_cotangents:
             self.reductions = plan_cotangent_reductions(self.global_graph, self.assignment,
                                                         self.options.opt_shard)
@@ -396,7 +401,8 @@ class RankBuilder:
         if sharding.expand == "lp_norm_partial":
             out = self.lp_norm_finish(node, b, out, attrs)
         layouts: Any = (sharding.out_layouts if len(sharding.out_layouts) > 1
-                        or node.op == "Split" else sharding.out_layouts[0])
+                        or node.op == "Split" else
+                        self.scatter.get(id(node), sharding.out_layouts[0]))
         self.local[id(node.result)] = (out, layouts)
 
     def output_mirror(self, node: Node, b: Builder, out: Value,
@@ -488,13 +494,17 @@ class RankBuilder:
             info = ParallelInfo(extra={"reason": reason})
             partial = out
             marks = dict(keep or {})
-            if (id(node), index) in self.alike:
+            kind = comm.kind
+            if id(node) in self.scatter:
+                kind = "ReduceScatter"
+                info.extra["reason"] = (f"{reason}; every user takes its block of the sum "
+                                        f"{self.scatter[id(node)]}")
+            elif (id(node), index) in self.alike:
                 marks[REPLICATED_COTANGENT] = True
-            out = b.emit(comm.kind, [out], {"op": comm.op, **self.group_attrs(group)},
+            out = b.emit(kind, [out], {"op": comm.op, **self.group_attrs(group)},
                          instance_name=self.inserted_name(node, "forward_op"),
                          parallel=info, user_attrs=marks or None)
-            info.extra["bytes"] = collective_bytes(comm.kind, partial.type, out.type,
-                                                   len(group))
+            info.extra["bytes"] = collective_bytes(kind, partial.type, out.type, len(group))
         return out
 
     def masked_gather(self, node: Node, b: Builder, operands: list[Value],

@@ -76,7 +76,7 @@ def _assert_oracle(program: Any) -> None:
 def test_a_strategy_less_cast_between_two_model_parallel_ops_moves_nothing(
         tmp_path: Any) -> None:
     """Column-split MatMul -> Cast -> ReLU (column-split) -> Cast -> row-split MatMul: the
-    only collective of the forward pass is the row-split MatMul's AllReduce."""
+    only collective of the forward pass is the row-split MatMul's reduction."""
     program, plan = _compile(tmp_path, """
         X_SHAPE, Y_SHAPE = (16, 32), (16, 32)
         class Net(nn.Cell):
@@ -95,7 +95,8 @@ def test_a_strategy_less_cast_between_two_model_parallel_ops_moves_nothing(
                 return self.down(h, self.w2)
     """)
     forward = _network_forward(plan)
-    assert [(c["op"], len(c["rank_list"])) for c in forward] == [("AllReduce", 4)], forward
+    # the loss splits the rows over all 8 ranks: the partial sums are reduce-scattered
+    assert [(c["op"], len(c["rank_list"])) for c in forward] == [("ReduceScatter", 4)], forward
     casts = [e for name, e in plan["ops"].items() if "Cast" in name]
     assert len(casts) == 2 and all(e["in_strategy"] == [[2, 4]] for e in casts), casts
     _assert_oracle(program)
@@ -128,7 +129,7 @@ def test_a_reshape_chain_keeps_the_split_its_shapes_allow(tmp_path: Any) -> None
     out replicated, an AllGather over every rank)."""
     program, plan = _compile(tmp_path, "MIDDLE = (4, 8, 32)\n" + textwrap.dedent(MERGE_HEADS))
     forward = _network_forward(plan)
-    assert [(c["op"], len(c["rank_list"])) for c in forward] == [("AllReduce", 4)], forward
+    assert [(c["op"], len(c["rank_list"])) for c in forward] == [("ReduceScatter", 4)], forward
     _assert_oracle(program)
 
 
@@ -140,7 +141,7 @@ def test_a_reshape_chain_its_shapes_break_redistributes_once(tmp_path: Any) -> N
     forward = _network_forward(plan)
     gathers = [c for c in forward if c["op"] == "AllGather"]
     assert [c["rank_list"] for c in gathers] == [[0, 1, 2, 3]], forward
-    assert [c["op"] for c in forward if c["op"] != "AllGather"] == ["AllReduce"], forward
+    assert [c["op"] for c in forward if c["op"] != "AllGather"] == ["ReduceScatter"], forward
     _assert_oracle(program)
 
 
@@ -312,4 +313,51 @@ def test_an_all_reduce_whose_result_is_split_again_keeps_its_backward_all_reduce
     backward = [n for n in graph.nodes if n.op == "AllReduce"
                 and "vjp of AllReduce: forward: MatMul" in str(n.parallel.extra.get("reason"))]
     assert len(backward) == len(matmul)
+    _assert_oracle(program)
+
+
+def test_a_sum_every_user_takes_a_block_of_is_reduce_scattered(tmp_path: Any) -> None:
+    """A row-parallel MatMul whose sum feeds a data-parallel residual ((8, 1): each rank takes
+    its 1/8 of the rows, the rows the MatMul's mp group shares) reduce-scatters the partial
+    sums instead of all-reducing them and slicing (half the bytes), and its vjp gathers the
+    cotangent instead of all-reducing it."""
+    path = tmp_path / "model.py"
+    path.write_text(textwrap.dedent("""
+        import numpy as np
+        from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context
+        from pcompile import set_seed
+        set_auto_parallel_context(parallel_mode="semi_auto_parallel",
+                                  dataset_strategy="data_parallel")
+        class Net(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.w1 = Parameter(initializer("normal", [32, 64]), "w1")
+                self.w2 = Parameter(initializer("normal", [64, 32]), "w2")
+                self.up = ops.MatMul().shard(((2, 1), (1, 4)))
+                self.relu = ops.ReLU().shard(((2, 4),))
+                self.down = ops.MatMul().shard(((2, 4), (4, 1)))
+                self.add = ops.Add().shard(((8, 1), (8, 1)))
+            def construct(self, x):
+                return self.add(self.down(self.relu(self.up(x, self.w1)), self.w2), x)
+        def model():
+            set_seed(4)
+            return Net()
+        def inputs():
+            return (np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32),)
+        def labels():
+            return (np.random.default_rng(1).standard_normal((64, 32)).astype(np.float32),)
+        def loss():
+            return nn.MSELoss()
+        def optimizer(params):
+            return nn.SGD(params, 1e-2)
+    """))
+    program = compile_model(str(path), devices=8, out_dir=str(tmp_path / "out"),
+                            dump_ranks="0")
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    mp_group = [0, 1, 2, 3]
+    over_mp = [(c["phase"], c["op"]) for c in _collectives(plan) if c["rank_list"] == mp_group]
+    # the input gathered for the column-parallel MatMul; the row-parallel sum scattered, and
+    # its cotangent gathered back (the input needs no gradient)
+    assert over_mp == [("forward", "AllGather"), ("forward", "ReduceScatter"),
+                       ("backward", "AllGather")], over_mp
     _assert_oracle(program)
