@@ -12,7 +12,9 @@ The guarantees (docs/running.md, "The output folder"):
   A non-empty folder without a manifest is entirely foreign.
 * A compile writes into a staging folder beside `--out` (`.<name>.pcompile-new-<id>`) and swaps
   it in with two renames, so a failed or killed compile leaves `--out` as it was. The next
-  compile into the same `--out` removes a killed compile's staging folder (or finishes its swap).
+  compile into the same `--out` removes a killed compile's staging folder (or finishes its swap)
+  when it carries pcompile's mark (`.pcompile-staging` while incomplete, then its manifest); a
+  folder of the same name without either is the user's and stays.
 * One pcompile at a time per `--out`: the lock `.<name>.pcompile-lock` beside it (an advisory
   `flock`, released by the kernel when its holder dies), held by a compile while it writes and by
   `--run` from the compile to the end of the run.
@@ -361,10 +363,35 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
+def _discard(staging: str) -> None:
+    """Delete a complete staging folder whose swap never began (`out` is still the previous
+    compile): what its manifest lists and the run outputs carried into it; anything else (not
+    written by that compile) stays, and so does the folder then."""
+    manifest = read_manifest(staging)
+    owned = set(manifest.files) if manifest else set()
+    files, folders = _scan(staging)
+    for rel in files:
+        if rel in owned or rel == MANIFEST or is_run_output(rel):
+            os.unlink(os.path.join(staging, rel))
+    for rel in reversed(folders):
+        try:
+            os.rmdir(os.path.join(staging, rel))
+        except OSError:
+            pass
+    try:
+        os.rmdir(staging)
+    except OSError:
+        warnings.warn(f"kept {staging}: it holds files pcompile did not write", RuntimeWarning,
+                      stacklevel=2)
+
+
 def clean_leftovers(out: str) -> None:
     """Staging and replaced folders of a killed compile into `out` (call with the lock held:
-    then no other pcompile is writing them). An incomplete staging folder is removed; a complete
-    one whose swap was cut short replaces the missing `out`; a replaced folder is retired."""
+    then no other pcompile is writing them). An incomplete staging folder (it holds the staging
+    mark) is removed; a complete one (a pcompile manifest, its mark removed) whose swap was cut
+    short replaces the missing `out`, or is discarded when `out` is there; a replaced folder
+    (with a manifest) is retired. A folder that merely has such a name, with neither mark nor
+    manifest, is not pcompile's and is left alone."""
     parent, name = os.path.dirname(out), os.path.basename(out)
     try:
         entries = sorted(os.listdir(parent))
@@ -376,11 +403,14 @@ def clean_leftovers(out: str) -> None:
     for path in staged:
         if not os.path.isdir(path) or os.path.islink(path):
             continue
-        complete = not os.path.exists(os.path.join(path, _STAGING_MARK)) and read_manifest(path)
-        if complete and not os.path.exists(out):
+        if os.path.lexists(os.path.join(path, _STAGING_MARK)):
+            shutil.rmtree(path, ignore_errors=True)  # pcompile's, killed while writing it
+        elif read_manifest(path) is None:
+            continue  # neither mark nor manifest: not a folder pcompile made; leave it alone
+        elif not os.path.exists(out):
             os.rename(path, out)  # the compile had finished; only its swap was cut short
         else:
-            shutil.rmtree(path, ignore_errors=True)
+            _discard(path)
     for path in olds:
         if not os.path.isdir(path) or os.path.islink(path) or read_manifest(path) is None:
             continue
