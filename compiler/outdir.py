@@ -7,7 +7,8 @@ The guarantees (docs/running.md, "The output folder"):
 * Run outputs (what `--run`, the rank programs and `pcompile-merge` write: `rank_<r>/train.log`,
   `rank_<r>/run.log`, `rank_<r>/outputs.npz`, `launch.json`, `checkpoints/rank_<r>/step_*.npz`,
   `merged_step_*.npz`; `pcompile show`'s pictures `show/*.svg`) survive a recompile: they are
-  carried into the new folder.
+  carried into the new folder. Runs write files, never links: a symbolic link at a run
+  output's place is not carried (the launcher would otherwise write through it).
 * Anything else in the folder is foreign: the compile refuses, naming it, and changes nothing.
   A non-empty folder without a manifest is entirely foreign.
 * A compile writes into a staging folder beside `--out` (`.<name>.pcompile-new-<id>`) and swaps
@@ -145,7 +146,7 @@ def out_lock(out_dir: str) -> Iterator[str]:
 def _acquire(path: str, out: str) -> int:
     for _ in range(10):
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
         except OSError as exc:
             raise _os_error("write beside --out, creating the lock file", path, exc) from None
         try:
@@ -297,8 +298,12 @@ def _complete(staging: str, out: str) -> None:
     if os.path.isdir(out):
         old_files, _ = _scan(out)
         for rel in old_files:
-            if is_run_output(rel) and not os.path.lexists(os.path.join(staging, rel)):
-                _link_or_copy(os.path.join(out, rel), os.path.join(staging, rel))
+            src = os.path.join(out, rel)
+            # A symbolic link is no run output (runs write files): it is not carried over, so
+            # that no later run writes through it into a file outside --out.
+            if (is_run_output(rel) and not os.path.islink(src)
+                    and not os.path.lexists(os.path.join(staging, rel))):
+                _link_or_copy(src, os.path.join(staging, rel))
     os.unlink(os.path.join(staging, _STAGING_MARK))
 
 
@@ -337,8 +342,8 @@ def _retire(old: str, out: str) -> None:
     for rel in files:
         path, new = os.path.join(old, rel), os.path.join(out, rel)
         if rel in owned or rel == MANIFEST or is_temp_leftover(rel) or (
-                is_run_output(rel) and _same_file(path, new)):
-            os.unlink(path)
+                is_run_output(rel) and (os.path.islink(path) or _same_file(path, new))):
+            os.unlink(path)  # a link at a run output's place: not carried (`_complete`)
         elif not os.path.lexists(new):
             os.makedirs(os.path.dirname(new), exist_ok=True)
             os.rename(path, new)
