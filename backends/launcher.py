@@ -2,7 +2,8 @@
 
 `launch(out_dir, steps=N)` takes the lock of `out_dir` (compiler/outdir.py), starts one process
 per rank (`<out>/rank_<r>/program.py`, under `jax.distributed` with gloo collectives on CPU),
-with the coordinator on a free local port, and watches them. `platform="gpu"` gives each
+with the coordinator on a free port of the loopback (`127.0.0.1`, where process 0 then listens
+only: backends/cluster.py), and watches them. `platform="gpu"` gives each
 process its ranks' GPUs (backends/placement.py: `CUDA_VISIBLE_DEVICES`,
 `PCOMPILE_LOCAL_DEVICE_IDS`; fewer GPUs than ranks is refused before anything starts);
 `platform="cpu"` (the default) runs every process on CPU devices.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -45,6 +47,7 @@ from dataclasses import dataclass, field
 TAIL_LINES = 25
 EXIT_COORDINATOR_PORT = 75  # backends/jax/rank_runtime.py: process 0 could not listen
 HEARTBEAT_FD = "PCOMPILE_HEARTBEAT_FD"  # backends/jax/rank_runtime.py writes heartbeats there
+SHARE_KEY_ENV = "PCOMPILE_SHARE_KEY"  # backends/jax/shared_compile.py keys its digest with it
 _PORT_ERRORS = ("address already in use", "failed to start rpc server", "failed to add port",
                 "errno 98")
 
@@ -280,6 +283,10 @@ def _launch(out_dir: str, steps: int, processes: int | None, checkpoint_every: i
     base_env = dict(os.environ if env is None else env)
     base_env["PYTHONUNBUFFERED"] = "1"
     base_env["PCOMPILE_LAUNCHER_PID"] = str(os.getpid())  # ranks exit when the launcher dies
+    # The secret that authenticates the executable process 0 shares through the coordinator's
+    # key-value store (backends/jax/shared_compile.py): fresh for every run, and only in the
+    # environment of its ranks (which only this user can read).
+    base_env[SHARE_KEY_ENV] = secrets.token_hex(32)
     envs = [process_env(base_env, platform, devices, gpus) for devices in placement]
     result = LaunchResult(1)
     restore = _sigterm_as_interrupt()
