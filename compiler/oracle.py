@@ -407,6 +407,9 @@ def _check(program: CompiledProgram, steps: int, reference: CompiledProgram | No
     one = _reference_runner(program, ref, float64)
     report = OracleReport(float64=float64)
     names = _input_names(ref)
+    # Values that start non-finite (a -inf mask held as a parameter): the user's data.
+    initially = {name: part for name, value in one.values.items()
+                 if (part := _nonfinite_part(value)) is not None}
     for step, (_, _, arrays) in enumerate(batches(ref, steps), start=1):
         note_nonfinite(report, [(f"input {n} of step {step}", a)
                                 for n, a in zip(names, arrays)])
@@ -426,8 +429,27 @@ def _check(program: CompiledProgram, steps: int, reference: CompiledProgram | No
     report.params = {p.name for p in ref.graph.weights}
     for name, value in one.values.items():
         report.errors[name] = relative_error(par.global_value(name), value)
-        note_nonfinite(report, results=[(f"{name} after step {steps}", value)])
+        if name in initially and _same_part(_nonfinite_part(value), initially[name]):
+            # its non-finite elements are the initial ones, unchanged: data, like an input
+            note_nonfinite(report, [(f"the initial value of {name}", value)])
+        else:
+            note_nonfinite(report, results=[(f"{name} after step {steps}", value)])
     return report
+
+
+def _nonfinite_part(value: object) -> tuple[np.ndarray, np.ndarray] | None:
+    """(mask, elements) of a float array's non-finite elements; None when it has none."""
+    a = np.asarray(value)
+    if a.dtype.kind not in "fc":
+        return None
+    mask = ~np.isfinite(a)
+    return (mask, a[mask]) if mask.any() else None
+
+
+def _same_part(a: tuple[np.ndarray, np.ndarray] | None,
+               b: tuple[np.ndarray, np.ndarray] | None) -> bool:
+    return (a is not None and b is not None and np.array_equal(a[0], b[0])
+            and np.array_equal(a[1], b[1], equal_nan=True))
 
 
 def _reference_runner(program: CompiledProgram, ref: CompiledProgram,

@@ -132,3 +132,22 @@ def test_relative_error_and_descriptions() -> None:
     assert describe_nonfinite("w", np.array([nan, np.inf, -np.inf, 1.0], np.float32)) == (
         "w: 1 NaN, 1 +inf, 1 -inf of 4 elements")
     assert OracleReport().verified
+
+
+def test_a_parameter_that_starts_and_stays_infinite_is_data_not_a_failure(tmp_path) -> None:
+    """A -inf mask held as a non-trainable parameter is compared like the rest: its infinite
+    elements are the user's, unchanged by the step, so the check holds (with a note)."""
+    source = TRAINING.format(bad="1.0").replace(
+        'self.w = Parameter(w, "w")',
+        'self.w = Parameter(w, "w")\n'
+        '        mask = np.zeros((8, 8), np.float32)\n'
+        '        mask[:, 6:] = -np.inf\n'
+        '        self.mask = Parameter(mask, "mask", requires_grad=False)\n'
+        '        self.add = ops.Add()\n'
+        '        self.softmax = ops.Softmax()').replace(
+        "return self.matmul(x, self.w)",
+        "return self.softmax(self.add(self.matmul(x, self.w), self.mask))")
+    code, output, numpy_warnings = run(tmp_path, source, 2)
+    assert code == 0, output
+    assert "the initial value of mask: 16 -inf of 64 elements" in output
+    assert "so the check holds" in output and numpy_warnings == []
