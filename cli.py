@@ -448,7 +448,14 @@ def _check_backends(program: Any) -> None:
     """One device: the numpy interpreter against the JAX lowering, both in float64 and JAX at
     matmul precision `highest` (so the check does not depend on the float32 matmul precision
     of a device, e.g. TF32; this process computes on the CPU anyway)."""
-    from pcompile.compiler.oracle import FLOAT64_RTOL, relative_error
+    from pcompile.compiler.oracle import (
+        FLOAT64_RTOL,
+        OracleReport,
+        inconclusive_message,
+        nonfinite_input_note,
+        note_nonfinite,
+        relative_error,
+    )
     from pcompile.compiler.runtime import StandAloneRunner, batches
     from pcompile.ir.errors import PcompileError
 
@@ -458,12 +465,19 @@ def _check_backends(program: Any) -> None:
 
     _, _, arrays = next(batches(program, 1))
     results = {}
-    for backend in ("numpy", "jax"):
-        runner = StandAloneRunner(program, backend, float64=True)
-        results[backend] = runner.run(arrays)
+    with np.errstate(all="ignore"):  # non-finite results are reported below, not warned about
+        for backend in ("numpy", "jax"):
+            runner = StandAloneRunner(program, backend, float64=True)
+            results[backend] = runner.run(arrays)
     if program.training:
         ln, lj = float(results["numpy"][0]), float(results["jax"][0])
         click.echo(f"first step loss (float64): numpy {ln!r}, jax {lj!r}")
+    finite = OracleReport(float64=True)
+    note_nonfinite(finite, [(f"input {p.name}", a) for p, a in zip(program.graph.inputs, arrays)],
+                   [(name, a) for name, a in zip(program.output_names, results["numpy"])])
+    inconclusive = inconclusive_message(finite, "the numpy interpreter")
+    if inconclusive is not None:
+        raise PcompileError(inconclusive)
     for i, (a, b) in enumerate(zip(results["numpy"], results["jax"])):
         err = relative_error(b, a)
         if err > FLOAT64_RTOL:
@@ -476,12 +490,15 @@ def _check_backends(program: Any) -> None:
     if not program.training:
         shapes = ", ".join(str(tuple(o.shape)) for o in results["numpy"])
         click.echo(f"inference outputs {shapes}: numpy and jax agree (float64)")
+    note = nonfinite_input_note(finite)
+    if note is not None:
+        click.echo(note)
 
 
 def _check_oracle(program: Any) -> None:
     """Parallel programs: all ranks on the numpy simulator against the single-device model,
     both evaluated in float64 (compiler/oracle.py derives the bound)."""
-    from pcompile.compiler.oracle import check
+    from pcompile.compiler.oracle import check, inconclusive_message, nonfinite_input_note
     from pcompile.ir.errors import PcompileError
 
     report = check(program, steps=1)
@@ -491,6 +508,9 @@ def _check_oracle(program: Any) -> None:
         (par, one), = report.losses
         click.echo(f"first step loss (float64): {state.devices} ranks (numpy simulator) {par!r}, "
                    f"single device {one!r}")
+    inconclusive = inconclusive_message(report)
+    if inconclusive is not None:  # NaN matched NaN: no verdict either way
+        raise PcompileError(inconclusive)
         if abs(par - one) > bound * max(1.0, abs(one)):
             raise PcompileError(
                 f"check failed: the first-step loss of the {state.devices}-rank plan is {par!r}, "
@@ -509,6 +529,9 @@ def _check_oracle(program: Any) -> None:
             "what the model computes: please report it with the model file; --no-check skips "
             "this check"
         )
+    note = nonfinite_input_note(report)
+    if note is not None:
+        click.echo(note)
     if program.training:
         _low_precision_report(program)
 

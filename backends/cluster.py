@@ -19,10 +19,18 @@
 From 3 on, every convention present must agree on the number of processes and this process's
 id, and a world size pcompile cannot use (one without its rank variable, or from a launcher it
 does not know) is refused: a process never runs every rank on its own while others do too.
+
+Where process 0's coordinator listens (`coordinator_bind_address`): JAX binds every interface
+by default (`[::]:PORT`), which a job over several hosts needs. A coordinator address on the
+loopback (`127.0.0.1:PORT`, `localhost:PORT`, `[::1]:PORT`: the launcher's, or a local run by
+hand) means every process is on this machine, since no other host can reach that address:
+then it listens on that address only, out of reach of the network. Under mpirun or SLURM
+(JAX's cluster detection) or with a routable address nothing changes.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -189,3 +197,46 @@ def _checked(identity: Identity) -> Identity:
         raise IdentityError(f"process id {identity.process_id} is not in "
                             f"[0, {identity.num_processes}) ({identity.source})")
     return identity
+
+
+def is_loopback(address: str | None) -> bool:
+    """Whether HOST:PORT names this machine's loopback (a literal address or `localhost`; no
+    name is resolved: a host name may map to 127.0.1.1 here and to a routable address on the
+    other hosts of a job)."""
+    if not address:
+        return False
+    if address.startswith("["):  # [IPv6]:PORT
+        host = address[1:address.find("]")]
+    elif address.count(":") == 1:  # HOST:PORT
+        host = address.split(":")[0]
+    else:  # a bare host or IPv6 address
+        host = address
+    host = host.lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def coordinator_bind_address(coordinator: str | None) -> str | None:
+    """Where process 0's coordinator listens: the coordinator address itself when it is on the
+    loopback (every process is on this machine), else None (JAX's default: every interface,
+    which processes on other hosts need)."""
+    return coordinator if is_loopback(coordinator) else None
+
+
+def bind_kwargs(coordinator: str | None) -> dict[str, str]:
+    """`jax.distributed.initialize` arguments for `coordinator_bind_address` (empty where JAX's
+    default applies, or where this JAX predates the argument)."""
+    bind = coordinator_bind_address(coordinator)
+    if bind is None:
+        return {}
+    import inspect
+
+    import jax
+
+    if "coordinator_bind_address" not in inspect.signature(jax.distributed.initialize).parameters:
+        return {}
+    return {"coordinator_bind_address": bind}

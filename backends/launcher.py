@@ -2,7 +2,8 @@
 
 `launch(out_dir, steps=N)` takes the lock of `out_dir` (compiler/outdir.py), starts one process
 per rank (`<out>/rank_<r>/program.py`, under `jax.distributed` with gloo collectives on CPU),
-with the coordinator on a free local port, and watches them. `platform="gpu"` gives each
+with the coordinator on a free port of the loopback (`127.0.0.1`, where process 0 then listens
+only: backends/cluster.py), and watches them. `platform="gpu"` gives each
 process its ranks' GPUs (backends/placement.py: `CUDA_VISIBLE_DEVICES`,
 `PCOMPILE_LOCAL_DEVICE_IDS`; fewer GPUs than ranks is refused before anything starts);
 `platform="cpu"` (the default) runs every process on CPU devices.
@@ -19,7 +20,8 @@ process its ranks' GPUs (backends/placement.py: `CUDA_VISIBLE_DEVICES`,
   before exiting), not the others' follow-on errors;
 * either way it stops the others (SIGTERM and SIGCONT to each rank's process group, SIGKILL
   after `stop_grace` seconds) and returns non-zero with a message naming the rank, what
-  happened and the tail of its log (`<out>/rank_<r>/run.log`, stdout and stderr);
+  happened and the tail of its log (`<out>/rank_<r>/run.log`, stdout and stderr; each run
+  writes it as a fresh file, never through a link that was at its place: `fresh_file`);
 * `resume=True` continues from the newest step every rank holds intact (checked here, passed
   to the ranks as `--resume-step`); a fresh run removes the previous run's checkpoints;
 * a coordinator port taken between choosing and binding it is retried on another port;
@@ -31,7 +33,9 @@ process its ranks' GPUs (backends/placement.py: `CUDA_VISIBLE_DEVICES`,
 
 from __future__ import annotations
 
+import errno
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -43,6 +47,7 @@ from dataclasses import dataclass, field
 TAIL_LINES = 25
 EXIT_COORDINATOR_PORT = 75  # backends/jax/rank_runtime.py: process 0 could not listen
 HEARTBEAT_FD = "PCOMPILE_HEARTBEAT_FD"  # backends/jax/rank_runtime.py writes heartbeats there
+SHARE_KEY_ENV = "PCOMPILE_SHARE_KEY"  # backends/jax/shared_compile.py keys its digest with it
 _PORT_ERRORS = ("address already in use", "failed to start rpc server", "failed to add port",
                 "errno 98")
 
@@ -55,6 +60,45 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def fresh_file(out_dir: str, folder: str, name: str) -> int:
+    """A new, empty file `out_dir/folder/name` open for writing (`folder` is created when
+    missing). Whatever was at its place (the previous log, a symbolic link, a hard link to a
+    file elsewhere) is replaced, never written through; a `folder` that is a symbolic link is
+    refused (LaunchError): run outputs are written only inside `out_dir`."""
+    path = os.path.join(out_dir, folder, name)
+    top = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            os.mkdir(folder, 0o777, dir_fd=top)
+        except FileExistsError:
+            pass
+        try:
+            sub = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise LaunchError(
+                    f"{os.path.join(out_dir, folder)} is a symbolic link or not a folder; "
+                    "pcompile writes a rank's logs only into its own folder inside --out: "
+                    "remove it and compile again") from None
+            raise
+    finally:
+        os.close(top)
+    try:
+        for _ in range(3):
+            try:
+                os.unlink(name, dir_fd=sub)
+            except FileNotFoundError:
+                pass
+            try:  # O_EXCL: never follows a link, even one made since the unlink
+                return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                               | os.O_CLOEXEC, 0o666, dir_fd=sub)
+            except FileExistsError:
+                continue
+        raise LaunchError(f"cannot create {path}: something keeps putting a file in its place")
+    finally:
+        os.close(sub)
 
 
 def tail(path: str, lines: int = TAIL_LINES) -> str:
@@ -239,6 +283,10 @@ def _launch(out_dir: str, steps: int, processes: int | None, checkpoint_every: i
     base_env = dict(os.environ if env is None else env)
     base_env["PYTHONUNBUFFERED"] = "1"
     base_env["PCOMPILE_LAUNCHER_PID"] = str(os.getpid())  # ranks exit when the launcher dies
+    # The secret that authenticates the executable process 0 shares through the coordinator's
+    # key-value store (backends/jax/shared_compile.py): fresh for every run, and only in the
+    # environment of its ranks (which only this user can read).
+    base_env[SHARE_KEY_ENV] = secrets.token_hex(32)
     envs = [process_env(base_env, platform, devices, gpus) for devices in placement]
     result = LaunchResult(1)
     restore = _sigterm_as_interrupt()
@@ -292,8 +340,8 @@ def _attempts(programs: list[str], per: int, common: list[str], envs: list[dict[
 def _spawn(p: int, program: str, per: int, coordinator: str, procs: int, common: list[str],
            env: dict[str, str], python: str, out_dir: str) -> _Proc:
     first = p * per  # the first rank this process runs: its folder holds the process's log
-    os.makedirs(os.path.join(out_dir, f"rank_{first}"), exist_ok=True)
     log = os.path.join(out_dir, f"rank_{first}", "run.log")
+    log_fd = fresh_file(out_dir, f"rank_{first}", "run.log")
     args = [python, program, "--coordinator", coordinator, "--num-processes", str(procs),
             "--process-id", str(p), *common]
     if p:
@@ -302,7 +350,7 @@ def _spawn(p: int, program: str, per: int, coordinator: str, procs: int, common:
     os.set_blocking(read_end, False)
     env = dict(env, **{HEARTBEAT_FD: str(write_end)})
     try:
-        with open(log, "wb") as f:
+        with os.fdopen(log_fd, "wb") as f:
             popen = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, cwd=out_dir, pass_fds=(write_end,))
     except BaseException:

@@ -12,11 +12,18 @@ float64 unit roundoff); with reductions of up to n = 2^20 terms and an amplifica
 2^7 through the rest of the step (conditioning, an optimizer that normalises its update), a
 correct plan stays within `FLOAT64_RTOL` = 2^-53 · 2^20 · 2^7 = 2^-26 ≈ 1.5e-8 of the scale
 (largest magnitude) of every compared tensor. A wrong plan (a missing AllReduce, a wrong slice)
-is off by whole terms: orders of magnitude more. Correct plans measure ~1e-15."""
+is off by whole terms: orders of magnitude more. Correct plans measure ~1e-15.
+
+**Finite data.** NaN matches NaN and an infinity the same infinity (a step that overflows in
+both programs agrees), so a reference whose loss, values or outputs are not finite cannot tell
+a right plan from a wrong one there. `check` runs with numpy's floating-point warnings off and
+records instead which inputs and which compared results are not finite
+(`OracleReport.nonfinite_inputs`, `nonfinite_results`); `inconclusive_message` is the one
+message a caller (the CLI) gives when nothing was verified."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -127,6 +134,17 @@ class OracleReport:
         return name, self.errors[name]
 
     params: set[str] = field(default_factory=set)
+    #: Inputs of the batches that hold NaN or an infinity ("input x of step 1: 1 NaN of 64").
+    nonfinite_inputs: list[str] = field(default_factory=list)
+    #: Results of the single-device program (loss, values, outputs) that are not finite: the
+    #: comparison verified nothing about them.
+    nonfinite_results: list[str] = field(default_factory=list)
+
+    @property
+    def verified(self) -> bool:
+        """Every compared result of the single-device program is finite (else `ok()` holds
+        trivially where both programs give NaN: `inconclusive_message`)."""
+        return not self.nonfinite_results
 
     @property
     def bound(self) -> float:
@@ -154,16 +172,92 @@ def _same_nonfinite(a: float, b: float) -> bool:
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     """max |got - want| / max |want|; elements that are non-finite in the same way in both
-    (NaN and NaN, or the same infinity) agree."""
+    (NaN and NaN, or the same infinity) agree; one that is non-finite in one only is an
+    infinite error."""
     got = np.asarray(got, np.float64)
     want = np.asarray(want, np.float64)
     if got.shape != want.shape:
         return float("inf")
+    if not want.size:
+        return 0.0
     same = (np.isnan(got) & np.isnan(want)) | (np.isinf(want) & (got == want))
     if same.any():
         got, want = np.where(same, 0.0, got), np.where(same, 0.0, want)
-    scale = max(float(np.max(np.abs(want))) if want.size else 0.0, 1e-6)
-    return float(np.max(np.abs(got - want))) / scale if want.size else 0.0
+    if not (np.isfinite(got).all() and np.isfinite(want).all()):
+        return float("inf")
+    scale = max(float(np.max(np.abs(want))), 1e-6)
+    return float(np.max(np.abs(got - want))) / scale
+
+
+def describe_nonfinite(what: str, array: object) -> str | None:
+    """'`what`: 1 NaN, 2 +inf of 64 elements' when a float array holds non-finite elements,
+    else None."""
+    a = np.asarray(array)
+    if a.dtype.kind in "iub":  # integers and booleans are always finite
+        return None
+    if a.dtype.kind == "c":
+        a = np.concatenate([a.real.ravel(), a.imag.ravel()])
+    elif a.dtype.kind != "f":
+        try:  # bfloat16, float8 (ml_dtypes) are kind 'V'
+            a = a.astype(np.float64)
+        except (TypeError, ValueError):
+            return None
+    if np.isfinite(a).all():
+        return None
+    if a.size == 1:
+        return f"{what} is {float(a.ravel()[0])!r}"
+    counts = [(int(np.count_nonzero(np.isnan(a))), "NaN"),
+              (int(np.count_nonzero(np.isposinf(a))), "+inf"),
+              (int(np.count_nonzero(np.isneginf(a))), "-inf")]
+    parts = ", ".join(f"{k} {name}" for k, name in counts if k)
+    return f"{what}: {parts} of {a.size} elements"
+
+
+def note_nonfinite(report: OracleReport, inputs: Sequence[tuple[str, object]] = (),
+                   results: Sequence[tuple[str, object]] = ()) -> None:
+    """Record in `report` the inputs and the single-device results that are not finite."""
+    for what, array in inputs:
+        found = describe_nonfinite(what, array)
+        if found is not None:
+            report.nonfinite_inputs.append(found)
+    for what, array in results:
+        found = describe_nonfinite(what, array)
+        if found is not None:
+            report.nonfinite_results.append(found)
+
+
+def _listed(items: list[str], shown: int = 4) -> str:
+    more = len(items) - shown
+    return "; ".join(items[:shown]) + (f"; and {more} more" if more > 0 else "")
+
+
+def inconclusive_message(report: OracleReport, reference: str = "the single-device program",
+                         skip: str = "--no-check compiles without the check") -> str | None:
+    """The one message for a check that verified nothing because `reference`'s results are not
+    finite (None when they are): what is not finite, whether the data is the cause, what the
+    verdict means and what to do."""
+    if report.verified:
+        return None
+    if report.nonfinite_inputs:
+        cause = (f"The data is not finite: {_listed(report.nonfinite_inputs)}. Give finite "
+                 "inputs (inputs(), dataset()) to check the plan")
+    else:
+        cause = ("The inputs are finite, so the model or its initial parameter values produce "
+                 "them (an overflow, a log or division of 0, a NaN initializer): make the first "
+                 "step finite to check the plan")
+    return (f"check inconclusive: the results of {reference} are not finite "
+            f"({_listed(report.nonfinite_results)}). NaN matches NaN and an infinity the same "
+            "infinity, so the comparison cannot tell a right plan from a wrong one: nothing was "
+            f"verified. {cause}; {skip}")
+
+
+def nonfinite_input_note(report: OracleReport) -> str | None:
+    """A note for non-finite inputs (an additive -inf mask) whose results are all finite: the
+    check holds; None otherwise."""
+    if not report.nonfinite_inputs or not report.verified:
+        return None
+    return (f"note: the data is not finite ({_listed(report.nonfinite_inputs)}), but every "
+            "compared result is, so the check holds")
 
 
 def gradient_scales(program: CompiledProgram) -> dict[str, float]:
@@ -296,15 +390,33 @@ def check(program: CompiledProgram, steps: int = 1,
     single-device program from the same initial values, under the parallel program's options
     (`single_device`); `float64`: evaluate both in float64 (the default; see the module
     docstring), else in the graphs' own dtypes."""
-    if not program.training and rank_local_reductions(program) and reference is None:
-        return _check_rank_local(program, float64)
+    with np.errstate(all="ignore"):  # non-finite values are reported, not warned about
+        if not program.training and rank_local_reductions(program) and reference is None:
+            return _check_rank_local(program, float64)
+        return _check(program, steps, reference, float64)
+
+
+def _input_names(program: CompiledProgram) -> list[str]:
+    return [p.name for p in program.graph.inputs]
+
+
+def _check(program: CompiledProgram, steps: int, reference: CompiledProgram | None,
+           float64: bool) -> OracleReport:
     ref = reference or single_device(program)
     par = ParallelRunner(program, float64=float64)
     one = _reference_runner(program, ref, float64)
     report = OracleReport(float64=float64)
-    for _, _, arrays in batches(ref, steps):
+    names = _input_names(ref)
+    # Values that start non-finite (a -inf mask held as a parameter): the user's data.
+    initially = {name: part for name, value in one.values.items()
+                 if (part := _nonfinite_part(value)) is not None}
+    for step, (_, _, arrays) in enumerate(batches(ref, steps), start=1):
+        note_nonfinite(report, [(f"input {n} of step {step}", a)
+                                for n, a in zip(names, arrays)])
         if program.training:
-            report.losses.append((par.step(arrays), one.step(arrays)))
+            par_loss, one_loss = par.step(arrays), one.step(arrays)
+            report.losses.append((par_loss, one_loss))
+            note_nonfinite(report, results=[(f"the loss of step {step}", one_loss)])
         else:
             outs = par.run(arrays)
             want = one.run(arrays)
@@ -312,11 +424,32 @@ def check(program: CompiledProgram, steps: int = 1,
             for i, (w, layout) in enumerate(zip(want, layouts)):
                 got = gather(outs, i, layout, w)
                 report.errors[f"output{i}"] = relative_error(got, w)
+                note_nonfinite(report, results=[(f"output {i}", w)])
             return report
     report.params = {p.name for p in ref.graph.weights}
     for name, value in one.values.items():
         report.errors[name] = relative_error(par.global_value(name), value)
+        if name in initially and _same_part(_nonfinite_part(value), initially[name]):
+            # its non-finite elements are the initial ones, unchanged: data, like an input
+            note_nonfinite(report, [(f"the initial value of {name}", value)])
+        else:
+            note_nonfinite(report, results=[(f"{name} after step {steps}", value)])
     return report
+
+
+def _nonfinite_part(value: object) -> tuple[np.ndarray, np.ndarray] | None:
+    """(mask, elements) of a float array's non-finite elements; None when it has none."""
+    a = np.asarray(value)
+    if a.dtype.kind not in "fc":
+        return None
+    mask = ~np.isfinite(a)
+    return (mask, a[mask]) if mask.any() else None
+
+
+def _same_part(a: tuple[np.ndarray, np.ndarray] | None,
+               b: tuple[np.ndarray, np.ndarray] | None) -> bool:
+    return (a is not None and b is not None and np.array_equal(a[0], b[0])
+            and np.array_equal(a[1], b[1], equal_nan=True))
 
 
 def _reference_runner(program: CompiledProgram, ref: CompiledProgram,
@@ -341,12 +474,15 @@ def _check_rank_local(program: CompiledProgram, float64: bool) -> OracleReport:
         _, _, arrays = next(batches(ref, 1))
         if outs is None:
             outs = par.run(arrays)
+            note_nonfinite(report, [(f"input {n}", a)
+                                    for n, a in zip(_input_names(ref), arrays)])
         want = _reference_runner(program, ref, float64).run(arrays)
         for i, (w, layout) in enumerate(zip(want, layouts)):
             mine = w if layout is None or not w.shape else w[tuple(
                 slice(lo, hi) for lo, hi in layout.slice_bounds(rank))]
             err = relative_error(outs[rank][i], mine)
             report.errors[f"output{i}"] = max(report.errors.get(f"output{i}", 0.0), err)
+            note_nonfinite(report, results=[(f"output {i} of rank {rank}", mine)])
     return report
 
 

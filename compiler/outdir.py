@@ -7,12 +7,15 @@ The guarantees (docs/running.md, "The output folder"):
 * Run outputs (what `--run`, the rank programs and `pcompile-merge` write: `rank_<r>/train.log`,
   `rank_<r>/run.log`, `rank_<r>/outputs.npz`, `launch.json`, `checkpoints/rank_<r>/step_*.npz`,
   `merged_step_*.npz`; `pcompile show`'s pictures `show/*.svg`) survive a recompile: they are
-  carried into the new folder.
+  carried into the new folder. Runs write files, never links: a symbolic link at a run
+  output's place is not carried (the launcher would otherwise write through it).
 * Anything else in the folder is foreign: the compile refuses, naming it, and changes nothing.
   A non-empty folder without a manifest is entirely foreign.
 * A compile writes into a staging folder beside `--out` (`.<name>.pcompile-new-<id>`) and swaps
   it in with two renames, so a failed or killed compile leaves `--out` as it was. The next
-  compile into the same `--out` removes a killed compile's staging folder (or finishes its swap).
+  compile into the same `--out` removes a killed compile's staging folder (or finishes its swap)
+  when it carries pcompile's mark (`.pcompile-staging` while incomplete, then its manifest); a
+  folder of the same name without either is the user's and stays.
 * One pcompile at a time per `--out`: the lock `.<name>.pcompile-lock` beside it (an advisory
   `flock`, released by the kernel when its holder dies), held by a compile while it writes and by
   `--run` from the compile to the end of the run.
@@ -143,7 +146,7 @@ def out_lock(out_dir: str) -> Iterator[str]:
 def _acquire(path: str, out: str) -> int:
     for _ in range(10):
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
         except OSError as exc:
             raise _os_error("write beside --out, creating the lock file", path, exc) from None
         try:
@@ -295,8 +298,12 @@ def _complete(staging: str, out: str) -> None:
     if os.path.isdir(out):
         old_files, _ = _scan(out)
         for rel in old_files:
-            if is_run_output(rel) and not os.path.lexists(os.path.join(staging, rel)):
-                _link_or_copy(os.path.join(out, rel), os.path.join(staging, rel))
+            src = os.path.join(out, rel)
+            # A symbolic link is no run output (runs write files): it is not carried over, so
+            # that no later run writes through it into a file outside --out.
+            if (is_run_output(rel) and not os.path.islink(src)
+                    and not os.path.lexists(os.path.join(staging, rel))):
+                _link_or_copy(src, os.path.join(staging, rel))
     os.unlink(os.path.join(staging, _STAGING_MARK))
 
 
@@ -335,8 +342,8 @@ def _retire(old: str, out: str) -> None:
     for rel in files:
         path, new = os.path.join(old, rel), os.path.join(out, rel)
         if rel in owned or rel == MANIFEST or is_temp_leftover(rel) or (
-                is_run_output(rel) and _same_file(path, new)):
-            os.unlink(path)
+                is_run_output(rel) and (os.path.islink(path) or _same_file(path, new))):
+            os.unlink(path)  # a link at a run output's place: not carried (`_complete`)
         elif not os.path.lexists(new):
             os.makedirs(os.path.dirname(new), exist_ok=True)
             os.rename(path, new)
@@ -361,10 +368,35 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
+def _discard(staging: str) -> None:
+    """Delete a complete staging folder whose swap never began (`out` is still the previous
+    compile): what its manifest lists and the run outputs carried into it; anything else (not
+    written by that compile) stays, and so does the folder then."""
+    manifest = read_manifest(staging)
+    owned = set(manifest.files) if manifest else set()
+    files, folders = _scan(staging)
+    for rel in files:
+        if rel in owned or rel == MANIFEST or is_run_output(rel):
+            os.unlink(os.path.join(staging, rel))
+    for rel in reversed(folders):
+        try:
+            os.rmdir(os.path.join(staging, rel))
+        except OSError:
+            pass
+    try:
+        os.rmdir(staging)
+    except OSError:
+        warnings.warn(f"kept {staging}: it holds files pcompile did not write", RuntimeWarning,
+                      stacklevel=2)
+
+
 def clean_leftovers(out: str) -> None:
     """Staging and replaced folders of a killed compile into `out` (call with the lock held:
-    then no other pcompile is writing them). An incomplete staging folder is removed; a complete
-    one whose swap was cut short replaces the missing `out`; a replaced folder is retired."""
+    then no other pcompile is writing them). An incomplete staging folder (it holds the staging
+    mark) is removed; a complete one (a pcompile manifest, its mark removed) whose swap was cut
+    short replaces the missing `out`, or is discarded when `out` is there; a replaced folder
+    (with a manifest) is retired. A folder that merely has such a name, with neither mark nor
+    manifest, is not pcompile's and is left alone."""
     parent, name = os.path.dirname(out), os.path.basename(out)
     try:
         entries = sorted(os.listdir(parent))
@@ -376,11 +408,14 @@ def clean_leftovers(out: str) -> None:
     for path in staged:
         if not os.path.isdir(path) or os.path.islink(path):
             continue
-        complete = not os.path.exists(os.path.join(path, _STAGING_MARK)) and read_manifest(path)
-        if complete and not os.path.exists(out):
+        if os.path.lexists(os.path.join(path, _STAGING_MARK)):
+            shutil.rmtree(path, ignore_errors=True)  # pcompile's, killed while writing it
+        elif read_manifest(path) is None:
+            continue  # neither mark nor manifest: not a folder pcompile made; leave it alone
+        elif not os.path.exists(out):
             os.rename(path, out)  # the compile had finished; only its swap was cut short
         else:
-            shutil.rmtree(path, ignore_errors=True)
+            _discard(path)
     for path in olds:
         if not os.path.isdir(path) or os.path.islink(path) or read_manifest(path) is None:
             continue

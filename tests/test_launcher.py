@@ -388,3 +388,38 @@ def test_hybrid_parallel_seed_trains_on_eight_processes_like_one_device(tmp_path
     bound = rounding_rtol(parallel, np.float32, steps=3)
     for r in range(8):
         np.testing.assert_allclose(losses(out, r), want, rtol=bound)
+
+
+def test_a_symlinked_run_log_is_replaced_not_written_through(model_path, tmp_path) -> None:
+    """Issue 26, defect 2: a `rank_r/run.log` that links to a file outside --out is not carried
+    by a recompile, and the launcher replaces such a link by a fresh log instead of truncating
+    its target. (The ranks are `true`: only the launcher's own writes matter here.)"""
+    import shutil
+
+    from pcompile.backends.launcher import LaunchError
+
+    out = tmp_path / "out"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    compile_model(model_path, devices=4, out_dir=str(out))
+    (out / "rank_0" / "run.log").symlink_to(victim)
+    compile_model(model_path, devices=4, out_dir=str(out))  # a recompile drops the link
+    assert not (out / "rank_0" / "run.log").is_symlink()
+    for rank in range(4):  # made after the compile: the launcher replaces them
+        (out / f"rank_{rank}" / "run.log").unlink(missing_ok=True)
+        (out / f"rank_{rank}" / "run.log").symlink_to(victim)
+    result = launch(str(out), steps=1, python=shutil.which("true"), echo=lambda _: None,
+                    env=env())
+    assert result.code == 0, result.message
+    assert victim.read_text() == "precious\n"
+    for rank in range(4):
+        log = out / f"rank_{rank}" / "run.log"
+        assert log.is_file() and not log.is_symlink()
+    # A rank folder that is a link elsewhere is refused: logs stay inside --out.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.rmtree(out / "rank_1")
+    (out / "rank_1").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(LaunchError, match="symbolic link"):
+        launch(str(out), steps=1, python=shutil.which("true"), echo=lambda _: None, env=env())
+    assert os.listdir(elsewhere) == []

@@ -133,6 +133,35 @@ def test_leftovers_of_a_killed_compile_are_cleaned_by_the_next(tmp_path) -> None
     assert (out / "rank_0" / "train.log").read_text() == "kept\n"
 
 
+def test_a_users_folder_named_like_a_leftover_is_left_alone(tmp_path) -> None:
+    """Only folders pcompile marked (its staging mark, or its manifest) are cleaned up; the
+    user's own `.out.pcompile-new-*` / `-old-*` folders stay, whole (issue 26, defect 3)."""
+    out = tmp_path / "out"
+    compile_into(out)
+    mine = {".out.pcompile-new-mine": "my notes\n", ".out.pcompile-new-1-ab": "more\n",
+            ".out.pcompile-old-mine": "old notes\n"}
+    for name, text in mine.items():
+        (tmp_path / name / "sub").mkdir(parents=True)
+        (tmp_path / name / "sub" / "notes.txt").write_text(text)
+    compile_into(out)
+    for name, text in mine.items():
+        assert (tmp_path / name / "sub" / "notes.txt").read_text() == text
+    assert sorted(os.listdir(tmp_path)) == sorted(["out", *mine])
+
+
+def test_a_complete_staging_folder_keeps_what_pcompile_did_not_write(tmp_path) -> None:
+    """A finished staging folder whose swap never began is discarded, except for a file the
+    compile did not write."""
+    out = tmp_path / "out"
+    compile_into(out)
+    staged = tmp_path / ".out.pcompile-new-4244-0badf00d"
+    shutil.copytree(out, staged)
+    (staged / "keep.txt").write_text("not pcompile's\n")
+    with pytest.warns(RuntimeWarning, match="did not write"):
+        compile_into(out)
+    assert sorted(p.name for p in staged.iterdir()) == ["keep.txt"]
+
+
 def _hold_lock_in_another_process(out) -> subprocess.Popen[str]:
     code = ("import sys, time\nfrom pcompile.compiler.outdir import out_lock\n"
             f"with out_lock({str(out)!r}):\n    print('held', flush=True)\n    time.sleep(60)\n")

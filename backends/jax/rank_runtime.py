@@ -361,7 +361,10 @@ def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbea
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         kwargs: dict[str, Any] = {"initialization_timeout": int(args.startup_timeout)}
         if coordinator is not None:
+            from pcompile.backends.cluster import bind_kwargs
+
             kwargs.update(coordinator_address=coordinator, num_processes=nproc, process_id=pid)
+            kwargs.update(bind_kwargs(coordinator))  # all local: listen on the loopback only
         local_ids = _local_device_ids()
         if local_ids is not None:  # the launcher's placement (else JAX's: by local rank)
             kwargs["local_device_ids"] = local_ids
