@@ -404,12 +404,21 @@ def _follow_consumer(node: Node, result: ParallelAssignment, devices: int) -> Op
 TRANSPARENT = frozenset({"Cast"})
 
 
+def is_transparent_cast(node: Node) -> bool:
+    """A Cast without a user strategy that does not read a stored parameter (whose Cast
+    follows the parameter's user instead, `_followers`)."""
+    if node.op not in TRANSPARENT or len(node.operands) != 1:
+        return False
+    source = node.operands[0]
+    return (node.attrs.get("in_strategy") is None
+            and not (isinstance(source, GraphParam) and source.kind != "input"))
+
+
 def _transparent(graph: Graph, searched: dict[int, Any] | None, follow: set[int]) -> set[int]:
-    """The strategy-less Casts (not on a stored parameter, not given a strategy by the search):
+    """The transparent Casts the search gave no strategy (the searches look through them):
     laid out as their input, in `_assign_layout_flow`."""
     return {id(node) for node in graph.nodes
-            if node.op in TRANSPARENT and len(node.operands) == 1
-            and node.attrs.get("in_strategy") is None
+            if is_transparent_cast(node)
             and not (searched and id(node) in searched) and id(node) not in follow}
 
 

@@ -3,9 +3,10 @@
 Vertices:
 
 * one per op with a sharding rule (`Reshape`, `TupleGetItem` and `MakeTuple` have no strategy
-  and are looked through), with its candidate strategies (`candidates.py`); an op with a user
-  `shard()` strategy (or one loaded from a strategy checkpoint) is *configured*: its only
-  candidate is that strategy;
+  and are looked through, and so is a Cast without one (`_looked_through`: it keeps its
+  input's layout, or a weight's Cast its configured users', so it costs and decides nothing),
+  with its candidate strategies (`candidates.py`); an op with a user `shard()` strategy (or
+  one loaded from a strategy checkpoint) is *configured*: its only candidate is that strategy;
 * `_VirtualDataset`: a configured vertex whose outputs are the graph inputs under
   `dataset_strategy` (topological index "infinity", so sharding propagation visits it last);
 * `TmpIdentity`, one per parameter used directly by several ops: its candidates are the
@@ -13,8 +14,8 @@ Vertices:
   infinity otherwise, so that all users of a parameter agree (parameters are stored sliced and
   never redistributed, §3.4).
 
-Edges run from a producer output to a consumer input, through Reshape, Depend and
-TupleGetItem (an edge records how many Reshape operators it crosses: consecutive Reshapes
+Edges run from a producer output to a consumer input, through Reshape, Depend, transparent
+Casts and TupleGetItem (an edge records how many Reshape operators it crosses: consecutive Reshapes
 count once, as MindSpore merges them before its search). An edge's cost for a pair of
 strategies is the redistribution from the producer's output layout to the consumer's input
 layout (through a Reshape the shapes differ and the redistribution planner turns the reshape
@@ -47,6 +48,22 @@ from pcompile.passes.search.cost_model import (
 from pcompile.passes.step_parallel_begin import dataset_layouts, shard_node
 
 DATASET_TOPO = 1 << 62
+
+
+def _looked_through(node: Node) -> bool:
+    """A Cast without a user strategy: not a vertex. It keeps its input's layout
+    (step_parallel_begin: transparent), so it decides nothing and costs nothing. A weight's
+    Cast is looked through only when every user of it has a `shard()` strategy: it takes
+    theirs (the weight is stored as its real user wants it, as MindSpore's propagation of a
+    configured strategy gives it); otherwise it is searched like any op (MindSpore's
+    test_auto_parallel_parameter_cast)."""
+    if node.op != "Cast" or len(node.operands) != 1 or node.attrs.get("in_strategy") is not None:
+        return False
+    source = node.operands[0]
+    if isinstance(source, GraphParam) and source.kind != "input":
+        return bool(node.result.uses) and all(
+            user.attrs.get("in_strategy") is not None for user, _ in node.result.uses)
+    return True
 
 
 @dataclass
@@ -148,6 +165,8 @@ class CostGraph:
             user = node.attrs.get("in_strategy")
             if user is None:
                 user = loaded.get(id(node))
+            if user is None and _looked_through(node):
+                continue  # step_parallel_begin lays it out (transparent, or a weight's Cast)
             trainable = tuple(isinstance(v, GraphParam) and v.kind == "weight"
                               and v.requires_grad for v in node.operands)
             params = tuple(isinstance(v, GraphParam) and v.kind != "input"
@@ -197,6 +216,9 @@ class CostGraph:
                 continue
             assert v.node is not None
             for index, operand in enumerate(v.node.operands):
+                while (isinstance(operand, NodeResult) and id(operand.node) not in self.vertex_of
+                       and _looked_through(operand.node)):
+                    operand = operand.node.operands[0]  # a weight read through its Cast
                 if isinstance(operand, GraphParam) and operand.kind != "input":
                     users.setdefault(id(operand), []).append((v.index, index))
                     params[id(operand)] = operand
@@ -239,7 +261,8 @@ class CostGraph:
                 reshapes += 0 if run else 1
                 run = True
                 continue
-            if node.op == "Depend":
+            if node.op == "Depend" or (id(node) not in self.vertex_of
+                                       and _looked_through(node)):
                 value = node.operands[0]
                 run = False
                 continue
