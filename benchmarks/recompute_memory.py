@@ -140,20 +140,12 @@ def optimizer(params):
 
 def saved_activation_bytes(graph: Any) -> int:
     """Bytes of forward values (node results) that backward nodes read."""
-    from pcompile.ir.core import NodeResult
-    from pcompile.passes.recompute import is_backward
+    from pcompile.passes.recompute import saved_forward_values
 
-    seen: set[int] = set()
     total = 0
-    for node in graph.nodes:
-        if not is_backward(node):
-            continue
-        for value in node.operands:
-            if isinstance(value, NodeResult) and not is_backward(value.node) and \
-                    not value.node.attrs.get("duplicated") and id(value) not in seen:
-                seen.add(id(value))
-                types = getattr(value.type, "elements", None) or (value.type,)
-                total += sum(t.nbytes for t in types)
+    for value in saved_forward_values(graph):
+        types = getattr(value.type, "elements", None) or (value.type,)
+        total += sum(t.nbytes for t in types)
     return total
 
 

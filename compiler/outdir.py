@@ -347,16 +347,8 @@ def _retire(old: str, out: str) -> None:
         elif not os.path.lexists(new):
             os.makedirs(os.path.dirname(new), exist_ok=True)
             os.rename(path, new)
-    for rel in reversed(folders):
-        try:
-            os.rmdir(os.path.join(old, rel))
-        except OSError:
-            pass
-    try:
-        os.rmdir(old)
-    except OSError:
-        warnings.warn(f"the previous contents of {out} that could not be moved back are kept "
-                      f"in {old}", RuntimeWarning, stacklevel=2)
+    _remove_emptied(old, folders, f"the previous contents of {out} that could not be moved "
+                                  f"back are kept in {old}")
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -378,16 +370,21 @@ def _discard(staging: str) -> None:
     for rel in files:
         if rel in owned or rel == MANIFEST or is_run_output(rel):
             os.unlink(os.path.join(staging, rel))
+    _remove_emptied(staging, folders, f"kept {staging}: it holds files pcompile did not write")
+
+
+def _remove_emptied(root: str, folders: list[str], kept: str) -> None:
+    """Remove `root` and its sub`folders` (deepest first) where they are empty; warn `kept`
+    when `root` itself is not."""
     for rel in reversed(folders):
         try:
-            os.rmdir(os.path.join(staging, rel))
+            os.rmdir(os.path.join(root, rel))
         except OSError:
             pass
     try:
-        os.rmdir(staging)
+        os.rmdir(root)
     except OSError:
-        warnings.warn(f"kept {staging}: it holds files pcompile did not write", RuntimeWarning,
-                      stacklevel=2)
+        warnings.warn(kept, RuntimeWarning, stacklevel=3)
 
 
 def clean_leftovers(out: str) -> None:

@@ -30,6 +30,22 @@ def is_backward(node: Node) -> bool:
     return node.scope.startswith(BACKWARD_SCOPE)
 
 
+def saved_forward_values(graph: Graph) -> list[NodeResult]:
+    """The forward node results the backward pass reads (what a step keeps between its
+    forward and backward computations), each once; recomputed copies are not forward values."""
+    seen: set[int] = set()
+    out: list[NodeResult] = []
+    for node in graph.nodes:
+        if not is_backward(node):
+            continue
+        for value in node.operands:
+            if (isinstance(value, NodeResult) and not is_backward(value.node)
+                    and not value.node.attrs.get("duplicated") and id(value) not in seen):
+                seen.add(id(value))
+                out.append(value)
+    return out
+
+
 def recomputable(node: Node) -> bool:
     """A forward node whose result the backward pass recomputes."""
     if is_backward(node) or node.attrs.get("duplicated"):

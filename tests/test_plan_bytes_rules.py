@@ -31,7 +31,7 @@ LLAMA = os.path.join(ROOT, "examples", "llama.py")
 HEADER = """
 import numpy as np
 from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
-set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="full_batch")
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="{dataset}")
 """
 
 FOOTER = """
@@ -49,11 +49,12 @@ def optimizer(params):
 """
 
 
-def _compile(tmp_path: Any, body: str, devices: int = 8) -> tuple[Any, dict[str, Any]]:
+def _compile(tmp_path: Any, body: str, dataset: str = "full_batch"
+             ) -> tuple[Any, dict[str, Any]]:
     path = tmp_path / "model.py"
-    path.write_text(HEADER + textwrap.dedent(body) + FOOTER)
+    path.write_text(HEADER.format(dataset=dataset) + textwrap.dedent(body) + FOOTER)
     out = tmp_path / "out"
-    program = compile_model(str(path), devices=devices, out_dir=str(out), dump_ranks="0")
+    program = compile_model(str(path), devices=8, out_dir=str(out), dump_ranks="0")
     plan = json.loads((out / "plan.json").read_text())
     return program, plan
 
@@ -73,26 +74,31 @@ def _assert_oracle(program: Any) -> None:
     assert report.ok(), f"worst {report.worst}, losses {report.losses}"
 
 
+MLP = """
+    X_SHAPE, Y_SHAPE = ({rows}, 32), ({rows}, 32)
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.w1 = Parameter(initializer("normal", [32, 64]), "w1")
+            self.w2 = Parameter(initializer("normal", [64, 32]), "w2")
+            self.up = ops.MatMul().shard(((2, 1), (1, 4)))
+            self.relu = ops.ReLU().shard(((2, 4),))
+            self.down = ops.MatMul().shard(((2, 4), (4, 1)))
+            self.cast_in = ops.Cast()
+            self.cast_out = ops.Cast()
+            self.add = ops.Add().shard(((8, 1), (8, 1)))
+"""
+
+
 def test_a_strategy_less_cast_between_two_model_parallel_ops_moves_nothing(
         tmp_path: Any) -> None:
     """Column-split MatMul -> Cast -> ReLU (column-split) -> Cast -> row-split MatMul: the
     only collective of the forward pass is the row-split MatMul's reduction."""
-    program, plan = _compile(tmp_path, """
-        X_SHAPE, Y_SHAPE = (16, 32), (16, 32)
-        class Net(nn.Cell):
-            def __init__(self):
-                super().__init__()
-                self.w1 = Parameter(initializer("normal", [32, 64]), "w1")
-                self.w2 = Parameter(initializer("normal", [64, 32]), "w2")
-                self.up = ops.MatMul().shard(((2, 1), (1, 4)))
-                self.relu = ops.ReLU().shard(((2, 4),))
-                self.down = ops.MatMul().shard(((2, 4), (4, 1)))
-                self.cast_in = ops.Cast()
-                self.cast_out = ops.Cast()
-            def construct(self, x):
-                h = self.cast_in(self.up(x, self.w1), "float16")
-                h = self.cast_out(self.relu(h), "float32")
-                return self.down(h, self.w2)
+    program, plan = _compile(tmp_path, MLP.format(rows=16) + """
+        def construct(self, x):
+            h = self.cast_in(self.up(x, self.w1), "float16")
+            h = self.cast_out(self.relu(h), "float32")
+            return self.down(h, self.w2)
     """)
     forward = _network_forward(plan)
     # the loss splits the rows over all 8 ranks: the partial sums are reduce-scattered
@@ -200,24 +206,16 @@ def _saved_norm_bytes(program: Any) -> int:
     """Bytes of the activations the norms and residual adds compute in the forward pass that
     the backward pass reads (what the step keeps of those regions between the two; their
     weights, behind mirrors, are not activations)."""
-    from pcompile.ir.core import NodeResult
-    from pcompile.passes.recompute import is_backward
+    from pcompile.passes.recompute import saved_forward_values
 
-    graph = program.rank_graph(0)
-    seen: set[int] = set()
     total = 0
-    for node in graph.nodes:
-        if not is_backward(node):
-            continue
-        for value in node.operands:
-            if (isinstance(value, NodeResult) and not is_backward(value.node)
-                    and id(value) not in seen and value.node.op != "_MirrorOperator"
-                    and ("norm-LlamaRMSNorm" in value.node.scope
-                         or (value.node.op == "Add"
-                             and value.node.scope.endswith("LlamaDecodeLayer")))):
-                seen.add(id(value))
-                types = getattr(value.type, "elements", None) or (value.type,)
-                total += sum(t.nbytes for t in types)
+    for value in saved_forward_values(program.rank_graph(0)):
+        node = value.node
+        if node.op != "_MirrorOperator" and (
+                "norm-LlamaRMSNorm" in node.scope
+                or (node.op == "Add" and node.scope.endswith("LlamaDecodeLayer"))):
+            types = getattr(value.type, "elements", None) or (value.type,)
+            total += sum(t.nbytes for t in types)
     return total
 
 
@@ -250,47 +248,16 @@ def test_sequence_parallel_moves_the_same_bytes_in_a_quarter_of_the_memory(
     _assert_oracle(seq)
 
 
-EMBEDDING_HEAD = """
-import numpy as np
-from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
-set_auto_parallel_context(parallel_mode="auto_parallel", search_mode="sharding_propagation",
-                          dataset_strategy="full_batch")
-B, S, H, V = 8, 16, 32, 64
-class EmbeddingHead(nn.Cell):
-    def __init__(self):
-        super().__init__()
-        self.table = Parameter(initializer("normal", [V, H]), "table")
-        self.head = Parameter(initializer("normal", [H, V]), "head")
-        self.gather = ops.Gather().shard(((1, 8), (1, 1)))
-        self.reshape = ops.Reshape()
-        self.matmul = ops.MatMul().shard(((1, 8), (8, 1)))
-    def construct(self, tokens):
-        h = self.reshape(self.gather(self.table, tokens, 0), (B * S, H))
-        return self.matmul(h, self.head)
-def model():
-    set_seed(1)
-    return EmbeddingHead()
-def inputs():
-    return (np.random.default_rng(0).integers(0, V, (B, S)).astype(np.int32),)
-def labels():
-    return (np.random.default_rng(1).integers(0, V, (B * S,)).astype(np.int32),)
-def loss():
-    return nn.CrossEntropyLoss()
-def optimizer(params):
-    return nn.SGD(params, learning_rate=0.1)
-"""
-
-
 def test_a_replicated_loss_after_a_row_parallel_matmul_needs_no_backward_all_reduce(
         tmp_path: Any) -> None:
     """The LM head's partial logits are all-reduced over the 8 ranks and the loss is computed
     alike on all of them, so every rank holds the same cotangent share of the logits: the
     AllReduce's vjp is that share times 8, a local Mul (as XLA does), not a second AllReduce
     of the logits."""
-    path = tmp_path / "model.py"
-    path.write_text(EMBEDDING_HEAD)
-    program = compile_model(str(path), devices=8, out_dir=str(tmp_path / "out"),
-                            dump_ranks="0")
+    program = compile_model(os.path.join(ROOT, "tests", "models", "embedding_head.py"),
+                            devices=8, out_dir=str(tmp_path / "out"), dump_ranks="0",
+                            overrides={"parallel_mode": "auto_parallel",
+                                       "search_mode": "sharding_propagation"})
     graph = program.rank_graph(0)
     reduces = [n for n in graph.nodes if n.op == "AllReduce"]
     forward = [n for n in reduces if not n.scope.startswith("Gradients")]
@@ -321,39 +288,10 @@ def test_a_sum_every_user_takes_a_block_of_is_reduce_scattered(tmp_path: Any) ->
     its 1/8 of the rows, the rows the MatMul's mp group shares) reduce-scatters the partial
     sums instead of all-reducing them and slicing (half the bytes), and its vjp gathers the
     cotangent instead of all-reducing it."""
-    path = tmp_path / "model.py"
-    path.write_text(textwrap.dedent("""
-        import numpy as np
-        from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context
-        from pcompile import set_seed
-        set_auto_parallel_context(parallel_mode="semi_auto_parallel",
-                                  dataset_strategy="data_parallel")
-        class Net(nn.Cell):
-            def __init__(self):
-                super().__init__()
-                self.w1 = Parameter(initializer("normal", [32, 64]), "w1")
-                self.w2 = Parameter(initializer("normal", [64, 32]), "w2")
-                self.up = ops.MatMul().shard(((2, 1), (1, 4)))
-                self.relu = ops.ReLU().shard(((2, 4),))
-                self.down = ops.MatMul().shard(((2, 4), (4, 1)))
-                self.add = ops.Add().shard(((8, 1), (8, 1)))
-            def construct(self, x):
-                return self.add(self.down(self.relu(self.up(x, self.w1)), self.w2), x)
-        def model():
-            set_seed(4)
-            return Net()
-        def inputs():
-            return (np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32),)
-        def labels():
-            return (np.random.default_rng(1).standard_normal((64, 32)).astype(np.float32),)
-        def loss():
-            return nn.MSELoss()
-        def optimizer(params):
-            return nn.SGD(params, 1e-2)
-    """))
-    program = compile_model(str(path), devices=8, out_dir=str(tmp_path / "out"),
-                            dump_ranks="0")
-    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    program, plan = _compile(tmp_path, MLP.format(rows=64) + """
+        def construct(self, x):
+            return self.add(self.down(self.relu(self.up(x, self.w1)), self.w2), x)
+    """, dataset="data_parallel")
     mp_group = [0, 1, 2, 3]
     over_mp = [(c["phase"], c["op"]) for c in _collectives(plan) if c["rank_list"] == mp_group]
     # the input gathered for the column-parallel MatMul; the row-parallel sum scattered, and
