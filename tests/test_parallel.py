@@ -76,7 +76,10 @@ def test_layout_scenario_strategies() -> None:
     m2 = next(n for n in rank0.nodes if n.instance_name == "matmul2")
     assert [v.shape for v in m2.operands] == [(32, 64), (64, 512)]
     reduce = rank0.nodes[rank0.nodes.index(m2) + 1]
-    assert reduce.op == "AllReduce" and len(reduce.attrs["rank_list"]) == 8
+    # the partial sums over the 8 ranks; relu2 ((8, 1)) takes each rank's block of rows, so
+    # they are reduce-scattered (MindSpore all-reduces, then slices: passes/forward_scatter.py)
+    assert reduce.op == "ReduceScatter" and len(reduce.attrs["rank_list"]) == 8
+    assert reduce.result.shape == (32 // 8, 512)
 
 
 def test_shared_parameter_with_different_layouts_fails() -> None:
