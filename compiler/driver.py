@@ -43,6 +43,7 @@ from pcompile.ir.printer import GraphText, print_graph
 from pcompile.ir.verifier import verify
 from pcompile.passes.autodiff import append_gradients
 from pcompile.passes.comm_fusion import CommFusionPass
+from pcompile.passes.cotangents import plan_cotangent_reductions
 from pcompile.passes.optimizer import append_optimizer, rank_sum
 from pcompile.passes.optimizer_shard import plan_optimizer_sharding
 from pcompile.passes.recompute import apply_recompute, marked
@@ -151,6 +152,9 @@ class CompileState:
     # op; None when neither pipeline_stages > 1 nor nn.PipelineCell is used.
     pipeline: Any = None
     opt_shard: dict[str, Any] = field(default_factory=dict)  # the parallel optimizer's plan
+    # parameters whose gradient is reduced over part of their copies after their user's output
+    # cotangent is summed (passes/cotangents.py; a byte-size decision the shrunk check pins)
+    reduced_parameters: tuple[str, ...] = ()
     state_owners: dict[str, str] = field(default_factory=dict)  # optimizer state -> parameter
     reference: ReferenceOptions | None = None  # single-device reference of a parallel program
     traces: list[TracedModel] = field(default_factory=list)  # hybrid mode: each rank's trace
@@ -545,6 +549,11 @@ class StepParallelEndPass:
         fusion = {name: p.comm_fusion for name, p in traced.parameters.items()}
         options.opt_shard = _optimizer_sharding(state, state.assignment.param_layouts)
         state.opt_shard = dict(options.opt_shard)
+        if options.training:
+            pinned = state.shrink.reduced_parameters if state.shrink is not None else None
+            options.reductions = plan_cotangent_reductions(
+                state.graph, state.assignment, options.opt_shard, forced=pinned)
+            state.reduced_parameters = tuple(sorted(options.reductions.param_axes))
         for name, shard in options.opt_shard.items():
             state.assignment.param_layouts[name] = shard.stored
         if state.pipelined:  # the stage of every local node (compiler/pipelining.py)

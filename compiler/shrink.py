@@ -53,6 +53,9 @@ class PinnedPlan:
     #: data_parallel: the shrink of the whole-batch trace (the single-device program's), where
     #: `shrink` is that of the one-rank trace the plan compiles
     reference: Shrink | None = None
+    #: the parameters whose cotangents the plan sums on their user's output (a choice by byte
+    #: sizes, which the shrunk sizes could change: passes/cotangents.py)
+    reduced_parameters: tuple[str, ...] = ()
 
 
 def _refuse_mode(program: Any) -> None:
@@ -189,7 +192,8 @@ def whole_batch_shrink(program: Any, shrink: Shrink) -> Shrink:
 def pin_plan(program: Any, shrink: Shrink) -> PinnedPlan:
     """The plan's strategies and Reshape layouts by node position, layouts at shrunk shapes."""
     state = program.state
-    pinned = PinnedPlan(shrink, mode=state.search_mode)
+    pinned = PinnedPlan(shrink, mode=state.search_mode,
+                        reduced_parameters=state.reduced_parameters)
     if state.parallel_mode == "data_parallel" or state.micro_batched:
         pinned.reference = whole_batch_shrink(program, shrink)
     search = state.search

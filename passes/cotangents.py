@@ -98,7 +98,8 @@ def _cheapest_cast(node: Node, assignment: ParallelAssignment, nbytes: int
 
 
 def plan_cotangent_reductions(graph: Graph, assignment: ParallelAssignment,
-                              opt_sharded: Collection[str]) -> CotangentReductions:
+                              opt_sharded: Collection[str],
+                              forced: Collection[str] | None = None) -> CotangentReductions:
     """Reduce partial cotangents once, where it moves fewest bytes.
 
     Under the parallel passes' convention a value held by several ranks (replicated over some
@@ -112,7 +113,9 @@ def plan_cotangent_reductions(graph: Graph, assignment: ParallelAssignment,
     parameter by ring bytes: AR(|A||B|, P) against AR(|B|, O) + AR(|A|, P), P the gradient
     slice and O the output slice, taken after the Casts that follow U where it is smallest
     (Megatron-LM's embedding: the activation is summed over the
-    tensor-parallel group, the table's gradient over the data-parallel group only)."""
+    tensor-parallel group, the table's gradient over the data-parallel group only). `forced`:
+    the parameters to apply it to, whatever the bytes (the shrunk check reproduces the full
+    plan's choice at smaller sizes); the conditions on the user still hold."""
     out = CotangentReductions()
     users_of: dict[str, list[tuple[Node, int]] | None] = {}
     for param in graph.params:
@@ -151,7 +154,7 @@ def plan_cotangent_reductions(graph: Graph, assignment: ParallelAssignment,
                                      prod(o_layout.slice_shape) * out_type.dtype.itemsize)
         default = ring_all_reduce_bytes(a_size * b_size, p_bytes)
         chosen = ring_all_reduce_bytes(b_size, o_bytes) + ring_all_reduce_bytes(a_size, p_bytes)
-        if chosen >= default:
+        if (chosen >= default) if forced is None else (param.name not in forced):
             continue
         out.param_axes[param.name] = rest
         out.outputs[id(at)] = OutputReduction(param.name, dev, shared, a_size,

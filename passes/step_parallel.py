@@ -80,6 +80,9 @@ class SplitOptions:
     # the backward pass is seeded alike on every rank at output 0 (the standard training
     # form; a training step cell seeds it with a value of its own)
     seeded_loss: bool = False
+    # where partial cotangents are summed, when decided by the caller (the driver decides once,
+    # so that the shrunk check can pin it); None: decided here (`plan_cotangent_reductions`)
+    reductions: CotangentReductions | None = None
 
 
 def slice_array(array: np.ndarray, layout: TensorLayout, rank: int) -> np.ndarray:
@@ -139,8 +142,8 @@ class RankBuilder:
         if self.reduce_cotangents:
             self.scatter = scatter_layouts(self.global_graph, self.assignment)
         if self.options.training and self.reduce_cotangents:
-            self.reductions = plan_cotangent_reductions(self.global_graph, self.assignment,
-                                                        self.options.opt_shard)
+            self.reductions = self.options.reductions or plan_cotangent_reductions(
+                self.global_graph, self.assignment, self.options.opt_shard)
             if self.options.seeded_loss:
                 self.alike = replicated_cotangents(self.global_graph, self.assignment)
         for p in self.global_graph.params:

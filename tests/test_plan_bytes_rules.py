@@ -315,3 +315,24 @@ def test_the_searches_look_through_casts(monkeypatch: Any, tmp_path: Any, search
     casts = [name for name in searched["search"]["ops"] if "/Cast-" in name]
     assert not casts, casts
     _assert_oracle(program)
+
+
+def test_the_shrunk_check_reduces_the_cotangents_the_plan_reduces(monkeypatch: Any,
+                                                                   tmp_path: Any) -> None:
+    """Where the embedding's cotangents are summed is a choice by byte sizes; the shrunk
+    check's copy is compiled with the plan's choice (forced), not its own at smaller sizes, so
+    it communicates as the plan does."""
+    from pcompile.compiler.shrink import choose_shrink, pin_plan, shrunk_check
+    from pcompile.passes.cotangents import plan_cotangent_reductions
+
+    program, _ = _llama_plan(monkeypatch, tmp_path, 8, DTYPE="float32")
+    state = program.state
+    assert state.reduced_parameters == ("model.embedding_weight",)
+    none = plan_cotangent_reductions(state.graph, state.assignment, (), forced=())
+    assert not none.param_axes and not none.outputs
+    norm = plan_cotangent_reductions(state.graph, state.assignment, (),
+                                     forced=("model.norm_out.weight",))
+    assert not norm.param_axes  # its RmsNorm reads a float activation too: never applies
+    assert pin_plan(program, choose_shrink(program, factor=2)).reduced_parameters == \
+        ("model.embedding_weight",)
+    assert shrunk_check(program, factor=2).report.ok()
