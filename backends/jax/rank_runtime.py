@@ -49,6 +49,11 @@ EXIT_NONFINITE = 3  # --fail-on-nan: the loss is not finite
 HEARTBEAT_FD = "PCOMPILE_HEARTBEAT_FD"
 HEARTBEAT_INTERVAL = 0.5  # seconds between heartbeats
 LAUNCHER_GRACE = 60.0  # under the launcher, the rank's own watchdog fires this much later
+PARAM_INIT_ENV = "PCOMPILE_PARAM_INIT"  # where blocks are made: auto (default), device, host
+# auto: a block is made on the device when the host would take longer than compiling the
+# device's maker (~0.1-0.8 s on a CPU, once per distinct init, shape and block)
+DEVICE_MIN_RANDOM = 1 << 18
+DEVICE_MIN_CONSTANT = 1 << 12
 
 
 class RankError(Exception):
@@ -88,6 +93,11 @@ def parse_args(argv: list[str] | None, num_ranks: int) -> argparse.Namespace:
                         help="continue from the newest step that every rank holds intact")
     parser.add_argument("--resume-step", type=int, default=None, metavar="S",
                         help="with --resume: continue from step S (the launcher chose it)")
+    parser.add_argument("--param-init", choices=("auto", "device", "host"), default=None,
+                        help="where each rank makes its parameter and optimizer-state slices: "
+                             "device (jitted generator), host (numpy) or auto (default, or "
+                             f"{PARAM_INIT_ENV}: the device for all but small blocks); the "
+                             "values are the same bit for bit")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds a step (and its collectives) may take (default 300)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
@@ -449,22 +459,72 @@ class _Runner:
             return True
         return rank // int(self.m.RANKS_PER_STAGE) in stages[name]
 
-    def _initial(self, sources: dict[str, Any], rank: int) -> dict[str, np.ndarray]:
-        """Rank `rank`'s initial values: its block of every stored value, generated on its own
-        (backends/params.py), equal to the single-device initialisation's block (another
-        pipeline stage's values: zeros, never read)."""
-        out = {}
+    def _initial_state(self) -> dict[str, Any]:
+        """Every stored value's stacked state, each local rank's block made on its own device
+        (backends/jax/param_init.py) or, for small blocks and user arrays, on the host
+        (backends/params.py); equal, bit for bit, to the single-device initialisation's block
+        (another pipeline stage's values: zeros, never read)."""
+        import jax
+
+        from pcompile.backends.jax.param_init import device_block, supports
+        from pcompile.backends.params import ParamsError, read_manifest
+
+        try:
+            sources = read_manifest(self.out_dir)
+        except ParamsError as exc:
+            raise RankError(str(exc)) from None
+        where = self.args.param_init or os.environ.get(PARAM_INIT_ENV) or "auto"
+        if where not in ("auto", "device", "host"):
+            raise RankError(f"{PARAM_INIT_ENV}={where!r}: expected auto, device or host")
+        wide_ok = bool(jax.config.read("jax_enable_x64"))
+        start = time.perf_counter()
+        counts = {"device": 0, "host": 0}
+        state = {}
         for name, _, shape, _ in self.stored:
             source = sources.get(name)
             if source is None:
                 raise RankError(f"params.json has no entry for {name}; compile again")
-            if not self._owns(name, rank):
-                out[name] = np.zeros(shape, self.dtypes[name])
-                continue
-            bounds = (self._layout(name).slice_bounds(rank) if source.shape
-                      else ())
-            out[name] = source.block(bounds)
-        return out
+            arrays = []
+            for r in self.local:
+                device = self.mesh.devices.flat[r]
+                if not self._owns(name, r):
+                    arrays.append(jax.device_put(np.zeros((1, *shape), self.dtypes[name]),
+                                                 device))
+                    continue
+                bounds = self._layout(name).slice_bounds(r) if source.shape else ()
+                size = int(np.prod([hi - lo for lo, hi in bounds], dtype=np.int64))
+                on_device = (where == "device" or (where == "auto" and size >= (
+                    DEVICE_MIN_CONSTANT if source.init is not None and not source.init.random
+                    else DEVICE_MIN_RANDOM)))
+                # 8-byte values stay on the host without x64: the device would hold them as
+                # 4-byte ones, as a device_put of the host's values gives them
+                on_device = (on_device and supports(source)
+                             and (source.dtype.itemsize < 8 or wide_ok))
+                block = device_block(source, bounds, device) if on_device else None
+                if block is None:
+                    block = jax.device_put(source.block(bounds)[None], device)
+                counts["device" if on_device else "host"] += size
+                arrays.append(block)
+            state[name] = self._stack(arrays, shape)
+        for array in state.values():
+            array.block_until_ready()
+        seconds = time.perf_counter() - start
+        total = counts["device"] + counts["host"]
+        self._say(f"parameters and optimizer state of rank(s) {self.local[0]}..{self.local[-1]}: "
+                  f"{total / 1e6:.2f} M values in {seconds:.2f} s "
+                  f"({counts['device'] / 1e6:.2f} M made on the device, "
+                  f"{counts['host'] / 1e6:.2f} M on the host)", force=True)
+        return state
+
+    def _stack(self, arrays: list[Any], shape: tuple[int, ...]) -> Any:
+        """The global (N, *shape) array of this process's ranks' (1, *shape) arrays."""
+        import jax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        sharding = NamedSharding(self.mesh, P(tuple(self.mesh.axis_names)))
+        return jax.make_array_from_single_device_arrays((self.mesh.size, *shape), sharding,
+                                                        arrays)
 
     def _layout(self, name: str) -> Any:
         from pcompile.ir.layout import TensorLayout
@@ -533,8 +593,9 @@ class _Runner:
         # compiled by process 0 only, when the processes run the same program on one host
         return SharedStep(jitted, f"{self.m.PLAN_ID}/{'train' if donate else 'infer'}")
 
-    def _load_values(self, resume_step: int | None) -> tuple[dict[int, dict[str, np.ndarray]],
-                                                              dict[str, Any]]:
+    def _load_values(self, resume_step: int) -> tuple[dict[int, dict[str, np.ndarray]],
+                                                      dict[str, Any]]:
+        """This process's ranks' values read from their checkpoints of `resume_step`."""
         from pcompile.backends.checkpoint import (
             CheckpointError,
             checkpoint_path,
@@ -543,18 +604,7 @@ class _Runner:
 
         values: dict[int, dict[str, np.ndarray]] = {}
         meta: dict[str, Any] = {}
-        sources = None
         for r in self.local:
-            if resume_step is None:
-                if sources is None:
-                    from pcompile.backends.params import ParamsError, read_manifest
-
-                    try:
-                        sources = read_manifest(self.out_dir)
-                    except ParamsError as exc:
-                        raise RankError(str(exc)) from None
-                values[r] = self._initial(sources, r)
-                continue
             try:
                 arrays, meta_r = read_checkpoint(checkpoint_path(self.ckpt_dir, r, resume_step),
                                                  r)
@@ -623,15 +673,18 @@ class _Runner:
         for r in self.local:  # temporary files of a killed checkpoint write
             clean_temp_files(os.path.join(self.ckpt_dir, f"rank_{r}"))
         resume_step = self._resume_step() if args.resume else None
-        values, meta = self._load_values(resume_step)
+        if resume_step is None:
+            state, meta = self._initial_state(), {}
+        else:
+            values, meta = self._load_values(resume_step)
+            state = {name: self._put(name, {r: values[r][name] for r in self.local}, shape)
+                     for name, _, shape, _ in self.stored}
         done = resume_step or 0
         if done > args.steps:
             raise RankError(f"--steps {args.steps} is below the step {done} of the checkpoint "
                             "resumed from; ask for more steps")
         logs = {r: TrainLog(os.path.join(self._rank_dir(r), "train.log"),
                             list(meta.get("log", []))[:done]) for r in self.local}
-        state = {name: self._put(name, {r: values[r][name] for r in self.local}, shape)
-                 for name, _, shape, _ in self.stored}
         fn = self._function(donate=True)
         out_names = list(m.OUTPUTS)
         fault, fault_mode = _fault_injection(self.local)
@@ -716,9 +769,7 @@ class _Runner:
         from pcompile.backends.checkpoint import save_npz
         from pcompile.backends.jax.spmd import local_pieces
 
-        values, _ = self._load_values(None)
-        state = {name: self._put(name, {r: values[r][name] for r in self.local}, shape)
-                 for name, _, shape, _ in self.stored}
+        state = self._initial_state()
         self.watchdog.arm(self.args.startup_timeout, "inference")
         self.heartbeat.set(phase="compute", done=0)
         _, _, arrays = next(iter(self._batches(1)))
