@@ -243,7 +243,10 @@ class Heartbeat:
 
 def _fault_injection(local: list[int]) -> tuple[int | None, str]:
     """Testing aid: PCOMPILE_FAULT_INJECT="RANK:STEP" makes the process running RANK raise at
-    the start of STEP; "RANK:STEP:hang" makes it hang there instead (alive, heartbeat going)."""
+    the start of STEP; "RANK:STEP:hang" makes it hang there instead (alive, heartbeat going);
+    "RANK:STEP:checkpoint-kill" kills it (SIGKILL) in the middle of the background write of
+    the checkpoint of STEP (its tensors written, not yet renamed); "RANK:STEP:checkpoint-enospc"
+    makes that write fail as on a full disk."""
     spec = os.environ.get("PCOMPILE_FAULT_INJECT", "")
     if not spec:
         return None, ""
@@ -287,6 +290,21 @@ class TrainLog:
 
 
 # -- main --------------------------------------------------------------------------------------
+
+
+def _host_copies(state: dict[str, Any], mesh: Any) -> dict[str, dict[int, np.ndarray]]:
+    """Every value's pieces of this process's ranks, copied to host memory of their own (the
+    device buffers are donated to the next step; on CPU devices numpy may share them)."""
+    from pcompile.backends.jax.spmd import rank_of_devices
+
+    for array in state.values():  # start every transfer, then collect
+        try:
+            array.copy_to_host_async()
+        except (AttributeError, RuntimeError):
+            pass
+    ranks = rank_of_devices(mesh)
+    return {name: {ranks[s.device]: np.array(np.asarray(s.data)[0], copy=True)
+                   for s in array.addressable_shards} for name, array in state.items()}
 
 
 class NonFiniteLossError(Exception):
@@ -641,35 +659,62 @@ class _Runner:
         return point.step
 
     def _checkpoint(self, step: int, epoch: int, in_epoch: int,
-                    state: dict[str, Any], logs: dict[int, TrainLog]) -> None:
-        from pcompile.backends.checkpoint import write_checkpoint
-        from pcompile.backends.jax.spmd import local_pieces
+                    state: dict[str, Any], logs: dict[int, TrainLog]) -> float:
+        """Copy this process's ranks' state to the host (here: the next step donates the
+        device buffers) and hand it to the background writer (backends/async_checkpoint.py);
+        returns the seconds spent waiting for the previous write."""
+        from pcompile.backends.async_checkpoint import CheckpointWriteError
 
-        pieces = {name: local_pieces(a, self.mesh) for name, a in state.items()}
+        start = time.perf_counter()
+        pieces = _host_copies(state, self.mesh)
         layouts = {name: {"shape": list(self.m.LAYOUTS[name][0]), "dtype": dt,
                           "dev_matrix": list(self.m.LAYOUTS[name][1]),
                           "tensor_map": [list(e) if isinstance(e, tuple) else e
                                          for e in self.m.LAYOUTS[name][2]]}
                    for name, _, _, dt in self.stored}
+        per_rank = {}
         for r in self.local:
             mine = [name for name in pieces if self._owns(name, r)]
             meta = {"step": step, "epoch": epoch, "step_in_epoch": in_epoch, "rank": r,
                     "num_ranks": int(self.m.NUM_RANKS), "plan_id": self.m.PLAN_ID,
-                    "log": logs[r].lines,
+                    "log": list(logs[r].lines),
                     "layouts": {name: layouts[name] for name in mine}}
-            write_checkpoint(self.ckpt_dir, r, step, {name: pieces[name][r] for name in mine},
-                             meta)
+            per_rank[r] = ({name: pieces[name][r] for name in mine}, meta)
+        try:
+            return self.saver.submit(step, per_rank, time.perf_counter() - start)
+        except CheckpointWriteError as exc:
+            raise RankError(str(exc)) from None
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
+        from pcompile.backends.async_checkpoint import AsyncCheckpointWriter, CheckpointWriteError
+
+        if not self.m.TRAINING:
+            return self._infer()
+        fault, mode = _fault_injection(self.local)
+        self.saver = AsyncCheckpointWriter(self.ckpt_dir, lambda line: self._say(line, force=True),
+                                           fault=(fault, mode))
+        try:
+            return self._train()
+        finally:
+            # the exit waits for a write in flight (its failure is reported unless another
+            # error already ends the run)
+            failing = sys.exc_info()[0] is not None
+            try:
+                self.saver.wait()
+            except CheckpointWriteError as exc:
+                if not failing:
+                    raise RankError(str(exc)) from None
+                print(f"{self.m.LABEL}: error: {exc}", file=sys.stderr, flush=True)
+
+    def _train(self) -> int:
+        from pcompile.backends.async_checkpoint import CheckpointWriteError
         from pcompile.backends.checkpoint import clean_temp_files
         from pcompile.backends.jax.spmd import local_pieces
         from pcompile.compiler.progress import LossMonitor
         from pcompile.compiler.runtime import format_loss_line
 
         m, args = self.m, self.args
-        if not m.TRAINING:
-            return self._infer()
         for r in self.local:  # temporary files of a killed checkpoint write
             clean_temp_files(os.path.join(self.ckpt_dir, f"rank_{r}"))
         resume_step = self._resume_step() if args.resume else None
@@ -679,6 +724,7 @@ class _Runner:
             values, meta = self._load_values(resume_step)
             state = {name: self._put(name, {r: values[r][name] for r in self.local}, shape)
                      for name, _, shape, _ in self.stored}
+        self.saver.intact = resume_step
         done = resume_step or 0
         if done > args.steps:
             raise RankError(f"--steps {args.steps} is below the step {done} of the checkpoint "
@@ -723,7 +769,10 @@ class _Runner:
                 continue
             self.watchdog.arm(args.startup_timeout if first else args.timeout,
                               f"step {k + 1}")
-            if fault == k + 1:
+            failed = self.saver.failure()
+            if failed is not None:  # a background checkpoint write failed: stop now
+                raise RankError(str(failed))
+            if fault == k + 1 and not fault_mode.startswith("checkpoint"):
                 while fault_mode == "hang":
                     time.sleep(1)
                 raise RuntimeError(f"PCOMPILE_FAULT_INJECT: failing at step {k + 1}")
@@ -752,9 +801,19 @@ class _Runner:
         flush()
         loop_end = time.perf_counter()
         total = len(logs[self.local[0]].lines)
+        if total > done and not args.no_checkpoint:
+            self.heartbeat.set(phase="checkpoint", done=total)
+            self._checkpoint(total, epoch, in_epoch, state, logs)
+        waited = time.perf_counter()
+        try:
+            self.saver.wait()  # the exit waits for the last write
+        except CheckpointWriteError as exc:
+            raise RankError(str(exc)) from None
+        waited = time.perf_counter() - waited
         self.heartbeat.set(phase="finish", done=total)
         if total > done and not args.no_checkpoint:
-            self._checkpoint(total, epoch, in_epoch, state, logs)
+            self._say(f"the end of the run waited {waited:.2f} s for its last checkpoint",
+                      force=True)
         elapsed = time.perf_counter() - start
         rate = ""
         if not first and total > after_first[1]:  # the steady rate: without compiling
