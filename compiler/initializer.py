@@ -186,6 +186,9 @@ class Initializer:
     def transform(self, shape: tuple[int, ...], words: tuple[Any, ...], ops: Ops) -> Any:
         raise NotImplementedError
 
+    def check(self, shape: tuple[int, ...]) -> None:
+        """Raise ValueError if the init cannot make a tensor of `shape`."""
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
         return f"{type(self).__name__}({args})"
@@ -224,6 +227,9 @@ class XavierUniform(Initializer):
     def __init__(self, gain: float = 1.0) -> None:
         self.gain = _check_number(gain, "XavierUniform: gain", positive=True)
 
+    def check(self, shape: tuple[int, ...]) -> None:
+        _fans(shape, "XavierUniform")
+
     def transform(self, shape: tuple[int, ...], words: tuple[Any, ...], ops: Ops) -> Any:
         fan_in, fan_out = _fans(shape, "XavierUniform")
         bound = self.gain * math.sqrt(6.0 / (fan_in + fan_out))
@@ -246,6 +252,9 @@ class HeUniform(Initializer):
             )
         self.mode = mode
         self.nonlinearity = nonlinearity
+
+    def check(self, shape: tuple[int, ...]) -> None:
+        _fans(shape, "HeUniform")
 
     def transform(self, shape: tuple[int, ...], words: tuple[Any, ...], ops: Ops) -> Any:
         fan_in, fan_out = _fans(shape, "HeUniform")
@@ -534,7 +543,6 @@ def initializer(
             f"initializer: init must be a name ({', '.join(INIT_NAMES)}), a number, a numpy "
             f"array or an Initializer, got {type(init).__name__} {init!r}"
         )
-    if isinstance(init, (XavierUniform, HeUniform)):
-        _fans(dims, type(init).__name__)  # fail now, not on first use
+    init.check(dims)  # fail now, not on first use
     ticket = _next_ticket() if init.random else None
     return InitializedData(init, dims, dtype, ticket)

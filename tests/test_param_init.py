@@ -227,3 +227,85 @@ def test_rank_program_makes_the_same_state_on_the_device_and_on_the_host(tmp_pat
         assert sorted(got) == sorted(want)
         for name in want:
             np.testing.assert_array_equal(bits(got[name]), bits(want[name]), err_msg=name)
+
+
+# -- params.json is checked before anything is made ---------------------------------------------
+
+
+def manifest(tmp_path, entry: dict) -> str:
+    """An output folder whose params.json holds one value `w` with the init `entry`."""
+    from pcompile.backends.params import FORMAT, MANIFEST
+
+    folder = tmp_path / "out"
+    (folder / "params").mkdir(parents=True)
+    data = {"format": FORMAT, "params": {"w": {"kind": "weight", "shape": [4, 3],
+                                               "dtype": "float32", "init": entry}}}
+    (folder / MANIFEST).write_text(json.dumps(data))
+    return str(folder)
+
+
+GOOD = {"initializer": "Normal", "args": {"sigma": 0.01, "mean": 0.0}, "ticket": [1, 0],
+        "zero_rows": []}
+BAD_ENTRIES = {
+    "escaping file": ({"file": "params/../../x.npy", "view": None}, "outside the output folder"),
+    "absolute file": ({"file": "/etc/passwd", "view": None}, "not a path relative"),
+    "wrong-typed argument": ({**GOOD, "args": {"sigma": "abc", "mean": 0.0}},
+                             "Normal: sigma must be a number, got str 'abc'"),
+    "unknown argument": ({**GOOD, "args": {"sigma": 0.01, "mean": 0.0, "scale": 2}},
+                         "unexpected keyword argument 'scale'"),
+    "missing argument": ({**GOOD, "args": {"sigma": 0.01}}, "takes the arguments sigma, mean"),
+    "arguments not an object": ({**GOOD, "args": [0.01]}, "not an object"),
+    "negative sigma": ({**GOOD, "args": {"sigma": -1.0, "mean": 0.0}}, "sigma must be > 0"),
+    "unknown initializer": ({**GOOD, "initializer": "InitializedData"}, "unknown initializer"),
+    "bad ticket": ({**GOOD, "ticket": ["1", 0]}, "not an integer"),
+    "no ticket": ({**GOOD, "ticket": None}, "draws random numbers but has no ticket"),
+    "xavier on a vector": ({"initializer": "XavierUniform", "args": {"gain": 1.0},
+                            "ticket": [1, 0]}, None),
+    "zero with a value": ({"initializer": "Zero", "args": {"value": 3}}, "Zero takes"),
+    "init not an object": ("normal", "not an object with an init"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_ENTRIES))
+def test_a_bad_params_entry_is_one_message(tmp_path, kind: str) -> None:
+    from pcompile.backends.params import ParamsError, read_manifest
+
+    entry, message = BAD_ENTRIES[kind]
+    folder = manifest(tmp_path, entry)
+    (tmp_path / "x.npy").write_bytes(b"")
+    if kind == "xavier on a vector":  # a 1-d shape: no fans
+        data = json.loads((tmp_path / "out" / "params.json").read_text())
+        data["params"]["w"]["shape"] = [12]
+        (tmp_path / "out" / "params.json").write_text(json.dumps(data))
+        message = "fewer than 2 dimensions"
+    with pytest.raises(ParamsError) as info:
+        read_manifest(folder)
+    text = str(info.value)
+    assert text.startswith(f"{folder}/params.json: parameter 'w' cannot be used (") and \
+        text.endswith("; compile again") and message in text, text
+    good = read_manifest(manifest(tmp_path / "good", GOOD))["w"]  # and a good one reads
+    assert good.shape == (4, 3) and good.ticket == (1, 0)
+
+
+def test_params_files_must_be_regular_files_inside_the_folder(tmp_path) -> None:
+    """A FIFO (which would block the rank at open) or a link out of the folder is refused
+    before anything opens it; a .npy inside the folder is read."""
+    from pcompile.backends.params import ParamsError, read_manifest
+
+    folder = manifest(tmp_path, {"file": "params/w.npy", "view": None})
+    os.mkfifo(os.path.join(folder, "params", "w.npy"))
+    with pytest.raises(ParamsError, match="is not a regular file"):
+        read_manifest(folder)
+    os.unlink(os.path.join(folder, "params", "w.npy"))
+    outside = tmp_path / "secret.npy"
+    np.save(outside, np.ones((4, 3), np.float32))
+    os.symlink(outside, os.path.join(folder, "params", "w.npy"))
+    with pytest.raises(ParamsError, match="outside the output folder"):
+        read_manifest(folder)
+    os.unlink(os.path.join(folder, "params", "w.npy"))
+    np.save(os.path.join(folder, "params", "w.npy"), np.full((4, 3), 2, np.float32))
+    assert (read_manifest(folder)["w"].to_numpy() == 2).all()
+    npy = manifest(tmp_path / "npy", {"npy": str(tmp_path / "fifo.npy")})
+    os.mkfifo(tmp_path / "fifo.npy")
+    with pytest.raises(ParamsError, match="is not a regular file"):
+        read_manifest(npy)
