@@ -344,7 +344,7 @@ def write_checkpoint_report(folder: str, rank: int, step: int,
     os.makedirs(os.path.dirname(index_path), exist_ok=True)
     clean_temp_files(os.path.dirname(index_path))
     # hash (sha256 releases the GIL) while safetensors writes
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with ThreadPoolExecutor(max_workers=2) as pool:  # (threads inherit the caller's nice)
         digests = {k: pool.submit(_digest, a) for k, a in arrays.items()}
         atomic_fill(data_path, lambda tmp: save_file(
             arrays, tmp, metadata={"format": FORMAT, "step": str(step), "rank": str(rank)}),

@@ -14,10 +14,16 @@ batch repeats), then cuts each rank's part of every global batch by the input's 
 (`LAYOUTS`, from dataset_strategy). The model file and pcompile must be importable on every host,
 and `dataset()` must give the same batches in every process (seed its random numbers).
 
-Checkpoints: `<out>/checkpoints/rank_<r>/step_<S>.npz` at the end and every `--checkpoint-every`
-steps (backends/checkpoint.py); `--resume` continues from the newest step that every rank holds
-intact (verified against each file's manifest; damaged newer steps are reported and passed
-over), restores train.log, skips the batches already seen, and so gives bit-identical losses.
+Parameters: each rank makes its blocks of every parameter and optimizer state on its own device
+(backends/jax/param_init.py; small blocks and the model's arrays on the host, the same values),
+from `<out>/params.json` (backends/params.py).
+
+Checkpoints: `<out>/checkpoints/rank_<r>/step_<S>.safetensors` and its index `step_<S>.json` at
+the end and every `--checkpoint-every` steps (backends/checkpoint.py), written from a host copy by
+a background thread while the loop goes on (backends/async_checkpoint.py); `--resume` continues
+from the newest step that every rank holds intact (verified against each index's manifest;
+damaged newer steps are reported and passed over), restores train.log, skips the batches
+already seen, and so gives bit-identical losses.
 `--fail-on-nan` (on by default) stops at the first step whose loss is not finite.
 
 Liveness: under the launcher (`PCOMPILE_HEARTBEAT_FD`), a thread sends a heartbeat twice a
@@ -290,21 +296,6 @@ class TrainLog:
 
 
 # -- main --------------------------------------------------------------------------------------
-
-
-def _host_copies(state: dict[str, Any], mesh: Any) -> dict[str, dict[int, np.ndarray]]:
-    """Every value's pieces of this process's ranks, copied to host memory of their own (the
-    device buffers are donated to the next step; on CPU devices numpy may share them)."""
-    from pcompile.backends.jax.spmd import rank_of_devices
-
-    for array in state.values():  # start every transfer, then collect
-        try:
-            array.copy_to_host_async()
-        except (AttributeError, RuntimeError):
-            pass
-    ranks = rank_of_devices(mesh)
-    return {name: {ranks[s.device]: np.array(np.asarray(s.data)[0], copy=True)
-                   for s in array.addressable_shards} for name, array in state.items()}
 
 
 class NonFiniteLossError(Exception):
@@ -658,15 +649,19 @@ class _Runner:
                             f"{self.ckpt_dir}; start without --resume")
         return point.step
 
-    def _checkpoint(self, step: int, epoch: int, in_epoch: int,
-                    state: dict[str, Any], logs: dict[int, TrainLog]) -> float:
-        """Copy this process's ranks' state to the host (here: the next step donates the
-        device buffers) and hand it to the background writer (backends/async_checkpoint.py);
-        returns the seconds spent waiting for the previous write."""
+    def _checkpoint(self, step: int, epoch: int, in_epoch: int, state: dict[str, Any],
+                    logs: dict[int, TrainLog], final: bool = False) -> None:
+        """Hand this process's ranks' state to the background writer
+        (backends/async_checkpoint.py), after the write in flight is done: host copies (the
+        next step reuses the device buffers), or for the `final` one the buffers themselves."""
         from pcompile.backends.async_checkpoint import CheckpointWriteError
 
+        try:
+            self.saver.wait()
+        except CheckpointWriteError as exc:
+            raise RankError(str(exc)) from None
         start = time.perf_counter()
-        pieces = _host_copies(state, self.mesh)
+        pieces = self.host.take(state, final)
         layouts = {name: {"shape": list(self.m.LAYOUTS[name][0]), "dtype": dt,
                           "dev_matrix": list(self.m.LAYOUTS[name][1]),
                           "tensor_map": [list(e) if isinstance(e, tuple) else e
@@ -680,10 +675,7 @@ class _Runner:
                     "log": list(logs[r].lines),
                     "layouts": {name: layouts[name] for name in mine}}
             per_rank[r] = ({name: pieces[name][r] for name in mine}, meta)
-        try:
-            return self.saver.submit(step, per_rank, time.perf_counter() - start)
-        except CheckpointWriteError as exc:
-            raise RankError(str(exc)) from None
+        self.saver.submit(step, per_rank, time.perf_counter() - start)
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -708,7 +700,7 @@ class _Runner:
                 print(f"{self.m.LABEL}: error: {exc}", file=sys.stderr, flush=True)
 
     def _train(self) -> int:
-        from pcompile.backends.async_checkpoint import CheckpointWriteError
+        from pcompile.backends.async_checkpoint import CheckpointWriteError, HostState
         from pcompile.backends.checkpoint import clean_temp_files
         from pcompile.backends.jax.spmd import local_pieces
         from pcompile.compiler.progress import LossMonitor
@@ -725,6 +717,9 @@ class _Runner:
             state = {name: self._put(name, {r: values[r][name] for r in self.local}, shape)
                      for name, _, shape, _ in self.stored}
         self.saver.intact = resume_step
+        self.host = HostState(self.mesh)
+        if args.checkpoint_every and args.checkpoint_every < args.steps:
+            self.host.prefault(state)
         done = resume_step or 0
         if done > args.steps:
             raise RankError(f"--steps {args.steps} is below the step {done} of the checkpoint "
@@ -803,7 +798,7 @@ class _Runner:
         total = len(logs[self.local[0]].lines)
         if total > done and not args.no_checkpoint:
             self.heartbeat.set(phase="checkpoint", done=total)
-            self._checkpoint(total, epoch, in_epoch, state, logs)
+            self._checkpoint(total, epoch, in_epoch, state, logs, final=True)
         waited = time.perf_counter()
         try:
             self.saver.wait()  # the exit waits for the last write
