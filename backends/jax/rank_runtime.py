@@ -473,6 +473,8 @@ class _Runner:
         (backends/jax/param_init.py) or, for small blocks and user arrays, on the host
         (backends/params.py); equal, bit for bit, to the single-device initialisation's block
         (another pipeline stage's values: zeros, never read)."""
+        from concurrent.futures import Future, ThreadPoolExecutor
+
         import jax
 
         from pcompile.backends.jax.param_init import device_block, supports
@@ -488,33 +490,43 @@ class _Runner:
         wide_ok = bool(jax.config.read("jax_enable_x64"))
         start = time.perf_counter()
         counts = {"device": 0, "host": 0}
-        state = {}
-        for name, _, shape, _ in self.stored:
-            source = sources.get(name)
-            if source is None:
-                raise RankError(f"params.json has no entry for {name}; compile again")
-            arrays = []
-            for r in self.local:
-                device = self.mesh.devices.flat[r]
-                if not self._owns(name, r):
-                    arrays.append(jax.device_put(np.zeros((1, *shape), self.dtypes[name]),
-                                                 device))
-                    continue
-                bounds = self._layout(name).slice_bounds(r) if source.shape else ()
-                size = int(np.prod([hi - lo for lo, hi in bounds], dtype=np.int64))
-                on_device = (where == "device" or (where == "auto" and size >= (
-                    DEVICE_MIN_CONSTANT if source.init is not None and not source.init.random
-                    else DEVICE_MIN_RANDOM)))
-                # 8-byte values stay on the host without x64: the device would hold them as
-                # 4-byte ones, as a device_put of the host's values gives them
-                on_device = (on_device and supports(source)
-                             and (source.dtype.itemsize < 8 or wide_ok))
-                block = device_block(source, bounds, device) if on_device else None
-                if block is None:
-                    block = jax.device_put(source.block(bounds)[None], device)
-                counts["device" if on_device else "host"] += size
-                arrays.append(block)
-            state[name] = self._stack(arrays, shape)
+
+        def make(source: Any, bounds: Any, device: Any, on_device: bool) -> Any:
+            block = device_block(source, bounds, device) if on_device else None
+            if block is None:
+                block = jax.device_put(source.block(bounds)[None], device)
+            return block
+
+        # Blocks are made from a few threads: the device generator compiles once per distinct
+        # init, shape and block (XLA compiles in parallel), host blocks use numpy's loops.
+        pieces: dict[str, list[Any]] = {}
+        workers = max(1, min(8, os.cpu_count() or 1))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pcompile-init") as pool:
+            for name, _, shape, _ in self.stored:
+                source = sources.get(name)
+                if source is None:
+                    raise RankError(f"params.json has no entry for {name}; compile again")
+                pieces[name] = []
+                for r in self.local:
+                    device = self.mesh.devices.flat[r]
+                    if not self._owns(name, r):
+                        pieces[name].append(jax.device_put(
+                            np.zeros((1, *shape), self.dtypes[name]), device))
+                        continue
+                    bounds = self._layout(name).slice_bounds(r) if source.shape else ()
+                    size = int(np.prod([hi - lo for lo, hi in bounds], dtype=np.int64))
+                    on_device = (where == "device" or (where == "auto" and size >= (
+                        DEVICE_MIN_CONSTANT if source.init is not None and not source.init.random
+                        else DEVICE_MIN_RANDOM)))
+                    # 8-byte values stay on the host without x64: the device would hold them
+                    # as 4-byte ones, as a device_put of the host's values gives them
+                    on_device = (on_device and supports(source)
+                                 and (source.dtype.itemsize < 8 or wide_ok))
+                    counts["device" if on_device else "host"] += size
+                    pieces[name].append(pool.submit(make, source, bounds, device, on_device))
+        state = {name: self._stack([p.result() if isinstance(p, Future) else p for p in arrays],
+                                   shape)
+                 for (name, _, shape, _), arrays in zip(self.stored, pieces.values())}
         for array in state.values():
             array.block_until_ready()
         seconds = time.perf_counter() - start
