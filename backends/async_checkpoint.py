@@ -5,12 +5,12 @@ donates the device buffers, so the copy is taken before it runs) and hands the c
 `AsyncCheckpointWriter.submit`; a background thread writes it (backends/checkpoint.py:
 safetensors and a JSON index per rank, atomic) while the next steps run. The next checkpoint,
 and the end of the run, wait for the write in flight: at most one is pending, so host memory
-holds at most one copy of the state.
+holds one copy of the state at most.
 
 A write that fails (a full disk, a folder that went away) leaves no partial checkpoint under the
 final names and the previous checkpoints untouched (they are pruned only after a newer one is
-complete). The failure is reported once, as `CheckpointWriteError`, naming the step, the rank,
-the file and the reason, and which earlier checkpoint is intact: by `failure()` at the next
+complete). The failure is reported once, as `CheckpointWriteError`, naming the step, the rank
+and its folder, the reason, and which earlier checkpoint is intact: by `failure()` at the next
 step, or by `submit` / `wait`.
 
 `HostState` takes the host copies: on CPU devices (whose buffers numpy may share, and which the
