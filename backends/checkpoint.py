@@ -1,24 +1,34 @@
-"""Per-rank checkpoints (sliced parameters and optimizer state), deterministic npz files and
-`pcompile-merge`, which reassembles full tensors from the ranks' slices.
+"""Per-rank checkpoints (sliced parameters and optimizer state) in safetensors with a JSON index,
+the deterministic .npz files of constants and outputs, and `pcompile-merge`, which reassembles
+full tensors from the ranks' slices.
 
 Layout on disk (see docs/running.md):
 
-    <out>/rank_<r>/params.npz                          initial values of rank r (compile)
-    <out>/checkpoints/rank_<r>/step_<SSSSSSSS>.npz     rank r after step S (training)
+    <out>/checkpoints/rank_<r>/step_<SSSSSSSS>.safetensors   rank r's tensors after step S
+    <out>/checkpoints/rank_<r>/step_<SSSSSSSS>.json          its index
 
-A checkpoint holds rank r's slice of every stored tensor (weights and optimizer state, keyed by
-graph-parameter name) and `__meta__`, a JSON string: step, epoch, step in epoch, rank, number
-of ranks, plan id, the train.log lines so far, and every tensor's layout (global shape, dtype,
-device matrix, tensor map), so that merging needs nothing else (plan.json's parameter layouts
-are cross-checked when present), and a manifest of every array (shape, dtype, sha256).
-Files are written to a temporary name (`.step_<S>.npz.tmp-<token>`, removed by the next write
-if a kill left it) and moved into place with `os.replace`, so a crash never leaves half a
-checkpoint under the final name.
+The `.safetensors` file holds rank r's slice of every stored tensor (weights and optimizer state,
+keyed by graph-parameter name), in the tensors' own dtypes (bfloat16 as BF16), readable by any
+safetensors reader. The index is JSON: format (`pcompile-checkpoint/2`), the tensors' file and
+size, step, epoch, step in epoch, rank, number of ranks, plan id, the train.log lines so far,
+every tensor's layout (global shape, dtype, device matrix, tensor map), so that merging needs
+nothing else (plan.json's parameter layouts are cross-checked when present), and a manifest of
+every tensor (its slice's shape, dtype and sha256).
 
-Reading verifies a checkpoint against its manifest and layouts: a truncated, empty, corrupt
-(bad CRC), unlabelled or misshapen file raises `CheckpointError` naming the file and the fault.
-`resume_point` picks the newest step that every rank holds intact, and says which newer steps
-it passed over and why; `pcompile-merge` and `--resume` use it.
+Writes are atomic: the tensors go to a temporary name (`.step_<S>.safetensors.tmp-<token>`),
+are fsynced and renamed; then the index the same way. The index is written last and is what
+makes a step exist, so a write cut short at any point leaves no checkpoint under the final
+names, and the previous ones as they were; leftovers (temporary files, tensors without an
+index) are removed by the rank's next write. backends/async_checkpoint.py writes them from a
+background thread while training goes on.
+
+Reading verifies a checkpoint against its index and layouts: a missing, truncated, empty or
+damaged file, an unreadable index, a tensor missing, extra or of another shape, dtype or
+checksum than its manifest, or not the rank's slice of its layout raises `CheckpointError`
+naming the file and the fault. `resume_point` picks the newest step that every rank holds
+intact, and says which newer steps it passed over and why; `pcompile-merge` and `--resume` use
+it. Checkpoints of pcompile before the safetensors format (`step_<S>.npz`, the index in its
+`__meta__` member) are still read, verified the same way.
 
     pcompile-merge OUT_DIR [--step S] [--output FILE.npz]
 """
@@ -32,17 +42,22 @@ import json
 import os
 import re
 import secrets
+import stat
 import sys
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 META_KEY = "__meta__"
-_STEP_FILE = re.compile(r"^step_(\d+)\.npz$")
-_TEMP_FILE = re.compile(r"\.[^/]+\.tmp-[0-9a-f]+")
+FORMAT = "pcompile-checkpoint/2"
+_STEP_FILE = re.compile(r"^step_(\d+)\.(json|npz)$")  # an index, or a checkpoint before format 2
+_DATA_FILE = re.compile(r"^step_(\d+)\.safetensors$")
+# ours (`temp_name`), and the one safetensors' writer goes through (Rust's tempfile: .tmpXXXXXX)
+_TEMP_FILE = re.compile(r"\.[^/]+\.tmp-[0-9a-f]+|\.tmp[A-Za-z0-9]{6}")
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)
 
 
@@ -81,6 +96,45 @@ def atomic_write(path: str, write: Callable[[Any], object]) -> None:
         except OSError:
             pass
         raise
+
+
+def atomic_fill(path: str, fill: Callable[[str], object],
+                before_rename: Callable[[], object] | None = None) -> None:
+    """`atomic_write` for writers that take a file name: `fill(tmp)` writes the temporary file,
+    which then gets the user's umask (safetensors creates its files 0600), is fsynced and
+    renamed onto `path`; on any failure it is removed and `path` is untouched."""
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(folder, exist_ok=True)
+    tmp = temp_name(path)
+    try:
+        fill(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if before_rename is not None:  # testing: a kill in the middle of the write
+            before_rename()
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (os.umask() sets it,
+    which races with other threads creating files)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def clean_temp_files(folder: str) -> list[str]:
@@ -225,16 +279,25 @@ class LazyNpz:
 
 
 def checkpoint_path(folder: str, rank: int, step: int) -> str:
-    return os.path.join(folder, f"rank_{rank}", f"step_{step:08d}.npz")
+    """The file that stands for rank `rank`'s checkpoint of `step`: its index
+    (`step_<S>.json`), or the .npz of an older pcompile when only that exists."""
+    base = os.path.join(folder, f"rank_{rank}", f"step_{step:08d}")
+    if not os.path.exists(base + ".json") and os.path.exists(base + ".npz"):
+        return base + ".npz"
+    return base + ".json"
+
+
+def tensors_path(index: str) -> str:
+    """The .safetensors file beside an index."""
+    return index[:-len(".json")] + ".safetensors"
 
 
 def rank_steps(folder: str, rank: int) -> list[int]:
-    """Steps with a checkpoint file of `rank` (intact or not), ascending."""
+    """Steps with a checkpoint index (or an older .npz) of `rank`, intact or not, ascending."""
     d = os.path.join(folder, f"rank_{rank}")
     if not os.path.isdir(d):
         return []
-    steps = [int(m.group(1)) for name in os.listdir(d) if (m := _STEP_FILE.match(name))]
-    return sorted(steps)
+    return sorted({int(m.group(1)) for name in os.listdir(d) if (m := _STEP_FILE.match(name))})
 
 
 class CheckpointError(Exception):
@@ -246,72 +309,134 @@ def _digest(array: np.ndarray) -> str:
     return hashlib.sha256(raw.data).hexdigest()
 
 
+@dataclass
+class WriteReport:
+    """What `write_checkpoint` wrote: the index, the bytes of both files, the seconds."""
+
+    path: str
+    nbytes: int
+    seconds: float
+
+
 def write_checkpoint(folder: str, rank: int, step: int, values: Mapping[str, np.ndarray],
                      meta: dict[str, Any], keep: int = 2) -> str:
-    """Rank `rank`'s checkpoint after `step` (atomic); keeps the newest `keep` per rank.
-    `__meta__` gets a manifest of every array (shape, dtype, sha256) that `read_checkpoint`
-    verifies."""
-    arrays = {k: np.asarray(v) for k, v in values.items()}
-    meta = dict(meta)
-    meta["arrays"] = {k: {"shape": list(a.shape), "dtype": a.dtype.str, "sha256": _digest(a)}
-                      for k, a in sorted(arrays.items())}
-    arrays[META_KEY] = np.array(json.dumps(meta, sort_keys=True))
-    path = checkpoint_path(folder, rank, step)
-    clean_temp_files(os.path.dirname(path))
-    save_npz(path, arrays)
-    for old in rank_steps(folder, rank)[:-keep] if keep > 0 else []:
-        try:
-            os.unlink(checkpoint_path(folder, rank, old))
-        except OSError:
-            pass
-    return path
+    """Rank `rank`'s checkpoint after `step` (atomic; module docstring); keeps the newest
+    `keep` steps per rank. The index gets `meta` and a manifest of every tensor (shape, dtype,
+    sha256) that `read_checkpoint` verifies. Returns the index's path."""
+    return write_checkpoint_report(folder, rank, step, values, meta, keep).path
 
 
-class CheckpointReader:
-    """One rank's checkpoint opened for reading array by array (`array`, verified against the
-    manifest when read): `pcompile-merge` holds one tensor at a time this way. Opening checks
-    the file and its metadata; a fault raises `CheckpointError` naming the file and what."""
+def write_checkpoint_report(folder: str, rank: int, step: int,
+                            values: Mapping[str, np.ndarray], meta: dict[str, Any],
+                            keep: int = 2, before_rename: Callable[[], object] | None = None
+                            ) -> WriteReport:
+    """`write_checkpoint`, saying how many bytes it wrote and how long it took. Any failure
+    (a full disk...) raises before the index exists: the step is not there, the previous
+    steps are untouched."""
+    import time
 
-    def __init__(self, path: str, rank: int | None = None) -> None:
-        self.path, self.rank = path, rank
-        try:
-            size = os.path.getsize(path)
-        except OSError as exc:
-            raise CheckpointError(f"{path}: cannot read it ({exc.strerror})") from None
-        if size == 0:
-            raise CheckpointError(f"{path} is empty (0 bytes): its write was cut short")
+    from safetensors.numpy import save_file
+
+    start = time.perf_counter()
+    arrays = {k: np.asarray(v, order="C") for k, v in sorted(values.items())}  # 0-d stays 0-d
+    index_path = os.path.join(folder, f"rank_{rank}", f"step_{step:08d}.json")
+    data_path = tensors_path(index_path)
+    os.makedirs(os.path.dirname(index_path), exist_ok=True)
+    clean_temp_files(os.path.dirname(index_path))
+    # hash (sha256 releases the GIL) while safetensors writes
+    with ThreadPoolExecutor(max_workers=2) as pool:  # (threads inherit the caller's nice)
+        digests = {k: pool.submit(_digest, a) for k, a in arrays.items()}
+        atomic_fill(data_path, lambda tmp: save_file(
+            arrays, tmp, metadata={"format": FORMAT, "step": str(step), "rank": str(rank)}),
+            before_rename)
+        manifest = {k: {"shape": list(a.shape), "dtype": a.dtype.name,
+                        "sha256": digests[k].result()} for k, a in arrays.items()}
+    index = dict(meta)
+    index.update(format=FORMAT, file=os.path.basename(data_path),
+                 bytes=os.path.getsize(data_path), arrays=manifest)
+    text = json.dumps(index, sort_keys=True)
+    atomic_write_text(index_path, text)
+    _sync_folder(os.path.dirname(index_path))
+    _prune(folder, rank, step, keep)
+    nbytes = index["bytes"] + len(text.encode())
+    return WriteReport(index_path, nbytes, time.perf_counter() - start)
+
+
+def _sync_folder(folder: str) -> None:
+    """fsync a folder, so that renames in it survive a crash of the machine."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _prune(folder: str, rank: int, current: int, keep: int) -> None:
+    """Keep the newest `keep` steps of `rank`; remove tensors that no index names (a write cut
+    short between its two renames). An index goes before its tensors, so a half-removed step
+    is never taken for a checkpoint."""
+    d = os.path.join(folder, f"rank_{rank}")
+    steps = rank_steps(folder, rank)
+    old = set(steps[:-keep]) if keep > 0 else set()
+    for name in sorted(os.listdir(d)):
+        m = _STEP_FILE.match(name)
+        if m and int(m.group(1)) in old:
+            _unlink(os.path.join(d, name))
+    for name in sorted(os.listdir(d)):
+        m = _DATA_FILE.match(name)
+        if m and int(m.group(1)) != current and not os.path.exists(
+                os.path.join(d, name[:-len(".safetensors")] + ".json")):
+            _unlink(os.path.join(d, name))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _regular_size(path: str) -> int:
+    """The size of `path`, which must be a regular file (a FIFO or device is refused before
+    anything opens it)."""
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read it ({exc.strerror})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(f"{path} is not a regular file")
+    return info.st_size
+
+
+class _NpzTensors:
+    """The tensors and index of a checkpoint of an older pcompile (one .npz, the index in its
+    `__meta__` member)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
         try:
             self._npz = LazyNpz(path)
         except zipfile.BadZipFile as exc:
             raise CheckpointError(f"{path} is truncated or not an .npz file ({exc})") from None
         except Exception as exc:  # noqa: BLE001  (a damaged file can fail in numpy or zipfile)
             raise CheckpointError(f"{path} is damaged: {type(exc).__name__}: {exc}") from None
-        try:
-            self.meta = self._meta()
-        except BaseException:
-            self.close()
-            raise
-
-    def _meta(self) -> dict[str, Any]:
-        path = self.path
+        self.names = [k for k in self._npz.files if k != META_KEY]
         if META_KEY not in self._npz.files:
+            self.close()
             raise CheckpointError(f"{path} has no metadata ({META_KEY}): not a pcompile "
                                   "checkpoint")
         try:
-            meta = json.loads(str(self._read(META_KEY)))
+            self.index = json.loads(str(self.get(META_KEY)))
         except ValueError as exc:
+            self.close()
             raise CheckpointError(f"{path}: its metadata is not valid JSON ({exc})") from None
-        manifest = meta.get("arrays") if isinstance(meta, dict) else None
-        if not isinstance(manifest, dict) or not isinstance(meta.get("layouts"), dict):
-            raise CheckpointError(f"{path}: its metadata has no manifest of the arrays "
-                                  "(written by another tool or an older pcompile)")
-        extra = sorted(set(self._npz.files) - set(manifest) - {META_KEY})
-        if extra:
-            raise CheckpointError(f"{path} holds arrays its manifest does not list: "
-                                  f"{', '.join(extra)}")
-        return meta
 
-    def _read(self, name: str) -> np.ndarray:
+    def get(self, name: str) -> np.ndarray:
         try:
             return self._npz.get(name)
         except zipfile.BadZipFile as exc:
@@ -321,13 +446,93 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path} is damaged: {type(exc).__name__}: "
                                   f"{exc}") from None
 
+    def close(self) -> None:
+        self._npz.close()
+
+
+class _SafetensorsTensors:
+    """The tensors of a checkpoint (`step_<S>.safetensors`) and its index (`step_<S>.json`)."""
+
+    def __init__(self, path: str) -> None:
+        from safetensors import safe_open
+
+        self.path = path
+        try:
+            with open(path, encoding="utf-8") as f:
+                index = json.load(f)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read it ({exc.strerror})") from None
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: the index is not valid JSON ({exc})") from None
+        if not isinstance(index, dict) or index.get("format") != FORMAT:
+            raise CheckpointError(f"{path} is not a {FORMAT} index")
+        name = index.get("file")
+        if not isinstance(name, str) or not _DATA_FILE.match(name):
+            raise CheckpointError(f"{path}: the index names no tensor file of its own ({name!r})")
+        self.data = os.path.join(os.path.dirname(path), name)
+        if not os.path.exists(self.data):
+            raise CheckpointError(f"{self.data} is missing (its index {path} names it)")
+        size = _regular_size(self.data)
+        if size == 0:
+            raise CheckpointError(f"{self.data} is empty (0 bytes): its write was cut short")
+        if index.get("bytes") not in (None, size):
+            raise CheckpointError(f"{self.data} holds {size} bytes, its index says "
+                                  f"{index.get('bytes')}: truncated or damaged")
+        try:
+            self._file = safe_open(self.data, framework="np")
+            self.names = list(self._file.keys())
+        except Exception as exc:  # noqa: BLE001  (SafetensorError or OSError)
+            raise CheckpointError(f"{self.data} is truncated or damaged ({exc})") from None
+        self.index = index
+
+    def get(self, name: str) -> np.ndarray:
+        try:
+            return self._file.get_tensor(name)
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"{self.data} is damaged: {type(exc).__name__}: "
+                                  f"{exc}") from None
+
+    def close(self) -> None:
+        self._file = None
+
+
+class CheckpointReader:
+    """One rank's checkpoint opened for reading tensor by tensor (`array`, verified against the
+    manifest when read): `pcompile-merge` holds one tensor at a time this way. Opening checks
+    the files and the index; a fault raises `CheckpointError` naming the file and what."""
+
+    def __init__(self, path: str, rank: int | None = None) -> None:
+        self.path, self.rank = path, rank
+        size = _regular_size(path)
+        if size == 0:
+            raise CheckpointError(f"{path} is empty (0 bytes): its write was cut short")
+        self._source: _NpzTensors | _SafetensorsTensors = (
+            _NpzTensors(path) if path.endswith(".npz") else _SafetensorsTensors(path))
+        try:
+            self.meta = self._meta()
+        except BaseException:
+            self.close()
+            raise
+
+    def _meta(self) -> dict[str, Any]:
+        path, meta = self.path, self._source.index
+        manifest = meta.get("arrays") if isinstance(meta, dict) else None
+        if not isinstance(manifest, dict) or not isinstance(meta.get("layouts"), dict):
+            raise CheckpointError(f"{path}: its metadata has no manifest of the arrays "
+                                  "(written by another tool or an older pcompile)")
+        extra = sorted(set(self._source.names) - set(manifest))
+        if extra:
+            raise CheckpointError(f"{path} holds arrays its manifest does not list: "
+                                  f"{', '.join(extra)}")
+        return meta
+
     @property
     def names(self) -> list[str]:
         return sorted(self.meta["arrays"])
 
     def array(self, name: str) -> np.ndarray:
         """The array `name`, checked against its manifest entry and the rank's slice shape."""
-        value = self._read(name) if name in self._npz.files else None
+        value = self._source.get(name) if name in self._source.names else None
         problem = _array_problem(name, value, self.meta["arrays"].get(name),
                                  self.meta["layouts"].get(name), self.rank)
         if problem:
@@ -336,8 +541,8 @@ class CheckpointReader:
         return value
 
     def close(self) -> None:
-        if hasattr(self, "_npz"):
-            self._npz.close()
+        if hasattr(self, "_source"):
+            self._source.close()
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -361,7 +566,8 @@ def _array_problem(name: str, array: np.ndarray | None, entry: Any, layout: Any,
         return f"{name} is missing"
     if not isinstance(entry, dict):
         return f"the manifest entry of {name} is malformed"
-    if list(array.shape) != entry.get("shape") or array.dtype.str != entry.get("dtype"):
+    if list(array.shape) != entry.get("shape") or entry.get("dtype") not in (
+            array.dtype.name, array.dtype.str):  # format 2 names the dtype, .npz gave .str
         return (f"{name} has shape {tuple(array.shape)} and dtype {array.dtype}, the manifest "
                 f"says {entry.get('shape')} {entry.get('dtype')}")
     if _digest(array) != entry.get("sha256"):
@@ -429,7 +635,7 @@ def clear_checkpoints(folder: str) -> None:
         if not (re.fullmatch(r"rank_\d+", name) and os.path.isdir(sub)):
             continue
         for f in os.listdir(sub):
-            if _STEP_FILE.match(f) or _TEMP_FILE.fullmatch(f):
+            if _STEP_FILE.match(f) or _DATA_FILE.match(f) or _TEMP_FILE.fullmatch(f):
                 os.unlink(os.path.join(sub, f))
         try:
             os.rmdir(sub)

@@ -25,13 +25,14 @@ import importlib
 import json
 import os
 import re
+import stat
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from pcompile.backends.checkpoint import portable
-from pcompile.compiler.initializer import InitializedData, Initializer
+from pcompile.compiler.initializer import InitializedData, Initializer, One, Zero
 from pcompile.ir.types import DType
 
 FORMAT = "pcompile-params/1"
@@ -105,7 +106,9 @@ def write_manifest(folder: str, entries: Sequence[tuple[str, str, InitializedDat
 
 
 def read_manifest(out_dir: str) -> dict[str, InitializedData]:
-    """Every value of `<out_dir>/params.json` as an abstract `InitializedData`."""
+    """Every value of `<out_dir>/params.json` as an abstract `InitializedData`. Anything wrong
+    with an entry (a type, an initializer's argument, a file outside the folder or not a
+    regular file) is one `ParamsError` naming the parameter."""
     path = os.path.join(out_dir, MANIFEST)
     try:
         with open(path, encoding="utf-8") as f:
@@ -114,39 +117,106 @@ def read_manifest(out_dir: str) -> dict[str, InitializedData]:
         raise ParamsError(f"{path} is missing; compile again") from None
     except (OSError, ValueError) as exc:
         raise ParamsError(f"{path} is unreadable ({exc}); compile again") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(
+            data.get("params", {}), dict):
         raise ParamsError(f"{path} is not a {FORMAT} manifest; compile again")
     out = {}
     for name, entry in data.get("params", {}).items():
         try:
             out[name] = _source(entry, out_dir)
-        except (KeyError, TypeError, ValueError, OSError) as exc:
-            raise ParamsError(f"{path}: parameter {name!r} cannot be used ({exc}); compile "
+        except (KeyError, TypeError, ValueError, AttributeError, OSError) as exc:
+            what = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise ParamsError(f"{path}: parameter {name!r} cannot be used ({what}); compile "
                               "again") from None
     return out
 
 
 def _source(entry: Mapping[str, Any], out_dir: str) -> InitializedData:
-    shape = tuple(int(d) for d in entry["shape"])
+    if not isinstance(entry, dict) or not isinstance(entry.get("init"), dict):
+        raise TypeError("its entry is not an object with an init")
+    shape = tuple(_int(d, "a dim of its shape") for d in entry["shape"])
+    if any(d < 0 for d in shape):
+        raise ValueError(f"its shape {list(shape)} has a negative dim")
     dtype = DType[entry["dtype"]]
     init = entry["init"]
-    zero_rows = tuple(int(r) for r in init.get("zero_rows", ()))
+    zero_rows = tuple(_int(r, "a zero row") for r in init.get("zero_rows", ()))
     if "initializer" in init:
-        module = importlib.import_module("pcompile.compiler.initializer")
-        cls = getattr(module, init["initializer"], None)
-        if not (isinstance(cls, type) and issubclass(cls, Initializer)):
-            raise ValueError(f"unknown initializer {init['initializer']!r}")
-        obj = cls.__new__(cls)
-        obj.__dict__.update(init["args"])  # the arguments it was created (and checked) with
-        ticket = tuple(init["ticket"]) if init.get("ticket") is not None else None
-        return InitializedData(obj, shape, dtype, ticket, zero_rows=zero_rows)  # type: ignore
+        obj = _initializer(init["initializer"], init.get("args", {}))
+        obj.check(shape)
+        ticket = init.get("ticket")
+        if ticket is not None:
+            if not (isinstance(ticket, list) and len(ticket) == 2):
+                raise TypeError(f"its ticket {ticket!r} is not [seed, counter]")
+            ticket = tuple(_int(t, "its ticket") for t in ticket)
+            if not (0 <= ticket[0] < 2**64 and ticket[1] >= 0):
+                raise ValueError(f"its ticket {list(ticket)} is out of range")
+        elif obj.random:
+            raise ValueError(f"{type(obj).__name__} draws random numbers but has no ticket")
+        return InitializedData(obj, shape, dtype, ticket, zero_rows=zero_rows)
     if "value" in init:
         array = np.asarray(init["value"], dtype=dtype.np).reshape(shape)
     else:
-        path = init["npy"] if "npy" in init else os.path.join(out_dir, init["file"])
+        path = _array_file(init, out_dir)
         array = np.load(path, mmap_mode="r", allow_pickle=False)
         if init.get("view"):
             array = array.view(DType[init["view"]].np)
         if tuple(array.shape) != shape:
             raise ValueError(f"{path} holds shape {tuple(array.shape)}, expected {shape}")
     return InitializedData(None, shape, dtype, None, array, zero_rows)
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} is {value!r}, not an integer")
+    return value
+
+
+def _initializer(name: Any, args: Any) -> Initializer:
+    """The initializer `name` made again from `args` by its constructor, which checks every
+    argument as it did for the model (a wrong type or value is one message here, not a
+    traceback when a rank makes its values)."""
+    module = importlib.import_module("pcompile.compiler.initializer")
+    cls = getattr(module, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, Initializer) and cls is not Initializer):
+        raise ValueError(f"unknown initializer {name!r}")
+    if not isinstance(args, dict):
+        raise TypeError(f"the arguments of {name} are {args!r}, not an object")
+    plain = cls()  # Zero and One take no arguments: theirs are fixed
+    if cls in (Zero, One):
+        if args != vars(plain):
+            raise ValueError(f"{name} takes the arguments {vars(plain)}, got {args}")
+        return plain
+    try:
+        obj = cls(**args)
+    except (TypeError, ValueError) as exc:  # a missing or unknown argument, a wrong value
+        text = str(exc) if str(exc).startswith(name) else f"{name}: {exc}"
+        raise type(exc)(text) from None
+    if set(args) != set(vars(obj)):
+        raise TypeError(f"{name} takes the arguments {', '.join(vars(obj))}, got "
+                        f"{', '.join(args) or 'none'}")
+    return obj
+
+
+def _array_file(init: Mapping[str, Any], out_dir: str) -> str:
+    """The .npy a value is read from: `file`, inside the output folder (no `..` or link out of
+    it), or `npy`, an absolute path (a memory-mapped array the model gave); either must be a
+    regular file (a FIFO or device would block or never end)."""
+    if "npy" in init:
+        path = init["npy"]
+        if not isinstance(path, str) or not os.path.isabs(path):
+            raise ValueError(f"npy {path!r} is not an absolute path")
+    else:
+        rel = init["file"]
+        if not isinstance(rel, str) or os.path.isabs(rel):
+            raise ValueError(f"file {rel!r} is not a path relative to the output folder")
+        folder = os.path.realpath(out_dir)
+        path = os.path.realpath(os.path.join(folder, rel))
+        if os.path.commonpath([folder, path]) != folder:
+            raise ValueError(f"file {rel!r} is outside the output folder {folder}")
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise OSError(f"{path}: {exc.strerror}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{path} is not a regular file")
+    return path

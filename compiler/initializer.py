@@ -16,7 +16,10 @@ its random bits from a counter-based generator, Philox4x32-10 (Salmon et al., SC
 the ticket, at counter (i, draw). So a rank materialises only its own slice of a parameter at
 run time, and the slices of all ranks put together are the single-device initialisation
 exactly. Uniforms take 53 bits; normals use the Box-Muller transform of two uniforms;
-truncated normals redraw (the next `draw`) what falls outside [a, b].
+truncated normals redraw (the next `draw`) what falls outside [a, b]. The float64 arithmetic
+from bits to values is compiler/init_math.py's: IEEE basic operations only (its own log and cos,
+not a math library's), so the values are the same on every machine, and the device generator
+(backends/jax/param_init.py) makes the same bits at device speed.
 
 Supported inits: ``"normal"`` (sigma 0.01), ``"zeros"``, ``"ones"``, ``"uniform"`` (scale
 0.07), ``"xavier_uniform"``, ``"he_uniform"``, ``"truncatednormal"`` (sigma 0.01), a number
@@ -34,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from pcompile.compiler import init_math
+from pcompile.compiler.init_math import NUMPY, Ops
 from pcompile.ir.types import DType
 
 __all__ = [
@@ -87,10 +92,10 @@ def _next_ticket() -> tuple[int, int]:
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers and Weyl key increments
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85
 _MASK32 = np.uint64(0xFFFFFFFF)
-_CHUNK = 1 << 20  # elements generated at a time: the generator's uint64 temporaries ~100 MB
+_CHUNK = 1 << 19  # elements generated at a time: the transforms' temporaries stay under ~100 MB
 
 
-def _key(ticket: tuple[int, int]) -> tuple[int, int]:
+def philox_key(ticket: tuple[int, int]) -> tuple[int, int]:
     """Two 32-bit Philox key words from a (seed, counter) ticket (splitmix64 of each)."""
 
     def mix(x: int) -> int:
@@ -121,19 +126,9 @@ def philox(index: np.ndarray, draw: int, key: tuple[int, int]) -> tuple[np.ndarr
     return c0, c1, c2, c3
 
 
-def uniforms(index: np.ndarray, draw: int, key: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """Two independent U[0, 1) float64 values (53 bits each) per element of `index`."""
-    w0, w1, w2, w3 = philox(index, draw, key)
-    scale = 2.0 ** -53
-    u1 = ((w0 << np.uint64(21)) | (w1 >> np.uint64(11))).astype(np.float64) * scale
-    u2 = ((w2 << np.uint64(21)) | (w3 >> np.uint64(11))).astype(np.float64) * scale
-    return u1, u2
-
-
 def standard_normal(index: np.ndarray, draw: int, key: tuple[int, int]) -> np.ndarray:
-    """N(0, 1) per element of `index` (Box-Muller; 1 - u1 is in (0, 1], so the log is finite)."""
-    u1, u2 = uniforms(index, draw, key)
-    return np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2)
+    """N(0, 1) (float64) per element of `index` at `draw` (compiler/init_math.py)."""
+    return init_math.standard_normal(NUMPY, philox(index, draw, key))
 
 
 def block_indices(shape: tuple[int, ...], bounds: Sequence[tuple[int, int]]) -> np.ndarray:
@@ -173,14 +168,26 @@ def _check_number(value: Any, what: str, *, positive: bool = False) -> float:
 class Initializer:
     """Base class: `sample(shape, index, key)` returns float64 (or exact) values of the
     elements at flat `index` (any array of uint64 C-order indices) of a tensor of `shape`;
-    `key` is the ticket's Philox key (None for inits that draw no random numbers)."""
+    `key` is the ticket's Philox key (None for inits that draw no random numbers).
+
+    A random init defines `transform(shape, words, ops)`: its float64 values from the four
+    Philox words of draw 0, in the arithmetic of compiler/init_math.py, so that the numpy
+    reference (`sample`) and the device generator (backends/jax/param_init.py) run the same
+    operations."""
 
     random = True
     """Whether the init draws random numbers (and so takes a (seed, counter) ticket)."""
 
     def sample(self, shape: tuple[int, ...], index: np.ndarray,
                key: tuple[int, int] | None) -> np.ndarray:
+        assert key is not None
+        return self.transform(shape, philox(index, 0, key), NUMPY)
+
+    def transform(self, shape: tuple[int, ...], words: tuple[Any, ...], ops: Ops) -> Any:
         raise NotImplementedError
+
+    def check(self, shape: tuple[int, ...]) -> None:
+        """Raise ValueError if the init cannot make a tensor of `shape`."""
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
@@ -200,10 +207,8 @@ class Normal(Initializer):
         self.sigma = _check_number(sigma, "Normal: sigma", positive=True)
         self.mean = _check_number(mean, "Normal: mean")
 
-    def sample(self, shape: tuple[int, ...], index: np.ndarray,
-               key: tuple[int, int] | None) -> np.ndarray:
-        assert key is not None
-        return self.mean + self.sigma * standard_normal(index, 0, key)
+    def transform(self, shape: tuple[int, ...], words: tuple[Any, ...], ops: Ops) -> Any:
+        return self.mean + ops.mul(self.sigma, init_math.standard_normal(ops, words))
 
 
 class Uniform(Initializer):
@@ -212,9 +217,8 @@ class Uniform(Initializer):
     def __init__(self, scale: float = 0.07) -> None:
         self.scale = _check_number(scale, "Uniform: scale", positive=True)
 
-    def sample(self, shape: tuple[int, ...], index: np.ndarray,
-               key: tuple[int, int] | None) -> np.ndarray:
-        return _uniform(-self.scale, self.scale, index, key)
+    def transform(self, shape: tuple[int, ...], words: tuple[Any, ...], ops: Ops) -> Any:
+        return init_math.uniform(ops, words, -self.scale, self.scale)
 
 
 class XavierUniform(Initializer):
@@ -223,11 +227,13 @@ class XavierUniform(Initializer):
     def __init__(self, gain: float = 1.0) -> None:
         self.gain = _check_number(gain, "XavierUniform: gain", positive=True)
 
-    def sample(self, shape: tuple[int, ...], index: np.ndarray,
-               key: tuple[int, int] | None) -> np.ndarray:
+    def check(self, shape: tuple[int, ...]) -> None:
+        _fans(shape, "XavierUniform")
+
+    def transform(self, shape: tuple[int, ...], words: tuple[Any, ...], ops: Ops) -> Any:
         fan_in, fan_out = _fans(shape, "XavierUniform")
         bound = self.gain * math.sqrt(6.0 / (fan_in + fan_out))
-        return _uniform(-bound, bound, index, key)
+        return init_math.uniform(ops, words, -bound, bound)
 
 
 class HeUniform(Initializer):
@@ -247,18 +253,22 @@ class HeUniform(Initializer):
         self.mode = mode
         self.nonlinearity = nonlinearity
 
-    def sample(self, shape: tuple[int, ...], index: np.ndarray,
-               key: tuple[int, int] | None) -> np.ndarray:
+    def check(self, shape: tuple[int, ...]) -> None:
+        _fans(shape, "HeUniform")
+
+    def transform(self, shape: tuple[int, ...], words: tuple[Any, ...], ops: Ops) -> Any:
         fan_in, fan_out = _fans(shape, "HeUniform")
         fan = fan_in if self.mode == "fan_in" else fan_out
         slope = self.negative_slope if self.nonlinearity == "leaky_relu" else 0.0
         gain = math.sqrt(2.0 / (1.0 + slope**2))
         bound = gain * math.sqrt(3.0 / fan)
-        return _uniform(-bound, bound, index, key)
+        return init_math.uniform(ops, words, -bound, bound)
 
 
 class TruncatedNormal(Initializer):
-    """N(mean, sigma^2) restricted to [a, b] (MindSpore 2.x: a=-2, b=2 in absolute units)."""
+    """N(mean, sigma^2) restricted to [a, b] (MindSpore 2.x: a=-2, b=2 in absolute units).
+    An element outside [a, b] takes the value of the next draw (its Philox counter's third
+    word), until one falls inside."""
 
     def __init__(
         self, sigma: float = 0.01, mean: float = 0.0, a: float = -2.0, b: float = 2.0
@@ -278,25 +288,25 @@ class TruncatedNormal(Initializer):
                 f"{sigma}^2); choose bounds closer to the mean"
             )
 
+    def transform(self, shape: tuple[int, ...], words: tuple[Any, ...], ops: Ops) -> Any:
+        """The candidate of one draw (not yet truncated)."""
+        return self.mean + ops.mul(self.sigma, init_math.standard_normal(ops, words))
+
+    def outside(self, values: Any) -> Any:
+        """Which candidates are rejected."""
+        return (values < self.a) | (values > self.b)
+
     def sample(self, shape: tuple[int, ...], index: np.ndarray,
                key: tuple[int, int] | None) -> np.ndarray:
         assert key is not None
-        out = self.mean + self.sigma * standard_normal(index, 0, key)
-        bad = (out < self.a) | (out > self.b)
+        out = self.transform(shape, philox(index, 0, key), NUMPY)
+        bad = self.outside(out)
         draw = 0
         while bad.any():  # rejection: the accepted mass is >= 1e-3, so this ends quickly
             draw += 1
-            retry = self.mean + self.sigma * standard_normal(index[bad], draw, key)
-            out[bad] = retry
-            bad = (out < self.a) | (out > self.b)
+            out[bad] = self.transform(shape, philox(index[bad], draw, key), NUMPY)
+            bad = self.outside(out)
         return out
-
-
-def _uniform(low: float, high: float, index: np.ndarray,
-             key: tuple[int, int] | None) -> np.ndarray:
-    assert key is not None
-    u1, _ = uniforms(index, 0, key)
-    return low + (high - low) * u1
 
 
 def _normal_cdf(x: float) -> float:
@@ -435,7 +445,7 @@ class InitializedData:
             part = self._array[tuple(slice(lo, hi) for lo, hi in bounds)]
             return np.array(part, dtype=self.dtype.np, copy=True)
         assert self.init is not None
-        key = _key(self.ticket) if self.ticket is not None else None
+        key = philox_key(self.ticket) if self.ticket is not None else None
         out = np.empty(tuple(hi - lo for lo, hi in bounds), self.dtype.np)
         if not out.size:
             return out
@@ -533,7 +543,6 @@ def initializer(
             f"initializer: init must be a name ({', '.join(INIT_NAMES)}), a number, a numpy "
             f"array or an Initializer, got {type(init).__name__} {init!r}"
         )
-    if isinstance(init, (XavierUniform, HeUniform)):
-        _fans(dims, type(init).__name__)  # fail now, not on first use
+    init.check(dims)  # fail now, not on first use
     ticket = _next_ticket() if init.random else None
     return InitializedData(init, dims, dtype, ticket)

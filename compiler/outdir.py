@@ -5,10 +5,11 @@ The guarantees (docs/running.md, "The output folder"):
 * Every compile writes a manifest, `.pcompile-manifest.json`, listing each file and folder it
   wrote. A later compile replaces exactly what the manifest lists, nothing else.
 * Run outputs (what `--run`, the rank programs and `pcompile-merge` write: `rank_<r>/train.log`,
-  `rank_<r>/run.log`, `rank_<r>/outputs.npz`, `launch.json`, `checkpoints/rank_<r>/step_*.npz`,
-  `merged_step_*.npz`; `pcompile show`'s pictures `show/*.svg`) survive a recompile: they are
-  carried into the new folder. Runs write files, never links: a symbolic link at a run
-  output's place is not carried (the launcher would otherwise write through it).
+  `rank_<r>/run.log`, `rank_<r>/outputs.npz`, `launch.json`, `checkpoints/rank_<r>/step_*`
+  (`.safetensors` and `.json`, or an older pcompile's `.npz`), `merged_step_*.npz`;
+  `pcompile show`'s pictures `show/*.svg`) survive a recompile: they are carried into the new
+  folder. Runs write files, never links: a symbolic link at a run output's place is not
+  carried (the launcher would otherwise write through it).
 * Anything else in the folder is foreign: the compile refuses, naming it, and changes nothing.
   A non-empty folder without a manifest is entirely foreign.
 * A compile writes into a staging folder beside `--out` (`.<name>.pcompile-new-<id>`) and swaps
@@ -49,12 +50,14 @@ _STAGING_MARK = ".pcompile-staging"  # present while a staging folder is incompl
 # Files that runs write into the folder (relative, '/'-separated), and the folders holding them.
 _RUN_OUTPUT = re.compile(
     r"launch\.json|merged_step_\d+\.npz|rank_\d+/(?:train\.log|run\.log|outputs\.npz)"
-    r"|checkpoints/rank_\d+/step_\d+\.npz|show/[A-Za-z0-9._-]+\.svg"
+    r"|checkpoints/rank_\d+/step_\d+\.(?:safetensors|json|npz)|show/[A-Za-z0-9._-]+\.svg"
 )
 _RUN_FOLDER = re.compile(r"rank_\d+|checkpoints|checkpoints/rank_\d+|show")
 # A temporary file of an atomic write (backends/checkpoint.py `atomic_write_bytes`) that was
 # killed before its rename: `.<name>.tmp-<token>` next to `<name>`.
 _TEMP = re.compile(r"(?P<dir>(?:[^/]+/)*)\.(?P<name>[^/]+)\.tmp-[A-Za-z0-9_]+")
+# safetensors' own temporary file (Rust's tempfile) of a checkpoint write that was killed
+_SAFETENSORS_TEMP = re.compile(r"checkpoints/rank_\d+/\.tmp[A-Za-z0-9]{6}")
 SHOWN = 8  # foreign entries named in a message
 
 
@@ -65,6 +68,8 @@ def is_run_output(rel: str) -> bool:
 
 def is_temp_leftover(rel: str) -> bool:
     """The temporary file of a killed atomic write of a run output (removed by the next run)."""
+    if _SAFETENSORS_TEMP.fullmatch(rel):
+        return True
     m = _TEMP.fullmatch(rel)
     return m is not None and is_run_output(m.group("dir") + m.group("name"))
 

@@ -1,9 +1,14 @@
-"""Checkpoint verification (backends/checkpoint.py): every kind of damage is one clear message
-naming the file, resume falls back to the newest step every rank holds intact, pcompile-merge
-prints one line, leftovers of a killed write are cleaned, only checkpoints are ever cleared."""
+"""Checkpoints (backends/checkpoint.py, backends/async_checkpoint.py): safetensors plus a JSON
+index, bfloat16 bit-exact; every kind of damage is one clear message naming the file; resume
+falls back to the newest step every rank holds intact; checkpoints of an older pcompile (.npz)
+still load; a full disk is one message that names the failed write and the intact checkpoint;
+pcompile-merge prints one line; leftovers of a killed write are cleaned; only checkpoints are
+ever cleared."""
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import subprocess
@@ -23,6 +28,7 @@ from pcompile.backends.checkpoint import (
     read_checkpoint,
     resume_point,
     save_npz,
+    tensors_path,
     write_checkpoint,
 )
 
@@ -37,12 +43,32 @@ def values(rank: int, step: int) -> dict[str, np.ndarray]:
     return {"w": w[2 * rank: 2 * rank + 2], "b": np.full(6, step, np.float32)}
 
 
+def meta_of(rank: int, step: int, ranks: int = 2) -> dict:
+    return {"step": step, "epoch": 1, "step_in_epoch": step, "rank": rank, "num_ranks": ranks,
+            "plan_id": "p1", "log": [], "layouts": LAYOUTS}
+
+
 def write_steps(folder, steps=(2, 4), ranks=2) -> None:
     for step in steps:
         for r in range(ranks):
-            meta = {"step": step, "epoch": 1, "step_in_epoch": step, "rank": r,
-                    "num_ranks": ranks, "plan_id": "p1", "log": [], "layouts": LAYOUTS}
-            write_checkpoint(str(folder), r, step, values(r, step), meta)
+            write_checkpoint(str(folder), r, step, values(r, step), meta_of(r, step, ranks))
+
+
+def write_old_checkpoint(folder, rank: int, step: int, arrays: dict, meta: dict) -> str:
+    """A checkpoint as pcompile wrote them before the safetensors format: one .npz, the
+    index (with a manifest of every array's shape, dtype.str and sha256) in `__meta__`."""
+    meta = dict(meta)
+    meta["arrays"] = {k: {"shape": list(a.shape), "dtype": a.dtype.str,
+                          "sha256": hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()}
+                      for k, a in sorted(arrays.items())}
+    path = os.path.join(str(folder), f"rank_{rank}", f"step_{step:08d}.npz")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_npz(path, {**arrays, META_KEY: np.array(json.dumps(meta, sort_keys=True))})
+    return path
+
+
+def data_of(path: str) -> str:
+    return tensors_path(path)
 
 
 def truncate(path: str) -> None:
@@ -50,28 +76,30 @@ def truncate(path: str) -> None:
     open(path, "wb").write(data[: len(data) // 2])
 
 
-def zero_length(path: str) -> None:
-    open(path, "wb").close()
-
-
-def bad_crc(path: str) -> None:
+def flip_last_byte(path: str) -> None:
     data = bytearray(open(path, "rb").read())
-    i = data.index(b"\x93NUMPY")  # the first member's array data follows its header
-    data[i + 200] ^= 0xFF
+    data[-1] ^= 0xFF  # the last tensor's data (same size: only the checksum can tell)
     open(path, "wb").write(bytes(data))
 
 
-def no_metadata(path: str) -> None:
-    arrays = load_npz(path)
-    del arrays[META_KEY]
-    save_npz(path, arrays)
+def damaged_header(path: str) -> None:
+    data = bytearray(open(path, "rb").read())
+    data[8:12] = b"\xff\xfe\x00{"  # the JSON header of the safetensors file
+    open(path, "wb").write(bytes(data))
+
+
+def rewrite_index(change):
+    def damage(index_path: str) -> None:
+        index = json.loads(open(index_path).read())
+        change(index)
+        open(index_path, "w").write(json.dumps(index))
+    return damage
 
 
 def wrong_shape(path: str) -> None:
-    """A consistent file (its manifest matches its arrays) whose array is not the rank's slice
-    of its layout."""
-    arrays = load_npz(path)
-    meta = json.loads(str(arrays.pop(META_KEY)))
+    """A consistent checkpoint (its manifest matches its tensors) whose tensor is not the
+    rank's slice of its layout."""
+    arrays, meta = read_checkpoint(path)
     arrays["w"] = np.zeros((3, 6), np.float32)
     os.unlink(path)
     write_checkpoint(os.path.dirname(os.path.dirname(path)), meta["rank"], meta["step"],
@@ -79,18 +107,33 @@ def wrong_shape(path: str) -> None:
 
 
 def checksum_mismatch(path: str) -> None:
-    arrays = load_npz(path)
-    arrays["b"] = arrays["b"] + 1  # rewritten with a valid zip CRC, the old manifest
-    save_npz(path, arrays)
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    arrays, _ = read_checkpoint(path)
+    with safe_open(data_of(path), framework="np") as f:
+        metadata = f.metadata()
+    arrays["b"] = arrays["b"] + 1  # a valid file of the same size, the old manifest
+    save_file(arrays, data_of(path), metadata=metadata)
 
 
+def unlisted(path: str) -> None:
+    rewrite_index(lambda index: index["arrays"].pop("b"))(path)
+
+
+# damage, the file it damages (index or tensors), what the message says
 DAMAGE = {
-    "truncated": (truncate, "truncated or not an .npz file"),
-    "zero-length": (zero_length, "is empty (0 bytes)"),
-    "bad CRC": (bad_crc, "corrupt"),
-    "missing metadata": (no_metadata, "has no metadata"),
-    "wrong shape": (wrong_shape, "rank 1's slice is (2, 6)"),
-    "checksum": (checksum_mismatch, "do not match the checksum"),
+    "truncated": (lambda p: truncate(data_of(p)), data_of, "truncated or damaged"),
+    "zero-length": (lambda p: open(data_of(p), "wb").close(), data_of, "is empty (0 bytes)"),
+    "missing tensors": (lambda p: os.unlink(data_of(p)), data_of, "is missing"),
+    "damaged header": (lambda p: damaged_header(data_of(p)), data_of, "truncated or damaged"),
+    "flipped byte": (lambda p: flip_last_byte(data_of(p)), str, "do not match the checksum"),
+    "index not JSON": (lambda p: open(p, "w").write("{half"), str, "index is not valid JSON"),
+    "empty index": (lambda p: open(p, "w").close(), str, "is empty (0 bytes)"),
+    "no manifest": (rewrite_index(lambda index: index.pop("arrays")), str, "no manifest"),
+    "unlisted tensor": (unlisted, str, "does not list: b"),
+    "wrong shape": (wrong_shape, str, "rank 1's slice is (2, 6)"),
+    "checksum": (checksum_mismatch, str, "do not match the checksum"),
 }
 
 
@@ -98,12 +141,12 @@ DAMAGE = {
 def test_damage_is_one_message_and_resume_falls_back(tmp_path, kind: str) -> None:
     folder = tmp_path / "checkpoints"
     write_steps(folder)
-    damage, message = DAMAGE[kind]
+    damage, named, message = DAMAGE[kind]
     path = checkpoint_path(str(folder), 1, 4)
     damage(path)
     with pytest.raises(CheckpointError) as info:
         read_checkpoint(path, 1)
-    assert path in str(info.value) and message in str(info.value)
+    assert named(path) in str(info.value) and message in str(info.value), str(info.value)
     point = resume_point(str(folder), 2)
     assert point.step == 2
     assert len(point.skipped) == 1 and point.skipped[0].startswith("step 4: rank 1: ")
@@ -111,11 +154,77 @@ def test_damage_is_one_message_and_resume_falls_back(tmp_path, kind: str) -> Non
     assert meta["step"] == 2 and np.array_equal(arrays["w"], values(1, 2)["w"])
 
 
+def test_a_checkpoint_is_safetensors_and_a_json_index(tmp_path) -> None:
+    """Any safetensors reader opens the tensors; the index names each tensor's layout."""
+    from safetensors.numpy import load_file
+
+    write_steps(tmp_path, steps=(3,))
+    index_path = checkpoint_path(str(tmp_path), 1, 3)
+    assert index_path.endswith("rank_1/step_00000003.json")
+    index = json.loads(open(index_path).read())
+    assert index["format"] == "pcompile-checkpoint/2" and index["step"] == 3
+    assert index["file"] == "step_00000003.safetensors"
+    assert index["layouts"] == LAYOUTS and set(index["arrays"]) == {"w", "b"}
+    assert index["bytes"] == os.path.getsize(tensors_path(index_path))
+    tensors = load_file(tensors_path(index_path))
+    for name, value in values(1, 3).items():
+        np.testing.assert_array_equal(tensors[name], value)
+
+
+def test_tensors_round_trip_bit_exactly_in_every_dtype(tmp_path) -> None:
+    """bfloat16 (ml_dtypes, stored as safetensors' BF16), float16, float64, integers, bools,
+    scalars and empty tensors come back with their dtype, shape and bits."""
+    import ml_dtypes
+    from safetensors.numpy import load_file
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 2**16, 64, dtype=np.uint16)
+    arrays = {"bf": raw.view(ml_dtypes.bfloat16).reshape(8, 8),  # NaNs and subnormals too
+              "h": rng.standard_normal(5).astype(np.float16),
+              "d": rng.standard_normal((2, 3)),
+              "i": np.arange(6, dtype=np.int32), "l": np.arange(3, dtype=np.int64),
+              "u": np.arange(4, dtype=np.uint8), "t": np.array([True, False]),
+              "s": np.array(2.5, np.float32), "e": np.zeros((0, 3), np.float32),
+              "strided": np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2]}
+    path = write_checkpoint(str(tmp_path), 0, 1, arrays, {"step": 1, "layouts": {}})
+    back, _ = read_checkpoint(path)
+    other = load_file(tensors_path(path))
+    for name, value in arrays.items():
+        for got in (back[name], other[name]):
+            assert got.dtype == value.dtype and got.shape == value.shape, name
+            assert got.tobytes() == np.ascontiguousarray(value).tobytes(), name
+
+
+def test_old_npz_checkpoints_still_load_resume_and_merge(tmp_path) -> None:
+    """Checkpoints of pcompile before the safetensors format: read and verified as before,
+    resumed from, merged; a newer safetensors step is preferred, and the writer's pruning
+    removes the old files like its own."""
+    folder = tmp_path / "checkpoints"
+    for r in range(2):
+        write_old_checkpoint(folder, r, 2, values(r, 2), meta_of(r, 2))
+    path = checkpoint_path(str(folder), 1, 2)
+    assert path.endswith(".npz")
+    arrays, meta = read_checkpoint(path, 1)
+    assert meta["step"] == 2 and np.array_equal(arrays["w"], values(1, 2)["w"])
+    assert resume_point(str(folder), 2).step == 2
+    full, info = merge_checkpoints(str(tmp_path))
+    assert info["step"] == 2 and np.array_equal(full["w"],
+                                                np.arange(24, dtype=np.float32).reshape(4, 6) + 2)
+    truncate(path)  # damage is one message, as for the new format
+    with pytest.raises(CheckpointError, match="truncated or not an .npz file"):
+        read_checkpoint(path, 1)
+    write_steps(folder, steps=(4, 6))
+    assert resume_point(str(folder), 2).step == 6
+    assert sorted(os.listdir(folder / "rank_1")) == [
+        "step_00000004.json", "step_00000004.safetensors", "step_00000006.json",
+        "step_00000006.safetensors"]
+
+
 def test_no_intact_step_and_a_missing_rank(tmp_path) -> None:
     folder = tmp_path / "checkpoints"
     write_steps(folder, steps=(2, 4))
     os.unlink(checkpoint_path(str(folder), 0, 4))
-    truncate(checkpoint_path(str(folder), 1, 2))
+    truncate(data_of(checkpoint_path(str(folder), 1, 2)))
     point = resume_point(str(folder), 2)
     assert point.step is None
     assert point.skipped[0] == "step 4: rank 0: no checkpoint"
@@ -129,13 +238,13 @@ def merge_cli(out) -> subprocess.CompletedProcess[str]:
 
 def test_merge_passes_over_a_damaged_step_and_says_so(tmp_path) -> None:
     write_steps(tmp_path / "checkpoints")
-    bad_crc(checkpoint_path(str(tmp_path / "checkpoints"), 0, 4))
+    flip_last_byte(data_of(checkpoint_path(str(tmp_path / "checkpoints"), 0, 4)))
     full, info = merge_checkpoints(str(tmp_path))
     assert info["step"] == 2
     assert np.array_equal(full["w"], np.arange(24, dtype=np.float32).reshape(4, 6) + 2)
     proc = merge_cli(tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "passed over step 4: rank 0:" in proc.stderr and "corrupt" in proc.stderr
+    assert "passed over step 4: rank 0:" in proc.stderr and "checksum" in proc.stderr
     assert (tmp_path / "merged_step_00000002.npz").exists()
 
 
@@ -147,18 +256,23 @@ def test_merge_of_a_damaged_step_is_one_message(tmp_path, kind: str) -> None:
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert lines[0].startswith("pcompile-merge: error: no step has an intact checkpoint")
-    assert DAMAGE[kind][1] in proc.stderr
+    assert DAMAGE[kind][2] in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_a_killed_write_leaves_a_temp_file_that_the_next_write_removes(tmp_path) -> None:
     folder = tmp_path / "checkpoints"
     write_steps(folder, steps=(2,))
-    leftover = folder / "rank_0" / ".step_00000004.npz.tmp-0badf00d"
-    leftover.write_bytes(b"half a checkpoint")
-    assert resume_point(str(folder), 2).step == 2  # a temp file is no checkpoint
+    leftovers = [folder / "rank_0" / ".step_00000004.safetensors.tmp-0badf00d",
+                 folder / "rank_0" / ".tmpAb3dE9",  # safetensors' own temporary file
+                 folder / "rank_0" / "step_00000003.safetensors"]  # killed before its index
+    for leftover in leftovers:
+        leftover.write_bytes(b"half a checkpoint")
+    assert resume_point(str(folder), 2).step == 2  # none of them is a checkpoint
     write_steps(folder, steps=(4,))
-    assert sorted(os.listdir(folder / "rank_0")) == ["step_00000002.npz", "step_00000004.npz"]
+    assert sorted(os.listdir(folder / "rank_0")) == [
+        "step_00000002.json", "step_00000002.safetensors", "step_00000004.json",
+        "step_00000004.safetensors"]
 
 
 def test_checkpoints_are_written_with_the_users_umask(tmp_path) -> None:
@@ -167,7 +281,9 @@ def test_checkpoints_are_written_with_the_users_umask(tmp_path) -> None:
         write_steps(tmp_path / "c", steps=(1,))
     finally:
         os.umask(old)
-    assert os.stat(checkpoint_path(str(tmp_path / "c"), 0, 1)).st_mode & 0o777 == 0o640
+    index = checkpoint_path(str(tmp_path / "c"), 0, 1)
+    for path in (index, tensors_path(index)):  # safetensors makes its files 0600
+        assert os.stat(path).st_mode & 0o777 == 0o640
 
 
 def test_clearing_checkpoints_deletes_nothing_else(tmp_path) -> None:
@@ -179,34 +295,66 @@ def test_clearing_checkpoints_deletes_nothing_else(tmp_path) -> None:
     assert sorted(p.name for p in folder.rglob("*")) == ["README", "notes.txt", "rank_0"]
 
 
-def test_a_member_with_a_bad_crc_is_detected_by_zipfile_itself(tmp_path) -> None:
-    """The bad-CRC case above damages array data inside the zip: zipfile's own check finds
-    it (the damage function does not also break the zip structure)."""
-    write_steps(tmp_path, steps=(1,))
-    path = checkpoint_path(str(tmp_path), 0, 1)
-    bad_crc(path)
-    with zipfile.ZipFile(path) as zf:
-        assert zf.testzip() is not None
-
-
-def test_bfloat16_arrays_keep_their_dtype_in_npz_and_checkpoints(tmp_path) -> None:
-    """.npy writes bfloat16 as raw `V2` bytes: pcompile's .npz files store its bits and give the
-    bfloat16 array back (constants, checkpoints of bf16 parameters and states)."""
+def test_bfloat16_arrays_keep_their_dtype_in_npz(tmp_path) -> None:
+    """.npy writes bfloat16 as raw `V2` bytes: pcompile's .npz files (constants, outputs,
+    merged checkpoints) store its bits and give the bfloat16 array back."""
     import ml_dtypes
-
-    from pcompile.backends.checkpoint import load_npz, save_npz
 
     values = {"w": (np.arange(12, dtype=np.float32) / 7).astype(ml_dtypes.bfloat16).reshape(3, 4),
               "m": np.ones(3, np.float32)}
     save_npz(str(tmp_path / "c.npz"), values)
     back = load_npz(str(tmp_path / "c.npz"))
     assert back["w"].dtype == ml_dtypes.bfloat16 and set(back) == {"w", "m"}
-    np.testing.assert_array_equal(back["w"].astype(np.float32), values["w"].astype(np.float32))
-    path = write_checkpoint(str(tmp_path / "ckpt"), 0, 1, values, {"step": 1, "layouts": {}})
-    arrays, _ = read_checkpoint(path, None)
-    assert arrays["w"].dtype == ml_dtypes.bfloat16
-    np.testing.assert_array_equal(arrays["w"].astype(np.float32),
-                                  values["w"].astype(np.float32))
+    assert back["w"].tobytes() == values["w"].tobytes()
+    with zipfile.ZipFile(tmp_path / "c.npz") as zf:
+        assert zf.testzip() is None
+
+
+def test_a_full_disk_is_one_message_and_the_previous_checkpoint_stays(tmp_path,
+                                                                      monkeypatch) -> None:
+    """The background writer: a write that fails on a full disk (ENOSPC from safetensors, or
+    from the index) keeps nothing of its step, says which write failed and which checkpoint
+    is intact; the run's next write removes what it left."""
+    import safetensors.numpy
+
+    import pcompile.backends.checkpoint as checkpoint
+    from pcompile.backends.async_checkpoint import AsyncCheckpointWriter, CheckpointWriteError
+
+    folder = tmp_path / "checkpoints"
+    said: list[str] = []
+    writer = AsyncCheckpointWriter(str(folder), said.append)
+    per_rank = lambda step: {r: (values(r, step), meta_of(r, step)) for r in range(2)}  # noqa
+    writer.submit(2, per_rank(2), 0.01)
+    writer.wait()
+    assert said and said[0].startswith("checkpoint of step 2 (rank(s) 0..1): ") and " MB in " \
+        in said[0], said
+    before = {p.name: p.read_bytes() for p in (folder / "rank_1").iterdir()}
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    for where, target in ((safetensors.numpy, "save_file"), (checkpoint, "atomic_write_text")):
+        with monkeypatch.context() as patch:
+            patch.setattr(where, target, full)
+            writer = AsyncCheckpointWriter(str(folder), said.append, intact=2)
+            writer.submit(4, per_rank(4), 0.01)
+            with pytest.raises(CheckpointWriteError) as info:
+                writer.wait()
+        message = str(info.value)
+        assert message == (f"the checkpoint of step 4 could not be written (rank 0, in "
+                           f"{folder / 'rank_0'}: no space left on the device (the disk is "
+                           "full)); nothing of it was kept, and the checkpoint of step 2 is "
+                           "intact"), message
+        assert writer.failure() is None  # reported once
+        assert resume_point(str(folder), 2).step == 2
+        assert {p.name: p.read_bytes() for p in (folder / "rank_1").iterdir()} == before
+        read_checkpoint(checkpoint_path(str(folder), 0, 2), 0)
+    writer = AsyncCheckpointWriter(str(folder), said.append, intact=2)
+    writer.submit(4, per_rank(4), 0.01)
+    writer.wait()  # and what the failed writes left is gone
+    assert sorted(os.listdir(folder / "rank_0")) == [
+        "step_00000002.json", "step_00000002.safetensors", "step_00000004.json",
+        "step_00000004.safetensors"]
 
 
 def test_merge_streams_one_tensor_at_a_time(tmp_path) -> None:
@@ -256,3 +404,38 @@ def test_merge_never_replaces_a_file_it_did_not_write(tmp_path) -> None:
     # its own output is replaced on a second merge
     assert merge_cli(tmp_path).returncode == 0
     assert merge_cli(tmp_path).returncode == 0
+
+
+def test_a_full_disk_in_a_rank_program_is_one_message_and_resume_works(tmp_path) -> None:
+    """The rank program (2 ranks on 2 virtual CPU devices): its background write of the final
+    checkpoint (step 4) fails as on a full disk; the run ends with exit status 2 and one line
+    naming the failed write and the intact step 2, no traceback; --resume continues from
+    step 2. Every checkpoint's megabytes and seconds are in the program's output (run.log)."""
+    from pcompile.compiler.driver import compile as compile_model
+
+    out = tmp_path / "out"
+    compile_model(os.path.join(ROOT, "examples", "quickstart.py"), devices=2,
+                  parallel_mode="data_parallel", out_dir=str(out))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PCOMPILE_", "OMPI_",
+                                                                     "SLURM_", "PMI_"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    run = [sys.executable, str(out / "rank_0" / "program.py"), "--checkpoint-every", "2"]
+    proc = subprocess.run(run + ["--steps", "4"], capture_output=True, text=True, timeout=300,
+                          env=dict(env, PCOMPILE_FAULT_INJECT="1:4:checkpoint-enospc"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    folder = out / "checkpoints" / "rank_0"
+    assert errors == [
+        f"pcompile ranks 0-1: error: the checkpoint of step 4 could not be written (rank 0, "
+        f"in {folder}: no space left on the device (the disk is full)); nothing of it was "
+        "kept, and the checkpoint of step 2 is intact"], proc.stderr
+    assert "checkpoint of step 2 (rank(s) 0..1): " in proc.stdout, proc.stdout
+    assert sorted(os.listdir(folder)) == ["step_00000002.json", "step_00000002.safetensors"]
+    proc = subprocess.run(run + ["--steps", "4", "--resume"], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("checkpoint of")]
+    assert len(lines) == 1 and lines[0].startswith("checkpoint of step 4 (rank(s) 0..1): ")
+    assert "the end of the run waited" in proc.stdout
+    assert len((out / "rank_1" / "train.log").read_text().splitlines()) == 4

@@ -242,7 +242,7 @@ def test_any_block_equals_the_same_block_of_the_whole(init: object) -> None:
 
 def test_a_block_does_not_allocate_the_whole_tensor() -> None:
     """A 1 GB parameter: one 1/256 block is generated in memory proportional to the block (the
-    generator works in chunks of 2^20 elements with ~12 uint64 temporaries each, ~100 MB at
+    generator works in chunks of 2^19 elements with ~20 8-byte temporaries each, ~100 MB at
     most), never the whole tensor."""
     import tracemalloc
 

@@ -231,4 +231,5 @@ def test_rank_program_runs_every_rank_in_one_process(tmp_path) -> None:
             "epoch: 1 step: 1", "epoch: 1 step: 2", "epoch: 1 step: 3"]
         got = [float(line.rsplit(" ", 1)[1]) for line in lines]
         np.testing.assert_allclose(got, want, rtol=1e-5)
-    assert os.path.exists(out / "checkpoints" / "rank_7" / "step_00000003.npz")
+    assert os.path.exists(out / "checkpoints" / "rank_7" / "step_00000003.safetensors")
+    assert os.path.exists(out / "checkpoints" / "rank_7" / "step_00000003.json")

@@ -194,6 +194,18 @@ def test_ctrl_c_stops_every_rank(model_path, tmp_path) -> None:
     assert not any(alive(p["pid"]) for p in info["processes"])
 
 
+def same_checkpoints(a, b, step: int, ranks: int = 4) -> None:
+    """Rank checkpoints of `step` in output folders a and b hold the same tensors, bit for bit."""
+    from pcompile.backends.checkpoint import checkpoint_path, read_checkpoint
+
+    for r in range(ranks):
+        x, _ = read_checkpoint(checkpoint_path(str(a / "checkpoints"), r, step), r)
+        y, _ = read_checkpoint(checkpoint_path(str(b / "checkpoints"), r, step), r)
+        assert sorted(x) == sorted(y) == ["moments.w", "moments.w2", "w", "w2"]
+        for name in x:
+            assert x[name].tobytes() == y[name].tobytes(), (r, name)
+
+
 @pytest.mark.slow
 def test_resume_after_a_failure_is_bit_identical(model_path, tmp_path) -> None:
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -207,18 +219,50 @@ def test_resume_after_a_failure_is_bit_identical(model_path, tmp_path) -> None:
     assert result.code == 1 and result.failed_rank == 2  # process 1 runs ranks 2 and 3
     assert "PCOMPILE_FAULT_INJECT" in result.message
     steps = sorted(os.listdir(resumed / "checkpoints" / "rank_3"))
-    assert steps == ["step_00000002.npz", "step_00000004.npz"]
+    assert steps == ["step_00000002.json", "step_00000002.safetensors", "step_00000004.json",
+                     "step_00000004.safetensors"]
     # A recompile keeps the checkpoints; --resume continues from step 4.
     compile_model(model_path, devices=4, out_dir=str(resumed))
     assert launch(str(resumed), steps=7, processes=2, resume=True, echo=quiet).code == 0
     for r in range(4):
         a = (straight / f"rank_{r}" / "train.log").read_bytes()
         assert (resumed / f"rank_{r}" / "train.log").read_bytes() == a
+    same_checkpoints(straight, resumed, 7)
+
+
+@pytest.mark.slow
+def test_a_kill_during_a_background_checkpoint_write_keeps_the_previous_one(model_path,
+                                                                           tmp_path) -> None:
+    """Checkpoints are written by a background thread while training goes on. A process
+    killed (SIGKILL) in the middle of the write of step 4 leaves step 2 intact and no step 4
+    under the final names; --resume continues from step 2, bit for bit."""
+    from pcompile.backends.checkpoint import resume_point
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for out in (straight, resumed):
+        compile_model(model_path, devices=4, out_dir=str(out))
+    said: list[str] = []
+    assert launch(str(straight), steps=7, processes=2, echo=said.append).code == 0
+    failing = dict(env(), PCOMPILE_FAULT_INJECT="3:4:checkpoint-kill")
+    result = launch(str(resumed), steps=7, processes=2, checkpoint_every=2, env=failing,
+                    echo=said.append)
+    assert result.code == 1 and result.failed_rank == 2, result.message
+    assert "killed by SIGKILL" in result.message, result.message
+    folder = resumed / "checkpoints" / "rank_2"
+    names = sorted(os.listdir(folder))
+    assert "step_00000004.json" not in names and "step_00000004.safetensors" not in names
+    assert any(n.startswith(".step_00000004.safetensors.tmp-") for n in names), names
+    assert resume_point(str(resumed / "checkpoints"), 4).step == 2
+    log = (resumed / "rank_0" / "run.log").read_text()
+    assert "checkpoint of step 2 (rank(s) 0..1): " in log and " MB in " in log, log
+    compile_model(model_path, devices=4, out_dir=str(resumed))
+    said.clear()
+    assert launch(str(resumed), steps=7, processes=2, resume=True, echo=said.append).code == 0
     for r in range(4):
-        with np.load(straight / "checkpoints" / f"rank_{r}" / "step_00000007.npz") as x, \
-                np.load(resumed / "checkpoints" / f"rank_{r}" / "step_00000007.npz") as y:
-            for name in ("w", "w2", "moments.w", "moments.w2"):
-                assert np.array_equal(x[name], y[name])
+        a = (straight / f"rank_{r}" / "train.log").read_bytes()
+        assert (resumed / f"rank_{r}" / "train.log").read_bytes() == a
+    same_checkpoints(straight, resumed, 7)
+    assert not any(n.startswith(".") for n in os.listdir(folder))  # the leftover is gone
 
 
 @pytest.mark.slow
@@ -277,8 +321,8 @@ def test_resume_falls_back_past_a_damaged_checkpoint(model_path, tmp_path) -> No
     assert launch(str(resumed), steps=7, processes=2, checkpoint_every=2, env=failing,
                   echo=said.append).code == 1
     ckpt = resumed / "checkpoints"
-    damage(ckpt / "rank_1" / "step_00000004.npz")  # every rank holds step 2 intact
-    leftover = ckpt / "rank_0" / ".step_00000006.npz.tmp-0123abcd"  # a killed write
+    damage(ckpt / "rank_1" / "step_00000004.safetensors")  # every rank holds step 2 intact
+    leftover = ckpt / "rank_0" / ".step_00000006.safetensors.tmp-0123abcd"  # a killed write
     leftover.write_bytes(b"half")
     said.clear()
     result = launch(str(resumed), steps=7, processes=2, resume=True, echo=said.append)
@@ -304,8 +348,8 @@ def test_resume_problems_are_one_message(model_path, tmp_path) -> None:
     assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
     # Every rank's step 4 and step 2 damaged: nothing to resume from, and it says why.
     for r in range(4):
-        damage(out / "checkpoints" / f"rank_{r}" / "step_00000004.npz")
-    (out / "checkpoints" / "rank_2" / "step_00000002.npz").write_bytes(b"")
+        damage(out / "checkpoints" / f"rank_{r}" / "step_00000004.safetensors")
+    (out / "checkpoints" / "rank_2" / "step_00000002.safetensors").write_bytes(b"")
     proc = cli(model_path, str(out), "--run", "--resume", "--steps", "6")
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1
@@ -323,7 +367,7 @@ def test_a_checkpoint_full_of_nan_stops_the_resumed_run_at_its_first_step(model_
     compile_model(model_path, devices=4, out_dir=str(out))
     assert launch(str(out), steps=4, processes=4, echo=lambda line: None).code == 0
     for r in range(4):
-        path = out / "checkpoints" / f"rank_{r}" / "step_00000004.npz"
+        path = out / "checkpoints" / f"rank_{r}" / "step_00000004.json"
         arrays, meta = read_checkpoint(str(path), r)
         path.unlink()
         nan = {k: np.full_like(v, np.nan) if v.dtype.kind == "f" else v

@@ -27,7 +27,9 @@ RUN_OUTPUTS = {
     "rank_0/outputs.npz": b"inference outputs",
     "launch.json": b"{}\n",
     "merged_step_00000005.npz": b"merged by pcompile-merge",
-    "checkpoints/rank_0/step_00000005.npz": b"a checkpoint",
+    "checkpoints/rank_0/step_00000005.npz": b"a checkpoint of an older pcompile",
+    "checkpoints/rank_0/step_00000007.safetensors": b"a checkpoint's tensors",
+    "checkpoints/rank_0/step_00000007.json": b"its index",
 }
 
 

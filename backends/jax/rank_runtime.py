@@ -14,10 +14,16 @@ batch repeats), then cuts each rank's part of every global batch by the input's 
 (`LAYOUTS`, from dataset_strategy). The model file and pcompile must be importable on every host,
 and `dataset()` must give the same batches in every process (seed its random numbers).
 
-Checkpoints: `<out>/checkpoints/rank_<r>/step_<S>.npz` at the end and every `--checkpoint-every`
-steps (backends/checkpoint.py); `--resume` continues from the newest step that every rank holds
-intact (verified against each file's manifest; damaged newer steps are reported and passed
-over), restores train.log, skips the batches already seen, and so gives bit-identical losses.
+Parameters: each rank makes its blocks of every parameter and optimizer state on its own device
+(backends/jax/param_init.py; small blocks and the model's arrays on the host, the same values),
+from `<out>/params.json` (backends/params.py).
+
+Checkpoints: `<out>/checkpoints/rank_<r>/step_<S>.safetensors` and its index `step_<S>.json` at
+the end and every `--checkpoint-every` steps (backends/checkpoint.py), written from a host copy by
+a background thread while the loop goes on (backends/async_checkpoint.py); `--resume` continues
+from the newest step that every rank holds intact (verified against each index's manifest;
+damaged newer steps are reported and passed over), restores train.log, skips the batches
+already seen, and so gives bit-identical losses.
 `--fail-on-nan` (on by default) stops at the first step whose loss is not finite.
 
 Liveness: under the launcher (`PCOMPILE_HEARTBEAT_FD`), a thread sends a heartbeat twice a
@@ -49,6 +55,11 @@ EXIT_NONFINITE = 3  # --fail-on-nan: the loss is not finite
 HEARTBEAT_FD = "PCOMPILE_HEARTBEAT_FD"
 HEARTBEAT_INTERVAL = 0.5  # seconds between heartbeats
 LAUNCHER_GRACE = 60.0  # under the launcher, the rank's own watchdog fires this much later
+PARAM_INIT_ENV = "PCOMPILE_PARAM_INIT"  # where blocks are made: auto (default), device, host
+# auto: a block is made on the device when the host would take longer than compiling the
+# device's maker (~0.1-0.8 s on a CPU, once per distinct init, shape and block)
+DEVICE_MIN_RANDOM = 1 << 18
+DEVICE_MIN_CONSTANT = 1 << 12
 
 
 class RankError(Exception):
@@ -88,6 +99,11 @@ def parse_args(argv: list[str] | None, num_ranks: int) -> argparse.Namespace:
                         help="continue from the newest step that every rank holds intact")
     parser.add_argument("--resume-step", type=int, default=None, metavar="S",
                         help="with --resume: continue from step S (the launcher chose it)")
+    parser.add_argument("--param-init", choices=("auto", "device", "host"), default=None,
+                        help="where each rank makes its parameter and optimizer-state slices: "
+                             "device (jitted generator), host (numpy) or auto (default, or "
+                             f"{PARAM_INIT_ENV}: the device for all but small blocks); the "
+                             "values are the same bit for bit")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds a step (and its collectives) may take (default 300)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
@@ -233,7 +249,10 @@ class Heartbeat:
 
 def _fault_injection(local: list[int]) -> tuple[int | None, str]:
     """Testing aid: PCOMPILE_FAULT_INJECT="RANK:STEP" makes the process running RANK raise at
-    the start of STEP; "RANK:STEP:hang" makes it hang there instead (alive, heartbeat going)."""
+    the start of STEP; "RANK:STEP:hang" makes it hang there instead (alive, heartbeat going);
+    "RANK:STEP:checkpoint-kill" kills it (SIGKILL) in the middle of the background write of
+    the checkpoint of STEP (its tensors written, not yet renamed); "RANK:STEP:checkpoint-enospc"
+    makes that write fail as on a full disk."""
     spec = os.environ.get("PCOMPILE_FAULT_INJECT", "")
     if not spec:
         return None, ""
@@ -452,22 +471,84 @@ class _Runner:
             return True
         return rank // int(self.m.RANKS_PER_STAGE) in stages[name]
 
-    def _initial(self, sources: dict[str, Any], rank: int) -> dict[str, np.ndarray]:
-        """Rank `rank`'s initial values: its block of every stored value, generated on its own
-        (backends/params.py), equal to the single-device initialisation's block (another
-        pipeline stage's values: zeros, never read)."""
-        out = {}
-        for name, _, shape, _ in self.stored:
-            source = sources.get(name)
-            if source is None:
-                raise RankError(f"params.json has no entry for {name}; compile again")
-            if not self._owns(name, rank):
-                out[name] = np.zeros(shape, self.dtypes[name])
-                continue
-            bounds = (self._layout(name).slice_bounds(rank) if source.shape
-                      else ())
-            out[name] = source.block(bounds)
-        return out
+    def _initial_state(self) -> dict[str, Any]:
+        """Every stored value's stacked state, each local rank's block made on its own device
+        (backends/jax/param_init.py) or, for small blocks and user arrays, on the host
+        (backends/params.py); equal, bit for bit, to the single-device initialisation's block
+        (another pipeline stage's values: zeros, never read)."""
+        from concurrent.futures import Future, ThreadPoolExecutor
+
+        import jax
+
+        from pcompile.backends.jax.param_init import device_block, supports
+        from pcompile.backends.params import ParamsError, read_manifest
+
+        try:
+            sources = read_manifest(self.out_dir)
+        except ParamsError as exc:
+            raise RankError(str(exc)) from None
+        where = self.args.param_init or os.environ.get(PARAM_INIT_ENV) or "auto"
+        if where not in ("auto", "device", "host"):
+            raise RankError(f"{PARAM_INIT_ENV}={where!r}: expected auto, device or host")
+        wide_ok = bool(jax.config.read("jax_enable_x64"))
+        start = time.perf_counter()
+        counts = {"device": 0, "host": 0}
+
+        def make(source: Any, bounds: Any, device: Any, on_device: bool) -> Any:
+            block = device_block(source, bounds, device) if on_device else None
+            if block is None:
+                block = jax.device_put(source.block(bounds)[None], device)
+            return block
+
+        # Blocks are made from a few threads: the device generator compiles once per distinct
+        # init, shape and block (XLA compiles in parallel), host blocks use numpy's loops.
+        pieces: dict[str, list[Any]] = {}
+        workers = max(1, min(8, os.cpu_count() or 1))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pcompile-init") as pool:
+            for name, _, shape, _ in self.stored:
+                source = sources.get(name)
+                if source is None:
+                    raise RankError(f"params.json has no entry for {name}; compile again")
+                pieces[name] = []
+                for r in self.local:
+                    device = self.mesh.devices.flat[r]
+                    if not self._owns(name, r):
+                        pieces[name].append(jax.device_put(
+                            np.zeros((1, *shape), self.dtypes[name]), device))
+                        continue
+                    bounds = self._layout(name).slice_bounds(r) if source.shape else ()
+                    size = int(np.prod([hi - lo for lo, hi in bounds], dtype=np.int64))
+                    on_device = (where == "device" or (where == "auto" and size >= (
+                        DEVICE_MIN_CONSTANT if source.init is not None and not source.init.random
+                        else DEVICE_MIN_RANDOM)))
+                    # 8-byte values stay on the host without x64: the device would hold them
+                    # as 4-byte ones, as a device_put of the host's values gives them
+                    on_device = (on_device and supports(source)
+                                 and (source.dtype.itemsize < 8 or wide_ok))
+                    counts["device" if on_device else "host"] += size
+                    pieces[name].append(pool.submit(make, source, bounds, device, on_device))
+        state = {name: self._stack([p.result() if isinstance(p, Future) else p for p in arrays],
+                                   shape)
+                 for (name, _, shape, _), arrays in zip(self.stored, pieces.values())}
+        for array in state.values():
+            array.block_until_ready()
+        seconds = time.perf_counter() - start
+        total = counts["device"] + counts["host"]
+        self._say(f"parameters and optimizer state of rank(s) {self.local[0]}..{self.local[-1]}: "
+                  f"{total / 1e6:.2f} M values in {seconds:.2f} s "
+                  f"({counts['device'] / 1e6:.2f} M made on the device, "
+                  f"{counts['host'] / 1e6:.2f} M on the host)", force=True)
+        return state
+
+    def _stack(self, arrays: list[Any], shape: tuple[int, ...]) -> Any:
+        """The global (N, *shape) array of this process's ranks' (1, *shape) arrays."""
+        import jax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        sharding = NamedSharding(self.mesh, P(tuple(self.mesh.axis_names)))
+        return jax.make_array_from_single_device_arrays((self.mesh.size, *shape), sharding,
+                                                        arrays)
 
     def _layout(self, name: str) -> Any:
         from pcompile.ir.layout import TensorLayout
@@ -536,8 +617,9 @@ class _Runner:
         # compiled by process 0 only, when the processes run the same program on one host
         return SharedStep(jitted, f"{self.m.PLAN_ID}/{'train' if donate else 'infer'}")
 
-    def _load_values(self, resume_step: int | None) -> tuple[dict[int, dict[str, np.ndarray]],
-                                                              dict[str, Any]]:
+    def _load_values(self, resume_step: int) -> tuple[dict[int, dict[str, np.ndarray]],
+                                                      dict[str, Any]]:
+        """This process's ranks' values read from their checkpoints of `resume_step`."""
         from pcompile.backends.checkpoint import (
             CheckpointError,
             checkpoint_path,
@@ -546,18 +628,7 @@ class _Runner:
 
         values: dict[int, dict[str, np.ndarray]] = {}
         meta: dict[str, Any] = {}
-        sources = None
         for r in self.local:
-            if resume_step is None:
-                if sources is None:
-                    from pcompile.backends.params import ParamsError, read_manifest
-
-                    try:
-                        sources = read_manifest(self.out_dir)
-                    except ParamsError as exc:
-                        raise RankError(str(exc)) from None
-                values[r] = self._initial(sources, r)
-                continue
             try:
                 arrays, meta_r = read_checkpoint(checkpoint_path(self.ckpt_dir, r, resume_step),
                                                  r)
@@ -593,48 +664,83 @@ class _Runner:
                             f"{self.ckpt_dir}; start without --resume")
         return point.step
 
-    def _checkpoint(self, step: int, epoch: int, in_epoch: int,
-                    state: dict[str, Any], logs: dict[int, TrainLog]) -> None:
-        from pcompile.backends.checkpoint import write_checkpoint
-        from pcompile.backends.jax.spmd import local_pieces
+    def _checkpoint(self, step: int, epoch: int, in_epoch: int, state: dict[str, Any],
+                    logs: dict[int, TrainLog], final: bool = False) -> None:
+        """Hand this process's ranks' state to the background writer
+        (backends/async_checkpoint.py), after the write in flight is done: host copies (the
+        next step reuses the device buffers), or for the `final` one the buffers themselves."""
+        from pcompile.backends.async_checkpoint import CheckpointWriteError
 
-        pieces = {name: local_pieces(a, self.mesh) for name, a in state.items()}
+        try:
+            self.saver.wait()
+        except CheckpointWriteError as exc:
+            raise RankError(str(exc)) from None
+        start = time.perf_counter()
+        pieces = self.host.take(state, final)
         layouts = {name: {"shape": list(self.m.LAYOUTS[name][0]), "dtype": dt,
                           "dev_matrix": list(self.m.LAYOUTS[name][1]),
                           "tensor_map": [list(e) if isinstance(e, tuple) else e
                                          for e in self.m.LAYOUTS[name][2]]}
                    for name, _, _, dt in self.stored}
+        per_rank = {}
         for r in self.local:
             mine = [name for name in pieces if self._owns(name, r)]
             meta = {"step": step, "epoch": epoch, "step_in_epoch": in_epoch, "rank": r,
                     "num_ranks": int(self.m.NUM_RANKS), "plan_id": self.m.PLAN_ID,
-                    "log": logs[r].lines,
+                    "log": list(logs[r].lines),
                     "layouts": {name: layouts[name] for name in mine}}
-            write_checkpoint(self.ckpt_dir, r, step, {name: pieces[name][r] for name in mine},
-                             meta)
+            per_rank[r] = ({name: pieces[name][r] for name in mine}, meta)
+        self.saver.submit(step, per_rank, time.perf_counter() - start)
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
+        from pcompile.backends.async_checkpoint import AsyncCheckpointWriter, CheckpointWriteError
+
+        if not self.m.TRAINING:
+            return self._infer()
+        fault, mode = _fault_injection(self.local)
+        self.saver = AsyncCheckpointWriter(self.ckpt_dir, lambda line: self._say(line, force=True),
+                                           fault=(fault, mode))
+        try:
+            return self._train()
+        finally:
+            # the exit waits for a write in flight (its failure is reported unless another
+            # error already ends the run)
+            failing = sys.exc_info()[0] is not None
+            try:
+                self.saver.wait()
+            except CheckpointWriteError as exc:
+                if not failing:
+                    raise RankError(str(exc)) from None
+                print(f"{self.m.LABEL}: error: {exc}", file=sys.stderr, flush=True)
+
+    def _train(self) -> int:
+        from pcompile.backends.async_checkpoint import CheckpointWriteError, HostState
         from pcompile.backends.checkpoint import clean_temp_files
         from pcompile.backends.jax.spmd import local_pieces
         from pcompile.compiler.progress import LossMonitor
         from pcompile.compiler.runtime import format_loss_line
 
         m, args = self.m, self.args
-        if not m.TRAINING:
-            return self._infer()
         for r in self.local:  # temporary files of a killed checkpoint write
             clean_temp_files(os.path.join(self.ckpt_dir, f"rank_{r}"))
         resume_step = self._resume_step() if args.resume else None
-        values, meta = self._load_values(resume_step)
+        if resume_step is None:
+            state, meta = self._initial_state(), {}
+        else:
+            values, meta = self._load_values(resume_step)
+            state = {name: self._put(name, {r: values[r][name] for r in self.local}, shape)
+                     for name, _, shape, _ in self.stored}
+        self.saver.intact = resume_step
+        self.host = HostState(self.mesh)
+        if args.checkpoint_every and args.checkpoint_every < args.steps:
+            self.host.prefault(state)
         done = resume_step or 0
         if done > args.steps:
             raise RankError(f"--steps {args.steps} is below the step {done} of the checkpoint "
                             "resumed from; ask for more steps")
         logs = {r: TrainLog(os.path.join(self._rank_dir(r), "train.log"),
                             list(meta.get("log", []))[:done]) for r in self.local}
-        state = {name: self._put(name, {r: values[r][name] for r in self.local}, shape)
-                 for name, _, shape, _ in self.stored}
         fn = self._function(donate=True)
         out_names = list(m.OUTPUTS)
         fault, fault_mode = _fault_injection(self.local)
@@ -673,7 +779,10 @@ class _Runner:
                 continue
             self.watchdog.arm(args.startup_timeout if first else args.timeout,
                               f"step {k + 1}")
-            if fault == k + 1:
+            failed = self.saver.failure()
+            if failed is not None:  # a background checkpoint write failed: stop now
+                raise RankError(str(failed))
+            if fault == k + 1 and not fault_mode.startswith("checkpoint"):
                 while fault_mode == "hang":
                     time.sleep(1)
                 raise RuntimeError(f"PCOMPILE_FAULT_INJECT: failing at step {k + 1}")
@@ -702,9 +811,19 @@ class _Runner:
         flush()
         loop_end = time.perf_counter()
         total = len(logs[self.local[0]].lines)
+        if total > done and not args.no_checkpoint:
+            self.heartbeat.set(phase="checkpoint", done=total)
+            self._checkpoint(total, epoch, in_epoch, state, logs, final=True)
+        waited = time.perf_counter()
+        try:
+            self.saver.wait()  # the exit waits for the last write
+        except CheckpointWriteError as exc:
+            raise RankError(str(exc)) from None
+        waited = time.perf_counter() - waited
         self.heartbeat.set(phase="finish", done=total)
         if total > done and not args.no_checkpoint:
-            self._checkpoint(total, epoch, in_epoch, state, logs)
+            self._say(f"the end of the run waited {waited:.2f} s for its last checkpoint",
+                      force=True)
         elapsed = time.perf_counter() - start
         rate = ""
         if not first and total > after_first[1]:  # the steady rate: without compiling
@@ -719,9 +838,7 @@ class _Runner:
         from pcompile.backends.checkpoint import save_npz
         from pcompile.backends.jax.spmd import local_pieces
 
-        values, _ = self._load_values(None)
-        state = {name: self._put(name, {r: values[r][name] for r in self.local}, shape)
-                 for name, _, shape, _ in self.stored}
+        state = self._initial_state()
         self.watchdog.arm(self.args.startup_timeout, "inference")
         self.heartbeat.set(phase="compute", done=0)
         _, _, arrays = next(iter(self._batches(1)))
