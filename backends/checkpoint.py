@@ -524,6 +524,13 @@ class CheckpointReader:
         if extra:
             raise CheckpointError(f"{path} holds arrays its manifest does not list: "
                                   f"{', '.join(extra)}")
+        for key in ("step", "epoch", "step_in_epoch", "num_ranks"):
+            value = meta.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 0):
+                raise CheckpointError(f"{path}: its metadata's {key} is {value!r}, not a "
+                                      "non-negative integer (damaged, or written by another "
+                                      "tool)")
         return meta
 
     @property

@@ -439,3 +439,20 @@ def test_a_full_disk_in_a_rank_program_is_one_message_and_resume_works(tmp_path)
     assert len(lines) == 1 and lines[0].startswith("checkpoint of step 4 (rank(s) 0..1): ")
     assert "the end of the run waited" in proc.stdout
     assert len((out / "rank_1" / "train.log").read_text().splitlines()) == 4
+
+
+@pytest.mark.parametrize("step", ["four", 4.5, -1, True])
+def test_merge_of_a_checkpoint_whose_step_is_not_an_integer_is_one_message(tmp_path,
+                                                                          step) -> None:
+    """A step in a checkpoint's metadata that is not a non-negative integer (hand-edited, or
+    another tool's) is one message naming the file, not a traceback."""
+    write_steps(tmp_path / "checkpoints", steps=(4,))
+    for rank in (0, 1):
+        index = checkpoint_path(str(tmp_path / "checkpoints"), rank, 4)
+        meta = json.loads(open(index, encoding="utf-8").read())
+        meta["step"] = step
+        with open(index, "w", encoding="utf-8") as f:
+            json.dump(meta, f)
+    proc = merge_cli(tmp_path)
+    assert proc.returncode == 1
+    assert "its metadata's step is" in proc.stderr and "Traceback" not in proc.stderr
