@@ -67,7 +67,7 @@ class _DeviceView:
         self.data = data
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        array = np.asarray(self.data)[0]
+        array = np.asarray(np.asarray(self.data)[0])  # a scalar state's piece is 0-d
         return array if dtype is None else array.astype(dtype, copy=False)
 
 
