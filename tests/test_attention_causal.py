@@ -316,13 +316,8 @@ def test_llama_on_8_devices_runs_fused_and_matches() -> None:
     rank-dependent StridedSlice of the batch and Reshape; the JAX SPMD program (8 virtual CPU
     devices, float64) runs every attention fused and equals the numpy simulator and one
     device within the oracle's bound."""
-    from tests.test_jax_backend import worker
+    from tests.test_jax_backend import assert_agrees_in_float64, worker
 
     result = worker("llama")
     assert result["attention"] > 0 and result["causal"] == result["attention"], result
-    for jax_loss, numpy_loss, single_loss in result["losses"]:
-        assert abs(jax_loss - numpy_loss) <= FLOAT64_RTOL * max(1.0, abs(numpy_loss)), result
-        assert abs(jax_loss - single_loss) <= FLOAT64_RTOL * max(1.0, abs(single_loss)), result
-    for against in ("vs_numpy", "vs_single"):
-        assert result[against]["param"] <= FLOAT64_RTOL, (against, result)
-        assert result[against]["state"] <= FLOAT64_RTOL, (against, result)
+    assert_agrees_in_float64(result, "llama")
