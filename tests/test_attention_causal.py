@@ -147,6 +147,49 @@ def test_a_split_constant_is_recognised_when_its_blocks_stay_whole() -> None:
     assert not is_causal_mask(_sliced(mask, (1, -1, 0, -1)))
 
 
+_CONSTANT_MASK_MODEL = """
+import numpy as np
+from pcompile import Tensor, TensorSpec, nn, ops, set_auto_parallel_context
+
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
+                          dataset_strategy="full_batch")
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.fa = ops.FlashAttentionScore(head_num=8, scale_value=0.35, pre_tokens=65536,
+                                          next_tokens=0, input_layout="BNSD")
+        self.fa.shard(((2, 4, 1, 1), (2, 4, 1, 1), (2, 4, 1, 1), (2, 1, 1, 1)))
+        self.mask = Tensor(np.triu(np.ones((4, 1, 16, 16), np.uint8), 1))
+
+    def construct(self, q, k, v):
+        return self.fa(q, k, v, None, None, None, self.mask, None, None, None)[3]
+
+
+def model():
+    return Net()
+
+
+def inputs():
+    return [TensorSpec((4, 8, 16, 8), "float32")] * 3
+"""
+
+
+def test_a_constant_mask_the_plan_splits_is_recognised(tmp_path: Any) -> None:
+    """A whole-batch constant mask handed to the attention directly: the plan splits it over
+    dp as a RankConstant, which the SPMD program still runs as causal."""
+    from pcompile.backends.jax.plan import SpmdPlan
+
+    path = tmp_path / "fa_constant_mask.py"
+    path.write_text(_CONSTANT_MASK_MODEL)
+    program = compile_model(str(path), devices=8, dump=False)
+    plan = SpmdPlan.build(program.rank_graphs)
+    (node,) = [n for n in plan.nodes if n.op == "FlashAttentionScore"]
+    assert isinstance(node.node.operands[3], RankConstant)
+    assert node.kind == "op" and node.attrs["sparse_mode"] == 2
+
+
 # -- the lowering's attributes ---------------------------------------------------------------
 
 
