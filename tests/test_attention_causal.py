@@ -149,30 +149,23 @@ def test_a_split_constant_is_recognised_when_its_blocks_stay_whole() -> None:
 
 _CONSTANT_MASK_MODEL = """
 import numpy as np
-from pcompile import Tensor, TensorSpec, nn, ops, set_auto_parallel_context
-
-set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
-                          dataset_strategy="full_batch")
+from pcompile import Tensor, TensorSpec, nn, ops
 
 
-class Net(nn.Cell):
+class Attention(nn.Cell):
     def __init__(self):
         super().__init__()
-        self.fa = ops.FlashAttentionScore(head_num=8, scale_value=0.35, pre_tokens=65536,
-                                          next_tokens=0, input_layout="BNSD")
-        self.fa.shard(((2, 4, 1, 1), (2, 4, 1, 1), (2, 4, 1, 1), (2, 1, 1, 1)))
         self.mask = Tensor(np.triu(np.ones((4, 1, 16, 16), np.uint8), 1))
+        self.fa = ops.FlashAttentionScore(head_num=8, pre_tokens=65536, next_tokens=0,
+                                          input_layout="BNSD").shard(
+            ((2, 4, 1, 1), (2, 4, 1, 1), (2, 4, 1, 1), (2, 1, 1, 1)))
 
     def construct(self, q, k, v):
         return self.fa(q, k, v, None, None, None, self.mask, None, None, None)[3]
 
 
-def model():
-    return Net()
-
-
-def inputs():
-    return [TensorSpec((4, 8, 16, 8), "float32")] * 3
+model = Attention
+inputs = lambda: [TensorSpec((4, 8, 16, 8), "float32")] * 3  # noqa: E731
 """
 
 
@@ -183,7 +176,8 @@ def test_a_constant_mask_the_plan_splits_is_recognised(tmp_path: Any) -> None:
 
     path = tmp_path / "fa_constant_mask.py"
     path.write_text(_CONSTANT_MASK_MODEL)
-    program = compile_model(str(path), devices=8, dump=False)
+    program = compile_model(str(path), devices=8, parallel_mode="semi_auto_parallel",
+                            dump=False, overrides={"dataset_strategy": "full_batch"})
     plan = SpmdPlan.build(program.rank_graphs)
     (node,) = [n for n in plan.nodes if n.op == "FlashAttentionScore"]
     assert isinstance(node.node.operands[3], RankConstant)
