@@ -33,7 +33,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 EXAMPLE = os.path.join(ROOT, "examples", "gpt_block.py")
+
+from step_bench import adamw_update, split_adamw_state  # noqa: E402
 
 
 def parse() -> argparse.Namespace:
@@ -69,11 +72,7 @@ def handwritten(values: dict, cfg: argparse.Namespace):
     head_dim = hidden // heads
     mask = jnp.asarray(__import__("numpy").triu(
         __import__("numpy").full((seq, seq), -1e4, "float32"), k=1))
-    names = [k for k in values if not k.startswith(("moment1.", "moment2."))]
-    params = {k: jnp.asarray(values[k]) for k in names}
-    m1 = {k: jnp.asarray(values["moment1." + k]) for k in names}
-    m2 = {k: jnp.asarray(values["moment2." + k]) for k in names}
-    lr, b1, b2, eps, wd = 1e-3, 0.9, 0.999, 1e-6, 0.01
+    params, m1, m2 = (jax.tree.map(jnp.asarray, d) for d in split_adamw_state(values)[1:])
 
     def ln(x, p):
         x = x.astype(jnp.float32)
@@ -114,21 +113,9 @@ def handwritten(values: dict, cfg: argparse.Namespace):
         logp = jax.nn.log_softmax(logits, -1)
         return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], 1))
 
-    def decays(name):
-        return "beta" not in name and "gamma" not in name
-
     def step(p, mom1, mom2, tokens, labels):
         loss, grads = jax.value_and_grad(forward)(p, tokens, labels)
-        new_p, new_1, new_2 = {}, {}, {}
-        for k in p:
-            g = grads[k]
-            new_1[k] = mom1[k] * b1 + g * (1.0 - b1)
-            new_2[k] = mom2[k] * b2 + g * g * (1.0 - b2)
-            upd = new_1[k] / (jnp.sqrt(new_2[k]) + eps)
-            if decays(k):
-                upd = upd + p[k] * wd
-            new_p[k] = p[k] - upd * lr
-        return loss, new_p, new_1, new_2
+        return (loss, *adamw_update(p, mom1, mom2, grads))
 
     return jax.jit(step, donate_argnums=(0, 1, 2)), params, m1, m2
 

@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import sys
-import time
 
 import jax
 
@@ -31,27 +30,12 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from pcompile.backends.jax import lower_graph  # noqa: E402
-from pcompile.backends.jax.plan import layout_axes  # noqa: E402
 from pcompile.backends.jax.spmd import JaxSpmdRunner  # noqa: E402
 from pcompile.compiler.driver import compile as compile_model  # noqa: E402
 from pcompile.compiler.runtime import batches  # noqa: E402
 
-
-def time_steps(steps_fns: dict, arrays: list[np.ndarray], steps: int,
-               rounds: int) -> dict[str, float]:
-    """Median steps per second of each function over `rounds` interleaved rounds of `steps`
-    steps, after two warm-up (compiling) steps (this machine is noisy: interleave, median)."""
-    for step in steps_fns.values():
-        for _ in range(2):
-            step(arrays)
-    rates: dict[str, list[float]] = {name: [] for name in steps_fns}
-    for _ in range(rounds):
-        for name, step in steps_fns.items():
-            start = time.perf_counter()
-            for _ in range(steps):
-                step(arrays)
-            rates[name].append(steps / (time.perf_counter() - start))
-    return {name: float(np.median(r)) for name, r in rates.items()}
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from step_bench import median, plan_sharding, time_steps  # noqa: E402
 
 
 class Baseline:
@@ -60,19 +44,15 @@ class Baseline:
     def __init__(self, program, single, runner: JaxSpmdRunner) -> None:
         graph = single.rank_graphs[0]
         layouts = program.state.assignment.param_layouts
-        spec, mesh = runner.plan.mesh, runner.mesh
 
         def sharding(name: str) -> NamedSharding:
-            layout = layouts.get(name)
-            axes = layout_axes(layout, spec) if layout is not None else None
-            parts = [a if a is None or len(a) > 1 else a[0] for a in axes] if axes else []
-            return NamedSharding(mesh, P(*parts))
+            return plan_sharding(layouts, name, runner)
 
         self.params = graph.params
         self.n_inputs = len(graph.inputs)
         in_shardings = [sharding(p.name) for p in graph.params]
         names = single.output_names
-        out_shardings = [NamedSharding(mesh, P())] + [sharding(n) for n in names[1:]]
+        out_shardings = [NamedSharding(runner.mesh, P())] + [sharding(n) for n in names[1:]]
         fn = lower_graph(graph)
         self.fn = jax.jit(lambda *a: tuple(fn(*a)), in_shardings=tuple(in_shardings),
                           out_shardings=tuple(out_shardings))
@@ -94,8 +74,9 @@ class Baseline:
 def param_bytes(program) -> list[int]:
     """Bytes of parameters and optimizer state held by each rank."""
     stored = [p for p in program.rank_graphs[0].params if p.kind != "input"]
-    return [sum(int(np.asarray(v[p.name]).nbytes) for p in stored)
-            for v in program.state.rank_values]
+    state = program.state
+    return [sum(int(np.asarray(state.rank_values(r)[p.name]).nbytes) for p in stored)
+            for r in range(state.devices)]
 
 
 def measure(model: str, steps: int, rounds: int) -> dict:
@@ -105,8 +86,8 @@ def measure(model: str, steps: int, rounds: int) -> dict:
     _, _, arrays = next(batches(single, 1))
     ours = JaxSpmdRunner(program)
     base = Baseline(program, single, ours)
-    rates = time_steps({"ours": ours.step, "base": base.step}, arrays, steps, rounds)
-    ours_sps, base_sps = rates["ours"], rates["base"]
+    seconds = time_steps({"ours": ours.step, "base": base.step}, [arrays], steps, rounds)
+    ours_sps, base_sps = 1 / median(seconds["ours"]), 1 / median(seconds["base"])
     stored = [p for p in single.rank_graphs[0].params if p.kind != "input"]
     single_bytes = sum(int(np.asarray(single.initial_values[p.name]).nbytes) for p in stored)
     per_rank = param_bytes(program)

@@ -17,6 +17,11 @@ Contracts of the callables (`attrs` is the node's full attribute dict, defaults 
   one Value per element (zeros already filled in for unused elements).
 * Collectives (`collective=True`) have no `numpy`/`jax` callables: backends execute them with
   their own communication runtime, using the node's `group`/`rank_list` attributes.
+* `lowering_attrs(node, attrs) -> attrs`, optional: attributes equivalent to `attrs` (the
+  node's implementation attributes) given what is known of its operands at compile time,
+  for a faster `jax` path (a constant causal mask read as a causal sparse mode). The JAX
+  lowering calls it; the numpy interpreter, the oracle, never does, so the check compares
+  the specialised program with the definition.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ class OpDoc:
             raise ValueError("OpDoc needs a sharding rule, or grad_of for a gradient helper")
 
 VjpFn = Callable[["Builder", "Node", Any], list["Value | None"]]
+LoweringAttrsFn = Callable[["Node", dict[str, Any]], dict[str, Any]]
 
 
 @dataclass
@@ -92,6 +98,7 @@ class OpDef:
     differentiable: bool = True  # False: no gradient flows through (comparisons, int ops)
     collective: bool = False
     sharding: Any = None  # the op's sharding rule (parallel core); None = default rule
+    lowering_attrs: LoweringAttrsFn | None = None  # compile-time specialisation (JAX)
     doc: str = ""
     page: OpDoc | None = None  # its row on docs/ops.md
     module: str = ""  # the module that registered it (filled in by `register`)
@@ -124,6 +131,12 @@ class OpDef:
     def impl_attrs(self, attrs: dict[str, Any]) -> dict[str, Any]:
         """The attributes an implementation receives: the declared ones only."""
         return {k: v for k, v in attrs.items() if k in self.attrs}
+
+    def jax_attrs(self, node: Node) -> dict[str, Any]:
+        """The attributes the `jax` implementation receives for `node`: `impl_attrs`, then
+        `lowering_attrs` where the op has one."""
+        attrs = self.impl_attrs(node.attrs)
+        return attrs if self.lowering_attrs is None else self.lowering_attrs(node, attrs)
 
     def infer_type(self, types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
         """`infer`, memoised: inference is a pure function of the operand types and the

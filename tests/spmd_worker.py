@@ -4,6 +4,7 @@ process may already have initialised JAX with one) and prints one JSON report.
     python -m tests.spmd_worker examples   # every example: JAX SPMD vs numpy vs one device
     python -m tests.spmd_worker synthetic  # fallback groups, attribute variants, rank constants
     python -m tests.spmd_worker adafactor  # nn.AdaFactor's factored states on a (2, 2) split
+    python -m tests.spmd_worker llama      # examples/llama.py, dp 2 x mp 4, fused causal attention
 """
 
 from __future__ import annotations
@@ -215,6 +216,25 @@ def check_adafactor() -> dict[str, Any]:
     return report
 
 
+def check_llama() -> dict[str, Any]:
+    """examples/llama.py on 8 devices (dp 2 x mp 4, flash attention with its constant causal
+    mask): JAX SPMD vs numpy vs one device, and the attention nodes the JAX program runs as
+    sparse_mode 2 (the fused causal kernel) out of all of them."""
+    from pcompile.backends.jax.plan import SpmdPlan
+    from pcompile.compiler.driver import compile as compile_model
+
+    for name in [n for n in os.environ if n.startswith("LLAMA_")]:
+        del os.environ[name]
+    program = compile_model(os.path.join(ROOT, "examples", "llama.py"), devices=8, dump=False)
+    report = compare(program, "semi_auto_parallel")
+    plan = SpmdPlan.build(program.rank_graphs)
+    attention = [n for n in plan.nodes if n.op.startswith("FlashAttentionScore")]
+    report["attention"] = len(attention)
+    report["causal"] = sum(1 for n in attention if n.kind == "op"
+                           and n.attrs["sparse_mode"] == 2)
+    return report
+
+
 def main() -> None:
     what = sys.argv[1]
     if what == "examples":
@@ -223,6 +243,8 @@ def main() -> None:
                   if names is None or e in names}
     elif what == "adafactor":
         report = check_adafactor()
+    elif what == "llama":
+        report = check_llama()
     else:
         report = check_synthetic()
     print("REPORT " + json.dumps(report))

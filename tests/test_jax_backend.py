@@ -57,18 +57,23 @@ def test_spmd_equals_numpy_simulator_and_single_device(case: str, examples_repor
     result = examples_report[case]
     if "skipped" in result:
         pytest.skip(f"{case} does not compile for 8 devices: {result['skipped']}")
-    # Everything runs in float64 (tests/spmd_worker.py): a correct plan and lowering agree
-    # within the oracle's derived float64 bound (compiler/oracle.py), whatever the numpy/jax
-    # build's summation order.
-    bound = FLOAT64_RTOL
     assert "float32" not in result["dtypes"], result["dtypes"]
-    for jax_loss, numpy_loss, single_loss in result["losses"]:
-        assert abs(jax_loss - numpy_loss) <= bound * max(1.0, abs(numpy_loss)), result
-        assert abs(jax_loss - single_loss) <= bound * max(1.0, abs(single_loss)), result
-    for against in ("vs_numpy", "vs_single"):
-        assert result[against]["state"] <= bound, (against, result)
-        assert result[against]["param"] <= bound, (against, result)
+    assert_agrees_in_float64(result, case)
     assert result["mesh"] == [2, 2, 2]
+
+
+def assert_agrees_in_float64(result: dict, what: str) -> None:
+    """A `spmd_worker.compare` report: the JAX SPMD program, the numpy simulator and one device
+    agree on every loss, parameter and state. Everything runs in float64, so a correct plan and
+    lowering agree within the oracle's derived float64 bound (compiler/oracle.py), whatever
+    the numpy/jax build's summation order."""
+    bound = FLOAT64_RTOL
+    for jax_loss, numpy_loss, single_loss in result["losses"]:
+        assert abs(jax_loss - numpy_loss) <= bound * max(1.0, abs(numpy_loss)), (what, result)
+        assert abs(jax_loss - single_loss) <= bound * max(1.0, abs(single_loss)), (what, result)
+    for against in ("vs_numpy", "vs_single"):
+        assert result[against]["state"] <= bound, (what, against, result)
+        assert result[against]["param"] <= bound, (what, against, result)
 
 
 def test_adafactor_spmd_equals_numpy_simulator_and_single_device() -> None:
@@ -76,16 +81,10 @@ def test_adafactor_spmd_equals_numpy_simulator_and_single_device() -> None:
     steps agree with the numpy simulator and one device (float64), with and without the
     parallel optimizer."""
     report = worker("adafactor")
-    bound = FLOAT64_RTOL
     assert set(report) == {"parallel_optimizer=False", "parallel_optimizer=True"}
     for case, result in report.items():
         assert result["optimizer"] == "AdaFactor" and result["fallback"] == 0, case
-        for jax_loss, numpy_loss, single_loss in result["losses"]:
-            assert abs(jax_loss - numpy_loss) <= bound * max(1.0, abs(numpy_loss)), result
-            assert abs(jax_loss - single_loss) <= bound * max(1.0, abs(single_loss)), result
-        for against in ("vs_numpy", "vs_single"):
-            assert result[against]["state"] <= bound, (case, against, result)
-            assert result[against]["param"] <= bound, (case, against, result)
+        assert_agrees_in_float64(result, case)
 
 def test_gpt_block_uses_dynamic_slices_and_mesh_axis_collectives(examples_report) -> None:
     result = examples_report["gpt_block.py:semi_auto_parallel"]

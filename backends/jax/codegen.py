@@ -34,6 +34,7 @@ from pcompile.backends.jax.plan import NodePlan, SpmdLoweringError, SpmdPlan
 from pcompile.ir.core import Constant, Graph, array_digest
 from pcompile.ir.memo import items_key
 from pcompile.ir.rank import resolve_attrs
+from pcompile.ir.registry import get_op
 from pcompile.ir.types import DType
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -152,13 +153,22 @@ class _Writer:
         assert isinstance(value, Constant)
         return self._const(n, i, value)
 
-    def _comment(self, n: NodePlan, view: int = 0) -> str:
+    def _comment(self, n: NodePlan, view: int = 0, indent: str = "    ") -> str:
         """The node's line of the dump, as a comment (the same on every rank; `view`: the
-        rank whose graph is read)."""
+        rank whose graph is read), and the attributes the lowering changed (`lowering_attrs`,
+        e.g. a constant causal mask run as sparse_mode 2)."""
         node = self.plan.graphs[view].nodes[n.index]
         args = ", ".join(self._dump_ref(n, i) for i in range(len(n.operands)))
         name = f" {node.instance_name}" if node.instance_name else ""
-        return _clip(f"# %{n.index} = {node.op}({args}){name} (scope {node.scope})")
+        line = _clip(f"# %{n.index} = {node.op}({args}){name} (scope {node.scope})")
+        if n.kind != "op" or get_op(node.op).lowering_attrs is None:
+            return line
+        dumped = resolve_attrs(get_op(node.op).impl_attrs(node.attrs), 0)
+        changed = [f"{k}={literal(v)}" for k, v in n.attrs.items() if dumped.get(k) != v]
+        if not changed:
+            return line
+        return f"{line}\n{indent}" + _clip(
+            f"#   lowered with {', '.join(changed)}", 96 - len(indent))
 
     def _detail(self, n: NodePlan, rank: int) -> str:
         """`rank`'s values of a node that differs between ranks, as a comment ("" if none)."""

@@ -49,7 +49,7 @@ def lower_graph(graph: Graph, comm: CommFn = single_device_comm,
         opdef = get_op(node.op)
         if not opdef.collective and opdef.jax is None:
             raise NotImplementedError(f"{node.op} has no JAX implementation")
-        attrs = opdef.impl_attrs(node.attrs)
+        attrs = opdef.jax_attrs(node)
         if float64:
             attrs = {k: DType.float64 if isinstance(v, DType) and v.is_float else v
                      for k, v in attrs.items()}

@@ -96,7 +96,7 @@ class _StageWriter(_Writer):
             first = False
             for k in members:
                 n = self.plan.nodes[k]
-                lines.append("        " + self._comment(n, view))
+                lines.append("        " + self._comment(n, view, indent="        "))
                 detail = self._detail(n, view)
                 if detail:
                     lines.append("        " + detail)

@@ -376,7 +376,7 @@ def _groups(nodes: list[Node], n: int) -> list[tuple[int, ...]]:
 
 
 def _impl_attrs(node: Node) -> dict[str, Any]:
-    attrs = get_op(node.op).impl_attrs(node.attrs)
+    attrs = get_op(node.op).jax_attrs(node)
     ignored = IGNORED_RANK_ATTRS.get(node.op, frozenset())
     return {k: v for k, v in attrs.items() if k not in ignored}
 

@@ -27,10 +27,16 @@ user-facing primitive). Attributes and outputs follow MindSpore:
   placeholder of the query dtype, zeros) and attention_out (the query's shape and dtype).
 
 The JAX implementation computes attention_out with `jax.nn.dot_product_attention` (cuDNN's
-fused kernel on GPUs for 16-bit inputs, its XLA path elsewhere; 16-bit inputs on CPU use the
-same computation written out, see `_implementation`); the statistics are computed apart and
-removed by XLA when the program does not read them. Gradients flow through attention_out only:
-reading softmax_max/softmax_sum/softmax_out in a differentiated computation is refused.
+fused kernel on GPUs for 16-bit inputs, its XLA path elsewhere; 16-bit inputs on CPU and float64
+use the same computation written out, see `_implementation`), with `is_causal=True` whenever
+the positions kept are exactly j <= i. That includes mindformers' call, sparse_mode 0 with a
+constant causal attn_mask: `causal_lowering_attrs` recognises the mask from the graph at
+compile time (`ir/ops/causal_mask.py`) and the lowering runs the node as sparse_mode 2, so
+XLA drops the mask. The statistics come from the same computation on the written-out path;
+through jax.nn.dot_product_attention they are computed apart, and XLA removes them when the
+program does not read them (FlashAttentionScoreGrad's JAX form does not). Gradients flow
+through attention_out only: reading softmax_max/softmax_sum/softmax_out in a differentiated
+computation is refused.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import PcompileError, ShapeError
 from pcompile.ir.ops._jax import jax, jnp
 from pcompile.ir.ops._util import is_zero, same_dtype, tensor, tuple_type
+from pcompile.ir.ops.causal_mask import is_causal_mask
 from pcompile.ir.rank import RankScalar, RankValue
 from pcompile.ir.registry import FLOATS, OpDef, OpDoc, register
 from pcompile.ir.types import DType, TensorType, TupleType, ValueType
@@ -261,6 +268,34 @@ def keep_mask(xp: Any, mask: Any, attrs: dict[str, Any], dims: AttentionDims) ->
     return out
 
 
+def causal_lowering_attrs(node: Node, attrs: dict[str, Any]) -> dict[str, Any]:
+    """`lowering_attrs` of FlashAttentionScore(Grad): when the attn_mask operand is a
+    constant causal mask (`ir/ops/causal_mask.py`: 1 exactly where j > i in every block) and
+    the mode keeps exactly j <= i with it (mode 1; mode 0 when its window
+    -pre_tokens <= j - i <= next_tokens keeps all of j <= i: next_tokens >= 0 and pre_tokens
+    >= S1 - 1), the same attention as sparse_mode 2 (leftUpCausal, whose mask operand is not
+    read): the JAX implementation then runs the fused causal kernel
+    (`jax.nn.dot_product_attention(is_causal=True)`) and XLA drops the mask's computation.
+    Anything else (no mask, another mask, rank-dependent windows as a query split makes them)
+    keeps `attrs`."""
+    # (operands with a mask, the mask's position): (q, k, v, mask) and (q, k, v, dy, mask, ...)
+    with_mask, at = (4, 3) if node.op == "FlashAttentionScore" else (8, 4)
+    if len(node.operands) != with_mask:
+        return attrs
+    mode, pre, nxt = attrs["sparse_mode"], attrs["pre_tokens"], attrs["next_tokens"]
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (mode, pre, nxt)):
+        return attrs  # a rank-dependent window (a query split): per rank, not causal
+    if mode not in (0, 1):
+        return attrs  # modes 2-4 do not read the mask; attention_out_jax sees their causality
+    q_seq = attention_dims(tuple(node.operands[0].shape), tuple(node.operands[1].shape),
+                           attrs["head_num"], attrs["input_layout"]).q_seq
+    if mode == 0 and not (nxt >= 0 and pre >= q_seq - 1):
+        return attrs
+    if not is_causal_mask(node.operands[at]):
+        return attrs
+    return {**attrs, "sparse_mode": 2, "pre_tokens": INT_MAX, "next_tokens": INT_MAX}
+
+
 def query_split_window(attrs: dict[str, Any], q_seq: int, kv_seq: int, split_id: int,
                        split_num: int) -> dict[str, int]:
     """sparse_mode, pre_tokens and next_tokens for the `split_id`-th of `split_num` equal
@@ -392,11 +427,15 @@ def _implementation(dtype: Any, dims: AttentionDims, explicit_mask: bool
                     ) -> Literal["xla", "cudnn"] | None:
     """cuDNN's fused kernel where it applies (GPU, 16-bit inputs, head size a multiple of 8
     up to 128, no mask other than causal); jax.nn.dot_product_attention's XLA path elsewhere,
-    except 16-bit inputs on CPU, whose backward that path cannot lower (it asks dot_general
-    for an F16_F16_F32 / BF16_BF16_F32 precision CPUs lack): None, the same computation
-    written here."""
+    except where that path is not the op: 16-bit inputs on CPU, whose backward it cannot
+    lower (it asks dot_general for an F16_F16_F32 / BF16_BF16_F32 precision CPUs lack), and
+    float64 (the oracle's evaluation), whose softmax it rounds to float32. None: the same
+    computation written here (`_attention_xla`)."""
     backend = jax.default_backend()
-    half = np.dtype(dtype).itemsize == 2
+    size = np.dtype(dtype).itemsize
+    if size > 4:
+        return None
+    half = size == 2
     # PCOMPILE_ATTENTION=xla keeps GPUs off cuDNN (a way out should its kernel reject a
     # configuration at compile time).
     if (backend == "gpu" and half and dims.head_dim % 8 == 0 and dims.head_dim <= 128
@@ -405,72 +444,86 @@ def _implementation(dtype: Any, dims: AttentionDims, explicit_mask: bool
     return None if half and backend == "cpu" else "xla"
 
 
-def _attention_xla(q: Any, k: Any, v: Any, mask: Any, scale: float, causal: bool) -> Any:
+def _attention_xla(q: Any, k: Any, v: Any, mask: Any, scale: float, causal: bool
+                   ) -> tuple[Any, Any, Any]:
     """jax.nn.dot_product_attention's XLA computation (BTNH operands) without an explicit
-    dot precision: float32 scores, masks, float32 softmax, probabilities in v's dtype."""
+    dot precision: float32 scores (float64 in float64), masks, softmax in that type,
+    probabilities in v's dtype. Returns (out BTNH, row max, row sum), the statistics
+    (B, N, T, 1) from the same scores."""
     b, t, n, h = q.shape
-    kv_heads = k.shape[2]
+    kv_heads, s = k.shape[2], k.shape[1]
+    wide = jnp.promote_types(q.dtype, jnp.float32)
     qg = jnp.reshape(q, (b, t, kv_heads, n // kv_heads, h))
-    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
-    logits = logits * jnp.float32(scale)
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=wide)
+    logits = logits * jnp.asarray(scale, wide)
     keep = None if mask is None else jnp.reshape(
-        jnp.broadcast_to(mask, (b, n, t, k.shape[1])), (b, kv_heads, n // kv_heads, t, -1))
+        jnp.broadcast_to(mask, (b, n, t, s)), (b, kv_heads, n // kv_heads, t, s))
     if causal:
-        tril = jnp.tril(jnp.ones((t, k.shape[1]), bool))
+        tril = jnp.tril(jnp.ones((t, s), bool))
         keep = tril if keep is None else jnp.logical_and(keep, tril)
     if keep is not None:
         logits = jnp.where(keep, logits, MASKED)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
-    return jnp.reshape(out, (b, t, n, h))
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    unnormalised = jnp.exp(logits - jax.lax.stop_gradient(row_max))
+    row_sum = jnp.sum(unnormalised, axis=-1, keepdims=True)
+    probs = (unnormalised / row_sum).astype(v.dtype)
+    out = jnp.reshape(jnp.einsum("BKGTS,BSKH->BTKGH", probs, v), (b, t, n, h))
+    return out, jnp.reshape(row_max, (b, n, t, 1)), jnp.reshape(row_sum, (b, n, t, 1))
+
+
+def _masking(mask: Any, attrs: dict[str, Any], dims: AttentionDims) -> tuple[bool, Any]:
+    """(causal, keep): whether the positions kept are exactly j <= i (the fused kernel's
+    `is_causal`), else the boolean keep mask (None: keep everything)."""
+    mode = attrs["sparse_mode"]
+    if mode == 2:  # leftUpCausal (also a constant causal mask, `causal_lowering_attrs`)
+        return True, None
+    keep = position_keep(mode, attrs["pre_tokens"], attrs["next_tokens"], dims.q_seq,
+                         dims.kv_seq, mask is not None)
+    uses_mask = mask is not None and mode in (0, 1)
+    causal = keep is not None and np.array_equal(keep, np.tril(np.ones_like(keep)))
+    if uses_mask or (keep is not None and not causal):
+        return False, keep_mask(jnp, mask, attrs, dims)
+    return causal, None
+
+
+def _attention(q: Any, k: Any, v: Any, mask: Any, attrs: dict[str, Any], dims: AttentionDims,
+               statistics: bool) -> tuple[Any, Any, Any]:
+    """(attention_out in the op's layout, row max, row sum (B, N1, S1, 1)). On the written-out
+    path one computation gives all three; through jax.nn.dot_product_attention the
+    statistics (when asked for) are computed apart, and XLA removes them when nothing reads
+    them (a training step reads them only in FlashAttentionScoreGrad, whose JAX form does
+    not)."""
+    def btnh(x: Any, heads: int) -> Any:
+        return jnp.transpose(to_bnsd(jnp, x, dims.layout, heads), (0, 2, 1, 3))
+
+    operands = (btnh(q, dims.q_heads), btnh(k, dims.kv_heads), btnh(v, dims.kv_heads))
+    causal, keep = _masking(mask, attrs, dims)
+    scale = float(attrs["scale_value"])
+    impl = _implementation(q.dtype, dims, keep is not None)
+    if impl is None:
+        out, row_max, row_sum = _attention_xla(*operands, keep, scale, causal)
+    else:
+        out = jax.nn.dot_product_attention(*operands, mask=keep, scale=scale,
+                                           is_causal=causal, implementation=impl)
+        row_max = row_sum = None
+        if statistics:
+            _, row_max, row_sum = _attention_xla(*operands, keep, scale, causal)
+    return from_bnsd(jnp, jnp.transpose(out, (0, 2, 1, 3)), dims.layout), row_max, row_sum
 
 
 def attention_out_jax(q: Any, k: Any, v: Any, mask: Any, attrs: dict[str, Any],
                       dims: AttentionDims) -> Any:
-    """attention_out through jax.nn.dot_product_attention (BTNH)."""
-    def btnh(x: Any, heads: int) -> Any:
-        return jnp.transpose(to_bnsd(jnp, x, dims.layout, heads), (0, 2, 1, 3))
-
-    mode = attrs["sparse_mode"]
-    keep = position_keep(mode, attrs["pre_tokens"], attrs["next_tokens"], dims.q_seq,
-                         dims.kv_seq, mask is not None)
-    causal = keep is not None and np.array_equal(keep, np.tril(np.ones_like(keep)))
-    uses_mask = mask is not None and mode in (0, 1)
-    combined = None
-    if uses_mask or (keep is not None and not causal):
-        combined = keep_mask(jnp, mask, attrs, dims)
-        causal = False
-    operands = (btnh(q, dims.q_heads), btnh(k, dims.kv_heads), btnh(v, dims.kv_heads))
-    scale = float(attrs["scale_value"])
-    impl = _implementation(q.dtype, dims, combined is not None)
-    if impl is None:
-        out = _attention_xla(*operands, combined, scale, bool(causal))
-    else:
-        out = jax.nn.dot_product_attention(*operands, mask=combined, scale=scale,
-                                           is_causal=bool(causal), implementation=impl)
-    return from_bnsd(jnp, jnp.transpose(out, (0, 2, 1, 3)), dims.layout)
-
-
-def _statistics_jax(q: Any, k: Any, mask: Any, attrs: dict[str, Any], dims: AttentionDims
-                    ) -> tuple[Any, Any]:
-    qb = to_bnsd(jnp, q, dims.layout, dims.q_heads).astype(jnp.float32)
-    kb = jnp.repeat(to_bnsd(jnp, k, dims.layout, dims.kv_heads).astype(jnp.float32),
-                    dims.group, axis=1)
-    scores = float(attrs["scale_value"]) * jnp.einsum("bnsd,bntd->bnst", qb, kb)
-    keep = keep_mask(jnp, mask, attrs, dims)
-    if keep is not None:
-        scores = jnp.where(keep, scores, MASKED)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    row_sum = jnp.sum(jnp.exp(scores - row_max), axis=-1, keepdims=True)
-    shape = row_max.shape[:3] + (SOFTMAX_LAST_DIM,)
-    return jnp.broadcast_to(row_max, shape), jnp.broadcast_to(row_sum, shape)
+    """attention_out through jax.nn.dot_product_attention (or its computation written out,
+    see `_implementation`)."""
+    return _attention(q, k, v, mask, attrs, dims, statistics=False)[0]
 
 
 def _fa_jax(*arrays: Any, **attrs: Any) -> tuple[Any, ...]:
     q, k, v, mask, dims = _operands(arrays, attrs)
-    row_max, row_sum = _statistics_jax(q, k, mask, attrs, dims)
-    out = attention_out_jax(q, k, v, mask, attrs, dims)
-    return row_max, row_sum, jnp.zeros((1,), q.dtype), out
+    out, row_max, row_sum = _attention(q, k, v, mask, attrs, dims, statistics=True)
+    shape = (dims.batch, dims.q_heads, dims.q_seq, SOFTMAX_LAST_DIM)
+    return (jnp.broadcast_to(row_max, shape), jnp.broadcast_to(row_sum, shape),
+            jnp.zeros((1,), q.dtype), out)
 
 
 # -- vjp -----------------------------------------------------------------------------------------
@@ -542,10 +595,22 @@ attention = Attention()
   does); the probabilities are rounded to the value dtype before the product with value.
 * **Backends.** numpy computes the definition; JAX calls `jax.nn.dot_product_attention`:
   cuDNN's fused kernel on GPUs for 16-bit inputs with head size a multiple of 8 up to 128 and
-  no mask other than causal, its XLA path otherwise (16-bit inputs on CPU use the same
-  computation written out: that path's backward needs a dot precision CPUs lack);
-  `PCOMPILE_ATTENTION=xla` keeps GPUs on the XLA path. The statistics are computed apart; XLA
-  removes them when nothing reads them.
+  no mask other than causal, its XLA path otherwise (16-bit inputs on CPU and float64 use the
+  same computation written out: that path's backward needs a dot precision CPUs lack, and it
+  rounds the softmax of float64 inputs to float32); `PCOMPILE_ATTENTION=xla` keeps GPUs on the
+  XLA path. The statistics come from the same computation on the written-out path; next to
+  `jax.nn.dot_product_attention` they are computed apart, and XLA removes them when nothing
+  reads them.
+* **Causal masks known at compile time.** An attn_mask that the graph shows to be
+  MindSpore's causal mask (1 exactly where j > i in every `(S1, S2)` block: a constant, or a
+  constant through Tile, Cast, Reshape, ExpandDims, Squeeze, BroadcastTo, a StridedSlice of
+  the leading dims, or split by the plan over its leading dims), under sparse_mode 1, or 0
+  with `next_tokens >= 0` and `pre_tokens >= S1 - 1` (mindformers' 65536 and 0), is causal
+  attention: the JAX program runs the node and its grad as sparse_mode 2, i.e.
+  `is_causal=True` (cuDNN's causal kernel on GPUs), and never reads the mask
+  (`ir/ops/causal_mask.py`; `program.py` notes it under the node). Other masks (a sliding
+  window, padding, a mask computed from inputs, the row slice of a query split) keep the
+  general path. numpy, the check's reference, always computes the definition.
 * **Gradients** flow through attention_out only. The vjp emits `FlashAttentionScoreGrad`
   (query, key, value, dy, [attn_mask], softmax_max, softmax_sum, attention_in) -> (dq, dk, dv)
   (MindSpore's operand order without the inputs pcompile does not take); its numpy form
@@ -573,6 +638,7 @@ register(
         numpy=_fa_np,
         jax=_fa_jax,
         vjp=_fa_vjp,
+        lowering_attrs=causal_lowering_attrs,
         attrs=dict(DEFAULTS),
         num_inputs=(3, 4),
         doc=(
@@ -591,6 +657,8 @@ register(
                 "test_ops_attention.py::test_flash_attention_float32",
                 "test_ops_attention.py::test_flash_attention_16_bit",
                 "test_ops_attention.py::test_llama_call_causal_gqa",
+                "test_attention_causal.py::test_fused_lowering_equals_the_general_path",
+                "test_attention_causal.py::test_fused_lowering_in_float64_is_the_definition",
                 "test_parallel_ops.py::test_flash_attention_rule_matches_the_oracle",
                 "test_parallel_ops.py::test_flash_attention_query_split_matches_the_oracle",
                 "test_mindformers_ops.py::test_flash_attention_as_mindformers_calls_it_trains_lik"
@@ -662,6 +730,7 @@ register(
         _grad_infer,
         numpy=_grad_np,
         jax=_grad_jax,
+        lowering_attrs=causal_lowering_attrs,
         attrs=dict(DEFAULTS),
         num_inputs=(7, 8),
         differentiable=False,
@@ -680,6 +749,7 @@ register(
             tests=(
                 "test_ops_attention.py::test_flash_attention_float32",
                 "test_ops_attention.py::test_flash_attention_16_bit",
+                "test_attention_causal.py::test_fused_lowering_equals_the_general_path",
             ),
         ),
     )
