@@ -358,3 +358,13 @@ def test_llama_on_8_devices_runs_fused_and_matches() -> None:
     result = worker("llama")
     assert result["attention"] > 0 and result["causal"] == result["attention"], result
     assert_agrees_in_float64(result, "llama")
+
+
+@pytest.mark.parametrize("flip", [None, (0, 1), (1500, 1499), (2047, 2046)])
+def test_a_long_mask_is_checked_band_by_band(flip: tuple[int, int] | None) -> None:
+    """A 2048 x 2048 mask is checked in bands of 512 rows (no whole-block temporaries at
+    compile time): causal as written, and refused when one element of any band is wrong."""
+    mask = np.triu(np.ones((1, 1, 2048, 2048), np.uint8), 1)
+    if flip is not None:
+        mask[(0, 0) + flip] ^= 1
+    assert is_causal_mask(Constant(mask)) is (flip is None)
