@@ -367,4 +367,4 @@ def test_a_long_mask_is_checked_band_by_band(flip: tuple[int, int] | None) -> No
     mask = np.triu(np.ones((1, 1, 2048, 2048), np.uint8), 1)
     if flip is not None:
         mask[(0, 0) + flip] ^= 1
-    assert is_causal_mask(Constant(mask)) is (flip is None)
+    assert is_causal_mask(Constant(mask, DType.uint8)) is (flip is None)
