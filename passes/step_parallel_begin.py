@@ -385,18 +385,28 @@ def _followers(graph: Graph, searched: dict[int, Any] | None) -> set[int]:
 def _follow_consumer(node: Node, result: ParallelAssignment, devices: int) -> OpSharding:
     """`node` laid out as its first consumer with a strategy wants its output (replicated
     when none has one): the same layout in and out, so no redistribution sits between."""
-    ctx = OpContext(node.op, _tensor_inputs(node), node.result.type, node.attrs, devices)
-    rule = rule_for(node.op)
-    assert rule is not None
     for user, index in node.result.uses:
         sharding = result.sharding(user)
         if sharding is not None and index < len(sharding.in_layouts):
-            wanted = sharding.in_layouts[index]
-            try:
-                return layout_sharding(ctx, rule.labels(ctx), [wanted], None)
-            except StrategyError:
-                break
+            laid = _in_layout(node, sharding.in_layouts[index], devices)
+            if laid is not None:
+                return laid
+            break
+    ctx = OpContext(node.op, _tensor_inputs(node), node.result.type, node.attrs, devices)
+    rule = rule_for(node.op)
+    assert rule is not None
     return rule.apply(ctx, tuple(tuple(1 for _ in t.shape) for t in ctx.in_types), None)
+
+
+def _in_layout(node: Node, layout: TensorLayout, devices: int) -> OpSharding | None:
+    """A one-operand op laid out as `layout` in and out (None where its rule refuses it)."""
+    ctx = OpContext(node.op, _tensor_inputs(node), node.result.type, node.attrs, devices)
+    rule = rule_for(node.op)
+    assert rule is not None
+    try:
+        return layout_sharding(ctx, rule.labels(ctx), [layout], None)
+    except StrategyError:
+        return None
 
 
 #: Strategy-less ops that are not planned: MindSpore gives a Cast without a strategy no
@@ -485,16 +495,8 @@ def _assign_layout_flow(graph: Graph, result: ParallelAssignment,
             result.reshape_layouts[id(node)] = wanted
         elif id(node) in transparent:
             source = value_layout(node.operands[0], result)
-            sharding = None
-            if source is not None:
-                ctx = OpContext(node.op, _tensor_inputs(node), node.result.type, node.attrs,
-                                result.devices)
-                rule = rule_for(node.op)
-                assert rule is not None
-                try:
-                    sharding = layout_sharding(ctx, rule.labels(ctx), [source], None)
-                except StrategyError:
-                    sharding = None
+            sharding = (_in_layout(node, source, result.devices) if source is not None
+                        else None)
             if sharding is None:
                 sharding = shard_node(node, result.devices,
                                       default_strategy(node, result.devices), None)

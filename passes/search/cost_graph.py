@@ -45,7 +45,11 @@ from pcompile.passes.search.cost_model import (
     op_cost,
     redistribution_cost,
 )
-from pcompile.passes.step_parallel_begin import dataset_layouts, shard_node
+from pcompile.passes.step_parallel_begin import (
+    dataset_layouts,
+    is_transparent_cast,
+    shard_node,
+)
 
 DATASET_TOPO = 1 << 62
 
@@ -57,13 +61,12 @@ def _looked_through(node: Node) -> bool:
     theirs (the weight is stored as its real user wants it, as MindSpore's propagation of a
     configured strategy gives it); otherwise it is searched like any op (MindSpore's
     test_auto_parallel_parameter_cast)."""
+    if is_transparent_cast(node):
+        return True
     if node.op != "Cast" or len(node.operands) != 1 or node.attrs.get("in_strategy") is not None:
         return False
-    source = node.operands[0]
-    if isinstance(source, GraphParam) and source.kind != "input":
-        return bool(node.result.uses) and all(
-            user.attrs.get("in_strategy") is not None for user, _ in node.result.uses)
-    return True
+    return bool(node.result.uses) and all(  # a weight's Cast
+        user.attrs.get("in_strategy") is not None for user, _ in node.result.uses)
 
 
 @dataclass
