@@ -17,7 +17,8 @@ process its ranks' GPUs (backends/placement.py: `CUDA_VISIBLE_DEVICES`,
   not inside a step's collectives);
 * a process that fails: the launcher names the one that failed first (a process that had
   stopped beating, else one killed by a signal, else the earliest failure a process reported
-  before exiting), not the others' follow-on errors;
+  before exiting), not the others' follow-on errors (a process that `jax.distributed` aborted
+  because another one left counts last);
 * either way it stops the others (SIGTERM and SIGCONT to each rank's process group, SIGKILL
   after `stop_grace` seconds) and returns non-zero with a message naming the rank, what
   happened and the tail of its log (`<out>/rank_<r>/run.log`, stdout and stderr; each run
@@ -477,6 +478,20 @@ def _silence(proc: _Proc) -> str:
     return f"no heartbeat {since}: the process is stopped or frozen, {_where(proc)}"
 
 
+FOLLOW_ON_GRACE = 3.0  # seconds to wait for the process a follow-on abort points at
+# What jax.distributed's agent prints when it aborts a process because another task died.
+_FOLLOW_ON = ("jax distributed service detected fatal errors",
+              "another task died")
+
+
+def _follows_another(proc: _Proc) -> bool:
+    """Killed by SIGABRT from jax.distributed after another process left: a follow-on."""
+    if proc.code != -signal.SIGABRT:
+        return False
+    text = tail(proc.log, 60).lower()
+    return any(marker in text for marker in _FOLLOW_ON)
+
+
 def _first_failure(ranks: list[_Proc]) -> _Proc | None:
     """The process whose failure came first, once any process has failed: a process that had
     already stopped beating (the others' errors follow from it), else one killed by a signal,
@@ -488,9 +503,20 @@ def _first_failure(ranks: list[_Proc]) -> _Proc | None:
     silent = [r for r in ranks if r.code is None and _quiet_for(r, now) > SILENT]
     if silent:
         return max(silent, key=lambda r: _quiet_for(r, now))
-    signalled = [r for r in bad if r.code is not None and r.code < 0]
+    # A process that jax.distributed aborted because another one left (the coordination service
+    # closed) failed second, whatever its signal says: the one that left is looked for first,
+    # for FOLLOW_ON_GRACE seconds, since it may be seen exiting after its follower.
+    follow = [r for r in bad if _follows_another(r)]
+    own = [r for r in bad if r not in follow]
+    if not own:
+        first = min(follow, key=lambda r: (r.exited_at or 0.0, r.rank))
+        if time.time() - (first.exited_at or 0.0) < FOLLOW_ON_GRACE:
+            return None
+        return first
+    signalled = [r for r in own if r.code is not None and r.code < 0]
     if signalled:
         return min(signalled, key=lambda r: (r.exited_at or 0.0, r.rank))
+    bad = own
     return min(bad, key=lambda r: (r.failed_at if r.failed_at is not None
                                    else r.exited_at or 0.0, r.rank))
 

@@ -171,3 +171,43 @@ def test_the_rank_that_failed_first_is_named_not_a_follow_on_error(model8, tmp_p
     assert proc.returncode == 1, output
     assert "rank 6 failed first (exit status 1)" in output, output
     assert "PCOMPILE_FAULT_INJECT: failing at step 3" in output
+
+
+def _proc(tmp_path, process: int, code: int | None, log: str, exited_ago: float = 0.0,
+          failed_ago: float | None = None):
+    from pcompile.backends.launcher import _Proc
+
+    path = tmp_path / f"run_{process}.log"
+    path.write_text(log)
+    now = time.time()
+    proc = _Proc(process, [process], None, str(path), -1, time.monotonic(), time.monotonic(),
+                 last_beat=time.monotonic(), code=code)
+    proc.exited_at = None if code is None else now - exited_ago
+    proc.failed_at = None if failed_ago is None else now - failed_ago
+    return proc
+
+
+ABORTED = ("F1128 client.h:80] Terminating process because the JAX distributed service detected "
+           "fatal errors. This most likely indicates that another task died\n")
+
+
+def test_a_process_aborted_by_jax_distributed_after_another_left_is_not_named_first(
+        tmp_path) -> None:
+    from pcompile.backends.launcher import FOLLOW_ON_GRACE, _first_failure
+
+    nan = "rank 0: error: the loss is nan at step 5\n"
+    # Rank 3 aborted (SIGABRT) after rank 0 left with its own error: rank 0 is named.
+    ranks = [_proc(tmp_path, 0, 3, nan, 0.2, 0.3), _proc(tmp_path, 1, None, ""),
+             _proc(tmp_path, 3, -signal.SIGABRT, ABORTED, 0.1)]
+    assert _first_failure(ranks) is ranks[0]
+    # Only the follow-on has been seen so far: wait for the one it points at...
+    ranks = [_proc(tmp_path, 0, None, ""), _proc(tmp_path, 3, -signal.SIGABRT, ABORTED, 0.1)]
+    assert _first_failure(ranks) is None
+    # ... but not for ever.
+    ranks = [_proc(tmp_path, 0, None, ""),
+             _proc(tmp_path, 3, -signal.SIGABRT, ABORTED, FOLLOW_ON_GRACE + 1)]
+    assert _first_failure(ranks) is ranks[1]
+    # A SIGABRT of its own (no follow-on message) still counts as a signal death, first.
+    ranks = [_proc(tmp_path, 0, 3, nan, 0.2, 0.3),
+             _proc(tmp_path, 3, -signal.SIGABRT, "double free or corruption\n", 0.1)]
+    assert _first_failure(ranks) is ranks[1]
