@@ -61,31 +61,33 @@ def background_priority() -> None:
 
 
 class _DeviceView:
-    """One rank's piece of a stacked state array, read (D2H on a GPU) by the writer thread."""
+    """One rank's piece of a state array (its block), read (D2H on a GPU) by the writer thread."""
 
-    def __init__(self, data: Any) -> None:
+    def __init__(self, data: Any, shape: tuple[int, ...]) -> None:
         self.data = data
+        self.shape = shape
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        array = np.asarray(np.asarray(self.data)[0])  # a scalar state's piece is 0-d
+        array = np.asarray(self.data).reshape(self.shape)  # a scalar's block has 1 element
         return array if dtype is None else array.astype(dtype, copy=False)
 
 
 class HostState:
-    """Host copies of this process's ranks' pieces of the stacked state arrays, for the writer.
+    """Host copies of this process's ranks' pieces of the state arrays, for the writer.
     At most one checkpoint is pending, so one set of host buffers serves them all."""
 
-    def __init__(self, mesh: Any) -> None:
+    def __init__(self, mesh: Any, shapes: Mapping[str, tuple[int, ...]]) -> None:
         from pcompile.backends.jax.spmd import rank_of_devices
 
         self.ranks = rank_of_devices(mesh)
+        self.shapes = {name: tuple(shape) for name, shape in shapes.items()}
         self._buffers: dict[tuple[str, int], np.ndarray] = {}
         self._prefault: threading.Thread | None = None
 
     def prefault(self, state: Mapping[str, Any]) -> None:
         """Allocate and touch the host buffers of CPU-device pieces in a background thread
         (periodic checkpoints will need them; the first one then copies at memory speed)."""
-        wanted = [((name, self.ranks[s.device]), s.data.shape[1:], s.data.dtype)
+        wanted = [((name, self.ranks[s.device]), self.shapes[name], s.data.dtype)
                   for name, array in state.items() for s in array.addressable_shards
                   if s.device.platform == "cpu"]
 
@@ -106,7 +108,7 @@ class HostState:
             self._prefault.join()
             self._prefault = None
         if final:
-            return {name: {self.ranks[s.device]: _DeviceView(s.data)
+            return {name: {self.ranks[s.device]: _DeviceView(s.data, self.shapes[name])
                            for s in array.addressable_shards} for name, array in state.items()}
         for array in state.values():  # start every transfer, then collect
             try:
@@ -118,7 +120,7 @@ class HostState:
             out[name] = {}
             for s in array.addressable_shards:
                 rank = self.ranks[s.device]
-                piece = np.asarray(s.data)[0]
+                piece = np.asarray(s.data).reshape(self.shapes[name])
                 if s.device.platform == "cpu":  # may share the device buffer: copy it
                     buffer = self._buffers.get((name, rank))
                     if buffer is None or buffer.shape != piece.shape or \

@@ -121,14 +121,14 @@ def hlo_collectives(program: CompiledProgram) -> dict[str, dict[str, int]]:
     from jax.sharding import PartitionSpec as P
 
     from pcompile.backends.jax.plan import SpmdPlan
-    from pcompile.backends.jax.spmd import lower_spmd, make_mesh, spmd_function
+    from pcompile.backends.jax.spmd import blocked_shape, lower_spmd, make_mesh, spmd_function
 
     plan = SpmdPlan.build(program.rank_graphs)
     mesh = make_mesh(plan.mesh)
     sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-    args = [jax.ShapeDtypeStruct((plan.num_ranks, *p.shape), p.dtype.np, sharding=sharding)
-            for p in plan.params]
-    lowered = spmd_function(lower_spmd(plan), mesh).lower(*args)
+    args = [jax.ShapeDtypeStruct(blocked_shape(plan.num_ranks, p.shape), p.dtype.np,
+                                 sharding=sharding) for p in plan.params]
+    lowered = spmd_function(lower_spmd(plan), mesh, [p.shape for p in plan.params]).lower(*args)
     stablehlo, compiled = lowered.as_text(), lowered.compile().as_text()
     return {
         "stablehlo": {k: len(re.findall(rf"stablehlo\.{k.replace('-', '_')}\b", stablehlo))

@@ -104,12 +104,27 @@ def compare(program: Any, used: str) -> dict[str, Any]:
     for n in jr.plan.nodes:
         kinds[n.kind] = kinds.get(n.kind, 0) + 1
     dtypes = sorted({str(v.dtype) for v in jr.values[0].values()})
-    return {"mode": used, "losses": losses, "dtypes": dtypes, "vs_numpy": vs_numpy,
-            "vs_single": vs_one,
+    return {"mode": used, "fusion": fused_lowering(program, jr, arrays), "losses": losses,
+            "dtypes": dtypes, "vs_numpy": vs_numpy, "vs_single": vs_one,
             "kinds": kinds, "mesh": list(jr.plan.mesh.sizes),
             "fallback": sum(1 for n in jr.plan.nodes if n.kind == "collective"
                             and n.collective.axes is None),
             "optimizer": type(program.state.optimizer).__name__}
+
+
+def fused_lowering(program: Any, jr: Any, arrays: list[np.ndarray]) -> dict[str, Any]:
+    """Communication fusion's buckets (Concat -> AllReduce in rank 0's graph) and what the
+    lowered training step holds: concatenations and the all-reduces' operand counts."""
+    import re
+
+    graph = program.rank_graphs[0]
+    buckets = [n for n in graph.nodes if n.op == "AllReduce"
+               and getattr(getattr(n.operands[0], "node", None), "op", None) == "Concat"]
+    text = jr.lower(arrays).as_text()
+    operands = [len(re.findall(r"%[\w#.]+", m.group(1)))
+                for m in re.finditer(r'"stablehlo.all_reduce"\(([^)]*)\)', text)]
+    return {"buckets": len(buckets), "concatenate": text.count("stablehlo.concatenate"),
+            "all_reduce_operands": operands}
 
 
 # -- synthetic rank graphs ----------------------------------------------------------------------
@@ -155,7 +170,7 @@ def check_synthetic() -> dict[str, Any]:
         local_pieces,
         lower_spmd,
         make_mesh,
-        put_stacked,
+        put_blocks,
         rank_devices,
         spmd_function,
     )
@@ -174,9 +189,9 @@ def check_synthetic() -> dict[str, Any]:
         plan = SpmdPlan.build(graphs)
         mesh = make_mesh(plan.mesh, rank_devices(4))
         xs = {r: rng.standard_normal((4, 6)).astype(np.float32) for r in range(4)}
-        fn = spmd_function(lower_spmd(plan), mesh)
-        outs = fn(put_stacked(mesh, xs, (4, 6), np.float32))
-        got = [local_pieces(o, mesh) for o in outs]
+        fn = spmd_function(lower_spmd(plan), mesh, [p.shape for p in plan.params])
+        outs = fn(put_blocks(mesh, xs, (4, 6), np.float32))
+        got = [local_pieces(o, mesh, v.shape) for o, v in zip(outs, graphs[0].outputs)]
         want = run_ranks(graphs, [[xs[r]] for r in range(4)])
         # The simulator sums in every ReduceScatter; output 5 is ReduceScatter(op=max).
         for r in range(4):

@@ -459,11 +459,11 @@ def test_merge_of_a_checkpoint_whose_step_is_not_an_integer_is_one_message(tmp_p
 
 
 def test_the_final_checkpoint_reads_a_scalar_state_as_an_array() -> None:
-    """A scalar state (a loss scale, a step counter) is a stacked (1,) piece on each device;
+    """A scalar state (a loss scale, a step counter) is a (1,) block on each device;
     the final checkpoint's view of it is a 0-d array, which safetensors and numpy accept (it
     was a numpy scalar: "object __array__ method not producing an array")."""
     from pcompile.backends.async_checkpoint import _DeviceView
 
-    view = np.asarray(_DeviceView(np.array([2.5], np.float32)))
+    view = np.asarray(_DeviceView(np.array([2.5], np.float32), ()))
     assert view.shape == () and view.dtype == np.float32 and float(view) == 2.5
-    assert np.asarray(_DeviceView(np.array([[1, 2]], np.int32))).shape == (2,)
+    assert np.asarray(_DeviceView(np.array([1, 2], np.int32), (2,))).shape == (2,)

@@ -20,8 +20,9 @@ nothing crosses from the host but the block's offsets and the key:
 - constant inits (zeros, ones, numbers: optimizer state) are filled on the device with the
   value numpy casts to the dtype.
 
-`device_block(data, bounds, device)` returns the block as a jax.Array on `device` (with a
-leading axis of 1, as the stacked state of the SPMD program wants it), or None for what only
+`device_block(data, bounds, device)` returns the block as a jax.Array on `device` (a 0-d
+value as a 1-element vector, as the SPMD program's global arrays hold it:
+`spmd.blocked_shape`), or None for what only
 numpy makes (user arrays, which are read from their .npy; integer dtypes of random inits;
 inits without a `transform`). tests/test_param_init.py checks it bit for bit against
 `InitializedData.block` for every init and dtype on random blocks.
@@ -175,15 +176,16 @@ def _generator(init: Initializer, shape: tuple[int, ...], block: tuple[int, ...]
             row = lax.broadcasted_iota(jnp.uint64, block, 0) + starts[0]
             hit = functools.reduce(jnp.logical_or, [row == np.uint64(r) for r in zero_rows])
             out = jnp.where(hit, jnp.zeros((), out.dtype), out)
-        return out[None]
+        return out if block else out.reshape((1,))  # its block of the global array
 
     return jax.jit(make)
 
 
 def device_block(data: InitializedData, bounds: Sequence[tuple[int, int]], device: Any
                  ) -> jax.Array | None:
-    """Block `bounds` of `data` made on `device`, shape (1, *block), bit for bit equal to
-    `data.block(bounds)` (None: not made on the device, see `supports`)."""
+    """Block `bounds` of `data` made on `device` (of the block's shape; a 0-d value's: (1,)),
+    bit for bit equal to `data.block(bounds)` (None: not made on the device, see
+    `supports`)."""
     if not supports(data):
         return None
     bounds = tuple((int(lo), int(hi)) for lo, hi in bounds)
@@ -198,11 +200,11 @@ def device_block(data: InitializedData, bounds: Sequence[tuple[int, int]], devic
         if isinstance(init, Constant):
             value = np.asarray(init.value).astype(data.dtype.np)  # numpy's cast, on the host
         with jax.enable_x64(data.dtype is DType.float64):
-            out = jnp.full((1, *block), value, device=device)
+            out = jnp.full(block or (1,), value, device=device)
         rows = [r - bounds[0][0] for r in data.zero_rows
                 if bounds and bounds[0][0] <= r < bounds[0][1]]
         if rows and value != 0:
-            out = out.at[0, np.asarray(rows)].set(0)
+            out = out.at[np.asarray(rows)].set(0)
         return out
     assert data.ticket is not None
     key = np.asarray(philox_key(data.ticket), np.uint32)

@@ -33,11 +33,12 @@ from jax.sharding import PartitionSpec as P
 from pcompile.backends.jax.pipeline_plan import Held, PipelinePlan, PipelineTables, Slot
 from pcompile.backends.jax.spmd import (
     apply_node,
+    as_block,
     group_collective,
     local_pieces,
     make_mesh,
     promote_attrs,
-    put_stacked,
+    put_blocks,
 )
 from pcompile.ir.core import Constant
 from pcompile.ir.types import DType
@@ -172,17 +173,26 @@ def _loss_dtype(tb: PipelineTables, float64: bool) -> Any:
 
 def pipeline_function(tables: PipelineTables | dict[str, Any], units: Sequence[UnitFn],
                       mesh: Mesh, float64: bool = False,
-                      extra: Callable[[list[Any]], list[Any]] | None = None
-                      ) -> Callable[..., Any]:
-    """`jit(shard_map(...))` of the step: arguments and results are stacked over the ranks
-    (leading axis, sharded over every mesh axis in rank order), as `spmd.spmd_function`."""
+                      extra: Callable[[list[Any]], list[Any]] | None = None,
+                      out_shapes: list[tuple[int, ...]] | None = None) -> Callable[..., Any]:
+    """`jit(shard_map(...))` of the step: arguments and results are the ranks' values as
+    blocks of a global array (`spmd.blocked_shape`: along their first axis, sharded over every
+    mesh axis in rank order), as `spmd.spmd_function`. `out_shapes` (a list) receives the
+    results' local shapes when the step is traced."""
     axes = tuple(mesh.axis_names)
+    params = tables.union_params if isinstance(tables, PipelineTables) else \
+        tables["union_params"]
+    scalars = [not tuple(shape) for _, _, shape, _ in params]
 
-    def per_device(*stacked: Any) -> tuple[Any, ...]:
-        outs = run_step(tables, units, [x[0] for x in stacked], axes, float64)
+    def per_device(*blocks: Any) -> tuple[Any, ...]:
+        args = [b.reshape(()) if scalar else b for b, scalar in zip(blocks, scalars)]
+        outs = run_step(tables, units, args, axes, float64)
         if extra is not None:
             outs = extra(outs)
-        return tuple(jnp.asarray(o)[None] for o in outs)
+        outs = [jnp.asarray(o) for o in outs]
+        if out_shapes is not None:
+            out_shapes[:] = [tuple(o.shape) for o in outs]
+        return tuple(as_block(o) for o in outs)
 
     mapped = jax.shard_map(per_device, mesh=mesh, in_specs=P(axes), out_specs=P(axes),
                            check_vma=False)
@@ -270,8 +280,9 @@ class JaxPipelineRunner:
         self.layouts = state.assignment.param_layouts
         self.n = self.plan.num_ranks
         initial = ParallelRunner(program).values
+        self._out_shapes: list[tuple[int, ...]] = []
         self._fn = pipeline_function(self.tables, unit_runner(self.plan, float64), self.mesh,
-                                     float64)
+                                     float64, out_shapes=self._out_shapes)
         self.inputs = [p for p in self.tables.union_params if p[1] == "input"]
         self.stored = [p for p in self.tables.union_params if p[1] != "input"]
         self._state = {name: self._put({r: initial[r][name] for r in range(self.n)},
@@ -280,7 +291,7 @@ class JaxPipelineRunner:
         self._values_cache: list[dict[str, np.ndarray]] | None = None
 
     def _put(self, pieces: dict[int, np.ndarray], shape: tuple[int, ...], dtype: str) -> Any:
-        return put_stacked(self.mesh, pieces, tuple(shape), _np_dtype(dtype, self.float64))
+        return put_blocks(self.mesh, pieces, tuple(shape), _np_dtype(dtype, self.float64))
 
     def _call(self, arrays: list[np.ndarray]) -> list[Any]:
         from pcompile.passes.step_parallel import slice_array
@@ -293,7 +304,8 @@ class JaxPipelineRunner:
         return list(self._fn(*feeds))
 
     def run(self, arrays: list[np.ndarray]) -> list[list[np.ndarray]]:
-        gathered = [local_pieces(o, self.mesh) for o in self._call(arrays)]
+        outs = self._call(arrays)  # traced by now: _out_shapes holds the local shapes
+        gathered = [local_pieces(o, self.mesh, shape) for o, shape in zip(outs, self._out_shapes)]
         return [[g[r] for g in gathered] for r in range(self.n)]
 
     def step(self, arrays: list[np.ndarray]) -> float:
@@ -303,7 +315,8 @@ class JaxPipelineRunner:
             if name in self._state:
                 self._state[name] = value
         self._values_cache = None
-        losses = [float(v) for v in local_pieces(outs[names.index("loss")], self.mesh).values()]
+        losses = [float(v) for v in
+                  local_pieces(outs[names.index("loss")], self.mesh, ()).values()]
         if max(losses) - min(losses) > 1e-5 * max(1.0, abs(losses[0])):
             raise AssertionError(f"ranks disagree on the loss: {losses}")
         return losses[0]
@@ -311,7 +324,9 @@ class JaxPipelineRunner:
     @property
     def values(self) -> list[dict[str, np.ndarray]]:
         if self._values_cache is None:
-            pieces = {name: local_pieces(a, self.mesh) for name, a in self._state.items()}
+            shapes = {name: shape for name, _, shape, _ in self.stored}
+            pieces = {name: local_pieces(a, self.mesh, shapes[name])
+                      for name, a in self._state.items()}
             self._values_cache = [{name: pieces[name][r] for name in pieces}
                                   for r in range(self.n)]
         return self._values_cache

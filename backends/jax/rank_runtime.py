@@ -449,6 +449,7 @@ class _Runner:
                                                                             "checkpoints"))
         self.params = list(module.PARAMS)
         self.inputs = [p for p in self.params if p[1] == "input"]
+        self._out_shapes: list[tuple[int, ...]] = []  # the step's, once traced
         self.stored = [p for p in self.params if p[1] != "input"]
         from pcompile.ir.types import DType
 
@@ -472,7 +473,7 @@ class _Runner:
         return rank // int(self.m.RANKS_PER_STAGE) in stages[name]
 
     def _initial_state(self) -> dict[str, Any]:
-        """Every stored value's stacked state, each local rank's block made on its own device
+        """Every stored value's global array, each local rank's block made on its own device
         (backends/jax/param_init.py) or, for small blocks and user arrays, on the host
         (backends/params.py); equal, bit for bit, to the single-device initialisation's block
         (another pipeline stage's values: zeros, never read)."""
@@ -481,6 +482,7 @@ class _Runner:
         import jax
 
         from pcompile.backends.jax.param_init import device_block, supports
+        from pcompile.backends.jax.spmd import as_block
         from pcompile.backends.params import ParamsError, read_manifest
 
         try:
@@ -497,7 +499,7 @@ class _Runner:
         def make(source: Any, bounds: Any, device: Any, on_device: bool) -> Any:
             block = device_block(source, bounds, device) if on_device else None
             if block is None:
-                block = jax.device_put(source.block(bounds)[None], device)
+                block = jax.device_put(as_block(source.block(bounds)), device)
             return block
 
         # Blocks are made from a few threads: the device generator compiles once per distinct
@@ -514,7 +516,7 @@ class _Runner:
                     device = self.mesh.devices.flat[r]
                     if not self._owns(name, r):
                         pieces[name].append(jax.device_put(
-                            np.zeros((1, *shape), self.dtypes[name]), device))
+                            as_block(np.zeros(shape, self.dtypes[name])), device))
                         continue
                     bounds = self._layout(name).slice_bounds(r) if source.shape else ()
                     size = int(np.prod([hi - lo for lo, hi in bounds], dtype=np.int64))
@@ -541,14 +543,16 @@ class _Runner:
         return state
 
     def _stack(self, arrays: list[Any], shape: tuple[int, ...]) -> Any:
-        """The global (N, *shape) array of this process's ranks' (1, *shape) arrays."""
+        """The global array (`spmd.blocked_shape`) of this process's ranks' blocks."""
         import jax
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
+        from pcompile.backends.jax.spmd import blocked_shape
+
         sharding = NamedSharding(self.mesh, P(tuple(self.mesh.axis_names)))
-        return jax.make_array_from_single_device_arrays((self.mesh.size, *shape), sharding,
-                                                        arrays)
+        return jax.make_array_from_single_device_arrays(blocked_shape(self.mesh.size, shape),
+                                                        sharding, arrays)
 
     def _layout(self, name: str) -> Any:
         from pcompile.ir.layout import TensorLayout
@@ -563,9 +567,9 @@ class _Runner:
         return array[tuple(slice(b, e) for b, e in bounds)]
 
     def _put(self, name: str, pieces: dict[int, np.ndarray], shape: tuple[int, ...]) -> Any:
-        from pcompile.backends.jax.spmd import put_stacked
+        from pcompile.backends.jax.spmd import put_blocks
 
-        return put_stacked(self.mesh, pieces, tuple(shape), self.dtypes[name])
+        return put_blocks(self.mesh, pieces, tuple(shape), self.dtypes[name])
 
     def _batches(self, steps: int) -> Any:
         from pcompile.compiler.model_file import as_input_list, call_user, load_model_file
@@ -613,7 +617,9 @@ class _Runner:
         # a pipeline program's step is assembled per tick (pipeline.run_step): no donation there
         donated = tuple(n + i for i, (name, *_) in enumerate(self.stored)
                         if donate and not pipeline and name in updated)
-        jitted = spmd_function(body, self.mesh, donated, check_vma=not pipeline)
+        shapes = [shape for _, _, shape, _ in self.inputs + self.stored]
+        jitted = spmd_function(body, self.mesh, shapes, donated, check_vma=not pipeline,
+                               out_shapes=self._out_shapes)
         # compiled by process 0 only, when the processes run the same program on one host
         return SharedStep(jitted, f"{self.m.PLAN_ID}/{'train' if donate else 'infer'}")
 
@@ -732,7 +738,7 @@ class _Runner:
             state = {name: self._put(name, {r: values[r][name] for r in self.local}, shape)
                      for name, _, shape, _ in self.stored}
         self.saver.intact = resume_step
-        self.host = HostState(self.mesh)
+        self.host = HostState(self.mesh, {name: shape for name, _, shape, _ in self.stored})
         if args.checkpoint_every and args.checkpoint_every < args.steps:
             self.host.prefault(state)
         done = resume_step or 0
@@ -761,7 +767,7 @@ class _Runner:
             self.watchdog.arm(args.timeout * len(pending), f"steps {pending[0][0] + 1}.."
                                                            f"{pending[-1][0] + 1}")
             for k_done, ep, step_in, loss_out in pending:
-                losses = local_pieces(loss_out, self.mesh)
+                losses = local_pieces(loss_out, self.mesh, ())
                 for r in self.local:
                     logs[r].add(format_loss_line(ep, step_in, float(losses[r])))
                 monitor(logs[self.local[0]].lines[-1])
@@ -847,7 +853,8 @@ class _Runner:
         feeds += [state[name] for name, *_ in self.stored]
         outs = self._function()(*feeds)
         self.watchdog.disarm()
-        pieces = [local_pieces(o, self.mesh) for o in outs]
+        # the step was traced in this process: _out_shapes holds its results' local shapes
+        pieces = [local_pieces(o, self.mesh, shape) for o, shape in zip(outs, self._out_shapes)]
         for r in self.local:
             save_npz(os.path.join(self._rank_dir(r), "outputs.npz"),
                      {name: p[r] for name, p in zip(self.m.OUTPUTS, pieces)})

@@ -287,13 +287,68 @@ def lower_spmd(plan: SpmdPlan, float64: bool = False) -> Callable[..., list[Any]
 
         for n in nodes:
             args = [read(n, i, ref) for i, ref in enumerate(n.operands)]
-            env[n.index] = apply_node(n, args, me, all_axes)
+            env[n.index] = _apply_joined(n, args, me, all_axes)
         outs = []
         for kind, idx in plan.outputs:
-            outs.append(env[idx] if kind == "node" else arrays[idx])
+            outs.append(_materialise(env[idx]) if kind == "node" else arrays[idx])
         return outs
 
     return body
+
+
+class _Joined:
+    """A Concat of 1-D values not yet made: communication fusion's bucket
+    (passes/comm_fusion.py: Reshape to 1-D, Concat, one AllReduce, Split or StridedSlices,
+    Reshape back). Its AllReduce runs as one all-reduce of the parts themselves (`lax.psum`
+    of a tuple: the same sums, without copying every gradient into a buffer and out again);
+    a Split or StridedSlice that takes a part back gets it. Any other use makes the
+    concatenation."""
+
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+        self.offsets = [0]
+        for p in parts:
+            self.offsets.append(self.offsets[-1] + int(p.shape[0]))
+
+    def make(self) -> Any:
+        return jnp.concatenate(self.parts)
+
+
+def _materialise(x: Any) -> Any:
+    return x.make() if isinstance(x, _Joined) else x
+
+
+def _apply_joined(n: NodePlan, args: list[Any], me: Any, all_axes: Axes) -> Any:
+    """`apply_node`, with the fused AllReduce pattern of `_Joined` kept unmade."""
+    if n.kind == "op" and n.op == "Concat" and len(args) > 1 and \
+            n.attrs.get("axis") in (0, -1) and \
+            all(isinstance(a, _Joined) or getattr(a, "ndim", None) == 1 for a in args):
+        parts = [p for a in args for p in (a.parts if isinstance(a, _Joined) else [a])]
+        if len({p.dtype for p in parts}) == 1:
+            return _Joined(parts)
+    if any(isinstance(a, _Joined) for a in args):
+        joined = args[0]
+        c = n.collective
+        if (len(args) == 1 and isinstance(joined, _Joined) and n.kind == "collective"
+                and c is not None and c.op == "AllReduce" and c.axes is not None
+                and c.attrs.get("op", "sum") == "sum"):
+            reduced = all_reduce(*joined.parts, axes=c.axes, op="sum")
+            return _Joined(list(reduced) if len(joined.parts) > 1 else [reduced])
+        if len(args) == 1 and isinstance(joined, _Joined) and n.kind == "op":
+            offsets = joined.offsets
+            if (n.op == "Split" and n.attrs.get("axis") in (0, -1)
+                    and n.attrs.get("output_num") == len(joined.parts)
+                    and len({int(p.shape[0]) for p in joined.parts}) == 1):
+                return tuple(joined.parts)
+            if (n.op == "StridedSlice" and tuple(n.attrs.get("strides", (1,))) == (1,)
+                    and not any(v for k, v in n.attrs.items() if k.endswith("_mask"))):
+                begin, end = tuple(n.attrs.get("begin", ())), tuple(n.attrs.get("end", ()))
+                if len(begin) == 1 and len(end) == 1 and begin[0] in offsets:
+                    i = offsets.index(begin[0])
+                    if i < len(joined.parts) and offsets[i + 1] == end[0]:
+                        return joined.parts[i]
+        args = [_materialise(a) for a in args]
+    return apply_node(n, args, me, all_axes)
 
 
 def apply_node(n: NodePlan, args: list[Any], me: Any, all_axes: Axes) -> Any:
@@ -372,19 +427,45 @@ def make_mesh(spec: MeshSpec, devices: Sequence[Any] | None = None) -> Mesh:
     return Mesh(np.array(devices, dtype=object).reshape(spec.sizes), spec.names)
 
 
-def spmd_function(body: Callable[..., Sequence[Any]], mesh: Mesh,
-                  donate_argnums: tuple[int, ...] = (), check_vma: bool = True
-                  ) -> Callable[..., Any]:
-    """`jit(shard_map(...))` of a per-device body: each argument and result is the stack of all
-    ranks' values along a new leading axis, sharded over every mesh axis (rank order).
-    `donate_argnums`: arguments whose buffers the step may reuse (parameters and optimizer
-    state that it returns updated). `check_vma=False` for a pipeline program, whose
-    `lax.switch` branches (one per stage) run collectives over different axes."""
-    axes = tuple(mesh.axis_names)
+def blocked_shape(n: int, shape: Sequence[int]) -> tuple[int, ...]:
+    """The global shape under which `n` ranks' values of local `shape` travel: their blocks
+    along the first axis (a 0-d value: a 1-element block)."""
+    shape = tuple(shape)
+    return (n * shape[0], *shape[1:]) if shape else (n,)
 
-    def per_device(*stacked: Any) -> tuple[Any, ...]:
-        outs = body(*[x[0] for x in stacked])
-        return tuple(jnp.asarray(o)[None] for o in outs)
+
+def as_block(x: Any) -> Any:
+    """A rank's value as its block of the global array (numpy or jax): itself, or a 0-d value
+    as a 1-element vector."""
+    return x if x.ndim else x.reshape((1,))
+
+
+def spmd_function(body: Callable[..., Sequence[Any]], mesh: Mesh,
+                  shapes: Sequence[Sequence[int]], donate_argnums: tuple[int, ...] = (),
+                  check_vma: bool = True, out_shapes: list[tuple[int, ...]] | None = None
+                  ) -> Callable[..., Any]:
+    """`jit(shard_map(...))` of a per-device body whose arguments have the local `shapes`:
+    each argument and result is the concatenation of all ranks' values along their first axis
+    (`blocked_shape`), sharded over every mesh axis in rank order, so that a device's block is
+    its value as it is. (A new leading axis of size 1 would do too, but XLA then copies every
+    donated buffer on the way in and every updated one on the way out: two copies of the
+    parameters and optimizer state per step.) `donate_argnums`: arguments whose buffers the
+    step may reuse (parameters and optimizer state that it returns updated).
+    `check_vma=False` for a pipeline program, whose `lax.switch` branches (one per stage) run
+    collectives over different axes. `out_shapes` (a list) receives the results' local shapes
+    when the step is traced (every process traces it, backends/jax/shared_compile.py)."""
+    axes = tuple(mesh.axis_names)
+    scalars = [not tuple(s) for s in shapes]
+
+    def per_device(*blocks: Any) -> tuple[Any, ...]:
+        if len(blocks) != len(scalars):
+            raise SpmdLoweringError(f"the step takes {len(scalars)} arguments, got "
+                                    f"{len(blocks)}")
+        outs = [jnp.asarray(o) for o in
+                body(*[b.reshape(()) if scalar else b for b, scalar in zip(blocks, scalars)])]
+        if out_shapes is not None:
+            out_shapes[:] = [tuple(o.shape) for o in outs]
+        return tuple(as_block(o) for o in outs)
 
     mapped = jax.shard_map(per_device, mesh=mesh, in_specs=P(axes), out_specs=P(axes),
                            check_vma=check_vma)
@@ -404,23 +485,31 @@ def rank_of_devices(mesh: Mesh) -> dict[Any, int]:
     return {d: r for r, d in enumerate(mesh.devices.flat)}
 
 
-def put_stacked(mesh: Mesh, pieces: dict[int, np.ndarray], shape: tuple[int, ...],
+def put_blocks(mesh: Mesh, pieces: dict[int, np.ndarray], shape: tuple[int, ...],
                 dtype: Any) -> jax.Array:
-    """A global (N, *shape) array from this process's ranks' pieces (`pieces[rank]`)."""
+    """The global array (`blocked_shape`) of this process's ranks' pieces (`pieces[rank]`,
+    each of local `shape`)."""
     sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
     if len(pieces) == mesh.size:  # every rank is in this process: one transfer
-        stacked = np.stack([np.asarray(pieces[r], dtype) for r in range(mesh.size)])
-        return jax.device_put(stacked, sharding)
+        joined = np.concatenate([as_block(np.asarray(pieces[r], dtype))
+                                 for r in range(mesh.size)])
+        return jax.device_put(joined, sharding)
     ranks = rank_of_devices(mesh)
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    arrays = [jax.device_put(np.asarray(pieces[ranks[d]], dtype)[None], d) for d in local]
-    return jax.make_array_from_single_device_arrays((mesh.size, *shape), sharding, arrays)
+    arrays = [jax.device_put(as_block(np.asarray(pieces[ranks[d]], dtype)), d) for d in local]
+    return jax.make_array_from_single_device_arrays(blocked_shape(mesh.size, shape), sharding,
+                                                    arrays)
 
 
-def local_pieces(array: jax.Array, mesh: Mesh) -> dict[int, np.ndarray]:
-    """This process's ranks' values of a stacked global array."""
+def local_pieces(array: jax.Array, mesh: Mesh,
+                 shape: Sequence[int] | None = None) -> dict[int, np.ndarray]:
+    """This process's ranks' values of a global array (`blocked_shape`). `shape`: their local
+    shape, which must be given where it may be 0-d (its block is a 1-element vector)."""
     ranks = rank_of_devices(mesh)
-    return {ranks[s.device]: np.asarray(s.data)[0] for s in array.addressable_shards}
+    out = {ranks[s.device]: np.asarray(s.data) for s in array.addressable_shards}
+    if shape is not None:
+        out = {r: v.reshape(tuple(shape)) for r, v in out.items()}
+    return out
 
 
 # -- the runner ------------------------------------------------------------------------------
@@ -455,19 +544,22 @@ class JaxSpmdRunner:
         self._n_inputs = len(graph.inputs)
         self._stored = graph.params[self._n_inputs:]
         body = lower_spmd(self.plan, float64)
-        self._fn = spmd_function(body, self.mesh)
+        shapes = [p.shape for p in graph.params]
+        self._out_shapes = [v.shape for v in graph.outputs]
+        self._fn = spmd_function(body, self.mesh, shapes)
         updated = set(program.output_names[1:])
         donate = tuple(self._n_inputs + i for i, p in enumerate(self._stored)
                        if p.name in updated)
         # The training step reuses the buffers of the values it returns updated.
-        self._step_fn = spmd_function(body, self.mesh, donate)
+        self._step_fn = spmd_function(body, self.mesh, shapes, donate)
         self._state = {p.name: self._put({r: v[p.name] for r, v in enumerate(initial)}, p)
                        for p in self._stored}
+        self._shapes = {p.name: p.shape for p in self._stored}
         self._values_cache: list[dict[str, np.ndarray]] | None = None
 
     def _put(self, pieces: dict[int, np.ndarray], param: Any) -> jax.Array:
         dtype = np.float64 if self.float64 and param.dtype.is_float else param.dtype.np
-        return put_stacked(self.mesh, pieces, param.shape, dtype)
+        return put_blocks(self.mesh, pieces, param.shape, dtype)
 
     def _slice(self, array: np.ndarray, name: str, rank: int) -> np.ndarray:
         from pcompile.passes.step_parallel import slice_array
@@ -475,18 +567,27 @@ class JaxSpmdRunner:
         layout = self.layouts.get(name)
         return np.asarray(array) if layout is None else slice_array(array, layout, rank)
 
-    def _call(self, arrays: list[np.ndarray], donate: bool = False) -> list[jax.Array]:
+    def _feeds(self, arrays: list[np.ndarray]) -> list[jax.Array]:
         graph = self.graphs[0]
         n = self.plan.num_ranks
         feeds = [self._put({r: self._slice(a, p.name, r) for r in range(n)}, p)
                  for p, a in zip(graph.inputs, arrays)]
-        feeds += [self._state[p.name] for p in self._stored]
+        return feeds + [self._state[p.name] for p in self._stored]
+
+    def _call(self, arrays: list[np.ndarray], donate: bool = False) -> list[jax.Array]:
+        feeds = self._feeds(arrays)
         with matmul_precision(self.matmul_precision):
             return list((self._step_fn if donate else self._fn)(*feeds))
 
+    def lower(self, arrays: list[np.ndarray], donate: bool = True) -> Any:
+        """The step (`donate`: the training step) lowered for global `arrays`
+        (`jax.stages.Lowered`: `.as_text()`, `.compile().as_text()`), nothing run."""
+        with matmul_precision(self.matmul_precision):
+            return (self._step_fn if donate else self._fn).lower(*self._feeds(arrays))
+
     def _per_rank(self, outs: list[jax.Array]) -> list[list[np.ndarray]]:
         n = self.plan.num_ranks
-        gathered = [local_pieces(o, self.mesh) for o in outs]
+        gathered = [local_pieces(o, self.mesh, shape) for o, shape in zip(outs, self._out_shapes)]
         return [[g[r] for g in gathered] for r in range(n)]
 
     def run(self, arrays: list[np.ndarray]) -> list[list[np.ndarray]]:
@@ -503,7 +604,7 @@ class JaxSpmdRunner:
             if name in self._state:
                 self._state[name] = value
         self._values_cache = None
-        losses = [float(v) for v in local_pieces(outs[0], self.mesh).values()]
+        losses = [float(v) for v in local_pieces(outs[0], self.mesh, ()).values()]
         if self.program.state.parallel_mode == "data_parallel":
             return float(np.mean(np.asarray(losses, np.float64)))
         if max(losses) - min(losses) > 1e-5 * max(1.0, abs(losses[0])):
@@ -518,7 +619,8 @@ class JaxSpmdRunner:
     def values(self) -> list[dict[str, np.ndarray]]:
         if self._values_cache is None:
             n = self.plan.num_ranks
-            pieces = {name: local_pieces(a, self.mesh) for name, a in self._state.items()}
+            pieces = {name: local_pieces(a, self.mesh, self._shapes[name])
+                      for name, a in self._state.items()}
             self._values_cache = [{name: pieces[name][r] for name in pieces} for r in range(n)]
         return self._values_cache
 
