@@ -146,3 +146,37 @@ def test_batch_matmul_messages() -> None:
         _emit("BatchMatMul", [(2, 4, 3), (2, 4, 5)])
     assert _emit("BatchMatMul", [(2, 1, 4, 3), (5, 3, 6)]).shape == (2, 5, 4, 6)
     assert _emit("BatchMatMul", [(4, 3), (7, 3, 6)]).shape == (7, 4, 6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 12), st.booleans(), st.sampled_from(["MatMul", "BatchMatMul"]),
+       st.integers(0, 2**31 - 1))
+def test_a_constant_signed_permutation_is_lowered_as_column_moves(d: int, tb: bool, op: str,
+                                                                  seed: int) -> None:
+    """x @ P for a constant signed permutation P (rotate-half's swap matrix among them) runs
+    in JAX as slices and negations of x's columns: exactly the product for finite x; any
+    other constant keeps the matrix product."""
+    from pcompile.ir.core import Constant
+    from pcompile.ir.registry import get_op
+
+    rng = np.random.default_rng(seed)
+    matrix = np.zeros((d, d), np.float32)
+    matrix[rng.permutation(d), np.arange(d)] = rng.choice([-1.0, 1.0], d)
+    shape = (3, d) if op == "MatMul" else (2, 3, d)
+    g = Graph("g")
+    x = g.add_param(GraphParam(TensorType(DType.float32, shape), "x"))
+    node = Builder(g).emit(op, [x, Constant(matrix, DType.float32)],
+                           {"transpose_b": tb}).node
+    attrs = get_op(op).jax_attrs(node)
+    assert "permutation" in attrs
+    a = rng.standard_normal(shape).astype(np.float32)
+    want = a @ (matrix.T if tb else matrix)
+    np.testing.assert_array_equal(np.asarray(get_op(op).jax(jnp.asarray(a), matrix, **attrs)),
+                                  want)
+    # not a signed permutation: a scaled one; one with a second entry in a row (d >= 2)
+    others = [matrix * 2] + ([np.abs(matrix) + np.roll(np.abs(matrix), 1, axis=1)]
+                             if d >= 2 else [])
+    for other in others:
+        node = Builder(g).emit(op, [x, Constant(other, DType.float32)],
+                               {"transpose_b": tb}).node
+        assert "permutation" not in get_op(op).jax_attrs(node)

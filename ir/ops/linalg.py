@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
 
 from pcompile.ir.builder import Builder
-from pcompile.ir.core import Node, Value
+from pcompile.ir.core import Constant, Node, Value
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._jax import jnp
 from pcompile.ir.ops._util import broadcast_shapes, same_dtype, tensor, unbroadcast
@@ -52,10 +53,75 @@ def _np_matmul(a: Any, b: Any, ta: bool, tb: bool) -> Any:
     return np.matmul(a, b).astype(a.dtype, copy=False)
 
 
-def _jax_matmul(a: Any, b: Any, ta: bool, tb: bool) -> Any:
+def _jax_matmul(a: Any, b: Any, ta: bool, tb: bool,
+                permutation: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> Any:
+    if permutation is not None:  # b is a signed permutation (`signed_permutation_attrs`)
+        return _permute_columns(a, *permutation)
     a = jnp.swapaxes(a, -1, -2) if ta else a
     b = jnp.swapaxes(b, -1, -2) if tb else b
     return jnp.matmul(a, b)
+
+
+def _permute_columns(a: Any, rows: tuple[int, ...], signs: tuple[int, ...]) -> Any:
+    """a[..., rows] * signs: runs of consecutive rows with one sign as slices (rotate-half is
+    two), joined; a gather when there are many runs."""
+    runs: list[list[int]] = []  # [first row, length, sign]
+    for r, sign in zip(rows, signs):
+        if runs and runs[-1][0] + runs[-1][1] == r and runs[-1][2] == sign:
+            runs[-1][1] += 1
+        else:
+            runs.append([r, 1, sign])
+    if len(runs) > 8:
+        return jnp.take(a, np.asarray(rows), axis=-1) * jnp.asarray(signs, a.dtype)
+    parts = [a[..., r:r + n] if sign == 1 else -a[..., r:r + n] for r, n, sign in runs]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+
+
+def signed_permutation(matrix: np.ndarray) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(rows, signs) when every column j of the 2-D `matrix` holds exactly one nonzero,
+    `signs[j]` (+1 or -1), in row `rows[j]`, and every row exactly one: then
+    `x @ matrix == x[..., rows] * signs`. Else None."""
+    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1] or matrix.dtype.kind not in "fiu":
+        return None
+    nonzero = matrix != 0
+    if not ((nonzero.sum(0) == 1).all() and (nonzero.sum(1) == 1).all()):
+        return None
+    rows = nonzero.argmax(0)
+    signs = matrix[rows, np.arange(matrix.shape[1])]
+    if not np.isin(signs, (1, -1)).all():
+        return None
+    return tuple(int(r) for r in rows), tuple(int(x) for x in signs)
+
+
+def signed_permutation_attrs(node: Node, attrs: dict[str, Any]) -> dict[str, Any]:
+    """`lowering_attrs` of MatMul and BatchMatMul: when b is a constant 2-D signed permutation
+    (op(b) as the product reads it; mindformers' rotary embedding rotates half of each head by
+    a BatchMatMul with such a swap matrix, forward and, transposed, backward) and a is not
+    transposed, the JAX implementation gathers a's columns and flips their signs instead of
+    multiplying: the same values for finite a (each result is one element of a times +1 or
+    -1, plus zeros), without the matrix product. A NaN or infinity in a stays in its own
+    column where the product would spread NaN along the row; the numpy interpreter (the
+    oracle) always multiplies. Anything else keeps `attrs`."""
+    b = node.operands[1]
+    if attrs.get("transpose_a") or type(b) is not Constant or b.array.ndim != 2:
+        return attrs
+    transposed = bool(attrs.get("transpose_b"))
+    key = (id(b.array), transposed)
+    found = _PERMUTATIONS.get(key)
+    if found is None or found[0]() is not b.array:
+        found = (weakref.ref(b.array),
+                 signed_permutation(b.array.T if transposed else b.array))
+        _PERMUTATIONS[key] = found
+    return attrs if found[1] is None else {**attrs, "permutation": found[1]}
+
+
+# (id of a constant's array, transposed) -> (weak reference to it, signed_permutation or None)
+_PERMUTATIONS: dict[tuple[int, bool], tuple[Any, Any]] = {}
+
+
+def _jax_matmul_op(a: Any, b: Any, transpose_a: bool, transpose_b: bool,
+                   permutation: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> Any:
+    return _jax_matmul(a, b, transpose_a, transpose_b, permutation)
 
 
 def _matmul_cotangents(b: Builder, op: str, node: Node, cot: Value) -> tuple[Value, Value]:
@@ -104,7 +170,8 @@ register(
         "MatMul",
         _matmul_infer,
         numpy=lambda a, b, transpose_a, transpose_b: _np_matmul(a, b, transpose_a, transpose_b),
-        jax=lambda a, b, transpose_a, transpose_b: _jax_matmul(a, b, transpose_a, transpose_b),
+        jax=_jax_matmul_op,
+        lowering_attrs=signed_permutation_attrs,
         vjp=_matmul_vjp,
         attrs={"transpose_a": False, "transpose_b": False},
         num_inputs=2,
@@ -161,7 +228,8 @@ register(
         "BatchMatMul",
         _batch_matmul_infer,
         numpy=lambda a, b, transpose_a, transpose_b: _np_matmul(a, b, transpose_a, transpose_b),
-        jax=lambda a, b, transpose_a, transpose_b: _jax_matmul(a, b, transpose_a, transpose_b),
+        jax=_jax_matmul_op,
+        lowering_attrs=signed_permutation_attrs,
         vjp=_batch_matmul_vjp,
         attrs={"transpose_a": False, "transpose_b": False},
         num_inputs=2,
