@@ -16,6 +16,7 @@ import pytest
 from pcompile.backends.jax import lower_graph
 from pcompile.backends.jax.lowering import x64
 from pcompile.backends.numpy import run_graph
+from pcompile.compiler.context import reset_auto_parallel_context, reset_context
 from pcompile.compiler.model_file import load_model_file
 from pcompile.compiler.oracle import FLOAT64_RTOL
 from pcompile.compiler.runtime import synthetic
@@ -30,6 +31,10 @@ EXAMPLES = ["quickstart.py", "layout_mlp.py", "manual_parallel.py", "dense_gelu_
 
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_gradients_equal_jax_grad(example) -> None:
+    # A fresh context, as a compile starts (compiler/driver.py): an earlier test's device_num
+    # would make manual_parallel.py's AllReduce span ranks this single-device trace lacks.
+    reset_auto_parallel_context()
+    reset_context()
     traced = trace_model(load_model_file(os.path.join(ROOT, "examples", example)))
     graph = traced.graph
     rng = np.random.default_rng(0)
