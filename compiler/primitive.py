@@ -166,12 +166,16 @@ class Primitive:
         if tracer is None:
             return _eager(op, args, attrs, self)
         like = _float_like(args)
-        values = [tracer.to_value(a, like) for a in args]
+        promoted = implicit_dtype(op, args)
+        values = [python_constant(a, promoted) if promoted is not None and _is_scalar(a)
+                  else tracer.to_value(a, like) for a in args]
         source = user_source()
         amp = getattr(self, "_amp_dtype", None)  # amp O1: this primitive in low precision
         target = amp or tracer.mixed_precision
         if target is not None and op != "Cast":
             values = [cast_float(tracer, v, target, source) for v in values]
+        if promoted is not None:
+            values = promote_values(tracer, op, values, source)
         user_attrs = dict(self.user_attrs)
         if self.in_strategy is not None:
             self._check_strategy(op, values, tracer.scope, source)
@@ -214,6 +218,79 @@ def cast_float(tracer: Any, value: Value, dtype: DType, source: Any = None) -> V
                                instance_name=tracer.next_instance_name("Cast"),
                                scope=tracer.scope, source=source,
                                name_hint=name_hint(source) if source is not None else "")
+
+
+# MindSpore's implicit type conversion (its "Implicit Type Conversion" list; ops whose
+# signature has one dtype group): the operands of these ops are converted to one dtype before
+# the op, and the IR shows the Casts.
+IMPLICIT_CONVERSION = frozenset({
+    "Add", "Sub", "Mul", "Div", "RealDiv", "FloorDiv", "FloorMod", "Mod", "TruncateDiv",
+    "TruncateMod", "Maximum", "Minimum", "Pow", "SquaredDifference", "DivNoNan", "Atan2",
+    "Xdivy", "Xlogy", "Equal", "NotEqual", "Greater", "GreaterEqual", "Less", "LessEqual",
+    "ApproximateEqual", "BitwiseAnd", "BitwiseOr", "BitwiseXor",
+})
+# bool < uint8 < int32 < int64 < float16, bfloat16 < float32 < float64 (MindSpore's priority
+# over the dtypes pcompile has); float16 with bfloat16 is float32, as neither holds the other.
+_PRIORITY = {DType.bool_: 0, DType.uint8: 1, DType.int32: 2, DType.int64: 3,
+             DType.float16: 4, DType.bfloat16: 4, DType.float32: 5, DType.float64: 6}
+
+
+def _highest(dtypes: list[DType]) -> DType:
+    best = max(dtypes, key=lambda d: _PRIORITY[d])
+    if _PRIORITY[best] == 4 and {DType.float16, DType.bfloat16} <= set(dtypes):
+        return DType.float32
+    return best
+
+
+def _is_scalar(a: Any) -> bool:
+    return isinstance(a, (bool, int, float, np.bool_, np.integer, np.floating))
+
+
+def implicit_dtype(op: str, args: list[Any]) -> DType | None:
+    """The dtype MindSpore converts the operands of `op` to, where `op` converts implicitly and
+    at least one operand is a tensor (None: nothing to convert). Tensors of different dtypes
+    go to the highest of them; a Python scalar takes the tensors' dtype, except that a float
+    scalar makes bool and integer tensors float32 and an int scalar makes a bool tensor
+    int32."""
+    if op not in IMPLICIT_CONVERSION:
+        return None
+    tensors = [a.dtype for a in args if isinstance(a, Tensor) and a.dtype in _PRIORITY]
+    if not tensors:
+        return None
+    best = _highest(tensors)
+    scalars = [a for a in args if _is_scalar(a)]
+    if not best.is_float and any(isinstance(a, (float, np.floating)) for a in scalars):
+        best = DType.float32
+    elif best is DType.bool_ and any(not isinstance(a, (bool, np.bool_)) for a in scalars):
+        best = DType.int32
+    if not scalars and len(set(tensors)) == 1:
+        return None
+    return best
+
+
+def promote_values(tracer: Any, op: str, values: list[Value], source: Any) -> list[Value]:
+    """The operands of `op` in one dtype (`implicit_dtype` of their types): a Cast for each
+    tensor of another dtype, constants converted as they are built."""
+    from pcompile.ir.core import Constant
+
+    ranked = [v.type.dtype for v in values
+              if isinstance(v.type, TensorType) and v.type.dtype in _PRIORITY]
+    if len(set(ranked)) <= 1:
+        return values
+    target = _highest(ranked)
+    out = []
+    for v in values:
+        vtype = v.type
+        if not isinstance(vtype, TensorType) or vtype.dtype is target:
+            out.append(v)
+        elif isinstance(v, Constant):
+            out.append(Constant(np.asarray(v.array).astype(target.np), target))
+        else:
+            out.append(tracer.builder.emit(
+                "Cast", [v], {"dst_type": target}, instance_name=tracer.next_instance_name("Cast"),
+                scope=tracer.scope, source=source,
+                name_hint=name_hint(source) if source is not None else ""))
+    return out
 
 
 def _float_like(args: list[Any]) -> DType | None:
@@ -270,17 +347,22 @@ def _eager(op: str, args: list[Any], attrs: dict[str, Any], prim: Primitive) -> 
 
     graph = Graph(f"eager_{op}")
     like = _float_like(args)
+    promoted = implicit_dtype(op, args)
+    if promoted is not None:
+        like = promoted
     arrays: list[np.ndarray] = []
+    for a in args:
+        arrays.append(a.asnumpy() if isinstance(a, Tensor) else python_constant(a, like).array)
+    if promoted is not None:  # the operands in one dtype, as `promote_values` does in a trace
+        ranked = [d for d in (DType.from_any(x.dtype) for x in arrays) if d in _PRIORITY]
+        if len(set(ranked)) > 1:
+            target = _highest(ranked)
+            arrays = [x.astype(target.np) if DType.from_any(x.dtype) in _PRIORITY else x
+                      for x in arrays]
     params: list[Value] = []
-    for i, a in enumerate(args):
-        if isinstance(a, Tensor):
-            arr = a.asnumpy()
-        else:
-            const = python_constant(a, like)
-            arr = const.array
+    for i, arr in enumerate(arrays):
         dtype = DType.from_any(arr.dtype)
         params.append(graph.add_param(GraphParam(TensorType(dtype, arr.shape), f"x{i}")))
-        arrays.append(arr)
     b = Builder(graph, source=user_source(), instance_name=prim.instance_name)
     result = b.emit(op, params, attrs)
     outs = [b("TupleGetItem", result, index=i) for i in range(len(result.type.elements))] if (
