@@ -174,6 +174,10 @@ def _verbosity(function: Any) -> Any:
               metavar="N", help="With --run: read the loss back from the device every N steps "
                                 "(the step then never waits for the host; every step is still "
                                 "logged).")
+@click.option("--tensorboard", "tensorboard", type=click.Path(file_okay=False), default=None,
+              metavar="DIR", help="With --run on JAX: also write the metrics (DIR/metrics.jsonl "
+                                  "of --out) as TensorBoard event files into DIR (needs "
+                                  "pcompile[tensorboard]).")
 @_verbosity
 def compile_command(
     model: str,
@@ -202,6 +206,7 @@ def compile_command(
     platform: str,
     matmul_precision: str,
     log_every: int,
+    tensorboard: str | None,
     verbose: int,
     quiet: bool,
 ) -> None:
@@ -225,7 +230,8 @@ def compile_command(
                    "startup_timeout": startup_timeout, "heartbeat_timeout": heartbeat_timeout,
                    "fail_on_nan": fail_on_nan, "steps": steps, "backend": backend,
                    "print_every": print_every, "quiet": quiet, "platform": platform,
-                   "matmul_precision": matmul_precision, "log_every": log_every}
+                   "matmul_precision": matmul_precision, "log_every": log_every,
+                   "tensorboard": os.path.abspath(tensorboard) if tensorboard else None}
     try:
         # The rank processes own the accelerators: compiling and checking here use the CPU.
         pin_parent_to_cpu()
@@ -279,7 +285,7 @@ def compile_command(
 
 RUN_ONLY = ("steps", "checkpoint_every", "resume", "processes", "startup_timeout", "timeout",
             "heartbeat_timeout", "fail_on_nan", "print_every", "platform", "matmul_precision",
-            "log_every")
+            "log_every", "tensorboard")
 
 
 def _check_run_flags(do_run: bool) -> None:
@@ -319,7 +325,8 @@ def _refuse_under_a_launcher() -> None:
 def _launched(program_state: Any, options: dict[str, Any]) -> bool:
     """Whether --run starts rank processes (else it runs in this process, on CPU)."""
     return bool(program_state.parallel or options.get("checkpoint_every")
-                or options.get("resume") or options.get("resolved_platform") == "gpu")
+                or options.get("resume") or options.get("resolved_platform") == "gpu"
+                or options.get("tensorboard"))
 
 
 def _check_run(state: Any, out_dir: str | None, options: dict[str, Any], held: Any) -> None:
@@ -336,9 +343,17 @@ def _check_run(state: Any, out_dir: str | None, options: dict[str, Any], held: A
         if platform == "gpu":  # too few GPUs: refused before anything is written or started
             assign_devices(options.get("processes") or state.devices, state.devices, gpus)
     launched = _launched(state, options) and options["backend"] == "jax"
-    if (options.get("resume") or options.get("checkpoint_every")) and not launched:
-        raise PcompileError("--resume and --checkpoint-every need the JAX rank programs; drop "
-                            "--backend numpy")
+    if options.get("tensorboard"):
+        import importlib.util
+
+        from pcompile.backends.run_report import TENSORBOARD_MISSING
+
+        if importlib.util.find_spec("tensorboardX") is None:
+            raise PcompileError(TENSORBOARD_MISSING)
+    if (options.get("resume") or options.get("checkpoint_every")
+            or options.get("tensorboard")) and not launched:
+        raise PcompileError("--resume, --checkpoint-every and --tensorboard need the JAX rank "
+                            "programs; drop --backend numpy")
     n = state.devices
     procs = options.get("processes")
     if procs and launched and n % procs:
@@ -647,7 +662,9 @@ def _launch(program: Any, steps: int, options: dict[str, Any]) -> None:
                         gpus=int(options.get("gpus") or 0),
                         extra_args=["--matmul-precision",
                                     str(options.get("matmul_precision") or "default"),
-                                    "--log-every", str(int(options.get("log_every") or 1))])
+                                    "--log-every", str(int(options.get("log_every") or 1)),
+                                    *(["--tensorboard", str(options["tensorboard"])]
+                                      if options.get("tensorboard") else [])])
     except LaunchError as exc:
         monitor.close()
         _fail(str(exc))

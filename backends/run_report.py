@@ -167,6 +167,30 @@ def metrics_line(record: dict[str, Any]) -> str:
     return json.dumps(record, allow_nan=False, sort_keys=False)
 
 
+TENSORBOARD_MISSING = ("--tensorboard needs tensorboardX, which is not installed: pip install "
+                       "'pcompile[tensorboard]' (or pip install tensorboardX)")
+
+
+def tensorboard_writer(folder: str) -> Any:
+    """A tensorboardX SummaryWriter into `folder` (imported only when asked for);
+    RuntimeError(TENSORBOARD_MISSING) when tensorboardX is not installed."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        raise RuntimeError(TENSORBOARD_MISSING) from None
+    return SummaryWriter(logdir=folder)
+
+
+def tensorboard_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The scalars of a metrics record, by TensorBoard tag (`train/loss`, ...)."""
+    out = {}
+    for key, value in record.items():
+        if key in ("step", "epoch", "step_in_epoch") or isinstance(value, str) or value is None:
+            continue
+        out[f"train/{key}"] = float(value)
+    return out
+
+
 def is_noise(line: str) -> bool:
     """Third-party lines that say nothing to a user (gloo's connection messages)."""
     return bool(_GLOO.search(line))

@@ -4,6 +4,7 @@ counts. No assertion on a time's value: only on what is reported and its form.""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -17,6 +18,7 @@ from pcompile.backends import run_report
 from pcompile.backends.launcher import LaunchResult, tail
 from pcompile.compiler.driver import compile as compile_model
 
+HAVE_TENSORBOARDX = importlib.util.find_spec("tensorboardX") is not None
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(ROOT, "cli.py")
 
@@ -167,6 +169,17 @@ def test_a_terminal_gets_a_progress_bar_and_a_pipe_plain_lines() -> None:
     assert "loss is 0.3" in screen.getvalue() and "3/3" in screen.getvalue()
 
 
+def test_tensorboard_is_one_clear_message_when_tensorboardx_is_missing(monkeypatch,
+                                                                       tmp_path) -> None:
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import fails
+    with pytest.raises(RuntimeError, match=r"pip install 'pcompile\[tensorboard\]'"):
+        run_report.tensorboard_writer(str(tmp_path))
+    record = run_report.metrics_record(2, 1, 2, 0.5, 10.0, "samples", 8, {"overflow": True})
+    assert run_report.tensorboard_scalars(record) == {
+        "train/loss": 0.5, "train/overflow": 1.0, "train/step_time_ms": 10.0,
+        "train/samples_per_s": 800.0}
+
+
 def test_model_flops_are_counted_on_the_traced_graph(model_path, tmp_path) -> None:
     compile_model(model_path, devices=2, out_dir=str(tmp_path / "out"))
     text = (tmp_path / "out" / "program.py").read_text()
@@ -178,7 +191,6 @@ def test_model_flops_are_counted_on_the_traced_graph(model_path, tmp_path) -> No
 # -- a rank program run, then resumed ------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_a_run_reports_its_start_up_metrics_and_a_resume_counts_its_own_steps(
         model_path, tmp_path) -> None:
     out = tmp_path / "out"
@@ -191,7 +203,9 @@ def test_a_run_reports_its_start_up_metrics_and_a_resume_counts_its_own_steps(
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return proc.stdout
 
-    first = run("--steps", "4", "--log-every", "2")
+    board = tmp_path / "board"
+    first = run("--steps", "4", "--log-every", "2",
+                *(["--tensorboard", str(board)] if HAVE_TENSORBOARDX else []))
     assert "time to first step " in first and "XLA compile" in first, first
     assert "this run: 4 steps (1..4)" in first and "samples/s" in first, first
     assert "MFU" not in first  # CPU devices
@@ -201,6 +215,10 @@ def test_a_run_reports_its_start_up_metrics_and_a_resume_counts_its_own_steps(
         assert {"step", "epoch", "step_in_epoch", "loss", "lr", "step_time_ms",
                 "samples_per_s"} <= set(r), r
         assert r["lr"] == 0.1
+    if HAVE_TENSORBOARDX:  # an event file with the scalars' tags
+        events = [board / f for f in os.listdir(board) if f.startswith("events.out.tfevents")]
+        assert len(events) == 1, os.listdir(board)
+        assert b"train/loss" in events[0].read_bytes()
     second = run("--steps", "6", "--resume")
     assert "resuming from step 4" in second, second
     assert "this run: 2 steps (5..6)" in second, second

@@ -146,6 +146,9 @@ def parse_args(argv: list[str] | None, num_ranks: int) -> argparse.Namespace:
     parser.add_argument("--log-every", type=int, default=1, metavar="N",
                         help="read the loss back from the device every N steps (all N lines "
                              "are then written; default 1)")
+    parser.add_argument("--tensorboard", default=None, metavar="DIR",
+                        help="also write the metrics.jsonl scalars as TensorBoard event files "
+                             "into DIR (needs tensorboardX: pip install 'pcompile[tensorboard]')")
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="progress (step rate, time left) on stderr even when it is not a "
                              "terminal")
@@ -465,7 +468,7 @@ class _Report:
     and the summary."""
 
     def __init__(self, module: ModuleType, mesh: Any, out_dir: str, done: int, log_every: int,
-                 writes: bool) -> None:
+                 writes: bool, tensorboard: str | None = None) -> None:
         from pcompile.backends import run_report
 
         self.rr = run_report
@@ -486,6 +489,12 @@ class _Report:
         self.times: list[float] = []  # seconds of each step after the first
         self.path = os.path.join(out_dir, "metrics.jsonl") if writes else None
         self.mesh = mesh
+        self.board: Any = None
+        if self.path is not None and tensorboard:
+            try:
+                self.board = run_report.tensorboard_writer(tensorboard)
+            except RuntimeError as exc:
+                raise RankError(str(exc)) from None
         if self.path is not None:
             from pcompile.backends.checkpoint import atomic_write_text
 
@@ -529,8 +538,14 @@ class _Report:
             loss = float(local_pieces(loss_out, self.mesh)[0])
             known: dict[str, Any] = {"lr": self.lr}
             known.update(self._extras([local_pieces(v, self.mesh)[0] for _, v in extras]))
-            out.append(self.rr.metrics_line(self.rr.metrics_record(
-                step, epoch, in_epoch, loss, seconds * 1000, self.unit, self.per_step, known)))
+            record = self.rr.metrics_record(step, epoch, in_epoch, loss, seconds * 1000,
+                                            self.unit, self.per_step, known)
+            out.append(self.rr.metrics_line(record))
+            if self.board is not None:
+                for tag, value in self.rr.tensorboard_scalars(record).items():
+                    self.board.add_scalar(tag, value, step)
+        if self.board is not None:
+            self.board.flush()
         if out:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
@@ -568,6 +583,11 @@ class _Report:
         known = sum(v for k, v in phases.items() if k != "total")
         phases["other"] = max(0.0, phases["total"] - known)
         return self.rr.startup_line(phases)
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
+            self.board = None
 
     def summary(self, trained: int, first: int, last: int, seconds: float) -> str:
         line = self.rr.summary_line(trained, first, last, seconds, self.steady_ms(), self.unit,
@@ -895,7 +915,7 @@ class _Runner:
         logs = {r: TrainLog(os.path.join(self._rank_dir(r), "train.log"),
                             list(meta.get("log", []))[:done]) for r in self.local}
         report = _Report(m, self.mesh, self.out_dir, done, args.log_every,
-                         writes=self.local[0] == 0)
+                         writes=self.local[0] == 0, tensorboard=args.tensorboard)
         fn = self._function(donate=True)
         out_names = list(m.OUTPUTS)
         extra_outputs = [i for i, name in enumerate(out_names) if i and name not in state]
@@ -1001,6 +1021,7 @@ class _Runner:
         if steady is not None:  # the steady rate: without compiling
             rate = f" ({steady:.3f} ms/step after the first, median)"
         shared = " (the executable compiled by process 0)" if getattr(fn, "shared", False) else ""
+        report.close()
         self._say(report.summary(total - done, done + 1, total, loop_end - start),
                   force=True, first_only=True)
         self._say(f"rank(s) {self.local[0]}..{self.local[-1]}: steps {done + 1}..{total} in "
