@@ -19,7 +19,7 @@ from typing import Any
 import click
 import numpy as np
 
-from pcompile.compiler.progress import CompileProgress, LossMonitor, log, setup_logging
+from pcompile.compiler.progress import CompileProgress, log, run_monitor, setup_logging
 
 # At exit the interpreter runs one last full garbage collection over everything still alive: a
 # compile's graphs (their use lists are cycles) and memo tables, about a second for a 96-layer
@@ -174,6 +174,10 @@ def _verbosity(function: Any) -> Any:
               metavar="N", help="With --run: read the loss back from the device every N steps "
                                 "(the step then never waits for the host; every step is still "
                                 "logged).")
+@click.option("--tensorboard", "tensorboard", type=click.Path(file_okay=False), default=None,
+              metavar="DIR", help="With --run on JAX: also write the metrics (DIR/metrics.jsonl "
+                                  "of --out) as TensorBoard event files into DIR (needs "
+                                  "pcompile[tensorboard]).")
 @_verbosity
 def compile_command(
     model: str,
@@ -202,6 +206,7 @@ def compile_command(
     platform: str,
     matmul_precision: str,
     log_every: int,
+    tensorboard: str | None,
     verbose: int,
     quiet: bool,
 ) -> None:
@@ -225,7 +230,8 @@ def compile_command(
                    "startup_timeout": startup_timeout, "heartbeat_timeout": heartbeat_timeout,
                    "fail_on_nan": fail_on_nan, "steps": steps, "backend": backend,
                    "print_every": print_every, "quiet": quiet, "platform": platform,
-                   "matmul_precision": matmul_precision, "log_every": log_every}
+                   "matmul_precision": matmul_precision, "log_every": log_every,
+                   "tensorboard": os.path.abspath(tensorboard) if tensorboard else None}
     try:
         # The rank processes own the accelerators: compiling and checking here use the CPU.
         pin_parent_to_cpu()
@@ -279,7 +285,7 @@ def compile_command(
 
 RUN_ONLY = ("steps", "checkpoint_every", "resume", "processes", "startup_timeout", "timeout",
             "heartbeat_timeout", "fail_on_nan", "print_every", "platform", "matmul_precision",
-            "log_every")
+            "log_every", "tensorboard")
 
 
 def _check_run_flags(do_run: bool) -> None:
@@ -319,7 +325,8 @@ def _refuse_under_a_launcher() -> None:
 def _launched(program_state: Any, options: dict[str, Any]) -> bool:
     """Whether --run starts rank processes (else it runs in this process, on CPU)."""
     return bool(program_state.parallel or options.get("checkpoint_every")
-                or options.get("resume") or options.get("resolved_platform") == "gpu")
+                or options.get("resume") or options.get("resolved_platform") == "gpu"
+                or options.get("tensorboard"))
 
 
 def _check_run(state: Any, out_dir: str | None, options: dict[str, Any], held: Any) -> None:
@@ -336,9 +343,17 @@ def _check_run(state: Any, out_dir: str | None, options: dict[str, Any], held: A
         if platform == "gpu":  # too few GPUs: refused before anything is written or started
             assign_devices(options.get("processes") or state.devices, state.devices, gpus)
     launched = _launched(state, options) and options["backend"] == "jax"
-    if (options.get("resume") or options.get("checkpoint_every")) and not launched:
-        raise PcompileError("--resume and --checkpoint-every need the JAX rank programs; drop "
-                            "--backend numpy")
+    if options.get("tensorboard"):
+        import importlib.util
+
+        from pcompile.backends.run_report import TENSORBOARD_MISSING
+
+        if importlib.util.find_spec("tensorboardX") is None:
+            raise PcompileError(TENSORBOARD_MISSING)
+    if (options.get("resume") or options.get("checkpoint_every")
+            or options.get("tensorboard")) and not launched:
+        raise PcompileError("--resume, --checkpoint-every and --tensorboard need the JAX rank "
+                            "programs; drop --backend numpy")
     n = state.devices
     procs = options.get("processes")
     if procs and launched and n % procs:
@@ -362,6 +377,7 @@ def _check_run(state: Any, out_dir: str | None, options: dict[str, Any], held: A
             raise PcompileError(f"--resume: the checkpoint is at step {point.step}, beyond "
                                 f"--steps {options['steps']}; ask for at least {point.step} "
                                 "steps")
+        options["resume_step"] = point.step
 
 
 def _from_options(exc: BaseException) -> bool:
@@ -556,14 +572,23 @@ def _low_precision_report(program: Any) -> None:
 
 def _train(program: Any, steps: int, backend: str,
            options: dict[str, Any] | None = None) -> None:
-    from pcompile.compiler.runtime import StandAloneRunner, batches, format_loss_line
-
     options = options or {}
     if _launched(program.state, options) and backend == "jax":
         _launch(program, steps, options)
         return
+    monitor = run_monitor(steps, int(options.get("print_every") or 1), click.echo)
+    try:
+        _train_here(program, steps, backend, options, monitor)
+    finally:
+        monitor.close()
+
+
+def _train_here(program: Any, steps: int, backend: str, options: dict[str, Any],
+                monitor: Any) -> None:
+    """--run in this process: the numpy simulator, or one device on JAX."""
+    from pcompile.compiler.runtime import StandAloneRunner, batches, format_loss_line
+
     fail_on_nan = bool(options.get("fail_on_nan", True))
-    monitor = LossMonitor(steps, int(options.get("print_every") or 1), click.echo)
     if program.state.parallel:
         _train_simulated(program, steps, fail_on_nan, monitor)
         return
@@ -622,6 +647,8 @@ def _launch(program: Any, steps: int, options: dict[str, Any]) -> None:
     click.echo(f"launching {procs} process(es) for {n} rank(s) on {where}: {program.out_dir}/"
                "rank_*/program.py (logs: rank_*/run.log)")
     start = time.perf_counter()
+    monitor = run_monitor(steps, int(options.get("print_every") or 1), click.echo,
+                          done=int(options.get("resume_step") or 0))
     try:
         result = launch(program.out_dir, steps=steps, processes=procs,
                         checkpoint_every=int(options.get("checkpoint_every") or 0),
@@ -630,16 +657,20 @@ def _launch(program: Any, steps: int, options: dict[str, Any]) -> None:
                         startup_timeout=float(options.get("startup_timeout") or 600.0),
                         heartbeat_timeout=float(options.get("heartbeat_timeout") or 30.0),
                         fail_on_nan=bool(options.get("fail_on_nan", True)),
-                        echo=LossMonitor(steps, int(options.get("print_every") or 1),
-                                         click.echo),
+                        echo=monitor,
                         platform=str(options.get("resolved_platform") or "cpu"),
                         gpus=int(options.get("gpus") or 0),
                         extra_args=["--matmul-precision",
                                     str(options.get("matmul_precision") or "default"),
-                                    "--log-every", str(int(options.get("log_every") or 1))])
+                                    "--log-every", str(int(options.get("log_every") or 1)),
+                                    *(["--tensorboard", str(options["tensorboard"])]
+                                      if options.get("tensorboard") else [])])
     except LaunchError as exc:
+        monitor.close()
         _fail(str(exc))
         return
+    finally:
+        monitor.close()
     if result.code != 0:
         sys.exit(result.code)
     if not program.training:
@@ -647,7 +678,12 @@ def _launch(program: Any, steps: int, options: dict[str, Any]) -> None:
                    f"{procs} process(es)); outputs: {program.out_dir}/rank_*/outputs.npz")
         return
     log = os.path.join(program.out_dir, "rank_0", "train.log")
-    click.echo(f"{len(result.losses)} steps on {n} rank(s) in {time.perf_counter() - start:.2f} "
+    trained = result.trained
+    steps_text = f"{trained} step{'s' if trained != 1 else ''}"
+    if result.resumed_from:
+        steps_text += (f" (steps {result.resumed_from + 1}..{len(result.losses)}, resumed "
+                       f"from step {result.resumed_from})")
+    click.echo(f"{steps_text} on {n} rank(s) in {time.perf_counter() - start:.2f} "
                f"s (JAX, {procs} process(es)); every rank reports the same loss; log: {log}; "
                f"checkpoints: {os.path.join(program.out_dir, 'checkpoints')}")
 

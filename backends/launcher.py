@@ -103,11 +103,16 @@ def fresh_file(out_dir: str, folder: str, name: str) -> int:
 
 
 def tail(path: str, lines: int = TAIL_LINES) -> str:
+    """The last `lines` lines of a log, without third-party noise (gloo's connection lines,
+    which stay in the file: backends/run_report.py `without_noise`)."""
+    from pcompile.backends.run_report import without_noise
+
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
+            text = without_noise(f.read())
     except OSError:
         return "(no log)\n"
+    return "".join(text.splitlines(keepends=True)[-lines:])
 
 
 def _describe(code: int) -> str:
@@ -159,10 +164,22 @@ class _Proc:
 
 @dataclass
 class LaunchResult:
+    """How a launch ended. `losses`: rank 0's train.log (every step, a resumed run's earlier
+    ones included); `resumed_from`: the step a --resume continued from (0: a fresh run), so
+    this run trained `len(losses) - resumed_from` steps; `report`: rank 0's report lines
+    (time to first step, the run's summary: backends/run_report.py)."""
+
     code: int
     failed_rank: int | None = None
     message: str = ""
     losses: list[str] = field(default_factory=list)
+    resumed_from: int = 0
+    report: list[str] = field(default_factory=list)
+
+    @property
+    def trained(self) -> int:
+        """Steps trained by this run."""
+        return max(0, len(self.losses) - self.resumed_from)
 
 
 @dataclass(frozen=True)
@@ -273,8 +290,11 @@ def _launch(out_dir: str, steps: int, processes: int | None, checkpoint_every: i
     common = ["--steps", str(steps), "--timeout", str(deadlines.step),
               "--startup-timeout", str(deadlines.startup),
               "--fail-on-nan" if fail_on_nan else "--no-fail-on-nan", *(extra_args or [])]
+    resumed_from = 0
     if resume:
-        common += ["--resume", "--resume-step", str(resume_step(out_dir, steps, echo))]
+        resumed_from = resume_step(out_dir, steps, echo)
+        common += ["--resume", "--resume-step", str(resumed_from)]
+        echo(f"pcompile launcher: resuming from step {resumed_from}")
     else:
         from pcompile.backends.checkpoint import clear_checkpoints
 
@@ -293,12 +313,30 @@ def _launch(out_dir: str, steps: int, processes: int | None, checkpoint_every: i
     restore = _sigterm_as_interrupt()
     try:
         result = _attempts(programs, per, common, envs, python or sys.executable, echo,
-                           stop_grace, out_dir, host, port_attempts, deadlines)
+                           stop_grace, out_dir, host, port_attempts, deadlines, resumed_from)
     finally:
         restore()
     if result.code == 0:
         result = _check_logs(out_dir, n, result, echo)
+        result.report = _report(out_dir, echo)
+    result.resumed_from = resumed_from
     return result
+
+
+def _report(out_dir: str, echo: Callable[[str], None]) -> list[str]:
+    """Echo (and return) the report lines process 0 wrote into rank 0's run.log."""
+    from pcompile.backends.run_report import report_lines
+
+    try:
+        with open(os.path.join(out_dir, "rank_0", "run.log"), encoding="utf-8",
+                  errors="replace") as f:
+            lines = report_lines(f.read())
+    except OSError:
+        return []
+    for line in lines:
+        if not line.startswith("resuming from step"):  # the launcher said it first
+            echo(line)
+    return lines
 
 
 def _sigterm_as_interrupt() -> Callable[[], None]:
@@ -321,12 +359,13 @@ def _sigterm_as_interrupt() -> Callable[[], None]:
 
 def _attempts(programs: list[str], per: int, common: list[str], envs: list[dict[str, str]],
               python: str, echo: Callable[[str], None], stop_grace: float, out_dir: str,
-              host: str, port_attempts: int, deadlines: Deadlines) -> LaunchResult:
+              host: str, port_attempts: int, deadlines: Deadlines,
+              resumed_from: int = 0) -> LaunchResult:
     result = LaunchResult(1)
     for attempt in range(port_attempts):
         port = free_port(host)
         result = _run_once(programs, per, f"{host}:{port}", common, envs, python, echo,
-                           stop_grace, out_dir, deadlines)
+                           stop_grace, out_dir, deadlines, resumed_from)
         if result.code != -1:
             break
         echo(f"pcompile launcher: coordinator port {port} was taken; retrying on another port "
@@ -365,8 +404,10 @@ def _spawn(p: int, program: str, per: int, coordinator: str, procs: int, common:
 
 def _run_once(programs: list[str], per: int, coordinator: str, common: list[str],
               envs: list[dict[str, str]], python: str, echo: Callable[[str], None],
-              stop_grace: float, out_dir: str, deadlines: Deadlines) -> LaunchResult:
-    """One attempt; code -1 means 'the coordinator port was taken, try another'."""
+              stop_grace: float, out_dir: str, deadlines: Deadlines,
+              resumed_from: int = 0) -> LaunchResult:
+    """One attempt; code -1 means 'the coordinator port was taken, try another'. The first
+    `resumed_from` lines of rank 0's train.log (restored from the checkpoint) are not echoed."""
     ranks: list[_Proc] = []
     procs = len(programs)
     progress = os.path.join(out_dir, "rank_0", "train.log")
@@ -379,7 +420,7 @@ def _run_once(programs: list[str], per: int, coordinator: str, common: list[str]
             ranks.append(_spawn(p, program, per, coordinator, procs, common, envs[p], python,
                                 out_dir))
         _write_launch_info(out_dir, coordinator, ranks)
-        seen = [0, 0]
+        seen = [0, 0, resumed_from]
         while True:
             echoed = _echo_progress(progress, seen, echo)
             for r in ranks:
@@ -584,7 +625,8 @@ def _write_launch_info(out_dir: str, coordinator: str, ranks: list[_Proc]) -> No
 
 def _echo_progress(path: str, state: list[int], echo: Callable[[str], None]) -> int:
     """Echo the complete lines added to `path` since the last call. `state` is
-    [bytes consumed, lines echoed]; returns the number of lines echoed so far."""
+    [bytes consumed, lines echoed, lines to pass over first (a resumed run's restored
+    ones)]; returns the number of lines echoed so far."""
     try:
         with open(path, "rb") as f:
             f.seek(state[0])
@@ -593,6 +635,9 @@ def _echo_progress(path: str, state: list[int], echo: Callable[[str], None]) -> 
         return state[1]
     end = data.rfind(b"\n") + 1  # only complete lines
     for line in data[:end].decode("utf-8", errors="replace").splitlines():
+        if len(state) > 2 and state[2] > 0:
+            state[2] -= 1
+            continue
         echo(line)
         state[1] += 1
     state[0] += end

@@ -5,8 +5,9 @@ The guarantees (docs/running.md, "The output folder"):
 * Every compile writes a manifest, `.pcompile-manifest.json`, listing each file and folder it
   wrote. A later compile replaces exactly what the manifest lists, nothing else.
 * Run outputs (what `--run`, the rank programs and `pcompile-merge` write: `rank_<r>/train.log`,
-  `rank_<r>/run.log`, `rank_<r>/outputs.npz`, `launch.json`, `checkpoints/rank_<r>/step_*`
-  (`.safetensors` and `.json`, or an older pcompile's `.npz`), `merged_step_*.npz`;
+  `rank_<r>/run.log`, `rank_<r>/outputs.npz`, `launch.json`, `metrics.jsonl`,
+  `checkpoints/rank_<r>/step_*` (`.safetensors` and `.json`, or an older pcompile's `.npz`),
+  `merged_step_*.npz`;
   `pcompile show`'s pictures `show/*.svg`) survive a recompile: they are carried into the new
   folder. Runs write files, never links: a symbolic link at a run output's place is not
   carried (the launcher would otherwise write through it).
@@ -49,7 +50,8 @@ _STAGING_MARK = ".pcompile-staging"  # present while a staging folder is incompl
 
 # Files that runs write into the folder (relative, '/'-separated), and the folders holding them.
 _RUN_OUTPUT = re.compile(
-    r"launch\.json|merged_step_\d+\.npz|rank_\d+/(?:train\.log|run\.log|outputs\.npz)"
+    r"launch\.json|metrics\.jsonl|merged_step_\d+\.npz"
+    r"|rank_\d+/(?:train\.log|run\.log|outputs\.npz)"
     r"|checkpoints/rank_\d+/step_\d+\.(?:safetensors|json|npz)|show/[A-Za-z0-9._-]+\.svg"
 )
 _RUN_FOLDER = re.compile(r"rank_\d+|checkpoints|checkpoints/rank_\d+|show")

@@ -7,7 +7,9 @@
   dropped (`OnceFilter`); Python warnings go through the same handler.
 * Compiles: `CompileProgress` is the driver's `on_event` hook (pass by pass, the outputs
   written, elapsed time). Runs: `LossMonitor` prints every K-th loss line (MindSpore's
-  `LossMonitor(per_print_times)`) and logs the step rate and the time left.
+  `LossMonitor(per_print_times)`) and logs the step rate and the time left;
+  `run_monitor` gives a `RichLossMonitor` instead when stdout is a terminal (a rich progress
+  bar under the printed lines).
 """
 
 from __future__ import annotations
@@ -130,6 +132,66 @@ class LossMonitor:
                          _duration(left))
             else:
                 log.info("step %d/%d", self.seen, self.steps)
+
+
+    def close(self) -> None:
+        """Nothing to undo (a RichLossMonitor stops its bar)."""
+
+
+class RichLossMonitor(LossMonitor):
+    """A LossMonitor for a terminal: the lines it prints scroll above a rich progress bar
+    (steps done of all, the last loss, elapsed time and time left), which starts with the first
+    loss line and stays on the screen when the run ends."""
+
+    def __init__(self, steps: int, per_print: int = 1, done: int = 0,
+                 console: Any = None) -> None:
+        from rich.console import Console
+
+        self.console = console or Console(highlight=False)
+        super().__init__(steps, per_print, self._print, done)
+        self.progress: Any = None
+        self.task: Any = None
+
+    def _print(self, line: str) -> None:
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    def __call__(self, line: str) -> None:
+        super().__call__(line)
+        if not LOSS_LINE.match(line):
+            return
+        if self.progress is None:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self.progress = Progress(
+                TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+                TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(),
+                TextColumn("left"), TimeRemainingColumn(), console=self.console)
+            self.progress.start()
+            self.task = self.progress.add_task("train", total=self.steps,
+                                               completed=self.seen - 1, loss="")
+        self.progress.update(self.task, completed=min(self.seen, self.steps),
+                             loss=line.rpartition(" ")[2])
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+def run_monitor(steps: int, per_print: int = 1, echo: Callable[[str], None] = print,
+                done: int = 0, stream: Any = None) -> LossMonitor:
+    """A progress bar (RichLossMonitor) when `stream` (stdout) is a terminal, else plain
+    lines through `echo` (LossMonitor)."""
+    if _isatty(stream or sys.stdout):
+        return RichLossMonitor(steps, per_print, done)
+    return LossMonitor(steps, per_print, echo, done)
 
 
 def _duration(seconds: float) -> str:

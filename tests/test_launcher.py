@@ -223,7 +223,15 @@ def test_resume_after_a_failure_is_bit_identical(model_path, tmp_path) -> None:
                      "step_00000004.safetensors"]
     # A recompile keeps the checkpoints; --resume continues from step 4.
     compile_model(model_path, devices=4, out_dir=str(resumed))
-    assert launch(str(resumed), steps=7, processes=2, resume=True, echo=quiet).code == 0
+    echoed: list[str] = []
+    result = launch(str(resumed), steps=7, processes=2, resume=True, echo=echoed.append)
+    assert result.code == 0
+    # it says where it resumes, echoes only the steps it trains, and counts only those
+    assert echoed[0] == "pcompile launcher: resuming from step 4", echoed
+    assert [line for line in echoed if line.startswith("epoch")] == result.losses[4:]
+    assert result.resumed_from == 4 and result.trained == 3
+    assert any(line.startswith("this run: 3 steps (5..7)") for line in echoed), echoed
+    assert any(line.startswith("time to first step") for line in echoed), echoed
     for r in range(4):
         a = (straight / f"rank_{r}" / "train.log").read_bytes()
         assert (resumed / f"rank_{r}" / "train.log").read_bytes() == a

@@ -308,6 +308,7 @@ class _Writer:
             f"PARALLEL_MODE = {info['mode']!r}",
             f"TRAINING = {info['training']!r}",
             f"PLAN_ID = {info['plan_id']!r}",
+            *run_report_lines(info),
             f"MESH = {literal(mesh)}  # rank = row-major index on this mesh",
             f"AXES = {literal(plan.mesh.names)}",
             "# Graph parameters in order: (name, kind, local shape, dtype name); their layouts",
@@ -454,6 +455,7 @@ def rank_artifacts(state: Any, folder: str) -> dict[str, bytes]:
         "layouts": {p.name: layout_entry(layouts.get(p.name), tuple(p.shape), p.dtype.name)
                     for p in graph.params},
         "doc": "One training step" if state.training else "The forward computation",
+        **run_report_info(state),
     }
     writer = _Writer(plan, info)
     info["plan_id"] = _plan_id(writer, n)
@@ -463,6 +465,26 @@ def rank_artifacts(state: Any, folder: str) -> dict[str, bytes]:
     if writer.consts:
         out["consts.npz"] = npz_bytes(writer.consts)
     return out
+
+
+def run_report_info(state: Any) -> dict[str, Any]:
+    """What the runtime needs to report a run (backends/run_report.py): the model FLOPs of one
+    step counted on the traced forward graph (compiler/flops.py; 0: none counted) and the
+    optimizer's learning rate when it is a constant."""
+    from pcompile.compiler.flops import constant_learning_rate, model_flops
+
+    traced = getattr(state, "traced", None)
+    graph = traced.graph if traced is not None else None
+    return {"model_flops": model_flops(graph, bool(state.training)),
+            "learning_rate": constant_learning_rate(getattr(state, "optimizer", None))}
+
+
+def run_report_lines(info: dict[str, Any]) -> list[str]:
+    """The program's lines for `run_report_info`."""
+    return [f"MODEL_FLOPS = {int(info.get('model_flops') or 0)}  # of one step, all ranks: "
+            "3 x the forward's matmul/attention FLOPs when training (0: not counted)",
+            f"LEARNING_RATE = {info.get('learning_rate')!r}  # None: a schedule, or no "
+            "optimizer"]
 
 
 def stored_values(state: Any) -> list[tuple[str, str, Any]]:

@@ -31,6 +31,8 @@ from pcompile.backends.jax.codegen import (
     _layouts_literal,
     _Writer,
     literal,
+    run_report_info,
+    run_report_lines,
 )
 from pcompile.backends.jax.pipeline_plan import PipelinePlan
 from pcompile.backends.jax.plan import NodePlan
@@ -126,6 +128,7 @@ def pipeline_artifacts(state: Any, dumped: list[int], dump: str) -> dict[str, by
         "layouts": {name: layout_entry(layouts.get(name), tuple(shape), dtype)
                     for name, _, shape, dtype in tables.union_params},
         "doc": "One training step",
+        **run_report_info(state),
     }
     writers = [_StageWriter(plan, s, info) for s in range(program.stages)]
     digest = hashlib.sha256(repr(sorted(tables.literal().items())).encode())
@@ -187,6 +190,7 @@ def _source(plan: PipelinePlan, writers: list[_StageWriter], info: dict[str, Any
         f"PARALLEL_MODE = {info['mode']!r}",
         "TRAINING = True",
         f"PLAN_ID = {info['plan_id']!r}",
+        *run_report_lines(info),
         f"MESH = {literal(mesh)}  # rank = row-major index; stage s owns ranks "
         f"[s*{program.per_stage}, (s+1)*{program.per_stage})",
         f"AXES = {literal(plan.mesh.names)}",

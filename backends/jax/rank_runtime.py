@@ -62,8 +62,26 @@ DEVICE_MIN_RANDOM = 1 << 18
 DEVICE_MIN_CONSTANT = 1 << 12
 
 
+_IMPORTED = time.time()  # this module's import: the start when /proc does not say
+
+
 class RankError(Exception):
     """A user-facing error of the rank program (printed without a traceback)."""
+
+
+def process_start() -> float:
+    """When this process started (time.time() scale): from /proc on Linux (the kernel's
+    start time, 10 ms resolution), else when this module was imported."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat", encoding="ascii") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        start = boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED
+    # btime is whole seconds: never report a start after the import, nor long before it
+    return start if _IMPORTED - 3600 < start <= _IMPORTED else _IMPORTED
 
 
 # -- identity ----------------------------------------------------------------------------------
@@ -128,6 +146,9 @@ def parse_args(argv: list[str] | None, num_ranks: int) -> argparse.Namespace:
     parser.add_argument("--log-every", type=int, default=1, metavar="N",
                         help="read the loss back from the device every N steps (all N lines "
                              "are then written; default 1)")
+    parser.add_argument("--tensorboard", default=None, metavar="DIR",
+                        help="also write the metrics.jsonl scalars as TensorBoard event files "
+                             "into DIR (needs tensorboardX: pip install 'pcompile[tensorboard]')")
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="progress (step rate, time left) on stderr even when it is not a "
                              "terminal")
@@ -375,6 +396,8 @@ def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbea
             raise RankError(str(exc)) from exc
     if args.matmul_precision != "default":
         jax.config.update("jax_default_matmul_precision", args.matmul_precision)
+    started = process_start()
+    timings = {"start": started, "imports": time.time() - started}
     if nproc > 1:
         if platform != "gpu":  # GPUs talk over NCCL, CPU devices over gloo
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -389,6 +412,7 @@ def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbea
             kwargs["local_device_ids"] = local_ids
         # else: JAX's own cluster detection (SLURM, Open MPI) finds everything
         heartbeat.set(phase="connect")
+        connecting = time.perf_counter()
         try:
             jax.distributed.initialize(**kwargs)
         except Exception as exc:
@@ -397,15 +421,17 @@ def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbea
                       f"{coordinator} (address in use?): {exc}", file=sys.stderr)
                 return EXIT_COORDINATOR_PORT
             raise
+        timings["distributed"] = time.perf_counter() - connecting
         _exit_on_sigterm(label)
         if jax.process_index() != pid:
             raise RankError(f"JAX numbers this process {jax.process_index()}, expected {pid} "
                             f"({identity.source})")
-    return _train(modules, args, num_ranks, my_ranks, watchdog, heartbeat)
+    return _train(modules, args, num_ranks, my_ranks, watchdog, heartbeat, timings)
 
 
 def _train(modules: list[ModuleType], args: argparse.Namespace, num_ranks: int,
-           my_ranks: list[int], watchdog: Watchdog, heartbeat: Heartbeat) -> int:
+           my_ranks: list[int], watchdog: Watchdog, heartbeat: Heartbeat,
+           timings: dict[str, float] | None = None) -> int:
     import jax
 
     from pcompile.backends.jax.plan import MeshSpec
@@ -425,20 +451,162 @@ def _train(modules: list[ModuleType], args: argparse.Namespace, num_ranks: int,
         if local != my_ranks:
             raise RankError(f"this process owns devices of ranks {local}, expected {my_ranks}")
         watchdog.arm(args.startup_timeout, "start-up")
-        code = _Runner(module, mesh, local, out_dir, args, watchdog, heartbeat).run()
+        code = _Runner(module, mesh, local, out_dir, args, watchdog, heartbeat,
+                       dict(timings or {})).run()
         if code:
             break
+        timings = None  # the next program's start-up is its own: no imports, no start-up
     # jax.distributed's exit waits for every process; do not wait for ever.
     watchdog.arm(args.timeout, "shutdown")
     return code
+
+
+class _Report:
+    """What this run reports (backends/run_report.py): the start-up line, `metrics.jsonl`
+    (`<out>/metrics.jsonl`, written by the process that runs rank 0: one line for the first
+    step, every `--log-every`-th and the last; a resumed run keeps the lines up to its step)
+    and the summary."""
+
+    def __init__(self, module: ModuleType, mesh: Any, out_dir: str, done: int, log_every: int,
+                 writes: bool, tensorboard: str | None = None) -> None:
+        from pcompile.backends import run_report
+
+        self.rr = run_report
+        self.done = done
+        self.log_every = max(1, log_every)
+        self.ranks = int(module.NUM_RANKS)
+        inputs = [(tuple(module.LAYOUTS[name][0]), dtype)
+                  for name, kind, _, dtype in module.PARAMS if kind == "input"]
+        self.unit, self.per_step = run_report.throughput_unit(inputs)
+        weights = sum(int(np.prod(module.LAYOUTS[name][0], dtype=np.int64))
+                      for name, kind, _, _ in module.PARAMS if kind == "weight")
+        self.flops, self.flops_how = run_report.step_flops(
+            int(getattr(module, "MODEL_FLOPS", 0) or 0), weights, self.unit, self.per_step)
+        device = mesh.devices.flat[0]
+        self.peak = run_report.peak_tflops(str(getattr(device, "device_kind", "")),
+                                           str(getattr(device, "platform", "cpu")))
+        self.lr = getattr(module, "LEARNING_RATE", None)
+        self.times: list[float] = []  # seconds of each step after the first
+        self.path = os.path.join(out_dir, "metrics.jsonl") if writes else None
+        self.mesh = mesh
+        self.board: Any = None
+        if self.path is not None and tensorboard:
+            try:
+                self.board = run_report.tensorboard_writer(tensorboard)
+            except RuntimeError as exc:
+                raise RankError(str(exc)) from None
+        if self.path is not None:
+            from pcompile.backends.checkpoint import atomic_write_text
+
+            kept = self._kept(done)
+            atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+
+    def _kept(self, done: int) -> list[str]:
+        """A resumed run's earlier lines (steps up to the one resumed from)."""
+        if not done or self.path is None:
+            return []
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return []
+        kept = []
+        for line in lines:
+            try:
+                step = json.loads(line).get("step")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(step, int) and step <= done:
+                kept.append(line)
+        return kept
+
+    def steps(self, pending: list[tuple[int, int, int, Any, list[Any]]], seconds: float,
+              last: bool, first: bool) -> None:
+        """Steps just read back, each of which took `seconds` (their share of the time)."""
+        if not first:
+            self.times += [seconds] * len(pending)
+        if self.path is None:
+            return
+        from pcompile.backends.jax.spmd import local_pieces
+
+        out = []
+        for i, (k, epoch, in_epoch, loss_out, extras) in enumerate(pending):
+            step = k + 1
+            if not (step == self.done + 1 or step % self.log_every == 0
+                    or (last and i == len(pending) - 1)):
+                continue
+            loss = float(local_pieces(loss_out, self.mesh, ())[0])
+            known: dict[str, Any] = {"lr": self.lr}
+            known.update(self._extras([local_pieces(v, self.mesh)[0] for _, v in extras]))
+            record = self.rr.metrics_record(step, epoch, in_epoch, loss, seconds * 1000,
+                                            self.unit, self.per_step, known)
+            out.append(self.rr.metrics_line(record))
+            if self.board is not None:
+                for tag, value in self.rr.tensorboard_scalars(record).items():
+                    self.board.add_scalar(tag, value, step)
+        if self.board is not None:
+            self.board.flush()
+        if out:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, "".join(line + "\n" for line in out).encode())
+            finally:
+                os.close(fd)
+
+    @staticmethod
+    def _extras(values: list[Any]) -> dict[str, Any]:
+        """The step's other scalar outputs, in MindSpore's order (TrainOneStepWithLossScaleCell:
+        loss, overflow, loss scale; mindformers adds the global gradient norm)."""
+        out: dict[str, Any] = {}
+        names = iter(("loss_scale", "grad_norm"))
+        for value in values:
+            array = np.asarray(value)
+            if array.size != 1:
+                continue
+            if array.dtype == np.bool_:
+                if "overflow" not in out:
+                    out["overflow"] = bool(array.reshape(()))
+                continue
+            if "overflow" not in out:
+                continue  # not the loss-scale convention: unnamed outputs stay out
+            name = next(names, None)
+            if name is not None and np.issubdtype(array.dtype, np.floating):
+                out[name] = float(array.reshape(()))
+        return out
+
+    def steady_ms(self) -> float | None:
+        value = self.rr.median(self.times)
+        return None if value is None else value * 1000
+
+    def startup(self, timings: dict[str, float]) -> str:
+        phases = {key: value for key, value in timings.items() if key != "start"}
+        known = sum(v for k, v in phases.items() if k != "total")
+        phases["other"] = max(0.0, phases["total"] - known)
+        return self.rr.startup_line(phases)
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+
+    def summary(self, trained: int, first: int, last: int, seconds: float) -> str:
+        line = self.rr.summary_line(trained, first, last, seconds, self.steady_ms(), self.unit,
+                                    self.per_step, self.flops, self.flops_how, self.peak,
+                                    self.ranks)
+        if self.path is not None:
+            line += f"; metrics: {self.path}"
+        return line
 
 
 class _Runner:
     """The training (or inference) loop of one process."""
 
     def __init__(self, module: ModuleType, mesh: Any, local: list[int], out_dir: str,
-                 args: argparse.Namespace, watchdog: Watchdog, heartbeat: Heartbeat) -> None:
+                 args: argparse.Namespace, watchdog: Watchdog, heartbeat: Heartbeat,
+                 timings: dict[str, float] | None = None) -> None:
         self.m = module
+        # start-up phases so far (seconds; "start": the process's start, time.time())
+        self.timings = timings or {"start": time.time()}
         self.heartbeat = heartbeat
         self.mesh = mesh
         self.local = local
@@ -731,12 +899,17 @@ class _Runner:
         for r in self.local:  # temporary files of a killed checkpoint write
             clean_temp_files(os.path.join(self.ckpt_dir, f"rank_{r}"))
         resume_step = self._resume_step() if args.resume else None
+        making = time.perf_counter()
         if resume_step is None:
             state, meta = self._initial_state(), {}
+            self.timings["init"] = time.perf_counter() - making
         else:
+            self._say(f"resuming from step {resume_step} (checkpoints in {self.ckpt_dir})",
+                      force=True, first_only=True)
             values, meta = self._load_values(resume_step)
             state = {name: self._put(name, {r: values[r][name] for r in self.local}, shape)
                      for name, _, shape, _ in self.stored}
+            self.timings["restore"] = time.perf_counter() - making
         self.saver.intact = resume_step
         self.host = HostState(self.mesh, {name: shape for name, _, shape, _ in self.stored})
         if args.checkpoint_every and args.checkpoint_every < args.steps:
@@ -747,11 +920,13 @@ class _Runner:
                             "resumed from; ask for more steps")
         logs = {r: TrainLog(os.path.join(self._rank_dir(r), "train.log"),
                             list(meta.get("log", []))[:done]) for r in self.local}
+        report = _Report(m, self.mesh, self.out_dir, done, args.log_every,
+                         writes=self.local[0] == 0, tensorboard=args.tensorboard)
         fn = self._function(donate=True)
         out_names = list(m.OUTPUTS)
+        extra_outputs = [i for i, name in enumerate(out_names) if i and name not in state]
         fault, fault_mode = _fault_injection(self.local)
         first = True
-        after_first = (0.0, 0)  # (time, steps) once the first step is done
         epoch, in_epoch = int(meta.get("epoch", 1)), int(meta.get("step_in_epoch", 0))
         start = time.perf_counter()
         monitor = LossMonitor(args.steps, args.print_every,
@@ -759,14 +934,15 @@ class _Runner:
         self.heartbeat.set(phase="data", done=done)
         # Losses still on the device: read back (one wait) every --log-every steps, before a
         # checkpoint and at the end; the steps in between never wait for the host.
-        pending: list[tuple[int, int, int, Any]] = []
+        pending: list[tuple[int, int, int, Any, list[Any]]] = []
+        marks = {"since": 0.0, "called": 0.0}  # the last read-back; the first step's call
 
-        def flush() -> None:
+        def flush(last: bool = False) -> None:
             if not pending:
                 return
             self.watchdog.arm(args.timeout * len(pending), f"steps {pending[0][0] + 1}.."
                                                            f"{pending[-1][0] + 1}")
-            for k_done, ep, step_in, loss_out in pending:
+            for k_done, ep, step_in, loss_out, _ in pending:
                 losses = local_pieces(loss_out, self.mesh, ())
                 for r in self.local:
                     logs[r].add(format_loss_line(ep, step_in, float(losses[r])))
@@ -776,6 +952,14 @@ class _Runner:
                     raise NonFiniteLossError(
                         f"the loss is {float(losses[bad[0]])} at step {k_done + 1} (epoch "
                         f"{ep}, step {step_in}); stopped (--no-fail-on-nan trains on)")
+            now = time.perf_counter()
+            if marks["since"]:  # steps after the first: their share of the time since
+                per = (now - marks["since"]) / len(pending)
+            else:  # the first step of this run: its call and read-back, less the compile
+                per = now - marks["called"] - getattr(fn, "compile_seconds", 0.0)
+            report.steps(pending, per, last or pending[-1][0] + 1 >= args.steps,
+                         first=not marks["since"])
+            marks["since"] = now
             self.watchdog.disarm()
             self.heartbeat.set(phase="data", done=pending[-1][0] + 1)
             pending.clear()
@@ -796,17 +980,24 @@ class _Runner:
                      for (name, _, shape, _), a in zip(self.inputs, arrays)]
             feeds += [state[name] for name, *_ in self.stored]
             self.heartbeat.set(phase="compute")
+            if first:
+                marks["called"] = time.perf_counter()
             outs = fn(*feeds)
             for name, value in zip(out_names[1:], outs[1:]):
                 if name in state:
                     state[name] = value
             loss_out = outs[-1] if len(outs) > len(out_names) else outs[0]
-            pending.append((k, epoch, in_epoch, loss_out))
+            pending.append((k, epoch, in_epoch, loss_out,
+                            [(out_names[i], outs[i]) for i in extra_outputs]))
             step_no = k + 1
             if first or step_no % args.log_every == 0:  # the first step: compiled, on time
                 flush()
             if first:
-                after_first = (time.perf_counter(), step_no)
+                self.timings["compile"] = getattr(fn, "compile_seconds", 0.0)
+                self.timings["first_step"] = (time.perf_counter() - marks["called"]
+                                              - self.timings["compile"])
+                self.timings["total"] = time.time() - self.timings["start"]
+                self._say(report.startup(self.timings), force=True, first_only=True)
             first = False
             every = args.checkpoint_every
             if every and step_no % every == 0 and step_no < args.steps:
@@ -814,7 +1005,7 @@ class _Runner:
                 self.heartbeat.set(phase="checkpoint")
                 self._checkpoint(step_no, epoch, in_epoch, state, logs)
                 self.heartbeat.set(phase="data", done=step_no)
-        flush()
+        flush(last=True)
         loop_end = time.perf_counter()
         total = len(logs[self.local[0]].lines)
         if total > done and not args.no_checkpoint:
@@ -832,10 +1023,13 @@ class _Runner:
                       force=True)
         elapsed = time.perf_counter() - start
         rate = ""
-        if not first and total > after_first[1]:  # the steady rate: without compiling
-            per = (loop_end - after_first[0]) / (total - after_first[1])
-            rate = f" ({per * 1000:.3f} ms/step after the first)"
+        steady = report.steady_ms()
+        if steady is not None:  # the steady rate: without compiling
+            rate = f" ({steady:.3f} ms/step after the first, median)"
         shared = " (the executable compiled by process 0)" if getattr(fn, "shared", False) else ""
+        report.close()
+        self._say(report.summary(total - done, done + 1, total, loop_end - start),
+                  force=True, first_only=True)
         self._say(f"rank(s) {self.local[0]}..{self.local[-1]}: steps {done + 1}..{total} in "
                   f"{elapsed:.2f} s{rate}{shared}", force=True)
         return 0
@@ -864,12 +1058,15 @@ class _Runner:
             force=True)
         return 0
 
-    def _say(self, text: str, force: bool = False, loss: bool = False) -> None:
-        """Print a line: loss lines only from process 0 (unless --all-ranks); other processes'
-        lines carry `[rank r]` (r: their first rank)."""
+    def _say(self, text: str, force: bool = False, loss: bool = False,
+             first_only: bool = False) -> None:
+        """Print a line: loss lines (and `first_only` ones) only from process 0 (unless
+        --all-ranks); other processes' lines carry `[rank r]` (r: their first rank)."""
         if self.args.quiet and not force:
             return
         first = self.local[0] == 0
+        if first_only and not first and not self.args.all_ranks:
+            return
         if loss and not first and not self.args.all_ranks:
             return
         print(("" if first else f"[rank {self.local[0]}] ") + text, flush=True)

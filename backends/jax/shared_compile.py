@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import time
 from typing import Any
 
 from pcompile.backends.jax.rank_runtime import RankError
@@ -126,10 +127,13 @@ class SharedStep:
         self.key = f"{_made}/{name}"
         self.compiled: Any = None
         self.shared = False  # whether this process loaded process 0's executable
+        self.compile_seconds = 0.0  # lowering and compiling (or loading process 0's)
 
     def __call__(self, *args: Any) -> Any:
         if self.compiled is None:
+            start = time.perf_counter()
             self.compiled = self._compile(args)
+            self.compile_seconds = time.perf_counter() - start
         return self.compiled(*args)
 
     def _compile(self, args: tuple[Any, ...]) -> Any:
