@@ -61,7 +61,13 @@ def test_show_quickstart_strategies_and_grid(quickstart: str) -> None:
     tree = ET.parse(svg)
     rects = [e for e in tree.iter() if e.tag.endswith("rect")]
     labels = [e.text for e in tree.iter() if e.tag.endswith("text")]
-    assert len(rects) == 4 and "ranks 0,4" in labels and "ranks 3,7" in labels
+    background, blocks = rects[0], rects[1:]
+    assert background.get("fill") == "white" and background.get("class") == "background"
+    assert len(blocks) == 4 and "ranks 0,4" in labels and "ranks 3,7" in labels
+    # each block's slice range, the range along each axis and the dims' names
+    assert "[0:8, 0:16]" in labels and "[24:32, 0:16]" in labels
+    assert "8:16" in labels and "0:16" in labels
+    assert "dim 0 (32) \u2193" in labels and "dim 1 (16) \u2192" in labels
 
 
 def _dump_bytes(out: str, rank: int) -> tuple[int, int]:
@@ -152,12 +158,24 @@ def test_version_and_default_command(tmp_path) -> None:
     assert "show DIR" in output and "compile" in output
 
 
-def test_recompile_keeps_show_pictures(tmp_path) -> None:
-    """`show` writes DIR/show/*.svg; a recompile into DIR accepts (and keeps) them."""
+def test_a_recompile_drops_the_pictures_of_the_previous_plan(tmp_path) -> None:
+    """`show` writes DIR/show/*.svg and lists them; a recompile into DIR removes exactly
+    those (another model's pictures must not survive), and keeps a picture someone changed
+    since and any other file of show/ (pcompile never deletes what it did not write)."""
     out = str(tmp_path / "out")
     args = [QUICKSTART, "--devices", "8", "--out", out, "--no-check", "--dump-ranks", "0"]
     assert run_cli(args)[0] == 0
     assert run_cli(["show", out])[0] == 0
+    assert run_cli(["show", out, "--op", "matmul2"])[0] == 0  # the list grows
+    show = os.path.join(out, "show")
+    listed = json.loads(open(os.path.join(show, ".pcompile-show.json")).read())["files"]
+    assert {"show/w.svg", "show/w2.svg", "show/_backbone.matmul2_input_0.svg"} <= set(listed)
+    with open(os.path.join(show, "w2.svg"), "a") as f:
+        f.write("<!-- edited -->\n")
+    with open(os.path.join(show, "mine.svg"), "w") as f:
+        f.write("<svg/>\n")
     code, output = run_cli(args)
     assert code == 0, output
-    assert os.path.isfile(os.path.join(out, "show", "w.svg"))
+    assert sorted(os.listdir(show)) == ["mine.svg", "w2.svg"]
+    code, output = run_cli(args)  # and again: nothing of show's is left to drop
+    assert code == 0 and sorted(os.listdir(show)) == ["mine.svg", "w2.svg"]
