@@ -99,8 +99,10 @@ def _read_show_list(out: str) -> dict[str, str]:
             data = json.load(f)
     except (OSError, ValueError):
         return {}
-    files = data.get("files") if isinstance(data, dict) else None
-    if data.get("format") != _SHOW_FORMAT or not isinstance(files, dict):
+    if not isinstance(data, dict) or data.get("format") != _SHOW_FORMAT:
+        return {}
+    files = data.get("files")
+    if not isinstance(files, dict):
         return {}
     return {rel: digest for rel, digest in files.items()
             if isinstance(rel, str) and isinstance(digest, str) and is_run_output(rel)

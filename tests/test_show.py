@@ -326,3 +326,20 @@ def test_send_rows_count_the_bytes_they_send(tmp_path) -> None:
     cells = dict(zip(columns, (c.strip() for c in row.split("│")[1:-1])))
     assert int(cells["sent"].replace(",", "")) == sum(c.ring_bytes or 0 for c in sends) > 0
     assert cells["received"] == "0"  # a Send receives nothing; what it moves is sent
+
+
+def test_a_show_list_names_only_pictures_in_show(tmp_path) -> None:
+    """The list is read as data: what it names outside show/*.svg, or in a malformed list, is
+    never dropped by a recompile."""
+    from pcompile.compiler.outdir import SHOW_LIST, record_shown, shown_pictures
+
+    (tmp_path / "show").mkdir()
+    listed = tmp_path / SHOW_LIST
+    for text in ("[1, 2]", "not json", json.dumps({"format": "pcompile-show/1", "files": {
+            "plan.json": "0" * 64, "show/../plan.json": "0" * 64, SHOW_LIST: "0" * 64}})):
+        listed.write_text(text)
+        assert shown_pictures(str(tmp_path)) == set()
+    listed.unlink()
+    record_shown(str(tmp_path), {"show/a.svg": b"<svg/>"})
+    (tmp_path / "show" / "a.svg").write_bytes(b"<svg/>")
+    assert shown_pictures(str(tmp_path)) == {"show/a.svg", SHOW_LIST}
