@@ -766,19 +766,30 @@ def _guard(function: Any) -> Any:
                    "grid of each of its inputs.")
 @click.option("--tensor", "tensors", multiple=True, metavar="NAME",
               help="Draw the layout of this parameter (repeatable; default: the weights).")
+@click.option("--all-weights", is_flag=True,
+              help="Draw the layout grid of every weight (default: the first 8; every "
+                   "weight is listed either way).")
 @click.option("--svg/--no-svg", default=True, show_default=True,
-              help="Write each layout picture as DIR/show/<tensor>.svg.")
+              help="Write each layout grid drawn as DIR/show/<tensor>.svg (an op's inputs "
+                   "as DIR/show/<scope>.<instance>_input_<i>.svg).")
+@click.option("--width", type=click.IntRange(40), default=None, metavar="COLUMNS",
+              help="Lay the tables out for this many columns (default: the terminal's, "
+                   "160 when not a terminal).")
 @_verbosity
 @_guard
 def show_command(out_dir: str, rank: int | None, op: str | None, tensors: tuple[str, ...],
-                 svg: bool, verbose: int, quiet: bool) -> None:
-    """Print the plan of the compile in DIR: a strategy table per op (strategy, device matrix,
-    tensor maps, slice shapes, search cost and runner-up), how each weight is laid out over
-    the ranks, and the communication of one rank per step."""
-    from pcompile.compiler.render import show
+                 all_weights: bool, svg: bool, width: int | None, verbose: int,
+                 quiet: bool) -> None:
+    """Print the plan of the compile in DIR: a strategy table per op (strategy, scope, device
+    matrix, tensor maps, slice shapes, search cost and runner-up), every weight's layout with
+    grids of how they are split over the ranks, and the communication of one rank per step.
+    Columns that do not fit the width are left out (and named); op and instance names never
+    are."""
+    from pcompile.compiler.render import console, show
 
     setup_logging(verbose, quiet)
-    show(out_dir, rank=rank, op=op, tensors=tensors, svg=svg)
+    show(out_dir, rank=rank, op=op, tensors=tensors, svg=svg, all_weights=all_weights,
+         out=console(width=width))
 
 
 @main.command("diff", context_settings=CONTEXT)

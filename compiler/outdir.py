@@ -11,6 +11,10 @@ The guarantees (docs/running.md, "The output folder"):
   `pcompile show`'s pictures `show/*.svg`) survive a recompile: they are carried into the new
   folder. Runs write files, never links: a symbolic link at a run output's place is not
   carried (the launcher would otherwise write through it).
+* Except `pcompile show`'s own pictures: they draw the plan they were made from, so a
+  recompile drops them. `show` lists each picture it writes, with its digest, in
+  `show/.pcompile-show.json`; a recompile removes exactly the pictures listed there whose
+  content is still what `show` wrote (and that list); any other file in `show/` is carried.
 * Anything else in the folder is foreign: the compile refuses, naming it, and changes nothing.
   A non-empty folder without a manifest is entirely foreign.
 * A compile writes into a staging folder beside `--out` (`.<name>.pcompile-new-<id>`) and swaps
@@ -31,6 +35,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import filecmp
+import hashlib
 import json
 import os
 import re
@@ -53,6 +58,7 @@ _RUN_OUTPUT = re.compile(
     r"launch\.json|metrics\.jsonl|merged_step_\d+\.npz"
     r"|rank_\d+/(?:train\.log|run\.log|outputs\.npz)"
     r"|checkpoints/rank_\d+/step_\d+\.(?:safetensors|json|npz)|show/[A-Za-z0-9._-]+\.svg"
+    r"|show/\.pcompile-show\.json"
 )
 _RUN_FOLDER = re.compile(r"rank_\d+|checkpoints|checkpoints/rank_\d+|show")
 # A temporary file of an atomic write (backends/checkpoint.py `atomic_write_bytes`) that was
@@ -61,6 +67,8 @@ _TEMP = re.compile(r"(?P<dir>(?:[^/]+/)*)\.(?P<name>[^/]+)\.tmp-[A-Za-z0-9_]+")
 # safetensors' own temporary file (Rust's tempfile) of a checkpoint write that was killed
 _SAFETENSORS_TEMP = re.compile(r"checkpoints/rank_\d+/\.tmp[A-Za-z0-9]{6}")
 SHOWN = 8  # foreign entries named in a message
+SHOW_LIST = "show/.pcompile-show.json"  # the pictures `pcompile show` wrote (and their digests)
+_SHOW_FORMAT = "pcompile-show/1"
 
 
 def is_run_output(rel: str) -> bool:
@@ -74,6 +82,69 @@ def is_temp_leftover(rel: str) -> bool:
         return True
     m = _TEMP.fullmatch(rel)
     return m is not None and is_run_output(m.group("dir") + m.group("name"))
+
+
+# -- pcompile show's pictures -------------------------------------------------------------------
+
+
+def _digest(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
+def _read_show_list(out: str) -> dict[str, str]:
+    try:
+        with open(os.path.join(out, SHOW_LIST), encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("format") != _SHOW_FORMAT:
+        return {}
+    files = data.get("files")
+    if not isinstance(files, dict):
+        return {}
+    return {rel: digest for rel, digest in files.items()
+            if isinstance(rel, str) and isinstance(digest, str) and is_run_output(rel)
+            and rel.startswith("show/") and rel != SHOW_LIST}
+
+
+def record_shown(out: str, written: dict[str, bytes]) -> None:
+    """Add the pictures `pcompile show` just wrote (relative path -> content) to the list."""
+    files = _read_show_list(out)
+    files.update({rel: hashlib.sha256(data).hexdigest() for rel, data in written.items()})
+    text = json.dumps({"format": _SHOW_FORMAT, "files": dict(sorted(files.items()))},
+                      indent=0) + "\n"
+    write_file_atomic(os.path.join(out, SHOW_LIST), text.encode("utf-8"))
+
+
+def shown_pictures(out: str) -> set[str]:
+    """The files of `out/show/` that pcompile show wrote and nobody changed since (with the
+    list itself): what a recompile drops."""
+    listed = _read_show_list(out)
+    if not listed:
+        return set()
+    mine = {rel for rel, digest in listed.items()
+            if not os.path.islink(os.path.join(out, rel))
+            and _digest(os.path.join(out, rel)) == digest}
+    return mine | {SHOW_LIST}
+
+
+def write_file_atomic(path: str, data: bytes) -> None:
+    """Write `path` through a temporary file and a rename: a link at `path` is replaced, never
+    written through."""
+    folder, name = os.path.split(path)
+    temp = os.path.join(folder, f".{name}.tmp-{secrets.token_hex(4)}")
+    try:
+        with open(temp, "xb") as f:
+            f.write(data)
+        os.replace(temp, path)
+    except BaseException:
+        if os.path.lexists(temp):
+            os.unlink(temp)
+        raise
 
 
 # -- paths -------------------------------------------------------------------------------------
@@ -304,11 +375,12 @@ def _complete(staging: str, out: str) -> None:
         f.write("\n")
     if os.path.isdir(out):
         old_files, _ = _scan(out)
+        dropped = shown_pictures(out)  # they picture the previous plan
         for rel in old_files:
             src = os.path.join(out, rel)
             # A symbolic link is no run output (runs write files): it is not carried over, so
             # that no later run writes through it into a file outside --out.
-            if (is_run_output(rel) and not os.path.islink(src)
+            if (is_run_output(rel) and not os.path.islink(src) and rel not in dropped
                     and not os.path.lexists(os.path.join(staging, rel))):
                 _link_or_copy(src, os.path.join(staging, rel))
     os.unlink(os.path.join(staging, _STAGING_MARK))
@@ -345,6 +417,7 @@ def _retire(old: str, out: str) -> None:
     after the carry-over) moves into `out`, so nothing pcompile did not write is deleted."""
     manifest = read_manifest(old)
     owned = set(manifest.files) if manifest else set()
+    owned |= shown_pictures(old)  # pcompile show's, unchanged: not carried (`_complete`)
     files, folders = _scan(old)
     for rel in files:
         path, new = os.path.join(old, rel), os.path.join(out, rel)

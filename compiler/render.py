@@ -5,23 +5,28 @@ in the style of `jax.debug.visualize_array_sharding`, a coloured diff). The numb
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console, Group
 from rich.padding import Padding
-from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
 from pcompile.compiler import inspection
+from pcompile.compiler.outdir import record_shown, write_file_atomic
 from pcompile.compiler.plan import Plan
+from pcompile.ir.errors import PcompileError
 
 
-def console(no_color: bool = False) -> Console:
+def console(no_color: bool = False, width: int | None = None) -> Console:
     """stdout; colours only on a terminal (rich's own detection; NO_COLOR is honoured). Not
-    on a terminal, lines are up to `PIPE_WIDTH` wide (rich would cut them at 80)."""
-    probe = Console()
-    width = None if probe.is_terminal else max(PIPE_WIDTH, probe.width)
+    on a terminal, lines are up to `PIPE_WIDTH` wide (rich would cut them at 80); `width`
+    (show's --width) sets it."""
+    if width is None:
+        probe = Console()
+        width = None if probe.is_terminal else max(PIPE_WIDTH, probe.width)
     return Console(no_color=no_color or None, highlight=False, soft_wrap=False, width=width)
 
 
@@ -37,27 +42,108 @@ def header(plan: Plan, out_dir: str) -> Text:
                          f"{len(plan.parameters)} parameters")
 
 
-def strategy_table(rows: list[inspection.OpRow], searched: bool) -> Table:
-    table = Table(title="strategies", title_justify="left", show_lines=False)
-    table.add_column("op")
-    table.add_column("instance", style="bold")
-    table.add_column("strategy", style="cyan", no_wrap=True)
-    table.add_column("device matrix", no_wrap=True)
-    table.add_column("tensor maps", no_wrap=True)
-    table.add_column("slice shapes", no_wrap=True)
-    if searched:
-        table.add_column("cost", justify="right", no_wrap=True)
-        table.add_column("runner-up (cost)", no_wrap=True)
-        table.add_column("chosen via")
-    for r in rows:
-        cells = [r.op, r.instance_name, r.strategy, r.dev_matrix, r.tensor_maps, r.slice_shapes]
-        if searched:
-            cells += [r.cost, r.runner_up, r.via]
-        table.add_row(*cells)
+# -- tables that fit the terminal -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Column:
+    """A column of a table that `fitted_table` lays out for the terminal. Names are never
+    wrapped, cut or dropped, and numbers never wrapped. The other columns wrap (folding words
+    with no space, such as a dotted scope) and come in order of `drop`, lowest first: an
+    essential one while it fits at `floor` characters, any other while all columns so far fit
+    at their `ideal` width (or their content's, when narrower); the first that does not
+    ends the table."""
+
+    header: str
+    drop: int = 0  # 0: a name, never dropped; otherwise the higher, the sooner it goes
+    floor: int = 10
+    ideal: int = 16
+    name: bool = False
+    number: bool = False
+    essential: bool = False
+    style: str | None = None
+
+
+def _cell_width(text: str) -> int:
+    return max((cell_len(line) for line in text.splitlines()), default=0)
+
+
+def fitted_table(title: str, columns: list[Column], rows: list[list[str]],
+                 width: int) -> Table:
+    """A rich table of `rows` no wider than `width` (when its names allow): the columns that
+    do not fit are left out and named in the caption."""
+    natural = [max([cell_len(c.header) if c.name or c.number
+                    else max(map(cell_len, c.header.split()), default=0)]
+                   + [_cell_width(row[i]) for row in rows]) for i, c in enumerate(columns)]
+    fixed = [c.name or c.number for c in columns]
+    least = [n if f else min(n, c.floor) for c, n, f in zip(columns, natural, fixed)]
+    ideal = [n if f else min(n, max(c.ideal, c.floor)) for c, n, f in zip(columns, natural, fixed)]
+
+    def span(widths: list[int], which: list[int]) -> int:
+        # a column costs its width, 2 of padding and 1 of border; the table 1 more border
+        return sum(widths[i] + 3 for i in which) + 1
+
+    kept = [i for i, c in enumerate(columns) if c.drop == 0]
+    for i in sorted((i for i, c in enumerate(columns) if c.drop > 0),
+                    key=lambda i: columns[i].drop):
+        if columns[i].essential:
+            essentials = [k for k in kept if columns[k].essential or columns[k].drop == 0]
+            if span(least, [*essentials, i]) > width:
+                break
+        elif span(ideal, [*kept, i]) > width:
+            break
+        kept.append(i)
+    kept.sort()
+    table = Table(title=title, title_justify="left")
+    for i in kept:
+        c = columns[i]
+        table.add_column(c.header, style=c.style, no_wrap=fixed[i],
+                         justify="right" if c.number else "left",
+                         overflow="ignore" if c.name else "fold", min_width=least[i])
+    for row in rows:
+        table.add_row(*(row[i] for i in kept))
+    hidden = [columns[i].header for i in range(len(columns)) if i not in kept]
+    if hidden:
+        table.caption = (f"not shown at {width} columns: {', '.join(hidden)} (a wider "
+                         "terminal or --width shows them)")
+        table.caption_justify = "left"
     return table
 
 
-def grid_table(grid: inspection.LayoutGrid, highlight: int | None = None) -> Panel:
+def strategy_table(rows: list[inspection.OpRow], searched: bool, width: int = PIPE_WIDTH
+                   ) -> Table:
+    """Every op's strategy; at narrow widths the layout columns, then the search's, go first
+    (op and instance names always stay whole)."""
+    columns = [Column("op", name=True), Column("instance", name=True, style="bold"),
+               Column("strategy", 1, 12, 28, essential=True, style="cyan"),
+               Column("scope", 2, 12, 32, essential=True),
+               Column("slice shapes", 5, 10), Column("device matrix", 6, 8),
+               Column("tensor maps", 7, 10)]
+    if searched:
+        columns += [Column("cost", 3, number=True), Column("runner-up", 8, 12, 28),
+                    Column("chosen via", 4, 12, 24)]
+    cells = []
+    for r in rows:
+        row = [r.op, r.instance_name, r.strategy, r.scope or "-", r.slice_shapes,
+               r.dev_matrix, r.tensor_maps]
+        if searched:
+            row += [r.cost, r.runner_up, r.via]
+        cells.append(row)
+    return fitted_table("strategies", columns, cells, width)
+
+
+def weights_table(plan: Plan, width: int = PIPE_WIDTH) -> Table:
+    """Every weight and its layout (the grids below draw some of them)."""
+    columns = [Column("weight", name=True, style="bold"),
+               Column("slice shape", 1, 8, essential=True), Column("shape", 2, 8),
+               Column("device matrix", 3, 8), Column("tensor map", 4, 8)]
+    rows = [[name, str(p.shape), str(p.slice_shape), str(p.dev_matrix),
+             inspection.fmt_map(p.tensor_map)]
+            for name, p in plan.parameters.items() if p.kind == "weight"]
+    return fitted_table(f"weights ({len(rows)})", columns, rows, width)
+
+
+def grid_table(grid: inspection.LayoutGrid, highlight: int | None = None) -> Group:
     """The blocks of a tensor in a grid: rows are dim-0 blocks, columns the other dims'."""
     table = Table(show_header=False, show_lines=True, box=box.SQUARE, padding=(0, 1))
     for _ in grid.cols:
@@ -76,33 +162,34 @@ def grid_table(grid: inspection.LayoutGrid, highlight: int | None = None) -> Pan
                 style += " bold underline"
             cells.append(Text(f"{ranks}\n[{where}]", style=style, justify="center"))
         table.add_row(*cells)
-    title = f"{grid.name} {list(grid.shape)}: {grid.layout}"
-    return Panel(table, title=title, title_align="left", expand=False)
+    title = Text(f"{grid.name} {list(grid.shape)}: {grid.layout}", style="bold",
+                 overflow="fold")
+    return Group(title, table)
 
 
-def comm_table(rows: list[inspection.CommRow], rank: int) -> Table:
-    table = Table(title=f"communication of rank {rank}, per step", title_justify="left")
-    table.add_column("collective", style="bold")
-    table.add_column("group", no_wrap=True)
-    table.add_column("ranks")
-    table.add_column("phase")
-    table.add_column("count", justify="right")
-    table.add_column("bytes", justify="right", no_wrap=True)
-    table.add_column("ring sent", justify="right", no_wrap=True)
-    table.add_column("why", ratio=1)
+def comm_table(rows: list[inspection.CommRow], rank: int, width: int = PIPE_WIDTH) -> Table:
+    """Rank `rank`'s communication per step: bytes it receives and bytes it sends (ring
+    algorithms; a Send's bytes are sent, a Receive's received)."""
+    columns = [Column("collective", name=True, style="bold"),
+               Column("phase", 1, 8, essential=True), Column("count", number=True),
+               Column("received", number=True), Column("sent", number=True),
+               Column("ranks", 3, 5), Column("why", 4, 20, 60), Column("group", 5, 12, 24)]
+    cells = []
     for r in rows:
         shown = r.reasons[:MAX_REASONS]
         more = len(r.reasons) - len(shown)
         why = "\n".join(shown) + (f"\n(+{more} more)" if more > 0 else "")
-        table.add_row(r.kind, r.group, ",".join(map(str, r.rank_list)), r.phase,
-                      str(r.count), f"{r.bytes:,}",
-                      "?" if r.ring_bytes is None else f"{r.ring_bytes:,}", why)
+        cells.append([r.kind, r.phase, str(r.count), f"{r.bytes:,}",
+                      "?" if r.ring_bytes is None else f"{r.ring_bytes:,}",
+                      ",".join(map(str, r.rank_list)), why, r.group])
+    table = fitted_table(f"communication of rank {rank}, per step", columns, cells, width)
     received = inspection.comm_totals(rows)
     sent = inspection.comm_totals(rows, ring=True)
-    table.caption = (f"total {received.get('total', 0):,} bytes per step received"
-                     + _phase_parts(received) + "; "
-                     + (f"{sent.get('total', 0):,} sent with ring algorithms" + _phase_parts(sent)
-                        if sent or not rows else "ring bytes not in this plan.json (recompile)"))
+    total = (f"total {received.get('total', 0):,} bytes per step received"
+             + _phase_parts(received) + "; "
+             + (f"{sent.get('total', 0):,} sent with ring algorithms" + _phase_parts(sent)
+                if sent or not rows else "ring bytes not in this plan.json (recompile)"))
+    table.caption = total + ("\n" + str(table.caption) if table.caption else "")
     table.caption_justify = "left"
     return table
 
@@ -118,32 +205,36 @@ MAX_REASONS = 4
 
 
 def show(out_dir: str, *, rank: int | None = None, op: str | None = None,
-         tensors: tuple[str, ...] = (), svg: bool = True, out: Console | None = None) -> list[str]:
-    """`pcompile show DIR [--rank R] [--op NAME] [--tensor T]`; returns the SVG files written."""
+         tensors: tuple[str, ...] = (), svg: bool = True, all_weights: bool = False,
+         out: Console | None = None) -> list[str]:
+    """`pcompile show DIR [--rank R] [--op NAME] [--tensor T] [--all-weights]`; returns the
+    SVG files written."""
     out = out or console()
+    width = out.width
     plan = inspection.load(out_dir)
     out.print(header(plan, out_dir))
     rows = inspection.op_rows(plan, op)
     if op and not rows:
         names = sorted({o.instance_name for o in plan.ops.values() if o.instance_name})
-        from pcompile.ir.errors import PcompileError
-
         raise PcompileError(f"no op named {op!r} in {out_dir}/plan.json; ops: "
                             f"{', '.join(names)}")
-    out.print(strategy_table(rows, plan.search is not None))
+    out.print(strategy_table(rows, plan.search is not None, width))
     layouts = inspection.tensor_layouts(plan)
-    chosen = _tensors(plan, layouts, op, tensors, out_dir)
-    written: list[str] = []
-    grids = []
-    for name, lay in chosen:
-        grid = inspection.layout_grid(name, lay, plan.devices)
-        grids.append(grid_table(grid, rank))
-        if svg:
-            written.append(_write_svg(out_dir, name, inspection.grid_svg(grid)))
+    if not op and not tensors:
+        out.print(Padding(weights_table(plan, width), (1, 0, 0, 0)))
+    chosen, note = _tensors(plan, layouts, op, tensors, out_dir, all_weights)
+    grids = [inspection.layout_grid(name, lay, plan.devices) for name, lay in chosen]
     if grids:
-        out.print(Padding(Group(*grids), (1, 0, 0, 0)))
-    if written:
-        out.print(f"layout pictures: {', '.join(written)}")
+        out.print(Padding(Group(*(grid_table(g, rank) for g in grids)), (1, 0, 0, 0)))
+    if note:
+        out.print(note)
+    written: list[str] = []
+    if svg and grids:
+        written = _write_svgs(out_dir, [(label, inspection.grid_svg(g))
+                                        for (label, _), g in zip(chosen, grids)])
+        folder = os.path.join(out_dir, "show")
+        out.print(Text(f"layout pictures: {len(written)} written to {folder}/: "
+                       + ", ".join(os.path.basename(p) for p in written)), overflow="fold")
     if plan.pipeline is not None:
         from pcompile.compiler.pipelining import schedule_from_plan
 
@@ -152,43 +243,76 @@ def show(out_dir: str, *, rank: int | None = None, op: str | None = None,
     if which is None:
         out.print("communication: no rank was dumped (--dump-ranks none)")
     elif plan.devices > 1:
-        out.print(comm_table(inspection.comm_summary(plan, which), which))
+        out.print(comm_table(inspection.comm_summary(plan, which), which, width))
     return written
 
 
 def _tensors(plan: Plan, layouts: dict, op: str | None, tensors: tuple[str, ...],
-             out_dir: str) -> list[tuple[str, inspection.PlanLayout]]:
-    from pcompile.ir.errors import PcompileError
-
+             out_dir: str, all_weights: bool
+             ) -> tuple[list[tuple[str, inspection.PlanLayout]], str]:
+    """The tensors to draw, each with a label unique in the plan (it names its picture), and
+    a line saying what was left out, if anything."""
     if tensors:
         missing = [t for t in tensors if t not in layouts]
         if missing:
             raise PcompileError(f"no parameter named {', '.join(missing)} in {out_dir}/"
                                 f"plan.json; parameters: {', '.join(layouts)}")
-        return [(t, layouts[t]) for t in tensors]
-    if op:  # the op's inputs
+        return [(t, layouts[t]) for t in tensors], ""
+    if op:  # the inputs of every op it names, each op by its scope
+        matched = [(name, entry) for name, entry in plan.ops.items()
+                   if inspection.matches(name, entry.instance_name, op) and entry.in_layouts]
+        labels = [_op_label(name, entry.instance_name) for name, entry in matched]
         picked = []
-        for name, entry in plan.ops.items():
-            if inspection.matches(name, entry.instance_name, op) and entry.in_layouts:
-                label = entry.instance_name or name
-                picked += [(f"{label} input {i}", lay) for i, lay in enumerate(entry.in_layouts)]
-        return picked
+        for (name, entry), label in zip(matched, labels):
+            if labels.count(label) > 1:  # same scope and instance name: add the op's own name
+                label += f" ({name.rsplit('/', 1)[-1]})"
+            picked += [(f"{label} input {i}", lay) for i, lay in enumerate(entry.in_layouts)]
+        return picked, ""
     weights = [(n, layouts[n]) for n, p in plan.parameters.items() if p.kind == "weight"]
-    return weights[:MAX_GRIDS]
+    if all_weights or len(weights) <= MAX_GRIDS:
+        return weights, ""
+    return weights[:MAX_GRIDS], (
+        f"layout grids of the first {MAX_GRIDS} of {len(weights)} weights (all are listed "
+        "above); --tensor NAME draws one, --all-weights all of them")
 
 
-#: `show` without --tensor draws the first this many weights.
+def _op_label(name: str, instance_name: str) -> str:
+    scope = inspection.scope_path(name)
+    instance = instance_name or name.rsplit("/", 1)[-1]
+    return f"{scope}.{instance}" if scope else instance
+
+
+#: `show` without --tensor or --all-weights draws the first this many weights.
 MAX_GRIDS = 8
 
 
-def _write_svg(out_dir: str, name: str, text: str) -> str:
+def _write_svgs(out_dir: str, pictures: list[tuple[str, str]]) -> list[str]:
+    """DIR/show/<label>.svg per picture (one file per label: a name that a label's safe
+    spelling already took gets -2, -3, ...), listed in DIR/show/.pcompile-show.json so that a
+    recompile drops them (compiler/outdir.py)."""
     folder = os.path.join(out_dir, "show")
+    if os.path.islink(folder):
+        raise PcompileError(f"{folder} is a symbolic link; pcompile show writes its pictures "
+                            "into a folder of its own: remove the link")
     os.makedirs(folder, exist_ok=True)
-    safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in name)
-    path = os.path.join(folder, f"{safe}.svg")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-    return path
+    taken: set[str] = set()
+    written: dict[str, bytes] = {}
+    paths = []
+    for label, text in pictures:
+        safe = "".join(ch if ch.isascii() and (ch.isalnum() or ch in "._-") else "_"
+                       for ch in label).lstrip(".")
+        stem, k = safe or "tensor", 1
+        while f"{stem}.svg" in taken:
+            k += 1
+            stem = f"{safe}-{k}"
+        taken.add(f"{stem}.svg")
+        data = text.encode("utf-8")
+        path = os.path.join(folder, f"{stem}.svg")
+        write_file_atomic(path, data)
+        written[f"show/{stem}.svg"] = data
+        paths.append(path)
+    record_shown(out_dir, written)
+    return paths
 
 
 def diff(out_dir: str, ranks: tuple[int, int], pass_name: str = "execute",
@@ -201,10 +325,20 @@ def diff(out_dir: str, ranks: tuple[int, int], pass_name: str = "execute",
     if not lines:
         out.print(f"rank {ranks[0]} and rank {ranks[1]} run the same {os.path.basename(a)}")
         return 0
-    for line in lines:
+    for entry in inspection.marked_diff(lines):
+        line = entry.text
         style = ("bold" if line.startswith(("+++", "---")) else "green" if line.startswith("+")
                  else "red" if line.startswith("-") else "cyan" if line.startswith("@@") else "")
-        out.print(Text(line, style=style), overflow="ignore", crop=False)
+        text = Text(line, style=style)
+        for begin, end in entry.marks:
+            text.stylize("reverse bold", begin, end)
+        out.print(text, overflow="ignore", crop=False)
+        if entry.marks:  # where it differs, visible without colours too (as ndiff's `?` lines)
+            guide = [" "] * max(e for _, e in entry.marks)
+            for begin, end in entry.marks:
+                guide[begin:end] = "^" * (end - begin)
+            out.print(Text("?" + "".join(guide)[1:], style="yellow"), overflow="ignore",
+                      crop=False)
     out.print(f"{changed} line(s) differ between rank {ranks[0]} and rank {ranks[1]} "
               f"({os.path.basename(a)})")
     return changed

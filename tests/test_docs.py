@@ -355,3 +355,20 @@ def test_python_blocks(scratch: str) -> None:
         reset_auto_parallel_context()
         reset_context()
     assert models >= 1
+
+
+def test_output_folders_of_the_docs_are_ignored() -> None:
+    """Following the docs must not leave files that `ruff check .` lints (the rank programs of
+    an --out folder are Python): every --out folder a documented command names is in
+    .gitignore (ruff honours it), and so is the default ./saved_graph."""
+    with open(os.path.join(ROOT, ".gitignore"), encoding="utf-8") as f:
+        ignored = {line.strip().strip("/") for line in f if line.strip()
+                   and not line.startswith("#")}
+    folders = {"saved_graph"}
+    for _, argv, _ in _commands_of(("run", "train")):
+        if "--out" in argv:
+            folder = argv[argv.index("--out") + 1]
+            if folder != "DIR":
+                folders.add(folder.strip("/").split("/")[0])
+    assert {"pipe", "pipe_run", "llama_run"} <= folders
+    assert not folders - ignored, f"not in .gitignore: {sorted(folders - ignored)}"

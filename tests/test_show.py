@@ -61,7 +61,13 @@ def test_show_quickstart_strategies_and_grid(quickstart: str) -> None:
     tree = ET.parse(svg)
     rects = [e for e in tree.iter() if e.tag.endswith("rect")]
     labels = [e.text for e in tree.iter() if e.tag.endswith("text")]
-    assert len(rects) == 4 and "ranks 0,4" in labels and "ranks 3,7" in labels
+    background, blocks = rects[0], rects[1:]
+    assert background.get("fill") == "white" and background.get("class") == "background"
+    assert len(blocks) == 4 and "ranks 0,4" in labels and "ranks 3,7" in labels
+    # each block's slice range, the range along each axis and the dims' names
+    assert "[0:8, 0:16]" in labels and "[24:32, 0:16]" in labels
+    assert "8:16" in labels and "0:16" in labels
+    assert "dim 0 (32) \u2193" in labels and "dim 1 (16) \u2192" in labels
 
 
 def _dump_bytes(out: str, rank: int) -> tuple[int, int]:
@@ -152,12 +158,188 @@ def test_version_and_default_command(tmp_path) -> None:
     assert "show DIR" in output and "compile" in output
 
 
-def test_recompile_keeps_show_pictures(tmp_path) -> None:
-    """`show` writes DIR/show/*.svg; a recompile into DIR accepts (and keeps) them."""
+def test_a_recompile_drops_the_pictures_of_the_previous_plan(tmp_path) -> None:
+    """`show` writes DIR/show/*.svg and lists them; a recompile into DIR removes exactly
+    those (another model's pictures must not survive), and keeps a picture someone changed
+    since and any other file of show/ (pcompile never deletes what it did not write)."""
     out = str(tmp_path / "out")
     args = [QUICKSTART, "--devices", "8", "--out", out, "--no-check", "--dump-ranks", "0"]
     assert run_cli(args)[0] == 0
     assert run_cli(["show", out])[0] == 0
+    assert run_cli(["show", out, "--op", "matmul2"])[0] == 0  # the list grows
+    show = os.path.join(out, "show")
+    listed = json.loads(open(os.path.join(show, ".pcompile-show.json")).read())["files"]
+    assert {"show/w.svg", "show/w2.svg", "show/_backbone.matmul2_input_0.svg"} <= set(listed)
+    with open(os.path.join(show, "w2.svg"), "a") as f:
+        f.write("<!-- edited -->\n")
+    with open(os.path.join(show, "mine.svg"), "w") as f:
+        f.write("<svg/>\n")
     code, output = run_cli(args)
     assert code == 0, output
-    assert os.path.isfile(os.path.join(out, "show", "w.svg"))
+    assert sorted(os.listdir(show)) == ["mine.svg", "w2.svg"]
+    code, output = run_cli(args)  # and again: nothing of show's is left to drop
+    assert code == 0 and sorted(os.listdir(show)) == ["mine.svg", "w2.svg"]
+
+
+# -- issue 26: readable at any width, real costs, one picture per instance, marked diffs ------
+
+LLAMA = os.path.join(ROOT, "examples", "llama.py")
+PIPELINE = os.path.join(ROOT, "examples", "pipeline_mlp.py")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """examples/llama.py at its tiny preset (its defaults), 8 devices."""
+    out = str(tmp_path_factory.mktemp("show_llama") / "out")
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("LLAMA_")}
+    try:
+        code, output = run_cli([LLAMA, "--devices", "8", "--out", out, "--no-check",
+                                "--dump-ranks", "0"])
+    finally:
+        os.environ.update(saved)
+    assert code == 0, output
+    return out
+
+
+def _table_rows(output: str) -> list[list[str]]:
+    """The cells of the strategy table's first line per row (between its header and end)."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("┡"))
+    rows = []
+    for line in lines[start + 1:]:
+        if line.startswith("└"):
+            break
+        rows.append([cell.strip() for cell in line.split("│")[1:-1]])
+    return rows
+
+
+@pytest.mark.parametrize("width", [80, 120, 160, 200])
+def test_show_names_every_op_whole_at_any_width(quickstart: str, llama: str,
+                                                width: int) -> None:
+    for out in (quickstart, llama):
+        plan = load(out)
+        code, output = run_cli(["show", out, "--no-svg", "--width", str(width)])
+        assert code == 0, output
+        assert max(map(len, output.splitlines())) <= width
+        rows = [r for r in _table_rows(output) if r[0]]  # continuation lines have no op
+        assert [(r[0], r[1]) for r in rows] == [(o.op, o.instance_name or "-")
+                                                for o in plan.ops.values()]
+        assert "scope" in output.split("┡")[0]  # instances told apart at every width
+
+
+def test_show_op_rows_carry_their_scope(llama: str) -> None:
+    code, output = run_cli(["show", llama, "--op", "matmul", "--no-svg", "--width", "80"])
+    assert code == 0, output
+    rows = _table_rows(output)
+    assert len(rows) == 15 and all(r[:2] == ["MatMul", "matmul"] for r in rows)
+    scopes = [r[3] for r in rows]
+    assert len(set(scopes)) == 15
+    assert "model.layers.0.attention.wq" in scopes and "lm_head" in scopes
+
+
+def test_show_prints_the_costs_plan_json_has_never_inf(quickstart: str) -> None:
+    plan = load(quickstart)
+    assert plan.search is not None
+    assert all(op.local_objective is None for op in plan.search.ops.values())  # propagation
+    code, output = run_cli(["show", quickstart, "--no-svg", "--width", "200"])
+    assert code == 0, output
+    assert "inf" not in output
+    for op in plan.search.ops.values():
+        want = op.cost["objective"] + op.redistribution["objective"]
+        assert re.search(rf"│ +{re.escape(f'{want:.6g}')} │", _row(output, op.instance_name))
+    assert "—" in _row(output, "matmul")  # user-configured: no search cost
+    assert "comm 0 comp 1792 fwd 0" in _row(output, "relu")  # the runner-up's terms
+
+
+def test_op_pictures_one_per_instance_and_counted(llama: str) -> None:
+    code, output = run_cli(["show", llama, "--op", "matmul", "--width", "200"])
+    assert code == 0, output
+    text = " ".join(output.split())
+    assert "layout pictures: 30 written to" in text
+    names = sorted(f for f in os.listdir(os.path.join(llama, "show")) if f.endswith(".svg"))
+    assert "model.layers.1.feed_forward.w2.matmul_input_1.svg" in names
+    matmul = [n for n in names if ".matmul_input_" in n]
+    assert len(matmul) == 30
+    titles = {ET.parse(os.path.join(llama, "show", n)).getroot()[1].text for n in matmul}
+    assert len(titles) == 30  # each picture draws its own op's input
+
+
+def test_every_weight_is_listed_and_the_undrawn_ones_said(llama: str) -> None:
+    plan = load(llama)
+    weights = [n for n, p in plan.parameters.items() if p.kind == "weight"]
+    assert len(weights) > 8
+    code, output = run_cli(["show", llama, "--no-svg", "--width", "80"])
+    assert code == 0, output
+    assert f"weights ({len(weights)})" in output
+    assert all(f"│ {name} " in output for name in weights)
+    text = " ".join(output.split())
+    assert f"layout grids of the first 8 of {len(weights)} weights" in text
+    assert "--all-weights" in text
+    code, output = run_cli(["show", llama, "--all-weights", "--width", "200"])
+    assert code == 0, output
+    assert f"layout pictures: {len(weights)} written" in " ".join(output.split())
+    assert "layout grids of the first" not in output
+
+
+def test_diff_marks_the_differing_fields(quickstart: str) -> None:
+    code, output = run_cli(["diff", quickstart, "--ranks", "0,5"])
+    assert code == 0, output
+    lines = output.splitlines()
+    minus = next(i for i, line in enumerate(lines) if line.startswith("-") and
+                 "rank_list: (0, 1, 2, 3)" in line and "AllGather" in line)
+    guide, plus, plus_guide = lines[minus + 1], lines[minus + 2], lines[minus + 3]
+    assert guide.startswith("?") and plus.startswith("+") and plus_guide.startswith("?")
+    at = lines[minus].index("rank_list: (0, 1, 2, 3)") + len("rank_list: (")
+    at_plus = plus.index("rank_list: (4, 5, 6, 7)") + len("rank_list: (")
+    assert guide[at] == "^" and plus_guide[at_plus] == "^"  # 0 -> 4
+    assert guide[at - 1] == " " and guide[at + 1] == " "  # the unchanged `(` and `,` are not
+    # a line pair that differs in one number only is marked there only
+    assert lines[lines.index("-rank: 0") + 1] == "?      ^"
+
+
+def test_differing_spans_mark_whole_tokens() -> None:
+    from pcompile.compiler.inspection import differing_spans, marked_diff
+
+    a, b = "group: 4-630, rank_list: (0, 1)", "group: 4-157, rank_list: (4, 5)"
+    spans_a, spans_b = differing_spans(a, b)
+    assert [a[s:e] for s, e in spans_a] == ["630", "0", "1"]
+    assert [b[s:e] for s, e in spans_b] == ["157", "4", "5"]
+    lines = ["-x = 1", "-y = 2", "+x = 3", "+y = 2 + 7", " z"]
+    assert [(d.text, d.marks) for d in marked_diff(lines)] == [
+        ("-x = 1", [(5, 6)]), ("+x = 3", [(5, 6)]),
+        ("-y = 2", []), ("+y = 2 + 7", [(6, 10)]), (" z", [])]
+
+
+def test_send_rows_count_the_bytes_they_send(tmp_path) -> None:
+    out = str(tmp_path / "pipe")
+    code, output = run_cli([PIPELINE, "--devices", "8", "--out", out, "--no-check",
+                            "--dump-ranks", "0"])
+    assert code == 0, output
+    plan = load(out)
+    sends = [c for c in plan.collectives["0"] if c.op == "Send"]
+    assert sends and all((c.ring_bytes or 0) > 0 for c in sends)
+    code, output = run_cli(["show", out, "--no-svg", "--width", "120"])
+    assert code == 0, output
+    header = next(line for line in output.splitlines() if "┃ collective" in line)
+    columns = [c.strip() for c in header.split("┃")[1:-1]]
+    row = next(line for line in output.splitlines() if line.startswith("│ Send "))
+    cells = dict(zip(columns, (c.strip() for c in row.split("│")[1:-1])))
+    assert int(cells["sent"].replace(",", "")) == sum(c.ring_bytes or 0 for c in sends) > 0
+    assert cells["received"] == "0"  # a Send receives nothing; what it moves is sent
+
+
+def test_a_show_list_names_only_pictures_in_show(tmp_path) -> None:
+    """The list is read as data: what it names outside show/*.svg, or in a malformed list, is
+    never dropped by a recompile."""
+    from pcompile.compiler.outdir import SHOW_LIST, record_shown, shown_pictures
+
+    (tmp_path / "show").mkdir()
+    listed = tmp_path / SHOW_LIST
+    for text in ("[1, 2]", "not json", json.dumps({"format": "pcompile-show/1", "files": {
+            "plan.json": "0" * 64, "show/../plan.json": "0" * 64, SHOW_LIST: "0" * 64}})):
+        listed.write_text(text)
+        assert shown_pictures(str(tmp_path)) == set()
+    listed.unlink()
+    record_shown(str(tmp_path), {"show/a.svg": b"<svg/>"})
+    (tmp_path / "show" / "a.svg").write_bytes(b"<svg/>")
+    assert shown_pictures(str(tmp_path)) == {"show/a.svg", SHOW_LIST}
