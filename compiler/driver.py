@@ -155,6 +155,9 @@ class CompileState:
     # parameters whose gradient is reduced over part of their copies after their user's output
     # cotangent is summed (passes/cotangents.py; a byte-size decision the shrunk check pins)
     reduced_parameters: tuple[str, ...] = ()
+    # the rank graph's value for each value of the forward graph that a custom bprop reads
+    # (compiler/custom_bprop.py), by id; None when the graphs are not split
+    bprop_locals: dict[int, Any] | None = None
     state_owners: dict[str, str] = field(default_factory=dict)  # optimizer state -> parameter
     reference: ReferenceOptions | None = None  # single-device reference of a parallel program
     traces: list[TracedModel] = field(default_factory=list)  # hybrid mode: each rank's trace
@@ -353,6 +356,20 @@ def _check_functional_shard(state: CompileState) -> None:
             )
 
 
+def _custom_vjps(state: CompileState, traced: TracedModel | None, graph: Graph) -> list[Any]:
+    """The cells with their own bprop, on the rank graph `graph` (compiler/custom_bprop.py);
+    none in the single-device reference of the check, which differentiates their construct."""
+    if traced is None or not traced.custom_bprops or state.reference is not None:
+        return []
+    from pcompile.compiler.custom_bprop import custom_vjps
+
+    locals_ = state.bprop_locals
+    if locals_ is None:  # not split: the forward graph's own values, where still in it
+        live = {id(n.result) for n in graph.nodes} | {id(p) for p in graph.params}
+        return custom_vjps(traced.custom_bprops, lambda v: v if id(v) in live else None)
+    return custom_vjps(traced.custom_bprops, lambda v: locals_.get(id(v)))
+
+
 class AutodiffPass:
     """Reverse-mode autodiff on the IR: append d loss / d w for every trainable weight."""
 
@@ -368,7 +385,8 @@ class AutodiffPass:
             if not wrt:
                 raise PcompileError("the network has no trainable parameters to train")
             origins: dict[int, Node] | None = {} if state.micro_batched else None
-            grads = append_gradients(graph, objective, wrt, origins=origins)
+            grads = append_gradients(graph, objective, wrt, origins=origins,
+                                     custom=_custom_vjps(state, state.traced, graph))
             if origins is not None:  # backward nodes run in their forward node's stage
                 from pcompile.passes.pipeline_split import inherit
 
@@ -468,6 +486,7 @@ class TrainStepPass:
                 initial_values=state.initial_values,
                 slicer=_state_slicer(state) if state.parallel else None,
                 network_params=dict(traced.parameters),
+                custom=_custom_vjps(state, traced, graph),
             )
             result = replay_step(traced.step.top, traced.step.captured, graph, env,
                                  state.model_file.path)
@@ -556,14 +575,18 @@ class StepParallelEndPass:
             state.reduced_parameters = tuple(sorted(options.reductions.param_axes))
         for name, shard in options.opt_shard.items():
             state.assignment.param_layouts[name] = shard.stored
+        watch: dict[int, Any] = {id(v): None for call in traced.custom_bprops
+                                 for v in (*call.inputs, *call.outputs) if v is not None}
         if state.pipelined:  # the stage of every local node (compiler/pipelining.py)
             from pcompile.passes.pipeline_split import build_staged_spmd_graph
 
             graph, layouts, state.pipeline.local_stage = build_staged_spmd_graph(
                 state.graph, state.assignment, options, fusion,
-                state.pipeline.stage_map.node_stage)
+                state.pipeline.stage_map.node_stage, watch)
         else:
-            graph, layouts = build_spmd_graph(state.graph, state.assignment, options, fusion)
+            graph, layouts = build_spmd_graph(state.graph, state.assignment, options, fusion,
+                                              watch)
+        state.bprop_locals = watch
         state.rank_graphs = [graph] * state.devices
         state.output_layouts = layouts
         state.split = True

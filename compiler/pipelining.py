@@ -181,6 +181,12 @@ def trace_pipeline_cell(mf: ModelFile, cell: PipelineCell, micro: int) -> Any:
                 f"{type(loss).__name__}; it must return its loss (wrap the network and its loss "
                 "function in nn.WithLossCell)")
         graph.outputs = [loss._value]  # type: ignore[list-item]
+        if tracer.custom_bprop:
+            raise PcompileError(
+                f"{tracer.custom_bprop[0].name} defines its own bprop inside nn.PipelineCell; "
+                "pcompile runs custom backward functions in networks without pipeline stages "
+                "only: remove bprop (the gradient then follows construct), or train without "
+                f"nn.PipelineCell (in {mf.path})")
     if graph.outputs[0].shape != ():
         raise PcompileError(
             f"the loss returned inside nn.PipelineCell in {mf.path} has shape "

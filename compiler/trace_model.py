@@ -49,6 +49,8 @@ class TracedModel:
     # returns gradients and updates nothing)
     mode: str = "inference"
     step: StepTrace | None = None  # a training step cell, replayed after the split
+    # calls of cells with their own bprop (compiler/custom_bprop.py), which autodiff uses
+    custom_bprops: list[Any] = field(default_factory=list)
 
     @property
     def differentiates(self) -> bool:
@@ -194,7 +196,7 @@ def trace_model(mf: ModelFile, batch_split: int = 1, micro_batches: bool = False
         _check_outputs([loss], net_name)
         graph.outputs = _objective_outputs(tracer, loss, f"the loss of "
                                            f"{type(loss_cell).__name__}")
-        _refuse_custom_bprop(tracer, mf.path)
+        custom_bprops = list(tracer.custom_bprop)
     graph.dead_code_elimination()
     return TracedModel(
         graph=graph,
@@ -206,6 +208,7 @@ def trace_model(mf: ModelFile, batch_split: int = 1, micro_batches: bool = False
         parameters=parameters,
         loss_cell=loss_cell,
         mode="train",
+        custom_bprops=custom_bprops,
     )
 
 
@@ -255,17 +258,6 @@ def _objective_outputs(tracer: Any, objective: Tensor, what: str) -> list[Value]
                                scope=node.scope if node else tracer.scope,
                                source=node.source if node else None)
     return [value, mean]
-
-
-def _refuse_custom_bprop(tracer: Any, path: str) -> None:
-    """A differentiated Cell's own `bprop` is not used: refuse rather than ignore it."""
-    if tracer.custom_bprop:
-        cls, scope = tracer.custom_bprop[0]
-        raise PcompileError(
-            f"{cls} (scope {scope}) defines its own bprop, and this compile differentiates it; "
-            "pcompile differentiates every cell from its construct() and does not run custom "
-            "backward functions: remove bprop (the gradient then follows construct), or "
-            f"compile for inference (in {path})")
 
 
 def _input_signature(cell: Cell) -> tuple[list[str], int | None]:
@@ -339,7 +331,7 @@ def _trace_network(mf: ModelFile, top: Cell, batch_split: int) -> TracedModel:
             objective = Tensor(_value=captured.objective)
             what = f"the output of {type(captured.network).__name__}"
             graph.outputs = _objective_outputs(tracer, objective, what)
-            _refuse_custom_bprop(tracer, mf.path)
+        custom_bprops = list(tracer.custom_bprop) if captured is not None else []
     graph.dead_code_elimination()
     if captured is not None:
         # The step cell's own parameters (a loss scale, counters) are read after the
@@ -362,6 +354,7 @@ def _trace_network(mf: ModelFile, top: Cell, batch_split: int) -> TracedModel:
         parameters=parameters,
         mode="inference" if captured is None else ("train" if trains else "grad"),
         step=None if captured is None else StepTrace(top, captured),
+        custom_bprops=custom_bprops,
     )
 
 

@@ -119,7 +119,8 @@ class Tracer:
         self.params: dict[int, GraphParam] = {}
         self.op_counts: dict[str, int] = {}
         self.overrides: dict[int, Value] = {}
-        self.custom_bprop: list[tuple[str, str]] = []  # (cell class, scope) with own bprop
+        # calls of cells with their own bprop (compiler/custom_bprop.py `BpropCall`)
+        self.custom_bprop: list[Any] = []
         # Cell.recompute(): whether the cells being traced are recomputed (innermost last), and
         # the results marked because of it (a cell's outputs are unmarked when it returns)
         self.recompute_stack: list[bool] = []

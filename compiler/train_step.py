@@ -193,6 +193,8 @@ class ReplayEnv:
     initial_values: MutableMapping[str, Any]
     slicer: Callable[[str, str, Any], tuple[int, ...]] | None = None
     network_params: dict[str, Parameter] = field(default_factory=dict)
+    # cells with their own bprop (compiler/custom_bprop.py), as passes.autodiff.CustomVjp
+    custom: list[Any] = field(default_factory=list)
 
     @property
     def parallel(self) -> bool:
@@ -286,7 +288,8 @@ class Replay(StepContext):
         inputs = [self.graph.inputs[i] for i in self.captured.positions]
         weights = [self._weight(p) for p in (fn.weights or ())]
         wrt = (inputs if fn.op.get_all or not fn.op.get_by_list else []) + weights
-        grads = append_gradients(self.graph, self.objective, wrt, [seed]) if wrt else []
+        grads = append_gradients(self.graph, self.objective, wrt, [seed],
+                                 custom=self.env.custom) if wrt else []
         tensors = []
         for value, of in zip(grads, wrt):
             self.tags[id(value)] = of.name  # type: ignore[attr-defined]

@@ -11,12 +11,17 @@ Rules:
 * cotangents reaching one value from several users are summed with `Add`;
 * a tuple-typed result collects one cotangent per element; unused elements get zeros;
 * the collectives a communication op's vjp emits say why they exist and what they move
-  (`reason`, `bytes`; passes/comm_info.py), as the forward ones do.
+  (`reason`, `bytes`; passes/comm_info.py), as the forward ones do;
+* a region with a given backward (`CustomVjp`: a cell's own `bprop`, compiler/custom_bprop.py)
+  takes the cotangents of its outputs once every user of them is differentiated, and its
+  `build` gives the cotangents of its inputs; the region's own ops are not differentiated
+  (their results get no cotangent).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,6 +31,18 @@ from pcompile.ir.errors import PcompileError
 from pcompile.ir.registry import get_op
 from pcompile.ir.types import TensorType, TupleType
 from pcompile.passes.comm_info import backward_annotation
+
+
+@dataclass
+class CustomVjp:
+    """A region of the graph whose backward is given: `build(graph, douts)` appends the nodes
+    that turn the cotangents of `outputs` (zeros for an output nothing differentiates) into
+    one cotangent per entry of `inputs` (None: none, or an input that is not a value)."""
+
+    name: str  # what the messages call it
+    inputs: list[Value | None]
+    outputs: list[Value]
+    build: Callable[[Graph, list[Value]], list[Value | None]]
 
 
 def zeros_like(value_type: TensorType) -> Constant:
@@ -46,13 +63,15 @@ def append_gradients(
     wrt: Sequence[GraphParam],
     seeds: Sequence[Value] | None = None,
     origins: dict[int, Node] | None = None,
+    custom: Sequence[CustomVjp] = (),
 ) -> list[Value]:
     """Append the backward graph; returns one gradient value per entry of `wrt`.
 
     `loss` is usually one scalar, seeded with 1. Several values with explicit `seeds`
     (cotangents of their types) compute a vector-Jacobian product instead. `origins`, when
     given, receives id(backward node) -> the forward node whose vjp made it (the pipeline
-    passes run a backward node in its forward node's stage and micro-batch)."""
+    passes run a backward node in its forward node's stage and micro-batch). `custom`: regions
+    whose backward is given (`CustomVjp`)."""
     losses = [loss] if isinstance(loss, Value) else list(loss)
     for value in losses:
         if not isinstance(value.type, TensorType) or not value.dtype.is_float:
@@ -86,11 +105,40 @@ def append_gradients(
         key = id(value)
         cot[key] = contribution if key not in cot else b("Add", cot[key], contribution)
 
+    # A custom region runs when its last output (in graph order) is reached: every user of
+    # its outputs lies after the region, so their cotangents are complete by then.
+    trigger = {id(out): k for k, region in enumerate(custom) for out in region.outputs}
+    applied: set[int] = set()
+
+    def run_custom(region: CustomVjp) -> None:
+        douts = []
+        for out in region.outputs:
+            given = cot.pop(id(out), None)
+            douts.append(given if given is not None else zeros_like(out.type))
+        grads = region.build(graph, douts)
+        if len(grads) != len(region.inputs):
+            raise PcompileError(f"{region.name}: bprop returned {len(grads)} gradients for "
+                                f"{len(region.inputs)} inputs; return one per input")
+        b = Builder(graph, scope=f"Gradients/{region.name}")
+        for i, (value, grad) in enumerate(zip(region.inputs, grads)):
+            if value is None or grad is None or id(value) not in active:
+                continue
+            if grad.type != value.type:
+                raise PcompileError(
+                    f"{region.name}: bprop's gradient {i} is {grad.type}, but input {i} is "
+                    f"{value.type} (on this rank); return a gradient of the input's shape and "
+                    "dtype")
+            accumulate(b, value, grad)
+
     made, previous = len(graph.nodes), None
     for node in reversed(list(graph.nodes)):
         if origins is not None:
             _note_origins(graph, made, previous, origins)
             made, previous = len(graph.nodes), node
+        k = trigger.get(id(node.result))
+        if k is not None and k not in applied:
+            applied.add(k)
+            run_custom(custom[k])
         result = node.result
         if id(result) not in active:
             continue
@@ -146,4 +194,4 @@ def _note_origins(graph: Graph, made: int, forward: Node | None,
             origins[id(node)] = forward
 
 
-__all__ = ["append_gradients", "zeros_like"]
+__all__ = ["CustomVjp", "append_gradients", "zeros_like"]

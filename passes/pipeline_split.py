@@ -73,12 +73,16 @@ class _StagedBuilder(RankBuilder):
 
 
 def build_staged_spmd_graph(graph: Graph, assignment: Any, options: SplitOptions,
-                            fusion_ids: dict[str, int], node_stage: dict[int, int]
+                            fusion_ids: dict[str, int], node_stage: dict[int, int],
+                            watch: dict[int, Any] | None = None
                             ) -> tuple[Graph, list[Any], dict[int, int]]:
     """`step_parallel.build_spmd_graph` that also returns the stage of each local node (that
     of the forward op it was made for; `node_stage` by id of the forward op)."""
+    from pcompile.passes.step_parallel import note_locals
+
     builder = _StagedBuilder(graph, assignment, None, options, fusion_ids)
     local = builder.build()
+    note_locals(builder, watch)
     stages = {key: node_stage[id(op)] for key, op in builder.origin.items()
               if id(op) in node_stage}
     return local, builder.output_layouts, stages

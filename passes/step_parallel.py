@@ -632,11 +632,21 @@ class RankBuilder:
 
 
 def build_spmd_graph(graph: Graph, assignment: ParallelAssignment, options: SplitOptions,
-                     fusion_ids: dict[str, int]) -> tuple[Graph, list[Any]]:
+                     fusion_ids: dict[str, int], watch: dict[int, Value | None] | None = None
+                     ) -> tuple[Graph, list[Any]]:
     """The one local graph every rank runs (rank differences as `ir.rank` values), and the
-    layouts of its outputs."""
+    layouts of its outputs. `watch` (id of a value of `graph` -> None) receives the local
+    value each of those became, as made (before any redistribution for a user)."""
     builder = RankBuilder(graph, assignment, None, options, fusion_ids)
-    return builder.build(), builder.output_layouts
+    local = builder.build()
+    note_locals(builder, watch)
+    return local, builder.output_layouts
+
+
+def note_locals(builder: RankBuilder, watch: dict[int, Value | None] | None) -> None:
+    for key in watch or {}:
+        made = builder.local.get(key)
+        watch[key] = made[0] if made is not None else None  # type: ignore[index]
 
 
 

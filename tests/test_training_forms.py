@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import FLOAT64_RTOL, check, relative_error
+from pcompile.compiler.oracle import FLOAT64_RTOL, check, relative_error, single_device
 from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
 from pcompile.ir.errors import PcompileError
 
@@ -739,7 +739,9 @@ def test_training_compiles_take_the_training_branch(tmp_path: Any) -> None:
     assert not inference.graph.find("Tanh")
 
 
-def test_a_custom_bprop_is_refused_when_differentiated(tmp_path: Any) -> None:
+def test_a_custom_bprop_is_used_when_differentiated(tmp_path: Any) -> None:
+    """Clamp's bprop halves the cotangent where its construct passes it on: training uses the
+    bprop (tests/test_custom_bprop.py checks it against autodiff where they agree)."""
     body = """
     class Clamp(nn.Cell):
         def construct(self, x):
@@ -763,10 +765,25 @@ def test_a_custom_bprop_is_refused_when_differentiated(tmp_path: Any) -> None:
         return WithClamp()
     """
     body = textwrap.dedent(body)
-    with pytest.raises(PcompileError, match=r"Clamp \(scope Default/network-WithClamp/"
-                       r"clamp-Clamp\) defines its own bprop"):
-        compile_source(tmp_path, body + "\n\ndef optimizer(params):\n    return nn.SGD(params)\n",
-                       devices=1)
+    trained = compile_source(tmp_path, body + "\n\ndef optimizer(params):\n"
+                             "    return nn.SGD(params)\n", devices=1)
+    halves = [n for n in trained.graph.nodes if n.op == "Mul"
+              and n.scope.startswith("Gradients/Default/network-WithClamp/clamp-Clamp")]
+    assert halves, "the bprop's Mul is not in the backward"
+    reference = single_device(trained)  # differentiates construct: twice the gradient
+    ours = StandAloneRunner(trained, "numpy", float64=True)
+    theirs = StandAloneRunner(reference, "numpy", float64=True)
+    before = {k: np.array(v) for k, v in ours.values.items()}
+    for name in before:
+        theirs.values[name] = np.array(before[name])
+    _, _, arrays = next(iter(batches(trained, 1)))
+    ours.step(arrays)
+    theirs.step(arrays)
+    for name, start in before.items():
+        if name in {p.name for p in trained.graph.weights}:
+            np.testing.assert_allclose(ours.values[name] - start,
+                                       0.5 * (theirs.values[name] - start), rtol=1e-9,
+                                       atol=1e-15)
     compile_source(tmp_path, body, "infer.py", devices=1)  # inference: bprop is not needed
 
 

@@ -313,8 +313,7 @@ class Cell:
                     f"{container._attr_name or 'cell'}-{type(container).__name__}"))
             scopes.enter_context(tracer.cell_scope(part))
             note_cell(tracer.scope, self)  # pipeline stages are looked up by scope
-            if has_custom_bprop(self):
-                tracer.custom_bprop.append((type(self).__name__, tracer.scope))
+            bprop_scope = tracer.scope if has_custom_bprop(self) else None
             if self._recompute is not None:
                 tracer.recompute_stack.append(self._recompute)
                 scopes.callback(tracer.recompute_stack.pop)
@@ -331,6 +330,10 @@ class Cell:
                 _keep_outputs(result, tracer)
             if self._output_dtype is not None:
                 result = _cast_outputs(result, self._output_dtype, tracer)
+            if bprop_scope is not None:
+                from pcompile.compiler.custom_bprop import record_call
+
+                tracer.custom_bprop.append(record_call(self, bprop_scope, args, kwargs, result))
             return result
 
     def __repr__(self) -> str:
