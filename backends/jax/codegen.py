@@ -132,7 +132,8 @@ class _Writer:
             self.consts[key] = np.asarray(table)
             self.tables.append(f"{name} = LazyTable(DATA, {key!r})  # {what}, in consts.npz")
             return
-        dtype = "np." + str(np.asarray(table).dtype)
+        # DType's numpy dtype: numpy itself has no bfloat16 (ml_dtypes gives DType its own)
+        dtype = f"DType.{_dtype_name(np.asarray(table).dtype)}.np"
         rows = [array_literal(row) for row in np.asarray(table)]
         line = f"{name} = np.array(({', '.join(rows)},), {dtype})  # {what}"
         if len(line) <= 100:
