@@ -598,7 +598,23 @@ def __getattr__(name: str) -> Any:
 
     if name in functional.__all__:
         return getattr(functional, name)
-    raise AttributeError(f"module 'pcompile.ops' has no attribute {name!r}")
+    if name.startswith("__"):  # Python's own probes (__path__, __wrapped__, ...)
+        raise AttributeError(f"module 'pcompile.ops' has no attribute {name!r}")
+    import difflib
+
+    known = sorted(set(globals()) | set(functional.__all__))
+    known = [k for k in known if not k.startswith("_")]
+    lower: dict[str, list[str]] = {}
+    for k in known:
+        lower.setdefault(k.lower(), []).append(k)
+    close = [k for key in difflib.get_close_matches(name.lower(), list(lower), n=3,
+                                                    cutoff=0.6) for k in lower[key]][:4]
+    near = f" (did you mean {', '.join(f'ops.{c}' for c in close)}?)" if close else ""
+    raise AttributeError(
+        f"pcompile.ops has no {'primitive' if name[:1].isupper() else 'function'} "
+        f"{name!r}{near}: the primitives and functional ops pcompile has, with their sharding "
+        "rules, are listed in docs/ops.md; a missing one can be added as "
+        "docs/CONTRIBUTING-ops.md describes")
 
 
 def __dir__() -> list[str]:

@@ -128,7 +128,8 @@ class Tensor:
         if self._value is not None:
             from pcompile.compiler.train_step import current_step
 
-            hint = ""
+            hint = ("; compute both branches and choose element-wise with "
+                    "ops.select(cond, x, y), or decide on shapes and Python values")
             if current_step() is not None:
                 hint = ("; in a training step, skip the update on overflow with "
                         "`loss = ops.depend(loss, self.optimizer(grads, skip=overflow))` instead "
@@ -169,6 +170,20 @@ class Tensor:
 
     def __neg__(self) -> Tensor:
         return _call("Neg", self)
+
+    # Comparisons give a Bool tensor (MindSpore's Tensor operators); == and != keep Python's
+    # identity meaning, which the front end relies on (use ops.Equal / ops.NotEqual).
+    def __gt__(self, other: Any) -> Tensor:
+        return _call("Greater", self, other)
+
+    def __ge__(self, other: Any) -> Tensor:
+        return _call("GreaterEqual", self, other)
+
+    def __lt__(self, other: Any) -> Tensor:
+        return _call("Less", self, other)
+
+    def __le__(self, other: Any) -> Tensor:
+        return _call("LessEqual", self, other)
 
     def __pow__(self, other: Any) -> Tensor:
         return _call("Pow", self, other)

@@ -71,6 +71,34 @@ def _spec_type(item: TensorSpec | np.ndarray) -> TensorType:
     return TensorType(DType.from_any(item.dtype), tuple(int(d) for d in item.shape))
 
 
+def _shapes(value: Any) -> str:
+    items = list(value) if isinstance(value, (tuple, list)) else [value]
+    shapes = [str(tuple(getattr(t, "shape", ()))) for t in items]
+    return shapes[0] if len(shapes) == 1 else "(" + ", ".join(shapes) + ")"
+
+
+def _check_arity(network: Cell, given: int, path: str) -> None:
+    """inputs() gives one array per positional argument of the network's construct (with
+    loss(), the labels go to the loss, not the network)."""
+    try:
+        params = list(inspect.signature(network.construct).parameters.values())
+    except (TypeError, ValueError):
+        return
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if len(required) <= given <= len(positional):
+        return
+    names = ", ".join(p.name for p in positional) or "nothing"
+    raise PcompileError(
+        f"inputs() in {path} returns {given} array(s), but {type(network).__name__}.construct "
+        f"takes {len(required)}"
+        + (f" to {len(positional)}" if len(positional) != len(required) else "")
+        + f" ({names}); return one array per argument of construct (the labels come from "
+        "labels() or the rest of each dataset() batch and go to loss())")
+
+
 def _arg_names(fn: Any, count: int, fallback: str) -> list[str]:
     try:
         params = [
@@ -166,6 +194,7 @@ def trace_model(mf: ModelFile, batch_split: int = 1, micro_batches: bool = False
     if mf.loss is None:
         return _trace_network(mf, network, batch_split)
     example_inputs = as_input_list(call_user(mf.inputs, "inputs()", mf.path), "inputs", mf.path)
+    _check_arity(network, len(example_inputs), mf.path)
     input_names = _arg_names(network.construct, len(example_inputs), "input")
 
     loss_cell = call_user(mf.loss, "loss()", mf.path)
@@ -190,9 +219,20 @@ def trace_model(mf: ModelFile, batch_split: int = 1, micro_batches: bool = False
                 out = call_top(network, tracer, lambda: call_user(
                     network.construct, f"{net_name}.construct()", mf.path, *args))
             with tracer.cell_scope(f"_loss_fn-{type(loss_cell).__name__}"):
-                loss = call_user(loss_cell.construct,
-                                 f"{type(loss_cell).__name__}.construct()", mf.path, out,
-                                 *labels)
+                try:
+                    loss = call_user(loss_cell.construct,
+                                     f"{type(loss_cell).__name__}.construct()", mf.path, out,
+                                     *labels)
+                except PcompileError as exc:
+                    source = ("labels()" if mf.labels is not None
+                              else "dataset()'s first batch")
+                    exc.args = (
+                        f"{exc}\n(in loss() of {mf.path}: it takes the network's output "
+                        f"{_shapes(out)} and the labels "
+                        + ", ".join(f"{n} {_shapes(t)}" for n, t in zip(label_names, labels))
+                        + f" from {source}; where they do not fit, make the labels match the "
+                        "output)",)
+                    raise
         _check_outputs([loss], net_name)
         graph.outputs = _objective_outputs(tracer, loss, f"the loss of "
                                            f"{type(loss_cell).__name__}")

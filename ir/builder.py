@@ -83,6 +83,11 @@ class Builder:
             result_type = opdef.infer_type(types, opdef.impl_attrs(full))
         except ShapeError as exc:
             shapes = [getattr(t, "shape", str(t)) for t in types]
+            hint = ""
+            if "operands must have one dtype" in str(exc):
+                hint = ("Cast one operand to the other's dtype with ops.Cast() (MindSpore "
+                        "converts dtypes implicitly only in arithmetic and comparisons), or "
+                        "give inputs() arrays of the parameters' dtype")
             raise OpError(
                 op,
                 str(exc),
@@ -90,6 +95,7 @@ class Builder:
                 scope=scope,
                 source=source,
                 shapes=shapes,
+                hint=hint,
             ) from None
         node = Node(
             op,

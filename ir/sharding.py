@@ -191,7 +191,10 @@ def label_sharding(
     if ctx.devices % used:
         raise StrategyError(
             f"the strategy requires {used} devices, but the device number of this stage is "
-            f"{ctx.devices}, it can not be divisible by {used}"
+            f"{ctx.devices}, it can not be divisible by {used}",
+            f"Compile for a multiple of {used} devices (--devices {used} or "
+            f"{2 * used}, ...), or give this op a strategy whose splits multiply to a divisor "
+            f"of {ctx.devices}",
         )
     origin = [split_of[name] for name in order]
     repeat = ctx.devices // used
