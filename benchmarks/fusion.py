@@ -51,9 +51,10 @@ sys.path.insert(0, ROOT)
 
 from pcompile.compiler.driver import CompiledProgram  # noqa: E402
 from pcompile.compiler.driver import compile as compile_model  # noqa: E402
+from pcompile.compiler.pass_options import fusion_config_from_dict  # noqa: E402
 from pcompile.compiler.runtime import ParallelRunner, batches  # noqa: E402
 from pcompile.ir.registry import get_op  # noqa: E402
-from pcompile.passes.comm_fusion import CommFusionPass, FusionConfig  # noqa: E402
+from pcompile.passes.comm_fusion import CommFusionPass  # noqa: E402
 
 GPT = os.path.join(ROOT, "examples", "gpt_block.py")
 ALPHA_US = 10.0  # latency per ring step (assumed)
@@ -169,7 +170,7 @@ def run(layers: int, devices: int, steps: int, use_jax: bool) -> dict[str, Any]:
     os.environ["GPT_BATCH"] = str(max(8, devices))
     base = compile_model(GPT, devices=devices, parallel_mode="semi_auto_parallel", dump=False)
     fused = compile_model(GPT, devices=devices, parallel_mode="semi_auto_parallel", dump=False)
-    fusion = CommFusionPass(FusionConfig.from_dict(world_size=devices))
+    fusion = CommFusionPass(fusion_config_from_dict(world_size=devices))
     start = time.perf_counter()
     fusion.apply(fused.state)
     pass_s = time.perf_counter() - start

@@ -30,7 +30,9 @@ from pcompile.compiler.context import (
 from pcompile.compiler.initializer import InitializedData
 from pcompile.compiler.model_file import ModelFile, call_user, load_model_file
 from pcompile.compiler.nn.optim_base import Optimizer
+from pcompile.compiler.optimizer_update import append_optimizer, rank_sum
 from pcompile.compiler.parameter_layout import parameter_layout_dict
+from pcompile.compiler.pass_options import cost_constants, fusion_config, search_options
 from pcompile.compiler.plan import Plan, build_plan, write_plan
 from pcompile.compiler.trace_model import TracedModel, check_optimizer, trace_model
 from pcompile.compiler.train_step import ReplayEnv, replay_step
@@ -44,7 +46,6 @@ from pcompile.ir.verifier import verify
 from pcompile.passes.autodiff import append_gradients
 from pcompile.passes.comm_fusion import CommFusionPass
 from pcompile.passes.cotangents import plan_cotangent_reductions
-from pcompile.passes.optimizer import append_optimizer, rank_sum
 from pcompile.passes.optimizer_shard import plan_optimizer_sharding
 from pcompile.passes.recompute import apply_recompute, marked
 from pcompile.passes.replicated import (
@@ -725,7 +726,7 @@ def pipeline(state: CompileState) -> list[Pass]:
         if state.parallel_mode == "auto_parallel" and state.shrink is not None:
             passes.append(PinnedSearchPass())  # the shrunk check: the plan's strategies
         elif state.parallel_mode == "auto_parallel":  # search (issue 4)
-            passes.append(StepAutoParallelPass())
+            passes.append(StepAutoParallelPass(search_options(), cost_constants()))
         passes += [StepParallelBeginPass(), StepParallelEndPass()]
         if state.micro_batched:
             from pcompile.compiler.pipelining import MicroBatchPass
@@ -743,7 +744,7 @@ def pipeline(state: CompileState) -> list[Pass]:
 
             passes.append(PipelineSplitPass())
     if state.backward and state.parallel:
-        passes.append(CommFusionPass())
+        passes.append(CommFusionPass(fusion_config()))
     passes.append(ExecutePass())
     return passes
 

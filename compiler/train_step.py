@@ -327,7 +327,7 @@ class Replay(StepContext):
 
     # -- stored state ---------------------------------------------------------------------------
     def optimizer_step(self, optimizer: Any, grads: Any, skip: Any) -> Any:
-        from pcompile.passes.optimizer import rank_sum, trace_update
+        from pcompile.compiler.optimizer_update import rank_sum, trace_update
 
         grads = list(grads) if isinstance(grads, (tuple, list)) else [grads]
         params = [p for p in optimizer.parameters]

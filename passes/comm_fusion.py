@@ -57,7 +57,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import networkx as nx
 
@@ -65,9 +65,6 @@ from pcompile.ir.builder import Builder
 from pcompile.ir.core import Graph, GraphParam, Node, NodeResult, ParallelInfo, Value
 from pcompile.ir.rank import RankGroup, RankValue, resolve
 from pcompile.ir.registry import get_op
-
-if TYPE_CHECKING:
-    from pcompile.compiler.context import AutoParallelContext
 
 __all__ = [
     "FUSIBLE_OPS",
@@ -133,48 +130,6 @@ class FusionConfig:
         if not self.openstate:
             return None
         return self.kinds.get(op)
-
-    @classmethod
-    def from_context(cls, ctx: AutoParallelContext | None = None) -> FusionConfig:
-        """Read `comm_fusion` and `all_reduce_fusion_config` from the auto-parallel context
-        (the current one by default). A non-empty split-index list (comm_fusion allreduce
-        "index", or the old all_reduce_fusion_config) puts AllReduce in index mode."""
-        if ctx is None:
-            from pcompile.compiler.context import current_context
-
-            ctx = current_context()
-        kinds: dict[str, KindConfig] = {}
-        for op, key in FUSIBLE_OPS.items():
-            if not ctx.fusion_enabled(key):
-                continue
-            entry = getattr(ctx.comm_fusion, key)
-            if op == "AllReduce":
-                indices = ctx.allreduce_split_indices()
-                if entry.mode == "index" or indices:
-                    kinds[op] = KindConfig("index", None, tuple(indices))
-                    continue
-            kinds[op] = KindConfig(entry.mode, ctx.fusion_threshold_mb(key))
-        return cls(bool(ctx.comm_fusion.openstate), kinds, int(ctx.device_num))
-
-    @classmethod
-    def from_dict(
-        cls,
-        comm_fusion: dict[str, Any] | None = None,
-        all_reduce_fusion_config: Sequence[int] = (),
-        world_size: int | None = None,
-    ) -> FusionConfig:
-        """Build a config from a `comm_fusion` dict in MindSpore's spelling (validated by
-        `compiler.context`, so errors are the reference's TypeError / KeyError)."""
-        from pcompile.compiler.context import AutoParallelContext
-
-        values: dict[str, Any] = {"all_reduce_fusion_config": list(all_reduce_fusion_config)}
-        if comm_fusion is not None:
-            values["comm_fusion"] = comm_fusion
-        if world_size is not None:
-            values["device_num"] = world_size
-        ctx = AutoParallelContext.model_validate(values)
-        config = cls.from_context(ctx)
-        return replace(config, world_size=world_size)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -703,9 +658,10 @@ def fuse_communication(graph: Graph, config: FusionConfig | None = None) -> Fusi
 class CommFusionPass:
     """The driver pass `comm_fusion` (after `optimizer`): fuses every rank's collectives.
 
-    The config is read from `compiler.context.current_context()` inside `apply` unless one is
-    given. The rank reports are kept in `self.reports`, and a summary (rank 0's buckets and
-    parameter ids, collectives per rank before and after) in `state.plan["comm_fusion"]`."""
+    The driver gives the config (`compiler.pass_options.fusion_config`: the context's
+    `comm_fusion`); without one, the defaults (AllReduce fusion, `auto`). The rank reports are
+    kept in `self.reports`, and a summary (rank 0's buckets and parameter ids, collectives per
+    rank before and after) in `state.plan["comm_fusion"]`."""
 
     name = "comm_fusion"
 
@@ -716,7 +672,7 @@ class CommFusionPass:
     def apply(self, state: Any) -> None:
         if not getattr(state, "parallel", True) or not state.rank_graphs:
             return  # one device: every collective is the identity
-        config = self.config or FusionConfig.from_context()
+        config = self.config or FusionConfig()
         devices = getattr(state, "devices", None)
         if devices:
             config = replace(config, world_size=int(devices))

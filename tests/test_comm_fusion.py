@@ -20,6 +20,7 @@ from pcompile.compiler import oracle
 from pcompile.compiler.context import context_override
 from pcompile.compiler.driver import CompiledProgram
 from pcompile.compiler.driver import compile as compile_model
+from pcompile.compiler.pass_options import fusion_config, fusion_config_from_dict
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Graph, GraphParam, Value
 from pcompile.ir.parser import parse_graph
@@ -66,7 +67,7 @@ def fuse(program: CompiledProgram, config: FusionConfig) -> list[FusionReport]:
 
 
 def config(comm_fusion: dict | None = None, split: tuple[int, ...] = ()) -> FusionConfig:
-    return FusionConfig.from_dict(comm_fusion, split, world_size=DEVICES)
+    return fusion_config_from_dict(comm_fusion, split, world_size=DEVICES)
 
 
 def gradient_allreduces(program: CompiledProgram, rank: int = 0) -> list[int]:
@@ -232,12 +233,13 @@ def test_openstate_false_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> Non
     assert reports[0].parameter_fusion == dict.fromkeys(WEIGHTS, 1)  # the users' ids
 
 
-def test_pass_reads_the_context_and_fills_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pass_takes_the_contexts_config_and_fills_the_plan(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     program = compile_dense(monkeypatch)
-    fusion = CommFusionPass()
-    assert fusion.name == "comm_fusion"
     with context_override(comm_fusion={"allreduce": {"mode": "index", "config": [5]}}):
-        fusion.apply(program.state)
+        fusion = CommFusionPass(fusion_config())  # as the driver builds it
+    assert fusion.name == "comm_fusion"
+    fusion.apply(program.state)
     assert [len(b.members) for b in fusion.reports[0].buckets] == [6, 6]
     plan = program.state.plan["comm_fusion"]
     assert plan["collectives_per_rank"] == [{"before": BEFORE, "after": LOSS + 2}] * DEVICES
@@ -299,7 +301,7 @@ def test_config_from_context() -> None:
 def test_invalid_configs_are_rejected(comm_fusion: object, exc: type[Exception],
                                       words: str) -> None:
     with pytest.raises(exc) as info:
-        FusionConfig.from_dict(comm_fusion)  # type: ignore[arg-type]
+        fusion_config_from_dict(comm_fusion)  # type: ignore[arg-type]
     assert type(info.value) is exc
     assert "comm_fusion" in str(info.value) and words in str(info.value)
 

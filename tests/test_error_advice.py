@@ -58,3 +58,4 @@ def test_a_device_count_the_strategy_does_not_divide_says_what_would(tmp_path) -
     message = str(info.value)
     assert "the strategy requires 8 devices, but the device number of this stage is 3" in message
     assert "Compile for a multiple of 8 devices (--devices 8 or 16, ...)" in message
+

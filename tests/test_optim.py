@@ -14,9 +14,9 @@ import pytest
 
 from pcompile import Parameter, Tensor, nn
 from pcompile.backends.numpy import run_graph
+from pcompile.compiler.optimizer_update import append_optimizer
 from pcompile.compiler.trace_model import trace_cell
 from pcompile.passes.autodiff import append_gradients
-from pcompile.passes.optimizer import append_optimizer
 from tests.op_harness import assert_close
 
 # -- references (float64 numpy, written from MindSpore's documented formulas) ----------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from pcompile.compiler.pass_options import search_options
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Graph, GraphParam
 from pcompile.ir.errors import PcompileError
@@ -216,6 +217,6 @@ def test_interfered_sapp_fixes_user_strategies() -> None:
 
 def test_search_options_read_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("MS_INTERFERED_SAPP", "1")
-    assert SearchOptions.from_context().interfered_sapp
+    assert search_options().interfered_sapp
     monkeypatch.setenv("MS_INTERFERED_SAPP", "0")
-    assert not SearchOptions.from_context().interfered_sapp
+    assert not search_options().interfered_sapp

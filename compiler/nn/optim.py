@@ -1,7 +1,7 @@
 """MindSpore's optimizers: `SGD`, `Momentum`, `Adam`, `AdamWeightDecay`, `Lamb`, `AdaFactor`.
 
 Each `update` is written with ordinary tensor ops, so it runs eagerly on concrete tensors and is
-traced into the training graph by `passes.optimizer.append_optimizer`. Gradients are first
+traced into the training graph by `compiler.optimizer_update.append_optimizer`. Gradients are first
 divided by `loss_scale`; L2 weight decay (`grad + weight_decay * w`) is applied as MindSpore does:
 by `SGD` to every parameter, by `Momentum` and `Adam` (and the decoupled decay of
 `AdamWeightDecay`) only to parameters whose names contain neither 'beta' nor 'gamma'

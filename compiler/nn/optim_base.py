@@ -32,7 +32,7 @@ class Optimizer(Cell):
     """Base class; subclasses define `state_prefixes`, `global_state` and `update`."""
 
     state_prefixes: tuple[str, ...] = ()
-    # Set by passes.optimizer.trace_update while tracing a rank's local graph: sums a
+    # Set by compiler.optimizer_update.trace_update while tracing a rank's local graph: sums a
     # per-parameter partial sum over the ranks holding the parameter's other slices.
     _slice_sum: Any = None
 

@@ -27,7 +27,6 @@ edges that decided the op).
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,22 +59,6 @@ class SearchOptions:
     # dynamic programming: edge tables with at most this many layout pairs are planned up
     # front; larger ones start from lower bounds (0: every table starts from bounds)
     exact_edge_classes: int = 256
-
-    @classmethod
-    def from_context(cls) -> SearchOptions:
-        from pcompile.compiler.context import current_algo_parameters, current_cost_model_context
-
-        algo = current_algo_parameters()
-        cm = current_cost_model_context()
-        approx = bool(algo.enable_algo_approxi or cm.dp_algo_enable_approxi)
-        eps = float(algo.algo_approxi_epsilon if algo.enable_algo_approxi
-                    else cm.dp_algo_approxi_epsilon)
-        return cls(
-            fully_use_devices=bool(algo.fully_use_devices),
-            interfered_sapp=os.environ.get("MS_INTERFERED_SAPP", "0") == "1",
-            approximate=approx,
-            epsilon=eps,
-        )
 
 
 @dataclass

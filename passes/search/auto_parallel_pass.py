@@ -12,6 +12,7 @@ step_parallel_begin dump, `explain.dump_annotation`), records the decision under
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from pcompile.passes.search import SearchOptions, SearchResult, search
@@ -22,9 +23,15 @@ from pcompile.passes.search.explain import dump_annotation
 
 class StepAutoParallelPass:
     """Strategy search for `auto_parallel` (sharding propagation, dynamic or recursive
-    programming)."""
+    programming), with the options and cost-model constants the driver read from the contexts
+    (`compiler.pass_options`)."""
 
     name = "step_auto_parallel_begin"
+
+    def __init__(self, options: SearchOptions | None = None,
+                 constants: CostConstants | None = None) -> None:
+        self.options = options or SearchOptions()
+        self.constants = constants or CostConstants()
 
     def apply(self, state: Any) -> None:
         assert state.graph is not None
@@ -33,15 +40,15 @@ class StepAutoParallelPass:
         loaded = {}
         if ckpt is not None and ckpt.load_file:
             loaded = load_strategies(ckpt.load_file, state.graph)
-        constants = CostConstants.from_context(
-            training=state.training, enable_alltoall=bool(opts.get("enable_alltoall", False)))
+        constants = replace(self.constants, training=state.training,
+                            enable_alltoall=bool(opts.get("enable_alltoall", False)))
         state.search = search(
             state.graph,
             getattr(state, "stage_devices", state.devices),  # a pipeline stage's devices
             state.search_mode,
             dataset_strategy=opts.get("dataset_strategy"),
             constants=constants,
-            options=SearchOptions.from_context(),
+            options=self.options,
             loaded=loaded,
         )
 

@@ -30,7 +30,7 @@ that needs communication costs infinity.
 The objective of a plan is `sum over ops and edges of alpha * comp + beta * comm_partial`
 (`Cost.objective`; inference uses the forward communication instead), subject to the total
 memory being at most `device_memory_capacity`. The constants come from
-`set_cost_model_context` (`CostConstants.from_context`).
+`set_cost_model_context` (`compiler.pass_options.cost_constants`).
 """
 
 from __future__ import annotations
@@ -61,25 +61,6 @@ class CostConstants:
     training: bool = True
     enable_alltoall: bool = False
     rp_matmul_mem_coef: float = 0.1  # recursive programming's weight of a MatMul row cut
-
-    @classmethod
-    def from_context(cls, training: bool = True, enable_alltoall: bool = False
-                     ) -> CostConstants:
-        from pcompile.compiler.context import current_cost_model_context
-
-        cm = current_cost_model_context()
-        return cls(
-            alpha=float(cm.costmodel_alpha),
-            beta=float(cm.costmodel_beta),
-            gamma=float(cm.costmodel_gamma),
-            communi_threshold=float(cm.costmodel_communi_threshold),
-            communi_const=float(cm.costmodel_communi_const),
-            communi_bias=float(cm.costmodel_communi_bias),
-            memory_capacity=float(cm.device_memory_capacity),
-            training=training,
-            enable_alltoall=enable_alltoall,
-            rp_matmul_mem_coef=float(cm.rp_matmul_mem_coef),
-        )
 
 
 @dataclass(frozen=True)

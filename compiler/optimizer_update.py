@@ -1,9 +1,11 @@
 """Appends the optimizer update to a graph that already computes the loss and gradients.
 
-After this pass the graph is one training step: it returns the loss, then the new value of
-every trainable parameter, then the new optimizer state; `graph.attrs["outputs"]` names each
-returned value (`loss`, the parameter names, `moments.w`, ...), which is how runtimes write the
-results back.
+The update is the user's optimizer (`nn.Momentum`, `nn.AdamWeightDecay`, ...) traced through
+the front end into the rank's local graph, so this module belongs to the front end (compiler/),
+not to the passes, which never import it. After it the graph is one training step: it returns
+the loss, then the new value of every trainable parameter, then the new optimizer state;
+`graph.attrs["outputs"]` names each returned value (`loss`, the parameter names, `moments.w`,
+...), which is how runtimes write the results back.
 """
 
 from __future__ import annotations
