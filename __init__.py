@@ -4,6 +4,7 @@ The user-facing façade, MindSpore-style::
 
     from pcompile import nn, ops, Parameter, Tensor, Layout, set_auto_parallel_context
     from pcompile.communication import init, get_rank, get_group_size
+    import pcompile.dataset as ds  # GeneratorDataset, NumpySlicesDataset, TokenFileDataset
 
 Everything of the project lives under this one import package (`pcompile.compiler`,
 `pcompile.ir`, `pcompile.passes`, `pcompile.backends`, `pcompile.cli`). The façade names are
@@ -30,10 +31,11 @@ _MODULE_ALIASES = {
     "pcompile.mint.nn": "pcompile.compiler.mint.nn",
     "pcompile.mint.nn.functional": "pcompile.compiler.mint.nn.functional",
     "pcompile.amp": "pcompile.compiler.amp",
+    "pcompile.dataset": "pcompile.compiler.dataset",
 }
 
 _FACADE = (
-    "nn", "ops", "mint", "communication", "amp", "Parameter", "ParameterTuple", "Tensor",
+    "nn", "ops", "mint", "communication", "dataset", "amp", "Parameter", "ParameterTuple", "Tensor",
     "TensorSpec", "Layout", "initializer", "set_seed", "set_auto_parallel_context",
     "get_auto_parallel_context",
     "reset_auto_parallel_context", "set_context", "get_context", "set_cost_model_context",
