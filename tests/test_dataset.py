@@ -6,6 +6,7 @@ steps give the same batches."""
 
 from __future__ import annotations
 
+import os
 import textwrap
 
 import numpy as np
@@ -262,3 +263,85 @@ def test_a_partial_global_batch_is_one_message(tmp_path) -> None:
         list(rank_batches(program, [0], 3))
     with pytest.raises(PcompileError, match=r"x has shape \(4, 16\)"):
         list(batches(program, 3))
+
+
+RUN_MODEL = """
+import numpy as np
+import pcompile.dataset as ds
+from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
+
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="data_parallel")
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.w = Parameter(initializer("normal", [16, 8]), "w")
+        self.matmul = ops.MatMul().shard(((2, 2), (2, 1)))
+
+    def construct(self, x):
+        return self.matmul(x, self.w)
+
+
+def model():
+    set_seed(3)
+    return Net()
+
+
+def inputs():
+    return (np.zeros((8, 16), np.float32),)
+
+
+def loss():
+    return nn.MSELoss()
+
+
+def optimizer(params):
+    return nn.Momentum(params, learning_rate=0.1, momentum=0.9)
+
+
+def data():
+    set_seed(11)
+    rng = np.random.default_rng(5)
+    xs = rng.standard_normal((20, 16)).astype(np.float32)
+    ys = rng.standard_normal((20, 8)).astype(np.float32)
+    return ds.NumpySlicesDataset((xs, ys), shuffle=True).batch(8, drop_remainder=True)
+
+
+if PLAIN:  # the same global batches, three epochs in one pass of a plain iterable
+    def dataset():
+        batches = data().create_tuple_iterator(output_numpy=True)
+        for _ in range(3):
+            yield from batches
+else:
+    def dataset():
+        return data()
+"""
+
+
+@pytest.mark.slow
+def test_rank_programs_train_alike_from_shares_and_resume_bit_for_bit(tmp_path) -> None:
+    """4 ranks in 2 processes: training from a pcompile.dataset (each process reading half of
+    every batch) gives the losses of the same global batches given as a plain iterable (every
+    process reading them whole); stopped at step 3 and resumed, bit for bit the same."""
+    from pcompile.backends.launcher import launch
+
+    logs = {}
+    for name, plain, runs in (("plain", True, [(6, False)]), ("sharded", False, [(6, False)]),
+                              ("resumed", False, [(3, False), (6, True)])):
+        path = tmp_path / f"{name}.py"
+        path.write_text(textwrap.dedent(RUN_MODEL).replace("PLAIN", repr(plain)))
+        out = tmp_path / name
+        compile_model(str(path), devices=4, out_dir=str(out))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PCOMPILE_")}
+        env["JAX_PLATFORMS"] = "cpu"
+        for steps, resume in runs:
+            said: list[str] = []
+            result = launch(str(out), steps=steps, processes=2, resume=resume, env=env,
+                            echo=said.append)
+            assert result.code == 0, said
+        logs[name] = (out / "rank_0" / "train.log").read_text().splitlines()
+    assert len(logs["sharded"]) == 6 and logs["resumed"] == logs["sharded"]
+    assert [line.split()[-1] for line in logs["plain"]] == [
+        line.split()[-1] for line in logs["sharded"]]
+    assert logs["sharded"][2].startswith("epoch: 2 step: 1,")  # two batches an epoch
