@@ -22,7 +22,9 @@ from typing import Any
 from pcompile._version import __version__
 
 # Submodules a model file imports by MindSpore's spelling (`import pcompile.nn as nn`,
-# `from pcompile.communication import init`): aliases of the façade's modules.
+# `from pcompile.communication import init`, `import pcompile.dataset as ds`): aliases of the
+# façade's modules. `dataset` stays out of `__all__`: `from pcompile import *` must not bind
+# the name a model file's dataset() function has.
 _MODULE_ALIASES = {
     "pcompile.nn": "pcompile.compiler.nn",
     "pcompile.ops": "pcompile.compiler.ops",
@@ -35,7 +37,7 @@ _MODULE_ALIASES = {
 }
 
 _FACADE = (
-    "nn", "ops", "mint", "communication", "dataset", "amp", "Parameter", "ParameterTuple", "Tensor",
+    "nn", "ops", "mint", "communication", "amp", "Parameter", "ParameterTuple", "Tensor",
     "TensorSpec", "Layout", "initializer", "set_seed", "set_auto_parallel_context",
     "get_auto_parallel_context",
     "reset_auto_parallel_context", "set_context", "get_context", "set_cost_model_context",

@@ -3,7 +3,7 @@
 Model files import only from `pcompile` (and `pcompile.communication`, `pcompile.dataset`);
 internal module paths may change, this list does not."""
 
-from pcompile.compiler import amp, communication, dataset, mint, nn, ops
+from pcompile.compiler import amp, communication, mint, nn, ops
 from pcompile.compiler.context import (
     ParallelMode,
     get_algo_parameters,
@@ -68,7 +68,6 @@ __all__ = [
     "ops",
     "mint",
     "communication",
-    "dataset",
     "amp",
     "Parameter",
     "ParameterTuple",
