@@ -442,8 +442,10 @@ class RepeatDataset(Dataset):
 class _TokenWindows:
     """Random access to the (seq_length + 1)-token windows of a flat token file."""
 
-    def __init__(self, path: str, seq_length: int, dtype: np.dtype, offset: int) -> None:
+    def __init__(self, path: str, seq_length: int, dtype: np.dtype, offset: int,
+                 vocab_size: int | None) -> None:
         self.path, self.seq_length, self.dtype = path, seq_length, dtype
+        self.vocab_size = vocab_size
         size = os.path.getsize(path) - offset
         if size < 0 or size % dtype.itemsize:
             raise PcompileError(
@@ -467,10 +469,16 @@ class _TokenWindows:
             raise IndexError(f"window {index} of {self.count}")
         start = index * self.seq_length
         window = np.asarray(self.tokens[start:start + self.seq_length + 1])
-        if self.dtype.itemsize >= 4 and window.size and int(window.max()) > np.iinfo(np.int32).max:
+        top = int(window.max())
+        if top > np.iinfo(np.int32).max or int(window.min()) < 0:
             raise PcompileError(
-                f"TokenFileDataset: {self.path} has token id {int(window.max())} in window "
-                f"{index}, beyond int32; is dtype {self.dtype.name} the file's?")
+                f"TokenFileDataset: {self.path} has token id {top} in window {index}, not an "
+                f"int32 id >= 0; is dtype {self.dtype.name} the one the file was written in?")
+        if self.vocab_size is not None and top >= self.vocab_size:
+            raise PcompileError(
+                f"TokenFileDataset: {self.path} has token id {top} in window {index}, beyond "
+                f"the vocabulary of {self.vocab_size}; give the tokenizer's vocabulary size "
+                "to the model (and vocab_size), or the file of this tokenizer")
         return window.astype(np.int32)
 
 
@@ -480,14 +488,16 @@ class TokenFileDataset(GeneratorDataset):
     one column of int32 token ids, tokens i*S .. i*S + S (S = `seq_length`): S + 1 tokens, the
     model's S inputs and their next-token labels, consecutive windows sharing one token; the
     last tokens that do not fill a window are left out. Only the rows a batch (or a rank's
-    share of it) takes are read from the file. `shuffle` (default on), `num_shards`,
-    `shard_id` and `num_samples` as GeneratorDataset's."""
+    share of it) takes are read from the file; with `vocab_size`, an id beyond it is an
+    error when read. `shuffle` (default on), `num_shards`, `shard_id` and `num_samples` as
+    GeneratorDataset's."""
 
     DTYPES = ("uint16", "int32", "uint32", "int64")
 
     def __init__(self, path: str | os.PathLike[str], seq_length: int, dtype: Any = np.uint16,
                  column_names: str | Sequence[str] = "input_ids", offset: int = 0,
-                 num_samples: int | None = None, shuffle: bool | None = None,
+                 vocab_size: int | None = None, num_samples: int | None = None,
+                 shuffle: bool | None = None,
                  num_shards: int | None = None, shard_id: int | None = None) -> None:
         path = os.fspath(path)
         if not os.path.isfile(path):
@@ -509,9 +519,11 @@ class TokenFileDataset(GeneratorDataset):
         if len(column_names) != 1:
             raise PcompileError(f"TokenFileDataset: one column (the token ids), got column_names "
                                 f"{list(column_names)}")
-        super().__init__(_TokenWindows(path, seq_length, token_type, int(offset)), column_names,
-                         num_samples=num_samples, shuffle=shuffle, num_shards=num_shards,
-                         shard_id=shard_id)
+        if vocab_size is not None:
+            vocab_size = _positive(vocab_size, "TokenFileDataset(vocab_size)")
+        super().__init__(_TokenWindows(path, seq_length, token_type, int(offset), vocab_size),
+                         column_names, num_samples=num_samples, shuffle=shuffle,
+                         num_shards=num_shards, shard_id=shard_id)
 
 
 class TupleIterator:

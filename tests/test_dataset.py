@@ -345,3 +345,26 @@ def test_rank_programs_train_alike_from_shares_and_resume_bit_for_bit(tmp_path) 
     assert [line.split()[-1] for line in logs["plain"]] == [
         line.split()[-1] for line in logs["sharded"]]
     assert logs["sharded"][2].startswith("epoch: 2 step: 1,")  # two batches an epoch
+
+
+def test_llama_trains_from_a_token_file(tmp_path, monkeypatch) -> None:
+    """examples/llama.py with LLAMA_TOKEN_FILE: batches of LLAMA_BATCH windows of LLAMA_SEQ + 1
+    tokens of the file, int32, shuffled; ids beyond the vocabulary are one message."""
+    from pcompile.compiler.model_file import load_model_file
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tokens = np.random.default_rng(0).integers(1, 128, 400).astype(np.uint16)
+    path = tmp_path / "corpus.bin"
+    tokens.tofile(path)
+    monkeypatch.setenv("LLAMA_TOKEN_FILE", str(path))
+    mf = load_model_file(os.path.join(root, "examples", "llama.py"))
+    seq, batch = mf.module.SEQ, mf.module.BATCH
+    (ids,) = mf.inputs()
+    assert ids.shape == (batch, seq + 1) and ids.dtype == np.int32
+    windows = {tuple(tokens[i * seq:i * seq + seq + 1].tolist()): i for i in range(399 // seq)}
+    got = [windows[tuple(row.tolist())] for (b,) in mf.dataset() for row in b]
+    assert len(got) == len(set(got)) == (399 // seq) // batch * batch
+    assert got != sorted(got)  # shuffled
+    np.full(400, 500, np.uint16).tofile(path)
+    with pytest.raises(PcompileError, match="beyond the vocabulary of 128"):
+        next(iter(mf.dataset()))
