@@ -155,9 +155,6 @@ class Dataset:
         for element in self._elements(0):
             yield self._read(element)
 
-    def __len__(self) -> int:
-        return self.get_dataset_size()
-
     # -- what the operations implement --------------------------------------------------------
     def _elements(self, epoch: int) -> Iterator[Any]:
         """The references of epoch `epoch`'s elements."""
