@@ -4,6 +4,7 @@ The user-facing façade, MindSpore-style::
 
     from pcompile import nn, ops, Parameter, Tensor, Layout, set_auto_parallel_context
     from pcompile.communication import init, get_rank, get_group_size
+    import pcompile.dataset as ds  # GeneratorDataset, NumpySlicesDataset, TokenFileDataset
 
 Everything of the project lives under this one import package (`pcompile.compiler`,
 `pcompile.ir`, `pcompile.passes`, `pcompile.backends`, `pcompile.cli`). The façade names are
@@ -21,7 +22,9 @@ from typing import Any
 from pcompile._version import __version__
 
 # Submodules a model file imports by MindSpore's spelling (`import pcompile.nn as nn`,
-# `from pcompile.communication import init`): aliases of the façade's modules.
+# `from pcompile.communication import init`, `import pcompile.dataset as ds`): aliases of the
+# façade's modules. `dataset` stays out of `__all__`: `from pcompile import *` must not bind
+# the name a model file's dataset() function has.
 _MODULE_ALIASES = {
     "pcompile.nn": "pcompile.compiler.nn",
     "pcompile.ops": "pcompile.compiler.ops",
@@ -30,6 +33,7 @@ _MODULE_ALIASES = {
     "pcompile.mint.nn": "pcompile.compiler.mint.nn",
     "pcompile.mint.nn.functional": "pcompile.compiler.mint.nn.functional",
     "pcompile.amp": "pcompile.compiler.amp",
+    "pcompile.dataset": "pcompile.compiler.dataset",
 }
 
 _FACADE = (

@@ -1,7 +1,7 @@
 """The user-facing façade, re-exported by `pcompile`: `from pcompile import nn, ops, ...`.
 
-Model files import only from `pcompile` (and `pcompile.communication`); internal module paths may
-change, this list does not."""
+Model files import only from `pcompile` (and `pcompile.communication`, `pcompile.dataset`);
+internal module paths may change, this list does not."""
 
 from pcompile.compiler import amp, communication, mint, nn, ops
 from pcompile.compiler.context import (

@@ -46,6 +46,22 @@ def batches(program: CompiledProgram, steps: int) -> Iterator[tuple[int, int, li
         yield epoch, step, [shrink.shrink.shrink_input(n, a) for n, a in zip(names, arrays)]
 
 
+def rank_batches(program: CompiledProgram, ranks: list[int], steps: int, skip: int = 0
+                 ) -> Iterator[tuple[int, int, list[np.ndarray] | None, int]]:
+    """`batches` as the rank programs read them for `ranks` (`iter_rank_batches`): with a
+    pcompile.dataset object only those ranks' rows of each global batch; cut each input with
+    `slice_rows(array, layout, rank, first_row)`."""
+    traced, mf = program.traced, program.state.model_file
+    assert program.state.assignment is not None, "not a parallel program"
+    layouts = program.state.assignment.param_layouts
+    expected = [(p.name, shape, p.dtype.np)
+                for p, shape in zip(program.graph.inputs, input_shapes(program))]
+    rows = batch_rows([layouts[p.name] for p in program.graph.inputs], ranks)
+    return iter_rank_batches(mf, len(traced.input_names), len(traced.label_names),
+                             traced.example_inputs + traced.example_labels, expected, steps,
+                             rows=rows, skip=skip)
+
+
 def input_shapes(program: CompiledProgram) -> list[tuple[int, ...]]:
     """The global shape of every graph input (the whole batch: with nn.PipelineCell the
     traced graph takes one micro-batch, passes/micro_batch.py the whole)."""
@@ -64,40 +80,145 @@ def iter_batches(
     expected: list[tuple[str, tuple[int, ...], Any]],
     steps: int,
 ) -> Iterator[tuple[int, int, list[np.ndarray]]]:
-    """`batches` from a loaded model file without a compiled program (the rank programs use
-    it): `examples` are inputs() + labels (for the synthetic batch when there is no
-    dataset()), `expected` the (name, global shape, numpy dtype) of every graph input."""
+    """`batches` from a loaded model file without a compiled program: `examples` are inputs() +
+    labels (for the synthetic batch when there is no dataset()), `expected` the (name, global
+    shape, numpy dtype) of every graph input."""
+    for epoch, step, arrays, _ in iter_rank_batches(mf, n_inputs, n_labels, examples, expected,
+                                                     steps):
+        assert arrays is not None
+        yield epoch, step, arrays
+
+
+def batch_rows(layouts: list[TensorLayout], ranks: list[int]) -> tuple[int, int] | None:
+    """The rows of the global batch that `ranks` read, (lo, hi) along dim 0, from the inputs'
+    layouts: the span of their slices of dim 0 (None when an input has no batch dim or the
+    inputs' batches differ in size: then a rank reads the whole batch)."""
+    if not layouts or any(not layout.shape for layout in layouts):
+        return None
+    if len({layout.shape[0] for layout in layouts}) != 1:
+        return None
+    bounds = [layout.slice_bounds(r)[0] for layout in layouts for r in ranks]
+    return min(lo for lo, _ in bounds), max(hi for _, hi in bounds)
+
+
+def slice_rows(array: np.ndarray, layout: TensorLayout, rank: int,
+               first_row: int = 0) -> np.ndarray:
+    """`rank`'s slice of an input by its layout, from `array` = rows first_row.. of the global
+    batch (the whole batch when first_row is 0 and `array` has the global shape)."""
+    if not array.shape:
+        return array
+    bounds = list(layout.slice_bounds(rank))
+    lo, hi = bounds[0]
+    bounds[0] = (lo - first_row, hi - first_row)
+    return array[tuple(slice(b, e) for b, e in bounds)]
+
+
+def iter_rank_batches(
+    mf: Any,
+    n_inputs: int,
+    n_labels: int,
+    examples: list[TensorSpec | np.ndarray],
+    expected: list[tuple[str, tuple[int, ...], Any]],
+    steps: int,
+    rows: tuple[int, int] | None = None,
+    skip: int = 0,
+) -> Iterator[tuple[int, int, list[np.ndarray] | None, int]]:
+    """Yield (epoch, step-in-epoch, arrays, first_row) for `steps` steps: arrays = inputs then
+    labels. Epochs restart `dataset()`; without one, one synthetic batch repeats.
+
+    When `dataset()` returns a `pcompile.dataset` object it is called once and iterated epoch
+    by epoch (epoch e reshuffles as e says, so a resumed run sees the same batches); with
+    `rows` = (lo, hi) only rows lo..hi of each global batch are read (a rank's share,
+    `batch_rows`): the arrays have hi - lo rows and first_row is lo. The first `skip` steps of
+    such a data set are passed over without reading them (arrays None). Any other iterable
+    gives whole global batches (first_row 0)."""
     if mf.dataset is None:
         rng = np.random.default_rng(0)
         batch = [synthetic(s, rng) for s in examples]
         for k in range(steps):
-            yield 1, k + 1, batch
+            yield 1, k + 1, batch, 0
+        return
+    from pcompile.compiler.dataset import Dataset
+
+    data = call_user(mf.dataset, "dataset()", mf.path)
+    if isinstance(data, Dataset):
+        yield from _dataset_batches(mf, data, n_inputs + n_labels, (n_inputs, n_labels),
+                                    expected, steps, rows, skip)
         return
     done, epoch = 0, 0
     while done < steps:
         epoch += 1
         produced = 0
-        for raw in iterate_user(call_user(mf.dataset, "dataset()", mf.path), "dataset()",
-                                mf.path):
+        if epoch > 1:
+            data = call_user(mf.dataset, "dataset()", mf.path)
+        for raw in iterate_user(data, "dataset()", mf.path):
             items = list(raw) if isinstance(raw, (tuple, list)) else [raw]
             arrays = as_input_list(tuple(items[: n_inputs + n_labels]), "dataset", mf.path)
-            if len(arrays) != n_inputs + n_labels:
-                raise PcompileError(
-                    f"dataset() in {mf.path} yields {len(arrays)} arrays; the program takes "
-                    f"{n_inputs} input(s) and {n_labels} label(s)"
-                )
-            out = []
-            for arr, (name, shape, dtype) in zip(arrays, expected):
-                arr = np.asarray(arr)
-                if arr.shape != shape:
-                    raise PcompileError(
-                        f"dataset() batch {produced + 1}: {name} has shape {arr.shape}, "
-                        f"the program was compiled for {shape}"
-                    )
-                out.append(arr.astype(dtype))
             produced += 1
             done += 1
-            yield epoch, produced, out
+            yield epoch, produced, _checked(mf, arrays, expected, n_inputs, n_labels,
+                                            produced, None), 0
+            if done >= steps:
+                return
+        if produced == 0:
+            raise PcompileError(f"dataset() in {mf.path} yields no batch")
+
+
+def _checked(mf: Any, arrays: list[Any], expected: list[tuple[str, tuple[int, ...], Any]],
+             n_inputs: int, n_labels: int, produced: int,
+             rows: tuple[int, int] | None) -> list[np.ndarray]:
+    """A batch's arrays in the program's dtypes, their shapes checked (with `rows`: the
+    rows lo..hi of the global shape)."""
+    if len(arrays) != n_inputs + n_labels:
+        raise PcompileError(
+            f"dataset() in {mf.path} yields {len(arrays)} arrays; the program takes "
+            f"{n_inputs} input(s) and {n_labels} label(s)"
+        )
+    out = []
+    for arr, (name, shape, dtype) in zip(arrays, expected):
+        arr = np.asarray(arr)
+        want = shape if rows is None else (rows[1] - rows[0], *shape[1:])
+        if arr.shape != want:
+            got = arr.shape if rows is None else (shape[0], *arr.shape[1:])
+            raise PcompileError(
+                f"dataset() batch {produced}: {name} has shape {got}, "
+                f"the program was compiled for {shape}"
+            )
+        out.append(arr.astype(dtype))
+    return out
+
+
+def _dataset_batches(mf: Any, data: Any, count: int, sizes: tuple[int, int],
+                     expected: list[tuple[str, tuple[int, ...], Any]], steps: int,
+                     rows: tuple[int, int] | None, skip: int,
+                     ) -> Iterator[tuple[int, int, list[np.ndarray] | None, int]]:
+    """`iter_rank_batches` over a pcompile.dataset object."""
+    batch_dims = {shape[0] if shape else None for _, shape, _ in expected}
+    if len(batch_dims) != 1 or None in batch_dims:
+        rows = None  # no common batch dim to share out: every rank reads whole batches
+    global_rows = next(iter(batch_dims))
+    done, epoch = 0, 0
+    while done < steps:
+        epoch += 1
+        produced = 0
+        for element in iterate_user(data._elements(epoch - 1), "dataset()", mf.path):
+            produced += 1
+            done += 1
+            if done <= skip:
+                yield epoch, produced, None, 0
+            else:
+                total = data._rows(element)
+                share = rows if total is not None else None
+                if share is not None and total != global_rows:
+                    raise PcompileError(
+                        f"dataset() batch {produced} has {total} rows, the program was "
+                        f"compiled for a batch of {global_rows}: batch({global_rows}, "
+                        "drop_remainder=True) gives only whole global batches")
+                arrays = call_user(data._read, "dataset()", mf.path, element, share)
+                checked = _checked(mf, list(arrays[:count]), expected, *sizes, produced, share)
+                if share is None and rows is not None:  # a whole batch the source made
+                    checked, share = [a[rows[0]:rows[1]] for a in checked], rows
+                yield epoch, produced, checked, share[0] if share is not None else 0
             if done >= steps:
                 return
         if produced == 0:

@@ -35,13 +35,21 @@ more), LLAMA_BATCH (global batch). Other knobs:
   divided by mp;
 * LLAMA_TRAIN_STEP: `0` (default: model() is the network, optimizer() AdamWeightDecay) or `1`
   (model() is mindformers' training step: dynamic loss scale from LLAMA_LOSS_SCALE, default
-  2^12, global-norm clipping at LLAMA_CLIP, default 1.0, AdamWeightDecay).
+  2^12, global-norm clipping at LLAMA_CLIP, default 1.0, AdamWeightDecay);
+* LLAMA_TOKEN_FILE: train from a pretraining corpus, a flat binary file of token ids
+  (LLAMA_TOKEN_DTYPE `uint16` by default, or `int32`, `uint32`, `int64`), read through
+  `pcompile.dataset.TokenFileDataset` in windows of LLAMA_SEQ + 1 tokens, shuffled (seed
+  LLAMA_DATA_SEED, default 1), LLAMA_BATCH to a batch; each data-parallel rank reads only its
+  rows of every batch (under the default full_batch, every rank reads the whole batch; with
+  `--dataset-strategy data_parallel` only its share). Unset (default): the learnable
+  sequences below.
 
     pcompile examples/llama.py --devices 8                        # compile + check, bf16
     LLAMA_DTYPE=float32 LLAMA_FLASH=0 pcompile examples/llama.py --devices 8
     pcompile examples/llama.py --devices 8 --run --steps 20      # 8 processes
     LLAMA_PRESET=llama3_8b LLAMA_BATCH=16 pcompile examples/llama.py --devices 64 --no-check \\
         --dump-ranks 0
+    LLAMA_TOKEN_FILE=corpus.bin pcompile examples/llama.py --devices 8 --run --steps 100
 """
 
 import math
@@ -508,9 +516,33 @@ def model():
                      nn.DynamicLossScaleUpdateCell(scale, 2, 1000), clip)
 
 
+TOKEN_FILE = os.environ.get("LLAMA_TOKEN_FILE")
+
+
 def dataset():
     """Learnable sequences: each next token is the previous one + 1 (mod the vocabulary,
-    skipping the padding id 0); the last sample ends in padding."""
+    skipping the padding id 0); the last sample ends in padding. With LLAMA_TOKEN_FILE: the
+    corpus's windows, BATCH at a time."""
+    if TOKEN_FILE:
+        return token_file_dataset(TOKEN_FILE)
+    return learnable_sequences()
+
+
+def token_file_dataset(path):
+    import pcompile.dataset as ds
+
+    # dataset() may run without model() (a rank program's data): seed the data here
+    ds.config.set_seed(int(os.environ.get("LLAMA_DATA_SEED", "1")))
+    data = ds.TokenFileDataset(path, SEQ, dtype=os.environ.get("LLAMA_TOKEN_DTYPE", "uint16"),
+                               vocab_size=VOCAB, shuffle=True)
+    if data.get_dataset_size() < BATCH:
+        raise ValueError(f"LLAMA_TOKEN_FILE {path} holds {data.get_dataset_size()} windows of "
+                         f"{SEQ + 1} tokens, fewer than one batch of {BATCH}; use a longer "
+                         "file, or a smaller LLAMA_BATCH or LLAMA_SEQ")
+    return data.batch(BATCH, drop_remainder=True)
+
+
+def learnable_sequences():
     rng = np.random.default_rng(0)
     for _ in range(1000):
         start = rng.integers(0, VOCAB - 1, (BATCH, 1))

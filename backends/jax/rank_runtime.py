@@ -11,8 +11,11 @@ re-executes its own rank's program (so `mpirun -n 8 python out/rank_0/program.py
 Data: each process imports the model file (`MODEL_FILE`) and iterates `dataset()` like
 `compiler.runtime.batches` (epochs restart it; without one, inputs()/labels() or a synthetic
 batch repeats), then cuts each rank's part of every global batch by the input's layout
-(`LAYOUTS`, from dataset_strategy). The model file and pcompile must be importable on every host,
-and `dataset()` must give the same batches in every process (seed its random numbers).
+(`LAYOUTS`, from dataset_strategy). A `pcompile.dataset` object is read only for the rows of
+this process's ranks' share of each batch (`compiler.runtime.batch_rows`; the whole batch
+under full_batch), and the steps a resumed run skips are not read. The model file and
+pcompile must be importable on every host, and `dataset()` must give the same batches in every
+process (seed its random numbers).
 
 Parameters: each rank makes its blocks of every parameter and optimizer state on its own device
 (backends/jax/param_init.py; small blocks and the model's arrays on the host, the same values),
@@ -728,20 +731,23 @@ class _Runner:
         shape, dev, tmap = self.m.LAYOUTS[name]
         return TensorLayout(tuple(dev), tuple(tmap), tuple(shape))
 
-    def _slice(self, name: str, array: np.ndarray, rank: int) -> np.ndarray:
-        if not array.shape:
-            return array
-        bounds = self._layout(name).slice_bounds(rank)
-        return array[tuple(slice(b, e) for b, e in bounds)]
+    def _slice(self, name: str, array: np.ndarray, rank: int, first_row: int = 0) -> np.ndarray:
+        """`rank`'s part of an input from `array`, rows first_row.. of the global batch."""
+        from pcompile.compiler.runtime import slice_rows
+
+        return slice_rows(array, self._layout(name), rank, first_row)
 
     def _put(self, name: str, pieces: dict[int, np.ndarray], shape: tuple[int, ...]) -> Any:
         from pcompile.backends.jax.spmd import put_blocks
 
         return put_blocks(self.mesh, pieces, tuple(shape), self.dtypes[name])
 
-    def _batches(self, steps: int) -> Any:
+    def _batches(self, steps: int, skip: int = 0) -> Any:
+        """(epoch, step, arrays, first_row) per step (compiler.runtime.iter_rank_batches): a
+        pcompile.dataset object is read only for the rows of this process's ranks' share of
+        each global batch, and its first `skip` steps not at all."""
         from pcompile.compiler.model_file import as_input_list, call_user, load_model_file
-        from pcompile.compiler.runtime import iter_batches
+        from pcompile.compiler.runtime import batch_rows, iter_rank_batches
 
         path = self.m.MODEL_FILE
         if not os.path.exists(path):
@@ -758,7 +764,9 @@ class _Runner:
         if len(examples) != len(expected):
             raise RankError(f"the model file gives {len(examples)} inputs and labels, the "
                             f"program takes {len(expected)}")
-        return iter_batches(mf, n_inputs, len(expected) - n_inputs, examples, expected, steps)
+        rows = batch_rows([self._layout(name) for name, *_ in self.inputs], self.local)
+        return iter_rank_batches(mf, n_inputs, len(expected) - n_inputs, examples, expected,
+                                 steps, rows=rows, skip=skip)
 
     def _function(self, donate: bool = False) -> Any:
         """The jitted SPMD step; `donate`: it reuses the buffers of the stored values it
@@ -964,7 +972,8 @@ class _Runner:
             self.heartbeat.set(phase="data", done=pending[-1][0] + 1)
             pending.clear()
 
-        for k, (epoch, in_epoch, arrays) in enumerate(self._batches(args.steps)):
+        for k, (epoch, in_epoch, arrays, first_row) in enumerate(self._batches(args.steps,
+                                                                               skip=done)):
             if k < done:
                 continue
             self.watchdog.arm(args.startup_timeout if first else args.timeout,
@@ -976,7 +985,8 @@ class _Runner:
                 while fault_mode == "hang":
                     time.sleep(1)
                 raise RuntimeError(f"PCOMPILE_FAULT_INJECT: failing at step {k + 1}")
-            feeds = [self._put(name, {r: self._slice(name, a, r) for r in self.local}, shape)
+            feeds = [self._put(name, {r: self._slice(name, a, r, first_row) for r in self.local},
+                               shape)
                      for (name, _, shape, _), a in zip(self.inputs, arrays)]
             feeds += [state[name] for name, *_ in self.stored]
             self.heartbeat.set(phase="compute")
@@ -1041,8 +1051,9 @@ class _Runner:
         state = self._initial_state()
         self.watchdog.arm(self.args.startup_timeout, "inference")
         self.heartbeat.set(phase="compute", done=0)
-        _, _, arrays = next(iter(self._batches(1)))
-        feeds = [self._put(name, {r: self._slice(name, a, r) for r in self.local}, shape)
+        _, _, arrays, first_row = next(iter(self._batches(1)))
+        feeds = [self._put(name, {r: self._slice(name, a, r, first_row) for r in self.local},
+                           shape)
                  for (name, _, shape, _), a in zip(self.inputs, arrays)]
         feeds += [state[name] for name, *_ in self.stored]
         outs = self._function()(*feeds)
