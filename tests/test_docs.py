@@ -188,9 +188,13 @@ def _argparse_options(parser_of) -> set[str]:
 
 
 def rank_program_options() -> set[str]:
-    from pcompile.backends.jax.rank_runtime import parse_args
+    from pcompile.backends.jax.rank_runtime import rank_command
 
-    return _argparse_options(lambda: parse_args([], 8))
+    opts: set[str] = {"--help"}
+    for param in rank_command(8).params:
+        opts.update(param.opts)
+        opts.update(param.secondary_opts)
+    return opts
 
 
 def merge_options() -> set[str]:

@@ -39,14 +39,13 @@ it fires `LAUNCHER_GRACE` seconds later, so that the launcher's diagnosis comes 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from types import ModuleType
+from collections.abc import Callable, Sequence
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -90,7 +89,7 @@ def process_start() -> float:
 # -- identity ----------------------------------------------------------------------------------
 
 
-def resolve_identity(args: argparse.Namespace, env: dict[str, str]) -> Any:
+def resolve_identity(args: SimpleNamespace, env: dict[str, str]) -> Any:
     """This process's place in the job (backends/cluster.py: flags, PCOMPILE_*, torchrun,
     msrun, MindSpore, PMI, then JAX's cluster detection)."""
     from pcompile.backends.cluster import IdentityError
@@ -102,67 +101,93 @@ def resolve_identity(args: argparse.Namespace, env: dict[str, str]) -> Any:
         raise RankError(str(exc)) from None
 
 
-def parse_args(argv: list[str] | None, num_ranks: int) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=f"pcompile rank program ({num_ranks} ranks); see docs/running.md")
-    parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
-    parser.add_argument("--num-processes", type=int, default=None)
-    parser.add_argument("--process-id", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=1,
-                        help="train until this many steps are done in all (default 1)")
-    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
-                        help="also checkpoint every K steps (always at the end)")
-    parser.add_argument("--checkpoint-dir", default=None,
-                        help="default: <out>/checkpoints")
-    parser.add_argument("--no-checkpoint", action="store_true",
-                        help="write no checkpoint at the end")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest step that every rank holds intact")
-    parser.add_argument("--resume-step", type=int, default=None, metavar="S",
-                        help="with --resume: continue from step S (the launcher chose it)")
-    parser.add_argument("--param-init", choices=("auto", "device", "host"), default=None,
-                        help="where each rank makes its parameter and optimizer-state slices: "
-                             "device (jitted generator), host (numpy) or auto (default, or "
-                             f"{PARAM_INIT_ENV}: the device for all but small blocks); the "
-                             "values are the same bit for bit")
-    parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds a step (and its collectives) may take (default 300)")
-    parser.add_argument("--startup-timeout", type=float, default=600.0,
-                        help="seconds for distributed start-up and the first, compiling step "
-                             "(default 600)")
-    parser.add_argument("--fail-on-nan", action=argparse.BooleanOptionalAction, default=True,
-                        help="stop when the loss is not finite (default: on)")
-    parser.add_argument("--quiet", action="store_true", help="do not print loss lines")
-    parser.add_argument("--print-every", type=int, default=1, metavar="K",
-                        help="print every K-th loss line and the last (MindSpore's "
-                             "LossMonitor(per_print_times); default 1)")
-    parser.add_argument("--all-ranks", action="store_true",
-                        help="every process prints its loss lines, as '[rank r] ...' (default: "
-                             "only process 0; other processes print only their messages)")
-    parser.add_argument("--platform", choices=("auto", "cpu", "gpu"), default=None,
-                        help="cpu: virtual CPU devices; gpu: one GPU per rank; auto (default, "
-                             "or PCOMPILE_PLATFORM): JAX's default backend")
-    parser.add_argument("--matmul-precision", choices=("default", "high", "highest"),
-                        default="default",
-                        help="JAX's float32 matmul precision (jax_default_matmul_precision): "
-                             "default lets a GPU use TF32, highest computes in full float32")
-    parser.add_argument("--log-every", type=int, default=1, metavar="N",
-                        help="read the loss back from the device every N steps (all N lines "
-                             "are then written; default 1)")
-    parser.add_argument("--tensorboard", default=None, metavar="DIR",
-                        help="also write the metrics.jsonl scalars as TensorBoard event files "
-                             "into DIR (needs tensorboardX: pip install 'pcompile[tensorboard]')")
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="progress (step rate, time left) on stderr even when it is not a "
-                             "terminal")
-    args = parser.parse_args(argv)
-    if args.steps < 0 or args.checkpoint_every < 0 or args.print_every < 1 or args.log_every < 1:
-        parser.error("--steps and --checkpoint-every must be >= 0, --print-every and "
-                     "--log-every >= 1")
-    return args
+def rank_command(num_ranks: int) -> Any:
+    """The rank program's command line (click, as `pcompile`'s own)."""
+    import click
+
+    def positive(name: str, least: int) -> Callable[[Any, Any, int], int]:
+        def check(ctx: Any, param: Any, value: int) -> int:
+            if value < least:
+                raise click.BadParameter(f"must be >= {least}, got {value}", ctx, param)
+            return value
+        return check
+
+    params = [
+        click.Option(["--coordinator"], default=None, help="HOST:PORT of process 0"),
+        click.Option(["--num-processes"], type=int, default=None),
+        click.Option(["--process-id"], type=int, default=None),
+        click.Option(["--steps"], type=int, default=1, callback=positive("--steps", 0),
+                     help="train until this many steps are done in all (default 1)"),
+        click.Option(["--checkpoint-every"], type=int, default=0, metavar="K",
+                     callback=positive("--checkpoint-every", 0),
+                     help="also checkpoint every K steps (always at the end)"),
+        click.Option(["--checkpoint-dir"], default=None, help="default: <out>/checkpoints"),
+        click.Option(["--no-checkpoint"], is_flag=True, help="write no checkpoint at the end"),
+        click.Option(["--resume"], is_flag=True,
+                     help="continue from the newest step that every rank holds intact"),
+        click.Option(["--resume-step"], type=int, default=None, metavar="S",
+                     help="with --resume: continue from step S (the launcher chose it)"),
+        click.Option(["--param-init"], type=click.Choice(["auto", "device", "host"]),
+                     default=None,
+                     help="where each rank makes its parameter and optimizer-state slices: "
+                          "device (jitted generator), host (numpy) or auto (default, or "
+                          f"{PARAM_INIT_ENV}: the device for all but small blocks); the values "
+                          "are the same bit for bit"),
+        click.Option(["--timeout"], type=float, default=300.0,
+                     help="seconds a step (and its collectives) may take (default 300)"),
+        click.Option(["--startup-timeout"], type=float, default=600.0,
+                     help="seconds for distributed start-up and the first, compiling step "
+                          "(default 600)"),
+        click.Option(["--fail-on-nan/--no-fail-on-nan"], default=True,
+                     help="stop when the loss is not finite (default: on)"),
+        click.Option(["--quiet"], is_flag=True, help="do not print loss lines"),
+        click.Option(["--print-every"], type=int, default=1, metavar="K",
+                     callback=positive("--print-every", 1),
+                     help="print every K-th loss line and the last (MindSpore's "
+                          "LossMonitor(per_print_times); default 1)"),
+        click.Option(["--all-ranks"], is_flag=True,
+                     help="every process prints its loss lines, as '[rank r] ...' (default: "
+                          "only process 0; other processes print only their messages)"),
+        click.Option(["--platform"], type=click.Choice(["auto", "cpu", "gpu"]), default=None,
+                     help="cpu: virtual CPU devices; gpu: one GPU per rank; auto (default, or "
+                          "PCOMPILE_PLATFORM): JAX's default backend"),
+        click.Option(["--matmul-precision"], type=click.Choice(["default", "high", "highest"]),
+                     default="default",
+                     help="JAX's float32 matmul precision (jax_default_matmul_precision): "
+                          "default lets a GPU use TF32, highest computes in full float32"),
+        click.Option(["--log-every"], type=int, default=1, metavar="N",
+                     callback=positive("--log-every", 1),
+                     help="read the loss back from the device every N steps (all N lines are "
+                          "then written; default 1)"),
+        click.Option(["--tensorboard"], default=None, metavar="DIR",
+                     help="also write the metrics.jsonl scalars as TensorBoard event files "
+                          "into DIR (needs tensorboardX: pip install 'pcompile[tensorboard]')"),
+        click.Option(["-v", "--verbose"], count=True,
+                     help="progress (step rate, time left) on stderr even when it is not a "
+                          "terminal"),
+    ]
+    return click.Command("program.py", params=params,
+                         help=f"pcompile rank program ({num_ranks} ranks); see docs/running.md")
 
 
-def _platform(args: argparse.Namespace) -> str:
+def parse_args(argv: list[str] | None, num_ranks: int) -> SimpleNamespace:
+    """The options of `argv` (default: sys.argv[1:]); --help and a bad option print and exit
+    (status 0 and 2), as a click command does."""
+    import click
+
+    command = rank_command(num_ranks)
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        with command.make_context("program.py", args) as ctx:
+            return SimpleNamespace(**ctx.params)
+    except click.exceptions.Exit as exc:  # --help
+        raise SystemExit(exc.exit_code) from None
+    except click.ClickException as exc:
+        exc.show()
+        raise SystemExit(exc.exit_code) from None
+
+
+def _platform(args: SimpleNamespace) -> str:
     """cpu, gpu or auto (JAX's default backend; CPU settings apply only to CPU devices):
     --platform, else PCOMPILE_PLATFORM (the launcher sets it), else auto."""
     from pcompile.backends.placement import PLATFORM_ENV, PLATFORMS
@@ -432,7 +457,7 @@ def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbea
     return _train(modules, args, num_ranks, my_ranks, watchdog, heartbeat, timings)
 
 
-def _train(modules: list[ModuleType], args: argparse.Namespace, num_ranks: int,
+def _train(modules: list[ModuleType], args: SimpleNamespace, num_ranks: int,
            my_ranks: list[int], watchdog: Watchdog, heartbeat: Heartbeat,
            timings: dict[str, float] | None = None) -> int:
     import jax
@@ -605,7 +630,7 @@ class _Runner:
     """The training (or inference) loop of one process."""
 
     def __init__(self, module: ModuleType, mesh: Any, local: list[int], out_dir: str,
-                 args: argparse.Namespace, watchdog: Watchdog, heartbeat: Heartbeat,
+                 args: SimpleNamespace, watchdog: Watchdog, heartbeat: Heartbeat,
                  timings: dict[str, float] | None = None) -> None:
         self.m = module
         # start-up phases so far (seconds; "start": the process's start, time.time())
