@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from pcompile.compiler.primitive import Primitive
 from pcompile.compiler.tensor import Tensor
 from pcompile.ir.types import DType
@@ -340,6 +342,95 @@ class OneHot(Primitive):
             off_value=float(off_value),
             dtype=dtype,
         )
+
+
+def _scalar_int(value: Any, what: str) -> int:
+    """A Python int from an int or a 0-d constant Tensor (MindSpore passes k and axis either
+    way); a traced (data-dependent) value cannot set a static shape."""
+    if isinstance(value, Tensor):
+        if value.is_symbolic:
+            raise TypeError(f"{what} must be a constant int, got a traced tensor (its value "
+                            "sets the result's static shape)")
+        value = value.asnumpy()
+    if isinstance(value, np.ndarray) and value.shape == () and value.dtype.kind in "iu":
+        value = int(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+class TopK(Primitive):
+    """`TopK(sorted=True)(x, k)` -> (values, indices): the k largest values along the last
+    axis, descending, and their Int32 positions. Its strategy splits x's dims but the last."""
+
+    op = "TopK"
+
+    def __init__(self, sorted: bool = True) -> None:  # noqa: A002  (MindSpore's name)
+        if not isinstance(sorted, bool):
+            raise TypeError(f"TopK: sorted must be a bool, got {sorted!r}")
+        super().__init__(sorted=sorted)
+
+    def __call__(self, x: Any, k: Any) -> Any:
+        return self._apply([x], k=_scalar_int(k, "TopK: k"))
+
+
+class Sort(Primitive):
+    """`Sort(axis=-1, descending=False)(x)` -> (values, indices Int32). Its strategy splits x's
+    dims but `axis`."""
+
+    op = "Sort"
+
+    def __init__(self, axis: int = -1, descending: bool = False) -> None:
+        if not isinstance(descending, bool):
+            raise TypeError(f"Sort: descending must be a bool, got {descending!r}")
+        super().__init__(axis=_scalar_int(axis, "Sort: axis"), descending=descending)
+
+
+class CumSum(Primitive):
+    """`CumSum(exclusive=False, reverse=False)(x, axis)`: the cumulative sum along `axis`.
+    Its strategy splits x's dims but `axis`."""
+
+    op = "CumSum"
+
+    def __init__(self, exclusive: bool = False, reverse: bool = False) -> None:
+        for name, value in (("exclusive", exclusive), ("reverse", reverse)):
+            if not isinstance(value, bool):
+                raise TypeError(f"CumSum: {name} must be a bool, got {value!r}")
+        super().__init__(exclusive=exclusive, reverse=reverse)
+
+    def __call__(self, x: Any, axis: Any) -> Any:
+        return self._apply([x], axis=_scalar_int(axis, "CumSum: axis"))
+
+
+class _Filled(_Simple):
+    """`Zeros()(size, type)` / `Ones()(size, type)`: a constant tensor of shape `size` (an int
+    or a tuple of ints) and dtype `type` (default Float32). As MindSpore's graph mode folds
+    them, they emit no IR node: the tensor is a constant operand of the ops that use it."""
+
+    fill_value = 0
+
+    def __call__(self, size: Any, type: Any = None) -> Tensor:  # noqa: A002  (MindSpore's)
+        if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
+            shape: tuple[int, ...] = (int(size),)
+        elif isinstance(size, (tuple, list)):
+            shape = tuple(_scalar_int(d, f"{self.op}: size") for d in size)
+        else:
+            raise TypeError(f"{self.op}: size must be an int or a tuple of ints, got "
+                            f"{size.__class__.__name__} {size!r}")
+        if any(d < 0 for d in shape):
+            raise ValueError(f"{self.op}: size must not hold negative dims, got {shape}")
+        dtype = DType.float32 if type is None else DType.from_any(type)
+        return Tensor(np.full(shape, self.fill_value, dtype.np))
+
+
+class Zeros(_Filled):
+    op = "Zeros"
+    fill_value = 0
+
+
+class Ones(_Filled):
+    op = "Ones"
+    fill_value = 1
 
 
 class LayerNorm(Primitive):

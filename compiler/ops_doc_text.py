@@ -54,7 +54,15 @@ IR node. Shapes are static at compile time, as in MindSpore's graph mode, which 
 constant: the tuple feeds Python arithmetic, Reshape shapes and slice bounds
 (`bs, seq = self.shape(tokens)`; `self.slice(ids, (0, 0), (bs, seq - 1), (1, 1))`). It is the
 *global* shape: the per-rank graphs are derived after tracing, so a model never sees a slice
-shape."""
+shape.
+
+## Zeros and Ones
+
+`ops.Zeros()(size, type)` and `ops.Ones()(size, type)` (`size` an int or a tuple of ints,
+`type` a dtype, Float32 when omitted) return a constant tensor and emit no IR node, as
+MindSpore's graph mode folds them: the constant is an operand of the ops that use it (printed
+in the dumps as a constant) and, like any constant, is sliced per rank by the layout its user
+needs."""
 
 # Section key (`OpDoc.section`) -> (title, introduction).
 SECTIONS: dict[str, tuple[str, str]] = {

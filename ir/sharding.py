@@ -329,6 +329,10 @@ def _role(ctx: OpContext, name: str, labels: Labels) -> str:
         "OneHot": "the depth axis",
         "Gather": "the gathered axis, which batch mode (batch_dims > 0) never splits",
         "Tile": "a tiled dim (multiple > 1): the strategy splits its copies instead",
+        "TopK": "the sorted last axis, which every rank needs whole to pick the top k",
+        "Sort": "the sorted axis, which every rank needs whole",
+        "CumSum": "the summed axis; a split would need the totals of the earlier ranks' "
+                  "slices",
     }.get(ctx.op, "not splittable for this op")
 
 
@@ -563,6 +567,28 @@ def one_hot_labels(ctx: OpContext) -> Labels:
     fresh = _fresh(1, set(lab))[0]
     axis = ctx.attrs.get("axis", -1) % (idx.rank + 1)
     return Labels([lab], [lab[:axis] + fresh + lab[axis:]], {fresh})
+
+
+def top_k_labels(ctx: OpContext) -> Labels:
+    """TopK (MindSpore's TopKInfo): the last axis is sorted whole; values and indices keep the
+    input's other dims, their last dim (k) is new and never split."""
+    rank = ctx.in_types[0].rank
+    lab = _ALPHA[:rank]
+    fresh = _fresh(1, set(lab))[0]
+    out = lab[:-1] + fresh
+    return Labels([lab], [out, out], {lab[-1], fresh})
+
+
+def sort_labels(ctx: OpContext) -> Labels:
+    """Sort: values and indices keep the input's labels; the sorted axis never splits."""
+    rank = ctx.in_types[0].rank
+    lab = _ALPHA[:rank]
+    axis = int(ctx.attrs.get("axis", -1)) % rank
+    return Labels([lab], [lab, lab], {lab[axis]})
+
+
+def cumsum_axes(ctx: OpContext) -> Sequence[int]:
+    return (int(ctx.attrs.get("axis", 0)),)
 
 
 def softmax_ce_labels(ctx: OpContext) -> Labels:
@@ -916,6 +942,9 @@ _register(["ReduceSum"], LabelRule(reduce_labels("sum")))
 _register(["ReduceMean"], LabelRule(reduce_labels("sum", mean=True)))
 _register(["ReduceMax"], LabelRule(reduce_labels("max")))
 _register(["Softmax", "LogSoftmax"], LabelRule(identity_labels(softmax_axes)))
+_register(["TopK"], LabelRule(top_k_labels))
+_register(["Sort"], LabelRule(sort_labels))
+_register(["CumSum"], LabelRule(identity_labels(cumsum_axes)))
 _register(["LayerNorm"], LabelRule(layer_norm_labels))
 _register(["RmsNorm"], LabelRule(rms_norm_labels))
 _register(["BiasAdd"], LabelRule(bias_add_labels))

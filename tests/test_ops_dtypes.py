@@ -275,6 +275,9 @@ CASES: dict[str, Case] = {
     "Gather": Case(_gather),
     "GatherGrad": Case(_gather_grad),
     "OneHot": Case(_one_hot),
+    "TopK": Case(unary((3, 5), k=2, sorted=True)),
+    "Sort": Case(unary((3, 4), axis=0, descending=True)),
+    "CumSum": Case(unary((3, 4), axis=1, exclusive=True, reverse=True), terms=4),
     "_VirtualDiv": Case(unary(divisor=2)),
     "_MirrorOperator": Case(unary()),
 }

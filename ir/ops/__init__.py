@@ -12,4 +12,5 @@ from pcompile.ir.ops import (  # noqa: F401
     pipeline,
     reduce,
     shape,
+    sort,
 )
