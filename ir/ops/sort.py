@@ -121,7 +121,8 @@ def _top_k_vjp(b: Builder, node: Node, cots: list[Value]) -> list[Value | None]:
 _TOP_K_NOTE = """\
 **TopK** follows MindSpore's TopKInfo, and **Sort** the same rule: the sorted axis (TopK's
 last axis, Sort's `axis`) is never split, every other dim may be, and the values and indices
-keep the input's layout on those dims (the indices are positions along the whole axis). Equal values keep their original order (lower index first) on both backends.
+keep the input's layout on those dims (the indices are positions along the whole axis).
+Equal values keep their original order (lower index first) on both backends.
 TopK always returns its values in descending order (`sorted=False` is accepted and gives the
 same order). The vjp scatters the values' cotangent back to the positions the indices name;
 the indices carry no gradient.
