@@ -134,12 +134,13 @@ class Primitive:
         return self
 
     def set_device(self, device_target: str) -> Primitive:
-        """MindSpore's `set_device("CPU")` (run this op on another device type): accepted and
-        recorded; pcompile's plan and rank programs are the same for every target."""
-        if device_target not in ("Ascend", "GPU", "CPU"):
+        """MindSpore's `set_device("CPU")` (run this op on another device type; "" keeps the
+        context's target): accepted and recorded; pcompile's plan and rank programs are the same
+        for every target."""
+        if device_target not in ("", "Ascend", "GPU", "CPU"):
             raise ValueError(
-                f"{self.op}.set_device(): device_target must be 'Ascend', 'GPU' or 'CPU', got "
-                f"{device_target!r}"
+                f"{self.op}.set_device(): device_target must be 'Ascend', 'GPU', 'CPU' or '' (the "
+                f"context's), got {device_target!r}"
             )
         self.device_target = device_target
         return self

@@ -448,8 +448,23 @@ def test_set_device_is_accepted_and_checked() -> None:
     add = ops.TensorAdd()
     assert ops.TensorAdd is ops.Add
     assert add.set_device("CPU") is add and add.device_target == "CPU"
-    with pytest.raises(ValueError, match="device_target must be 'Ascend', 'GPU' or 'CPU'"):
+    assert add.set_device("") is add  # MindSpore accepts "" (the context's target)
+    with pytest.raises(ValueError, match="device_target must be 'Ascend', 'GPU', 'CPU' or ''"):
         ops.MatMul().set_device("TPU")
+
+
+def test_mint_nn_has_the_activation_cells() -> None:
+    """mint.nn.ReLU() and the other argument-less activations are the nn cells (MindSpore's
+    parallel tests build networks from them)."""
+    import numpy as np
+
+    from pcompile import Tensor, mint, nn
+
+    x = Tensor(np.array([-1.0, 0.5], np.float32))
+    for name in ("ReLU", "Sigmoid", "SiLU", "Tanh"):
+        cell = getattr(mint.nn, name)()
+        assert isinstance(cell, getattr(nn, name))
+        np.testing.assert_array_equal(cell(x).asnumpy(), getattr(nn, name)()(x).asnumpy())
 
 
 def test_cross_entropy_weight_must_be_a_constant(tmp_path: Any) -> None:
