@@ -133,8 +133,22 @@ def _labels(mf: ModelFile) -> list[TensorSpec | np.ndarray]:
     if mf.labels is None and mf.dataset is None:
         raise PcompileError(
             f"model() in {mf.path} returns nn.PipelineCell, which trains its network's loss: "
-            "define labels() or dataset() so that the label shape is known")
+            "define labels() or dataset(), or return the labels from inputs() after the "
+            "network's inputs, so that the label shape is known")
     return _first_batch_labels(mf)
+
+
+def _positional_count(fn: Any) -> int | None:
+    """How many positional arguments `fn` takes (None: any number)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return None
+    return sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 def inner_network(cell: PipelineCell) -> tuple[Cell, Cell | None]:
@@ -158,7 +172,18 @@ def trace_pipeline_cell(mf: ModelFile, cell: PipelineCell, micro: int) -> Any:
     cell.finalize_parameter_names()
     backbone, loss_fn = inner_network(cell)
     example_inputs = as_input_list(call_user(mf.inputs, "inputs()", mf.path), "inputs", mf.path)
-    example_labels = _labels(mf)
+    if mf.labels is None and mf.dataset is None:
+        # As MindSpore's tests compile a PipelineCell on (data, label): the arrays after the
+        # network's own arguments are the labels of its loss.
+        taken = _positional_count(backbone.construct)
+        if loss_fn is None:
+            example_labels = []
+        elif taken is not None and len(example_inputs) > taken:
+            example_inputs, example_labels = example_inputs[:taken], example_inputs[taken:]
+        else:
+            example_labels = _labels(mf)
+    else:
+        example_labels = _labels(mf)
     input_names = _arg_names(backbone.construct, len(example_inputs), "input")
     label_names = ["label" if i == 0 else f"label{i}" for i in range(len(example_labels))]
     graph = Graph("TrainOneStepCell_construct")

@@ -626,3 +626,24 @@ def test_auto_parallel_searches_within_each_stage(monkeypatch, search, interleav
     assert layouts and {math.prod(lay.dev_matrix) for lay in layouts.values()} == {4}
     report = check(program, steps=2)
     assert report.ok(), (report.losses, report.worst)
+
+
+def test_a_pipeline_cell_takes_its_labels_from_inputs_when_nothing_else_gives_them(
+        tmp_path) -> None:
+    """MindSpore's tests compile nn.PipelineCell(WithLossCell(net, loss)) on (data, label):
+    without labels() or dataset(), the arrays of inputs() after the network's own arguments
+    are its loss's labels."""
+    source = open(os.path.join(ROOT, "examples", "pipeline_mlp.py")).read()
+    old_inputs = "    return (np.zeros((BATCH, HIDDEN), np.float32),)"
+    assert old_inputs in source and "\ndef dataset():" in source
+    source = source.replace("\ndef dataset():", "\ndef unused_dataset():").replace(
+        old_inputs, "    rng = np.random.default_rng(3)\n"
+                    "    return tuple(rng.standard_normal((BATCH, HIDDEN)).astype(np.float32)\n"
+                    "                 for _ in range(2))")
+    path = tmp_path / "pipeline_labels_in_inputs.py"
+    path.write_text(source)
+    program = compile_model(str(path), devices=8, dump=False)
+    assert [p.name for p in program.graph.inputs] == ["x", "label"]
+    report = check(program, steps=2)
+    assert report.ok(), report.worst
+    assert report.losses[0][0] > 0
