@@ -177,8 +177,9 @@ class LlamaRMSNorm(nn.Cell):
 
 
 class RotaryEmbedding(nn.Cell):
-    """x * cos + rotate_half(x) * sin in float32; rotate_half is a BatchMatMul with the swap
-    matrix [[0, I], [-I, 0]], as mindformers writes it."""
+    """x * cos + rotate_half(x) * sin in float32; rotate_half(x) = concat(-x2, x1) (x1, x2 the
+    halves of the head dim, the convention of mindformers and Hugging Face Llama) is a
+    BatchMatMul with the swap matrix [[0, I], [-I, 0]], as mindformers writes it."""
 
     def __init__(self, head_dim):
         super().__init__()
@@ -188,8 +189,8 @@ class RotaryEmbedding(nn.Cell):
         self.bmm_swap = ops.BatchMatMul()
         half = head_dim // 2
         swap = np.zeros((head_dim, head_dim), np.float32)
-        swap[np.arange(half), np.arange(half) + half] = -1.0
-        swap[np.arange(half) + half, np.arange(half)] = 1.0
+        swap[np.arange(half), np.arange(half) + half] = 1.0
+        swap[np.arange(half) + half, np.arange(half)] = -1.0
         self.swap_mask = Tensor(swap)
 
     def rotate(self, x, freqs_cos, freqs_sin):
