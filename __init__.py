@@ -44,7 +44,7 @@ _FACADE = (
     "get_cost_model_context", "reset_cost_model_context", "set_algo_parameters",
     "get_algo_parameters", "reset_algo_parameters", "ParallelMode", "shard", "compile",
     "GRAPH_MODE", "PYNATIVE_MODE", "float32", "float16", "bfloat16", "int32", "int64", "uint8",
-    "bool_", "Model",
+    "bool_", "Model", "load_checkpoint", "load_param_into_net",
 )
 
 __all__ = [*_FACADE, "__version__"]

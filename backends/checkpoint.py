@@ -39,6 +39,7 @@ import argparse
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import secrets
@@ -456,6 +457,8 @@ class _SafetensorsTensors:
     def __init__(self, path: str) -> None:
         from safetensors import safe_open
 
+        import pcompile.ir.types  # noqa: F401  (registers bfloat16 with numpy: ml_dtypes)
+
         self.path = path
         try:
             with open(path, encoding="utf-8") as f:
@@ -688,7 +691,8 @@ def merge_checkpoints(out_dir: str, step: int | None = None,
     return dict(tensors), info
 
 
-def merged_tensors(out_dir: str, step: int | None = None, folder: str | None = None
+def merged_tensors(out_dir: str, step: int | None = None, folder: str | None = None,
+                   only: set[str] | None = None
                    ) -> tuple[dict[str, Any], Iterator[tuple[str, np.ndarray]]]:
     """The full tensors of every rank's checkpoint of `step` (default: the newest step every
     rank holds intact; `info["skipped"]` says which newer steps were passed over and why), as
@@ -711,8 +715,11 @@ def merged_tensors(out_dir: str, step: int | None = None, folder: str | None = N
     else:
         num_ranks = _count_ranks(folder)
     skipped: list[str] = []
+    plan_id = folder_plan_id(out_dir)
+    if plan_id is not None and step is None:
+        _check_plan_id(folder, plan_id, out_dir)
     if step is None:
-        point = resume_point(folder, num_ranks)
+        point = resume_point(folder, num_ranks, plan_id)
         skipped = point.skipped
         if point.step is None:
             why = "".join(f"\n  {line}" for line in skipped)
@@ -728,6 +735,9 @@ def merged_tensors(out_dir: str, step: int | None = None, folder: str | None = N
             readers.append(CheckpointReader(path, r))
             if readers[-1].meta.get("plan_id") != readers[0].meta.get("plan_id"):
                 raise MergeError(f"rank {r}'s checkpoint belongs to another plan than rank 0's")
+            if plan_id is not None and readers[-1].meta.get("plan_id") != plan_id:
+                raise MergeError(_plan_mismatch(folder, readers[-1].meta.get("plan_id"),
+                                                plan_id, out_dir))
     except CheckpointError as exc:
         for reader in readers:
             reader.close()
@@ -739,7 +749,16 @@ def merged_tensors(out_dir: str, step: int | None = None, folder: str | None = N
     meta0 = readers[0].meta
     info = {k: meta0.get(k) for k in ("step", "epoch", "step_in_epoch", "plan_id", "num_ranks")}
     info["skipped"] = skipped
-    names = sorted({name for reader in readers for name in reader.names})
+    names = sorted({name for reader in readers for name in reader.names
+                    if only is None or name in only})
+    info["tensors"] = {}
+    for name in names:  # dtype and global shape of each, known before any is merged
+        entry = next(reader.meta["layouts"].get(name) for reader in readers
+                     if name in reader.meta["arrays"])
+        if not isinstance(entry, dict):
+            raise MergeError(f"{readers[0].path}: the layout of {name} is missing")
+        info["tensors"][name] = (_np_dtype(entry.get("dtype")),
+                                 tuple(int(d) for d in entry.get("shape", ())))
 
     def tensors() -> Iterator[tuple[str, np.ndarray]]:
         try:
@@ -790,6 +809,68 @@ def _merge_one(name: str, readers: list[CheckpointReader],
     return full
 
 
+def _np_dtype(name: Any) -> np.dtype:
+    from pcompile.ir.types import DType
+
+    try:
+        return DType[name].np if name in DType.__members__ else np.dtype(name)
+    except TypeError:
+        raise MergeError(f"a layout names the dtype {name!r}") from None
+
+
+_PLAN_LINE = re.compile(r"^PLAN_ID = '([0-9A-Za-z_-]*)'$", re.MULTILINE)
+
+
+def folder_plan_id(out_dir: str) -> str | None:
+    """The plan id of the compile in `out_dir` (the `PLAN_ID` line of its program.py, read as
+    text), or None when it holds no rank program."""
+    candidates = [os.path.join(out_dir, "program.py")]
+    try:
+        candidates += [os.path.join(out_dir, d, "program.py") for d in sorted(
+            os.listdir(out_dir), key=lambda d: (len(d), d)) if re.fullmatch(r"rank_\d+", d)]
+    except OSError:
+        return None
+    for path in candidates:
+        try:
+            with open(path, encoding="utf-8") as f:
+                m = _PLAN_LINE.search(f.read(200_000))
+        except (OSError, UnicodeDecodeError):
+            continue
+        if m:
+            return m.group(1)
+    return None
+
+
+def _plan_mismatch(folder: str, found: Any, plan_id: str, out_dir: str) -> str:
+    return (f"the checkpoints in {folder} were written by plan {found}, but {out_dir} now "
+            f"holds plan {plan_id} (another model, or the model compiled again with other "
+            "options); merge them against the compile that trained them (recompile that "
+            "model and options into its own --out), or name the right checkpoints with "
+            "--checkpoint-dir")
+
+
+def _check_plan_id(folder: str, plan_id: str, out_dir: str) -> None:
+    """One message when no checkpoint in `folder` belongs to the folder's plan."""
+    found: list[str] = []
+    for step in rank_steps(folder, 0):
+        path = checkpoint_path(folder, 0, step)
+        try:
+            if path.endswith(".json"):
+                with open(path, encoding="utf-8") as f:
+                    meta = json.load(f)
+            else:
+                with CheckpointReader(path, 0) as reader:
+                    meta = reader.meta
+        except (OSError, ValueError, CheckpointError):
+            continue
+        if isinstance(meta, dict):
+            if meta.get("plan_id") == plan_id:
+                return
+            found.append(str(meta.get("plan_id")))
+    if found:
+        raise MergeError(_plan_mismatch(folder, found[-1], plan_id, out_dir))
+
+
 def _count_ranks(folder: str) -> int:
     ranks = [int(m.group(1)) for name in os.listdir(folder)
              if (m := re.match(r"^rank_(\d+)$", name))] if os.path.isdir(folder) else []
@@ -827,31 +908,50 @@ def _is_merge_output(path: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`pcompile-merge OUT_DIR [--step S] [--output FILE]`."""
+    """`pcompile-merge OUT_DIR [--step S] [--output PATH] [--max-shard-size SIZE]
+    [--weights-only]`."""
+    from pcompile.backends.merge_output import DEFAULT_MAX_SHARD, parse_size
+
     parser = argparse.ArgumentParser(
         prog="pcompile-merge",
-        description="Merge the per-rank checkpoints of a pcompile run into full tensors.")
+        description="Merge the per-rank checkpoints of a pcompile run into full tensors "
+                    "(safetensors, with the model's parameter names).")
     parser.add_argument("out_dir", help="the --out folder of the compile (holds plan.json)")
     parser.add_argument("--step", type=int, default=None,
                         help="which step (default: the newest one every rank holds intact)")
     parser.add_argument("--checkpoint-dir", default=None,
                         help="where the rank checkpoints are (default OUT_DIR/checkpoints)")
     parser.add_argument("--output", default=None,
-                        help="merged .npz (default OUT_DIR/merged_step_<S>.npz)")
+                        help="FILE.safetensors (one file), FILE.npz (pcompile's older "
+                             "format) or a folder (model.safetensors, or shards and "
+                             "model.safetensors.index.json); default "
+                             "OUT_DIR/merged_step_<S>.safetensors, or the folder "
+                             "OUT_DIR/merged_step_<S>/ when sharded")
+    parser.add_argument("--max-shard-size", default=None,
+                        help="largest shard of a folder output (e.g. 5GB, 500MB, 2GiB; "
+                             "default 5GB, Hugging Face's)")
+    parser.add_argument("--weights-only", action="store_true",
+                        help="only the model's weights (plan.json kind 'weight'), not the "
+                             "optimizer state")
     args = parser.parse_args(argv)
     try:
-        info, tensors = merged_tensors(args.out_dir, args.step, args.checkpoint_dir)
+        max_shard = (parse_size(args.max_shard_size) if args.max_shard_size is not None
+                     else DEFAULT_MAX_SHARD)
+    except ValueError as exc:
+        print(f"pcompile-merge: error: --max-shard-size {exc}", file=sys.stderr)
+        return 1
+    try:
+        only = _weights(args.out_dir) if args.weights_only else None
+        info, tensors = merged_tensors(args.out_dir, args.step, args.checkpoint_dir, only)
     except (MergeError, CheckpointError, OSError, ValueError, KeyError) as exc:
         print(f"pcompile-merge: error: {exc}", file=sys.stderr)
         return 1
     for line in info.pop("skipped"):
         print(f"pcompile-merge: passed over {line}", file=sys.stderr)
-    output = args.output or os.path.join(args.out_dir, f"merged_step_{info['step']:08d}.npz")
-    if os.path.exists(output) and not _is_merge_output(output):
-        print(f"pcompile-merge: error: {output} exists and is not a file pcompile-merge wrote; "
-              "name another --output (pcompile never replaces a file it did not write)",
-              file=sys.stderr)
-        return 1
+    layouts = info.pop("tensors")
+    total = sum(math.prod(shape) * dtype.itemsize for dtype, shape in layouts.values())
+    base = os.path.join(args.out_dir, f"merged_step_{info['step']:08d}")
+    output = args.output or (base + ".safetensors" if total <= max_shard else base)
     written = {"tensors": 0, "bytes": 0}
 
     def counted() -> Iterator[tuple[str, np.ndarray]]:
@@ -860,19 +960,50 @@ def main(argv: list[str] | None = None) -> int:
             written["tensors"] += 1
             written["bytes"] += tensor.nbytes
             yield name, tensor
-        yield META_KEY, np.array(json.dumps(info, sort_keys=True))
 
     try:
-        save_npz(output, counted())
+        if output.endswith(".npz"):
+            if os.path.exists(output) and not _is_merge_output(output):
+                raise MergeError(f"{output} exists and is not a file pcompile-merge wrote; "
+                                 "name another --output (pcompile never replaces a file it "
+                                 "did not write)")
+
+            def with_meta() -> Iterator[tuple[str, np.ndarray]]:
+                yield from counted()
+                yield META_KEY, np.array(json.dumps(info, sort_keys=True))
+
+            save_npz(output, with_meta())
+            files = [output]
+        else:
+            from pcompile.backends.merge_output import Entry, write_merged
+
+            entries = [Entry(name, dtype, shape) for name, (dtype, shape) in layouts.items()]
+            metadata = {k: str(v) for k, v in sorted(info.items())}
+            files = write_merged(output, entries, counted(), metadata, max_shard,
+                                 folder=not output.endswith(".safetensors"))
     except (MergeError, CheckpointError, ValueError, KeyError) as exc:
         print(f"pcompile-merge: error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"pcompile-merge: error: cannot write {output}: {exc.strerror}", file=sys.stderr)
         return 1
+    where = output if len(files) == 1 else f"{len(files) - 1} shards and {files[-1]}"
     print(f"merged step {info['step']} of {info['num_ranks']} ranks: {written['tensors']} "
-          f"tensors, {written['bytes']} bytes -> {output}")
+          f"tensors, {written['bytes']} bytes -> {where}")
     return 0
+
+
+def _weights(out_dir: str) -> set[str]:
+    """plan.json's weights (what --weights-only keeps: no optimizer state)."""
+    from pcompile.compiler.plan import PlanError, read_plan
+
+    if not os.path.exists(os.path.join(out_dir, "plan.json")):
+        raise MergeError(f"--weights-only needs {out_dir}/plan.json to tell weights apart")
+    try:
+        params = read_plan(out_dir).model_dump(mode="json").get("parameters", {})
+    except PlanError as exc:
+        raise MergeError(str(exc)) from None
+    return {n for n, p in params.items() if (p or {}).get("kind") == "weight"}
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ dtype, initializer and seed ticket, or the user's array; `compiler.initializer`)
                                "ticket": [1, 0], "zero_rows": []}},
                 "moments.w": {..., "init": {"initializer": "Zero", "args": {"value": 0}}},
                 "table": {..., "init": {"file": "params/table.npy", "view": null}},
+                "emb": {..., "init": {"safetensors": "/abs/model.safetensors",
+                                      "tensor": "model.embed_tokens.weight", "size": ...,
+                                      "mtime_ns": ..., "header_sha256": "...",
+                                      "stored_dtype": "BF16", "stored_shape": [...]}},
                 "beta1_power": {..., "init": {"value": 1.0}}}}
 
 A rank process reads it and generates only its own block of each value (`block(...)`): equal,
@@ -17,6 +21,15 @@ element for element, to the same block of the single-device initialisation. Arra
 gave are written once (not per rank) to `params/<name>.npy`, or referenced where they already
 are (a memory-mapped `.npy`), and read block by block with `mmap_mode="r"`. Nothing here is
 unpickled or evaluated: JSON, and `.npy` files loaded with `allow_pickle=False`.
+
+Pretrained weights (`load_checkpoint`, compiler/serialization.py) are recorded as references
+to a tensor of a safetensors file, never copied: the file the model file named (its absolute
+path with links resolved), its size, modification time and header digest, and the tensor's
+stored dtype and shape. This is the one way a read leaves the output folder besides `npy`, and
+it is confined to what the compile saw: a rank refuses the entry unless the path is absolute,
+link-free, ends in `.safetensors`, is a regular file of the recorded size, mtime and header
+digest, and holds that tensor with that dtype and shape; it then reads only its slices
+(`safe_open(...).get_slice(name)[...]`, memory-mapped), converted to the parameter's dtype.
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ import numpy as np
 
 from pcompile.backends.checkpoint import portable
 from pcompile.compiler.initializer import InitializedData, Initializer, One, Zero
+from pcompile.compiler.serialization import PretrainedTensor
 from pcompile.ir.types import DType
 
 FORMAT = "pcompile-params/1"
@@ -63,6 +77,8 @@ def _init_entry(source: InitializedData, name: str, folder: str, taken: set[str]
                 "zero_rows": zero_rows}
     array = source.array
     assert array is not None
+    if isinstance(array, PretrainedTensor):  # a reference, whatever its size: never read here
+        return {**array.reference(), "zero_rows": zero_rows}
     if array.size <= INLINE_LIMIT and np.asarray(array).dtype.kind in "biuf":
         return {"value": np.asarray(array).tolist(), "zero_rows": zero_rows}
     path = getattr(array, "filename", None)
@@ -155,6 +171,11 @@ def _source(entry: Mapping[str, Any], out_dir: str) -> InitializedData:
         return InitializedData(obj, shape, dtype, ticket, zero_rows=zero_rows)
     if "value" in init:
         array = np.asarray(init["value"], dtype=dtype.np).reshape(shape)
+    elif "safetensors" in init:
+        array = PretrainedTensor.from_reference(init)
+        if tuple(array.shape) != shape:
+            raise ValueError(f"tensor {array.name} of {array.file.path} has shape "
+                             f"{array.shape}, the parameter {shape}")
     else:
         path = _array_file(init, out_dir)
         array = np.load(path, mmap_mode="r", allow_pickle=False)

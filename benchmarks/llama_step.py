@@ -139,7 +139,7 @@ def llama_loss(params: dict[str, Any], input_ids: Any, cfg: LlamaSizes, low: Any
 
     def rope(x: Any) -> Any:
         xf = x.astype(f32)
-        rotated = jnp.concatenate([xf[..., half:], -xf[..., :half]], -1)
+        rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], -1)
         return (xf * cos + rotated * sin).astype(x.dtype)
 
     h = keep(params["model.embedding_weight"][tokens].astype(low))

@@ -21,6 +21,7 @@ from pcompile.compiler.context import (
 from pcompile.compiler.grad import ParameterTuple
 from pcompile.compiler.initializer import initializer, set_seed
 from pcompile.compiler.layout import Layout
+from pcompile.compiler.serialization import load_checkpoint, load_param_into_net
 from pcompile.compiler.tensor import Parameter, Tensor, TensorSpec
 from pcompile.compiler.train_model import Model
 from pcompile.ir.types import bfloat16, bool_, float16, float32, int32, int64, uint8
@@ -74,6 +75,8 @@ __all__ = [
     "Tensor",
     "TensorSpec",
     "Layout",
+    "load_checkpoint",
+    "load_param_into_net",
     "initializer",
     "set_seed",
     "set_auto_parallel_context",

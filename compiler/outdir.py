@@ -7,7 +7,7 @@ The guarantees (docs/running.md, "The output folder"):
 * Run outputs (what `--run`, the rank programs and `pcompile-merge` write: `rank_<r>/train.log`,
   `rank_<r>/run.log`, `rank_<r>/outputs.npz`, `launch.json`, `metrics.jsonl`,
   `checkpoints/rank_<r>/step_*` (`.safetensors` and `.json`, or an older pcompile's `.npz`),
-  `merged_step_*.npz`;
+  `merged_step_*.safetensors` (or `.npz`) and the shards and index in `merged_step_*/`;
   `pcompile show`'s pictures `show/*.svg`) survive a recompile: they are carried into the new
   folder. Runs write files, never links: a symbolic link at a run output's place is not
   carried (the launcher would otherwise write through it).
@@ -55,12 +55,13 @@ _STAGING_MARK = ".pcompile-staging"  # present while a staging folder is incompl
 
 # Files that runs write into the folder (relative, '/'-separated), and the folders holding them.
 _RUN_OUTPUT = re.compile(
-    r"launch\.json|metrics\.jsonl|merged_step_\d+\.npz"
+    r"launch\.json|metrics\.jsonl|merged_step_\d+\.(?:npz|safetensors)"
+    r"|merged_step_\d+/(?:model(?:-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json)"
     r"|rank_\d+/(?:train\.log|run\.log|outputs\.npz)"
     r"|checkpoints/rank_\d+/step_\d+\.(?:safetensors|json|npz)|show/[A-Za-z0-9._-]+\.svg"
     r"|show/\.pcompile-show\.json"
 )
-_RUN_FOLDER = re.compile(r"rank_\d+|checkpoints|checkpoints/rank_\d+|show")
+_RUN_FOLDER = re.compile(r"rank_\d+|checkpoints|checkpoints/rank_\d+|show|merged_step_\d+")
 # A temporary file of an atomic write (backends/checkpoint.py `atomic_write_bytes`) that was
 # killed before its rename: `.<name>.tmp-<token>` next to `<name>`.
 _TEMP = re.compile(r"(?P<dir>(?:[^/]+/)*)\.(?P<name>[^/]+)\.tmp-[A-Za-z0-9_]+")

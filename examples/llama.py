@@ -43,6 +43,10 @@ more), LLAMA_BATCH (global batch). Other knobs:
   rows of every batch (under the default full_batch, every rank reads the whole batch; with
   `--dataset-strategy data_parallel` only its share). Unset (default): the learnable
   sequences below.
+* LLAMA_PRETRAINED: a safetensors checkpoint with Hugging Face Llama names (a `.safetensors`
+  file, a `model.safetensors.index.json` or a folder holding either) to start from: read
+  through `HF_NAMES` with `load_checkpoint` / `load_param_into_net`, each rank reading only
+  its slices. The sizes (preset and LLAMA_* overrides) must be the checkpoint's.
 
     pcompile examples/llama.py --devices 8                        # compile + check, bf16
     LLAMA_DTYPE=float32 LLAMA_FLASH=0 pcompile examples/llama.py --devices 8
@@ -54,6 +58,7 @@ more), LLAMA_BATCH (global batch). Other knobs:
 
 import math
 import os
+import re
 
 import numpy as np
 
@@ -62,6 +67,8 @@ from pcompile import (
     Tensor,
     get_auto_parallel_context,
     initializer,
+    load_checkpoint,
+    load_param_into_net,
     nn,
     ops,
     set_auto_parallel_context,
@@ -185,8 +192,9 @@ class LlamaRMSNorm(nn.Cell):
 
 
 class RotaryEmbedding(nn.Cell):
-    """x * cos + rotate_half(x) * sin in float32; rotate_half is a BatchMatMul with the swap
-    matrix [[0, I], [-I, 0]], as mindformers writes it."""
+    """x * cos + rotate_half(x) * sin in float32; rotate_half(x) = concat(-x2, x1) (x1, x2 the
+    halves of the head dim, the convention of mindformers and Hugging Face Llama) is a
+    BatchMatMul with the swap matrix [[0, I], [-I, 0]], as mindformers writes it."""
 
     def __init__(self, head_dim):
         super().__init__()
@@ -196,8 +204,8 @@ class RotaryEmbedding(nn.Cell):
         self.bmm_swap = ops.BatchMatMul()
         half = head_dim // 2
         swap = np.zeros((head_dim, head_dim), np.float32)
-        swap[np.arange(half), np.arange(half) + half] = -1.0
-        swap[np.arange(half) + half, np.arange(half)] = 1.0
+        swap[np.arange(half), np.arange(half) + half] = 1.0
+        swap[np.arange(half) + half, np.arange(half)] = -1.0
         self.swap_mask = Tensor(swap)
 
     def rotate(self, x, freqs_cos, freqs_sin):
@@ -498,6 +506,54 @@ class TrainStep(nn.TrainOneStepWithLossScaleCell):
         return loss, overflow, scaling_sens, global_norm
 
 
+#: Hugging Face LlamaForCausalLM's parameter names -> this file's ({i}: the layer). Both store
+#: Linear weights as [out, in] and apply rotary embedding in the rotate-half convention (HF's
+#: conversion script already permuted Meta's interleaved q/k rows into it), so every tensor is
+#: taken as it is: no transpose, no permutation. gate_proj is w1 (SiLU), up_proj w3, down_proj
+#: w2. A checkpoint without lm_head.weight (tie_word_embeddings) gives the LM head the
+#: embedding table.
+HF_NAMES = {
+    "model.embed_tokens.weight": "model.embedding_weight",
+    "model.layers.{i}.input_layernorm.weight": "model.layers.{i}.attention_norm.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "model.layers.{i}.attention.wq.weight",
+    "model.layers.{i}.self_attn.k_proj.weight": "model.layers.{i}.attention.wk.weight",
+    "model.layers.{i}.self_attn.v_proj.weight": "model.layers.{i}.attention.wv.weight",
+    "model.layers.{i}.self_attn.o_proj.weight": "model.layers.{i}.attention.wo.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "model.layers.{i}.ffn_norm.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "model.layers.{i}.feed_forward.w1.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "model.layers.{i}.feed_forward.w3.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "model.layers.{i}.feed_forward.w2.weight",
+    "model.norm.weight": "model.norm_out.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+_HF_PATTERNS = [(re.compile(re.escape(hf).replace(r"\{i\}", r"(\d+)") + "$"), ours)
+                for hf, ours in HF_NAMES.items()]
+
+
+def hf_to_llama(params):
+    """A dict of Hugging Face Llama names (load_checkpoint's) renamed through HF_NAMES; names
+    the map does not know (e.g. older checkpoints' rotary_emb.inv_freq) are left out."""
+    out = {}
+    for name, value in params.items():
+        for pattern, ours in _HF_PATTERNS:
+            m = pattern.match(name)
+            if m:
+                out[ours.format(i=m.group(1)) if m.groups() else ours] = value
+                break
+    if "lm_head.weight" not in out and "model.embedding_weight" in out:
+        out["lm_head.weight"] = out["model.embedding_weight"]
+    return out
+
+
+def load_pretrained(net, path):
+    """Start `net` from the Hugging Face Llama checkpoint `path` (every parameter must be in
+    it)."""
+    not_loaded, _ = load_param_into_net(net, hf_to_llama(load_checkpoint(path)))
+    if not_loaded:
+        raise ValueError(f"LLAMA_PRETRAINED={path} has no tensor for {', '.join(not_loaded)} "
+                         "(Hugging Face names, mapped through HF_NAMES)")
+
+
 def adamw(params):
     return nn.AdamWeightDecay(params, learning_rate=1e-3, weight_decay=0.01)
 
@@ -508,6 +564,8 @@ if not TRAIN_STEP:  # a training step cell brings its own optimizer
 
 def model():
     net = LlamaForCausalLM()
+    if os.environ.get("LLAMA_PRETRAINED"):
+        load_pretrained(net, os.environ["LLAMA_PRETRAINED"])
     if not TRAIN_STEP:
         return net
     scale = float(os.environ.get("LLAMA_LOSS_SCALE", str(2.0 ** 12)))

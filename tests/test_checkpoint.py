@@ -17,6 +17,7 @@ import zipfile
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from pcompile.backends.checkpoint import (
     META_KEY,
@@ -245,7 +246,8 @@ def test_merge_passes_over_a_damaged_step_and_says_so(tmp_path) -> None:
     proc = merge_cli(tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "passed over step 4: rank 0:" in proc.stderr and "checksum" in proc.stderr
-    assert (tmp_path / "merged_step_00000002.npz").exists()
+    merged = load_file(str(tmp_path / "merged_step_00000002.safetensors"))
+    assert np.array_equal(merged["w"], full["w"])
 
 
 @pytest.mark.parametrize("kind", list(DAMAGE))
@@ -357,7 +359,8 @@ def test_a_full_disk_is_one_message_and_the_previous_checkpoint_stays(tmp_path,
         "step_00000004.safetensors"]
 
 
-def test_merge_streams_one_tensor_at_a_time(tmp_path) -> None:
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
+def test_merge_streams_one_tensor_at_a_time(tmp_path, suffix: str) -> None:
     """pcompile-merge of 8 ranks x 12 tensors of 1 MiB (12 MiB in all) holds about one full
     tensor (plus its fill mask and one slice), never the model, and writes what
     merge_checkpoints returns."""
@@ -380,14 +383,15 @@ def test_merge_streams_one_tensor_at_a_time(tmp_path) -> None:
     tensor = rows * cols * 4
     tracemalloc.start()
     try:
-        assert merge_main([str(tmp_path), "--output", str(tmp_path / "m.npz")]) == 0
+        assert merge_main([str(tmp_path), "--output", str(tmp_path / f"m{suffix}")]) == 0
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     # the tensor being assembled and its bool mask (a quarter of it), the one being written,
     # the slice being read: about 2.5 tensors; the old merge held all 12
     assert peak < 4 * tensor < count * tensor, peak
-    merged = load_npz(str(tmp_path / "m.npz"))
+    merged = (load_npz(str(tmp_path / "m.npz")) if suffix == ".npz"
+              else load_file(str(tmp_path / "m.safetensors")))
     assert sorted(k for k in merged if k != META_KEY) == sorted(full)
     for name, value in full.items():
         assert np.array_equal(merged[name], value)

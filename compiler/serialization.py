@@ -1,0 +1,344 @@
+"""Pretrained weights: MindSpore's `load_checkpoint` and `load_param_into_net`, reading
+safetensors (one file, or a Hugging Face index of shards) without loading the weights.
+
+`load_checkpoint(path)` reads only the files' headers (names, dtypes, shapes, offsets) and
+returns a dict of abstract Parameters, each a `PretrainedTensor`: a reference to one tensor of
+one file. `load_param_into_net(net, params)` checks every shape and dtype against the network
+(one `CheckpointLoadError` naming the parameter, the expected and the found shape and dtype)
+and gives each parameter that reference as its data. Compiling then records, per parameter,
+the file, tensor, the file's size, mtime and header digest in `params.json`
+(backends/params.py); each rank reads only its slices at run time, memory-mapped through
+safetensors' slice API (`safe_open(path).get_slice(name)[...]`). Nothing here holds a weight:
+compile memory does not grow with the model's weights.
+
+Format facts used (safetensors): 8 bytes little-endian header length N, then N bytes of JSON
+`{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}`, then the data. A Hugging
+Face index (`model.safetensors.index.json`) is `{"metadata": {...}, "weight_map": {name:
+shard file name}}`, the shards beside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import stat
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.types import DType
+
+#: safetensors' dtype codes that the IR has.
+SAFETENSORS_DTYPES: dict[str, DType] = {
+    "F64": DType.float64, "F32": DType.float32, "F16": DType.float16, "BF16": DType.bfloat16,
+    "I64": DType.int64, "I32": DType.int32, "U8": DType.uint8, "BOOL": DType.bool_,
+}
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+HEADER_LIMIT = 100 * 2**20  # safetensors' own readers refuse larger headers
+
+
+class CheckpointLoadError(PcompileError):
+    """A pretrained checkpoint that cannot be loaded (the message says which and why)."""
+
+
+@dataclass(frozen=True)
+class SafetensorsFile:
+    """A safetensors file's identity and table of contents, read from its header alone."""
+
+    path: str  # absolute, links resolved
+    size: int
+    mtime_ns: int
+    header_sha256: str
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]]  # name -> (dtype code, shape)
+
+
+def read_header(path: str) -> SafetensorsFile:
+    """The header of the safetensors file `path` (a regular file; nothing past the header is
+    read). Anything wrong is one `CheckpointLoadError` naming the file."""
+    real = os.path.realpath(path)
+    try:
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise CheckpointLoadError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointLoadError(f"{path} is not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointLoadError(f"{path} is not a safetensors file (too short)")
+            (length,) = struct.unpack("<Q", head)
+            if length > min(HEADER_LIMIT, info.st_size - 8):
+                raise CheckpointLoadError(f"{path} is not a safetensors file (its header "
+                                          f"length {length} does not fit the file)")
+            raw = f.read(length)
+    finally:
+        os.close(fd)
+    try:
+        table = json.loads(raw)
+        if not isinstance(table, dict):
+            raise ValueError("the header is not an object")
+        tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for name, entry in table.items():
+            if name == "__metadata__":
+                continue
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+            tensors[name] = (str(entry["dtype"]), shape)
+            if not 0 <= begin <= end <= info.st_size - 8 - length:
+                raise ValueError(f"tensor {name}'s data lies outside the file")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointLoadError(f"{path} is not a valid safetensors file ({exc})") from None
+    return SafetensorsFile(real, info.st_size, info.st_mtime_ns,
+                           hashlib.sha256(head + raw).hexdigest(), tensors)
+
+
+class PretrainedTensor:
+    """One tensor of a safetensors file, read block by block (`tensor[slices]`: only that
+    block, memory-mapped) and never as a whole unless asked (`np.asarray`)."""
+
+    __slots__ = ("file", "name", "code", "shape", "dtype")
+
+    def __init__(self, file: SafetensorsFile, name: str) -> None:
+        self.file, self.name = file, name
+        self.code, self.shape = file.tensors[name]
+        dtype = SAFETENSORS_DTYPES.get(self.code)
+        if dtype is None:
+            raise CheckpointLoadError(
+                f"tensor {name} of {file.path} has dtype {self.code}, which pcompile does "
+                f"not have (it has {', '.join(SAFETENSORS_DTYPES)})")
+        self.dtype = dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        from safetensors import safe_open
+
+        index = index if isinstance(index, tuple) else (index,)
+        if not self.shape:
+            with safe_open(self.file.path, framework="np") as f:
+                return np.asarray(f.get_tensor(self.name))[index]
+        with safe_open(self.file.path, framework="np") as f:
+            return np.asarray(f.get_slice(self.name)[index])
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        whole = self[tuple(slice(0, d) for d in self.shape)]
+        return whole if dtype is None else whole.astype(dtype, copy=False)
+
+    def reference(self) -> dict[str, Any]:
+        """What params.json records of it (backends/params.py checks it before any read)."""
+        return {"safetensors": self.file.path, "tensor": self.name, "size": self.file.size,
+                "mtime_ns": self.file.mtime_ns, "header_sha256": self.file.header_sha256,
+                "stored_dtype": self.code, "stored_shape": list(self.shape)}
+
+    @staticmethod
+    def from_reference(ref: Mapping[str, Any]) -> PretrainedTensor:
+        """The tensor a params.json entry names, if the file is still the one the compile
+        saw: an absolute path without links, ending in .safetensors, a regular file of the
+        recorded size, mtime and header digest, holding the tensor with the recorded dtype
+        and shape. Anything else: ValueError saying what differs."""
+        path = ref["safetensors"]
+        if not isinstance(path, str) or not os.path.isabs(path) or not path.endswith(
+                ".safetensors"):
+            raise ValueError(f"safetensors {path!r} is not an absolute path to a "
+                             ".safetensors file")
+        if os.path.realpath(path) != path:
+            raise ValueError(f"{path} is (or goes through) a link now; the compile recorded "
+                             "the file itself")
+        try:
+            info = os.stat(path)
+        except OSError as exc:
+            raise OSError(f"{path}: {exc.strerror}") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        if (info.st_size, info.st_mtime_ns) != (ref["size"], ref["mtime_ns"]):
+            raise ValueError(f"the pretrained file {path} changed since the compile (size or "
+                             "modification time)")
+        try:
+            file = read_header(path)
+        except CheckpointLoadError as exc:
+            raise ValueError(str(exc)) from None
+        if file.header_sha256 != ref["header_sha256"]:
+            raise ValueError(f"the pretrained file {path} changed since the compile (its "
+                             "header)")
+        name = ref["tensor"]
+        if name not in file.tensors:
+            raise ValueError(f"{path} has no tensor {name!r}")
+        code, shape = file.tensors[name]
+        if code != ref["stored_dtype"] or list(shape) != ref["stored_shape"]:
+            raise ValueError(f"tensor {name} of {path} is {code} {list(shape)}, the compile "
+                             f"saw {ref['stored_dtype']} {ref['stored_shape']}")
+        return PretrainedTensor(file, name)
+
+    def __repr__(self) -> str:
+        return (f"PretrainedTensor({self.name!r} of {self.file.path}, shape={self.shape}, "
+                f"dtype={self.code})")
+
+
+def checkpoint_files(path: str) -> dict[str, str]:
+    """tensor name -> safetensors file, for a .safetensors file, a Hugging Face index
+    (`*.index.json`, shards beside it) or a folder holding either (`model.safetensors.index
+    .json`, `model.safetensors`, or a single `.safetensors` file)."""
+    if path.endswith(".ckpt"):
+        raise CheckpointLoadError(
+            f"{path}: MindSpore .ckpt files are not read (no well-kept reader exists outside "
+            "MindSpore); convert it to safetensors with MindSpore's ckpt_to_safetensors")
+    if os.path.isdir(path):
+        names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+        if os.path.exists(os.path.join(path, INDEX_NAME)):
+            return checkpoint_files(os.path.join(path, INDEX_NAME))
+        if SINGLE_NAME in names:
+            names = [SINGLE_NAME]
+        if len(names) != 1:
+            raise CheckpointLoadError(
+                f"{path} holds {len(names) or 'no'} .safetensors files and no {INDEX_NAME}: "
+                "name one file, or the index of its shards")
+        return checkpoint_files(os.path.join(path, names[0]))
+    if path.endswith(".json"):
+        return _index_files(path)
+    if not path.endswith(".safetensors"):
+        raise CheckpointLoadError(f"{path}: expected a .safetensors file, a Hugging Face "
+                                  f"index ({INDEX_NAME}) or a folder holding one")
+    return {name: path for name in read_header(path).tensors}
+
+
+def _index_files(path: str) -> dict[str, str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            index = json.load(f)
+    except OSError as exc:
+        raise CheckpointLoadError(f"cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise CheckpointLoadError(f"{path} is not valid JSON ({exc})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointLoadError(f"{path} is not a safetensors index (no weight_map)")
+    folder = os.path.dirname(os.path.abspath(path))
+    out = {}
+    for name, shard in weight_map.items():
+        if (not isinstance(shard, str) or os.path.isabs(shard) or os.sep in shard
+                or shard in (".", "..") or not shard.endswith(".safetensors")):
+            raise CheckpointLoadError(f"{path}: tensor {name} is in {shard!r}, not a "
+                                      ".safetensors file beside the index")
+        out[name] = os.path.join(folder, shard)
+    return out
+
+
+def load_checkpoint(ckpt_file_name: str, net: Any = None, strict_load: bool = False,
+                    filter_prefix: str | Iterable[str] | None = None,
+                    dec_key: Any = None, dec_mode: str = "AES-GCM",
+                    specify_prefix: str | Iterable[str] | None = None,
+                    choice_func: Callable[[str], bool] | None = None,
+                    crc_check: bool = False, remove_redundancy: bool = False,
+                    format: str = "safetensors",  # noqa: A002  (MindSpore's name)
+                    ) -> dict[str, Any]:
+    """MindSpore's `load_checkpoint`: {name: Parameter} of a safetensors checkpoint (a file,
+    a Hugging Face index of shards, or a folder holding either). Only headers are read: each
+    Parameter is abstract, a reference to its tensor, read slice by slice by the ranks.
+    `filter_prefix` drops names starting with it, `specify_prefix` keeps only those,
+    `choice_func(name)` keeps a name when true; given `net`, the parameters are loaded into
+    it (`load_param_into_net`). Encrypted checkpoints (`dec_key`) are not supported."""
+    from pcompile.compiler.initializer import InitializedData
+    from pcompile.compiler.tensor import Parameter
+
+    if dec_key is not None:
+        raise CheckpointLoadError("load_checkpoint: encrypted checkpoints (dec_key) are not "
+                                  "supported")
+    if format not in ("safetensors", "ckpt"):
+        raise CheckpointLoadError(f"load_checkpoint: format {format!r}: expected "
+                                  "'safetensors'")
+    if not isinstance(ckpt_file_name, (str, os.PathLike)):
+        raise CheckpointLoadError(f"load_checkpoint: ckpt_file_name must be a path, got "
+                                  f"{type(ckpt_file_name).__name__}")
+    path = os.path.abspath(os.fspath(ckpt_file_name))
+    if not os.path.exists(path):
+        raise CheckpointLoadError(f"load_checkpoint: {path} does not exist")
+    drop = _prefixes(filter_prefix)
+    keep = _prefixes(specify_prefix)
+    headers: dict[str, SafetensorsFile] = {}
+    params: dict[str, Any] = {}
+    for name, file in sorted(checkpoint_files(path).items()):
+        if drop and name.startswith(drop) or keep and not name.startswith(keep):
+            continue
+        if choice_func is not None and not choice_func(name):
+            continue
+        if file not in headers:
+            headers[file] = read_header(file)
+        if name not in headers[file].tensors:
+            raise CheckpointLoadError(f"{file} has no tensor {name!r} (its index names it)")
+        tensor = PretrainedTensor(headers[file], name)
+        params[name] = Parameter(
+            InitializedData(None, tensor.shape, tensor.dtype, None, tensor), name=name)
+    if net is not None:
+        load_param_into_net(net, params, strict_load=strict_load)
+    return params
+
+
+def _prefixes(value: str | Iterable[str] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def load_param_into_net(net: Any, parameter_dict: Mapping[str, Any],
+                        strict_load: bool = False, remove_redundancy: bool = False
+                        ) -> tuple[list[str], list[str]]:
+    """MindSpore's `load_param_into_net`: give every parameter of `net` whose name is in
+    `parameter_dict` that value (a Parameter of `load_checkpoint`: a reference read by the
+    ranks; or an array). Shapes must match; a floating dtype is converted to the
+    parameter's (each rank converts its slice) unless `strict_load`, which wants the same
+    dtype. Returns (parameters not loaded, checkpoint names not used)."""
+    from pcompile.compiler.initializer import InitializedData
+    from pcompile.compiler.tensor import Parameter, Tensor
+
+    if not isinstance(parameter_dict, Mapping):
+        raise CheckpointLoadError("load_param_into_net: parameter_dict must be a dict of "
+                                  f"name -> Parameter, got {type(parameter_dict).__name__}")
+    net.finalize_parameter_names()
+    not_loaded: list[str] = []
+    used: set[str] = set()
+    for param in net.get_parameters():
+        if param.name not in parameter_dict:
+            not_loaded.append(param.name)
+            continue
+        value = parameter_dict[param.name]
+        used.add(param.name)
+        if isinstance(value, Parameter):
+            source = value.source
+        elif isinstance(value, Tensor):
+            source = InitializedData.of_array(value.asnumpy())
+        else:
+            source = InitializedData.of_array(np.asarray(value))
+        array = source.array
+        where = (f"tensor {array.name} of {array.file.path}"
+                 if isinstance(array, PretrainedTensor) else "the checkpoint's value")
+        found_dtype = array.dtype if isinstance(array, PretrainedTensor) else source.dtype
+        same_kind = found_dtype.is_float and param.dtype.is_float
+        if tuple(source.shape) != tuple(param.shape) or (
+                found_dtype is not param.dtype and (strict_load or not same_kind)):
+            why = "" if tuple(source.shape) != tuple(param.shape) else (
+                " (strict_load wants the same dtype)" if same_kind else
+                " (only floating dtypes are converted)")
+            raise CheckpointLoadError(
+                f"load_param_into_net: parameter {param.name} expects shape "
+                f"{tuple(param.shape)} {param.dtype.name}, {where} has shape "
+                f"{tuple(source.shape)} {found_dtype.name}{why}")
+        param.set_data(InitializedData(None, tuple(param.shape), param.dtype, None,
+                                       source.array if source.array is not None
+                                       else source.to_numpy()))
+    unused = [name for name in parameter_dict if name not in used]
+    return not_loaded, unused
