@@ -35,7 +35,6 @@ it. Checkpoints of pcompile before the safetensors format (`step_<S>.npz`, the i
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
 import json
@@ -907,33 +906,59 @@ def _is_merge_output(path: str) -> bool:
     return isinstance(meta, dict) and "plan_id" in meta and "num_ranks" in meta
 
 
+def merge_command() -> Any:
+    """`pcompile-merge`'s command line (click, as `pcompile`'s)."""
+    import click
+
+    return click.Command(
+        "pcompile-merge",
+        help="Merge the per-rank checkpoints of a pcompile run into full tensors (safetensors, "
+             "with the model's parameter names).",
+        params=[
+            click.Argument(["out_dir"]),
+            click.Option(["--step"], type=int, default=None,
+                         help="which step (default: the newest one every rank holds intact)"),
+            click.Option(["--checkpoint-dir"], default=None,
+                         help="where the rank checkpoints are (default OUT_DIR/checkpoints)"),
+            click.Option(["--output"], default=None,
+                         help="FILE.safetensors (one file), FILE.npz (pcompile's older format) "
+                              "or a folder (model.safetensors, or shards and "
+                              "model.safetensors.index.json); default "
+                              "OUT_DIR/merged_step_<S>.safetensors, or the folder "
+                              "OUT_DIR/merged_step_<S>/ when sharded"),
+            click.Option(["--max-shard-size"], default=None,
+                         help="largest shard of a folder output (e.g. 5GB, 500MB, 2GiB; default "
+                              "5GB, Hugging Face's)"),
+            click.Option(["--weights-only"], is_flag=True,
+                         help="only the model's weights (plan.json kind 'weight'), not the "
+                              "optimizer state"),
+        ])
+
+
+def _parse_merge_args(argv: list[str] | None) -> Any:
+    """The options of `argv` (default sys.argv[1:]); --help and a usage error print and exit
+    (status 0 and 2)."""
+    import types
+
+    import click
+
+    try:
+        with merge_command().make_context(
+                "pcompile-merge", list(sys.argv[1:] if argv is None else argv)) as ctx:
+            return types.SimpleNamespace(**ctx.params)
+    except click.exceptions.Exit as exc:
+        raise SystemExit(exc.exit_code) from None
+    except click.ClickException as exc:
+        exc.show()
+        raise SystemExit(exc.exit_code) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """`pcompile-merge OUT_DIR [--step S] [--output PATH] [--max-shard-size SIZE]
     [--weights-only]`."""
     from pcompile.backends.merge_output import DEFAULT_MAX_SHARD, parse_size
 
-    parser = argparse.ArgumentParser(
-        prog="pcompile-merge",
-        description="Merge the per-rank checkpoints of a pcompile run into full tensors "
-                    "(safetensors, with the model's parameter names).")
-    parser.add_argument("out_dir", help="the --out folder of the compile (holds plan.json)")
-    parser.add_argument("--step", type=int, default=None,
-                        help="which step (default: the newest one every rank holds intact)")
-    parser.add_argument("--checkpoint-dir", default=None,
-                        help="where the rank checkpoints are (default OUT_DIR/checkpoints)")
-    parser.add_argument("--output", default=None,
-                        help="FILE.safetensors (one file), FILE.npz (pcompile's older "
-                             "format) or a folder (model.safetensors, or shards and "
-                             "model.safetensors.index.json); default "
-                             "OUT_DIR/merged_step_<S>.safetensors, or the folder "
-                             "OUT_DIR/merged_step_<S>/ when sharded")
-    parser.add_argument("--max-shard-size", default=None,
-                        help="largest shard of a folder output (e.g. 5GB, 500MB, 2GiB; "
-                             "default 5GB, Hugging Face's)")
-    parser.add_argument("--weights-only", action="store_true",
-                        help="only the model's weights (plan.json kind 'weight'), not the "
-                             "optimizer state")
-    args = parser.parse_args(argv)
+    args = _parse_merge_args(argv)
     try:
         max_shard = (parse_size(args.max_shard_size) if args.max_shard_size is not None
                      else DEFAULT_MAX_SHARD)

@@ -163,30 +163,6 @@ def _click_options(name: str | None) -> set[str]:
     return opts
 
 
-def _argparse_options(parser_of) -> set[str]:
-    import argparse
-
-    captured: list[argparse.ArgumentParser] = []
-    real = argparse.ArgumentParser.parse_args
-
-    def grab(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
-        captured.append(self)
-        raise SystemExit(0)
-
-    argparse.ArgumentParser.parse_args = grab  # type: ignore[method-assign]
-    try:
-        try:
-            parser_of()
-        except SystemExit:
-            pass
-    finally:
-        argparse.ArgumentParser.parse_args = real  # type: ignore[method-assign]
-    opts: set[str] = set()
-    for action in captured[0]._actions:
-        opts.update(action.option_strings)
-    return opts
-
-
 def rank_program_options() -> set[str]:
     from pcompile.backends.jax.rank_runtime import rank_command
 
@@ -198,9 +174,13 @@ def rank_program_options() -> set[str]:
 
 
 def merge_options() -> set[str]:
-    from pcompile.backends.checkpoint import main as merge_main
+    from pcompile.backends.checkpoint import merge_command
 
-    return _argparse_options(lambda: merge_main([]))
+    opts: set[str] = {"--help"}
+    for param in merge_command().params:
+        opts.update(param.opts if param.param_type_name == "option" else ())
+        opts.update(param.secondary_opts)
+    return opts
 
 
 def documented_flags(line: str) -> set[str]:
