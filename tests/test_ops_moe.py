@@ -304,3 +304,25 @@ def test_zeros_and_ones_are_constants_of_the_given_dtype() -> None:
         ops.Zeros()("3", np.float32)
     with pytest.raises(ValueError, match="negative"):
         ops.Ones()((2, -1), np.float32)
+
+
+# -- dimension relations (the shrunk check) -------------------------------------------------
+
+
+def test_shrunk_router_keeps_k_and_shrinks_the_tokens() -> None:
+    """TopK's last axis and k stay (k must stay at most the axis); the tokens, Sort's and
+    CumSum's dims shrink with the input; the shrunk graph verifies."""
+    from pcompile.ir import dims
+    from pcompile.ir.verifier import verify
+
+    g = Graph("router")
+    x = g.add_param(GraphParam(TensorType(DType.float32, (16, 4)), "x"))
+    b = Builder(g)
+    values = b("TupleGetItem", b("TopK", x, k=2), index=0)
+    order = b("TupleGetItem", b("Sort", x, axis=0), index=1)
+    g.outputs = [b("CumSum", values, axis=0), order]
+    verify(g)
+    dims.shrink_graph(g, [], 4).apply(g)
+    verify(g)
+    assert g.param("x").shape == (4, 4)
+    assert values.shape == (4, 2) and order.shape == (4, 4)
