@@ -34,6 +34,8 @@ _MODULE_ALIASES = {
     "pcompile.mint.nn.functional": "pcompile.compiler.mint.nn.functional",
     "pcompile.amp": "pcompile.compiler.amp",
     "pcompile.dataset": "pcompile.compiler.dataset",
+    "pcompile.common": "pcompile.compiler.common",
+    "pcompile.common.initializer": "pcompile.compiler.initializer",
 }
 
 _FACADE = (

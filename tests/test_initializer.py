@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -255,3 +256,31 @@ def test_a_block_does_not_allocate_the_whole_tensor() -> None:
         tracemalloc.stop()
     assert block.shape == (1024, 1024)
     assert peak < 0.15 * data.nbytes, f"peak {peak} bytes for a {data.nbytes}-byte tensor"
+
+
+def test_mindspore_common_initializer_spelling() -> None:
+    """`from pcompile.common.initializer import Normal, initializer` (MindSpore's
+    `mindspore.common.initializer`) gives the same classes and function, so the values are
+    those of `pcompile.initializer`."""
+    import importlib
+    import sys
+
+    import pcompile.common
+
+    module = importlib.import_module("pcompile.common.initializer")
+    assert module is sys.modules["pcompile.compiler.initializer"]
+    assert pcompile.common.initializer is module
+    ours = {"Normal": Normal, "Uniform": Uniform, "TruncatedNormal": TruncatedNormal,
+            "Zero": Zero, "One": One, "Constant": Constant, "XavierUniform": XavierUniform,
+            "HeUniform": HeUniform, "initializer": initializer}
+    namespace: dict[str, object] = {}
+    exec(f"from pcompile.common.initializer import {', '.join(ours)}, Initializer", namespace)
+    for name, value in ours.items():
+        assert namespace[name] is value, name
+    assert issubclass(Normal, namespace["Initializer"])  # type: ignore[arg-type]
+    set_seed(5)
+    make: Any = namespace["initializer"]
+    spelled = make(namespace["Normal"](0.02), [4, 3], DType.float32)  # type: ignore[operator]
+    set_seed(5)
+    np.testing.assert_array_equal(spelled.asnumpy(),
+                                  initializer(Normal(0.02), [4, 3], DType.float32).asnumpy())
