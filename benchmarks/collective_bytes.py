@@ -88,6 +88,42 @@ def tally(collectives: list[Collective]) -> Tally:
     return out
 
 
+# -- pcompile -------------------------------------------------------------------------------------
+
+
+def is_gradient_reduction(reason: str) -> bool:
+    """A `_MirrorOperator`'s gradient AllReduce, alone or fused (passes/comm_fusion.py)."""
+    return reason.startswith(("vjp of _MirrorOperator", "comm_fusion:"))
+
+
+def plan_collectives(program: Any, plan: Any, rank: int) -> list[Collective]:
+    """Rank `rank`'s collectives in plan.json (`plan`, compiler.plan.read_plan) of a compiled
+    `program`, with their operands' bytes from its rank graph; `_MirrorOperator`s are left
+    out (their gradient AllReduce is counted where it runs, in the phase
+    `gradient_reduction`)."""
+    from pcompile.ir.types import TensorType
+
+    operand = {}  # the graph is rank-parametric: the same local shapes on every rank
+    for node in program.state.rank_graphs[rank].nodes:
+        types = [v.type for v in node.operands] or [node.result.type]
+        operand[node.fullname] = sum(t.nbytes for t in types if isinstance(t, TensorType))
+    items = []
+    for row in plan.collectives[str(rank)]:
+        if row.op == "_MirrorOperator":
+            continue
+        phase = ("gradient_reduction" if row.phase == "backward"
+                 and is_gradient_reduction(row.reason) else row.phase)
+        items.append(Collective(row.op, operand[row.node], tuple(row.rank_list), phase))
+    return items
+
+
+def plan_json_bytes(plan: Any, rank: int) -> dict[str, int]:
+    """plan.json's own totals for `rank` (bytes received; ring bytes sent)."""
+    rows = [r for r in plan.collectives[str(rank)] if r.op != "_MirrorOperator"]
+    return {"received_bytes": sum(r.bytes for r in rows),
+            "ring_bytes": sum(r.ring_bytes or 0 for r in rows)}
+
+
 # -- XLA ------------------------------------------------------------------------------------------
 
 

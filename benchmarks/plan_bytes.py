@@ -78,7 +78,14 @@ ROOT = os.path.dirname(BENCHMARKS)
 sys.path.insert(0, BENCHMARKS)
 LLAMA = os.path.join(ROOT, "examples", "llama.py")
 
-from collective_bytes import Collective, Tally, hlo_collectives, tally  # noqa: E402
+from collective_bytes import (  # noqa: E402
+    Collective,
+    Tally,
+    hlo_collectives,
+    plan_collectives,
+    plan_json_bytes,
+    tally,
+)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -197,15 +204,9 @@ def llama_environment(c: LlamaSizes) -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _is_gradient_reduction(reason: str) -> bool:
-    """A `_MirrorOperator`'s gradient AllReduce, alone or fused (passes/comm_fusion.py)."""
-    return reason.startswith(("vjp of _MirrorOperator", "comm_fusion:"))
-
-
 def pcompile_bytes(c: LlamaSizes) -> dict[str, Any]:
     from pcompile.compiler.driver import compile as compile_model
     from pcompile.compiler.plan import read_plan
-    from pcompile.ir.types import TensorType
 
     start = time.perf_counter()
     with llama_environment(c), tempfile.TemporaryDirectory() as tmp:
@@ -214,25 +215,8 @@ def pcompile_bytes(c: LlamaSizes) -> dict[str, Any]:
                                 save_graphs=0)
         plan = read_plan(out)
     seconds = time.perf_counter() - start
-    ranks: dict[int, Tally] = {}
-    plan_json: dict[str, int] = {"received_bytes": 0, "ring_bytes": 0}
-    for rank in range(c.devices):
-        # operands on this rank, by node (the graph is rank-parametric: the same local shapes)
-        operand = {}
-        for node in program.state.rank_graphs[rank].nodes:
-            types = [v.type for v in node.operands] or [node.result.type]
-            operand[node.fullname] = sum(t.nbytes for t in types if isinstance(t, TensorType))
-        items = []
-        for row in plan.collectives[str(rank)]:
-            if row.op == "_MirrorOperator":
-                continue
-            phase = ("gradient_reduction" if row.phase == "backward"
-                     and _is_gradient_reduction(row.reason) else row.phase)
-            items.append(Collective(row.op, operand[row.node], tuple(row.rank_list), phase))
-            if rank == 0:
-                plan_json["received_bytes"] += row.bytes
-                plan_json["ring_bytes"] += row.ring_bytes or 0
-        ranks[rank] = tally(items)
+    ranks = {rank: tally(plan_collectives(program, plan, rank)) for rank in range(c.devices)}
+    plan_json = plan_json_bytes(plan, 0)
     worst = max(ranks, key=lambda r: (ranks[r].ring, -r))
     return {**ranks[0].as_json(), "rank": 0,
             "plan_json_rank0": plan_json,
