@@ -361,6 +361,21 @@ class LlamaDecodeLayer(nn.Cell):
         return self.add(h, self.feed_forward(self.ffn_norm(h)))
 
 
+def rope_tables(seq, head_dim, theta):
+    """FreqsMgr's tables: float32 cos and sin, [seq, head_dim]."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    freqs = np.outer(np.arange(seq, dtype=np.float64), inv_freq)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return Tensor(np.cos(emb).astype(np.float32)), Tensor(np.sin(emb).astype(np.float32))
+
+
+def causal_mask(seq):
+    """The causal mask [1, 1, seq, seq]: flash attention's uint8 (1 = masked), else the
+    additive float32 form (-10000 where masked)."""
+    causal = np.triu(np.ones((1, 1, seq, seq), np.uint8), 1)
+    return Tensor(causal) if FLASH else Tensor(causal.astype(np.float32) * -10000.0)
+
+
 class LlamaModel(nn.Cell):
     def __init__(self, dp, mp):
         super().__init__()
@@ -383,19 +398,10 @@ class LlamaModel(nn.Cell):
                 layer.recompute()
         self.norm_out = LlamaRMSNorm(HIDDEN)
         self.norm_out.shard(residual_strategy(dp, mp))
-        # FreqsMgr's tables (float32 [seq, head_dim]) and the causal mask (1 = masked).
-        head_dim = HIDDEN // HEADS
-        inv_freq = 1.0 / ROPE_THETA ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-        freqs = np.outer(np.arange(SEQ, dtype=np.float64), inv_freq)
-        emb = np.concatenate([freqs, freqs], axis=-1)
-        self.freqs_cos = Tensor(np.cos(emb).astype(np.float32))
-        self.freqs_sin = Tensor(np.sin(emb).astype(np.float32))
-        causal = np.triu(np.ones((1, 1, SEQ, SEQ), np.uint8), 1)
+        self.freqs_cos, self.freqs_sin = rope_tables(SEQ, HIDDEN // HEADS, ROPE_THETA)
+        self.mask = causal_mask(SEQ)
         self.tile_mask = ops.Tile().shard(((1, 1, 1, 1),))
-        if FLASH:
-            self.mask = Tensor(causal)
-        else:
-            self.mask = Tensor(causal.astype(np.float32) * -10000.0)
+        if not FLASH:
             self.mask_cast = ops.Cast()
 
     def construct(self, tokens):
