@@ -17,7 +17,7 @@ expert_num=E)`) and its strategies:
   weighted by the gates) tensors, the tokens gathered per slot as [dp, E C, h];
 * **expert parallelism**: the experts' weights are [E, in, out] tensors split over the experts
   by ep (and over the FFN size by mp); a Transpose moves the expert axis to the front, and the
-  expert BatchMatMuls' strategy ((ep, dp / ep, 1), (ep, 1, mp)) splits it: with
+  expert BatchMatMuls' layouts split it over ep (the data-parallel axis's minor factor): with
   `enable_alltoall` the redistribution between the two is one AlltoAll (dispatch), and the
   Transpose back to the data-parallel groups another (combine), per layer and direction;
 * **load balancing**: Switch/Mixtral's auxiliary loss E * sum_e f_e P_e (f_e the share of the
@@ -51,6 +51,7 @@ import os
 import numpy as np
 
 from pcompile import (
+    Layout,
     Parameter,
     Tensor,
     get_auto_parallel_context,
@@ -200,12 +201,16 @@ class Experts(nn.Cell):
         self.w1 = Parameter(initializer("normal", [EXPERTS, dim, hidden_dim]), "w1")
         self.w3 = Parameter(initializer("normal", [EXPERTS, dim, hidden_dim]), "w3")
         self.w2 = Parameter(initializer("normal", [EXPERTS, hidden_dim, dim]), "w2")
-        inner = dp // ep
-        self.gate = ops.BatchMatMul().shard(((ep, inner, 1), (ep, 1, mp)))
-        self.up = ops.BatchMatMul().shard(((ep, inner, 1), (ep, 1, mp)))
-        self.silu = ops.SiLU().shard(((ep, inner, mp),))
-        self.mul = ops.Mul().shard(((ep, inner, mp), (ep, inner, mp)))
-        self.down = ops.BatchMatMul().shard(((ep, inner, mp), (ep, mp, 1)))
+        # The data-parallel axis is (dp / ep, ep): the experts take its minor factor, so the
+        # ep ranks that exchange slots are the ones whose groups a rank's experts serve (one
+        # AlltoAll over ep ranks); the tokens of an expert are split over the major factor.
+        layout = Layout((dp // ep, ep, mp), ("dp", "ep", "mp"))
+        tokens, features = layout("ep", "dp", "None"), layout("ep", "dp", "mp")
+        self.gate = ops.BatchMatMul().shard((tokens, layout("ep", "None", "mp")))
+        self.up = ops.BatchMatMul().shard((tokens, layout("ep", "None", "mp")))
+        self.silu = ops.SiLU().shard((features,))
+        self.mul = ops.Mul().shard((features, features))
+        self.down = ops.BatchMatMul().shard((features, layout("ep", "mp", "None")))
         self.cast = ops.Cast()
 
     def construct(self, x):
