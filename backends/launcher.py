@@ -421,10 +421,13 @@ def _run_once(programs: list[str], per: int, coordinator: str, common: list[str]
                                 out_dir))
         _write_launch_info(out_dir, coordinator, ranks)
         seen = [0, 0, resumed_from]
+        told: set[str] = set()
         while True:
             echoed = _echo_progress(progress, seen, echo)
             for r in ranks:
                 _read_beats(r)
+            _echo_startup(ranks[0], told, echo)
+            for r in ranks:
                 if r.code is None:
                     r.code = r.popen.poll()
                     if r.code is not None:
@@ -565,6 +568,9 @@ def _first_failure(ranks: list[_Proc]) -> _Proc | None:
 _PHASES = {
     "start": "starting (Python, imports)",
     "connect": "connecting to the other processes (jax.distributed)",
+    "init": "making its parameter slices and optimizer state",
+    "restore": "reading its checkpoint",
+    "compile": "compiling the step (XLA) and running it the first time",
     "data": "reading its next batch (dataset())",
     "compute": "computing a step (its collectives wait for every rank)",
     "checkpoint": "writing a checkpoint",
@@ -572,7 +578,11 @@ _PHASES = {
 }
 
 
-_PHASE_ORDER = {"start": 0, "connect": 1, "data": 2, "checkpoint": 2, "compute": 3, "finish": 4}
+_PHASE_ORDER = {"start": 0, "connect": 1, "init": 2, "restore": 2, "data": 2, "checkpoint": 2,
+                "compile": 3, "compute": 3, "finish": 4}
+
+#: Start-up phases the launcher reports as rank 0 enters them (before its first step).
+_STARTUP_PHASES = ("connect", "init", "restore", "compile")
 
 
 def _where(proc: _Proc) -> str:
@@ -621,6 +631,16 @@ def _write_launch_info(out_dir: str, coordinator: str, ranks: list[_Proc]) -> No
             "processes": [{"process": r.process, "ranks": r.ranks, "pid": r.popen.pid,
                            "log": r.log} for r in ranks]}
     atomic_write_text(os.path.join(out_dir, "launch.json"), json.dumps(info, indent=1) + "\n")
+
+
+def _echo_startup(proc: _Proc, told: set[str], echo: Callable[[str], None]) -> None:
+    """Say which start-up phase the first process has entered, once each, until its first
+    step is done: a large model's start-up (parameters, the XLA compile) is not silent."""
+    if not proc.starting() or proc.phase not in _STARTUP_PHASES or proc.phase in told:
+        return
+    told.add(proc.phase)
+    elapsed = time.monotonic() - proc.spawned
+    echo(f"pcompile launcher: {proc.name} is {_PHASES[proc.phase]} ({elapsed:.1f} s)")
 
 
 def _echo_progress(path: str, state: list[int], echo: Callable[[str], None]) -> int:

@@ -476,3 +476,25 @@ def test_a_symlinked_run_log_is_replaced_not_written_through(model_path, tmp_pat
     with pytest.raises(LaunchError, match="symbolic link"):
         launch(str(out), steps=1, python=shutil.which("true"), echo=lambda _: None, env=env())
     assert os.listdir(elsewhere) == []
+
+
+def test_start_up_phases_of_the_first_process_are_echoed_once_until_its_first_step() -> None:
+    """A large model's start-up is not silent: each start-up phase rank 0's heartbeat reports
+    is said once, in order, and nothing once its first step is done."""
+    from pcompile.backends.launcher import _echo_startup, _Proc
+
+    now = time.monotonic()
+    proc = _Proc(0, [0], None, "run.log", -1, now, now)  # type: ignore[arg-type]
+    said: list[str] = []
+    told: set[str] = set()
+    for phase, done in [("start", None), ("connect", None), ("connect", None), ("init", None),
+                        ("data", 0), ("compile", 0), ("compile", 0), ("compute", 1),
+                        ("compile", 1)]:
+        proc.phase, proc.done = phase, done
+        if proc.first_done is None and done is not None:
+            proc.first_done = done
+        _echo_startup(proc, told, said.append)
+    assert [line.split(" is ", 1)[1].split(" (")[0] for line in said] == [
+        "connecting to the other processes", "making its parameter slices and optimizer state",
+        "compiling the step"], said
+    assert all(line.startswith("pcompile launcher: rank 0 is ") for line in said)

@@ -933,6 +933,7 @@ class _Runner:
             clean_temp_files(os.path.join(self.ckpt_dir, f"rank_{r}"))
         resume_step = self._resume_step() if args.resume else None
         making = time.perf_counter()
+        self.heartbeat.set(phase="init" if resume_step is None else "restore")
         if resume_step is None:
             state, meta = self._initial_state(), {}
             self.timings["init"] = time.perf_counter() - making
@@ -1014,7 +1015,7 @@ class _Runner:
                                shape)
                      for (name, _, shape, _), a in zip(self.inputs, arrays)]
             feeds += [state[name] for name, *_ in self.stored]
-            self.heartbeat.set(phase="compute")
+            self.heartbeat.set(phase="compile" if first else "compute")
             if first:
                 marks["called"] = time.perf_counter()
             outs = fn(*feeds)
