@@ -96,10 +96,13 @@ class Divides:
 
 @dataclass(frozen=True)
 class Index:
-    """The integer values of operand `operand` index dim `ref` (they must stay below it)."""
+    """The integer values of operand `operand` index dim `ref` (they must stay below it).
+    `total`: a value outside the range is defined too (OneHot: a row of off_value), so values
+    computed in the graph do not pin the dim; data given as input is still bounded."""
 
     operand: int
     ref: Ref
+    total: bool = False
 
 
 Relation = Same | Offset | Product | Total | Fixed | Divides | Index
@@ -255,6 +258,7 @@ class _Solver:
         self.fixed: dict[Sym, str] = {}
         self.divides: list[tuple[Sym, int, int]] = []  # sym, k, minimum per slice
         self.indexes: list[tuple[int, int, Sym]] = []  # node index, operand, indexed dim
+        self.total: set[tuple[int, int]] = set()  # (node, operand) of a total Index
         self.tangled: dict[Sym, str] = {}  # dims a Reshape regroups across several dims
         self.values: dict[int, Value] = {}
 
@@ -343,7 +347,7 @@ def shrinker(graph: Graph, splits: Iterable[tuple[Value, int, int, int]]
             solver.divides.append((s, k, min(2, solver.size[s] // k)))
     for i, j, s in solver.indexes:
         source = _index_source(graph.nodes[i].operands[j], preserving)
-        if not isinstance(source, Constant) and not (
+        if (i, j) not in solver.total and not isinstance(source, Constant) and not (
                 isinstance(source, GraphParam) and source.kind == "input"):
             what = _where(source.node) if isinstance(source, NodeResult) else "a parameter"
             solver.fixed[s] = (f"{_where(graph.nodes[i])} indexes it with values computed by "
@@ -410,6 +414,8 @@ def _relate(solver: _Solver, node: Node, i: int, rel: Relation) -> None:
         solver.divides.append((_syms(solver, node, rel.ref), rel.k, 1))
     elif isinstance(rel, Index):
         solver.indexes.append((i, rel.operand, _syms(solver, node, rel.ref)))
+        if rel.total:
+            solver.total.add((i, rel.operand))
 
 
 def _solve(solver: _Solver, graph: Graph, factor: int, preserving: dict[int, Node]) -> Shrink:

@@ -152,3 +152,24 @@ def test_8_processes_train_like_one_device(monkeypatch: Any, tmp_path: Any) -> N
     assert len(got) == steps
     for step, (g, w) in enumerate(zip(got, want), start=1):
         assert abs(g - w) <= step * eps * longest * abs(w), (step, g, w)
+
+
+def test_shrunk_check_shrinks_the_capacity_the_router_computes(monkeypatch: Any) -> None:
+    """The slot OneHot is indexed by positions the router computes (CumSum, ReduceSum): an
+    index past a shrunk depth is a row of off_value on both sides, so the capacity dim
+    shrinks with the tokens (it used to be pinned, leaving a real-size MoE unshrinkable), and
+    the shrunk plan still agrees with its single device."""
+    from pcompile.compiler.shrink import shrunk_check
+
+    knobs(monkeypatch, DTYPE="float32", SEQ="64")  # 64 tokens a group: capacity 18
+    program = compile_model(MIXTRAL, devices=8, dump=False)
+    result = shrunk_check(program, factor=4)
+    assert result.report.ok(), result.report.worst
+
+    def depths(p: Any) -> list[int]:
+        return [n.attrs["depth"] for n in p.graph.nodes
+                if n.op == "OneHot" and "router" in n.scope]
+
+    full, small = depths(program), depths(result.program)
+    assert len(full) == len(small) == 4  # experts and slots, two layers
+    assert any(s < f for s, f in zip(small, full)), (full, small)

@@ -1073,7 +1073,7 @@ def _onehot_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
     axis = attrs["axis"] % (rank + 1)
     for d in range(rank):
         yield Same(In(0, d), Out(d if d < axis else d + 1))
-    yield Index(0, Out(axis))
+    yield Index(0, Out(axis), total=True)  # an index >= depth gives a row of off_value
 
 
 def _onehot_rewrite(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
