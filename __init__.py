@@ -36,6 +36,22 @@ _MODULE_ALIASES = {
     "pcompile.dataset": "pcompile.compiler.dataset",
     "pcompile.common": "pcompile.compiler.common",
     "pcompile.common.initializer": "pcompile.compiler.initializer",
+    # MindSpore's module paths that model code imports by name (`from mindspore.ops import
+    # operations as P`, `import mindspore.common.dtype as mstype`, ...): each is one of ours.
+    "pcompile.ops.operations": "pcompile.compiler.ops",
+    "pcompile.ops.operations.nn_ops": "pcompile.compiler.ops",
+    "pcompile.ops.operations._inner_ops": "pcompile.compiler.ops",
+    "pcompile.ops.functional": "pcompile.compiler.ops",
+    "pcompile.ops.primitive": "pcompile.compiler.ops",
+    "pcompile.common.dtype": "pcompile.compiler.common.dtype",
+    "pcompile.common.tensor": "pcompile.compiler.tensor",
+    "pcompile.common.parameter": "pcompile.compiler.tensor",
+    "pcompile.context": "pcompile.compiler.context",
+    "pcompile.parallel": "pcompile.compiler.parallel",
+    "pcompile.parallel.shard": "pcompile.compiler.layout",
+    "pcompile.parallel._utils": "pcompile.compiler.parallel",
+    "pcompile.nn.layer": "pcompile.compiler.nn",
+    "pcompile.nn.cell": "pcompile.compiler.nn.cell",
 }
 
 _FACADE = (

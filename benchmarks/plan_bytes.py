@@ -5,6 +5,12 @@ shardings, and the analytic minimum of the scheme. Prints one JSON object.
     python benchmarks/plan_bytes.py                        # every configuration
     python benchmarks/plan_bytes.py --quick                # the smallest one
     python benchmarks/plan_bytes.py --config mid_dp4_mp4   # one of them
+    python benchmarks/plan_bytes.py --model-file PATH --env-prefix MF_ --vocab-split none
+
+`--model-file` measures another model file with the configuration's sizes as environment
+variables (`LlamaSizes.env`, under `--env-prefix`); `--vocab-split` picks how the vocabulary
+is split (the minimum's scheme, the JAX model's shardings and PREFIX_VOCAB_EMB_DP: `head`,
+`none`, `both`; `megatron_minimum`); `--top N` adds rank 0's N largest collectives.
 
 Configurations (`CONFIGS`; heads 8, kv heads 4, flash attention, AdamWeightDecay):
 
@@ -70,7 +76,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
@@ -106,6 +112,19 @@ class LlamaSizes:
     dp: int
     mp: int
     seq_parallel: bool = False
+    #: the vocabulary's split (`--vocab-split`): "head" the LM head column-split over mp and
+    #: the embedding replicated (examples/llama.py); "none" both replicated (mindformers'
+    #: `vocab_emb_dp: True`); "both" the embedding split by vocabulary rows and the LM head by
+    #: columns (mindformers' `vocab_emb_dp: False`, Megatron's vocab-parallel embedding)
+    vocab_split: str = "head"
+
+    @property
+    def embedding_split(self) -> bool:
+        return self.vocab_split == "both"
+
+    @property
+    def head_split(self) -> bool:
+        return self.vocab_split in ("head", "both")
 
     @property
     def devices(self) -> int:
@@ -115,14 +134,16 @@ class LlamaSizes:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-    def env(self) -> dict[str, str]:
-        """LLAMA_* for examples/llama.py."""
-        return {"LLAMA_LAYERS": str(self.layers), "LLAMA_HIDDEN": str(self.hidden),
-                "LLAMA_HEADS": str(self.heads), "LLAMA_KV_HEADS": str(self.kv_heads),
-                "LLAMA_FFN": str(self.ffn), "LLAMA_VOCAB": str(self.vocab),
-                "LLAMA_SEQ": str(self.seq), "LLAMA_BATCH": str(self.batch),
-                "LLAMA_DTYPE": self.dtype, "LLAMA_MP": str(self.mp),
-                "LLAMA_SEQ_PARALLEL": "1" if self.seq_parallel else "0"}
+    def env(self, prefix: str = "LLAMA_") -> dict[str, str]:
+        """The sizes as environment variables for the model file: LLAMA_* for
+        examples/llama.py; another `prefix` (`--env-prefix`) for a model file that reads the
+        same names under it (PREFIX_LAYERS, PREFIX_HIDDEN, ..., PREFIX_DTYPE, PREFIX_MP)."""
+        values = {"LAYERS": self.layers, "HIDDEN": self.hidden, "HEADS": self.heads,
+                  "KV_HEADS": self.kv_heads, "FFN": self.ffn, "VOCAB": self.vocab,
+                  "SEQ": self.seq, "BATCH": self.batch, "DTYPE": self.dtype, "MP": self.mp,
+                  "SEQ_PARALLEL": "1" if self.seq_parallel else "0",
+                  "VOCAB_EMB_DP": "0" if self.embedding_split else "1"}
+        return {prefix + key: str(value) for key, value in values.items()}
 
 
 CONFIGS = {
@@ -156,8 +177,10 @@ def megatron_minimum(c: LlamaSizes) -> list[Term]:
     act = b * c.seq * c.hidden * DTYPE_BYTES[c.dtype]
     kv = c.kv_heads * c.head_dim
     per_layer = (2 * c.hidden * c.hidden + 2 * c.hidden * kv + 3 * c.hidden * c.ffn) // c.mp
-    params = (c.layers * (per_layer + 2 * c.hidden) + c.hidden + c.vocab * c.hidden
-              + c.vocab * c.hidden // c.mp)
+    table = c.vocab * c.hidden
+    params = (c.layers * (per_layer + 2 * c.hidden) + c.hidden
+              + (table // c.mp if c.embedding_split else table)
+              + (table // c.mp if c.head_split else 0))
     terms = [
         Term("wo and w2 outputs (row-parallel)", "forward", act, c.mp, 2 * c.layers),
         Term("cross-entropy over the split vocabulary: max, sum of exp, target logit",
@@ -169,6 +192,16 @@ def megatron_minimum(c: LlamaSizes) -> list[Term]:
         Term(f"float32 gradients of the rank's {params} parameters", "gradient_reduction",
              4 * params, c.dp, 1),
     ]
+    if c.embedding_split:
+        terms.append(Term("embedding output (vocab-parallel lookup: partial sums)", "forward",
+                          act, c.mp, 1))
+    if not c.head_split:
+        # the replicated LM head's gradient: each rank's rows come from its vocabulary slice of
+        # the logits' cotangent (the loss is vocab-parallel), summed over mp and dp at once
+        # (an AllGather over mp and an AllReduce over dp send as much at dp 2, more beyond)
+        terms.append(Term("float32 gradient of the replicated LM head (rows from each mp "
+                          "rank's vocabulary slice)", "gradient_reduction", 4 * table,
+                          c.devices, 1))
     if c.seq_parallel:
         # each AllReduce of an activation is a ReduceScatter and an AllGather (the same ring
         # bytes, counted as the AllReduce above); the embedding's output is scattered over the
@@ -190,39 +223,51 @@ def minimum_tally(c: LlamaSizes) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def llama_environment(c: LlamaSizes) -> Iterator[None]:
-    """LLAMA_* of the configuration, and no other LLAMA_* (restored afterwards)."""
-    saved = {k: v for k, v in os.environ.items() if k.startswith("LLAMA_")}
+def llama_environment(c: LlamaSizes, prefix: str = "LLAMA_") -> Iterator[None]:
+    """The configuration's variables under `prefix`, and no other variable of that prefix
+    (restored afterwards)."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith(prefix)}
     for k in saved:
         del os.environ[k]
-    os.environ.update(c.env())
+    os.environ.update(c.env(prefix))
     try:
         yield
     finally:
-        for k in c.env():
+        for k in c.env(prefix):
             os.environ.pop(k, None)
         os.environ.update(saved)
 
 
-def pcompile_bytes(c: LlamaSizes) -> dict[str, Any]:
+def pcompile_bytes(c: LlamaSizes, model_file: str = LLAMA, prefix: str = "LLAMA_",
+                   top: int = 0) -> dict[str, Any]:
+    """Bytes of pcompile's plan of `model_file` compiled with the configuration's sizes under
+    `prefix`; with `top`, rank 0's `top` largest collectives (ring bytes) with their node,
+    phase and reason."""
     from pcompile.compiler.driver import compile as compile_model
     from pcompile.compiler.plan import read_plan
 
     start = time.perf_counter()
-    with llama_environment(c), tempfile.TemporaryDirectory() as tmp:
+    with llama_environment(c, prefix), tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out")
-        program = compile_model(LLAMA, devices=c.devices, out_dir=out, dump_ranks="all",
+        program = compile_model(model_file, devices=c.devices, out_dir=out, dump_ranks="all",
                                 save_graphs=0)
         plan = read_plan(out)
     seconds = time.perf_counter() - start
     ranks = {rank: tally(plan_collectives(program, plan, rank)) for rank in range(c.devices)}
     plan_json = plan_json_bytes(plan, 0)
     worst = max(ranks, key=lambda r: (ranks[r].ring, -r))
-    return {**ranks[0].as_json(), "rank": 0,
-            "plan_json_rank0": plan_json,
-            "max_over_ranks": {"rank": worst, "payload_bytes": ranks[worst].payload,
-                               "ring_bytes": ranks[worst].ring},
-            "compile_s": round(seconds, 2)}
+    found = {**ranks[0].as_json(), "rank": 0,
+             "plan_json_rank0": plan_json,
+             "max_over_ranks": {"rank": worst, "payload_bytes": ranks[worst].payload,
+                                "ring_bytes": ranks[worst].ring},
+             "compile_s": round(seconds, 2)}
+    if top:
+        rows = [r for r in plan.collectives["0"] if r.op != "_MirrorOperator"]
+        rows.sort(key=lambda r: -(r.ring_bytes or 0))
+        found["top_collectives_rank0"] = [
+            {"op": r.op, "node": r.node, "phase": r.phase, "group_size": len(r.rank_list),
+             "ring_bytes": r.ring_bytes, "reason": r.reason} for r in rows[:top]]
+    return found
 
 
 # -- XLA GSPMD ------------------------------------------------------------------------------------
@@ -301,8 +346,9 @@ def jax_llama(c: LlamaSizes) -> tuple[Any, Any, Any]:
              "wv": ((kv, c.hidden), column), "wo": ((c.hidden, c.hidden), row),
              "ffn_norm": ((c.hidden,), replicated), "w1": ((c.ffn, c.hidden), column),
              "w3": ((c.ffn, c.hidden), column), "w2": ((c.hidden, c.ffn), row)}
-    tree = {"embedding": ((c.vocab, c.hidden), replicated), "layers": [layer] * c.layers,
-            "norm_out": ((c.hidden,), replicated), "lm_head": ((c.vocab, c.hidden), column)}
+    tree = {"embedding": ((c.vocab, c.hidden), column if c.embedding_split else replicated),
+            "layers": [layer] * c.layers, "norm_out": ((c.hidden,), replicated),
+            "lm_head": ((c.vocab, c.hidden), column if c.head_split else replicated)}
 
     def leaf(t: Any) -> bool:
         return isinstance(t, tuple) and len(t) == 2 and isinstance(t[1], P)
@@ -314,14 +360,14 @@ def jax_llama(c: LlamaSizes) -> tuple[Any, Any, Any]:
     return step, (specs, shardings), tokens
 
 
-def xla_worker(name: str, dump_dir: str) -> None:
+def xla_worker(name: str, dump_dir: str, vocab_split: str = "head") -> None:
     """In a fresh process (the device count is fixed at JAX's start; XLA_FLAGS dump the HLO
     after SPMD partitioning into `dump_dir`): compile the JAX step and print, for the
     compiled HLO and for the partitioner's output, the collectives as rank 0 runs them and
     every rank's ring total."""
     import glob
 
-    c = CONFIGS[name]
+    c = replace(CONFIGS[name], vocab_split=vocab_split)
     import jax
 
     jax.config.update("jax_num_cpu_devices", c.devices)
@@ -343,20 +389,21 @@ def xla_worker(name: str, dump_dir: str) -> None:
     print(json.dumps(out))
 
 
-def xla_bytes(name: str) -> dict[str, dict[str, Any]]:
+def xla_bytes(name: str, vocab_split: str = "head") -> dict[str, dict[str, Any]]:
     """{"xla_gspmd": the compiled HLO's collectives, "xla_gspmd_partitioner": those of the
     HLO right after SPMD partitioning}. The two carry the same bytes in float32; on CPU, XLA
     then promotes bfloat16 all-reduces to float32 (`all-reduce-promotion`,
     `float-normalization-bf16`: the CPU runtime does not reduce bfloat16), so in bfloat16 the
     partitioner's count is what a GPU build moves."""
-    c = CONFIGS[name]
+    c = replace(CONFIGS[name], vocab_split=vocab_split)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as dump:
         flags = f"--xla_dump_to={dump} --xla_dump_hlo_pass_re=spmd-partitioning"
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
                "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
         done = subprocess.run([sys.executable, os.path.abspath(__file__), "--xla-worker", name,
-                               dump], capture_output=True, text=True, timeout=900, env=env)
+                               dump, vocab_split], capture_output=True, text=True,
+                              timeout=900, env=env)
     seconds = round(time.perf_counter() - start, 2)
     if done.returncode != 0:
         failed = {"status": (done.stderr.strip().splitlines() or ["failed"])[-1][:300]}
@@ -382,13 +429,16 @@ def xla_bytes(name: str) -> dict[str, dict[str, Any]]:
 # -- driver ---------------------------------------------------------------------------------------
 
 
-def measure(name: str, xla: bool = True) -> dict[str, Any]:
-    c = CONFIGS[name]
+def measure(name: str, xla: bool = True, model_file: str = LLAMA, prefix: str = "LLAMA_",
+            top: int = 0, vocab_split: str = "head") -> dict[str, Any]:
+    c = replace(CONFIGS[name], vocab_split=vocab_split)
     minimum = minimum_tally(c)
     row: dict[str, Any] = {"sizes": asdict(c), "devices": c.devices,
-                           "pcompile": pcompile_bytes(c)}
+                           "model_file": os.path.relpath(model_file, ROOT)
+                           if model_file == LLAMA else model_file,
+                           "pcompile": pcompile_bytes(c, model_file, prefix, top)}
     if xla and not c.seq_parallel:  # the JAX model has no sequence-parallel shardings
-        row.update(xla_bytes(name))
+        row.update(xla_bytes(name, vocab_split))
     row["megatron_minimum"] = minimum
     row["ratio_to_minimum"] = {
         side: round(row[side]["ring_bytes"] / minimum["ring_bytes"], 3)
@@ -404,7 +454,22 @@ def main(argv: list[str] | None = None) -> None:
                         help="measure this configuration (repeatable; default: all)")
     parser.add_argument("--quick", action="store_true", help=f"only {QUICK}")
     parser.add_argument("--no-xla", action="store_true", help="skip the XLA GSPMD side")
-    parser.add_argument("--xla-worker", nargs=2, metavar=("CONFIG", "DUMP"),
+    parser.add_argument("--model-file", default=LLAMA, metavar="PATH",
+                        help="measure this model file instead of examples/llama.py; it reads "
+                        "the configuration's sizes from PREFIX_LAYERS, PREFIX_HIDDEN, "
+                        "PREFIX_HEADS, PREFIX_KV_HEADS, PREFIX_FFN, PREFIX_VOCAB, PREFIX_SEQ, "
+                        "PREFIX_BATCH, PREFIX_DTYPE, PREFIX_MP (and PREFIX_SEQ_PARALLEL)")
+    parser.add_argument("--env-prefix", default="LLAMA_", metavar="PREFIX",
+                        help="the prefix of those variables (default LLAMA_)")
+    parser.add_argument("--vocab-split", choices=("head", "none", "both"), default="head",
+                        help="how the vocabulary is split (the minimum's scheme, and "
+                        "PREFIX_VOCAB_EMB_DP for the model file): head = the LM head "
+                        "column-split, the embedding replicated (examples/llama.py); none = "
+                        "both replicated (mindformers' vocab_emb_dp: True); both = the "
+                        "embedding split by rows, the head by columns (vocab_emb_dp: False)")
+    parser.add_argument("--top", type=int, default=0, metavar="N",
+                        help="also list rank 0's N largest collectives (node, phase, reason)")
+    parser.add_argument("--xla-worker", nargs=3, metavar=("CONFIG", "DUMP", "VOCAB_SPLIT"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.xla_worker:
@@ -413,7 +478,10 @@ def main(argv: list[str] | None = None) -> None:
     names = [QUICK] if args.quick else args.config or list(CONFIGS)
     results = {}
     for name in names:
-        results[name] = measure(name, xla=not args.no_xla)
+        results[name] = measure(name, xla=not args.no_xla,
+                                model_file=os.path.abspath(args.model_file),
+                                prefix=args.env_prefix, top=args.top,
+                                vocab_split=args.vocab_split)
         print(name, json.dumps(results[name]["ratio_to_minimum"]), file=sys.stderr, flush=True)
     print(json.dumps({"benchmark": "plan_bytes", "convention": {
         "payload": "bytes of each collective's operand on one rank",

@@ -703,6 +703,24 @@ def clip_by_global_norm(x: Any, clip_norm: float = 1.0, use_norm: Any = None) ->
     return out[0] if single else out
 
 
+# -- MindSpore's `ops.functional` helpers (`F.dtype`, `F.tuple_to_array`) -----------------------
+
+
+def dtype(input: Any) -> DType:  # noqa: A002  (MindSpore's name)
+    """The element type of `input` (MindSpore's `ops.dtype`, `F.dtype`)."""
+    return DType.from_any(input.dtype)
+
+
+def tuple_to_array(input_x: Any) -> Tensor:
+    """A constant 1-D tensor of a tuple of numbers (MindSpore's `F.tuple_to_array`): float32
+    when any element is a float, else int64, as MindSpore makes it."""
+    if not isinstance(input_x, (tuple, list)) or not input_x or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in input_x):
+        raise TypeError(f"tuple_to_array takes a non-empty tuple of numbers, got {input_x!r}")
+    kind = np.float32 if any(isinstance(v, float) for v in input_x) else np.int64
+    return Tensor(np.asarray(input_x, kind))
+
+
 #: Every functional name (aliases included): `pcompile.ops` re-exports them.
 __all__ = sorted(name for name, value in globals().items()
                  if not name.startswith("_") and callable(value)

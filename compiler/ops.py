@@ -5,6 +5,7 @@ attributes of the node."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,22 @@ import numpy as np
 from pcompile.compiler.primitive import Primitive
 from pcompile.compiler.tensor import Tensor
 from pcompile.ir.types import DType
+
+# MindSpore splits this module into `ops.operations` (the primitives; `nn_ops`, `_inner_ops`),
+# `ops.functional` and `ops.primitive`; here they are this one module. `__path__` lets
+# `import pcompile.ops.operations.nn_ops` resolve through the package's aliases
+# (pcompile/__init__.py); nothing is ever found on it.
+__path__: list[str] = []
+operations = functional = primitive = nn_ops = _inner_ops = sys.modules[__name__]
+
+
+def constexpr(fn: Any = None, **_options: Any) -> Any:
+    """MindSpore's `@constexpr` (a function of compile-time values, evaluated while the graph is
+    built): pcompile traces Python, so such a function already runs at trace time on plain
+    values; the decorator returns it unchanged (`@constexpr` and `@constexpr(...)` both)."""
+    if fn is None:
+        return lambda f: f
+    return fn
 
 
 def _pair(value: Any, what: str) -> tuple[int, int]:
@@ -636,6 +653,37 @@ class Broadcast(Primitive):
         if isinstance(inputs, (tuple, list)):
             return tuple(self._apply([x]) for x in inputs)
         return self._apply([inputs])
+
+
+# -- MindSpore primitives pcompile does not implement -------------------------------------------
+
+
+class _Unimplemented(Primitive):
+    """A MindSpore primitive pcompile has no rules for. Model code may construct it (mindformers
+    builds some it never calls, e.g. `_NLLLoss.gather_d`); calling it is one clear error that
+    names the primitive, its instance and the source line."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from pcompile.compiler.tracing import current_tracer, user_source
+        from pcompile.ir.errors import OpError
+
+        tracer = current_tracer()
+        raise OpError(self.op, "pcompile has no rules for this MindSpore primitive, so it "
+                      "cannot be traced", instance_name=self.instance_name,
+                      scope=tracer.scope if tracer is not None else "", source=user_source(),
+                      hint="use the primitives listed in docs/ops.md (a missing one can be "
+                      "added as docs/CONTRIBUTING-ops.md describes)")
+
+
+def _unimplemented(name: str) -> type[Primitive]:
+    return type(name, (_Unimplemented,), {
+        "op": name, "__doc__": f"MindSpore's {name}: constructible, not implemented."})
+
+
+GatherD = _unimplemented("GatherD")
 
 
 # -- indexing -----------------------------------------------------------------------------------

@@ -121,3 +121,39 @@ def test_hlo_collectives_groups_operands_and_phases() -> None:
     assert total.payload == 8192 + 256 + 96 + 4
     assert total.ring == 12288 + 256 + 72 + 4
     assert total.by_phase["backward"] == {"count": 1, "payload_bytes": 256, "ring_bytes": 256}
+
+
+def _plan_bytes():
+    """benchmarks/plan_bytes.py (it puts benchmarks/ on sys.path for collective_bytes)."""
+    if "plan_bytes" not in sys.modules:
+        path = os.path.join(ROOT, "benchmarks", "plan_bytes.py")
+        spec = importlib.util.spec_from_file_location("plan_bytes", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules["plan_bytes"]
+
+
+def test_the_minimum_follows_how_the_vocabulary_is_split() -> None:
+    """plan_bytes' Megatron minimum for the three vocabulary schemes of `--vocab-split`, from
+    the tiny configuration's sizes (V = 128, h = 64, dp 2 x mp 4, float32, 32 tokens a rank):
+    a replicated LM head trades its Vh/mp slice in the data-parallel gradient AllReduce for an
+    AllReduce of the whole Vh over all 8 ranks; a vocabulary-split embedding adds the forward
+    AllReduce of its output and reduces Vh/mp of the table instead of Vh."""
+    from dataclasses import replace
+
+    pb = _plan_bytes()
+    c = pb.CONFIGS["tiny_dp2_mp4"]
+    table, act = 4 * 128 * 64, 2 * 16 * 64 * 4
+    head = pb.minimum_tally(c)["ring_bytes"]
+    none = pb.minimum_tally(replace(c, vocab_split="none"))["ring_bytes"]
+    both = pb.minimum_tally(replace(c, vocab_split="both"))["ring_bytes"]
+    # AllReduce over dp = 2 sends S; over 8 ranks 7/4 S; over mp = 4 3/2 S
+    assert none - head == 7 * table // 4 - table // 4
+    assert both - head == 3 * act // 2 - (table - table // 4)
+    assert c.env("MF_")["MF_VOCAB_EMB_DP"] == "1"
+    assert replace(c, vocab_split="both").env()["LLAMA_VOCAB_EMB_DP"] == "0"
+    assert set(c.env("MF_")) == {"MF_" + k for k in (
+        "LAYERS", "HIDDEN", "HEADS", "KV_HEADS", "FFN", "VOCAB", "SEQ", "BATCH", "DTYPE", "MP",
+        "SEQ_PARALLEL", "VOCAB_EMB_DP")}

@@ -274,6 +274,10 @@ case("F.cross_entropy", lambda x, t: mf.cross_entropy(x, t, reduction="none"),
 case("ops.reciprocal", ops.reciprocal, lambda x: 1 / x, POS)
 case("ops.depend", ops.depend, lambda x, y: x, X, Y)
 case("ops.fill", lambda: ops.fill(np.float32, (2, 3), 1.5), lambda: np.full((2, 3), 1.5))
+case("ops.tuple_to_array", lambda: ops.tuple_to_array((1, 2.5)),
+     lambda: np.array([1.0, 2.5], np.float32))
+case("ops.dtype", lambda x: Tensor(np.array(ops.dtype(x).np.itemsize)),
+     lambda x: np.array(x.dtype.itemsize), X)
 case("ops.global_norm", lambda x, y: ops.global_norm([x, y]),
      lambda x, y: np.sqrt((x.astype(np.float64) ** 2).sum() + (y.astype(np.float64) ** 2).sum()),
      X, M)

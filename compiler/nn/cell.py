@@ -208,6 +208,24 @@ class Cell:
             p.comm_fusion = fusion_type
         return self
 
+    @property
+    def cls_name(self) -> str:
+        """The cell's class name (MindSpore's `Cell.cls_name`, used in error messages)."""
+        return type(self).__name__
+
+    def add_flags(self, **flags: Any) -> Cell:
+        """MindSpore's `Cell.add_flags`: each flag becomes an attribute of this cell
+        (`add_flags(is_first_iteration=False)` -> `self.is_first_iteration`)."""
+        for name, value in flags.items():
+            setattr(self, name, value)
+        return self
+
+    def add_flags_recursive(self, **flags: Any) -> Cell:
+        """`add_flags` on this cell and every sub-cell."""
+        for _, cell in self.cells_and_names():
+            cell.add_flags(**flags)
+        return self
+
     def set_train(self, mode: bool = True) -> Cell:
         """Training or inference behaviour for this cell and every sub-cell (`self.training`);
         pcompile calls `set_train(True)` on the network of a training compile, as MindSpore's
