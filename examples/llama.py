@@ -416,11 +416,11 @@ class LlamaModel(nn.Cell):
         return self.norm_out(h)
 
 
-class CrossEntropyLoss(nn.Cell):
-    """mindformers' CrossEntropyLoss: log-softmax of the float32 logits (split over the
-    vocabulary), the one-hot label in MindSpore's strategy form, the masked mean over tokens
-    as a (1,) tensor. (mindformers hand-writes the bprop of its two inner cells; autodiff of
-    the same primitives gives the same gradient.)"""
+class LogSoftmax(nn.Cell):
+    """mindformers' _LogSoftmax: the float32 logits' log-softmax over the (split) vocabulary
+    and the labels' one-hot, in MindSpore's strategy form. Its bprop hands the log-softmax's
+    cotangent through unchanged: NLLLoss's bprop already gives the logits' gradient, so the
+    max (a shift the softmax does not see) gets no gradient mask of its own."""
 
     def __init__(self, dp, mp):
         super().__init__()
@@ -432,9 +432,53 @@ class CrossEntropyLoss(nn.Cell):
         self.onehot = ops.OneHot().shard(((dp, mp), (), ()))
         self.on_value = Tensor(np.float32(1.0))
         self.off_value = Tensor(np.float32(0.0))
-        self.nll_mul = ops.Mul().shard(((dp, mp), (dp, mp)))
+
+    def construct(self, logits, label):
+        logit_sub = self.sub(logits, self.max(logits, 1))
+        log_exp_sum = self.log(self.sum(self.exp(logit_sub), -1))
+        one_hot = self.onehot(label, logits.shape[-1], self.on_value, self.off_value)
+        return self.sub(logit_sub, log_exp_sum), one_hot
+
+    def bprop(self, logits, label, out, dout):
+        return dout[0], ops.zeros_like(label)
+
+
+class NLLLoss(nn.Cell):
+    """mindformers' _NLLLoss: minus the target's log-probability per token. Its bprop is the
+    softmax minus the one-hot, times the cotangent and `repeat_loss`: under (semi-)auto
+    parallel the cotangent arrives divided by mp (the loss's _VirtualDiv over the mp ranks
+    that hold it), which mindformers undoes with repeat_loss = mp."""
+
+    def __init__(self, dp, mp):
+        super().__init__()
+        self.mul = ops.Mul().shard(((dp, mp), (dp, mp)))
         self.neg = ops.Neg().shard(((dp, mp),))
-        self.nll_sum = ops.ReduceSum().shard(((dp, mp),))
+        self.sum = ops.ReduceSum().shard(((dp, mp),))
+        self.exp = ops.Exp().shard(((dp, mp),))
+        self.grad_sub = ops.Sub().shard(((dp, mp), (dp, mp)))
+        self.grad_mul = ops.Mul().shard(((dp, mp), (dp, 1)))
+        self.expand = ops.ExpandDims().shard(((dp,),))
+        self.repeat_loss = float(mp)
+
+    def construct(self, log_softmax, one_hot):
+        return self.sum(self.neg(self.mul(log_softmax, one_hot)), -1)
+
+    def bprop(self, log_softmax, one_hot, out, dout):
+        grad = self.grad_mul(self.grad_sub(self.exp(log_softmax), one_hot),
+                             self.expand(dout, -1))
+        return grad * self.repeat_loss, ops.zeros_like(one_hot)
+
+
+class CrossEntropyLoss(nn.Cell):
+    """mindformers' CrossEntropyLoss: the log-softmax of the float32 logits (split over the
+    vocabulary) and the negative log-likelihood, each with mindformers' own bprop (the
+    gradient softmax - one_hot, no autodiff of the max and the sums), and the masked mean
+    over the tokens as a (1,) tensor."""
+
+    def __init__(self, dp, mp):
+        super().__init__()
+        self.log_softmax = LogSoftmax(dp, mp)
+        self.nll = NLLLoss(dp, mp)
         self.reshape = ops.Reshape()
         self.sum2 = ops.ReduceSum(keep_dims=True).shard(((1,),))
         self.mul2 = ops.Mul().shard(((1,), (1,)))
@@ -442,13 +486,8 @@ class CrossEntropyLoss(nn.Cell):
         self.div2 = ops.RealDiv().shard(((1,), (1,)))
 
     def construct(self, logits, label, input_mask):
-        logit_max = self.max(logits, 1)
-        logit_sub = self.sub(logits, logit_max)
-        log_exp_sum = self.log(self.sum(self.exp(logit_sub), -1))
-        log_softmax = self.sub(logit_sub, log_exp_sum)
-        one_hot = self.onehot(self.reshape(label, (-1,)), logits.shape[-1], self.on_value,
-                              self.off_value)
-        loss = self.nll_sum(self.neg(self.nll_mul(log_softmax, one_hot)), -1)
+        log_softmax, one_hot = self.log_softmax(logits, self.reshape(label, (-1,)))
+        loss = self.nll(log_softmax, one_hot)
         input_mask = self.reshape(input_mask, (-1,))
         numerator = self.sum2(self.mul2(loss, input_mask), ())
         denominator = self.add2(self.sum2(input_mask, ()), 1e-8)
