@@ -162,13 +162,18 @@ class Propagation:
         new: list[Candidate] = []
         for group in groups:
             given = {cg.edges[ei].dst_in: self._layout_out(ei) for ei in group}
-            if any(all(c.in_keys[i] == want for i, want in
-                       ((i, layout_key(lay)) for i, lay in given.items())) for c in v.candidates):
-                continue  # a candidate takes these layouts already
-            cand = with_inputs(v.node, cg.devices, given)
-            if cand is not None:
-                new.append(cand)
-        cg.add_candidates(v, new)
+            keys = tuple((i, layout_key(lay)) for i, lay in given.items())
+            memo_key = ("under producers", v.signature, keys)
+            found = self.memo.get(memo_key)
+            if found is None:
+                found = ()
+                if not any(all(c.in_keys[i] == k for i, k in keys) for c in v.candidates):
+                    cand = with_inputs(v.node, cg.devices, given)
+                    found = () if cand is None else (cand,)
+                self.memo[memo_key] = found
+            new.extend(found)
+        if new:
+            cg.add_candidates(v, new)
 
     def _under_consumer(self, w: Vertex, ei: int) -> None:
         """MindSpore's `AddSwcUnderNextOpDevMatrix` before the producer `w` is decided from
@@ -179,13 +184,17 @@ class Propagation:
                 or tensor_input_count(w.node) > 1):
             return
         consumer = cg.vertices[e.dst]
-        want = consumer.candidates[self.choice[e.dst]].in_layouts[e.dst_in]
-        key = layout_key(want)
-        if any(c.out_keys[e.src_out] == key for c in w.candidates):
-            return
-        cand = with_output(w.node, cg.devices, e.src_out, want)
-        if cand is not None:
-            cg.add_candidates(w, [cand])
+        wanted = consumer.candidates[self.choice[e.dst]]
+        memo_key = ("under consumer", w.signature, e.src_out, wanted.in_keys[e.dst_in])
+        found = self.memo.get(memo_key)
+        if found is None:
+            found = ()
+            if not any(c.out_keys[e.src_out] == wanted.in_keys[e.dst_in] for c in w.candidates):
+                cand = with_output(w.node, cg.devices, e.src_out, wanted.in_layouts[e.dst_in])
+                found = () if cand is None else (cand,)
+            self.memo[memo_key] = found
+        if found:
+            cg.add_candidates(w, found)
 
     def live(self, edges: list[int]) -> list[int]:
         """The edges propagation follows."""
