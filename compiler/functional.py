@@ -27,6 +27,7 @@ from pcompile.compiler.ops import (
     Concat,
     Conv2D,
     Cos,
+    CumSum,
     Depend,
     Equal,
     Erf,
@@ -73,6 +74,7 @@ from pcompile.compiler.ops import (
     SiLU,
     Sin,
     Softmax,
+    Sort,
     Split,
     Sqrt,
     Square,
@@ -81,6 +83,7 @@ from pcompile.compiler.ops import (
     Sub,
     Tanh,
     Tile,
+    TopK,
     Transpose,
     ZerosLike,
 )
@@ -433,6 +436,53 @@ def layer_norm(input: Any, normalized_shape: Any, weight: Any = None, bias: Any 
 def rms_norm(x: Any, gamma: Any, epsilon: float = 1e-6) -> Any:
     """(y, rstd), as MindSpore's `ops.rms_norm`."""
     return RmsNorm(epsilon)(x, gamma)
+
+
+# -- sorting and scans --------------------------------------------------------------------------
+
+
+def _moved_last(x: Any, dim: int) -> tuple[Any, tuple[int, ...] | None]:
+    """`x` with its dim `dim` moved last (TopK works on the last axis), and the permutation
+    that moves it back (None when it is last already; the permutation is its own inverse)."""
+    rank = _ndim(x)
+    dim = dim + rank if dim < 0 else dim
+    if not 0 <= dim < rank:
+        raise ValueError(f"topk: dim {dim} is out of range for a tensor of rank {rank}")
+    if dim == rank - 1:
+        return x, None
+    perm = list(range(rank))
+    perm[dim], perm[-1] = perm[-1], perm[dim]
+    return Transpose()(x, tuple(perm)), tuple(perm)
+
+
+def topk(input: Any, k: int, dim: Any = None, largest: bool = True, sorted: bool = True  # noqa: A002
+         ) -> Any:
+    """MindSpore 2.x's `topk(input, k, dim=None, largest=True, sorted=True)` -> (values,
+    Int32 indices): the k largest (or, with largest=False, smallest) entries along `dim` (the
+    last by default). TopK on the last axis; another dim is transposed there and back, and the
+    smallest are the largest of the negated input."""
+    if not isinstance(largest, bool):
+        raise TypeError(f"topk: largest must be a bool, got {largest!r}")
+    x, perm = _moved_last(input, -1 if dim is None else int(dim))
+    if not largest:
+        x = Neg()(x)
+    values, indices = TopK(sorted)(x, k)
+    if not largest:
+        values = Neg()(values)
+    if perm is not None:
+        values, indices = Transpose()(values, perm), Transpose()(indices, perm)
+    return values, indices
+
+
+def sort(input_x: Any, axis: int = -1, descending: bool = False) -> Any:
+    """MindSpore's `sort(input_x, axis=-1, descending=False)` -> (values, Int32 indices)."""
+    return Sort(axis, descending)(input_x)
+
+
+def cumsum(x: Any, axis: int, dtype: Any = None) -> Any:
+    """MindSpore's `cumsum(x, axis, dtype=None)`: the cumulative sum along `axis`, x cast to
+    `dtype` first when one is given."""
+    return CumSum()(_with_dtype(x, dtype), axis)
 
 
 # -- shape and data movement --------------------------------------------------------------------

@@ -199,8 +199,9 @@ def pin_plan(program: Any, shrink: Shrink) -> PinnedPlan:
     search = state.search
     if search is None:
         return pinned
+    specs = search.specs()
     for i, node in enumerate(program.graph.nodes):
-        strategy = search.strategies.get(id(node))
+        strategy = specs.get(id(node))
         if strategy is not None:
             pinned.strategies[i] = strategy
         layout = search.reshape_layouts.get(id(node))

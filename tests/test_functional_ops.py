@@ -211,6 +211,22 @@ case("ops.gather.batch", lambda x, i: ops.gather(x, i, 2, batch_dims=1), _batch_
 case("mint.index_select", lambda x, i: mint.index_select(x, 1, i), lambda x, i: x[:, i], X,
      np.array([2, 0], np.int32))
 case("F.embedding", mf.embedding, lambda i, w: w[i], IDX, M)
+def _top(x: np.ndarray, k: int, axis: int, largest: bool = True) -> tuple[np.ndarray, ...]:
+    order = np.argsort(-x if largest else x, axis=axis, kind="stable")
+    idx = np.take(order, np.arange(k), axis=axis)
+    return np.take_along_axis(x, idx, axis), idx.astype(np.int32)
+
+
+case("ops.topk", lambda x: ops.topk(x, 2), lambda x: _top(x, 2, -1), X)
+case("ops.topk.dim_smallest", lambda x: ops.topk(x, 2, dim=1, largest=False),
+     lambda x: _top(x, 2, 1, largest=False), X)
+case("ops.sort", ops.sort, lambda x: _top(x, x.shape[-1], -1, largest=False), X)
+case("ops.sort.descending", lambda x: ops.sort(x, axis=1, descending=True),
+     lambda x: _top(x, x.shape[1], 1), X)
+case("ops.cumsum", lambda x: ops.cumsum(x, 1), lambda x: np.cumsum(x, 1), X)
+case("ops.cumsum.dtype", lambda i: ops.cumsum(i, 0, dtype=np.float32),
+     lambda i: np.cumsum(i, 0).astype(np.float32), LABELS)
+
 case("ops.one_hot", lambda i: ops.one_hot(i, 5, 1.0, 0.0), lambda i: np.eye(5)[i], LABELS)
 case("F.one_hot", lambda i: mf.one_hot(i, 4), lambda i: np.eye(4, dtype=np.int64)[i], LABELS)
 case("ops.conv2d", lambda x, w: ops.conv2d(x, w, padding=1), lambda x, w: _conv(x, w, 1), IMG,
@@ -484,3 +500,61 @@ def test_cross_entropy_weight_must_be_a_constant(tmp_path: Any) -> None:
         '[8]), "class_weight")\n        self.w = Parameter('))
     with pytest.raises(PcompileError, match="cross_entropy: weight=.*must be a constant"):
         compile_model(str(path), devices=8, dump=False)
+
+
+SORTING_MODEL = '''
+import numpy as np
+from pcompile import nn, ops, Parameter, set_auto_parallel_context
+from pcompile.common.initializer import initializer
+
+set_auto_parallel_context(parallel_mode="auto_parallel", search_mode="sharding_propagation",
+                          dataset_strategy="full_batch")
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.w = Parameter(initializer("normal", [16, 12]), "w")
+        self.matmul = ops.MatMul().shard(((4, 1), (1, 2)))
+
+    def construct(self, x):
+        h = self.matmul(x, self.w)                                   # (8, 12)
+        small, _ = ops.topk(h, 3, dim=0, largest=False)              # (3, 12): dim 0 moved last
+        big, _ = ops.topk(h, 4)                                      # (8, 4)
+        ordered, _ = ops.sort(h, axis=1, descending=True)            # (8, 12)
+        scan = ops.cumsum(ordered, 1)
+        return ops.mean(small) + ops.mean(big * big) + ops.mean(scan)
+
+
+def model():
+    return Net()
+
+
+def inputs():
+    return [np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)]
+
+
+def optimizer(params):
+    return nn.SGD(params, 0.1)
+'''
+
+
+def test_topk_sort_cumsum_functional_forms_train_as_on_one_device(tmp_path: Any) -> None:
+    """ops.topk (another dim, the smallest), ops.sort and ops.cumsum behind a sharded MatMul
+    on 8 devices, sharding propagation: each takes a strategy that leaves its sorted or summed
+    axis whole, and a training step matches the single-device one."""
+    from pcompile.compiler.driver import compile as compile_model
+    from pcompile.compiler.oracle import check
+
+    path = tmp_path / "sorting_model.py"
+    path.write_text(SORTING_MODEL)
+    program = compile_model(str(path), devices=8, dump=False)
+    ops_seen = {n.op for n in program.graph.nodes}
+    assert {"TopK", "Sort", "CumSum", "Neg", "Transpose"} <= ops_seen
+    assignment = program.state.assignment
+    for node in program.graph.nodes:
+        if node.op in ("TopK", "Sort", "CumSum"):
+            axis = -1 if node.op == "TopK" else node.attrs["axis"]
+            assert assignment.sharding(node).strategy[0][axis] == 1, node.op
+    report = check(program, steps=2)
+    assert report.ok(), report.errors

@@ -762,3 +762,129 @@ def test_broadcast_dim_has_no_device_axis() -> None:
     sharding = rule_for("Add").apply(ctx, ((4, 2), (1, 2)))
     assert sharding.dev_matrix == (4, 2)
     assert sharding.mindspore_maps() == (((1, 0), (-1, 0)), ((1, 0),))
+
+
+# -- candidates under a decided neighbour's device matrix (MindSpore 2.x's sharding
+#    propagation: AddSwcUnderPrevOpDevMatrix / AddSwcUnderNextOpDevMatrix) --------------------
+
+LAYOUT_3D_MODEL = """
+set_auto_parallel_context(parallel_mode="auto_parallel", search_mode="sharding_propagation",
+                          device_num=8, dataset_strategy="full_batch")
+layout = Layout((2, 2, 2), ("dp", "sp", "mp"))
+
+
+class Block(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        r = np.random.default_rng(1)
+        self.w = Parameter(r.standard_normal((32, 16)).astype(np.float32), "w")
+        self.b = Parameter(r.standard_normal((16, 16)).astype(np.float32), "b")
+        self.matmul = ops.MatMul()
+        self.add = ops.Add()
+        self.mul = ops.Mul()
+
+    def construct(self, x, y):
+        return self.mul(self.matmul(x, self.w), self.add(y, self.b))
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+        ins = (layout("None", "sp"), layout("dp", "None"))
+        plan = {{"self.block.w": layout("sp", "mp"), "self.block.b": layout("dp", "None")}}
+        if "{form}" == "cell":
+            self.block.shard(ins, parameter_plan=plan)
+            self.block_fn = self.block
+        else:
+            self.block_fn = shard(self.block, ins, parameter_plan=plan)
+        self.relu = ops.ReLU()
+
+    def construct(self, x, y):
+        return self.relu(self.block_fn(x, y))
+
+
+def model():
+    return Net()
+
+
+def inputs():
+    r = np.random.default_rng(0)
+    return (r.standard_normal((16, 32)).astype(np.float32),
+            r.standard_normal((16, 16)).astype(np.float32))
+"""
+
+
+@pytest.mark.parametrize("form", ["ms", "cell"])
+def test_functional_shard_with_a_3d_layout_keeps_the_layouts(tmp_path: Any, form: str) -> None:
+    """A functional shard (`shard(cell, ...)` or `Cell.shard`) with
+    Layout((2, 2, 2), ("dp", "sp", "mp")): x ("None", "sp"), y ("dp", "None"), the weight
+    ("sp", "mp") and the bias ("dp", "None") by parameter_plan. MindSpore's propagation builds
+    each op's strategy under the device matrix of the layouts it reads: MatMul
+    ((1, 2), (2, 2)) and Add ((2, 1), (2, 1)), both reading their operands with no
+    redistribution. Before, only strategies using all 8 devices were candidates
+    (fully_use_devices, the seeds' default), and pcompile printed MatMul ((2, 2), (2, 2)) and
+    Add ((8, 1), (8, 1)), each slicing or gathering its inputs."""
+    program = compile_source(tmp_path, LAYOUT_3D_MODEL.format(form=form))
+    got = strategies(program)
+    assert got["matmul"] == ((1, 2), (2, 2))
+    assert got["add"] == ((2, 1), (2, 1))
+    for name in ("matmul", "add"):
+        info = program.state.search.explain[id(by_name(program, name))]
+        assert info["decision"]["communication"] == 0.0
+        assert info["decision"]["computation"] == 0.0
+    # the layouts reach the plan as the search costed them: the MatMul reads the shard's
+    # slices as they are and all-reduces its partial sums over sp (ranks 0 and 2)
+    graph = program.rank_graph(0)
+    matmul = next(n for n in graph.nodes if n.op == "MatMul")
+    assert [v.node.op for v in matmul.operands] == ["Identity", "Identity"]
+    (after,) = [u for u, _ in matmul.result.uses]
+    assert after.op == "AllReduce" and tuple(after.attrs["rank_list"]) == (0, 2)
+    report = check(program)
+    assert report.ok(), report.errors
+
+
+RELU_BEFORE_CONSUMER_MODEL = """
+set_auto_parallel_context(parallel_mode="auto_parallel", search_mode="sharding_propagation",
+                          device_num=8, dataset_strategy="full_batch")
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.relu = ops.ReLU()
+        self.matmul = ops.MatMul().shard(((2, 1), (1, 4)))
+        self.w = Parameter(np.random.default_rng(1).standard_normal((32, 64)).astype(np.float32),
+                           "w")
+
+    def construct(self, x):
+        return self.matmul(self.relu(x), self.w)
+
+
+def model():
+    return Net()
+
+
+def inputs():
+    return (np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32),)
+"""
+
+
+def test_propagation_back_to_a_producer_takes_the_consumers_layout(tmp_path: Any) -> None:
+    """A ReLU whose only consumer, a MatMul, is configured ((2, 1), (1, 4)): propagation goes
+    backwards from the MatMul and MindSpore prints the ReLU's strategy as ((2, 1),), the
+    layout the MatMul reads (built under its device matrix). Under the default
+    fully_use_devices=True (2, 1) is no candidate of the ReLU, and pcompile printed
+    ((1, 1),), slicing the ReLU's output for the MatMul."""
+    program = compile_source(tmp_path, RELU_BEFORE_CONSUMER_MODEL)
+    got = strategies(program)
+    assert got["relu"] == ((2, 1),)
+    relu = by_name(program, "relu")
+    info = program.state.search.explain[id(relu)]
+    assert info["via"] == "out-edge to matmul"
+    assert info["decision"]["communication"] == info["decision"]["computation"] == 0.0
+    graph = program.rank_graph(0)
+    ops_before = [n.op for n in graph.nodes if not n.scope.startswith("Gradients")]
+    assert ops_before[:3] == ["StridedSlice", "ReLU", "MatMul"]  # no slice between them
+    report = check(program)
+    assert report.ok(), report.errors

@@ -75,6 +75,13 @@ class SearchResult:
     choice: list[int] = field(default_factory=list)
     # propagation: vertex index -> the edges whose redistribution decided it
     decisions: dict[int, list[int]] = field(default_factory=dict)
+    # ops whose strategy is layouts (built under a neighbour's device matrix): id(node) -> one
+    # `Layout` dict per input, what step_parallel_begin lays the op out by
+    layouts: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+
+    def specs(self) -> dict[int, Any]:
+        """What step_parallel_begin takes per searched op: its strategy, or its layouts."""
+        return {**self.strategies, **self.layouts}
 
     def summary(self) -> dict[str, Any]:
         """What plan.json records of the search; no timings, so plans stay byte-identical
@@ -115,7 +122,7 @@ def search(
     if mode == "sharding_propagation":
         from pcompile.passes.search.sharding_propagation import propagate
 
-        prop = propagate(cg)
+        prop = propagate(cg, neighbour_layouts=True)
         choice, via, decision = prop.choice, prop.via, prop.decision
     elif mode == "dynamic_programming":
         from pcompile.passes.search.dynamic_programming import solve
@@ -135,7 +142,10 @@ def search(
         node = v.node
         if node.attrs.get("in_strategy") is not None:
             continue
-        result.strategies[id(node)] = v.candidates[choice[v.index]].strategy
+        chosen = v.candidates[choice[v.index]]
+        result.strategies[id(node)] = chosen.strategy
+        if chosen.spec is not None:
+            result.layouts[id(node)] = chosen.spec
         if not explain:
             continue
         if id(node) in loaded:

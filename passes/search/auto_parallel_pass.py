@@ -55,7 +55,7 @@ class StepAutoParallelPass:
 
 def searched_strategies(state: Any) -> dict[int, Any] | None:
     result: SearchResult | None = getattr(state, "search", None)
-    return result.strategies if result is not None else None
+    return result.specs() if result is not None else None
 
 
 def finish_assignment(state: Any) -> None:

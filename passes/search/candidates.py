@@ -60,6 +60,9 @@ class Candidate:
     sharding: OpSharding
     in_keys: tuple[LayoutKey, ...]
     out_keys: tuple[LayoutKey, ...]
+    # The strategy as `Layout` dicts, one per input, for a strategy given or built as layouts
+    # (`neighbour_layouts.py`): what step_parallel_begin needs to lay the op out exactly so
+    spec: tuple[Any, ...] | None = None
 
     @property
     def in_layouts(self) -> list[TensorLayout]:
@@ -70,17 +73,24 @@ class Candidate:
         return self.sharding.out_layouts
 
     @property
+    def by_layout(self) -> bool:
+        """The strategy is layouts (a `Layout` in `shard()`, or one built under a
+        neighbour's device matrix), not split counts."""
+        return self.spec is not None
+
+    @property
     def split_product(self) -> int:
         """Product of every value of the strategy (`Strategy::Compare`'s first key)."""
         return prod(c for s in self.strategy for c in s)
 
 
-def make_candidate(sharding: OpSharding) -> Candidate:
+def make_candidate(sharding: OpSharding, spec: tuple[Any, ...] | None = None) -> Candidate:
     return Candidate(
         sharding.strategy,
         sharding,
         tuple(layout_key(lay) for lay in sharding.in_layouts),
         tuple(layout_key(lay) for lay in sharding.out_layouts),
+        spec,
     )
 
 

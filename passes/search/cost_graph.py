@@ -177,7 +177,8 @@ class CostGraph:
             sig: Any
             if user is not None:
                 sharding = shard_node(node, devices, user, node.attrs.get("out_strategy"))
-                cands = [make_candidate(sharding)]
+                by_layout = any(isinstance(s, dict) for s in user)
+                cands = [make_candidate(sharding, spec=tuple(user) if by_layout else None)]
                 sig = ("configured", id(node))
             else:
                 cands = self.table.for_node(node)
@@ -287,6 +288,22 @@ class CostGraph:
         self.edges.append(e)
         self.vertices[src].out_edges.append(e.index)
         self.vertices[dst].in_edges.append(e.index)
+
+    def add_candidates(self, v: Vertex, new: Sequence[Candidate]) -> None:
+        """Give `v` more candidates (sharding propagation's candidates under a neighbour's
+        device matrix, `neighbour_layouts.py`). The list is the vertex's own from then on and
+        its signature names the additions, so no cache keyed by the old signature (the
+        shared candidate list of its op, cost rows, propagation's memo) is reused for it."""
+        have = {(c.in_keys, c.out_keys) for c in v.candidates}
+        added = []
+        for cand in new:
+            key = (cand.in_keys, cand.out_keys)
+            if key not in have:
+                have.add(key)
+                added.append(cand)
+        if added:
+            v.candidates = list(v.candidates) + added
+            v.signature = (v.signature, "under", tuple(c.in_keys for c in added))
 
     # -- op costs ---------------------------------------------------------------------------------
     def op_costs(self, v: Vertex) -> list[Cost]:

@@ -16,6 +16,11 @@ topological order; each one not yet visited starts a breadth-first search (`prop
 * when every search is done, waiting vertices are decided in topological order from the
   in-edges they have, and the search continues from them;
 * a vertex no search reached gets its first candidate (usually all ones);
+* with `neighbour_layouts` (the `sharding_propagation` search), a neighbour about to be
+  decided first gets the candidate that takes the decided op's layout as it is, built under
+  that op's device matrix, where none of its candidates does (`neighbour_layouts.py`:
+  backwards to a one-input producer, forwards to a several-input consumer, and forwards to a
+  one-input consumer of an op laid out by a `Layout`);
 * an edge that crosses two Reshape operators is not followed, in either direction:
   MindSpore's `Edge::GetReshapeSWCIndexByPrevOpStrategy` / `ByNextOpStrategy` stop at an edge
   between two Reshapes ("has two Reshapes, please set the strategy for at least one"), so the
@@ -41,8 +46,11 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from pcompile.ir.layout import TensorLayout
+from pcompile.passes.search.candidates import Candidate, layout_key
 from pcompile.passes.search.cost_graph import CostGraph, Vertex
 from pcompile.passes.search.explain import swc_key
+from pcompile.passes.search.neighbour_layouts import tensor_input_count, with_inputs, with_output
 
 
 def _best_by_in_edges(cg: CostGraph, v: Vertex, choice: list[int], edges: list[int],
@@ -76,8 +84,9 @@ class Propagation:
     """State of one propagation: the choice per vertex and why it was made."""
 
     def __init__(self, cg: CostGraph, fixed: dict[int, int] | None = None,
-                 cross_reshape_chains: bool = False) -> None:
+                 cross_reshape_chains: bool = False, neighbour_layouts: bool = False) -> None:
         self.cg = cg
+        self.neighbour_layouts = neighbour_layouts
         # MindSpore's propagation stops at an edge between two Reshape operators
         self.blocked = set() if cross_reshape_chains else {
             e.index for e in cg.edges if e.reshapes >= 2}
@@ -114,6 +123,7 @@ class Propagation:
         if len(ins) > 1 and not all(self.decided[cg.edges[x].src] for x in ins):
             self.waiting.add(v.index)
             return
+        self._under_producers(v, ins)
         k = _best_by_in_edges(cg, v, self.choice, ins, self.memo)
         self._set(v.index, k, f"in-edges from {self._names(ins)}", ins)
         queue.append(v.index)
@@ -123,9 +133,68 @@ class Propagation:
         w = cg.vertices[cg.edges[ei].src]
         if self.decided[w.index] or ei in self.blocked:
             return
+        self._under_consumer(w, ei)
         k = _best_by_out_edge(cg, w, self.choice, ei, self.memo)
         self._set(w.index, k, f"out-edge to {u.name}", [ei])
         queue.append(w.index)
+
+    # -- candidates under a neighbour's device matrix (neighbour_layouts.py) ----------------------
+    def _layout_out(self, ei: int) -> TensorLayout:
+        e = self.cg.edges[ei]
+        return self.cg.vertices[e.src].candidates[self.choice[e.src]].out_layouts[e.src_out]
+
+    def _under_producers(self, v: Vertex, ins: list[int]) -> None:
+        """MindSpore's `AddSwcUnderPrevOpDevMatrix{Multi,Single}` before `v` is decided from
+        its (decided) in-edges `ins`."""
+        cg = self.cg
+        if not self.neighbour_layouts or v.kind != "op" or v.node is None:
+            return
+        edges = [ei for ei in ins if not cg.edges[ei].reshapes]
+        if not edges:
+            return
+        if tensor_input_count(v.node) > 1:
+            groups = [edges] + ([[ei] for ei in edges] if len(edges) > 1 else [])
+        else:
+            src = cg.vertices[cg.edges[edges[0]].src]
+            if not src.candidates[self.choice[src.index]].by_layout:
+                return
+            groups = [edges[:1]]
+        new: list[Candidate] = []
+        for group in groups:
+            given = {cg.edges[ei].dst_in: self._layout_out(ei) for ei in group}
+            keys = tuple((i, layout_key(lay)) for i, lay in given.items())
+            memo_key = ("under producers", v.signature, keys)
+            found = self.memo.get(memo_key)
+            if found is None:
+                found = ()
+                if not any(all(c.in_keys[i] == k for i, k in keys) for c in v.candidates):
+                    cand = with_inputs(v.node, cg.devices, given)
+                    found = () if cand is None else (cand,)
+                self.memo[memo_key] = found
+            new.extend(found)
+        if new:
+            cg.add_candidates(v, new)
+
+    def _under_consumer(self, w: Vertex, ei: int) -> None:
+        """MindSpore's `AddSwcUnderNextOpDevMatrix` before the producer `w` is decided from
+        its out-edge `ei`: a producer with one tensor input, no Reshape between."""
+        cg = self.cg
+        e = cg.edges[ei]
+        if (not self.neighbour_layouts or w.kind != "op" or w.node is None or e.reshapes
+                or tensor_input_count(w.node) > 1):
+            return
+        consumer = cg.vertices[e.dst]
+        wanted = consumer.candidates[self.choice[e.dst]]
+        memo_key = ("under consumer", w.signature, e.src_out, wanted.in_keys[e.dst_in])
+        found = self.memo.get(memo_key)
+        if found is None:
+            found = ()
+            if not any(c.out_keys[e.src_out] == wanted.in_keys[e.dst_in] for c in w.candidates):
+                cand = with_output(w.node, cg.devices, e.src_out, wanted.in_layouts[e.dst_in])
+                found = () if cand is None else (cand,)
+            self.memo[memo_key] = found
+        if found:
+            cg.add_candidates(w, found)
 
     def live(self, edges: list[int]) -> list[int]:
         """The edges propagation follows."""
@@ -153,6 +222,7 @@ class Propagation:
             vi = min(self.waiting, key=lambda i: cg.vertices[i].topo)
             v = cg.vertices[vi]
             ins = [x for x in self.live(v.in_edges) if self.decided[cg.edges[x].src]]
+            self._under_producers(v, ins)
             self._set(vi, _best_by_in_edges(cg, v, self.choice, ins, self.memo),
                       f"in-edges from {self._names(ins)} (not all inputs were decided)", ins)
             self.bfs(vi)
@@ -163,10 +233,12 @@ class Propagation:
 
 
 def propagate(cg: CostGraph, fixed: dict[int, int] | None = None,
-              cross_reshape_chains: bool = False) -> Propagation:
+              cross_reshape_chains: bool = False, neighbour_layouts: bool = False
+              ) -> Propagation:
     """Sharding propagation from the configured vertices (and `fixed` ones, which count as
     configured: recursive programming uses this to finish its plan, crossing Reshape chains
-    as its own propagation does)."""
-    prop = Propagation(cg, fixed, cross_reshape_chains)
+    as its own propagation does). `neighbour_layouts`: add candidates under a decided
+    neighbour's device matrix, as MindSpore's sharding propagation does (module docstring)."""
+    prop = Propagation(cg, fixed, cross_reshape_chains, neighbour_layouts)
     prop.run(list(prop.fixed))
     return prop
