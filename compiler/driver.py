@@ -54,7 +54,7 @@ from pcompile.passes.replicated import (
     replicated_assignment,
 )
 
-# --- search (issue 4): auto_parallel strategy search -------------------------------------------
+# --- search: auto_parallel strategy search ----------------------------------------------------
 from pcompile.passes.search.auto_parallel_pass import (
     StepAutoParallelPass,
     finish_assignment,
@@ -147,7 +147,7 @@ class CompileState:
     output_layouts: list[Any] = field(default_factory=list)
     split: bool = False  # True once every rank has its own graph
     options: dict[str, Any] = field(default_factory=dict)
-    search: Any = None  # passes.search.SearchResult in auto_parallel (issue 4)
+    search: Any = None  # passes.search.SearchResult in auto_parallel
     dump_ranks: list[int] = field(default_factory=list)  # the ranks whose folders are written
     # Pipeline parallelism (compiler/pipelining.py): stages, micro-batches, the stage of every
     # op; None when neither pipeline_stages > 1 nor nn.PipelineCell is used.
@@ -523,8 +523,8 @@ class StepParallelBeginPass:
         opts = state.options
         state.assignment = assign(state.graph, state.stage_devices,
                                   opts.get("dataset_strategy"),
-                                  searched=searched_strategies(state))  # search (issue 4)
-        finish_assignment(state)  # search (issue 4): annotations, plan, checkpoint
+                                  searched=searched_strategies(state))  # search
+        finish_assignment(state)  # search: annotations, plan, checkpoint
         if opts.get("parallel_detail"):
             # MindSpore's MS_DEV_DUMP_IR_PARALLEL_DETAIL=1: tensor maps in semi_auto_parallel,
             # layouts under sharding propagation, nothing for the other searches
@@ -725,7 +725,7 @@ def pipeline(state: CompileState) -> list[Pass]:
     elif state.parallel:
         if state.parallel_mode == "auto_parallel" and state.shrink is not None:
             passes.append(PinnedSearchPass())  # the shrunk check: the plan's strategies
-        elif state.parallel_mode == "auto_parallel":  # search (issue 4)
+        elif state.parallel_mode == "auto_parallel":  # search
             passes.append(StepAutoParallelPass(search_options(), cost_constants()))
         passes += [StepParallelBeginPass(), StepParallelEndPass()]
         if state.micro_batched:
@@ -750,7 +750,7 @@ def pipeline(state: CompileState) -> list[Pass]:
 
 
 IMPLEMENTED_MODES = ("stand_alone", "semi_auto_parallel", "data_parallel", "hybrid_parallel",
-                     "auto_parallel")  # auto_parallel: the three searches (issue 4)
+                     "auto_parallel")  # auto_parallel: the three searches
 
 
 def _check_mode(devices: int, parallel_mode: str, search_mode: str) -> None:
@@ -839,7 +839,7 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
             "gradients_mean": ctx.gradients_mean,
             "loss_repeated_mean": ctx.loss_repeated_mean,
             "enable_alltoall": ctx.enable_alltoall,
-            "strategy_ckpt_config": ctx.strategy_ckpt_config,  # search (issue 4)
+            "strategy_ckpt_config": ctx.strategy_ckpt_config,  # search
             "gradient_fp32_sync": ctx.gradient_fp32_sync,
             "parameter_broadcast": ctx.parameter_broadcast,
             "enable_parallel_optimizer": ctx.enable_parallel_optimizer,
@@ -1044,8 +1044,7 @@ def _write_outputs(out_dir: str, state: CompileState,
                               encoding="utf-8") as f:
                         f.write(graph_to_dot(parse_graph(text, filename)))
         write_plan(os.path.join(tmp, "plan.json"), _plan(state))
-        # --- issue 5 hook: rank programs (program.py, params.npz) ---
+        # --- rank programs (program.py, params.npz) ---
         from pcompile.backends.jax.codegen import write_rank_artifacts
 
         write_rank_artifacts(tmp, state)
-        # --- end of issue 5 hook ---

@@ -1,4 +1,4 @@
-"""The check on data that is not finite (issue 26, defect 4): NaN matches NaN, so a NaN or
+"""The check on data that is not finite : NaN matches NaN, so a NaN or
 infinite reference verifies nothing; the CLI says so in one message and exits non-zero, with no
 numpy warning. Finite results from non-finite inputs (an additive -inf mask) still check."""
 

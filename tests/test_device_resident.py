@@ -1,4 +1,4 @@
-"""Device-resident training and matmul precision (issue 10): the JAX runners keep parameters
+"""Device-resident training and matmul precision: the JAX runners keep parameters
 and optimizer state on the device and donate them to the step, with results bit-equal to a
 step that carries them in numpy; `--log-every N` reads losses back every N steps and still logs
 every step; the check and the op tests run JAX matmuls at `highest` precision."""

@@ -444,7 +444,7 @@ def test_hybrid_parallel_seed_trains_on_eight_processes_like_one_device(tmp_path
 
 
 def test_a_symlinked_run_log_is_replaced_not_written_through(model_path, tmp_path) -> None:
-    """Issue 26, defect 2: a `rank_r/run.log` that links to a file outside --out is not carried
+    """A `rank_r/run.log` that links to a file outside --out is not carried
     by a recompile, and the launcher replaces such a link by a fresh log instead of truncating
     its target. (The ranks are `true`: only the launcher's own writes matter here.)"""
     import shutil

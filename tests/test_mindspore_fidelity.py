@@ -51,7 +51,7 @@ def rank_ops(program: Any, rank: int = 0) -> list[str]:
     return [n.op for n in program.rank_graph(rank).nodes]
 
 
-# -- issue 17, plan difference 2: get_auto_parallel_context("comm_fusion") ----------------------
+# -- get_auto_parallel_context("comm_fusion") ---------------------------------------------------
 
 #: MindSpore 2.10's `context.get_auto_parallel_context("comm_fusion")`, recorded.
 MS_COMM_FUSION_DEFAULT = {
@@ -89,7 +89,7 @@ def test_comm_fusion_getter_returns_all_four_keys() -> None:
         reset_auto_parallel_context()
 
 
-# -- issue 14, item 1: out_strategy in MindSpore's AllReduce form -------------------------------
+# -- out_strategy in MindSpore's AllReduce form -------------------------------------------------
 
 OUT_STRATEGY_MODEL = """
 set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num={devices},
@@ -163,7 +163,7 @@ def test_out_strategy_neither_form_names_both(tmp_path: Any) -> None:
     assert "matmul" in text
 
 
-# -- issue 14, item 2: "None" inside a multi-axis Layout tuple ----------------------------------
+# -- "None" inside a multi-axis Layout tuple ----------------------------------------------------
 
 def test_none_inside_a_layout_tuple_is_an_axis_of_size_one() -> None:
     from pcompile import Layout
@@ -235,8 +235,7 @@ def test_layout_with_none_in_a_tuple_compiles_as_mindspore(tmp_path: Any, case: 
     assert report.ok(), report.errors
 
 
-# -- issue 17, plan difference 1 and issue 14, item 3: functional shard with a Layout; the
-#    interleaved_parallel axis ------------------------------------------------------------------
+# -- functional shard with a Layout; the interleaved_parallel axis ------------------------------
 
 @pytest.mark.parametrize("case,matmul1", [
     # test_shard_layout.py: test_ms_shard_with_layout_be_set_and_propagate (and the Cell.shard
@@ -309,7 +308,7 @@ def test_interleaved_parallel_axis_is_not_a_device_axis(tmp_path: Any) -> None:
     assert report.ok(), report.errors
 
 
-# -- issue 17, plan difference 3 and issue 14, item 4: Gather -----------------------------------
+# -- Gather -------------------------------------------------------------------------------------
 
 GATHER_MODEL = """
 set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
@@ -396,7 +395,7 @@ def test_gather_split_axis_with_split_indices_outside_that_mode(tmp_path: Any) -
             index_size=128, index_shape="(2, 64)", y_shape=(2, 64, 64)))
 
 
-# -- issue 14, item 7: the check models gradients_mean, loss_repeated_mean, cross_batch ---------
+# -- the check models gradients_mean, loss_repeated_mean, cross_batch ---------------------------
 
 OPTIONS_MODEL = """
 set_auto_parallel_context(parallel_mode="{mode}", device_num=8, dataset_strategy="{dataset}",
@@ -534,7 +533,7 @@ def test_check_models_cross_batch(tmp_path: Any, training: bool) -> None:
     assert report.ok(), report.errors
 
 
-# -- issue 14, item 9: MindSpore's parameter_layout_dict, normalised layouts in plan.json --------
+# -- MindSpore's parameter_layout_dict, normalised layouts in plan.json --------------------------
 
 LAYOUT_DICT_MODEL = """
 set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num={devices},
@@ -658,7 +657,7 @@ def test_parameter_layout_dict_is_normalised_and_lists_inputs(tmp_path: Any) -> 
     assert report.ok(), report.errors
 
 
-# -- issue 17: MindSpore's parallel detail in dumps (MS_DEV_DUMP_IR_PARALLEL_DETAIL=1) ----------
+# -- MindSpore's parallel detail in dumps (MS_DEV_DUMP_IR_PARALLEL_DETAIL=1) --------------------
 
 def test_parallel_detail_semi_auto(tmp_path: Any, monkeypatch: Any) -> None:
     """test_dump_ir_parallel_detail.py test_dump_ir_parallel_detail_semi: the OperatorInfo's

@@ -140,7 +140,7 @@ def test_leftovers_of_a_killed_compile_are_cleaned_by_the_next(tmp_path) -> None
 
 def test_a_users_folder_named_like_a_leftover_is_left_alone(tmp_path) -> None:
     """Only folders pcompile marked (its staging mark, or its manifest) are cleaned up; the
-    user's own `.out.pcompile-new-*` / `-old-*` folders stay, whole (issue 26, defect 3)."""
+    user's own `.out.pcompile-new-*` / `-old-*` folders stay, whole."""
     out = tmp_path / "out"
     compile_into(out)
     mine = {".out.pcompile-new-mine": "my notes\n", ".out.pcompile-new-1-ab": "more\n",

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (issue 11): plans equal single-device training (float64 oracle) for a
+"""Pipeline parallelism: plans equal single-device training (float64 oracle) for a
 4-stage x 2-way model-parallel MLP and the GPT example on 2 and 4 stages, micro sizes 1, 2, 4,
 GPipe and 1F1B; Send/Receive pairs in the dumps; the schedules; plan.json; one message per
 mistake. The JAX runs (8 virtual devices, 8 processes) are in tests/test_pipeline_jax.py."""

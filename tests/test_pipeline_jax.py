@@ -1,4 +1,4 @@
-"""Pipeline programs on JAX (issue 11): one program over a mesh with a stage axis on 8
+"""Pipeline programs on JAX: one program over a mesh with a stage axis on 8
 virtual CPU devices (tests/pipeline_worker.py) against the numpy pipeline simulator and the
 single-device program, in float64; and `pcompile examples/gpt_block.py --pipeline-stages 2
 --run`: the generated program.py trained by 8 processes under jax.distributed for 20 steps, and five

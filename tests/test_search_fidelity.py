@@ -67,7 +67,7 @@ def test_functional_shard_matmul_keeps_the_shard_layout(fully_use_devices: bool)
     """examples/functional_shard.py (seed functional-operator-sharding.md): the MatMul after
     `ms.shard(dense_relu, in_strategy=((4, 2), None, None))` takes MindSpore's ((4, 2), (2, 1)),
     which needs no redistribution from the shard, and its printed decision says so: the
-    runner-up's CompareSwcCost terms are not below the choice's (issue 17, item 5)."""
+    runner-up's CompareSwcCost terms are not below the choice's."""
     set_algo_parameters(fully_use_devices=fully_use_devices)
     try:
         program = compile_model(os.path.join(ROOT, "examples", "functional_shard.py"),

@@ -1,4 +1,4 @@
-"""Issue 26, defect 1: the coordinator of a local job listens on the loopback only, and the
+"""The coordinator of a local job listens on the loopback only, and the
 executable process 0 shares through the coordinator's key-value store is verified before any
 other process deserialises it (backends/cluster.py, backends/jax/shared_compile.py)."""
 

@@ -181,7 +181,7 @@ def test_a_recompile_drops_the_pictures_of_the_previous_plan(tmp_path) -> None:
     assert code == 0 and sorted(os.listdir(show)) == ["mine.svg", "w2.svg"]
 
 
-# -- issue 26: readable at any width, real costs, one picture per instance, marked diffs ------
+# -- readable at any width, real costs, one picture per instance, marked diffs ------
 
 LLAMA = os.path.join(ROOT, "examples", "llama.py")
 PIPELINE = os.path.join(ROOT, "examples", "pipeline_mlp.py")

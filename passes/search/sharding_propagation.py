@@ -34,7 +34,7 @@ that decided it (`Propagation.decision`), and its candidate is the minimum of `s
 all its candidates on exactly those edges; the explanation prints that key for the choice and
 the runner-up, so the choice never contradicts the printed costs. (The local objective over
 all edges, which edges decided later also enter, is not what propagation minimises: printing
-it as the runner-up's cost made the choice look wrong, issue 17.)
+it as the runner-up's cost made the choice look wrong.)
 
 A parameter shared by several ops is a `TmpIdentity` vertex whose edges cost infinity unless
 the layouts are equal, so its users agree. Cost: building the rows an edge needs (cached per
