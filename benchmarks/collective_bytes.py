@@ -18,7 +18,7 @@ and from their JAX subprocesses, so it imports nothing of JAX at module level.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 #: XLA HLO opcode -> pcompile collective name.
@@ -86,6 +86,31 @@ def tally(collectives: list[Collective]) -> Tally:
     for c in collectives:
         out.add(c)
     return out
+
+
+# -- analytic plans -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Term:
+    """`count` collectives `kind` of `operand_bytes` over groups of `group_size` ranks: one
+    line of an analytic plan (plan_bytes.py's Megatron minimum, moe.py's intended MoE plan)."""
+
+    what: str
+    phase: str
+    operand_bytes: int
+    group_size: int
+    count: int
+    kind: str = "AllReduce"
+
+
+def terms_tally(terms: list[Term]) -> dict[str, Any]:
+    """An analytic plan's bytes as a tally, with its terms."""
+    found = Tally()
+    for t in terms:
+        found.add(Collective(t.kind, t.operand_bytes, tuple(range(t.group_size)), t.phase),
+                  t.count)
+    return {**found.as_json(), "terms": [asdict(t) for t in terms]}
 
 
 # -- pcompile -------------------------------------------------------------------------------------

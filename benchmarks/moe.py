@@ -64,11 +64,11 @@ sys.path.insert(0, BENCHMARKS)
 MIXTRAL = os.path.join(ROOT, "examples", "mixtral.py")
 
 from collective_bytes import (  # noqa: E402
-    Collective,
-    Tally,
+    Term,
     plan_collectives,
     plan_json_bytes,
     tally,
+    terms_tally,
 )
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -124,18 +124,6 @@ CONFIGS = {
 }
 
 
-@dataclass(frozen=True)
-class Term:
-    """`count` collectives `kind` of `operand_bytes` over groups of `group_size` ranks."""
-
-    what: str
-    phase: str
-    operand_bytes: int
-    group_size: int
-    count: int
-    kind: str = "AllReduce"
-
-
 def intended(c: MoESizes) -> list[Term]:
     """mindformers' plan's collectives per rank and step (module docstring)."""
     e = DTYPE_BYTES[c.dtype]
@@ -169,11 +157,7 @@ def intended(c: MoESizes) -> list[Term]:
 
 
 def intended_tally(c: MoESizes) -> dict[str, Any]:
-    found = Tally()
-    for t in intended(c):
-        found.add(Collective(t.kind, t.operand_bytes, tuple(range(t.group_size)), t.phase),
-                  t.count)
-    return {**found.as_json(), "terms": [asdict(t) for t in intended(c)]}
+    return terms_tally(intended(c))
 
 
 def compile_worker(name: str) -> None:

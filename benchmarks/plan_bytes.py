@@ -86,11 +86,12 @@ LLAMA = os.path.join(ROOT, "examples", "llama.py")
 
 from collective_bytes import (  # noqa: E402
     Collective,
-    Tally,
+    Term,
     hlo_collectives,
     plan_collectives,
     plan_json_bytes,
     tally,
+    terms_tally,
 )
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -159,18 +160,6 @@ QUICK = "tiny_dp2_mp4"
 # -- the analytic minimum -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Term:
-    """`count` collectives `kind` of `operand_bytes` over groups of `group_size` ranks."""
-
-    what: str
-    phase: str
-    operand_bytes: int
-    group_size: int
-    count: int
-    kind: str = "AllReduce"
-
-
 def megatron_minimum(c: LlamaSizes) -> list[Term]:
     """The scheme's collectives per rank and step (module docstring)."""
     b = c.batch // c.dp
@@ -212,11 +201,7 @@ def megatron_minimum(c: LlamaSizes) -> list[Term]:
 
 
 def minimum_tally(c: LlamaSizes) -> dict[str, Any]:
-    found = Tally()
-    for t in megatron_minimum(c):
-        found.add(Collective(t.kind, t.operand_bytes, tuple(range(t.group_size)),
-                             t.phase), t.count)
-    return {**found.as_json(), "terms": [asdict(t) for t in megatron_minimum(c)]}
+    return terms_tally(megatron_minimum(c))
 
 
 # -- pcompile -------------------------------------------------------------------------------------

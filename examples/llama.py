@@ -645,11 +645,11 @@ def token_file_dataset(path):
     return data.batch(BATCH, drop_remainder=True)
 
 
-def learnable_sequences():
+def learnable_sequences(vocab=VOCAB, seq=SEQ, batch=BATCH):
     rng = np.random.default_rng(0)
     for _ in range(1000):
-        start = rng.integers(0, VOCAB - 1, (BATCH, 1))
-        ids = (start + np.arange(SEQ + 1)) % (VOCAB - 1) + 1
+        start = rng.integers(0, vocab - 1, (batch, 1))
+        ids = (start + np.arange(seq + 1)) % (vocab - 1) + 1
         ids[-1, -2:] = PAD_TOKEN_ID
         yield (ids.astype(np.int32),)
 
