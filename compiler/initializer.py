@@ -33,13 +33,16 @@ import math
 import numbers
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pcompile.compiler import init_math
 from pcompile.compiler.init_math import NUMPY, Ops
 from pcompile.ir.types import DType
+
+if TYPE_CHECKING:
+    from pcompile.compiler.serialization import PretrainedTensor
 
 __all__ = [
     "Constant",
@@ -382,7 +385,7 @@ class InitializedData:
         shape: tuple[int, ...],
         dtype: DType,
         ticket: tuple[int, int] | None,
-        array: np.ndarray | None = None,
+        array: np.ndarray | PretrainedTensor | None = None,
         zero_rows: tuple[int, ...] = (),
     ) -> None:
         self.init = init
@@ -402,8 +405,8 @@ class InitializedData:
                                None, arr)
 
     @property
-    def array(self) -> np.ndarray | None:
-        """The user's array, when the data was given as one."""
+    def array(self) -> np.ndarray | PretrainedTensor | None:
+        """The user's array, when the data was given as one (or a checkpoint's tensor)."""
         return self._array
 
     def with_zero_rows(self, rows: Sequence[int]) -> InitializedData:
