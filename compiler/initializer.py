@@ -115,10 +115,10 @@ def philox_key(ticket: tuple[int, int]) -> tuple[int, int]:
 def philox(index: np.ndarray, draw: int, key: tuple[int, int]) -> tuple[np.ndarray, ...]:
     """Philox4x32-10 at counters (index_lo, index_hi, draw, 0): four uint32 words (held in
     uint64 arrays) per element of `index` (uint64)."""
-    c0 = index & _MASK32
-    c1 = index >> np.uint64(32)
-    c2 = np.full(index.shape, draw, np.uint64)
-    c3 = np.zeros(index.shape, np.uint64)
+    c0: np.ndarray = index & _MASK32
+    c1: np.ndarray = index >> np.uint64(32)
+    c2: np.ndarray = np.full(index.shape, draw, np.uint64)
+    c3: np.ndarray = np.zeros(index.shape, np.uint64)
     k0, k1 = key
     for _ in range(10):
         p0 = c0 * np.uint64(_M0)
