@@ -48,9 +48,12 @@ import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
 
 META_KEY = "__meta__"
 FORMAT = "pcompile-checkpoint/2"
@@ -480,6 +483,7 @@ class _SafetensorsTensors:
         if index.get("bytes") not in (None, size):
             raise CheckpointError(f"{self.data} holds {size} bytes, its index says "
                                   f"{index.get('bytes')}: truncated or damaged")
+        self._file: safe_open | None
         try:
             self._file = safe_open(self.data, framework="np")
             self.names = list(self._file.keys())
@@ -489,6 +493,7 @@ class _SafetensorsTensors:
 
     def get(self, name: str) -> np.ndarray:
         try:
+            assert self._file is not None, "read after close()"
             return self._file.get_tensor(name)
         except Exception as exc:  # noqa: BLE001
             raise CheckpointError(f"{self.data} is damaged: {type(exc).__name__}: "
@@ -746,7 +751,8 @@ def merged_tensors(out_dir: str, step: int | None = None, folder: str | None = N
             reader.close()
         raise
     meta0 = readers[0].meta
-    info = {k: meta0.get(k) for k in ("step", "epoch", "step_in_epoch", "plan_id", "num_ranks")}
+    info: dict[str, Any] = {k: meta0.get(k) for k in ("step", "epoch", "step_in_epoch",
+                                                      "plan_id", "num_ranks")}
     info["skipped"] = skipped
     names = sorted({name for reader in readers for name in reader.names
                     if only is None or name in only})

@@ -169,6 +169,7 @@ def _source(entry: Mapping[str, Any], out_dir: str) -> InitializedData:
         elif obj.random:
             raise ValueError(f"{type(obj).__name__} draws random numbers but has no ticket")
         return InitializedData(obj, shape, dtype, ticket, zero_rows=zero_rows)
+    array: np.ndarray | PretrainedTensor
     if "value" in init:
         array = np.asarray(init["value"], dtype=dtype.np).reshape(shape)
     elif "safetensors" in init:
@@ -178,11 +179,12 @@ def _source(entry: Mapping[str, Any], out_dir: str) -> InitializedData:
                              f"{array.shape}, the parameter {shape}")
     else:
         path = _array_file(init, out_dir)
-        array = np.load(path, mmap_mode="r", allow_pickle=False)
+        stored: np.ndarray = np.load(path, mmap_mode="r", allow_pickle=False)
         if init.get("view"):
-            array = array.view(DType[init["view"]].np)
-        if tuple(array.shape) != shape:
-            raise ValueError(f"{path} holds shape {tuple(array.shape)}, expected {shape}")
+            stored = stored.view(DType[init["view"]].np)
+        if tuple(stored.shape) != shape:
+            raise ValueError(f"{path} holds shape {tuple(stored.shape)}, expected {shape}")
+        array = stored
     return InitializedData(None, shape, dtype, None, array, zero_rows)
 
 

@@ -238,7 +238,7 @@ def _amp_with_loss_cell(backbone: Any, loss_fn: Any) -> Any:
         dtype = getattr(x, "dtype", None)
         if dtype is not None and DType.from_any(dtype).is_float \
                 and DType.from_any(dtype) != DType.float32:
-            return ops.cast(x, DType.float32)
+            return ops.cast(x, DType.float32)  # type: ignore[misc]  # mypy#5345
         return x
 
     return WithLossCell(backbone, loss_fn)

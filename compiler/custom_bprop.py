@@ -69,7 +69,7 @@ def record_call(cell: Any, scope: str, args: tuple[Any, ...], kwargs: dict[str, 
                 "bprop)")
         inputs.append(a._value if isinstance(a, Tensor) and a.is_symbolic else None)
     items = list(result) if isinstance(result, (tuple, list)) else [result]
-    outputs = []
+    outputs: list[Value] = []
     for i, item in enumerate(items):
         if not isinstance(item, Tensor) or not item.is_symbolic:
             raise PcompileError(f"{name} defines its own bprop, and output {i} of its "
@@ -78,6 +78,7 @@ def record_call(cell: Any, scope: str, args: tuple[Any, ...], kwargs: dict[str, 
         if any(item._value is v for v in inputs):
             raise PcompileError(f"{name} defines its own bprop and returns its input as "
                                 f"output {i}; return a computed tensor (an ops.Identity of it)")
+        assert item._value is not None  # is_symbolic
         outputs.append(item._value)
     return BpropCall(cell, scope, list(args), inputs, outputs,
                      isinstance(result, (tuple, list)))

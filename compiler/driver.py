@@ -30,7 +30,7 @@ from pcompile.compiler.context import (
 from pcompile.compiler.initializer import InitializedData
 from pcompile.compiler.model_file import ModelFile, call_user, load_model_file
 from pcompile.compiler.nn.optim_base import Optimizer
-from pcompile.compiler.optimizer_update import append_optimizer, rank_sum
+from pcompile.compiler.optimizer_update import StateSlicer, append_optimizer, rank_sum
 from pcompile.compiler.parameter_layout import parameter_layout_dict
 from pcompile.compiler.pass_options import cost_constants, fusion_config, search_options
 from pcompile.compiler.plan import Plan, build_plan, write_plan
@@ -438,7 +438,7 @@ class OptimizerPass:
                 state.initial_values.update(init)
 
 
-def _state_slicer(state: CompileState) -> Any:
+def _state_slicer(state: CompileState) -> StateSlicer:
     """Optimizer state in a local graph: a per-parameter state takes its parameter's layout
     (its local shape is the parameter's slice shape); the global value is kept, abstract, and
     each rank's slice is made from it when needed."""
@@ -473,7 +473,7 @@ class TrainStepPass:
     name = "train_step"
 
     def apply(self, state: CompileState) -> None:
-        traces = state.traces or [state.traced]
+        traces: Sequence[TracedModel | None] = state.traces or [state.traced]
         done: set[int] = set()
         for rank, graph in enumerate(state.rank_graphs):
             if id(graph) in done:
@@ -639,7 +639,7 @@ class CompiledProgram:
         return self.state.training
 
     @property
-    def initial_values(self) -> dict[str, np.ndarray]:
+    def initial_values(self) -> InitialValues:
         return self.state.initial_values
 
     @property

@@ -40,11 +40,12 @@ def _constrain(value: Any, strategy: tuple[int, ...] | LayoutSpec, what: str) ->
     return prim(value)
 
 
-def _resolve_plan(cell: Any, plan: dict[str, Any]) -> dict[int, tuple[Parameter, Any]]:
+def _resolve_plan(cell: Any, plan: dict[str, Any]
+                  ) -> dict[int, tuple[Parameter, LayoutSpec | tuple[Any, ...]]]:
     """Map `parameter_plan` keys ('self.block1.dense2.weight') to the cell's parameters: a key
     names a parameter when a suffix of its path is the parameter's path inside the cell.
     Unknown names are skipped, as the seed documents."""
-    out: dict[int, tuple[Parameter, tuple]] = {}
+    out: dict[int, tuple[Parameter, LayoutSpec | tuple[Any, ...]]] = {}
     params = dict(cell.parameters_and_names())
     for key, strategy in plan.items():
         parts = key.split(".")

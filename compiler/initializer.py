@@ -33,13 +33,16 @@ import math
 import numbers
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pcompile.compiler import init_math
 from pcompile.compiler.init_math import NUMPY, Ops
 from pcompile.ir.types import DType
+
+if TYPE_CHECKING:
+    from pcompile.compiler.serialization import PretrainedTensor
 
 __all__ = [
     "Constant",
@@ -112,10 +115,10 @@ def philox_key(ticket: tuple[int, int]) -> tuple[int, int]:
 def philox(index: np.ndarray, draw: int, key: tuple[int, int]) -> tuple[np.ndarray, ...]:
     """Philox4x32-10 at counters (index_lo, index_hi, draw, 0): four uint32 words (held in
     uint64 arrays) per element of `index` (uint64)."""
-    c0 = index & _MASK32
-    c1 = index >> np.uint64(32)
-    c2 = np.full(index.shape, draw, np.uint64)
-    c3 = np.zeros(index.shape, np.uint64)
+    c0: np.ndarray = index & _MASK32
+    c1: np.ndarray = index >> np.uint64(32)
+    c2: np.ndarray = np.full(index.shape, draw, np.uint64)
+    c3: np.ndarray = np.zeros(index.shape, np.uint64)
     k0, k1 = key
     for _ in range(10):
         p0 = c0 * np.uint64(_M0)
@@ -382,7 +385,7 @@ class InitializedData:
         shape: tuple[int, ...],
         dtype: DType,
         ticket: tuple[int, int] | None,
-        array: np.ndarray | None = None,
+        array: np.ndarray | PretrainedTensor | None = None,
         zero_rows: tuple[int, ...] = (),
     ) -> None:
         self.init = init
@@ -402,8 +405,8 @@ class InitializedData:
                                None, arr)
 
     @property
-    def array(self) -> np.ndarray | None:
-        """The user's array, when the data was given as one."""
+    def array(self) -> np.ndarray | PretrainedTensor | None:
+        """The user's array, when the data was given as one (or a checkpoint's tensor)."""
         return self._array
 
     def with_zero_rows(self, rows: Sequence[int]) -> InitializedData:

@@ -11,7 +11,7 @@ the loss, then the new value of every trainable parameter, then the new optimize
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -27,13 +27,20 @@ from pcompile.ir.rank import GroupName, RankGroup
 from pcompile.ir.types import DType, TensorType
 
 
+class StateSlicer(Protocol):
+    """The local shape of an optimizer state in a rank's graph (`append_optimizer`)."""
+
+    def __call__(self, name: str, owner: str, value: Any,
+                 dims: tuple[int | None, ...] | None = None) -> tuple[int, ...]: ...
+
+
 def append_optimizer(
     graph: Graph,
     optimizer: Optimizer,
     params: dict[str, Parameter],
     grads: dict[str, Value],
     loss: Value,
-    slice_state: Callable[[str, str, Any], tuple[int, ...]] | None = None,
+    slice_state: StateSlicer | None = None,
     slice_sum: Callable[[Tensor, str], Tensor] | None = None,
 ) -> dict[str, Any]:
     """Trace `optimizer` into `graph`; returns the initial values of the new state tensors.
@@ -56,7 +63,7 @@ def trace_update(
     optimizer: Optimizer,
     params: dict[str, Parameter],
     grads: dict[str, Value],
-    slice_state: Callable[[str, str, Any], tuple[int, ...]] | None = None,
+    slice_state: StateSlicer | None = None,
     skip: Value | None = None,
     slice_sum: Callable[[Tensor, str], Tensor] | None = None,
 ) -> tuple[dict[str, Any], list[tuple[str, Value]]]:
@@ -88,7 +95,7 @@ def trace_update(
 
 
 def _trace_update(graph: Graph, optimizer: Optimizer, grads: dict[str, Value],
-                  slice_state: Callable[[str, str, Any], tuple[int, ...]] | None,
+                  slice_state: StateSlicer | None,
                   skip: Value | None, init: dict[str, Any], updates: list[tuple[str, Value]],
                   new_states: list[tuple[str, Value]], olds: dict[str, Value], scope: str,
                   ) -> tuple[dict[str, Any], list[tuple[str, Value]]]:

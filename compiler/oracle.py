@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from pcompile.compiler.driver import CompiledProgram, ReferenceOptions, compile
 from pcompile.compiler.runtime import (
@@ -37,8 +38,9 @@ from pcompile.compiler.runtime import (
     rank_local_reductions,
 )
 from pcompile.ir.builder import Builder
-from pcompile.ir.core import Graph, Value
+from pcompile.ir.core import Graph, NodeResult, Value
 from pcompile.ir.errors import PcompileError
+from pcompile.ir.types import TensorType, TupleType, ValueType
 
 #: Relative bound for a correct plan evaluated in float64 (derivation in the module docstring).
 FLOAT64_RTOL = 2.0 ** -26
@@ -63,7 +65,8 @@ def longest_reduction(program: CompiledProgram) -> int:
     return longest
 
 
-def rounding_rtol(program: CompiledProgram, dtype: object = np.float32, steps: int = 1) -> float:
+def rounding_rtol(program: CompiledProgram, dtype: DTypeLike = np.float32, steps: int = 1
+                  ) -> float:
     """The relative difference two correct evaluations of `steps` training steps in `dtype`
     may show (a parallel run against one device, or two backends): the dtype's unit roundoff
     times the longest reduction times `AMPLIFICATION`, per step (the same derivation as
@@ -96,6 +99,10 @@ def low_precision_bound(program: CompiledProgram) -> tuple[str | None, float]:
     return lowest.value, float(ml_dtypes.finfo(lowest.np).eps) * longest
 
 
+def _tensor_types(value_type: ValueType) -> tuple[TensorType, ...]:
+    return value_type.elements if isinstance(value_type, TupleType) else (value_type,)
+
+
 def check_cost(program: CompiledProgram) -> int:
     """Bytes the float64 check holds at most: the simulator keeps every value of every rank's
     step (parameters, optimizer state, every node's result) and the single-device program's,
@@ -107,14 +114,12 @@ def check_cost(program: CompiledProgram) -> int:
         copies = sum(1 for g in state.rank_graphs if g is graph) or 1  # ranks running it
         elements = sum(p.tensor_type.size for p in graph.params)
         for node in graph.nodes:
-            types = getattr(node.result.type, "elements", None) or (node.result.type,)
-            elements += sum(t.size for t in types)
+            elements += sum(t.size for t in _tensor_types(node.result.type))
         local += elements * copies
     single = sum(s.size for s in (state.initial_values.source(n)
                                   for n in state.initial_values))
     for node in program.graph.nodes:
-        types = getattr(node.result.type, "elements", None) or (node.result.type,)
-        single += 3 * sum(t.size for t in types)  # forward, backward and the update
+        single += 3 * sum(t.size for t in _tensor_types(node.result.type))  # fwd, bwd, update
     return 8 * (local + single)
 
 
@@ -315,6 +320,7 @@ def _restrict(graph: Graph, local: RankLocal, rank: int) -> None:
                                         "end": tuple(hi for _, hi in bounds),
                                         "strides": (1,) * len(bounds)},
                   name_hint="rank_part")
+    assert isinstance(part, NodeResult)
     if node_before is None:
         graph.remove(part.node)
         graph.insert_before(node, part.node)

@@ -193,6 +193,7 @@ def trace_pipeline_cell(mf: ModelFile, cell: PipelineCell, micro: int) -> Any:
         args = [tracer.add_input(n, _micro_type(_spec_type(s), micro, n, mf.path))
                 for n, s in zip(input_names + label_names, example_inputs + example_labels)]
         for _, param in cell.parameters_and_names():
+            assert param.name is not None  # a cell names the parameters it holds
             if param.name in parameters and parameters[param.name] is not param:
                 raise PcompileError(f"two different parameters are both named {param.name!r}; "
                                     "give them distinct names")

@@ -87,6 +87,8 @@ class Primitive:
     their constructor arguments to `__init__` as IR attributes."""
 
     op: str = ""
+    # amp O1 (compiler/amp.py) sets it on the primitives it runs in low precision
+    _amp_dtype: DType | None
 
     def __init__(self, **attrs: Any) -> None:
         self.attrs: dict[str, Any] = {k: attr_value(v) for k, v in attrs.items()}

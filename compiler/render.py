@@ -266,7 +266,8 @@ def _tensors(plan: Plan, layouts: dict, op: str | None, tensors: tuple[str, ...]
         for (name, entry), label in zip(matched, labels):
             if labels.count(label) > 1:  # same scope and instance name: add the op's own name
                 label += f" ({name.rsplit('/', 1)[-1]})"
-            picked += [(f"{label} input {i}", lay) for i, lay in enumerate(entry.in_layouts)]
+            ins = entry.in_layouts or []  # non-empty: `matched` keeps ops with in_layouts
+            picked += [(f"{label} input {i}", lay) for i, lay in enumerate(ins)]
         return picked, ""
     weights = [(n, layouts[n]) for n, p in plan.parameters.items() if p.kind == "weight"]
     if all_weights or len(weights) <= MAX_GRIDS:

@@ -67,6 +67,7 @@ def input_shapes(program: CompiledProgram) -> list[tuple[int, ...]]:
     traced graph takes one micro-batch, passes/micro_batch.py the whole)."""
     state = program.state
     if state.micro_batched:
+        assert state.assignment is not None  # micro-batched: parallel, laid out
         layouts = state.assignment.param_layouts
         return [tuple(layouts[p.name].shape) for p in program.graph.inputs]
     return [tuple(p.shape) for p in program.graph.inputs]

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,6 +45,9 @@ from pcompile.ir.core import Constant, Graph, GraphParam, NodeResult, ParallelIn
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout, group_name
 from pcompile.ir.types import DType, TensorType
+
+if TYPE_CHECKING:  # imported where it is used: optimizer_update imports the front end
+    from pcompile.compiler.optimizer_update import StateSlicer
 
 #: Ops that combine the elements of an operand: on a split gradient each rank sees a slice.
 REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd",
@@ -191,7 +194,7 @@ class ReplayEnv:
     devices: int
     layouts: dict[str, TensorLayout]
     initial_values: MutableMapping[str, Any]
-    slicer: Callable[[str, str, Any], tuple[int, ...]] | None = None
+    slicer: StateSlicer | None = None
     network_params: dict[str, Parameter] = field(default_factory=dict)
     # cells with their own bprop (compiler/custom_bprop.py), as passes.autodiff.CustomVjp
     custom: list[Any] = field(default_factory=list)
@@ -421,8 +424,9 @@ class Replay(StepContext):
                 if not isinstance(t, Tensor) or not t.is_symbolic:
                     t = Tensor(np.asarray(t, np.float32))
                 copies = self._copies(t, i)
-                x = ops.cast(t, DType.float32)
-                term = ops.reduce_sum(ops.square(x), ())
+                # mypy#5345 (ops.__getattr__ in an import cycle): ops.* is `Any? not callable`
+                x = ops.cast(t, DType.float32)  # type: ignore[misc]
+                term = ops.reduce_sum(ops.square(x), ())  # type: ignore[misc]
                 if copies > 1:
                     term = term * (1.0 / copies)
                 total = term if total is None else total + term
@@ -430,7 +434,7 @@ class Replay(StepContext):
             if self.env.parallel and total.is_symbolic:
                 total = Tensor(_value=self._all_reduce(total._value,  # type: ignore[arg-type]
                                                        "global_norm_allreduce"))
-            return ops.sqrt(total)
+            return ops.sqrt(total)  # type: ignore[misc]
         finally:
             self.trusted -= 1
 
@@ -473,15 +477,17 @@ class Replay(StepContext):
         try:
             total: Tensor | None = None
             for g in grads:
-                bad = ops.cast(ops.logical_not(ops.isfinite(g)), DType.float32)
-                flag = ops.reduce_max(bad, ())
+                # mypy#5345 (ops.__getattr__ in an import cycle): ops.* is `Any? not callable`
+                finite = ops.isfinite(g)  # type: ignore[misc]
+                bad = ops.cast(ops.logical_not(finite), DType.float32)  # type: ignore[misc]
+                flag = ops.reduce_max(bad, ())  # type: ignore[misc]
                 total = flag if total is None else total + flag
             if total is None:
                 total = Tensor(np.zeros((), np.float32))
             if self.env.parallel and total.is_symbolic:
                 total = Tensor(_value=self._all_reduce(total._value,  # type: ignore[arg-type]
                                                        "overflow_allreduce"))
-            return ops.less_equal(Tensor(np.ones((), np.float32)), total)
+            return ops.less_equal(Tensor(np.ones((), np.float32)), total)  # type: ignore[misc]
         finally:
             self.trusted -= 1
 

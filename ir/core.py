@@ -120,8 +120,8 @@ class OpaqueConstant(Constant):
         Value.__init__(self, type_, "const")
         self.digest = digest
 
-    @property  # type: ignore[override]
-    def array(self) -> np.ndarray:
+    @property
+    def array(self) -> np.ndarray:  # type: ignore[override]  # on purpose: no data to read or set
         raise ValueError(
             f"the data of this {self.type} constant is not in the dump (printed by its digest "
             f"@{self.digest}); run the compiled program, not a parsed dump"

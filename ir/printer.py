@@ -298,7 +298,7 @@ def format_constant(const: Constant, rank: int | None = None) -> str:
     if ttype.size > LARGE_CONSTANT:
         # Printed once per dump and per rank: remembered on the constant (its data never
         # changes), so a 16 MB mask is hashed once, not in every dump.
-        memo = const.__dict__.setdefault("_text", {})
+        memo: dict[int | None, str] = const.__dict__.setdefault("_text", {})
         text = memo.get(rank)
         if text is None:
             text = memo[rank] = _format_constant(ttype, np.asarray(constant_at(const, rank)))
@@ -542,6 +542,8 @@ class GraphText:
     parameters) to it; the nodes it printed, unchanged and at the same positions, are not
     printed again."""
 
+    graph: Graph
+
     def __init__(self, graph: Graph, previous: GraphText | None = None) -> None:
         printer = _Printer(graph)
         self.nodes = list(graph.nodes)
@@ -564,6 +566,7 @@ class GraphText:
         if rank is None:
             if self.rank_dependent:
                 raise ValueError("this graph differs between ranks: print_graph(graph, rank)")
+            # not rank-dependent: every segment is a str, which mypy cannot see
             return "".join([*self.head, *self.node_segments, self.tail])  # type: ignore[list-item]
         return "".join(s if isinstance(s, str) else s.render(rank)
                        for s in (*self.head, *self.node_segments, self.tail))

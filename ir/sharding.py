@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from math import gcd, prod
 from typing import Any
 
-from pcompile.ir.layout import TensorLayout
+from pcompile.ir.layout import MapEntry, TensorLayout
 from pcompile.ir.types import TensorType, TupleType, ValueType
 
 Strategy = tuple[tuple[int, ...], ...]
@@ -97,7 +97,7 @@ class OpContext:
     @property
     def out_types(self) -> list[TensorType]:
         t = self.out_type
-        return list(t.elements) if isinstance(t, TupleType) else [t]  # type: ignore[list-item]
+        return list(t.elements) if isinstance(t, TupleType) else [t]
 
 
 @dataclass
@@ -117,12 +117,16 @@ class Labels:
     broadcast: frozenset[str] = frozenset()
 
 
+# One tensor map per input (or output).
+_Maps = tuple[tuple[MapEntry, ...], ...]
+
+
 def is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
 def _fresh(count: int, used: set[str]) -> list[str]:
-    out = []
+    out: list[str] = []
     code = 0x100
     while len(out) < count:
         ch = chr(code)
@@ -223,8 +227,8 @@ def label_sharding(
     def origin_map(labs: str) -> tuple[int, ...]:
         return tuple(n - 1 - axis_of[name] if name in axis_of else -1 for name in labs)
 
-    tensor_maps = (tuple(origin_map(lab) for lab in labels.inputs),
-                   tuple(origin_map(lab) for lab in labels.outputs))
+    tensor_maps: tuple[_Maps, _Maps] = (tuple(origin_map(lab) for lab in labels.inputs),
+                                         tuple(origin_map(lab) for lab in labels.outputs))
     out_labels = set("".join(labels.outputs))
     partial = tuple(
         axis_of[name] for name in order if name not in out_labels and split_of[name] > 1

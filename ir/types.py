@@ -54,6 +54,7 @@ class DType(enum.Enum):
                 if value in (member.value, member.name, member.name.rstrip("_")):
                     return member
         try:
+            # numpy's stubs take dtype-likes only; anything else raises TypeError, caught here
             npd = np.dtype(value)  # type: ignore[call-overload]
         except TypeError as exc:
             raise TypeError(f"unsupported dtype {value!r}") from exc

@@ -114,7 +114,7 @@ def append_gradients(
         douts = []
         for out in region.outputs:
             given = cot.pop(id(out), None)
-            douts.append(given if given is not None else zeros_like(out.type))
+            douts.append(given if given is not None else zeros_like(out.tensor_type))
         grads = region.build(graph, douts)
         if len(grads) != len(region.inputs):
             raise PcompileError(f"{region.name}: bprop returned {len(grads)} gradients for "

@@ -96,8 +96,8 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
             if not p.shape:
                 raise PcompileError(f"nn.PipelineCell: input {p.name} is a scalar; micro-batches "
                                     "cut dim 0 of every input")
-            wide = TensorType(p.dtype, (p.shape[0] * micro, *p.shape[1:]))
-            widened[id(p)] = out.add_param(GraphParam(wide, p.name, "input"))
+            wide_type = TensorType(p.dtype, (p.shape[0] * micro, *p.shape[1:]))
+            widened[id(p)] = out.add_param(GraphParam(wide_type, p.name, "input"))
         else:
             shared[id(p)] = out.add_param(GraphParam(p.tensor_type, p.name, p.kind,
                                                      p.requires_grad))

@@ -290,9 +290,9 @@ def schedule(graphs: list[Graph], scheduler: str, micro: int, devices_per_stage:
                 f"pipeline schedule {scheduler}: stage {stuck[0]}'s unit "
                 f"{unit_name(units[stuck[0]].sequence[stuck[1]], chunks)} waits on data that "
                 "is only sent after it (a cycle between stages); report the model")
-        for k in ready:
-            done[k] = max((done[d] + 1 for d in deps[k]), default=0)
-            pending.discard(k)
+        for unit in ready:
+            done[unit] = max((done[d] + 1 for d in deps[unit]), default=0)
+            pending.discard(unit)
     for (s, i), tick in done.items():
         units[s].ticks[i] = tick
     out = Schedule(scheduler, stages, micro, devices_per_stage, units, chunks=chunks)

@@ -188,13 +188,13 @@ def assign(graph: Graph, stages: int, node_stage: dict[int, int],
         if not held or not isinstance(value, NodeResult):
             continue
         node = value.node
-        where = out.copies.get(id(node), {stage[id(node)]} if id(node) in stage else set())
+        updated = out.copies.get(id(node), {stage[id(node)]} if id(node) in stage else set())
         if id(node) in pure:
-            out.copies[id(node)] = where | held
-        elif len(held) > 1 or held != where:
+            out.copies[id(node)] = updated | held
+        elif len(held) > 1 or held != updated:
             raise PcompileError(
                 f"pipeline: optimizer state {name!r} is used in stages "
-                f"{sorted(held)} but updated in stage {sorted(where)}; report the optimizer")
+                f"{sorted(held)} but updated in stage {sorted(updated)}; report the optimizer")
     return out
 
 
@@ -379,9 +379,9 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
         return recv.result
 
     for node in graph.nodes:
-        sites = placed.copies.get(id(node))
-        pure = sites is not None
-        for s in sorted(physical(sites)) if pure else [placed.stage[id(node)] % stages]:
+        copies = placed.copies.get(id(node))
+        pure = copies is not None
+        for s in sorted(physical(copies)) if pure else [placed.stage[id(node)] % stages]:
             label = labels.get(id(node))
             parallel = node.parallel
             if label is not None:

@@ -193,11 +193,11 @@ class RedistributionPlan:
     def communicates(self) -> bool:
         return any(op.kind in ("Concat", "Permute") for op in self.ops)
 
-    def ops_for_rank(self, rank: int) -> list[tuple]:
+    def ops_for_rank(self, rank: int) -> list[tuple[object, ...]]:
         """Concrete steps for `rank`: ("StridedSlice", begin, end, strides),
         ("AllConcat", ranks, axis), ("AlltoAll", ranks, split_dim, concat_dim, count),
         ("Reshape", shape)."""
-        out: list[tuple] = []
+        out: list[tuple[object, ...]] = []
         for op in self.ops:
             if op.kind == "Reshape":
                 out.append(("Reshape", op.shape))
@@ -214,13 +214,13 @@ class RedistributionPlan:
                 out.append(("AlltoAll", op.group(rank), op.dim, op.concat_dim, op.count))
         return out
 
-    def symbolic_ops(self) -> list[tuple]:
+    def symbolic_ops(self) -> list[tuple[object, ...]]:
         """The steps for every rank at once (`ir.rank` values): ("StridedSlice", begin, end,
         strides) with `RankOffsets` begin/end, ("AllConcat", group, axis) and ("AlltoAll",
         group, split_dim, concat_dim, count) with a `RankGroup`, ("Reshape", shape);
         `ops_for_rank(r)` is this evaluated at rank r."""
         world = prod(self.dev)
-        out: list[tuple] = []
+        out: list[tuple[object, ...]] = []
         for op in self.ops:
             if op.kind == "Reshape":
                 out.append(("Reshape", op.shape))
@@ -318,9 +318,10 @@ def _infer_ops(
         pending.set(d, axis)
     ops: list[AbstractOp] = []
 
-    def emit(kind: str, **kw: int) -> None:
-        stride = prod(dev[kw["axis"] + 1 :])
-        ops.append(AbstractOp(kind, _local(shape, cur, dev), stride=stride, **kw))
+    def emit(kind: str, *, dim: int, axis: int, count: int, concat_dim: int = -1) -> None:
+        stride = prod(dev[axis + 1 :])
+        ops.append(AbstractOp(kind, _local(shape, cur, dev), dim=dim, axis=axis, count=count,
+                              concat_dim=concat_dim, stride=stride))
 
     def split_phase() -> None:  # InferSplitByAxis
         pos = pending.begin()

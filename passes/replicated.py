@@ -10,7 +10,7 @@ over equal-size local batches, training equals single-device training on the glo
 
 from __future__ import annotations
 
-from pcompile.ir.core import Graph, Node
+from pcompile.ir.core import Graph, GraphParam, Node, Value
 from pcompile.ir.layout import TensorLayout
 from pcompile.ir.sharding import OpSharding
 from pcompile.ir.types import TensorType, TupleType
@@ -20,7 +20,7 @@ from pcompile.passes.step_parallel_begin import ParallelAssignment, replicated
 
 def _types(node: Node) -> list[TensorType]:
     t = node.result.type
-    return list(t.elements) if isinstance(t, TupleType) else [t]  # type: ignore[list-item]
+    return list(t.elements) if isinstance(t, TupleType) else [t]
 
 
 def replicated_assignment(graph: Graph, devices: int) -> ParallelAssignment:
@@ -42,11 +42,13 @@ class _Builder(RankBuilder):
     # every value is laid out "replicated" though each rank holds its own batch
     reduce_cotangents = False
 
-    def __init__(self, *args, layerwise: set[str], **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, graph: Graph, assignment: ParallelAssignment, rank: int | None,
+                 options: SplitOptions, fusion_ids: dict[str, int], *,
+                 layerwise: set[str]) -> None:
+        super().__init__(graph, assignment, rank, options, fusion_ids)
         self.layerwise = layerwise
 
-    def mirror(self, param, user):  # type: ignore[no-untyped-def]
+    def mirror(self, param: GraphParam, user: Node) -> Value:
         if param.name in self.layerwise:
             return self.local[id(param)][0]
         return super().mirror(param, user)

@@ -161,7 +161,9 @@ class RankBuilder:
             outputs.append(local)
             self.output_layouts.append(layout)
         if self.options.training and outputs:
-            outputs[0] = self.virtual_div(outputs[0], self.output_layouts[0])
+            loss_layout = self.output_layouts[0]
+            assert loss_layout is not None, "the loss is a tensor: it has a layout"
+            outputs[0] = self.virtual_div(outputs[0], loss_layout)
         self.graph.outputs = outputs
         return self.graph
 
@@ -357,12 +359,12 @@ class RankBuilder:
     def lower_node(self, node: Node) -> None:
         if node.op == "TupleGetItem":
             (tup,) = node.operands
-            local, layouts = self.local[id(tup)]
+            local, tuple_layouts = self.local[id(tup)]
             b = Builder(self.graph, scope=node.scope, source=node.source)
             index = node.attrs["index"]
             out = b.emit("TupleGetItem", [local], {"index": index},
                          instance_name=node.instance_name, name_hint=node.result.name_hint)
-            self.local[id(node.result)] = (out, layouts[index] if layouts else None)
+            self.local[id(node.result)] = (out, tuple_layouts[index] if tuple_layouts else None)
             return
         if node.op == "Reshape":
             self.lower_reshape(node)
@@ -606,6 +608,7 @@ class RankBuilder:
     def lower_reshape(self, node: Node) -> None:
         (value,) = node.operands
         want = self.assignment.reshape_layouts[id(node)]
+        local: Value
         if isinstance(value, Constant):
             local, have = value, replicated(value.shape, self.options.devices)
         elif isinstance(value, GraphParam) and value.kind != "input":
@@ -644,9 +647,11 @@ def build_spmd_graph(graph: Graph, assignment: ParallelAssignment, options: Spli
 
 
 def note_locals(builder: RankBuilder, watch: dict[int, Value | None] | None) -> None:
-    for key in watch or {}:
+    if watch is None:
+        return
+    for key in watch:
         made = builder.local.get(key)
-        watch[key] = made[0] if made is not None else None  # type: ignore[index]
+        watch[key] = made[0] if made is not None else None
 
 
 

@@ -127,7 +127,7 @@ def physical_layout(spec: dict[str, Any]) -> tuple[tuple[int, ...], tuple[Any, .
     return dev[:-1], out
 
 
-def layout_from_dict(spec: dict, shape: tuple[int, ...], devices: int, what: str
+def layout_from_dict(spec: dict[str, Any], shape: tuple[int, ...], devices: int, what: str
                      ) -> TensorLayout:
     dev, tmap = physical_layout(spec)
     total = 1
@@ -233,7 +233,8 @@ def layout_sharding(ctx: OpContext, labels: Labels, layouts: list[TensorLayout],
 
 
 def _tensor_inputs(node: Node) -> list[TensorType]:
-    return [v.type for v in node.operands]  # type: ignore[misc]
+    """The operand types of an op with a sharding rule: tensors (no rule takes a tuple)."""
+    return [v.tensor_type for v in node.operands]
 
 
 def _op_error(node: Node, exc: StrategyError, strategy: Any) -> OpError:

@@ -11,8 +11,8 @@ is extracted and run. The rule (also in README.md, "Docs are tested"):
 * Cluster commands (`mpirun`, `srun`, `torchrun`, `msrun`, and rank programs given a
   coordinator or a process count) are checked for syntax and flags: the rank program's own
   argument parser must accept them.
-* Not run: `pip install`, `ruff` and `python -m pytest` (what CI runs), and any line carrying
-  the visible marker "(not run by the doc test: <reason>)".
+* Not run: `pip install`, `ruff`, `mypy` and `python -m pytest` (what CI runs), and any line
+  carrying the visible marker "(not run by the doc test: <reason>)".
 * Commands that train (`--run`, a rank program, `pcompile-merge`) run in the slow test.
 * A ```python block runs with `import numpy as np` and `from pcompile import *` done; the blocks
   of one file share a namespace, in order. A block that defines `model()` and `inputs()` is a
@@ -43,7 +43,7 @@ DOCS = ["README.md", *sorted(os.path.relpath(p, ROOT)
 FENCE = re.compile(r"^ *```(\w*)[^\n]*\n(.*?)^ *```", re.M | re.S)
 NOT_RUN = "(not run by the doc test:"
 CLUSTER = ("mpirun", "srun", "torchrun", "msrun")
-SETUP = (("pip",), ("ruff",), ("python", "-m", "pytest"))
+SETUP = (("pip",), ("ruff",), ("mypy",), ("python", "-m", "pytest"))
 PREAMBLE = "import numpy as np\nfrom pcompile import *  # noqa: F403\n"
 
 

@@ -24,9 +24,11 @@ def x64() -> Any:
     """A context in which JAX computes in 64-bit (float64 evaluation)."""
     import jax
 
-    enable = getattr(jax, "enable_x64", None)
+    enable: Callable[[bool], Any] | None = getattr(jax, "enable_x64", None)
     if enable is None:  # older JAX
-        from jax.experimental import enable_x64 as enable  # type: ignore[no-redef]
+        from jax.experimental import enable_x64  # type: ignore[attr-defined]  # older JAX only
+
+        enable = enable_x64
     return enable(True)
 
 

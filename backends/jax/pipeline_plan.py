@@ -181,11 +181,11 @@ def _tables(program: Any) -> PipelineTables:
                 send_tick[int(node.attrs["sr_tag"])] = tick_of[s][k]
     defined: list[dict[int, int]] = []
     for s, g in enumerate(graphs):
-        d = {}
+        when: dict[int, int] = {}
         for k, node in enumerate(g.nodes):
-            d[k] = (send_tick[int(node.attrs["sr_tag"])] + 1 if node.op == "Receive"
-                    else tick_of[s][k])
-        defined.append(d)
+            when[k] = (send_tick[int(node.attrs["sr_tag"])] + 1 if node.op == "Receive"
+                       else tick_of[s][k])
+        defined.append(when)
     last: list[dict[int, int]] = []
     for s, g in enumerate(graphs):
         index = {id(node.result): k for k, node in enumerate(g.nodes)}
@@ -207,7 +207,7 @@ def _tables(program: Any) -> PipelineTables:
     send_sizes: list[dict[int, dict[str, int]]] = []
     by_tag: dict[int, tuple[int, int, Slot]] = {}  # tag -> (src stage, distance, sender slot)
     for t in range(ticks):
-        per_d: dict[int, list[list[Slot]]] = {}
+        per_d: dict[int, list[list[int]]] = {}  # distance -> each stage's Send node indices
         for s, g in enumerate(graphs):
             entry = units[t][s]
             if entry is None:
@@ -241,9 +241,9 @@ def _tables(program: Any) -> PipelineTables:
             src, d, slot = by_tag[int(node.attrs["sr_tag"])]
             t = defined[s][k]
             bucket = arrivals[t][s]
-            for entry in bucket:
-                if entry[0] == d:
-                    entry[1].append((k, slot[1], slot[2], slot[3]))
+            for arrival in bucket:
+                if arrival[0] == d:
+                    arrival[1].append((k, slot[1], slot[2], slot[3]))
                     break
             else:
                 bucket.append((d, [(k, slot[1], slot[2], slot[3])]))

@@ -112,7 +112,7 @@ def rank_command(num_ranks: int) -> Any:
             return value
         return check
 
-    params = [
+    params: list[click.Parameter] = [
         click.Option(["--coordinator"], default=None, help="HOST:PORT of process 0"),
         click.Option(["--num-processes"], type=int, default=None),
         click.Option(["--process-id"], type=int, default=None),
@@ -405,7 +405,7 @@ def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbea
     label = (f"pcompile rank {my_ranks[0]}" if per_process == 1
              else f"pcompile ranks {my_ranks[0]}-{my_ranks[-1]}")
     for module in modules:
-        module.LABEL = label
+        module.LABEL = label  # type: ignore[attr-defined]  # a module takes any attribute
     from pcompile.compiler.progress import setup_logging
 
     setup_logging(args.verbose, prefix="" if pid == 0 else f"[rank {my_ranks[0]}] ")
@@ -934,6 +934,7 @@ class _Runner:
         resume_step = self._resume_step() if args.resume else None
         making = time.perf_counter()
         self.heartbeat.set(phase="init" if resume_step is None else "restore")
+        meta: dict[str, Any]
         if resume_step is None:
             state, meta = self._initial_state(), {}
             self.timings["init"] = time.perf_counter() - making

@@ -443,7 +443,7 @@ def as_block(x: Any) -> Any:
 def spmd_function(body: Callable[..., Sequence[Any]], mesh: Mesh,
                   shapes: Sequence[Sequence[int]], donate_argnums: tuple[int, ...] = (),
                   check_vma: bool = True, out_shapes: list[tuple[int, ...]] | None = None
-                  ) -> Callable[..., Any]:
+                  ) -> jax.stages.Wrapped:
     """`jit(shard_map(...))` of a per-device body whose arguments have the local `shapes`:
     each argument and result is the concatenation of all ranks' values along their first axis
     (`blocked_shape`), sharded over every mesh axis in rank order, so that a device's block is

@@ -9,7 +9,7 @@ per-rank code) run on threads that meet at each collective instead.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,10 @@ from pcompile.ir.core import Constant, Graph, Node, Value
 from pcompile.ir.rank import resolve, resolve_attrs
 from pcompile.ir.registry import get_op
 
+#: The reductions of AllReduce and ReduceScatter, by their `op` attribute.
+_REDUCE: dict[str, Callable[..., Any]] = {"sum": np.sum, "max": np.max, "min": np.min,
+                                          "prod": np.prod}
+
 
 def collective_result(node: Node, rank: int, inputs: dict[int, list[np.ndarray]]) -> Any:
     """The output on `rank` of collective `node`, given every group member's inputs."""
@@ -37,13 +41,13 @@ def collective_result(node: Node, rank: int, inputs: dict[int, list[np.ndarray]]
     op = node.op
     if op == "AllReduce":
         kind = node.attrs.get("op", "sum")
-        fn = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}[kind]
+        fn = _REDUCE[kind]
         return fn(np.stack(xs), axis=0).astype(xs[0].dtype)
     if op == "AllGather":
         return np.concatenate(xs, axis=0)
     if op == "ReduceScatter":
         kind = node.attrs.get("op", "sum")
-        fn = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}[kind]
+        fn = _REDUCE[kind]
         total = fn(np.stack(xs), axis=0).astype(xs[0].dtype)
         return np.split(total, len(ranks), axis=0)[mine]
     if op == "AlltoAll":

@@ -11,11 +11,14 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pcompile.compiler.primitive import Primitive, normalize_strategy
 from pcompile.compiler.tensor import Parameter
 from pcompile.compiler.tracing import current_tracer, note_cell
+
+if TYPE_CHECKING:
+    from pcompile.ir.types import DType
 
 
 def _keep_outputs(result: Any, tracer: Any) -> None:
@@ -67,6 +70,20 @@ def has_custom_bprop(cell: Cell) -> bool:
 
 class Cell:
     """Base class of networks, layers, losses and optimizers."""
+
+    # Set by __init__ with object.__setattr__ (this class's __setattr__ files attributes).
+    _cells: OrderedDict[str, Cell]
+    _params: OrderedDict[str, Parameter]
+    _primitives: OrderedDict[str, Primitive]
+    _attr_name: str
+    _auto_prefix: bool
+    training: bool
+    shard_config: dict[str, Any] | None
+    _pipeline_stage: int
+    _pipeline_segment: int
+    _recompute: bool | None
+    _mixed_precision: DType | None
+    _output_dtype: DType | None
 
     def __init__(self, auto_prefix: bool = True, flags: Any = None) -> None:
         object.__setattr__(self, "_cells", OrderedDict())

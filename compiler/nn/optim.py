@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from pcompile.compiler import ops
-from pcompile.compiler.initializer import initializer
+from pcompile.compiler.initializer import InitializedData, initializer
 from pcompile.compiler.nn.layers import check_bool, check_number
 from pcompile.compiler.nn.optim_base import Optimizer
 from pcompile.compiler.tensor import Parameter, Tensor
@@ -115,7 +115,7 @@ class SGD(_Base):
             prefixes = ("accum", "stat") if self.dampening > 0.0 else ("accum",)
         self.state_prefixes = prefixes
 
-    def init_state(self, prefix: str, param: Parameter) -> np.ndarray:
+    def init_state(self, prefix: str, param: Parameter) -> InitializedData | np.ndarray:
         if prefix == "stat":
             return initializer("ones", param.shape, param.dtype)
         return super().init_state(prefix, param)
@@ -415,7 +415,7 @@ class AdaFactor(_Base):
             return (1,) if factored else shape
         return shape
 
-    def init_state(self, prefix: str, param: Parameter) -> Any:
+    def init_state(self, prefix: str, param: Parameter) -> InitializedData | np.ndarray:
         dtype = param.dtype
         if self.compression and prefix == "exp_avg_sq" and len(param.shape) < 2:
             dtype = DType.float16  # MindSpore: compression stores this statistic in float16

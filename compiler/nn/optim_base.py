@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pcompile.compiler.initializer import initializer
+from pcompile.compiler.initializer import InitializedData, initializer
 from pcompile.compiler.nn.cell import Cell
 from pcompile.compiler.tensor import Parameter, Tensor
 from pcompile.ir.types import DType
+
+if TYPE_CHECKING:
+    from pcompile.compiler.nn.lr import LearningRateSchedule
 
 
 class Optimizer(Cell):
@@ -35,6 +38,11 @@ class Optimizer(Cell):
     # Set by compiler.optimizer_update.trace_update while tracing a rank's local graph: sums a
     # per-parameter partial sum over the ranks holding the parameter's other slices.
     _slice_sum: Any = None
+    # Set by __init__ with object.__setattr__ (Cell.__setattr__ would file them as sub-cells).
+    parameters: list[Parameter]
+    _schedule: LearningRateSchedule | None
+    _lr: float
+    _lr_now: Tensor | None  # this step's scheduled rate, inside `learning_rate_for`
 
     def __init__(
         self,
@@ -138,7 +146,7 @@ class Optimizer(Cell):
         object.__setattr__(self, "_scheduled_rate", rate)
         return {"global_step": step + 1}
 
-    def init_state(self, prefix: str, param: Parameter) -> Any:
+    def init_state(self, prefix: str, param: Parameter) -> InitializedData | np.ndarray:
         """Initial value of one per-parameter state tensor (zeros by default): an
         `initializer(...)` (abstract: each rank makes its own slice) or an array."""
         return initializer("zeros", param.shape, param.dtype)

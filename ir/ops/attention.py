@@ -706,7 +706,8 @@ def _grad_np(*arrays: Any, **attrs: Any) -> tuple[np.ndarray, ...]:
 
     def per_kv_head(x: np.ndarray) -> np.ndarray:
         b, _, s, d = x.shape
-        return x.reshape(b, dims.kv_heads, dims.group, s, d).sum(axis=2)
+        result: np.ndarray = x.reshape(b, dims.kv_heads, dims.group, s, d).sum(axis=2)
+        return result
 
     dk = per_kv_head(scale * np.einsum("bnst,bnsd->bntd", ds, qb))
     dv = per_kv_head(np.einsum("bnst,bnsd->bntd", probs, dyb))

@@ -74,7 +74,8 @@ def _softmax_np(x: np.ndarray, axis: Any = (-1,)) -> np.ndarray:
     axes = _softmax_axes(axis, x.ndim)
     xa = _up_np(x)
     e = np.exp(xa - np.max(xa, axis=axes, keepdims=True))
-    return (e / np.sum(e, axis=axes, keepdims=True)).astype(x.dtype)
+    result: np.ndarray = (e / np.sum(e, axis=axes, keepdims=True)).astype(x.dtype)
+    return result
 
 
 def _softmax_jax(x: Any, axis: Any = (-1,)) -> Any:
@@ -125,7 +126,8 @@ def _grad_pair_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType
 def _softmax_grad_np(y: np.ndarray, dy: np.ndarray, axis: Any = (-1,)) -> np.ndarray:
     axes = _softmax_axes(axis, y.ndim)
     ya, dya = _up_np(y), _up_np(dy)
-    return ((dya - np.sum(dya * ya, axis=axes, keepdims=True)) * ya).astype(y.dtype)
+    result: np.ndarray = ((dya - np.sum(dya * ya, axis=axes, keepdims=True)) * ya).astype(y.dtype)
+    return result
 
 
 def _softmax_grad_jax(y: Any, dy: Any, axis: Any = (-1,)) -> Any:
@@ -172,7 +174,8 @@ def _log_softmax_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueTy
 def _log_softmax_np(x: np.ndarray, axis: int = -1) -> np.ndarray:
     xa = _up_np(x)
     s = xa - np.max(xa, axis=axis, keepdims=True)
-    return (s - np.log(np.sum(np.exp(s), axis=axis, keepdims=True))).astype(x.dtype)
+    result: np.ndarray = (s - np.log(np.sum(np.exp(s), axis=axis, keepdims=True))).astype(x.dtype)
+    return result
 
 
 def _log_softmax_jax(x: Any, axis: int = -1) -> Any:
@@ -215,7 +218,8 @@ def _log_softmax_grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> Va
 
 def _log_softmax_grad_np(y: np.ndarray, dy: np.ndarray, axis: int = -1) -> np.ndarray:
     ya, dya = _up_np(y), _up_np(dy)
-    return (dya - np.exp(ya) * np.sum(dya, axis=axis, keepdims=True)).astype(y.dtype)
+    result: np.ndarray = (dya - np.exp(ya) * np.sum(dya, axis=axis, keepdims=True)).astype(y.dtype)
+    return result
 
 
 def _log_softmax_grad_jax(y: Any, dy: Any, axis: int = -1) -> Any:
@@ -301,7 +305,7 @@ def _ln_stats(xp: Any, xa: Any, bna: int, eps: float) -> tuple[Any, Any]:
 def _layer_norm_np(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, **attrs: Any) -> np.ndarray:
     bna, _ = _layer_norm_axes(x.ndim, attrs)
     centred, rstd = _ln_stats(np, _up_np(x), bna, float(attrs["epsilon"]))
-    y = centred * rstd * _up_np(gamma) + _up_np(beta)
+    y: np.ndarray = centred * rstd * _up_np(gamma) + _up_np(beta)
     return y.astype(x.dtype)
 
 
@@ -431,7 +435,8 @@ def _sce_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
 
 def _sce_np(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
     ls = _log_softmax_np(_up_np(logits), -1)
-    return (-np.sum(_up_np(labels) * ls, axis=-1)).astype(logits.dtype)
+    result: np.ndarray = (-np.sum(_up_np(labels) * ls, axis=-1)).astype(logits.dtype)
+    return result
 
 
 def _sce_jax(logits: Any, labels: Any) -> Any:
@@ -487,7 +492,7 @@ def _sce_grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
 def _sce_grad_np(logits: np.ndarray, labels: np.ndarray, dloss: np.ndarray) -> np.ndarray:
     la = _up_np(labels)
     p = _softmax_np(_up_np(logits), (-1,))
-    g = (p * np.sum(la, axis=-1, keepdims=True) - la) * _up_np(dloss)[:, None]
+    g: np.ndarray = (p * np.sum(la, axis=-1, keepdims=True) - la) * _up_np(dloss)[:, None]
     return g.astype(logits.dtype)
 
 
@@ -556,7 +561,8 @@ def _sparse_sce_np(logits: np.ndarray, labels: np.ndarray, is_grad: bool = False
     if is_grad:
         g = _softmax_np(la, (-1,))
         g[rows, labels] -= 1.0
-        return (g / n).astype(logits.dtype)
+        result: np.ndarray = (g / n).astype(logits.dtype)
+        return result
     ls = _log_softmax_np(la, -1)
     return np.asarray(-np.mean(ls[rows, labels])).astype(logits.dtype)
 
@@ -817,7 +823,8 @@ def _conv_np(x: np.ndarray, w: np.ndarray, **attrs: Any) -> np.ndarray:
     p = _grouped_patches(_up_np(x), spec)
     wg = _up_np(w).reshape((g, w.shape[0] // g) + w.shape[1:])
     y = np.einsum("ngckhxy,gockh->ngoxy", p, wg, optimize=True)
-    return y.reshape((x.shape[0], w.shape[0]) + y.shape[3:]).astype(x.dtype)
+    result: np.ndarray = y.reshape((x.shape[0], w.shape[0]) + y.shape[3:]).astype(x.dtype)
+    return result
 
 
 def _conv_jax_fn(spec: _ConvSpec) -> Any:
@@ -964,7 +971,8 @@ def _bp_filter_np(dout: np.ndarray, x: np.ndarray, **attrs: Any) -> np.ndarray:
     p = _grouped_patches(_up_np(x), spec)
     dg = _up_np(dout).reshape((n, g, dout.shape[1] // g) + dout.shape[2:])
     dw = np.einsum("ngoxy,ngckhxy->gockh", dg, p, optimize=True)
-    return dw.reshape(w_shape).astype(dout.dtype)
+    result: np.ndarray = dw.reshape(w_shape).astype(dout.dtype)
+    return result
 
 
 def _bp_filter_jax(dout: Any, x: Any, **attrs: Any) -> Any:
@@ -1046,7 +1054,8 @@ def _reduce_window_args(win: _Window) -> dict[str, Any]:
 
 def _maxpool_np(x: np.ndarray, **attrs: Any) -> np.ndarray:
     win = _pool_window(x.shape, attrs)
-    return _patches(_pad_np(x, win, -np.inf), win).max(axis=(2, 3))
+    result: np.ndarray = _patches(_pad_np(x, win, -np.inf), win).max(axis=(2, 3))
+    return result
 
 
 def _maxpool_jax_fn(win: _Window) -> Any:
@@ -1138,13 +1147,15 @@ register(
 def _avg_counts_np(x_shape: tuple[int, ...], win: _Window) -> np.ndarray:
     """(Ho, Wo) number of non-padding elements in each window."""
     ones = np.ones((1, 1) + tuple(x_shape[2:]), np.float32)
-    return _patches(_pad_np(ones, win), win).sum(axis=(2, 3))[0, 0]
+    result: np.ndarray = _patches(_pad_np(ones, win), win).sum(axis=(2, 3))[0, 0]
+    return result
 
 
 def _avgpool_np(x: np.ndarray, **attrs: Any) -> np.ndarray:
     win = _pool_window(x.shape, attrs)
     s = _patches(_pad_np(_up_np(x), win), win).sum(axis=(2, 3))
-    return (s / _avg_counts_np(x.shape, win)).astype(x.dtype)
+    result: np.ndarray = (s / _avg_counts_np(x.shape, win)).astype(x.dtype)
+    return result
 
 
 def _avgpool_jax_fn(win: _Window, x_shape: tuple[int, ...]) -> Any:

@@ -252,6 +252,7 @@ def _lp_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     where epsilon replaced it)."""
     (x,) = node.operands
     axes, p, keep, eps = lp_norm_attrs(node.attrs, len(x.shape))
+    norm: Value
     norm, grad = node.result, cot
     if not keep:
         kept = tuple(1 if i in axes else d for i, d in enumerate(x.shape))

@@ -708,7 +708,8 @@ def _gather_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
 def _per_batch(batch: tuple[int, ...], fn: Any, *arrays: Any) -> np.ndarray:
     """`fn` applied to each batch element of `arrays` (their leading `batch` dims), stacked."""
     parts = [fn(*(a[index] for a in arrays)) for index in np.ndindex(*batch)]
-    return np.stack(parts).reshape(batch + parts[0].shape)
+    result: np.ndarray = np.stack(parts).reshape(batch + parts[0].shape)
+    return result
 
 
 def _gather_np(params: Any, indices: Any, axis: int, batch_dims: int) -> Any:

@@ -131,7 +131,8 @@ def _union_sizes(src: Sequence[TensorLayout], dst: Sequence[TensorLayout], devic
         return np.power(2.0, count)
     ns = np.array([float(prod(lay.splits)) for lay in src])
     nd = np.array([float(prod(lay.splits)) for lay in dst])
-    return np.minimum(float(devices), ns[:, None] * nd[None, :])
+    sizes: np.ndarray = np.minimum(float(devices), ns[:, None] * nd[None, :])
+    return sizes
 
 
 def lower_bound_matrix(src: Sequence[TensorLayout], dst: Sequence[TensorLayout],
@@ -152,16 +153,18 @@ def lower_bound_matrix(src: Sequence[TensorLayout], dst: Sequence[TensorLayout],
         geo_missing, geo_differ = _geometry(src, dst, devices)
         missing, differ = np.maximum(missing, geo_missing), differ | geo_differ
     else:  # compare where one side has an equal layout on the other's shape
-        to_b = [map_layout(lay, b_shape) for lay in src]
-        rows = [i for i, m in enumerate(to_b) if m is not None]
+        to_b = [(i, m) for i, m in enumerate(map_layout(lay, b_shape) for lay in src)
+                if m is not None]
+        rows = [i for i, _ in to_b]
         if rows:
-            gm, gd = _geometry([to_b[i] for i in rows], dst, devices)  # type: ignore[misc]
+            gm, gd = _geometry([m for _, m in to_b], dst, devices)
             missing[rows] = np.maximum(missing[rows], gm)
             differ[rows] |= gd
-        to_a = [map_layout(lay, a_shape) for lay in dst]
-        cols = [j for j, m in enumerate(to_a) if m is not None]
+        to_a = [(j, m) for j, m in enumerate(map_layout(lay, a_shape) for lay in dst)
+                if m is not None]
+        cols = [j for j, _ in to_a]
         if cols:
-            gm, gd = _geometry(src, [to_a[j] for j in cols], devices)  # type: ignore[misc]
+            gm, gd = _geometry(src, [m for _, m in to_a], devices)
             missing[:, cols] = np.maximum(missing[:, cols], gm)
             differ[:, cols] |= gd
     first = np.where(missing > 0, total / union, 0.0)

@@ -139,8 +139,8 @@ def enumerate_splits(dims: Sequence[LabelDim], devices: int,
 
 
 def op_context(node: Node, devices: int) -> OpContext:
-    in_types = [v.type for v in node.operands]
-    return OpContext(node.op, in_types, node.result.type, node.attrs, devices)  # type: ignore
+    in_types = [v.tensor_type for v in node.operands]  # ops with a rule take no tuples
+    return OpContext(node.op, in_types, node.result.type, node.attrs, devices)
 
 
 def _freeze(value: Any) -> Any:

@@ -315,12 +315,12 @@ class CostGraph:
             else:
                 node = v.node
                 assert node is not None
-                in_types = [o.type for o in node.operands]
+                in_types = [o.tensor_type for o in node.operands]  # ops with a rule: no tuples
                 out_type = node.result.type
                 if not isinstance(out_type, TensorType):
-                    out_type = out_type.elements[0]  # type: ignore[union-attr]
+                    out_type = out_type.elements[0]
                 costs = [
-                    op_cost(node.op, c.sharding, in_types, out_type,  # type: ignore[arg-type]
+                    op_cost(node.op, c.sharding, in_types, out_type,
                             v.trainable, v.params, self.devices, self.constants)
                     for c in v.candidates
                 ]

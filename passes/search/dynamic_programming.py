@@ -134,10 +134,10 @@ class EdgeTables:
             known = np.zeros((a, b), dtype=bool)
             cols = {k: q for q, (k, _) in enumerate(cls.dst_reps)}
             for r, (k, _) in enumerate(cls.src_reps):
-                q = cols.get(k)
-                if q is not None:  # equal layouts: no redistribution, exactly 0
-                    value[r, q] = 0.0
-                    known[r, q] = True
+                col = cols.get(k)
+                if col is not None:  # equal layouts: no redistribution, exactly 0
+                    value[r, col] = 0.0
+                    known[r, col] = True
         self.value[key], self.known[key] = value, known
         self.active[key] = (set(), set())
         self.version[key] = 0
@@ -306,7 +306,7 @@ class _Problem:
                 "; use sharding_propagation or recursive_programming, or "
                 "set_algo_parameters(enable_algo_approxi=True)"
             )
-        views = [self.unary[x].reshape([1] * len(nbrs) + [self.size[x]])]
+        views: list[np.ndarray] = [self.unary[x].reshape([1] * len(nbrs) + [self.size[x]])]
         for key in keys:
             table = self.drop_term(key)
             pos = sorted(range(len(key)), key=lambda i: axes.index(key[i]))

@@ -98,7 +98,7 @@ def local_objectives(cg: CostGraph, v: Vertex, choice: Sequence[int], lagrange: 
                      ) -> np.ndarray:
     """Dynamic programming's local objective of every candidate of `v` (see above)."""
     c = cg.constants
-    local = cg.op_objectives(v).copy()
+    local: np.ndarray = cg.op_objectives(v).copy()
     if lagrange:
         local += lagrange * np.array([x.memory for x in cg.op_costs(v)])
     for row in decision_rows(cg, v, choice, v.in_edges + v.out_edges):
