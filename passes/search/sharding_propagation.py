@@ -98,6 +98,8 @@ class Propagation:
         self.decision: dict[int, list[int]] = {}
         self.waiting: set[int] = set()
         self.memo: dict[Any, int] = {}
+        # candidates made under a neighbour's layouts, by ("under ...", signature, keys)
+        self.made: dict[tuple[Any, ...], tuple[Candidate, ...]] = {}
         self.fixed = dict(fixed or {})
         for v in cg.vertices:
             if v.configured:
@@ -164,13 +166,13 @@ class Propagation:
             given = {cg.edges[ei].dst_in: self._layout_out(ei) for ei in group}
             keys = tuple((i, layout_key(lay)) for i, lay in given.items())
             memo_key = ("under producers", v.signature, keys)
-            found = self.memo.get(memo_key)
+            found = self.made.get(memo_key)
             if found is None:
                 found = ()
                 if not any(all(c.in_keys[i] == k for i, k in keys) for c in v.candidates):
                     cand = with_inputs(v.node, cg.devices, given)
                     found = () if cand is None else (cand,)
-                self.memo[memo_key] = found
+                self.made[memo_key] = found
             new.extend(found)
         if new:
             cg.add_candidates(v, new)
@@ -186,13 +188,13 @@ class Propagation:
         consumer = cg.vertices[e.dst]
         wanted = consumer.candidates[self.choice[e.dst]]
         memo_key = ("under consumer", w.signature, e.src_out, wanted.in_keys[e.dst_in])
-        found = self.memo.get(memo_key)
+        found = self.made.get(memo_key)
         if found is None:
             found = ()
             if not any(c.out_keys[e.src_out] == wanted.in_keys[e.dst_in] for c in w.candidates):
                 cand = with_output(w.node, cg.devices, e.src_out, wanted.in_layouts[e.dst_in])
                 found = () if cand is None else (cand,)
-            self.memo[memo_key] = found
+            self.made[memo_key] = found
         if found:
             cg.add_candidates(w, found)
 
