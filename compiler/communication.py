@@ -4,6 +4,14 @@
 
 from __future__ import annotations
 
+import sys
+
+# MindSpore's `mindspore.communication.management` (where mindformers imports `get_group_size`
+# from) is this module too; `__path__` lets `import pcompile.communication.management` resolve
+# through the package's aliases (pcompile/__init__.py).
+__path__: list[str] = []
+management = sys.modules[__name__]
+
 WORLD_GROUP = "nccl_world_group"
 _RUNTIME: dict[str, int] = {}
 

@@ -14,12 +14,13 @@ from pcompile.compiler.primitive import Primitive
 from pcompile.compiler.tensor import Tensor
 from pcompile.ir.types import DType
 
-# MindSpore splits this module into `ops.operations` (the primitives; `nn_ops`, `_inner_ops`),
+# MindSpore splits this module into `ops.operations` (the primitives; `nn_ops`, `_inner_ops`,
+# `_sequence_ops`),
 # `ops.functional` and `ops.primitive`; here they are this one module. `__path__` lets
 # `import pcompile.ops.operations.nn_ops` resolve through the package's aliases
 # (pcompile/__init__.py); nothing is ever found on it.
 __path__: list[str] = []
-operations = functional = primitive = nn_ops = _inner_ops = sys.modules[__name__]
+operations = functional = primitive = nn_ops = _inner_ops = _sequence_ops = sys.modules[__name__]
 
 
 def constexpr(fn: Any = None, **_options: Any) -> Any:
@@ -104,6 +105,7 @@ LogicalNot = _simple("LogicalNot")
 Select = _simple("Select")
 Identity = _simple("Identity")
 FloorDiv = _simple("FloorDiv")
+Mod = _simple("Mod")
 Cos = _simple("Cos")
 Sin = _simple("Sin")
 IsFinite = _simple("IsFinite")
@@ -684,6 +686,11 @@ def _unimplemented(name: str) -> type[Primitive]:
 
 
 GatherD = _unimplemented("GatherD")
+# built by mindformers' TopkRouterV2 and called only on paths a training step does not take
+# (dynamic capacity, the V1 router, debugging)
+TensorToScalar = _unimplemented("TensorToScalar")
+ArgMaxWithValue = _unimplemented("ArgMaxWithValue")
+Print = _unimplemented("Print")
 
 
 # -- indexing -----------------------------------------------------------------------------------

@@ -24,6 +24,9 @@ from pcompile.ir.errors import PcompileError
     ("pcompile.ops.operations", "MatMul", lambda: ops.MatMul),
     ("pcompile.ops.operations.nn_ops", "FlashAttentionScore", lambda: ops.FlashAttentionScore),
     ("pcompile.ops.operations._inner_ops", "SiLU", lambda: ops.SiLU),
+    ("pcompile.ops.operations._sequence_ops", "TensorToScalar", lambda: ops.TensorToScalar),
+    ("pcompile.communication.management", "get_group_size",
+     lambda: pcompile.communication.get_group_size),
     ("pcompile.ops.functional", "cast", lambda: ops.cast),
     ("pcompile.common.dtype", "bfloat16", lambda: pcompile.bfloat16),
     ("pcompile.common.tensor", "Tensor", lambda: pcompile.Tensor),
@@ -128,6 +131,10 @@ MODEL = textwrap.dedent('''
             self.weight = Parameter(initializer("normal", (8, 16), mstype.float32), name="w")
             self.matmul = P.MatMul()
             self.unused = P.GatherD()  # built, never called: compiles
+            # built by mindformers' TopkRouterV2 for paths a training step does not take
+            self.argmax = P.ArgMaxWithValue(axis=-1, keep_dims=False).shard(((2, 1),))
+            self.print = P.Print()
+            self.tensor2scalar = P.TensorToScalar()
             self.semi = _get_parallel_mode() == ParallelMode.SEMI_AUTO_PARALLEL
             if self.semi:
                 self.matmul.shard(((2, 1), (1, 2)))
@@ -157,12 +164,18 @@ def test_a_model_in_mindspore_spelling_compiles_and_checks(tmp_path) -> None:
     assert matmul.result.type.shape == (2, 8)  # the ((2, 1), (1, 2)) split: the mode was read
 
 
-def test_calling_an_unimplemented_primitive_is_one_message(tmp_path) -> None:
-    path = tmp_path / "ms_gather_d.py"
-    path.write_text(MODEL.replace("CALL_GATHER_D", "out = self.unused(out, 1, out)"))
+@pytest.mark.parametrize("call, named", [
+    ("out = self.unused(out, 1, out)", "GatherD 'unused'"),
+    ("out = self.argmax(out)[1]", "ArgMaxWithValue 'argmax'"),
+    ("self.print('x', out)", "Print 'print'"),
+    ("out = out * self.tensor2scalar(out)", "TensorToScalar 'tensor2scalar'"),
+])
+def test_calling_an_unimplemented_primitive_is_one_message(tmp_path, call, named) -> None:
+    path = tmp_path / "ms_unimplemented.py"
+    path.write_text(MODEL.replace("CALL_GATHER_D", call))
     with pytest.raises(PcompileError) as info:
         compile_model(str(path), devices=4, dump=False)
     message = str(info.value)
-    for part in ("GatherD 'unused'", "pcompile has no rules for this MindSpore primitive",
-                 "ms_gather_d.py:", "docs/ops.md"):
+    for part in (named, "pcompile has no rules for this MindSpore primitive",
+                 "ms_unimplemented.py:", "docs/ops.md"):
         assert part in message, (part, message)

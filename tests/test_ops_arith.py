@@ -1,4 +1,4 @@
-"""FloorDiv, Cos, Sin, IsFinite and Depend against JAX written directly (forward values and
+"""FloorDiv, Mod, Cos, Sin, IsFinite and Depend against JAX written directly (forward values and
 gradients, `tests.op_harness.check_op`), their MindSpore semantics on edge values, their
 sharding rules against the oracle (tests/test_parallel.py's harness), and Depend in a traced
 forward graph: no strategy, its value's layout, its ordering operand never redistributed."""
@@ -58,6 +58,30 @@ def test_floor_div_rounds_toward_minus_infinity() -> None:
 
 
 @FEW
+@given(PAIRS, SEEDS)
+def test_mod_matches_jax(shapes: Any, seed: int) -> None:
+    """Values against jnp.fmod; gradients against jax.vjp of it (dx = cot, dy = -cot
+    trunc(x / y))."""
+    rng = np.random.default_rng(seed)
+    (sx, sy), _ = shapes
+    x = (3.0 * rng.standard_normal(sx)).astype(np.float32)
+    y = _away_from_zero(rng, sy)
+    check_op("Mod", [x, y], {}, jnp.fmod)
+
+
+def test_mod_takes_the_sign_of_the_dividend() -> None:
+    """MindSpore's Mod is fmod: -7 mod 2 is -1 (FloorMod would give 1), 7 mod -2 is 1."""
+    for dtype in (np.int32, np.float32):
+        x = np.array([7, -7, 7, -7, 6, 0], dtype)
+        y = np.array([2, 2, -2, -2, 4, 5], dtype)
+        np.testing.assert_array_equal(_run1("Mod", [x, y]), np.array([1, -1, 1, -1, 2, 0], dtype))
+    # a remainder of positions by the tokens of a group, as mindformers' router takes it
+    positions = np.array([0.0, 5.0, 16.0, 31.0, 40.0], np.float32)
+    np.testing.assert_array_equal(_run1("Mod", [positions, np.float32(16.0)]),
+                                  np.float32([0, 5, 0, 15, 8]))
+
+
+@FEW
 @given(SHAPES, SEEDS)
 def test_cos_sin_match_jax(shape: tuple[int, ...], seed: int) -> None:
     x = (2.0 * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
@@ -105,6 +129,7 @@ def _run1(op: str, arrays: list[np.ndarray]) -> np.ndarray:
 
 CASES = {
     "FloorDiv": lambda: ([rnd((4, 6)), np.abs(rnd((6,), 1)) + 0.5], {}),
+    "Mod": lambda: ([rnd((4, 6)), np.abs(rnd((6,), 1)) + 0.5], {}),
     "Cos": lambda: ([rnd((8, 6))], {}),
     "Sin": lambda: ([rnd((8, 2, 3))], {}),
 }

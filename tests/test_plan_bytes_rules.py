@@ -8,7 +8,9 @@
   has exactly Megatron-LM's activation collectives per layer (2 AllReduce forward, 2 backward,
   over the model-parallel group), its embedding table's gradient is reduced over the
   data-parallel group (its output's cotangent is summed over the model-parallel group once),
-  and the small norm weights keep the one all-rank AllReduce that moves fewer bytes.
+  and the small norm weights keep the one all-rank AllReduce that moves fewer bytes;
+* with `enable_alltoall`, experts fed by an index Gather (mindformers' MoEV2 dispatches so)
+  exchange their slots with one AlltoAll each way and direction, never an AllGather.
 
 Every plan here is checked against the single-device program by the float64 oracle."""
 
@@ -336,3 +338,52 @@ def test_the_shrunk_check_reduces_the_cotangents_the_plan_reduces(monkeypatch: A
     assert pin_plan(program, choose_shrink(program, factor=2)).reduced_parameters == \
         ("model.embedding_weight",)
     assert shrunk_check(program, factor=2).report.ok()
+
+
+def test_an_index_dispatched_expert_exchange_is_one_all_to_all_each_way(tmp_path: Any) -> None:
+    """Experts fed by an index Gather (each group's slots pick tokens of that group, as a
+    sort-based router dispatches them): with the groups split by dp = 8 and the experts by
+    ep = 8, moving the split from the group axis to the expert axis through a Transpose is one
+    AlltoAll, the move back another, and their vjps one each; the slots are never gathered
+    and the experts' weight, held whole by no two ranks, needs no gradient reduction."""
+    program, plan = _compile(tmp_path, """
+        from pcompile import Tensor, set_auto_parallel_context
+        set_auto_parallel_context(enable_alltoall=True)
+        G, T, H, E, C = 8, 4, 8, 8, 2
+        X_SHAPE, Y_SHAPE = (G, T, H), (G, E * C, H)
+        class Net(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.w = Parameter(initializer("normal", [E, H, H]), "w")
+                self.scale = Parameter(initializer("ones", [H]), "scale")
+                self.mul = ops.Mul().shard(((8, 1, 1), (1,)))
+                # slot (g, e, c) reads token (3 e + c) mod T of its group g
+                self.position = Tensor(np.broadcast_to(
+                    3 * np.arange(E)[:, None] + np.arange(C), (G, E, C)).astype(np.float32))
+                self.wrap = ops.Mod().shard(((8, 1, 1), ()))
+                self.cast = ops.Cast()
+                self.reshape = ops.Reshape()
+                self.take = ops.Gather(batch_dims=1).shard(((8, 1, 1), (8, 1, 1)))
+                self.to_experts = ops.Transpose().shard(((1, 1, 8, 1, 1),))
+                self.expert = ops.BatchMatMul().shard(((1, 8, 1, 1), (8, 1, 1)))
+                self.to_groups = ops.Transpose().shard(((1, 1, 8, 1, 1),))
+            def construct(self, x):
+                index = self.cast(self.wrap(self.position, float(T)), "int32")
+                x = self.mul(x, self.scale)  # the tokens need their cotangent
+                slots = self.reshape(self.take(x, index, 1), (1, G, E, C, H))
+                slots = self.to_experts(slots, (0, 2, 1, 3, 4))       # (1, E, G, C, H)
+                out = self.expert(self.reshape(slots, (1, E, G * C, H)), self.w)
+                out = self.to_groups(self.reshape(out, (1, E, G, C, H)), (0, 2, 1, 3, 4))
+                return self.reshape(out, (G, E * C, H))
+    """)
+    kinds = Counter((c["phase"], c["op"]) for c in _collectives(plan))
+    # besides the exchanges: the loss's mean over the groups and scale's gradient, no more
+    assert kinds == Counter({("forward", "AlltoAll"): 2, ("backward", "AlltoAll"): 2,
+                             ("forward", "AllReduce"): 1, ("backward", "AllReduce"): 1}), kinds
+    reduced = [c["reason"] for c in _collectives(plan) if c["phase"] == "backward"
+               and c["op"] == "AllReduce"]
+    assert "parameter scale" in reduced[0], reduced
+    exchange = 1 * 8 * 2 * 8 * 4  # a rank's slots, [1, E / 8, G, C, H] float32
+    assert {c["bytes"] for c in _collectives(plan) if c["op"] == "AlltoAll"} == {
+        exchange * 7 // 8}  # it keeps its own 1/8
+    _assert_oracle(program)

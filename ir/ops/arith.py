@@ -1,8 +1,12 @@
-"""More element-wise primitives: FloorDiv, Cos, Sin, IsFinite.
+"""More element-wise primitives: FloorDiv, Mod, Cos, Sin, IsFinite.
 
 * `FloorDiv(x, y)`: floor(x / y) for floats, floor division (rounding toward -inf) for integers,
   as MindSpore's FloorDiv. Its gradient is zero for both operands (MindSpore's bprop returns
   `zeros_like` of each), so the vjp returns no cotangent.
+* `Mod(x, y)`: the remainder of x / y with the sign of x (C's fmod: x - trunc(x / y) y), as
+  MindSpore's Mod (FloorMod is the one with the sign of y). mindformers' TopkRouterV2 takes a
+  sorted position modulo the tokens of a group with it. Gradient: cot for x and
+  -cot trunc(x / y) for y (the derivative of x - trunc(x / y) y where the quotient is constant).
 * `Cos`, `Sin`: the learning-rate schedules (`nn.CosineDecayLR`) and rotary embeddings need them.
 * `IsFinite(x)`: Bool, False where x is inf or NaN (integers and Bool are always finite); the
   loss-scale cells test gradients for overflow with it. It stops gradients.
@@ -21,7 +25,7 @@ from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._jax import jnp
-from pcompile.ir.ops._util import infer_binary, infer_unary_float, tensor
+from pcompile.ir.ops._util import infer_binary, infer_unary_float, tensor, unbroadcast
 from pcompile.ir.registry import ALL, FLOATS, NUMERIC, OpDef, OpDoc, register
 from pcompile.ir.sharding import RULES, LabelRule, elementwise_labels
 from pcompile.ir.types import DType, TensorType, ValueType
@@ -98,6 +102,54 @@ register(
     )
 )
 _elementwise_rule("FloorDiv")
+
+# -- Mod ---------------------------------------------------------------------------------------
+
+
+def _mod_np(x: Any, y: Any) -> Any:
+    if np.asarray(x).dtype.kind in "iu":
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.fmod(x, y)
+    return _in_f32(np.fmod)(x, y)
+
+
+def _mod_jax(x: Any, y: Any) -> Any:
+    if not jnp.issubdtype(x.dtype, jnp.integer) and x.dtype.itemsize < 4:
+        return jnp.fmod(x.astype(jnp.float32), y.astype(jnp.float32)).astype(x.dtype)
+    return jnp.fmod(x, y)
+
+
+def _mod_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    x, y = node.operands
+    quotient = b("RealDiv", b("Sub", x, node.result), y)  # trunc(x / y): (x - fmod(x, y)) / y
+    return [unbroadcast(b, cot, x.shape),
+            unbroadcast(b, b("Neg", b("Mul", cot, quotient)), y.shape)]
+
+
+register(
+    OpDef(
+        "Mod",
+        _floor_div_infer,
+        numpy=_mod_np,
+        jax=_mod_jax,
+        vjp=_mod_vjp,
+        num_inputs=2,
+        doc="x - trunc(x / y) y with broadcasting: the remainder with the sign of x (fmod).",
+        page=OpDoc(
+            "elementwise",
+            "x, y (broadcast)",
+            NUMERIC,
+            rule="element-wise",
+            tests=(
+                "test_ops_arith.py::test_mod_matches_jax",
+                "test_ops_arith.py::test_mod_takes_the_sign_of_the_dividend",
+                "test_ops_arith.py::test_rules_match_the_oracle",
+            ),
+            note="`Mod` is C's fmod (the sign of x), as MindSpore's Mod.",
+        ),
+    )
+)
+_elementwise_rule("Mod")
 
 # -- Cos, Sin ---------------------------------------------------------------------------------
 
@@ -185,4 +237,4 @@ _elementwise_rule("IsFinite")
 # -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
 from pcompile.ir.dims import broadcast, dim_rule  # noqa: E402
 
-dim_rule("FloorDiv", "Cos", "Sin", "IsFinite", relations=broadcast)
+dim_rule("FloorDiv", "Mod", "Cos", "Sin", "IsFinite", relations=broadcast)
