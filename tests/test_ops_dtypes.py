@@ -190,6 +190,7 @@ CASES: dict[str, Case] = {
     "Sub": Case(binary()),
     "Mul": Case(binary()),
     "RealDiv": Case(binary(positive=True)),
+    "Mod": Case(binary(positive=True)),
     "Maximum": Case(binary()),
     "Minimum": Case(binary()),
     "Pow": Case(binary(positive=True)),
