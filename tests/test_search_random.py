@@ -155,6 +155,26 @@ def test_sharding_propagation_plans_are_valid(graph, devices) -> None:
     check_plan(graph, devices, "sharding_propagation")
 
 
+def test_a_shared_weight_keeps_one_layout_under_neighbour_candidates() -> None:
+    """A weight used by two MatMuls is stored sliced once, so both must split it alike. A
+    candidate built under a decided neighbour's device matrix may split it on other device
+    axes than a strategy tuple does: mm2 took w2 as (dev [1, 2, 1, 2], map [2, -1]) and mm5
+    as (dev [2, 2, 1], map [1, -1]), which step_parallel_begin refused. Ops that share a
+    weight keep their enumerated candidates (found by the property test above)."""
+    graph = Graph("shared_weight")
+    x = graph.add_param(GraphParam(TensorType(F32, (4, 2)), "x"))
+    w0, w1, w2 = (graph.add_param(GraphParam(TensorType(F32, shape), f"w{i}", "weight", True))
+                  for i, shape in enumerate([(2, 2), (2, 4), (4, 2)]))
+    b = Builder(graph)
+    h = b.emit("MatMul", [x, w0], instance_name="mm0")
+    h = b.emit("MatMul", [h, w1], instance_name="mm1")
+    b.emit("MatMul", [h, w2], instance_name="mm2")
+    t = b.emit("Transpose", [x], {"perm": (1, 0)}, instance_name="t3")
+    relu = b.emit("ReLU", [x], instance_name="relu4")
+    graph.outputs = [relu, b.emit("MatMul", [t, w2], instance_name="mm5")]
+    check_plan(graph, 4, "sharding_propagation")
+
+
 @SETTINGS
 @given(random_graphs(), st.sampled_from([2, 4, 8, 16]))
 def test_recursive_programming_plans_are_valid(graph, devices) -> None:

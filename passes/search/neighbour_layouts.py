@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pcompile.ir.core import Constant, Node
+from pcompile.ir.core import Constant, GraphParam, Node, NodeResult
 from pcompile.ir.layout import TensorLayout, map_axes
 from pcompile.ir.sharding import LabelRule, Labels, OpContext, StrategyError, rule_for
 from pcompile.ir.types import TensorType
@@ -49,6 +49,8 @@ from pcompile.passes.step_parallel_begin import layout_sharding
 
 #: Ops whose sharding depends on more than the layouts of their dims.
 _IRREGULAR = frozenset({"Conv2D"})
+#: Single-operand ops a weight is looked through (a weight's Cast follows its user).
+_THROUGH = frozenset({"Cast", "Identity"})
 
 
 def tensor_input_count(node: Node) -> int:
@@ -76,8 +78,39 @@ def _entry(axes: tuple[int, ...]) -> Any:
     return -1 if not axes else (axes[0] if len(axes) == 1 else axes)
 
 
+def _weight_of(value: Any) -> GraphParam | None:
+    """The stored weight `value` is, looking through single-operand Casts and Identities."""
+    while isinstance(value, NodeResult) and value.node.op in _THROUGH \
+            and len(value.node.operands) == 1:
+        value = value.node.operands[0]
+    return value if isinstance(value, GraphParam) and value.kind != "input" else None
+
+
+def _users(value: Any) -> int:
+    """The ops that use `value`, counted through single-operand Casts and Identities."""
+    count = 0
+    for user, _ in value.uses:
+        count += _users(user.result) if user.op in _THROUGH and len(user.operands) == 1 else 1
+    return count
+
+
+def _shares_a_weight(node: Node) -> bool:
+    """Whether an operand of `node` is a weight some other op uses too. A weight is stored
+    sliced once, so all its users must split it alike; propagation decides them one at a
+    time, and a layout candidate may split it on other device axes than a strategy tuple
+    does (a parameter with two users wanting different TensorInfos, refused by
+    step_parallel_begin), so such an op keeps its enumerated candidates."""
+    for value in node.operands:
+        weight = _weight_of(value)
+        if weight is not None and _users(weight) > 1:
+            return True
+    return False
+
+
 def _build(node: Node, devices: int, dev: tuple[int, ...], axes_of: dict[str, tuple[int, ...]],
            ctx: OpContext, labels: Labels) -> Candidate | None:
+    if _shares_a_weight(node):
+        return None
     layouts = []
     try:
         for labs, t in zip(labels.inputs, ctx.in_types):
