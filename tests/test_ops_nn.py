@@ -20,19 +20,11 @@ from pcompile.ir.core import Graph, GraphParam
 from pcompile.ir.errors import OpError
 from pcompile.ir.types import DType, TensorType
 from pcompile.passes.autodiff import append_gradients
-from tests.op_harness import check_op as _check_op
+from tests.op_harness import check_op
 
 SEEDS = st.integers(0, 2**31 - 1)
 EXAMPLES = settings(max_examples=10, deadline=None)
 HIGHEST = lax.Precision.HIGHEST
-
-
-def check_op(
-    op: str, inputs: list[np.ndarray], attrs: dict[str, Any], reference: Any, **kwargs: Any
-) -> None:
-    """`tests.op_harness.check_op` with the JAX reference jitted (eager JAX compiles every
-    primitive separately, which dominates the run time of these tests)."""
-    _check_op(op, inputs, attrs, jax.jit(reference), **kwargs)
 
 
 def _rand(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> np.ndarray:
