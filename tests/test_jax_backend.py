@@ -52,6 +52,9 @@ def examples_report() -> dict:
     return worker("examples")
 
 
+# slow: one 8-device worker process runs six whole examples (~20 s); the synthetic, AdaFactor
+# and training-form cases below and in test_training_forms_jax.py check the same lowering fast
+@pytest.mark.slow
 @pytest.mark.parametrize("case", EXAMPLE_CASES)
 def test_spmd_equals_numpy_simulator_and_single_device(case: str, examples_report) -> None:
     result = examples_report[case]
@@ -86,6 +89,9 @@ def test_adafactor_spmd_equals_numpy_simulator_and_single_device() -> None:
         assert result["optimizer"] == "AdaFactor" and result["fallback"] == 0, case
         assert_agrees_in_float64(result, case)
 
+
+# slow: reads the examples worker's report (above)
+@pytest.mark.slow
 def test_gpt_block_uses_dynamic_slices_and_mesh_axis_collectives(examples_report) -> None:
     result = examples_report["gpt_block.py:semi_auto_parallel"]
     assert result["kinds"].get("slice", 0) > 0 and result["kinds"].get("slice_grad", 0) > 0
