@@ -279,6 +279,7 @@ def test_layer_norm_defaults_and_errors():
 # -- Conv2d ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the sweep (~10 s); the fixed cases below run in the fast step
 @SETTINGS
 @given(
     n=st.integers(1, 2),
@@ -322,6 +323,18 @@ def test_conv2d(
         return y + p["bias"][None, :, None, None] if has_bias else y
 
     check_cell(cell, [x], ref, seed=seed)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"n": 2, "group": 2, "cin_per_group": 1, "cout_per_group": 2, "hw": (5, 6),
+     "kernel": (2, 3), "stride": (1, 2), "dilation": (2, 1), "pad_mode": "pad",
+     "padding": (1, 0, 0, 2), "has_bias": True},
+    {"n": 1, "group": 1, "cin_per_group": 2, "cout_per_group": 1, "hw": (4, 3),
+     "kernel": (3, 3), "stride": (2, 2), "dilation": (1, 1), "pad_mode": "same",
+     "padding": (0, 0, 0, 0), "has_bias": False},
+], ids=["group2-pad-bias", "same-stride2"])
+def test_conv2d_fixed_cases(kwargs: dict) -> None:
+    test_conv2d.hypothesis.inner_test(**kwargs, seed=3)
 
 
 def test_conv2d_names_and_errors():

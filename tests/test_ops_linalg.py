@@ -58,6 +58,7 @@ def _batch_shapes(draw: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return a, b
 
 
+@pytest.mark.slow  # the sweep (~10 s); the fixed cases below run in the fast step
 @settings(max_examples=25, deadline=None)
 @given(_batch_shapes(), DIMS, DIMS, DIMS, st.booleans(), st.booleans(), SEEDS)
 def test_batch_matmul(
@@ -73,6 +74,15 @@ def test_batch_matmul(
     a = _operand(rng, batches[0], m, k, ta)
     b = _operand(rng, batches[1], k, n, tb)
     check_op("BatchMatMul", [a, b], {"transpose_a": ta, "transpose_b": tb}, _ref_matmul(ta, tb))
+
+
+@pytest.mark.parametrize(("batches", "ta", "tb"), [
+    (((2, 1), (3,)), True, False),  # batch dims broadcast both ways
+    (((), (1, 2)), False, True),  # a rank-2 a against batched b
+])
+def test_batch_matmul_fixed_cases(batches: tuple[tuple[int, ...], tuple[int, ...]], ta: bool,
+                                  tb: bool) -> None:
+    test_batch_matmul.hypothesis.inner_test(batches, 2, 3, 4, ta, tb, 5)
 
 
 @settings(max_examples=10, deadline=None)

@@ -104,6 +104,7 @@ def _layer_norm_ref(x: Any, g: Any, b: Any, bna: int, eps: float) -> Any:
     return (x - mean) / jnp.sqrt(var + eps) * g + b
 
 
+@pytest.mark.slow  # the sweep (~10 s); the fixed cases below run in the fast step
 @EXAMPLES
 @given(_layer_norm_case(), SEEDS)
 def test_layer_norm(case: tuple[tuple[int, ...], int, int, float], seed: int) -> None:
@@ -114,6 +115,12 @@ def test_layer_norm(case: tuple[tuple[int, ...], int, int, float], seed: int) ->
     check_op(
         "LayerNorm", [x, g, b], attrs, lambda x, g, b: _layer_norm_ref(x, g, b, bna, eps)
     )
+
+
+@pytest.mark.parametrize("case", [((2, 3, 4), -1, -2, 1e-3), ((3, 5), 0, 1, 1e-5)])
+def test_layer_norm_fixed_cases(case: tuple[tuple[int, ...], int, int, float]) -> None:
+    """Parameters wider than the normalised axes, and a normalisation over every axis."""
+    test_layer_norm.hypothesis.inner_test(case, 7)
 
 
 def test_layer_norm_defaults() -> None:
@@ -145,6 +152,7 @@ def _sparse_ref(z: Any, y: Any) -> Any:
     return -jnp.mean(picked)
 
 
+@pytest.mark.slow  # the sweep (~10 s); the fixed cases below run in the fast step
 @EXAMPLES
 @given(st.integers(1, 6), st.integers(1, 6), st.sampled_from([np.int32, np.int64]), SEEDS)
 def test_sparse_softmax_cross_entropy(n: int, c: int, dtype: Any, seed: int) -> None:
@@ -160,6 +168,11 @@ def test_sparse_softmax_cross_entropy(n: int, c: int, dtype: Any, seed: int) -> 
         lambda z, y: jax.grad(_sparse_ref)(z, y),
         grad=False,
     )
+
+
+@pytest.mark.parametrize(("n", "c", "dtype"), [(4, 5, np.int64), (2, 1, np.int32)])
+def test_sparse_softmax_cross_entropy_fixed_cases(n: int, c: int, dtype: Any) -> None:
+    test_sparse_softmax_cross_entropy.hypothesis.inner_test(n, c, dtype, 3)
 
 
 # -- Conv2D ---------------------------------------------------------------------------------
@@ -239,11 +252,31 @@ def test_conv2d_gradient_with_a_pad_as_wide_as_the_kernel() -> None:
     np.testing.assert_allclose(np.asarray(grad).ravel(), brute, rtol=bound, atol=bound * scale)
 
 
+@pytest.mark.slow  # the sweep (~10 s); the fixed cases below run in the fast step
 @settings(max_examples=15, deadline=None)
 @given(_conv_case(), SEEDS)
 def test_conv2d(case: dict[str, Any], seed: int) -> None:
     x, w = _rand(case["x"], seed), _rand(case["w"], seed + 1)
     check_op("Conv2D", [x, w], case["attrs"], _conv_ref(case["attrs"]))
+
+
+def _conv_attrs(cout: int, kernel: tuple[int, int], stride: tuple[int, int],
+                dilation: tuple[int, int], pad_mode: str, pad: tuple[int, ...], group: int
+                ) -> dict[str, Any]:
+    return {"out_channel": cout, "kernel_size": kernel, "stride": stride, "dilation": dilation,
+            "pad_mode": pad_mode, "pad": pad, "group": group}
+
+
+@pytest.mark.parametrize("case", [
+    # two groups, valid, a stride and a dilation along different axes
+    {"x": (2, 4, 7, 6), "w": (4, 2, 2, 3),
+     "attrs": _conv_attrs(4, (2, 3), (1, 2), (2, 1), "valid", (0, 0, 0, 0), 2)},
+    # an uneven explicit pad with stride 2 (same mode: test_conv2d_mindspore_style_attrs)
+    {"x": (1, 3, 5, 5), "w": (2, 3, 3, 3),
+     "attrs": _conv_attrs(2, (3, 3), (2, 2), (1, 1), "pad", (1, 0, 2, 1), 1)},
+], ids=["group2-valid", "pad-stride2"])
+def test_conv2d_fixed_cases(case: dict[str, Any]) -> None:
+    test_conv2d.hypothesis.inner_test(case, 5)
 
 
 @settings(max_examples=6, deadline=None)
@@ -452,6 +485,7 @@ def _rms_case(draw: Any) -> tuple[tuple[int, ...], int]:
     return shape, draw(st.integers(1, len(shape)))
 
 
+@pytest.mark.slow  # the sweep (~10 s); the fixed cases below run in the fast step
 @settings(max_examples=15, deadline=None)
 @given(_rms_case(), st.sampled_from([1e-6, 1e-5, 0.5]), st.integers(0, 2**31 - 1))
 def test_rms_norm(case: tuple[tuple[int, ...], int], epsilon: float, seed: int) -> None:
@@ -472,6 +506,12 @@ def test_rms_norm_low_precision(case: tuple[tuple[int, ...], int], dtype: Any, s
     x = rng.standard_normal(shape).astype(dtype)
     gamma = rng.standard_normal(shape[len(shape) - k:]).astype(dtype)
     check_op("RmsNorm", [x, gamma], {}, _rms_norm_ref(1e-6), seed=seed)
+
+
+@pytest.mark.parametrize(("case", "epsilon"), [(((2, 3, 4), 2), 0.5), (((5,), 1), 1e-6)])
+def test_rms_norm_fixed_cases(case: tuple[tuple[int, ...], int], epsilon: float) -> None:
+    """A gamma over two axes with a large epsilon, and a rank-1 input."""
+    test_rms_norm.hypothesis.inner_test(case, epsilon, 11)
 
 
 def test_rms_norm_default_epsilon_and_grad_op() -> None:
