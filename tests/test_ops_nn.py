@@ -133,6 +133,7 @@ def test_layer_norm_defaults() -> None:
 # -- cross entropy --------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the sweep (~7 s); the fixed cases below run in the fast step
 @EXAMPLES
 @given(st.integers(1, 5), st.integers(1, 6), st.booleans(), SEEDS)
 def test_softmax_cross_entropy(n: int, c: int, normalised: bool, seed: int) -> None:
@@ -145,6 +146,11 @@ def test_softmax_cross_entropy(n: int, c: int, normalised: bool, seed: int) -> N
         return -jnp.sum(y * jax.nn.log_softmax(z, axis=-1), axis=-1)
 
     check_op("SoftmaxCrossEntropyWithLogits", [logits, labels], {}, ref)
+
+
+@pytest.mark.parametrize(("n", "c", "normalised"), [(3, 4, True), (2, 5, False)])
+def test_softmax_cross_entropy_fixed_cases(n: int, c: int, normalised: bool) -> None:
+    test_softmax_cross_entropy.hypothesis.inner_test(n, c, normalised, 2)
 
 
 def _sparse_ref(z: Any, y: Any) -> Any:
@@ -335,6 +341,7 @@ def _window_args(attrs: dict[str, Any]) -> tuple[Any, Any, str]:
     return (1, 1) + attrs["kernel_size"], (1, 1) + attrs["strides"], attrs["pad_mode"].upper()
 
 
+@pytest.mark.slow  # the sweep (~7 s); the fixed cases below run in the fast step
 @EXAMPLES
 @given(_pool_case(), SEEDS)
 def test_max_pool(case: tuple[tuple[int, ...], dict[str, Any]], seed: int) -> None:
@@ -346,6 +353,14 @@ def test_max_pool(case: tuple[tuple[int, ...], dict[str, Any]], seed: int) -> No
 
     # Continuous random data: no ties inside a window.
     check_op("MaxPool", [_rand(shape, seed)], attrs, ref)
+
+
+@pytest.mark.parametrize("case", [
+    ((2, 3, 5, 6), {"kernel_size": (2, 3), "strides": (2, 1), "pad_mode": "VALID"}),
+    ((1, 2, 4, 5), {"kernel_size": (3, 2), "strides": (2, 3), "pad_mode": "same"}),
+], ids=["valid", "same"])
+def test_max_pool_fixed_cases(case: tuple[tuple[int, ...], dict[str, Any]]) -> None:
+    test_max_pool.hypothesis.inner_test(case, 4)
 
 
 @EXAMPLES
@@ -498,6 +513,7 @@ def test_rms_norm(case: tuple[tuple[int, ...], int], epsilon: float, seed: int) 
     check_op("RmsNorm", [x, gamma], {"epsilon": epsilon}, _rms_norm_ref(epsilon), seed=seed)
 
 
+@pytest.mark.slow  # the sweep (~7 s); the fixed cases below run in the fast step
 @settings(max_examples=10, deadline=None)
 @given(_rms_case(), st.sampled_from([np.float16, ml_dtypes.bfloat16]), st.integers(0, 2**31 - 1))
 def test_rms_norm_low_precision(case: tuple[tuple[int, ...], int], dtype: Any, seed: int) -> None:
@@ -512,6 +528,12 @@ def test_rms_norm_low_precision(case: tuple[tuple[int, ...], int], dtype: Any, s
 def test_rms_norm_fixed_cases(case: tuple[tuple[int, ...], int], epsilon: float) -> None:
     """A gamma over two axes with a large epsilon, and a rank-1 input."""
     test_rms_norm.hypothesis.inner_test(case, epsilon, 11)
+
+
+@pytest.mark.parametrize(("case", "dtype"), [(((3, 8), 1), np.float16),
+                                           (((2, 2, 5), 2), ml_dtypes.bfloat16)])
+def test_rms_norm_low_precision_fixed_cases(case: tuple[tuple[int, ...], int], dtype: Any) -> None:
+    test_rms_norm_low_precision.hypothesis.inner_test(case, dtype, 13)
 
 
 def test_rms_norm_default_epsilon_and_grad_op() -> None:
