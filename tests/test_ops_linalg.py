@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import hypothesis.extra.numpy as hnp
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -181,8 +182,9 @@ def test_a_constant_signed_permutation_is_lowered_as_column_moves(d: int, tb: bo
     assert "permutation" in attrs
     a = rng.standard_normal(shape).astype(np.float32)
     want = a @ (matrix.T if tb else matrix)
-    np.testing.assert_array_equal(np.asarray(get_op(op).jax(jnp.asarray(a), matrix, **attrs)),
-                                  want)
+    # jitted: eagerly, every slice and negation would compile on its own
+    lowered = jax.jit(lambda v: get_op(op).jax(v, matrix, **attrs))(a)
+    np.testing.assert_array_equal(np.asarray(lowered), want)
     # not a signed permutation: a scaled one; one with a second entry in a row (d >= 2)
     others = [matrix * 2] + ([np.abs(matrix) + np.roll(np.abs(matrix), 1, axis=1)]
                              if d >= 2 else [])
