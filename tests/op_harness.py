@@ -118,6 +118,11 @@ def _compare(got: Any, want: Any, rtol: float, floor: float, what: str) -> None:
                                err_msg=f"{what} (bound {rtol:.3g} of scale {scale:.3g})")
 
 
+#: What tracing raises when a function reads its arguments' values.
+_NEEDS_VALUES = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+                 jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError)
+
+
 def check_op(
     op: str,
     inputs: Sequence[np.ndarray],
@@ -180,7 +185,8 @@ def check_op(
         graph.outputs = list(outs) + list(grads)
 
     # The exact result: the reference on the inputs upcast to float64, with its vjp.
-    j64 = [jnp.asarray(_upcast(a)) for a in inputs]
+    # (device_put: jnp.asarray compiles a program per shape to copy a numpy array in)
+    j64 = [jax.device_put(_upcast(a)) for a in inputs]
 
     def ref_float(*xs: Any) -> Any:
         full = list(j64)
@@ -190,22 +196,35 @@ def check_op(
         res = list(res) if isinstance(res, (tuple, list)) else [res]
         return tuple(res[i] for i in diff_idx), tuple(res)
 
-    if with_grads:
-        _, vjp_fn, want_outs = jax.vjp(ref_float, *[j64[i] for i in float_idx], has_aux=True)
+    def exact_reference(*xs: Any) -> list[Any]:
+        if not with_grads:
+            return list(ref_float(*xs)[1])
+        _, vjp_fn, want_outs = jax.vjp(ref_float, *xs, has_aux=True)
         # Cotangents in the dtype of the reference's outputs (float64, unless it casts).
-        want_all = list(want_outs) + list(vjp_fn(tuple(
+        return list(want_outs) + list(vjp_fn(tuple(
             jnp.asarray(_upcast(c)).astype(want_outs[i].dtype) for c, i in zip(cots, diff_idx))))
-    else:
-        want_all = list(ref_float(*[j64[i] for i in float_idx])[1])
+
+    # The reference (with its vjp) and the lowering, in the inputs' dtypes and in float64,
+    # traced and compiled as one program: eager JAX compiles every primitive and every
+    # primitive of a vjp separately, which was most of an op check's time. A reference that
+    # reads its arguments' values runs eagerly.
+    lowered, lowered64 = lower_graph(graph), lower_graph(graph, float64=True)
+    xs = [jax.device_put(np.asarray(a)) for a in inputs]
+    xs_ref = [j64[i] for i in float_idx]
+    with x64():
+        try:
+            want_all, got_jax, got_jax64 = jax.jit(lambda r, x, x64_: (
+                exact_reference(*r), lowered(*x), lowered64(*x64_)))(xs_ref, xs, j64)
+        except _NEEDS_VALUES:
+            want_all = exact_reference(*xs_ref)
+            got_jax, got_jax64 = jax.jit(lambda x, x64_: (lowered(*x), lowered64(*x64_)))(
+                xs, j64)
+    want_all = list(want_all)
     assert len(want_all) == len(graph.outputs), \
         f"{op}: {len(outs)} outputs, reference has {len(want_all) - len(graph.outputs) + len(outs)}"
-
-    native = [("numpy", run_graph(graph, list(inputs))),
-              ("jax", jax.jit(lower_graph(graph))(*[jnp.asarray(a) for a in inputs]))]
-    with x64():
-        lowered64 = jax.jit(lower_graph(graph, float64=True))(*j64)
+    native = [("numpy", run_graph(graph, list(inputs))), ("jax", got_jax)]
     exact = [("numpy float64", run_graph(graph, list(inputs), float64=True)),
-             ("jax float64", lowered64)]
+             ("jax float64", got_jax64)]
 
     # The graph's own constants (those a vjp rule emits, e.g. -1/n) are stored in their dtype,
     # so its float64 evaluation carries their rounding: at most half an ulp each, relative.

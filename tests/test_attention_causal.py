@@ -348,6 +348,9 @@ def test_llama_on_one_device_runs_fused_and_checks(llama_env: None) -> None:
         assert relative_error(a, b) <= FLOAT64_RTOL, name
 
 
+# slow: an 8-device worker process; test_llama_on_one_device_runs_fused_and_checks checks the
+# fused lowering fast
+@pytest.mark.slow
 def test_llama_on_8_devices_runs_fused_and_matches() -> None:
     """dp 2 x mp 4: the mask reaches each rank's attention through Tile, Reshape, a
     rank-dependent StridedSlice of the batch and Reshape; the JAX SPMD program (8 virtual CPU

@@ -52,6 +52,9 @@ def examples_report() -> dict:
     return worker("examples")
 
 
+# slow: one 8-device worker process runs six whole examples (~20 s); the synthetic, AdaFactor
+# and training-form cases below and in test_training_forms_jax.py check the same lowering fast
+@pytest.mark.slow
 @pytest.mark.parametrize("case", EXAMPLE_CASES)
 def test_spmd_equals_numpy_simulator_and_single_device(case: str, examples_report) -> None:
     result = examples_report[case]
@@ -86,6 +89,9 @@ def test_adafactor_spmd_equals_numpy_simulator_and_single_device() -> None:
         assert result["optimizer"] == "AdaFactor" and result["fallback"] == 0, case
         assert_agrees_in_float64(result, case)
 
+
+# slow: reads the examples worker's report (above)
+@pytest.mark.slow
 def test_gpt_block_uses_dynamic_slices_and_mesh_axis_collectives(examples_report) -> None:
     result = examples_report["gpt_block.py:semi_auto_parallel"]
     assert result["kinds"].get("slice", 0) > 0 and result["kinds"].get("slice_grad", 0) > 0
@@ -234,15 +240,17 @@ def test_rank_program_runs_every_rank_in_one_process(tmp_path) -> None:
     assert os.path.exists(out / "checkpoints" / "rank_7" / "step_00000003.json")
 
 
-def test_a_fused_all_reduce_lowers_without_a_buffer(examples_report) -> None:
+def test_a_fused_all_reduce_lowers_without_a_buffer() -> None:
     """Communication fusion's bucket (Reshape, Concat, AllReduce, Split/StridedSlice) runs as
     one psum of the gradients themselves (backends/jax/spmd.py `_Joined`): nothing is
     concatenated into a buffer and cut out again (XLA's all-reduce combiner makes the psum's
-    parts one all-reduce); the float64 comparison above checks its values."""
-    fused = [case for case in EXAMPLE_CASES if examples_report[case].get("fusion", {})
-             .get("buckets")]
-    assert fused, "no example has a fused AllReduce bucket"
+    parts one all-reduce); the float64 comparison checks its values. The quickstart's two
+    cases only (data_parallel has a bucket): the worker for every example is slow."""
+    report = worker("examples", "quickstart.py")
+    fused = [case for case in report if report[case].get("fusion", {}).get("buckets")]
+    assert fused, "no quickstart case has a fused AllReduce bucket"
     for case in fused:
-        fusion = examples_report[case]["fusion"]
+        assert_agrees_in_float64(report[case], case)
+        fusion = report[case]["fusion"]
         assert fusion["concatenate"] == 0, (case, fusion)
         assert len(fusion["all_reduce_operands"]) >= fusion["buckets"], (case, fusion)

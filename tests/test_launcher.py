@@ -159,6 +159,8 @@ def test_four_processes_train_like_one_device_and_merge(model_path, tmp_path) ->
     assert info["step"] == 5 and full["w"].shape == (16, 8)
 
 
+# slow: a multi-process launch, as the other launcher runs
+@pytest.mark.slow
 def test_a_killed_rank_stops_the_launch_within_10_s(model_path, tmp_path) -> None:
     out = tmp_path / "out"
     proc = cli(model_path, str(out), "--run", "--steps", "1000000")

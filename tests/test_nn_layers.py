@@ -231,6 +231,7 @@ def test_embedding_padding_idx_and_errors():
 # -- LayerNorm ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the sweep (~6-9 s); the fixed cases below run in the fast step
 @SETTINGS
 @given(
     shape=st.lists(st.integers(2, 4), min_size=1, max_size=4),
@@ -243,6 +244,11 @@ def test_layer_norm(shape, data, seed):
     begin_params = data.draw(st.integers(-rank, rank - 1), "begin_params_axis")
     # Over 2 elements the normalised output is +-1 whatever x is: d/dx is 0 up to rounding.
     assume(np.prod(shape[begin_norm % rank:]) > 2)
+    _check_layer_norm(shape, begin_norm, begin_params, seed)
+
+
+def _check_layer_norm(shape: list[int], begin_norm: int, begin_params: int, seed: int) -> None:
+    rank = len(shape)
     rng = np.random.default_rng(seed)
     pshape = tuple(shape[begin_params % rank:])
     cell = nn.LayerNorm(
@@ -264,6 +270,12 @@ def test_layer_norm(shape, data, seed):
     check_cell(cell, [x], ref, seed=seed, rtol=2e-5)
 
 
+@pytest.mark.parametrize(("shape", "begin_norm", "begin_params"),
+                         [([2, 3, 4], -1, 1), ([3, 2, 2, 4], 1, -2)])
+def test_layer_norm_fixed_cases(shape: list[int], begin_norm: int, begin_params: int) -> None:
+    _check_layer_norm(shape, begin_norm, begin_params, 5)
+
+
 def test_layer_norm_defaults_and_errors():
     cell = nn.LayerNorm((4,))
     assert np.all(cell.gamma.asnumpy() == 1) and np.all(cell.beta.asnumpy() == 0)
@@ -279,6 +291,7 @@ def test_layer_norm_defaults_and_errors():
 # -- Conv2d ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the sweep (~10 s); the fixed cases below run in the fast step
 @SETTINGS
 @given(
     n=st.integers(1, 2),
@@ -322,6 +335,18 @@ def test_conv2d(
         return y + p["bias"][None, :, None, None] if has_bias else y
 
     check_cell(cell, [x], ref, seed=seed)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"n": 2, "group": 2, "cin_per_group": 1, "cout_per_group": 2, "hw": (5, 6),
+     "kernel": (2, 3), "stride": (1, 2), "dilation": (2, 1), "pad_mode": "pad",
+     "padding": (1, 0, 0, 2), "has_bias": True},
+    {"n": 1, "group": 1, "cin_per_group": 2, "cout_per_group": 1, "hw": (4, 3),
+     "kernel": (3, 3), "stride": (2, 2), "dilation": (1, 1), "pad_mode": "same",
+     "padding": (0, 0, 0, 0), "has_bias": False},
+], ids=["group2-pad-bias", "same-stride2"])
+def test_conv2d_fixed_cases(kwargs: dict) -> None:
+    test_conv2d.hypothesis.inner_test(**kwargs, seed=3)
 
 
 def test_conv2d_names_and_errors():

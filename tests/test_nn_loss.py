@@ -74,6 +74,7 @@ def test_l1_gradient_at_zero_difference():
 # -- SoftmaxCrossEntropyWithLogits -------------------------------------------------------------
 
 
+@pytest.mark.slow  # the sweep (~6-9 s); the fixed cases below run in the fast step
 @SETTINGS
 @given(
     n=st.integers(1, 5),
@@ -104,6 +105,13 @@ def test_softmax_cross_entropy_with_logits(n, classes, sparse, reduction, seed):
     ops_used = {node.op for node in graph.nodes}
     assert ("SparseSoftmaxCrossEntropyWithLogits" in ops_used) == fused
     assert ("SoftmaxCrossEntropyWithLogits" in ops_used) == (not fused)
+
+
+@pytest.mark.parametrize(("n", "classes", "sparse", "reduction"),
+                         [(3, 4, True, "mean"), (2, 3, False, "none"), (4, 2, True, "sum")])
+def test_softmax_cross_entropy_with_logits_fixed_cases(n, classes, sparse, reduction):
+    """The fused sparse mean, dense labels unreduced, sparse labels summed."""
+    test_softmax_cross_entropy_with_logits.hypothesis.inner_test(n, classes, sparse, reduction, 4)
 
 
 def test_softmax_cross_entropy_defaults_and_errors():
@@ -143,6 +151,7 @@ def _ce_index_reference(weight, ignore_index, reduction, smoothing, classes):
     return ref
 
 
+@pytest.mark.slow  # the sweep (~8 s); the fixed cases below run in the fast step
 @SETTINGS
 @given(
     n=st.integers(1, 6),
@@ -175,6 +184,17 @@ def test_cross_entropy_class_ids(
     check_cell(cell, [logits, labels], ref, seed=seed)
 
 
+@pytest.mark.parametrize("kwargs", [
+    {"n": 5, "classes": 4, "reduction": "mean", "weighted": True, "smoothing": 0.1,
+     "ignore_index": -100, "int64": True},
+    {"n": 3, "classes": 3, "reduction": "none", "weighted": False, "smoothing": 0.35,
+     "ignore_index": 1, "int64": False},
+], ids=["mean-weighted-ignored", "none-smoothed"])
+def test_cross_entropy_class_ids_fixed_cases(kwargs: dict) -> None:
+    test_cross_entropy_class_ids.hypothesis.inner_test(**kwargs, seed=9)
+
+
+@pytest.mark.slow  # the sweep (~6-9 s); the fixed cases below run in the fast step
 @SETTINGS
 @given(
     n=st.integers(1, 5),
@@ -197,6 +217,13 @@ def test_cross_entropy_probabilities(n, classes, reduction, weighted, smoothing,
 
     cell = nn.CrossEntropyLoss(weight=weight, reduction=reduction, label_smoothing=smoothing)
     check_cell(cell, [logits, labels], ref, seed=seed)
+
+
+@pytest.mark.parametrize(("n", "classes", "reduction", "weighted", "smoothing"),
+                         [(4, 3, "sum", True, 0.2), (2, 5, "mean", False, 0.0)])
+def test_cross_entropy_probabilities_fixed_cases(n, classes, reduction, weighted, smoothing):
+    test_cross_entropy_probabilities.hypothesis.inner_test(n, classes, reduction, weighted,
+                                                           smoothing, 6)
 
 
 def test_cross_entropy_default_matches_plain_mean():

@@ -383,7 +383,8 @@ def test_op_under_every_dtype(op: str) -> None:
             continue
         graph = _graph(op, inputs, attrs)
         got = run_graph(graph, inputs)
-        lowered = lower_graph(graph)(*[jax.numpy.asarray(a) for a in inputs])
+        # jitted, as programs run (eagerly, JAX would compile each primitive on its own)
+        lowered = jax.jit(lower_graph(graph))(*[jax.device_put(a) for a in inputs])
         for i, (out, g, j) in enumerate(zip(graph.outputs, got, lowered)):
             want = out.dtype.np
             assert np.asarray(j).dtype == want, f"{op} {dtype.value}: JAX output {i} is " \

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import hypothesis.extra.numpy as hnp
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -58,6 +59,7 @@ def _batch_shapes(draw: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return a, b
 
 
+@pytest.mark.slow  # the sweep (~10 s); the fixed cases below run in the fast step
 @settings(max_examples=25, deadline=None)
 @given(_batch_shapes(), DIMS, DIMS, DIMS, st.booleans(), st.booleans(), SEEDS)
 def test_batch_matmul(
@@ -73,6 +75,15 @@ def test_batch_matmul(
     a = _operand(rng, batches[0], m, k, ta)
     b = _operand(rng, batches[1], k, n, tb)
     check_op("BatchMatMul", [a, b], {"transpose_a": ta, "transpose_b": tb}, _ref_matmul(ta, tb))
+
+
+@pytest.mark.parametrize(("batches", "ta", "tb"), [
+    (((2, 1), (3,)), True, False),  # batch dims broadcast both ways
+    (((), (1, 2)), False, True),  # a rank-2 a against batched b
+])
+def test_batch_matmul_fixed_cases(batches: tuple[tuple[int, ...], tuple[int, ...]], ta: bool,
+                                  tb: bool) -> None:
+    test_batch_matmul.hypothesis.inner_test(batches, 2, 3, 4, ta, tb, 5)
 
 
 @settings(max_examples=10, deadline=None)
@@ -171,8 +182,9 @@ def test_a_constant_signed_permutation_is_lowered_as_column_moves(d: int, tb: bo
     assert "permutation" in attrs
     a = rng.standard_normal(shape).astype(np.float32)
     want = a @ (matrix.T if tb else matrix)
-    np.testing.assert_array_equal(np.asarray(get_op(op).jax(jnp.asarray(a), matrix, **attrs)),
-                                  want)
+    # jitted: eagerly, every slice and negation would compile on its own
+    lowered = jax.jit(lambda v: get_op(op).jax(v, matrix, **attrs))(a)
+    np.testing.assert_array_equal(np.asarray(lowered), want)
     # not a signed permutation: a scaled one; one with a second entry in a row (d >= 2)
     others = [matrix * 2] + ([np.abs(matrix) + np.roll(np.abs(matrix), 1, axis=1)]
                              if d >= 2 else [])

@@ -20,19 +20,11 @@ from pcompile.ir.core import Graph, GraphParam
 from pcompile.ir.errors import OpError
 from pcompile.ir.types import DType, TensorType
 from pcompile.passes.autodiff import append_gradients
-from tests.op_harness import check_op as _check_op
+from tests.op_harness import check_op
 
 SEEDS = st.integers(0, 2**31 - 1)
 EXAMPLES = settings(max_examples=10, deadline=None)
 HIGHEST = lax.Precision.HIGHEST
-
-
-def check_op(
-    op: str, inputs: list[np.ndarray], attrs: dict[str, Any], reference: Any, **kwargs: Any
-) -> None:
-    """`tests.op_harness.check_op` with the JAX reference jitted (eager JAX compiles every
-    primitive separately, which dominates the run time of these tests)."""
-    _check_op(op, inputs, attrs, jax.jit(reference), **kwargs)
 
 
 def _rand(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> np.ndarray:
@@ -112,6 +104,7 @@ def _layer_norm_ref(x: Any, g: Any, b: Any, bna: int, eps: float) -> Any:
     return (x - mean) / jnp.sqrt(var + eps) * g + b
 
 
+@pytest.mark.slow  # the sweep (~10 s); the fixed cases below run in the fast step
 @EXAMPLES
 @given(_layer_norm_case(), SEEDS)
 def test_layer_norm(case: tuple[tuple[int, ...], int, int, float], seed: int) -> None:
@@ -124,6 +117,12 @@ def test_layer_norm(case: tuple[tuple[int, ...], int, int, float], seed: int) ->
     )
 
 
+@pytest.mark.parametrize("case", [((2, 3, 4), -1, -2, 1e-3), ((3, 5), 0, 1, 1e-5)])
+def test_layer_norm_fixed_cases(case: tuple[tuple[int, ...], int, int, float]) -> None:
+    """Parameters wider than the normalised axes, and a normalisation over every axis."""
+    test_layer_norm.hypothesis.inner_test(case, 7)
+
+
 def test_layer_norm_defaults() -> None:
     x, g, b = _rand((4, 3, 5), 0), _rand((3, 5), 1), _rand((3, 5), 2)
     check_op(
@@ -134,6 +133,7 @@ def test_layer_norm_defaults() -> None:
 # -- cross entropy --------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the sweep (~7 s); the fixed cases below run in the fast step
 @EXAMPLES
 @given(st.integers(1, 5), st.integers(1, 6), st.booleans(), SEEDS)
 def test_softmax_cross_entropy(n: int, c: int, normalised: bool, seed: int) -> None:
@@ -148,11 +148,17 @@ def test_softmax_cross_entropy(n: int, c: int, normalised: bool, seed: int) -> N
     check_op("SoftmaxCrossEntropyWithLogits", [logits, labels], {}, ref)
 
 
+@pytest.mark.parametrize(("n", "c", "normalised"), [(3, 4, True), (2, 5, False)])
+def test_softmax_cross_entropy_fixed_cases(n: int, c: int, normalised: bool) -> None:
+    test_softmax_cross_entropy.hypothesis.inner_test(n, c, normalised, 2)
+
+
 def _sparse_ref(z: Any, y: Any) -> Any:
     picked = jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), y[:, None], axis=1)
     return -jnp.mean(picked)
 
 
+@pytest.mark.slow  # the sweep (~10 s); the fixed cases below run in the fast step
 @EXAMPLES
 @given(st.integers(1, 6), st.integers(1, 6), st.sampled_from([np.int32, np.int64]), SEEDS)
 def test_sparse_softmax_cross_entropy(n: int, c: int, dtype: Any, seed: int) -> None:
@@ -168,6 +174,11 @@ def test_sparse_softmax_cross_entropy(n: int, c: int, dtype: Any, seed: int) -> 
         lambda z, y: jax.grad(_sparse_ref)(z, y),
         grad=False,
     )
+
+
+@pytest.mark.parametrize(("n", "c", "dtype"), [(4, 5, np.int64), (2, 1, np.int32)])
+def test_sparse_softmax_cross_entropy_fixed_cases(n: int, c: int, dtype: Any) -> None:
+    test_sparse_softmax_cross_entropy.hypothesis.inner_test(n, c, dtype, 3)
 
 
 # -- Conv2D ---------------------------------------------------------------------------------
@@ -247,11 +258,31 @@ def test_conv2d_gradient_with_a_pad_as_wide_as_the_kernel() -> None:
     np.testing.assert_allclose(np.asarray(grad).ravel(), brute, rtol=bound, atol=bound * scale)
 
 
+@pytest.mark.slow  # the sweep (~10 s); the fixed cases below run in the fast step
 @settings(max_examples=15, deadline=None)
 @given(_conv_case(), SEEDS)
 def test_conv2d(case: dict[str, Any], seed: int) -> None:
     x, w = _rand(case["x"], seed), _rand(case["w"], seed + 1)
     check_op("Conv2D", [x, w], case["attrs"], _conv_ref(case["attrs"]))
+
+
+def _conv_attrs(cout: int, kernel: tuple[int, int], stride: tuple[int, int],
+                dilation: tuple[int, int], pad_mode: str, pad: tuple[int, ...], group: int
+                ) -> dict[str, Any]:
+    return {"out_channel": cout, "kernel_size": kernel, "stride": stride, "dilation": dilation,
+            "pad_mode": pad_mode, "pad": pad, "group": group}
+
+
+@pytest.mark.parametrize("case", [
+    # two groups, valid, a stride and a dilation along different axes
+    {"x": (2, 4, 7, 6), "w": (4, 2, 2, 3),
+     "attrs": _conv_attrs(4, (2, 3), (1, 2), (2, 1), "valid", (0, 0, 0, 0), 2)},
+    # an uneven explicit pad with stride 2 (same mode: test_conv2d_mindspore_style_attrs)
+    {"x": (1, 3, 5, 5), "w": (2, 3, 3, 3),
+     "attrs": _conv_attrs(2, (3, 3), (2, 2), (1, 1), "pad", (1, 0, 2, 1), 1)},
+], ids=["group2-valid", "pad-stride2"])
+def test_conv2d_fixed_cases(case: dict[str, Any]) -> None:
+    test_conv2d.hypothesis.inner_test(case, 5)
 
 
 @settings(max_examples=6, deadline=None)
@@ -310,6 +341,7 @@ def _window_args(attrs: dict[str, Any]) -> tuple[Any, Any, str]:
     return (1, 1) + attrs["kernel_size"], (1, 1) + attrs["strides"], attrs["pad_mode"].upper()
 
 
+@pytest.mark.slow  # the sweep (~7 s); the fixed cases below run in the fast step
 @EXAMPLES
 @given(_pool_case(), SEEDS)
 def test_max_pool(case: tuple[tuple[int, ...], dict[str, Any]], seed: int) -> None:
@@ -321,6 +353,14 @@ def test_max_pool(case: tuple[tuple[int, ...], dict[str, Any]], seed: int) -> No
 
     # Continuous random data: no ties inside a window.
     check_op("MaxPool", [_rand(shape, seed)], attrs, ref)
+
+
+@pytest.mark.parametrize("case", [
+    ((2, 3, 5, 6), {"kernel_size": (2, 3), "strides": (2, 1), "pad_mode": "VALID"}),
+    ((1, 2, 4, 5), {"kernel_size": (3, 2), "strides": (2, 3), "pad_mode": "same"}),
+], ids=["valid", "same"])
+def test_max_pool_fixed_cases(case: tuple[tuple[int, ...], dict[str, Any]]) -> None:
+    test_max_pool.hypothesis.inner_test(case, 4)
 
 
 @EXAMPLES
@@ -460,6 +500,7 @@ def _rms_case(draw: Any) -> tuple[tuple[int, ...], int]:
     return shape, draw(st.integers(1, len(shape)))
 
 
+@pytest.mark.slow  # the sweep (~10 s); the fixed cases below run in the fast step
 @settings(max_examples=15, deadline=None)
 @given(_rms_case(), st.sampled_from([1e-6, 1e-5, 0.5]), st.integers(0, 2**31 - 1))
 def test_rms_norm(case: tuple[tuple[int, ...], int], epsilon: float, seed: int) -> None:
@@ -472,6 +513,7 @@ def test_rms_norm(case: tuple[tuple[int, ...], int], epsilon: float, seed: int) 
     check_op("RmsNorm", [x, gamma], {"epsilon": epsilon}, _rms_norm_ref(epsilon), seed=seed)
 
 
+@pytest.mark.slow  # the sweep (~7 s); the fixed cases below run in the fast step
 @settings(max_examples=10, deadline=None)
 @given(_rms_case(), st.sampled_from([np.float16, ml_dtypes.bfloat16]), st.integers(0, 2**31 - 1))
 def test_rms_norm_low_precision(case: tuple[tuple[int, ...], int], dtype: Any, seed: int) -> None:
@@ -480,6 +522,18 @@ def test_rms_norm_low_precision(case: tuple[tuple[int, ...], int], dtype: Any, s
     x = rng.standard_normal(shape).astype(dtype)
     gamma = rng.standard_normal(shape[len(shape) - k:]).astype(dtype)
     check_op("RmsNorm", [x, gamma], {}, _rms_norm_ref(1e-6), seed=seed)
+
+
+@pytest.mark.parametrize(("case", "epsilon"), [(((2, 3, 4), 2), 0.5), (((5,), 1), 1e-6)])
+def test_rms_norm_fixed_cases(case: tuple[tuple[int, ...], int], epsilon: float) -> None:
+    """A gamma over two axes with a large epsilon, and a rank-1 input."""
+    test_rms_norm.hypothesis.inner_test(case, epsilon, 11)
+
+
+@pytest.mark.parametrize(("case", "dtype"), [(((3, 8), 1), np.float16),
+                                           (((2, 2, 5), 2), ml_dtypes.bfloat16)])
+def test_rms_norm_low_precision_fixed_cases(case: tuple[tuple[int, ...], int], dtype: Any) -> None:
+    test_rms_norm_low_precision.hypothesis.inner_test(case, dtype, 13)
 
 
 def test_rms_norm_default_epsilon_and_grad_op() -> None:

@@ -237,6 +237,7 @@ def _gather_case(draw: Any) -> tuple[tuple[int, ...], int, np.ndarray]:
     return shape, axis, indices
 
 
+@pytest.mark.slow  # the sweep (~10 s); the fixed cases below run in the fast step
 @settings(max_examples=25, deadline=None)
 @given(_gather_case(), SEEDS)
 def test_gather(case: tuple[tuple[int, ...], int, np.ndarray], seed: int) -> None:
@@ -249,6 +250,7 @@ def test_gather(case: tuple[tuple[int, ...], int, np.ndarray], seed: int) -> Non
     )
 
 
+@pytest.mark.slow  # the sweep (~10 s); the fixed cases below run in the fast step
 @EXAMPLES
 @given(_gather_case(), SEEDS)
 def test_gather_grad(case: tuple[tuple[int, ...], int, np.ndarray], seed: int) -> None:
@@ -261,6 +263,17 @@ def test_gather_grad(case: tuple[tuple[int, ...], int, np.ndarray], seed: int) -
         return jnp.zeros(shape, dy.dtype).at[index + (i,)].add(dy)
 
     check_op("GatherGrad", [_rand(dy_shape, seed), indices], {"shape": shape, "axis": axis}, ref)
+
+
+#: Repeated and negative indices along the first axis; one scalar index along the last.
+GATHER_CASES = [((4, 3), 0, np.array([[3, -1], [0, 3]], np.int32)),
+                ((2, 3, 4), -1, np.array(2, np.int64))]
+
+
+@pytest.mark.parametrize("case", GATHER_CASES, ids=["repeated-negative", "scalar-index"])
+def test_gather_fixed_cases(case: tuple[tuple[int, ...], int, np.ndarray]) -> None:
+    test_gather.hypothesis.inner_test(case, 5)
+    test_gather_grad.hypothesis.inner_test(case, 6)
 
 
 # -- OneHot ---------------------------------------------------------------------------------

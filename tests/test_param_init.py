@@ -184,6 +184,9 @@ print("REPORT " + json.dumps(report))
 """
 
 
+# slow: an 8-device worker process (~17 s); test_device_blocks_equal_numpy_bit_for_bit checks
+# device_block's values on this process's device
+@pytest.mark.slow
 def test_blocks_on_eight_devices_equal_the_single_device_initialisation() -> None:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", WORKER], capture_output=True, text=True,
