@@ -410,6 +410,7 @@ def test_merge_never_replaces_a_file_it_did_not_write(tmp_path) -> None:
     assert merge_cli(tmp_path).returncode == 0
 
 
+@pytest.mark.slow  # a multi-process run (~11 s of CPU)
 def test_a_full_disk_in_a_rank_program_is_one_message_and_resume_works(tmp_path) -> None:
     """The rank program (2 ranks on 2 virtual CPU devices): its background write of the final
     checkpoint (step 4) fails as on a full disk; the run ends with exit status 2 and one line

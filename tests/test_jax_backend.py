@@ -79,6 +79,7 @@ def assert_agrees_in_float64(result: dict, what: str) -> None:
         assert result[against]["param"] <= bound, (what, against, result)
 
 
+@pytest.mark.slow  # a multi-process run (~11 s of CPU)
 def test_adafactor_spmd_equals_numpy_simulator_and_single_device() -> None:
     """nn.AdaFactor's row/column statistics and their group AllReduces lower to JAX: two
     steps agree with the numpy simulator and one device (float64), with and without the

@@ -284,6 +284,7 @@ def test_out_is_created_with_the_users_umask(tmp_path) -> None:
         assert stat.S_IMODE(os.stat(out / "plan.json").st_mode) == file_mode
 
 
+@pytest.mark.slow  # a multi-process run (~11 s of CPU)
 def test_a_killed_compile_never_damages_the_previous_output(tmp_path) -> None:
     """SIGKILL a recompile at a few points in its life: --out is always a whole compile."""
     out = tmp_path / "out"

@@ -191,6 +191,7 @@ def test_model_flops_are_counted_on_the_traced_graph(model_path, tmp_path) -> No
 # -- a rank program run, then resumed ------------------------------------------------------------
 
 
+@pytest.mark.slow  # a multi-process run (~11 s of CPU)
 def test_a_run_reports_its_start_up_metrics_and_a_resume_counts_its_own_steps(
         model_path, tmp_path) -> None:
     out = tmp_path / "out"

@@ -21,6 +21,7 @@ from pcompile.compiler.oracle import FLOAT64_RTOL
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # a multi-process run (~11 s of CPU)
 def test_training_forms_on_jax_spmd_equal_the_simulator_and_one_device() -> None:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "tests.train_forms_worker"], cwd=ROOT,
