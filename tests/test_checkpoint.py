@@ -32,6 +32,7 @@ from pcompile.backends.checkpoint import (
     tensors_path,
     write_checkpoint,
 )
+from tests.multiprocess import clean_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # w (4, 6) split over 2 ranks along dim 0: each rank holds (2, 6); b replicated.
@@ -421,9 +422,7 @@ def test_a_full_disk_in_a_rank_program_is_one_message_and_resume_works(tmp_path)
     out = tmp_path / "out"
     compile_model(os.path.join(ROOT, "examples", "quickstart.py"), devices=2,
                   parallel_mode="data_parallel", out_dir=str(out))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PCOMPILE_", "OMPI_",
-                                                                     "SLURM_", "PMI_"))}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = clean_env()
     run = [sys.executable, str(out / "rank_0" / "program.py"), "--checkpoint-every", "2"]
     proc = subprocess.run(run + ["--steps", "4"], capture_output=True, text=True, timeout=300,
                           env=dict(env, PCOMPILE_FAULT_INJECT="1:4:checkpoint-enospc"))

@@ -18,6 +18,7 @@ from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.runtime import batches, rank_batches, slice_rows
 from pcompile.ir.errors import PcompileError
 from pcompile.passes.step_parallel import slice_array
+from tests.multiprocess import mlp_source
 
 
 @pytest.fixture(autouse=True)
@@ -265,41 +266,7 @@ def test_a_partial_global_batch_is_one_message(tmp_path) -> None:
         list(batches(program, 3))
 
 
-RUN_MODEL = """
-import numpy as np
-import pcompile.dataset as ds
-from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
-
-set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="data_parallel")
-
-
-class Net(nn.Cell):
-    def __init__(self):
-        super().__init__()
-        self.w = Parameter(initializer("normal", [16, 8]), "w")
-        self.matmul = ops.MatMul().shard(((2, 2), (2, 1)))
-
-    def construct(self, x):
-        return self.matmul(x, self.w)
-
-
-def model():
-    set_seed(3)
-    return Net()
-
-
-def inputs():
-    return (np.zeros((8, 16), np.float32),)
-
-
-def loss():
-    return nn.MSELoss()
-
-
-def optimizer(params):
-    return nn.Momentum(params, learning_rate=0.1, momentum=0.9)
-
-
+RUN_MODEL = mlp_source("((2, 2), (2, 1))", imports="import pcompile.dataset as ds\n", data='''
 def data():
     set_seed(11)
     rng = np.random.default_rng(5)
@@ -316,7 +283,7 @@ if PLAIN:  # the same global batches, three epochs in one pass of a plain iterab
 else:
     def dataset():
         return data()
-"""
+''')
 
 
 @pytest.mark.slow

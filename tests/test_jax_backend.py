@@ -26,6 +26,7 @@ from pcompile.backends.jax.plan import (
 )
 from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import FLOAT64_RTOL
+from tests.multiprocess import clean_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE_CASES = [
@@ -223,9 +224,7 @@ def test_rank_program_runs_every_rank_in_one_process(tmp_path) -> None:
     out = tmp_path / "out"
     program = compile_model(os.path.join(ROOT, "examples", "quickstart.py"), devices=8,
                             parallel_mode="semi_auto_parallel", out_dir=str(out))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PCOMPILE_", "OMPI_",
-                                                                     "SLURM_", "PMI_"))}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = clean_env()
     proc = subprocess.run([sys.executable, str(out / "rank_0" / "program.py"), "--steps", "3"],
                           capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -22,53 +22,12 @@ from pcompile.backends.launcher import launch
 from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import rounding_rtol
 from pcompile.compiler.runtime import StandAloneRunner, batches
+from tests.multiprocess import clean_env, mlp_source
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(ROOT, "cli.py")
 
-MODEL = """
-import numpy as np
-from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
-
-set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="data_parallel")
-
-
-class Net(nn.Cell):
-    def __init__(self):
-        super().__init__()
-        self.w = Parameter(initializer("normal", [16, 8]), "w")
-        self.w2 = Parameter(initializer("normal", [8, 8]), "w2")
-        self.matmul = ops.MatMul().shard(((2, 2), (2, 1)))
-        self.relu = ops.ReLU()
-        self.matmul2 = ops.MatMul()
-
-    def construct(self, x):
-        return self.matmul2(self.relu(self.matmul(x, self.w)), self.w2)
-
-
-def model():
-    set_seed(3)
-    return Net()
-
-
-def inputs():
-    return (np.zeros((8, 16), np.float32),)
-
-
-def loss():
-    return nn.MSELoss()
-
-
-def optimizer(params):
-    return nn.Momentum(params, learning_rate=0.1, momentum=0.9)
-
-
-def dataset():
-    rng = np.random.default_rng(7)
-    for _ in range(3):
-        yield (rng.standard_normal((8, 16)).astype(np.float32),
-               rng.standard_normal((8, 8)).astype(np.float32))
-"""
+MODEL = mlp_source("((2, 2), (2, 1))", relu_matmul=True)
 
 
 @pytest.fixture(scope="module")
@@ -78,18 +37,11 @@ def model_path(tmp_path_factory) -> str:
     return str(path)
 
 
-def env() -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PCOMPILE_", "OMPI_", "SLURM_", "PMI_"))}
-    out["JAX_PLATFORMS"] = "cpu"
-    return out
-
-
 def cli(model: str, out: str, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, CLI, model, "--devices", "4", "--parallel-mode", "semi_auto_parallel",
          "--out", out, "--no-check", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(), cwd=ROOT)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(), cwd=ROOT)
 
 
 def losses(out, rank: int = 0) -> list[float]:
@@ -148,7 +100,7 @@ def test_four_processes_train_like_one_device_and_merge(model_path, tmp_path) ->
     assert (out / "rank_0" / "train.log").read_text().splitlines()[3].startswith(
         "epoch: 2 step: 1, loss is ")
     merge = subprocess.run([sys.executable, "-m", "pcompile.backends.checkpoint", str(out)],
-                           cwd=ROOT, capture_output=True, text=True, env=env())
+                           cwd=ROOT, capture_output=True, text=True, env=clean_env())
     assert merge.returncode == 0, merge.stderr
     # the merge is safetensors, read by safetensors itself
     merged = load_file(str(out / "merged_step_00000005.safetensors"))
@@ -216,7 +168,7 @@ def test_resume_after_a_failure_is_bit_identical(model_path, tmp_path) -> None:
         compile_model(model_path, devices=4, out_dir=str(out))
     quiet = lambda line: None  # noqa: E731
     assert launch(str(straight), steps=7, processes=2, echo=quiet).code == 0
-    failing = dict(env(), PCOMPILE_FAULT_INJECT="3:6")  # rank 3 raises at step 6
+    failing = dict(clean_env(), PCOMPILE_FAULT_INJECT="3:6")  # rank 3 raises at step 6
     result = launch(str(resumed), steps=7, processes=2, checkpoint_every=2, env=failing,
                     echo=quiet)
     assert result.code == 1 and result.failed_rank == 2  # process 1 runs ranks 2 and 3
@@ -254,7 +206,7 @@ def test_a_kill_during_a_background_checkpoint_write_keeps_the_previous_one(mode
         compile_model(model_path, devices=4, out_dir=str(out))
     said: list[str] = []
     assert launch(str(straight), steps=7, processes=2, echo=said.append).code == 0
-    failing = dict(env(), PCOMPILE_FAULT_INJECT="3:4:checkpoint-kill")
+    failing = dict(clean_env(), PCOMPILE_FAULT_INJECT="3:4:checkpoint-kill")
     result = launch(str(resumed), steps=7, processes=2, checkpoint_every=2, env=failing,
                     echo=said.append)
     assert result.code == 1 and result.failed_rank == 2, result.message
@@ -328,7 +280,7 @@ def test_resume_falls_back_past_a_damaged_checkpoint(model_path, tmp_path) -> No
         compile_model(model_path, devices=4, out_dir=str(out))
     said: list[str] = []
     assert launch(str(straight), steps=7, processes=2, echo=said.append).code == 0
-    failing = dict(env(), PCOMPILE_FAULT_INJECT="3:6")
+    failing = dict(clean_env(), PCOMPILE_FAULT_INJECT="3:6")
     assert launch(str(resumed), steps=7, processes=2, checkpoint_every=2, env=failing,
                   echo=said.append).code == 1
     ckpt = resumed / "checkpoints"
@@ -402,7 +354,7 @@ def test_two_processes_started_by_torchrun_conventions_are_one_job(model_path,
     port = str(free_port())
     procs = [subprocess.Popen(
         [sys.executable, str(out / "rank_0" / "program.py"), "--steps", "3"],
-        env=dict(env(), RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+        env=dict(clean_env(), RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
         for r in range(2)]
@@ -431,7 +383,7 @@ def test_hybrid_parallel_seed_trains_on_eight_processes_like_one_device(tmp_path
     proc = subprocess.run(
         [sys.executable, CLI, model, "--devices", "8", "--out", str(out), "--no-check",
          "--run", "--steps", "3"],
-        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=600)
+        capture_output=True, text=True, env=clean_env(), cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     parallel = compile_model(model, devices=8, dump=False)
     assert parallel.state.parallel_mode == "hybrid_parallel"
@@ -464,7 +416,7 @@ def test_a_symlinked_run_log_is_replaced_not_written_through(model_path, tmp_pat
         (out / f"rank_{rank}" / "run.log").unlink(missing_ok=True)
         (out / f"rank_{rank}" / "run.log").symlink_to(victim)
     result = launch(str(out), steps=1, python=shutil.which("true"), echo=lambda _: None,
-                    env=env())
+                    env=clean_env())
     assert result.code == 0, result.message
     assert victim.read_text() == "precious\n"
     for rank in range(4):
@@ -476,7 +428,7 @@ def test_a_symlinked_run_log_is_replaced_not_written_through(model_path, tmp_pat
     shutil.rmtree(out / "rank_1")
     (out / "rank_1").symlink_to(elsewhere, target_is_directory=True)
     with pytest.raises(LaunchError, match="symbolic link"):
-        launch(str(out), steps=1, python=shutil.which("true"), echo=lambda _: None, env=env())
+        launch(str(out), steps=1, python=shutil.which("true"), echo=lambda _: None, env=clean_env())
     assert os.listdir(elsewhere) == []
 
 

@@ -14,51 +14,11 @@ import time
 
 import pytest
 
+from tests.multiprocess import clean_env, mlp_source
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-MODEL8 = """
-import numpy as np
-from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
-
-set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="data_parallel")
-
-
-class Net(nn.Cell):
-    def __init__(self):
-        super().__init__()
-        self.w = Parameter(initializer("normal", [16, 8]), "w")
-        self.w2 = Parameter(initializer("normal", [8, 8]), "w2")
-        self.matmul = ops.MatMul().shard(((2, 4), (4, 1)))
-        self.relu = ops.ReLU()
-        self.matmul2 = ops.MatMul()
-
-    def construct(self, x):
-        return self.matmul2(self.relu(self.matmul(x, self.w)), self.w2)
-
-
-def model():
-    set_seed(3)
-    return Net()
-
-
-def inputs():
-    return (np.zeros((8, 16), np.float32),)
-
-
-def loss():
-    return nn.MSELoss()
-
-
-def optimizer(params):
-    return nn.Momentum(params, learning_rate=0.1, momentum=0.9)
-
-
-def dataset():
-    rng = np.random.default_rng(7)
-    for _ in range(3):
-        yield (rng.standard_normal((8, 16)).astype(np.float32),
-               rng.standard_normal((8, 8)).astype(np.float32))
-"""
+MODEL8 = mlp_source("((2, 4), (4, 1))", relu_matmul=True)
 
 
 @pytest.fixture(scope="module")
@@ -68,20 +28,12 @@ def model8(tmp_path_factory) -> str:
     return str(path)
 
 
-def env(**extra: str) -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PCOMPILE_", "OMPI_", "SLURM_", "PMI_"))}
-    out["JAX_PLATFORMS"] = "cpu"
-    out.update(extra)
-    return out
-
-
 def start(model: str, out, *flags: str, **extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "pcompile", model, "--devices", "8", "--parallel-mode",
          "semi_auto_parallel", "--out", str(out), "--no-check", "--run", "--steps", "1000000",
-         *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(**extra),
-        cwd=ROOT)
+         *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=clean_env(**extra), cwd=ROOT)
 
 
 def wait_for(predicate, proc: subprocess.Popen[str], timeout: float = 180.0) -> None:

@@ -31,6 +31,7 @@ import pytest
 from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import FLOAT64_RTOL, check, low_precision_bound, relative_error
 from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
+from tests.multiprocess import clean_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "examples", "llama.py")
@@ -189,9 +190,7 @@ def test_an_overflowing_loss_scale_skips_the_step_like_one_device(monkeypatch: A
 
 
 def _launch(tmp_path: Any, steps: int, **env: str) -> Any:
-    run_env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("PCOMPILE_", "OMPI_", "SLURM_", "PMI_", "LLAMA_"))}
-    run_env.update(JAX_PLATFORMS="cpu", **{f"LLAMA_{k}": v for k, v in env.items()})
+    run_env = clean_env("LLAMA_", **{f"LLAMA_{k}": v for k, v in env.items()})
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "pcompile", LLAMA, "--devices", "8", "--out", str(out),

@@ -18,6 +18,7 @@ import pytest
 from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import check
 from pcompile.compiler.runtime import StandAloneRunner, batches
+from tests.multiprocess import clean_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIXTRAL = os.path.join(ROOT, "examples", "mixtral.py")
@@ -130,9 +131,7 @@ def test_8_processes_train_like_one_device(monkeypatch: Any, tmp_path: Any) -> N
     program's losses on 8 JAX processes against the float64 single-device program, within
     t x eps x K at step t (K the longest reduction: test_llama's rule)."""
     steps = 3
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PCOMPILE_", "MIXTRAL_", "LLAMA_"))}
-    env.update(JAX_PLATFORMS="cpu", MIXTRAL_DTYPE="float32")
+    env = clean_env("MIXTRAL_", "LLAMA_", MIXTRAL_DTYPE="float32")
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "pcompile", MIXTRAL, "--devices", "8", "--out", str(out),

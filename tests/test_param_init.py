@@ -28,6 +28,7 @@ from pcompile.compiler.initializer import (
     set_seed,
 )
 from pcompile.ir.types import DType
+from tests.multiprocess import clean_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLOATS = [DType.float32, DType.bfloat16, DType.float16, DType.float64]
@@ -210,9 +211,7 @@ def test_rank_program_makes_the_same_state_on_the_device_and_on_the_host(tmp_pat
     out = tmp_path / "out"
     compile_model(os.path.join(ROOT, "examples", "gpt_block.py"), devices=8,
                   parallel_mode="semi_auto_parallel", out_dir=str(out))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PCOMPILE_", "OMPI_",
-                                                                     "SLURM_", "PMI_"))}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = clean_env()
     runs = {}
     for where in ("device", "host"):
         ckpt = tmp_path / f"ckpt_{where}"

@@ -19,16 +19,10 @@ import pytest
 from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import FLOAT64_RTOL, rounding_rtol
 from pcompile.compiler.runtime import StandAloneRunner, batches
+from tests.multiprocess import clean_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT = os.path.join(ROOT, "examples", "gpt_block.py")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PCOMPILE_", "OMPI_", "SLURM_", "PMI_"))}
-    out.update(JAX_PLATFORMS="cpu", **extra)
-    return out
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from pcompile.backends.placement import (
 )
 from pcompile.compiler.driver import compile as compile_model
 from pcompile.ir.errors import PcompileError
+from tests.multiprocess import mlp_source
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(ROOT, "cli.py")
@@ -85,46 +86,7 @@ def test_resolve_platform() -> None:
         resolve_platform("gpu", lambda: 0)
 
 
-MODEL = """
-import numpy as np
-from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
-
-set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="data_parallel")
-
-
-class Net(nn.Cell):
-    def __init__(self):
-        super().__init__()
-        self.w = Parameter(initializer("normal", [16, 8]), "w")
-        self.matmul = ops.MatMul().shard(((4, 1), (1, 1)))
-
-    def construct(self, x):
-        return self.matmul(x, self.w)
-
-
-def model():
-    set_seed(3)
-    return Net()
-
-
-def inputs():
-    return (np.zeros((8, 16), np.float32),)
-
-
-def loss():
-    return nn.MSELoss()
-
-
-def optimizer(params):
-    return nn.Momentum(params, learning_rate=0.1, momentum=0.9)
-
-
-def dataset():
-    rng = np.random.default_rng(7)
-    for _ in range(3):
-        yield (rng.standard_normal((8, 16)).astype(np.float32),
-               rng.standard_normal((8, 8)).astype(np.float32))
-"""
+MODEL = mlp_source("((4, 1), (1, 1))")
 
 # Stands in for the Python interpreter: records its environment and arguments, exits 0.
 RECORDER = """#!/bin/sh

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from pcompile.cli import main
 from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.progress import LossMonitor, log, setup_logging
+from tests.multiprocess import clean_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")
@@ -100,13 +101,6 @@ def test_run_prints_every_k_steps(tmp_path) -> None:
     assert bad.exit_code == 2 and "--print-every" in bad.output and "--run" in bad.output
 
 
-def _env() -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PCOMPILE_", "OMPI_", "SLURM_", "PMI_", "RANK", "WORLD_SIZE"))}
-    out["JAX_PLATFORMS"] = "cpu"
-    return out
-
-
 @pytest.mark.slow
 def test_only_process_zero_prints_losses(tmp_path) -> None:
     """Two processes started with torchrun's variables (as mpirun/srun would start them): process
@@ -122,8 +116,8 @@ def test_only_process_zero_prints_losses(tmp_path) -> None:
         procs = [subprocess.Popen(
             [sys.executable, str(out / "program.py"), "--steps", "4", "--no-checkpoint",
              *flags],
-            env=dict(_env(), RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
-                     MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+            env=clean_env("RANK", "WORLD_SIZE", RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
             for r in range(2)]
         outputs = []

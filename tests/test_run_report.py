@@ -17,55 +17,16 @@ import pytest
 from pcompile.backends import run_report
 from pcompile.backends.launcher import LaunchResult, tail
 from pcompile.compiler.driver import compile as compile_model
+from tests.multiprocess import clean_env, mlp_source
 
 HAVE_TENSORBOARDX = importlib.util.find_spec("tensorboardX") is not None
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(ROOT, "cli.py")
 
-MODEL = """
-import numpy as np
-from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
-
-set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="data_parallel")
-
-
-class Net(nn.Cell):
-    def __init__(self):
-        super().__init__()
-        self.w = Parameter(initializer("normal", [16, 8]), "w")
-        self.matmul = ops.MatMul().shard(((2, 1), (1, 1)))
-
-    def construct(self, x):
-        return self.matmul(x, self.w)
-
-
-def model():
-    set_seed(3)
-    return Net()
-
-
-def inputs():
-    return (np.zeros((8, 16), np.float32),)
-
-
-def loss():
-    return nn.MSELoss()
-
-
-def optimizer(params):
-    return nn.Momentum(params, learning_rate=0.1, momentum=0.9)
-
-
+MODEL = mlp_source("((2, 1), (1, 1))", data='''
 def labels():
     return (np.zeros((8, 8), np.float32),)
-"""
-
-
-def env() -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PCOMPILE_", "OMPI_", "SLURM_", "PMI_"))}
-    out["JAX_PLATFORMS"] = "cpu"
-    return out
+''')
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +161,7 @@ def test_a_run_reports_its_start_up_metrics_and_a_resume_counts_its_own_steps(
     def run(*args: str) -> str:
         proc = subprocess.run(
             [sys.executable, str(out / "program.py"), *args],
-            capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
+            capture_output=True, text=True, env=clean_env(), cwd=ROOT, timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return proc.stdout
 

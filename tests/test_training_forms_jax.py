@@ -17,6 +17,7 @@ import pytest
 
 from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import FLOAT64_RTOL
+from tests.multiprocess import clean_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,9 +52,7 @@ def test_train_step_example_trains_on_8_processes(tmp_path: Any) -> None:
     of each other."""
     from pcompile.compiler.runtime import ParallelRunner, batches
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PCOMPILE_", "OMPI_",
-                                                                     "SLURM_", "PMI_"))}
-    env.update(JAX_PLATFORMS="cpu", TRAIN_STEP_INF_AT="3")
+    env = clean_env(TRAIN_STEP_INF_AT="3")
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "pcompile", os.path.join(ROOT, "examples", "train_step.py"),
