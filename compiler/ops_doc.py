@@ -1,8 +1,8 @@
 """docs/ops.md, generated: the primitive tables from the op registry, the functional-name
 tables from the namespaces themselves.
 
-`python -m pcompile.compiler.ops_doc` rewrites the whole page; tests/test_functional_ops.py
-fails when the page and what this module generates disagree, tests/test_ops_dtypes.py when an
+`python -m pcompile.compiler.ops_doc` rewrites the whole page; tests/compiler/test_functional_ops.py
+fails when the page and what this module generates disagree, tests/ir/test_ops_dtypes.py when an
 op has no `OpDoc` record or its record names a test that does not exist.
 
 * Primitives: one row per registered op, from the `OpDoc` record next to its declaration in
@@ -136,11 +136,13 @@ def spellings(op: str) -> list[str]:
 
 
 def is_a_test(test: str) -> bool:
-    """`test` ("test_ops_nn.py::test_softmax") names a function defined in that file of tests/."""
+    """`test` ("test_ops_nn.py::test_softmax") names a function defined in that file of tests/
+    (in the one room of tests/ that holds a file of that name)."""
     file, _, name = test.partition("::")
-    path = TESTS / file
-    if not name or "/" in file or not path.is_file():
+    found = sorted(TESTS.glob(f"*/{file}")) if name and "/" not in file else []
+    if len(found) != 1:
         return False
+    path = found[0]
     return re.search(rf"^def {re.escape(name)}\(", path.read_text(encoding="utf-8"),
                      re.M) is not None
 
@@ -158,7 +160,7 @@ def problems() -> list[str]:
             continue
         if not page.tests:
             out.append(f"{name}'s OpDoc names no test")
-        out += [f"{name}'s OpDoc names {t}, which is not a test function in tests/"
+        out += [f"{name}'s OpDoc names {t}, which is not a test function in tests/*/"
                 for t in page.tests if not is_a_test(t)]
         if page.grad_of and page.grad_of not in ops:
             out.append(f"{name} is the gradient helper of {page.grad_of}, which is not an op")

@@ -17,17 +17,18 @@ Each op is declared once in `ir/ops/*.py` (see [CONTRIBUTING-ops.md](CONTRIBUTIN
 This page is generated (`python -m pcompile.compiler.ops_doc`): the tables and the notes under
 them from the `OpDoc` record next to each op's declaration, the functional tables from the
 `ops`, `mint` and `mint.nn.functional` namespaces. `test_ops_page_lists_every_functional_name`
-(in `tests/test_functional_ops.py`) fails when the page differs from what the registry and the
-namespaces generate, and `tests/test_ops_dtypes.py::test_every_op_has_a_doc_record` when an op
-has no record, names a test that does not exist, or claims a sharding rule `ir/sharding.py`
-does not have (or the reverse).
+(in `tests/compiler/test_functional_ops.py`) fails when the page differs from what the registry
+and the namespaces generate, and
+`tests/ir/test_ops_dtypes.py::test_every_op_has_a_doc_record` when an op has no record, names
+a test that does not exist, or claims a sharding rule `ir/sharding.py` does not have (or the
+reverse).
 
 Columns of the primitive tables: **op**, the MindSpore primitive (also the IR op's name);
 **model file**, how a model file emits it (every `ops` class that does: MindSpore's aliases
 included); **operands -> result**, attributes after a `;`; **dtypes** it accepts (*all*: every
 element type; *numeric*: all but Bool; *float*: Float16, BFloat16, Float32): every op is run
 under every dtype on both backends and must refuse the others with a message naming the dtype
-(`tests/test_ops_dtypes.py::test_op_under_every_dtype`); the **rule** its strategy follows;
+(`tests/ir/test_ops_dtypes.py::test_op_under_every_dtype`); the **rule** its strategy follows;
 **tests**, the tests (under `tests/`) that check its values, gradients and rule.
 
 Notation for rules: "element-wise" means each output dim may be split, an input's broadcast
@@ -42,7 +43,7 @@ rank, on local shapes.
 `pcompile.float32`, ..., `pcompile.uint8`, `pcompile.bool_`). Every op runs on the dtypes
 MindSpore gives it: data movement (Reshape, Transpose, Concat, Gather, Tile, Select, ...) on all
 of them, arithmetic on the numeric ones, transcendental and normalisation ops on the float
-ones; an op refuses any other dtype with a message naming it. `tests/test_ops_dtypes.py` runs
+ones; an op refuses any other dtype with a message naming it. `tests/ir/test_ops_dtypes.py` runs
 every op under every dtype on both backends; constants of every dtype print and re-parse bit
 for bit. Float16/BFloat16 normalisations, softmax and attention compute in float32 and round
 the result once.
@@ -121,7 +122,7 @@ semi-auto default) and differentiate as those do. `import pcompile.mint as mint`
 `from pcompile import mint` and `from pcompile.mint.nn import functional as F` all work. An
 argument a primitive cannot express (a rounding mode, pooling padding, a data-dependent size)
 raises ValueError naming it. Every name below is checked against numpy by
-`tests/test_functional_ops.py` (`test_functional_matches_numpy[<prefix>.<name>]`, `F.` for
+`tests/compiler/test_functional_ops.py` (`test_functional_matches_numpy[<prefix>.<name>]`, `F.` for
 `mint.nn.functional`; `test_every_functional_name_has_a_case` fails for a name without one),
 but `ops.assign`, which stores a Parameter's new value in a training step cell only
 (`test_assign_outside_a_step_cell_is_refused` checks the refusal elsewhere).

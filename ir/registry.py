@@ -57,8 +57,9 @@ SECTIONS = ("elementwise", "linalg", "attention", "shape", "conv", "compiler")
 class OpDoc:
     """What docs/ops.md says of one primitive. `python -m pcompile.compiler.ops_doc` writes the
     page from these records; `test_ops_page_lists_every_functional_name`
-    (tests/test_functional_ops.py) fails when the page is stale, tests/test_ops_dtypes.py when
-    `dtypes` is not exactly what the op accepts on both backends or a named test is missing.
+    (tests/compiler/test_functional_ops.py) fails when the page is stale,
+    tests/ir/test_ops_dtypes.py when `dtypes` is not exactly what the op accepts on both
+    backends or a named test is missing.
 
     How a model file spells the op (`ops.Div()` for RealDiv, `ops.TensorAdd()` for Add) is
     read from `compiler/ops.py`, not restated here; `spelling` is for ops no `ops.X` class
@@ -67,7 +68,7 @@ class OpDoc:
 
     section: str  # one of SECTIONS
     operands: str  # "x, y (broadcast) -> Bool"; attributes after a ";"
-    dtypes: frozenset[DType]  # accepted element types (tests/test_ops_dtypes.py runs each)
+    dtypes: frozenset[DType]  # accepted element types (tests/ir/test_ops_dtypes.py runs each)
     rule: str = ""  # the sharding rule in one line; "" with `grad_of`: no rule (per rank)
     tests: tuple[str, ...] = ()  # "test_ops_nn.py::test_softmax" (tests/ implied)
     grad_of: str = ""  # a gradient helper: the op whose vjp emits it

@@ -1,4 +1,4 @@
-"""Subprocess half of tests/test_pipeline_jax.py's 8-process check: one process of a
+"""Subprocess half of tests/backends/test_pipeline_jax.py's 8-process check: one process of a
 `jax.distributed` job that trains several compiled pipeline programs one after the other
 (`rank_runtime.main` with a sequence of programs: one start-up for all of them), each
 writing its own `<out>/rank_<r>/train.log` and final checkpoint.

@@ -1,5 +1,5 @@
-"""Subprocess half of tests/test_pipeline_jax.py: pipeline programs as ONE JAX program over a
-mesh with a stage axis on 8 virtual CPU devices (float64), against the numpy pipeline
+"""Subprocess half of tests/backends/test_pipeline_jax.py: pipeline programs as ONE JAX program
+over a mesh with a stage axis on 8 virtual CPU devices (float64), against the numpy pipeline
 simulator and the single-device program. Prints one JSON report.
 
     python -m tests.pipeline_worker           # two cases, also against the simulator

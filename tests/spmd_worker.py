@@ -1,4 +1,4 @@
-"""Subprocess half of tests/test_jax_backend.py: runs with N virtual CPU devices (the test
+"""Subprocess half of tests/backends/test_jax_backend.py: runs with N virtual CPU devices (the test
 process may already have initialised JAX with one) and prints one JSON report.
 
     python -m tests.spmd_worker examples   # every example: JAX SPMD vs numpy vs one device

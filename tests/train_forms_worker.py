@@ -1,4 +1,4 @@
-"""Subprocess half of tests/test_training_forms_jax.py: the training forms as ONE JAX SPMD
+"""Subprocess half of tests/backends/test_training_forms_jax.py: the training forms as ONE JAX SPMD
 program on 8 virtual CPU devices (float64), against the numpy simulator and the single-device
 program. Prints one JSON report.
 

@@ -24,7 +24,7 @@ nothing crosses from the host but the block's offsets and the key:
 value as a 1-element vector, as the SPMD program's global arrays hold it:
 `spmd.blocked_shape`), or None for what only
 numpy makes (user arrays, which are read from their .npy; integer dtypes of random inits;
-inits without a `transform`). tests/test_param_init.py checks it bit for bit against
+inits without a `transform`). tests/backends/test_param_init.py checks it bit for bit against
 `InitializedData.block` for every init and dtype on random blocks.
 """
 

@@ -831,7 +831,7 @@ def _conv_jax_fn(spec: _ConvSpec) -> Any:
     def conv(x: Any, w: Any) -> Any:
         # The padding is applied by jnp.pad, not by the convolution: JAX 0.10's transpose of a
         # padded convolution is wrong when a pad reaches the kernel size (pad (1, 1, 2, 0),
-        # kernel 2x2: tests/test_ops_nn.py), while the transpose of a pad is exact.
+        # kernel 2x2: tests/ir/test_ops_nn.py), while the transpose of a pad is exact.
         xp = jnp.pad(x, ((0, 0), (0, 0), spec.win.pads[0], spec.win.pads[1]))
         return lax.conv_general_dilated(
             xp,

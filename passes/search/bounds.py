@@ -35,7 +35,7 @@ has an equal layout there (`reshape.map_layout`: the same elements on every rank
 producer's shape when the consumer's has one; otherwise only sizes count (a rank whose target
 slice is larger than its source slice misses the difference, and a slice whose shape changes
 needs an op).
-`tests/test_search_bounds.py` checks the bound against the planner on random layout pairs.
+`tests/passes/test_search_bounds.py` checks the bound against the planner on random layout pairs.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ entry, the elimination above gives a plan P minimising H. P's entries are then p
 none of P's entries was raised, H(P) = F(P), and for every plan Q, F(Q) >= H(Q) >= H(P) = F(P):
 P minimises F exactly. Otherwise the minimisation runs again on the raised tables; each round
 plans at least one new entry, so it ends, in a few rounds in practice. The result equals
-planning every entry (`tests/test_search_random.py` checks it against brute force with every
+planning every entry (`tests/passes/test_search_random.py` checks it against brute force with every
 table starting from bounds).
 
 Invariant (`explain.py`): the plan minimises F, so no op can lower F by changing its own

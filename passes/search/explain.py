@@ -3,7 +3,7 @@
 **Invariant.** For every op a search decides by comparing candidates, the explanation prints
 the chosen strategy's cost and the best other candidate's (`runner_up`) under the comparison
 the search made, computed from the same cost model (`cost_model.py`, `cost_graph.py`); the
-chosen cost is never above the runner-up's (`tests/test_search_random.py` checks it on random
+chosen cost is never above the runner-up's (`tests/passes/test_search_random.py` checks it on random
 graphs for every mode):
 
 * dynamic programming (`local_explanation`): the op's objective (`alpha * computation + beta *

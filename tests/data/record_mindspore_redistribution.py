@@ -1,5 +1,5 @@
 """Record MindSpore's redistribution op lists for random layout pairs (the ground truth of
-tests/test_redistribution.py::test_mindspore_recorded_op_lists).
+tests/passes/test_redistribution.py::test_mindspore_recorded_op_lists).
 
 Run with a Python that has MindSpore (2.10, CPU wheel; not a dependency of pcompile):
 

@@ -1,5 +1,5 @@
 """A model whose one weight would take 4 GB ([320, 3200000] float32): compiling it must not
-allocate it (tests/test_scale.py)."""
+allocate it (tests/e2e/test_scale.py)."""
 
 import numpy as np
 

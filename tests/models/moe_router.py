@@ -1,5 +1,5 @@
 """The router of examples/mixtral.py alone: its dispatch and combine tensors, balance loss
-and probabilities for [groups, tokens, hidden] inputs (tests/test_mixtral.py checks them
+and probabilities for [groups, tokens, hidden] inputs (tests/e2e/test_mixtral.py checks them
 against a numpy routing)."""
 
 import importlib.util
