@@ -46,8 +46,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 TAIL_LINES = 25
-EXIT_COORDINATOR_PORT = 75  # backends/jax/rank_runtime.py: process 0 could not listen
-HEARTBEAT_FD = "PCOMPILE_HEARTBEAT_FD"  # backends/jax/rank_runtime.py writes heartbeats there
+EXIT_COORDINATOR_PORT = 75  # backends/jax/rank_process.py: process 0 could not listen
+HEARTBEAT_FD = "PCOMPILE_HEARTBEAT_FD"  # backends/jax/rank_process.py writes heartbeats there
 SHARE_KEY_ENV = "PCOMPILE_SHARE_KEY"  # backends/jax/shared_compile.py keys its digest with it
 _PORT_ERRORS = ("address already in use", "failed to start rpc server", "failed to add port",
                 "errno 98")
