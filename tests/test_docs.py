@@ -174,7 +174,7 @@ def rank_program_options() -> set[str]:
 
 
 def merge_options() -> set[str]:
-    from pcompile.backends.checkpoint import merge_command
+    from pcompile.backends.checkpoint_merge import merge_command
 
     opts: set[str] = {"--help"}
     for param in merge_command().params:

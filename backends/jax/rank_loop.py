@@ -17,11 +17,11 @@ Parameters: each rank makes its blocks of every parameter and optimizer state on
 from `<out>/params.json` (backends/params.py).
 
 Checkpoints: `<out>/checkpoints/rank_<r>/step_<S>.safetensors` and its index `step_<S>.json` at
-the end and every `--checkpoint-every` steps (backends/checkpoint.py), written from a host copy by
-a background thread while the loop goes on (backends/async_checkpoint.py); `--resume` continues
-from the newest step that every rank holds intact (verified against each index's manifest;
-damaged newer steps are reported and passed over), restores train.log, skips the batches
-already seen, and so gives bit-identical losses.
+the end and every `--checkpoint-every` steps (backends/checkpoint_files.py), written from a host
+copy by a background thread while the loop goes on (backends/async_checkpoint.py); `--resume`
+continues from the newest step that every rank holds intact (verified against each index's
+manifest; damaged newer steps are reported and passed over), restores train.log, skips the
+batches already seen, and so gives bit-identical losses.
 `--fail-on-nan` (on by default) stops at the first step whose loss is not finite.
 """
 
@@ -77,7 +77,7 @@ class RankRunner:
         self.dtypes = {p[0]: DType[p[3]].np for p in self.params}
         consts = os.path.join(out_dir, "consts.npz")
         if os.path.exists(consts):
-            from pcompile.backends.checkpoint import load_npz
+            from pcompile.backends.npz_files import load_npz
 
             module.DATA.update(load_npz(consts))
 
@@ -252,7 +252,7 @@ class RankRunner:
     def _load_values(self, resume_step: int) -> tuple[dict[int, dict[str, np.ndarray]],
                                                       dict[str, Any]]:
         """This process's ranks' values read from their checkpoints of `resume_step`."""
-        from pcompile.backends.checkpoint import (
+        from pcompile.backends.checkpoint_files import (
             CheckpointError,
             checkpoint_path,
             read_checkpoint,
@@ -284,7 +284,7 @@ class RankRunner:
     def _resume_step(self) -> int | None:
         """--resume: the launcher's choice (--resume-step), else the newest step that every
         rank holds intact; newer damaged ones are reported and passed over."""
-        from pcompile.backends.checkpoint import resume_point
+        from pcompile.backends.checkpoint_files import resume_point
 
         if self.args.resume_step is not None:
             return int(self.args.resume_step)
@@ -348,7 +348,7 @@ class RankRunner:
 
     def _train(self) -> int:
         from pcompile.backends.async_checkpoint import CheckpointWriteError, HostState
-        from pcompile.backends.checkpoint import clean_temp_files
+        from pcompile.backends.atomic_files import clean_temp_files
         from pcompile.backends.jax.spmd import local_pieces
         from pcompile.compiler.progress import LossMonitor
         from pcompile.compiler.runtime import format_loss_line
@@ -497,8 +497,8 @@ class RankRunner:
         return 0
 
     def _infer(self) -> int:
-        from pcompile.backends.checkpoint import save_npz
         from pcompile.backends.jax.spmd import local_pieces
+        from pcompile.backends.npz_files import save_npz
 
         state = self._initial_state()
         self.watchdog.arm(self.args.startup_timeout, "inference")

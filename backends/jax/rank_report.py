@@ -20,7 +20,7 @@ class TrainLog:
     """`<rank dir>/train.log`: rewritten atomically on (re)start, then one append per line."""
 
     def __init__(self, path: str, lines: list[str]) -> None:
-        from pcompile.backends.checkpoint import atomic_write_text
+        from pcompile.backends.atomic_files import atomic_write_text
 
         self.path = path
         self.lines = list(lines)
@@ -69,7 +69,7 @@ class RankReport:
             except RuntimeError as exc:
                 raise RankError(str(exc)) from None
         if self.path is not None:
-            from pcompile.backends.checkpoint import atomic_write_text
+            from pcompile.backends.atomic_files import atomic_write_text
 
             kept = self._kept(done)
             atomic_write_text(self.path, "".join(line + "\n" for line in kept))
