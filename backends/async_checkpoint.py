@@ -2,7 +2,7 @@
 
 A rank program's training thread copies its ranks' state to host memory (the step that follows
 donates the device buffers, so the copy is taken before it runs) and hands the copy to
-`AsyncCheckpointWriter.submit`; a background thread writes it (backends/checkpoint.py:
+`AsyncCheckpointWriter.submit`; a background thread writes it (backends/checkpoint_files.py:
 safetensors and a JSON index per rank, atomic) while the next steps run. The next checkpoint,
 and the end of the run, wait for the write in flight: at most one is pending, so host memory
 holds one copy of the state at most.
@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from pcompile.backends.checkpoint import write_checkpoint_report
+from pcompile.backends.checkpoint_files import write_checkpoint_report
 
 
 def _kill() -> None:

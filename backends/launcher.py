@@ -46,8 +46,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 TAIL_LINES = 25
-EXIT_COORDINATOR_PORT = 75  # backends/jax/rank_runtime.py: process 0 could not listen
-HEARTBEAT_FD = "PCOMPILE_HEARTBEAT_FD"  # backends/jax/rank_runtime.py writes heartbeats there
+EXIT_COORDINATOR_PORT = 75  # backends/jax/rank_process.py: process 0 could not listen
+HEARTBEAT_FD = "PCOMPILE_HEARTBEAT_FD"  # backends/jax/rank_process.py writes heartbeats there
 SHARE_KEY_ENV = "PCOMPILE_SHARE_KEY"  # backends/jax/shared_compile.py keys its digest with it
 _PORT_ERRORS = ("address already in use", "failed to start rpc server", "failed to add port",
                 "errno 98")
@@ -248,7 +248,7 @@ def resume_step(out_dir: str, steps: int, echo: Callable[[str], None] | None = N
     """The step `--resume` continues from: the newest that every rank holds intact (newer,
     damaged ones are reported through `echo`). LaunchError when there is none, or when it is
     beyond `steps`."""
-    from pcompile.backends.checkpoint import resume_point
+    from pcompile.backends.checkpoint_files import resume_point
 
     folder = os.path.join(out_dir, "checkpoints")
     point = resume_point(folder, _num_ranks(out_dir))
@@ -296,7 +296,7 @@ def _launch(out_dir: str, steps: int, processes: int | None, checkpoint_every: i
         common += ["--resume", "--resume-step", str(resumed_from)]
         echo(f"pcompile launcher: resuming from step {resumed_from}")
     else:
-        from pcompile.backends.checkpoint import clear_checkpoints
+        from pcompile.backends.checkpoint_files import clear_checkpoints
 
         clear_checkpoints(ckpt)  # a fresh run: older checkpoints would confuse a later --resume
     if checkpoint_every:
@@ -625,7 +625,7 @@ def _write_launch_info(out_dir: str, coordinator: str, ranks: list[_Proc]) -> No
     """`<out>/launch.json`: which process runs which ranks (pid, log), for people and tests."""
     import json
 
-    from pcompile.backends.checkpoint import atomic_write_text
+    from pcompile.backends.atomic_files import atomic_write_text
 
     info = {"coordinator": coordinator, "launcher_pid": os.getpid(),
             "processes": [{"process": r.process, "ranks": r.ranks, "pid": r.popen.pid,

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from pcompile.backends.checkpoint import MergeError, _unlink, atomic_write_text, temp_name
+from pcompile.backends.atomic_files import atomic_write_text, temp_name, try_unlink
 
 MERGE_FORMAT = "pcompile-merge/1"
 INDEX_NAME = "model.safetensors.index.json"
@@ -41,6 +41,10 @@ _CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF1
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10,
           "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class MergeError(Exception):
+    """Checkpoints that `pcompile-merge` cannot merge, or an output it cannot write."""
 
 
 def parse_size(text: str) -> int:
@@ -174,7 +178,7 @@ def write_merged(output: str, entries: Sequence[Entry],
         temps = []
     finally:
         for tmp in temps:
-            _unlink(tmp)
+            try_unlink(tmp)
     written = list(paths)
     if index:
         weight_map = {e.name: os.path.basename(p) for p, shard in zip(paths, shards)
@@ -184,11 +188,11 @@ def write_merged(output: str, entries: Sequence[Entry],
         atomic_write_text(index, text + "\n")
         written.append(index)
     elif old_index and os.path.exists(old_index) and is_merge_file(old_index):
-        _unlink(old_index)  # the previous merge's index; the folder holds one file now
+        try_unlink(old_index)  # the previous merge's index; the folder holds one file now
     for name in sorted(stale - {os.path.basename(p) for p in paths}):
         path = os.path.join(output, name)
         if is_merge_file(path):
-            _unlink(path)
+            try_unlink(path)
     return written
 
 

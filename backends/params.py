@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from pcompile.backends.checkpoint import portable
+from pcompile.backends.npz_files import portable
 from pcompile.compiler.initializer import InitializedData, Initializer, One, Zero
 from pcompile.compiler.serialization import PretrainedTensor
 from pcompile.ir.types import DType

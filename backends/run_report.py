@@ -1,7 +1,7 @@
 """What a training run reports: time to first step and its parts, the steady step time,
 throughput (tokens/s or samples/s), model TFLOP/s and MFU, and the lines of `metrics.jsonl`.
 
-Pure Python (no JAX): the rank runtime (backends/jax/rank_runtime.py) measures, this module
+Pure Python (no JAX): the rank runtime (backends/jax/rank_report.py) measures, this module
 decides units and formats; the launcher and the CLI reuse the formats.
 
 * Throughput unit: tokens when the model's first input is token ids (an integer tensor of rank

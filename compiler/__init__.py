@@ -6,21 +6,22 @@ internal module paths may change, this list does not."""
 from pcompile.compiler import amp, communication, mint, nn, ops
 from pcompile.compiler.context import (
     ParallelMode,
-    get_algo_parameters,
     get_auto_parallel_context,
-    get_context,
-    get_cost_model_context,
-    reset_algo_parameters,
     reset_auto_parallel_context,
-    reset_cost_model_context,
-    set_algo_parameters,
     set_auto_parallel_context,
-    set_context,
-    set_cost_model_context,
 )
+from pcompile.compiler.general_context import get_context, set_context
 from pcompile.compiler.grad import ParameterTuple
 from pcompile.compiler.initializer import initializer, set_seed
 from pcompile.compiler.layout import Layout
+from pcompile.compiler.search_context import (
+    get_algo_parameters,
+    get_cost_model_context,
+    reset_algo_parameters,
+    reset_cost_model_context,
+    set_algo_parameters,
+    set_cost_model_context,
+)
 from pcompile.compiler.serialization import load_checkpoint, load_param_into_net
 from pcompile.compiler.tensor import Parameter, Tensor, TensorSpec
 from pcompile.compiler.train_model import Model

@@ -62,7 +62,7 @@ _RUN_OUTPUT = re.compile(
     r"|show/\.pcompile-show\.json"
 )
 _RUN_FOLDER = re.compile(r"rank_\d+|checkpoints|checkpoints/rank_\d+|show|merged_step_\d+")
-# A temporary file of an atomic write (backends/checkpoint.py `atomic_write_bytes`) that was
+# A temporary file of an atomic write (backends/atomic_files.py `atomic_write_bytes`) that was
 # killed before its rename: `.<name>.tmp-<token>` next to `<name>`.
 _TEMP = re.compile(r"(?P<dir>(?:[^/]+/)*)\.(?P<name>[^/]+)\.tmp-[A-Za-z0-9_]+")
 # safetensors' own temporary file (Rust's tempfile) of a checkpoint write that was killed

@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from pcompile.backends.checkpoint import layout_entry, npz_bytes
+from pcompile.backends.checkpoint_files import layout_entry
 from pcompile.backends.jax.plan import NodePlan, SpmdLoweringError, SpmdPlan
+from pcompile.backends.npz_files import npz_bytes
 from pcompile.ir.core import Constant, Graph, array_digest
 from pcompile.ir.memo import items_key
 from pcompile.ir.rank import resolve_attrs

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from pcompile.backends.checkpoint import layout_entry, npz_bytes
+from pcompile.backends.checkpoint_files import layout_entry
 from pcompile.backends.jax.codegen import (
     _HEADER,
     ROOT,
@@ -36,6 +36,7 @@ from pcompile.backends.jax.codegen import (
 )
 from pcompile.backends.jax.pipeline_plan import PipelinePlan
 from pcompile.backends.jax.plan import NodePlan
+from pcompile.backends.npz_files import npz_bytes
 
 
 class _StagePlan:

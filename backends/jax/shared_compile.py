@@ -40,7 +40,7 @@ import logging
 import time
 from typing import Any
 
-from pcompile.backends.jax.rank_runtime import RankError
+from pcompile.backends.jax.rank_process import RankError
 
 log = logging.getLogger(__name__)
 

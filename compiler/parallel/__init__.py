@@ -8,13 +8,13 @@ command line's overrides), as MindSpore's read the context when a cell is built.
 
 from __future__ import annotations
 
-from pcompile.compiler.context import (
+from pcompile.compiler.context import get_auto_parallel_context
+from pcompile.compiler.layout import Layout
+from pcompile.compiler.search_context import (
     get_algo_parameters,
-    get_auto_parallel_context,
     reset_algo_parameters,
     set_algo_parameters,
 )
-from pcompile.compiler.layout import Layout
 
 
 def _get_parallel_mode() -> str:

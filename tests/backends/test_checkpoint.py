@@ -1,4 +1,4 @@
-"""Checkpoints (backends/checkpoint.py, backends/async_checkpoint.py): safetensors plus a JSON
+"""Checkpoints (backends/checkpoint_files.py, backends/async_checkpoint.py): safetensors plus a JSON
 index, bfloat16 bit-exact; every kind of damage is one clear message naming the file; resume
 falls back to the newest step every rank holds intact; checkpoints of an older pcompile (.npz)
 still load; a full disk is one message that names the failed write and the intact checkpoint;
@@ -19,19 +19,18 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from pcompile.backends.checkpoint import (
+from pcompile.backends.checkpoint_files import (
     META_KEY,
     CheckpointError,
     checkpoint_path,
     clear_checkpoints,
-    load_npz,
-    merge_checkpoints,
     read_checkpoint,
     resume_point,
-    save_npz,
     tensors_path,
     write_checkpoint,
 )
+from pcompile.backends.checkpoint_merge import merge_checkpoints
+from pcompile.backends.npz_files import load_npz, save_npz
 from tests import ROOT
 from tests.multiprocess import clean_env
 
@@ -234,7 +233,7 @@ def test_no_intact_step_and_a_missing_rank(tmp_path) -> None:
 
 
 def merge_cli(out) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pcompile.backends.checkpoint", str(out)],
+    return subprocess.run([sys.executable, "-m", "pcompile.backends.checkpoint_merge", str(out)],
                           capture_output=True, text=True, cwd=ROOT)
 
 
@@ -320,7 +319,7 @@ def test_a_full_disk_is_one_message_and_the_previous_checkpoint_stays(tmp_path,
     is intact; the run's next write removes what it left."""
     import safetensors.numpy
 
-    import pcompile.backends.checkpoint as checkpoint
+    import pcompile.backends.checkpoint_files as checkpoint
     from pcompile.backends.async_checkpoint import AsyncCheckpointWriter, CheckpointWriteError
 
     folder = tmp_path / "checkpoints"
@@ -367,7 +366,7 @@ def test_merge_streams_one_tensor_at_a_time(tmp_path, suffix: str) -> None:
     merge_checkpoints returns."""
     import tracemalloc
 
-    from pcompile.backends.checkpoint import main as merge_main
+    from pcompile.backends.checkpoint_merge import main as merge_main
 
     ranks, rows, cols, count = 8, 512, 512, 12
     layout = {"shape": [rows, cols], "dtype": "float32", "dev_matrix": [ranks],
@@ -398,12 +397,26 @@ def test_merge_streams_one_tensor_at_a_time(tmp_path, suffix: str) -> None:
         assert np.array_equal(merged[name], value)
 
 
+def test_the_module_path_of_older_installs_still_merges(tmp_path) -> None:
+    """`pcompile.backends.checkpoint` is what the `pcompile-merge` entry point of older installs
+    and `python -m` name: it still runs the merge."""
+    import pcompile.backends.checkpoint as older
+    from pcompile.backends import checkpoint_merge
+
+    assert older.main is checkpoint_merge.main
+    write_steps(tmp_path / "checkpoints", steps=(2,))
+    proc = subprocess.run([sys.executable, "-m", "pcompile.backends.checkpoint", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.startswith("merged step 2 of 2 ranks"), proc
+
+
 def test_merge_never_replaces_a_file_it_did_not_write(tmp_path) -> None:
     write_steps(tmp_path / "checkpoints", steps=(2,))
     mine = tmp_path / "notes.npz"
     mine.write_bytes(b"the user's own file")
-    proc = subprocess.run([sys.executable, "-m", "pcompile.backends.checkpoint", str(tmp_path),
-                           "--output", str(mine)], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "pcompile.backends.checkpoint_merge",
+                           str(tmp_path), "--output", str(mine)],
+                          capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 1 and "not a file pcompile-merge wrote" in proc.stderr
     assert mine.read_bytes() == b"the user's own file"
     # its own output is replaced on a second merge

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from pcompile.backends.checkpoint import merge_checkpoints
+from pcompile.backends.checkpoint_merge import merge_checkpoints
 from pcompile.backends.launcher import launch
 from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import rounding_rtol
@@ -99,7 +99,7 @@ def test_four_processes_train_like_one_device_and_merge(model_path, tmp_path) ->
         np.testing.assert_allclose(losses(out, r), want, rtol=bound)
     assert (out / "rank_0" / "train.log").read_text().splitlines()[3].startswith(
         "epoch: 2 step: 1, loss is ")
-    merge = subprocess.run([sys.executable, "-m", "pcompile.backends.checkpoint", str(out)],
+    merge = subprocess.run([sys.executable, "-m", "pcompile.backends.checkpoint_merge", str(out)],
                            cwd=ROOT, capture_output=True, text=True, env=clean_env())
     assert merge.returncode == 0, merge.stderr
     # the merge is safetensors, read by safetensors itself
@@ -151,7 +151,7 @@ def test_ctrl_c_stops_every_rank(model_path, tmp_path) -> None:
 
 def same_checkpoints(a, b, step: int, ranks: int = 4) -> None:
     """Rank checkpoints of `step` in output folders a and b hold the same tensors, bit for bit."""
-    from pcompile.backends.checkpoint import checkpoint_path, read_checkpoint
+    from pcompile.backends.checkpoint_files import checkpoint_path, read_checkpoint
 
     for r in range(ranks):
         x, _ = read_checkpoint(checkpoint_path(str(a / "checkpoints"), r, step), r)
@@ -199,7 +199,7 @@ def test_a_kill_during_a_background_checkpoint_write_keeps_the_previous_one(mode
     """Checkpoints are written by a background thread while training goes on. A process
     killed (SIGKILL) in the middle of the write of step 4 leaves step 2 intact and no step 4
     under the final names; --resume continues from step 2, bit for bit."""
-    from pcompile.backends.checkpoint import resume_point
+    from pcompile.backends.checkpoint_files import resume_point
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     for out in (straight, resumed):
@@ -324,7 +324,7 @@ def test_resume_problems_are_one_message(model_path, tmp_path) -> None:
 @pytest.mark.slow
 def test_a_checkpoint_full_of_nan_stops_the_resumed_run_at_its_first_step(model_path,
                                                                           tmp_path) -> None:
-    from pcompile.backends.checkpoint import read_checkpoint, write_checkpoint
+    from pcompile.backends.checkpoint_files import read_checkpoint, write_checkpoint
 
     out = tmp_path / "out"
     compile_model(model_path, devices=4, out_dir=str(out))

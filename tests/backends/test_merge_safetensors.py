@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from pcompile.backends.checkpoint import main as merge_main
-from pcompile.backends.checkpoint import write_checkpoint
+from pcompile.backends.checkpoint_files import write_checkpoint
+from pcompile.backends.checkpoint_merge import main as merge_main
 from pcompile.backends.merge_output import parse_size
 from tests import ROOT
 
@@ -74,7 +74,7 @@ def set_folder_plan(out: Any, plan_id: str) -> None:
 
 
 def merge(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pcompile.backends.checkpoint", *args],
+    return subprocess.run([sys.executable, "-m", "pcompile.backends.checkpoint_merge", *args],
                           capture_output=True, text=True, cwd=ROOT)
 
 
@@ -128,7 +128,7 @@ def test_shards_and_an_hf_index_above_the_threshold(tmp_path: Any) -> None:
 
 
 def test_weights_only_leaves_the_optimizer_state_out(tmp_path: Any, monkeypatch: Any) -> None:
-    import pcompile.backends.checkpoint as checkpoint
+    import pcompile.backends.checkpoint_merge as checkpoint
 
     full = write_run(tmp_path)
     # plan.json's kinds, without a compile: the weights are these two

@@ -95,7 +95,7 @@ def compare_with_one_device(program: Any, out: Any, steps: int) -> dict[str, flo
     state, which carries the gradients) against `steps` steps of single-device float32
     training on the numpy interpreter, within `rounding_rtol(program, float32, steps)`.
     Returns the worst relative error per compared value."""
-    from pcompile.backends.checkpoint import checkpoint_path, read_checkpoint
+    from pcompile.backends.checkpoint_files import checkpoint_path, read_checkpoint
     from pcompile.compiler.oracle import relative_error, single_device
 
     ref = single_device(program)

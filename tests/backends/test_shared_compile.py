@@ -17,7 +17,7 @@ import pytest
 
 from pcompile.backends.cluster import bind_kwargs, coordinator_bind_address, is_loopback
 from pcompile.backends.jax import shared_compile
-from pcompile.backends.jax.rank_runtime import RankError
+from pcompile.backends.jax.rank_process import RankError
 from pcompile.backends.jax.shared_compile import SharedExecutableError, SharedStep
 from pcompile.backends.launcher import free_port
 from tests import ROOT

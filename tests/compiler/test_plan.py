@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from pcompile.backends.checkpoint import main as merge_main
+from pcompile.backends.checkpoint_merge import main as merge_main
 from pcompile.backends.launcher import LaunchError, launch
 from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.plan import (

@@ -164,7 +164,7 @@ def _click_options(name: str | None) -> set[str]:
 
 
 def rank_program_options() -> set[str]:
-    from pcompile.backends.jax.rank_runtime import rank_command
+    from pcompile.backends.jax.rank_process import rank_command
 
     opts: set[str] = {"--help"}
     for param in rank_command(8).params:
@@ -174,7 +174,7 @@ def rank_program_options() -> set[str]:
 
 
 def merge_options() -> set[str]:
-    from pcompile.backends.checkpoint import merge_command
+    from pcompile.backends.checkpoint_merge import merge_command
 
     opts: set[str] = {"--help"}
     for param in merge_command().params:
@@ -208,7 +208,7 @@ def check_cluster(argv: list[str], where: str) -> None:
     """The program and its flags after the launcher's own options."""
     program = next((i for i, a in enumerate(argv) if a.endswith("program.py")), None)
     assert program is not None, f"{where}: a cluster command without a rank program"
-    from pcompile.backends.jax.rank_runtime import parse_args
+    from pcompile.backends.jax.rank_process import parse_args
 
     try:
         parse_args(argv[program + 1:], 8)

@@ -1,0 +1,535 @@
+"""The training (or inference) loop of one rank process (`RankRunner`): each local rank's
+parameters and optimizer state made on its own device or restored from a checkpoint, this
+process's slices of every batch, the jitted SPMD step, train.log and metrics, periodic and
+final checkpoints written in the background, the inference outputs.
+
+Data: each process imports the model file (`MODEL_FILE`) and iterates `dataset()` like
+`compiler.runtime.batches` (epochs restart it; without one, inputs()/labels() or a synthetic
+batch repeats), then cuts each rank's part of every global batch by the input's layout
+(`LAYOUTS`, from dataset_strategy). A `pcompile.dataset` object is read only for the rows of
+this process's ranks' share of each batch (`compiler.runtime.batch_rows`; the whole batch
+under full_batch), and the steps a resumed run skips are not read. The model file and
+pcompile must be importable on every host, and `dataset()` must give the same batches in every
+process (seed its random numbers).
+
+Parameters: each rank makes its blocks of every parameter and optimizer state on its own device
+(backends/jax/param_init.py; small blocks and the model's arrays on the host, the same values),
+from `<out>/params.json` (backends/params.py).
+
+Checkpoints: `<out>/checkpoints/rank_<r>/step_<S>.safetensors` and its index `step_<S>.json` at
+the end and every `--checkpoint-every` steps (backends/checkpoint_files.py), written from a host
+copy by a background thread while the loop goes on (backends/async_checkpoint.py); `--resume`
+continues from the newest step that every rank holds intact (verified against each index's
+manifest; damaged newer steps are reported and passed over), restores train.log, skips the
+batches already seen, and so gives bit-identical losses.
+`--fail-on-nan` (on by default) stops at the first step whose loss is not finite.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from pcompile.backends.jax.rank_process import (
+    PARAM_INIT_ENV,
+    Heartbeat,
+    NonFiniteLossError,
+    RankError,
+    Watchdog,
+    fault_injection,
+)
+from pcompile.backends.jax.rank_report import RankReport, TrainLog
+
+# auto: a block is made on the device when the host would take longer than compiling the
+# device's maker (~0.1-0.8 s on a CPU, once per distinct init, shape and block)
+DEVICE_MIN_RANDOM = 1 << 18
+DEVICE_MIN_CONSTANT = 1 << 12
+
+
+class RankRunner:
+    """The training (or inference) loop of one process."""
+
+    def __init__(self, module: ModuleType, mesh: Any, local: list[int], out_dir: str,
+                 args: SimpleNamespace, watchdog: Watchdog, heartbeat: Heartbeat,
+                 timings: dict[str, float] | None = None) -> None:
+        self.m = module
+        # start-up phases so far (seconds; "start": the process's start, time.time())
+        self.timings = timings or {"start": time.time()}
+        self.heartbeat = heartbeat
+        self.mesh = mesh
+        self.local = local
+        self.out_dir = out_dir
+        self.args = args
+        self.watchdog = watchdog
+        self.ckpt_dir = os.path.abspath(args.checkpoint_dir or os.path.join(out_dir,
+                                                                            "checkpoints"))
+        self.params = list(module.PARAMS)
+        self.inputs = [p for p in self.params if p[1] == "input"]
+        self._out_shapes: list[tuple[int, ...]] = []  # the step's, once traced
+        self.stored = [p for p in self.params if p[1] != "input"]
+        from pcompile.ir.types import DType
+
+        self.dtypes = {p[0]: DType[p[3]].np for p in self.params}
+        consts = os.path.join(out_dir, "consts.npz")
+        if os.path.exists(consts):
+            from pcompile.backends.npz_files import load_npz
+
+            module.DATA.update(load_npz(consts))
+
+    # -- pieces --------------------------------------------------------------------------------
+    def _rank_dir(self, rank: int) -> str:
+        return os.path.join(self.out_dir, f"rank_{rank}")
+
+    def _owns(self, name: str, rank: int) -> bool:
+        """Whether `rank` holds stored value `name` (a pipeline stage holds its own; the
+        program passes the others' through unchanged)."""
+        stages = getattr(self.m, "PARAM_STAGES", None)
+        if stages is None:
+            return True
+        return rank // int(self.m.RANKS_PER_STAGE) in stages[name]
+
+    def _initial_state(self) -> dict[str, Any]:
+        """Every stored value's global array, each local rank's block made on its own device
+        (backends/jax/param_init.py) or, for small blocks and user arrays, on the host
+        (backends/params.py); equal, bit for bit, to the single-device initialisation's block
+        (another pipeline stage's values: zeros, never read)."""
+        from concurrent.futures import Future, ThreadPoolExecutor
+
+        import jax
+
+        from pcompile.backends.jax.param_init import device_block, supports
+        from pcompile.backends.jax.spmd import as_block
+        from pcompile.backends.params import ParamsError, read_manifest
+
+        try:
+            sources = read_manifest(self.out_dir)
+        except ParamsError as exc:
+            raise RankError(str(exc)) from None
+        where = self.args.param_init or os.environ.get(PARAM_INIT_ENV) or "auto"
+        if where not in ("auto", "device", "host"):
+            raise RankError(f"{PARAM_INIT_ENV}={where!r}: expected auto, device or host")
+        wide_ok = bool(jax.config.read("jax_enable_x64"))
+        start = time.perf_counter()
+        counts = {"device": 0, "host": 0}
+
+        def make(source: Any, bounds: Any, device: Any, on_device: bool) -> Any:
+            block = device_block(source, bounds, device) if on_device else None
+            if block is None:
+                block = jax.device_put(as_block(source.block(bounds)), device)
+            return block
+
+        # Blocks are made from a few threads: the device generator compiles once per distinct
+        # init, shape and block (XLA compiles in parallel), host blocks use numpy's loops.
+        pieces: dict[str, list[Any]] = {}
+        workers = max(1, min(8, os.cpu_count() or 1))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pcompile-init") as pool:
+            for name, _, shape, _ in self.stored:
+                source = sources.get(name)
+                if source is None:
+                    raise RankError(f"params.json has no entry for {name}; compile again")
+                pieces[name] = []
+                for r in self.local:
+                    device = self.mesh.devices.flat[r]
+                    if not self._owns(name, r):
+                        pieces[name].append(jax.device_put(
+                            as_block(np.zeros(shape, self.dtypes[name])), device))
+                        continue
+                    bounds = self._layout(name).slice_bounds(r) if source.shape else ()
+                    size = int(np.prod([hi - lo for lo, hi in bounds], dtype=np.int64))
+                    on_device = (where == "device" or (where == "auto" and size >= (
+                        DEVICE_MIN_CONSTANT if source.init is not None and not source.init.random
+                        else DEVICE_MIN_RANDOM)))
+                    # 8-byte values stay on the host without x64: the device would hold them
+                    # as 4-byte ones, as a device_put of the host's values gives them
+                    on_device = (on_device and supports(source)
+                                 and (source.dtype.itemsize < 8 or wide_ok))
+                    counts["device" if on_device else "host"] += size
+                    pieces[name].append(pool.submit(make, source, bounds, device, on_device))
+        state = {name: self._stack([p.result() if isinstance(p, Future) else p for p in arrays],
+                                   shape)
+                 for (name, _, shape, _), arrays in zip(self.stored, pieces.values())}
+        for array in state.values():
+            array.block_until_ready()
+        seconds = time.perf_counter() - start
+        total = counts["device"] + counts["host"]
+        self._say(f"parameters and optimizer state of rank(s) {self.local[0]}..{self.local[-1]}: "
+                  f"{total / 1e6:.2f} M values in {seconds:.2f} s "
+                  f"({counts['device'] / 1e6:.2f} M made on the device, "
+                  f"{counts['host'] / 1e6:.2f} M on the host)", force=True)
+        return state
+
+    def _stack(self, arrays: list[Any], shape: tuple[int, ...]) -> Any:
+        """The global array (`spmd.blocked_shape`) of this process's ranks' blocks."""
+        import jax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        from pcompile.backends.jax.spmd import blocked_shape
+
+        sharding = NamedSharding(self.mesh, P(tuple(self.mesh.axis_names)))
+        return jax.make_array_from_single_device_arrays(blocked_shape(self.mesh.size, shape),
+                                                        sharding, arrays)
+
+    def _layout(self, name: str) -> Any:
+        from pcompile.ir.layout import TensorLayout
+
+        shape, dev, tmap = self.m.LAYOUTS[name]
+        return TensorLayout(tuple(dev), tuple(tmap), tuple(shape))
+
+    def _slice(self, name: str, array: np.ndarray, rank: int, first_row: int = 0) -> np.ndarray:
+        """`rank`'s part of an input from `array`, rows first_row.. of the global batch."""
+        from pcompile.compiler.runtime import slice_rows
+
+        return slice_rows(array, self._layout(name), rank, first_row)
+
+    def _put(self, name: str, pieces: dict[int, np.ndarray], shape: tuple[int, ...]) -> Any:
+        from pcompile.backends.jax.spmd import put_blocks
+
+        return put_blocks(self.mesh, pieces, tuple(shape), self.dtypes[name])
+
+    def _batches(self, steps: int, skip: int = 0) -> Any:
+        """(epoch, step, arrays, first_row) per step (compiler.runtime.iter_rank_batches): a
+        pcompile.dataset object is read only for the rows of this process's ranks' share of
+        each global batch, and its first `skip` steps not at all."""
+        from pcompile.compiler.model_file import as_input_list, call_user, load_model_file
+        from pcompile.compiler.runtime import batch_rows, iter_rank_batches
+
+        path = self.m.MODEL_FILE
+        if not os.path.exists(path):
+            raise RankError(f"model file {path} (for the data) does not exist on this host")
+        mf = load_model_file(path)
+        examples = as_input_list(call_user(mf.inputs, "inputs()", mf.path), "inputs", mf.path)
+        n_inputs = len(examples)
+        if mf.loss is not None or len(self.inputs) > n_inputs:  # labels (nn.PipelineCell)
+            from pcompile.compiler.trace_model import _first_batch_labels
+
+            examples = examples + _first_batch_labels(mf)
+        expected = [(name, tuple(self.m.LAYOUTS[name][0]), self.dtypes[name])
+                    for name, *_ in self.inputs]
+        if len(examples) != len(expected):
+            raise RankError(f"the model file gives {len(examples)} inputs and labels, the "
+                            f"program takes {len(expected)}")
+        rows = batch_rows([self._layout(name) for name, *_ in self.inputs], self.local)
+        return iter_rank_batches(mf, n_inputs, len(expected) - n_inputs, examples, expected,
+                                 steps, rows=rows, skip=skip)
+
+    def _function(self, donate: bool = False) -> Any:
+        """The jitted SPMD step; `donate`: it reuses the buffers of the stored values it
+        returns updated (training)."""
+        import jax.numpy as jnp
+        from jax import lax
+
+        from pcompile.backends.jax.shared_compile import SharedStep
+        from pcompile.backends.jax.spmd import spmd_function
+
+        step = self.m.step
+        mean_loss = self.m.PARALLEL_MODE == "data_parallel" and self.m.TRAINING
+        axes = tuple(self.m.AXES)
+
+        def body(*arrays: Any) -> Any:
+            outs = list(step(*arrays))
+            if mean_loss:  # each rank's loss is its own batch's; report their mean
+                outs.append(lax.pmean(jnp.asarray(outs[0], jnp.float32), axes))
+            return outs
+
+        n = len(self.inputs)
+        updated = set(self.m.OUTPUTS[1:])
+        pipeline = hasattr(self.m, "PIPELINE")
+        # a pipeline program's step is assembled per tick (pipeline.run_step): no donation there
+        donated = tuple(n + i for i, (name, *_) in enumerate(self.stored)
+                        if donate and not pipeline and name in updated)
+        shapes = [shape for _, _, shape, _ in self.inputs + self.stored]
+        jitted = spmd_function(body, self.mesh, shapes, donated, check_vma=not pipeline,
+                               out_shapes=self._out_shapes)
+        # compiled by process 0 only, when the processes run the same program on one host
+        return SharedStep(jitted, f"{self.m.PLAN_ID}/{'train' if donate else 'infer'}")
+
+    def _load_values(self, resume_step: int) -> tuple[dict[int, dict[str, np.ndarray]],
+                                                      dict[str, Any]]:
+        """This process's ranks' values read from their checkpoints of `resume_step`."""
+        from pcompile.backends.checkpoint_files import (
+            CheckpointError,
+            checkpoint_path,
+            read_checkpoint,
+        )
+
+        values: dict[int, dict[str, np.ndarray]] = {}
+        meta: dict[str, Any] = {}
+        for r in self.local:
+            try:
+                arrays, meta_r = read_checkpoint(checkpoint_path(self.ckpt_dir, r, resume_step),
+                                                 r)
+            except CheckpointError as exc:
+                raise RankError(f"cannot resume from step {resume_step}: {exc}") from None
+            if meta_r.get("plan_id") != self.m.PLAN_ID:
+                raise RankError(
+                    f"checkpoint of step {resume_step} was written by plan "
+                    f"{meta_r.get('plan_id')}, this program is plan {self.m.PLAN_ID}; "
+                    "resume with the same model and options, or start afresh without --resume")
+            values[r], meta = arrays, meta_r
+            for name, _, shape, _ in self.stored:  # another pipeline stage's: never read
+                if not self._owns(name, r):
+                    values[r].setdefault(name, np.zeros(shape, self.dtypes[name]))
+        for r, vals in values.items():
+            missing = [name for name, *_ in self.stored if name not in vals]
+            if missing:
+                raise RankError(f"rank {r}: no value for {', '.join(missing)}")
+        return values, meta
+
+    def _resume_step(self) -> int | None:
+        """--resume: the launcher's choice (--resume-step), else the newest step that every
+        rank holds intact; newer damaged ones are reported and passed over."""
+        from pcompile.backends.checkpoint_files import resume_point
+
+        if self.args.resume_step is not None:
+            return int(self.args.resume_step)
+        point = resume_point(self.ckpt_dir, int(self.m.NUM_RANKS), self.m.PLAN_ID)
+        for line in point.skipped:
+            self._say(f"passed over checkpoint {line}", force=True)
+        if point.step is None:
+            raise RankError(f"--resume: no step has an intact checkpoint of every rank in "
+                            f"{self.ckpt_dir}; start without --resume")
+        return point.step
+
+    def _checkpoint(self, step: int, epoch: int, in_epoch: int, state: dict[str, Any],
+                    logs: dict[int, TrainLog], final: bool = False) -> None:
+        """Hand this process's ranks' state to the background writer
+        (backends/async_checkpoint.py), after the write in flight is done: host copies (the
+        next step reuses the device buffers), or for the `final` one the buffers themselves."""
+        from pcompile.backends.async_checkpoint import CheckpointWriteError
+
+        try:
+            self.saver.wait()
+        except CheckpointWriteError as exc:
+            raise RankError(str(exc)) from None
+        start = time.perf_counter()
+        pieces = self.host.take(state, final)
+        layouts = {name: {"shape": list(self.m.LAYOUTS[name][0]), "dtype": dt,
+                          "dev_matrix": list(self.m.LAYOUTS[name][1]),
+                          "tensor_map": [list(e) if isinstance(e, tuple) else e
+                                         for e in self.m.LAYOUTS[name][2]]}
+                   for name, _, _, dt in self.stored}
+        per_rank = {}
+        for r in self.local:
+            mine = [name for name in pieces if self._owns(name, r)]
+            meta = {"step": step, "epoch": epoch, "step_in_epoch": in_epoch, "rank": r,
+                    "num_ranks": int(self.m.NUM_RANKS), "plan_id": self.m.PLAN_ID,
+                    "log": list(logs[r].lines),
+                    "layouts": {name: layouts[name] for name in mine}}
+            per_rank[r] = ({name: pieces[name][r] for name in mine}, meta)
+        self.saver.submit(step, per_rank, time.perf_counter() - start)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> int:
+        from pcompile.backends.async_checkpoint import AsyncCheckpointWriter, CheckpointWriteError
+
+        if not self.m.TRAINING:
+            return self._infer()
+        fault, mode = fault_injection(self.local)
+        self.saver = AsyncCheckpointWriter(self.ckpt_dir, lambda line: self._say(line, force=True),
+                                           fault=(fault, mode))
+        try:
+            return self._train()
+        finally:
+            # the exit waits for a write in flight (its failure is reported unless another
+            # error already ends the run)
+            failing = sys.exc_info()[0] is not None
+            try:
+                self.saver.wait()
+            except CheckpointWriteError as exc:
+                if not failing:
+                    raise RankError(str(exc)) from None
+                print(f"{self.m.LABEL}: error: {exc}", file=sys.stderr, flush=True)
+
+    def _train(self) -> int:
+        from pcompile.backends.async_checkpoint import CheckpointWriteError, HostState
+        from pcompile.backends.atomic_files import clean_temp_files
+        from pcompile.backends.jax.spmd import local_pieces
+        from pcompile.compiler.progress import LossMonitor
+        from pcompile.compiler.runtime import format_loss_line
+
+        m, args = self.m, self.args
+        for r in self.local:  # temporary files of a killed checkpoint write
+            clean_temp_files(os.path.join(self.ckpt_dir, f"rank_{r}"))
+        resume_step = self._resume_step() if args.resume else None
+        making = time.perf_counter()
+        self.heartbeat.set(phase="init" if resume_step is None else "restore")
+        meta: dict[str, Any]
+        if resume_step is None:
+            state, meta = self._initial_state(), {}
+            self.timings["init"] = time.perf_counter() - making
+        else:
+            self._say(f"resuming from step {resume_step} (checkpoints in {self.ckpt_dir})",
+                      force=True, first_only=True)
+            values, meta = self._load_values(resume_step)
+            state = {name: self._put(name, {r: values[r][name] for r in self.local}, shape)
+                     for name, _, shape, _ in self.stored}
+            self.timings["restore"] = time.perf_counter() - making
+        self.saver.intact = resume_step
+        self.host = HostState(self.mesh, {name: shape for name, _, shape, _ in self.stored})
+        if args.checkpoint_every and args.checkpoint_every < args.steps:
+            self.host.prefault(state)
+        done = resume_step or 0
+        if done > args.steps:
+            raise RankError(f"--steps {args.steps} is below the step {done} of the checkpoint "
+                            "resumed from; ask for more steps")
+        logs = {r: TrainLog(os.path.join(self._rank_dir(r), "train.log"),
+                            list(meta.get("log", []))[:done]) for r in self.local}
+        report = RankReport(m, self.mesh, self.out_dir, done, args.log_every,
+                         writes=self.local[0] == 0, tensorboard=args.tensorboard)
+        fn = self._function(donate=True)
+        out_names = list(m.OUTPUTS)
+        extra_outputs = [i for i, name in enumerate(out_names) if i and name not in state]
+        fault, fault_mode = fault_injection(self.local)
+        first = True
+        epoch, in_epoch = int(meta.get("epoch", 1)), int(meta.get("step_in_epoch", 0))
+        start = time.perf_counter()
+        monitor = LossMonitor(args.steps, args.print_every,
+                              lambda line: self._say(line, loss=True), done=done)
+        self.heartbeat.set(phase="data", done=done)
+        # Losses still on the device: read back (one wait) every --log-every steps, before a
+        # checkpoint and at the end; the steps in between never wait for the host.
+        pending: list[tuple[int, int, int, Any, list[Any]]] = []
+        marks = {"since": 0.0, "called": 0.0}  # the last read-back; the first step's call
+
+        def flush(last: bool = False) -> None:
+            if not pending:
+                return
+            self.watchdog.arm(args.timeout * len(pending), f"steps {pending[0][0] + 1}.."
+                                                           f"{pending[-1][0] + 1}")
+            for k_done, ep, step_in, loss_out, _ in pending:
+                losses = local_pieces(loss_out, self.mesh, ())
+                for r in self.local:
+                    logs[r].add(format_loss_line(ep, step_in, float(losses[r])))
+                monitor(logs[self.local[0]].lines[-1])
+                bad = [r for r in self.local if not np.isfinite(float(losses[r]))]
+                if bad and args.fail_on_nan:
+                    raise NonFiniteLossError(
+                        f"the loss is {float(losses[bad[0]])} at step {k_done + 1} (epoch "
+                        f"{ep}, step {step_in}); stopped (--no-fail-on-nan trains on)")
+            now = time.perf_counter()
+            if marks["since"]:  # steps after the first: their share of the time since
+                per = (now - marks["since"]) / len(pending)
+            else:  # the first step of this run: its call and read-back, less the compile
+                per = now - marks["called"] - getattr(fn, "compile_seconds", 0.0)
+            report.steps(pending, per, last or pending[-1][0] + 1 >= args.steps,
+                         first=not marks["since"])
+            marks["since"] = now
+            self.watchdog.disarm()
+            self.heartbeat.set(phase="data", done=pending[-1][0] + 1)
+            pending.clear()
+
+        for k, (epoch, in_epoch, arrays, first_row) in enumerate(self._batches(args.steps,
+                                                                               skip=done)):
+            if k < done:
+                continue
+            self.watchdog.arm(args.startup_timeout if first else args.timeout,
+                              f"step {k + 1}")
+            failed = self.saver.failure()
+            if failed is not None:  # a background checkpoint write failed: stop now
+                raise RankError(str(failed))
+            if fault == k + 1 and not fault_mode.startswith("checkpoint"):
+                while fault_mode == "hang":
+                    time.sleep(1)
+                raise RuntimeError(f"PCOMPILE_FAULT_INJECT: failing at step {k + 1}")
+            feeds = [self._put(name, {r: self._slice(name, a, r, first_row) for r in self.local},
+                               shape)
+                     for (name, _, shape, _), a in zip(self.inputs, arrays)]
+            feeds += [state[name] for name, *_ in self.stored]
+            self.heartbeat.set(phase="compile" if first else "compute")
+            if first:
+                marks["called"] = time.perf_counter()
+            outs = fn(*feeds)
+            for name, value in zip(out_names[1:], outs[1:]):
+                if name in state:
+                    state[name] = value
+            loss_out = outs[-1] if len(outs) > len(out_names) else outs[0]
+            pending.append((k, epoch, in_epoch, loss_out,
+                            [(out_names[i], outs[i]) for i in extra_outputs]))
+            step_no = k + 1
+            if first or step_no % args.log_every == 0:  # the first step: compiled, on time
+                flush()
+            if first:
+                self.timings["compile"] = getattr(fn, "compile_seconds", 0.0)
+                self.timings["first_step"] = (time.perf_counter() - marks["called"]
+                                              - self.timings["compile"])
+                self.timings["total"] = time.time() - self.timings["start"]
+                self._say(report.startup(self.timings), force=True, first_only=True)
+            first = False
+            every = args.checkpoint_every
+            if every and step_no % every == 0 and step_no < args.steps:
+                flush()
+                self.heartbeat.set(phase="checkpoint")
+                self._checkpoint(step_no, epoch, in_epoch, state, logs)
+                self.heartbeat.set(phase="data", done=step_no)
+        flush(last=True)
+        loop_end = time.perf_counter()
+        total = len(logs[self.local[0]].lines)
+        if total > done and not args.no_checkpoint:
+            self.heartbeat.set(phase="checkpoint", done=total)
+            self._checkpoint(total, epoch, in_epoch, state, logs, final=True)
+        waited = time.perf_counter()
+        try:
+            self.saver.wait()  # the exit waits for the last write
+        except CheckpointWriteError as exc:
+            raise RankError(str(exc)) from None
+        waited = time.perf_counter() - waited
+        self.heartbeat.set(phase="finish", done=total)
+        if total > done and not args.no_checkpoint:
+            self._say(f"the end of the run waited {waited:.2f} s for its last checkpoint",
+                      force=True)
+        elapsed = time.perf_counter() - start
+        rate = ""
+        steady = report.steady_ms()
+        if steady is not None:  # the steady rate: without compiling
+            rate = f" ({steady:.3f} ms/step after the first, median)"
+        shared = " (the executable compiled by process 0)" if getattr(fn, "shared", False) else ""
+        report.close()
+        self._say(report.summary(total - done, done + 1, total, loop_end - start),
+                  force=True, first_only=True)
+        self._say(f"rank(s) {self.local[0]}..{self.local[-1]}: steps {done + 1}..{total} in "
+                  f"{elapsed:.2f} s{rate}{shared}", force=True)
+        return 0
+
+    def _infer(self) -> int:
+        from pcompile.backends.jax.spmd import local_pieces
+        from pcompile.backends.npz_files import save_npz
+
+        state = self._initial_state()
+        self.watchdog.arm(self.args.startup_timeout, "inference")
+        self.heartbeat.set(phase="compute", done=0)
+        _, _, arrays, first_row = next(iter(self._batches(1)))
+        feeds = [self._put(name, {r: self._slice(name, a, r, first_row) for r in self.local},
+                           shape)
+                 for (name, _, shape, _), a in zip(self.inputs, arrays)]
+        feeds += [state[name] for name, *_ in self.stored]
+        outs = self._function()(*feeds)
+        self.watchdog.disarm()
+        # the step was traced in this process: _out_shapes holds its results' local shapes
+        pieces = [local_pieces(o, self.mesh, shape) for o, shape in zip(outs, self._out_shapes)]
+        for r in self.local:
+            save_npz(os.path.join(self._rank_dir(r), "outputs.npz"),
+                     {name: p[r] for name, p in zip(self.m.OUTPUTS, pieces)})
+        self.heartbeat.set(phase="finish", done=1)
+        self._say("inference outputs: " + ", ".join(
+            f"{name} {tuple(p[self.local[0]].shape)}" for name, p in zip(self.m.OUTPUTS, pieces)),
+            force=True)
+        return 0
+
+    def _say(self, text: str, force: bool = False, loss: bool = False,
+             first_only: bool = False) -> None:
+        """Print a line: loss lines (and `first_only` ones) only from process 0 (unless
+        --all-ranks); other processes' lines carry `[rank r]` (r: their first rank)."""
+        if self.args.quiet and not force:
+            return
+        first = self.local[0] == 0
+        if first_only and not first and not self.args.all_ranks:
+            return
+        if loss and not first and not self.args.all_ranks:
+            return
+        print(("" if first else f"[rank {self.local[0]}] ") + text, flush=True)
