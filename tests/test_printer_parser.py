@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Constant, Graph, GraphParam, Node, ParallelInfo, SourceLoc, Value
 from pcompile.ir.errors import PcompileError, ShapeError
+from pcompile.ir.parallel_info import LayoutDetail, RunnerUp, SearchCost, SwcCost
 from pcompile.ir.parser import ParseError, parse_graph
 from pcompile.ir.printer import format_value, print_graph, sanitize_hint
 from pcompile.ir.registry import OpDef, get_op, register
@@ -222,7 +223,7 @@ def golden_graph() -> Graph:
         scope="Default/network-WithLossCell/_backbone-Net",
         source=SourceLoc("examples/quickstart.py", 17, "        out = self.mul(x, self.w)"),
         name_hint="out",
-        parallel=ParallelInfo(((2, 4), (2, 4)), ((2, 4),), {"reason": "a b"}),
+        parallel=ParallelInfo(((2, 4), (2, 4)), ((2, 4),), reason="a b"),
     )
     scaled = b.emit("Mul", [out, b.const(0.5)], instance_name="Mul-op1")
     y = b.emit("ReLU", [scaled], name_hint="y")
@@ -425,19 +426,53 @@ attr_values = st.recursive(
     max_leaves=8,
 )
 strategies_ = st.lists(st.lists(st.integers(1, 8), max_size=3).map(tuple), max_size=3).map(tuple)
-parallel_infos = st.one_of(
-    st.none(),
-    st.builds(
-        ParallelInfo,
-        st.one_of(st.none(), strategies_),
-        st.one_of(st.none(), strategies_),
-        st.dictionaries(
-            free_text.filter(lambda k: k not in ("in_strategy", "out_strategy")),
-            attr_values,
-            max_size=3,
-        ),
-    ),
+costs = st.one_of(st.floats(min_value=0.0, allow_nan=False), st.integers(0, 10**6))
+swc_costs = st.builds(SwcCost, costs, costs, costs)
+tensor_maps = st.lists(st.one_of(st.integers(-1, 7), st.lists(st.integers(-1, 7), min_size=1,
+                                                            max_size=2).map(tuple)),
+                       max_size=3).map(tuple)
+layout_details = st.builds(
+    LayoutDetail,
+    st.lists(st.integers(1, 8), max_size=3).map(tuple),
+    tensor_maps,
+    st.one_of(st.none(), st.booleans()),
+    st.one_of(st.none(), st.lists(free_text, max_size=3).map(tuple)),
 )
+#: a value of every ParallelInfo field (a new field needs one here: the test below says so)
+parallel_fields: dict[str, st.SearchStrategy[Any]] = {
+    "in_strategy": strategies_,
+    "out_strategy": strategies_,
+    "in_layout": st.lists(layout_details, max_size=2).map(tuple),
+    "out_layout": st.lists(layout_details, max_size=2).map(tuple),
+    "cost": st.builds(SearchCost, costs, costs, st.one_of(st.none(), costs)),
+    "decision": swc_costs,
+    "runner_up": st.builds(RunnerUp, strategies_, st.one_of(st.none(), costs),
+                           st.one_of(st.none(), swc_costs)),
+    "decided_by": free_text,
+    "micro": st.integers(-5, 10**9),
+    "chunk": st.integers(-5, 10**9),
+    "reason": free_text,
+    "fusion": st.integers(-5, 10**9),
+    "members": st.lists(free_text, max_size=3).map(tuple),
+    "bytes": st.integers(-5, 10**12),
+    "parameter": free_text,
+}
+
+
+@st.composite
+def parallel_info(draw: st.DrawFn) -> ParallelInfo:
+    """Some fields, set in any order (the order the dump keeps)."""
+    info = ParallelInfo()
+    for name in draw(st.permutations(ParallelInfo.FIELDS))[:draw(st.integers(0, 5))]:
+        setattr(info, name, draw(parallel_fields[name]))
+    return info
+
+
+parallel_infos = st.one_of(st.none(), parallel_info())
+
+
+def test_parallel_fields_all_drawn() -> None:
+    assert set(parallel_fields) == set(ParallelInfo.FIELDS)
 sources = st.one_of(st.none(), st.builds(SourceLoc, free_text, st.integers(-5, 10**6), free_text))
 
 
