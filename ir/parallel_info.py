@@ -103,6 +103,8 @@ class ParallelInfo:
     """Parallel annotations of a node, filled by the parallel passes (see the module doc for
     the order in which they print)."""
 
+    __slots__ = ("_values",)  # the fields below, nothing else
+
     #: the effective strategies (the user's or the search's), nested tuples of ints
     in_strategy = _Field[Strategy]()
     out_strategy = _Field[Strategy]()

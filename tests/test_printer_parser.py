@@ -18,7 +18,7 @@ from pcompile.ir.core import Constant, Graph, GraphParam, Node, ParallelInfo, So
 from pcompile.ir.errors import PcompileError, ShapeError
 from pcompile.ir.parallel_info import LayoutDetail, RunnerUp, SearchCost, SwcCost
 from pcompile.ir.parser import ParseError, parse_graph
-from pcompile.ir.printer import format_value, print_graph, sanitize_hint
+from pcompile.ir.printer import format_parallel, format_value, print_graph, sanitize_hint
 from pcompile.ir.registry import OpDef, get_op, register
 from pcompile.ir.types import DType, TensorType, TupleType, ValueType
 from pcompile.ir.verifier import verify
@@ -472,7 +472,11 @@ parallel_infos = st.one_of(st.none(), parallel_info())
 
 
 def test_parallel_fields_all_drawn() -> None:
-    assert set(parallel_fields) == set(ParallelInfo.FIELDS)
+    from pcompile.ir import parser, printer
+
+    declared = {k for k, v in vars(ParallelInfo).items() if type(v).__name__ == "_Field"}
+    assert declared == set(ParallelInfo.FIELDS) == set(parallel_fields)
+    assert set(printer.PARALLEL_FIELDS) == set(parser.PARALLEL_FIELDS) == declared
 sources = st.one_of(st.none(), st.builds(SourceLoc, free_text, st.integers(-5, 10**6), free_text))
 
 
@@ -777,6 +781,41 @@ def test_more_parse_errors(old: str, new: str, message: str) -> None:
     text = GOLDEN.replace(old, new, 1)
     with pytest.raises(ParseError, match="^<string>:[0-9]+:[0-9]+: " + re.escape(message)):
         parse_graph(text)
+
+
+@pytest.mark.parametrize(
+    ("new", "message"),
+    [
+        ('why: "a b"}', "expected a parallel annotation (in_strategy, out_strategy, "),
+        ("reason: 3}", "expected a string as the value of reason"),
+        ('reason: "a b", micro: true}', "expected an integer as the value of micro"),
+        ('reason: "a b", members: (1,)}', "expected a tuple of strings as the value of members"),
+        ('reason: "a b", cost: {op: 1.0}}',
+         "expected a cost {op, redistribution} or {local, op, redistribution} as the value"),
+        ('reason: "a b", in_layout: ()}',
+         "expected the parallel annotations in the order in_strategy, out_strategy, in_layout"),
+    ],
+)
+def test_parallel_annotation_errors(new: str, message: str) -> None:
+    text = GOLDEN.replace('reason: "a b"}', new, 1)
+    with pytest.raises(ParseError, match="^<string>:[0-9]+:[0-9]+: " + re.escape(message)):
+        parse_graph(text)
+
+
+def test_parallel_fields_print_in_the_order_set() -> None:
+    made = ParallelInfo(micro=1, reason="r", bytes=4)  # a node made for micro-batch 1
+    copied = ParallelInfo(reason="r", bytes=4).copy()  # a node copied into it
+    copied.micro = 1
+    assert format_parallel(made) == "{micro: 1, reason: r, bytes: 4}"
+    assert format_parallel(copied) == "{reason: r, bytes: 4, micro: 1}"
+    copied.reason = "again"  # set anew: keeps its place
+    assert format_parallel(copied) == "{reason: again, bytes: 4, micro: 1}"
+    late = ParallelInfo(((2,),), reason="r")
+    late.in_layout = (LayoutDetail((2,), (0,)),)  # layouts print right after the strategies
+    assert format_parallel(late) == (
+        "{in_strategy: ((2)), in_layout: ({'device_matrix': (2), 'tensor_map': (0)}), reason: r}")
+    late.reason = None
+    assert late.reason is None and format_parallel(late).endswith("(0)})}")
 
 
 def test_int_constant_out_of_range() -> None:
