@@ -176,11 +176,11 @@ def rank_sum(graph: Graph, devices: int,
                      {"op": "sum", "group": group_name(ranks, devices), "rank_list": ranks,
                       "fusion": 0},
                      instance_name=f"optimizer_sum_{owner}", name_hint="whole_sum",
-                     parallel=ParallelInfo(extra={
-                         "reason": f"the optimizer's sum over every slice of {owner!r}: each "
-                                   "rank's partial sum (divided by the ranks holding the same "
-                                   "slice) added over all ranks",
-                         "bytes": value.tensor_type.nbytes}))
+                     parallel=ParallelInfo(
+                         reason=f"the optimizer's sum over every slice of {owner!r}: each "
+                                "rank's partial sum (divided by the ranks holding the same "
+                                "slice) added over all ranks",
+                         bytes=value.tensor_type.nbytes))
         return Tensor(_value=out)
 
     return total
@@ -215,10 +215,10 @@ def _sum_along(graph: Graph, devices: int, local: Tensor, owner: str,
     out = b.emit("AllReduce", [value], attrs,
                  instance_name=f"optimizer_sum_{owner}_dims_{'_'.join(map(str, along))}",
                  name_hint="partial_sum",
-                 parallel=ParallelInfo(extra={
-                     "reason": f"the optimizer's sum over dims ({dims}) of {owner!r}: added "
-                               "over the ranks holding the other slices of those dims",
-                     "bytes": value.tensor_type.nbytes}))
+                 parallel=ParallelInfo(
+                     reason=f"the optimizer's sum over dims ({dims}) of {owner!r}: added "
+                            "over the ranks holding the other slices of those dims",
+                     bytes=value.tensor_type.nbytes))
     return Tensor(_value=out)
 
 

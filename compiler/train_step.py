@@ -465,8 +465,7 @@ class Replay(StepContext):
                       {"op": "sum", "group": group_name(ranks, self.env.devices),
                        "rank_list": ranks, "fusion": 0},
                       instance_name=name, name_hint=name.split("_allreduce")[0],
-                      parallel=ParallelInfo(extra={"reason": reason,
-                                                   "bytes": value.tensor_type.nbytes}))
+                      parallel=ParallelInfo(reason=reason, bytes=value.tensor_type.nbytes))
 
     def overflow(self, grads: list[Any]) -> Tensor:
         """True when an element of any gradient on any rank is inf or NaN (MindSpore's GPU

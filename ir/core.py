@@ -13,11 +13,12 @@ registry entry; results of parallel passes (strategies, layouts, why a collectiv
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from pcompile.ir.parallel_info import ParallelInfo as ParallelInfo
 from pcompile.ir.types import DType, TensorType, ValueType
 
 
@@ -177,28 +178,6 @@ class NodeResult(Value):
     def __init__(self, type_: ValueType, node: Node, name_hint: str = "") -> None:
         super().__init__(type_, name_hint)
         self.node = node
-
-
-@dataclass
-class ParallelInfo:
-    """Parallel annotations of a node, filled by the parallel passes.
-
-    `in_strategy`/`out_strategy` are the effective strategies (user's or searched) as nested
-    tuples of ints; `extra` holds further printable key/value pairs that a pass adds
-    (layouts, the reason a collective exists, predicted bytes, cost terms)."""
-
-    in_strategy: tuple[Any, ...] | None = None
-    out_strategy: tuple[Any, ...] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def items(self) -> list[tuple[str, Any]]:
-        out: list[tuple[str, Any]] = []
-        if self.in_strategy is not None:
-            out.append(("in_strategy", self.in_strategy))
-        if self.out_strategy is not None:
-            out.append(("out_strategy", self.out_strategy))
-        out.extend(self.extra.items())
-        return out
 
 
 class Node:

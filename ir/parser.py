@@ -39,6 +39,7 @@ from pcompile.ir.core import (
     Value,
 )
 from pcompile.ir.errors import PcompileError, ShapeError
+from pcompile.ir.parallel_info import LayoutDetail, RunnerUp, SearchCost, SwcCost
 from pcompile.ir.printer import (
     BARE_NAME,
     BARE_STRING,
@@ -271,17 +272,19 @@ class _Line:
             self.expected("',)' (a 1-tuple)", self.pos - 1)
         return items
 
-    def dict_value(self, str_keys: bool = False,
-                   strategy_keys: tuple[str, ...] = ()) -> dict[Any, Any]:
+    def dict_value(self, str_keys: bool = False, strategy_keys: tuple[str, ...] = (),
+                   key_positions: dict[Any, int] | None = None) -> dict[Any, Any]:
         """`{key: value, ...}`; the values of `strategy_keys` use the strategy spelling
-        (`((2, 4))`: a one-element tuple needs no trailing comma, as MindSpore prints it)."""
+        (`((2, 4))`: a one-element tuple needs no trailing comma, as MindSpore prints it).
+        `key_positions`, when given, receives where each key starts."""
         self.nest()
         try:
-            return self._dict_items(str_keys, strategy_keys)
+            return self._dict_items(str_keys, strategy_keys, key_positions)
         finally:
             self.depth -= 1
 
-    def _dict_items(self, str_keys: bool, strategy_keys: tuple[str, ...]) -> dict[Any, Any]:
+    def _dict_items(self, str_keys: bool, strategy_keys: tuple[str, ...],
+                    key_positions: dict[Any, int] | None = None) -> dict[Any, Any]:
         self.expect("{")
         out: dict[Any, Any] = {}
         if self.accept("}"):
@@ -300,6 +303,8 @@ class _Line:
                 self.expected("a hashable key", key_pos)
             if duplicate:
                 self.fail(f"duplicate key {key!r}", key_pos)
+            if key_positions is not None:
+                key_positions[key] = key_pos
             self.expect(": ")
             if key in strategy_keys:
                 self._strategy_syntax = True
@@ -444,6 +449,122 @@ class _Line:
             array = np.full(shape, values[0], dtype=dtype.np)
         self.expect(")")
         return Constant(array, dtype)
+
+
+# -- the parallel-info group --------------------------------------------------------------------
+# Each field of `ParallelInfo` read back from the value `ir.printer.PARALLEL_FIELDS` wrote:
+# a function from the parsed value to the field's typed value, raising ValueError("<what it
+# expected>") for anything else.
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(value: Any) -> int:
+    if not _is_int(value):
+        raise ValueError("an integer")
+    return int(value)
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError("a string")
+    return value
+
+
+def _strategy(value: Any) -> tuple[Any, ...]:
+    if not isinstance(value, tuple):
+        raise ValueError("a strategy (a tuple)")
+    return value
+
+
+def _strings(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+        raise ValueError("a tuple of strings")
+    return value
+
+
+def _cost(value: Any) -> float:
+    """A cost number; None is an infinite cost (`ir.printer._cost_number`)."""
+    if value is None:
+        return math.inf
+    if not (_is_int(value) or isinstance(value, float)):
+        raise ValueError("a number or None")
+    return value  # type: ignore[no-any-return]  # an int stays an int: it prints as one
+
+
+def _fields_of(value: Any, what: str, *orders: tuple[str, ...]) -> dict[str, Any]:
+    """A dict whose keys are exactly one of `orders`."""
+    if not isinstance(value, dict) or tuple(value) not in orders:
+        shown = " or ".join("{" + ", ".join(order) + "}" for order in orders)
+        raise ValueError(f"{what} {shown}")
+    return value
+
+
+def _layouts(value: Any) -> tuple[LayoutDetail, ...]:
+    if not isinstance(value, tuple):
+        raise ValueError("a tuple of layouts")
+    out = []
+    for item in value:
+        d = _fields_of(item, "a layout", ("device_matrix", "tensor_map"),
+                       ("device_matrix", "tensor_map", "interleaved_parallel"),
+                       ("device_matrix", "tensor_map", "alias_name"),
+                       ("device_matrix", "tensor_map", "interleaved_parallel", "alias_name"))
+        matrix, tmap = d["device_matrix"], d["tensor_map"]
+        if not isinstance(matrix, tuple) or not all(_is_int(v) for v in matrix):
+            raise ValueError("a layout whose device_matrix is a tuple of integers")
+        if not isinstance(tmap, tuple):
+            raise ValueError("a layout whose tensor_map is a tuple")
+        interleaved = d.get("interleaved_parallel")
+        if interleaved is not None and not isinstance(interleaved, bool):
+            raise ValueError("a layout whose interleaved_parallel is true or false")
+        alias = d.get("alias_name")
+        out.append(LayoutDetail(matrix, tmap, interleaved,
+                                None if alias is None else _strings(alias)))
+    return tuple(out)
+
+
+def _search_cost(value: Any) -> SearchCost:
+    d = _fields_of(value, "a cost", ("op", "redistribution"), ("local", "op", "redistribution"))
+    local = _cost(d["local"]) if "local" in d else None
+    return SearchCost(_cost(d["op"]), _cost(d["redistribution"]), local)
+
+
+_SWC = ("communication", "computation", "forward")
+
+
+def _swc(value: Any) -> SwcCost:
+    d = _fields_of(value, "a decision", _SWC)
+    return SwcCost(*(_cost(d[k]) for k in _SWC))
+
+
+def _runner_up(value: Any) -> RunnerUp:
+    d = _fields_of(value, "a runner-up", ("strategy",), ("strategy", "local"),
+                   ("strategy", *_SWC), ("strategy", "local", *_SWC))
+    swc = SwcCost(*(_cost(d[k]) for k in _SWC)) if "forward" in d else None
+    local = _cost(d["local"]) if "local" in d else None
+    return RunnerUp(_strategy(d["strategy"]), local, swc)
+
+
+#: How each `ParallelInfo` field is read (the inverse of `ir.printer.PARALLEL_FIELDS`).
+PARALLEL_FIELDS: dict[str, Callable[[Any], Any]] = {
+    "in_strategy": _strategy,
+    "out_strategy": _strategy,
+    "in_layout": _layouts,
+    "out_layout": _layouts,
+    "cost": _search_cost,
+    "decision": _swc,
+    "runner_up": _runner_up,
+    "decided_by": _str,
+    "micro": _int,
+    "chunk": _int,
+    "reason": _str,
+    "fusion": _int,
+    "members": _strings,
+    "bytes": _int,
+    "parameter": _str,
+}
 
 
 class _Parser:
@@ -727,16 +848,24 @@ class _Parser:
         g.append(node)
 
     def parallel(self, line: _Line) -> ParallelInfo:
-        """The parallel-info group: in_strategy, out_strategy, then `extra` in order."""
+        """The parallel-info group: each field read by its entry in `PARALLEL_FIELDS` and set
+        in the order of the text (which is the order it prints in)."""
         info = ParallelInfo()
-        for key, value in line.dict_value(str_keys=True,
-                                          strategy_keys=STRATEGY_KEYS + DETAIL_KEYS).items():
-            if key == "in_strategy":
-                info.in_strategy = value
-            elif key == "out_strategy":
-                info.out_strategy = value
-            else:
-                info.extra[key] = value
+        positions: dict[str, int] = {}
+        group = line.dict_value(str_keys=True, strategy_keys=STRATEGY_KEYS + DETAIL_KEYS,
+                                key_positions=positions)
+        for key, value in group.items():
+            read = PARALLEL_FIELDS.get(key)
+            if read is None:
+                line.expected(f"a parallel annotation ({', '.join(ParallelInfo.FIELDS)})",
+                              positions[key])
+            try:
+                setattr(info, key, read(value))
+            except (TypeError, ValueError) as exc:
+                line.fail(f"expected {exc} as the value of {key}", positions[key])
+        if [k for k, _ in info.items()] != list(group):
+            line.fail(f"expected the parallel annotations in the order "
+                      f"{', '.join(k for k, _ in info.items())}", positions[next(iter(group))])
         return info
 
     def infer(

@@ -35,7 +35,10 @@ Attribute values (`value`) are: `true`/`false`, `None`, ints, floats in Python `
 from __future__ import annotations
 
 import json
+import math
 import re
+from collections.abc import Callable
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 import numpy as np
@@ -54,7 +57,8 @@ from pcompile.ir.core import (
     array_digest,
     constant_at,
 )
-from pcompile.ir.memo import items_key
+from pcompile.ir.memo import items_key, typed_key
+from pcompile.ir.parallel_info import LayoutDetail, RunnerUp, SearchCost, SwcCost
 from pcompile.ir.rank import RankValue, has_rank_values, resolve, resolve_attrs
 from pcompile.ir.types import DType, ValueType, format_shape
 
@@ -243,6 +247,7 @@ _SCOPE_TEXT: dict[str, str] = {}
 _HINT_TEXT: dict[str, str] = {}
 _DICT_TEXT: dict[tuple[Any, ...], str] = {}
 _RANK_DICT_TEXT: dict[tuple[Any, ...], str] = {}
+_PARALLEL_TEXT: dict[tuple[Any, ...], str] = {}
 _CONST_TEXT: dict[tuple[Any, ...], str] = {}
 
 
@@ -377,15 +382,6 @@ def _format_source(source: SourceLoc) -> str:
     return f"# In file {file}:{source.line}/{source.text}/"
 
 
-def format_parallel(info: ParallelInfo) -> str:
-    """The parallel-info group `{in_strategy: ..., out_strategy: ..., <extra>...}`."""
-    clash = [k for k in info.extra if k in ("in_strategy", "out_strategy")]
-    if clash:
-        raise ValueError(f"ParallelInfo.extra must not hold {', '.join(clash)}")
-    _check_keys(info.extra, "ParallelInfo.extra")
-    return format_dict(dict(info.items()), top=True)
-
-
 def format_strategy(value: Any) -> str:
     """A strategy (one tuple of dims per input) as MindSpore prints it: no trailing comma in a
     one-element tuple, `((2, 4))`, `((8))`. Other values print as attribute values."""
@@ -400,6 +396,93 @@ def _check_keys(mapping: dict[Any, Any], what: str) -> None:
     bad = [k for k in mapping if not isinstance(k, str)]
     if bad:
         raise TypeError(f"{what} keys must be strings, got {bad[0]!r}")
+
+
+def format_parallel(info: ParallelInfo) -> str:
+    """The parallel-info group `{name: value, ...}`: each set field of `ParallelInfo` in the
+    order `ParallelInfo.items` gives, its value written by its entry in `PARALLEL_FIELDS`."""
+    fields = info.items()
+    try:
+        key = tuple((name, _field_key(value)) for name, value in fields)
+    except TypeError:  # an unhashable value (a list in a strategy): no memo
+        return _format_parallel(fields)
+    text = _PARALLEL_TEXT.get(key)
+    if text is None:
+        text = _format_parallel(fields)
+        if len(_PARALLEL_TEXT) < _MEMO_LIMIT:
+            _PARALLEL_TEXT[key] = text
+    return text
+
+
+def _format_parallel(fields: list[tuple[str, Any]]) -> str:
+    return "{" + ", ".join(f"{name}: {PARALLEL_FIELDS[name](value)}"
+                           for name, value in fields) + "}"
+
+
+def _field_key(value: Any) -> Any:
+    """`typed_key` through the frozen dataclasses of `ir.parallel_info` (whose own equality
+    would take 1 for 1.0 and 0.0 for -0.0)."""
+    if is_dataclass(value):
+        return (type(value), tuple(_field_key(getattr(value, f.name)) for f in fields(value)))
+    if isinstance(value, tuple) and not all(type(v) is int for v in value):
+        return (tuple, tuple(_field_key(v) for v in value))
+    return typed_key(value)
+
+
+def _cost_number(value: float | None) -> float | None:
+    """A cost as the search's plan writes it: None for an infinite one (no inf in dumps)."""
+    return None if value is None or not math.isfinite(value) else value
+
+
+def _format_layouts(layouts: tuple[LayoutDetail, ...]) -> str:
+    return format_mindspore(tuple(layout.as_dict() for layout in layouts))
+
+
+def _format_cost(cost: SearchCost) -> str:
+    out: dict[str, Any] = {}
+    if cost.local is not None:
+        out["local"] = _cost_number(cost.local)
+    out["op"] = _cost_number(cost.op)
+    out["redistribution"] = _cost_number(cost.redistribution)
+    return format_dict(out)
+
+
+def _swc_dict(swc: SwcCost) -> dict[str, Any]:
+    return {"communication": _cost_number(swc.communication),
+            "computation": _cost_number(swc.computation),
+            "forward": _cost_number(swc.forward)}
+
+
+def _format_runner_up(runner: RunnerUp) -> str:
+    out: dict[str, Any] = {"strategy": runner.strategy}
+    if runner.local is not None:
+        out["local"] = _cost_number(runner.local)
+    if runner.swc is not None:
+        out.update(_swc_dict(runner.swc))
+    return format_dict(out)
+
+
+#: The text of each `ParallelInfo` field's value (`ir.parser.PARALLEL_FIELDS` reads it back):
+#: strategies in MindSpore's strategy spelling, layouts as MindSpore's parallel detail prints
+#: them (`({'device_matrix': (2, 4), 'tensor_map': (1, 0)})`), the search's costs as dicts of
+#: numbers (None for an infinite cost), the rest as attribute values.
+PARALLEL_FIELDS: dict[str, Callable[[Any], str]] = {
+    "in_strategy": format_strategy,
+    "out_strategy": format_strategy,
+    "in_layout": _format_layouts,
+    "out_layout": _format_layouts,
+    "cost": _format_cost,
+    "decision": lambda swc: format_dict(_swc_dict(swc)),
+    "runner_up": _format_runner_up,
+    "decided_by": format_value,
+    "micro": format_value,
+    "chunk": format_value,
+    "reason": format_value,
+    "fusion": format_value,
+    "members": format_value,
+    "bytes": format_value,
+    "parameter": format_value,
+}
 
 
 class _Hole:

@@ -232,10 +232,8 @@ def _own_parameter(node: Node) -> str:
     name = node.attrs.get("parameter")
     if isinstance(name, str) and name:
         return name
-    if node.parallel is not None:
-        name = node.parallel.extra.get("parameter")
-        if isinstance(name, str) and name:
-            return name
+    if node.parallel is not None and node.parallel.parameter:
+        return node.parallel.parameter
     if node.op == "_MirrorOperator" or get_op(node.op).collective:
         if node.operands:
             return _value_parameter(node.operands[0])
@@ -515,12 +513,12 @@ def _fuse_bucket(graph: Graph, members: list[_Candidate]) -> Node:
     sizes = [v.tensor_type.size for v in inputs]
     attrs = {k: v for k, v in first.attrs.items() if k in get_op(op).attrs}
     total_bytes = sum(m.nbytes for m in members)
-    info = ParallelInfo(extra={
-        "reason": f"comm_fusion: {len(members)} {op} fused into one",
-        "fusion": attrs.get("fusion", 0),
-        "members": tuple(m.name for m in members),
-        "bytes": total_bytes,
-    })
+    info = ParallelInfo(
+        reason=f"comm_fusion: {len(members)} {op} fused into one",
+        fusion=attrs.get("fusion", 0),
+        members=tuple(m.name for m in members),
+        bytes=total_bytes,
+    )
     if op == "ReduceScatter":
         rows = [_reshape(b, v, (n, s // n)) for v, s in zip(inputs, sizes)]
         buffer = _reshape(b, _concat(b, rows, 1), (sum(sizes),))
@@ -621,7 +619,7 @@ def fuse_communication(graph: Graph, config: FusionConfig | None = None) -> Fusi
         if fused is not None:
             fused.attrs["fusion"] = fusion
             assert fused.parallel is not None
-            fused.parallel.extra["fusion"] = fusion
+            fused.parallel.fusion = fusion
         else:
             head.node.attrs["fusion"] = fusion
         for cand in part:

@@ -127,9 +127,8 @@ def node_ring_bytes(node: Node) -> int:
 
 def node_bytes(node: Node) -> int:
     """The node's `bytes` annotation, else what `collective_bytes` gives for it."""
-    extra = node.parallel.extra if node.parallel is not None else {}
-    if "bytes" in extra:
-        return int(extra["bytes"])
+    if node.parallel is not None and node.parallel.bytes is not None:
+        return node.parallel.bytes
     size = _group_size(node)
     in_type = node.operands[0].type if node.operands else None
     return collective_bytes(node.op, in_type, node.result.type, size)
@@ -151,9 +150,8 @@ def is_communication(node: Node) -> bool:
 
 def node_reason(node: Node) -> str:
     """The node's `reason` annotation, else: a collective written in the model."""
-    extra = node.parallel.extra if node.parallel is not None else {}
-    if "reason" in extra:
-        return str(extra["reason"])
+    if node.parallel is not None and node.parallel.reason is not None:
+        return node.parallel.reason
     where = f" at {node.source}" if node.source else ""
     return f"{node.op} '{node.instance_name or node.op}' written in the model{where}"
 
@@ -168,9 +166,8 @@ def backward_annotation(forward: Node, created: list[Node]) -> None:
             continue
         if _group_size(node) < 2:
             continue  # a group of one: the identity
-        node.parallel = ParallelInfo(extra={
-            "reason": f"vjp of {forward.op}: {why}",
-            "bytes": node_bytes(node)})
+        node.parallel = ParallelInfo(reason=f"vjp of {forward.op}: {why}",
+                                     bytes=node_bytes(node))
 
 
 def _group_size(node: Node) -> int:

@@ -49,9 +49,9 @@ Label = tuple[str, int]
 
 def with_micro(info: ParallelInfo | None, micro: int) -> ParallelInfo:
     """A copy of a parallel annotation with `micro: k` (MindSpore's cnode attr)."""
-    if info is None:
-        return ParallelInfo(extra={"micro": micro})
-    return ParallelInfo(info.in_strategy, info.out_strategy, {**info.extra, "micro": micro})
+    out = ParallelInfo() if info is None else info.copy()
+    out.micro = micro
+    return out
 
 
 def copy_constant(value: Constant) -> Constant:
@@ -128,9 +128,9 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
                  "end": ((k + 1) * rows,) + tuple(p.shape[1:]),
                  "strides": (1,) * len(p.shape)},
                 instance_name="micro_batch", name_hint=p.name,
-                parallel=ParallelInfo(extra={"micro": k, "reason": (
+                parallel=ParallelInfo(micro=k, reason=(
                     f"micro-batch {k} of {micro}: rows [{k * rows}, {(k + 1) * rows}) of the "
-                    f"rank's {p.shape[0] * micro} rows of {p.name}")}))
+                    f"rank's {p.shape[0] * micro} rows of {p.name}")))
             assert isinstance(sliced, NodeResult)
             labels[id(sliced.node)] = ("F", k)
             local[id(p)] = sliced
@@ -153,8 +153,8 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
     if micro > 1:
         loss = b.emit("RealDiv", [loss, Constant(np.asarray(micro), loss.dtype)],
                       instance_name="micro_loss_mean", name_hint="loss",
-                      parallel=ParallelInfo(extra={
-                          "reason": f"the step's loss: the mean of its {micro} micro-batches'"}))
+                      parallel=ParallelInfo(
+                          reason=f"the step's loss: the mean of its {micro} micro-batches'"))
     out.outputs = [loss] + [_lookup(v, local, shared) for v in graph.outputs[1:]]
     return out
 

@@ -86,12 +86,11 @@ def unit_sequence(scheduler: str, stages: int, stage: int, micro: int,
 def node_label(node: Node) -> Label | None:
     """A node's unit label: its `micro` (and `chunk`) annotation, backward under autodiff's
     scope."""
-    extra = node.parallel.extra if node.parallel is not None else {}
-    micro = extra.get("micro")
-    if micro is None:
+    info = node.parallel
+    if info is None or info.micro is None:
         return None
     phase = "B" if node.scope.startswith("Gradients") else "F"
-    return (phase, int(micro), int(extra.get("chunk", 0)))
+    return (phase, info.micro, info.chunk or 0)
 
 
 def positions(graph: Graph, sequence: list[Label]) -> dict[int, int]:

@@ -287,19 +287,24 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
     """One graph per stage (see the module docstring); `placed` in virtual stages."""
     n = devices // stages
 
-    def mark(node: Node, label: MicroLabel | None, s: int) -> dict[str, int]:
-        """The unit annotation of the copy of `node` (labelled `label`) in stage s."""
+    def mark(info: ParallelInfo | None, node: Node, label: MicroLabel | None,
+             s: int) -> ParallelInfo:
+        """A copy of `info` with the unit annotation of the copy of `node` (labelled `label`)
+        in stage s."""
+        out = ParallelInfo() if info is None else info.copy()
         if label is None:
-            return {}
+            return out
+        out.micro = label[1]
         if chunks == 1:
-            return {"micro": label[1]}
+            return out
         if id(node) in placed.stage:
-            return {"micro": label[1], "chunk": placed.stage[id(node)] // stages}
+            out.chunk = placed.stage[id(node)] // stages
+            return out
         # A pure node (computed where needed): the chunk of its copies on stage s whose unit
         # comes first (forward: the lowest chunk, backward: the highest).
         mine = [u // stages for u in placed.copies.get(id(node), ()) if u % stages == s]
-        chunk = (max(mine) if label[0] == "B" else min(mine)) if mine else 0
-        return {"micro": label[1], "chunk": chunk}
+        out.chunk = (max(mine) if label[0] == "B" else min(mine)) if mine else 0
+        return out
 
     def physical(sites: Any) -> set[int]:
         return {u % stages for u in sites}
@@ -354,26 +359,26 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
         transfers.append(Transfer(tag, src, s, what, ttype.shape, ttype.dtype.value,
                                   ttype.nbytes))
         label = labels.get(id(v.node))
+        info = mark(None, v.node, label, src)
+        info.reason = f"pipeline: stage {src} sends {what} to stage {s}"
+        info.bytes = 0
         send = Node("Send", [producer],
                     {"sr_tag": tag, "dest_rank": RankShift((s - src) * n), "group": WORLD_GROUP,
                      "shape": ttype.shape, "dtype": ttype.dtype},
                     ttype, instance_name=f"pipeline_send_{tag}", scope=v.node.scope,
                     source=v.node.source, name_hint=v.name_hint,
-                    parallel=ParallelInfo(extra={
-                        **mark(v.node, label, src),
-                        "reason": f"pipeline: stage {src} sends {what} to stage {s}",
-                        "bytes": 0}))
+                    parallel=info)
         outs[src].append(send)
         user_label = labels.get(id(user))
+        info = mark(None, user, user_label, s)
+        info.reason = f"pipeline: stage {s} receives {what} from stage {src}"
+        info.bytes = ttype.nbytes
         recv = Node("Receive", [],
                     {"sr_tag": tag, "src_rank": RankShift((src - s) * n), "group": WORLD_GROUP,
                      "shape": ttype.shape, "dtype": ttype.dtype},
                     ttype, instance_name=f"pipeline_receive_{tag}", scope=user.scope,
                     source=v.node.source, name_hint=v.name_hint,
-                    parallel=ParallelInfo(extra={
-                        **mark(user, user_label, s),
-                        "reason": f"pipeline: stage {s} receives {what} from stage {src}",
-                        "bytes": ttype.nbytes}))
+                    parallel=info)
         outs[s].append(recv)
         received[key] = recv.result
         return recv.result
@@ -385,9 +390,7 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
             label = labels.get(id(node))
             parallel = node.parallel
             if label is not None:
-                base = parallel or ParallelInfo()
-                parallel = ParallelInfo(base.in_strategy, base.out_strategy,
-                                        {**base.extra, **mark(node, label, s)})
+                parallel = mark(parallel, node, label, s)
             copy = Node(node.op, [operand(v, s, node) for v in node.operands],
                         {k: _world(v, devices) for k, v in node.attrs.items()},
                         node.result.type, instance_name=node.instance_name, scope=node.scope,

@@ -95,10 +95,10 @@ class _Recomputer:
             node = Node("Depend", [value, trigger], {}, value.type,
                         instance_name="recompute_depend", scope=before.scope,
                         source=before.source, name_hint="checkpoint",
-                        parallel=ParallelInfo(extra={
-                            "reason": "recompute: the recomputed forward values are computed "
-                                      "from this kept value once the backward pass reaches "
-                                      f"{before.op} '{before.instance_name or before.fullname}'"}))
+                        parallel=ParallelInfo(
+                            reason="recompute: the recomputed forward values are computed "
+                                   "from this kept value once the backward pass reaches "
+                                   f"{before.op} '{before.instance_name or before.fullname}'"))
             self.graph.insert_before(before, node)
             self.barriers[key] = node.result
         return self.barriers[key]

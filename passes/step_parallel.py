@@ -181,9 +181,9 @@ class RankBuilder:
                     source=node.source if node else None)
         out = b.emit("_VirtualDiv", [loss], {"divisor": copies}, instance_name="_VirtualDiv",
                      name_hint="loss",
-                     parallel=ParallelInfo(extra={
-                         "reason": f"the loss is held by {copies} ranks: divide its "
-                                   "sensitivity (loss_repeated_mean)"}))
+                     parallel=ParallelInfo(
+                         reason=f"the loss is held by {copies} ranks: divide its "
+                                "sensitivity (loss_repeated_mean)"))
         return out
 
     def mirror(self, param: GraphParam, user: Node) -> Value:
@@ -217,9 +217,9 @@ class RankBuilder:
                      "fusion": self.fusion_ids.get(param.name, 1), "parameter": param.name},
                     instance_name=self.inserted_name(user, "mirror_op"),
                     name_hint=param.name.replace(".", "_"),
-                    parallel=ParallelInfo(extra={
-                        "reason": self.mirror_reason(param, layout, len(group)),
-                        "bytes": nbytes}),
+                    parallel=ParallelInfo(
+                        reason=self.mirror_reason(param, layout, len(group)),
+                        bytes=nbytes),
                 )
         return value
 
@@ -246,9 +246,9 @@ class RankBuilder:
                  "parameter": param.name},
                 instance_name=self.inserted_name(user, "mirror_op"),
                 name_hint=param.name.replace(".", "_"),
-                parallel=ParallelInfo(extra={
-                    "reason": f"gradient part of parameter {param.name} is all-reduced over "
-                              f"the {len(rest)} ranks that store the same part"}))
+                parallel=ParallelInfo(
+                    reason=f"gradient part of parameter {param.name} is all-reduced over "
+                           f"the {len(rest)} ranks that store the same part"))
         group = shard.shard_rank_group
         nbytes = local.tensor_type.nbytes * (len(group) - 1)
         return b.emit(
@@ -257,11 +257,11 @@ class RankBuilder:
              "mean_flag": self.options.gradients_mean},
             instance_name=self.inserted_name(user, "parallel_optimizer_allgather"),
             name_hint=param.name.replace(".", "_"),
-            parallel=ParallelInfo(extra={
-                "reason": f"parallel optimizer: parameter {param.name} is stored split over "
-                          f"{len(group)} ranks {shard.stored}; gather it for use "
-                          f"{shard.use} (its vjp reduce-scatters the gradient)",
-                "bytes": nbytes, "parameter": param.name}))
+            parallel=ParallelInfo(
+                reason=f"parallel optimizer: parameter {param.name} is stored split over "
+                       f"{len(group)} ranks {shard.stored}; gather it for use "
+                       f"{shard.use} (its vjp reduce-scatters the gradient)",
+                bytes=nbytes, parameter=param.name))
 
     def required(self, node: Node, index: int, value: Value, want: TensorLayout) -> Value:
         if isinstance(value, Constant):
@@ -313,14 +313,14 @@ class RankBuilder:
                 value = b.emit("Reshape", [value], {"shape": tuple(step[1])},
                                instance_name=self.inserted_name(node, "redistribution_op",
                                                                 "Reshape"),
-                               parallel=ParallelInfo(extra={"reason": reason}),
+                               parallel=ParallelInfo(reason=reason),
                                user_attrs=keep)
             elif kind == "StridedSlice":
                 value = b.emit("StridedSlice", [value],
                                {"begin": step[1], "end": step[2], "strides": step[3]},
                                instance_name=self.inserted_name(node, "redistribution_op",
                                                                 "StridedSlice"),
-                               parallel=ParallelInfo(extra={"reason": reason}),
+                               parallel=ParallelInfo(reason=reason),
                                user_attrs=keep)
             elif kind == "AllConcat":
                 ranks, axis = step[1], step[2]
@@ -328,8 +328,7 @@ class RankBuilder:
                 gathered = b.emit("AllGather", [value], self._group_attrs_of(ranks),
                                   instance_name=self.inserted_name(node, "redistribution_op",
                                                                    "AllGather"),
-                                  parallel=ParallelInfo(extra={"reason": reason,
-                                                               "bytes": nbytes}),
+                                  parallel=ParallelInfo(reason=reason, bytes=nbytes),
                                   user_attrs=keep)
                 if axis != 0:
                     parts = b.emit("Split", [gathered], {"axis": 0, "output_num": len(ranks)},
@@ -351,8 +350,7 @@ class RankBuilder:
                                 "concat_dim": concat_dim, **self._group_attrs_of(ranks)},
                                instance_name=self.inserted_name(node, "redistribution_op",
                                                                 "AlltoAll"),
-                               parallel=ParallelInfo(extra={"reason": reason,
-                                                            "bytes": nbytes}),
+                               parallel=ParallelInfo(reason=reason, bytes=nbytes),
                                user_attrs=keep)
         return value
 
@@ -384,11 +382,9 @@ class RankBuilder:
         attrs = opdef.impl_attrs(node.attrs)
         attrs.update(sharding.local_attrs)
         user = {k: v for k, v in node.attrs.items() if k not in opdef.attrs}
-        info = ParallelInfo(in_strategy=sharding.strategy,
-                            out_strategy=node.parallel.out_strategy if node.parallel else None,
-                            extra={k: v for k, v in (node.parallel.extra.items()
-                                                     if node.parallel else ())
-                                   if k in ("in_layout", "out_layout")})
+        old = node.parallel or ParallelInfo()
+        info = ParallelInfo(in_strategy=sharding.strategy, out_strategy=old.out_strategy,
+                            in_layout=old.in_layout, out_layout=old.out_layout)
         if sharding.expand == "offset_one_hot":
             operands = [self.one_hot_local_indices(node, b, operands[0], sharding)]
         if sharding.expand == "attention_query_split":
@@ -422,14 +418,14 @@ class RankBuilder:
             instance_name=self.inserted_name(node, "mirror_op"),
             name_hint=node.result.name_hint,
             user_attrs=self.inherited(node),
-            parallel=ParallelInfo(extra={
-                "reason": f"the cotangent of {node.op} '{node.instance_name}' is summed over "
-                          f"the {len(group)} ranks that hold the same slice, so parameter "
-                          f"{choice.parameter}'s gradient is all-reduced over "
-                          f"{choice.param_group} ranks instead of {choice.full_group} "
-                          f"(ring bytes {choice.chosen_bytes:.0f} instead of "
-                          f"{choice.default_bytes:.0f})",
-                "bytes": out.tensor_type.nbytes}))
+            parallel=ParallelInfo(
+                reason=f"the cotangent of {node.op} '{node.instance_name}' is summed over "
+                       f"the {len(group)} ranks that hold the same slice, so parameter "
+                       f"{choice.parameter}'s gradient is all-reduced over "
+                       f"{choice.param_group} ranks instead of {choice.full_group} "
+                       f"(ring bytes {choice.chosen_bytes:.0f} instead of "
+                       f"{choice.default_bytes:.0f})",
+                bytes=out.tensor_type.nbytes))
 
     def as_is(self, node: Node, value: Value) -> tuple[Value, Any]:
         """An operand in whatever layout it has (a parameter behind its mirror)."""
@@ -487,29 +483,29 @@ class RankBuilder:
             if comm.kind == "Div":
                 out = b.emit("RealDiv", [out, Constant(np.asarray(comm.divisor), out.dtype)],
                              instance_name=self.inserted_name(node, "forward_op", "RealDiv"),
-                             parallel=ParallelInfo(extra={
-                                 "reason": f"mean of {node.op} '{node.instance_name}' over "
-                                           f"{comm.divisor} slices"}), user_attrs=keep)
+                             parallel=ParallelInfo(
+                                 reason=f"mean of {node.op} '{node.instance_name}' over "
+                                        f"{comm.divisor} slices"), user_attrs=keep)
                 continue
             if len(group) <= 1:
                 continue
             reason = (f"forward: {node.op} '{node.instance_name}' leaves partial results over "
                       f"split reduced dims (device axes {list(comm.axes)} of "
                       f"{list(sharding.dev_matrix)})")
-            info = ParallelInfo(extra={"reason": reason})
+            info = ParallelInfo(reason=reason)
             partial = out
             marks = dict(keep or {})
             kind = comm.kind
             if id(node) in self.scatter:
                 kind = "ReduceScatter"
-                info.extra["reason"] = (f"{reason}; every user takes its block of the sum "
-                                        f"{self.scatter[id(node)]}")
+                info.reason = (f"{reason}; every user takes its block of the sum "
+                               f"{self.scatter[id(node)]}")
             elif (id(node), index) in self.alike:
                 marks[REPLICATED_COTANGENT] = True
             out = b.emit(kind, [out], {"op": comm.op, **self.group_attrs(group)},
                          instance_name=self.inserted_name(node, "forward_op"),
                          parallel=info, user_attrs=marks or None)
-            info.extra["bytes"] = collective_bytes(kind, partial.type, out.type, len(group))
+            info.bytes = collective_bytes(kind, partial.type, out.type, len(group))
         return out
 
     def masked_gather(self, node: Node, b: Builder, operands: list[Value],
@@ -544,9 +540,10 @@ class RankBuilder:
         return b.emit("ReduceSum", [powered],
                       {"axis": attrs["axis"], "keep_dims": attrs["keep_dims"]},
                       instance_name=node.instance_name, name_hint=node.result.name_hint,
-                      parallel=ParallelInfo(in_strategy=info.in_strategy, extra={
-                          "reason": f"LpNorm '{node.instance_name}' splits a normalised dim: "
-                                    "each rank sums |x|**p over its slice"}))
+                      parallel=ParallelInfo(
+                          in_strategy=info.in_strategy,
+                          reason=f"LpNorm '{node.instance_name}' splits a normalised dim: "
+                                 "each rank sums |x|**p over its slice"))
 
     def lp_norm_finish(self, node: Node, b: Builder, total: Value,
                        attrs: dict[str, Any]) -> Value:
@@ -580,10 +577,10 @@ class RankBuilder:
         start = self.rank_constant(RankScalar(layout_offsets(sharding.out_layouts[0]), axis),
                                    idx.dtype)
         return b.emit("Sub", [idx, start],
-                      parallel=ParallelInfo(extra={
-                          "reason": f"OneHot '{node.instance_name}': each rank holds a slice "
-                                    "of the classes (its depth axis is split); the indices are "
-                                    "shifted by the first class it holds"}))
+                      parallel=ParallelInfo(
+                          reason=f"OneHot '{node.instance_name}': each rank holds a slice "
+                                 "of the classes (its depth axis is split); the indices are "
+                                 "shifted by the first class it holds"))
 
     def attention_query_window(self, node: Node, sharding: OpSharding) -> dict[str, Any]:
         """FlashAttentionScore with a split query sequence: this rank's query slice keeps

@@ -20,6 +20,7 @@ from typing import Any
 from pcompile.ir.core import Graph, GraphParam, Node, ParallelInfo
 from pcompile.ir.errors import OpError, PcompileError
 from pcompile.ir.layout import TensorLayout, map_axes
+from pcompile.ir.parallel_info import LayoutDetail
 from pcompile.ir.sharding import (
     NO_STRATEGY,
     Labels,
@@ -505,9 +506,6 @@ def _assign_layout_flow(graph: Graph, result: ParallelAssignment,
             node.parallel = ParallelInfo(in_strategy=sharding.strategy)
 
 
-_LAYOUT_FIELDS = ("device_matrix", "tensor_map", "interleaved_parallel", "alias_name")
-
-
 def annotate_parallel_detail(graph: Graph, assignment: ParallelAssignment, mode: str) -> None:
     """MindSpore's `MS_DEV_DUMP_IR_PARALLEL_DETAIL=1` on every op with a strategy (reference
     §5.2). `mode` "tensor_map" (MindSpore does it in semi_auto_parallel): the attributes
@@ -528,18 +526,17 @@ def annotate_parallel_detail(graph: Graph, assignment: ParallelAssignment, mode:
         dev = tuple(sharding.dev_matrix)
         user_in = node.attrs.get("in_strategy") or ()
         user_out = node.attrs.get("out_strategy") or ()
-        layouts = {
-            "in_layout": tuple(_layout_dict(given, dev, tmap) for given, tmap in
-                               zip(list(user_in) + [None] * (len(ins) - len(user_in)), ins)),
-            "out_layout": tuple(_layout_dict(given, dev, tmap) for given, tmap in
-                                zip(list(user_out) + [None] * (len(outs) - len(user_out)),
-                                    outs)),
-        }
-        # right after the strategies, as MindSpore prints them
-        node.parallel.extra = {**layouts, **node.parallel.extra}
+        # printed right after the strategies, as MindSpore prints them
+        node.parallel.in_layout = tuple(
+            _layout_detail(given, dev, tmap) for given, tmap in
+            zip(list(user_in) + [None] * (len(ins) - len(user_in)), ins))
+        node.parallel.out_layout = tuple(
+            _layout_detail(given, dev, tmap) for given, tmap in
+            zip(list(user_out) + [None] * (len(outs) - len(user_out)), outs))
 
 
-def _layout_dict(given: Any, dev: tuple[int, ...], tmap: tuple[Any, ...]) -> dict[str, Any]:
+def _layout_detail(given: Any, dev: tuple[int, ...], tmap: tuple[Any, ...]) -> LayoutDetail:
     if isinstance(given, dict):  # a user's Layout: its own fields, as MindSpore prints them
-        return {k: given[k] for k in _LAYOUT_FIELDS if k in given}
-    return {"device_matrix": dev, "tensor_map": tmap}
+        return LayoutDetail(given["device_matrix"], given["tensor_map"],
+                            given.get("interleaved_parallel"), given.get("alias_name"))
+    return LayoutDetail(dev, tmap)

@@ -6,7 +6,7 @@ reads) loads a strategy checkpoint if one is configured, runs the search of
 `step_parallel_begin.assign(..., searched=result.strategies)`, `finish_assignment` applies the
 Reshape-chain layouts, writes each searched op's cost, the terms it was chosen by and the
 runner-up into its parallel annotation (`cost`, `decision`, `runner_up` or `decided_by` in the
-step_parallel_begin dump, `explain.dump_annotation`), records the decision under
+step_parallel_begin dump, `explain.annotate`), records the decision under
 `search` in plan.json, and saves the strategy checkpoint.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 from pcompile.passes.search import SearchOptions, SearchResult, search
 from pcompile.passes.search.checkpoint import load_strategies, save_checkpoint
 from pcompile.passes.search.cost_model import CostConstants
-from pcompile.passes.search.explain import dump_annotation
+from pcompile.passes.search.explain import annotate
 
 
 class StepAutoParallelPass:
@@ -71,7 +71,7 @@ def finish_assignment(state: Any) -> None:
         if info is None:
             continue
         if node.parallel is not None:
-            node.parallel.extra.update(dump_annotation(info))
+            annotate(node.parallel, info)
         ops[node.fullname] = {"instance_name": node.instance_name, **info}
     state.plan["search"] = {**result.summary(), "ops": ops}
     ckpt = state.options.get("strategy_ckpt_config")

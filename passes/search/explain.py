@@ -25,10 +25,12 @@ graphs for every mode):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from math import inf
 from typing import Any
 
 import numpy as np
 
+from pcompile.ir.parallel_info import ParallelInfo, RunnerUp, SearchCost, SwcCost
 from pcompile.passes.search.cost_graph import CostGraph, Vertex
 from pcompile.passes.search.cost_model import ZERO, Cost, printable
 
@@ -171,27 +173,35 @@ def plain_explanation(cg: CostGraph, v: Vertex, choice: Sequence[int], decided_b
     return _cached(cg, key, lambda: _base(cg, v, choice[v.index], choice, decided_by))
 
 
-def dump_annotation(info: dict[str, Any]) -> dict[str, Any]:
-    """The `cost` / `decision` / `runner_up` entries of the step_parallel_begin dump."""
-    out: dict[str, Any] = {}
-    cost = {"op": info["cost"]["objective"], "redistribution": info["redistribution"]["objective"]}
-    if "local_objective" in info:
-        cost = {"local": info["local_objective"], **cost}
-    out["cost"] = cost
+def annotate(parallel: ParallelInfo, info: dict[str, Any]) -> None:
+    """Set the `cost`, `decision` and `runner_up` (or `decided_by`) annotations of the
+    step_parallel_begin dump from an explanation (infinite costs, None in it, are inf)."""
+    parallel.cost = SearchCost(_number(info["cost"]["objective"]),
+                               _number(info["redistribution"]["objective"]),
+                               _number(info["local_objective"]) if "local_objective" in info
+                               else None)
     decision = info.get("decision")
     if decision is not None:
-        out["decision"] = {k: decision[k] for k in ("communication", "computation", "forward")}
+        parallel.decision = _swc_cost(decision)
     runner = info.get("runner_up")
     if runner is not None:
         if "local_objective" in runner:
-            out["runner_up"] = {"strategy": runner["strategy"],
-                                "local": runner["local_objective"]}
+            parallel.runner_up = RunnerUp(runner["strategy"],
+                                          local=_number(runner["local_objective"]))
         else:
-            out["runner_up"] = dict(runner)
+            parallel.runner_up = RunnerUp(runner["strategy"], swc=_swc_cost(runner))
     if "runner_up" not in info:
-        out["decided_by"] = info["decided_by"]
-    return out
+        parallel.decided_by = info["decided_by"]
 
 
-__all__ = ["dump_annotation", "local_explanation", "local_objectives", "plain_explanation",
+def _number(value: float | None) -> float:
+    return inf if value is None else value
+
+
+def _swc_cost(terms: dict[str, Any]) -> SwcCost:
+    return SwcCost(_number(terms["communication"]), _number(terms["computation"]),
+                   _number(terms["forward"]))
+
+
+__all__ = ["annotate", "local_explanation", "local_objectives", "plain_explanation",
            "propagation_explanation", "swc_key"]

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Constant, Graph, GraphParam, Node, ParallelInfo, SourceLoc, Value
 from pcompile.ir.errors import PcompileError, ShapeError
+from pcompile.ir.parallel_info import LayoutDetail, RunnerUp, SearchCost, SwcCost
 from pcompile.ir.parser import ParseError, parse_graph
-from pcompile.ir.printer import format_value, print_graph, sanitize_hint
+from pcompile.ir.printer import format_parallel, format_value, print_graph, sanitize_hint
 from pcompile.ir.registry import OpDef, get_op, register
 from pcompile.ir.types import DType, TensorType, TupleType, ValueType
 from pcompile.ir.verifier import verify
@@ -222,7 +223,7 @@ def golden_graph() -> Graph:
         scope="Default/network-WithLossCell/_backbone-Net",
         source=SourceLoc("examples/quickstart.py", 17, "        out = self.mul(x, self.w)"),
         name_hint="out",
-        parallel=ParallelInfo(((2, 4), (2, 4)), ((2, 4),), {"reason": "a b"}),
+        parallel=ParallelInfo(((2, 4), (2, 4)), ((2, 4),), reason="a b"),
     )
     scaled = b.emit("Mul", [out, b.const(0.5)], instance_name="Mul-op1")
     y = b.emit("ReLU", [scaled], name_hint="y")
@@ -425,19 +426,57 @@ attr_values = st.recursive(
     max_leaves=8,
 )
 strategies_ = st.lists(st.lists(st.integers(1, 8), max_size=3).map(tuple), max_size=3).map(tuple)
-parallel_infos = st.one_of(
-    st.none(),
-    st.builds(
-        ParallelInfo,
-        st.one_of(st.none(), strategies_),
-        st.one_of(st.none(), strategies_),
-        st.dictionaries(
-            free_text.filter(lambda k: k not in ("in_strategy", "out_strategy")),
-            attr_values,
-            max_size=3,
-        ),
-    ),
+costs = st.one_of(st.floats(min_value=0.0, allow_nan=False), st.integers(0, 10**6))
+swc_costs = st.builds(SwcCost, costs, costs, costs)
+tensor_maps = st.lists(st.one_of(st.integers(-1, 7), st.lists(st.integers(-1, 7), min_size=1,
+                                                            max_size=2).map(tuple)),
+                       max_size=3).map(tuple)
+layout_details = st.builds(
+    LayoutDetail,
+    st.lists(st.integers(1, 8), max_size=3).map(tuple),
+    tensor_maps,
+    st.one_of(st.none(), st.booleans()),
+    st.one_of(st.none(), st.lists(free_text, max_size=3).map(tuple)),
 )
+#: a value of every ParallelInfo field (a new field needs one here: the test below says so)
+parallel_fields: dict[str, st.SearchStrategy[Any]] = {
+    "in_strategy": strategies_,
+    "out_strategy": strategies_,
+    "in_layout": st.lists(layout_details, max_size=2).map(tuple),
+    "out_layout": st.lists(layout_details, max_size=2).map(tuple),
+    "cost": st.builds(SearchCost, costs, costs, st.one_of(st.none(), costs)),
+    "decision": swc_costs,
+    "runner_up": st.builds(RunnerUp, strategies_, st.one_of(st.none(), costs),
+                           st.one_of(st.none(), swc_costs)),
+    "decided_by": free_text,
+    "micro": st.integers(-5, 10**9),
+    "chunk": st.integers(-5, 10**9),
+    "reason": free_text,
+    "fusion": st.integers(-5, 10**9),
+    "members": st.lists(free_text, max_size=3).map(tuple),
+    "bytes": st.integers(-5, 10**12),
+    "parameter": free_text,
+}
+
+
+@st.composite
+def parallel_info(draw: st.DrawFn) -> ParallelInfo:
+    """Some fields, set in any order (the order the dump keeps)."""
+    info = ParallelInfo()
+    for name in draw(st.permutations(ParallelInfo.FIELDS))[:draw(st.integers(0, 5))]:
+        setattr(info, name, draw(parallel_fields[name]))
+    return info
+
+
+parallel_infos = st.one_of(st.none(), parallel_info())
+
+
+def test_parallel_fields_all_drawn() -> None:
+    from pcompile.ir import parser, printer
+
+    declared = {k for k, v in vars(ParallelInfo).items() if type(v).__name__ == "_Field"}
+    assert declared == set(ParallelInfo.FIELDS) == set(parallel_fields)
+    assert set(printer.PARALLEL_FIELDS) == set(parser.PARALLEL_FIELDS) == declared
 sources = st.one_of(st.none(), st.builds(SourceLoc, free_text, st.integers(-5, 10**6), free_text))
 
 
@@ -742,6 +781,41 @@ def test_more_parse_errors(old: str, new: str, message: str) -> None:
     text = GOLDEN.replace(old, new, 1)
     with pytest.raises(ParseError, match="^<string>:[0-9]+:[0-9]+: " + re.escape(message)):
         parse_graph(text)
+
+
+@pytest.mark.parametrize(
+    ("new", "message"),
+    [
+        ('why: "a b"}', "expected a parallel annotation (in_strategy, out_strategy, "),
+        ("reason: 3}", "expected a string as the value of reason"),
+        ('reason: "a b", micro: true}', "expected an integer as the value of micro"),
+        ('reason: "a b", members: (1,)}', "expected a tuple of strings as the value of members"),
+        ('reason: "a b", cost: {op: 1.0}}',
+         "expected a cost {op, redistribution} or {local, op, redistribution} as the value"),
+        ('reason: "a b", in_layout: ()}',
+         "expected the parallel annotations in the order in_strategy, out_strategy, in_layout"),
+    ],
+)
+def test_parallel_annotation_errors(new: str, message: str) -> None:
+    text = GOLDEN.replace('reason: "a b"}', new, 1)
+    with pytest.raises(ParseError, match="^<string>:[0-9]+:[0-9]+: " + re.escape(message)):
+        parse_graph(text)
+
+
+def test_parallel_fields_print_in_the_order_set() -> None:
+    made = ParallelInfo(micro=1, reason="r", bytes=4)  # a node made for micro-batch 1
+    copied = ParallelInfo(reason="r", bytes=4).copy()  # a node copied into it
+    copied.micro = 1
+    assert format_parallel(made) == "{micro: 1, reason: r, bytes: 4}"
+    assert format_parallel(copied) == "{reason: r, bytes: 4, micro: 1}"
+    copied.reason = "again"  # set anew: keeps its place
+    assert format_parallel(copied) == "{reason: again, bytes: 4, micro: 1}"
+    late = ParallelInfo(((2,),), reason="r")
+    late.in_layout = (LayoutDetail((2,), (0,)),)  # layouts print right after the strategies
+    assert format_parallel(late) == (
+        "{in_strategy: ((2)), in_layout: ({'device_matrix': (2), 'tensor_map': (0)}), reason: r}")
+    late.reason = None
+    assert late.reason is None and format_parallel(late).endswith("(0)})}")
 
 
 def test_int_constant_out_of_range() -> None:

@@ -151,14 +151,14 @@ def test_interleaved_dumps_name_the_chunk_of_every_unit(monkeypatch, tmp_path) -
     for r in range(8):
         graph = parse_graph((out / f"rank_{r}" / "08_execute.ir").read_text())
         assert graph.attrs["pipeline_chunks"] == 2
-        units = {(n.parallel.extra.get("micro"), n.parallel.extra.get("chunk"))
-                 for n in graph.nodes if n.parallel is not None and "micro" in n.parallel.extra}
+        units = {(n.parallel.micro, n.parallel.chunk)
+                 for n in graph.nodes if n.parallel is not None and n.parallel.micro is not None}
         assert units == {(k, c) for k in range(4) for c in range(2)}
         for node in graph.nodes:
             if node.op in ("Send", "Receive"):
                 key = "dest_rank" if node.op == "Send" else "src_rank"
                 side = sends if node.op == "Send" else receives
-                side[(r, node.attrs["sr_tag"])] = (node.attrs[key], node.parallel.extra["micro"])
+                side[(r, node.attrs["sr_tag"])] = (node.attrs[key], node.parallel.micro)
     assert sends and len(sends) == len(receives)
     for (r, tag), (dest, micro) in sends.items():
         assert abs(dest - r) in (2, 6)  # a neighbouring stage, or round from 3 to 0
@@ -196,9 +196,9 @@ def test_gradient_communication_happens_once_per_step(monkeypatch) -> None:
         program = gpt(monkeypatch, 2, micro, "1f1b")
         nodes = [n for g in program.state.graphs for n in g.nodes
                  if n.op == "AllReduce" and n.scope.startswith("Gradients/")]
-        per_micro = [n for n in nodes if "micro" in n.parallel.extra]
-        shared = [n for n in nodes if "micro" not in n.parallel.extra]
-        carried = sum(len(n.parallel.extra.get("members", ())) or 1 for n in shared)
+        per_micro = [n for n in nodes if n.parallel.micro is not None]
+        shared = [n for n in nodes if n.parallel.micro is None]
+        carried = sum(len(n.parallel.members or ()) or 1 for n in shared)
         return len(shared), carried, len(per_micro)
 
     once = gradient_allreduces(1)
@@ -234,7 +234,7 @@ def test_dumps_show_send_receive_pairs_and_micro_batches(monkeypatch, tmp_path) 
         text = (out / f"rank_{r}" / "08_execute.ir").read_text()
         graph = parse_graph(text)
         assert graph.attrs["pipeline_stage"] == r // 2
-        micro = {n.parallel.extra.get("micro") for n in graph.nodes if n.parallel is not None}
+        micro = {n.parallel.micro for n in graph.nodes if n.parallel is not None}
         assert {0, 1} <= micro
         for node in graph.nodes:
             if node.op == "Send":

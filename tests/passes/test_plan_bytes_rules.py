@@ -277,10 +277,10 @@ def test_an_all_reduce_whose_result_is_split_again_keeps_its_backward_all_reduce
     graph = program.rank_graph(0)
     matmul = [n for n in graph.nodes if n.op == "AllReduce"
               and not n.scope.startswith("Gradients")
-              and str(n.parallel.extra.get("reason")).startswith("forward: MatMul")]
+              and str(n.parallel.reason).startswith("forward: MatMul")]
     assert matmul and not any(n.attrs.get("replicated_cotangent") for n in matmul)
     backward = [n for n in graph.nodes if n.op == "AllReduce"
-                and "vjp of AllReduce: forward: MatMul" in str(n.parallel.extra.get("reason"))]
+                and "vjp of AllReduce: forward: MatMul" in str(n.parallel.reason)]
     assert len(backward) == len(matmul)
     _assert_oracle(program)
 
