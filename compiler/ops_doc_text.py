@@ -19,8 +19,8 @@ them from the `OpDoc` record next to each op's declaration, the functional table
 `ops`, `mint` and `mint.nn.functional` namespaces. `test_ops_page_lists_every_functional_name`
 (in `tests/test_functional_ops.py`) fails when the page differs from what the registry and the
 namespaces generate, and `tests/test_ops_dtypes.py::test_every_op_has_a_doc_record` when an op
-has no record, names a test that does not exist, or claims a sharding rule `ir/sharding.py`
-does not have (or the reverse).
+has no record, names a test that does not exist, or claims a sharding rule its `OpDef` does
+not have (or the reverse).
 
 Columns of the primitive tables: **op**, the MindSpore primitive (also the IR op's name);
 **model file**, how a model file emits it (every `ops` class that does: MindSpore's aliases

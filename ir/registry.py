@@ -2,9 +2,8 @@
 
 Each primitive is declared once, in one block of `ir/ops/*.py`: its attributes with defaults,
 shape/dtype inference, vjp rule (written with IR ops through a `Builder`), numpy implementation
-and JAX implementation, registered right below with `register(OpDef(...))`. Per-pass behaviour
-that only some passes need (sharding rules, cost) hangs off `OpDef.sharding`; a pass that finds
-`None` there uses its default rule.
+and JAX implementation, sharding rule (`OpDef.sharding`, None: the op cannot be sharded) and
+traits, registered right below with `register(OpDef(...))`.
 
 Contracts of the callables (`attrs` is the node's full attribute dict, defaults filled in):
 
@@ -39,6 +38,7 @@ from pcompile.ir.types import DType, ValueType
 if TYPE_CHECKING:
     from pcompile.ir.builder import Builder
     from pcompile.ir.core import Node, Value
+    from pcompile.ir.sharding import LabelRule
 
 InferFn = Callable[[list[ValueType], dict[str, Any]], ValueType]
 
@@ -63,7 +63,7 @@ class OpDoc:
     How a model file spells the op (`ops.Div()` for RealDiv, `ops.TensorAdd()` for Add) is
     read from `compiler/ops.py`, not restated here; `spelling` is for ops no `ops.X` class
     emits (tuple plumbing, compiler-inserted ops). Whether the op has a sharding rule is
-    checked against `ir/sharding.py`: a `rule` not starting with "no strategy" claims one."""
+    checked against `OpDef.sharding`: a `rule` not starting with "no strategy" claims one."""
 
     section: str  # one of SECTIONS
     operands: str  # "x, y (broadcast) -> Bool"; attributes after a ";"
@@ -97,7 +97,7 @@ class OpDef:
     num_inputs: int | tuple[int, int] | None = None  # exact, (min, max), or None = any
     differentiable: bool = True  # False: no gradient flows through (comparisons, int ops)
     collective: bool = False
-    sharding: Any = None  # the op's sharding rule (parallel core); None = default rule
+    sharding: LabelRule | None = None  # its sharding rule (ir/sharding.py); None: not shardable
     lowering_attrs: LoweringAttrsFn | None = None  # compile-time specialisation (JAX)
     doc: str = ""
     page: OpDoc | None = None  # its row on docs/ops.md
@@ -188,6 +188,12 @@ def get_op(name: str) -> OpDef:
         return _REGISTRY[name]
     except KeyError:
         raise KeyError(f"unknown op {name!r}") from None
+
+
+def find_op(name: str) -> OpDef | None:
+    """The op called `name`, or None where the registry has none."""
+    _ensure_loaded()
+    return _REGISTRY.get(name)
 
 
 def all_ops() -> dict[str, OpDef]:

@@ -12,7 +12,7 @@
   loss-scale cells test gradients for overflow with it. It stops gradients.
 
 Sharding: all four are element-wise (each output dim may be split, a broadcast dim never),
-registered in `ir.sharding.RULES` right below their entries.
+declared in their entries (`sharding=ELEMENTWISE`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._jax import jnp
 from pcompile.ir.ops._util import infer_binary, infer_unary_float, tensor, unbroadcast
 from pcompile.ir.registry import ALL, FLOATS, NUMERIC, OpDef, OpDoc, register
-from pcompile.ir.sharding import RULES, LabelRule, elementwise_labels
+from pcompile.ir.sharding import ELEMENTWISE
 from pcompile.ir.types import DType, TensorType, ValueType
 
 
@@ -41,10 +41,6 @@ def _in_f32(fn: Any) -> Any:
         return np.asarray(fn(*arrays)).astype(dtype, copy=False)
 
     return impl
-
-
-def _elementwise_rule(name: str) -> None:
-    RULES[name] = LabelRule(elementwise_labels)
 
 
 # -- FloorDiv ---------------------------------------------------------------------------------
@@ -85,6 +81,7 @@ register(
         jax=_floor_div_jax,
         vjp=_floor_div_vjp,
         num_inputs=2,
+        sharding=ELEMENTWISE,
         doc="floor(x / y) with broadcasting (integers: floor division); zero gradient.",
         page=OpDoc(
             "elementwise",
@@ -101,7 +98,6 @@ register(
         ),
     )
 )
-_elementwise_rule("FloorDiv")
 
 # -- Mod ---------------------------------------------------------------------------------------
 
@@ -134,6 +130,7 @@ register(
         jax=_mod_jax,
         vjp=_mod_vjp,
         num_inputs=2,
+        sharding=ELEMENTWISE,
         doc="x - trunc(x / y) y with broadcasting: the remainder with the sign of x (fmod).",
         page=OpDoc(
             "elementwise",
@@ -149,7 +146,6 @@ register(
         ),
     )
 )
-_elementwise_rule("Mod")
 
 # -- Cos, Sin ---------------------------------------------------------------------------------
 
@@ -161,6 +157,7 @@ register(
         jax=lambda x: jnp.cos(x),
         vjp=lambda b, node, cot: [b("Neg", b("Mul", cot, b("Sin", node.operands[0])))],
         num_inputs=1,
+        sharding=ELEMENTWISE,
         doc="cos(x).",
         page=OpDoc(
             "elementwise",
@@ -174,7 +171,6 @@ register(
         ),
     )
 )
-_elementwise_rule("Cos")
 
 register(
     OpDef(
@@ -184,6 +180,7 @@ register(
         jax=lambda x: jnp.sin(x),
         vjp=lambda b, node, cot: [b("Mul", cot, b("Cos", node.operands[0]))],
         num_inputs=1,
+        sharding=ELEMENTWISE,
         doc="sin(x).",
         page=OpDoc(
             "elementwise",
@@ -197,7 +194,6 @@ register(
         ),
     )
 )
-_elementwise_rule("Sin")
 
 # -- IsFinite ---------------------------------------------------------------------------------
 
@@ -221,6 +217,7 @@ register(
         jax=lambda x: jnp.isfinite(x),
         num_inputs=1,
         differentiable=False,
+        sharding=ELEMENTWISE,
         doc="Bool: x is neither inf nor NaN (always True for integers and Bool).",
         page=OpDoc(
             "elementwise",
@@ -231,7 +228,6 @@ register(
         ),
     )
 )
-_elementwise_rule("IsFinite")
 
 
 # -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------

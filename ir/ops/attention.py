@@ -55,6 +55,16 @@ from pcompile.ir.ops._util import is_zero, same_dtype, tensor, tuple_type
 from pcompile.ir.ops.causal_mask import is_causal_mask
 from pcompile.ir.rank import RankScalar, RankValue
 from pcompile.ir.registry import FLOATS, OpDef, OpDoc, register
+from pcompile.ir.sharding import (
+    LabelRule,
+    Labels,
+    OpContext,
+    OpSharding,
+    Strategy,
+    StrategyError,
+    fresh_labels,
+    label_sharding,
+)
 from pcompile.ir.types import DType, TensorType, TupleType, ValueType
 
 LAYOUTS = ("BSH", "SBH", "BNSD", "BSND")
@@ -631,6 +641,105 @@ attention = Attention()
   by `passes/step_parallel.py`). Ranks with different windows run one SPMD program with
   attribute variants.'''
 
+def flash_attention_labels(ctx: OpContext) -> Labels:
+    """FlashAttentionScore (MindSpore's flash_attention_score_info): b batch, s query
+    sequence, t kv sequence (never split), n query heads (or hidden N1 * D), d head dim (never
+    split). The kv heads share n's label, so they split as the query heads do, except under
+    multi-query attention (one kv head), where they are never split. The mask's batch and
+    head dims follow b and n where it has them; a compressed mask is never split. A split
+    query sequence splits the mask's rows with it, and every rank's window (sparse_mode,
+    pre_tokens, next_tokens) is moved to its slice (expand "attention_query_split")."""
+    q, k = ctx.in_types[0], ctx.in_types[1]
+    layout = str(ctx.attrs.get("input_layout", "BSH"))
+    dims = attention_dims(q.shape, k.shape, int(ctx.attrs["head_num"]), layout)
+    kv = "n" if dims.kv_heads > 1 else "m"
+    q_lab, k_lab = {"BSH": ("bsn", f"bt{kv}"), "SBH": ("sbn", f"tb{kv}"),
+                    "BNSD": ("bnsd", f"b{kv}td"), "BSND": ("bsnd", f"bt{kv}d")}[layout]
+    unsplit = {"t", "d", "m"}
+    ins = [q_lab, k_lab, k_lab]
+    if len(ctx.in_types) == 4:
+        mask = ctx.in_types[3]
+        used = set("bsntdm")
+        if int(ctx.attrs.get("sparse_mode", 0)) in (2, 3, 4):
+            m_lab = "".join(fresh_labels(mask.rank, used))
+            unsplit |= set(m_lab)
+        elif mask.rank == 2:
+            m_lab = "st"
+        else:
+            m_lab = ""
+            for size, name in zip(mask.shape[:2], "bn"):
+                if size > 1:
+                    m_lab += name
+                else:
+                    fresh = fresh_labels(1, used)[0]
+                    unsplit.add(fresh)
+                    m_lab += fresh
+            m_lab += "st"
+        ins.append(m_lab)
+    e, f = fresh_labels(2, set("".join(ins)))
+    return Labels(ins, ["bns" + e, "bns" + e, f, q_lab], unsplit | {e, f})
+
+
+_ATTENTION_ROLES = {
+    "t": "the kv sequence",
+    "d": "the head size",
+    "m": "the kv heads of multi-query attention (one kv head)",
+    "s": "the query sequence",
+}
+
+
+class FlashAttentionRule(LabelRule):
+    """Labels plus what they cannot say: a split of the hidden size (BSH, SBH) or of the
+    heads must keep whole heads on a rank, query and kv alike; the local op sees
+    head_num / split heads."""
+
+    def __init__(self) -> None:
+        super().__init__(flash_attention_labels)
+
+    def role(self, name: str) -> str:
+        return _ATTENTION_ROLES.get(name, "a dim of a compressed or broadcast attn_mask")
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        if len(strategy) != len(ctx.in_types):
+            raise StrategyError(
+                f"the strategy has {len(strategy)} entries but the op has {len(ctx.in_types)} "
+                "tensor inputs (query, key, value and attn_mask when it is passed)",
+                "give one tuple per passed input",
+            )
+        q, k = ctx.in_types[0], ctx.in_types[1]
+        layout = str(ctx.attrs.get("input_layout", "BSH"))
+        head_num = int(ctx.attrs["head_num"])
+        dims = attention_dims(q.shape, k.shape, head_num, layout)
+        axis = dims.head_axis
+        heads_split = strategy[0][axis] if len(strategy[0]) > axis else 1
+        kv_split = strategy[1][axis] if len(strategy[1]) > axis else 1
+        if head_num % heads_split:
+            raise StrategyError(
+                f"the query has {head_num} heads, which cannot be split {heads_split} ways "
+                "(head_num % split must be 0)",
+                "split the heads by a divisor of head_num",
+            )
+        if dims.kv_heads == 1 and kv_split > 1:
+            raise StrategyError(
+                "the key and value have one head (multi-query attention), so their head dim "
+                f"cannot be split, but the strategy splits it {kv_split} ways",
+                "use 1 for the kv head dim; the query heads may still be split",
+            )
+        if dims.kv_heads > 1 and dims.kv_heads % kv_split:
+            raise StrategyError(
+                f"the key and value have {dims.kv_heads} heads, which cannot be split "
+                f"{kv_split} ways; under grouped-query attention they split as the query "
+                "heads do",
+                "split the heads by a divisor of the kv head count",
+            )
+        result = label_sharding(ctx, self.labels(ctx), strategy, out_strategy)
+        result.local_attrs["head_num"] = head_num // heads_split
+        if strategy[0][dims.seq_dim] > 1:
+            result.expand = "attention_query_split"
+        return result
+
+
 register(
     OpDef(
         "FlashAttentionScore",
@@ -641,6 +750,7 @@ register(
         lowering_attrs=causal_lowering_attrs,
         attrs=dict(DEFAULTS),
         num_inputs=(3, 4),
+        sharding=FlashAttentionRule(),
         doc=(
             "(softmax_max, softmax_sum, softmax_out, attention_out) of softmax(scale * q k^T, "
             "masked by sparse_mode/attn_mask) v; layouts BSH, SBH, BNSD, BSND; kv heads may be "

@@ -34,6 +34,7 @@ from pcompile.ir.ops._util import (
     unbroadcast,
 )
 from pcompile.ir.registry import ALL, BOOL, FLOATS, NUMERIC, OpDef, OpDoc, register
+from pcompile.ir.sharding import ALPHA, ELEMENTWISE, LabelRule, Labels, OpContext
 from pcompile.ir.types import DType, TensorType, ValueType
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -110,6 +111,7 @@ register(
         jax=lambda x, y: jnp.add(x, y),
         vjp=_add_vjp,
         num_inputs=2,
+        sharding=ELEMENTWISE,
         doc="x + y with broadcasting.",
         page=OpDoc(
             "elementwise",
@@ -139,6 +141,7 @@ register(
         jax=lambda x, y: jnp.subtract(x, y),
         vjp=_sub_vjp,
         num_inputs=2,
+        sharding=ELEMENTWISE,
         doc="x - y with broadcasting.",
         page=OpDoc(
             "elementwise",
@@ -169,6 +172,7 @@ register(
         jax=lambda x, y: jnp.multiply(x, y),
         vjp=_mul_vjp,
         num_inputs=2,
+        sharding=ELEMENTWISE,
         doc="x * y with broadcasting.",
         page=OpDoc(
             "elementwise",
@@ -202,6 +206,7 @@ register(
         jax=lambda x, y: jnp.true_divide(x, y),
         vjp=_real_div_vjp,
         num_inputs=2,
+        sharding=ELEMENTWISE,
         doc="x / y with broadcasting (floating-point operands).",
         page=OpDoc(
             "elementwise",
@@ -241,6 +246,7 @@ register(
         jax=lambda x, y: jnp.maximum(x, y),
         vjp=_chooser_vjp,
         num_inputs=2,
+        sharding=ELEMENTWISE,
         doc="Element-wise max(x, y) with broadcasting.",
         page=OpDoc(
             "elementwise",
@@ -264,6 +270,7 @@ register(
         jax=lambda x, y: jnp.minimum(x, y),
         vjp=_chooser_vjp,
         num_inputs=2,
+        sharding=ELEMENTWISE,
         doc="Element-wise min(x, y) with broadcasting.",
         page=OpDoc(
             "elementwise",
@@ -298,6 +305,7 @@ register(
         jax=lambda x, y: jnp.power(x, y),
         vjp=_pow_vjp,
         num_inputs=2,
+        sharding=ELEMENTWISE,
         doc="x ** y with broadcasting; the y-gradient uses log(x), so needs x > 0.",
         page=OpDoc(
             "elementwise",
@@ -327,6 +335,7 @@ register(
         jax=lambda x: jnp.maximum(x, jnp.zeros((), x.dtype)),
         vjp=_relu_vjp,
         num_inputs=1,
+        sharding=ELEMENTWISE,
         doc="max(x, 0).",
         page=OpDoc(
             "elementwise",
@@ -358,6 +367,7 @@ register(
         jax=_relu_grad_jax,
         num_inputs=2,
         differentiable=False,
+        sharding=ELEMENTWISE,
         doc="dy where y > 0 else 0 (y is ReLU's output).",
         page=OpDoc(
             "elementwise",
@@ -380,6 +390,7 @@ register(
         jax=lambda x: jnp.negative(x),
         vjp=lambda b, node, cot: [b("Neg", cot)],
         num_inputs=1,
+        sharding=ELEMENTWISE,
         doc="-x.",
         page=OpDoc(
             "elementwise",
@@ -399,6 +410,7 @@ register(
         jax=lambda x: jnp.square(x),
         vjp=lambda b, node, cot: [b("Mul", cot, b("Mul", node.operands[0], 2.0))],
         num_inputs=1,
+        sharding=ELEMENTWISE,
         doc="x * x.",
         page=OpDoc(
             "elementwise",
@@ -429,6 +441,7 @@ register(
         jax=lambda x: jnp.abs(x),
         vjp=lambda b, node, cot: [b("Mul", cot, sign_of(b, node.operands[0], cot.dtype))],
         num_inputs=1,
+        sharding=ELEMENTWISE,
         doc="|x| (MindSpore `ops.Abs`); the gradient is sign(x), 0 at 0.",
         page=OpDoc(
             "elementwise",
@@ -454,6 +467,7 @@ register(
         jax=lambda x: jnp.exp(x),
         vjp=lambda b, node, cot: [b("Mul", cot, node.result)],
         num_inputs=1,
+        sharding=ELEMENTWISE,
         doc="e ** x.",
         page=OpDoc(
             "elementwise",
@@ -476,6 +490,7 @@ register(
         jax=lambda x: jnp.log(x),
         vjp=lambda b, node, cot: [b("RealDiv", cot, node.operands[0])],
         num_inputs=1,
+        sharding=ELEMENTWISE,
         doc="Natural logarithm.",
         page=OpDoc(
             "elementwise",
@@ -497,6 +512,7 @@ register(
         jax=lambda x: jnp.sqrt(x),
         vjp=lambda b, node, cot: [b("SqrtGrad", node.result, cot)],
         num_inputs=1,
+        sharding=ELEMENTWISE,
         doc="Square root.",
         page=OpDoc(
             "elementwise",
@@ -541,6 +557,7 @@ register(
         jax=lambda x: lax.rsqrt(x),
         vjp=lambda b, node, cot: [b("RsqrtGrad", node.result, cot)],
         num_inputs=1,
+        sharding=ELEMENTWISE,
         doc="1 / sqrt(x).",
         page=OpDoc(
             "elementwise",
@@ -587,6 +604,7 @@ register(
         jax=lambda x: jnp.tanh(x),
         vjp=lambda b, node, cot: [b("TanhGrad", node.result, cot)],
         num_inputs=1,
+        sharding=ELEMENTWISE,
         doc="Hyperbolic tangent.",
         page=OpDoc(
             "elementwise",
@@ -640,6 +658,7 @@ register(
         jax=lambda x: jax.nn.sigmoid(x),
         vjp=lambda b, node, cot: [b("SigmoidGrad", node.result, cot)],
         num_inputs=1,
+        sharding=ELEMENTWISE,
         doc="1 / (1 + exp(-x)).",
         page=OpDoc(
             "elementwise",
@@ -701,6 +720,7 @@ register(
         jax=lambda x: jax.nn.gelu(x, approximate=True),
         vjp=lambda b, node, cot: [b("GeLUGrad", cot, node.operands[0])],
         num_inputs=1,
+        sharding=ELEMENTWISE,
         doc="GeLU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).",
         page=OpDoc(
             "elementwise",
@@ -754,6 +774,7 @@ register(
         vjp=lambda b, node, cot: [b("Mul", cot, b("Mul", b("Exp", b("Neg", b(
             "Square", node.operands[0]))), 2.0 / math.sqrt(math.pi)))],
         num_inputs=1,
+        sharding=ELEMENTWISE,
         doc="The Gauss error function (MindSpore `ops.Erf`); exact GeLU is "
         "0.5 x (1 + erf(x / sqrt(2))).",
         page=OpDoc(
@@ -790,6 +811,7 @@ register(
         jax=lambda x: jax.nn.silu(x),
         vjp=lambda b, node, cot: [b("SiLUGrad", cot, node.operands[0])],
         num_inputs=1,
+        sharding=ELEMENTWISE,
         doc="x * sigmoid(x) (also called swish).",
         page=OpDoc(
             "elementwise",
@@ -868,6 +890,12 @@ def _bias_add_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [cot, b("ReduceSum", cot, axis=others, keep_dims=False)]
 
 
+def bias_add_labels(ctx: OpContext) -> Labels:
+    x = ctx.in_types[0]
+    lab = ALPHA[: x.rank]
+    return Labels([lab, lab[1]], [lab])
+
+
 register(
     OpDef(
         "BiasAdd",
@@ -877,6 +905,7 @@ register(
         vjp=_bias_add_vjp,
         attrs={"data_format": "NCHW"},
         num_inputs=2,
+        sharding=LabelRule(bias_add_labels),
         doc="x + bias along the channel axis (1 for NCHW/NCDHW, last for NHWC).",
         page=OpDoc(
             "elementwise",
@@ -938,6 +967,7 @@ register(
         vjp=_cast_vjp,
         attrs={"dst_type": DType.float32},
         num_inputs=1,
+        sharding=ELEMENTWISE,
         doc="Convert to dst_type (float->int truncates toward zero and saturates at the integer "
         "range, NaN -> 0; int->int wraps; to Bool is x != 0).",
         page=OpDoc(
@@ -983,6 +1013,7 @@ register(
         jax=lambda cond, x, y: jnp.where(cond, x, y),
         vjp=_select_vjp,
         num_inputs=3,
+        sharding=ELEMENTWISE,
         doc="x where cond else y, all three broadcast together.",
         page=OpDoc(
             "elementwise",
@@ -1029,6 +1060,7 @@ for _name, (_np_fn, _jax_fn, _text) in _COMPARISONS.items():
             jax=_jax_fn,
             num_inputs=2,
             differentiable=False,
+            sharding=ELEMENTWISE,
             doc=f"{_text} with broadcasting; Bool result.",
             page=OpDoc(
                 "elementwise",
@@ -1074,6 +1106,7 @@ for _name, (_np_fn, _jax_fn, _text) in _LOGICAL.items():
             jax=_jax_fn,
             num_inputs=2,
             differentiable=False,
+            sharding=ELEMENTWISE,
             doc=f"Element-wise {_text} of Bool tensors, with broadcasting.",
             page=OpDoc(
                 "elementwise",
@@ -1097,6 +1130,7 @@ register(
         jax=lambda x: jnp.logical_not(x),
         num_inputs=1,
         differentiable=False,
+        sharding=ELEMENTWISE,
         doc="Boolean not.",
         page=OpDoc(
             "elementwise",
@@ -1127,6 +1161,7 @@ register(
         jax=lambda x: x,
         vjp=_identity_vjp,
         num_inputs=1,
+        sharding=ELEMENTWISE,
         doc="x unchanged; carries a layout constraint (functional shard's in/out strategies).",
         page=OpDoc(
             "elementwise",

@@ -13,6 +13,7 @@ from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._jax import jnp
 from pcompile.ir.ops._util import broadcast_shapes, same_dtype, tensor, unbroadcast
 from pcompile.ir.registry import NUMERIC, OpDef, OpDoc, register
+from pcompile.ir.sharding import ALPHA, LabelRule, Labels, OpContext, fresh_labels
 from pcompile.ir.types import DType, TensorType, ValueType
 
 
@@ -165,6 +166,16 @@ def _matmul_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [da, db]
 
 
+def _transpose_ab(lab: str, flag: bool) -> str:
+    return lab[:-2] + lab[-1] + lab[-2] if flag else lab
+
+
+def matmul_labels(ctx: OpContext) -> Labels:
+    a = _transpose_ab("ik", bool(ctx.attrs.get("transpose_a")))
+    b = _transpose_ab("kj", bool(ctx.attrs.get("transpose_b")))
+    return Labels([a, b], ["ij"])
+
+
 register(
     OpDef(
         "MatMul",
@@ -175,6 +186,7 @@ register(
         vjp=_matmul_vjp,
         attrs={"transpose_a": False, "transpose_b": False},
         num_inputs=2,
+        sharding=LabelRule(matmul_labels),
         doc="op(a) @ op(b) for 2-D a, b; op transposes when transpose_a/transpose_b is set.",
         page=OpDoc(
             "linalg",
@@ -223,6 +235,27 @@ def _batch_matmul_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [unbroadcast(b, da, x.shape), unbroadcast(b, db, y.shape)]
 
 
+def batch_matmul_labels(ctx: OpContext) -> Labels:
+    out = ctx.out_types[0]
+    batch = out.rank - 2
+    blab = ALPHA[:batch]
+    used = set(blab) | set("ikj")
+    ins, unsplit = [], set()
+    for t, tail, flag in ((ctx.in_types[0], "ik", ctx.attrs.get("transpose_a")),
+                          (ctx.in_types[1], "kj", ctx.attrs.get("transpose_b"))):
+        lead = batch - (t.rank - 2)
+        lab = ""
+        for j in range(t.rank - 2):
+            if t.shape[j] == 1 and out.shape[lead + j] != 1:
+                fresh = fresh_labels(1, used)[0]
+                unsplit.add(fresh)
+                lab += fresh
+            else:
+                lab += blab[lead + j]
+        ins.append(_transpose_ab(lab + tail, bool(flag)))
+    return Labels(ins, [blab + "ij"], unsplit, broadcast=frozenset(unsplit))
+
+
 register(
     OpDef(
         "BatchMatMul",
@@ -233,6 +266,7 @@ register(
         vjp=_batch_matmul_vjp,
         attrs={"transpose_a": False, "transpose_b": False},
         num_inputs=2,
+        sharding=LabelRule(batch_matmul_labels),
         doc="Batched op(a) @ op(b) over the last two dims; leading batch dims broadcast "
         "numpy-style and one operand may be a rank-2 matrix.",
         page=OpDoc(

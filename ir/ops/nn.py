@@ -12,6 +12,7 @@ normalisation ops are computed in float32 and rounded back to the input dtype.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,15 @@ from pcompile.ir.errors import PcompileError, ShapeError
 from pcompile.ir.ops._jax import jax, jnp, lax
 from pcompile.ir.ops._util import normalize_axis, same_dtype, tensor, tuple_type
 from pcompile.ir.registry import FLOATS, OpDef, OpDoc, register
+from pcompile.ir.sharding import (
+    ALPHA,
+    LabelRule,
+    Labels,
+    OpContext,
+    OpSharding,
+    Strategy,
+    identity_labels,
+)
 from pcompile.ir.types import DType, TensorType, ValueType
 
 # -- shared helpers -------------------------------------------------------------------------
@@ -89,6 +99,11 @@ def _softmax_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [b("SoftmaxGrad", node.result, cot, axis=node.attrs["axis"])]
 
 
+def softmax_axes(ctx: OpContext) -> Sequence[int]:
+    axis = ctx.attrs.get("axis", -1)
+    return axis if isinstance(axis, tuple) else (axis,)
+
+
 register(
     OpDef(
         "Softmax",
@@ -98,6 +113,7 @@ register(
         vjp=_softmax_vjp,
         attrs={"axis": (-1,)},
         num_inputs=1,
+        sharding=LabelRule(identity_labels(softmax_axes), unsplittable="the softmax axis"),
         doc="exp(x) / sum(exp(x), axis); axis is a tuple of ints (MindSpore) or an int.",
         page=OpDoc(
             "linalg",
@@ -197,6 +213,7 @@ register(
         vjp=_log_softmax_vjp,
         attrs={"axis": -1},
         num_inputs=1,
+        sharding=LabelRule(identity_labels(softmax_axes), unsplittable="the softmax axis"),
         doc="x - log(sum(exp(x), axis)); axis is an int.",
         page=OpDoc(
             "linalg",
@@ -323,6 +340,16 @@ def _layer_norm_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [b("TupleGetItem", grads, index=i) for i in range(3)]
 
 
+def layer_norm_labels(ctx: OpContext) -> Labels:
+    x = ctx.in_types[0]
+    lab = ALPHA[: x.rank]
+    norm = ctx.attrs.get("begin_norm_axis", 1) % max(x.rank, 1)
+    params = ctx.attrs.get("begin_params_axis", 1) % max(x.rank, 1)
+    unsplit = set(lab[norm:])
+    plab = lab[params:]
+    return Labels([lab, plab, plab], [lab], unsplit)
+
+
 register(
     OpDef(
         "LayerNorm",
@@ -332,6 +359,8 @@ register(
         vjp=_layer_norm_vjp,
         attrs=dict(_LN_DEFAULTS),
         num_inputs=3,
+        sharding=LabelRule(layer_norm_labels,
+                           unsplittable="a normalised dim (from begin_norm_axis on)"),
         doc=(
             "(x - mean) / sqrt(var + epsilon) * gamma + beta; mean and (biased) var over axes "
             "begin_norm_axis.., gamma/beta of shape x.shape[begin_params_axis:]. Only y is "
@@ -453,6 +482,10 @@ def _sce_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [dlogits, dlabels]
 
 
+def softmax_ce_labels(ctx: OpContext) -> Labels:
+    return Labels(["nc", "nc"], ["n"], {"c"})
+
+
 register(
     OpDef(
         "SoftmaxCrossEntropyWithLogits",
@@ -461,6 +494,7 @@ register(
         jax=_sce_jax,
         vjp=_sce_vjp,
         num_inputs=2,
+        sharding=LabelRule(softmax_ce_labels, unsplittable="the class axis"),
         doc=(
             "Per-sample loss -sum(labels * log_softmax(logits), -1) of shape (N,) for "
             "logits/labels (N, C). MindSpore also returns the backprop tensor; this op "
@@ -589,6 +623,10 @@ def _sparse_sce_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [b("Mul", grad, cot), None]
 
 
+def sparse_softmax_ce_labels(ctx: OpContext) -> Labels:
+    return Labels(["nc", "n"], [""], {"c"}, mean=True)
+
+
 register(
     OpDef(
         "SparseSoftmaxCrossEntropyWithLogits",
@@ -598,6 +636,7 @@ register(
         vjp=_sparse_sce_vjp,
         attrs={"is_grad": False},
         num_inputs=2,
+        sharding=LabelRule(sparse_softmax_ce_labels, unsplittable="the class axis"),
         doc=(
             "Mean over the batch of -log_softmax(logits)[i, labels[i]] (a scalar), for logits "
             "(N, C) and integer labels (N,) in [0, C). is_grad=True returns the gradient "
@@ -863,6 +902,22 @@ def _conv_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [dx, dw]
 
 
+def conv2d_labels(ctx: OpContext) -> Labels:
+    # x: n c h w; w: o c p q -> out: n o y z (spatial and kernel dims are not split)
+    return Labels(["nchw", "ocpq"], ["noyz"], {"h", "w", "p", "q", "y", "z"})
+
+
+class Conv2DRule(LabelRule):
+    """Conv2D's labels, and the local op's out_channel: the weight's output channels over
+    their split."""
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        result = super().apply(ctx, strategy, out_strategy)
+        result.local_attrs["out_channel"] = ctx.out_types[0].shape[1] // strategy[1][0]
+        return result
+
+
 register(
     OpDef(
         "Conv2D",
@@ -872,6 +927,7 @@ register(
         vjp=_conv_vjp,
         attrs=dict(_CONV_DEFAULTS),
         num_inputs=2,
+        sharding=Conv2DRule(conv2d_labels, unsplittable="a spatial or kernel dim"),
         doc=(
             "2-D cross-correlation, x (N, C, H, W), weight (out_channel, C/group, kh, kw). "
             "pad_mode 'valid' | 'same' (TF-style, extra padding at the bottom/right) | 'pad' "
@@ -1080,6 +1136,10 @@ def _pool_vjp(grad_op: str) -> Any:
     return vjp
 
 
+def pool_labels(ctx: OpContext) -> Labels:
+    return Labels(["nchw"], ["ncyz"], {"h", "w", "y", "z"})
+
+
 register(
     OpDef(
         "MaxPool",
@@ -1089,6 +1149,7 @@ register(
         vjp=_pool_vjp("MaxPoolGrad"),
         attrs=dict(_POOL_DEFAULTS),
         num_inputs=1,
+        sharding=LabelRule(pool_labels, unsplittable="a spatial dim"),
         doc="2-D max pooling over NCHW; 'SAME' pads with -inf (TF-style placement).",
         page=OpDoc(
             "conv",
@@ -1182,6 +1243,7 @@ register(
         vjp=_pool_vjp("AvgPoolGrad"),
         attrs=dict(_POOL_DEFAULTS),
         num_inputs=1,
+        sharding=LabelRule(pool_labels, unsplittable="a spatial dim"),
         doc=(
             "2-D average pooling over NCHW. With 'SAME' the divisor counts only the "
             "non-padding elements of each window (TF / cuDNN exclude-padding semantics)."

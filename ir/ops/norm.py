@@ -20,6 +20,17 @@ from pcompile.ir.ops._util import is_zero, same_dtype, tensor, tuple_type
 from pcompile.ir.ops.elementwise import sign_of
 from pcompile.ir.ops.reduce import reduce_axes
 from pcompile.ir.registry import FLOATS, OpDef, OpDoc, register
+from pcompile.ir.sharding import (
+    ALPHA,
+    LabelRule,
+    Labels,
+    OpContext,
+    OpSharding,
+    Strategy,
+    fresh_labels,
+    label_sharding,
+    reduce_labels,
+)
 from pcompile.ir.types import DType, TensorType, ValueType
 
 _DEFAULTS: dict[str, Any] = {"epsilon": 1e-6}
@@ -108,6 +119,16 @@ mindformers' `norm.shard(((dp, 1, 1), (1,)))`. Its gradient helper `RmsNormGrad(
 gamma) -> (dx, dgamma)` takes MindSpore's operands; when the program also reads rstd in a
 differentiated computation, its contribution is added (MindSpore's bprop drops it)."""
 
+def rms_norm_labels(ctx: OpContext) -> Labels:
+    """x's trailing gamma.ndim dims are normalised (never split); gamma shares their labels;
+    rstd keeps x's leading labels and size-1 normalised dims (MindSpore's rms_norm_info)."""
+    x, gamma = ctx.in_types
+    lab = ALPHA[: x.rank]
+    begin = x.rank - gamma.rank
+    fresh = "".join(fresh_labels(gamma.rank, set(lab)))
+    return Labels([lab, lab[begin:]], [lab, lab[:begin] + fresh], set(lab[begin:]) | set(fresh))
+
+
 register(
     OpDef(
         "RmsNorm",
@@ -117,6 +138,8 @@ register(
         vjp=_rms_norm_vjp,
         attrs=dict(_DEFAULTS),
         num_inputs=2,
+        sharding=LabelRule(rms_norm_labels, unsplittable="a normalised dim (one of gamma's dims; "
+                           "gamma is never split)"),
         doc=(
             "(y, rstd): rstd = 1/sqrt(mean(x**2) + epsilon) over the trailing gamma.ndim dims "
             "(Float32, those dims kept as 1), y = x * rstd * gamma."
@@ -269,6 +292,22 @@ def _lp_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [b("Select", live, b("Mul", grad, direction), zero)]
 
 
+class LpNormRule(LabelRule):
+    """LpNorm: reduction labels (every dim may split). A split normalised dim leaves partial
+    sums: each rank computes sum |x|**p over its slice, the forward AllReduce adds them and
+    the root and the epsilon floor follow (expand "lp_norm_partial")."""
+
+    def __init__(self) -> None:
+        super().__init__(reduce_labels("sum"))
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        result = label_sharding(ctx, self.labels(ctx), strategy, out_strategy)
+        if result.forward:
+            result.expand = "lp_norm_partial"
+        return result
+
+
 register(
     OpDef(
         "LpNorm",
@@ -278,6 +317,7 @@ register(
         vjp=_lp_vjp,
         attrs=dict(_LP_DEFAULTS),
         num_inputs=1,
+        sharding=LpNormRule(),
         doc=(
             "max((sum over `axis` of |x|**p)**(1/p), epsilon) (MindSpore `ops.LpNorm(axis, p=2, "
             "keep_dims=False, epsilon=1e-12)`; p an int >= 1; `axis` () = all). 16-bit inputs "

@@ -13,10 +13,24 @@ import numpy as np
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import ShapeError
+from pcompile.ir.layout import TensorLayout
 from pcompile.ir.ops._jax import jnp
 from pcompile.ir.ops._util import infer_unary, tensor, unbroadcast
 from pcompile.ir.registry import ALL, FLOATS, NUMERIC, InferFn, OpDef, OpDoc, register
-from pcompile.ir.types import DType, ValueType
+from pcompile.ir.sharding import (
+    ALPHA,
+    ELEMENTWISE,
+    LabelRule,
+    Labels,
+    OpContext,
+    OpSharding,
+    Strategy,
+    StrategyError,
+    fresh_labels,
+    label_sharding,
+    reduce_labels,
+)
+from pcompile.ir.types import DType, TensorType, ValueType
 
 # -- axis handling --------------------------------------------------------------------------
 
@@ -125,6 +139,7 @@ register(
         vjp=_sum_vjp,
         attrs={"axis": (), "keep_dims": False},
         num_inputs=1,
+        sharding=LabelRule(reduce_labels("sum"), cross_batch=True),
         doc="Sum over `axis` (() = all axes).",
         page=OpDoc(
             "linalg",
@@ -171,6 +186,7 @@ register(
         vjp=_mean_vjp,
         attrs={"axis": (), "keep_dims": False},
         num_inputs=1,
+        sharding=LabelRule(reduce_labels("sum", mean=True), cross_batch=True),
         doc="Mean over `axis` (() = all axes); floating-point input.",
         page=OpDoc(
             "linalg",
@@ -216,6 +232,7 @@ register(
         vjp=_max_vjp,
         attrs={"axis": (), "keep_dims": False},
         num_inputs=1,
+        sharding=LabelRule(reduce_labels("max"), cross_batch=True),
         doc="Max over `axis` (() = all axes); gradient split evenly among ties.",
         page=OpDoc(
             "linalg",
@@ -279,6 +296,25 @@ def _broadcast_to_np(x: Any, shape: tuple[int, ...]) -> Any:
     return np.array(np.broadcast_to(x, broadcast_target(shape, x.shape)))
 
 
+def broadcast_to_labels(ctx: OpContext) -> Labels:
+    t = ctx.in_types[0]
+    out = ctx.out_types[0]
+    olab = ALPHA[: out.rank]
+    lead = out.rank - t.rank
+    used = set(olab)
+    lab, unsplit = "", set()
+    for j, size in enumerate(t.shape):
+        if size == 1 and out.shape[lead + j] != 1:
+            fresh = fresh_labels(1, used)[0]
+            unsplit.add(fresh)
+            lab += fresh
+        else:
+            lab += olab[lead + j]
+    unsplit |= set(olab[:lead]) | {olab[lead + j] for j, s in enumerate(t.shape)
+                                   if s == 1 and out.shape[lead + j] != 1}
+    return Labels([lab], [olab], unsplit)
+
+
 register(
     OpDef(
         "BroadcastTo",
@@ -288,6 +324,7 @@ register(
         vjp=lambda b, node, cot: [unbroadcast(b, cot, node.operands[0].shape)],
         attrs={"shape": None},
         num_inputs=1,
+        sharding=LabelRule(broadcast_to_labels),
         doc="Broadcast x to `shape` with numpy rules (-1 keeps the input's dim).",
         page=OpDoc(
             "shape",
@@ -349,6 +386,73 @@ shorter than x's rank (leading 1s) or longer (x gains leading size-1 dims), as i
 sharded Tile needs them of equal length. The vjp reshapes the cotangent to
 `(m0, d0, m1, d1, ...)` and sums the copies."""
 
+def tile_labels(ctx: OpContext) -> Labels:
+    """A dim with multiple 1 is shared by input and output; a dim with multiple > 1 is never
+    split in the input (every rank holds the whole input dim), and its output label appears
+    in no input, so only an explicit strategy (TileRule.apply) splits its copies."""
+    x = ctx.in_types[0]
+    out = ctx.out_types[0]
+    olab = ALPHA[: out.rank]
+    reps = _tile_reps(ctx)
+    lead = out.rank - x.rank
+    fresh = fresh_labels(x.rank, set(olab))
+    lab = "".join(fresh[j] if reps[lead + j] > 1 else olab[lead + j] for j in range(x.rank))
+    return Labels([lab], [olab], {c for c in lab if c not in olab})
+
+
+def _tile_reps(ctx: OpContext) -> tuple[int, ...]:
+    reps = tuple(ctx.attrs.get("multiples") or ())
+    return (1,) * (ctx.out_types[0].rank - len(reps)) + reps
+
+
+class TileRule(LabelRule):
+    """Tile (MindSpore's tile_info): the strategy has one value per dim; a dim whose multiple
+    is > 1 splits the multiple (each rank tiles its share of the copies of the whole input
+    dim: local multiple = multiple / split), a dim whose multiple is 1 splits the input dim."""
+
+    def __init__(self) -> None:
+        super().__init__(tile_labels, unsplittable="a tiled dim (multiple > 1): the strategy "
+                                                  "splits its copies instead")
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        x, out = ctx.in_types[0], ctx.out_types[0]
+        reps = _tile_reps(ctx)
+        if x.rank != out.rank:
+            raise StrategyError(
+                f"a sharded Tile needs len(multiples) == x.ndim; x has rank {x.rank}, the "
+                f"multiples {ctx.attrs.get('multiples')} give rank {out.rank}",
+                "reshape x to the output rank first",
+            )
+        if len(strategy) != 1:
+            raise StrategyError(
+                f"the strategy has {len(strategy)} entries but Tile has 1 tensor input",
+                "give one tuple with a split per dim",
+            )
+        for j, (m, count) in enumerate(zip(reps, strategy[0])):
+            if m > 1 and m % count:
+                raise StrategyError(
+                    f"dim {j} is tiled {m} times, and the strategy of a tiled dim splits its "
+                    f"multiple: {m} cannot be divisible by strategy value {count}",
+                    f"choose a split that divides the multiple {m}",
+                )
+        # The strategy splits a virtual tensor: the multiple of a tiled dim, else the dim.
+        extent = tuple(m if m > 1 else d for m, d in zip(reps, x.shape))
+        virtual = OpContext(ctx.op, [TensorType(x.dtype, extent)], TensorType(x.dtype, extent),
+                            ctx.attrs, ctx.devices)
+        lab = ALPHA[: x.rank]
+        base = label_sharding(virtual, Labels([lab], [lab]), strategy, out_strategy)
+        tmap = base.in_layouts[0].tensor_map
+        in_map = tuple(-1 if m > 1 else e for m, e in zip(reps, tmap))
+        split = strategy[0]
+        return OpSharding(
+            base.strategy, base.dev_matrix,
+            [TensorLayout(base.dev_matrix, in_map, x.shape)],
+            [TensorLayout(base.dev_matrix, tmap, out.shape)],
+            local_attrs={"multiples": tuple(m // c if m > 1 else 1 for m, c in zip(reps, split))},
+        )
+
+
 register(
     OpDef(
         "Tile",
@@ -358,6 +462,7 @@ register(
         vjp=_tile_vjp,
         attrs={"multiples": None},
         num_inputs=1,
+        sharding=TileRule(),
         doc="x repeated multiples[i] times along dim i (x padded with leading size-1 dims, "
         "multiples with leading 1s, to one rank).",
         page=OpDoc(
@@ -388,6 +493,7 @@ register(
         jax=lambda x: jnp.zeros_like(x),
         num_inputs=1,
         differentiable=False,
+        sharding=ELEMENTWISE,
         doc="Zeros of x's shape and dtype.",
         page=OpDoc(
             "elementwise",
@@ -407,6 +513,7 @@ register(
         jax=lambda x: jnp.ones_like(x),
         num_inputs=1,
         differentiable=False,
+        sharding=ELEMENTWISE,
         doc="Ones of x's shape and dtype.",
         page=OpDoc(
             "elementwise",

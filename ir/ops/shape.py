@@ -6,6 +6,7 @@ MindSpore passes as constant tensors (shapes, slice bounds, on/off values) as at
 from __future__ import annotations
 
 import math
+from math import gcd
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,17 @@ from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._jax import jax, jnp
 from pcompile.ir.ops._util import same_dtype, tensor
 from pcompile.ir.registry import ALL, NUMERIC, OpDef, OpDoc, register
+from pcompile.ir.sharding import (
+    ALPHA,
+    LabelRule,
+    Labels,
+    OpContext,
+    OpSharding,
+    Strategy,
+    StrategyError,
+    fresh_labels,
+    label_sharding,
+)
 from pcompile.ir.types import DType, TensorType, TupleType, ValueType
 
 # -- attribute checks -----------------------------------------------------------------------
@@ -136,6 +148,13 @@ def _transpose_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [b("Transpose", cot, perm=inverse)]
 
 
+def transpose_labels(ctx: OpContext) -> Labels:
+    rank = ctx.in_types[0].rank
+    lab = ALPHA[:rank]
+    perm = [p % rank for p in ctx.attrs["perm"]]
+    return Labels([lab], ["".join(lab[p] for p in perm)])
+
+
 register(
     OpDef(
         "Transpose",
@@ -145,6 +164,7 @@ register(
         vjp=_transpose_vjp,
         attrs={"perm": None},
         num_inputs=1,
+        sharding=LabelRule(transpose_labels),
         doc="Permute the axes of x: output dim i is input dim perm[i].",
         page=OpDoc(
             "shape",
@@ -182,6 +202,14 @@ def _shape_restoring_vjp(b: Builder, node: Node, cot: Value) -> list[Value | Non
     return [_reshape_to(b, cot, node.operands[0].shape)]
 
 
+def expand_dims_labels(ctx: OpContext) -> Labels:
+    rank = ctx.in_types[0].rank
+    lab = ALPHA[:rank]
+    axis = ctx.attrs["axis"] % (rank + 1)
+    fresh = fresh_labels(1, set(lab))[0]
+    return Labels([lab], [lab[:axis] + fresh + lab[axis:]], {fresh})
+
+
 register(
     OpDef(
         "ExpandDims",
@@ -191,6 +219,7 @@ register(
         vjp=_shape_restoring_vjp,
         attrs={"axis": 0},
         num_inputs=1,
+        sharding=LabelRule(expand_dims_labels),
         doc="Insert a size-1 dim at axis (negative: counted from the end of the output).",
         page=OpDoc(
             "shape",
@@ -249,6 +278,16 @@ def _squeeze_jax(x: Any, axis: Any) -> Any:
     return jnp.squeeze(x, axes if axes else None)
 
 
+def squeeze_labels(ctx: OpContext) -> Labels:
+    t = ctx.in_types[0]
+    lab = ALPHA[: t.rank]
+    axes = ctx.attrs.get("axis", ())
+    if isinstance(axes, int):
+        axes = (axes,)
+    gone = {a % t.rank for a in axes} if axes else {i for i, d in enumerate(t.shape) if d == 1}
+    return Labels([lab], ["".join(c for i, c in enumerate(lab) if i not in gone)])
+
+
 register(
     OpDef(
         "Squeeze",
@@ -258,6 +297,7 @@ register(
         vjp=_shape_restoring_vjp,
         attrs={"axis": ()},
         num_inputs=1,
+        sharding=LabelRule(squeeze_labels),
         doc="Remove the size-1 dims in axis (a tuple; () removes every size-1 dim).",
         page=OpDoc(
             "shape",
@@ -291,6 +331,13 @@ def _flatten_jax(x: Any) -> Any:
     return jnp.reshape(x, (x.shape[0], math.prod(x.shape[1:])))
 
 
+def flatten_labels(ctx: OpContext) -> Labels:
+    t = ctx.in_types[0]
+    lab = ALPHA[: t.rank]
+    fresh = fresh_labels(1, set(lab))[0]
+    return Labels([lab], [lab[:1] + fresh], set(lab[1:]) | {fresh})
+
+
 register(
     OpDef(
         "Flatten",
@@ -299,6 +346,7 @@ register(
         jax=_flatten_jax,
         vjp=_shape_restoring_vjp,
         num_inputs=1,
+        sharding=LabelRule(flatten_labels),
         doc="Keep dim 0 and flatten the rest: (N, ...) -> (N, prod(...)); (N,) -> (N, 1).",
         page=OpDoc(
             "shape",
@@ -385,6 +433,20 @@ def _strided_slice_jax(x: Any, begin: Any, end: Any, strides: Any, **masks: Any)
     return x[slices]
 
 
+def strided_slice_labels(ctx: OpContext) -> Labels:
+    t = ctx.in_types[0]
+    lab = ALPHA[: t.rank]
+    begin, end, strides = ctx.attrs["begin"], ctx.attrs["end"], ctx.attrs["strides"]
+    sliced = set()
+    for i, size in enumerate(t.shape):
+        b = begin[i] if i < len(begin) else 0
+        e = end[i] if i < len(end) else size
+        s = strides[i] if i < len(strides) else 1
+        if slice(b, e, s).indices(size) != (0, size, 1):
+            sliced.add(lab[i])
+    return Labels([lab], [lab], sliced)
+
+
 register(
     OpDef(
         "StridedSlice",
@@ -403,6 +465,7 @@ register(
             "shrink_axis_mask": 0,
         },
         num_inputs=1,
+        sharding=LabelRule(strided_slice_labels, unsplittable="a sliced dim"),
         doc="x[begin[i]:end[i]:strides[i], ...] with Python clamping; positive strides only "
         "and all masks 0.",
         page=OpDoc(
@@ -511,6 +574,13 @@ def _concat_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return grads
 
 
+def concat_labels(ctx: OpContext) -> Labels:
+    rank = ctx.in_types[0].rank
+    lab = ALPHA[:rank]
+    axis = ctx.attrs.get("axis", 0) % rank
+    return Labels([lab] * len(ctx.in_types), [lab], {lab[axis]})
+
+
 register(
     OpDef(
         "Concat",
@@ -520,6 +590,7 @@ register(
         vjp=_concat_vjp,
         attrs={"axis": 0},
         num_inputs=(1, 1000),
+        sharding=LabelRule(concat_labels, unsplittable="the concat axis"),
         doc="Join the inputs along axis; all other dims must match.",
         page=OpDoc(
             "shape",
@@ -557,6 +628,13 @@ def _split_vjp(b: Builder, node: Node, cots: list[Value]) -> list[Value | None]:
     return [b("Concat", *cots, axis=node.attrs["axis"])]
 
 
+def split_labels(ctx: OpContext) -> Labels:
+    rank = ctx.in_types[0].rank
+    lab = ALPHA[:rank]
+    axis = ctx.attrs.get("axis", 0) % rank
+    return Labels([lab], [lab] * len(ctx.out_types), {lab[axis]})
+
+
 register(
     OpDef(
         "Split",
@@ -566,6 +644,7 @@ register(
         vjp=_split_vjp,
         attrs={"axis": 0, "output_num": 1},
         num_inputs=1,
+        sharding=LabelRule(split_labels, unsplittable="the split axis"),
         doc="output_num equal pieces of x along axis, as a tuple (read with TupleGetItem).",
         page=OpDoc(
             "shape",
@@ -742,6 +821,82 @@ local lookup plus AllReduce (or ReduceScatter with `out_strategy`), with whole i
 with indices split on dim 0 in MindSpore's shard-batch-and-axis mode `((mp, 1), (dp, 1))`,
 mp · dp = devices."""
 
+def gather_labels(ctx: OpContext) -> Labels:
+    """The table's dims with the gathered axis replaced by the indices' dims. The device matrix
+    is [indices' splits..., table's splits...] (MindSpore's gather_info, normal mode), so the
+    output keeps the indices' axes in front: Gather ((1, 2), (4,)) has dev (4, 1, 2) and output
+    map (2, 0), the layout of a following ((4, 2),) op."""
+    table, idx = ctx.in_types
+    axis = ctx.attrs.get("axis", 0) % table.rank
+    tlab = ALPHA[: table.rank]
+    used = set(tlab)
+    batch = int(ctx.attrs.get("batch_dims", 0) or 0)
+    batch = batch + idx.rank if batch < 0 else batch
+    # batch_dims (MindSpore's batch mode): the indices' leading dims are the table's; the
+    # gathered axis is never split.
+    ilab = tlab[:batch] + "".join(fresh_labels(idx.rank - batch, used))
+    out = tlab[:axis] + ilab[batch:] + tlab[axis + 1 :]
+    order = tuple(dict.fromkeys(ilab + tlab))  # the indices' splits first, as MindSpore
+    return Labels([tlab, ilab], [out], {tlab[axis]} if batch else set(), dev_order=order)
+
+
+def shard_batch_and_axis(ctx: OpContext, strategy: Strategy) -> bool:
+    """MindSpore's SHARD_BATCH_AND_AXIS mode of Gather (gather_info's ShardBatchAndAxis): axis
+    0 of a 2-D table split `a` ways and the first dim of 2-D indices split `b` ways, nothing
+    else split, a * b the whole stage, neither alone. Each rank looks up its vocabulary slice
+    for its batch slice; the partial rows are summed by a forward AllReduce over the table's
+    axis."""
+    if len(strategy) != 2 or int(ctx.attrs.get("axis", 0)) % ctx.in_types[0].rank != 0:
+        return False
+    table, idx = strategy
+    if len(table) != 2 or len(idx) != 2 or table[1] != 1 or idx[1] != 1:
+        return False
+    return (table[0] * idx[0] == ctx.devices and table[0] != ctx.devices
+            and idx[0] != ctx.devices)
+
+
+class GatherRule(LabelRule):
+    """Gather: a split table axis needs the masked local gather plus AllReduce (reference
+    §3.2, SHARD_AXIS_0), with the indices whole, or split on their batch dim in MindSpore's
+    shard-batch-and-axis mode (`((mp, 1), (dp, 1))`, the vocab-parallel embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__(gather_labels, unsplittable="the gathered axis, which batch mode "
+                                                    "(batch_dims > 0) never splits")
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        labels = self.labels(ctx)
+        if ctx.attrs.get("batch_dims"):
+            return label_sharding(ctx, labels, strategy)
+        axis = ctx.attrs.get("axis", 0) % ctx.in_types[0].rank
+        table_split = strategy[0][axis] if len(strategy) == 2 and len(strategy[0]) > axis else 1
+        if table_split == 1:
+            return label_sharding(ctx, labels, strategy, out_strategy)
+        if axis != 0:
+            raise StrategyError("only axis 0 of a gathered table can be split")
+        if any(c != 1 for c in strategy[1]) and not shard_batch_and_axis(ctx, strategy):
+            raise StrategyError(
+                "when the table's gathered axis is split, the indices cannot be split, except "
+                "in the shard-batch-and-axis mode: a 2-D table split only on axis 0 and 2-D "
+                "indices split only on dim 0, the two splits together using every device "
+                f"({ctx.devices}), neither alone",
+                "use 1 for every dim of the indices, or ((mp, 1), (dp, 1)) with "
+                f"mp * dp = {ctx.devices}",
+            )
+        result = label_sharding(ctx, labels, strategy, out_strategy)
+        result.expand = "masked_gather"
+        return result
+
+    def default_strategy(self, ctx: OpContext) -> Strategy:
+        if ctx.attrs.get("batch_dims"):
+            return super().default_strategy(ctx)  # the shared batch dim 0
+        table, idx = ctx.in_types
+        count = gcd(idx.shape[0], ctx.devices) if idx.rank else 1
+        return (tuple(1 for _ in table.shape),
+                tuple(count if i == 0 else 1 for i in range(idx.rank)))
+
+
 register(
     OpDef(
         "Gather",
@@ -751,6 +906,7 @@ register(
         vjp=_gather_vjp,
         attrs={"axis": 0, "batch_dims": 0},
         num_inputs=2,
+        sharding=GatherRule(),
         doc=(
             "Slices of params along axis picked by integer indices (jnp.take); with batch_dims "
             "= b the first b dims of params and indices are batch dims, each batch element "
@@ -904,6 +1060,61 @@ looks up `indices - start` with the local depth (other classes give off_value). 
 form, one tuple for the indices (depth whole on every rank), still works. Out-of-range and
 negative indices give a row of off_value."""
 
+def one_hot_labels(ctx: OpContext) -> Labels:
+    idx = ctx.in_types[0]
+    lab = ALPHA[: idx.rank]
+    fresh = fresh_labels(1, set(lab))[0]
+    axis = ctx.attrs.get("axis", -1) % (idx.rank + 1)
+    return Labels([lab], [lab[:axis] + fresh + lab[axis:]], {fresh})
+
+
+class OneHotRule(LabelRule):
+    """OneHot takes its strategy in two forms: one tuple for the indices (the depth axis is
+    whole on every rank), or MindSpore's `((dp, mp), (), ())`, which splits the output
+    `indices.shape + (depth,)` (depth at `axis`), depth included, followed by empty strategies
+    for the on/off values. A rank holding depth slice [start, start + depth / k) looks up
+    `indices - start` with the local depth (indices outside fall off the table: all off_value);
+    `start` differs by rank ("offset_one_hot")."""
+
+    def __init__(self) -> None:
+        super().__init__(one_hot_labels, unsplittable="the depth axis")
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        idx = ctx.in_types[0]
+        if not (len(strategy) == 3 and strategy[1] == () and strategy[2] == ()):
+            return label_sharding(ctx, self.labels(ctx), strategy, out_strategy)
+        out_split = tuple(strategy[0])
+        out = ctx.out_types[0]
+        if len(out_split) != out.rank:
+            raise StrategyError(
+                f"the first strategy of OneHot's MindSpore form splits the output "
+                f"{out.shape}, so it has {out.rank} values; got {out_split}"
+            )
+        axis = int(ctx.attrs.get("axis", -1)) % out.rank
+        depth = out.shape[axis]
+        if depth % out_split[axis]:
+            raise StrategyError(
+                f"the depth {depth} (dim {axis} of the output {out.shape}) cannot be divisible "
+                f"by strategy value {out_split[axis]}",
+                f"choose a split of the depth that divides {depth}",
+            )
+        lab = ALPHA[: idx.rank]
+        fresh = fresh_labels(1, set(lab))[0]
+        virtual = OpContext(ctx.op, [idx, TensorType(idx.dtype, (depth,))], out, ctx.attrs,
+                            ctx.devices)
+        labels = Labels([lab, fresh], [lab[:axis] + fresh + lab[axis:]])
+        idx_split = out_split[:axis] + out_split[axis + 1:]
+        result = label_sharding(virtual, labels, (idx_split, (out_split[axis],)), out_strategy)
+        result.in_layouts = result.in_layouts[:1]
+        result.tensor_maps = None
+        result.strategy = tuple(strategy)
+        if out_split[axis] > 1:
+            result.local_attrs["depth"] = depth // out_split[axis]
+            result.expand = "offset_one_hot"
+        return result
+
+
 register(
     OpDef(
         "OneHot",
@@ -919,6 +1130,7 @@ register(
         },
         num_inputs=1,
         differentiable=False,
+        sharding=OneHotRule(),
         doc="on_value where indices == k along a new depth dim at axis, off_value elsewhere "
         "(out-of-range indices give all off_value).",
         page=OpDoc(

@@ -11,6 +11,7 @@ with the same `exclusive`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._jax import jnp, lax
 from pcompile.ir.ops._util import normalize_axis, tensor, tuple_type
 from pcompile.ir.registry import NUMERIC, OpDef, OpDoc, register
+from pcompile.ir.sharding import ALPHA, LabelRule, Labels, OpContext, fresh_labels, identity_labels
 from pcompile.ir.types import DType, ValueType
 
 
@@ -132,6 +134,16 @@ earlier ranks' slices); other dims may be. `exclusive` leaves each element out o
 sum, `reverse` sums from the end; 16-bit floats accumulate in float32. The vjp is the
 cumulative sum of the cotangent with the same `exclusive` and the opposite `reverse`."""
 
+def top_k_labels(ctx: OpContext) -> Labels:
+    """TopK (MindSpore's TopKInfo): the last axis is sorted whole; values and indices keep the
+    input's other dims, their last dim (k) is new and never split."""
+    rank = ctx.in_types[0].rank
+    lab = ALPHA[:rank]
+    fresh = fresh_labels(1, set(lab))[0]
+    out = lab[:-1] + fresh
+    return Labels([lab], [out, out], {lab[-1], fresh})
+
+
 register(
     OpDef(
         "TopK",
@@ -141,6 +153,8 @@ register(
         vjp=_top_k_vjp,
         attrs={"k": 1, "sorted": True},
         num_inputs=1,
+        sharding=LabelRule(top_k_labels, unsplittable="the sorted last axis, which every rank "
+                           "needs whole to pick the top k"),
         doc="The k largest values along the last axis, descending, and their Int32 positions.",
         page=OpDoc(
             "linalg",
@@ -189,6 +203,14 @@ def _sort_vjp(b: Builder, node: Node, cots: list[Value]) -> list[Value | None]:
     return [_scatter_back(b, node, cots[0], indices, axis)]
 
 
+def sort_labels(ctx: OpContext) -> Labels:
+    """Sort: values and indices keep the input's labels; the sorted axis never splits."""
+    rank = ctx.in_types[0].rank
+    lab = ALPHA[:rank]
+    axis = int(ctx.attrs.get("axis", -1)) % rank
+    return Labels([lab], [lab, lab], {lab[axis]})
+
+
 register(
     OpDef(
         "Sort",
@@ -198,6 +220,8 @@ register(
         vjp=_sort_vjp,
         attrs={"axis": -1, "descending": False},
         num_inputs=1,
+        sharding=LabelRule(sort_labels,
+                           unsplittable="the sorted axis, which every rank needs whole"),
         doc="x sorted along `axis` (ascending unless `descending`) and the Int32 positions.",
         page=OpDoc(
             "linalg",
@@ -263,6 +287,10 @@ def _cumsum_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
               reverse=not attrs["reverse"])]
 
 
+def cumsum_axes(ctx: OpContext) -> Sequence[int]:
+    return (int(ctx.attrs.get("axis", 0)),)
+
+
 register(
     OpDef(
         "CumSum",
@@ -272,6 +300,9 @@ register(
         vjp=_cumsum_vjp,
         attrs={"axis": 0, "exclusive": False, "reverse": False},
         num_inputs=1,
+        sharding=LabelRule(identity_labels(cumsum_axes),
+                           unsplittable="the summed axis; a split would need the totals of "
+                           "the earlier ranks' slices"),
         doc="Cumulative sum along `axis` (`exclusive`: without the element itself; `reverse`: "
         "from the end).",
         page=OpDoc(
