@@ -28,6 +28,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from pcompile.ir.errors import ShapeError
@@ -80,6 +81,34 @@ class OpDoc:
         if not self.rule and not self.grad_of:
             raise ValueError("OpDoc needs a sharding rule, or grad_of for a gradient helper")
 
+class Trait(Enum):
+    """A fact about an op that passes ask of it (`has_trait`) instead of keeping lists of op
+    names."""
+
+    # A matrix product (MatMul, BatchMatMul): its labels read [batch..., i, k, j] whatever
+    # the transposes; a split k leaves partial sums the size of the output.
+    MATMUL = "matmul"
+    # Combines the elements of its operand along a dim (ReduceSum, ...): on a split operand
+    # each rank sees a slice.
+    REDUCTION = "reduction"
+    # Recursive programming splits only its batch dim (lookups, one-hot, the losses).
+    BATCH_ONLY = "batch_only"
+    # A table lookup: operand 1 indexes operand 0, and its batch dim is the indices' first.
+    LOOKUP = "lookup"
+    # One operand whose values it passes on unchanged but for the dtype (Cast, Identity): a
+    # weight read through it is laid out for the op that really uses it.
+    VALUE_COPY = "value_copy"
+    # Without a user strategy it is not planned: its output keeps its input's layout, with no
+    # redistribution around it (MindSpore gives such a Cast no operator info).
+    TRANSPARENT = "transparent"
+    # No strategy: its result is its first operand, in that operand's layout; the others are
+    # kept as they are (Depend).
+    FIRST_OPERAND = "first_operand"
+    # No strategy of its own: Reshape is planned as a redistribution between the layouts
+    # around it; tuple plumbing passes layouts through.
+    NO_STRATEGY = "no_strategy"
+
+
 VjpFn = Callable[["Builder", "Node", Any], list["Value | None"]]
 LoweringAttrsFn = Callable[["Node", dict[str, Any]], dict[str, Any]]
 
@@ -98,6 +127,7 @@ class OpDef:
     differentiable: bool = True  # False: no gradient flows through (comparisons, int ops)
     collective: bool = False
     sharding: LabelRule | None = None  # its sharding rule (ir/sharding.py); None: not shardable
+    traits: frozenset[Trait] = frozenset()  # what passes ask of it (`Trait`)
     lowering_attrs: LoweringAttrsFn | None = None  # compile-time specialisation (JAX)
     doc: str = ""
     page: OpDoc | None = None  # its row on docs/ops.md
@@ -194,6 +224,12 @@ def find_op(name: str) -> OpDef | None:
     """The op called `name`, or None where the registry has none."""
     _ensure_loaded()
     return _REGISTRY.get(name)
+
+
+def has_trait(name: str, trait: Trait) -> bool:
+    """Whether the op called `name` has `trait` (False for a name the registry does not know)."""
+    opdef = find_op(name)
+    return opdef is not None and trait in opdef.traits
 
 
 def all_ops() -> dict[str, OpDef]:

@@ -32,7 +32,7 @@ from math import gcd, prod
 from typing import Any, ClassVar
 
 from pcompile.ir.layout import MapEntry, TensorLayout
-from pcompile.ir.registry import find_op
+from pcompile.ir.registry import Trait, find_op, has_trait
 from pcompile.ir.types import TensorType, TupleType, ValueType
 
 Strategy = tuple[tuple[int, ...], ...]
@@ -425,11 +425,6 @@ class LabelRule:
         )
 
 
-# Ops without a strategy of their own: Reshape is planned as a redistribution between the
-# layouts around it; tuple plumbing passes layouts through.
-NO_STRATEGY = {"Reshape", "TupleGetItem", "MakeTuple"}
-
-
 def rule_for(op: str) -> LabelRule | None:
     """The sharding rule of `op` (its `OpDef.sharding`); None for an op without one or a name
     the registry does not know."""
@@ -461,7 +456,7 @@ def label_dims(ctx: OpContext, labels: Labels) -> list[LabelDim]:
         for name, size in zip(lab, t.shape):
             sizes.setdefault(name, size)
     order = list(sizes)
-    if ctx.op in ("MatMul", "BatchMatMul") and labels.outputs:
+    if has_trait(ctx.op, Trait.MATMUL) and labels.outputs:
         out = labels.outputs[0]
         reduced = [name for name in order if name not in out]
         virtual = [name for name in out[:-1] if name in sizes] + reduced

@@ -25,9 +25,9 @@ from math import prod
 from pcompile.ir.core import Constant, Graph, Node, Value
 from pcompile.ir.layout import TensorLayout
 from pcompile.ir.rank import Digit, RankGroup
-from pcompile.ir.registry import get_op
+from pcompile.ir.registry import Trait, get_op, has_trait
 from pcompile.ir.types import TensorType, TupleType
-from pcompile.passes.step_parallel_begin import LAYOUT_PASS_THROUGH, ParallelAssignment
+from pcompile.passes.step_parallel_begin import ParallelAssignment
 
 #: the attribute of a forward AllReduce whose vjp is a local multiplication (see above)
 REPLICATED_COTANGENT = "replicated_cotangent"
@@ -205,7 +205,7 @@ def _consumed_layouts(node: Node, assignment: ParallelAssignment) -> list[Tensor
     if node.op == "Reshape":
         out = assignment.reshape_layouts.get(id(node))
         return None if out is None else [out]
-    if node.op in LAYOUT_PASS_THROUGH or node.op == "TupleGetItem":
+    if has_trait(node.op, Trait.FIRST_OPERAND) or node.op == "TupleGetItem":
         return []
     sharding = assignment.sharding(node)
     if sharding is None or sharding.expand:

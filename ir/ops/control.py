@@ -25,7 +25,7 @@ from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._jax import jnp, lax
-from pcompile.ir.registry import ALL, OpDef, OpDoc, register
+from pcompile.ir.registry import ALL, OpDef, OpDoc, Trait, register
 from pcompile.ir.types import TensorType, ValueType
 
 
@@ -67,6 +67,7 @@ register(
         jax=_depend_jax,
         vjp=_depend_vjp,
         num_inputs=2,
+        traits=frozenset({Trait.FIRST_OPERAND}),
         doc="value, computed after expr (an ordering edge; no strategy, value's layout).",
         page=OpDoc(
             "elementwise",

@@ -33,7 +33,7 @@ from pcompile.ir.ops._util import (
     tensor,
     unbroadcast,
 )
-from pcompile.ir.registry import ALL, BOOL, FLOATS, NUMERIC, OpDef, OpDoc, register
+from pcompile.ir.registry import ALL, BOOL, FLOATS, NUMERIC, OpDef, OpDoc, Trait, register
 from pcompile.ir.sharding import ALPHA, ELEMENTWISE, LabelRule, Labels, OpContext
 from pcompile.ir.types import DType, TensorType, ValueType
 
@@ -968,6 +968,7 @@ register(
         attrs={"dst_type": DType.float32},
         num_inputs=1,
         sharding=ELEMENTWISE,
+        traits=frozenset({Trait.VALUE_COPY, Trait.TRANSPARENT}),
         doc="Convert to dst_type (float->int truncates toward zero and saturates at the integer "
         "range, NaN -> 0; int->int wraps; to Bool is x != 0).",
         page=OpDoc(
@@ -1162,6 +1163,7 @@ register(
         vjp=_identity_vjp,
         num_inputs=1,
         sharding=ELEMENTWISE,
+        traits=frozenset({Trait.VALUE_COPY}),
         doc="x unchanged; carries a layout constraint (functional shard's in/out strategies).",
         page=OpDoc(
             "elementwise",

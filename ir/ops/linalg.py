@@ -12,7 +12,7 @@ from pcompile.ir.core import Constant, Node, Value
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._jax import jnp
 from pcompile.ir.ops._util import broadcast_shapes, same_dtype, tensor, unbroadcast
-from pcompile.ir.registry import NUMERIC, OpDef, OpDoc, register
+from pcompile.ir.registry import NUMERIC, OpDef, OpDoc, Trait, register
 from pcompile.ir.sharding import ALPHA, LabelRule, Labels, OpContext, fresh_labels
 from pcompile.ir.types import DType, TensorType, ValueType
 
@@ -187,6 +187,7 @@ register(
         attrs={"transpose_a": False, "transpose_b": False},
         num_inputs=2,
         sharding=LabelRule(matmul_labels),
+        traits=frozenset({Trait.MATMUL, Trait.REDUCTION}),
         doc="op(a) @ op(b) for 2-D a, b; op transposes when transpose_a/transpose_b is set.",
         page=OpDoc(
             "linalg",
@@ -267,6 +268,7 @@ register(
         attrs={"transpose_a": False, "transpose_b": False},
         num_inputs=2,
         sharding=LabelRule(batch_matmul_labels),
+        traits=frozenset({Trait.MATMUL, Trait.REDUCTION}),
         doc="Batched op(a) @ op(b) over the last two dims; leading batch dims broadcast "
         "numpy-style and one operand may be a rank-2 matrix.",
         page=OpDoc(

@@ -23,7 +23,7 @@ from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import PcompileError, ShapeError
 from pcompile.ir.ops._jax import jax, jnp, lax
 from pcompile.ir.ops._util import normalize_axis, same_dtype, tensor, tuple_type
-from pcompile.ir.registry import FLOATS, OpDef, OpDoc, register
+from pcompile.ir.registry import FLOATS, OpDef, OpDoc, Trait, register
 from pcompile.ir.sharding import (
     ALPHA,
     LabelRule,
@@ -495,6 +495,7 @@ register(
         vjp=_sce_vjp,
         num_inputs=2,
         sharding=LabelRule(softmax_ce_labels, unsplittable="the class axis"),
+        traits=frozenset({Trait.BATCH_ONLY}),
         doc=(
             "Per-sample loss -sum(labels * log_softmax(logits), -1) of shape (N,) for "
             "logits/labels (N, C). MindSpore also returns the backprop tensor; this op "
@@ -637,6 +638,7 @@ register(
         attrs={"is_grad": False},
         num_inputs=2,
         sharding=LabelRule(sparse_softmax_ce_labels, unsplittable="the class axis"),
+        traits=frozenset({Trait.BATCH_ONLY}),
         doc=(
             "Mean over the batch of -log_softmax(logits)[i, labels[i]] (a scalar), for logits "
             "(N, C) and integer labels (N,) in [0, C). is_grad=True returns the gradient "

@@ -16,7 +16,7 @@ from pcompile.ir.errors import ShapeError
 from pcompile.ir.layout import TensorLayout
 from pcompile.ir.ops._jax import jnp
 from pcompile.ir.ops._util import infer_unary, tensor, unbroadcast
-from pcompile.ir.registry import ALL, FLOATS, NUMERIC, InferFn, OpDef, OpDoc, register
+from pcompile.ir.registry import ALL, FLOATS, NUMERIC, InferFn, OpDef, OpDoc, Trait, register
 from pcompile.ir.sharding import (
     ALPHA,
     ELEMENTWISE,
@@ -140,6 +140,7 @@ register(
         attrs={"axis": (), "keep_dims": False},
         num_inputs=1,
         sharding=LabelRule(reduce_labels("sum"), cross_batch=True),
+        traits=frozenset({Trait.REDUCTION}),
         doc="Sum over `axis` (() = all axes).",
         page=OpDoc(
             "linalg",
@@ -187,6 +188,7 @@ register(
         attrs={"axis": (), "keep_dims": False},
         num_inputs=1,
         sharding=LabelRule(reduce_labels("sum", mean=True), cross_batch=True),
+        traits=frozenset({Trait.REDUCTION}),
         doc="Mean over `axis` (() = all axes); floating-point input.",
         page=OpDoc(
             "linalg",
@@ -233,6 +235,7 @@ register(
         attrs={"axis": (), "keep_dims": False},
         num_inputs=1,
         sharding=LabelRule(reduce_labels("max"), cross_batch=True),
+        traits=frozenset({Trait.REDUCTION}),
         doc="Max over `axis` (() = all axes); gradient split evenly among ties.",
         page=OpDoc(
             "linalg",

@@ -16,7 +16,7 @@ from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._jax import jax, jnp
 from pcompile.ir.ops._util import same_dtype, tensor
-from pcompile.ir.registry import ALL, NUMERIC, OpDef, OpDoc, register
+from pcompile.ir.registry import ALL, NUMERIC, OpDef, OpDoc, Trait, register
 from pcompile.ir.sharding import (
     ALPHA,
     LabelRule,
@@ -107,6 +107,7 @@ register(
         vjp=_reshape_vjp,
         attrs={"shape": None},
         num_inputs=1,
+        traits=frozenset({Trait.NO_STRATEGY}),
         doc="x with a new shape of the same size; one dim may be -1 (inferred).",
         page=OpDoc(
             "shape",
@@ -679,6 +680,7 @@ register(
         jax=lambda *xs: tuple(xs),
         vjp=_make_tuple_vjp,
         num_inputs=(1, 1000),
+        traits=frozenset({Trait.NO_STRATEGY}),
         doc="A tuple of the tensor inputs.",
         page=OpDoc(
             "shape",
@@ -718,6 +720,7 @@ register(
         vjp=_tuple_get_item_vjp,
         attrs={"index": 0},
         num_inputs=1,
+        traits=frozenset({Trait.NO_STRATEGY}),
         doc="Element `index` of a tuple value.",
         page=OpDoc(
             "shape",
@@ -907,6 +910,7 @@ register(
         attrs={"axis": 0, "batch_dims": 0},
         num_inputs=2,
         sharding=GatherRule(),
+        traits=frozenset({Trait.BATCH_ONLY, Trait.LOOKUP}),
         doc=(
             "Slices of params along axis picked by integer indices (jnp.take); with batch_dims "
             "= b the first b dims of params and indices are batch dims, each batch element "
@@ -1131,6 +1135,7 @@ register(
         num_inputs=1,
         differentiable=False,
         sharding=OneHotRule(),
+        traits=frozenset({Trait.BATCH_ONLY}),
         doc="on_value where indices == k along a new depth dim at axis, off_value elsewhere "
         "(out-of-range indices give all off_value).",
         page=OpDoc(
