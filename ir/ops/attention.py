@@ -50,11 +50,12 @@ import numpy as np
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import PcompileError, ShapeError
+from pcompile.ir.ops._define import define, grad_helper
 from pcompile.ir.ops._jax import jax, jnp
 from pcompile.ir.ops._util import is_zero, same_dtype, tensor, tuple_type
 from pcompile.ir.ops.causal_mask import is_causal_mask
 from pcompile.ir.rank import RankScalar, RankValue
-from pcompile.ir.registry import FLOATS, OpDef, OpDoc, register
+from pcompile.ir.registry import FLOATS
 from pcompile.ir.sharding import (
     LabelRule,
     Labels,
@@ -740,44 +741,26 @@ class FlashAttentionRule(LabelRule):
         return result
 
 
-register(
-    OpDef(
-        "FlashAttentionScore",
-        _infer,
-        numpy=_fa_np,
-        jax=_fa_jax,
-        vjp=_fa_vjp,
-        lowering_attrs=causal_lowering_attrs,
-        attrs=dict(DEFAULTS),
-        num_inputs=(3, 4),
-        sharding=FlashAttentionRule(),
-        doc=(
-            "(softmax_max, softmax_sum, softmax_out, attention_out) of softmax(scale * q k^T, "
-            "masked by sparse_mode/attn_mask) v; layouts BSH, SBH, BNSD, BSND; kv heads may be "
-            "fewer than query heads (grouped-query attention). See ir/ops/attention.py."
-        ),
-        page=OpDoc(
-            "attention",
-            "query, key, value, [attn_mask] -> (softmax_max, softmax_sum, softmax_out, "
-            "attention_out)",
-            FLOATS,
-            rule="batch and query heads split (kv heads as the query's); the query sequence may "
-                 "split; kv sequence and head size never",
-            tests=(
-                "test_ops_attention.py::test_flash_attention_float32",
-                "test_ops_attention.py::test_flash_attention_16_bit",
-                "test_ops_attention.py::test_llama_call_causal_gqa",
-                "test_attention_causal.py::test_fused_lowering_equals_the_general_path",
-                "test_attention_causal.py::test_fused_lowering_in_float64_is_the_definition",
-                "test_parallel_ops.py::test_flash_attention_rule_matches_the_oracle",
-                "test_parallel_ops.py::test_flash_attention_query_split_matches_the_oracle",
-                "test_mindformers_ops.py::test_flash_attention_as_mindformers_calls_it_trains_lik"
-                "e_one_device",
-            ),
-            note=_FLASH_ATTENTION_NOTE,
-        ),
-    )
-)
+define("FlashAttentionScore", _infer, _fa_np, _fa_jax, vjp=_fa_vjp,
+       lowering_attrs=causal_lowering_attrs, attrs=dict(DEFAULTS), num_inputs=(3, 4),
+       sharding=FlashAttentionRule(),
+       doc="(softmax_max, softmax_sum, softmax_out, attention_out) of softmax(scale * q k^T, "
+           "masked by sparse_mode/attn_mask) v; layouts BSH, SBH, BNSD, BSND; kv heads may be "
+           "fewer than query heads (grouped-query attention). See ir/ops/attention.py.",
+       section="attention",
+       operands="query, key, value, [attn_mask] -> (softmax_max, softmax_sum, softmax_out, "
+                "attention_out)", dtypes=FLOATS,
+       rule="batch and query heads split (kv heads as the query's); the query sequence may split; "
+            "kv sequence and head size never",
+       tests=("test_ops_attention.py::test_flash_attention_float32",
+              "test_ops_attention.py::test_flash_attention_16_bit",
+              "test_ops_attention.py::test_llama_call_causal_gqa",
+              "test_attention_causal.py::test_fused_lowering_equals_the_general_path",
+              "test_attention_causal.py::test_fused_lowering_in_float64_is_the_definition",
+              "test_parallel_ops.py::test_flash_attention_rule_matches_the_oracle",
+              "test_parallel_ops.py::test_flash_attention_query_split_matches_the_oracle",
+              "test_mindformers_ops.py::test_flash_attention_as_mindformers_calls_it_trains_like_one_device"),
+       note=_FLASH_ATTENTION_NOTE)
 
 # -- FlashAttentionScoreGrad ---------------------------------------------------------------------
 
@@ -835,36 +818,18 @@ def _grad_jax(*arrays: Any, **attrs: Any) -> tuple[Any, ...]:
     return tuple(pullback(dy))
 
 
-register(
-    OpDef(
-        "FlashAttentionScoreGrad",
-        _grad_infer,
-        numpy=_grad_np,
-        jax=_grad_jax,
-        lowering_attrs=causal_lowering_attrs,
-        attrs=dict(DEFAULTS),
-        num_inputs=(7, 8),
-        differentiable=False,
-        doc=(
-            "FlashAttentionScoreGrad(query, key, value, dy, [attn_mask], softmax_max, "
-            "softmax_sum, attention_in) -> (dq, dk, dv), MindSpore's operand order without "
-            "the inputs pcompile does not take. The JAX implementation differentiates the "
-            "fused forward (jax.vjp), so GPUs run cuDNN's fused backward."
-        ),
-        page=OpDoc(
-            "attention",
-            "query, key, value, dy, [attn_mask], softmax_max, softmax_sum, attention_in -> (dq, "
-            "dk, dv)",
-            FLOATS,
+grad_helper("FlashAttentionScoreGrad", _grad_infer, _grad_np, _grad_jax,
+            lowering_attrs=causal_lowering_attrs, attrs=dict(DEFAULTS), num_inputs=(7, 8),
+            doc="FlashAttentionScoreGrad(query, key, value, dy, [attn_mask], softmax_max, "
+                "softmax_sum, attention_in) -> (dq, dk, dv), MindSpore's operand order without the "
+                "inputs pcompile does not take. The JAX implementation differentiates the fused "
+                "forward (jax.vjp), so GPUs run cuDNN's fused backward.",
             grad_of="FlashAttentionScore",
-            tests=(
-                "test_ops_attention.py::test_flash_attention_float32",
-                "test_ops_attention.py::test_flash_attention_16_bit",
-                "test_attention_causal.py::test_fused_lowering_equals_the_general_path",
-            ),
-        ),
-    )
-)
+            operands="query, key, value, dy, [attn_mask], softmax_max, softmax_sum, attention_in "
+                     "-> (dq, dk, dv)", dtypes=FLOATS, section="attention",
+            tests=("test_ops_attention.py::test_flash_attention_float32",
+                   "test_ops_attention.py::test_flash_attention_16_bit",
+                   "test_attention_causal.py::test_fused_lowering_equals_the_general_path"))
 
 
 # -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------

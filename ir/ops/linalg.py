@@ -10,9 +10,10 @@ import numpy as np
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Constant, Node, Value
 from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._define import define
 from pcompile.ir.ops._jax import jnp
 from pcompile.ir.ops._util import broadcast_shapes, same_dtype, tensor, unbroadcast
-from pcompile.ir.registry import NUMERIC, OpDef, OpDoc, Trait, register
+from pcompile.ir.registry import NUMERIC, Trait
 from pcompile.ir.sharding import ALPHA, LabelRule, Labels, OpContext, fresh_labels
 from pcompile.ir.types import DType, TensorType, ValueType
 
@@ -176,33 +177,17 @@ def matmul_labels(ctx: OpContext) -> Labels:
     return Labels([a, b], ["ij"])
 
 
-register(
-    OpDef(
-        "MatMul",
-        _matmul_infer,
-        numpy=lambda a, b, transpose_a, transpose_b: _np_matmul(a, b, transpose_a, transpose_b),
-        jax=_jax_matmul_op,
-        lowering_attrs=signed_permutation_attrs,
-        vjp=_matmul_vjp,
-        attrs={"transpose_a": False, "transpose_b": False},
-        num_inputs=2,
-        sharding=LabelRule(matmul_labels),
-        traits=frozenset({Trait.MATMUL, Trait.REDUCTION}),
-        doc="op(a) @ op(b) for 2-D a, b; op transposes when transpose_a/transpose_b is set.",
-        page=OpDoc(
-            "linalg",
-            "a, b; `transpose_a`, `transpose_b`",
-            NUMERIC,
-            rule="`ik,kj->ij`; a split k all-reduces (or reduce-scatters with `out_strategy`)",
-            tests=(
-                "test_ops_linalg.py::test_matmul",
-                "test_ops_linalg.py::test_matmul_int32",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-                "test_parallel.py::test_reduce_scatter_out_strategy",
-            ),
-        ),
-    )
-)
+define("MatMul", _matmul_infer,
+       lambda a, b, transpose_a, transpose_b: _np_matmul(a, b, transpose_a, transpose_b),
+       _jax_matmul_op, lowering_attrs=signed_permutation_attrs, vjp=_matmul_vjp,
+       attrs={"transpose_a": False, "transpose_b": False}, num_inputs=2,
+       sharding=LabelRule(matmul_labels), traits=frozenset({Trait.MATMUL, Trait.REDUCTION}),
+       doc="op(a) @ op(b) for 2-D a, b; op transposes when transpose_a/transpose_b is set.",
+       section="linalg", operands="a, b; `transpose_a`, `transpose_b`", dtypes=NUMERIC,
+       rule="`ik,kj->ij`; a split k all-reduces (or reduce-scatters with `out_strategy`)",
+       tests=("test_ops_linalg.py::test_matmul", "test_ops_linalg.py::test_matmul_int32",
+              "test_parallel.py::test_every_rule_matches_the_oracle",
+              "test_parallel.py::test_reduce_scatter_out_strategy"))
 
 # -- BatchMatMul ----------------------------------------------------------------------------
 
@@ -257,33 +242,18 @@ def batch_matmul_labels(ctx: OpContext) -> Labels:
     return Labels(ins, [blab + "ij"], unsplit, broadcast=frozenset(unsplit))
 
 
-register(
-    OpDef(
-        "BatchMatMul",
-        _batch_matmul_infer,
-        numpy=lambda a, b, transpose_a, transpose_b: _np_matmul(a, b, transpose_a, transpose_b),
-        jax=_jax_matmul_op,
-        lowering_attrs=signed_permutation_attrs,
-        vjp=_batch_matmul_vjp,
-        attrs={"transpose_a": False, "transpose_b": False},
-        num_inputs=2,
-        sharding=LabelRule(batch_matmul_labels),
-        traits=frozenset({Trait.MATMUL, Trait.REDUCTION}),
-        doc="Batched op(a) @ op(b) over the last two dims; leading batch dims broadcast "
-        "numpy-style and one operand may be a rank-2 matrix.",
-        page=OpDoc(
-            "linalg",
-            "a, b (batch dims broadcast); `transpose_a`, `transpose_b`",
-            NUMERIC,
-            rule="batch labels plus `ik,kj->ij`",
-            tests=(
-                "test_ops_linalg.py::test_batch_matmul",
-                "test_ops_linalg.py::test_batch_matmul_rank2_rhs",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+define("BatchMatMul", _batch_matmul_infer,
+       lambda a, b, transpose_a, transpose_b: _np_matmul(a, b, transpose_a, transpose_b),
+       _jax_matmul_op, lowering_attrs=signed_permutation_attrs, vjp=_batch_matmul_vjp,
+       attrs={"transpose_a": False, "transpose_b": False}, num_inputs=2,
+       sharding=LabelRule(batch_matmul_labels), traits=frozenset({Trait.MATMUL, Trait.REDUCTION}),
+       doc="Batched op(a) @ op(b) over the last two dims; leading batch dims broadcast numpy-style "
+           "and one operand may be a rank-2 matrix.", section="linalg",
+       operands="a, b (batch dims broadcast); `transpose_a`, `transpose_b`", dtypes=NUMERIC,
+       rule="batch labels plus `ik,kj->ij`",
+       tests=("test_ops_linalg.py::test_batch_matmul",
+              "test_ops_linalg.py::test_batch_matmul_rank2_rhs",
+              "test_parallel.py::test_every_rule_matches_the_oracle"))
 
 
 # -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------

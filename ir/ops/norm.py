@@ -15,11 +15,12 @@ import numpy as np
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Constant, Node, Value
 from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._define import define, grad_helper
 from pcompile.ir.ops._jax import jnp, lax
 from pcompile.ir.ops._util import is_zero, same_dtype, tensor, tuple_type
 from pcompile.ir.ops.elementwise import sign_of
 from pcompile.ir.ops.reduce import reduce_axes
-from pcompile.ir.registry import FLOATS, OpDef, OpDoc, register
+from pcompile.ir.registry import FLOATS
 from pcompile.ir.sharding import (
     ALPHA,
     LabelRule,
@@ -129,36 +130,19 @@ def rms_norm_labels(ctx: OpContext) -> Labels:
     return Labels([lab, lab[begin:]], [lab, lab[:begin] + fresh], set(lab[begin:]) | set(fresh))
 
 
-register(
-    OpDef(
-        "RmsNorm",
-        _infer,
-        numpy=_rms_norm_np,
-        jax=_rms_norm_jax,
-        vjp=_rms_norm_vjp,
-        attrs=dict(_DEFAULTS),
-        num_inputs=2,
-        sharding=LabelRule(rms_norm_labels, unsplittable="a normalised dim (one of gamma's dims; "
-                           "gamma is never split)"),
-        doc=(
-            "(y, rstd): rstd = 1/sqrt(mean(x**2) + epsilon) over the trailing gamma.ndim dims "
-            "(Float32, those dims kept as 1), y = x * rstd * gamma."
-        ),
-        page=OpDoc(
-            "linalg",
-            "x, gamma; `epsilon` (default 1e-6) -> (y, rstd)",
-            FLOATS,
-            rule="x splits only before the normalised (gamma's) dims; gamma never",
-            tests=(
-                "test_ops_nn.py::test_rms_norm",
-                "test_ops_nn.py::test_rms_norm_default_epsilon_and_grad_op",
-                "test_parallel_ops.py::test_rule_matches_the_oracle",
-                "test_mindformers_ops.py::test_rms_norm_as_llama_calls_it_trains_like_one_device",
-            ),
-            note=_RMS_NORM_NOTE,
-        ),
-    )
-)
+define("RmsNorm", _infer, _rms_norm_np, _rms_norm_jax, vjp=_rms_norm_vjp, attrs=dict(_DEFAULTS),
+       num_inputs=2,
+       sharding=LabelRule(rms_norm_labels, unsplittable="a normalised dim (one of gamma's dims; "
+                          "gamma is never split)"),
+       doc="(y, rstd): rstd = 1/sqrt(mean(x**2) + epsilon) over the trailing gamma.ndim dims "
+           "(Float32, those dims kept as 1), y = x * rstd * gamma.", section="linalg",
+       operands="x, gamma; `epsilon` (default 1e-6) -> (y, rstd)", dtypes=FLOATS,
+       rule="x splits only before the normalised (gamma's) dims; gamma never",
+       tests=("test_ops_nn.py::test_rms_norm",
+              "test_ops_nn.py::test_rms_norm_default_epsilon_and_grad_op",
+              "test_parallel_ops.py::test_rule_matches_the_oracle",
+              "test_mindformers_ops.py::test_rms_norm_as_llama_calls_it_trains_like_one_device"),
+       note=_RMS_NORM_NOTE)
 
 # -- RmsNormGrad ----------------------------------------------------------------------------
 
@@ -199,27 +183,11 @@ def _grad_jax(dy: Any, x: Any, rstd: Any, gamma: Any) -> tuple[Any, Any]:
     return dx.astype(x.dtype), dgamma.astype(gamma.dtype)
 
 
-register(
-    OpDef(
-        "RmsNormGrad",
-        _grad_infer,
-        numpy=_grad_np,
-        jax=_grad_jax,
-        num_inputs=4,
-        differentiable=False,
-        doc=(
-            "RmsNormGrad(dy, x, rstd, gamma) -> (dx, dgamma): the vjp of RmsNorm's y "
-            "(MindSpore operand order)."
-        ),
-        page=OpDoc(
-            "linalg",
-            "dy, x, rstd, gamma -> (dx, dgamma)",
-            FLOATS,
-            grad_of="RmsNorm",
-            tests=("test_ops_nn.py::test_rms_norm_default_epsilon_and_grad_op",),
-        ),
-    )
-)
+grad_helper("RmsNormGrad", _grad_infer, _grad_np, _grad_jax, num_inputs=4,
+            doc="RmsNormGrad(dy, x, rstd, gamma) -> (dx, dgamma): the vjp of RmsNorm's y "
+                "(MindSpore operand order).", grad_of="RmsNorm",
+            operands="dy, x, rstd, gamma -> (dx, dgamma)", dtypes=FLOATS, section="linalg",
+            tests=("test_ops_nn.py::test_rms_norm_default_epsilon_and_grad_op",))
 
 # -- LpNorm ---------------------------------------------------------------------------------
 
@@ -308,38 +276,20 @@ class LpNormRule(LabelRule):
         return result
 
 
-register(
-    OpDef(
-        "LpNorm",
-        _lp_infer,
-        numpy=_lp_np,
-        jax=_lp_jax,
-        vjp=_lp_vjp,
-        attrs=dict(_LP_DEFAULTS),
-        num_inputs=1,
-        sharding=LpNormRule(),
-        doc=(
-            "max((sum over `axis` of |x|**p)**(1/p), epsilon) (MindSpore `ops.LpNorm(axis, p=2, "
-            "keep_dims=False, epsilon=1e-12)`; p an int >= 1; `axis` () = all). 16-bit inputs "
-            "are computed in float32 and rounded once. The gradient is sign(x) |x|**(p-1) / "
-            "norm**(p-1), 0 where epsilon replaced the norm."
-        ),
-        page=OpDoc(
-            "linalg",
-            "x; `axis`, `p`, `keep_dims`, `epsilon`",
-            FLOATS,
-            rule="every dim may split; a split normalised dim sums |x|**p per rank, all-reduces, "
-                 "then takes the root",
-            tests=(
-                "test_ops_lp_norm.py::test_lp_norm",
-                "test_ops_lp_norm.py::test_lp_norm_mindspore_example",
-                "test_ops_lp_norm.py::test_lp_norm_split_normalised_dims",
-                "test_ops_lp_norm.py::test_lp_norm_split_emits_partial_sum_and_all_reduce",
-                "test_parallel_ops.py::test_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+define("LpNorm", _lp_infer, _lp_np, _lp_jax, vjp=_lp_vjp, attrs=dict(_LP_DEFAULTS), num_inputs=1,
+       sharding=LpNormRule(),
+       doc="max((sum over `axis` of |x|**p)**(1/p), epsilon) (MindSpore `ops.LpNorm(axis, p=2, "
+           "keep_dims=False, epsilon=1e-12)`; p an int >= 1; `axis` () = all). 16-bit inputs are "
+           "computed in float32 and rounded once. The gradient is sign(x) |x|**(p-1) / "
+           "norm**(p-1), 0 where epsilon replaced the norm.", section="linalg",
+       operands="x; `axis`, `p`, `keep_dims`, `epsilon`", dtypes=FLOATS,
+       rule="every dim may split; a split normalised dim sums |x|**p per rank, all-reduces, then "
+            "takes the root",
+       tests=("test_ops_lp_norm.py::test_lp_norm",
+              "test_ops_lp_norm.py::test_lp_norm_mindspore_example",
+              "test_ops_lp_norm.py::test_lp_norm_split_normalised_dims",
+              "test_ops_lp_norm.py::test_lp_norm_split_emits_partial_sum_and_all_reduce",
+              "test_parallel_ops.py::test_rule_matches_the_oracle"))
 
 
 # -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------

@@ -14,12 +14,12 @@ from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.layout import TensorLayout
+from pcompile.ir.ops._define import define, elementwise
 from pcompile.ir.ops._jax import jnp
 from pcompile.ir.ops._util import infer_unary, tensor, unbroadcast
-from pcompile.ir.registry import ALL, FLOATS, NUMERIC, InferFn, OpDef, OpDoc, Trait, register
+from pcompile.ir.registry import ALL, FLOATS, NUMERIC, InferFn, Trait
 from pcompile.ir.sharding import (
     ALPHA,
-    ELEMENTWISE,
     LabelRule,
     Labels,
     OpContext,
@@ -130,31 +130,14 @@ def _sum_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [_broadcast_back(b, node, _to_keep_dims(b, node, cot))]
 
 
-register(
-    OpDef(
-        "ReduceSum",
-        _make_reduce_infer("ReduceSum", "numeric"),
-        numpy=_sum_np,
-        jax=_sum_jax,
-        vjp=_sum_vjp,
-        attrs={"axis": (), "keep_dims": False},
-        num_inputs=1,
-        sharding=LabelRule(reduce_labels("sum"), cross_batch=True),
-        traits=frozenset({Trait.REDUCTION}),
-        doc="Sum over `axis` (() = all axes).",
-        page=OpDoc(
-            "linalg",
-            "x; `axis`, `keep_dims`",
-            NUMERIC,
-            rule="reduced dims may split (AllReduce sum)",
-            tests=(
-                "test_ops_reduce.py::test_reduce",
-                "test_ops_reduce.py::test_reduce_integer",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+define("ReduceSum", _make_reduce_infer("ReduceSum", "numeric"), _sum_np, _sum_jax, vjp=_sum_vjp,
+       attrs={"axis": (), "keep_dims": False}, num_inputs=1,
+       sharding=LabelRule(reduce_labels("sum"), cross_batch=True),
+       traits=frozenset({Trait.REDUCTION}), doc="Sum over `axis` (() = all axes).",
+       section="linalg", operands="x; `axis`, `keep_dims`", dtypes=NUMERIC,
+       rule="reduced dims may split (AllReduce sum)",
+       tests=("test_ops_reduce.py::test_reduce", "test_ops_reduce.py::test_reduce_integer",
+              "test_parallel.py::test_every_rule_matches_the_oracle"))
 
 # -- ReduceMean -----------------------------------------------------------------------------
 
@@ -178,30 +161,15 @@ def _mean_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [_broadcast_back(b, node, _to_keep_dims(b, node, scaled))]
 
 
-register(
-    OpDef(
-        "ReduceMean",
-        _make_reduce_infer("ReduceMean", "float"),
-        numpy=_mean_np,
-        jax=_mean_jax,
-        vjp=_mean_vjp,
-        attrs={"axis": (), "keep_dims": False},
-        num_inputs=1,
-        sharding=LabelRule(reduce_labels("sum", mean=True), cross_batch=True),
-        traits=frozenset({Trait.REDUCTION}),
-        doc="Mean over `axis` (() = all axes); floating-point input.",
-        page=OpDoc(
-            "linalg",
-            "x; `axis`, `keep_dims`",
-            FLOATS,
-            rule="reduced dims may split (AllReduce sum, then divides)",
-            tests=(
-                "test_ops_reduce.py::test_reduce",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+define("ReduceMean", _make_reduce_infer("ReduceMean", "float"), _mean_np, _mean_jax, vjp=_mean_vjp,
+       attrs={"axis": (), "keep_dims": False}, num_inputs=1,
+       sharding=LabelRule(reduce_labels("sum", mean=True), cross_batch=True),
+       traits=frozenset({Trait.REDUCTION}),
+       doc="Mean over `axis` (() = all axes); floating-point input.", section="linalg",
+       operands="x; `axis`, `keep_dims`", dtypes=FLOATS,
+       rule="reduced dims may split (AllReduce sum, then divides)",
+       tests=("test_ops_reduce.py::test_reduce",
+              "test_parallel.py::test_every_rule_matches_the_oracle"))
 
 # -- ReduceMax ------------------------------------------------------------------------------
 
@@ -225,32 +193,15 @@ def _max_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [b("Mul", is_max, share)]
 
 
-register(
-    OpDef(
-        "ReduceMax",
-        _make_reduce_infer("ReduceMax", "any"),
-        numpy=_max_np,
-        jax=_max_jax,
-        vjp=_max_vjp,
-        attrs={"axis": (), "keep_dims": False},
-        num_inputs=1,
-        sharding=LabelRule(reduce_labels("max"), cross_batch=True),
-        traits=frozenset({Trait.REDUCTION}),
-        doc="Max over `axis` (() = all axes); gradient split evenly among ties.",
-        page=OpDoc(
-            "linalg",
-            "x; `axis`, `keep_dims`",
-            ALL,
-            rule="reduced dims may split (AllReduce max)",
-            tests=(
-                "test_ops_reduce.py::test_reduce",
-                "test_ops_reduce.py::test_reduce_max_bool",
-                "test_ops_reduce.py::test_reduce_max_gradient_shared_by_ties",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+define("ReduceMax", _make_reduce_infer("ReduceMax", "any"), _max_np, _max_jax, vjp=_max_vjp,
+       attrs={"axis": (), "keep_dims": False}, num_inputs=1,
+       sharding=LabelRule(reduce_labels("max"), cross_batch=True),
+       traits=frozenset({Trait.REDUCTION}),
+       doc="Max over `axis` (() = all axes); gradient split evenly among ties.", section="linalg",
+       operands="x; `axis`, `keep_dims`", dtypes=ALL, rule="reduced dims may split (AllReduce max)",
+       tests=("test_ops_reduce.py::test_reduce", "test_ops_reduce.py::test_reduce_max_bool",
+              "test_ops_reduce.py::test_reduce_max_gradient_shared_by_ties",
+              "test_parallel.py::test_every_rule_matches_the_oracle"))
 
 # -- BroadcastTo ----------------------------------------------------------------------------
 
@@ -318,26 +269,13 @@ def broadcast_to_labels(ctx: OpContext) -> Labels:
     return Labels([lab], [olab], unsplit)
 
 
-register(
-    OpDef(
-        "BroadcastTo",
-        _broadcast_to_infer,
-        numpy=_broadcast_to_np,
-        jax=lambda x, shape: jnp.broadcast_to(x, broadcast_target(shape, x.shape)),
-        vjp=lambda b, node, cot: [unbroadcast(b, cot, node.operands[0].shape)],
-        attrs={"shape": None},
-        num_inputs=1,
-        sharding=LabelRule(broadcast_to_labels),
-        doc="Broadcast x to `shape` with numpy rules (-1 keeps the input's dim).",
-        page=OpDoc(
-            "shape",
-            "x; `shape` (-1 keeps a dim)",
-            ALL,
-            rule="broadcast dims never split",
-            tests=("test_ops_reduce.py::test_broadcast_to",),
-        ),
-    )
-)
+define("BroadcastTo", _broadcast_to_infer, _broadcast_to_np,
+       lambda x, shape: jnp.broadcast_to(x, broadcast_target(shape, x.shape)),
+       vjp=lambda b, node, cot: [unbroadcast(b, cot, node.operands[0].shape)],
+       attrs={"shape": None}, num_inputs=1, sharding=LabelRule(broadcast_to_labels),
+       doc="Broadcast x to `shape` with numpy rules (-1 keeps the input's dim).", section="shape",
+       operands="x; `shape` (-1 keeps a dim)", dtypes=ALL, rule="broadcast dims never split",
+       tests=("test_ops_reduce.py::test_broadcast_to",))
 
 # -- Tile ---------------------------------------------------------------------------------------
 
@@ -456,77 +394,28 @@ class TileRule(LabelRule):
         )
 
 
-register(
-    OpDef(
-        "Tile",
-        _tile_infer,
-        numpy=lambda x, multiples: np.tile(x, multiples),
-        jax=lambda x, multiples: jnp.tile(x, multiples),
-        vjp=_tile_vjp,
-        attrs={"multiples": None},
-        num_inputs=1,
-        sharding=TileRule(),
-        doc="x repeated multiples[i] times along dim i (x padded with leading size-1 dims, "
-        "multiples with leading 1s, to one rank).",
-        page=OpDoc(
-            "shape",
-            "x; `multiples`",
-            ALL,
-            rule="a dim with multiple > 1 splits its copies, a dim with multiple 1 splits the "
-                 "input dim",
-            tests=(
-                "test_ops_shape.py::test_tile",
-                "test_ops_shape.py::test_tile_as_repeat_kv",
-                "test_parallel_ops.py::test_tile_rule_matches_the_oracle",
-                "test_parallel_ops.py::test_tile_strategy_of_a_tiled_dim_splits_its_multiple",
-                "test_mindformers_ops.py::test_tile_as_repeat_kv_calls_it_trains_like_one_device",
-            ),
-            note=_TILE_NOTE,
-        ),
-    )
-)
+define("Tile", _tile_infer, lambda x, multiples: np.tile(x, multiples),
+       lambda x, multiples: jnp.tile(x, multiples), vjp=_tile_vjp, attrs={"multiples": None},
+       num_inputs=1, sharding=TileRule(),
+       doc="x repeated multiples[i] times along dim i (x padded with leading size-1 dims, "
+           "multiples with leading 1s, to one rank).", section="shape", operands="x; `multiples`",
+       dtypes=ALL,
+       rule="a dim with multiple > 1 splits its copies, a dim with multiple 1 splits the input dim",
+       tests=("test_ops_shape.py::test_tile", "test_ops_shape.py::test_tile_as_repeat_kv",
+              "test_parallel_ops.py::test_tile_rule_matches_the_oracle",
+              "test_parallel_ops.py::test_tile_strategy_of_a_tiled_dim_splits_its_multiple",
+              "test_mindformers_ops.py::test_tile_as_repeat_kv_calls_it_trains_like_one_device"),
+       note=_TILE_NOTE)
 
 # -- ZerosLike / OnesLike -------------------------------------------------------------------
 
-register(
-    OpDef(
-        "ZerosLike",
-        infer_unary,
-        numpy=lambda x: np.zeros_like(x),
-        jax=lambda x: jnp.zeros_like(x),
-        num_inputs=1,
-        differentiable=False,
-        sharding=ELEMENTWISE,
-        doc="Zeros of x's shape and dtype.",
-        page=OpDoc(
-            "elementwise",
-            "x",
-            ALL,
-            rule="element-wise",
-            tests=("test_ops_reduce.py::test_zeros_ones_like",),
-        ),
-    )
-)
+elementwise("ZerosLike", infer_unary, lambda x: np.zeros_like(x), lambda x: jnp.zeros_like(x),
+            differentiable=False, doc="Zeros of x's shape and dtype.", dtypes=ALL,
+            tests=("test_ops_reduce.py::test_zeros_ones_like",))
 
-register(
-    OpDef(
-        "OnesLike",
-        infer_unary,
-        numpy=lambda x: np.ones_like(x),
-        jax=lambda x: jnp.ones_like(x),
-        num_inputs=1,
-        differentiable=False,
-        sharding=ELEMENTWISE,
-        doc="Ones of x's shape and dtype.",
-        page=OpDoc(
-            "elementwise",
-            "x",
-            ALL,
-            rule="element-wise",
-            tests=("test_ops_reduce.py::test_zeros_ones_like",),
-        ),
-    )
-)
+elementwise("OnesLike", infer_unary, lambda x: np.ones_like(x), lambda x: jnp.ones_like(x),
+            differentiable=False, doc="Ones of x's shape and dtype.", dtypes=ALL,
+            tests=("test_ops_reduce.py::test_zeros_ones_like",))
 
 
 # -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------

@@ -14,9 +14,10 @@ import numpy as np
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._define import define
 from pcompile.ir.ops._jax import jax, jnp
 from pcompile.ir.ops._util import same_dtype, tensor
-from pcompile.ir.registry import ALL, NUMERIC, OpDef, OpDoc, Trait, register
+from pcompile.ir.registry import ALL, NUMERIC, Trait
 from pcompile.ir.sharding import (
     ALPHA,
     LabelRule,
@@ -98,29 +99,14 @@ def _reshape_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [_reshape_to(b, cot, node.operands[0].shape)]
 
 
-register(
-    OpDef(
-        "Reshape",
-        _reshape_infer,
-        numpy=lambda x, shape: np.reshape(x, shape),
-        jax=lambda x, shape: jnp.reshape(x, shape),
-        vjp=_reshape_vjp,
-        attrs={"shape": None},
-        num_inputs=1,
-        traits=frozenset({Trait.NO_STRATEGY}),
-        doc="x with a new shape of the same size; one dim may be -1 (inferred).",
-        page=OpDoc(
-            "shape",
-            "x; `shape` (one -1)",
-            ALL,
-            rule="no strategy: its output takes the layout its consumer wants",
-            tests=(
-                "test_ops_shape.py::test_reshape",
-                "test_redistribution.py::test_reshape_redistributions_execute_exactly",
-            ),
-        ),
-    )
-)
+define("Reshape", _reshape_infer, lambda x, shape: np.reshape(x, shape),
+       lambda x, shape: jnp.reshape(x, shape), vjp=_reshape_vjp, attrs={"shape": None},
+       num_inputs=1, traits=frozenset({Trait.NO_STRATEGY}),
+       doc="x with a new shape of the same size; one dim may be -1 (inferred).", section="shape",
+       operands="x; `shape` (one -1)", dtypes=ALL,
+       rule="no strategy: its output takes the layout its consumer wants",
+       tests=("test_ops_shape.py::test_reshape",
+              "test_redistribution.py::test_reshape_redistributions_execute_exactly"))
 
 # -- Transpose ------------------------------------------------------------------------------
 
@@ -156,29 +142,13 @@ def transpose_labels(ctx: OpContext) -> Labels:
     return Labels([lab], ["".join(lab[p] for p in perm)])
 
 
-register(
-    OpDef(
-        "Transpose",
-        _transpose_infer,
-        numpy=lambda x, perm: np.transpose(x, perm),
-        jax=lambda x, perm: jnp.transpose(x, perm),
-        vjp=_transpose_vjp,
-        attrs={"perm": None},
-        num_inputs=1,
-        sharding=LabelRule(transpose_labels),
-        doc="Permute the axes of x: output dim i is input dim perm[i].",
-        page=OpDoc(
-            "shape",
-            "x; `perm`",
-            ALL,
-            rule="dims follow the permutation",
-            tests=(
-                "test_ops_shape.py::test_transpose",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+define("Transpose", _transpose_infer, lambda x, perm: np.transpose(x, perm),
+       lambda x, perm: jnp.transpose(x, perm), vjp=_transpose_vjp, attrs={"perm": None},
+       num_inputs=1, sharding=LabelRule(transpose_labels),
+       doc="Permute the axes of x: output dim i is input dim perm[i].", section="shape",
+       operands="x; `perm`", dtypes=ALL, rule="dims follow the permutation",
+       tests=("test_ops_shape.py::test_transpose",
+              "test_parallel.py::test_every_rule_matches_the_oracle"))
 
 # -- ExpandDims -----------------------------------------------------------------------------
 
@@ -211,29 +181,13 @@ def expand_dims_labels(ctx: OpContext) -> Labels:
     return Labels([lab], [lab[:axis] + fresh + lab[axis:]], {fresh})
 
 
-register(
-    OpDef(
-        "ExpandDims",
-        _expand_dims_infer,
-        numpy=lambda x, axis: np.expand_dims(x, axis),
-        jax=lambda x, axis: jnp.expand_dims(x, axis),
-        vjp=_shape_restoring_vjp,
-        attrs={"axis": 0},
-        num_inputs=1,
-        sharding=LabelRule(expand_dims_labels),
-        doc="Insert a size-1 dim at axis (negative: counted from the end of the output).",
-        page=OpDoc(
-            "shape",
-            "x; `axis`",
-            ALL,
-            rule="the new dim never splits",
-            tests=(
-                "test_ops_shape.py::test_expand_dims",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+define("ExpandDims", _expand_dims_infer, lambda x, axis: np.expand_dims(x, axis),
+       lambda x, axis: jnp.expand_dims(x, axis), vjp=_shape_restoring_vjp, attrs={"axis": 0},
+       num_inputs=1, sharding=LabelRule(expand_dims_labels),
+       doc="Insert a size-1 dim at axis (negative: counted from the end of the output).",
+       section="shape", operands="x; `axis`", dtypes=ALL, rule="the new dim never splits",
+       tests=("test_ops_shape.py::test_expand_dims",
+              "test_parallel.py::test_every_rule_matches_the_oracle"))
 
 # -- Squeeze --------------------------------------------------------------------------------
 
@@ -289,30 +243,12 @@ def squeeze_labels(ctx: OpContext) -> Labels:
     return Labels([lab], ["".join(c for i, c in enumerate(lab) if i not in gone)])
 
 
-register(
-    OpDef(
-        "Squeeze",
-        _squeeze_infer,
-        numpy=_squeeze_np,
-        jax=_squeeze_jax,
-        vjp=_shape_restoring_vjp,
-        attrs={"axis": ()},
-        num_inputs=1,
-        sharding=LabelRule(squeeze_labels),
-        doc="Remove the size-1 dims in axis (a tuple; () removes every size-1 dim).",
-        page=OpDoc(
-            "shape",
-            "x; `axis`",
-            ALL,
-            rule="the removed dims never split",
-            tests=(
-                "test_ops_shape.py::test_squeeze",
-                "test_ops_shape.py::test_squeeze_int_axis",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+define("Squeeze", _squeeze_infer, _squeeze_np, _squeeze_jax, vjp=_shape_restoring_vjp,
+       attrs={"axis": ()}, num_inputs=1, sharding=LabelRule(squeeze_labels),
+       doc="Remove the size-1 dims in axis (a tuple; () removes every size-1 dim).",
+       section="shape", operands="x; `axis`", dtypes=ALL, rule="the removed dims never split",
+       tests=("test_ops_shape.py::test_squeeze", "test_ops_shape.py::test_squeeze_int_axis",
+              "test_parallel.py::test_every_rule_matches_the_oracle"))
 
 # -- Flatten --------------------------------------------------------------------------------
 
@@ -339,28 +275,13 @@ def flatten_labels(ctx: OpContext) -> Labels:
     return Labels([lab], [lab[:1] + fresh], set(lab[1:]) | {fresh})
 
 
-register(
-    OpDef(
-        "Flatten",
-        _flatten_infer,
-        numpy=_flatten_np,
-        jax=_flatten_jax,
-        vjp=_shape_restoring_vjp,
-        num_inputs=1,
-        sharding=LabelRule(flatten_labels),
-        doc="Keep dim 0 and flatten the rest: (N, ...) -> (N, prod(...)); (N,) -> (N, 1).",
-        page=OpDoc(
-            "shape",
-            "x (N, ...) -> (N, prod(...))",
-            ALL,
-            rule="the flattened dims never split",
-            tests=(
-                "test_ops_shape.py::test_flatten",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+define("Flatten", _flatten_infer, _flatten_np, _flatten_jax, vjp=_shape_restoring_vjp, num_inputs=1,
+       sharding=LabelRule(flatten_labels),
+       doc="Keep dim 0 and flatten the rest: (N, ...) -> (N, prod(...)); (N,) -> (N, 1).",
+       section="shape", operands="x (N, ...) -> (N, prod(...))", dtypes=ALL,
+       rule="the flattened dims never split",
+       tests=("test_ops_shape.py::test_flatten",
+              "test_parallel.py::test_every_rule_matches_the_oracle"))
 
 # -- StridedSlice / StridedSliceGrad --------------------------------------------------------
 
@@ -448,39 +369,23 @@ def strided_slice_labels(ctx: OpContext) -> Labels:
     return Labels([lab], [lab], sliced)
 
 
-register(
-    OpDef(
-        "StridedSlice",
-        _strided_slice_infer,
-        numpy=_strided_slice_np,
-        jax=_strided_slice_jax,
-        vjp=_strided_slice_vjp,
-        attrs={
-            "begin": None,
-            "end": None,
-            "strides": None,
-            "begin_mask": 0,
-            "end_mask": 0,
-            "ellipsis_mask": 0,
-            "new_axis_mask": 0,
-            "shrink_axis_mask": 0,
-        },
-        num_inputs=1,
-        sharding=LabelRule(strided_slice_labels, unsplittable="a sliced dim"),
-        doc="x[begin[i]:end[i]:strides[i], ...] with Python clamping; positive strides only "
-        "and all masks 0.",
-        page=OpDoc(
-            "shape",
-            "x; `begin`, `end`, `strides`",
-            ALL,
-            rule="sliced dims never split",
-            tests=(
-                "test_ops_shape.py::test_strided_slice",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+define("StridedSlice", _strided_slice_infer, _strided_slice_np, _strided_slice_jax,
+       vjp=_strided_slice_vjp,
+       attrs={
+           "begin": None,
+           "end": None,
+           "strides": None,
+           "begin_mask": 0,
+           "end_mask": 0,
+           "ellipsis_mask": 0,
+           "new_axis_mask": 0,
+           "shrink_axis_mask": 0,
+       }, num_inputs=1, sharding=LabelRule(strided_slice_labels, unsplittable="a sliced dim"),
+       doc="x[begin[i]:end[i]:strides[i], ...] with Python clamping; positive strides only and all "
+           "masks 0.", section="shape", operands="x; `begin`, `end`, `strides`", dtypes=ALL,
+       rule="sliced dims never split",
+       tests=("test_ops_shape.py::test_strided_slice",
+              "test_parallel.py::test_every_rule_matches_the_oracle"))
 
 
 def _strided_slice_grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
@@ -513,28 +418,14 @@ def _strided_slice_grad_jax(dy: Any, shape: Any, begin: Any, end: Any, strides: 
     return jnp.zeros(shape, dy.dtype).at[slices].set(dy)
 
 
-register(
-    OpDef(
-        "StridedSliceGrad",
-        _strided_slice_grad_infer,
-        numpy=_strided_slice_grad_np,
-        jax=_strided_slice_grad_jax,
-        vjp=_strided_slice_grad_vjp,
-        attrs={"shape": None, "begin": None, "end": None, "strides": None},
-        num_inputs=1,
-        doc="Zeros of `shape` with dy written into the StridedSlice region (its vjp).",
-        page=OpDoc(
-            "shape",
-            "dy; `shape`, `begin`, `end`, `strides`",
-            ALL,
-            grad_of="StridedSlice",
-            tests=(
-                "test_ops_shape.py::test_strided_slice_grad",
-                "test_ops_shape.py::test_strided_slice_grad_shape_mismatch",
-            ),
-        ),
-    )
-)
+define("StridedSliceGrad", _strided_slice_grad_infer, _strided_slice_grad_np,
+       _strided_slice_grad_jax, vjp=_strided_slice_grad_vjp,
+       attrs={"shape": None, "begin": None, "end": None, "strides": None}, num_inputs=1,
+       doc="Zeros of `shape` with dy written into the StridedSlice region (its vjp).",
+       section="shape", operands="dy; `shape`, `begin`, `end`, `strides`", dtypes=ALL,
+       grad_of="StridedSlice",
+       tests=("test_ops_shape.py::test_strided_slice_grad",
+              "test_ops_shape.py::test_strided_slice_grad_shape_mismatch"))
 
 # -- Concat ---------------------------------------------------------------------------------
 
@@ -582,29 +473,13 @@ def concat_labels(ctx: OpContext) -> Labels:
     return Labels([lab] * len(ctx.in_types), [lab], {lab[axis]})
 
 
-register(
-    OpDef(
-        "Concat",
-        _concat_infer,
-        numpy=lambda *xs, axis: np.concatenate(xs, axis),
-        jax=lambda *xs, axis: jnp.concatenate(xs, axis),
-        vjp=_concat_vjp,
-        attrs={"axis": 0},
-        num_inputs=(1, 1000),
-        sharding=LabelRule(concat_labels, unsplittable="the concat axis"),
-        doc="Join the inputs along axis; all other dims must match.",
-        page=OpDoc(
-            "shape",
-            "tensors; `axis`",
-            ALL,
-            rule="the concat axis never splits",
-            tests=(
-                "test_ops_shape.py::test_concat",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+define("Concat", _concat_infer, lambda *xs, axis: np.concatenate(xs, axis),
+       lambda *xs, axis: jnp.concatenate(xs, axis), vjp=_concat_vjp, attrs={"axis": 0},
+       num_inputs=(1, 1000), sharding=LabelRule(concat_labels, unsplittable="the concat axis"),
+       doc="Join the inputs along axis; all other dims must match.", section="shape",
+       operands="tensors; `axis`", dtypes=ALL, rule="the concat axis never splits",
+       tests=("test_ops_shape.py::test_concat",
+              "test_parallel.py::test_every_rule_matches_the_oracle"))
 
 # -- Split ----------------------------------------------------------------------------------
 
@@ -636,30 +511,16 @@ def split_labels(ctx: OpContext) -> Labels:
     return Labels([lab], [lab] * len(ctx.out_types), {lab[axis]})
 
 
-register(
-    OpDef(
-        "Split",
-        _split_infer,
-        numpy=lambda x, axis, output_num: tuple(np.split(x, output_num, axis)),
-        jax=lambda x, axis, output_num: tuple(jnp.split(x, output_num, axis)),
-        vjp=_split_vjp,
-        attrs={"axis": 0, "output_num": 1},
-        num_inputs=1,
-        sharding=LabelRule(split_labels, unsplittable="the split axis"),
-        doc="output_num equal pieces of x along axis, as a tuple (read with TupleGetItem).",
-        page=OpDoc(
-            "shape",
-            "x; `axis`, `output_num` -> tuple",
-            ALL,
-            rule="the split axis never splits",
-            tests=(
-                "test_ops_shape.py::test_split",
-                "test_ops_shape.py::test_split_partial_use_gradient",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+define("Split", _split_infer, lambda x, axis, output_num: tuple(np.split(x, output_num, axis)),
+       lambda x, axis, output_num: tuple(jnp.split(x, output_num, axis)), vjp=_split_vjp,
+       attrs={"axis": 0, "output_num": 1}, num_inputs=1,
+       sharding=LabelRule(split_labels, unsplittable="the split axis"),
+       doc="output_num equal pieces of x along axis, as a tuple (read with TupleGetItem).",
+       section="shape", operands="x; `axis`, `output_num` -> tuple", dtypes=ALL,
+       rule="the split axis never splits",
+       tests=("test_ops_shape.py::test_split",
+              "test_ops_shape.py::test_split_partial_use_gradient",
+              "test_parallel.py::test_every_rule_matches_the_oracle"))
 
 # -- MakeTuple / TupleGetItem ---------------------------------------------------------------
 
@@ -672,26 +533,11 @@ def _make_tuple_vjp(b: Builder, node: Node, cots: list[Value]) -> list[Value | N
     return list(cots)
 
 
-register(
-    OpDef(
-        "MakeTuple",
-        _make_tuple_infer,
-        numpy=lambda *xs: tuple(xs),
-        jax=lambda *xs: tuple(xs),
-        vjp=_make_tuple_vjp,
-        num_inputs=(1, 1000),
-        traits=frozenset({Trait.NO_STRATEGY}),
-        doc="A tuple of the tensor inputs.",
-        page=OpDoc(
-            "shape",
-            "tensors -> tuple",
-            ALL,
-            rule="no strategy",
-            spelling="a Python tuple of tensors",
-            tests=("test_ops_shape.py::test_make_tuple",),
-        ),
-    )
-)
+define("MakeTuple", _make_tuple_infer, lambda *xs: tuple(xs), lambda *xs: tuple(xs),
+       vjp=_make_tuple_vjp, num_inputs=(1, 1000), traits=frozenset({Trait.NO_STRATEGY}),
+       doc="A tuple of the tensor inputs.", section="shape", operands="tensors -> tuple",
+       dtypes=ALL, rule="no strategy", tests=("test_ops_shape.py::test_make_tuple",),
+       spelling="a Python tuple of tensors")
 
 
 def _tuple_get_item_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
@@ -711,31 +557,13 @@ def _tuple_get_item_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None
     raise AssertionError("TupleGetItem gradients are routed by passes.autodiff")
 
 
-register(
-    OpDef(
-        "TupleGetItem",
-        _tuple_get_item_infer,
-        numpy=lambda t, index: t[index],
-        jax=lambda t, index: t[index],
-        vjp=_tuple_get_item_vjp,
-        attrs={"index": 0},
-        num_inputs=1,
-        traits=frozenset({Trait.NO_STRATEGY}),
-        doc="Element `index` of a tuple value.",
-        page=OpDoc(
-            "shape",
-            "tuple; `index`",
-            ALL,
-            rule="no strategy",
-            spelling="indexing a tuple result (`out[0]`)",
-            tests=(
-                "test_ops_shape.py::test_tuple_get_item_negative_index",
-                "test_ops_shape.py::test_tuple_get_item_errors",
-                "test_ops_shape.py::test_split",
-            ),
-        ),
-    )
-)
+define("TupleGetItem", _tuple_get_item_infer, lambda t, index: t[index], lambda t, index: t[index],
+       vjp=_tuple_get_item_vjp, attrs={"index": 0}, num_inputs=1,
+       traits=frozenset({Trait.NO_STRATEGY}), doc="Element `index` of a tuple value.",
+       section="shape", operands="tuple; `index`", dtypes=ALL, rule="no strategy",
+       tests=("test_ops_shape.py::test_tuple_get_item_negative_index",
+              "test_ops_shape.py::test_tuple_get_item_errors", "test_ops_shape.py::test_split"),
+       spelling="indexing a tuple result (`out[0]`)")
 
 # -- Gather / GatherGrad --------------------------------------------------------------------
 
@@ -900,39 +728,20 @@ class GatherRule(LabelRule):
                 tuple(count if i == 0 else 1 for i in range(idx.rank)))
 
 
-register(
-    OpDef(
-        "Gather",
-        _gather_infer,
-        numpy=_gather_np,
-        jax=_gather_jax,
-        vjp=_gather_vjp,
-        attrs={"axis": 0, "batch_dims": 0},
-        num_inputs=2,
-        sharding=GatherRule(),
-        traits=frozenset({Trait.BATCH_ONLY, Trait.LOOKUP}),
-        doc=(
-            "Slices of params along axis picked by integer indices (jnp.take); with batch_dims "
-            "= b the first b dims of params and indices are batch dims, each batch element "
-            "gathered from its own slice: out shape params.shape[:axis] + indices.shape[b:] + "
-            "params.shape[axis + 1:] (MindSpore's `Gather(batch_dims)`)."
-        ),
-        page=OpDoc(
-            "shape",
-            "params, int indices; `axis`, `batch_dims` (default 0)",
-            ALL,
-            rule="indices and the table's other dims split freely; a split gathered axis is a "
-                 "masked local lookup plus AllReduce",
-            tests=(
-                "test_ops_shape.py::test_gather",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-                "test_parallel.py::test_gather_on_a_split_table",
-                "test_parallel_ops.py::test_rule_matches_the_oracle",
-            ),
-            note=_GATHER_NOTE,
-        ),
-    )
-)
+define("Gather", _gather_infer, _gather_np, _gather_jax, vjp=_gather_vjp,
+       attrs={"axis": 0, "batch_dims": 0}, num_inputs=2, sharding=GatherRule(),
+       traits=frozenset({Trait.BATCH_ONLY, Trait.LOOKUP}),
+       doc="Slices of params along axis picked by integer indices (jnp.take); with batch_dims = b "
+           "the first b dims of params and indices are batch dims, each batch element gathered "
+           "from its own slice: out shape params.shape[:axis] + indices.shape[b:] + "
+           "params.shape[axis + 1:] (MindSpore's `Gather(batch_dims)`).", section="shape",
+       operands="params, int indices; `axis`, `batch_dims` (default 0)", dtypes=ALL,
+       rule="indices and the table's other dims split freely; a split gathered axis is a masked "
+            "local lookup plus AllReduce",
+       tests=("test_ops_shape.py::test_gather",
+              "test_parallel.py::test_every_rule_matches_the_oracle",
+              "test_parallel.py::test_gather_on_a_split_table",
+              "test_parallel_ops.py::test_rule_matches_the_oracle"), note=_GATHER_NOTE)
 
 
 def _gather_grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
@@ -990,25 +799,11 @@ def _gather_grad_jax(dy: Any, indices: Any, shape: Any, axis: Any, batch_dims: A
     return _batched_jax(scatter, bd)(dy, indices)
 
 
-register(
-    OpDef(
-        "GatherGrad",
-        _gather_grad_infer,
-        numpy=_gather_grad_np,
-        jax=_gather_grad_jax,
-        vjp=_gather_grad_vjp,
-        attrs={"shape": None, "axis": 0, "batch_dims": 0},
-        num_inputs=2,
-        doc="Scatter-add dy into zeros of `shape` at the Gather positions (Gather's vjp).",
-        page=OpDoc(
-            "shape",
-            "dy, int indices; `shape`, `axis`, `batch_dims`",
-            NUMERIC,
-            grad_of="Gather",
-            tests=("test_ops_shape.py::test_gather_grad",),
-        ),
-    )
-)
+define("GatherGrad", _gather_grad_infer, _gather_grad_np, _gather_grad_jax, vjp=_gather_grad_vjp,
+       attrs={"shape": None, "axis": 0, "batch_dims": 0}, num_inputs=2,
+       doc="Scatter-add dy into zeros of `shape` at the Gather positions (Gather's vjp).",
+       section="shape", operands="dy, int indices; `shape`, `axis`, `batch_dims`", dtypes=NUMERIC,
+       grad_of="Gather", tests=("test_ops_shape.py::test_gather_grad",))
 
 # -- OneHot ---------------------------------------------------------------------------------
 
@@ -1119,42 +914,26 @@ class OneHotRule(LabelRule):
         return result
 
 
-register(
-    OpDef(
-        "OneHot",
-        _onehot_infer,
-        numpy=_onehot_np,
-        jax=_onehot_jax,
-        attrs={
-            "depth": 1,
-            "on_value": 1.0,
-            "off_value": 0.0,
-            "axis": -1,
-            "dtype": DType.float32,
-        },
-        num_inputs=1,
-        differentiable=False,
-        sharding=OneHotRule(),
-        traits=frozenset({Trait.BATCH_ONLY}),
-        doc="on_value where indices == k along a new depth dim at axis, off_value elsewhere "
-        "(out-of-range indices give all off_value).",
-        page=OpDoc(
-            "shape",
-            "int indices; `depth`, `on_value`, `off_value`, `axis`, `dtype`",
-            frozenset({DType.int32, DType.int64}),
-            rule="MindSpore's `((dp, mp), (), ())` splits the output, depth included",
-            tests=(
-                "test_ops_shape.py::test_one_hot",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-                "test_parallel_ops.py::test_one_hot_mindspore_form_matches_the_oracle",
-                "test_parallel_ops.py::test_one_hot_forms_agree_and_name_problems",
-                "test_mindformers_ops.py::test_one_hot_mindspore_strategy_splits_depth_and_trains"
-                "_like_one_device",
-            ),
-            note=_ONE_HOT_NOTE,
-        ),
-    )
-)
+define("OneHot", _onehot_infer, _onehot_np, _onehot_jax,
+       attrs={
+           "depth": 1,
+           "on_value": 1.0,
+           "off_value": 0.0,
+           "axis": -1,
+           "dtype": DType.float32,
+       }, num_inputs=1, differentiable=False, sharding=OneHotRule(),
+       traits=frozenset({Trait.BATCH_ONLY}),
+       doc="on_value where indices == k along a new depth dim at axis, off_value elsewhere "
+           "(out-of-range indices give all off_value).", section="shape",
+       operands="int indices; `depth`, `on_value`, `off_value`, `axis`, `dtype`",
+       dtypes=frozenset({DType.int32, DType.int64}),
+       rule="MindSpore's `((dp, mp), (), ())` splits the output, depth included",
+       tests=("test_ops_shape.py::test_one_hot",
+              "test_parallel.py::test_every_rule_matches_the_oracle",
+              "test_parallel_ops.py::test_one_hot_mindspore_form_matches_the_oracle",
+              "test_parallel_ops.py::test_one_hot_forms_agree_and_name_problems",
+              "test_mindformers_ops.py::test_one_hot_mindspore_strategy_splits_depth_and_trains_like_one_device"),
+       note=_ONE_HOT_NOTE)
 
 
 # -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------

@@ -19,9 +19,10 @@ import numpy as np
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._define import define
 from pcompile.ir.ops._jax import jnp, lax
 from pcompile.ir.ops._util import normalize_axis, tensor, tuple_type
-from pcompile.ir.registry import NUMERIC, OpDef, OpDoc, register
+from pcompile.ir.registry import NUMERIC
 from pcompile.ir.sharding import ALPHA, LabelRule, Labels, OpContext, fresh_labels, identity_labels
 from pcompile.ir.types import DType, ValueType
 
@@ -144,34 +145,19 @@ def top_k_labels(ctx: OpContext) -> Labels:
     return Labels([lab], [out, out], {lab[-1], fresh})
 
 
-register(
-    OpDef(
-        "TopK",
-        _top_k_infer,
-        numpy=_top_k_np,
-        jax=_top_k_jax,
-        vjp=_top_k_vjp,
-        attrs={"k": 1, "sorted": True},
-        num_inputs=1,
-        sharding=LabelRule(top_k_labels, unsplittable="the sorted last axis, which every rank "
-                           "needs whole to pick the top k"),
-        doc="The k largest values along the last axis, descending, and their Int32 positions.",
-        page=OpDoc(
-            "linalg",
-            "x; `k`, `sorted` -> (values, Int32 indices)",
-            NUMERIC,
-            rule="the last (sorted) axis never splits; other dims split",
-            tests=(
-                "test_ops_moe.py::test_top_k_matches_jax",
-                "test_ops_moe.py::test_top_k_gradient_by_finite_differences",
-                "test_ops_moe.py::test_sort_rules_match_the_oracle",
-                "test_ops_moe.py::test_sorted_axis_split_is_refused_with_one_message",
-                "test_ops_moe.py::test_top_k_and_cumsum_on_a_batch_split_compile_like_one_device",
-            ),
-            note=_TOP_K_NOTE,
-        ),
-    )
-)
+define("TopK", _top_k_infer, _top_k_np, _top_k_jax, vjp=_top_k_vjp, attrs={"k": 1, "sorted": True},
+       num_inputs=1,
+       sharding=LabelRule(top_k_labels, unsplittable="the sorted last axis, which every rank "
+                          "needs whole to pick the top k"),
+       doc="The k largest values along the last axis, descending, and their Int32 positions.",
+       section="linalg", operands="x; `k`, `sorted` -> (values, Int32 indices)", dtypes=NUMERIC,
+       rule="the last (sorted) axis never splits; other dims split",
+       tests=("test_ops_moe.py::test_top_k_matches_jax",
+              "test_ops_moe.py::test_top_k_gradient_by_finite_differences",
+              "test_ops_moe.py::test_sort_rules_match_the_oracle",
+              "test_ops_moe.py::test_sorted_axis_split_is_refused_with_one_message",
+              "test_ops_moe.py::test_top_k_and_cumsum_on_a_batch_split_compile_like_one_device"),
+       note=_TOP_K_NOTE)
 
 # -- Sort -----------------------------------------------------------------------------------
 
@@ -211,32 +197,17 @@ def sort_labels(ctx: OpContext) -> Labels:
     return Labels([lab], [lab, lab], {lab[axis]})
 
 
-register(
-    OpDef(
-        "Sort",
-        _sort_infer,
-        numpy=_sort_np,
-        jax=_sort_jax,
-        vjp=_sort_vjp,
-        attrs={"axis": -1, "descending": False},
-        num_inputs=1,
-        sharding=LabelRule(sort_labels,
-                           unsplittable="the sorted axis, which every rank needs whole"),
-        doc="x sorted along `axis` (ascending unless `descending`) and the Int32 positions.",
-        page=OpDoc(
-            "linalg",
-            "x; `axis`, `descending` -> (values, Int32 indices)",
-            NUMERIC,
-            rule="the sorted axis never splits; other dims split",
-            tests=(
-                "test_ops_moe.py::test_sort_matches_jax",
-                "test_ops_moe.py::test_sort_gradient_by_finite_differences",
-                "test_ops_moe.py::test_sort_rules_match_the_oracle",
-                "test_ops_moe.py::test_sorted_axis_split_is_refused_with_one_message",
-            ),
-        ),
-    )
-)
+define("Sort", _sort_infer, _sort_np, _sort_jax, vjp=_sort_vjp,
+       attrs={"axis": -1, "descending": False}, num_inputs=1,
+       sharding=LabelRule(sort_labels,
+                          unsplittable="the sorted axis, which every rank needs whole"),
+       doc="x sorted along `axis` (ascending unless `descending`) and the Int32 positions.",
+       section="linalg", operands="x; `axis`, `descending` -> (values, Int32 indices)",
+       dtypes=NUMERIC, rule="the sorted axis never splits; other dims split",
+       tests=("test_ops_moe.py::test_sort_matches_jax",
+              "test_ops_moe.py::test_sort_gradient_by_finite_differences",
+              "test_ops_moe.py::test_sort_rules_match_the_oracle",
+              "test_ops_moe.py::test_sorted_axis_split_is_refused_with_one_message"))
 
 # -- CumSum ---------------------------------------------------------------------------------
 
@@ -291,35 +262,19 @@ def cumsum_axes(ctx: OpContext) -> Sequence[int]:
     return (int(ctx.attrs.get("axis", 0)),)
 
 
-register(
-    OpDef(
-        "CumSum",
-        _cumsum_infer,
-        numpy=_cumsum_np,
-        jax=_cumsum_jax,
-        vjp=_cumsum_vjp,
-        attrs={"axis": 0, "exclusive": False, "reverse": False},
-        num_inputs=1,
-        sharding=LabelRule(identity_labels(cumsum_axes),
-                           unsplittable="the summed axis; a split would need the totals of "
-                           "the earlier ranks' slices"),
-        doc="Cumulative sum along `axis` (`exclusive`: without the element itself; `reverse`: "
-        "from the end).",
-        page=OpDoc(
-            "linalg",
-            "x; `axis`, `exclusive`, `reverse`",
-            NUMERIC,
-            rule="the summed axis never splits; other dims split",
-            tests=(
-                "test_ops_moe.py::test_cumsum_matches_jax",
-                "test_ops_moe.py::test_cumsum_gradient_by_finite_differences",
-                "test_ops_moe.py::test_sort_rules_match_the_oracle",
-                "test_ops_moe.py::test_sorted_axis_split_is_refused_with_one_message",
-                "test_ops_moe.py::test_top_k_and_cumsum_on_a_batch_split_compile_like_one_device",
-            ),
-        ),
-    )
-)
+define("CumSum", _cumsum_infer, _cumsum_np, _cumsum_jax, vjp=_cumsum_vjp,
+       attrs={"axis": 0, "exclusive": False, "reverse": False}, num_inputs=1,
+       sharding=LabelRule(identity_labels(cumsum_axes),
+                          unsplittable="the summed axis; a split would need the totals of "
+                          "the earlier ranks' slices"),
+       doc="Cumulative sum along `axis` (`exclusive`: without the element itself; `reverse`: from "
+           "the end).", section="linalg", operands="x; `axis`, `exclusive`, `reverse`",
+       dtypes=NUMERIC, rule="the summed axis never splits; other dims split",
+       tests=("test_ops_moe.py::test_cumsum_matches_jax",
+              "test_ops_moe.py::test_cumsum_gradient_by_finite_differences",
+              "test_ops_moe.py::test_sort_rules_match_the_oracle",
+              "test_ops_moe.py::test_sorted_axis_split_is_refused_with_one_message",
+              "test_ops_moe.py::test_top_k_and_cumsum_on_a_batch_split_compile_like_one_device"))
 
 
 # -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
