@@ -2,8 +2,9 @@
 
 Each primitive is declared once, in one block of `ir/ops/*.py`: its attributes with defaults,
 shape/dtype inference, vjp rule (written with IR ops through a `Builder`), numpy implementation
-and JAX implementation, sharding rule (`OpDef.sharding`, None: the op cannot be sharded) and
-traits, registered right below with `register(OpDef(...))`.
+and JAX implementation, sharding rule (`OpDef.sharding`, None: the op cannot be sharded),
+traits and dimension relations, registered right below (`register(OpDef(...))`, or the short
+constructors of `ir/ops/_define.py`).
 
 Contracts of the callables (`attrs` is the node's full attribute dict, defaults filled in):
 
@@ -39,6 +40,7 @@ from pcompile.ir.types import DType, ValueType
 if TYPE_CHECKING:
     from pcompile.ir.builder import Builder
     from pcompile.ir.core import Node, Value
+    from pcompile.ir.dims import DimRule
     from pcompile.ir.sharding import LabelRule
 
 InferFn = Callable[[list[ValueType], dict[str, Any]], ValueType]
@@ -128,6 +130,7 @@ class OpDef:
     collective: bool = False
     sharding: LabelRule | None = None  # its sharding rule (ir/sharding.py); None: not shardable
     traits: frozenset[Trait] = frozenset()  # what passes ask of it (`Trait`)
+    dims: DimRule | None = None  # how its dims relate (ir/dims.py, the shrunk check)
     lowering_attrs: LoweringAttrsFn | None = None  # compile-time specialisation (JAX)
     doc: str = ""
     page: OpDoc | None = None  # its row on docs/ops.md

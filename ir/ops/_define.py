@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from pcompile.ir.dims import DimRule, broadcast
 from pcompile.ir.registry import InferFn, OpDef, OpDoc, VjpFn, register
 from pcompile.ir.sharding import ELEMENTWISE
 from pcompile.ir.types import DType
@@ -58,8 +59,10 @@ def elementwise(
     **fields: Any,
 ) -> OpDef:
     """An element-wise op (numpy broadcasting): docs/ops.md's element-wise section, the
-    element-wise sharding rule, one operand unless `num_inputs` says otherwise."""
+    element-wise sharding rule, the broadcast dimension relations, one operand unless
+    `num_inputs` says otherwise."""
     fields.setdefault("num_inputs", 1)
+    fields.setdefault("dims", DimRule(broadcast))
     return define(name, infer, numpy, jax, vjp=vjp, section="elementwise", operands=operands,
                   rule=rule, sharding=ELEMENTWISE, module=_caller_module(1), **fields)
 

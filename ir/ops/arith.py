@@ -147,9 +147,3 @@ elementwise("IsFinite", _is_finite_infer, _is_finite_np, lambda x: jnp.isfinite(
             doc="Bool: x is neither inf nor NaN (always True for integers and Bool).",
             operands="x -> Bool", dtypes=ALL, rule="element-wise; stops gradients",
             tests=("test_ops_arith.py::test_is_finite",))
-
-
-# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
-from pcompile.ir.dims import broadcast, dim_rule  # noqa: E402
-
-dim_rule("FloorDiv", "Mod", "Cos", "Sin", "IsFinite", relations=broadcast)

@@ -49,6 +49,7 @@ import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
+from pcompile.ir.dims import DimRule, Divides, Fixed, In, Out, Product, Same
 from pcompile.ir.errors import PcompileError, ShapeError
 from pcompile.ir.ops._define import define, grad_helper
 from pcompile.ir.ops._jax import jax, jnp
@@ -741,6 +742,56 @@ class FlashAttentionRule(LabelRule):
         return result
 
 
+def _fa_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """q, k, v, the mask and the statistics share batch, heads and sequences; grouped-query
+    attention keeps its ratio of query to kv heads (BSH/SBH: of hidden sizes)."""
+    q, k = ins[0][0], ins[1][0]
+    layout = attrs["input_layout"]
+    for d in range(len(k)):
+        yield Same(In(1, d), In(2, d))
+    for d in range(len(q)):
+        yield Same(In(0, d), Out(d, 3))
+    if layout in ("BSH", "SBH"):
+        b, s = (0, 1) if layout == "BSH" else (1, 0)
+        n = None
+        yield Divides(In(0, 2), attrs["head_num"])
+        yield Product((In(1, 2),), (In(0, 2),), q[2] // k[2])
+    else:
+        n, s = (1, 2) if layout == "BNSD" else (2, 1)
+        yield Same(In(0, 3), In(1, 3))
+        yield Product((In(1, n),), (In(0, n),), q[n] // k[n])
+    yield Same(In(0, b := 0 if layout != "SBH" else 1), In(1, b))
+    for e in (0, 1):
+        yield Same(In(0, b), Out(0, e))
+        yield Same(In(0, s), Out(2, e))
+        yield Fixed(Out(3, e))
+        if n is not None:
+            yield Same(In(0, n), Out(1, e))
+        else:
+            yield Fixed(Out(1, e), "BSH/SBH statistics count heads by head_num")
+    if len(ins) == 4:
+        mask = ins[3][0]
+        if attrs["sparse_mode"] in (2, 3, 4):
+            for d in range(len(mask)):
+                yield Fixed(In(3, d))
+            return
+        r = len(mask)
+        yield Same(In(3, r - 2), In(0, s))
+        yield Same(In(3, r - 1), In(1, s))
+        if r == 4 and mask[0] != 1:
+            yield Same(In(3, 0), In(0, b))
+        if r == 4 and mask[1] != 1 and n is not None:
+            yield Same(In(3, 1), In(0, n))
+
+
+def _fa_rewrite(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
+                new_out: Any) -> dict[str, Any]:
+    layout = attrs["input_layout"]
+    if layout in ("BSH", "SBH"):
+        return dict(attrs)
+    return {**attrs, "head_num": new_in[0][0][1 if layout == "BNSD" else 2]}
+
+
 define("FlashAttentionScore", _infer, _fa_np, _fa_jax, vjp=_fa_vjp,
        lowering_attrs=causal_lowering_attrs, attrs=dict(DEFAULTS), num_inputs=(3, 4),
        sharding=FlashAttentionRule(),
@@ -759,8 +810,9 @@ define("FlashAttentionScore", _infer, _fa_np, _fa_jax, vjp=_fa_vjp,
               "test_attention_causal.py::test_fused_lowering_in_float64_is_the_definition",
               "test_parallel_ops.py::test_flash_attention_rule_matches_the_oracle",
               "test_parallel_ops.py::test_flash_attention_query_split_matches_the_oracle",
-              "test_mindformers_ops.py::test_flash_attention_as_mindformers_calls_it_trains_like_one_device"),
-       note=_FLASH_ATTENTION_NOTE)
+              "test_mindformers_ops.py::test_flash_attention_as_mindformers_calls_it_trains_like_on"
+              "e_device"),
+       note=_FLASH_ATTENTION_NOTE, dims=DimRule(_fa_dims, _fa_rewrite))
 
 # -- FlashAttentionScoreGrad ---------------------------------------------------------------------
 
@@ -830,60 +882,3 @@ grad_helper("FlashAttentionScoreGrad", _grad_infer, _grad_np, _grad_jax,
             tests=("test_ops_attention.py::test_flash_attention_float32",
                    "test_ops_attention.py::test_flash_attention_16_bit",
                    "test_attention_causal.py::test_fused_lowering_equals_the_general_path"))
-
-
-# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
-from pcompile.ir.dims import Divides, Fixed, In, Out, Product, Same, dim_rule  # noqa: E402
-
-
-def _fa_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    """q, k, v, the mask and the statistics share batch, heads and sequences; grouped-query
-    attention keeps its ratio of query to kv heads (BSH/SBH: of hidden sizes)."""
-    q, k = ins[0][0], ins[1][0]
-    layout = attrs["input_layout"]
-    for d in range(len(k)):
-        yield Same(In(1, d), In(2, d))
-    for d in range(len(q)):
-        yield Same(In(0, d), Out(d, 3))
-    if layout in ("BSH", "SBH"):
-        b, s = (0, 1) if layout == "BSH" else (1, 0)
-        n = None
-        yield Divides(In(0, 2), attrs["head_num"])
-        yield Product((In(1, 2),), (In(0, 2),), q[2] // k[2])
-    else:
-        n, s = (1, 2) if layout == "BNSD" else (2, 1)
-        yield Same(In(0, 3), In(1, 3))
-        yield Product((In(1, n),), (In(0, n),), q[n] // k[n])
-    yield Same(In(0, b := 0 if layout != "SBH" else 1), In(1, b))
-    for e in (0, 1):
-        yield Same(In(0, b), Out(0, e))
-        yield Same(In(0, s), Out(2, e))
-        yield Fixed(Out(3, e))
-        if n is not None:
-            yield Same(In(0, n), Out(1, e))
-        else:
-            yield Fixed(Out(1, e), "BSH/SBH statistics count heads by head_num")
-    if len(ins) == 4:
-        mask = ins[3][0]
-        if attrs["sparse_mode"] in (2, 3, 4):
-            for d in range(len(mask)):
-                yield Fixed(In(3, d))
-            return
-        r = len(mask)
-        yield Same(In(3, r - 2), In(0, s))
-        yield Same(In(3, r - 1), In(1, s))
-        if r == 4 and mask[0] != 1:
-            yield Same(In(3, 0), In(0, b))
-        if r == 4 and mask[1] != 1 and n is not None:
-            yield Same(In(3, 1), In(0, n))
-
-
-def _fa_rewrite(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
-                new_out: Any) -> dict[str, Any]:
-    layout = attrs["input_layout"]
-    if layout in ("BSH", "SBH"):
-        return dict(attrs)
-    return {**attrs, "head_num": new_in[0][0][1 if layout == "BNSD" else 2]}
-
-
-dim_rule("FlashAttentionScore", relations=_fa_dims, rewrite=_fa_rewrite)

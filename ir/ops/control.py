@@ -23,6 +23,7 @@ import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
+from pcompile.ir.dims import DimRule, In, Out, Same
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._define import define
 from pcompile.ir.ops._jax import jnp, lax
@@ -68,11 +69,6 @@ define("Depend", _depend_infer, _depend_np, _depend_jax, vjp=_depend_vjp, num_in
        tests=("test_ops_arith.py::test_depend_matches_jax",
               "test_ops_arith.py::test_depend_needs_a_tensor_value",
               "test_ops_arith.py::test_depend_in_the_forward_graph_trains_like_one_device",
-              "test_ops_arith.py::test_depend_skips_python_values"), note=_DEPEND_NOTE)
-
-
-# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
-from pcompile.ir.dims import In, Out, Same, dim_rule  # noqa: E402
-
-dim_rule("Depend", relations=lambda ins, outs, attrs: (
-    Same(In(0, d), Out(d)) for d in range(len(outs[0]))), preserves_values=True)
+              "test_ops_arith.py::test_depend_skips_python_values"), note=_DEPEND_NOTE,
+       dims=DimRule(lambda ins, outs, attrs: (Same(In(0, d), Out(d)) for d in range(len(outs[0]))),
+                    preserves_values=True))

@@ -21,6 +21,7 @@ import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Constant, Node, Value
+from pcompile.ir.dims import DimRule, In, Out, Same, broadcast
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._define import define, elementwise, grad_helper
 from pcompile.ir.ops._jax import deferred, jax, jnp, lax
@@ -285,7 +286,8 @@ def _sqrt_grad_np(y: Any, dy: Any) -> Any:
 grad_helper("SqrtGrad", _infer_binary_float, _sqrt_grad_np, lambda y, dy: dy * (0.5 / y),
             doc="dy * 0.5 / y, y = sqrt(x) (MindSpore operand order: y, dy).", grad_of="Sqrt",
             operands="y, dy", dtypes=FLOATS,
-            tests=("test_ops_elementwise.py::test_output_based_grad_helpers",))
+            tests=("test_ops_elementwise.py::test_output_based_grad_helpers",),
+            dims=DimRule(broadcast))
 
 elementwise("Rsqrt", infer_unary_float, _np_in_f32(lambda x: 1.0 / np.sqrt(x)),
             lambda x: lax.rsqrt(x), vjp=lambda b, node, cot: [b("RsqrtGrad", node.result, cot)],
@@ -300,7 +302,8 @@ def _rsqrt_grad_np(y: Any, dy: Any) -> Any:
 grad_helper("RsqrtGrad", _infer_binary_float, _rsqrt_grad_np, lambda y, dy: dy * (-0.5 * y * y * y),
             doc="-0.5 * dy * y**3, y = rsqrt(x) (MindSpore operand order: y, dy).", grad_of="Rsqrt",
             operands="y, dy", dtypes=FLOATS,
-            tests=("test_ops_elementwise.py::test_output_based_grad_helpers",))
+            tests=("test_ops_elementwise.py::test_output_based_grad_helpers",),
+            dims=DimRule(broadcast))
 
 # -- Tanh, Sigmoid ----------------------------------------------------------------------------
 
@@ -319,7 +322,8 @@ grad_helper("TanhGrad", _infer_binary_float, _tanh_grad_np,
             lambda y, dy: dy * (1.0 + y) * (1.0 - y),
             doc="dy * (1 - y**2), y = tanh(x) (MindSpore operand order: y, dy).", grad_of="Tanh",
             operands="y, dy", dtypes=FLOATS,
-            tests=("test_ops_elementwise.py::test_output_based_grad_helpers",))
+            tests=("test_ops_elementwise.py::test_output_based_grad_helpers",),
+            dims=DimRule(broadcast))
 
 
 @_np_in_f32
@@ -343,7 +347,8 @@ grad_helper("SigmoidGrad", _infer_binary_float, _sigmoid_grad_np,
             lambda y, dy: dy * (y * (1.0 - y)),
             doc="dy * y * (1 - y), y = sigmoid(x) (MindSpore operand order: y, dy).",
             grad_of="Sigmoid", operands="y, dy", dtypes=FLOATS,
-            tests=("test_ops_elementwise.py::test_output_based_grad_helpers",))
+            tests=("test_ops_elementwise.py::test_output_based_grad_helpers",),
+            dims=DimRule(broadcast))
 
 # -- GeLU -----------------------------------------------------------------------------------
 
@@ -373,7 +378,8 @@ grad_helper("GeLUGrad", _infer_binary_float,
             _np_in_f32(lambda dy, x: _gelu_grad_formula(dy, x, np.tanh)),
             lambda dy, x: _gelu_grad_formula(dy, x, jnp.tanh),
             doc="dy * d GeLU(x) / dx (tanh approximation); operands (dy, x).", grad_of="GeLU",
-            operands="dy, x", dtypes=FLOATS, tests=("test_ops_elementwise.py::test_gelu_grad",))
+            operands="dy, x", dtypes=FLOATS, tests=("test_ops_elementwise.py::test_gelu_grad",),
+            dims=DimRule(broadcast))
 
 # -- Erf ------------------------------------------------------------------------------------
 
@@ -418,7 +424,7 @@ grad_helper("SiLUGrad", _infer_binary_float,
             lambda dy, x: _silu_grad_formula(dy, x, jax.nn.sigmoid),
             doc="dy * d SiLU(x) / dx = dy * s (1 + x (1 - s)), s = sigmoid(x); operands (dy, x).",
             grad_of="SiLU", operands="dy, x", dtypes=FLOATS,
-            tests=("test_ops_elementwise.py::test_silu_grad",))
+            tests=("test_ops_elementwise.py::test_silu_grad",), dims=DimRule(broadcast))
 
 # -- BiasAdd --------------------------------------------------------------------------------
 
@@ -480,7 +486,10 @@ define("BiasAdd", _bias_add_infer,
        section="elementwise", operands="x, bias on the channel axis (`data_format`)",
        dtypes=NUMERIC, rule="bias follows the channel dim",
        tests=("test_ops_elementwise.py::test_bias_add",
-              "test_parallel.py::test_every_rule_matches_the_oracle"))
+              "test_parallel.py::test_every_rule_matches_the_oracle"),
+       dims=DimRule(lambda ins, outs, attrs: [
+           *broadcast(ins[:1], outs, attrs),
+           Same(In(1, 0), Out(_bias_axis(attrs["data_format"], len(outs[0]))))]))
 
 # -- Cast -----------------------------------------------------------------------------------
 
@@ -528,7 +537,8 @@ elementwise("Cast", _cast_infer, _cast_np,
                 "integer range, NaN -> 0; int->int wraps; to Bool is x != 0).",
             operands="x; `dst_type`", dtypes=ALL,
             tests=("test_ops_elementwise.py::test_cast",
-                   "test_parallel.py::test_every_rule_matches_the_oracle"), note=_CAST_NOTE)
+                   "test_parallel.py::test_every_rule_matches_the_oracle"), note=_CAST_NOTE,
+            dims=DimRule(broadcast, preserves_values=True))
 
 # -- Select ---------------------------------------------------------------------------------
 
@@ -639,18 +649,6 @@ elementwise("Identity", infer_unary, lambda x: np.array(x, copy=True), lambda x:
             vjp=_identity_vjp, traits=frozenset({Trait.VALUE_COPY}),
             doc="x unchanged; carries a layout constraint (functional shard's in/out strategies).",
             dtypes=ALL, rule="element-wise (carries functional shard's layouts)",
-            tests=("test_functional_shard.py::test_net2_compiles_with_sharding_propagation_and_matches_single_device",))
-
-
-# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
-from pcompile.ir.dims import In, Out, Same, broadcast, dim_rule  # noqa: E402
-
-dim_rule("Add", "Sub", "Mul", "RealDiv", "Maximum", "Minimum", "Pow", "ReluGrad", "SqrtGrad",
-         "RsqrtGrad", "TanhGrad", "SigmoidGrad", "GeLUGrad", "SiLUGrad", "Select",
-         *_COMPARISONS, *_LOGICAL, relations=broadcast)
-dim_rule("ReLU", "Neg", "Square", "Abs", "Exp", "Log", "Sqrt", "Rsqrt", "Tanh", "Sigmoid",
-         "GeLU", "Erf", "SiLU", "LogicalNot", relations=broadcast)
-dim_rule("Cast", "Identity", relations=broadcast, preserves_values=True)
-dim_rule("BiasAdd", relations=lambda ins, outs, attrs: [
-    *broadcast(ins[:1], outs, attrs),
-    Same(In(1, 0), Out(_bias_axis(attrs["data_format"], len(outs[0]))))])
+            tests=("test_functional_shard.py::test_net2_compiles_with_sharding_propagation_and_matc"
+                   "hes_single_device",),
+            dims=DimRule(broadcast, preserves_values=True))

@@ -9,6 +9,7 @@ import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Constant, Node, Value
+from pcompile.ir.dims import DimRule, In, Out, Same
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._define import define
 from pcompile.ir.ops._jax import jnp
@@ -177,6 +178,23 @@ def matmul_labels(ctx: OpContext) -> Labels:
     return Labels([a, b], ["ij"])
 
 
+def _matmul_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """m, n follow the result, the contraction is shared; batch dims broadcast."""
+    a, b, out = ins[0][0], ins[1][0], outs[0]
+    ta, tb = attrs["transpose_a"], attrs["transpose_b"]
+    ra, rb, ro = len(a), len(b), len(out)
+    am, ak = (ra - 1, ra - 2) if ta else (ra - 2, ra - 1)
+    bk, bn = (rb - 1, rb - 2) if tb else (rb - 2, rb - 1)
+    yield Same(In(0, am), Out(ro - 2))
+    yield Same(In(1, bn), Out(ro - 1))
+    yield Same(In(0, ak), In(1, bk))
+    for i, shape in enumerate((a, b)):
+        for d in range(len(shape) - 2):
+            od = ro - 2 - (len(shape) - 2) + d
+            if shape[d] == out[od] and shape[d] != 1:
+                yield Same(In(i, d), Out(od))
+
+
 define("MatMul", _matmul_infer,
        lambda a, b, transpose_a, transpose_b: _np_matmul(a, b, transpose_a, transpose_b),
        _jax_matmul_op, lowering_attrs=signed_permutation_attrs, vjp=_matmul_vjp,
@@ -187,7 +205,7 @@ define("MatMul", _matmul_infer,
        rule="`ik,kj->ij`; a split k all-reduces (or reduce-scatters with `out_strategy`)",
        tests=("test_ops_linalg.py::test_matmul", "test_ops_linalg.py::test_matmul_int32",
               "test_parallel.py::test_every_rule_matches_the_oracle",
-              "test_parallel.py::test_reduce_scatter_out_strategy"))
+              "test_parallel.py::test_reduce_scatter_out_strategy"), dims=DimRule(_matmul_dims))
 
 # -- BatchMatMul ----------------------------------------------------------------------------
 
@@ -253,28 +271,4 @@ define("BatchMatMul", _batch_matmul_infer,
        rule="batch labels plus `ik,kj->ij`",
        tests=("test_ops_linalg.py::test_batch_matmul",
               "test_ops_linalg.py::test_batch_matmul_rank2_rhs",
-              "test_parallel.py::test_every_rule_matches_the_oracle"))
-
-
-# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
-from pcompile.ir.dims import In, Out, Same, dim_rule  # noqa: E402
-
-
-def _matmul_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    """m, n follow the result, the contraction is shared; batch dims broadcast."""
-    a, b, out = ins[0][0], ins[1][0], outs[0]
-    ta, tb = attrs["transpose_a"], attrs["transpose_b"]
-    ra, rb, ro = len(a), len(b), len(out)
-    am, ak = (ra - 1, ra - 2) if ta else (ra - 2, ra - 1)
-    bk, bn = (rb - 1, rb - 2) if tb else (rb - 2, rb - 1)
-    yield Same(In(0, am), Out(ro - 2))
-    yield Same(In(1, bn), Out(ro - 1))
-    yield Same(In(0, ak), In(1, bk))
-    for i, shape in enumerate((a, b)):
-        for d in range(len(shape) - 2):
-            od = ro - 2 - (len(shape) - 2) + d
-            if shape[d] == out[od] and shape[d] != 1:
-                yield Same(In(i, d), Out(od))
-
-
-dim_rule("MatMul", "BatchMatMul", relations=_matmul_dims)
+              "test_parallel.py::test_every_rule_matches_the_oracle"), dims=DimRule(_matmul_dims))

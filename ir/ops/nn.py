@@ -20,6 +20,7 @@ import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
+from pcompile.ir.dims import DimRule, In, Index, Out, Same, broadcast
 from pcompile.ir.errors import PcompileError, ShapeError
 from pcompile.ir.ops._define import define, grad_helper
 from pcompile.ir.ops._jax import jax, jnp, lax
@@ -113,7 +114,7 @@ define("Softmax", _softmax_infer, _softmax_np, _softmax_jax, vjp=_softmax_vjp,
        rule="the softmax axis never splits",
        tests=("test_ops_nn.py::test_softmax",
               "test_ops_nn.py::test_softmax_default_axis_and_int_axis",
-              "test_parallel.py::test_every_rule_matches_the_oracle"))
+              "test_parallel.py::test_every_rule_matches_the_oracle"), dims=DimRule(broadcast))
 
 
 def _grad_pair_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
@@ -142,7 +143,7 @@ grad_helper("SoftmaxGrad", _grad_pair_infer, _softmax_grad_np, _softmax_grad_jax
             attrs={"axis": (-1,)},
             doc="(dy - sum(dy * y, axis)) * y, where y = Softmax(x): the vjp of Softmax.",
             grad_of="Softmax", operands="y, dy; `axis`", dtypes=FLOATS, section="linalg",
-            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",))
+            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",), dims=DimRule(broadcast))
 
 # -- LogSoftmax / LogSoftmaxGrad ------------------------------------------------------------
 
@@ -182,7 +183,7 @@ define("LogSoftmax", _log_softmax_infer, _log_softmax_np, _log_softmax_jax, vjp=
        doc="x - log(sum(exp(x), axis)); axis is an int.", section="linalg",
        operands="x; `axis` (int)", dtypes=FLOATS, rule="the softmax axis never splits",
        tests=("test_ops_nn.py::test_log_softmax",
-              "test_parallel.py::test_every_rule_matches_the_oracle"))
+              "test_parallel.py::test_every_rule_matches_the_oracle"), dims=DimRule(broadcast))
 
 
 def _log_softmax_grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
@@ -204,7 +205,7 @@ grad_helper("LogSoftmaxGrad", _log_softmax_grad_infer, _log_softmax_grad_np, _lo
             attrs={"axis": -1},
             doc="dy - exp(y) * sum(dy, axis), where y = LogSoftmax(x): the vjp of LogSoftmax.",
             grad_of="LogSoftmax", operands="y, dy; `axis`", dtypes=FLOATS, section="linalg",
-            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",))
+            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",), dims=DimRule(broadcast))
 
 # -- LayerNorm / LayerNormGrad --------------------------------------------------------------
 
@@ -292,6 +293,16 @@ def layer_norm_labels(ctx: OpContext) -> Labels:
     return Labels([lab, plab, plab], [lab], unsplit)
 
 
+def _layer_norm_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    x = ins[0][0]
+    _, bpa = _layer_norm_axes(len(x), attrs)
+    for d in range(len(x)):
+        yield Same(In(0, d), Out(d))
+        if d >= bpa:
+            yield Same(In(1, d - bpa), In(0, d))
+            yield Same(In(2, d - bpa), In(0, d))
+
+
 define("LayerNorm", _layer_norm_infer, _layer_norm_np, _layer_norm_jax, vjp=_layer_norm_vjp,
        attrs=dict(_LN_DEFAULTS), num_inputs=3,
        sharding=LabelRule(layer_norm_labels,
@@ -304,7 +315,7 @@ define("LayerNorm", _layer_norm_infer, _layer_norm_np, _layer_norm_jax, vjp=_lay
        tests=("test_ops_nn.py::test_layer_norm", "test_ops_nn.py::test_layer_norm_defaults",
               "test_parallel.py::test_every_rule_matches_the_oracle"),
        note="`LayerNorm`'s IR op returns y; the Python op also gives mean and variance, as "
-            "MindSpore's does.")
+            "MindSpore's does.", dims=DimRule(_layer_norm_dims))
 
 
 def _layer_norm_grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
@@ -394,6 +405,12 @@ def softmax_ce_labels(ctx: OpContext) -> Labels:
     return Labels(["nc", "nc"], ["n"], {"c"})
 
 
+def _sce_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    yield Same(In(0, 0), In(1, 0))
+    yield Same(In(0, 1), In(1, 1))
+    yield Same(In(0, 0), Out(0))
+
+
 define("SoftmaxCrossEntropyWithLogits", _sce_infer, _sce_np, _sce_jax, vjp=_sce_vjp, num_inputs=2,
        sharding=LabelRule(softmax_ce_labels, unsplittable="the class axis"),
        traits=frozenset({Trait.BATCH_ONLY}),
@@ -402,7 +419,7 @@ define("SoftmaxCrossEntropyWithLogits", _sce_infer, _sce_np, _sce_jax, vjp=_sce_
        section="linalg", operands="logits, labels (N, C) -> (N,)", dtypes=FLOATS,
        rule="the class axis never splits",
        tests=("test_ops_nn.py::test_softmax_cross_entropy",
-              "test_parallel.py::test_every_rule_matches_the_oracle"))
+              "test_parallel.py::test_every_rule_matches_the_oracle"), dims=DimRule(_sce_dims))
 
 
 def _sce_grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
@@ -504,6 +521,13 @@ def sparse_softmax_ce_labels(ctx: OpContext) -> Labels:
     return Labels(["nc", "n"], [""], {"c"}, mean=True)
 
 
+def _sparse_sce_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    yield Same(In(0, 0), In(1, 0))
+    yield Index(1, In(0, 1))
+    for d in range(len(outs[0])):
+        yield Same(In(0, d), Out(d))
+
+
 define("SparseSoftmaxCrossEntropyWithLogits", _sparse_sce_infer, _sparse_sce_np, _sparse_sce_jax,
        vjp=_sparse_sce_vjp, attrs={"is_grad": False}, num_inputs=2,
        sharding=LabelRule(sparse_softmax_ce_labels, unsplittable="the class axis"),
@@ -516,7 +540,8 @@ define("SparseSoftmaxCrossEntropyWithLogits", _sparse_sce_infer, _sparse_sce_np,
        rule="batch only",
        tests=("test_ops_nn.py::test_sparse_softmax_cross_entropy",
               "test_ops_nn.py::test_sparse_labels_out_of_range_rejected_by_numpy",
-              "test_parallel.py::test_every_rule_matches_the_oracle"))
+              "test_parallel.py::test_every_rule_matches_the_oracle"),
+       dims=DimRule(_sparse_sce_dims))
 
 # -- convolution / pooling geometry ---------------------------------------------------------
 
@@ -1046,36 +1071,3 @@ grad_helper("AvgPoolGrad", _pool_grad_infer, _avgpool_grad_np, _avgpool_grad_jax
             doc="AvgPoolGrad(x, y, dy): spreads dy / window count over each window (x, y: shapes).",
             grad_of="AvgPool", operands="x, y, dy", dtypes=FLOATS, section="conv",
             tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",))
-
-
-# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
-from pcompile.ir.dims import In, Index, Out, Same, broadcast, dim_rule  # noqa: E402
-
-
-def _layer_norm_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    x = ins[0][0]
-    _, bpa = _layer_norm_axes(len(x), attrs)
-    for d in range(len(x)):
-        yield Same(In(0, d), Out(d))
-        if d >= bpa:
-            yield Same(In(1, d - bpa), In(0, d))
-            yield Same(In(2, d - bpa), In(0, d))
-
-
-def _sce_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    yield Same(In(0, 0), In(1, 0))
-    yield Same(In(0, 1), In(1, 1))
-    yield Same(In(0, 0), Out(0))
-
-
-def _sparse_sce_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    yield Same(In(0, 0), In(1, 0))
-    yield Index(1, In(0, 1))
-    for d in range(len(outs[0])):
-        yield Same(In(0, d), Out(d))
-
-
-dim_rule("Softmax", "LogSoftmax", "SoftmaxGrad", "LogSoftmaxGrad", relations=broadcast)
-dim_rule("LayerNorm", relations=_layer_norm_dims)
-dim_rule("SoftmaxCrossEntropyWithLogits", relations=_sce_dims)
-dim_rule("SparseSoftmaxCrossEntropyWithLogits", relations=_sparse_sce_dims)

@@ -14,6 +14,7 @@ import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Constant, Node, Value
+from pcompile.ir.dims import DimRule, In, Out, Same
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._define import define, grad_helper
 from pcompile.ir.ops._jax import jnp, lax
@@ -130,6 +131,18 @@ def rms_norm_labels(ctx: OpContext) -> Labels:
     return Labels([lab, lab[begin:]], [lab, lab[:begin] + fresh], set(lab[begin:]) | set(fresh))
 
 
+def _rms_norm_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """y is x; rstd keeps x's leading dims; gamma is x's trailing dims."""
+    x, gamma = ins[0][0], ins[1][0]
+    lead = len(x) - len(gamma)
+    for d in range(len(x)):
+        yield Same(In(0, d), Out(d, 0))
+        if d < lead:
+            yield Same(In(0, d), Out(d, 1))
+        else:
+            yield Same(In(1, d - lead), In(0, d))
+
+
 define("RmsNorm", _infer, _rms_norm_np, _rms_norm_jax, vjp=_rms_norm_vjp, attrs=dict(_DEFAULTS),
        num_inputs=2,
        sharding=LabelRule(rms_norm_labels, unsplittable="a normalised dim (one of gamma's dims; "
@@ -142,7 +155,7 @@ define("RmsNorm", _infer, _rms_norm_np, _rms_norm_jax, vjp=_rms_norm_vjp, attrs=
               "test_ops_nn.py::test_rms_norm_default_epsilon_and_grad_op",
               "test_parallel_ops.py::test_rule_matches_the_oracle",
               "test_mindformers_ops.py::test_rms_norm_as_llama_calls_it_trains_like_one_device"),
-       note=_RMS_NORM_NOTE)
+       note=_RMS_NORM_NOTE, dims=DimRule(_rms_norm_dims))
 
 # -- RmsNormGrad ----------------------------------------------------------------------------
 
@@ -290,22 +303,3 @@ define("LpNorm", _lp_infer, _lp_np, _lp_jax, vjp=_lp_vjp, attrs=dict(_LP_DEFAULT
               "test_ops_lp_norm.py::test_lp_norm_split_normalised_dims",
               "test_ops_lp_norm.py::test_lp_norm_split_emits_partial_sum_and_all_reduce",
               "test_parallel_ops.py::test_rule_matches_the_oracle"))
-
-
-# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
-from pcompile.ir.dims import In, Out, Same, dim_rule  # noqa: E402
-
-
-def _rms_norm_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    """y is x; rstd keeps x's leading dims; gamma is x's trailing dims."""
-    x, gamma = ins[0][0], ins[1][0]
-    lead = len(x) - len(gamma)
-    for d in range(len(x)):
-        yield Same(In(0, d), Out(d, 0))
-        if d < lead:
-            yield Same(In(0, d), Out(d, 1))
-        else:
-            yield Same(In(1, d - lead), In(0, d))
-
-
-dim_rule("RmsNorm", relations=_rms_norm_dims)

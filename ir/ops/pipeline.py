@@ -66,7 +66,8 @@ define("Send", _send_infer,
        section="compiler", operands="x; `dest_rank`, `sr_tag`, `shape`, `dtype` -> x", dtypes=ALL,
        rule="*no strategy*: between pipeline stages; sent to the Receive of the same `sr_tag`",
        tests=("test_pipeline.py::test_dumps_show_send_receive_pairs_and_micro_batches",
-              "test_pipeline.py::test_mlp_four_stages_two_way_model_parallel_trains_like_one_device"),
+              "test_pipeline.py::test_mlp_four_stages_two_way_model_parallel_trains_like_one_device"
+              ""),
        spelling="inserted by the compiler")
 
 # -- Receive --------------------------------------------------------------------------------
@@ -85,5 +86,6 @@ define("Receive", _receive_infer,
        section="compiler", operands="`src_rank`, `sr_tag`, `shape`, `dtype` -> tensor", dtypes=ALL,
        rule="*no strategy*: between pipeline stages; receives the Send of the same `sr_tag`",
        tests=("test_pipeline.py::test_dumps_show_send_receive_pairs_and_micro_batches",
-              "test_pipeline.py::test_mlp_four_stages_two_way_model_parallel_trains_like_one_device"),
+              "test_pipeline.py::test_mlp_four_stages_two_way_model_parallel_trains_like_one_device"
+              ""),
        spelling="inserted by the compiler")

@@ -12,6 +12,7 @@ import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
+from pcompile.ir.dims import DimRule, In, Out, Product, Same, broadcast
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.layout import TensorLayout
 from pcompile.ir.ops._define import define, elementwise
@@ -130,6 +131,19 @@ def _sum_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [_broadcast_back(b, node, _to_keep_dims(b, node, cot))]
 
 
+def _reduce_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """Kept dims follow the input; reduced dims are free (summing fewer terms)."""
+    rank = len(ins[0][0])
+    axes = reduce_axes(attrs["axis"], rank)
+    o = 0
+    for d in range(rank):
+        if d in axes:
+            o += 1 if attrs["keep_dims"] else 0
+            continue
+        yield Same(In(0, d), Out(o))
+        o += 1
+
+
 define("ReduceSum", _make_reduce_infer("ReduceSum", "numeric"), _sum_np, _sum_jax, vjp=_sum_vjp,
        attrs={"axis": (), "keep_dims": False}, num_inputs=1,
        sharding=LabelRule(reduce_labels("sum"), cross_batch=True),
@@ -137,7 +151,7 @@ define("ReduceSum", _make_reduce_infer("ReduceSum", "numeric"), _sum_np, _sum_ja
        section="linalg", operands="x; `axis`, `keep_dims`", dtypes=NUMERIC,
        rule="reduced dims may split (AllReduce sum)",
        tests=("test_ops_reduce.py::test_reduce", "test_ops_reduce.py::test_reduce_integer",
-              "test_parallel.py::test_every_rule_matches_the_oracle"))
+              "test_parallel.py::test_every_rule_matches_the_oracle"), dims=DimRule(_reduce_dims))
 
 # -- ReduceMean -----------------------------------------------------------------------------
 
@@ -169,7 +183,7 @@ define("ReduceMean", _make_reduce_infer("ReduceMean", "float"), _mean_np, _mean_
        operands="x; `axis`, `keep_dims`", dtypes=FLOATS,
        rule="reduced dims may split (AllReduce sum, then divides)",
        tests=("test_ops_reduce.py::test_reduce",
-              "test_parallel.py::test_every_rule_matches_the_oracle"))
+              "test_parallel.py::test_every_rule_matches_the_oracle"), dims=DimRule(_reduce_dims))
 
 # -- ReduceMax ------------------------------------------------------------------------------
 
@@ -201,7 +215,7 @@ define("ReduceMax", _make_reduce_infer("ReduceMax", "any"), _max_np, _max_jax, v
        operands="x; `axis`, `keep_dims`", dtypes=ALL, rule="reduced dims may split (AllReduce max)",
        tests=("test_ops_reduce.py::test_reduce", "test_ops_reduce.py::test_reduce_max_bool",
               "test_ops_reduce.py::test_reduce_max_gradient_shared_by_ties",
-              "test_parallel.py::test_every_rule_matches_the_oracle"))
+              "test_parallel.py::test_every_rule_matches_the_oracle"), dims=DimRule(_reduce_dims))
 
 # -- BroadcastTo ----------------------------------------------------------------------------
 
@@ -275,7 +289,10 @@ define("BroadcastTo", _broadcast_to_infer, _broadcast_to_np,
        attrs={"shape": None}, num_inputs=1, sharding=LabelRule(broadcast_to_labels),
        doc="Broadcast x to `shape` with numpy rules (-1 keeps the input's dim).", section="shape",
        operands="x; `shape` (-1 keeps a dim)", dtypes=ALL, rule="broadcast dims never split",
-       tests=("test_ops_reduce.py::test_broadcast_to",))
+       tests=("test_ops_reduce.py::test_broadcast_to",),
+       dims=DimRule(broadcast, rewrite=lambda attrs, oi, oo, ni, no: {**attrs,
+                                                                      "shape": tuple(no[0])},
+                    preserves_values=True))
 
 # -- Tile ---------------------------------------------------------------------------------------
 
@@ -394,47 +411,6 @@ class TileRule(LabelRule):
         )
 
 
-define("Tile", _tile_infer, lambda x, multiples: np.tile(x, multiples),
-       lambda x, multiples: jnp.tile(x, multiples), vjp=_tile_vjp, attrs={"multiples": None},
-       num_inputs=1, sharding=TileRule(),
-       doc="x repeated multiples[i] times along dim i (x padded with leading size-1 dims, "
-           "multiples with leading 1s, to one rank).", section="shape", operands="x; `multiples`",
-       dtypes=ALL,
-       rule="a dim with multiple > 1 splits its copies, a dim with multiple 1 splits the input dim",
-       tests=("test_ops_shape.py::test_tile", "test_ops_shape.py::test_tile_as_repeat_kv",
-              "test_parallel_ops.py::test_tile_rule_matches_the_oracle",
-              "test_parallel_ops.py::test_tile_strategy_of_a_tiled_dim_splits_its_multiple",
-              "test_mindformers_ops.py::test_tile_as_repeat_kv_calls_it_trains_like_one_device"),
-       note=_TILE_NOTE)
-
-# -- ZerosLike / OnesLike -------------------------------------------------------------------
-
-elementwise("ZerosLike", infer_unary, lambda x: np.zeros_like(x), lambda x: jnp.zeros_like(x),
-            differentiable=False, doc="Zeros of x's shape and dtype.", dtypes=ALL,
-            tests=("test_ops_reduce.py::test_zeros_ones_like",))
-
-elementwise("OnesLike", infer_unary, lambda x: np.ones_like(x), lambda x: jnp.ones_like(x),
-            differentiable=False, doc="Ones of x's shape and dtype.", dtypes=ALL,
-            tests=("test_ops_reduce.py::test_zeros_ones_like",))
-
-
-# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
-from pcompile.ir.dims import In, Out, Product, Same, broadcast, dim_rule  # noqa: E402
-
-
-def _reduce_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    """Kept dims follow the input; reduced dims are free (summing fewer terms)."""
-    rank = len(ins[0][0])
-    axes = reduce_axes(attrs["axis"], rank)
-    o = 0
-    for d in range(rank):
-        if d in axes:
-            o += 1 if attrs["keep_dims"] else 0
-            continue
-        yield Same(In(0, d), Out(o))
-        o += 1
-
-
 def _tile_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
     """out = in * multiple; a tiled size-1 dim is free (its multiple follows the result)."""
     x, out = ins[0][0], outs[0]
@@ -451,8 +427,25 @@ def _tile_rewrite(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
     return {**attrs, "multiples": tuple(o // i for o, i in zip(out, padded))}
 
 
-dim_rule("ReduceSum", "ReduceMean", "ReduceMax", relations=_reduce_dims)
-dim_rule("Tile", relations=_tile_dims, rewrite=_tile_rewrite, preserves_values=True)
-dim_rule("BroadcastTo", relations=broadcast, preserves_values=True,
-         rewrite=lambda attrs, oi, oo, ni, no: {**attrs, "shape": tuple(no[0])})
-dim_rule("ZerosLike", "OnesLike", relations=broadcast)
+define("Tile", _tile_infer, lambda x, multiples: np.tile(x, multiples),
+       lambda x, multiples: jnp.tile(x, multiples), vjp=_tile_vjp, attrs={"multiples": None},
+       num_inputs=1, sharding=TileRule(),
+       doc="x repeated multiples[i] times along dim i (x padded with leading size-1 dims, "
+           "multiples with leading 1s, to one rank).", section="shape", operands="x; `multiples`",
+       dtypes=ALL,
+       rule="a dim with multiple > 1 splits its copies, a dim with multiple 1 splits the input dim",
+       tests=("test_ops_shape.py::test_tile", "test_ops_shape.py::test_tile_as_repeat_kv",
+              "test_parallel_ops.py::test_tile_rule_matches_the_oracle",
+              "test_parallel_ops.py::test_tile_strategy_of_a_tiled_dim_splits_its_multiple",
+              "test_mindformers_ops.py::test_tile_as_repeat_kv_calls_it_trains_like_one_device"),
+       note=_TILE_NOTE, dims=DimRule(_tile_dims, rewrite=_tile_rewrite, preserves_values=True))
+
+# -- ZerosLike / OnesLike -------------------------------------------------------------------
+
+elementwise("ZerosLike", infer_unary, lambda x: np.zeros_like(x), lambda x: jnp.zeros_like(x),
+            differentiable=False, doc="Zeros of x's shape and dtype.", dtypes=ALL,
+            tests=("test_ops_reduce.py::test_zeros_ones_like",))
+
+elementwise("OnesLike", infer_unary, lambda x: np.ones_like(x), lambda x: jnp.ones_like(x),
+            differentiable=False, doc="Ones of x's shape and dtype.", dtypes=ALL,
+            tests=("test_ops_reduce.py::test_zeros_ones_like",))

@@ -13,6 +13,7 @@ import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
+from pcompile.ir.dims import DimRule, Fixed, In, Index, Offset, Out, Product, Same, Total
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._define import define
 from pcompile.ir.ops._jax import jax, jnp
@@ -99,6 +100,41 @@ def _reshape_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [_reshape_to(b, cot, node.operands[0].shape)]
 
 
+def reshape_blocks(src: tuple[int, ...], dst: tuple[int, ...]
+                   ) -> list[tuple[list[int], list[int]]]:
+    """The dims of `src` and `dst` (size-1 dims left out) grouped into consecutive blocks of
+    equal products: (32, 16, 4096) -> (32, 16, 32, 128) is ([0], [0]), ([1], [1]), ([2], [2, 3])."""
+    a = [d for d, n in enumerate(src) if n != 1]
+    b = [d for d, n in enumerate(dst) if n != 1]
+    blocks: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        left, right = [a[i]], [b[j]]
+        pl, pr = src[a[i]], dst[b[j]]
+        i, j = i + 1, j + 1
+        while pl != pr:
+            if pl < pr:
+                left.append(a[i])
+                pl *= src[a[i]]
+                i += 1
+            else:
+                right.append(b[j])
+                pr *= dst[b[j]]
+                j += 1
+        blocks.append((left, right))
+    return blocks
+
+
+def _reshape_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    for left, right in reshape_blocks(ins[0][0], outs[0]):
+        yield Product(tuple(In(0, d) for d in left), tuple(Out(d) for d in right))
+
+
+def _new_shape(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
+               new_out: Any) -> dict[str, Any]:
+    return {**attrs, "shape": tuple(new_out[0])}
+
+
 define("Reshape", _reshape_infer, lambda x, shape: np.reshape(x, shape),
        lambda x, shape: jnp.reshape(x, shape), vjp=_reshape_vjp, attrs={"shape": None},
        num_inputs=1, traits=frozenset({Trait.NO_STRATEGY}),
@@ -106,7 +142,8 @@ define("Reshape", _reshape_infer, lambda x, shape: np.reshape(x, shape),
        operands="x; `shape` (one -1)", dtypes=ALL,
        rule="no strategy: its output takes the layout its consumer wants",
        tests=("test_ops_shape.py::test_reshape",
-              "test_redistribution.py::test_reshape_redistributions_execute_exactly"))
+              "test_redistribution.py::test_reshape_redistributions_execute_exactly"),
+       dims=DimRule(_reshape_dims, rewrite=_new_shape, preserves_values=True))
 
 # -- Transpose ------------------------------------------------------------------------------
 
@@ -142,13 +179,19 @@ def transpose_labels(ctx: OpContext) -> Labels:
     return Labels([lab], ["".join(lab[p] for p in perm)])
 
 
+def _transpose_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    for d, p in enumerate(attrs["perm"]):
+        yield Same(In(0, p), Out(d))
+
+
 define("Transpose", _transpose_infer, lambda x, perm: np.transpose(x, perm),
        lambda x, perm: jnp.transpose(x, perm), vjp=_transpose_vjp, attrs={"perm": None},
        num_inputs=1, sharding=LabelRule(transpose_labels),
        doc="Permute the axes of x: output dim i is input dim perm[i].", section="shape",
        operands="x; `perm`", dtypes=ALL, rule="dims follow the permutation",
        tests=("test_ops_shape.py::test_transpose",
-              "test_parallel.py::test_every_rule_matches_the_oracle"))
+              "test_parallel.py::test_every_rule_matches_the_oracle"),
+       dims=DimRule(_transpose_dims, preserves_values=True))
 
 # -- ExpandDims -----------------------------------------------------------------------------
 
@@ -181,13 +224,22 @@ def expand_dims_labels(ctx: OpContext) -> Labels:
     return Labels([lab], [lab[:axis] + fresh + lab[axis:]], {fresh})
 
 
+def _pair_non_unit(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """Ops that only add or drop size-1 dims: the other dims pair up in order."""
+    a = [d for d, n in enumerate(ins[0][0]) if n != 1]
+    b = [d for d, n in enumerate(outs[0]) if n != 1]
+    for d, e in zip(a, b):
+        yield Same(In(0, d), Out(e))
+
+
 define("ExpandDims", _expand_dims_infer, lambda x, axis: np.expand_dims(x, axis),
        lambda x, axis: jnp.expand_dims(x, axis), vjp=_shape_restoring_vjp, attrs={"axis": 0},
        num_inputs=1, sharding=LabelRule(expand_dims_labels),
        doc="Insert a size-1 dim at axis (negative: counted from the end of the output).",
        section="shape", operands="x; `axis`", dtypes=ALL, rule="the new dim never splits",
        tests=("test_ops_shape.py::test_expand_dims",
-              "test_parallel.py::test_every_rule_matches_the_oracle"))
+              "test_parallel.py::test_every_rule_matches_the_oracle"),
+       dims=DimRule(_pair_non_unit, preserves_values=True))
 
 # -- Squeeze --------------------------------------------------------------------------------
 
@@ -248,7 +300,8 @@ define("Squeeze", _squeeze_infer, _squeeze_np, _squeeze_jax, vjp=_shape_restorin
        doc="Remove the size-1 dims in axis (a tuple; () removes every size-1 dim).",
        section="shape", operands="x; `axis`", dtypes=ALL, rule="the removed dims never split",
        tests=("test_ops_shape.py::test_squeeze", "test_ops_shape.py::test_squeeze_int_axis",
-              "test_parallel.py::test_every_rule_matches_the_oracle"))
+              "test_parallel.py::test_every_rule_matches_the_oracle"),
+       dims=DimRule(_pair_non_unit, preserves_values=True))
 
 # -- Flatten --------------------------------------------------------------------------------
 
@@ -275,13 +328,20 @@ def flatten_labels(ctx: OpContext) -> Labels:
     return Labels([lab], [lab[:1] + fresh], set(lab[1:]) | {fresh})
 
 
+def _flatten_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    x = ins[0][0]
+    yield Same(In(0, 0), Out(0))
+    yield Product(tuple(In(0, d) for d in range(1, len(x))), (Out(1),))
+
+
 define("Flatten", _flatten_infer, _flatten_np, _flatten_jax, vjp=_shape_restoring_vjp, num_inputs=1,
        sharding=LabelRule(flatten_labels),
        doc="Keep dim 0 and flatten the rest: (N, ...) -> (N, prod(...)); (N,) -> (N, 1).",
        section="shape", operands="x (N, ...) -> (N, prod(...))", dtypes=ALL,
        rule="the flattened dims never split",
        tests=("test_ops_shape.py::test_flatten",
-              "test_parallel.py::test_every_rule_matches_the_oracle"))
+              "test_parallel.py::test_every_rule_matches_the_oracle"),
+       dims=DimRule(_flatten_dims, preserves_values=True))
 
 # -- StridedSlice / StridedSliceGrad --------------------------------------------------------
 
@@ -369,6 +429,28 @@ def strided_slice_labels(ctx: OpContext) -> Labels:
     return Labels([lab], [lab], sliced)
 
 
+def _slice_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """A dim sliced with stride 1 keeps its margins: in = out + what the slice leaves out."""
+    slices, out = _slice_spec(ins[0][0], attrs)
+    for d, (s, n) in enumerate(zip(slices, ins[0][0])):
+        if s.step != 1:
+            yield Fixed(In(0, d), "a strided slice")
+            yield Fixed(Out(d), "a strided slice")
+        elif out[d] == n:
+            yield Same(In(0, d), Out(d))
+        else:
+            yield Offset(In(0, d), Out(d), n - out[d])
+
+
+def _slice_rewrite(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
+                   new_out: Any) -> dict[str, Any]:
+    slices, _ = _slice_spec(old_in[0][0], attrs)
+    begin = tuple(s.start for s in slices)
+    end = tuple(s.start + n * s.step for s, n in zip(slices, new_out[0]))
+    strides = tuple(s.step for s in slices)
+    return {**attrs, "begin": begin, "end": end, "strides": strides}
+
+
 define("StridedSlice", _strided_slice_infer, _strided_slice_np, _strided_slice_jax,
        vjp=_strided_slice_vjp,
        attrs={
@@ -385,7 +467,8 @@ define("StridedSlice", _strided_slice_infer, _strided_slice_np, _strided_slice_j
            "masks 0.", section="shape", operands="x; `begin`, `end`, `strides`", dtypes=ALL,
        rule="sliced dims never split",
        tests=("test_ops_shape.py::test_strided_slice",
-              "test_parallel.py::test_every_rule_matches_the_oracle"))
+              "test_parallel.py::test_every_rule_matches_the_oracle"),
+       dims=DimRule(_slice_dims, rewrite=_slice_rewrite, preserves_values=True))
 
 
 def _strided_slice_grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
@@ -473,13 +556,23 @@ def concat_labels(ctx: OpContext) -> Labels:
     return Labels([lab] * len(ctx.in_types), [lab], {lab[axis]})
 
 
+def _concat_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    rank = len(outs[0])
+    axis = attrs["axis"] % rank
+    for i in range(len(ins)):
+        for d in range(rank):
+            if d != axis:
+                yield Same(In(i, d), Out(d))
+    yield Total(Out(axis), tuple(In(i, axis) for i in range(len(ins))))
+
+
 define("Concat", _concat_infer, lambda *xs, axis: np.concatenate(xs, axis),
        lambda *xs, axis: jnp.concatenate(xs, axis), vjp=_concat_vjp, attrs={"axis": 0},
        num_inputs=(1, 1000), sharding=LabelRule(concat_labels, unsplittable="the concat axis"),
        doc="Join the inputs along axis; all other dims must match.", section="shape",
        operands="tensors; `axis`", dtypes=ALL, rule="the concat axis never splits",
        tests=("test_ops_shape.py::test_concat",
-              "test_parallel.py::test_every_rule_matches_the_oracle"))
+              "test_parallel.py::test_every_rule_matches_the_oracle"), dims=DimRule(_concat_dims))
 
 # -- Split ----------------------------------------------------------------------------------
 
@@ -511,6 +604,18 @@ def split_labels(ctx: OpContext) -> Labels:
     return Labels([lab], [lab] * len(ctx.out_types), {lab[axis]})
 
 
+def _split_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    rank = len(ins[0][0])
+    axis = attrs["axis"] % rank
+    for k in range(len(outs)):
+        for d in range(rank):
+            if d != axis:
+                yield Same(In(0, d), Out(d, k))
+            else:  # equal pieces
+                yield Product((Out(d, k),), (In(0, d),), attrs["output_num"])
+                yield Same(Out(d, 0), Out(d, k))
+
+
 define("Split", _split_infer, lambda x, axis, output_num: tuple(np.split(x, output_num, axis)),
        lambda x, axis, output_num: tuple(jnp.split(x, output_num, axis)), vjp=_split_vjp,
        attrs={"axis": 0, "output_num": 1}, num_inputs=1,
@@ -520,7 +625,7 @@ define("Split", _split_infer, lambda x, axis, output_num: tuple(np.split(x, outp
        rule="the split axis never splits",
        tests=("test_ops_shape.py::test_split",
               "test_ops_shape.py::test_split_partial_use_gradient",
-              "test_parallel.py::test_every_rule_matches_the_oracle"))
+              "test_parallel.py::test_every_rule_matches_the_oracle"), dims=DimRule(_split_dims))
 
 # -- MakeTuple / TupleGetItem ---------------------------------------------------------------
 
@@ -533,11 +638,17 @@ def _make_tuple_vjp(b: Builder, node: Node, cots: list[Value]) -> list[Value | N
     return list(cots)
 
 
+def _make_tuple_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    for i, shapes in enumerate(ins):
+        for d in range(len(shapes[0])):
+            yield Same(In(i, d), Out(d, i))
+
+
 define("MakeTuple", _make_tuple_infer, lambda *xs: tuple(xs), lambda *xs: tuple(xs),
        vjp=_make_tuple_vjp, num_inputs=(1, 1000), traits=frozenset({Trait.NO_STRATEGY}),
        doc="A tuple of the tensor inputs.", section="shape", operands="tensors -> tuple",
        dtypes=ALL, rule="no strategy", tests=("test_ops_shape.py::test_make_tuple",),
-       spelling="a Python tuple of tensors")
+       spelling="a Python tuple of tensors", dims=DimRule(_make_tuple_dims))
 
 
 def _tuple_get_item_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
@@ -557,13 +668,19 @@ def _tuple_get_item_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None
     raise AssertionError("TupleGetItem gradients are routed by passes.autodiff")
 
 
+def _tuple_get_item_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    for d in range(len(outs[0])):
+        yield Same(In(0, d, attrs["index"]), Out(d))
+
+
 define("TupleGetItem", _tuple_get_item_infer, lambda t, index: t[index], lambda t, index: t[index],
        vjp=_tuple_get_item_vjp, attrs={"index": 0}, num_inputs=1,
        traits=frozenset({Trait.NO_STRATEGY}), doc="Element `index` of a tuple value.",
        section="shape", operands="tuple; `index`", dtypes=ALL, rule="no strategy",
        tests=("test_ops_shape.py::test_tuple_get_item_negative_index",
               "test_ops_shape.py::test_tuple_get_item_errors", "test_ops_shape.py::test_split"),
-       spelling="indexing a tuple result (`out[0]`)")
+       spelling="indexing a tuple result (`out[0]`)",
+       dims=DimRule(_tuple_get_item_dims, preserves_values=True))
 
 # -- Gather / GatherGrad --------------------------------------------------------------------
 
@@ -728,6 +845,23 @@ class GatherRule(LabelRule):
                 tuple(count if i == 0 else 1 for i in range(idx.rank)))
 
 
+def _gather_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    params, indices = ins[0][0], ins[1][0]
+    axis = attrs["axis"] % len(params)
+    bd = attrs["batch_dims"] % (len(indices) + 1) if attrs["batch_dims"] < 0 \
+        else attrs["batch_dims"]
+    for d in range(bd):
+        yield Same(In(0, d), In(1, d))
+    for d in range(axis):
+        yield Same(In(0, d), Out(d))
+    for d in range(bd, len(indices)):
+        yield Same(In(1, d), Out(axis + d - bd))
+    tail = axis + len(indices) - bd
+    for d in range(axis + 1, len(params)):
+        yield Same(In(0, d), Out(tail + d - axis - 1))
+    yield Index(1, In(0, axis))
+
+
 define("Gather", _gather_infer, _gather_np, _gather_jax, vjp=_gather_vjp,
        attrs={"axis": 0, "batch_dims": 0}, num_inputs=2, sharding=GatherRule(),
        traits=frozenset({Trait.BATCH_ONLY, Trait.LOOKUP}),
@@ -741,7 +875,8 @@ define("Gather", _gather_infer, _gather_np, _gather_jax, vjp=_gather_vjp,
        tests=("test_ops_shape.py::test_gather",
               "test_parallel.py::test_every_rule_matches_the_oracle",
               "test_parallel.py::test_gather_on_a_split_table",
-              "test_parallel_ops.py::test_rule_matches_the_oracle"), note=_GATHER_NOTE)
+              "test_parallel_ops.py::test_rule_matches_the_oracle"), note=_GATHER_NOTE,
+       dims=DimRule(_gather_dims))
 
 
 def _gather_grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
@@ -914,6 +1049,20 @@ class OneHotRule(LabelRule):
         return result
 
 
+def _onehot_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    rank = len(ins[0][0])
+    axis = attrs["axis"] % (rank + 1)
+    for d in range(rank):
+        yield Same(In(0, d), Out(d if d < axis else d + 1))
+    yield Index(0, Out(axis), total=True)  # an index >= depth gives a row of off_value
+
+
+def _onehot_rewrite(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
+                    new_out: Any) -> dict[str, Any]:
+    rank = len(new_in[0][0])
+    return {**attrs, "depth": new_out[0][attrs["axis"] % (rank + 1)]}
+
+
 define("OneHot", _onehot_infer, _onehot_np, _onehot_jax,
        attrs={
            "depth": 1,
@@ -932,172 +1081,6 @@ define("OneHot", _onehot_infer, _onehot_np, _onehot_jax,
               "test_parallel.py::test_every_rule_matches_the_oracle",
               "test_parallel_ops.py::test_one_hot_mindspore_form_matches_the_oracle",
               "test_parallel_ops.py::test_one_hot_forms_agree_and_name_problems",
-              "test_mindformers_ops.py::test_one_hot_mindspore_strategy_splits_depth_and_trains_like_one_device"),
-       note=_ONE_HOT_NOTE)
-
-
-# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
-from pcompile.ir.dims import (  # noqa: E402
-    Fixed,
-    In,
-    Index,
-    Offset,
-    Out,
-    Product,
-    Same,
-    Total,
-    dim_rule,
-)
-
-
-def reshape_blocks(src: tuple[int, ...], dst: tuple[int, ...]
-                   ) -> list[tuple[list[int], list[int]]]:
-    """The dims of `src` and `dst` (size-1 dims left out) grouped into consecutive blocks of
-    equal products: (32, 16, 4096) -> (32, 16, 32, 128) is ([0], [0]), ([1], [1]), ([2], [2, 3])."""
-    a = [d for d, n in enumerate(src) if n != 1]
-    b = [d for d, n in enumerate(dst) if n != 1]
-    blocks: list[tuple[list[int], list[int]]] = []
-    i = j = 0
-    while i < len(a) and j < len(b):
-        left, right = [a[i]], [b[j]]
-        pl, pr = src[a[i]], dst[b[j]]
-        i, j = i + 1, j + 1
-        while pl != pr:
-            if pl < pr:
-                left.append(a[i])
-                pl *= src[a[i]]
-                i += 1
-            else:
-                right.append(b[j])
-                pr *= dst[b[j]]
-                j += 1
-        blocks.append((left, right))
-    return blocks
-
-
-def _reshape_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    for left, right in reshape_blocks(ins[0][0], outs[0]):
-        yield Product(tuple(In(0, d) for d in left), tuple(Out(d) for d in right))
-
-
-def _new_shape(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
-               new_out: Any) -> dict[str, Any]:
-    return {**attrs, "shape": tuple(new_out[0])}
-
-
-def _pair_non_unit(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    """Ops that only add or drop size-1 dims: the other dims pair up in order."""
-    a = [d for d, n in enumerate(ins[0][0]) if n != 1]
-    b = [d for d, n in enumerate(outs[0]) if n != 1]
-    for d, e in zip(a, b):
-        yield Same(In(0, d), Out(e))
-
-
-def _transpose_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    for d, p in enumerate(attrs["perm"]):
-        yield Same(In(0, p), Out(d))
-
-
-def _flatten_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    x = ins[0][0]
-    yield Same(In(0, 0), Out(0))
-    yield Product(tuple(In(0, d) for d in range(1, len(x))), (Out(1),))
-
-
-def _concat_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    rank = len(outs[0])
-    axis = attrs["axis"] % rank
-    for i in range(len(ins)):
-        for d in range(rank):
-            if d != axis:
-                yield Same(In(i, d), Out(d))
-    yield Total(Out(axis), tuple(In(i, axis) for i in range(len(ins))))
-
-
-def _split_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    rank = len(ins[0][0])
-    axis = attrs["axis"] % rank
-    for k in range(len(outs)):
-        for d in range(rank):
-            if d != axis:
-                yield Same(In(0, d), Out(d, k))
-            else:  # equal pieces
-                yield Product((Out(d, k),), (In(0, d),), attrs["output_num"])
-                yield Same(Out(d, 0), Out(d, k))
-
-
-def _slice_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    """A dim sliced with stride 1 keeps its margins: in = out + what the slice leaves out."""
-    slices, out = _slice_spec(ins[0][0], attrs)
-    for d, (s, n) in enumerate(zip(slices, ins[0][0])):
-        if s.step != 1:
-            yield Fixed(In(0, d), "a strided slice")
-            yield Fixed(Out(d), "a strided slice")
-        elif out[d] == n:
-            yield Same(In(0, d), Out(d))
-        else:
-            yield Offset(In(0, d), Out(d), n - out[d])
-
-
-def _slice_rewrite(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
-                   new_out: Any) -> dict[str, Any]:
-    slices, _ = _slice_spec(old_in[0][0], attrs)
-    begin = tuple(s.start for s in slices)
-    end = tuple(s.start + n * s.step for s, n in zip(slices, new_out[0]))
-    strides = tuple(s.step for s in slices)
-    return {**attrs, "begin": begin, "end": end, "strides": strides}
-
-
-def _gather_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    params, indices = ins[0][0], ins[1][0]
-    axis = attrs["axis"] % len(params)
-    bd = attrs["batch_dims"] % (len(indices) + 1) if attrs["batch_dims"] < 0 \
-        else attrs["batch_dims"]
-    for d in range(bd):
-        yield Same(In(0, d), In(1, d))
-    for d in range(axis):
-        yield Same(In(0, d), Out(d))
-    for d in range(bd, len(indices)):
-        yield Same(In(1, d), Out(axis + d - bd))
-    tail = axis + len(indices) - bd
-    for d in range(axis + 1, len(params)):
-        yield Same(In(0, d), Out(tail + d - axis - 1))
-    yield Index(1, In(0, axis))
-
-
-def _onehot_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    rank = len(ins[0][0])
-    axis = attrs["axis"] % (rank + 1)
-    for d in range(rank):
-        yield Same(In(0, d), Out(d if d < axis else d + 1))
-    yield Index(0, Out(axis), total=True)  # an index >= depth gives a row of off_value
-
-
-def _onehot_rewrite(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
-                    new_out: Any) -> dict[str, Any]:
-    rank = len(new_in[0][0])
-    return {**attrs, "depth": new_out[0][attrs["axis"] % (rank + 1)]}
-
-
-def _make_tuple_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    for i, shapes in enumerate(ins):
-        for d in range(len(shapes[0])):
-            yield Same(In(i, d), Out(d, i))
-
-
-def _tuple_get_item_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    for d in range(len(outs[0])):
-        yield Same(In(0, d, attrs["index"]), Out(d))
-
-
-dim_rule("Reshape", relations=_reshape_dims, rewrite=_new_shape, preserves_values=True)
-dim_rule("Transpose", relations=_transpose_dims, preserves_values=True)
-dim_rule("ExpandDims", "Squeeze", relations=_pair_non_unit, preserves_values=True)
-dim_rule("Flatten", relations=_flatten_dims, preserves_values=True)
-dim_rule("Concat", relations=_concat_dims)
-dim_rule("Split", relations=_split_dims)
-dim_rule("StridedSlice", relations=_slice_dims, rewrite=_slice_rewrite, preserves_values=True)
-dim_rule("Gather", relations=_gather_dims)
-dim_rule("OneHot", relations=_onehot_dims, rewrite=_onehot_rewrite)
-dim_rule("MakeTuple", relations=_make_tuple_dims)
-dim_rule("TupleGetItem", relations=_tuple_get_item_dims, preserves_values=True)
+              "test_mindformers_ops.py::test_one_hot_mindspore_strategy_splits_depth_and_trains_lik"
+              "e_one_device"),
+       note=_ONE_HOT_NOTE, dims=DimRule(_onehot_dims, _onehot_rewrite))

@@ -18,6 +18,7 @@ import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
+from pcompile.ir.dims import DimRule, Fixed, In, Out, Same
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._define import define
 from pcompile.ir.ops._jax import jnp, lax
@@ -145,6 +146,17 @@ def top_k_labels(ctx: OpContext) -> Labels:
     return Labels([lab], [out, out], {lab[-1], fresh})
 
 
+def _top_k_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """Leading dims follow the input; the last axis and k keep their sizes."""
+    x = ins[0][0]
+    for d in range(len(x) - 1):
+        for elem in (0, 1):
+            yield Same(In(0, d), Out(d, elem))
+    yield Fixed(In(0, len(x) - 1), "TopK's k is at most its size")
+    yield Fixed(Out(len(x) - 1, 0), "TopK's k")
+    yield Fixed(Out(len(x) - 1, 1), "TopK's k")
+
+
 define("TopK", _top_k_infer, _top_k_np, _top_k_jax, vjp=_top_k_vjp, attrs={"k": 1, "sorted": True},
        num_inputs=1,
        sharding=LabelRule(top_k_labels, unsplittable="the sorted last axis, which every rank "
@@ -157,7 +169,7 @@ define("TopK", _top_k_infer, _top_k_np, _top_k_jax, vjp=_top_k_vjp, attrs={"k": 
               "test_ops_moe.py::test_sort_rules_match_the_oracle",
               "test_ops_moe.py::test_sorted_axis_split_is_refused_with_one_message",
               "test_ops_moe.py::test_top_k_and_cumsum_on_a_batch_split_compile_like_one_device"),
-       note=_TOP_K_NOTE)
+       note=_TOP_K_NOTE, dims=DimRule(_top_k_dims))
 
 # -- Sort -----------------------------------------------------------------------------------
 
@@ -197,6 +209,14 @@ def sort_labels(ctx: OpContext) -> Labels:
     return Labels([lab], [lab, lab], {lab[axis]})
 
 
+def _along_axis_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """Every dim of every result is the input's (the sorted axis too: sorting fewer)."""
+    x = ins[0][0]
+    for d in range(len(x)):
+        for elem in range(len(outs)):
+            yield Same(In(0, d), Out(d, elem))
+
+
 define("Sort", _sort_infer, _sort_np, _sort_jax, vjp=_sort_vjp,
        attrs={"axis": -1, "descending": False}, num_inputs=1,
        sharding=LabelRule(sort_labels,
@@ -207,7 +227,8 @@ define("Sort", _sort_infer, _sort_np, _sort_jax, vjp=_sort_vjp,
        tests=("test_ops_moe.py::test_sort_matches_jax",
               "test_ops_moe.py::test_sort_gradient_by_finite_differences",
               "test_ops_moe.py::test_sort_rules_match_the_oracle",
-              "test_ops_moe.py::test_sorted_axis_split_is_refused_with_one_message"))
+              "test_ops_moe.py::test_sorted_axis_split_is_refused_with_one_message"),
+       dims=DimRule(_along_axis_dims))
 
 # -- CumSum ---------------------------------------------------------------------------------
 
@@ -274,31 +295,5 @@ define("CumSum", _cumsum_infer, _cumsum_np, _cumsum_jax, vjp=_cumsum_vjp,
               "test_ops_moe.py::test_cumsum_gradient_by_finite_differences",
               "test_ops_moe.py::test_sort_rules_match_the_oracle",
               "test_ops_moe.py::test_sorted_axis_split_is_refused_with_one_message",
-              "test_ops_moe.py::test_top_k_and_cumsum_on_a_batch_split_compile_like_one_device"))
-
-
-# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
-from pcompile.ir.dims import Fixed, In, Out, Same, dim_rule  # noqa: E402
-
-
-def _top_k_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    """Leading dims follow the input; the last axis and k keep their sizes."""
-    x = ins[0][0]
-    for d in range(len(x) - 1):
-        for elem in (0, 1):
-            yield Same(In(0, d), Out(d, elem))
-    yield Fixed(In(0, len(x) - 1), "TopK's k is at most its size")
-    yield Fixed(Out(len(x) - 1, 0), "TopK's k")
-    yield Fixed(Out(len(x) - 1, 1), "TopK's k")
-
-
-def _along_axis_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    """Every dim of every result is the input's (the sorted axis too: sorting fewer)."""
-    x = ins[0][0]
-    for d in range(len(x)):
-        for elem in range(len(outs)):
-            yield Same(In(0, d), Out(d, elem))
-
-
-dim_rule("TopK", relations=_top_k_dims)
-dim_rule("Sort", "CumSum", relations=_along_axis_dims)
+              "test_ops_moe.py::test_top_k_and_cumsum_on_a_batch_split_compile_like_one_device"),
+       dims=DimRule(_along_axis_dims))
