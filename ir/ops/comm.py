@@ -24,7 +24,7 @@ from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import PcompileError, ShapeError
 from pcompile.ir.ops._define import define
 from pcompile.ir.ops._util import normalize_axis, tensor
-from pcompile.ir.registry import ALL
+from pcompile.ir.registry import ALL, InferFn, OpDef
 from pcompile.ir.types import ValueType
 
 _COMM_DEFAULTS: dict[str, Any] = {"group": "", "rank_list": (0,), "fusion": 0}
@@ -74,6 +74,20 @@ def _flag(attrs: dict[str, Any], name: str) -> bool:
     return value
 
 
+_COLLECTIVE_RULE = ("*no strategy*: inserted per rank by the parallel passes (user-callable in "
+                    "hybrid_parallel mode)")
+
+
+def collective(name: str, infer: InferFn, *, tests: tuple[str, ...], **fields: Any) -> OpDef:
+    """A collective: one operand, executed by the backends' communication runtime (no
+    numpy/jax callables), any dtype, no strategy of its own; its tests end with the check that
+    every collective is the identity on one rank."""
+    return define(name, infer, num_inputs=1, collective=True, section="compiler", dtypes=ALL,
+                  rule=_COLLECTIVE_RULE,
+                  tests=(*tests, "test_ops_comm.py::test_single_rank_collectives_are_identity"),
+                  **fields)
+
+
 # -- AllReduce ------------------------------------------------------------------------------
 
 
@@ -103,18 +117,15 @@ def _all_reduce_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     raise PcompileError(f"{node.where()}: AllReduce(op={op!r}) has no gradient rule")
 
 
-define("AllReduce", _all_reduce_infer, vjp=_all_reduce_vjp, attrs={"op": "sum", **_COMM_DEFAULTS},
-       num_inputs=1, collective=True,
-       doc="Element-wise reduction (op sum|max|min|prod) over the ranks of the group. vjp: "
-           "AllReduce(sum) of the cotangent (the cotangent times the group size when the node has "
-           "`replicated_cotangent: true`: every rank of the group holds the same one); for max/min "
-           "masked by x == result; prod has none.", section="compiler",
-       operands="x; `op`, `group`, `rank_list`, `fusion`", dtypes=ALL,
-       rule="*no strategy*: inserted per rank by the parallel passes (user-callable in "
-            "hybrid_parallel mode)",
-       tests=("test_ops_comm.py::test_shape_inference",
-              "test_ops_comm.py::test_all_reduce_sum_vjp_is_all_reduce_sum",
-              "test_ops_comm.py::test_single_rank_collectives_are_identity"))
+collective("AllReduce", _all_reduce_infer, vjp=_all_reduce_vjp,
+           attrs={"op": "sum", **_COMM_DEFAULTS},
+           doc="Element-wise reduction (op sum|max|min|prod) over the ranks of the group. vjp: "
+               "AllReduce(sum) of the cotangent (the cotangent times the group size when the node "
+               "has `replicated_cotangent: true`: every rank of the group holds the same one); for "
+               "max/min masked by x == result; prod has none.",
+           operands="x; `op`, `group`, `rank_list`, `fusion`",
+           tests=("test_ops_comm.py::test_shape_inference",
+                  "test_ops_comm.py::test_all_reduce_sum_vjp_is_all_reduce_sum"))
 
 # -- AllGather ------------------------------------------------------------------------------
 
@@ -135,16 +146,13 @@ def _all_gather_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [grad]
 
 
-define("AllGather", _all_gather_infer, vjp=_all_gather_vjp,
-       attrs={**_COMM_DEFAULTS, "mean_flag": False}, num_inputs=1, collective=True,
-       doc="Concatenates the ranks' x along dim 0 in rank_list order (dim 0 grows n times). vjp: "
-           "ReduceScatter(sum), times 1/n if mean_flag.", section="compiler",
-       operands="x; `group`, `rank_list`, `fusion` (gathers on dim 0)", dtypes=ALL,
-       rule="*no strategy*: inserted per rank by the parallel passes (user-callable in "
-            "hybrid_parallel mode)",
-       tests=("test_ops_comm.py::test_gather_scatter_shapes",
-              "test_ops_comm.py::test_all_gather_vjp_is_reduce_scatter",
-              "test_ops_comm.py::test_single_rank_collectives_are_identity"))
+collective("AllGather", _all_gather_infer, vjp=_all_gather_vjp,
+           attrs={**_COMM_DEFAULTS, "mean_flag": False},
+           doc="Concatenates the ranks' x along dim 0 in rank_list order (dim 0 grows n times). "
+               "vjp: ReduceScatter(sum), times 1/n if mean_flag.",
+           operands="x; `group`, `rank_list`, `fusion` (gathers on dim 0)",
+           tests=("test_ops_comm.py::test_gather_scatter_shapes",
+                  "test_ops_comm.py::test_all_gather_vjp_is_reduce_scatter"))
 
 # -- ReduceScatter --------------------------------------------------------------------------
 
@@ -170,16 +178,13 @@ def _reduce_scatter_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None
     return [b("AllGather", cot, **_comm_attrs(node))]
 
 
-define("ReduceScatter", _reduce_scatter_infer, vjp=_reduce_scatter_vjp,
-       attrs={"op": "sum", **_COMM_DEFAULTS}, num_inputs=1, collective=True,
-       doc="Reduces x over the group and gives rank i the i-th of n blocks along dim 0. vjp (op "
-           "sum only): AllGather.", section="compiler",
-       operands="x; `op`, `group`, `rank_list`, `fusion` (scatters dim 0)", dtypes=ALL,
-       rule="*no strategy*: inserted per rank by the parallel passes (user-callable in "
-            "hybrid_parallel mode)",
-       tests=("test_ops_comm.py::test_gather_scatter_shapes",
-              "test_ops_comm.py::test_reduce_scatter_vjp_is_all_gather",
-              "test_ops_comm.py::test_single_rank_collectives_are_identity"))
+collective("ReduceScatter", _reduce_scatter_infer, vjp=_reduce_scatter_vjp,
+           attrs={"op": "sum", **_COMM_DEFAULTS},
+           doc="Reduces x over the group and gives rank i the i-th of n blocks along dim 0. vjp "
+               "(op sum only): AllGather.",
+           operands="x; `op`, `group`, `rank_list`, `fusion` (scatters dim 0)",
+           tests=("test_ops_comm.py::test_gather_scatter_shapes",
+                  "test_ops_comm.py::test_reduce_scatter_vjp_is_all_gather"))
 
 # -- AlltoAll -------------------------------------------------------------------------------
 
@@ -224,19 +229,14 @@ def _all_to_all_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     ]
 
 
-define("AlltoAll", _all_to_all_infer, vjp=_all_to_all_vjp,
-       attrs={"split_count": 1, "split_dim": 0, "concat_dim": 0, **_COMM_DEFAULTS}, num_inputs=1,
-       collective=True,
-       doc="Splits x into split_count blocks along split_dim, sends block i to the i-th rank and "
-           "concatenates the received blocks along concat_dim. split_count must equal "
-           "len(rank_list). vjp: AlltoAll with split_dim and concat_dim swapped.",
-       section="compiler",
-       operands="x; `split_count`, `split_dim`, `concat_dim`, `group`, `rank_list`", dtypes=ALL,
-       rule="*no strategy*: inserted per rank by the parallel passes (user-callable in "
-            "hybrid_parallel mode)",
-       tests=("test_ops_comm.py::test_shape_inference",
-              "test_ops_comm.py::test_all_to_all_vjp_swaps_dims",
-              "test_ops_comm.py::test_single_rank_collectives_are_identity"))
+collective("AlltoAll", _all_to_all_infer, vjp=_all_to_all_vjp,
+           attrs={"split_count": 1, "split_dim": 0, "concat_dim": 0, **_COMM_DEFAULTS},
+           doc="Splits x into split_count blocks along split_dim, sends block i to the i-th rank "
+               "and concatenates the received blocks along concat_dim. split_count must equal "
+               "len(rank_list). vjp: AlltoAll with split_dim and concat_dim swapped.",
+           operands="x; `split_count`, `split_dim`, `concat_dim`, `group`, `rank_list`",
+           tests=("test_ops_comm.py::test_shape_inference",
+                  "test_ops_comm.py::test_all_to_all_vjp_swaps_dims"))
 
 # -- Broadcast ------------------------------------------------------------------------------
 
@@ -250,17 +250,13 @@ def _broadcast_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType
     return x
 
 
-define("Broadcast", _broadcast_infer, vjp=None, attrs={"root_rank": 0, **_COMM_DEFAULTS},
-       num_inputs=1, collective=True,
-       doc="Every rank receives the root_rank's x. Not differentiable here: the correct gradient "
-           "(sum of the cotangents onto the root, zero elsewhere) needs a rank-dependent op; "
-           "MindSpore's own bprop passes the cotangent through unchanged.", section="compiler",
-       operands="x; `root_rank`, `group`, `rank_list`", dtypes=ALL,
-       rule="*no strategy*: inserted per rank by the parallel passes (user-callable in "
-            "hybrid_parallel mode)",
-       tests=("test_ops_comm.py::test_shape_inference",
-              "test_ops_comm.py::test_broadcast_is_not_differentiable",
-              "test_ops_comm.py::test_single_rank_collectives_are_identity"))
+collective("Broadcast", _broadcast_infer, vjp=None, attrs={"root_rank": 0, **_COMM_DEFAULTS},
+           doc="Every rank receives the root_rank's x. Not differentiable here: the correct "
+               "gradient (sum of the cotangents onto the root, zero elsewhere) needs a "
+               "rank-dependent op; MindSpore's own bprop passes the cotangent through unchanged.",
+           operands="x; `root_rank`, `group`, `rank_list`",
+           tests=("test_ops_comm.py::test_shape_inference",
+                  "test_ops_comm.py::test_broadcast_is_not_differentiable"))
 
 # -- _MirrorOperator ------------------------------------------------------------------------
 
