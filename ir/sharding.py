@@ -321,6 +321,23 @@ LabelFn = Callable[[OpContext], Labels]
 ALPHA = "abcdefghijklmnopqrstuvwxyz"
 
 
+def aligned_labels(shape: tuple[int, ...], out_shape: tuple[int, ...], out_lab: str,
+                   used: set[str]) -> tuple[str, set[str]]:
+    """The labels of dims `shape` right-aligned with `out_shape` (labelled `out_lab`), and the
+    fresh labels (taken from `used`'s complement) of its size-1 dims broadcast against larger
+    ones, which are never split."""
+    lead = len(out_shape) - len(shape)
+    lab, fresh = "", set()
+    for j, size in enumerate(shape):
+        if size == 1 and out_shape[lead + j] != 1:
+            name = fresh_labels(1, used)[0]
+            fresh.add(name)
+            lab += name
+        else:
+            lab += out_lab[lead + j]
+    return lab, fresh
+
+
 def elementwise_labels(ctx: OpContext) -> Labels:
     """Inputs right-aligned with the output; broadcast (size-1) dims get their own unsplit
     label."""
@@ -329,16 +346,9 @@ def elementwise_labels(ctx: OpContext) -> Labels:
     used = set(out_lab)
     ins, unsplit = [], set()
     for t in ctx.in_types:
-        lead = out.rank - t.rank
-        lab = ""
-        for j, size in enumerate(t.shape):
-            if size == 1 and out.shape[lead + j] != 1:
-                fresh = fresh_labels(1, used)[0]
-                unsplit.add(fresh)
-                lab += fresh
-            else:
-                lab += out_lab[lead + j]
+        lab, fresh = aligned_labels(t.shape, out.shape, out_lab, used)
         ins.append(lab)
+        unsplit |= fresh
     return Labels(ins, [out_lab], unsplit, broadcast=frozenset(unsplit))
 
 

@@ -15,7 +15,7 @@ from pcompile.ir.ops._define import define
 from pcompile.ir.ops._jax import jnp
 from pcompile.ir.ops._util import broadcast_shapes, same_dtype, tensor, unbroadcast
 from pcompile.ir.registry import NUMERIC, Trait
-from pcompile.ir.sharding import ALPHA, LabelRule, Labels, OpContext, fresh_labels
+from pcompile.ir.sharding import ALPHA, LabelRule, Labels, OpContext, aligned_labels
 from pcompile.ir.types import DType, TensorType, ValueType
 
 
@@ -247,15 +247,8 @@ def batch_matmul_labels(ctx: OpContext) -> Labels:
     ins, unsplit = [], set()
     for t, tail, flag in ((ctx.in_types[0], "ik", ctx.attrs.get("transpose_a")),
                           (ctx.in_types[1], "kj", ctx.attrs.get("transpose_b"))):
-        lead = batch - (t.rank - 2)
-        lab = ""
-        for j in range(t.rank - 2):
-            if t.shape[j] == 1 and out.shape[lead + j] != 1:
-                fresh = fresh_labels(1, used)[0]
-                unsplit.add(fresh)
-                lab += fresh
-            else:
-                lab += blab[lead + j]
+        lab, fresh = aligned_labels(t.shape[:-2], out.shape[:-2], blab, used)
+        unsplit |= fresh
         ins.append(_transpose_ab(lab + tail, bool(flag)))
     return Labels(ins, [blab + "ij"], unsplit, broadcast=frozenset(unsplit))
 

@@ -27,6 +27,7 @@ from pcompile.ir.sharding import (
     OpSharding,
     Strategy,
     StrategyError,
+    aligned_labels,
     fresh_labels,
     label_sharding,
     reduce_labels,
@@ -269,15 +270,7 @@ def broadcast_to_labels(ctx: OpContext) -> Labels:
     out = ctx.out_types[0]
     olab = ALPHA[: out.rank]
     lead = out.rank - t.rank
-    used = set(olab)
-    lab, unsplit = "", set()
-    for j, size in enumerate(t.shape):
-        if size == 1 and out.shape[lead + j] != 1:
-            fresh = fresh_labels(1, used)[0]
-            unsplit.add(fresh)
-            lab += fresh
-        else:
-            lab += olab[lead + j]
+    lab, unsplit = aligned_labels(t.shape, out.shape, olab, set(olab))
     unsplit |= set(olab[:lead]) | {olab[lead + j] for j, s in enumerate(t.shape)
                                    if s == 1 and out.shape[lead + j] != 1}
     return Labels([lab], [olab], unsplit)
