@@ -106,6 +106,8 @@ class Trait(Enum):
     # No strategy: its result is its first operand, in that operand's layout; the others are
     # kept as they are (Depend).
     FIRST_OPERAND = "first_operand"
+    # A transfer between two ranks (pipeline stages), paired with its peer by `sr_tag`.
+    POINT_TO_POINT = "point_to_point"
     # No strategy of its own: Reshape is planned as a redistribution between the layouts
     # around it; tuple plumbing passes layouts through.
     NO_STRATEGY = "no_strategy"
