@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from pcompile.ir.core import Graph, Node
+from pcompile.ir.registry import Trait, has_trait
 from pcompile.ir.types import TensorType
 
 TRAINING_FACTOR = 3  # forward + backward (two products per forward product)
@@ -39,7 +40,7 @@ def _prod(values: tuple[int, ...]) -> int:
 
 def node_flops(node: Node) -> int:
     """FLOPs of one forward node (0 for anything but a matrix product or attention)."""
-    if node.op in ("MatMul", "BatchMatMul"):
+    if has_trait(node.op, Trait.MATMUL):
         a, b = _shape(node, 0), _shape(node, 1)
         out = node.result.type
         if a is None or b is None or not isinstance(out, TensorType) or len(a) < 2:

@@ -150,7 +150,7 @@ def is_a_test(test: str) -> bool:
 def problems() -> list[str]:
     """What keeps the page from being generated: ops without a record, a helper's missing
     forward op, tests that do not exist, ops a model file cannot spell, a record that says
-    the op has a sharding rule when ir/sharding.py has none for it, or the reverse."""
+    the op has a sharding rule when its OpDef has none (`sharding`), or the reverse."""
     out = []
     ops = _documented_ops()
     for name, opdef in ops.items():
@@ -168,7 +168,7 @@ def problems() -> list[str]:
             out.append(f"{name}: no `ops` class emits it; say how it is spelled (spelling=...)")
         has_rule = rule_for(name) is not None
         if has_rule != claims_rule(page):
-            out.append(f"{name}: ir/sharding.py {'has' if has_rule else 'has no'} rule for it, "
+            out.append(f"{name}: its OpDef {'has' if has_rule else 'has no'} sharding rule, "
                        f"its OpDoc says {page.rule or 'it has none'!r}")
     return out
 

@@ -18,10 +18,9 @@ This page is generated (`python -m pcompile.compiler.ops_doc`): the tables and t
 them from the `OpDoc` record next to each op's declaration, the functional tables from the
 `ops`, `mint` and `mint.nn.functional` namespaces. `test_ops_page_lists_every_functional_name`
 (in `tests/compiler/test_functional_ops.py`) fails when the page differs from what the registry
-and the namespaces generate, and
-`tests/ir/test_ops_dtypes.py::test_every_op_has_a_doc_record` when an op has no record, names
-a test that does not exist, or claims a sharding rule `ir/sharding.py` does not have (or the
-reverse).
+and the namespaces generate, and `tests/ir/test_ops_dtypes.py::test_every_op_has_a_doc_record`
+when an op has no record, names a test that does not exist, or claims a sharding rule its
+`OpDef` does not have (or the reverse).
 
 Columns of the primitive tables: **op**, the MindSpore primitive (also the IR op's name);
 **model file**, how a model file emits it (every `ops` class that does: MindSpore's aliases

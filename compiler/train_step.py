@@ -44,14 +44,12 @@ from pcompile.ir.builder import Builder
 from pcompile.ir.core import Constant, Graph, GraphParam, NodeResult, ParallelInfo, Value
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout, group_name
+from pcompile.ir.registry import Trait, has_trait
 from pcompile.ir.types import DType, TensorType
 
 if TYPE_CHECKING:  # imported where it is used: optimizer_update imports the front end
     from pcompile.compiler.optimizer_update import StateSlicer
 
-#: Ops that combine the elements of an operand: on a split gradient each rank sees a slice.
-REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd",
-                        "MatMul", "BatchMatMul"})
 
 _STACK: list[StepContext] = []
 
@@ -397,7 +395,9 @@ class Replay(StepContext):
         tagged = [(v, self.tags[id(v)]) for v in operands if id(v) in self.tags]
         if not tagged:
             return
-        if op in REDUCTIONS and not self.trusted:
+        # An op that combines the elements of an operand: on a split gradient each rank
+        # sees a slice.
+        if has_trait(op, Trait.REDUCTION) and not self.trusted:
             for _, name in tagged:
                 layout = self.env.layouts.get(name)
                 if layout is not None and any(e != -1 for e in layout.tensor_map):

@@ -1,8 +1,8 @@
 """Dimension relations: which dims of a graph are the same size, and a shrunk copy of the graph.
 
-Each op may declare, next to its registry entry (`dim_rule` at the end of `ir/ops/*.py`), how
-the dims of its operands and result relate: equal (`Same`), equal up to a constant (`Offset`: a
-slice that drops a margin), products (`Product`: Reshape's blocks, Tile's multiples), sums
+Each op may declare, in its registry entry (`OpDef.dims`, a `DimRule`), how the dims of its
+operands and result relate: equal (`Same`), equal up to a constant (`Offset`: a slice that
+drops a margin), products (`Product`: Reshape's blocks, Tile's multiples), sums
 (`Total`: Concat), dims that must stay as they are (`Fixed`), a divisibility (`Divides`), and
 operands whose integer values index a dim (`Index`: Gather's indices, OneHot's). An op without
 a rule keeps every dim it touches at full size.
@@ -122,21 +122,12 @@ class DimRule:
     preserves_values: bool = False
 
 
-_RULES: dict[str, DimRule] = {}
-
-
-def dim_rule(*ops: str, relations: Relations, rewrite: Rewrite | None = None,
-             preserves_values: bool = False) -> None:
-    """Declare the dimension relations of `ops` (one rule for ops that share a shape rule)."""
-    for op in ops:
-        _RULES[op] = DimRule(relations, rewrite, preserves_values)
-
-
 def rule_of(op: str) -> DimRule | None:
-    from pcompile.ir.registry import all_ops
+    """The dimension relations of `op` (its `OpDef.dims`), None where it declares none."""
+    from pcompile.ir.registry import find_op
 
-    all_ops()  # the rules are declared beside the ops
-    return _RULES.get(op)
+    opdef = find_op(op)
+    return None if opdef is None else opdef.dims
 
 
 # -- rules shared by many ops ---------------------------------------------------------------

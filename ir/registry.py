@@ -2,9 +2,9 @@
 
 Each primitive is declared once, in one block of `ir/ops/*.py`: its attributes with defaults,
 shape/dtype inference, vjp rule (written with IR ops through a `Builder`), numpy implementation
-and JAX implementation, registered right below with `register(OpDef(...))`. Per-pass behaviour
-that only some passes need (sharding rules, cost) hangs off `OpDef.sharding`; a pass that finds
-`None` there uses its default rule.
+and JAX implementation, sharding rule (`OpDef.sharding`, None: the op cannot be sharded),
+traits and dimension relations, registered right below (`register(OpDef(...))`, or the short
+constructors of `ir/ops/_define.py`).
 
 Contracts of the callables (`attrs` is the node's full attribute dict, defaults filled in):
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from pcompile.ir.errors import ShapeError
@@ -39,6 +40,8 @@ from pcompile.ir.types import DType, ValueType
 if TYPE_CHECKING:
     from pcompile.ir.builder import Builder
     from pcompile.ir.core import Node, Value
+    from pcompile.ir.dims import DimRule
+    from pcompile.ir.sharding import LabelRule
 
 InferFn = Callable[[list[ValueType], dict[str, Any]], ValueType]
 
@@ -64,7 +67,7 @@ class OpDoc:
     How a model file spells the op (`ops.Div()` for RealDiv, `ops.TensorAdd()` for Add) is
     read from `compiler/ops.py`, not restated here; `spelling` is for ops no `ops.X` class
     emits (tuple plumbing, compiler-inserted ops). Whether the op has a sharding rule is
-    checked against `ir/sharding.py`: a `rule` not starting with "no strategy" claims one."""
+    checked against `OpDef.sharding`: a `rule` not starting with "no strategy" claims one."""
 
     section: str  # one of SECTIONS
     operands: str  # "x, y (broadcast) -> Bool"; attributes after a ";"
@@ -80,6 +83,36 @@ class OpDoc:
             raise ValueError(f"OpDoc section {self.section!r} is not one of {SECTIONS}")
         if not self.rule and not self.grad_of:
             raise ValueError("OpDoc needs a sharding rule, or grad_of for a gradient helper")
+
+class Trait(Enum):
+    """A fact about an op that passes ask of it (`has_trait`) instead of keeping lists of op
+    names."""
+
+    # A matrix product (MatMul, BatchMatMul): its labels read [batch..., i, k, j] whatever
+    # the transposes; a split k leaves partial sums the size of the output.
+    MATMUL = "matmul"
+    # Combines the elements of its operand along a dim (ReduceSum, ...): on a split operand
+    # each rank sees a slice.
+    REDUCTION = "reduction"
+    # Recursive programming splits only its batch dim (lookups, one-hot, the losses).
+    BATCH_ONLY = "batch_only"
+    # A table lookup: operand 1 indexes operand 0, and its batch dim is the indices' first.
+    LOOKUP = "lookup"
+    # One operand whose values it passes on unchanged but for the dtype (Cast, Identity): a
+    # weight read through it is laid out for the op that really uses it.
+    VALUE_COPY = "value_copy"
+    # Without a user strategy it is not planned: its output keeps its input's layout, with no
+    # redistribution around it (MindSpore gives such a Cast no operator info).
+    TRANSPARENT = "transparent"
+    # No strategy: its result is its first operand, in that operand's layout; the others are
+    # kept as they are (Depend).
+    FIRST_OPERAND = "first_operand"
+    # A transfer between two ranks (pipeline stages), paired with its peer by `sr_tag`.
+    POINT_TO_POINT = "point_to_point"
+    # No strategy of its own: Reshape is planned as a redistribution between the layouts
+    # around it; tuple plumbing passes layouts through.
+    NO_STRATEGY = "no_strategy"
+
 
 VjpFn = Callable[["Builder", "Node", Any], list["Value | None"]]
 LoweringAttrsFn = Callable[["Node", dict[str, Any]], dict[str, Any]]
@@ -98,7 +131,9 @@ class OpDef:
     num_inputs: int | tuple[int, int] | None = None  # exact, (min, max), or None = any
     differentiable: bool = True  # False: no gradient flows through (comparisons, int ops)
     collective: bool = False
-    sharding: Any = None  # the op's sharding rule (parallel core); None = default rule
+    sharding: LabelRule | None = None  # its sharding rule (ir/sharding.py); None: not shardable
+    traits: frozenset[Trait] = frozenset()  # what passes ask of it (`Trait`)
+    dims: DimRule | None = None  # how its dims relate (ir/dims.py, the shrunk check)
     lowering_attrs: LoweringAttrsFn | None = None  # compile-time specialisation (JAX)
     doc: str = ""
     page: OpDoc | None = None  # its row on docs/ops.md
@@ -189,6 +224,18 @@ def get_op(name: str) -> OpDef:
         return _REGISTRY[name]
     except KeyError:
         raise KeyError(f"unknown op {name!r}") from None
+
+
+def find_op(name: str) -> OpDef | None:
+    """The op called `name`, or None where the registry has none."""
+    _ensure_loaded()
+    return _REGISTRY.get(name)
+
+
+def has_trait(name: str, trait: Trait) -> bool:
+    """Whether the op called `name` has `trait` (False for a name the registry does not know)."""
+    opdef = find_op(name)
+    return opdef is not None and trait in opdef.traits
 
 
 def all_ops() -> dict[str, OpDef]:

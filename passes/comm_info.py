@@ -38,7 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 from pcompile.ir.core import Node, ParallelInfo
-from pcompile.ir.registry import get_op
+from pcompile.ir.registry import Trait, get_op, has_trait
 from pcompile.ir.types import TensorType
 
 PHASES = ("forward", "backward", "optimizer")
@@ -117,7 +117,7 @@ def ring_bytes(op: str, operand_bytes: int, group_size: int) -> int:
 
 def node_ring_bytes(node: Node) -> int:
     """`ring_bytes` of a communication node of a rank's graph (Send / Receive: its peer)."""
-    if node.op in ("Send", "Receive"):
+    if has_trait(node.op, Trait.POINT_TO_POINT):
         size = node.result.type.nbytes if isinstance(node.result.type, TensorType) else 0
         return ring_bytes(node.op, size, 2)
     operand = node.operands[0].type if node.operands else None

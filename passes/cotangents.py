@@ -25,9 +25,9 @@ from math import prod
 from pcompile.ir.core import Constant, Graph, Node, Value
 from pcompile.ir.layout import TensorLayout
 from pcompile.ir.rank import Digit, RankGroup
-from pcompile.ir.registry import get_op
+from pcompile.ir.registry import Trait, get_op, has_trait
 from pcompile.ir.types import TensorType, TupleType
-from pcompile.passes.step_parallel_begin import LAYOUT_PASS_THROUGH, ParallelAssignment
+from pcompile.passes.step_parallel_begin import ParallelAssignment
 
 #: the attribute of a forward AllReduce whose vjp is a local multiplication (see above)
 REPLICATED_COTANGENT = "replicated_cotangent"
@@ -61,13 +61,13 @@ class CotangentReductions:
     outputs: dict[int, OutputReduction] = field(default_factory=dict)
 
 
-def _real_users(value: Value, follow: frozenset[str]) -> list[tuple[Node, int]] | None:
-    """The users of `value`, looking through single-operand pass-through ops (a weight's
-    Cast); None when a pass-through op is used by more than one op."""
+def _real_users(value: Value) -> list[tuple[Node, int]] | None:
+    """The users of `value`, looking through single-operand pass-through ops (`VALUE_COPY`: a
+    weight's Cast); None when a pass-through op is used by more than one op."""
     out: list[tuple[Node, int]] = []
     for user, index in value.uses:
-        if user.op in follow and len(user.operands) == 1:
-            inner = _real_users(user.result, follow)
+        if has_trait(user.op, Trait.VALUE_COPY) and len(user.operands) == 1:
+            inner = _real_users(user.result)
             if inner is None or len(inner) != 1:
                 return None
             out.extend(inner)
@@ -122,7 +122,7 @@ def plan_cotangent_reductions(graph: Graph, assignment: ParallelAssignment,
         if (param.kind != "weight" or not param.requires_grad
                 or param.name in opt_sharded):
             continue
-        users_of[param.name] = _real_users(param, frozenset({"Cast", "Identity"}))
+        users_of[param.name] = _real_users(param)
     for param in graph.params:
         users = users_of.get(param.name)
         if not users or len(users) != 1:
@@ -205,7 +205,7 @@ def _consumed_layouts(node: Node, assignment: ParallelAssignment) -> list[Tensor
     if node.op == "Reshape":
         out = assignment.reshape_layouts.get(id(node))
         return None if out is None else [out]
-    if node.op in LAYOUT_PASS_THROUGH or node.op == "TupleGetItem":
+    if has_trait(node.op, Trait.FIRST_OPERAND) or node.op == "TupleGetItem":
         return []
     sharding = assignment.sharding(node)
     if sharding is None or sharding.expand:

@@ -45,6 +45,7 @@ from pcompile.ir.core import (
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import WORLD_GROUP
 from pcompile.ir.rank import GroupName, RankGroup, RankShift
+from pcompile.ir.registry import Trait, has_trait
 from pcompile.passes.micro_batch import copy_constant
 from pcompile.passes.pipeline_schedule import (
     Schedule,
@@ -428,7 +429,7 @@ def _renumber(graphs: list[Graph], transfers: list[Transfer]) -> list[Transfer]:
     new = {old: k for k, old in enumerate(order)}
     for g in graphs:
         for node in g.nodes:
-            if node.op in ("Send", "Receive"):
+            if has_trait(node.op, Trait.POINT_TO_POINT):
                 tag = new[int(node.attrs["sr_tag"])]
                 node.attrs["sr_tag"] = tag
                 node.instance_name = f"pipeline_{node.op.lower()}_{tag}"

@@ -48,7 +48,7 @@ from pcompile.ir.rank import (
     layout_offsets,
     resolve,
 )
-from pcompile.ir.registry import get_op
+from pcompile.ir.registry import Trait, get_op, has_trait
 from pcompile.ir.sharding import OpSharding
 from pcompile.ir.types import DType, TensorType
 from pcompile.passes.comm_info import collective_bytes
@@ -61,11 +61,7 @@ from pcompile.passes.cotangents import (
 )
 from pcompile.passes.forward_scatter import scatter_layouts
 from pcompile.passes.redistribution import plan_redistribution
-from pcompile.passes.step_parallel_begin import (
-    LAYOUT_PASS_THROUGH,
-    ParallelAssignment,
-    replicated,
-)
+from pcompile.passes.step_parallel_begin import ParallelAssignment, replicated
 
 
 @dataclass
@@ -367,7 +363,7 @@ class RankBuilder:
         if node.op == "Reshape":
             self.lower_reshape(node)
             return
-        if node.op in LAYOUT_PASS_THROUGH:
+        if has_trait(node.op, Trait.FIRST_OPERAND):
             self.lower_pass_through(node)
             return
         sharding = self.assignment.sharding(node)

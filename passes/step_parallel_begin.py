@@ -5,8 +5,8 @@ by the search (auto_parallel, filled in beforehand by `passes.search`), and othe
 MindSpore's semi-auto default (data parallel on dim 0 when it divides, else replicated). Graph
 inputs get their layout from `dataset_strategy`. Reshape has no strategy: its output layout is
 what its first consumer wants (reference §2.3). Depend has none either: its output is its first
-operand, in that operand's layout (`LAYOUT_PASS_THROUGH`), as in MindSpore, which gives Depend no
-operator info.
+operand, in that operand's layout (its trait `FIRST_OPERAND`), as in MindSpore, which gives
+Depend no operator info.
 
 A parameter whose users want different layouts is an error (reference §3.4): parameters are
 stored sliced and never redistributed.
@@ -21,8 +21,8 @@ from pcompile.ir.core import Graph, GraphParam, Node, ParallelInfo
 from pcompile.ir.errors import OpError, PcompileError
 from pcompile.ir.layout import TensorLayout, map_axes
 from pcompile.ir.parallel_info import LayoutDetail
+from pcompile.ir.registry import Trait, has_trait
 from pcompile.ir.sharding import (
-    NO_STRATEGY,
     Labels,
     OpContext,
     OpSharding,
@@ -31,10 +31,6 @@ from pcompile.ir.sharding import (
 )
 from pcompile.ir.types import TensorType
 from pcompile.passes.reshape_layout import map_layout, map_layout_partly
-
-#: Ops without a strategy whose output is their first operand, in its layout; their other
-#: operands are kept as they are (never redistributed).
-LAYOUT_PASS_THROUGH = frozenset({"Depend"})
 
 
 @dataclass
@@ -300,7 +296,7 @@ def assign(
     follow = _followers(graph, searched)
     transparent = _transparent(graph, searched, follow)
     for node in graph.nodes:
-        if (node.op in NO_STRATEGY or node.op in LAYOUT_PASS_THROUGH
+        if (has_trait(node.op, Trait.NO_STRATEGY) or has_trait(node.op, Trait.FIRST_OPERAND)
                 or id(node) in follow or id(node) in transparent):
             continue
         if rule_for(node.op) is None:
@@ -360,19 +356,14 @@ def assign(
     return result
 
 
-#: Strategy-less ops that pass a parameter on unchanged but for its dtype: a parameter read
-#: through them takes the layout of the op that really uses it (MindSpore looks through the
-#: Cast a mixed-precision model puts between a weight and its MatMul).
-PASS_THROUGH = ("Cast", "Identity")
-
-
 def _followers(graph: Graph, searched: dict[int, Any] | None) -> set[int]:
-    """The strategy-less pass-through ops on a stored parameter (directly or through other
-    such ops): their strategy follows their consumer's instead of the default, so the
-    parameter is stored split the way its real user wants it."""
+    """The strategy-less pass-through ops (trait `VALUE_COPY`) on a stored parameter (directly
+    or through other such ops): their strategy follows their consumer's instead of the
+    default, so the parameter is stored split the way its real user wants it (MindSpore looks
+    through the Cast a mixed-precision model puts between a weight and its MatMul)."""
     out: set[int] = set()
     for node in graph.nodes:
-        if (node.op not in PASS_THROUGH or len(node.operands) != 1
+        if (not has_trait(node.op, Trait.VALUE_COPY) or len(node.operands) != 1
                 or node.attrs.get("in_strategy") is not None
                 or (searched and id(node) in searched)):
             continue
@@ -411,15 +402,10 @@ def _in_layout(node: Node, layout: TensorLayout, devices: int) -> OpSharding | N
         return None
 
 
-#: Strategy-less ops that are not planned: MindSpore gives a Cast without a strategy no
-#: operator info, so its output keeps its input's layout and no redistribution sits around it.
-TRANSPARENT = frozenset({"Cast"})
-
-
 def is_transparent_cast(node: Node) -> bool:
     """A Cast without a user strategy that does not read a stored parameter (whose Cast
     follows the parameter's user instead, `_followers`)."""
-    if node.op not in TRANSPARENT or len(node.operands) != 1:
+    if not has_trait(node.op, Trait.TRANSPARENT) or len(node.operands) != 1:
         return False
     source = node.operands[0]
     return (node.attrs.get("in_strategy") is None
@@ -443,7 +429,7 @@ def value_layout(value: Any, result: ParallelAssignment) -> TensorLayout | None:
         return None
     if node.op == "Reshape":
         return result.reshape_layouts.get(id(node))
-    if node.op in LAYOUT_PASS_THROUGH:
+    if has_trait(node.op, Trait.FIRST_OPERAND):
         return value_layout(node.operands[0], result)
     if node.op == "TupleGetItem":
         producer = getattr(node.operands[0], "node", None)

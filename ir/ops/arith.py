@@ -12,7 +12,7 @@
   loss-scale cells test gradients for overflow with it. It stops gradients.
 
 Sharding: all four are element-wise (each output dim may be split, a broadcast dim never),
-registered in `ir.sharding.RULES` right below their entries.
+declared in their entries (`sharding=ELEMENTWISE`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import numpy as np
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._define import elementwise
 from pcompile.ir.ops._jax import jnp
 from pcompile.ir.ops._util import infer_binary, infer_unary_float, tensor, unbroadcast
-from pcompile.ir.registry import ALL, FLOATS, NUMERIC, OpDef, OpDoc, register
-from pcompile.ir.sharding import RULES, LabelRule, elementwise_labels
+from pcompile.ir.registry import ALL, FLOATS, NUMERIC
 from pcompile.ir.types import DType, TensorType, ValueType
 
 
@@ -41,10 +41,6 @@ def _in_f32(fn: Any) -> Any:
         return np.asarray(fn(*arrays)).astype(dtype, copy=False)
 
     return impl
-
-
-def _elementwise_rule(name: str) -> None:
-    RULES[name] = LabelRule(elementwise_labels)
 
 
 # -- FloorDiv ---------------------------------------------------------------------------------
@@ -77,31 +73,15 @@ def _floor_div_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [None, None]  # MindSpore's bprop: zeros for both operands
 
 
-register(
-    OpDef(
-        "FloorDiv",
-        _floor_div_infer,
-        numpy=_floor_div_np,
-        jax=_floor_div_jax,
-        vjp=_floor_div_vjp,
-        num_inputs=2,
-        doc="floor(x / y) with broadcasting (integers: floor division); zero gradient.",
-        page=OpDoc(
-            "elementwise",
-            "x, y (broadcast)",
-            NUMERIC,
-            rule="element-wise",
-            tests=(
-                "test_ops_arith.py::test_floor_div_matches_jax",
-                "test_ops_arith.py::test_floor_div_rounds_toward_minus_infinity",
-                "test_ops_arith.py::test_rules_match_the_oracle",
-            ),
+elementwise("FloorDiv", _floor_div_infer, _floor_div_np, _floor_div_jax, vjp=_floor_div_vjp,
+            num_inputs=2,
+            doc="floor(x / y) with broadcasting (integers: floor division); zero gradient.",
+            operands="x, y (broadcast)", dtypes=NUMERIC,
+            tests=("test_ops_arith.py::test_floor_div_matches_jax",
+                   "test_ops_arith.py::test_floor_div_rounds_toward_minus_infinity",
+                   "test_ops_arith.py::test_rules_match_the_oracle"),
             note="`FloorDiv` computes floor(x / y) (integers floor-divide); its gradient is zero, "
-            "as MindSpore's bprop.",
-        ),
-    )
-)
-_elementwise_rule("FloorDiv")
+                 "as MindSpore's bprop.")
 
 # -- Mod ---------------------------------------------------------------------------------------
 
@@ -126,78 +106,27 @@ def _mod_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
             unbroadcast(b, b("Neg", b("Mul", cot, quotient)), y.shape)]
 
 
-register(
-    OpDef(
-        "Mod",
-        _floor_div_infer,
-        numpy=_mod_np,
-        jax=_mod_jax,
-        vjp=_mod_vjp,
-        num_inputs=2,
-        doc="x - trunc(x / y) y with broadcasting: the remainder with the sign of x (fmod).",
-        page=OpDoc(
-            "elementwise",
-            "x, y (broadcast)",
-            NUMERIC,
-            rule="element-wise",
-            tests=(
-                "test_ops_arith.py::test_mod_matches_jax",
-                "test_ops_arith.py::test_mod_takes_the_sign_of_the_dividend",
-                "test_ops_arith.py::test_rules_match_the_oracle",
-            ),
-            note="`Mod` is C's fmod (the sign of x), as MindSpore's Mod.",
-        ),
-    )
-)
-_elementwise_rule("Mod")
+elementwise("Mod", _floor_div_infer, _mod_np, _mod_jax, vjp=_mod_vjp, num_inputs=2,
+            doc="x - trunc(x / y) y with broadcasting: the remainder with the sign of x (fmod).",
+            operands="x, y (broadcast)", dtypes=NUMERIC,
+            tests=("test_ops_arith.py::test_mod_matches_jax",
+                   "test_ops_arith.py::test_mod_takes_the_sign_of_the_dividend",
+                   "test_ops_arith.py::test_rules_match_the_oracle"),
+            note="`Mod` is C's fmod (the sign of x), as MindSpore's Mod.")
 
 # -- Cos, Sin ---------------------------------------------------------------------------------
 
-register(
-    OpDef(
-        "Cos",
-        infer_unary_float,
-        numpy=_in_f32(np.cos),
-        jax=lambda x: jnp.cos(x),
-        vjp=lambda b, node, cot: [b("Neg", b("Mul", cot, b("Sin", node.operands[0])))],
-        num_inputs=1,
-        doc="cos(x).",
-        page=OpDoc(
-            "elementwise",
-            "x",
-            FLOATS,
-            rule="element-wise",
-            tests=(
-                "test_ops_arith.py::test_cos_sin_match_jax",
-                "test_ops_arith.py::test_rules_match_the_oracle",
-            ),
-        ),
-    )
-)
-_elementwise_rule("Cos")
+elementwise("Cos", infer_unary_float, _in_f32(np.cos), lambda x: jnp.cos(x),
+            vjp=lambda b, node, cot: [b("Neg", b("Mul", cot, b("Sin", node.operands[0])))],
+            doc="cos(x).", dtypes=FLOATS,
+            tests=("test_ops_arith.py::test_cos_sin_match_jax",
+                   "test_ops_arith.py::test_rules_match_the_oracle"))
 
-register(
-    OpDef(
-        "Sin",
-        infer_unary_float,
-        numpy=_in_f32(np.sin),
-        jax=lambda x: jnp.sin(x),
-        vjp=lambda b, node, cot: [b("Mul", cot, b("Cos", node.operands[0]))],
-        num_inputs=1,
-        doc="sin(x).",
-        page=OpDoc(
-            "elementwise",
-            "x",
-            FLOATS,
-            rule="element-wise",
-            tests=(
-                "test_ops_arith.py::test_cos_sin_match_jax",
-                "test_ops_arith.py::test_rules_match_the_oracle",
-            ),
-        ),
-    )
-)
-_elementwise_rule("Sin")
+elementwise("Sin", infer_unary_float, _in_f32(np.sin), lambda x: jnp.sin(x),
+            vjp=lambda b, node, cot: [b("Mul", cot, b("Cos", node.operands[0]))], doc="sin(x).",
+            dtypes=FLOATS,
+            tests=("test_ops_arith.py::test_cos_sin_match_jax",
+                   "test_ops_arith.py::test_rules_match_the_oracle"))
 
 # -- IsFinite ---------------------------------------------------------------------------------
 
@@ -213,28 +142,8 @@ def _is_finite_np(x: Any) -> Any:
     return np.ones(x.shape, bool)
 
 
-register(
-    OpDef(
-        "IsFinite",
-        _is_finite_infer,
-        numpy=_is_finite_np,
-        jax=lambda x: jnp.isfinite(x),
-        num_inputs=1,
-        differentiable=False,
-        doc="Bool: x is neither inf nor NaN (always True for integers and Bool).",
-        page=OpDoc(
-            "elementwise",
-            "x -> Bool",
-            ALL,
-            rule="element-wise; stops gradients",
-            tests=("test_ops_arith.py::test_is_finite",),
-        ),
-    )
-)
-_elementwise_rule("IsFinite")
-
-
-# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
-from pcompile.ir.dims import broadcast, dim_rule  # noqa: E402
-
-dim_rule("FloorDiv", "Mod", "Cos", "Sin", "IsFinite", relations=broadcast)
+elementwise("IsFinite", _is_finite_infer, _is_finite_np, lambda x: jnp.isfinite(x),
+            differentiable=False,
+            doc="Bool: x is neither inf nor NaN (always True for integers and Bool).",
+            operands="x -> Bool", dtypes=ALL, rule="element-wise; stops gradients",
+            tests=("test_ops_arith.py::test_is_finite",))

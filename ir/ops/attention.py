@@ -49,12 +49,24 @@ import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
+from pcompile.ir.dims import DimRule, Divides, Fixed, In, Out, Product, Same
 from pcompile.ir.errors import PcompileError, ShapeError
+from pcompile.ir.ops._define import define, grad_helper
 from pcompile.ir.ops._jax import jax, jnp
 from pcompile.ir.ops._util import is_zero, same_dtype, tensor, tuple_type
 from pcompile.ir.ops.causal_mask import is_causal_mask
 from pcompile.ir.rank import RankScalar, RankValue
-from pcompile.ir.registry import FLOATS, OpDef, OpDoc, register
+from pcompile.ir.registry import FLOATS
+from pcompile.ir.sharding import (
+    LabelRule,
+    Labels,
+    OpContext,
+    OpSharding,
+    Strategy,
+    StrategyError,
+    fresh_labels,
+    label_sharding,
+)
 from pcompile.ir.types import DType, TensorType, TupleType, ValueType
 
 LAYOUTS = ("BSH", "SBH", "BNSD", "BSND")
@@ -631,43 +643,176 @@ attention = Attention()
   by `passes/step_parallel.py`). Ranks with different windows run one SPMD program with
   attribute variants.'''
 
-register(
-    OpDef(
-        "FlashAttentionScore",
-        _infer,
-        numpy=_fa_np,
-        jax=_fa_jax,
-        vjp=_fa_vjp,
-        lowering_attrs=causal_lowering_attrs,
-        attrs=dict(DEFAULTS),
-        num_inputs=(3, 4),
-        doc=(
-            "(softmax_max, softmax_sum, softmax_out, attention_out) of softmax(scale * q k^T, "
-            "masked by sparse_mode/attn_mask) v; layouts BSH, SBH, BNSD, BSND; kv heads may be "
-            "fewer than query heads (grouped-query attention). See ir/ops/attention.py."
-        ),
-        page=OpDoc(
-            "attention",
-            "query, key, value, [attn_mask] -> (softmax_max, softmax_sum, softmax_out, "
-            "attention_out)",
-            FLOATS,
-            rule="batch and query heads split (kv heads as the query's); the query sequence may "
-                 "split; kv sequence and head size never",
-            tests=(
-                "test_ops_attention.py::test_flash_attention_float32",
-                "test_ops_attention.py::test_flash_attention_16_bit",
-                "test_ops_attention.py::test_llama_call_causal_gqa",
-                "test_attention_causal.py::test_fused_lowering_equals_the_general_path",
-                "test_attention_causal.py::test_fused_lowering_in_float64_is_the_definition",
-                "test_parallel_ops.py::test_flash_attention_rule_matches_the_oracle",
-                "test_parallel_ops.py::test_flash_attention_query_split_matches_the_oracle",
-                "test_mindformers_ops.py::test_flash_attention_as_mindformers_calls_it_trains_lik"
-                "e_one_device",
-            ),
-            note=_FLASH_ATTENTION_NOTE,
-        ),
-    )
-)
+def flash_attention_labels(ctx: OpContext) -> Labels:
+    """FlashAttentionScore (MindSpore's flash_attention_score_info): b batch, s query
+    sequence, t kv sequence (never split), n query heads (or hidden N1 * D), d head dim (never
+    split). The kv heads share n's label, so they split as the query heads do, except under
+    multi-query attention (one kv head), where they are never split. The mask's batch and
+    head dims follow b and n where it has them; a compressed mask is never split. A split
+    query sequence splits the mask's rows with it, and every rank's window (sparse_mode,
+    pre_tokens, next_tokens) is moved to its slice (expand "attention_query_split")."""
+    q, k = ctx.in_types[0], ctx.in_types[1]
+    layout = str(ctx.attrs.get("input_layout", "BSH"))
+    dims = attention_dims(q.shape, k.shape, int(ctx.attrs["head_num"]), layout)
+    kv = "n" if dims.kv_heads > 1 else "m"
+    q_lab, k_lab = {"BSH": ("bsn", f"bt{kv}"), "SBH": ("sbn", f"tb{kv}"),
+                    "BNSD": ("bnsd", f"b{kv}td"), "BSND": ("bsnd", f"bt{kv}d")}[layout]
+    unsplit = {"t", "d", "m"}
+    ins = [q_lab, k_lab, k_lab]
+    if len(ctx.in_types) == 4:
+        mask = ctx.in_types[3]
+        used = set("bsntdm")
+        if int(ctx.attrs.get("sparse_mode", 0)) in (2, 3, 4):
+            m_lab = "".join(fresh_labels(mask.rank, used))
+            unsplit |= set(m_lab)
+        elif mask.rank == 2:
+            m_lab = "st"
+        else:
+            m_lab = ""
+            for size, name in zip(mask.shape[:2], "bn"):
+                if size > 1:
+                    m_lab += name
+                else:
+                    fresh = fresh_labels(1, used)[0]
+                    unsplit.add(fresh)
+                    m_lab += fresh
+            m_lab += "st"
+        ins.append(m_lab)
+    e, f = fresh_labels(2, set("".join(ins)))
+    return Labels(ins, ["bns" + e, "bns" + e, f, q_lab], unsplit | {e, f})
+
+
+_ATTENTION_ROLES = {
+    "t": "the kv sequence",
+    "d": "the head size",
+    "m": "the kv heads of multi-query attention (one kv head)",
+    "s": "the query sequence",
+}
+
+
+class FlashAttentionRule(LabelRule):
+    """Labels plus what they cannot say: a split of the hidden size (BSH, SBH) or of the
+    heads must keep whole heads on a rank, query and kv alike; the local op sees
+    head_num / split heads."""
+
+    def __init__(self) -> None:
+        super().__init__(flash_attention_labels)
+
+    def role(self, name: str) -> str:
+        return _ATTENTION_ROLES.get(name, "a dim of a compressed or broadcast attn_mask")
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        if len(strategy) != len(ctx.in_types):
+            raise StrategyError(
+                f"the strategy has {len(strategy)} entries but the op has {len(ctx.in_types)} "
+                "tensor inputs (query, key, value and attn_mask when it is passed)",
+                "give one tuple per passed input",
+            )
+        q, k = ctx.in_types[0], ctx.in_types[1]
+        layout = str(ctx.attrs.get("input_layout", "BSH"))
+        head_num = int(ctx.attrs["head_num"])
+        dims = attention_dims(q.shape, k.shape, head_num, layout)
+        axis = dims.head_axis
+        heads_split = strategy[0][axis] if len(strategy[0]) > axis else 1
+        kv_split = strategy[1][axis] if len(strategy[1]) > axis else 1
+        if head_num % heads_split:
+            raise StrategyError(
+                f"the query has {head_num} heads, which cannot be split {heads_split} ways "
+                "(head_num % split must be 0)",
+                "split the heads by a divisor of head_num",
+            )
+        if dims.kv_heads == 1 and kv_split > 1:
+            raise StrategyError(
+                "the key and value have one head (multi-query attention), so their head dim "
+                f"cannot be split, but the strategy splits it {kv_split} ways",
+                "use 1 for the kv head dim; the query heads may still be split",
+            )
+        if dims.kv_heads > 1 and dims.kv_heads % kv_split:
+            raise StrategyError(
+                f"the key and value have {dims.kv_heads} heads, which cannot be split "
+                f"{kv_split} ways; under grouped-query attention they split as the query "
+                "heads do",
+                "split the heads by a divisor of the kv head count",
+            )
+        result = label_sharding(ctx, self.labels(ctx), strategy, out_strategy)
+        result.local_attrs["head_num"] = head_num // heads_split
+        if strategy[0][dims.seq_dim] > 1:
+            result.expand = "attention_query_split"
+        return result
+
+
+def _fa_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """q, k, v, the mask and the statistics share batch, heads and sequences; grouped-query
+    attention keeps its ratio of query to kv heads (BSH/SBH: of hidden sizes)."""
+    q, k = ins[0][0], ins[1][0]
+    layout = attrs["input_layout"]
+    for d in range(len(k)):
+        yield Same(In(1, d), In(2, d))
+    for d in range(len(q)):
+        yield Same(In(0, d), Out(d, 3))
+    if layout in ("BSH", "SBH"):
+        b, s = (0, 1) if layout == "BSH" else (1, 0)
+        n = None
+        yield Divides(In(0, 2), attrs["head_num"])
+        yield Product((In(1, 2),), (In(0, 2),), q[2] // k[2])
+    else:
+        n, s = (1, 2) if layout == "BNSD" else (2, 1)
+        yield Same(In(0, 3), In(1, 3))
+        yield Product((In(1, n),), (In(0, n),), q[n] // k[n])
+    yield Same(In(0, b := 0 if layout != "SBH" else 1), In(1, b))
+    for e in (0, 1):
+        yield Same(In(0, b), Out(0, e))
+        yield Same(In(0, s), Out(2, e))
+        yield Fixed(Out(3, e))
+        if n is not None:
+            yield Same(In(0, n), Out(1, e))
+        else:
+            yield Fixed(Out(1, e), "BSH/SBH statistics count heads by head_num")
+    if len(ins) == 4:
+        mask = ins[3][0]
+        if attrs["sparse_mode"] in (2, 3, 4):
+            for d in range(len(mask)):
+                yield Fixed(In(3, d))
+            return
+        r = len(mask)
+        yield Same(In(3, r - 2), In(0, s))
+        yield Same(In(3, r - 1), In(1, s))
+        if r == 4 and mask[0] != 1:
+            yield Same(In(3, 0), In(0, b))
+        if r == 4 and mask[1] != 1 and n is not None:
+            yield Same(In(3, 1), In(0, n))
+
+
+def _fa_rewrite(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
+                new_out: Any) -> dict[str, Any]:
+    layout = attrs["input_layout"]
+    if layout in ("BSH", "SBH"):
+        return dict(attrs)
+    return {**attrs, "head_num": new_in[0][0][1 if layout == "BNSD" else 2]}
+
+
+define("FlashAttentionScore", _infer, _fa_np, _fa_jax, vjp=_fa_vjp,
+       lowering_attrs=causal_lowering_attrs, attrs=dict(DEFAULTS), num_inputs=(3, 4),
+       sharding=FlashAttentionRule(),
+       doc="(softmax_max, softmax_sum, softmax_out, attention_out) of softmax(scale * q k^T, "
+           "masked by sparse_mode/attn_mask) v; layouts BSH, SBH, BNSD, BSND; kv heads may be "
+           "fewer than query heads (grouped-query attention). See ir/ops/attention.py.",
+       section="attention",
+       operands="query, key, value, [attn_mask] -> (softmax_max, softmax_sum, softmax_out, "
+                "attention_out)", dtypes=FLOATS,
+       rule="batch and query heads split (kv heads as the query's); the query sequence may split; "
+            "kv sequence and head size never",
+       tests=("test_ops_attention.py::test_flash_attention_float32",
+              "test_ops_attention.py::test_flash_attention_16_bit",
+              "test_ops_attention.py::test_llama_call_causal_gqa",
+              "test_attention_causal.py::test_fused_lowering_equals_the_general_path",
+              "test_attention_causal.py::test_fused_lowering_in_float64_is_the_definition",
+              "test_parallel_ops.py::test_flash_attention_rule_matches_the_oracle",
+              "test_parallel_ops.py::test_flash_attention_query_split_matches_the_oracle",
+              "test_mindformers_ops.py::test_flash_attention_as_mindformers_calls_it_trains_like_on"
+              "e_device"),
+       note=_FLASH_ATTENTION_NOTE, dims=DimRule(_fa_dims, _fa_rewrite))
 
 # -- FlashAttentionScoreGrad ---------------------------------------------------------------------
 
@@ -725,90 +870,15 @@ def _grad_jax(*arrays: Any, **attrs: Any) -> tuple[Any, ...]:
     return tuple(pullback(dy))
 
 
-register(
-    OpDef(
-        "FlashAttentionScoreGrad",
-        _grad_infer,
-        numpy=_grad_np,
-        jax=_grad_jax,
-        lowering_attrs=causal_lowering_attrs,
-        attrs=dict(DEFAULTS),
-        num_inputs=(7, 8),
-        differentiable=False,
-        doc=(
-            "FlashAttentionScoreGrad(query, key, value, dy, [attn_mask], softmax_max, "
-            "softmax_sum, attention_in) -> (dq, dk, dv), MindSpore's operand order without "
-            "the inputs pcompile does not take. The JAX implementation differentiates the "
-            "fused forward (jax.vjp), so GPUs run cuDNN's fused backward."
-        ),
-        page=OpDoc(
-            "attention",
-            "query, key, value, dy, [attn_mask], softmax_max, softmax_sum, attention_in -> (dq, "
-            "dk, dv)",
-            FLOATS,
+grad_helper("FlashAttentionScoreGrad", _grad_infer, _grad_np, _grad_jax,
+            lowering_attrs=causal_lowering_attrs, attrs=dict(DEFAULTS), num_inputs=(7, 8),
+            doc="FlashAttentionScoreGrad(query, key, value, dy, [attn_mask], softmax_max, "
+                "softmax_sum, attention_in) -> (dq, dk, dv), MindSpore's operand order without the "
+                "inputs pcompile does not take. The JAX implementation differentiates the fused "
+                "forward (jax.vjp), so GPUs run cuDNN's fused backward.",
             grad_of="FlashAttentionScore",
-            tests=(
-                "test_ops_attention.py::test_flash_attention_float32",
-                "test_ops_attention.py::test_flash_attention_16_bit",
-                "test_attention_causal.py::test_fused_lowering_equals_the_general_path",
-            ),
-        ),
-    )
-)
-
-
-# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
-from pcompile.ir.dims import Divides, Fixed, In, Out, Product, Same, dim_rule  # noqa: E402
-
-
-def _fa_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    """q, k, v, the mask and the statistics share batch, heads and sequences; grouped-query
-    attention keeps its ratio of query to kv heads (BSH/SBH: of hidden sizes)."""
-    q, k = ins[0][0], ins[1][0]
-    layout = attrs["input_layout"]
-    for d in range(len(k)):
-        yield Same(In(1, d), In(2, d))
-    for d in range(len(q)):
-        yield Same(In(0, d), Out(d, 3))
-    if layout in ("BSH", "SBH"):
-        b, s = (0, 1) if layout == "BSH" else (1, 0)
-        n = None
-        yield Divides(In(0, 2), attrs["head_num"])
-        yield Product((In(1, 2),), (In(0, 2),), q[2] // k[2])
-    else:
-        n, s = (1, 2) if layout == "BNSD" else (2, 1)
-        yield Same(In(0, 3), In(1, 3))
-        yield Product((In(1, n),), (In(0, n),), q[n] // k[n])
-    yield Same(In(0, b := 0 if layout != "SBH" else 1), In(1, b))
-    for e in (0, 1):
-        yield Same(In(0, b), Out(0, e))
-        yield Same(In(0, s), Out(2, e))
-        yield Fixed(Out(3, e))
-        if n is not None:
-            yield Same(In(0, n), Out(1, e))
-        else:
-            yield Fixed(Out(1, e), "BSH/SBH statistics count heads by head_num")
-    if len(ins) == 4:
-        mask = ins[3][0]
-        if attrs["sparse_mode"] in (2, 3, 4):
-            for d in range(len(mask)):
-                yield Fixed(In(3, d))
-            return
-        r = len(mask)
-        yield Same(In(3, r - 2), In(0, s))
-        yield Same(In(3, r - 1), In(1, s))
-        if r == 4 and mask[0] != 1:
-            yield Same(In(3, 0), In(0, b))
-        if r == 4 and mask[1] != 1 and n is not None:
-            yield Same(In(3, 1), In(0, n))
-
-
-def _fa_rewrite(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
-                new_out: Any) -> dict[str, Any]:
-    layout = attrs["input_layout"]
-    if layout in ("BSH", "SBH"):
-        return dict(attrs)
-    return {**attrs, "head_num": new_in[0][0][1 if layout == "BNSD" else 2]}
-
-
-dim_rule("FlashAttentionScore", relations=_fa_dims, rewrite=_fa_rewrite)
+            operands="query, key, value, dy, [attn_mask], softmax_max, softmax_sum, attention_in "
+                     "-> (dq, dk, dv)", dtypes=FLOATS, section="attention",
+            tests=("test_ops_attention.py::test_flash_attention_float32",
+                   "test_ops_attention.py::test_flash_attention_16_bit",
+                   "test_attention_causal.py::test_fused_lowering_equals_the_general_path"))

@@ -22,8 +22,9 @@ from typing import Any
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import PcompileError, ShapeError
+from pcompile.ir.ops._define import define
 from pcompile.ir.ops._util import normalize_axis, tensor
-from pcompile.ir.registry import ALL, OpDef, OpDoc, register
+from pcompile.ir.registry import ALL, InferFn, OpDef
 from pcompile.ir.types import ValueType
 
 _COMM_DEFAULTS: dict[str, Any] = {"group": "", "rank_list": (0,), "fusion": 0}
@@ -73,6 +74,20 @@ def _flag(attrs: dict[str, Any], name: str) -> bool:
     return value
 
 
+_COLLECTIVE_RULE = ("*no strategy*: inserted per rank by the parallel passes (user-callable in "
+                    "hybrid_parallel mode)")
+
+
+def collective(name: str, infer: InferFn, *, tests: tuple[str, ...], **fields: Any) -> OpDef:
+    """A collective: one operand, executed by the backends' communication runtime (no
+    numpy/jax callables), any dtype, no strategy of its own; its tests end with the check that
+    every collective is the identity on one rank."""
+    return define(name, infer, num_inputs=1, collective=True, section="compiler", dtypes=ALL,
+                  rule=_COLLECTIVE_RULE,
+                  tests=(*tests, "test_ops_comm.py::test_single_rank_collectives_are_identity"),
+                  **fields)
+
+
 # -- AllReduce ------------------------------------------------------------------------------
 
 
@@ -102,34 +117,15 @@ def _all_reduce_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     raise PcompileError(f"{node.where()}: AllReduce(op={op!r}) has no gradient rule")
 
 
-register(
-    OpDef(
-        "AllReduce",
-        _all_reduce_infer,
-        vjp=_all_reduce_vjp,
-        attrs={"op": "sum", **_COMM_DEFAULTS},
-        num_inputs=1,
-        collective=True,
-        doc=(
-            "Element-wise reduction (op sum|max|min|prod) over the ranks of the group. vjp: "
-            "AllReduce(sum) of the cotangent (the cotangent times the group size when the "
-            "node has `replicated_cotangent: true`: every rank of the group holds the same "
-            "one); for max/min masked by x == result; prod has none."
-        ),
-        page=OpDoc(
-            "compiler",
-            "x; `op`, `group`, `rank_list`, `fusion`",
-            ALL,
-            rule="*no strategy*: inserted per rank by the parallel passes (user-callable in "
-                 "hybrid_parallel mode)",
-            tests=(
-                "test_ops_comm.py::test_shape_inference",
-                "test_ops_comm.py::test_all_reduce_sum_vjp_is_all_reduce_sum",
-                "test_ops_comm.py::test_single_rank_collectives_are_identity",
-            ),
-        ),
-    )
-)
+collective("AllReduce", _all_reduce_infer, vjp=_all_reduce_vjp,
+           attrs={"op": "sum", **_COMM_DEFAULTS},
+           doc="Element-wise reduction (op sum|max|min|prod) over the ranks of the group. vjp: "
+               "AllReduce(sum) of the cotangent (the cotangent times the group size when the node "
+               "has `replicated_cotangent: true`: every rank of the group holds the same one); for "
+               "max/min masked by x == result; prod has none.",
+           operands="x; `op`, `group`, `rank_list`, `fusion`",
+           tests=("test_ops_comm.py::test_shape_inference",
+                  "test_ops_comm.py::test_all_reduce_sum_vjp_is_all_reduce_sum"))
 
 # -- AllGather ------------------------------------------------------------------------------
 
@@ -150,32 +146,13 @@ def _all_gather_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [grad]
 
 
-register(
-    OpDef(
-        "AllGather",
-        _all_gather_infer,
-        vjp=_all_gather_vjp,
-        attrs={**_COMM_DEFAULTS, "mean_flag": False},
-        num_inputs=1,
-        collective=True,
-        doc=(
-            "Concatenates the ranks' x along dim 0 in rank_list order (dim 0 grows n times). "
-            "vjp: ReduceScatter(sum), times 1/n if mean_flag."
-        ),
-        page=OpDoc(
-            "compiler",
-            "x; `group`, `rank_list`, `fusion` (gathers on dim 0)",
-            ALL,
-            rule="*no strategy*: inserted per rank by the parallel passes (user-callable in "
-                 "hybrid_parallel mode)",
-            tests=(
-                "test_ops_comm.py::test_gather_scatter_shapes",
-                "test_ops_comm.py::test_all_gather_vjp_is_reduce_scatter",
-                "test_ops_comm.py::test_single_rank_collectives_are_identity",
-            ),
-        ),
-    )
-)
+collective("AllGather", _all_gather_infer, vjp=_all_gather_vjp,
+           attrs={**_COMM_DEFAULTS, "mean_flag": False},
+           doc="Concatenates the ranks' x along dim 0 in rank_list order (dim 0 grows n times). "
+               "vjp: ReduceScatter(sum), times 1/n if mean_flag.",
+           operands="x; `group`, `rank_list`, `fusion` (gathers on dim 0)",
+           tests=("test_ops_comm.py::test_gather_scatter_shapes",
+                  "test_ops_comm.py::test_all_gather_vjp_is_reduce_scatter"))
 
 # -- ReduceScatter --------------------------------------------------------------------------
 
@@ -201,32 +178,13 @@ def _reduce_scatter_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None
     return [b("AllGather", cot, **_comm_attrs(node))]
 
 
-register(
-    OpDef(
-        "ReduceScatter",
-        _reduce_scatter_infer,
-        vjp=_reduce_scatter_vjp,
-        attrs={"op": "sum", **_COMM_DEFAULTS},
-        num_inputs=1,
-        collective=True,
-        doc=(
-            "Reduces x over the group and gives rank i the i-th of n blocks along dim 0. "
-            "vjp (op sum only): AllGather."
-        ),
-        page=OpDoc(
-            "compiler",
-            "x; `op`, `group`, `rank_list`, `fusion` (scatters dim 0)",
-            ALL,
-            rule="*no strategy*: inserted per rank by the parallel passes (user-callable in "
-                 "hybrid_parallel mode)",
-            tests=(
-                "test_ops_comm.py::test_gather_scatter_shapes",
-                "test_ops_comm.py::test_reduce_scatter_vjp_is_all_gather",
-                "test_ops_comm.py::test_single_rank_collectives_are_identity",
-            ),
-        ),
-    )
-)
+collective("ReduceScatter", _reduce_scatter_infer, vjp=_reduce_scatter_vjp,
+           attrs={"op": "sum", **_COMM_DEFAULTS},
+           doc="Reduces x over the group and gives rank i the i-th of n blocks along dim 0. vjp "
+               "(op sum only): AllGather.",
+           operands="x; `op`, `group`, `rank_list`, `fusion` (scatters dim 0)",
+           tests=("test_ops_comm.py::test_gather_scatter_shapes",
+                  "test_ops_comm.py::test_reduce_scatter_vjp_is_all_gather"))
 
 # -- AlltoAll -------------------------------------------------------------------------------
 
@@ -271,33 +229,14 @@ def _all_to_all_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     ]
 
 
-register(
-    OpDef(
-        "AlltoAll",
-        _all_to_all_infer,
-        vjp=_all_to_all_vjp,
-        attrs={"split_count": 1, "split_dim": 0, "concat_dim": 0, **_COMM_DEFAULTS},
-        num_inputs=1,
-        collective=True,
-        doc=(
-            "Splits x into split_count blocks along split_dim, sends block i to the i-th rank "
-            "and concatenates the received blocks along concat_dim. split_count must equal "
-            "len(rank_list). vjp: AlltoAll with split_dim and concat_dim swapped."
-        ),
-        page=OpDoc(
-            "compiler",
-            "x; `split_count`, `split_dim`, `concat_dim`, `group`, `rank_list`",
-            ALL,
-            rule="*no strategy*: inserted per rank by the parallel passes (user-callable in "
-                 "hybrid_parallel mode)",
-            tests=(
-                "test_ops_comm.py::test_shape_inference",
-                "test_ops_comm.py::test_all_to_all_vjp_swaps_dims",
-                "test_ops_comm.py::test_single_rank_collectives_are_identity",
-            ),
-        ),
-    )
-)
+collective("AlltoAll", _all_to_all_infer, vjp=_all_to_all_vjp,
+           attrs={"split_count": 1, "split_dim": 0, "concat_dim": 0, **_COMM_DEFAULTS},
+           doc="Splits x into split_count blocks along split_dim, sends block i to the i-th rank "
+               "and concatenates the received blocks along concat_dim. split_count must equal "
+               "len(rank_list). vjp: AlltoAll with split_dim and concat_dim swapped.",
+           operands="x; `split_count`, `split_dim`, `concat_dim`, `group`, `rank_list`",
+           tests=("test_ops_comm.py::test_shape_inference",
+                  "test_ops_comm.py::test_all_to_all_vjp_swaps_dims"))
 
 # -- Broadcast ------------------------------------------------------------------------------
 
@@ -311,33 +250,13 @@ def _broadcast_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType
     return x
 
 
-register(
-    OpDef(
-        "Broadcast",
-        _broadcast_infer,
-        vjp=None,
-        attrs={"root_rank": 0, **_COMM_DEFAULTS},
-        num_inputs=1,
-        collective=True,
-        doc=(
-            "Every rank receives the root_rank's x. Not differentiable here: the correct "
-            "gradient (sum of the cotangents onto the root, zero elsewhere) needs a rank-"
-            "dependent op; MindSpore's own bprop passes the cotangent through unchanged."
-        ),
-        page=OpDoc(
-            "compiler",
-            "x; `root_rank`, `group`, `rank_list`",
-            ALL,
-            rule="*no strategy*: inserted per rank by the parallel passes (user-callable in "
-                 "hybrid_parallel mode)",
-            tests=(
-                "test_ops_comm.py::test_shape_inference",
-                "test_ops_comm.py::test_broadcast_is_not_differentiable",
-                "test_ops_comm.py::test_single_rank_collectives_are_identity",
-            ),
-        ),
-    )
-)
+collective("Broadcast", _broadcast_infer, vjp=None, attrs={"root_rank": 0, **_COMM_DEFAULTS},
+           doc="Every rank receives the root_rank's x. Not differentiable here: the correct "
+               "gradient (sum of the cotangents onto the root, zero elsewhere) needs a "
+               "rank-dependent op; MindSpore's own bprop passes the cotangent through unchanged.",
+           operands="x; `root_rank`, `group`, `rank_list`",
+           tests=("test_ops_comm.py::test_shape_inference",
+                  "test_ops_comm.py::test_broadcast_is_not_differentiable"))
 
 # -- _MirrorOperator ------------------------------------------------------------------------
 
@@ -369,32 +288,15 @@ def _identity_jax(x: Any, **_: Any) -> Any:
     return x
 
 
-register(
-    OpDef(
-        "_MirrorOperator",
-        _mirror_infer,
-        numpy=_identity_np,
-        jax=_identity_jax,
-        vjp=_mirror_vjp,
-        attrs={**_COMM_DEFAULTS, "dev_num": 1, "mean_flag": False, "parameter": ""},
-        num_inputs=1,
-        doc=(
-            "Forward identity placed after a parameter; vjp: AllReduce(sum) of the gradient "
-            "over the parameter's mirror group, times 1/dev_num if mean_flag."
-        ),
-        page=OpDoc(
-            "compiler",
-            "x (identity; its vjp all-reduces a parameter's gradient)",
-            ALL,
-            rule="*no strategy*: inserted per rank by the parallel passes",
-            spelling="inserted by the compiler",
-            tests=(
-                "test_ops_comm.py::test_mirror_vjp_is_all_reduce",
-                "test_ops_comm.py::test_virtual_ops_single_rank",
-            ),
-        ),
-    )
-)
+define("_MirrorOperator", _mirror_infer, _identity_np, _identity_jax, vjp=_mirror_vjp,
+       attrs={**_COMM_DEFAULTS, "dev_num": 1, "mean_flag": False, "parameter": ""}, num_inputs=1,
+       doc="Forward identity placed after a parameter; vjp: AllReduce(sum) of the gradient over "
+           "the parameter's mirror group, times 1/dev_num if mean_flag.", section="compiler",
+       operands="x (identity; its vjp all-reduces a parameter's gradient)", dtypes=ALL,
+       rule="*no strategy*: inserted per rank by the parallel passes",
+       tests=("test_ops_comm.py::test_mirror_vjp_is_all_reduce",
+              "test_ops_comm.py::test_virtual_ops_single_rank"),
+       spelling="inserted by the compiler")
 
 # -- _VirtualDiv ----------------------------------------------------------------------------
 
@@ -411,26 +313,12 @@ def _virtual_div_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [b("RealDiv", cot, float(node.attrs["divisor"]))]
 
 
-register(
-    OpDef(
-        "_VirtualDiv",
-        _virtual_div_infer,
-        numpy=_identity_np,
-        jax=_identity_jax,
-        vjp=_virtual_div_vjp,
-        attrs={"divisor": 1},
-        num_inputs=1,
-        doc="Forward identity on the loss; vjp: cotangent / divisor (the loss repeat count).",
-        page=OpDoc(
-            "compiler",
-            "x; `divisor` (identity; its vjp divides by the loss's repeat count)",
-            ALL,
-            rule="*no strategy*: inserted per rank by the parallel passes",
-            spelling="inserted by the compiler",
-            tests=(
-                "test_ops_comm.py::test_virtual_div_vjp_divides",
-                "test_ops_comm.py::test_virtual_ops_single_rank",
-            ),
-        ),
-    )
-)
+define("_VirtualDiv", _virtual_div_infer, _identity_np, _identity_jax, vjp=_virtual_div_vjp,
+       attrs={"divisor": 1}, num_inputs=1,
+       doc="Forward identity on the loss; vjp: cotangent / divisor (the loss repeat count).",
+       section="compiler",
+       operands="x; `divisor` (identity; its vjp divides by the loss's repeat count)", dtypes=ALL,
+       rule="*no strategy*: inserted per rank by the parallel passes",
+       tests=("test_ops_comm.py::test_virtual_div_vjp_divides",
+              "test_ops_comm.py::test_virtual_ops_single_rank"),
+       spelling="inserted by the compiler")

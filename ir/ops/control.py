@@ -23,9 +23,11 @@ import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
+from pcompile.ir.dims import DimRule, In, Out, Same
 from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._define import define
 from pcompile.ir.ops._jax import jnp, lax
-from pcompile.ir.registry import ALL, OpDef, OpDoc, register
+from pcompile.ir.registry import ALL, Trait
 from pcompile.ir.types import TensorType, ValueType
 
 
@@ -59,34 +61,14 @@ strategy: the result has value's layout and expr is never redistributed. In JAX 
 is computed as value minus an exact zero derived from expr, which XLA can neither drop nor
 merge; other dtypes use an optimization barrier."""
 
-register(
-    OpDef(
-        "Depend",
-        _depend_infer,
-        numpy=_depend_np,
-        jax=_depend_jax,
-        vjp=_depend_vjp,
-        num_inputs=2,
-        doc="value, computed after expr (an ordering edge; no strategy, value's layout).",
-        page=OpDoc(
-            "elementwise",
-            "value, expr -> value",
-            ALL,
-            rule="*no strategy*: value's layout; expr is never redistributed",
-            tests=(
-                "test_ops_arith.py::test_depend_matches_jax",
-                "test_ops_arith.py::test_depend_needs_a_tensor_value",
-                "test_ops_arith.py::test_depend_in_the_forward_graph_trains_like_one_device",
-                "test_ops_arith.py::test_depend_skips_python_values",
-            ),
-            note=_DEPEND_NOTE,
-        ),
-    )
-)
-
-
-# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
-from pcompile.ir.dims import In, Out, Same, dim_rule  # noqa: E402
-
-dim_rule("Depend", relations=lambda ins, outs, attrs: (
-    Same(In(0, d), Out(d)) for d in range(len(outs[0]))), preserves_values=True)
+define("Depend", _depend_infer, _depend_np, _depend_jax, vjp=_depend_vjp, num_inputs=2,
+       traits=frozenset({Trait.FIRST_OPERAND}),
+       doc="value, computed after expr (an ordering edge; no strategy, value's layout).",
+       section="elementwise", operands="value, expr -> value", dtypes=ALL,
+       rule="*no strategy*: value's layout; expr is never redistributed",
+       tests=("test_ops_arith.py::test_depend_matches_jax",
+              "test_ops_arith.py::test_depend_needs_a_tensor_value",
+              "test_ops_arith.py::test_depend_in_the_forward_graph_trains_like_one_device",
+              "test_ops_arith.py::test_depend_skips_python_values"), note=_DEPEND_NOTE,
+       dims=DimRule(lambda ins, outs, attrs: (Same(In(0, d), Out(d)) for d in range(len(outs[0]))),
+                    preserves_values=True))

@@ -21,7 +21,9 @@ import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Constant, Node, Value
+from pcompile.ir.dims import DimRule, In, Out, Same, broadcast
 from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._define import define, elementwise, grad_helper
 from pcompile.ir.ops._jax import deferred, jax, jnp, lax
 from pcompile.ir.ops._util import (
     broadcast_shapes,
@@ -33,7 +35,8 @@ from pcompile.ir.ops._util import (
     tensor,
     unbroadcast,
 )
-from pcompile.ir.registry import ALL, BOOL, FLOATS, NUMERIC, OpDef, OpDoc, register
+from pcompile.ir.registry import ALL, BOOL, FLOATS, NUMERIC, Trait
+from pcompile.ir.sharding import ALPHA, LabelRule, Labels, OpContext
 from pcompile.ir.types import DType, TensorType, ValueType
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -102,27 +105,11 @@ def _add_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [unbroadcast(b, cot, x.shape), unbroadcast(b, cot, y.shape)]
 
 
-register(
-    OpDef(
-        "Add",
-        infer_binary,
-        numpy=lambda x, y: np.add(x, y),
-        jax=lambda x, y: jnp.add(x, y),
-        vjp=_add_vjp,
-        num_inputs=2,
-        doc="x + y with broadcasting.",
-        page=OpDoc(
-            "elementwise",
-            "x, y (broadcast)",
-            ALL,
-            rule="element-wise",
-            tests=(
-                "test_ops_elementwise.py::test_binary",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+elementwise("Add", infer_binary, lambda x, y: np.add(x, y), lambda x, y: jnp.add(x, y),
+            vjp=_add_vjp, num_inputs=2, doc="x + y with broadcasting.", operands="x, y (broadcast)",
+            dtypes=ALL,
+            tests=("test_ops_elementwise.py::test_binary",
+                   "test_parallel.py::test_every_rule_matches_the_oracle"))
 
 # -- Sub ------------------------------------------------------------------------------------
 
@@ -131,27 +118,11 @@ def _sub_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return _binary_cotangents(b, node, cot, b("Neg", cot))
 
 
-register(
-    OpDef(
-        "Sub",
-        _infer_binary_numeric,
-        numpy=lambda x, y: np.subtract(x, y),
-        jax=lambda x, y: jnp.subtract(x, y),
-        vjp=_sub_vjp,
-        num_inputs=2,
-        doc="x - y with broadcasting.",
-        page=OpDoc(
-            "elementwise",
-            "x, y (broadcast)",
-            NUMERIC,
-            rule="element-wise",
-            tests=(
-                "test_ops_elementwise.py::test_binary",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+elementwise("Sub", _infer_binary_numeric, lambda x, y: np.subtract(x, y),
+            lambda x, y: jnp.subtract(x, y), vjp=_sub_vjp, num_inputs=2,
+            doc="x - y with broadcasting.", operands="x, y (broadcast)", dtypes=NUMERIC,
+            tests=("test_ops_elementwise.py::test_binary",
+                   "test_parallel.py::test_every_rule_matches_the_oracle"))
 
 # -- Mul ------------------------------------------------------------------------------------
 
@@ -161,27 +132,11 @@ def _mul_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [unbroadcast(b, b("Mul", cot, y), x.shape), unbroadcast(b, b("Mul", cot, x), y.shape)]
 
 
-register(
-    OpDef(
-        "Mul",
-        infer_binary,
-        numpy=lambda x, y: np.multiply(x, y),
-        jax=lambda x, y: jnp.multiply(x, y),
-        vjp=_mul_vjp,
-        num_inputs=2,
-        doc="x * y with broadcasting.",
-        page=OpDoc(
-            "elementwise",
-            "x, y (broadcast)",
-            ALL,
-            rule="element-wise",
-            tests=(
-                "test_ops_elementwise.py::test_binary",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+elementwise("Mul", infer_binary, lambda x, y: np.multiply(x, y), lambda x, y: jnp.multiply(x, y),
+            vjp=_mul_vjp, num_inputs=2, doc="x * y with broadcasting.", operands="x, y (broadcast)",
+            dtypes=ALL,
+            tests=("test_ops_elementwise.py::test_binary",
+                   "test_parallel.py::test_every_rule_matches_the_oracle"))
 
 # -- RealDiv --------------------------------------------------------------------------------
 
@@ -194,27 +149,12 @@ def _real_div_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return _binary_cotangents(b, node, dx, dy)
 
 
-register(
-    OpDef(
-        "RealDiv",
-        _infer_binary_float,
-        numpy=lambda x, y: np.true_divide(x, y),
-        jax=lambda x, y: jnp.true_divide(x, y),
-        vjp=_real_div_vjp,
-        num_inputs=2,
-        doc="x / y with broadcasting (floating-point operands).",
-        page=OpDoc(
-            "elementwise",
-            "x, y (broadcast)",
-            FLOATS,
-            rule="element-wise",
-            tests=(
-                "test_ops_elementwise.py::test_binary",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+elementwise("RealDiv", _infer_binary_float, lambda x, y: np.true_divide(x, y),
+            lambda x, y: jnp.true_divide(x, y), vjp=_real_div_vjp, num_inputs=2,
+            doc="x / y with broadcasting (floating-point operands).", operands="x, y (broadcast)",
+            dtypes=FLOATS,
+            tests=("test_ops_elementwise.py::test_binary",
+                   "test_parallel.py::test_every_rule_matches_the_oracle"))
 
 # -- Maximum / Minimum ------------------------------------------------------------------------
 
@@ -233,50 +173,18 @@ def _chooser_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return _binary_cotangents(b, node, dx, dy)
 
 
-register(
-    OpDef(
-        "Maximum",
-        infer_binary,
-        numpy=lambda x, y: np.maximum(x, y),
-        jax=lambda x, y: jnp.maximum(x, y),
-        vjp=_chooser_vjp,
-        num_inputs=2,
-        doc="Element-wise max(x, y) with broadcasting.",
-        page=OpDoc(
-            "elementwise",
-            "x, y (broadcast)",
-            ALL,
-            rule="element-wise",
-            tests=(
-                "test_ops_elementwise.py::test_binary",
-                "test_ops_elementwise.py::test_max_min_ties_split_gradient",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+elementwise("Maximum", infer_binary, lambda x, y: np.maximum(x, y), lambda x, y: jnp.maximum(x, y),
+            vjp=_chooser_vjp, num_inputs=2, doc="Element-wise max(x, y) with broadcasting.",
+            operands="x, y (broadcast)", dtypes=ALL,
+            tests=("test_ops_elementwise.py::test_binary",
+                   "test_ops_elementwise.py::test_max_min_ties_split_gradient",
+                   "test_parallel.py::test_every_rule_matches_the_oracle"))
 
-register(
-    OpDef(
-        "Minimum",
-        infer_binary,
-        numpy=lambda x, y: np.minimum(x, y),
-        jax=lambda x, y: jnp.minimum(x, y),
-        vjp=_chooser_vjp,
-        num_inputs=2,
-        doc="Element-wise min(x, y) with broadcasting.",
-        page=OpDoc(
-            "elementwise",
-            "x, y (broadcast)",
-            ALL,
-            rule="element-wise",
-            tests=(
-                "test_ops_elementwise.py::test_binary",
-                "test_ops_elementwise.py::test_max_min_ties_split_gradient",
-            ),
-        ),
-    )
-)
+elementwise("Minimum", infer_binary, lambda x, y: np.minimum(x, y), lambda x, y: jnp.minimum(x, y),
+            vjp=_chooser_vjp, num_inputs=2, doc="Element-wise min(x, y) with broadcasting.",
+            operands="x, y (broadcast)", dtypes=ALL,
+            tests=("test_ops_elementwise.py::test_binary",
+                   "test_ops_elementwise.py::test_max_min_ties_split_gradient"))
 
 # -- Pow ------------------------------------------------------------------------------------
 
@@ -290,27 +198,12 @@ def _pow_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return _binary_cotangents(b, node, dx, dy)
 
 
-register(
-    OpDef(
-        "Pow",
-        _infer_binary_numeric,
-        numpy=lambda x, y: np.power(x, y),
-        jax=lambda x, y: jnp.power(x, y),
-        vjp=_pow_vjp,
-        num_inputs=2,
-        doc="x ** y with broadcasting; the y-gradient uses log(x), so needs x > 0.",
-        page=OpDoc(
-            "elementwise",
-            "x, y (broadcast)",
-            NUMERIC,
-            rule="element-wise",
-            tests=(
-                "test_ops_elementwise.py::test_binary",
-                "test_ops_elementwise.py::test_pow_integer_exponents_and_zero_base",
-            ),
-        ),
-    )
-)
+elementwise("Pow", _infer_binary_numeric, lambda x, y: np.power(x, y), lambda x, y: jnp.power(x, y),
+            vjp=_pow_vjp, num_inputs=2,
+            doc="x ** y with broadcasting; the y-gradient uses log(x), so needs x > 0.",
+            operands="x, y (broadcast)", dtypes=NUMERIC,
+            tests=("test_ops_elementwise.py::test_binary",
+                   "test_ops_elementwise.py::test_pow_integer_exponents_and_zero_base"))
 
 # -- ReLU -----------------------------------------------------------------------------------
 
@@ -319,27 +212,11 @@ def _relu_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [b("ReluGrad", cot, node.result)]
 
 
-register(
-    OpDef(
-        "ReLU",
-        infer_unary,
-        numpy=lambda x: np.maximum(x, np.zeros((), x.dtype)),
-        jax=lambda x: jnp.maximum(x, jnp.zeros((), x.dtype)),
-        vjp=_relu_vjp,
-        num_inputs=1,
-        doc="max(x, 0).",
-        page=OpDoc(
-            "elementwise",
-            "x",
-            ALL,
-            rule="element-wise",
-            tests=(
-                "test_ops_elementwise.py::test_unary",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+elementwise("ReLU", infer_unary, lambda x: np.maximum(x, np.zeros((), x.dtype)),
+            lambda x: jnp.maximum(x, jnp.zeros((), x.dtype)), vjp=_relu_vjp, doc="max(x, 0).",
+            dtypes=ALL,
+            tests=("test_ops_elementwise.py::test_unary",
+                   "test_parallel.py::test_every_rule_matches_the_oracle"))
 
 
 def _relu_grad_np(dy: Any, y: Any) -> Any:
@@ -350,65 +227,20 @@ def _relu_grad_jax(dy: Any, y: Any) -> Any:
     return jnp.where(y > 0, dy, jnp.zeros((), dy.dtype))
 
 
-register(
-    OpDef(
-        "ReluGrad",
-        infer_binary,
-        numpy=_relu_grad_np,
-        jax=_relu_grad_jax,
-        num_inputs=2,
-        differentiable=False,
-        doc="dy where y > 0 else 0 (y is ReLU's output).",
-        page=OpDoc(
-            "elementwise",
-            "dy, y",
-            ALL,
-            rule="element-wise",
-            grad_of="ReLU",
-            tests=("test_ops_elementwise.py::test_relu_grad",),
-        ),
-    )
-)
+elementwise("ReluGrad", infer_binary, _relu_grad_np, _relu_grad_jax, num_inputs=2,
+            differentiable=False, doc="dy where y > 0 else 0 (y is ReLU's output).",
+            operands="dy, y", dtypes=ALL, grad_of="ReLU",
+            tests=("test_ops_elementwise.py::test_relu_grad",))
 
 # -- Neg, Square ------------------------------------------------------------------------------
 
-register(
-    OpDef(
-        "Neg",
-        _infer_unary_numeric,
-        numpy=lambda x: np.negative(x),
-        jax=lambda x: jnp.negative(x),
-        vjp=lambda b, node, cot: [b("Neg", cot)],
-        num_inputs=1,
-        doc="-x.",
-        page=OpDoc(
-            "elementwise",
-            "x",
-            NUMERIC,
-            rule="element-wise",
-            tests=("test_ops_elementwise.py::test_unary",),
-        ),
-    )
-)
+elementwise("Neg", _infer_unary_numeric, lambda x: np.negative(x), lambda x: jnp.negative(x),
+            vjp=lambda b, node, cot: [b("Neg", cot)], doc="-x.", dtypes=NUMERIC,
+            tests=("test_ops_elementwise.py::test_unary",))
 
-register(
-    OpDef(
-        "Square",
-        _infer_unary_numeric,
-        numpy=lambda x: np.square(x),
-        jax=lambda x: jnp.square(x),
-        vjp=lambda b, node, cot: [b("Mul", cot, b("Mul", node.operands[0], 2.0))],
-        num_inputs=1,
-        doc="x * x.",
-        page=OpDoc(
-            "elementwise",
-            "x",
-            NUMERIC,
-            rule="element-wise",
-            tests=("test_ops_elementwise.py::test_unary",),
-        ),
-    )
-)
+elementwise("Square", _infer_unary_numeric, lambda x: np.square(x), lambda x: jnp.square(x),
+            vjp=lambda b, node, cot: [b("Mul", cot, b("Mul", node.operands[0], 2.0))], doc="x * x.",
+            dtypes=NUMERIC, tests=("test_ops_elementwise.py::test_unary",))
 
 # -- Abs ------------------------------------------------------------------------------------
 
@@ -421,92 +253,29 @@ def sign_of(b: Builder, x: Value, dtype: DType) -> Value:
     return b("Select", b("Greater", x, _scalar(0.0, x.dtype)), one, negative)
 
 
-register(
-    OpDef(
-        "Abs",
-        _infer_unary_numeric,
-        numpy=lambda x: np.abs(x),
-        jax=lambda x: jnp.abs(x),
-        vjp=lambda b, node, cot: [b("Mul", cot, sign_of(b, node.operands[0], cot.dtype))],
-        num_inputs=1,
-        doc="|x| (MindSpore `ops.Abs`); the gradient is sign(x), 0 at 0.",
-        page=OpDoc(
-            "elementwise",
-            "x",
-            NUMERIC,
-            rule="element-wise",
-            tests=(
-                "test_ops_lp_norm.py::test_abs",
-                "test_ops_lp_norm.py::test_abs_gradient_is_sign",
-                "test_parallel_ops.py::test_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+elementwise("Abs", _infer_unary_numeric, lambda x: np.abs(x), lambda x: jnp.abs(x),
+            vjp=lambda b, node, cot: [b("Mul", cot, sign_of(b, node.operands[0], cot.dtype))],
+            doc="|x| (MindSpore `ops.Abs`); the gradient is sign(x), 0 at 0.", dtypes=NUMERIC,
+            tests=("test_ops_lp_norm.py::test_abs",
+                   "test_ops_lp_norm.py::test_abs_gradient_is_sign",
+                   "test_parallel_ops.py::test_rule_matches_the_oracle"))
 
 # -- Exp, Log -------------------------------------------------------------------------------
 
-register(
-    OpDef(
-        "Exp",
-        infer_unary_float,
-        numpy=_np_in_f32(np.exp),
-        jax=lambda x: jnp.exp(x),
-        vjp=lambda b, node, cot: [b("Mul", cot, node.result)],
-        num_inputs=1,
-        doc="e ** x.",
-        page=OpDoc(
-            "elementwise",
-            "x",
-            FLOATS,
-            rule="element-wise",
-            tests=(
-                "test_ops_elementwise.py::test_unary",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+elementwise("Exp", infer_unary_float, _np_in_f32(np.exp), lambda x: jnp.exp(x),
+            vjp=lambda b, node, cot: [b("Mul", cot, node.result)], doc="e ** x.", dtypes=FLOATS,
+            tests=("test_ops_elementwise.py::test_unary",
+                   "test_parallel.py::test_every_rule_matches_the_oracle"))
 
-register(
-    OpDef(
-        "Log",
-        infer_unary_float,
-        numpy=_np_in_f32(np.log),
-        jax=lambda x: jnp.log(x),
-        vjp=lambda b, node, cot: [b("RealDiv", cot, node.operands[0])],
-        num_inputs=1,
-        doc="Natural logarithm.",
-        page=OpDoc(
-            "elementwise",
-            "x",
-            FLOATS,
-            rule="element-wise",
-            tests=("test_ops_elementwise.py::test_unary",),
-        ),
-    )
-)
+elementwise("Log", infer_unary_float, _np_in_f32(np.log), lambda x: jnp.log(x),
+            vjp=lambda b, node, cot: [b("RealDiv", cot, node.operands[0])],
+            doc="Natural logarithm.", dtypes=FLOATS, tests=("test_ops_elementwise.py::test_unary",))
 
 # -- Sqrt, Rsqrt ------------------------------------------------------------------------------
 
-register(
-    OpDef(
-        "Sqrt",
-        infer_unary_float,
-        numpy=_np_in_f32(np.sqrt),
-        jax=lambda x: jnp.sqrt(x),
-        vjp=lambda b, node, cot: [b("SqrtGrad", node.result, cot)],
-        num_inputs=1,
-        doc="Square root.",
-        page=OpDoc(
-            "elementwise",
-            "x",
-            FLOATS,
-            rule="element-wise",
-            tests=("test_ops_elementwise.py::test_unary",),
-        ),
-    )
-)
+elementwise("Sqrt", infer_unary_float, _np_in_f32(np.sqrt), lambda x: jnp.sqrt(x),
+            vjp=lambda b, node, cot: [b("SqrtGrad", node.result, cot)], doc="Square root.",
+            dtypes=FLOATS, tests=("test_ops_elementwise.py::test_unary",))
 
 
 @_np_in_f32
@@ -514,43 +283,15 @@ def _sqrt_grad_np(y: Any, dy: Any) -> Any:
     return dy * (0.5 / y)
 
 
-register(
-    OpDef(
-        "SqrtGrad",
-        _infer_binary_float,
-        numpy=_sqrt_grad_np,
-        jax=lambda y, dy: dy * (0.5 / y),
-        num_inputs=2,
-        differentiable=False,
-        doc="dy * 0.5 / y, y = sqrt(x) (MindSpore operand order: y, dy).",
-        page=OpDoc(
-            "elementwise",
-            "y, dy",
-            FLOATS,
-            grad_of="Sqrt",
+grad_helper("SqrtGrad", _infer_binary_float, _sqrt_grad_np, lambda y, dy: dy * (0.5 / y),
+            doc="dy * 0.5 / y, y = sqrt(x) (MindSpore operand order: y, dy).", grad_of="Sqrt",
+            operands="y, dy", dtypes=FLOATS,
             tests=("test_ops_elementwise.py::test_output_based_grad_helpers",),
-        ),
-    )
-)
+            dims=DimRule(broadcast))
 
-register(
-    OpDef(
-        "Rsqrt",
-        infer_unary_float,
-        numpy=_np_in_f32(lambda x: 1.0 / np.sqrt(x)),
-        jax=lambda x: lax.rsqrt(x),
-        vjp=lambda b, node, cot: [b("RsqrtGrad", node.result, cot)],
-        num_inputs=1,
-        doc="1 / sqrt(x).",
-        page=OpDoc(
-            "elementwise",
-            "x",
-            FLOATS,
-            rule="element-wise",
-            tests=("test_ops_elementwise.py::test_unary",),
-        ),
-    )
-)
+elementwise("Rsqrt", infer_unary_float, _np_in_f32(lambda x: 1.0 / np.sqrt(x)),
+            lambda x: lax.rsqrt(x), vjp=lambda b, node, cot: [b("RsqrtGrad", node.result, cot)],
+            doc="1 / sqrt(x).", dtypes=FLOATS, tests=("test_ops_elementwise.py::test_unary",))
 
 
 @_np_in_f32
@@ -558,45 +299,17 @@ def _rsqrt_grad_np(y: Any, dy: Any) -> Any:
     return dy * (-0.5 * y * y * y)
 
 
-register(
-    OpDef(
-        "RsqrtGrad",
-        _infer_binary_float,
-        numpy=_rsqrt_grad_np,
-        jax=lambda y, dy: dy * (-0.5 * y * y * y),
-        num_inputs=2,
-        differentiable=False,
-        doc="-0.5 * dy * y**3, y = rsqrt(x) (MindSpore operand order: y, dy).",
-        page=OpDoc(
-            "elementwise",
-            "y, dy",
-            FLOATS,
-            grad_of="Rsqrt",
+grad_helper("RsqrtGrad", _infer_binary_float, _rsqrt_grad_np, lambda y, dy: dy * (-0.5 * y * y * y),
+            doc="-0.5 * dy * y**3, y = rsqrt(x) (MindSpore operand order: y, dy).", grad_of="Rsqrt",
+            operands="y, dy", dtypes=FLOATS,
             tests=("test_ops_elementwise.py::test_output_based_grad_helpers",),
-        ),
-    )
-)
+            dims=DimRule(broadcast))
 
 # -- Tanh, Sigmoid ----------------------------------------------------------------------------
 
-register(
-    OpDef(
-        "Tanh",
-        infer_unary_float,
-        numpy=_np_in_f32(np.tanh),
-        jax=lambda x: jnp.tanh(x),
-        vjp=lambda b, node, cot: [b("TanhGrad", node.result, cot)],
-        num_inputs=1,
-        doc="Hyperbolic tangent.",
-        page=OpDoc(
-            "elementwise",
-            "x",
-            FLOATS,
-            rule="element-wise",
-            tests=("test_ops_elementwise.py::test_unary",),
-        ),
-    )
-)
+elementwise("Tanh", infer_unary_float, _np_in_f32(np.tanh), lambda x: jnp.tanh(x),
+            vjp=lambda b, node, cot: [b("TanhGrad", node.result, cot)], doc="Hyperbolic tangent.",
+            dtypes=FLOATS, tests=("test_ops_elementwise.py::test_unary",))
 
 
 @_np_in_f32
@@ -605,24 +318,12 @@ def _tanh_grad_np(y: Any, dy: Any) -> Any:
     return dy * (1.0 + y) * (1.0 - y)
 
 
-register(
-    OpDef(
-        "TanhGrad",
-        _infer_binary_float,
-        numpy=_tanh_grad_np,
-        jax=lambda y, dy: dy * (1.0 + y) * (1.0 - y),
-        num_inputs=2,
-        differentiable=False,
-        doc="dy * (1 - y**2), y = tanh(x) (MindSpore operand order: y, dy).",
-        page=OpDoc(
-            "elementwise",
-            "y, dy",
-            FLOATS,
-            grad_of="Tanh",
+grad_helper("TanhGrad", _infer_binary_float, _tanh_grad_np,
+            lambda y, dy: dy * (1.0 + y) * (1.0 - y),
+            doc="dy * (1 - y**2), y = tanh(x) (MindSpore operand order: y, dy).", grad_of="Tanh",
+            operands="y, dy", dtypes=FLOATS,
             tests=("test_ops_elementwise.py::test_output_based_grad_helpers",),
-        ),
-    )
-)
+            dims=DimRule(broadcast))
 
 
 @_np_in_f32
@@ -632,24 +333,9 @@ def _sigmoid_np(x: Any) -> Any:
     return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
-register(
-    OpDef(
-        "Sigmoid",
-        infer_unary_float,
-        numpy=_sigmoid_np,
-        jax=lambda x: jax.nn.sigmoid(x),
-        vjp=lambda b, node, cot: [b("SigmoidGrad", node.result, cot)],
-        num_inputs=1,
-        doc="1 / (1 + exp(-x)).",
-        page=OpDoc(
-            "elementwise",
-            "x",
-            FLOATS,
-            rule="element-wise",
-            tests=("test_ops_elementwise.py::test_unary",),
-        ),
-    )
-)
+elementwise("Sigmoid", infer_unary_float, _sigmoid_np, lambda x: jax.nn.sigmoid(x),
+            vjp=lambda b, node, cot: [b("SigmoidGrad", node.result, cot)], doc="1 / (1 + exp(-x)).",
+            dtypes=FLOATS, tests=("test_ops_elementwise.py::test_unary",))
 
 
 @_np_in_f32
@@ -657,24 +343,12 @@ def _sigmoid_grad_np(y: Any, dy: Any) -> Any:
     return dy * (y * (1.0 - y))
 
 
-register(
-    OpDef(
-        "SigmoidGrad",
-        _infer_binary_float,
-        numpy=_sigmoid_grad_np,
-        jax=lambda y, dy: dy * (y * (1.0 - y)),
-        num_inputs=2,
-        differentiable=False,
-        doc="dy * y * (1 - y), y = sigmoid(x) (MindSpore operand order: y, dy).",
-        page=OpDoc(
-            "elementwise",
-            "y, dy",
-            FLOATS,
-            grad_of="Sigmoid",
+grad_helper("SigmoidGrad", _infer_binary_float, _sigmoid_grad_np,
+            lambda y, dy: dy * (y * (1.0 - y)),
+            doc="dy * y * (1 - y), y = sigmoid(x) (MindSpore operand order: y, dy).",
+            grad_of="Sigmoid", operands="y, dy", dtypes=FLOATS,
             tests=("test_ops_elementwise.py::test_output_based_grad_helpers",),
-        ),
-    )
-)
+            dims=DimRule(broadcast))
 
 # -- GeLU -----------------------------------------------------------------------------------
 
@@ -693,46 +367,19 @@ def _gelu_grad_formula(dy: Any, x: Any, tanh: Callable[[Any], Any]) -> Any:
     return dy * (cdf + x * (0.5 * (1.0 + t) * (1.0 - t)) * dinner)
 
 
-register(
-    OpDef(
-        "GeLU",
-        infer_unary_float,
-        numpy=_gelu_np,
-        jax=lambda x: jax.nn.gelu(x, approximate=True),
-        vjp=lambda b, node, cot: [b("GeLUGrad", cot, node.operands[0])],
-        num_inputs=1,
-        doc="GeLU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).",
-        page=OpDoc(
-            "elementwise",
-            "x (tanh form)",
-            FLOATS,
-            rule="element-wise",
-            tests=(
-                "test_ops_elementwise.py::test_unary",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+elementwise("GeLU", infer_unary_float, _gelu_np, lambda x: jax.nn.gelu(x, approximate=True),
+            vjp=lambda b, node, cot: [b("GeLUGrad", cot, node.operands[0])],
+            doc="GeLU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).",
+            operands="x (tanh form)", dtypes=FLOATS,
+            tests=("test_ops_elementwise.py::test_unary",
+                   "test_parallel.py::test_every_rule_matches_the_oracle"))
 
-register(
-    OpDef(
-        "GeLUGrad",
-        _infer_binary_float,
-        numpy=_np_in_f32(lambda dy, x: _gelu_grad_formula(dy, x, np.tanh)),
-        jax=lambda dy, x: _gelu_grad_formula(dy, x, jnp.tanh),
-        num_inputs=2,
-        differentiable=False,
-        doc="dy * d GeLU(x) / dx (tanh approximation); operands (dy, x).",
-        page=OpDoc(
-            "elementwise",
-            "dy, x",
-            FLOATS,
-            grad_of="GeLU",
-            tests=("test_ops_elementwise.py::test_gelu_grad",),
-        ),
-    )
-)
+grad_helper("GeLUGrad", _infer_binary_float,
+            _np_in_f32(lambda dy, x: _gelu_grad_formula(dy, x, np.tanh)),
+            lambda dy, x: _gelu_grad_formula(dy, x, jnp.tanh),
+            doc="dy * d GeLU(x) / dx (tanh approximation); operands (dy, x).", grad_of="GeLU",
+            operands="dy, x", dtypes=FLOATS, tests=("test_ops_elementwise.py::test_gelu_grad",),
+            dims=DimRule(broadcast))
 
 # -- Erf ------------------------------------------------------------------------------------
 
@@ -744,30 +391,14 @@ def _erf_np(x: Any) -> Any:
     return erf(x)
 
 
-register(
-    OpDef(
-        "Erf",
-        infer_unary_float,
-        numpy=_erf_np,
-        jax=lambda x: lax.erf(x),
-        # d erf(x) / dx = 2 / sqrt(pi) * exp(-x**2)
-        vjp=lambda b, node, cot: [b("Mul", cot, b("Mul", b("Exp", b("Neg", b(
-            "Square", node.operands[0]))), 2.0 / math.sqrt(math.pi)))],
-        num_inputs=1,
-        doc="The Gauss error function (MindSpore `ops.Erf`); exact GeLU is "
-        "0.5 x (1 + erf(x / sqrt(2))).",
-        page=OpDoc(
-            "elementwise",
-            "x",
-            FLOATS,
-            rule="element-wise",
-            tests=(
-                "test_ops_lp_norm.py::test_erf",
-                "test_parallel_ops.py::test_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+# d erf(x) / dx = 2 / sqrt(pi) * exp(-x**2)
+elementwise("Erf", infer_unary_float, _erf_np, lambda x: lax.erf(x),
+            vjp=lambda b, node, cot: [b("Mul", cot, b("Mul", b("Exp", b("Neg", b(
+                "Square", node.operands[0]))), 2.0 / math.sqrt(math.pi)))],
+            doc="The Gauss error function (MindSpore `ops.Erf`); exact GeLU is "
+                "0.5 x (1 + erf(x / sqrt(2))).",
+            dtypes=FLOATS, tests=("test_ops_lp_norm.py::test_erf",
+                                  "test_parallel_ops.py::test_rule_matches_the_oracle"))
 
 # -- SiLU -----------------------------------------------------------------------------------
 
@@ -782,46 +413,18 @@ def _silu_grad_formula(dy: Any, x: Any, sigmoid: Callable[[Any], Any]) -> Any:
     return dy * (sig * (1.0 + x * (1.0 - sig)))
 
 
-register(
-    OpDef(
-        "SiLU",
-        infer_unary_float,
-        numpy=_np_in_f32(_silu_np),
-        jax=lambda x: jax.nn.silu(x),
-        vjp=lambda b, node, cot: [b("SiLUGrad", cot, node.operands[0])],
-        num_inputs=1,
-        doc="x * sigmoid(x) (also called swish).",
-        page=OpDoc(
-            "elementwise",
-            "x",
-            FLOATS,
-            rule="element-wise",
-            tests=(
-                "test_ops_elementwise.py::test_unary",
-                "test_parallel_ops.py::test_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+elementwise("SiLU", infer_unary_float, _np_in_f32(_silu_np), lambda x: jax.nn.silu(x),
+            vjp=lambda b, node, cot: [b("SiLUGrad", cot, node.operands[0])],
+            doc="x * sigmoid(x) (also called swish).", dtypes=FLOATS,
+            tests=("test_ops_elementwise.py::test_unary",
+                   "test_parallel_ops.py::test_rule_matches_the_oracle"))
 
-register(
-    OpDef(
-        "SiLUGrad",
-        _infer_binary_float,
-        numpy=_np_in_f32(lambda dy, x: _silu_grad_formula(dy, x, _sigmoid_np)),
-        jax=lambda dy, x: _silu_grad_formula(dy, x, jax.nn.sigmoid),
-        num_inputs=2,
-        differentiable=False,
-        doc="dy * d SiLU(x) / dx = dy * s (1 + x (1 - s)), s = sigmoid(x); operands (dy, x).",
-        page=OpDoc(
-            "elementwise",
-            "dy, x",
-            FLOATS,
-            grad_of="SiLU",
-            tests=("test_ops_elementwise.py::test_silu_grad",),
-        ),
-    )
-)
+grad_helper("SiLUGrad", _infer_binary_float,
+            _np_in_f32(lambda dy, x: _silu_grad_formula(dy, x, _sigmoid_np)),
+            lambda dy, x: _silu_grad_formula(dy, x, jax.nn.sigmoid),
+            doc="dy * d SiLU(x) / dx = dy * s (1 + x (1 - s)), s = sigmoid(x); operands (dy, x).",
+            grad_of="SiLU", operands="dy, x", dtypes=FLOATS,
+            tests=("test_ops_elementwise.py::test_silu_grad",), dims=DimRule(broadcast))
 
 # -- BiasAdd --------------------------------------------------------------------------------
 
@@ -868,28 +471,25 @@ def _bias_add_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [cot, b("ReduceSum", cot, axis=others, keep_dims=False)]
 
 
-register(
-    OpDef(
-        "BiasAdd",
-        _bias_add_infer,
-        numpy=lambda x, bias, data_format: x + bias.reshape(_bias_shape(x, bias, data_format)),
-        jax=lambda x, bias, data_format: x + bias.reshape(_bias_shape(x, bias, data_format)),
-        vjp=_bias_add_vjp,
-        attrs={"data_format": "NCHW"},
-        num_inputs=2,
-        doc="x + bias along the channel axis (1 for NCHW/NCDHW, last for NHWC).",
-        page=OpDoc(
-            "elementwise",
-            "x, bias on the channel axis (`data_format`)",
-            NUMERIC,
-            rule="bias follows the channel dim",
-            tests=(
-                "test_ops_elementwise.py::test_bias_add",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+def bias_add_labels(ctx: OpContext) -> Labels:
+    x = ctx.in_types[0]
+    lab = ALPHA[: x.rank]
+    return Labels([lab, lab[1]], [lab])
+
+
+define("BiasAdd", _bias_add_infer,
+       lambda x, bias, data_format: x + bias.reshape(_bias_shape(x, bias, data_format)),
+       lambda x, bias, data_format: x + bias.reshape(_bias_shape(x, bias, data_format)),
+       vjp=_bias_add_vjp, attrs={"data_format": "NCHW"}, num_inputs=2,
+       sharding=LabelRule(bias_add_labels),
+       doc="x + bias along the channel axis (1 for NCHW/NCDHW, last for NHWC).",
+       section="elementwise", operands="x, bias on the channel axis (`data_format`)",
+       dtypes=NUMERIC, rule="bias follows the channel dim",
+       tests=("test_ops_elementwise.py::test_bias_add",
+              "test_parallel.py::test_every_rule_matches_the_oracle"),
+       dims=DimRule(lambda ins, outs, attrs: [
+           *broadcast(ins[:1], outs, attrs),
+           Same(In(1, 0), Out(_bias_axis(attrs["data_format"], len(outs[0]))))]))
 
 # -- Cast -----------------------------------------------------------------------------------
 
@@ -929,30 +529,16 @@ _CAST_NOTE = """\
 `Cast` from a float to an integer type truncates toward zero and saturates at the
 integer range (NaN gives 0), as XLA does; integer to integer wraps."""
 
-register(
-    OpDef(
-        "Cast",
-        _cast_infer,
-        numpy=_cast_np,
-        jax=lambda x, dst_type: lax.convert_element_type(x, dst_type.np),
-        vjp=_cast_vjp,
-        attrs={"dst_type": DType.float32},
-        num_inputs=1,
-        doc="Convert to dst_type (float->int truncates toward zero and saturates at the integer "
-        "range, NaN -> 0; int->int wraps; to Bool is x != 0).",
-        page=OpDoc(
-            "elementwise",
-            "x; `dst_type`",
-            ALL,
-            rule="element-wise",
-            tests=(
-                "test_ops_elementwise.py::test_cast",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-            note=_CAST_NOTE,
-        ),
-    )
-)
+elementwise("Cast", _cast_infer, _cast_np,
+            lambda x, dst_type: lax.convert_element_type(x, dst_type.np), vjp=_cast_vjp,
+            attrs={"dst_type": DType.float32},
+            traits=frozenset({Trait.VALUE_COPY, Trait.TRANSPARENT}),
+            doc="Convert to dst_type (float->int truncates toward zero and saturates at the "
+                "integer range, NaN -> 0; int->int wraps; to Bool is x != 0).",
+            operands="x; `dst_type`", dtypes=ALL,
+            tests=("test_ops_elementwise.py::test_cast",
+                   "test_parallel.py::test_every_rule_matches_the_oracle"), note=_CAST_NOTE,
+            dims=DimRule(broadcast, preserves_values=True))
 
 # -- Select ---------------------------------------------------------------------------------
 
@@ -975,28 +561,13 @@ def _select_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     ]
 
 
-register(
-    OpDef(
-        "Select",
-        _select_infer,
-        numpy=lambda cond, x, y: np.where(cond, x, y),
-        jax=lambda cond, x, y: jnp.where(cond, x, y),
-        vjp=_select_vjp,
-        num_inputs=3,
-        doc="x where cond else y, all three broadcast together.",
-        page=OpDoc(
-            "elementwise",
-            "Bool cond, x, y (all broadcast)",
-            ALL,
-            rule="element-wise",
-            tests=(
-                "test_ops_elementwise.py::test_select",
-                "test_ops_elementwise.py::test_select_other_dtypes",
-                "test_parallel_ops.py::test_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+elementwise("Select", _select_infer, lambda cond, x, y: np.where(cond, x, y),
+            lambda cond, x, y: jnp.where(cond, x, y), vjp=_select_vjp, num_inputs=3,
+            doc="x where cond else y, all three broadcast together.",
+            operands="Bool cond, x, y (all broadcast)", dtypes=ALL,
+            tests=("test_ops_elementwise.py::test_select",
+                   "test_ops_elementwise.py::test_select_other_dtypes",
+                   "test_parallel_ops.py::test_rule_matches_the_oracle"))
 
 # -- comparisons ----------------------------------------------------------------------------
 
@@ -1021,28 +592,13 @@ _COMPARISON_TESTS = {
 }
 
 for _name, (_np_fn, _jax_fn, _text) in _COMPARISONS.items():
-    register(
-        OpDef(
-            _name,
-            infer_compare,
-            numpy=_np_fn,
-            jax=_jax_fn,
-            num_inputs=2,
-            differentiable=False,
-            doc=f"{_text} with broadcasting; Bool result.",
-            page=OpDoc(
-                "elementwise",
-                "x, y (broadcast) -> Bool",
-                ALL,
+    elementwise(_name, infer_compare, _np_fn, _jax_fn, num_inputs=2, differentiable=False,
+                doc=f"{_text} with broadcasting; Bool result.",
+                operands="x, y (broadcast) -> Bool", dtypes=ALL,
                 rule="element-wise; stops gradients",
-                tests=(
-                    "test_ops_elementwise.py::test_comparison",
-                    "test_ops_elementwise.py::test_comparison_stops_gradient",
-                    *_COMPARISON_TESTS.get(_name, ()),
-                ),
-            ),
-        )
-    )
+                tests=("test_ops_elementwise.py::test_comparison",
+                       "test_ops_elementwise.py::test_comparison_stops_gradient",
+                       *_COMPARISON_TESTS.get(_name, ())))
 
 
 def _logical_not_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
@@ -1066,50 +622,20 @@ _LOGICAL: dict[str, tuple[Callable[..., Any], Callable[..., Any], str]] = {
 }
 
 for _name, (_np_fn, _jax_fn, _text) in _LOGICAL.items():
-    register(
-        OpDef(
-            _name,
-            _logical_binary_infer,
-            numpy=_np_fn,
-            jax=_jax_fn,
-            num_inputs=2,
-            differentiable=False,
-            doc=f"Element-wise {_text} of Bool tensors, with broadcasting.",
-            page=OpDoc(
-                "elementwise",
-                "Bool x, y (broadcast) -> Bool",
-                BOOL,
+    elementwise(_name, _logical_binary_infer, _np_fn, _jax_fn, num_inputs=2,
+                differentiable=False,
+                doc=f"Element-wise {_text} of Bool tensors, with broadcasting.",
+                operands="Bool x, y (broadcast) -> Bool", dtypes=BOOL,
                 rule="element-wise; stops gradients",
-                tests=(
-                    "test_ops_elementwise.py::test_logical_binary",
-                    "test_parallel_ops.py::test_rule_matches_the_oracle",
-                    "test_mindformers_ops.py::test_logical_ops_need_bool_operands",
-                ),
-            ),
-        )
-    )
+                tests=("test_ops_elementwise.py::test_logical_binary",
+                       "test_parallel_ops.py::test_rule_matches_the_oracle",
+                       "test_mindformers_ops.py::test_logical_ops_need_bool_operands"))
 
-register(
-    OpDef(
-        "LogicalNot",
-        _logical_not_infer,
-        numpy=lambda x: np.logical_not(x),
-        jax=lambda x: jnp.logical_not(x),
-        num_inputs=1,
-        differentiable=False,
-        doc="Boolean not.",
-        page=OpDoc(
-            "elementwise",
-            "Bool x -> Bool",
-            BOOL,
-            rule="element-wise; stops gradients",
-            tests=(
-                "test_ops_elementwise.py::test_logical_not",
-                "test_parallel_ops.py::test_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+elementwise("LogicalNot", _logical_not_infer, lambda x: np.logical_not(x),
+            lambda x: jnp.logical_not(x), differentiable=False, doc="Boolean not.",
+            operands="Bool x -> Bool", dtypes=BOOL, rule="element-wise; stops gradients",
+            tests=("test_ops_elementwise.py::test_logical_not",
+                   "test_parallel_ops.py::test_rule_matches_the_oracle"))
 
 
 # -- Identity ---------------------------------------------------------------------------------
@@ -1119,38 +645,10 @@ def _identity_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [cot]
 
 
-register(
-    OpDef(
-        "Identity",
-        infer_unary,
-        numpy=lambda x: np.array(x, copy=True),
-        jax=lambda x: x,
-        vjp=_identity_vjp,
-        num_inputs=1,
-        doc="x unchanged; carries a layout constraint (functional shard's in/out strategies).",
-        page=OpDoc(
-            "elementwise",
-            "x",
-            ALL,
-            rule="element-wise (carries functional shard's layouts)",
-            tests=(
-                "test_functional_shard.py::test_net2_compiles_with_sharding_propagation_and_match"
-                "es_single_device",
-            ),
-        ),
-    )
-)
-
-
-# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
-from pcompile.ir.dims import In, Out, Same, broadcast, dim_rule  # noqa: E402
-
-dim_rule("Add", "Sub", "Mul", "RealDiv", "Maximum", "Minimum", "Pow", "ReluGrad", "SqrtGrad",
-         "RsqrtGrad", "TanhGrad", "SigmoidGrad", "GeLUGrad", "SiLUGrad", "Select",
-         *_COMPARISONS, *_LOGICAL, relations=broadcast)
-dim_rule("ReLU", "Neg", "Square", "Abs", "Exp", "Log", "Sqrt", "Rsqrt", "Tanh", "Sigmoid",
-         "GeLU", "Erf", "SiLU", "LogicalNot", relations=broadcast)
-dim_rule("Cast", "Identity", relations=broadcast, preserves_values=True)
-dim_rule("BiasAdd", relations=lambda ins, outs, attrs: [
-    *broadcast(ins[:1], outs, attrs),
-    Same(In(1, 0), Out(_bias_axis(attrs["data_format"], len(outs[0]))))])
+elementwise("Identity", infer_unary, lambda x: np.array(x, copy=True), lambda x: x,
+            vjp=_identity_vjp, traits=frozenset({Trait.VALUE_COPY}),
+            doc="x unchanged; carries a layout constraint (functional shard's in/out strategies).",
+            dtypes=ALL, rule="element-wise (carries functional shard's layouts)",
+            tests=("test_functional_shard.py::test_net2_compiles_with_sharding_propagation_and_matc"
+                   "hes_single_device",),
+            dims=DimRule(broadcast, preserves_values=True))

@@ -9,10 +9,13 @@ import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Constant, Node, Value
+from pcompile.ir.dims import DimRule, In, Out, Same
 from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._define import define
 from pcompile.ir.ops._jax import jnp
 from pcompile.ir.ops._util import broadcast_shapes, same_dtype, tensor, unbroadcast
-from pcompile.ir.registry import NUMERIC, OpDef, OpDoc, register
+from pcompile.ir.registry import NUMERIC, Trait
+from pcompile.ir.sharding import ALPHA, LabelRule, Labels, OpContext, aligned_labels
 from pcompile.ir.types import DType, TensorType, ValueType
 
 
@@ -165,31 +168,44 @@ def _matmul_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [da, db]
 
 
-register(
-    OpDef(
-        "MatMul",
-        _matmul_infer,
-        numpy=lambda a, b, transpose_a, transpose_b: _np_matmul(a, b, transpose_a, transpose_b),
-        jax=_jax_matmul_op,
-        lowering_attrs=signed_permutation_attrs,
-        vjp=_matmul_vjp,
-        attrs={"transpose_a": False, "transpose_b": False},
-        num_inputs=2,
-        doc="op(a) @ op(b) for 2-D a, b; op transposes when transpose_a/transpose_b is set.",
-        page=OpDoc(
-            "linalg",
-            "a, b; `transpose_a`, `transpose_b`",
-            NUMERIC,
-            rule="`ik,kj->ij`; a split k all-reduces (or reduce-scatters with `out_strategy`)",
-            tests=(
-                "test_ops_linalg.py::test_matmul",
-                "test_ops_linalg.py::test_matmul_int32",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-                "test_parallel.py::test_reduce_scatter_out_strategy",
-            ),
-        ),
-    )
-)
+def _transpose_ab(lab: str, flag: bool) -> str:
+    return lab[:-2] + lab[-1] + lab[-2] if flag else lab
+
+
+def matmul_labels(ctx: OpContext) -> Labels:
+    a = _transpose_ab("ik", bool(ctx.attrs.get("transpose_a")))
+    b = _transpose_ab("kj", bool(ctx.attrs.get("transpose_b")))
+    return Labels([a, b], ["ij"])
+
+
+def _matmul_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """m, n follow the result, the contraction is shared; batch dims broadcast."""
+    a, b, out = ins[0][0], ins[1][0], outs[0]
+    ta, tb = attrs["transpose_a"], attrs["transpose_b"]
+    ra, rb, ro = len(a), len(b), len(out)
+    am, ak = (ra - 1, ra - 2) if ta else (ra - 2, ra - 1)
+    bk, bn = (rb - 1, rb - 2) if tb else (rb - 2, rb - 1)
+    yield Same(In(0, am), Out(ro - 2))
+    yield Same(In(1, bn), Out(ro - 1))
+    yield Same(In(0, ak), In(1, bk))
+    for i, shape in enumerate((a, b)):
+        for d in range(len(shape) - 2):
+            od = ro - 2 - (len(shape) - 2) + d
+            if shape[d] == out[od] and shape[d] != 1:
+                yield Same(In(i, d), Out(od))
+
+
+define("MatMul", _matmul_infer,
+       lambda a, b, transpose_a, transpose_b: _np_matmul(a, b, transpose_a, transpose_b),
+       _jax_matmul_op, lowering_attrs=signed_permutation_attrs, vjp=_matmul_vjp,
+       attrs={"transpose_a": False, "transpose_b": False}, num_inputs=2,
+       sharding=LabelRule(matmul_labels), traits=frozenset({Trait.MATMUL, Trait.REDUCTION}),
+       doc="op(a) @ op(b) for 2-D a, b; op transposes when transpose_a/transpose_b is set.",
+       section="linalg", operands="a, b; `transpose_a`, `transpose_b`", dtypes=NUMERIC,
+       rule="`ik,kj->ij`; a split k all-reduces (or reduce-scatters with `out_strategy`)",
+       tests=("test_ops_linalg.py::test_matmul", "test_ops_linalg.py::test_matmul_int32",
+              "test_parallel.py::test_every_rule_matches_the_oracle",
+              "test_parallel.py::test_reduce_scatter_out_strategy"), dims=DimRule(_matmul_dims))
 
 # -- BatchMatMul ----------------------------------------------------------------------------
 
@@ -223,52 +239,29 @@ def _batch_matmul_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [unbroadcast(b, da, x.shape), unbroadcast(b, db, y.shape)]
 
 
-register(
-    OpDef(
-        "BatchMatMul",
-        _batch_matmul_infer,
-        numpy=lambda a, b, transpose_a, transpose_b: _np_matmul(a, b, transpose_a, transpose_b),
-        jax=_jax_matmul_op,
-        lowering_attrs=signed_permutation_attrs,
-        vjp=_batch_matmul_vjp,
-        attrs={"transpose_a": False, "transpose_b": False},
-        num_inputs=2,
-        doc="Batched op(a) @ op(b) over the last two dims; leading batch dims broadcast "
-        "numpy-style and one operand may be a rank-2 matrix.",
-        page=OpDoc(
-            "linalg",
-            "a, b (batch dims broadcast); `transpose_a`, `transpose_b`",
-            NUMERIC,
-            rule="batch labels plus `ik,kj->ij`",
-            tests=(
-                "test_ops_linalg.py::test_batch_matmul",
-                "test_ops_linalg.py::test_batch_matmul_rank2_rhs",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+def batch_matmul_labels(ctx: OpContext) -> Labels:
+    out = ctx.out_types[0]
+    batch = out.rank - 2
+    blab = ALPHA[:batch]
+    used = set(blab) | set("ikj")
+    ins, unsplit = [], set()
+    for t, tail, flag in ((ctx.in_types[0], "ik", ctx.attrs.get("transpose_a")),
+                          (ctx.in_types[1], "kj", ctx.attrs.get("transpose_b"))):
+        lab, fresh = aligned_labels(t.shape[:-2], out.shape[:-2], blab, used)
+        unsplit |= fresh
+        ins.append(_transpose_ab(lab + tail, bool(flag)))
+    return Labels(ins, [blab + "ij"], unsplit, broadcast=frozenset(unsplit))
 
 
-# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
-from pcompile.ir.dims import In, Out, Same, dim_rule  # noqa: E402
-
-
-def _matmul_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    """m, n follow the result, the contraction is shared; batch dims broadcast."""
-    a, b, out = ins[0][0], ins[1][0], outs[0]
-    ta, tb = attrs["transpose_a"], attrs["transpose_b"]
-    ra, rb, ro = len(a), len(b), len(out)
-    am, ak = (ra - 1, ra - 2) if ta else (ra - 2, ra - 1)
-    bk, bn = (rb - 1, rb - 2) if tb else (rb - 2, rb - 1)
-    yield Same(In(0, am), Out(ro - 2))
-    yield Same(In(1, bn), Out(ro - 1))
-    yield Same(In(0, ak), In(1, bk))
-    for i, shape in enumerate((a, b)):
-        for d in range(len(shape) - 2):
-            od = ro - 2 - (len(shape) - 2) + d
-            if shape[d] == out[od] and shape[d] != 1:
-                yield Same(In(i, d), Out(od))
-
-
-dim_rule("MatMul", "BatchMatMul", relations=_matmul_dims)
+define("BatchMatMul", _batch_matmul_infer,
+       lambda a, b, transpose_a, transpose_b: _np_matmul(a, b, transpose_a, transpose_b),
+       _jax_matmul_op, lowering_attrs=signed_permutation_attrs, vjp=_batch_matmul_vjp,
+       attrs={"transpose_a": False, "transpose_b": False}, num_inputs=2,
+       sharding=LabelRule(batch_matmul_labels), traits=frozenset({Trait.MATMUL, Trait.REDUCTION}),
+       doc="Batched op(a) @ op(b) over the last two dims; leading batch dims broadcast numpy-style "
+           "and one operand may be a rank-2 matrix.", section="linalg",
+       operands="a, b (batch dims broadcast); `transpose_a`, `transpose_b`", dtypes=NUMERIC,
+       rule="batch labels plus `ik,kj->ij`",
+       tests=("test_ops_linalg.py::test_batch_matmul",
+              "test_ops_linalg.py::test_batch_matmul_rank2_rhs",
+              "test_parallel.py::test_every_rule_matches_the_oracle"), dims=DimRule(_matmul_dims))

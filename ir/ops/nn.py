@@ -12,6 +12,7 @@ normalisation ops are computed in float32 and rounded back to the input dtype.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +20,21 @@ import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
+from pcompile.ir.dims import DimRule, In, Index, Out, Same, broadcast
 from pcompile.ir.errors import PcompileError, ShapeError
+from pcompile.ir.ops._define import define, grad_helper
 from pcompile.ir.ops._jax import jax, jnp, lax
 from pcompile.ir.ops._util import normalize_axis, same_dtype, tensor, tuple_type
-from pcompile.ir.registry import FLOATS, OpDef, OpDoc, register
+from pcompile.ir.registry import FLOATS, Trait
+from pcompile.ir.sharding import (
+    ALPHA,
+    LabelRule,
+    Labels,
+    OpContext,
+    OpSharding,
+    Strategy,
+    identity_labels,
+)
 from pcompile.ir.types import DType, TensorType, ValueType
 
 # -- shared helpers -------------------------------------------------------------------------
@@ -89,29 +101,20 @@ def _softmax_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [b("SoftmaxGrad", node.result, cot, axis=node.attrs["axis"])]
 
 
-register(
-    OpDef(
-        "Softmax",
-        _softmax_infer,
-        numpy=_softmax_np,
-        jax=_softmax_jax,
-        vjp=_softmax_vjp,
-        attrs={"axis": (-1,)},
-        num_inputs=1,
-        doc="exp(x) / sum(exp(x), axis); axis is a tuple of ints (MindSpore) or an int.",
-        page=OpDoc(
-            "linalg",
-            "x; `axis` (tuple)",
-            FLOATS,
-            rule="the softmax axis never splits",
-            tests=(
-                "test_ops_nn.py::test_softmax",
-                "test_ops_nn.py::test_softmax_default_axis_and_int_axis",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+def softmax_axes(ctx: OpContext) -> Sequence[int]:
+    axis = ctx.attrs.get("axis", -1)
+    return axis if isinstance(axis, tuple) else (axis,)
+
+
+define("Softmax", _softmax_infer, _softmax_np, _softmax_jax, vjp=_softmax_vjp,
+       attrs={"axis": (-1,)}, num_inputs=1,
+       sharding=LabelRule(identity_labels(softmax_axes), unsplittable="the softmax axis"),
+       doc="exp(x) / sum(exp(x), axis); axis is a tuple of ints (MindSpore) or an int.",
+       section="linalg", operands="x; `axis` (tuple)", dtypes=FLOATS,
+       rule="the softmax axis never splits",
+       tests=("test_ops_nn.py::test_softmax",
+              "test_ops_nn.py::test_softmax_default_axis_and_int_axis",
+              "test_parallel.py::test_every_rule_matches_the_oracle"), dims=DimRule(broadcast))
 
 
 def _grad_pair_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
@@ -136,25 +139,11 @@ def _softmax_grad_jax(y: Any, dy: Any, axis: Any = (-1,)) -> Any:
     return ((dya - jnp.sum(dya * ya, axis=axes, keepdims=True)) * ya).astype(y.dtype)
 
 
-register(
-    OpDef(
-        "SoftmaxGrad",
-        _grad_pair_infer,
-        numpy=_softmax_grad_np,
-        jax=_softmax_grad_jax,
-        attrs={"axis": (-1,)},
-        num_inputs=2,
-        differentiable=False,
-        doc="(dy - sum(dy * y, axis)) * y, where y = Softmax(x): the vjp of Softmax.",
-        page=OpDoc(
-            "linalg",
-            "y, dy; `axis`",
-            FLOATS,
-            grad_of="Softmax",
-            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",),
-        ),
-    )
-)
+grad_helper("SoftmaxGrad", _grad_pair_infer, _softmax_grad_np, _softmax_grad_jax,
+            attrs={"axis": (-1,)},
+            doc="(dy - sum(dy * y, axis)) * y, where y = Softmax(x): the vjp of Softmax.",
+            grad_of="Softmax", operands="y, dy; `axis`", dtypes=FLOATS, section="linalg",
+            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",), dims=DimRule(broadcast))
 
 # -- LogSoftmax / LogSoftmaxGrad ------------------------------------------------------------
 
@@ -188,28 +177,13 @@ def _log_softmax_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [b("LogSoftmaxGrad", node.result, cot, axis=node.attrs["axis"])]
 
 
-register(
-    OpDef(
-        "LogSoftmax",
-        _log_softmax_infer,
-        numpy=_log_softmax_np,
-        jax=_log_softmax_jax,
-        vjp=_log_softmax_vjp,
-        attrs={"axis": -1},
-        num_inputs=1,
-        doc="x - log(sum(exp(x), axis)); axis is an int.",
-        page=OpDoc(
-            "linalg",
-            "x; `axis` (int)",
-            FLOATS,
-            rule="the softmax axis never splits",
-            tests=(
-                "test_ops_nn.py::test_log_softmax",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+define("LogSoftmax", _log_softmax_infer, _log_softmax_np, _log_softmax_jax, vjp=_log_softmax_vjp,
+       attrs={"axis": -1}, num_inputs=1,
+       sharding=LabelRule(identity_labels(softmax_axes), unsplittable="the softmax axis"),
+       doc="x - log(sum(exp(x), axis)); axis is an int.", section="linalg",
+       operands="x; `axis` (int)", dtypes=FLOATS, rule="the softmax axis never splits",
+       tests=("test_ops_nn.py::test_log_softmax",
+              "test_parallel.py::test_every_rule_matches_the_oracle"), dims=DimRule(broadcast))
 
 
 def _log_softmax_grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
@@ -227,25 +201,11 @@ def _log_softmax_grad_jax(y: Any, dy: Any, axis: int = -1) -> Any:
     return (dya - jnp.exp(ya) * jnp.sum(dya, axis=axis, keepdims=True)).astype(y.dtype)
 
 
-register(
-    OpDef(
-        "LogSoftmaxGrad",
-        _log_softmax_grad_infer,
-        numpy=_log_softmax_grad_np,
-        jax=_log_softmax_grad_jax,
-        attrs={"axis": -1},
-        num_inputs=2,
-        differentiable=False,
-        doc="dy - exp(y) * sum(dy, axis), where y = LogSoftmax(x): the vjp of LogSoftmax.",
-        page=OpDoc(
-            "linalg",
-            "y, dy; `axis`",
-            FLOATS,
-            grad_of="LogSoftmax",
-            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",),
-        ),
-    )
-)
+grad_helper("LogSoftmaxGrad", _log_softmax_grad_infer, _log_softmax_grad_np, _log_softmax_grad_jax,
+            attrs={"axis": -1},
+            doc="dy - exp(y) * sum(dy, axis), where y = LogSoftmax(x): the vjp of LogSoftmax.",
+            grad_of="LogSoftmax", operands="y, dy; `axis`", dtypes=FLOATS, section="linalg",
+            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",), dims=DimRule(broadcast))
 
 # -- LayerNorm / LayerNormGrad --------------------------------------------------------------
 
@@ -323,35 +283,39 @@ def _layer_norm_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [b("TupleGetItem", grads, index=i) for i in range(3)]
 
 
-register(
-    OpDef(
-        "LayerNorm",
-        _layer_norm_infer,
-        numpy=_layer_norm_np,
-        jax=_layer_norm_jax,
-        vjp=_layer_norm_vjp,
-        attrs=dict(_LN_DEFAULTS),
-        num_inputs=3,
-        doc=(
-            "(x - mean) / sqrt(var + epsilon) * gamma + beta; mean and (biased) var over axes "
-            "begin_norm_axis.., gamma/beta of shape x.shape[begin_params_axis:]. Only y is "
-            "returned (MindSpore also returns mean and variance)."
-        ),
-        page=OpDoc(
-            "linalg",
-            "x, gamma, beta; `begin_norm_axis`, `begin_params_axis`, `epsilon` -> y",
-            FLOATS,
-            rule="normalised dims never split",
-            tests=(
-                "test_ops_nn.py::test_layer_norm",
-                "test_ops_nn.py::test_layer_norm_defaults",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-            note="`LayerNorm`'s IR op returns y; the Python op also gives mean and variance, as "
-            "MindSpore's does.",
-        ),
-    )
-)
+def layer_norm_labels(ctx: OpContext) -> Labels:
+    x = ctx.in_types[0]
+    lab = ALPHA[: x.rank]
+    norm = ctx.attrs.get("begin_norm_axis", 1) % max(x.rank, 1)
+    params = ctx.attrs.get("begin_params_axis", 1) % max(x.rank, 1)
+    unsplit = set(lab[norm:])
+    plab = lab[params:]
+    return Labels([lab, plab, plab], [lab], unsplit)
+
+
+def _layer_norm_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    x = ins[0][0]
+    _, bpa = _layer_norm_axes(len(x), attrs)
+    for d in range(len(x)):
+        yield Same(In(0, d), Out(d))
+        if d >= bpa:
+            yield Same(In(1, d - bpa), In(0, d))
+            yield Same(In(2, d - bpa), In(0, d))
+
+
+define("LayerNorm", _layer_norm_infer, _layer_norm_np, _layer_norm_jax, vjp=_layer_norm_vjp,
+       attrs=dict(_LN_DEFAULTS), num_inputs=3,
+       sharding=LabelRule(layer_norm_labels,
+                          unsplittable="a normalised dim (from begin_norm_axis on)"),
+       doc="(x - mean) / sqrt(var + epsilon) * gamma + beta; mean and (biased) var over axes "
+           "begin_norm_axis.., gamma/beta of shape x.shape[begin_params_axis:]. Only y is returned "
+           "(MindSpore also returns mean and variance).", section="linalg",
+       operands="x, gamma, beta; `begin_norm_axis`, `begin_params_axis`, `epsilon` -> y",
+       dtypes=FLOATS, rule="normalised dims never split",
+       tests=("test_ops_nn.py::test_layer_norm", "test_ops_nn.py::test_layer_norm_defaults",
+              "test_parallel.py::test_every_rule_matches_the_oracle"),
+       note="`LayerNorm`'s IR op returns y; the Python op also gives mean and variance, as "
+            "MindSpore's does.", dims=DimRule(_layer_norm_dims))
 
 
 def _layer_norm_grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
@@ -392,28 +356,12 @@ def _layer_norm_grad_jax(dy: Any, x: Any, gamma: Any, **attrs: Any) -> tuple[Any
     return dx.astype(x.dtype), dg.astype(gamma.dtype), db.astype(gamma.dtype)
 
 
-register(
-    OpDef(
-        "LayerNormGrad",
-        _layer_norm_grad_infer,
-        numpy=_layer_norm_grad_np,
-        jax=_layer_norm_grad_jax,
-        attrs=dict(_LN_DEFAULTS),
-        num_inputs=3,
-        differentiable=False,
-        doc=(
-            "LayerNormGrad(dy, x, gamma) -> (dx, dgamma, dbeta); mean and variance are "
-            "recomputed from x (the forward op does not return them)."
-        ),
-        page=OpDoc(
-            "linalg",
-            "dy, x, gamma -> (dx, dgamma, dbeta)",
-            FLOATS,
-            grad_of="LayerNorm",
-            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",),
-        ),
-    )
-)
+grad_helper("LayerNormGrad", _layer_norm_grad_infer, _layer_norm_grad_np, _layer_norm_grad_jax,
+            attrs=dict(_LN_DEFAULTS), num_inputs=3,
+            doc="LayerNormGrad(dy, x, gamma) -> (dx, dgamma, dbeta); mean and variance are "
+                "recomputed from x (the forward op does not return them).", grad_of="LayerNorm",
+            operands="dy, x, gamma -> (dx, dgamma, dbeta)", dtypes=FLOATS, section="linalg",
+            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",))
 
 # -- SoftmaxCrossEntropyWithLogits ----------------------------------------------------------
 
@@ -453,31 +401,25 @@ def _sce_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [dlogits, dlabels]
 
 
-register(
-    OpDef(
-        "SoftmaxCrossEntropyWithLogits",
-        _sce_infer,
-        numpy=_sce_np,
-        jax=_sce_jax,
-        vjp=_sce_vjp,
-        num_inputs=2,
-        doc=(
-            "Per-sample loss -sum(labels * log_softmax(logits), -1) of shape (N,) for "
-            "logits/labels (N, C). MindSpore also returns the backprop tensor; this op "
-            "returns only the loss."
-        ),
-        page=OpDoc(
-            "linalg",
-            "logits, labels (N, C) -> (N,)",
-            FLOATS,
-            rule="the class axis never splits",
-            tests=(
-                "test_ops_nn.py::test_softmax_cross_entropy",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+def softmax_ce_labels(ctx: OpContext) -> Labels:
+    return Labels(["nc", "nc"], ["n"], {"c"})
+
+
+def _sce_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    yield Same(In(0, 0), In(1, 0))
+    yield Same(In(0, 1), In(1, 1))
+    yield Same(In(0, 0), Out(0))
+
+
+define("SoftmaxCrossEntropyWithLogits", _sce_infer, _sce_np, _sce_jax, vjp=_sce_vjp, num_inputs=2,
+       sharding=LabelRule(softmax_ce_labels, unsplittable="the class axis"),
+       traits=frozenset({Trait.BATCH_ONLY}),
+       doc="Per-sample loss -sum(labels * log_softmax(logits), -1) of shape (N,) for logits/labels "
+           "(N, C). MindSpore also returns the backprop tensor; this op returns only the loss.",
+       section="linalg", operands="logits, labels (N, C) -> (N,)", dtypes=FLOATS,
+       rule="the class axis never splits",
+       tests=("test_ops_nn.py::test_softmax_cross_entropy",
+              "test_parallel.py::test_every_rule_matches_the_oracle"), dims=DimRule(_sce_dims))
 
 
 def _sce_grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
@@ -503,27 +445,13 @@ def _sce_grad_jax(logits: Any, labels: Any, dloss: Any) -> Any:
     return g.astype(logits.dtype)
 
 
-register(
-    OpDef(
-        "SoftmaxCrossEntropyWithLogitsGrad",
-        _sce_grad_infer,
-        numpy=_sce_grad_np,
-        jax=_sce_grad_jax,
-        num_inputs=3,
-        differentiable=False,
-        doc=(
-            "(softmax(logits) * sum(labels, -1) - labels) * dloss[:, None]: the logits vjp "
-            "of SoftmaxCrossEntropyWithLogits (exact also when label rows do not sum to 1)."
-        ),
-        page=OpDoc(
-            "linalg",
-            "logits, labels, dloss -> dlogits",
-            FLOATS,
-            grad_of="SoftmaxCrossEntropyWithLogits",
-            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",),
-        ),
-    )
-)
+grad_helper("SoftmaxCrossEntropyWithLogitsGrad", _sce_grad_infer, _sce_grad_np, _sce_grad_jax,
+            num_inputs=3,
+            doc="(softmax(logits) * sum(labels, -1) - labels) * dloss[:, None]: the logits vjp of "
+                "SoftmaxCrossEntropyWithLogits (exact also when label rows do not sum to 1).",
+            grad_of="SoftmaxCrossEntropyWithLogits", operands="logits, labels, dloss -> dlogits",
+            dtypes=FLOATS, section="linalg",
+            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",))
 
 # -- SparseSoftmaxCrossEntropyWithLogits ----------------------------------------------------
 
@@ -589,34 +517,31 @@ def _sparse_sce_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [b("Mul", grad, cot), None]
 
 
-register(
-    OpDef(
-        "SparseSoftmaxCrossEntropyWithLogits",
-        _sparse_sce_infer,
-        numpy=_sparse_sce_np,
-        jax=_sparse_sce_jax,
-        vjp=_sparse_sce_vjp,
-        attrs={"is_grad": False},
-        num_inputs=2,
-        doc=(
-            "Mean over the batch of -log_softmax(logits)[i, labels[i]] (a scalar), for logits "
-            "(N, C) and integer labels (N,) in [0, C). is_grad=True returns the gradient "
-            "(softmax(logits) - one_hot(labels)) / N instead (MindSpore's bprop uses it). "
-            "Out-of-range labels raise in the numpy impl and are unspecified under JAX."
-        ),
-        page=OpDoc(
-            "linalg",
-            "logits (N, C), int labels (N,) -> scalar mean",
-            FLOATS,
-            rule="batch only",
-            tests=(
-                "test_ops_nn.py::test_sparse_softmax_cross_entropy",
-                "test_ops_nn.py::test_sparse_labels_out_of_range_rejected_by_numpy",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+def sparse_softmax_ce_labels(ctx: OpContext) -> Labels:
+    return Labels(["nc", "n"], [""], {"c"}, mean=True)
+
+
+def _sparse_sce_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    yield Same(In(0, 0), In(1, 0))
+    yield Index(1, In(0, 1))
+    for d in range(len(outs[0])):
+        yield Same(In(0, d), Out(d))
+
+
+define("SparseSoftmaxCrossEntropyWithLogits", _sparse_sce_infer, _sparse_sce_np, _sparse_sce_jax,
+       vjp=_sparse_sce_vjp, attrs={"is_grad": False}, num_inputs=2,
+       sharding=LabelRule(sparse_softmax_ce_labels, unsplittable="the class axis"),
+       traits=frozenset({Trait.BATCH_ONLY}),
+       doc="Mean over the batch of -log_softmax(logits)[i, labels[i]] (a scalar), for logits (N, "
+           "C) and integer labels (N,) in [0, C). is_grad=True returns the gradient "
+           "(softmax(logits) - one_hot(labels)) / N instead (MindSpore's bprop uses it). "
+           "Out-of-range labels raise in the numpy impl and are unspecified under JAX.",
+       section="linalg", operands="logits (N, C), int labels (N,) -> scalar mean", dtypes=FLOATS,
+       rule="batch only",
+       tests=("test_ops_nn.py::test_sparse_softmax_cross_entropy",
+              "test_ops_nn.py::test_sparse_labels_out_of_range_rejected_by_numpy",
+              "test_parallel.py::test_every_rule_matches_the_oracle"),
+       dims=DimRule(_sparse_sce_dims))
 
 # -- convolution / pooling geometry ---------------------------------------------------------
 
@@ -863,35 +788,33 @@ def _conv_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [dx, dw]
 
 
-register(
-    OpDef(
-        "Conv2D",
-        _conv_infer,
-        numpy=_conv_np,
-        jax=_conv_jax,
-        vjp=_conv_vjp,
-        attrs=dict(_CONV_DEFAULTS),
-        num_inputs=2,
-        doc=(
-            "2-D cross-correlation, x (N, C, H, W), weight (out_channel, C/group, kh, kw). "
-            "pad_mode 'valid' | 'same' (TF-style, extra padding at the bottom/right) | 'pad' "
-            "(explicit pad = (top, bottom, left, right)). stride/dilation: int, pair, or "
-            "MindSpore's (1, 1, h, w)."
-        ),
-        page=OpDoc(
-            "conv",
-            "x NCHW, weight; `out_channel`, `kernel_size`, `pad_mode`, `pad`, `stride`, "
-            "`dilation`, `group`",
-            FLOATS,
-            rule="batch, out channels and in channels (all-reduced) split; spatial dims never",
-            tests=(
-                "test_ops_nn.py::test_conv2d",
-                "test_ops_nn.py::test_conv2d_mindspore_style_attrs",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+def conv2d_labels(ctx: OpContext) -> Labels:
+    # x: n c h w; w: o c p q -> out: n o y z (spatial and kernel dims are not split)
+    return Labels(["nchw", "ocpq"], ["noyz"], {"h", "w", "p", "q", "y", "z"})
+
+
+class Conv2DRule(LabelRule):
+    """Conv2D's labels, and the local op's out_channel: the weight's output channels over
+    their split."""
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        result = super().apply(ctx, strategy, out_strategy)
+        result.local_attrs["out_channel"] = ctx.out_types[0].shape[1] // strategy[1][0]
+        return result
+
+
+define("Conv2D", _conv_infer, _conv_np, _conv_jax, vjp=_conv_vjp, attrs=dict(_CONV_DEFAULTS),
+       num_inputs=2, sharding=Conv2DRule(conv2d_labels, unsplittable="a spatial or kernel dim"),
+       doc="2-D cross-correlation, x (N, C, H, W), weight (out_channel, C/group, kh, kw). pad_mode "
+           "'valid' | 'same' (TF-style, extra padding at the bottom/right) | 'pad' (explicit pad = "
+           "(top, bottom, left, right)). stride/dilation: int, pair, or MindSpore's (1, 1, h, w).",
+       section="conv",
+       operands="x NCHW, weight; `out_channel`, `kernel_size`, `pad_mode`, `pad`, `stride`, "
+                "`dilation`, `group`", dtypes=FLOATS,
+       rule="batch, out channels and in channels (all-reduced) split; spatial dims never",
+       tests=("test_ops_nn.py::test_conv2d", "test_ops_nn.py::test_conv2d_mindspore_style_attrs",
+              "test_parallel.py::test_every_rule_matches_the_oracle"))
 
 
 def _size4(value: Any, what: str) -> tuple[int, int, int, int]:
@@ -934,25 +857,11 @@ def _bp_input_jax(dout: Any, w: Any, **attrs: Any) -> Any:
     return transpose(dout)[0]
 
 
-register(
-    OpDef(
-        "Conv2DBackpropInput",
-        _bp_input_infer,
-        numpy=_bp_input_np,
-        jax=_bp_input_jax,
-        attrs={**_CONV_DEFAULTS, "input_size": (1, 1, 1, 1)},
-        num_inputs=2,
-        differentiable=False,
-        doc="Conv2DBackpropInput(dout, weight): d Conv2D / d x, x of shape input_size.",
-        page=OpDoc(
-            "conv",
-            "dy, weight; `input_size` and Conv2D's attributes",
-            FLOATS,
-            grad_of="Conv2D",
-            tests=("test_ops_nn.py::test_conv2d_backprop_ops",),
-        ),
-    )
-)
+grad_helper("Conv2DBackpropInput", _bp_input_infer, _bp_input_np, _bp_input_jax,
+            attrs={**_CONV_DEFAULTS, "input_size": (1, 1, 1, 1)},
+            doc="Conv2DBackpropInput(dout, weight): d Conv2D / d x, x of shape input_size.",
+            grad_of="Conv2D", operands="dy, weight; `input_size` and Conv2D's attributes",
+            dtypes=FLOATS, section="conv", tests=("test_ops_nn.py::test_conv2d_backprop_ops",))
 
 
 def _bp_filter_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
@@ -984,25 +893,11 @@ def _bp_filter_jax(dout: Any, x: Any, **attrs: Any) -> Any:
     return transpose(dout)[0]
 
 
-register(
-    OpDef(
-        "Conv2DBackpropFilter",
-        _bp_filter_infer,
-        numpy=_bp_filter_np,
-        jax=_bp_filter_jax,
-        attrs={**_CONV_DEFAULTS, "filter_size": (1, 1, 1, 1)},
-        num_inputs=2,
-        differentiable=False,
-        doc="Conv2DBackpropFilter(dout, x): d Conv2D / d weight, weight of shape filter_size.",
-        page=OpDoc(
-            "conv",
-            "dy, x; `filter_size` and Conv2D's attributes",
-            FLOATS,
-            grad_of="Conv2D",
-            tests=("test_ops_nn.py::test_conv2d_backprop_ops",),
-        ),
-    )
-)
+grad_helper("Conv2DBackpropFilter", _bp_filter_infer, _bp_filter_np, _bp_filter_jax,
+            attrs={**_CONV_DEFAULTS, "filter_size": (1, 1, 1, 1)},
+            doc="Conv2DBackpropFilter(dout, x): d Conv2D / d weight, weight of shape filter_size.",
+            grad_of="Conv2D", operands="dy, x; `filter_size` and Conv2D's attributes",
+            dtypes=FLOATS, section="conv", tests=("test_ops_nn.py::test_conv2d_backprop_ops",))
 
 # -- MaxPool / AvgPool ----------------------------------------------------------------------
 
@@ -1080,28 +975,18 @@ def _pool_vjp(grad_op: str) -> Any:
     return vjp
 
 
-register(
-    OpDef(
-        "MaxPool",
-        _pool_infer,
-        numpy=_maxpool_np,
-        jax=_maxpool_jax,
-        vjp=_pool_vjp("MaxPoolGrad"),
-        attrs=dict(_POOL_DEFAULTS),
-        num_inputs=1,
-        doc="2-D max pooling over NCHW; 'SAME' pads with -inf (TF-style placement).",
-        page=OpDoc(
-            "conv",
-            "x NCHW; `kernel_size`, `strides`, `pad_mode`",
-            FLOATS,
-            rule="batch and channels",
-            tests=(
-                "test_ops_nn.py::test_max_pool",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+def pool_labels(ctx: OpContext) -> Labels:
+    return Labels(["nchw"], ["ncyz"], {"h", "w", "y", "z"})
+
+
+define("MaxPool", _pool_infer, _maxpool_np, _maxpool_jax, vjp=_pool_vjp("MaxPoolGrad"),
+       attrs=dict(_POOL_DEFAULTS), num_inputs=1,
+       sharding=LabelRule(pool_labels, unsplittable="a spatial dim"),
+       doc="2-D max pooling over NCHW; 'SAME' pads with -inf (TF-style placement).", section="conv",
+       operands="x NCHW; `kernel_size`, `strides`, `pad_mode`", dtypes=FLOATS,
+       rule="batch and channels",
+       tests=("test_ops_nn.py::test_max_pool",
+              "test_parallel.py::test_every_rule_matches_the_oracle"))
 
 
 def _maxpool_grad_np(x: np.ndarray, y: np.ndarray, dy: np.ndarray, **attrs: Any) -> np.ndarray:
@@ -1120,28 +1005,12 @@ def _maxpool_grad_jax(x: Any, y: Any, dy: Any, **attrs: Any) -> Any:
     return pullback(dy)[0]
 
 
-register(
-    OpDef(
-        "MaxPoolGrad",
-        _pool_grad_infer,
-        numpy=_maxpool_grad_np,
-        jax=_maxpool_grad_jax,
-        attrs=dict(_POOL_DEFAULTS),
-        num_inputs=3,
-        differentiable=False,
-        doc=(
-            "MaxPoolGrad(x, y, dy): routes each dy to the first maximum of its window "
-            "(row-major order), summing over overlapping windows."
-        ),
-        page=OpDoc(
-            "conv",
-            "x, y, dy",
-            FLOATS,
-            grad_of="MaxPool",
-            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",),
-        ),
-    )
-)
+grad_helper("MaxPoolGrad", _pool_grad_infer, _maxpool_grad_np, _maxpool_grad_jax,
+            attrs=dict(_POOL_DEFAULTS), num_inputs=3,
+            doc="MaxPoolGrad(x, y, dy): routes each dy to the first maximum of its window "
+                "(row-major order), summing over overlapping windows.", grad_of="MaxPool",
+            operands="x, y, dy", dtypes=FLOATS, section="conv",
+            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",))
 
 
 def _avg_counts_np(x_shape: tuple[int, ...], win: _Window) -> np.ndarray:
@@ -1173,31 +1042,15 @@ def _avgpool_jax(x: Any, **attrs: Any) -> Any:
     return _avgpool_jax_fn(_pool_window(x.shape, attrs), x.shape)(x)
 
 
-register(
-    OpDef(
-        "AvgPool",
-        _pool_infer,
-        numpy=_avgpool_np,
-        jax=_avgpool_jax,
-        vjp=_pool_vjp("AvgPoolGrad"),
-        attrs=dict(_POOL_DEFAULTS),
-        num_inputs=1,
-        doc=(
-            "2-D average pooling over NCHW. With 'SAME' the divisor counts only the "
-            "non-padding elements of each window (TF / cuDNN exclude-padding semantics)."
-        ),
-        page=OpDoc(
-            "conv",
-            "x NCHW; `kernel_size`, `strides`, `pad_mode`",
-            FLOATS,
-            rule="batch and channels",
-            tests=(
-                "test_ops_nn.py::test_avg_pool",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+define("AvgPool", _pool_infer, _avgpool_np, _avgpool_jax, vjp=_pool_vjp("AvgPoolGrad"),
+       attrs=dict(_POOL_DEFAULTS), num_inputs=1,
+       sharding=LabelRule(pool_labels, unsplittable="a spatial dim"),
+       doc="2-D average pooling over NCHW. With 'SAME' the divisor counts only the non-padding "
+           "elements of each window (TF / cuDNN exclude-padding semantics).", section="conv",
+       operands="x NCHW; `kernel_size`, `strides`, `pad_mode`", dtypes=FLOATS,
+       rule="batch and channels",
+       tests=("test_ops_nn.py::test_avg_pool",
+              "test_parallel.py::test_every_rule_matches_the_oracle"))
 
 
 def _avgpool_grad_np(x: np.ndarray, y: np.ndarray, dy: np.ndarray, **attrs: Any) -> np.ndarray:
@@ -1213,55 +1066,8 @@ def _avgpool_grad_jax(x: Any, y: Any, dy: Any, **attrs: Any) -> Any:
     return pullback(dy)[0]
 
 
-register(
-    OpDef(
-        "AvgPoolGrad",
-        _pool_grad_infer,
-        numpy=_avgpool_grad_np,
-        jax=_avgpool_grad_jax,
-        attrs=dict(_POOL_DEFAULTS),
-        num_inputs=3,
-        differentiable=False,
-        doc="AvgPoolGrad(x, y, dy): spreads dy / window count over each window (x, y: shapes).",
-        page=OpDoc(
-            "conv",
-            "x, y, dy",
-            FLOATS,
-            grad_of="AvgPool",
-            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",),
-        ),
-    )
-)
-
-
-# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
-from pcompile.ir.dims import In, Index, Out, Same, broadcast, dim_rule  # noqa: E402
-
-
-def _layer_norm_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    x = ins[0][0]
-    _, bpa = _layer_norm_axes(len(x), attrs)
-    for d in range(len(x)):
-        yield Same(In(0, d), Out(d))
-        if d >= bpa:
-            yield Same(In(1, d - bpa), In(0, d))
-            yield Same(In(2, d - bpa), In(0, d))
-
-
-def _sce_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    yield Same(In(0, 0), In(1, 0))
-    yield Same(In(0, 1), In(1, 1))
-    yield Same(In(0, 0), Out(0))
-
-
-def _sparse_sce_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    yield Same(In(0, 0), In(1, 0))
-    yield Index(1, In(0, 1))
-    for d in range(len(outs[0])):
-        yield Same(In(0, d), Out(d))
-
-
-dim_rule("Softmax", "LogSoftmax", "SoftmaxGrad", "LogSoftmaxGrad", relations=broadcast)
-dim_rule("LayerNorm", relations=_layer_norm_dims)
-dim_rule("SoftmaxCrossEntropyWithLogits", relations=_sce_dims)
-dim_rule("SparseSoftmaxCrossEntropyWithLogits", relations=_sparse_sce_dims)
+grad_helper("AvgPoolGrad", _pool_grad_infer, _avgpool_grad_np, _avgpool_grad_jax,
+            attrs=dict(_POOL_DEFAULTS), num_inputs=3,
+            doc="AvgPoolGrad(x, y, dy): spreads dy / window count over each window (x, y: shapes).",
+            grad_of="AvgPool", operands="x, y, dy", dtypes=FLOATS, section="conv",
+            tests=("test_ops_nn.py::test_vjps_use_dedicated_grad_ops",))

@@ -14,12 +14,25 @@ import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Constant, Node, Value
+from pcompile.ir.dims import DimRule, In, Out, Same
 from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._define import define, grad_helper
 from pcompile.ir.ops._jax import jnp, lax
 from pcompile.ir.ops._util import is_zero, same_dtype, tensor, tuple_type
 from pcompile.ir.ops.elementwise import sign_of
 from pcompile.ir.ops.reduce import reduce_axes
-from pcompile.ir.registry import FLOATS, OpDef, OpDoc, register
+from pcompile.ir.registry import FLOATS
+from pcompile.ir.sharding import (
+    ALPHA,
+    LabelRule,
+    Labels,
+    OpContext,
+    OpSharding,
+    Strategy,
+    fresh_labels,
+    label_sharding,
+    reduce_labels,
+)
 from pcompile.ir.types import DType, TensorType, ValueType
 
 _DEFAULTS: dict[str, Any] = {"epsilon": 1e-6}
@@ -108,34 +121,41 @@ mindformers' `norm.shard(((dp, 1, 1), (1,)))`. Its gradient helper `RmsNormGrad(
 gamma) -> (dx, dgamma)` takes MindSpore's operands; when the program also reads rstd in a
 differentiated computation, its contribution is added (MindSpore's bprop drops it)."""
 
-register(
-    OpDef(
-        "RmsNorm",
-        _infer,
-        numpy=_rms_norm_np,
-        jax=_rms_norm_jax,
-        vjp=_rms_norm_vjp,
-        attrs=dict(_DEFAULTS),
-        num_inputs=2,
-        doc=(
-            "(y, rstd): rstd = 1/sqrt(mean(x**2) + epsilon) over the trailing gamma.ndim dims "
-            "(Float32, those dims kept as 1), y = x * rstd * gamma."
-        ),
-        page=OpDoc(
-            "linalg",
-            "x, gamma; `epsilon` (default 1e-6) -> (y, rstd)",
-            FLOATS,
-            rule="x splits only before the normalised (gamma's) dims; gamma never",
-            tests=(
-                "test_ops_nn.py::test_rms_norm",
-                "test_ops_nn.py::test_rms_norm_default_epsilon_and_grad_op",
-                "test_parallel_ops.py::test_rule_matches_the_oracle",
-                "test_mindformers_ops.py::test_rms_norm_as_llama_calls_it_trains_like_one_device",
-            ),
-            note=_RMS_NORM_NOTE,
-        ),
-    )
-)
+def rms_norm_labels(ctx: OpContext) -> Labels:
+    """x's trailing gamma.ndim dims are normalised (never split); gamma shares their labels;
+    rstd keeps x's leading labels and size-1 normalised dims (MindSpore's rms_norm_info)."""
+    x, gamma = ctx.in_types
+    lab = ALPHA[: x.rank]
+    begin = x.rank - gamma.rank
+    fresh = "".join(fresh_labels(gamma.rank, set(lab)))
+    return Labels([lab, lab[begin:]], [lab, lab[:begin] + fresh], set(lab[begin:]) | set(fresh))
+
+
+def _rms_norm_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """y is x; rstd keeps x's leading dims; gamma is x's trailing dims."""
+    x, gamma = ins[0][0], ins[1][0]
+    lead = len(x) - len(gamma)
+    for d in range(len(x)):
+        yield Same(In(0, d), Out(d, 0))
+        if d < lead:
+            yield Same(In(0, d), Out(d, 1))
+        else:
+            yield Same(In(1, d - lead), In(0, d))
+
+
+define("RmsNorm", _infer, _rms_norm_np, _rms_norm_jax, vjp=_rms_norm_vjp, attrs=dict(_DEFAULTS),
+       num_inputs=2,
+       sharding=LabelRule(rms_norm_labels, unsplittable="a normalised dim (one of gamma's dims; "
+                          "gamma is never split)"),
+       doc="(y, rstd): rstd = 1/sqrt(mean(x**2) + epsilon) over the trailing gamma.ndim dims "
+           "(Float32, those dims kept as 1), y = x * rstd * gamma.", section="linalg",
+       operands="x, gamma; `epsilon` (default 1e-6) -> (y, rstd)", dtypes=FLOATS,
+       rule="x splits only before the normalised (gamma's) dims; gamma never",
+       tests=("test_ops_nn.py::test_rms_norm",
+              "test_ops_nn.py::test_rms_norm_default_epsilon_and_grad_op",
+              "test_parallel_ops.py::test_rule_matches_the_oracle",
+              "test_mindformers_ops.py::test_rms_norm_as_llama_calls_it_trains_like_one_device"),
+       note=_RMS_NORM_NOTE, dims=DimRule(_rms_norm_dims))
 
 # -- RmsNormGrad ----------------------------------------------------------------------------
 
@@ -176,27 +196,11 @@ def _grad_jax(dy: Any, x: Any, rstd: Any, gamma: Any) -> tuple[Any, Any]:
     return dx.astype(x.dtype), dgamma.astype(gamma.dtype)
 
 
-register(
-    OpDef(
-        "RmsNormGrad",
-        _grad_infer,
-        numpy=_grad_np,
-        jax=_grad_jax,
-        num_inputs=4,
-        differentiable=False,
-        doc=(
-            "RmsNormGrad(dy, x, rstd, gamma) -> (dx, dgamma): the vjp of RmsNorm's y "
-            "(MindSpore operand order)."
-        ),
-        page=OpDoc(
-            "linalg",
-            "dy, x, rstd, gamma -> (dx, dgamma)",
-            FLOATS,
-            grad_of="RmsNorm",
-            tests=("test_ops_nn.py::test_rms_norm_default_epsilon_and_grad_op",),
-        ),
-    )
-)
+grad_helper("RmsNormGrad", _grad_infer, _grad_np, _grad_jax, num_inputs=4,
+            doc="RmsNormGrad(dy, x, rstd, gamma) -> (dx, dgamma): the vjp of RmsNorm's y "
+                "(MindSpore operand order).", grad_of="RmsNorm",
+            operands="dy, x, rstd, gamma -> (dx, dgamma)", dtypes=FLOATS, section="linalg",
+            tests=("test_ops_nn.py::test_rms_norm_default_epsilon_and_grad_op",))
 
 # -- LpNorm ---------------------------------------------------------------------------------
 
@@ -269,53 +273,33 @@ def _lp_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [b("Select", live, b("Mul", grad, direction), zero)]
 
 
-register(
-    OpDef(
-        "LpNorm",
-        _lp_infer,
-        numpy=_lp_np,
-        jax=_lp_jax,
-        vjp=_lp_vjp,
-        attrs=dict(_LP_DEFAULTS),
-        num_inputs=1,
-        doc=(
-            "max((sum over `axis` of |x|**p)**(1/p), epsilon) (MindSpore `ops.LpNorm(axis, p=2, "
-            "keep_dims=False, epsilon=1e-12)`; p an int >= 1; `axis` () = all). 16-bit inputs "
-            "are computed in float32 and rounded once. The gradient is sign(x) |x|**(p-1) / "
-            "norm**(p-1), 0 where epsilon replaced the norm."
-        ),
-        page=OpDoc(
-            "linalg",
-            "x; `axis`, `p`, `keep_dims`, `epsilon`",
-            FLOATS,
-            rule="every dim may split; a split normalised dim sums |x|**p per rank, all-reduces, "
-                 "then takes the root",
-            tests=(
-                "test_ops_lp_norm.py::test_lp_norm",
-                "test_ops_lp_norm.py::test_lp_norm_mindspore_example",
-                "test_ops_lp_norm.py::test_lp_norm_split_normalised_dims",
-                "test_ops_lp_norm.py::test_lp_norm_split_emits_partial_sum_and_all_reduce",
-                "test_parallel_ops.py::test_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+class LpNormRule(LabelRule):
+    """LpNorm: reduction labels (every dim may split). A split normalised dim leaves partial
+    sums: each rank computes sum |x|**p over its slice, the forward AllReduce adds them and
+    the root and the epsilon floor follow (expand "lp_norm_partial")."""
+
+    def __init__(self) -> None:
+        super().__init__(reduce_labels("sum"))
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        result = label_sharding(ctx, self.labels(ctx), strategy, out_strategy)
+        if result.forward:
+            result.expand = "lp_norm_partial"
+        return result
 
 
-# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
-from pcompile.ir.dims import In, Out, Same, dim_rule  # noqa: E402
-
-
-def _rms_norm_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    """y is x; rstd keeps x's leading dims; gamma is x's trailing dims."""
-    x, gamma = ins[0][0], ins[1][0]
-    lead = len(x) - len(gamma)
-    for d in range(len(x)):
-        yield Same(In(0, d), Out(d, 0))
-        if d < lead:
-            yield Same(In(0, d), Out(d, 1))
-        else:
-            yield Same(In(1, d - lead), In(0, d))
-
-
-dim_rule("RmsNorm", relations=_rms_norm_dims)
+define("LpNorm", _lp_infer, _lp_np, _lp_jax, vjp=_lp_vjp, attrs=dict(_LP_DEFAULTS), num_inputs=1,
+       sharding=LpNormRule(),
+       doc="max((sum over `axis` of |x|**p)**(1/p), epsilon) (MindSpore `ops.LpNorm(axis, p=2, "
+           "keep_dims=False, epsilon=1e-12)`; p an int >= 1; `axis` () = all). 16-bit inputs are "
+           "computed in float32 and rounded once. The gradient is sign(x) |x|**(p-1) / "
+           "norm**(p-1), 0 where epsilon replaced the norm.", section="linalg",
+       operands="x; `axis`, `p`, `keep_dims`, `epsilon`", dtypes=FLOATS,
+       rule="every dim may split; a split normalised dim sums |x|**p per rank, all-reduces, then "
+            "takes the root",
+       tests=("test_ops_lp_norm.py::test_lp_norm",
+              "test_ops_lp_norm.py::test_lp_norm_mindspore_example",
+              "test_ops_lp_norm.py::test_lp_norm_split_normalised_dims",
+              "test_ops_lp_norm.py::test_lp_norm_split_emits_partial_sum_and_all_reduce",
+              "test_parallel_ops.py::test_rule_matches_the_oracle"))

@@ -19,8 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._define import define
 from pcompile.ir.ops._util import tensor
-from pcompile.ir.registry import ALL, OpDef, OpDoc, register
+from pcompile.ir.registry import ALL, Trait
 from pcompile.ir.types import DType, TensorType, ValueType
 
 _P2P_DEFAULTS: dict[str, Any] = {"sr_tag": 0, "group": "", "shape": (),
@@ -56,34 +57,18 @@ def _send_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
     return x
 
 
-register(
-    OpDef(
-        "Send",
-        _send_infer,
-        attrs={"sr_tag": 0, "dest_rank": 0, **{k: v for k, v in _P2P_DEFAULTS.items()
-                                                if k != "sr_tag"}},
-        num_inputs=1,
-        differentiable=False,
-        collective=True,
-        doc=(
-            "Sends x to rank dest_rank (the Receive with the same sr_tag there); returns x. "
-            "shape and dtype describe x. Not differentiated (the pipeline cut follows "
-            "autodiff)."
-        ),
-        page=OpDoc(
-            "compiler",
-            "x; `dest_rank`, `sr_tag`, `shape`, `dtype` -> x",
-            ALL,
-            rule="*no strategy*: between pipeline stages; sent to the Receive of the same `sr_tag`",
-            spelling="inserted by the compiler",
-            tests=(
-                "test_pipeline.py::test_dumps_show_send_receive_pairs_and_micro_batches",
-                "test_pipeline.py::test_mlp_four_stages_two_way_model_parallel_trains_like_one_de"
-                "vice",
-            ),
-        ),
-    )
-)
+define("Send", _send_infer,
+       attrs={"sr_tag": 0, "dest_rank": 0, **{k: v for k, v in _P2P_DEFAULTS.items()
+                                               if k != "sr_tag"}}, num_inputs=1,
+       differentiable=False, collective=True, traits=frozenset({Trait.POINT_TO_POINT}),
+       doc="Sends x to rank dest_rank (the Receive with the same sr_tag there); returns x. shape "
+           "and dtype describe x. Not differentiated (the pipeline cut follows autodiff).",
+       section="compiler", operands="x; `dest_rank`, `sr_tag`, `shape`, `dtype` -> x", dtypes=ALL,
+       rule="*no strategy*: between pipeline stages; sent to the Receive of the same `sr_tag`",
+       tests=("test_pipeline.py::test_dumps_show_send_receive_pairs_and_micro_batches",
+              "test_pipeline.py::test_mlp_four_stages_two_way_model_parallel_trains_like_"
+              "one_device"),
+       spelling="inserted by the compiler")
 
 # -- Receive --------------------------------------------------------------------------------
 
@@ -93,29 +78,14 @@ def _receive_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
     return TensorType(dtype, shape)
 
 
-register(
-    OpDef(
-        "Receive",
-        _receive_infer,
-        attrs={"sr_tag": 0, "src_rank": 0, **{k: v for k, v in _P2P_DEFAULTS.items()
-                                               if k != "sr_tag"}},
-        num_inputs=0,
-        differentiable=False,
-        collective=True,
-        doc=(
-            "Receives the tensor (shape, dtype) that rank src_rank sends with the same sr_tag."
-        ),
-        page=OpDoc(
-            "compiler",
-            "`src_rank`, `sr_tag`, `shape`, `dtype` -> tensor",
-            ALL,
-            rule="*no strategy*: between pipeline stages; receives the Send of the same `sr_tag`",
-            spelling="inserted by the compiler",
-            tests=(
-                "test_pipeline.py::test_dumps_show_send_receive_pairs_and_micro_batches",
-                "test_pipeline.py::test_mlp_four_stages_two_way_model_parallel_trains_like_one_de"
-                "vice",
-            ),
-        ),
-    )
-)
+define("Receive", _receive_infer,
+       attrs={"sr_tag": 0, "src_rank": 0, **{k: v for k, v in _P2P_DEFAULTS.items()
+                                              if k != "sr_tag"}}, num_inputs=0,
+       differentiable=False, collective=True, traits=frozenset({Trait.POINT_TO_POINT}),
+       doc="Receives the tensor (shape, dtype) that rank src_rank sends with the same sr_tag.",
+       section="compiler", operands="`src_rank`, `sr_tag`, `shape`, `dtype` -> tensor", dtypes=ALL,
+       rule="*no strategy*: between pipeline stages; receives the Send of the same `sr_tag`",
+       tests=("test_pipeline.py::test_dumps_show_send_receive_pairs_and_micro_batches",
+              "test_pipeline.py::test_mlp_four_stages_two_way_model_parallel_trains_like_"
+              "one_device"),
+       spelling="inserted by the compiler")

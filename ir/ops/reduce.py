@@ -12,11 +12,27 @@ import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
+from pcompile.ir.dims import DimRule, In, Out, Product, Same, broadcast
 from pcompile.ir.errors import ShapeError
+from pcompile.ir.layout import TensorLayout
+from pcompile.ir.ops._define import define, elementwise
 from pcompile.ir.ops._jax import jnp
 from pcompile.ir.ops._util import infer_unary, tensor, unbroadcast
-from pcompile.ir.registry import ALL, FLOATS, NUMERIC, InferFn, OpDef, OpDoc, register
-from pcompile.ir.types import DType, ValueType
+from pcompile.ir.registry import ALL, FLOATS, NUMERIC, InferFn, Trait
+from pcompile.ir.sharding import (
+    ALPHA,
+    LabelRule,
+    Labels,
+    OpContext,
+    OpSharding,
+    Strategy,
+    StrategyError,
+    aligned_labels,
+    fresh_labels,
+    label_sharding,
+    reduce_labels,
+)
+from pcompile.ir.types import DType, TensorType, ValueType
 
 # -- axis handling --------------------------------------------------------------------------
 
@@ -116,29 +132,27 @@ def _sum_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [_broadcast_back(b, node, _to_keep_dims(b, node, cot))]
 
 
-register(
-    OpDef(
-        "ReduceSum",
-        _make_reduce_infer("ReduceSum", "numeric"),
-        numpy=_sum_np,
-        jax=_sum_jax,
-        vjp=_sum_vjp,
-        attrs={"axis": (), "keep_dims": False},
-        num_inputs=1,
-        doc="Sum over `axis` (() = all axes).",
-        page=OpDoc(
-            "linalg",
-            "x; `axis`, `keep_dims`",
-            NUMERIC,
-            rule="reduced dims may split (AllReduce sum)",
-            tests=(
-                "test_ops_reduce.py::test_reduce",
-                "test_ops_reduce.py::test_reduce_integer",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+def _reduce_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """Kept dims follow the input; reduced dims are free (summing fewer terms)."""
+    rank = len(ins[0][0])
+    axes = reduce_axes(attrs["axis"], rank)
+    o = 0
+    for d in range(rank):
+        if d in axes:
+            o += 1 if attrs["keep_dims"] else 0
+            continue
+        yield Same(In(0, d), Out(o))
+        o += 1
+
+
+define("ReduceSum", _make_reduce_infer("ReduceSum", "numeric"), _sum_np, _sum_jax, vjp=_sum_vjp,
+       attrs={"axis": (), "keep_dims": False}, num_inputs=1,
+       sharding=LabelRule(reduce_labels("sum"), cross_batch=True),
+       traits=frozenset({Trait.REDUCTION}), doc="Sum over `axis` (() = all axes).",
+       section="linalg", operands="x; `axis`, `keep_dims`", dtypes=NUMERIC,
+       rule="reduced dims may split (AllReduce sum)",
+       tests=("test_ops_reduce.py::test_reduce", "test_ops_reduce.py::test_reduce_integer",
+              "test_parallel.py::test_every_rule_matches_the_oracle"), dims=DimRule(_reduce_dims))
 
 # -- ReduceMean -----------------------------------------------------------------------------
 
@@ -162,28 +176,15 @@ def _mean_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [_broadcast_back(b, node, _to_keep_dims(b, node, scaled))]
 
 
-register(
-    OpDef(
-        "ReduceMean",
-        _make_reduce_infer("ReduceMean", "float"),
-        numpy=_mean_np,
-        jax=_mean_jax,
-        vjp=_mean_vjp,
-        attrs={"axis": (), "keep_dims": False},
-        num_inputs=1,
-        doc="Mean over `axis` (() = all axes); floating-point input.",
-        page=OpDoc(
-            "linalg",
-            "x; `axis`, `keep_dims`",
-            FLOATS,
-            rule="reduced dims may split (AllReduce sum, then divides)",
-            tests=(
-                "test_ops_reduce.py::test_reduce",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+define("ReduceMean", _make_reduce_infer("ReduceMean", "float"), _mean_np, _mean_jax, vjp=_mean_vjp,
+       attrs={"axis": (), "keep_dims": False}, num_inputs=1,
+       sharding=LabelRule(reduce_labels("sum", mean=True), cross_batch=True),
+       traits=frozenset({Trait.REDUCTION}),
+       doc="Mean over `axis` (() = all axes); floating-point input.", section="linalg",
+       operands="x; `axis`, `keep_dims`", dtypes=FLOATS,
+       rule="reduced dims may split (AllReduce sum, then divides)",
+       tests=("test_ops_reduce.py::test_reduce",
+              "test_parallel.py::test_every_rule_matches_the_oracle"), dims=DimRule(_reduce_dims))
 
 # -- ReduceMax ------------------------------------------------------------------------------
 
@@ -207,30 +208,15 @@ def _max_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [b("Mul", is_max, share)]
 
 
-register(
-    OpDef(
-        "ReduceMax",
-        _make_reduce_infer("ReduceMax", "any"),
-        numpy=_max_np,
-        jax=_max_jax,
-        vjp=_max_vjp,
-        attrs={"axis": (), "keep_dims": False},
-        num_inputs=1,
-        doc="Max over `axis` (() = all axes); gradient split evenly among ties.",
-        page=OpDoc(
-            "linalg",
-            "x; `axis`, `keep_dims`",
-            ALL,
-            rule="reduced dims may split (AllReduce max)",
-            tests=(
-                "test_ops_reduce.py::test_reduce",
-                "test_ops_reduce.py::test_reduce_max_bool",
-                "test_ops_reduce.py::test_reduce_max_gradient_shared_by_ties",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+define("ReduceMax", _make_reduce_infer("ReduceMax", "any"), _max_np, _max_jax, vjp=_max_vjp,
+       attrs={"axis": (), "keep_dims": False}, num_inputs=1,
+       sharding=LabelRule(reduce_labels("max"), cross_batch=True),
+       traits=frozenset({Trait.REDUCTION}),
+       doc="Max over `axis` (() = all axes); gradient split evenly among ties.", section="linalg",
+       operands="x; `axis`, `keep_dims`", dtypes=ALL, rule="reduced dims may split (AllReduce max)",
+       tests=("test_ops_reduce.py::test_reduce", "test_ops_reduce.py::test_reduce_max_bool",
+              "test_ops_reduce.py::test_reduce_max_gradient_shared_by_ties",
+              "test_parallel.py::test_every_rule_matches_the_oracle"), dims=DimRule(_reduce_dims))
 
 # -- BroadcastTo ----------------------------------------------------------------------------
 
@@ -279,25 +265,27 @@ def _broadcast_to_np(x: Any, shape: tuple[int, ...]) -> Any:
     return np.array(np.broadcast_to(x, broadcast_target(shape, x.shape)))
 
 
-register(
-    OpDef(
-        "BroadcastTo",
-        _broadcast_to_infer,
-        numpy=_broadcast_to_np,
-        jax=lambda x, shape: jnp.broadcast_to(x, broadcast_target(shape, x.shape)),
-        vjp=lambda b, node, cot: [unbroadcast(b, cot, node.operands[0].shape)],
-        attrs={"shape": None},
-        num_inputs=1,
-        doc="Broadcast x to `shape` with numpy rules (-1 keeps the input's dim).",
-        page=OpDoc(
-            "shape",
-            "x; `shape` (-1 keeps a dim)",
-            ALL,
-            rule="broadcast dims never split",
-            tests=("test_ops_reduce.py::test_broadcast_to",),
-        ),
-    )
-)
+def broadcast_to_labels(ctx: OpContext) -> Labels:
+    t = ctx.in_types[0]
+    out = ctx.out_types[0]
+    olab = ALPHA[: out.rank]
+    lead = out.rank - t.rank
+    lab, unsplit = aligned_labels(t.shape, out.shape, olab, set(olab))
+    unsplit |= set(olab[:lead]) | {olab[lead + j] for j, s in enumerate(t.shape)
+                                   if s == 1 and out.shape[lead + j] != 1}
+    return Labels([lab], [olab], unsplit)
+
+
+define("BroadcastTo", _broadcast_to_infer, _broadcast_to_np,
+       lambda x, shape: jnp.broadcast_to(x, broadcast_target(shape, x.shape)),
+       vjp=lambda b, node, cot: [unbroadcast(b, cot, node.operands[0].shape)],
+       attrs={"shape": None}, num_inputs=1, sharding=LabelRule(broadcast_to_labels),
+       doc="Broadcast x to `shape` with numpy rules (-1 keeps the input's dim).", section="shape",
+       operands="x; `shape` (-1 keeps a dim)", dtypes=ALL, rule="broadcast dims never split",
+       tests=("test_ops_reduce.py::test_broadcast_to",),
+       dims=DimRule(broadcast, rewrite=lambda attrs, oi, oo, ni, no: {**attrs,
+                                                                      "shape": tuple(no[0])},
+                    preserves_values=True))
 
 # -- Tile ---------------------------------------------------------------------------------------
 
@@ -349,91 +337,71 @@ shorter than x's rank (leading 1s) or longer (x gains leading size-1 dims), as i
 sharded Tile needs them of equal length. The vjp reshapes the cotangent to
 `(m0, d0, m1, d1, ...)` and sums the copies."""
 
-register(
-    OpDef(
-        "Tile",
-        _tile_infer,
-        numpy=lambda x, multiples: np.tile(x, multiples),
-        jax=lambda x, multiples: jnp.tile(x, multiples),
-        vjp=_tile_vjp,
-        attrs={"multiples": None},
-        num_inputs=1,
-        doc="x repeated multiples[i] times along dim i (x padded with leading size-1 dims, "
-        "multiples with leading 1s, to one rank).",
-        page=OpDoc(
-            "shape",
-            "x; `multiples`",
-            ALL,
-            rule="a dim with multiple > 1 splits its copies, a dim with multiple 1 splits the "
-                 "input dim",
-            tests=(
-                "test_ops_shape.py::test_tile",
-                "test_ops_shape.py::test_tile_as_repeat_kv",
-                "test_parallel_ops.py::test_tile_rule_matches_the_oracle",
-                "test_parallel_ops.py::test_tile_strategy_of_a_tiled_dim_splits_its_multiple",
-                "test_mindformers_ops.py::test_tile_as_repeat_kv_calls_it_trains_like_one_device",
-            ),
-            note=_TILE_NOTE,
-        ),
-    )
-)
-
-# -- ZerosLike / OnesLike -------------------------------------------------------------------
-
-register(
-    OpDef(
-        "ZerosLike",
-        infer_unary,
-        numpy=lambda x: np.zeros_like(x),
-        jax=lambda x: jnp.zeros_like(x),
-        num_inputs=1,
-        differentiable=False,
-        doc="Zeros of x's shape and dtype.",
-        page=OpDoc(
-            "elementwise",
-            "x",
-            ALL,
-            rule="element-wise",
-            tests=("test_ops_reduce.py::test_zeros_ones_like",),
-        ),
-    )
-)
-
-register(
-    OpDef(
-        "OnesLike",
-        infer_unary,
-        numpy=lambda x: np.ones_like(x),
-        jax=lambda x: jnp.ones_like(x),
-        num_inputs=1,
-        differentiable=False,
-        doc="Ones of x's shape and dtype.",
-        page=OpDoc(
-            "elementwise",
-            "x",
-            ALL,
-            rule="element-wise",
-            tests=("test_ops_reduce.py::test_zeros_ones_like",),
-        ),
-    )
-)
+def tile_labels(ctx: OpContext) -> Labels:
+    """A dim with multiple 1 is shared by input and output; a dim with multiple > 1 is never
+    split in the input (every rank holds the whole input dim), and its output label appears
+    in no input, so only an explicit strategy (TileRule.apply) splits its copies."""
+    x = ctx.in_types[0]
+    out = ctx.out_types[0]
+    olab = ALPHA[: out.rank]
+    reps = _tile_reps(ctx)
+    lead = out.rank - x.rank
+    fresh = fresh_labels(x.rank, set(olab))
+    lab = "".join(fresh[j] if reps[lead + j] > 1 else olab[lead + j] for j in range(x.rank))
+    return Labels([lab], [olab], {c for c in lab if c not in olab})
 
 
-# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
-from pcompile.ir.dims import In, Out, Product, Same, broadcast, dim_rule  # noqa: E402
+def _tile_reps(ctx: OpContext) -> tuple[int, ...]:
+    reps = tuple(ctx.attrs.get("multiples") or ())
+    return (1,) * (ctx.out_types[0].rank - len(reps)) + reps
 
 
-def _reduce_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    """Kept dims follow the input; reduced dims are free (summing fewer terms)."""
-    rank = len(ins[0][0])
-    axes = reduce_axes(attrs["axis"], rank)
-    o = 0
-    for d in range(rank):
-        if d in axes:
-            o += 1 if attrs["keep_dims"] else 0
-            continue
-        yield Same(In(0, d), Out(o))
-        o += 1
+class TileRule(LabelRule):
+    """Tile (MindSpore's tile_info): the strategy has one value per dim; a dim whose multiple
+    is > 1 splits the multiple (each rank tiles its share of the copies of the whole input
+    dim: local multiple = multiple / split), a dim whose multiple is 1 splits the input dim."""
+
+    def __init__(self) -> None:
+        super().__init__(tile_labels, unsplittable="a tiled dim (multiple > 1): the strategy "
+                                                  "splits its copies instead")
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        x, out = ctx.in_types[0], ctx.out_types[0]
+        reps = _tile_reps(ctx)
+        if x.rank != out.rank:
+            raise StrategyError(
+                f"a sharded Tile needs len(multiples) == x.ndim; x has rank {x.rank}, the "
+                f"multiples {ctx.attrs.get('multiples')} give rank {out.rank}",
+                "reshape x to the output rank first",
+            )
+        if len(strategy) != 1:
+            raise StrategyError(
+                f"the strategy has {len(strategy)} entries but Tile has 1 tensor input",
+                "give one tuple with a split per dim",
+            )
+        for j, (m, count) in enumerate(zip(reps, strategy[0])):
+            if m > 1 and m % count:
+                raise StrategyError(
+                    f"dim {j} is tiled {m} times, and the strategy of a tiled dim splits its "
+                    f"multiple: {m} cannot be divisible by strategy value {count}",
+                    f"choose a split that divides the multiple {m}",
+                )
+        # The strategy splits a virtual tensor: the multiple of a tiled dim, else the dim.
+        extent = tuple(m if m > 1 else d for m, d in zip(reps, x.shape))
+        virtual = OpContext(ctx.op, [TensorType(x.dtype, extent)], TensorType(x.dtype, extent),
+                            ctx.attrs, ctx.devices)
+        lab = ALPHA[: x.rank]
+        base = label_sharding(virtual, Labels([lab], [lab]), strategy, out_strategy)
+        tmap = base.in_layouts[0].tensor_map
+        in_map = tuple(-1 if m > 1 else e for m, e in zip(reps, tmap))
+        split = strategy[0]
+        return OpSharding(
+            base.strategy, base.dev_matrix,
+            [TensorLayout(base.dev_matrix, in_map, x.shape)],
+            [TensorLayout(base.dev_matrix, tmap, out.shape)],
+            local_attrs={"multiples": tuple(m // c if m > 1 else 1 for m, c in zip(reps, split))},
+        )
 
 
 def _tile_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
@@ -452,8 +420,25 @@ def _tile_rewrite(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
     return {**attrs, "multiples": tuple(o // i for o, i in zip(out, padded))}
 
 
-dim_rule("ReduceSum", "ReduceMean", "ReduceMax", relations=_reduce_dims)
-dim_rule("Tile", relations=_tile_dims, rewrite=_tile_rewrite, preserves_values=True)
-dim_rule("BroadcastTo", relations=broadcast, preserves_values=True,
-         rewrite=lambda attrs, oi, oo, ni, no: {**attrs, "shape": tuple(no[0])})
-dim_rule("ZerosLike", "OnesLike", relations=broadcast)
+define("Tile", _tile_infer, lambda x, multiples: np.tile(x, multiples),
+       lambda x, multiples: jnp.tile(x, multiples), vjp=_tile_vjp, attrs={"multiples": None},
+       num_inputs=1, sharding=TileRule(),
+       doc="x repeated multiples[i] times along dim i (x padded with leading size-1 dims, "
+           "multiples with leading 1s, to one rank).", section="shape", operands="x; `multiples`",
+       dtypes=ALL,
+       rule="a dim with multiple > 1 splits its copies, a dim with multiple 1 splits the input dim",
+       tests=("test_ops_shape.py::test_tile", "test_ops_shape.py::test_tile_as_repeat_kv",
+              "test_parallel_ops.py::test_tile_rule_matches_the_oracle",
+              "test_parallel_ops.py::test_tile_strategy_of_a_tiled_dim_splits_its_multiple",
+              "test_mindformers_ops.py::test_tile_as_repeat_kv_calls_it_trains_like_one_device"),
+       note=_TILE_NOTE, dims=DimRule(_tile_dims, rewrite=_tile_rewrite, preserves_values=True))
+
+# -- ZerosLike / OnesLike -------------------------------------------------------------------
+
+elementwise("ZerosLike", infer_unary, lambda x: np.zeros_like(x), lambda x: jnp.zeros_like(x),
+            differentiable=False, doc="Zeros of x's shape and dtype.", dtypes=ALL,
+            tests=("test_ops_reduce.py::test_zeros_ones_like",))
+
+elementwise("OnesLike", infer_unary, lambda x: np.ones_like(x), lambda x: jnp.ones_like(x),
+            differentiable=False, doc="Ones of x's shape and dtype.", dtypes=ALL,
+            tests=("test_ops_reduce.py::test_zeros_ones_like",))

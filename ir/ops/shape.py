@@ -6,16 +6,30 @@ MindSpore passes as constant tensors (shapes, slice bounds, on/off values) as at
 from __future__ import annotations
 
 import math
+from math import gcd
 from typing import Any
 
 import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
+from pcompile.ir.dims import DimRule, Fixed, In, Index, Offset, Out, Product, Same, Total
 from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._define import define
 from pcompile.ir.ops._jax import jax, jnp
 from pcompile.ir.ops._util import same_dtype, tensor
-from pcompile.ir.registry import ALL, NUMERIC, OpDef, OpDoc, register
+from pcompile.ir.registry import ALL, NUMERIC, Trait
+from pcompile.ir.sharding import (
+    ALPHA,
+    LabelRule,
+    Labels,
+    OpContext,
+    OpSharding,
+    Strategy,
+    StrategyError,
+    fresh_labels,
+    label_sharding,
+)
 from pcompile.ir.types import DType, TensorType, TupleType, ValueType
 
 # -- attribute checks -----------------------------------------------------------------------
@@ -86,28 +100,50 @@ def _reshape_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [_reshape_to(b, cot, node.operands[0].shape)]
 
 
-register(
-    OpDef(
-        "Reshape",
-        _reshape_infer,
-        numpy=lambda x, shape: np.reshape(x, shape),
-        jax=lambda x, shape: jnp.reshape(x, shape),
-        vjp=_reshape_vjp,
-        attrs={"shape": None},
-        num_inputs=1,
-        doc="x with a new shape of the same size; one dim may be -1 (inferred).",
-        page=OpDoc(
-            "shape",
-            "x; `shape` (one -1)",
-            ALL,
-            rule="no strategy: its output takes the layout its consumer wants",
-            tests=(
-                "test_ops_shape.py::test_reshape",
-                "test_redistribution.py::test_reshape_redistributions_execute_exactly",
-            ),
-        ),
-    )
-)
+def reshape_blocks(src: tuple[int, ...], dst: tuple[int, ...]
+                   ) -> list[tuple[list[int], list[int]]]:
+    """The dims of `src` and `dst` (size-1 dims left out) grouped into consecutive blocks of
+    equal products: (32, 16, 4096) -> (32, 16, 32, 128) is ([0], [0]), ([1], [1]), ([2], [2, 3])."""
+    a = [d for d, n in enumerate(src) if n != 1]
+    b = [d for d, n in enumerate(dst) if n != 1]
+    blocks: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        left, right = [a[i]], [b[j]]
+        pl, pr = src[a[i]], dst[b[j]]
+        i, j = i + 1, j + 1
+        while pl != pr:
+            if pl < pr:
+                left.append(a[i])
+                pl *= src[a[i]]
+                i += 1
+            else:
+                right.append(b[j])
+                pr *= dst[b[j]]
+                j += 1
+        blocks.append((left, right))
+    return blocks
+
+
+def _reshape_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    for left, right in reshape_blocks(ins[0][0], outs[0]):
+        yield Product(tuple(In(0, d) for d in left), tuple(Out(d) for d in right))
+
+
+def _new_shape(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
+               new_out: Any) -> dict[str, Any]:
+    return {**attrs, "shape": tuple(new_out[0])}
+
+
+define("Reshape", _reshape_infer, lambda x, shape: np.reshape(x, shape),
+       lambda x, shape: jnp.reshape(x, shape), vjp=_reshape_vjp, attrs={"shape": None},
+       num_inputs=1, traits=frozenset({Trait.NO_STRATEGY}),
+       doc="x with a new shape of the same size; one dim may be -1 (inferred).", section="shape",
+       operands="x; `shape` (one -1)", dtypes=ALL,
+       rule="no strategy: its output takes the layout its consumer wants",
+       tests=("test_ops_shape.py::test_reshape",
+              "test_redistribution.py::test_reshape_redistributions_execute_exactly"),
+       dims=DimRule(_reshape_dims, rewrite=_new_shape, preserves_values=True))
 
 # -- Transpose ------------------------------------------------------------------------------
 
@@ -136,28 +172,26 @@ def _transpose_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [b("Transpose", cot, perm=inverse)]
 
 
-register(
-    OpDef(
-        "Transpose",
-        _transpose_infer,
-        numpy=lambda x, perm: np.transpose(x, perm),
-        jax=lambda x, perm: jnp.transpose(x, perm),
-        vjp=_transpose_vjp,
-        attrs={"perm": None},
-        num_inputs=1,
-        doc="Permute the axes of x: output dim i is input dim perm[i].",
-        page=OpDoc(
-            "shape",
-            "x; `perm`",
-            ALL,
-            rule="dims follow the permutation",
-            tests=(
-                "test_ops_shape.py::test_transpose",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+def transpose_labels(ctx: OpContext) -> Labels:
+    rank = ctx.in_types[0].rank
+    lab = ALPHA[:rank]
+    perm = [p % rank for p in ctx.attrs["perm"]]
+    return Labels([lab], ["".join(lab[p] for p in perm)])
+
+
+def _transpose_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    for d, p in enumerate(attrs["perm"]):
+        yield Same(In(0, p), Out(d))
+
+
+define("Transpose", _transpose_infer, lambda x, perm: np.transpose(x, perm),
+       lambda x, perm: jnp.transpose(x, perm), vjp=_transpose_vjp, attrs={"perm": None},
+       num_inputs=1, sharding=LabelRule(transpose_labels),
+       doc="Permute the axes of x: output dim i is input dim perm[i].", section="shape",
+       operands="x; `perm`", dtypes=ALL, rule="dims follow the permutation",
+       tests=("test_ops_shape.py::test_transpose",
+              "test_parallel.py::test_every_rule_matches_the_oracle"),
+       dims=DimRule(_transpose_dims, preserves_values=True))
 
 # -- ExpandDims -----------------------------------------------------------------------------
 
@@ -182,28 +216,30 @@ def _shape_restoring_vjp(b: Builder, node: Node, cot: Value) -> list[Value | Non
     return [_reshape_to(b, cot, node.operands[0].shape)]
 
 
-register(
-    OpDef(
-        "ExpandDims",
-        _expand_dims_infer,
-        numpy=lambda x, axis: np.expand_dims(x, axis),
-        jax=lambda x, axis: jnp.expand_dims(x, axis),
-        vjp=_shape_restoring_vjp,
-        attrs={"axis": 0},
-        num_inputs=1,
-        doc="Insert a size-1 dim at axis (negative: counted from the end of the output).",
-        page=OpDoc(
-            "shape",
-            "x; `axis`",
-            ALL,
-            rule="the new dim never splits",
-            tests=(
-                "test_ops_shape.py::test_expand_dims",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+def expand_dims_labels(ctx: OpContext) -> Labels:
+    rank = ctx.in_types[0].rank
+    lab = ALPHA[:rank]
+    axis = ctx.attrs["axis"] % (rank + 1)
+    fresh = fresh_labels(1, set(lab))[0]
+    return Labels([lab], [lab[:axis] + fresh + lab[axis:]], {fresh})
+
+
+def _pair_non_unit(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """Ops that only add or drop size-1 dims: the other dims pair up in order."""
+    a = [d for d, n in enumerate(ins[0][0]) if n != 1]
+    b = [d for d, n in enumerate(outs[0]) if n != 1]
+    for d, e in zip(a, b):
+        yield Same(In(0, d), Out(e))
+
+
+define("ExpandDims", _expand_dims_infer, lambda x, axis: np.expand_dims(x, axis),
+       lambda x, axis: jnp.expand_dims(x, axis), vjp=_shape_restoring_vjp, attrs={"axis": 0},
+       num_inputs=1, sharding=LabelRule(expand_dims_labels),
+       doc="Insert a size-1 dim at axis (negative: counted from the end of the output).",
+       section="shape", operands="x; `axis`", dtypes=ALL, rule="the new dim never splits",
+       tests=("test_ops_shape.py::test_expand_dims",
+              "test_parallel.py::test_every_rule_matches_the_oracle"),
+       dims=DimRule(_pair_non_unit, preserves_values=True))
 
 # -- Squeeze --------------------------------------------------------------------------------
 
@@ -249,29 +285,23 @@ def _squeeze_jax(x: Any, axis: Any) -> Any:
     return jnp.squeeze(x, axes if axes else None)
 
 
-register(
-    OpDef(
-        "Squeeze",
-        _squeeze_infer,
-        numpy=_squeeze_np,
-        jax=_squeeze_jax,
-        vjp=_shape_restoring_vjp,
-        attrs={"axis": ()},
-        num_inputs=1,
-        doc="Remove the size-1 dims in axis (a tuple; () removes every size-1 dim).",
-        page=OpDoc(
-            "shape",
-            "x; `axis`",
-            ALL,
-            rule="the removed dims never split",
-            tests=(
-                "test_ops_shape.py::test_squeeze",
-                "test_ops_shape.py::test_squeeze_int_axis",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+def squeeze_labels(ctx: OpContext) -> Labels:
+    t = ctx.in_types[0]
+    lab = ALPHA[: t.rank]
+    axes = ctx.attrs.get("axis", ())
+    if isinstance(axes, int):
+        axes = (axes,)
+    gone = {a % t.rank for a in axes} if axes else {i for i, d in enumerate(t.shape) if d == 1}
+    return Labels([lab], ["".join(c for i, c in enumerate(lab) if i not in gone)])
+
+
+define("Squeeze", _squeeze_infer, _squeeze_np, _squeeze_jax, vjp=_shape_restoring_vjp,
+       attrs={"axis": ()}, num_inputs=1, sharding=LabelRule(squeeze_labels),
+       doc="Remove the size-1 dims in axis (a tuple; () removes every size-1 dim).",
+       section="shape", operands="x; `axis`", dtypes=ALL, rule="the removed dims never split",
+       tests=("test_ops_shape.py::test_squeeze", "test_ops_shape.py::test_squeeze_int_axis",
+              "test_parallel.py::test_every_rule_matches_the_oracle"),
+       dims=DimRule(_pair_non_unit, preserves_values=True))
 
 # -- Flatten --------------------------------------------------------------------------------
 
@@ -291,27 +321,27 @@ def _flatten_jax(x: Any) -> Any:
     return jnp.reshape(x, (x.shape[0], math.prod(x.shape[1:])))
 
 
-register(
-    OpDef(
-        "Flatten",
-        _flatten_infer,
-        numpy=_flatten_np,
-        jax=_flatten_jax,
-        vjp=_shape_restoring_vjp,
-        num_inputs=1,
-        doc="Keep dim 0 and flatten the rest: (N, ...) -> (N, prod(...)); (N,) -> (N, 1).",
-        page=OpDoc(
-            "shape",
-            "x (N, ...) -> (N, prod(...))",
-            ALL,
-            rule="the flattened dims never split",
-            tests=(
-                "test_ops_shape.py::test_flatten",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+def flatten_labels(ctx: OpContext) -> Labels:
+    t = ctx.in_types[0]
+    lab = ALPHA[: t.rank]
+    fresh = fresh_labels(1, set(lab))[0]
+    return Labels([lab], [lab[:1] + fresh], set(lab[1:]) | {fresh})
+
+
+def _flatten_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    x = ins[0][0]
+    yield Same(In(0, 0), Out(0))
+    yield Product(tuple(In(0, d) for d in range(1, len(x))), (Out(1),))
+
+
+define("Flatten", _flatten_infer, _flatten_np, _flatten_jax, vjp=_shape_restoring_vjp, num_inputs=1,
+       sharding=LabelRule(flatten_labels),
+       doc="Keep dim 0 and flatten the rest: (N, ...) -> (N, prod(...)); (N,) -> (N, 1).",
+       section="shape", operands="x (N, ...) -> (N, prod(...))", dtypes=ALL,
+       rule="the flattened dims never split",
+       tests=("test_ops_shape.py::test_flatten",
+              "test_parallel.py::test_every_rule_matches_the_oracle"),
+       dims=DimRule(_flatten_dims, preserves_values=True))
 
 # -- StridedSlice / StridedSliceGrad --------------------------------------------------------
 
@@ -385,38 +415,60 @@ def _strided_slice_jax(x: Any, begin: Any, end: Any, strides: Any, **masks: Any)
     return x[slices]
 
 
-register(
-    OpDef(
-        "StridedSlice",
-        _strided_slice_infer,
-        numpy=_strided_slice_np,
-        jax=_strided_slice_jax,
-        vjp=_strided_slice_vjp,
-        attrs={
-            "begin": None,
-            "end": None,
-            "strides": None,
-            "begin_mask": 0,
-            "end_mask": 0,
-            "ellipsis_mask": 0,
-            "new_axis_mask": 0,
-            "shrink_axis_mask": 0,
-        },
-        num_inputs=1,
-        doc="x[begin[i]:end[i]:strides[i], ...] with Python clamping; positive strides only "
-        "and all masks 0.",
-        page=OpDoc(
-            "shape",
-            "x; `begin`, `end`, `strides`",
-            ALL,
-            rule="sliced dims never split",
-            tests=(
-                "test_ops_shape.py::test_strided_slice",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+def strided_slice_labels(ctx: OpContext) -> Labels:
+    t = ctx.in_types[0]
+    lab = ALPHA[: t.rank]
+    begin, end, strides = ctx.attrs["begin"], ctx.attrs["end"], ctx.attrs["strides"]
+    sliced = set()
+    for i, size in enumerate(t.shape):
+        b = begin[i] if i < len(begin) else 0
+        e = end[i] if i < len(end) else size
+        s = strides[i] if i < len(strides) else 1
+        if slice(b, e, s).indices(size) != (0, size, 1):
+            sliced.add(lab[i])
+    return Labels([lab], [lab], sliced)
+
+
+def _slice_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """A dim sliced with stride 1 keeps its margins: in = out + what the slice leaves out."""
+    slices, out = _slice_spec(ins[0][0], attrs)
+    for d, (s, n) in enumerate(zip(slices, ins[0][0])):
+        if s.step != 1:
+            yield Fixed(In(0, d), "a strided slice")
+            yield Fixed(Out(d), "a strided slice")
+        elif out[d] == n:
+            yield Same(In(0, d), Out(d))
+        else:
+            yield Offset(In(0, d), Out(d), n - out[d])
+
+
+def _slice_rewrite(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
+                   new_out: Any) -> dict[str, Any]:
+    slices, _ = _slice_spec(old_in[0][0], attrs)
+    begin = tuple(s.start for s in slices)
+    end = tuple(s.start + n * s.step for s, n in zip(slices, new_out[0]))
+    strides = tuple(s.step for s in slices)
+    return {**attrs, "begin": begin, "end": end, "strides": strides}
+
+
+define("StridedSlice", _strided_slice_infer, _strided_slice_np, _strided_slice_jax,
+       vjp=_strided_slice_vjp,
+       attrs={
+           "begin": None,
+           "end": None,
+           "strides": None,
+           "begin_mask": 0,
+           "end_mask": 0,
+           "ellipsis_mask": 0,
+           "new_axis_mask": 0,
+           "shrink_axis_mask": 0,
+       }, num_inputs=1, sharding=LabelRule(strided_slice_labels, unsplittable="a sliced dim"),
+       doc="x[begin[i]:end[i]:strides[i], ...] with Python clamping; positive strides only and all "
+           "masks 0.", section="shape", operands="x; `begin`, `end`, `strides`", dtypes=ALL,
+       rule="sliced dims never split",
+       tests=("test_ops_shape.py::test_strided_slice",
+              "test_parallel.py::test_every_rule_matches_the_oracle"),
+       dims=DimRule(_slice_dims, rewrite=_slice_rewrite, preserves_values=True))
 
 
 def _strided_slice_grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
@@ -449,28 +501,14 @@ def _strided_slice_grad_jax(dy: Any, shape: Any, begin: Any, end: Any, strides: 
     return jnp.zeros(shape, dy.dtype).at[slices].set(dy)
 
 
-register(
-    OpDef(
-        "StridedSliceGrad",
-        _strided_slice_grad_infer,
-        numpy=_strided_slice_grad_np,
-        jax=_strided_slice_grad_jax,
-        vjp=_strided_slice_grad_vjp,
-        attrs={"shape": None, "begin": None, "end": None, "strides": None},
-        num_inputs=1,
-        doc="Zeros of `shape` with dy written into the StridedSlice region (its vjp).",
-        page=OpDoc(
-            "shape",
-            "dy; `shape`, `begin`, `end`, `strides`",
-            ALL,
-            grad_of="StridedSlice",
-            tests=(
-                "test_ops_shape.py::test_strided_slice_grad",
-                "test_ops_shape.py::test_strided_slice_grad_shape_mismatch",
-            ),
-        ),
-    )
-)
+define("StridedSliceGrad", _strided_slice_grad_infer, _strided_slice_grad_np,
+       _strided_slice_grad_jax, vjp=_strided_slice_grad_vjp,
+       attrs={"shape": None, "begin": None, "end": None, "strides": None}, num_inputs=1,
+       doc="Zeros of `shape` with dy written into the StridedSlice region (its vjp).",
+       section="shape", operands="dy; `shape`, `begin`, `end`, `strides`", dtypes=ALL,
+       grad_of="StridedSlice",
+       tests=("test_ops_shape.py::test_strided_slice_grad",
+              "test_ops_shape.py::test_strided_slice_grad_shape_mismatch"))
 
 # -- Concat ---------------------------------------------------------------------------------
 
@@ -511,28 +549,30 @@ def _concat_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return grads
 
 
-register(
-    OpDef(
-        "Concat",
-        _concat_infer,
-        numpy=lambda *xs, axis: np.concatenate(xs, axis),
-        jax=lambda *xs, axis: jnp.concatenate(xs, axis),
-        vjp=_concat_vjp,
-        attrs={"axis": 0},
-        num_inputs=(1, 1000),
-        doc="Join the inputs along axis; all other dims must match.",
-        page=OpDoc(
-            "shape",
-            "tensors; `axis`",
-            ALL,
-            rule="the concat axis never splits",
-            tests=(
-                "test_ops_shape.py::test_concat",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+def concat_labels(ctx: OpContext) -> Labels:
+    rank = ctx.in_types[0].rank
+    lab = ALPHA[:rank]
+    axis = ctx.attrs.get("axis", 0) % rank
+    return Labels([lab] * len(ctx.in_types), [lab], {lab[axis]})
+
+
+def _concat_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    rank = len(outs[0])
+    axis = attrs["axis"] % rank
+    for i in range(len(ins)):
+        for d in range(rank):
+            if d != axis:
+                yield Same(In(i, d), Out(d))
+    yield Total(Out(axis), tuple(In(i, axis) for i in range(len(ins))))
+
+
+define("Concat", _concat_infer, lambda *xs, axis: np.concatenate(xs, axis),
+       lambda *xs, axis: jnp.concatenate(xs, axis), vjp=_concat_vjp, attrs={"axis": 0},
+       num_inputs=(1, 1000), sharding=LabelRule(concat_labels, unsplittable="the concat axis"),
+       doc="Join the inputs along axis; all other dims must match.", section="shape",
+       operands="tensors; `axis`", dtypes=ALL, rule="the concat axis never splits",
+       tests=("test_ops_shape.py::test_concat",
+              "test_parallel.py::test_every_rule_matches_the_oracle"), dims=DimRule(_concat_dims))
 
 # -- Split ----------------------------------------------------------------------------------
 
@@ -557,29 +597,35 @@ def _split_vjp(b: Builder, node: Node, cots: list[Value]) -> list[Value | None]:
     return [b("Concat", *cots, axis=node.attrs["axis"])]
 
 
-register(
-    OpDef(
-        "Split",
-        _split_infer,
-        numpy=lambda x, axis, output_num: tuple(np.split(x, output_num, axis)),
-        jax=lambda x, axis, output_num: tuple(jnp.split(x, output_num, axis)),
-        vjp=_split_vjp,
-        attrs={"axis": 0, "output_num": 1},
-        num_inputs=1,
-        doc="output_num equal pieces of x along axis, as a tuple (read with TupleGetItem).",
-        page=OpDoc(
-            "shape",
-            "x; `axis`, `output_num` -> tuple",
-            ALL,
-            rule="the split axis never splits",
-            tests=(
-                "test_ops_shape.py::test_split",
-                "test_ops_shape.py::test_split_partial_use_gradient",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-            ),
-        ),
-    )
-)
+def split_labels(ctx: OpContext) -> Labels:
+    rank = ctx.in_types[0].rank
+    lab = ALPHA[:rank]
+    axis = ctx.attrs.get("axis", 0) % rank
+    return Labels([lab], [lab] * len(ctx.out_types), {lab[axis]})
+
+
+def _split_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    rank = len(ins[0][0])
+    axis = attrs["axis"] % rank
+    for k in range(len(outs)):
+        for d in range(rank):
+            if d != axis:
+                yield Same(In(0, d), Out(d, k))
+            else:  # equal pieces
+                yield Product((Out(d, k),), (In(0, d),), attrs["output_num"])
+                yield Same(Out(d, 0), Out(d, k))
+
+
+define("Split", _split_infer, lambda x, axis, output_num: tuple(np.split(x, output_num, axis)),
+       lambda x, axis, output_num: tuple(jnp.split(x, output_num, axis)), vjp=_split_vjp,
+       attrs={"axis": 0, "output_num": 1}, num_inputs=1,
+       sharding=LabelRule(split_labels, unsplittable="the split axis"),
+       doc="output_num equal pieces of x along axis, as a tuple (read with TupleGetItem).",
+       section="shape", operands="x; `axis`, `output_num` -> tuple", dtypes=ALL,
+       rule="the split axis never splits",
+       tests=("test_ops_shape.py::test_split",
+              "test_ops_shape.py::test_split_partial_use_gradient",
+              "test_parallel.py::test_every_rule_matches_the_oracle"), dims=DimRule(_split_dims))
 
 # -- MakeTuple / TupleGetItem ---------------------------------------------------------------
 
@@ -592,25 +638,17 @@ def _make_tuple_vjp(b: Builder, node: Node, cots: list[Value]) -> list[Value | N
     return list(cots)
 
 
-register(
-    OpDef(
-        "MakeTuple",
-        _make_tuple_infer,
-        numpy=lambda *xs: tuple(xs),
-        jax=lambda *xs: tuple(xs),
-        vjp=_make_tuple_vjp,
-        num_inputs=(1, 1000),
-        doc="A tuple of the tensor inputs.",
-        page=OpDoc(
-            "shape",
-            "tensors -> tuple",
-            ALL,
-            rule="no strategy",
-            spelling="a Python tuple of tensors",
-            tests=("test_ops_shape.py::test_make_tuple",),
-        ),
-    )
-)
+def _make_tuple_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    for i, shapes in enumerate(ins):
+        for d in range(len(shapes[0])):
+            yield Same(In(i, d), Out(d, i))
+
+
+define("MakeTuple", _make_tuple_infer, lambda *xs: tuple(xs), lambda *xs: tuple(xs),
+       vjp=_make_tuple_vjp, num_inputs=(1, 1000), traits=frozenset({Trait.NO_STRATEGY}),
+       doc="A tuple of the tensor inputs.", section="shape", operands="tensors -> tuple",
+       dtypes=ALL, rule="no strategy", tests=("test_ops_shape.py::test_make_tuple",),
+       spelling="a Python tuple of tensors", dims=DimRule(_make_tuple_dims))
 
 
 def _tuple_get_item_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
@@ -630,30 +668,19 @@ def _tuple_get_item_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None
     raise AssertionError("TupleGetItem gradients are routed by passes.autodiff")
 
 
-register(
-    OpDef(
-        "TupleGetItem",
-        _tuple_get_item_infer,
-        numpy=lambda t, index: t[index],
-        jax=lambda t, index: t[index],
-        vjp=_tuple_get_item_vjp,
-        attrs={"index": 0},
-        num_inputs=1,
-        doc="Element `index` of a tuple value.",
-        page=OpDoc(
-            "shape",
-            "tuple; `index`",
-            ALL,
-            rule="no strategy",
-            spelling="indexing a tuple result (`out[0]`)",
-            tests=(
-                "test_ops_shape.py::test_tuple_get_item_negative_index",
-                "test_ops_shape.py::test_tuple_get_item_errors",
-                "test_ops_shape.py::test_split",
-            ),
-        ),
-    )
-)
+def _tuple_get_item_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    for d in range(len(outs[0])):
+        yield Same(In(0, d, attrs["index"]), Out(d))
+
+
+define("TupleGetItem", _tuple_get_item_infer, lambda t, index: t[index], lambda t, index: t[index],
+       vjp=_tuple_get_item_vjp, attrs={"index": 0}, num_inputs=1,
+       traits=frozenset({Trait.NO_STRATEGY}), doc="Element `index` of a tuple value.",
+       section="shape", operands="tuple; `index`", dtypes=ALL, rule="no strategy",
+       tests=("test_ops_shape.py::test_tuple_get_item_negative_index",
+              "test_ops_shape.py::test_tuple_get_item_errors", "test_ops_shape.py::test_split"),
+       spelling="indexing a tuple result (`out[0]`)",
+       dims=DimRule(_tuple_get_item_dims, preserves_values=True))
 
 # -- Gather / GatherGrad --------------------------------------------------------------------
 
@@ -742,37 +769,114 @@ local lookup plus AllReduce (or ReduceScatter with `out_strategy`), with whole i
 with indices split on dim 0 in MindSpore's shard-batch-and-axis mode `((mp, 1), (dp, 1))`,
 mp · dp = devices."""
 
-register(
-    OpDef(
-        "Gather",
-        _gather_infer,
-        numpy=_gather_np,
-        jax=_gather_jax,
-        vjp=_gather_vjp,
-        attrs={"axis": 0, "batch_dims": 0},
-        num_inputs=2,
-        doc=(
-            "Slices of params along axis picked by integer indices (jnp.take); with batch_dims "
-            "= b the first b dims of params and indices are batch dims, each batch element "
-            "gathered from its own slice: out shape params.shape[:axis] + indices.shape[b:] + "
-            "params.shape[axis + 1:] (MindSpore's `Gather(batch_dims)`)."
-        ),
-        page=OpDoc(
-            "shape",
-            "params, int indices; `axis`, `batch_dims` (default 0)",
-            ALL,
-            rule="indices and the table's other dims split freely; a split gathered axis is a "
-                 "masked local lookup plus AllReduce",
-            tests=(
-                "test_ops_shape.py::test_gather",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-                "test_parallel.py::test_gather_on_a_split_table",
-                "test_parallel_ops.py::test_rule_matches_the_oracle",
-            ),
-            note=_GATHER_NOTE,
-        ),
-    )
-)
+def gather_labels(ctx: OpContext) -> Labels:
+    """The table's dims with the gathered axis replaced by the indices' dims. The device matrix
+    is [indices' splits..., table's splits...] (MindSpore's gather_info, normal mode), so the
+    output keeps the indices' axes in front: Gather ((1, 2), (4,)) has dev (4, 1, 2) and output
+    map (2, 0), the layout of a following ((4, 2),) op."""
+    table, idx = ctx.in_types
+    axis = ctx.attrs.get("axis", 0) % table.rank
+    tlab = ALPHA[: table.rank]
+    used = set(tlab)
+    batch = int(ctx.attrs.get("batch_dims", 0) or 0)
+    batch = batch + idx.rank if batch < 0 else batch
+    # batch_dims (MindSpore's batch mode): the indices' leading dims are the table's; the
+    # gathered axis is never split.
+    ilab = tlab[:batch] + "".join(fresh_labels(idx.rank - batch, used))
+    out = tlab[:axis] + ilab[batch:] + tlab[axis + 1 :]
+    order = tuple(dict.fromkeys(ilab + tlab))  # the indices' splits first, as MindSpore
+    return Labels([tlab, ilab], [out], {tlab[axis]} if batch else set(), dev_order=order)
+
+
+def shard_batch_and_axis(ctx: OpContext, strategy: Strategy) -> bool:
+    """MindSpore's SHARD_BATCH_AND_AXIS mode of Gather (gather_info's ShardBatchAndAxis): axis
+    0 of a 2-D table split `a` ways and the first dim of 2-D indices split `b` ways, nothing
+    else split, a * b the whole stage, neither alone. Each rank looks up its vocabulary slice
+    for its batch slice; the partial rows are summed by a forward AllReduce over the table's
+    axis."""
+    if len(strategy) != 2 or int(ctx.attrs.get("axis", 0)) % ctx.in_types[0].rank != 0:
+        return False
+    table, idx = strategy
+    if len(table) != 2 or len(idx) != 2 or table[1] != 1 or idx[1] != 1:
+        return False
+    return (table[0] * idx[0] == ctx.devices and table[0] != ctx.devices
+            and idx[0] != ctx.devices)
+
+
+class GatherRule(LabelRule):
+    """Gather: a split table axis needs the masked local gather plus AllReduce (reference
+    §3.2, SHARD_AXIS_0), with the indices whole, or split on their batch dim in MindSpore's
+    shard-batch-and-axis mode (`((mp, 1), (dp, 1))`, the vocab-parallel embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__(gather_labels, unsplittable="the gathered axis, which batch mode "
+                                                    "(batch_dims > 0) never splits")
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        labels = self.labels(ctx)
+        if ctx.attrs.get("batch_dims"):
+            return label_sharding(ctx, labels, strategy)
+        axis = ctx.attrs.get("axis", 0) % ctx.in_types[0].rank
+        table_split = strategy[0][axis] if len(strategy) == 2 and len(strategy[0]) > axis else 1
+        if table_split == 1:
+            return label_sharding(ctx, labels, strategy, out_strategy)
+        if axis != 0:
+            raise StrategyError("only axis 0 of a gathered table can be split")
+        if any(c != 1 for c in strategy[1]) and not shard_batch_and_axis(ctx, strategy):
+            raise StrategyError(
+                "when the table's gathered axis is split, the indices cannot be split, except "
+                "in the shard-batch-and-axis mode: a 2-D table split only on axis 0 and 2-D "
+                "indices split only on dim 0, the two splits together using every device "
+                f"({ctx.devices}), neither alone",
+                "use 1 for every dim of the indices, or ((mp, 1), (dp, 1)) with "
+                f"mp * dp = {ctx.devices}",
+            )
+        result = label_sharding(ctx, labels, strategy, out_strategy)
+        result.expand = "masked_gather"
+        return result
+
+    def default_strategy(self, ctx: OpContext) -> Strategy:
+        if ctx.attrs.get("batch_dims"):
+            return super().default_strategy(ctx)  # the shared batch dim 0
+        table, idx = ctx.in_types
+        count = gcd(idx.shape[0], ctx.devices) if idx.rank else 1
+        return (tuple(1 for _ in table.shape),
+                tuple(count if i == 0 else 1 for i in range(idx.rank)))
+
+
+def _gather_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    params, indices = ins[0][0], ins[1][0]
+    axis = attrs["axis"] % len(params)
+    bd = attrs["batch_dims"] % (len(indices) + 1) if attrs["batch_dims"] < 0 \
+        else attrs["batch_dims"]
+    for d in range(bd):
+        yield Same(In(0, d), In(1, d))
+    for d in range(axis):
+        yield Same(In(0, d), Out(d))
+    for d in range(bd, len(indices)):
+        yield Same(In(1, d), Out(axis + d - bd))
+    tail = axis + len(indices) - bd
+    for d in range(axis + 1, len(params)):
+        yield Same(In(0, d), Out(tail + d - axis - 1))
+    yield Index(1, In(0, axis))
+
+
+define("Gather", _gather_infer, _gather_np, _gather_jax, vjp=_gather_vjp,
+       attrs={"axis": 0, "batch_dims": 0}, num_inputs=2, sharding=GatherRule(),
+       traits=frozenset({Trait.BATCH_ONLY, Trait.LOOKUP}),
+       doc="Slices of params along axis picked by integer indices (jnp.take); with batch_dims = b "
+           "the first b dims of params and indices are batch dims, each batch element gathered "
+           "from its own slice: out shape params.shape[:axis] + indices.shape[b:] + "
+           "params.shape[axis + 1:] (MindSpore's `Gather(batch_dims)`).", section="shape",
+       operands="params, int indices; `axis`, `batch_dims` (default 0)", dtypes=ALL,
+       rule="indices and the table's other dims split freely; a split gathered axis is a masked "
+            "local lookup plus AllReduce",
+       tests=("test_ops_shape.py::test_gather",
+              "test_parallel.py::test_every_rule_matches_the_oracle",
+              "test_parallel.py::test_gather_on_a_split_table",
+              "test_parallel_ops.py::test_rule_matches_the_oracle"), note=_GATHER_NOTE,
+       dims=DimRule(_gather_dims))
 
 
 def _gather_grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
@@ -830,25 +934,11 @@ def _gather_grad_jax(dy: Any, indices: Any, shape: Any, axis: Any, batch_dims: A
     return _batched_jax(scatter, bd)(dy, indices)
 
 
-register(
-    OpDef(
-        "GatherGrad",
-        _gather_grad_infer,
-        numpy=_gather_grad_np,
-        jax=_gather_grad_jax,
-        vjp=_gather_grad_vjp,
-        attrs={"shape": None, "axis": 0, "batch_dims": 0},
-        num_inputs=2,
-        doc="Scatter-add dy into zeros of `shape` at the Gather positions (Gather's vjp).",
-        page=OpDoc(
-            "shape",
-            "dy, int indices; `shape`, `axis`, `batch_dims`",
-            NUMERIC,
-            grad_of="Gather",
-            tests=("test_ops_shape.py::test_gather_grad",),
-        ),
-    )
-)
+define("GatherGrad", _gather_grad_infer, _gather_grad_np, _gather_grad_jax, vjp=_gather_grad_vjp,
+       attrs={"shape": None, "axis": 0, "batch_dims": 0}, num_inputs=2,
+       doc="Scatter-add dy into zeros of `shape` at the Gather positions (Gather's vjp).",
+       section="shape", operands="dy, int indices; `shape`, `axis`, `batch_dims`", dtypes=NUMERIC,
+       grad_of="Gather", tests=("test_ops_shape.py::test_gather_grad",))
 
 # -- OneHot ---------------------------------------------------------------------------------
 
@@ -904,169 +994,59 @@ looks up `indices - start` with the local depth (other classes give off_value). 
 form, one tuple for the indices (depth whole on every rank), still works. Out-of-range and
 negative indices give a row of off_value."""
 
-register(
-    OpDef(
-        "OneHot",
-        _onehot_infer,
-        numpy=_onehot_np,
-        jax=_onehot_jax,
-        attrs={
-            "depth": 1,
-            "on_value": 1.0,
-            "off_value": 0.0,
-            "axis": -1,
-            "dtype": DType.float32,
-        },
-        num_inputs=1,
-        differentiable=False,
-        doc="on_value where indices == k along a new depth dim at axis, off_value elsewhere "
-        "(out-of-range indices give all off_value).",
-        page=OpDoc(
-            "shape",
-            "int indices; `depth`, `on_value`, `off_value`, `axis`, `dtype`",
-            frozenset({DType.int32, DType.int64}),
-            rule="MindSpore's `((dp, mp), (), ())` splits the output, depth included",
-            tests=(
-                "test_ops_shape.py::test_one_hot",
-                "test_parallel.py::test_every_rule_matches_the_oracle",
-                "test_parallel_ops.py::test_one_hot_mindspore_form_matches_the_oracle",
-                "test_parallel_ops.py::test_one_hot_forms_agree_and_name_problems",
-                "test_mindformers_ops.py::test_one_hot_mindspore_strategy_splits_depth_and_trains"
-                "_like_one_device",
-            ),
-            note=_ONE_HOT_NOTE,
-        ),
-    )
-)
+def one_hot_labels(ctx: OpContext) -> Labels:
+    idx = ctx.in_types[0]
+    lab = ALPHA[: idx.rank]
+    fresh = fresh_labels(1, set(lab))[0]
+    axis = ctx.attrs.get("axis", -1) % (idx.rank + 1)
+    return Labels([lab], [lab[:axis] + fresh + lab[axis:]], {fresh})
 
 
-# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
-from pcompile.ir.dims import (  # noqa: E402
-    Fixed,
-    In,
-    Index,
-    Offset,
-    Out,
-    Product,
-    Same,
-    Total,
-    dim_rule,
-)
+class OneHotRule(LabelRule):
+    """OneHot takes its strategy in two forms: one tuple for the indices (the depth axis is
+    whole on every rank), or MindSpore's `((dp, mp), (), ())`, which splits the output
+    `indices.shape + (depth,)` (depth at `axis`), depth included, followed by empty strategies
+    for the on/off values. A rank holding depth slice [start, start + depth / k) looks up
+    `indices - start` with the local depth (indices outside fall off the table: all off_value);
+    `start` differs by rank ("offset_one_hot")."""
 
+    def __init__(self) -> None:
+        super().__init__(one_hot_labels, unsplittable="the depth axis")
 
-def reshape_blocks(src: tuple[int, ...], dst: tuple[int, ...]
-                   ) -> list[tuple[list[int], list[int]]]:
-    """The dims of `src` and `dst` (size-1 dims left out) grouped into consecutive blocks of
-    equal products: (32, 16, 4096) -> (32, 16, 32, 128) is ([0], [0]), ([1], [1]), ([2], [2, 3])."""
-    a = [d for d, n in enumerate(src) if n != 1]
-    b = [d for d, n in enumerate(dst) if n != 1]
-    blocks: list[tuple[list[int], list[int]]] = []
-    i = j = 0
-    while i < len(a) and j < len(b):
-        left, right = [a[i]], [b[j]]
-        pl, pr = src[a[i]], dst[b[j]]
-        i, j = i + 1, j + 1
-        while pl != pr:
-            if pl < pr:
-                left.append(a[i])
-                pl *= src[a[i]]
-                i += 1
-            else:
-                right.append(b[j])
-                pr *= dst[b[j]]
-                j += 1
-        blocks.append((left, right))
-    return blocks
-
-
-def _reshape_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    for left, right in reshape_blocks(ins[0][0], outs[0]):
-        yield Product(tuple(In(0, d) for d in left), tuple(Out(d) for d in right))
-
-
-def _new_shape(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
-               new_out: Any) -> dict[str, Any]:
-    return {**attrs, "shape": tuple(new_out[0])}
-
-
-def _pair_non_unit(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    """Ops that only add or drop size-1 dims: the other dims pair up in order."""
-    a = [d for d, n in enumerate(ins[0][0]) if n != 1]
-    b = [d for d, n in enumerate(outs[0]) if n != 1]
-    for d, e in zip(a, b):
-        yield Same(In(0, d), Out(e))
-
-
-def _transpose_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    for d, p in enumerate(attrs["perm"]):
-        yield Same(In(0, p), Out(d))
-
-
-def _flatten_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    x = ins[0][0]
-    yield Same(In(0, 0), Out(0))
-    yield Product(tuple(In(0, d) for d in range(1, len(x))), (Out(1),))
-
-
-def _concat_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    rank = len(outs[0])
-    axis = attrs["axis"] % rank
-    for i in range(len(ins)):
-        for d in range(rank):
-            if d != axis:
-                yield Same(In(i, d), Out(d))
-    yield Total(Out(axis), tuple(In(i, axis) for i in range(len(ins))))
-
-
-def _split_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    rank = len(ins[0][0])
-    axis = attrs["axis"] % rank
-    for k in range(len(outs)):
-        for d in range(rank):
-            if d != axis:
-                yield Same(In(0, d), Out(d, k))
-            else:  # equal pieces
-                yield Product((Out(d, k),), (In(0, d),), attrs["output_num"])
-                yield Same(Out(d, 0), Out(d, k))
-
-
-def _slice_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    """A dim sliced with stride 1 keeps its margins: in = out + what the slice leaves out."""
-    slices, out = _slice_spec(ins[0][0], attrs)
-    for d, (s, n) in enumerate(zip(slices, ins[0][0])):
-        if s.step != 1:
-            yield Fixed(In(0, d), "a strided slice")
-            yield Fixed(Out(d), "a strided slice")
-        elif out[d] == n:
-            yield Same(In(0, d), Out(d))
-        else:
-            yield Offset(In(0, d), Out(d), n - out[d])
-
-
-def _slice_rewrite(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
-                   new_out: Any) -> dict[str, Any]:
-    slices, _ = _slice_spec(old_in[0][0], attrs)
-    begin = tuple(s.start for s in slices)
-    end = tuple(s.start + n * s.step for s, n in zip(slices, new_out[0]))
-    strides = tuple(s.step for s in slices)
-    return {**attrs, "begin": begin, "end": end, "strides": strides}
-
-
-def _gather_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    params, indices = ins[0][0], ins[1][0]
-    axis = attrs["axis"] % len(params)
-    bd = attrs["batch_dims"] % (len(indices) + 1) if attrs["batch_dims"] < 0 \
-        else attrs["batch_dims"]
-    for d in range(bd):
-        yield Same(In(0, d), In(1, d))
-    for d in range(axis):
-        yield Same(In(0, d), Out(d))
-    for d in range(bd, len(indices)):
-        yield Same(In(1, d), Out(axis + d - bd))
-    tail = axis + len(indices) - bd
-    for d in range(axis + 1, len(params)):
-        yield Same(In(0, d), Out(tail + d - axis - 1))
-    yield Index(1, In(0, axis))
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        idx = ctx.in_types[0]
+        if not (len(strategy) == 3 and strategy[1] == () and strategy[2] == ()):
+            return label_sharding(ctx, self.labels(ctx), strategy, out_strategy)
+        out_split = tuple(strategy[0])
+        out = ctx.out_types[0]
+        if len(out_split) != out.rank:
+            raise StrategyError(
+                f"the first strategy of OneHot's MindSpore form splits the output "
+                f"{out.shape}, so it has {out.rank} values; got {out_split}"
+            )
+        axis = int(ctx.attrs.get("axis", -1)) % out.rank
+        depth = out.shape[axis]
+        if depth % out_split[axis]:
+            raise StrategyError(
+                f"the depth {depth} (dim {axis} of the output {out.shape}) cannot be divisible "
+                f"by strategy value {out_split[axis]}",
+                f"choose a split of the depth that divides {depth}",
+            )
+        lab = ALPHA[: idx.rank]
+        fresh = fresh_labels(1, set(lab))[0]
+        virtual = OpContext(ctx.op, [idx, TensorType(idx.dtype, (depth,))], out, ctx.attrs,
+                            ctx.devices)
+        labels = Labels([lab, fresh], [lab[:axis] + fresh + lab[axis:]])
+        idx_split = out_split[:axis] + out_split[axis + 1:]
+        result = label_sharding(virtual, labels, (idx_split, (out_split[axis],)), out_strategy)
+        result.in_layouts = result.in_layouts[:1]
+        result.tensor_maps = None
+        result.strategy = tuple(strategy)
+        if out_split[axis] > 1:
+            result.local_attrs["depth"] = depth // out_split[axis]
+            result.expand = "offset_one_hot"
+        return result
 
 
 def _onehot_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
@@ -1083,25 +1063,24 @@ def _onehot_rewrite(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: An
     return {**attrs, "depth": new_out[0][attrs["axis"] % (rank + 1)]}
 
 
-def _make_tuple_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    for i, shapes in enumerate(ins):
-        for d in range(len(shapes[0])):
-            yield Same(In(i, d), Out(d, i))
-
-
-def _tuple_get_item_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    for d in range(len(outs[0])):
-        yield Same(In(0, d, attrs["index"]), Out(d))
-
-
-dim_rule("Reshape", relations=_reshape_dims, rewrite=_new_shape, preserves_values=True)
-dim_rule("Transpose", relations=_transpose_dims, preserves_values=True)
-dim_rule("ExpandDims", "Squeeze", relations=_pair_non_unit, preserves_values=True)
-dim_rule("Flatten", relations=_flatten_dims, preserves_values=True)
-dim_rule("Concat", relations=_concat_dims)
-dim_rule("Split", relations=_split_dims)
-dim_rule("StridedSlice", relations=_slice_dims, rewrite=_slice_rewrite, preserves_values=True)
-dim_rule("Gather", relations=_gather_dims)
-dim_rule("OneHot", relations=_onehot_dims, rewrite=_onehot_rewrite)
-dim_rule("MakeTuple", relations=_make_tuple_dims)
-dim_rule("TupleGetItem", relations=_tuple_get_item_dims, preserves_values=True)
+define("OneHot", _onehot_infer, _onehot_np, _onehot_jax,
+       attrs={
+           "depth": 1,
+           "on_value": 1.0,
+           "off_value": 0.0,
+           "axis": -1,
+           "dtype": DType.float32,
+       }, num_inputs=1, differentiable=False, sharding=OneHotRule(),
+       traits=frozenset({Trait.BATCH_ONLY}),
+       doc="on_value where indices == k along a new depth dim at axis, off_value elsewhere "
+           "(out-of-range indices give all off_value).", section="shape",
+       operands="int indices; `depth`, `on_value`, `off_value`, `axis`, `dtype`",
+       dtypes=frozenset({DType.int32, DType.int64}),
+       rule="MindSpore's `((dp, mp), (), ())` splits the output, depth included",
+       tests=("test_ops_shape.py::test_one_hot",
+              "test_parallel.py::test_every_rule_matches_the_oracle",
+              "test_parallel_ops.py::test_one_hot_mindspore_form_matches_the_oracle",
+              "test_parallel_ops.py::test_one_hot_forms_agree_and_name_problems",
+              "test_mindformers_ops.py::test_one_hot_mindspore_strategy_splits_depth_and_trains_lik"
+              "e_one_device"),
+       note=_ONE_HOT_NOTE, dims=DimRule(_onehot_dims, _onehot_rewrite))

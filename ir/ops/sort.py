@@ -11,16 +11,20 @@ with the same `exclusive`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
+from pcompile.ir.dims import DimRule, Fixed, In, Out, Same
 from pcompile.ir.errors import ShapeError
+from pcompile.ir.ops._define import define
 from pcompile.ir.ops._jax import jnp, lax
 from pcompile.ir.ops._util import normalize_axis, tensor, tuple_type
-from pcompile.ir.registry import NUMERIC, OpDef, OpDoc, register
+from pcompile.ir.registry import NUMERIC
+from pcompile.ir.sharding import ALPHA, LabelRule, Labels, OpContext, fresh_labels, identity_labels
 from pcompile.ir.types import DType, ValueType
 
 
@@ -132,32 +136,40 @@ earlier ranks' slices); other dims may be. `exclusive` leaves each element out o
 sum, `reverse` sums from the end; 16-bit floats accumulate in float32. The vjp is the
 cumulative sum of the cotangent with the same `exclusive` and the opposite `reverse`."""
 
-register(
-    OpDef(
-        "TopK",
-        _top_k_infer,
-        numpy=_top_k_np,
-        jax=_top_k_jax,
-        vjp=_top_k_vjp,
-        attrs={"k": 1, "sorted": True},
-        num_inputs=1,
-        doc="The k largest values along the last axis, descending, and their Int32 positions.",
-        page=OpDoc(
-            "linalg",
-            "x; `k`, `sorted` -> (values, Int32 indices)",
-            NUMERIC,
-            rule="the last (sorted) axis never splits; other dims split",
-            tests=(
-                "test_ops_moe.py::test_top_k_matches_jax",
-                "test_ops_moe.py::test_top_k_gradient_by_finite_differences",
-                "test_ops_moe.py::test_sort_rules_match_the_oracle",
-                "test_ops_moe.py::test_sorted_axis_split_is_refused_with_one_message",
-                "test_ops_moe.py::test_top_k_and_cumsum_on_a_batch_split_compile_like_one_device",
-            ),
-            note=_TOP_K_NOTE,
-        ),
-    )
-)
+def top_k_labels(ctx: OpContext) -> Labels:
+    """TopK (MindSpore's TopKInfo): the last axis is sorted whole; values and indices keep the
+    input's other dims, their last dim (k) is new and never split."""
+    rank = ctx.in_types[0].rank
+    lab = ALPHA[:rank]
+    fresh = fresh_labels(1, set(lab))[0]
+    out = lab[:-1] + fresh
+    return Labels([lab], [out, out], {lab[-1], fresh})
+
+
+def _top_k_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """Leading dims follow the input; the last axis and k keep their sizes."""
+    x = ins[0][0]
+    for d in range(len(x) - 1):
+        for elem in (0, 1):
+            yield Same(In(0, d), Out(d, elem))
+    yield Fixed(In(0, len(x) - 1), "TopK's k is at most its size")
+    yield Fixed(Out(len(x) - 1, 0), "TopK's k")
+    yield Fixed(Out(len(x) - 1, 1), "TopK's k")
+
+
+define("TopK", _top_k_infer, _top_k_np, _top_k_jax, vjp=_top_k_vjp, attrs={"k": 1, "sorted": True},
+       num_inputs=1,
+       sharding=LabelRule(top_k_labels, unsplittable="the sorted last axis, which every rank "
+                          "needs whole to pick the top k"),
+       doc="The k largest values along the last axis, descending, and their Int32 positions.",
+       section="linalg", operands="x; `k`, `sorted` -> (values, Int32 indices)", dtypes=NUMERIC,
+       rule="the last (sorted) axis never splits; other dims split",
+       tests=("test_ops_moe.py::test_top_k_matches_jax",
+              "test_ops_moe.py::test_top_k_gradient_by_finite_differences",
+              "test_ops_moe.py::test_sort_rules_match_the_oracle",
+              "test_ops_moe.py::test_sorted_axis_split_is_refused_with_one_message",
+              "test_ops_moe.py::test_top_k_and_cumsum_on_a_batch_split_compile_like_one_device"),
+       note=_TOP_K_NOTE, dims=DimRule(_top_k_dims))
 
 # -- Sort -----------------------------------------------------------------------------------
 
@@ -189,30 +201,34 @@ def _sort_vjp(b: Builder, node: Node, cots: list[Value]) -> list[Value | None]:
     return [_scatter_back(b, node, cots[0], indices, axis)]
 
 
-register(
-    OpDef(
-        "Sort",
-        _sort_infer,
-        numpy=_sort_np,
-        jax=_sort_jax,
-        vjp=_sort_vjp,
-        attrs={"axis": -1, "descending": False},
-        num_inputs=1,
-        doc="x sorted along `axis` (ascending unless `descending`) and the Int32 positions.",
-        page=OpDoc(
-            "linalg",
-            "x; `axis`, `descending` -> (values, Int32 indices)",
-            NUMERIC,
-            rule="the sorted axis never splits; other dims split",
-            tests=(
-                "test_ops_moe.py::test_sort_matches_jax",
-                "test_ops_moe.py::test_sort_gradient_by_finite_differences",
-                "test_ops_moe.py::test_sort_rules_match_the_oracle",
-                "test_ops_moe.py::test_sorted_axis_split_is_refused_with_one_message",
-            ),
-        ),
-    )
-)
+def sort_labels(ctx: OpContext) -> Labels:
+    """Sort: values and indices keep the input's labels; the sorted axis never splits."""
+    rank = ctx.in_types[0].rank
+    lab = ALPHA[:rank]
+    axis = int(ctx.attrs.get("axis", -1)) % rank
+    return Labels([lab], [lab, lab], {lab[axis]})
+
+
+def _along_axis_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    """Every dim of every result is the input's (the sorted axis too: sorting fewer)."""
+    x = ins[0][0]
+    for d in range(len(x)):
+        for elem in range(len(outs)):
+            yield Same(In(0, d), Out(d, elem))
+
+
+define("Sort", _sort_infer, _sort_np, _sort_jax, vjp=_sort_vjp,
+       attrs={"axis": -1, "descending": False}, num_inputs=1,
+       sharding=LabelRule(sort_labels,
+                          unsplittable="the sorted axis, which every rank needs whole"),
+       doc="x sorted along `axis` (ascending unless `descending`) and the Int32 positions.",
+       section="linalg", operands="x; `axis`, `descending` -> (values, Int32 indices)",
+       dtypes=NUMERIC, rule="the sorted axis never splits; other dims split",
+       tests=("test_ops_moe.py::test_sort_matches_jax",
+              "test_ops_moe.py::test_sort_gradient_by_finite_differences",
+              "test_ops_moe.py::test_sort_rules_match_the_oracle",
+              "test_ops_moe.py::test_sorted_axis_split_is_refused_with_one_message"),
+       dims=DimRule(_along_axis_dims))
 
 # -- CumSum ---------------------------------------------------------------------------------
 
@@ -263,56 +279,21 @@ def _cumsum_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
               reverse=not attrs["reverse"])]
 
 
-register(
-    OpDef(
-        "CumSum",
-        _cumsum_infer,
-        numpy=_cumsum_np,
-        jax=_cumsum_jax,
-        vjp=_cumsum_vjp,
-        attrs={"axis": 0, "exclusive": False, "reverse": False},
-        num_inputs=1,
-        doc="Cumulative sum along `axis` (`exclusive`: without the element itself; `reverse`: "
-        "from the end).",
-        page=OpDoc(
-            "linalg",
-            "x; `axis`, `exclusive`, `reverse`",
-            NUMERIC,
-            rule="the summed axis never splits; other dims split",
-            tests=(
-                "test_ops_moe.py::test_cumsum_matches_jax",
-                "test_ops_moe.py::test_cumsum_gradient_by_finite_differences",
-                "test_ops_moe.py::test_sort_rules_match_the_oracle",
-                "test_ops_moe.py::test_sorted_axis_split_is_refused_with_one_message",
-                "test_ops_moe.py::test_top_k_and_cumsum_on_a_batch_split_compile_like_one_device",
-            ),
-        ),
-    )
-)
+def cumsum_axes(ctx: OpContext) -> Sequence[int]:
+    return (int(ctx.attrs.get("axis", 0)),)
 
 
-# -- dimension relations (ir/dims.py, the shrunk check) -------------------------------------
-from pcompile.ir.dims import Fixed, In, Out, Same, dim_rule  # noqa: E402
-
-
-def _top_k_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    """Leading dims follow the input; the last axis and k keep their sizes."""
-    x = ins[0][0]
-    for d in range(len(x) - 1):
-        for elem in (0, 1):
-            yield Same(In(0, d), Out(d, elem))
-    yield Fixed(In(0, len(x) - 1), "TopK's k is at most its size")
-    yield Fixed(Out(len(x) - 1, 0), "TopK's k")
-    yield Fixed(Out(len(x) - 1, 1), "TopK's k")
-
-
-def _along_axis_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    """Every dim of every result is the input's (the sorted axis too: sorting fewer)."""
-    x = ins[0][0]
-    for d in range(len(x)):
-        for elem in range(len(outs)):
-            yield Same(In(0, d), Out(d, elem))
-
-
-dim_rule("TopK", relations=_top_k_dims)
-dim_rule("Sort", "CumSum", relations=_along_axis_dims)
+define("CumSum", _cumsum_infer, _cumsum_np, _cumsum_jax, vjp=_cumsum_vjp,
+       attrs={"axis": 0, "exclusive": False, "reverse": False}, num_inputs=1,
+       sharding=LabelRule(identity_labels(cumsum_axes),
+                          unsplittable="the summed axis; a split would need the totals of "
+                          "the earlier ranks' slices"),
+       doc="Cumulative sum along `axis` (`exclusive`: without the element itself; `reverse`: from "
+           "the end).", section="linalg", operands="x; `axis`, `exclusive`, `reverse`",
+       dtypes=NUMERIC, rule="the summed axis never splits; other dims split",
+       tests=("test_ops_moe.py::test_cumsum_matches_jax",
+              "test_ops_moe.py::test_cumsum_gradient_by_finite_differences",
+              "test_ops_moe.py::test_sort_rules_match_the_oracle",
+              "test_ops_moe.py::test_sorted_axis_split_is_refused_with_one_message",
+              "test_ops_moe.py::test_top_k_and_cumsum_on_a_batch_split_compile_like_one_device"),
+       dims=DimRule(_along_axis_dims))

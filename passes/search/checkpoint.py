@@ -24,7 +24,7 @@ from typing import Any
 
 from pcompile.ir.core import Graph, GraphParam, Node
 from pcompile.ir.errors import PcompileError
-from pcompile.ir.sharding import NO_STRATEGY, rule_for
+from pcompile.ir.sharding import rule_for
 
 
 def strategy_key(node: Node) -> str | None:
@@ -44,7 +44,7 @@ def _check_json(path: str, what: str) -> None:
 
 
 def _strategy_nodes(graph: Graph) -> list[Node]:
-    return [n for n in graph.nodes if n.op not in NO_STRATEGY and rule_for(n.op) is not None]
+    return [n for n in graph.nodes if rule_for(n.op) is not None]
 
 
 def save_checkpoint(path: str, graph: Graph, assignment: Any, only_trainable: bool = True

@@ -34,7 +34,7 @@ import numpy as np
 
 from pcompile.ir.core import Constant, Graph, GraphParam, Node, NodeResult, Value
 from pcompile.ir.layout import TensorLayout
-from pcompile.ir.sharding import NO_STRATEGY, OpSharding, rule_for
+from pcompile.ir.sharding import OpSharding, rule_for
 from pcompile.ir.types import DType, TensorType
 from pcompile.passes.search.candidates import Candidate, CandidateTable, LayoutKey, make_candidate
 from pcompile.passes.search.cost_model import (
@@ -163,7 +163,7 @@ class CostGraph:
     def _build(self, dataset_strategy: Any, loaded: dict[int, Any]) -> None:
         devices = self.devices
         for topo, node in enumerate(self.graph.nodes):
-            if node.op in NO_STRATEGY or rule_for(node.op) is None:
+            if rule_for(node.op) is None:  # no rule, or no strategy of its own (Reshape)
                 continue
             user = node.attrs.get("in_strategy")
             if user is None:

@@ -39,12 +39,12 @@ from dataclasses import dataclass
 from math import inf, isfinite, prod
 
 from pcompile.ir.layout import TensorLayout
+from pcompile.ir.registry import Trait, has_trait
 from pcompile.ir.sharding import OpSharding
 from pcompile.ir.types import TensorType
 from pcompile.passes.redistribution import plan_redistribution
 
 EPS = 1e-6
-MATMUL_OPS = ("MatMul", "BatchMatMul")
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def computation_cost(op: str, sharding: OpSharding, in_types: list[TensorType],
     """Input slice bytes, plus the output slice for MatMul-like ops with a split k."""
     total = sum(slice_bytes(lay, t.dtype.itemsize)
                 for lay, t in zip(sharding.in_layouts, in_types))
-    if op in MATMUL_OPS and _partial_group(sharding) > 1:
+    if has_trait(op, Trait.MATMUL) and _partial_group(sharding) > 1:
         total += slice_bytes(sharding.out_layouts[0], out_type.dtype.itemsize)
     return total
 

@@ -42,15 +42,11 @@ from typing import Any
 
 from pcompile.ir.core import Constant, GraphParam, Node, NodeResult
 from pcompile.ir.layout import TensorLayout, map_axes
+from pcompile.ir.registry import Trait, has_trait
 from pcompile.ir.sharding import LabelRule, Labels, OpContext, StrategyError, rule_for
 from pcompile.ir.types import TensorType
 from pcompile.passes.search.candidates import Candidate, layout_key, make_candidate, op_context
 from pcompile.passes.step_parallel_begin import layout_sharding
-
-#: Ops whose sharding depends on more than the layouts of their dims.
-_IRREGULAR = frozenset({"Conv2D"})
-#: Single-operand ops a weight is looked through (a weight's Cast follows its user).
-_THROUGH = frozenset({"Cast", "Identity"})
 
 
 def tensor_input_count(node: Node) -> int:
@@ -62,8 +58,9 @@ def tensor_input_count(node: Node) -> int:
 
 def _rule(node: Node, devices: int) -> tuple[OpContext, Labels] | None:
     rule = rule_for(node.op)
-    if (type(rule) is not LabelRule or node.op in _IRREGULAR  # noqa: E721 - exact type
-            or node.attrs.get("cross_batch")):
+    # Only a plain label rule: a subclass (Conv2D, Gather, ...) shards by more than the
+    # layouts of its dims.
+    if type(rule) is not LabelRule or node.attrs.get("cross_batch"):  # noqa: E721 - exact type
         return None
     if not all(isinstance(v.type, TensorType) for v in node.operands):
         return None
@@ -80,7 +77,7 @@ def _entry(axes: tuple[int, ...]) -> Any:
 
 def _weight_of(value: Any) -> GraphParam | None:
     """The stored weight `value` is, looking through single-operand Casts and Identities."""
-    while isinstance(value, NodeResult) and value.node.op in _THROUGH \
+    while isinstance(value, NodeResult) and has_trait(value.node.op, Trait.VALUE_COPY) \
             and len(value.node.operands) == 1:
         value = value.node.operands[0]
     return value if isinstance(value, GraphParam) and value.kind != "input" else None
@@ -90,7 +87,8 @@ def _users(value: Any) -> int:
     """The ops that use `value`, counted through single-operand Casts and Identities."""
     count = 0
     for user, _ in value.uses:
-        count += _users(user.result) if user.op in _THROUGH and len(user.operands) == 1 else 1
+        through = has_trait(user.op, Trait.VALUE_COPY) and len(user.operands) == 1
+        count += _users(user.result) if through else 1
     return count
 
 

@@ -48,6 +48,7 @@ from math import log2, prod
 from pcompile.ir.core import Constant, GraphParam
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
+from pcompile.ir.registry import Trait, has_trait
 from pcompile.ir.sharding import Labels, is_power_of_two, label_dims, rule_for
 from pcompile.passes.reshape_layout import dim_map
 from pcompile.passes.search.candidates import op_context
@@ -57,9 +58,6 @@ from pcompile.passes.search.sharding_propagation import propagate
 REDIS_COEF = 16.0
 REPLICATE_BELOW = 25.0
 NUMBER_ASCEND_CORES = 32.0
-MATMUL_OPS = ("MatMul", "BatchMatMul")
-BATCH_ONLY_OPS = ("OneHot", "SoftmaxCrossEntropyWithLogits",
-                  "SparseSoftmaxCrossEntropyWithLogits", "Gather", "BatchNorm")
 
 
 def check_devices(devices: int) -> None:
@@ -155,12 +153,12 @@ def build_ops(cg: CostGraph, interfered: bool) -> list[RecOp]:
             for x, s in zip(labs, t.shape):
                 sizes.setdefault(x, s)
         splittable = [d.name for d in dims if d.splittable]
-        if node.op in MATMUL_OPS:
+        if has_trait(node.op, Trait.MATMUL):
             kind = "matmul"
             allowed = splittable
-        elif node.op in BATCH_ONLY_OPS:
+        elif has_trait(node.op, Trait.BATCH_ONLY):
             kind = "batch"
-            batch_in = labels.inputs[1] if node.op == "Gather" else labels.inputs[0]
+            batch_in = labels.inputs[1 if has_trait(node.op, Trait.LOOKUP) else 0]
             allowed = [x for x in batch_in[:1] if x in splittable]
         else:
             kind = "common"

@@ -308,3 +308,15 @@ def test_reduce_scatter_plans_match_single_device(tmp_path) -> None:
     program = compile_model(str(model), dump=False)
     assert [n.op for n in program.rank_graph(0).nodes].count("ReduceScatter") == 1
     assert check(program).ok()
+
+
+def test_traits_agree_with_the_rules() -> None:
+    """Ops without a strategy of their own have no sharding rule; the ops the searches treat
+    as matrix products, lookups or batch-only ops have one."""
+    from pcompile.ir.registry import Trait, all_ops
+
+    for name, opdef in all_ops().items():
+        if {Trait.NO_STRATEGY, Trait.FIRST_OPERAND} & opdef.traits:
+            assert opdef.sharding is None, name
+        if {Trait.MATMUL, Trait.BATCH_ONLY, Trait.LOOKUP} & opdef.traits:
+            assert opdef.sharding is not None, name

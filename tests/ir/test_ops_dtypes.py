@@ -318,7 +318,7 @@ def test_doc_record_problems_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sqrt_grad, "page", None)
     found = "\n".join(ops_doc.problems())
     assert "Add's OpDoc names test_ops_elementwise.py::test_binary_renamed" in found
-    assert "Neg: ir/sharding.py has rule for it" in found
+    assert "Neg: its OpDef has sharding rule" in found
     assert "SqrtGrad has no OpDoc record" in found
     with pytest.raises(ValueError, match="cannot be generated"):
         ops_doc.generated()

@@ -392,3 +392,43 @@ def test_query_split_windows_per_rank() -> None:
     # Left-up causal over 8 x 8, query slices of 2, as bottom-right-aligned bands.
     assert windows == [(4, 14, -6), (4, 12, -4), (4, 10, -2), (4, 8, 0)]
     SpmdPlan.build(ranks)
+
+
+# -- every element-wise op of the registry --------------------------------------------------------
+
+
+def _elementwise_ops() -> list[str]:
+    from pcompile.ir.registry import all_ops
+    from pcompile.ir.sharding import ELEMENTWISE
+
+    return sorted(name for name, opdef in all_ops().items() if opdef.sharding is ELEMENTWISE
+                  and name != "Select")  # Select's Bool condition: CASES above
+
+
+def elementwise_case(op: str) -> tuple[list[np.ndarray], dict[str, Any]]:
+    """Inputs for an element-wise op read from its registration: as many operands as it
+    takes, the second broadcast along dim 0, of its first accepted dtype among Bool-only,
+    float32 (positive: inside every unary op's domain) and int32."""
+    from pcompile.ir.registry import BOOL, get_op
+
+    opdef = get_op(op)
+    assert opdef.page is not None
+    count = opdef.num_inputs if isinstance(opdef.num_inputs, int) else 1
+    shapes = [(4, 8) if i % 2 == 0 else (1, 8) for i in range(count)]
+    if opdef.page.dtypes == BOOL:
+        arrays = [bools(s, i) for i, s in enumerate(shapes)]
+    elif DType.float32 in opdef.page.dtypes:
+        arrays = [rnd(s, i, True) for i, s in enumerate(shapes)]
+    else:
+        arrays = [ints(s, i) + 1 for i, s in enumerate(shapes)]
+    return arrays, {"dst_type": DType.float32} if op == "Cast" else {}
+
+
+@pytest.mark.parametrize("op", _elementwise_ops())
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), devices=DEVICES)
+def test_every_elementwise_rule_matches_the_oracle(op: str, data: Any, devices: int) -> None:
+    """Every op the registry gives the element-wise rule, not only those with a case above."""
+    arrays, attrs = elementwise_case(op)
+    strategy = draw_strategy(data.draw, op, arrays, attrs, devices)
+    run_sharded(op, arrays, attrs, strategy, devices)

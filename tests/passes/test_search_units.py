@@ -72,7 +72,7 @@ def test_odd_device_factor_goes_on_one_dim() -> None:
 def test_gather_candidates_are_valid() -> None:
     c = OpContext("Gather", [TensorType(F32, (8, 4)), TensorType(DType.int32, (4, 2))],
                   TensorType(F32, (4, 2, 4)), {"axis": 0}, 4)
-    from pcompile.ir.sharding import shard_batch_and_axis
+    from pcompile.ir.ops.shape import shard_batch_and_axis
 
     got = [s.strategy for s in candidate_strategies(c)]
     for strategy in got:
