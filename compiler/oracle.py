@@ -3,7 +3,7 @@ simulator and the same model on one device, from the same initial values, and co
 and every updated parameter and optimizer state (or the gathered outputs, for inference).
 
 **Precision.** By default both programs are evaluated in float64 (every float value, and every
-Cast to a float type, computed in float64; `backends.numpy.interpreter`), so the check decides
+Cast to a float type, computed in float64; `ir.interpret`), so the check decides
 whether the *plan* is right independently of the precision the model runs in (float32, bf16,
 float16) and of the depth of the model. A correct plan differs from the single-device program
 only in the order of floating-point additions (partial sums completed by an AllReduce, sliced
