@@ -215,8 +215,8 @@ def compile_command(
     from contextlib import ExitStack
 
     from pcompile.backends.placement import pin_parent_to_cpu
-    from pcompile.compiler.driver import compile as compile_model
     from pcompile.ir.errors import PcompileError
+    from pcompile.tools.compile import compile as compile_model
 
     _check_run_flags(do_run)
     overrides: dict[str, Any] = {}

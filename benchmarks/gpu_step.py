@@ -142,8 +142,8 @@ def main() -> None:
     import numpy as np
 
     from pcompile.backends.jax.spmd import JaxSpmdRunner, matmul_precision
-    from pcompile.compiler.driver import compile as compile_model
     from pcompile.compiler.runtime import StandAloneRunner, batches
+    from pcompile.tools.compile import compile as compile_model
 
     runners = [r for r in cfg.runners.split(",") if r]
     out_dir = tempfile.mkdtemp(prefix="gpu_step_")

@@ -50,9 +50,9 @@ def rel(got: Any, want: Any) -> float:
 def run_case(path: str, env: dict[str, str], overrides: dict[str, Any],
              steps: int) -> dict[str, Any]:
     from pcompile.backends.jax.pipeline import JaxPipelineRunner
-    from pcompile.compiler.driver import compile as compile_model
     from pcompile.compiler.oracle import single_device
     from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
+    from pcompile.tools.compile import compile as compile_model
 
     os.environ.pop("PIPE_CHUNKS", None)  # left by an earlier case
     os.environ.update(env)
@@ -116,9 +116,9 @@ def run_matrix_case(path: str, env: dict[str, str], overrides: dict[str, Any],
     float64: losses, and every weight and optimizer state (which carries the gradients) of
     every stage that holds it; the bound is `rounding_rtol(program, float64, steps)`."""
     from pcompile.backends.jax.pipeline import JaxPipelineRunner
-    from pcompile.compiler.driver import compile as compile_model
     from pcompile.compiler.oracle import rounding_rtol, single_device
     from pcompile.compiler.runtime import StandAloneRunner, batches
+    from pcompile.tools.compile import compile as compile_model
 
     for key in ("PIPE_CHUNKS", "GPT_CHUNKS", "GPT_LAYERS"):  # left by an earlier case
         os.environ.pop(key, None)

@@ -35,9 +35,9 @@ def rel(got: Any, want: Any) -> float:
 
 def run_case(path: str, steps: int) -> dict[str, Any]:
     from pcompile.backends.jax.spmd import JaxSpmdRunner
-    from pcompile.compiler.driver import compile as compile_model
     from pcompile.compiler.oracle import single_device
     from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
+    from pcompile.tools.compile import compile as compile_model
 
     program = compile_model(path, devices=8, dump=False)
     ref = single_device(program)

@@ -24,8 +24,8 @@ from pcompile.backends.jax.plan import (
     choose_mesh,
     group_along,
 )
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import FLOAT64_RTOL
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 from tests.multiprocess import clean_env
 

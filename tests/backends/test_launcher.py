@@ -19,9 +19,9 @@ from safetensors.numpy import load_file
 
 from pcompile.backends.checkpoint import merge_checkpoints
 from pcompile.backends.launcher import launch
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import rounding_rtol
 from pcompile.compiler.runtime import StandAloneRunner, batches
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 from tests.multiprocess import clean_env, mlp_source
 

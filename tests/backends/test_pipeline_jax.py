@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import FLOAT64_RTOL, rounding_rtol
 from pcompile.compiler.runtime import StandAloneRunner, batches
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 from tests.multiprocess import clean_env
 

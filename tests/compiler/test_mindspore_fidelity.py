@@ -16,9 +16,9 @@ from pcompile import (
     reset_auto_parallel_context,
     set_auto_parallel_context,
 )
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import check
 from pcompile.ir.errors import PcompileError
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 
 HEADER = """\

@@ -11,10 +11,10 @@ import re
 import numpy as np
 import pytest
 
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import check
 from pcompile.compiler.runtime import StandAloneRunner, batches
 from pcompile.ir.types import DType
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 
 GPT = open(os.path.join(ROOT, "examples", "gpt_block.py"), encoding="utf-8").read()

@@ -7,9 +7,9 @@ import os
 import numpy as np
 import pytest
 
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import check, rounding_rtol
 from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 
 EXAMPLES = os.path.join(ROOT, "examples")

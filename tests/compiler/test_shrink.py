@@ -8,7 +8,6 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import CHECK_BUDGET_BYTES, check_cost
 from pcompile.compiler.shrink import (
     choose_shrink,
@@ -20,6 +19,7 @@ from pcompile.compiler.shrink import (
 from pcompile.ir import dims
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.ops.shape import reshape_blocks
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 
 GPT = os.path.join(ROOT, "examples", "gpt_block.py")

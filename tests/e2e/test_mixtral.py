@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import check
 from pcompile.compiler.runtime import StandAloneRunner, batches
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 from tests.multiprocess import clean_env
 

@@ -10,7 +10,7 @@ import json
 import os
 import tracemalloc
 
-from pcompile.compiler.driver import compile as compile_model
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 
 GPT = os.path.join(ROOT, "examples", "gpt_block.py")

@@ -10,7 +10,6 @@ import os
 import pytest
 
 from pcompile import reset_algo_parameters, set_algo_parameters
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.model_file import load_model_file
 from pcompile.compiler.oracle import check
 from pcompile.compiler.trace_model import trace_model
@@ -18,6 +17,7 @@ from pcompile.ir.errors import PcompileError
 from pcompile.ir.parser import parse_graph
 from pcompile.ir.printer import print_graph
 from pcompile.passes.search import search
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 
 MODES = ["sharding_propagation", "dynamic_programming", "recursive_programming"]

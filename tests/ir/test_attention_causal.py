@@ -22,7 +22,6 @@ import pytest
 from pcompile.backends.jax import lower_graph
 from pcompile.backends.jax.lowering import x64
 from pcompile.backends.numpy import run_graph
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import FLOAT64_RTOL, relative_error
 from pcompile.compiler.runtime import StandAloneRunner, batches
 from pcompile.ir.builder import Builder
@@ -34,6 +33,7 @@ from pcompile.ir.rank import RankOffsets, RankScalar, SlicedArray
 from pcompile.ir.registry import get_op
 from pcompile.ir.types import DType, TensorType
 from pcompile.passes.autodiff import append_gradients
+from pcompile.tools.compile import compile as compile_model
 from tests import (
     ROOT,
     op_harness,  # noqa: F401  (64-bit JAX types for the float64 evaluation)

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.oracle import check
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 
 LLAMA = os.path.join(ROOT, "examples", "llama.py")
