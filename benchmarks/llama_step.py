@@ -260,7 +260,7 @@ def pcompile_side(devices: int) -> tuple[Any, Any]:
 
     program = compile_model(LLAMA, devices=devices, dump=False)
     if devices == 1:
-        from pcompile.compiler.runtime import StandAloneRunner
+        from pcompile.tools.runners import StandAloneRunner
 
         return program, StandAloneRunner(program, "jax")
     from pcompile.backends.jax.spmd import JaxSpmdRunner
@@ -339,7 +339,7 @@ def first_step(cfg: LlamaSizes, side: str) -> dict[str, Any]:
         phases["compile"] = time.perf_counter() - start
         start = time.perf_counter()
         if devices == 1:
-            from pcompile.compiler.runtime import StandAloneRunner
+            from pcompile.tools.runners import StandAloneRunner
 
             runner: Any = StandAloneRunner(program, "jax")
         else:

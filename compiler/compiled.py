@@ -67,7 +67,7 @@ class InitialValues(MutableMapping[str, np.ndarray]):
 @dataclass
 class ReferenceOptions:
     """How a single-device program models a parallel program's options (the oracle's
-    reference, `compiler.oracle`): `transform` rewrites the traced forward graph (e.g. the loss
+    reference, `tools.oracle`): `transform` rewrites the traced forward graph (e.g. the loss
     as the mean of the ranks' losses when reductions are rank-local, `cross_batch`), and each
     trainable parameter's gradient is multiplied by `gradient_scales[name]` before the
     optimizer (the mirrors' division under `gradients_mean`, a loss held by k ranks without
@@ -113,7 +113,7 @@ class CompileState:
     state_owners: dict[str, str] = field(default_factory=dict)  # optimizer state -> parameter
     reference: ReferenceOptions | None = None  # single-device reference of a parallel program
     traces: list[TracedModel] = field(default_factory=list)  # hybrid mode: each rank's trace
-    # The shrunk check (compiler/shrink.py): the shrink applied to the trace and the plan's
+    # The shrunk check (tools/shrink.py): the shrink applied to the trace and the plan's
     # pinned strategies; and the overrides the compile was given (to compile it again).
     shrink: Any = None
     trace_only: bool = False  # compile(trace_only=True): the trace pass alone

@@ -100,8 +100,8 @@ class TracePass:
                 traced = trace_model(state.model_file, batch_split=split,
                                      micro_batches=state.parallel)
             _pipeline_trace(state, traced, cells)
-        if state.shrink is not None:  # the shrunk check's copy (compiler/shrink.py)
-            from pcompile.compiler.shrink import apply_to_trace
+        if state.shrink is not None:  # the shrunk check's copy (tools/shrink.py)
+            from pcompile.compiler.pinned_plan import apply_to_trace
 
             apply_to_trace(state.shrink.shrink, traced)
         state.traced = traced
@@ -370,13 +370,13 @@ class StepParallelBeginPass:
 
 
 class PinnedSearchPass:
-    """The shrunk check's compile (compiler/shrink.py): the plan's searched strategies and
+    """The shrunk check's compile (tools/shrink.py): the plan's searched strategies and
     Reshape layouts, pinned by position, in place of a search."""
 
     name = "step_auto_parallel_begin"
 
     def apply(self, state: CompileState) -> None:
-        from pcompile.compiler.shrink import pinned_search
+        from pcompile.compiler.pinned_plan import pinned_search
 
         state.search = pinned_search(state)
 
@@ -578,7 +578,7 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
     the compile's progress: "pass" (name, index, total, seconds) after each pass.
     `save_graphs` (0-3, MindSpore's levels, DUMP_LEVELS: which passes are dumped) overrides the
     model file's `set_context(save_graphs=...)`; neither given: every pass. `shrink`: the
-    shrunk check's copy (`compiler.shrink.PinnedPlan`: the trace shrunk, strategies pinned).
+    shrunk check's copy (`compiler.pinned_plan.PinnedPlan`: the trace shrunk, strategies pinned).
     `trace_only`: stop after the trace (the program's graph is the forward graph; no dumps)."""
     reset_auto_parallel_context()
     reset_context()  # a model file's set_context does not leak into the next compile

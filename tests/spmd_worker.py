@@ -77,8 +77,9 @@ def check_example(example: str, mode: str) -> dict[str, Any]:
 def compare(program: Any, used: str) -> dict[str, Any]:
     """`STEPS` steps of `program` by JAX SPMD, the numpy simulator and one device."""
     from pcompile.backends.jax.spmd import JaxSpmdRunner
-    from pcompile.compiler.oracle import single_device
-    from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
+    from pcompile.compiler.runtime import batches
+    from pcompile.tools.oracle import single_device
+    from pcompile.tools.runners import ParallelRunner, StandAloneRunner
 
     ref = single_device(program)
     jr = JaxSpmdRunner(program, float64=True)

@@ -79,7 +79,7 @@ def test_the_check_runs_when_affordable_and_says_when_it_does_not(tmp_path) -> N
     from click.testing import CliRunner
 
     from pcompile.cli import main
-    from pcompile.compiler.oracle import CHECK_BUDGET_BYTES, check_cost
+    from pcompile.tools.oracle import CHECK_BUDGET_BYTES, check_cost
 
     small = compile_model(os.path.join(ROOT, "examples", "quickstart.py"), devices=8,
                           dump=False)
