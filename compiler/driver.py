@@ -429,7 +429,10 @@ class StepParallelEndPass:
 
 
 class ExecutePass:
-    """The graph every rank executes (stand-alone: the one global graph)."""
+    """The graph every rank executes (stand-alone: the one global graph), dumped under
+    MindSpore's name `execute`. It runs nothing (running is above the backends: tools/ and the
+    rank programs); it fixes what the program executes: a pipeline's schedule of its final
+    stage graphs."""
 
     name = "execute"
     appends_only = True  # changes nothing
