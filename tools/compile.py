@@ -26,8 +26,10 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it: `pcompile.compi
     on_event: Callable[..., None] | None = None,
     **options: Any,
 ) -> CompiledProgram:
-    """Compile a model file (`compiler.driver.compile`: every option of it) and write its
-    outputs into the program's `out_dir` (`out_dir=...`; none with `dump=False`).
+    """Compile a model file and write its outputs into the program's `out_dir`; none with
+    `dump=False`. `options` are those of `compiler.driver.compile`: devices, parallel_mode,
+    search_mode, out_dir, dump, overrides, dump_ranks, save_graphs, reference, shrink,
+    trace_only.
 
     `before_write(state, out_dir)` runs after the passes and before anything is written (the
     CLI checks its run options there, so a bad one leaves `--out` untouched).
