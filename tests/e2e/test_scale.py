@@ -88,6 +88,6 @@ def test_the_check_runs_when_affordable_and_says_when_it_does_not(tmp_path) -> N
     result = CliRunner().invoke(main, [model, "--devices", "8", "--out", str(tmp_path / "o")])
     assert result.exit_code == 0, result.output
     assert "check skipped" in result.output and "--force-check" in result.output
-    # not at full size: the same plan is checked on a shrunk copy (tests/compiler/test_shrink.py)
+    # not at full size: the same plan is checked on a shrunk copy (tests/tools/test_shrink.py)
     head, _, tail = result.output.partition("shrunk check: factor")
     assert "worst relative error" not in head and "worst relative error" in tail
