@@ -7,8 +7,8 @@ The user-facing façade, MindSpore-style::
     import pcompile.dataset as ds  # GeneratorDataset, NumpySlicesDataset, TokenFileDataset
 
 Everything of the project lives under this one import package (`pcompile.compiler`,
-`pcompile.ir`, `pcompile.passes`, `pcompile.backends`, `pcompile.cli`). The façade names are
-loaded on first use, so `import pcompile.ir.core` does not import the compiler.
+`pcompile.ir`, `pcompile.passes`, `pcompile.backends`, `pcompile.tools`, `pcompile.cli`). The
+façade names are loaded on first use, so `import pcompile.ir.core` does not import the compiler.
 """
 
 from __future__ import annotations
@@ -93,7 +93,10 @@ if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
 
 def __getattr__(name: str) -> Any:
     if name in _FACADE:
-        facade = importlib.import_module("pcompile.compiler")
+        # `compile` compiles and writes the outputs (pcompile.tools, above the backends); the
+        # other names are the front end's (pcompile.compiler)
+        facade = importlib.import_module("pcompile.tools.compile" if name == "compile"
+                                         else "pcompile.compiler")
         value = getattr(facade, name)
         globals()[name] = value
         return value

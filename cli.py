@@ -215,8 +215,8 @@ def compile_command(
     from contextlib import ExitStack
 
     from pcompile.backends.placement import pin_parent_to_cpu
-    from pcompile.compiler.driver import compile as compile_model
     from pcompile.ir.errors import PcompileError
+    from pcompile.tools.compile import compile as compile_model
 
     _check_run_flags(do_run)
     overrides: dict[str, Any] = {}
@@ -419,7 +419,7 @@ def _summary(program: Any, elapsed: float, quiet: bool = False) -> None:
 
 def _check_affordable(program: Any, force: bool) -> bool:
     """The check's rule: it runs when it holds at most CHECK_BUDGET_BYTES (or when forced)."""
-    from pcompile.compiler.oracle import CHECK_BUDGET_BYTES, check_cost
+    from pcompile.tools.oracle import CHECK_BUDGET_BYTES, check_cost
 
     cost = check_cost(program)
     if force or cost <= CHECK_BUDGET_BYTES:
@@ -434,12 +434,12 @@ def _check_affordable(program: Any, force: bool) -> bool:
 
 
 def _check_shrunk(program: Any, factor: int | None, automatic: bool = False) -> None:
-    """The plan checked on a shrunk copy of the model (compiler/shrink.py): same graph and
+    """The plan checked on a shrunk copy of the model (tools/shrink.py): same graph and
     strategies, dims divided by up to `factor` (None: the smallest factor within the budget).
     `automatic` (the full-size check was over budget): a model the copy cannot be made of is
     a note, not an error."""
-    from pcompile.compiler.shrink import choose_shrink, compile_shrunk, describe
     from pcompile.ir.errors import PcompileError
+    from pcompile.tools.shrink import choose_shrink, compile_shrunk, describe
 
     if not program.state.parallel:
         message = ("the shrunk check checks parallel plans; this program runs on one device "
@@ -464,7 +464,9 @@ def _check_backends(program: Any) -> None:
     """One device: the numpy interpreter against the JAX lowering, both in float64 and JAX at
     matmul precision `highest` (so the check does not depend on the float32 matmul precision
     of a device, e.g. TF32; this process computes on the CPU anyway)."""
-    from pcompile.compiler.oracle import (
+    from pcompile.compiler.runtime import batches
+    from pcompile.ir.errors import PcompileError
+    from pcompile.tools.oracle import (
         FLOAT64_RTOL,
         OracleReport,
         inconclusive_message,
@@ -472,8 +474,7 @@ def _check_backends(program: Any) -> None:
         note_nonfinite,
         relative_error,
     )
-    from pcompile.compiler.runtime import StandAloneRunner, batches
-    from pcompile.ir.errors import PcompileError
+    from pcompile.tools.runners import StandAloneRunner
 
     if program.state.parallel:
         _check_oracle(program)
@@ -513,9 +514,9 @@ def _check_backends(program: Any) -> None:
 
 def _check_oracle(program: Any) -> None:
     """Parallel programs: all ranks on the numpy simulator against the single-device model,
-    both evaluated in float64 (compiler/oracle.py derives the bound)."""
-    from pcompile.compiler.oracle import check, inconclusive_message, nonfinite_input_note
+    both evaluated in float64 (tools/oracle.py derives the bound)."""
     from pcompile.ir.errors import PcompileError
+    from pcompile.tools.oracle import check, inconclusive_message, nonfinite_input_note
 
     report = check(program, steps=1)
     state = program.state
@@ -556,7 +557,7 @@ def _low_precision_report(program: Any) -> None:
     """A model that computes in float16/bfloat16: the plan was checked in float64 above; here
     the first-step loss of the plan and of the single-device program, both in the model's own
     dtypes, against what the dtype's rounding explains (eps x the longest reduction)."""
-    from pcompile.compiler.oracle import check, low_precision_bound
+    from pcompile.tools.oracle import check, low_precision_bound
 
     dtype, bound = low_precision_bound(program)
     if dtype is None:
@@ -586,7 +587,8 @@ def _train(program: Any, steps: int, backend: str,
 def _train_here(program: Any, steps: int, backend: str, options: dict[str, Any],
                 monitor: Any) -> None:
     """--run in this process: the numpy simulator, or one device on JAX."""
-    from pcompile.compiler.runtime import StandAloneRunner, batches, format_loss_line
+    from pcompile.compiler.runtime import batches, format_loss_line
+    from pcompile.tools.runners import StandAloneRunner
 
     fail_on_nan = bool(options.get("fail_on_nan", True))
     if program.state.parallel:
@@ -708,8 +710,9 @@ def _write_logs(program: Any, lines: list[str], ranks: int) -> str | None:
 def _train_simulated(program: Any, steps: int, fail_on_nan: bool = True,
                      monitor: Any = None) -> None:
     """--backend numpy for a parallel plan: every rank on the numpy simulator, one process."""
-    from pcompile.compiler.oracle import single_device
-    from pcompile.compiler.runtime import ParallelRunner, batches, format_loss_line
+    from pcompile.compiler.runtime import batches, format_loss_line
+    from pcompile.tools.oracle import single_device
+    from pcompile.tools.runners import ParallelRunner
 
     runner = ParallelRunner(program)
     data = program if program.state.parallel_mode != "data_parallel" else single_device(program)

@@ -49,12 +49,13 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from pcompile.compiler.driver import CompiledProgram  # noqa: E402
-from pcompile.compiler.driver import compile as compile_model  # noqa: E402
+from pcompile.compiler.compiled import CompiledProgram  # noqa: E402
 from pcompile.compiler.pass_options import fusion_config_from_dict  # noqa: E402
-from pcompile.compiler.runtime import ParallelRunner, batches  # noqa: E402
+from pcompile.compiler.runtime import batches  # noqa: E402
 from pcompile.ir.registry import get_op  # noqa: E402
 from pcompile.passes.comm_fusion import CommFusionPass  # noqa: E402
+from pcompile.tools.compile import compile as compile_model  # noqa: E402
+from pcompile.tools.runners import ParallelRunner  # noqa: E402
 
 GPT = os.path.join(ROOT, "examples", "gpt_block.py")
 ALPHA_US = 10.0  # latency per ring step (assumed)

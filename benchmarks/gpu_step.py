@@ -6,7 +6,7 @@ Prints one JSON object.
     python benchmarks/gpu_step.py --hidden 256 --layers 4 --heads 4 --seq 64 --vocab 2048
 
 Runners (`--runners`):
-* `in_process`: `compiler.runtime.StandAloneRunner` (what `pcompile MODEL.py --devices 1 --run`
+* `in_process`: `tools.runners.StandAloneRunner` (what `pcompile MODEL.py --devices 1 --run`
   runs in its process on CPU);
 * `spmd`: `backends.jax.spmd.JaxSpmdRunner` on a 1-device mesh (the in-process SPMD runner);
 * `program`: the generated `DIR/program.py` in its own process (what `--run` launches), run for
@@ -142,8 +142,9 @@ def main() -> None:
     import numpy as np
 
     from pcompile.backends.jax.spmd import JaxSpmdRunner, matmul_precision
-    from pcompile.compiler.driver import compile as compile_model
-    from pcompile.compiler.runtime import StandAloneRunner, batches
+    from pcompile.compiler.runtime import batches
+    from pcompile.tools.compile import compile as compile_model
+    from pcompile.tools.runners import StandAloneRunner
 
     runners = [r for r in cfg.runners.split(",") if r]
     out_dir = tempfile.mkdtemp(prefix="gpu_step_")

@@ -31,8 +31,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from pcompile.backends.jax import lower_graph  # noqa: E402
 from pcompile.backends.jax.spmd import JaxSpmdRunner  # noqa: E402
-from pcompile.compiler.driver import compile as compile_model  # noqa: E402
 from pcompile.compiler.runtime import batches  # noqa: E402
+from pcompile.tools.compile import compile as compile_model  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from step_bench import median, plan_sharding, time_steps  # noqa: E402

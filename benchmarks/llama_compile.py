@@ -87,7 +87,7 @@ def profile(config: str, devices: int, top: int) -> list[str]:
     import pstats
 
     os.environ.update(CONFIGS[config])
-    from pcompile.compiler.driver import compile as compile_model
+    from pcompile.tools.compile import compile as compile_model
 
     prof = cProfile.Profile()
     with tempfile.TemporaryDirectory() as tmp:

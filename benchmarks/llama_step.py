@@ -256,11 +256,11 @@ def dp_mp_mesh() -> Any:
 
 def pcompile_side(devices: int) -> tuple[Any, Any]:
     """(program, runner) of examples/llama.py, as the environment sizes it."""
-    from pcompile.compiler.driver import compile as compile_model
+    from pcompile.tools.compile import compile as compile_model
 
     program = compile_model(LLAMA, devices=devices, dump=False)
     if devices == 1:
-        from pcompile.compiler.runtime import StandAloneRunner
+        from pcompile.tools.runners import StandAloneRunner
 
         return program, StandAloneRunner(program, "jax")
     from pcompile.backends.jax.spmd import JaxSpmdRunner
@@ -330,8 +330,8 @@ def first_step(cfg: LlamaSizes, side: str) -> dict[str, Any]:
     devices = cfg.devices
     phases = {"imports": time.perf_counter() - T0}
     if side == "pcompile":
-        from pcompile.compiler.driver import compile as compile_model
         from pcompile.compiler.runtime import batches
+        from pcompile.tools.compile import compile as compile_model
 
         phases["imports"] = time.perf_counter() - T0
         start = time.perf_counter()
@@ -339,7 +339,7 @@ def first_step(cfg: LlamaSizes, side: str) -> dict[str, Any]:
         phases["compile"] = time.perf_counter() - start
         start = time.perf_counter()
         if devices == 1:
-            from pcompile.compiler.runtime import StandAloneRunner
+            from pcompile.tools.runners import StandAloneRunner
 
             runner: Any = StandAloneRunner(program, "jax")
         else:

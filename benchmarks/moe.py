@@ -162,8 +162,8 @@ def intended_tally(c: MoESizes) -> dict[str, Any]:
 
 def compile_worker(name: str) -> None:
     """In a subprocess: compile the configuration and print rank 0's collectives."""
-    from pcompile.compiler.driver import compile as compile_model
     from pcompile.compiler.plan import read_plan
+    from pcompile.tools.compile import compile as compile_model
 
     c = CONFIGS[name]
     os.environ.update(c.env())

@@ -20,8 +20,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from pcompile.compiler.driver import compile as compile_model  # noqa: E402
 from pcompile.ir.registry import get_op  # noqa: E402
+from pcompile.tools.compile import compile as compile_model  # noqa: E402
 
 EXAMPLES = ["quickstart.py", "layout_mlp.py", "dense_gelu_blocks.py", "gpt_block.py"]
 

@@ -17,7 +17,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from pcompile.compiler.driver import compile as compile_model  # noqa: E402
+from pcompile.tools.compile import compile as compile_model  # noqa: E402
 
 
 def per_rank_bytes(program) -> dict[str, int]:

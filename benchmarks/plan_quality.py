@@ -204,8 +204,8 @@ def summarise(items: list[Collective]) -> dict[str, Any]:
 
 
 def pcompile_plan(path: str, mode: str, env: dict[str, str]) -> dict[str, Any]:
-    from pcompile.compiler.driver import compile as compile_model
     from pcompile.ir.registry import get_op
+    from pcompile.tools.compile import compile as compile_model
 
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

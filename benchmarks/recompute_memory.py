@@ -153,8 +153,8 @@ def measure(path: str, devices: int, repeat: int) -> dict[str, Any]:
     import jax
     import numpy as np
 
-    from pcompile.compiler.driver import compile as compile_model
     from pcompile.compiler.runtime import batches
+    from pcompile.tools.compile import compile as compile_model
 
     program = compile_model(path, devices=devices, dump=False)
     graph = program.rank_graphs[0]

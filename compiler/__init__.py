@@ -31,13 +31,6 @@ GRAPH_MODE = 0
 PYNATIVE_MODE = 1
 
 
-def compile(model_path: str, **kwargs):  # noqa: A001
-    """Compile a model file from Python; see `compiler.driver.compile`."""
-    from pcompile.compiler.driver import compile as _compile
-
-    return _compile(model_path, **kwargs)
-
-
 def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device="Ascend", level=0):
     """Functional shard (seed functional-operator-sharding.md): returns a function that calls
     `fn` (a function or a Cell) with its inputs constrained to `in_strategy` (None entries are
@@ -93,7 +86,6 @@ __all__ = [
     "reset_algo_parameters",
     "ParallelMode",
     "shard",
-    "compile",
     "GRAPH_MODE",
     "PYNATIVE_MODE",
     "float32",

@@ -12,7 +12,7 @@ runs on each device's slices, and the cotangent reaching it already carries the 
 `_VirtualDiv` (a loss held by k ranks seeds 1/k), which is why mindformers' `_NLLLoss` multiplies
 its gradient by `repeat_loss` = mp under (semi-)auto parallel.
 
-The single-device program of the check (`compiler/oracle.py`) differentiates `construct`
+The single-device program of the check (`tools/oracle.py`) differentiates `construct`
 instead: the check compares the plan, bprop included, with the gradient of the cells' forward.
 A bprop that is not that gradient (a straight-through estimator) fails the check; compile such
 a model with `--no-check`.

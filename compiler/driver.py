@@ -1,10 +1,11 @@
-"""The staged driver: model file -> ordered passes -> per-rank graphs and dumps.
+"""The staged driver: model file -> ordered passes -> a `CompiledProgram`.
 
 Each pass has a name and one `apply(state)`. The driver runs them in order, verifies the graph
-after each, times it, and dumps it as `<out>/rank_<r>/<NN>_<pass>.ir`. A failure names the
-failing pass and the passes before it. Dumps and `plan.json` are written to a temporary folder
-and moved into place only when every pass succeeded, so a failed compile leaves `--out` as it
-was.
+after each, times it, and prints the dump of each as the text of `<out>/rank_<r>/<NN>_<pass>.ir`.
+A failure names the failing pass and the passes before it. The driver writes nothing and runs
+nothing: `pcompile.tools.compile` writes the dumps, `plan.json` and the rank programs (into a
+temporary folder moved into place only when every pass succeeded, so a failed compile leaves
+`--out` as it was), and `pcompile.tools` runs and checks programs on the backends.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ import contextlib
 import gc
 import os
 import time
-from collections.abc import Callable, Iterator, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-import numpy as np
-
+from pcompile.compiler.compiled import (
+    CompiledProgram,
+    CompileState,
+    PassDump,
+    ReferenceOptions,
+)
 from pcompile.compiler.context import (
     context_override,
     current_context,
@@ -27,21 +31,15 @@ from pcompile.compiler.context import (
     reset_context,
     save_graphs_level,
 )
-from pcompile.compiler.initializer import InitializedData
 from pcompile.compiler.model_file import ModelFile, call_user, load_model_file
-from pcompile.compiler.nn.optim_base import Optimizer
 from pcompile.compiler.optimizer_update import StateSlicer, append_optimizer, rank_sum
-from pcompile.compiler.parameter_layout import parameter_layout_dict
 from pcompile.compiler.pass_options import cost_constants, fusion_config, search_options
-from pcompile.compiler.plan import Plan, build_plan, write_plan
 from pcompile.compiler.trace_model import TracedModel, check_optimizer, trace_model
 from pcompile.compiler.train_step import ReplayEnv, replay_step
 from pcompile.ir.core import Graph, Node, Value
-from pcompile.ir.dot import graph_to_dot
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout, group_name
-from pcompile.ir.parser import parse_graph
-from pcompile.ir.printer import GraphText, print_graph
+from pcompile.ir.printer import GraphText
 from pcompile.ir.verifier import verify
 from pcompile.passes.autodiff import append_gradients
 from pcompile.passes.comm_fusion import CommFusionPass
@@ -62,7 +60,6 @@ from pcompile.passes.search.auto_parallel_pass import (
 )
 from pcompile.passes.step_parallel import SplitOptions, build_spmd_graph
 from pcompile.passes.step_parallel_begin import (
-    ParallelAssignment,
     annotate_parallel_detail,
     assign,
 )
@@ -70,168 +67,6 @@ from pcompile.passes.step_parallel_begin import (
 # --- end search ----------------------------------------------------------------------------------
 
 
-class InitialValues(MutableMapping[str, np.ndarray]):
-    """Initial parameter and optimizer-state values by name, held abstractly (each an
-    `InitializedData`: initializer, seed, shape, dtype; or the user's array): `values[name]`
-    generates the whole value, `source(name)` gives the abstract one, from which a rank makes
-    only its block (`CompileState.rank_values`)."""
-
-    def __init__(self) -> None:
-        self._sources: dict[str, InitializedData] = {}
-
-    def source(self, name: str) -> InitializedData:
-        return self._sources[name]
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self._sources[name].to_numpy()
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        if not isinstance(value, InitializedData):
-            value = InitializedData.of_array(np.array(value, copy=True))
-        self._sources[name] = value
-
-    def setdefault(self, name: str, value: Any = None) -> Any:  # type: ignore[override]
-        if name not in self._sources:
-            self[name] = value
-        return self._sources[name]
-
-    def __delitem__(self, name: str) -> None:
-        del self._sources[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._sources)
-
-    def __len__(self) -> int:
-        return len(self._sources)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._sources
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of every value (what materialising them all would take)."""
-        return sum(s.nbytes for s in self._sources.values())
-
-
-@dataclass
-class ReferenceOptions:
-    """How a single-device program models a parallel program's options (the oracle's
-    reference, `compiler.oracle`): `transform` rewrites the traced forward graph (e.g. the loss
-    as the mean of the ranks' losses when reductions are rank-local, `cross_batch`), and each
-    trainable parameter's gradient is multiplied by `gradient_scales[name]` before the
-    optimizer (the mirrors' division under `gradients_mean`, a loss held by k ranks without
-    `loss_repeated_mean`)."""
-
-    transform: Callable[[Graph], None] | None = None
-    gradient_scales: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class CompileState:
-    """What the passes read and write."""
-
-    model_file: ModelFile
-    devices: int
-    parallel_mode: str
-    search_mode: str
-    traced: TracedModel | None = None
-    graph: Graph | None = None
-    # After the split, rank r runs rank_graphs[r]. In SPMD modes every entry is the same
-    # rank-parametric graph (what differs between ranks is an `ir.rank` value); hybrid mode
-    # traces the model per rank and has one graph per rank.
-    rank_graphs: list[Graph] = field(default_factory=list)
-    initial_values: InitialValues = field(default_factory=lambda: InitialValues())
-    optimizer: Optimizer | None = None
-    plan: dict[str, Any] = field(default_factory=dict)
-    assignment: ParallelAssignment | None = None
-    output_layouts: list[Any] = field(default_factory=list)
-    split: bool = False  # True once every rank has its own graph
-    options: dict[str, Any] = field(default_factory=dict)
-    search: Any = None  # passes.search.SearchResult in auto_parallel
-    dump_ranks: list[int] = field(default_factory=list)  # the ranks whose folders are written
-    # Pipeline parallelism (compiler/pipelining.py): stages, micro-batches, the stage of every
-    # op; None when neither pipeline_stages > 1 nor nn.PipelineCell is used.
-    pipeline: Any = None
-    opt_shard: dict[str, Any] = field(default_factory=dict)  # the parallel optimizer's plan
-    # parameters whose gradient is reduced over part of their copies after their user's output
-    # cotangent is summed (passes/cotangents.py; a byte-size decision the shrunk check pins)
-    reduced_parameters: tuple[str, ...] = ()
-    # the rank graph's value for each value of the forward graph that a custom bprop reads
-    # (compiler/custom_bprop.py), by id; None when the graphs are not split
-    bprop_locals: dict[int, Any] | None = None
-    state_owners: dict[str, str] = field(default_factory=dict)  # optimizer state -> parameter
-    reference: ReferenceOptions | None = None  # single-device reference of a parallel program
-    traces: list[TracedModel] = field(default_factory=list)  # hybrid mode: each rank's trace
-    # The shrunk check (compiler/shrink.py): the shrink applied to the trace and the plan's
-    # pinned strategies; and the overrides the compile was given (to compile it again).
-    shrink: Any = None
-    trace_only: bool = False  # compile(trace_only=True): the trace pass alone
-    # Each distinct rank graph's nodes before communication fusion (whose buckets depend on
-    # byte sizes): the shrunk check compares a plan's communication by them.
-    unfused: list[list[Node]] = field(default_factory=list)
-    overrides: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def parallel(self) -> bool:
-        return self.parallel_mode != "stand_alone"
-
-    @property
-    def training(self) -> bool:
-        """The program is a training step: it returns the loss and updates stored values."""
-        if self.traced is None:
-            return self.model_file.training
-        return self.traced.mode == "train"
-
-    @property
-    def backward(self) -> bool:
-        """The program differentiates (a training step, or a cell returning gradients): the
-        split inserts gradient communication."""
-        return self.traced is not None and self.traced.differentiates
-
-    @property
-    def stage_devices(self) -> int:
-        """Devices of one pipeline stage (all devices without pipeline stages): operator
-        strategies, layouts and collectives live inside a stage."""
-        stages = self.pipeline.stages if self.pipeline is not None else 1
-        return self.devices // stages
-
-    @property
-    def pipelined(self) -> bool:
-        """Whether the step is cut into pipeline stages (pipeline_stages > 1)."""
-        return self.pipeline is not None and self.pipeline.stages > 1
-
-    @property
-    def micro_batched(self) -> bool:
-        """Whether the local program is repeated per micro-batch (passes/micro_batch.py)."""
-        return self.pipeline is not None and self.parallel and (
-            self.pipeline.stages > 1 or self.pipeline.micro_size > 1)
-
-    @property
-    def graphs(self) -> list[Graph]:
-        """The distinct graphs the ranks run (one in SPMD modes), in rank order."""
-        out: list[Graph] = []
-        seen: set[int] = set()
-        for g in self.rank_graphs:
-            if id(g) not in seen:
-                seen.add(id(g))
-                out.append(g)
-        return out
-
-    def rank_values(self, rank: int) -> dict[str, np.ndarray]:
-        """Rank `rank`'s initial parameter and optimizer-state values: its block of each
-        global initial value, generated on its own (never the whole value)."""
-        if not self.parallel:
-            return dict(self.initial_values.items())
-        assert self.assignment is not None
-        layouts = self.assignment.param_layouts
-        out = {}
-        for name in self.initial_values:
-            source = self.initial_values.source(name)
-            layout = layouts.get(name)
-            bounds = (layout.slice_bounds(rank) if layout is not None and source.shape
-                      else tuple((0, d) for d in source.shape))
-            out[name] = source.block(bounds)
-        return out
 
 
 class Pass(Protocol):
@@ -265,8 +100,8 @@ class TracePass:
                 traced = trace_model(state.model_file, batch_split=split,
                                      micro_batches=state.parallel)
             _pipeline_trace(state, traced, cells)
-        if state.shrink is not None:  # the shrunk check's copy (compiler/shrink.py)
-            from pcompile.compiler.shrink import apply_to_trace
+        if state.shrink is not None:  # the shrunk check's copy (tools/shrink.py)
+            from pcompile.compiler.pinned_plan import apply_to_trace
 
             apply_to_trace(state.shrink.shrink, traced)
         state.traced = traced
@@ -535,13 +370,13 @@ class StepParallelBeginPass:
 
 
 class PinnedSearchPass:
-    """The shrunk check's compile (compiler/shrink.py): the plan's searched strategies and
+    """The shrunk check's compile (tools/shrink.py): the plan's searched strategies and
     Reshape layouts, pinned by position, in place of a search."""
 
     name = "step_auto_parallel_begin"
 
     def apply(self, state: CompileState) -> None:
-        from pcompile.compiler.shrink import pinned_search
+        from pcompile.compiler.pinned_plan import pinned_search
 
         state.search = pinned_search(state)
 
@@ -594,7 +429,10 @@ class StepParallelEndPass:
 
 
 class ExecutePass:
-    """The graph every rank executes (stand-alone: the one global graph)."""
+    """The graph every rank executes (stand-alone: the one global graph), dumped under
+    MindSpore's name `execute`. It runs nothing (running is above the backends: tools/ and the
+    rank programs); it fixes what the program executes: a pipeline's schedule of its final
+    stage graphs."""
 
     name = "execute"
     appends_only = True  # changes nothing
@@ -606,60 +444,6 @@ class ExecutePass:
             state.plan["pipeline"] = state.pipeline.program.describe()
 
 
-@dataclass
-class CompiledProgram:
-    """The result of `compile()`: per-rank graphs, initial values and how to feed them."""
-
-    state: CompileState
-    timings: list[tuple[str, float]]
-    out_dir: str | None
-
-    @property
-    def graph(self) -> Graph:
-        assert self.state.graph is not None
-        return self.state.graph
-
-    @property
-    def rank_graphs(self) -> list[Graph]:
-        """The graph each rank runs: in SPMD modes the same rank-parametric graph for every
-        rank (see `rank_graph` for one rank's concrete view)."""
-        return self.state.rank_graphs
-
-    def rank_graph(self, rank: int) -> Graph:
-        """Rank `rank`'s own graph, every rank-dependent value evaluated (what its dump shows)."""
-        return self.state.rank_graphs[rank].at_rank(rank)
-
-    @property
-    def traced(self) -> TracedModel:
-        assert self.state.traced is not None
-        return self.state.traced
-
-    @property
-    def training(self) -> bool:
-        return self.state.training
-
-    @property
-    def initial_values(self) -> InitialValues:
-        return self.state.initial_values
-
-    @property
-    def parameter_layout_dict(self) -> dict[str, Any]:
-        """MindSpore's `Cell.parameter_layout_dict` for the compiling rank (`global_rank`):
-        name -> (dev_matrix, tensor_map, slice_shape, field_size, uniform_split,
-        opt_shard_group), for every parameter and input (compiler/parameter_layout.py)."""
-        return parameter_layout_dict(self.state, int(self.state.options.get("global_rank", 0)))
-
-    def parameter_layout(self, rank: int) -> dict[str, Any]:
-        """`parameter_layout_dict` as rank `rank` sees it (only the optimizer shard group
-        differs between ranks)."""
-        return parameter_layout_dict(self.state, rank)
-
-    @property
-    def output_names(self) -> list[str]:
-        names = self.rank_graphs[0].attrs.get("outputs") if self.rank_graphs else None
-        if names:
-            return list(names)
-        return [f"output{i}" for i in range(len(self.rank_graphs[0].outputs))]
 
 
 class ReplicatePass:
@@ -779,7 +563,6 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
     dump: bool = True,
     overrides: dict[str, Any] | None = None,
     dump_ranks: Any = None,
-    before_write: Callable[[CompileState, str | None], None] | None = None,
     on_event: Callable[..., None] | None = None,
     save_graphs: int | None = None,
     reference: ReferenceOptions | None = None,
@@ -791,14 +574,14 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
     oracle's reference program; see `ReferenceOptions`).
 
     `dump_ranks`: the ranks whose folders are written ("all", "none", "0,5", a list of ints;
-    default: every rank up to `DUMP_ALL_UP_TO` devices, else rank 0). `before_write(state,
-    out_dir)` runs after the passes and before anything is written (the CLI checks its run
-    options there, so a bad one leaves `--out` untouched). `on_event(event, **info)` hears of
-    the compile's progress: "pass" (name, index, total, seconds) after each pass, "write"
-    (out_dir, ranks) before the outputs are written and "written" (out_dir) after.
+    default: every rank up to `DUMP_ALL_UP_TO` devices, else rank 0). `out_dir`: the folder the
+    outputs are for (default: the model file's `save_graphs_path`, else ./saved_graph), kept in
+    the program as `out_dir` (None without `dump`); nothing is written here
+    (`pcompile.tools.compile.compile` compiles and writes). `on_event(event, **info)` hears of
+    the compile's progress: "pass" (name, index, total, seconds) after each pass.
     `save_graphs` (0-3, MindSpore's levels, DUMP_LEVELS: which passes are dumped) overrides the
     model file's `set_context(save_graphs=...)`; neither given: every pass. `shrink`: the
-    shrunk check's copy (`compiler.shrink.PinnedPlan`: the trace shrunk, strategies pinned).
+    shrunk check's copy (`compiler.pinned_plan.PinnedPlan`: the trace shrunk, strategies pinned).
     `trace_only`: stop after the trace (the program's graph is the forward graph; no dumps)."""
     reset_auto_parallel_context()
     reset_context()  # a model file's set_context does not leak into the next compile
@@ -851,8 +634,7 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
         state.options["save_graphs"] = save_graphs_level(save_graphs)
         if out_dir is None:
             out_dir = str(get_context("save_graphs_path") or "") or "./saved_graph"
-        return _run_pipeline(state, out_dir if dump else None, dump_ranks, before_write,
-                             on_event)
+        return _run_pipeline(state, out_dir if dump else None, dump_ranks, on_event)
 
 
 @contextlib.contextmanager
@@ -871,19 +653,17 @@ def gc_paused() -> Iterator[None]:
 
 
 def _run_pipeline(state: CompileState, out_dir: str | None, dump_ranks: Any = None,
-                  before_write: Callable[[CompileState, str | None], None] | None = None,
                   on_event: Callable[..., None] | None = None) -> CompiledProgram:
     with gc_paused():
-        return _run_passes(state, out_dir, dump_ranks, before_write, on_event)
+        return _run_passes(state, out_dir, dump_ranks, on_event)
 
 
 def _run_passes(state: CompileState, out_dir: str | None, dump_ranks: Any,
-                before_write: Callable[[CompileState, str | None], None] | None,
                 on_event: Callable[..., None] | None) -> CompiledProgram:
     notify = on_event or (lambda event, **info: None)
     passes: list[Pass] = [TracePass()]
     timings: list[tuple[str, float]] = []
-    dumps: list[tuple[str, dict[int, str]]] = []
+    dumps: list[PassDump] = []
     ranks = resolve_dump_ranks(dump_ranks, state.devices)
     state.dump_ranks = ranks
     templates: dict[int, GraphText] = {}  # the last text of each graph, by id
@@ -923,18 +703,12 @@ def _run_passes(state: CompileState, out_dir: str | None, dump_ranks: Any,
         if out_dir is not None and p.name in DUMP_LEVELS[state.options.get("save_graphs", 2)]:
             texts = _rank_texts(state, ranks, templates,
                                 reuse=getattr(p, "appends_only", False))
-            dumps.append((f"{index:02d}_{p.name}.ir", texts))
+            dumps.append(PassDump(f"{index:02d}_{p.name}.ir", texts))
         else:
             templates.clear()  # a pass not dumped may change nodes: print afresh next time
         if index == 0 and not state.trace_only:
             passes += pipeline(state)
-    if before_write is not None:
-        before_write(state, out_dir)
-    if out_dir is not None:
-        notify("write", out_dir=out_dir, ranks=len(ranks))
-        _write_outputs(out_dir, state, dumps)
-        notify("written", out_dir=out_dir)
-    return CompiledProgram(state, timings, out_dir)
+    return CompiledProgram(state, timings, out_dir, dumps)
 
 
 def _unchanged_prefix(before: list[Node] | None, graph: Graph) -> int:
@@ -1015,36 +789,3 @@ def _rank_texts(state: CompileState, ranks: list[int], templates: dict[int, Grap
     templates.update(fresh)
     return texts
 
-
-def _plan(state: CompileState) -> Plan:
-    """plan.json's content (compiler/plan.py: the schema, validated when written)."""
-    return build_plan(state)
-
-
-def _write_outputs(out_dir: str, state: CompileState,
-                   dumps: Sequence[tuple[str, dict[int, str]]]) -> None:
-    """Dumps, plan.json and the rank programs, through compiler/outdir.py: written beside
-    `out_dir` and swapped in when complete; only what an earlier compile wrote is replaced,
-    run outputs survive, a folder holding anything else is refused."""
-    from pcompile.compiler.outdir import write_output_folder
-
-    with write_output_folder(out_dir) as tmp:
-        for r in state.dump_ranks:
-            os.makedirs(os.path.join(tmp, f"rank_{r}"))
-        check = bool(os.environ.get("PCOMPILE_CHECK_ROUNDTRIP"))
-        for filename, texts in dumps:
-            for r, text in texts.items():
-                # the test suite sets this: every dump it produces must re-parse exactly
-                if check and print_graph(parse_graph(text, filename)) != text:
-                    raise AssertionError(f"{filename} does not round-trip")
-                with open(os.path.join(tmp, f"rank_{r}", filename), "w", encoding="utf-8") as f:
-                    f.write(text)
-                if state.options.get("save_graphs") == 3:  # MindSpore's level 3: .dot files
-                    with open(os.path.join(tmp, f"rank_{r}", filename[:-3] + ".dot"), "w",
-                              encoding="utf-8") as f:
-                        f.write(graph_to_dot(parse_graph(text, filename)))
-        write_plan(os.path.join(tmp, "plan.json"), _plan(state))
-        # --- rank programs (program.py, params.npz) ---
-        from pcompile.backends.jax.codegen import write_rank_artifacts
-
-        write_rank_artifacts(tmp, state)

@@ -335,7 +335,7 @@ def _layout(layout: Any) -> dict[str, Any]:
 
 
 def build_plan(state: Any) -> Plan:
-    """The plan of a finished compile (`compiler.driver.CompileState`)."""
+    """The plan of a finished compile (`compiler.compiled.CompileState`)."""
     from pcompile.compiler.parameter_layout import as_json, parameter_layout_dict, use_layout
     from pcompile.ir.rank import resolve
     from pcompile.passes.comm_info import (

@@ -346,7 +346,7 @@ def _wrap(result: Value, builder: Builder) -> Any:
 
 def _eager(op: str, args: list[Any], attrs: dict[str, Any], prim: Primitive) -> Any:
     """Run one op on concrete data through the numpy reference implementation."""
-    from pcompile.backends.numpy import run_graph
+    from pcompile.ir.interpret import run_graph
 
     graph = Graph(f"eager_{op}")
     like = _float_like(args)

@@ -23,11 +23,11 @@ import numpy as np
 from pcompile.backends.jax import lower_graph
 from pcompile.backends.jax.lowering import x64
 from pcompile.backends.numpy import run_graph
-from pcompile.compiler.oracle import FLOAT64_RTOL
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Constant, Graph, GraphParam, Value
 from pcompile.ir.types import DType, TensorType, TupleType
 from pcompile.passes.autodiff import append_gradients
+from pcompile.tools.oracle import FLOAT64_RTOL
 
 jax.config.update("jax_enable_x64", True)
 # The references must not depend on the device's float32 matmul precision (TF32 on an H100
@@ -139,7 +139,7 @@ def check_op(
     up to float64 rounding. Against it:
 
     * the graph in float64 (numpy interpreter and JAX lowering, `float64=True`) within
-      `FLOAT64_RTOL` (2^-26, `pcompile.compiler.oracle`): both sides compute the same
+      `FLOAT64_RTOL` (2^-26, `pcompile.tools.oracle`): both sides compute the same
       arithmetic in float64, differing only in the order of roundings of 2^-53, so a wrong
       formula, constant or vjp rule shows however small. Constants a vjp rule puts in the
       graph (-1/n) are stored in the graph's dtype: each adds its half ulp (u of its dtype)

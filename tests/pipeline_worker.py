@@ -42,7 +42,7 @@ CASES: dict[str, tuple[str, dict[str, str], dict[str, Any], int]] = {
 
 
 def rel(got: Any, want: Any) -> float:
-    from pcompile.compiler.oracle import relative_error
+    from pcompile.tools.oracle import relative_error
 
     return relative_error(np.asarray(got), np.asarray(want))
 
@@ -50,9 +50,10 @@ def rel(got: Any, want: Any) -> float:
 def run_case(path: str, env: dict[str, str], overrides: dict[str, Any],
              steps: int) -> dict[str, Any]:
     from pcompile.backends.jax.pipeline import JaxPipelineRunner
-    from pcompile.compiler.driver import compile as compile_model
-    from pcompile.compiler.oracle import single_device
-    from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
+    from pcompile.compiler.runtime import batches
+    from pcompile.tools.compile import compile as compile_model
+    from pcompile.tools.oracle import single_device
+    from pcompile.tools.runners import ParallelRunner, StandAloneRunner
 
     os.environ.pop("PIPE_CHUNKS", None)  # left by an earlier case
     os.environ.update(env)
@@ -116,9 +117,10 @@ def run_matrix_case(path: str, env: dict[str, str], overrides: dict[str, Any],
     float64: losses, and every weight and optimizer state (which carries the gradients) of
     every stage that holds it; the bound is `rounding_rtol(program, float64, steps)`."""
     from pcompile.backends.jax.pipeline import JaxPipelineRunner
-    from pcompile.compiler.driver import compile as compile_model
-    from pcompile.compiler.oracle import rounding_rtol, single_device
-    from pcompile.compiler.runtime import StandAloneRunner, batches
+    from pcompile.compiler.runtime import batches
+    from pcompile.tools.compile import compile as compile_model
+    from pcompile.tools.oracle import rounding_rtol, single_device
+    from pcompile.tools.runners import StandAloneRunner
 
     for key in ("PIPE_CHUNKS", "GPT_CHUNKS", "GPT_LAYERS"):  # left by an earlier case
         os.environ.pop(key, None)

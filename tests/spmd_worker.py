@@ -49,8 +49,8 @@ def rel(got: np.ndarray, want: np.ndarray) -> float:
 def compile_for_8(example: str, mode: str) -> tuple[Any, str]:
     """Compile in `mode`; a model whose shard() calls need another mode (dense_gelu_blocks:
     Cell.shard needs sharding propagation) compiles with the model file's own mode."""
-    from pcompile.compiler.driver import compile as compile_model
     from pcompile.ir.errors import PcompileError
+    from pcompile.tools.compile import compile as compile_model
 
     path = os.path.join(ROOT, "examples", example)
     # data_parallel sums the ranks' gradients unless gradients_mean: ask for the mean, so that
@@ -77,8 +77,9 @@ def check_example(example: str, mode: str) -> dict[str, Any]:
 def compare(program: Any, used: str) -> dict[str, Any]:
     """`STEPS` steps of `program` by JAX SPMD, the numpy simulator and one device."""
     from pcompile.backends.jax.spmd import JaxSpmdRunner
-    from pcompile.compiler.oracle import single_device
-    from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
+    from pcompile.compiler.runtime import batches
+    from pcompile.tools.oracle import single_device
+    from pcompile.tools.runners import ParallelRunner, StandAloneRunner
 
     ref = single_device(program)
     jr = JaxSpmdRunner(program, float64=True)
@@ -210,7 +211,7 @@ def check_adafactor() -> dict[str, Any]:
     statistics and their partial-sum AllReduces, with and without the parallel optimizer."""
     import tempfile
 
-    from pcompile.compiler.driver import compile as compile_model
+    from pcompile.tools.compile import compile as compile_model
 
     source = open(os.path.join(ROOT, "examples", "quickstart.py")).read().replace(
         "((2, 4), (4, 1))", "((2, 2), (2, 2))").replace(
@@ -236,7 +237,7 @@ def check_llama() -> dict[str, Any]:
     mask): JAX SPMD vs numpy vs one device, and the attention nodes the JAX program runs as
     sparse_mode 2 (the fused causal kernel) out of all of them."""
     from pcompile.backends.jax.plan import SpmdPlan
-    from pcompile.compiler.driver import compile as compile_model
+    from pcompile.tools.compile import compile as compile_model
 
     for name in [n for n in os.environ if n.startswith("LLAMA_")]:
         del os.environ[name]

@@ -28,16 +28,17 @@ CASES = {
 
 
 def rel(got: Any, want: Any) -> float:
-    from pcompile.compiler.oracle import relative_error
+    from pcompile.tools.oracle import relative_error
 
     return relative_error(np.asarray(got), np.asarray(want))
 
 
 def run_case(path: str, steps: int) -> dict[str, Any]:
     from pcompile.backends.jax.spmd import JaxSpmdRunner
-    from pcompile.compiler.driver import compile as compile_model
-    from pcompile.compiler.oracle import single_device
-    from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
+    from pcompile.compiler.runtime import batches
+    from pcompile.tools.compile import compile as compile_model
+    from pcompile.tools.oracle import single_device
+    from pcompile.tools.runners import ParallelRunner, StandAloneRunner
 
     program = compile_model(path, devices=8, dump=False)
     ref = single_device(program)
@@ -53,7 +54,7 @@ def run_case(path: str, steps: int) -> dict[str, Any]:
                 for r in range(8):
                     for g, w in zip(got[r], want[r]):
                         worst["jax_vs_numpy"] = max(worst["jax_vs_numpy"], rel(g, w))
-                from pcompile.compiler.oracle import gather
+                from pcompile.tools.oracle import gather
 
                 for i, (w, layout) in enumerate(zip(single, program.state.output_layouts)):
                     g = gather(got, i, layout, w)

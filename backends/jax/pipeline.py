@@ -15,7 +15,7 @@ loss (computed by the last stage) on every device.
 `unit_runner(plan, float64)` makes `units` from the plan's NodePlans (the in-process runner);
 a generated program.py defines them as source (backends/jax/codegen.py). `JaxPipelineRunner`
 runs a compiled pipeline program on N devices of this process with the interface of
-`compiler.runtime.ParallelRunner`.
+`tools.runners.ParallelRunner`.
 """
 
 from __future__ import annotations
@@ -262,12 +262,12 @@ def _held(array: Any, float64: bool) -> np.ndarray:
 
 class JaxPipelineRunner:
     """Runs a compiled pipeline program as one SPMD JAX program on N devices of this process
-    (the interface of `compiler.runtime.ParallelRunner`: `run`, `step`, `values`,
+    (the interface of `tools.runners.ParallelRunner`: `run`, `step`, `values`,
     `global_value`)."""
 
     def __init__(self, program: Any, devices: Sequence[Any] | None = None,
                  float64: bool = False) -> None:
-        from pcompile.compiler.runtime import ParallelRunner
+        from pcompile.compiler.runtime import initial_rank_values
 
         if float64 and not jax.config.read("jax_enable_x64"):
             raise RuntimeError("float64 evaluation needs jax_enable_x64")
@@ -279,7 +279,7 @@ class JaxPipelineRunner:
         self.mesh = make_mesh(self.plan.mesh, devices)
         self.layouts = state.assignment.param_layouts
         self.n = self.plan.num_ranks
-        initial = ParallelRunner(program).values
+        initial = initial_rank_values(program)
         self._out_shapes: list[tuple[int, ...]] = []
         self._fn = pipeline_function(self.tables, unit_runner(self.plan, float64), self.mesh,
                                      float64, out_shapes=self._out_shapes)

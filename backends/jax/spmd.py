@@ -19,7 +19,7 @@ this in-process lowering and the generated per-rank programs (`backends/jax/code
 
 `JaxSpmdRunner(program)` runs a compiled program on N devices of this process (N virtual CPU
 devices: set `jax.config.update("jax_num_cpu_devices", N)` before JAX initialises) with the
-interface of `compiler.runtime.ParallelRunner`.
+interface of `tools.runners.ParallelRunner`.
 """
 
 from __future__ import annotations
@@ -518,12 +518,12 @@ def local_pieces(array: jax.Array, mesh: Mesh,
 class JaxSpmdRunner:
     """Runs a compiled program as one SPMD JAX program on N devices of this process and carries
     each rank's parameters and optimizer state across steps (on the devices). Same interface
-    as `compiler.runtime.ParallelRunner`: `run(arrays)` -> per-rank outputs, `step(arrays)` ->
+    as `tools.runners.ParallelRunner`: `run(arrays)` -> per-rank outputs, `step(arrays)` ->
     loss, `values[r][name]`, `global_value(name)`."""
 
     def __init__(self, program: Any, devices: Sequence[Any] | None = None,
                  float64: bool = False, matmul_precision: str | None = None) -> None:
-        from pcompile.compiler.runtime import ParallelRunner
+        from pcompile.compiler.runtime import initial_rank_values
 
         if float64 and not jax.config.read("jax_enable_x64"):
             raise SpmdLoweringError("float64 evaluation needs jax_enable_x64")
@@ -536,7 +536,7 @@ class JaxSpmdRunner:
         self.mesh = make_mesh(self.plan.mesh, devices)
         if state.assignment is not None:
             self.layouts = state.assignment.param_layouts
-            initial = ParallelRunner(program).values
+            initial = initial_rank_values(program)
         else:
             self.layouts = {}
             initial = [{k: np.array(v, copy=True) for k, v in program.initial_values.items()}]

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from pcompile.backends.numpy.interpreter import _check, constant_value, node_attrs, value_dtype
 from pcompile.backends.numpy.simulate import collective_result
 from pcompile.ir.core import Constant, Graph, Node, Value
+from pcompile.ir.interpret import checked_result, constant_value, node_attrs, value_dtype
 from pcompile.ir.rank import resolve, resolve_attrs
 from pcompile.ir.registry import get_op
 
@@ -58,7 +58,7 @@ def run_pipeline(program: Any, feeds: Sequence[Sequence[Any]], float64: bool = F
             node = graph.nodes[k]
             args = {r: [read(envs[r], v, r) for v in node.operands] for r in ranks}
             for r in ranks:
-                envs[r][id(node.result)] = _check(
+                envs[r][id(node.result)] = checked_result(
                     node, node.result.type, _execute(node, r, args, mailbox, float64), float64)
     return [[read(envs[r], v, r) for v in program.graphs[r // n].outputs]
             for r in range(program.devices)]

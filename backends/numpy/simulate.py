@@ -14,15 +14,15 @@ from typing import Any
 
 import numpy as np
 
-from pcompile.backends.numpy.interpreter import (
+from pcompile.ir.core import Constant, Graph, Node, Value
+from pcompile.ir.interpret import (
     Collectives,
-    _check,
+    checked_result,
     constant_value,
     node_attrs,
     run_graph,
     value_dtype,
 )
-from pcompile.ir.core import Constant, Graph, Node, Value
 from pcompile.ir.rank import resolve, resolve_attrs
 from pcompile.ir.registry import get_op
 
@@ -63,7 +63,7 @@ def collective_result(node: Node, rank: int, inputs: dict[int, list[np.ndarray]]
 def run_ranks(graphs: Sequence[Graph], feeds: Sequence[Sequence[Any]],
               float64: bool = False) -> list[list[Any]]:
     """Run every rank's graph; `feeds[r]` lists rank r's parameter values in order
-    (`float64`: see backends.numpy.interpreter)."""
+    (`float64`: see ir.interpret)."""
     if _same_structure(graphs):
         return _lockstep(graphs, feeds, float64)
     return _threaded(graphs, feeds, float64)
@@ -105,7 +105,7 @@ def _lockstep(graphs: Sequence[Graph], feeds: Sequence[Sequence[Any]],
             outs = [opdef.numpy(*a, **resolve_attrs(node_attrs(opdef, node, float64), r))
                     for r, (a, node) in enumerate(zip(args, nodes))]
         for env, node, out in zip(envs, nodes, outs):
-            env[id(node.result)] = _check(node, node.result.type, out, float64)
+            env[id(node.result)] = checked_result(node, node.result.type, out, float64)
     return [[read(env, v, r) for v in g.outputs] for r, (env, g) in enumerate(zip(envs, graphs))]
 
 

@@ -430,7 +430,7 @@ def test_a_full_disk_in_a_rank_program_is_one_message_and_resume_works(tmp_path)
     checkpoint (step 4) fails as on a full disk; the run ends with exit status 2 and one line
     naming the failed write and the intact step 2, no traceback; --resume continues from
     step 2. Every checkpoint's megabytes and seconds are in the program's output (run.log)."""
-    from pcompile.compiler.driver import compile as compile_model
+    from pcompile.tools.compile import compile as compile_model
 
     out = tmp_path / "out"
     compile_model(os.path.join(ROOT, "examples", "quickstart.py"), devices=2,

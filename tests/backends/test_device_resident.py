@@ -15,8 +15,9 @@ import pytest
 
 from pcompile.backends.jax import lower_graph
 from pcompile.backends.jax.spmd import JaxSpmdRunner
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.runtime import StandAloneRunner, batches
+from pcompile.compiler.runtime import batches
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.runners import StandAloneRunner
 from tests import ROOT
 
 CLI = os.path.join(ROOT, "cli.py")

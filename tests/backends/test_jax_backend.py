@@ -24,8 +24,8 @@ from pcompile.backends.jax.plan import (
     choose_mesh,
     group_along,
 )
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import FLOAT64_RTOL
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import FLOAT64_RTOL
 from tests import ROOT
 from tests.multiprocess import clean_env
 
@@ -69,7 +69,7 @@ def test_spmd_equals_numpy_simulator_and_single_device(case: str, examples_repor
 def assert_agrees_in_float64(result: dict, what: str) -> None:
     """A `spmd_worker.compare` report: the JAX SPMD program, the numpy simulator and one device
     agree on every loss, parameter and state. Everything runs in float64, so a correct plan and
-    lowering agree within the oracle's derived float64 bound (compiler/oracle.py), whatever
+    lowering agree within the oracle's derived float64 bound (tools/oracle.py), whatever
     the numpy/jax build's summation order."""
     bound = FLOAT64_RTOL
     for jax_loss, numpy_loss, single_loss in result["losses"]:
@@ -197,7 +197,7 @@ def test_params_manifest_gives_each_rank_its_slice_of_the_initialisation(tmp_pat
     initializer and seed, and the block a rank makes from it equals that rank's slice of the
     single-device initialisation."""
     from pcompile.backends.params import read_manifest
-    from pcompile.compiler.runtime import ParallelRunner
+    from pcompile.tools.runners import ParallelRunner
 
     out = tmp_path / "out"
     program = compile_model(os.path.join(ROOT, "examples", "gpt_block.py"), devices=8,
@@ -219,7 +219,8 @@ def test_params_manifest_gives_each_rank_its_slice_of_the_initialisation(tmp_pat
 
 def test_rank_program_runs_every_rank_in_one_process(tmp_path) -> None:
     """`python rank_0/program.py` without distributed settings: 8 virtual CPU devices."""
-    from pcompile.compiler.runtime import ParallelRunner, batches
+    from pcompile.compiler.runtime import batches
+    from pcompile.tools.runners import ParallelRunner
 
     out = tmp_path / "out"
     program = compile_model(os.path.join(ROOT, "examples", "quickstart.py"), devices=8,

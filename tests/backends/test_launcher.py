@@ -19,9 +19,10 @@ from safetensors.numpy import load_file
 
 from pcompile.backends.checkpoint_merge import merge_checkpoints
 from pcompile.backends.launcher import launch
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import rounding_rtol
-from pcompile.compiler.runtime import StandAloneRunner, batches
+from pcompile.compiler.runtime import batches
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import rounding_rtol
+from pcompile.tools.runners import StandAloneRunner
 from tests import ROOT
 from tests.multiprocess import clean_env, mlp_source
 

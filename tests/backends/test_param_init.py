@@ -206,7 +206,7 @@ def test_rank_program_makes_the_same_state_on_the_device_and_on_the_host(tmp_pat
     makes on the devices (PCOMPILE_PARAM_INIT=device) and on the host (=host) train to the same
     losses and checkpoints, bit for bit."""
     from pcompile.backends.checkpoint_files import checkpoint_path, read_checkpoint
-    from pcompile.compiler.driver import compile as compile_model
+    from pcompile.tools.compile import compile as compile_model
 
     out = tmp_path / "out"
     compile_model(os.path.join(ROOT, "examples", "gpt_block.py"), devices=8,

@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import FLOAT64_RTOL, rounding_rtol
-from pcompile.compiler.runtime import StandAloneRunner, batches
+from pcompile.compiler.runtime import batches
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import FLOAT64_RTOL, rounding_rtol
+from pcompile.tools.runners import StandAloneRunner
 from tests import ROOT
 from tests.multiprocess import clean_env
 
@@ -96,7 +97,7 @@ def compare_with_one_device(program: Any, out: Any, steps: int) -> dict[str, flo
     training on the numpy interpreter, within `rounding_rtol(program, float32, steps)`.
     Returns the worst relative error per compared value."""
     from pcompile.backends.checkpoint_files import checkpoint_path, read_checkpoint
-    from pcompile.compiler.oracle import relative_error, single_device
+    from pcompile.tools.oracle import relative_error, single_device
 
     ref = single_device(program)
     one = StandAloneRunner(ref, "numpy")

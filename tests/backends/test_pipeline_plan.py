@@ -15,8 +15,8 @@ from math import prod
 import pytest
 
 from pcompile.backends.jax.pipeline_plan import PipelinePlan, PipelineTables
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.ir.core import NodeResult
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 
 MLP = os.path.join(ROOT, "examples", "pipeline_mlp.py")

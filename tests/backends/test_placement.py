@@ -23,8 +23,8 @@ from pcompile.backends.placement import (
     resolve_platform,
     visible_ids,
 )
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.ir.errors import PcompileError
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 from tests.multiprocess import mlp_source
 

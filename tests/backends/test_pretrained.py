@@ -28,10 +28,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.runtime import StandAloneRunner, batches
+from pcompile.compiler.runtime import batches
 from pcompile.compiler.serialization import CheckpointLoadError, PretrainedTensor
 from pcompile.ir.errors import PcompileError
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.runners import StandAloneRunner
 from tests import ROOT
 
 LLAMA = os.path.join(ROOT, "examples", "llama.py")

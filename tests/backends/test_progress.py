@@ -17,8 +17,8 @@ import pytest
 from click.testing import CliRunner
 
 from pcompile.cli import main
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.progress import LossMonitor, log, setup_logging
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 from tests.multiprocess import clean_env
 

@@ -9,9 +9,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import single_device
-from pcompile.compiler.runtime import StandAloneRunner
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import single_device
+from pcompile.tools.runners import StandAloneRunner
 
 MODEL = """
 import numpy as np

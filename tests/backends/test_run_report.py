@@ -16,7 +16,7 @@ import pytest
 
 from pcompile.backends import run_report
 from pcompile.backends.launcher import LaunchResult, tail
-from pcompile.compiler.driver import compile as compile_model
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 from tests.multiprocess import clean_env, mlp_source
 

@@ -68,7 +68,7 @@ def test_process_0_of_a_local_job_listens_on_the_loopback_only(tmp_path) -> None
     """Process 0 started alone (its peer never comes) for a loopback coordinator and for a
     routable one: the first listens on 127.0.0.1 only, the second, for a job over several
     hosts, on every interface as before."""
-    from pcompile.compiler.driver import compile as compile_model
+    from pcompile.tools.compile import compile as compile_model
 
     out = tmp_path / "out"
     compile_model(os.path.join(ROOT, "examples", "quickstart.py"), devices=8,

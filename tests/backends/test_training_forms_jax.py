@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import FLOAT64_RTOL
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import FLOAT64_RTOL
 from tests import ROOT
 from tests.multiprocess import clean_env
 
@@ -49,7 +49,8 @@ def test_train_step_example_trains_on_8_processes(tmp_path: Any) -> None:
     the update is skipped). Both sum the same float32 terms in different orders: reductions of
     at most 2^6 terms over 5 steps of Adam-like updates stay within 2^-24 * 2^6 * 2^4 = 2^-14
     of each other."""
-    from pcompile.compiler.runtime import ParallelRunner, batches
+    from pcompile.compiler.runtime import batches
+    from pcompile.tools.runners import ParallelRunner
 
     env = clean_env(TRAIN_STEP_INF_AT="3")
     out = tmp_path / "out"

@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import check, single_device
-from pcompile.compiler.runtime import StandAloneRunner, batches
+from pcompile.compiler.runtime import batches
 from pcompile.ir.errors import PcompileError
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import check, single_device
+from pcompile.tools.runners import StandAloneRunner
 
 # mindformers' CrossEntropyLoss structure: _LogSoftmax and _NLLLoss with their bprops, the
 # masked mean with replicated strategies ((1,),): REPEAT is the factor _NLLLoss.bprop applies

@@ -14,10 +14,10 @@ import pytest
 
 import pcompile.dataset as ds
 from pcompile import set_seed
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.runtime import batches, rank_batches, slice_rows
 from pcompile.ir.errors import PcompileError
 from pcompile.passes.step_parallel import slice_array
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 from tests.multiprocess import mlp_source
 

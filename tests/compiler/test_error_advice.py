@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.ir.errors import PcompileError
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 
 QUICKSTART = open(os.path.join(ROOT, "examples", "quickstart.py")).read()

@@ -432,8 +432,8 @@ def optimizer(params):
 def test_functional_model_trains_as_on_one_device(tmp_path: Any) -> None:
     """ops / mint / mint.nn.functional, TensorAdd with set_device, Gather(batch_dims) and
     LpNorm sharded by the user on 8 devices: the oracle holds (float64, derived bound)."""
-    from pcompile.compiler.driver import compile as compile_model
-    from pcompile.compiler.oracle import check
+    from pcompile.tools.compile import compile as compile_model
+    from pcompile.tools.oracle import check
 
     path = tmp_path / "functional_model.py"
     path.write_text(FUNCTIONAL_MODEL)
@@ -490,8 +490,8 @@ def test_mint_nn_has_the_activation_cells() -> None:
 def test_cross_entropy_weight_must_be_a_constant(tmp_path: Any) -> None:
     """Class weights become constants of the loss; a traced weight (a Parameter) is refused
     with one message naming the argument."""
-    from pcompile.compiler.driver import compile as compile_model
     from pcompile.ir.errors import PcompileError
+    from pcompile.tools.compile import compile as compile_model
 
     path = tmp_path / "ce_model.py"
     path.write_text(FUNCTIONAL_MODEL.replace(
@@ -543,8 +543,8 @@ def test_topk_sort_cumsum_functional_forms_train_as_on_one_device(tmp_path: Any)
     """ops.topk (another dim, the smallest), ops.sort and ops.cumsum behind a sharded MatMul
     on 8 devices, sharding propagation: each takes a strategy that leaves its sorted or summed
     axis whole, and a training step matches the single-device one."""
-    from pcompile.compiler.driver import compile as compile_model
-    from pcompile.compiler.oracle import check
+    from pcompile.tools.compile import compile as compile_model
+    from pcompile.tools.oracle import check
 
     path = tmp_path / "sorting_model.py"
     path.write_text(SORTING_MODEL)

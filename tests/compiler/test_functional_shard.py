@@ -9,9 +9,9 @@ import pytest
 
 import pcompile as ms
 from pcompile import Tensor, nn, ops
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import check
 from pcompile.ir.errors import PcompileError
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import check
 from tests import ROOT
 
 NET2 = os.path.join(ROOT, "examples", "functional_shard.py")

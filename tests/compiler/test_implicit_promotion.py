@@ -91,9 +91,9 @@ def inputs():
 
 
 def test_a_traced_model_shows_the_casts_and_computes_what_numpy_does(tmp_path) -> None:
-    from pcompile.compiler.driver import compile as compile_model
-    from pcompile.compiler.oracle import single_device
-    from pcompile.compiler.runtime import StandAloneRunner
+    from pcompile.tools.compile import compile as compile_model
+    from pcompile.tools.oracle import single_device
+    from pcompile.tools.runners import StandAloneRunner
 
     path = tmp_path / "mixed.py"
     path.write_text(textwrap.dedent(MODEL))

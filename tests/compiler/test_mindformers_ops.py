@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from pcompile import Tensor, ops
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import check
 from pcompile.compiler.trace_model import trace_cell
 from pcompile.ir.errors import PcompileError
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import check
 
 HEADER = """\
 import numpy as np

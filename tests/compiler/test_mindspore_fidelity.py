@@ -16,9 +16,9 @@ from pcompile import (
     reset_auto_parallel_context,
     set_auto_parallel_context,
 )
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import check
 from pcompile.ir.errors import PcompileError
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import check
 from tests import ROOT
 
 HEADER = """\
@@ -476,7 +476,7 @@ def options_model(tmp_path: Any, mode: str = "semi_auto_parallel", mean: bool = 
 ])
 def test_check_models_gradient_options(tmp_path: Any, mode: str, mean: bool, repeated: bool,
                                        want: dict[str, float]) -> None:
-    from pcompile.compiler.oracle import gradient_scales
+    from pcompile.tools.oracle import gradient_scales
 
     dataset = "data_parallel" if mode == "data_parallel" else "full_batch"
     program = compile_model(options_model(tmp_path, mode, mean, repeated, dataset=dataset),

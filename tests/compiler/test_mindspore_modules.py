@@ -15,9 +15,9 @@ import pytest
 
 import pcompile
 from pcompile import nn, ops
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import check
 from pcompile.ir.errors import PcompileError
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import check
 
 
 @pytest.mark.parametrize("module, name, expected", [

@@ -11,10 +11,11 @@ import re
 import numpy as np
 import pytest
 
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import check
-from pcompile.compiler.runtime import StandAloneRunner, batches
+from pcompile.compiler.runtime import batches
 from pcompile.ir.types import DType
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import check
+from pcompile.tools.runners import StandAloneRunner
 from tests import ROOT
 
 GPT = open(os.path.join(ROOT, "examples", "gpt_block.py"), encoding="utf-8").read()

@@ -7,9 +7,10 @@ import os
 import numpy as np
 import pytest
 
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import check, rounding_rtol
-from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
+from pcompile.compiler.runtime import batches
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import check, rounding_rtol
+from pcompile.tools.runners import ParallelRunner, StandAloneRunner
 from tests import ROOT
 
 EXAMPLES = os.path.join(ROOT, "examples")

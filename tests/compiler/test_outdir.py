@@ -15,9 +15,9 @@ import pytest
 from click.testing import CliRunner
 
 from pcompile.cli import main
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.outdir import MANIFEST, lock_path, out_lock
 from pcompile.ir.errors import PcompileError
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 
 QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")

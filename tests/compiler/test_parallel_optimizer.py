@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import check
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import check
 from tests import ROOT
 
 MLP = os.path.join(ROOT, "examples", "manual_parallel.py")

@@ -11,7 +11,6 @@ import pytest
 
 from pcompile.backends.checkpoint_merge import main as merge_main
 from pcompile.backends.launcher import LaunchError, launch
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.plan import (
     SCHEMA_VERSION,
     Plan,
@@ -21,6 +20,7 @@ from pcompile.compiler.plan import (
     read_plan,
     schema_text,
 )
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 
 QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")

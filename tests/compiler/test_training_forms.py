@@ -22,10 +22,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import FLOAT64_RTOL, check, relative_error, single_device
-from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
+from pcompile.compiler.runtime import batches
 from pcompile.ir.errors import PcompileError
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import FLOAT64_RTOL, check, relative_error, single_device
+from pcompile.tools.runners import ParallelRunner, StandAloneRunner
 
 HEADER = """\
 import numpy as np

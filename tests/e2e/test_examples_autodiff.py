@@ -1,7 +1,7 @@
 """IR autodiff on whole examples against `jax.grad`: the forward+loss graph of each example is
 lowered to JAX and differentiated by JAX; the gradients must equal those of our backward graph
 run on the numpy interpreter. Both run in float64 (JAX with x64 enabled, the interpreter's
-float64 mode), so they agree within `FLOAT64_RTOL` of each tensor's scale (compiler/oracle.py
+float64 mode), so they agree within `FLOAT64_RTOL` of each tensor's scale (tools/oracle.py
 derives it); a wrong gradient is off by whole terms."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pcompile.backends.jax.lowering import x64
 from pcompile.backends.numpy import run_graph
 from pcompile.compiler.context import reset_auto_parallel_context, reset_context
 from pcompile.compiler.model_file import load_model_file
-from pcompile.compiler.oracle import FLOAT64_RTOL
 from pcompile.compiler.runtime import synthetic
 from pcompile.compiler.tensor import TensorSpec
 from pcompile.compiler.trace_model import trace_model
 from pcompile.passes.autodiff import append_gradients
+from pcompile.tools.oracle import FLOAT64_RTOL
 from tests import ROOT
 
 EXAMPLES = ["quickstart.py", "layout_mlp.py", "manual_parallel.py", "dense_gelu_blocks.py",

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from pcompile.compiler.driver import compile as compile_model
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 
 GOLDEN = os.path.join(ROOT, "tests", "golden")

@@ -28,9 +28,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import FLOAT64_RTOL, check, low_precision_bound, relative_error
-from pcompile.compiler.runtime import ParallelRunner, StandAloneRunner, batches
+from pcompile.compiler.runtime import batches
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import FLOAT64_RTOL, check, low_precision_bound, relative_error
+from pcompile.tools.runners import ParallelRunner, StandAloneRunner
 from tests import ROOT
 from tests.multiprocess import clean_env
 

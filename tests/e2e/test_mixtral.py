@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import check
-from pcompile.compiler.runtime import StandAloneRunner, batches
+from pcompile.compiler.runtime import batches
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import check
+from pcompile.tools.runners import StandAloneRunner
 from tests import ROOT
 from tests.multiprocess import clean_env
 
@@ -158,7 +159,7 @@ def test_shrunk_check_shrinks_the_capacity_the_router_computes(monkeypatch: Any)
     index past a shrunk depth is a row of off_value on both sides, so the capacity dim
     shrinks with the tokens (it used to be pinned, leaving a real-size MoE unshrinkable), and
     the shrunk plan still agrees with its single device."""
-    from pcompile.compiler.shrink import shrunk_check
+    from pcompile.tools.shrink import shrunk_check
 
     knobs(monkeypatch, DTYPE="float32", SEQ="64")  # 64 tokens a group: capacity 18
     program = compile_model(MIXTRAL, devices=8, dump=False)

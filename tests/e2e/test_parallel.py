@@ -13,8 +13,6 @@ from hypothesis import strategies as st
 
 from pcompile.backends.numpy import run_graph
 from pcompile.backends.numpy.simulate import run_ranks
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import FLOAT64_RTOL, check
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Constant, Graph, GraphParam
 from pcompile.ir.errors import OpError, PcompileError
@@ -23,6 +21,8 @@ from pcompile.ir.types import DType, TensorType, TupleType
 from pcompile.passes.autodiff import append_gradients
 from pcompile.passes.step_parallel import SplitOptions, build_spmd_graph
 from pcompile.passes.step_parallel_begin import assign
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import FLOAT64_RTOL, check
 from tests import ROOT
 
 MODELS = os.path.join(ROOT, "tests", "models")

@@ -10,7 +10,7 @@ import json
 import os
 import tracemalloc
 
-from pcompile.compiler.driver import compile as compile_model
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 
 GPT = os.path.join(ROOT, "examples", "gpt_block.py")
@@ -79,7 +79,7 @@ def test_the_check_runs_when_affordable_and_says_when_it_does_not(tmp_path) -> N
     from click.testing import CliRunner
 
     from pcompile.cli import main
-    from pcompile.compiler.oracle import CHECK_BUDGET_BYTES, check_cost
+    from pcompile.tools.oracle import CHECK_BUDGET_BYTES, check_cost
 
     small = compile_model(os.path.join(ROOT, "examples", "quickstart.py"), devices=8,
                           dump=False)
@@ -88,6 +88,6 @@ def test_the_check_runs_when_affordable_and_says_when_it_does_not(tmp_path) -> N
     result = CliRunner().invoke(main, [model, "--devices", "8", "--out", str(tmp_path / "o")])
     assert result.exit_code == 0, result.output
     assert "check skipped" in result.output and "--force-check" in result.output
-    # not at full size: the same plan is checked on a shrunk copy (tests/compiler/test_shrink.py)
+    # not at full size: the same plan is checked on a shrunk copy (tests/tools/test_shrink.py)
     head, _, tail = result.output.partition("shrunk check: factor")
     assert "worst relative error" not in head and "worst relative error" in tail

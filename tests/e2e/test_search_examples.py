@@ -10,14 +10,14 @@ import os
 import pytest
 
 from pcompile import reset_algo_parameters, set_algo_parameters
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.model_file import load_model_file
-from pcompile.compiler.oracle import check
 from pcompile.compiler.trace_model import trace_model
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.parser import parse_graph
 from pcompile.ir.printer import print_graph
 from pcompile.passes.search import search
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import check
 from tests import ROOT
 
 MODES = ["sharding_propagation", "dynamic_programming", "recursive_programming"]
@@ -218,5 +218,5 @@ def test_gpt_block_on_64_devices_matches_single_device(mode, monkeypatch) -> Non
     monkeypatch.setenv("GPT_BATCH", "64")
     program = compile_model(os.path.join(ROOT, "examples", "gpt_block.py"), devices=64,
                             search_mode=mode, dump=False)
-    # AdamWeightDecay parameters: see compiler.oracle.OracleReport.ok on param_rtol.
+    # AdamWeightDecay parameters: see tools.oracle.OracleReport.ok on param_rtol.
     assert check(program, steps=1).ok()

@@ -22,9 +22,7 @@ import pytest
 from pcompile.backends.jax import lower_graph
 from pcompile.backends.jax.lowering import x64
 from pcompile.backends.numpy import run_graph
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import FLOAT64_RTOL, relative_error
-from pcompile.compiler.runtime import StandAloneRunner, batches
+from pcompile.compiler.runtime import batches
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Constant, Graph, GraphParam, Node, RankConstant, Value
 from pcompile.ir.layout import TensorLayout
@@ -34,6 +32,9 @@ from pcompile.ir.rank import RankOffsets, RankScalar, SlicedArray
 from pcompile.ir.registry import get_op
 from pcompile.ir.types import DType, TensorType
 from pcompile.passes.autodiff import append_gradients
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import FLOAT64_RTOL, relative_error
+from pcompile.tools.runners import StandAloneRunner
 from tests import (
     ROOT,
     op_harness,  # noqa: F401  (64-bit JAX types for the float64 evaluation)

@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 from jax import lax
 
 from pcompile.backends.numpy import run_graph
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import check
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Graph, GraphParam
 from pcompile.ir.errors import OpError, PcompileError
 from pcompile.ir.types import DType, TensorType
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import check
 from tests.e2e.test_parallel import draw_strategy, rnd, run_sharded
 from tests.op_harness import check_op
 

@@ -18,14 +18,14 @@ from hypothesis import strategies as st
 
 from pcompile import Tensor, ops
 from pcompile.backends.numpy import run_graph
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import check
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Constant, Graph, GraphParam
 from pcompile.ir.errors import OpError, PcompileError
 from pcompile.ir.types import DType, TensorType
 from pcompile.passes.autodiff import append_gradients
 from pcompile.passes.step_parallel_begin import assign
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import check
 from tests.e2e.test_parallel import draw_strategy
 from tests.ir.test_parallel_ops import case_graph, run_sharded
 from tests.op_harness import check_op

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from pcompile.backends.numpy import run_graph
 from pcompile.backends.numpy.simulate import run_ranks
-from pcompile.compiler.oracle import FLOAT64_RTOL
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Constant, Graph, GraphParam, Value
 from pcompile.ir.errors import OpError
@@ -22,6 +21,7 @@ from pcompile.ir.types import DType, TensorType, TupleType
 from pcompile.passes.autodiff import append_gradients
 from pcompile.passes.step_parallel import SplitOptions, build_rank_graphs
 from pcompile.passes.step_parallel_begin import assign
+from pcompile.tools.oracle import FLOAT64_RTOL
 from tests.e2e.test_parallel import draw_strategy, rnd
 
 DEVICES = st.sampled_from([1, 2, 4, 8, 16])

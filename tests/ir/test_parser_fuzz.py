@@ -36,7 +36,7 @@ def dumps() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def real_dumps(tmp_path_factory) -> list[tuple[str, str]]:
-    from pcompile.compiler.driver import compile as compile_model
+    from pcompile.tools.compile import compile as compile_model
 
     root = tmp_path_factory.mktemp("dumps")
     quickstart = os.path.join(ROOT, "examples", "quickstart.py")

@@ -173,8 +173,8 @@ def test_a_compile_verifies_the_final_graph(monkeypatch, tmp_path, each: str, wh
     else by the verification of the final graph, before anything is written."""
     import os
 
-    from pcompile.compiler.driver import compile as compile_model
     from pcompile.passes import comm_fusion
+    from pcompile.tools.compile import compile as compile_model
 
     original = comm_fusion.CommFusionPass.apply
 

@@ -16,10 +16,8 @@ import numpy as np
 import pytest
 
 from pcompile.backends.numpy.simulate import _same_structure, run_ranks
-from pcompile.compiler import oracle
+from pcompile.compiler.compiled import CompiledProgram
 from pcompile.compiler.context import context_override
-from pcompile.compiler.driver import CompiledProgram
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.pass_options import fusion_config, fusion_config_from_dict
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Graph, GraphParam, Value
@@ -35,6 +33,8 @@ from pcompile.passes.comm_fusion import (
     count_collectives,
     fuse_communication,
 )
+from pcompile.tools import oracle
+from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 
 MODEL = os.path.join(ROOT, "tests", "models", "fusion_dense.py")

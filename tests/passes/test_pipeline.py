@@ -13,11 +13,11 @@ import textwrap
 
 import pytest
 
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import check
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.parser import parse_graph
 from pcompile.passes.pipeline_schedule import unit_sequence
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import check
 from tests import ROOT
 
 MLP = os.path.join(ROOT, "examples", "pipeline_mlp.py")

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import check
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import check
 from tests import ROOT
 
 LLAMA = os.path.join(ROOT, "examples", "llama.py")
@@ -324,8 +324,8 @@ def test_the_shrunk_check_reduces_the_cotangents_the_plan_reduces(monkeypatch: A
     """Where the embedding's cotangents are summed is a choice by byte sizes; the shrunk
     check's copy is compiled with the plan's choice (forced), not its own at smaller sizes, so
     it communicates as the plan does."""
-    from pcompile.compiler.shrink import choose_shrink, pin_plan, shrunk_check
     from pcompile.passes.cotangents import plan_cotangent_reductions
+    from pcompile.tools.shrink import choose_shrink, pin_plan, shrunk_check
 
     program, _ = _llama_plan(monkeypatch, tmp_path, 8, DTYPE="float32")
     state = program.state

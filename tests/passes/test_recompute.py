@@ -13,11 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import FLOAT64_RTOL, check, relative_error
-from pcompile.compiler.runtime import StandAloneRunner, batches
+from pcompile.compiler.runtime import batches
 from pcompile.ir.core import NodeResult
 from pcompile.passes.recompute import is_backward, recomputable
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import FLOAT64_RTOL, check, relative_error
+from pcompile.tools.runners import StandAloneRunner
 
 MODEL = """
 import numpy as np

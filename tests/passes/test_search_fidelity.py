@@ -8,11 +8,11 @@ import os
 import pytest
 
 from pcompile import reset_algo_parameters, set_algo_parameters
-from pcompile.compiler.driver import compile as compile_model
 from pcompile.compiler.model_file import load_model_file
-from pcompile.compiler.oracle import check
 from pcompile.compiler.trace_model import trace_model
 from pcompile.passes.search import search
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import check
 from tests import ROOT
 
 

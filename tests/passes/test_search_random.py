@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from pcompile.backends.numpy import run_graph
 from pcompile.backends.numpy.simulate import run_ranks
-from pcompile.compiler.oracle import FLOAT64_RTOL
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Graph, GraphParam, Value
 from pcompile.ir.types import DType, TensorType
@@ -25,6 +24,7 @@ from pcompile.passes.search.dynamic_programming import solve
 from pcompile.passes.search.explain import swc_key
 from pcompile.passes.step_parallel import SplitOptions, build_rank_graphs
 from pcompile.passes.step_parallel_begin import assign
+from pcompile.tools.oracle import FLOAT64_RTOL
 
 F32 = DType.float32
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -145,7 +145,7 @@ def check_plan(graph: Graph, devices: int, mode: str) -> None:
         for r in range(devices):
             full[tuple(slice(lo, hi) for lo, hi in layout.slice_bounds(r))] = outs[r][i]
         # Evaluated in float64 on both sides: a correct plan is within FLOAT64_RTOL of the
-        # scale (compiler/oracle.py derives it), a wrong one off by whole terms.
+        # scale (tools/oracle.py derives it), a wrong one off by whole terms.
         np.testing.assert_allclose(full, w, rtol=0, atol=FLOAT64_RTOL * np.abs(w).max())
 
 

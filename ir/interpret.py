@@ -1,9 +1,10 @@
-"""Executes an `ir.Graph` with numpy.
+"""Evaluates an `ir.Graph` on numpy arrays: the reference interpreter's op loop.
 
 Local ops run through each registry entry's `numpy` callable; collectives go through a
-`Collectives` runtime, so the same interpreter runs one rank alone (`SingleRank`) or many ranks
-in lockstep with simulated collectives. Every result is checked against the node's inferred type,
-so a wrong implementation or inference rule is caught where it happens.
+`Collectives` runtime, so the same loop runs one rank alone (`SingleRank`: eager mode, a
+single-device program) or a rank among many (`backends.numpy` supplies collectives that meet
+the other ranks). Every result is checked against the node's inferred type, so a wrong
+implementation or inference rule is caught where it happens.
 
 With `float64=True` every floating-point value is computed in float64 whatever its dtype in the
 graph (parameters, constants, results, and the target of every Cast to a float type): the
@@ -46,9 +47,9 @@ class SingleRank(Collectives):
         return tuple(x.copy() for x in inputs)
 
 
-def value_dtype(dtype: DType, float64: bool = False) -> np.dtype:
+def value_dtype(dtype: DType, float64: bool = False) -> np.dtype[Any]:
     """The numpy dtype a value of `dtype` is held in (float64 for every float in float64 mode)."""
-    return np.dtype(np.float64) if float64 and dtype.is_float else dtype.np
+    return np.dtype(np.float64) if float64 and dtype.is_float else np.dtype(dtype.np)
 
 
 def node_attrs(opdef: OpDef, node: Node, float64: bool = False) -> dict[str, Any]:
@@ -71,11 +72,13 @@ def constant_value(value: Constant, float64: bool = False, rank: int | None = No
     return array
 
 
-def _check(node: Node, expected: ValueType, got: Any, float64: bool = False) -> Any:
+def checked_result(node: Node, expected: ValueType, got: Any, float64: bool = False) -> Any:
+    """`got`, the numpy result of `node`, checked against its inferred type `expected` and held
+    in the dtype the interpreter keeps it in (`value_dtype`)."""
     if isinstance(expected, TupleType):
         if not isinstance(got, tuple) or len(got) != len(expected.elements):
             raise AssertionError(f"{node.where()}: numpy result is not a {expected}")
-        return tuple(_check(node, e, g, float64) for e, g in zip(expected.elements, got))
+        return tuple(checked_result(node, e, g, float64) for e, g in zip(expected.elements, got))
     assert isinstance(expected, TensorType)
     arr = np.asarray(got)
     if arr.shape != expected.shape:
@@ -133,8 +136,9 @@ def run_graph(
         else:
             assert opdef.numpy is not None, f"{node.op} has no numpy implementation"
             out = opdef.numpy(*args, **node_attrs(opdef, node, float64))
-        env[id(node.result)] = _check(node, node.result.type, out, float64)
+        env[id(node.result)] = checked_result(node, node.result.type, out, float64)
     return [read(v) for v in graph.outputs]
 
 
-__all__ = ["Collectives", "SingleRank", "run_graph", "value_dtype"]
+__all__ = ["Collectives", "SingleRank", "checked_result", "constant_value", "node_attrs",
+           "run_graph", "value_dtype"]

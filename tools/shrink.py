@@ -21,14 +21,16 @@ index a shrunk dim (token ids, labels) are taken modulo its new size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from pcompile.compiler.initializer import InitializedData
+from pcompile.compiler.driver import compile as compile_program
+from pcompile.compiler.pinned_plan import PinnedPlan
 from pcompile.ir.core import Graph, GraphParam, Value
 from pcompile.ir.dims import Shrink, shapes_of, shrinker
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
+from pcompile.tools.oracle import CHECK_BUDGET_BYTES, check, check_cost
 
 #: Modes whose plans the shrunk check reproduces (one strategy per op).
 SHRINKABLE_MODES = ("semi_auto_parallel", "auto_parallel", "data_parallel")
@@ -41,21 +43,6 @@ SHRUNK_CHECK_BYTES = 1 << 26
 FACTORS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
-@dataclass
-class PinnedPlan:
-    """What a shrunk compile takes from the plan: the shrink, and the searched strategy and
-    Reshape layout of every op by its position in the traced graph."""
-
-    shrink: Shrink
-    strategies: dict[int, Any] = field(default_factory=dict)
-    reshape_layouts: dict[int, TensorLayout] = field(default_factory=dict)
-    mode: str = ""
-    #: data_parallel: the shrink of the whole-batch trace (the single-device program's), where
-    #: `shrink` is that of the one-rank trace the plan compiles
-    reference: Shrink | None = None
-    #: the parameters whose cotangents the plan sums on their user's output (a choice by byte
-    #: sizes, which the shrunk sizes could change: passes/cotangents.py)
-    reduced_parameters: tuple[str, ...] = ()
 
 
 def _refuse_mode(program: Any) -> None:
@@ -110,8 +97,6 @@ def choose_shrink(program: Any, factor: int | None = None,
     `FACTORS`) whose check holds at most `SHRUNK_CHECK_BYTES` (a check of seconds), or failing
     that the most shrunk copy within `budget` (default `CHECK_BUDGET_BYTES`), estimated by the
     share of elements left. PcompileError when none fits, naming what kept dims at full size."""
-    from pcompile.compiler.oracle import CHECK_BUDGET_BYTES, check_cost
-
     _refuse_mode(program)
     splits = plan_splits(program)
     graph = program.graph
@@ -153,10 +138,8 @@ def whole_batch_shrink(program: Any, shrink: Shrink) -> Shrink:
     parts (ranks or micro-batches) times its split in the plan, must be `shrink` with dim 0
     of the inputs and labels times the parts (else PcompileError: the two copies would not be
     one model)."""
-    from pcompile.compiler.driver import compile as compile_model
-
     state = program.state
-    whole = compile_model(state.model_file.path, devices=1, dump=False,
+    whole = compile_program(state.model_file.path, devices=1, dump=False,
                           overrides=dict(state.overrides), trace_only=True).graph
     parts: dict[str, int] = {}
     splits = []
@@ -211,48 +194,6 @@ def pin_plan(program: Any, shrink: Shrink) -> PinnedPlan:
     return pinned
 
 
-def apply_to_trace(shrink: Shrink, traced: Any) -> None:
-    """Shrink a fresh trace of the model file: its graph, its parameters' shapes and data."""
-    from pcompile.ir.verifier import verify
-
-    shrink.apply(traced.graph)
-    try:
-        verify(traced.graph, allow_extra_attrs=True)
-    except PcompileError as exc:  # a dimension rule (ir/dims.py) that does not hold
-        raise PcompileError(
-            f"the shrunk copy (factor {shrink.factor}) breaks an op's shape rule, so its "
-            f"dimension rule in ir/ops is wrong; please report it with the model file "
-            f"(--check-shrunk FACTOR with another factor, or --force-check, may avoid it): "
-            f"{exc}") from exc
-    for name, param in traced.parameters.items():
-        shape = shrink.params.get(name)
-        if shape is None or tuple(param.shape) == shape:
-            continue
-        param._init = shrunk_source(param.source, shape)  # noqa: SLF001  (abstract data)
-        param._data = None  # noqa: SLF001
-
-
-def shrunk_source(source: InitializedData, shape: tuple[int, ...]) -> InitializedData:
-    """The same initializer at `shape`, or the leading block of the user's array."""
-    array = source.array
-    if array is not None:
-        array = array[tuple(slice(0, n) for n in shape)]
-    rows = tuple(r for r in source.zero_rows if shape and r < shape[0])
-    return InitializedData(source.init, shape, source.dtype, source.ticket, array, rows)
-
-
-def pinned_search(state: Any) -> Any:
-    """The plan's search result for the shrunk trace (`PinnedPlan`), in place of a search."""
-    from pcompile.passes.search import SearchResult
-
-    pinned: PinnedPlan = state.shrink
-    nodes = state.graph.nodes
-    return SearchResult(
-        mode=pinned.mode,
-        strategies={id(nodes[i]): s for i, s in pinned.strategies.items()},
-        reshape_layouts={id(nodes[i]): lay for i, lay in pinned.reshape_layouts.items()})
-
-
 @dataclass
 class ShrunkCheck:
     """The shrunk compile, its oracle report, and what was shrunk."""
@@ -278,11 +219,9 @@ def describe(shrink: Shrink) -> str:
 def compile_shrunk(program: Any, shrink: Shrink) -> Any:
     """`program`'s model file compiled again with the same options, traced graph shrunk by
     `shrink` and every strategy pinned to `program`'s (no dumps)."""
-    from pcompile.compiler.driver import compile as compile_model
-
     state = program.state
     pinned = pin_plan(program, shrink)
-    shrunk = compile_model(state.model_file.path, devices=state.devices,
+    shrunk = compile_program(state.model_file.path, devices=state.devices,
                            parallel_mode=state.parallel_mode,
                            search_mode=state.search_mode
                            if state.parallel_mode == "auto_parallel" else None,
@@ -379,8 +318,6 @@ def _graph_name(program: Any, index: int) -> str:
 def shrunk_check(program: Any, factor: int | None = None, steps: int = 1) -> ShrunkCheck:
     """Check `program`'s plan on a shrunk copy (see the module docstring): the report is
     `oracle.check` of the shrunk parallel program against its single-device program."""
-    from pcompile.compiler.oracle import check
-
     shrink = choose_shrink(program, factor)
     shrunk = compile_shrunk(program, shrink)
     return ShrunkCheck(shrunk, check(shrunk, steps=steps), shrink)

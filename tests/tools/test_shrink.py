@@ -1,4 +1,4 @@
-"""The shrunk check (compiler/shrink.py, ir/dims.py): a plan checked op by op on a copy of its
+"""The shrunk check (tools/shrink.py, ir/dims.py): a plan checked op by op on a copy of its
 model with the same graph and strategies and smaller dims."""
 
 from __future__ import annotations
@@ -8,18 +8,18 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from pcompile.compiler.driver import compile as compile_model
-from pcompile.compiler.oracle import CHECK_BUDGET_BYTES, check_cost
-from pcompile.compiler.shrink import (
+from pcompile.ir import dims
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.ops.shape import reshape_blocks
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import CHECK_BUDGET_BYTES, check_cost
+from pcompile.tools.shrink import (
     choose_shrink,
     communication,
     compile_shrunk,
     plan_splits,
     shrunk_check,
 )
-from pcompile.ir import dims
-from pcompile.ir.errors import PcompileError
-from pcompile.ir.ops.shape import reshape_blocks
 from tests import ROOT
 
 GPT = os.path.join(ROOT, "examples", "gpt_block.py")

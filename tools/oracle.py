@@ -3,7 +3,7 @@ simulator and the same model on one device, from the same initial values, and co
 and every updated parameter and optimizer state (or the gathered outputs, for inference).
 
 **Precision.** By default both programs are evaluated in float64 (every float value, and every
-Cast to a float type, computed in float64; `backends.numpy.interpreter`), so the check decides
+Cast to a float type, computed in float64; `ir.interpret`), so the check decides
 whether the *plan* is right independently of the precision the model runs in (float32, bf16,
 float16) and of the depth of the model. A correct plan differs from the single-device program
 only in the order of floating-point additions (partial sums completed by an AllReduce, sliced
@@ -29,18 +29,14 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import DTypeLike
 
-from pcompile.compiler.driver import CompiledProgram, ReferenceOptions, compile
-from pcompile.compiler.runtime import (
-    ParallelRunner,
-    RankLocal,
-    StandAloneRunner,
-    batches,
-    rank_local_reductions,
-)
+from pcompile.compiler.compiled import CompiledProgram, ReferenceOptions
+from pcompile.compiler.driver import compile as compile_program
+from pcompile.compiler.runtime import RankLocal, batches, rank_local_reductions
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Graph, NodeResult, Value
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.types import TensorType, TupleType, ValueType
+from pcompile.tools.runners import ParallelRunner, StandAloneRunner
 
 #: Relative bound for a correct plan evaluated in float64 (derivation in the module docstring).
 FLOAT64_RTOL = 2.0 ** -26
@@ -383,11 +379,11 @@ def single_device(program: CompiledProgram, rank: int | None = None) -> Compiled
         reference.transform = _mean_over_ranks(locals_, program.state.devices)
     shrink = program.state.shrink
     if shrink is not None:  # the shrunk check: the same shrunk copy on one device
-        from pcompile.compiler.shrink import PinnedPlan
+        from pcompile.compiler.pinned_plan import PinnedPlan
 
         shrink = PinnedPlan(shrink.reference or shrink.shrink)
-    return compile(program.state.model_file.path, devices=1, dump=False, reference=reference,
-                   shrink=shrink)
+    return compile_program(program.state.model_file.path, devices=1, dump=False,
+                           reference=reference, shrink=shrink)
 
 
 def check(program: CompiledProgram, steps: int = 1,

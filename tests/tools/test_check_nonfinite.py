@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from pcompile.cli import main
-from pcompile.compiler.oracle import OracleReport, describe_nonfinite, relative_error
+from pcompile.tools.oracle import OracleReport, describe_nonfinite, relative_error
 
 TRAINING = """
 import numpy as np
