@@ -31,6 +31,25 @@ class DeviceValues(MutableMapping[str, Any]):
         for name, value in values.items():
             self[name] = value
 
+    @staticmethod
+    def initial(program: CompiledProgram, where: str = "auto") -> DeviceValues:
+        """The program's initial values made on the default device (`param_init.make_blocks`:
+        bit for bit the host's values, at device speed; `where`: auto, device or host)."""
+        import jax
+
+        from pcompile.backends.jax.param_init import make_blocks
+
+        values = program.initial_values
+        names = list(values)
+        sources = [values.source(name) for name in names]
+        device = jax.devices()[0]
+        made, _ = make_blocks([(s, tuple((0, d) for d in s.shape), device) for s in sources],
+                              where)
+        out = DeviceValues({})
+        for name, source, array in zip(names, sources, made):
+            out.device[name] = array.reshape(source.shape)
+        return out
+
     def _x64(self) -> Any:
         from contextlib import nullcontext
 
@@ -74,10 +93,13 @@ class StandAloneRunner:
     On JAX the parameters and optimizer state stay on the device between steps (`values` is a
     `DeviceValues`); the jitted training step donates them, and `step_async` returns the loss
     without waiting for it. `matmul_precision` (`default`, `high`, `highest`; None: JAX's
-    setting) is JAX's float32 matmul precision for the steps."""
+    setting) is JAX's float32 matmul precision for the steps. On JAX (not in float64) the
+    initial values are made on the device (`param_init`: `auto`, `device` or `host`, as a rank
+    program's `--param-init`), bit for bit the host's."""
 
     def __init__(self, program: CompiledProgram, backend: str = "numpy",
-                 float64: bool = False, matmul_precision: str | None = None) -> None:
+                 float64: bool = False, matmul_precision: str | None = None,
+                 param_init: str = "auto") -> None:
         if backend not in ("numpy", "jax"):
             raise ValueError(f"unknown backend {backend!r}")
         self.program = program
@@ -85,7 +107,9 @@ class StandAloneRunner:
         self.float64 = float64
         self.matmul_precision = "highest" if float64 else matmul_precision
         self.graph = program.rank_graphs[0]
-        held = {k: held_copy(v, float64) for k, v in program.initial_values.items()}
+        on_device = backend == "jax" and not float64
+        held = ({} if on_device else
+                {k: held_copy(v, float64) for k, v in program.initial_values.items()})
         self.values: MutableMapping[str, Any] = held
         self._run_fn: Any = None
         self._step_fn: Any = None
@@ -94,7 +118,8 @@ class StandAloneRunner:
 
             from pcompile.backends.jax import lower_graph
 
-            self.values = DeviceValues(held, float64)
+            self.values = (DeviceValues.initial(program, param_init) if on_device
+                           else DeviceValues(held, float64))
             lowered = lower_graph(self.graph, float64=float64)
             n = len(self.graph.inputs)
             updated = set(program.output_names[1:])

@@ -45,11 +45,6 @@ from pcompile.backends.jax.rank_process import (
 )
 from pcompile.backends.jax.rank_report import RankReport, TrainLog
 
-# auto: a block is made on the device when the host would take longer than compiling the
-# device's maker (~0.1-0.8 s on a CPU, once per distinct init, shape and block)
-DEVICE_MIN_RANDOM = 1 << 18
-DEVICE_MIN_CONSTANT = 1 << 12
-
 
 class RankRunner:
     """The training (or inference) loop of one process."""
@@ -98,11 +93,9 @@ class RankRunner:
         (backends/jax/param_init.py) or, for small blocks and user arrays, on the host
         (backends/params.py); equal, bit for bit, to the single-device initialisation's block
         (another pipeline stage's values: zeros, never read)."""
-        from concurrent.futures import Future, ThreadPoolExecutor
-
         import jax
 
-        from pcompile.backends.jax.param_init import device_block, supports
+        from pcompile.backends.jax.param_init import make_blocks
         from pcompile.backends.jax.spmd import as_block
         from pcompile.backends.params import ParamsError, read_manifest
 
@@ -113,45 +106,25 @@ class RankRunner:
         where = self.args.param_init or os.environ.get(PARAM_INIT_ENV) or "auto"
         if where not in ("auto", "device", "host"):
             raise RankError(f"{PARAM_INIT_ENV}={where!r}: expected auto, device or host")
-        wide_ok = bool(jax.config.read("jax_enable_x64"))
         start = time.perf_counter()
-        counts = {"device": 0, "host": 0}
-
-        def make(source: Any, bounds: Any, device: Any, on_device: bool) -> Any:
-            block = device_block(source, bounds, device) if on_device else None
-            if block is None:
-                block = jax.device_put(as_block(source.block(bounds)), device)
-            return block
-
-        # Blocks are made from a few threads: the device generator compiles once per distinct
-        # init, shape and block (XLA compiles in parallel), host blocks use numpy's loops.
-        pieces: dict[str, list[Any]] = {}
-        workers = max(1, min(8, os.cpu_count() or 1))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pcompile-init") as pool:
-            for name, _, shape, _ in self.stored:
-                source = sources.get(name)
-                if source is None:
-                    raise RankError(f"params.json has no entry for {name}; compile again")
-                pieces[name] = []
-                for r in self.local:
-                    device = self.mesh.devices.flat[r]
-                    if not self._owns(name, r):
-                        pieces[name].append(jax.device_put(
-                            as_block(np.zeros(shape, self.dtypes[name])), device))
-                        continue
-                    bounds = self._layout(name).slice_bounds(r) if source.shape else ()
-                    size = int(np.prod([hi - lo for lo, hi in bounds], dtype=np.int64))
-                    on_device = (where == "device" or (where == "auto" and size >= (
-                        DEVICE_MIN_CONSTANT if source.init is not None and not source.init.random
-                        else DEVICE_MIN_RANDOM)))
-                    # 8-byte values stay on the host without x64: the device would hold them
-                    # as 4-byte ones, as a device_put of the host's values gives them
-                    on_device = (on_device and supports(source)
-                                 and (source.dtype.itemsize < 8 or wide_ok))
-                    counts["device" if on_device else "host"] += size
-                    pieces[name].append(pool.submit(make, source, bounds, device, on_device))
-        state = {name: self._stack([p.result() if isinstance(p, Future) else p for p in arrays],
-                                   shape)
+        jobs: list[tuple[Any, Any, Any]] = []
+        pieces: dict[str, list[Any]] = {}  # a block, or the index of its job
+        for name, _, shape, _ in self.stored:
+            source = sources.get(name)
+            if source is None:
+                raise RankError(f"params.json has no entry for {name}; compile again")
+            pieces[name] = []
+            for r in self.local:
+                device = self.mesh.devices.flat[r]
+                if not self._owns(name, r):
+                    pieces[name].append(jax.device_put(
+                        as_block(np.zeros(shape, self.dtypes[name])), device))
+                    continue
+                bounds = self._layout(name).slice_bounds(r) if source.shape else ()
+                pieces[name].append(len(jobs))
+                jobs.append((source, bounds, device))
+        made, counts = make_blocks(jobs, where)
+        state = {name: self._stack([made[p] if isinstance(p, int) else p for p in arrays], shape)
                  for (name, _, shape, _), arrays in zip(self.stored, pieces.values())}
         for array in state.values():
             array.block_until_ready()

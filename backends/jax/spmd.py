@@ -519,10 +519,13 @@ class JaxSpmdRunner:
     """Runs a compiled program as one SPMD JAX program on N devices of this process and carries
     each rank's parameters and optimizer state across steps (on the devices). Same interface
     as `tools.runners.ParallelRunner`: `run(arrays)` -> per-rank outputs, `step(arrays)` ->
-    loss, `values[r][name]`, `global_value(name)`."""
+    loss, `values[r][name]`, `global_value(name)`. Each rank's initial blocks are made on its
+    own device as a rank program makes them (`param_init`: `auto`, `device` or `host`), except
+    in float64 and under `parameter_broadcast`."""
 
     def __init__(self, program: Any, devices: Sequence[Any] | None = None,
-                 float64: bool = False, matmul_precision: str | None = None) -> None:
+                 float64: bool = False, matmul_precision: str | None = None,
+                 param_init: str = "auto") -> None:
         from pcompile.compiler.runtime import initial_rank_values
 
         if float64 and not jax.config.read("jax_enable_x64"):
@@ -534,9 +537,13 @@ class JaxSpmdRunner:
         self.graphs = program.rank_graphs
         self.plan = SpmdPlan.build(self.graphs)
         self.mesh = make_mesh(self.plan.mesh, devices)
+        initial: list[dict[str, np.ndarray]] | None
         if state.assignment is not None:
             self.layouts = state.assignment.param_layouts
-            initial = initial_rank_values(program)
+            # Each rank's blocks are made on its own device (param_init) unless they are
+            # wanted in float64 or copied from rank 0 (parameter_broadcast).
+            initial = (initial_rank_values(program, float64)
+                       if float64 or state.options.get("parameter_broadcast") else None)
         else:
             self.layouts = {}
             initial = [{k: np.array(v, copy=True) for k, v in program.initial_values.items()}]
@@ -552,10 +559,37 @@ class JaxSpmdRunner:
                        if p.name in updated)
         # The training step reuses the buffers of the values it returns updated.
         self._step_fn = spmd_function(body, self.mesh, shapes, donate)
-        self._state = {p.name: self._put({r: v[p.name] for r, v in enumerate(initial)}, p)
-                       for p in self._stored}
+        made = (self._made_on_devices(program, param_init)
+                if initial is None else None)  # (None: the host's values, or another dtype)
+        self._state = made or {p.name: self._put({r: v[p.name] for r, v in enumerate(
+            initial if initial is not None else initial_rank_values(program))}, p)
+            for p in self._stored}
         self._shapes = {p.name: p.shape for p in self._stored}
         self._values_cache: list[dict[str, np.ndarray]] | None = None
+
+    def _made_on_devices(self, program: Any, where: str) -> dict[str, jax.Array] | None:
+        """Every stored value's global array, each rank's block made on its own device
+        (`param_init.make_blocks`: the same values, bit for bit, as `initial_rank_values`);
+        None where a value's dtype is not the parameter's (the host path casts it)."""
+        from pcompile.backends.jax.param_init import make_blocks
+
+        values = program.initial_values
+        n = self.mesh.size
+        jobs = []
+        for p in self._stored:
+            source = values.source(p.name)
+            if source.dtype is not p.dtype:
+                return None
+            layout = self.layouts.get(p.name)
+            for r in range(n):
+                bounds = (layout.slice_bounds(r) if layout is not None and source.shape
+                          else tuple((0, d) for d in source.shape))
+                jobs.append((source, bounds, self.mesh.devices.flat[r]))
+        made, _ = make_blocks(jobs, where)
+        sharding = NamedSharding(self.mesh, P(tuple(self.mesh.axis_names)))
+        return {p.name: jax.make_array_from_single_device_arrays(
+                    blocked_shape(n, p.shape), sharding, made[i * n:(i + 1) * n])
+                for i, p in enumerate(self._stored)}
 
     def _put(self, pieces: dict[int, np.ndarray], param: Any) -> jax.Array:
         dtype = np.float64 if self.float64 and param.dtype.is_float else param.dtype.np

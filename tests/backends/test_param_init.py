@@ -86,6 +86,23 @@ def test_device_blocks_equal_numpy_for_every_init_and_dtype(init: object, dtype:
     check_blocks(init, dtype)
 
 
+@pytest.mark.parametrize("where", ["device", "auto"])
+def test_the_in_process_runner_makes_the_programs_initial_values(where: str) -> None:
+    """StandAloneRunner on JAX makes the initial values on the device, bit for bit the host's
+    (the Llama example: float32 weights and Adam states, an embedding, norms' ones)."""
+    from pcompile.tools.compile import compile as compile_model
+    from pcompile.tools.runners import StandAloneRunner
+
+    program = compile_model(os.path.join(ROOT, "examples", "llama.py"), devices=1, dump=False)
+    runner = StandAloneRunner(program, "jax", param_init=where)
+    assert set(runner.values) == set(program.initial_values)
+    for name in program.initial_values:
+        want = program.initial_values[name]
+        got = runner.values[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert got.tobytes() == want.tobytes(), name
+
+
 def test_zero_rows_scalars_and_what_stays_on_the_host() -> None:
     device = jax.devices()[0]
     table = initializer("normal", [40, 8]).with_zero_rows([3, 17])
@@ -181,6 +198,19 @@ for init, dtype in [("normal", DType.float32), ("he_uniform", DType.bfloat16),
     width = whole.dtype.itemsize
     report.append({"case": f"{init} {dtype.name}", "devices": on,
                    "same": bool((got.view(f"u{width}") == whole.view(f"u{width}")).all())})
+
+# the in-process SPMD runner makes every rank's blocks on its device as the numpy path does
+from pcompile.backends.jax.spmd import JaxSpmdRunner
+from pcompile.compiler.runtime import initial_rank_values
+from pcompile.tools.compile import compile as compile_model
+
+program = compile_model("examples/llama.py", devices=8, dump=False)
+want = initial_rank_values(program)
+for where in ("device", "auto"):
+    got = JaxSpmdRunner(program, param_init=where).values
+    same = all(got[r][k].dtype == v.dtype and got[r][k].tobytes() == v.tobytes()
+               for r, vals in enumerate(want) for k, v in vals.items())
+    report.append({"case": f"JaxSpmdRunner {where}", "devices": list(range(8)), "same": same})
 print("REPORT " + json.dumps(report))
 """
 
