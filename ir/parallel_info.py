@@ -1,16 +1,19 @@
 """`ParallelInfo`: the typed results of the parallel passes on one node.
 
 Every field is typed and reads None while no pass has set it; `ir.printer.PARALLEL_FIELDS` and
-`ir.parser.PARALLEL_FIELDS` hold each field's one text form. A dump prints the set fields as
-`{name: value, ...}`: the strategies and the layouts first (where MindSpore prints them), then
-the others in the order the passes set them, so the text records the order in which a node was
-annotated (a node made for micro-batch k says `micro` first; a node copied into it later gets
-`micro` after its own notes). The arguments of the constructor count as set in the order of the
-fields below. Values are immutable (tuples and frozen dataclasses); to change one, set it anew.
+`FIELD_READERS` below (`ir.parser.PARALLEL_FIELDS`) hold each field's one text form. A dump
+prints the set fields as `{name: value, ...}`: the strategies and the layouts first (where
+MindSpore prints them), then the others in the order the passes set them, so the text records
+the order in which a node was annotated (a node made for micro-batch k says `micro` first; a
+node copied into it later gets `micro` after its own notes). The arguments of the constructor
+count as set in the order of the fields below. Values are immutable (tuples and frozen
+dataclasses); to change one, set it anew.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
 
@@ -197,4 +200,122 @@ class ParallelInfo:
         return "ParallelInfo(" + ", ".join(f"{k}={v!r}" for k, v in self.items()) + ")"
 
 
-__all__ = ["LayoutDetail", "ParallelInfo", "RunnerUp", "SearchCost", "Strategy", "SwcCost"]
+__all__ = ["FIELD_READERS", "LayoutDetail", "ParallelInfo", "RunnerUp", "SearchCost", "Strategy",
+           "SwcCost"]
+
+
+# -- reading the fields back from a dump -----------------------------------------------------------
+# Each field of `ParallelInfo` read back from the value `ir.printer.PARALLEL_FIELDS` wrote:
+# a function from the parsed value to the field's typed value, raising ValueError("<what it
+# expected>") for anything else.
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(value: Any) -> int:
+    if not _is_int(value):
+        raise ValueError("an integer")
+    return int(value)
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError("a string")
+    return value
+
+
+def _strategy(value: Any) -> tuple[Any, ...]:
+    if not isinstance(value, tuple):
+        raise ValueError("a strategy (a tuple)")
+    return value
+
+
+def _strings(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+        raise ValueError("a tuple of strings")
+    return value
+
+
+def _cost(value: Any) -> float:
+    """A cost number; None is an infinite cost (`ir.printer._cost_number`)."""
+    if value is None:
+        return math.inf
+    if not (_is_int(value) or isinstance(value, float)):
+        raise ValueError("a number or None")
+    return value  # type: ignore[no-any-return]  # an int stays an int: it prints as one
+
+
+def _fields_of(value: Any, what: str, *orders: tuple[str, ...]) -> dict[str, Any]:
+    """A dict whose keys are exactly one of `orders`."""
+    if not isinstance(value, dict) or tuple(value) not in orders:
+        shown = " or ".join("{" + ", ".join(order) + "}" for order in orders)
+        raise ValueError(f"{what} {shown}")
+    return value
+
+
+def _layouts(value: Any) -> tuple[LayoutDetail, ...]:
+    if not isinstance(value, tuple):
+        raise ValueError("a tuple of layouts")
+    out = []
+    for item in value:
+        d = _fields_of(item, "a layout", ("device_matrix", "tensor_map"),
+                       ("device_matrix", "tensor_map", "interleaved_parallel"),
+                       ("device_matrix", "tensor_map", "alias_name"),
+                       ("device_matrix", "tensor_map", "interleaved_parallel", "alias_name"))
+        matrix, tmap = d["device_matrix"], d["tensor_map"]
+        if not isinstance(matrix, tuple) or not all(_is_int(v) for v in matrix):
+            raise ValueError("a layout whose device_matrix is a tuple of integers")
+        if not isinstance(tmap, tuple):
+            raise ValueError("a layout whose tensor_map is a tuple")
+        interleaved = d.get("interleaved_parallel")
+        if interleaved is not None and not isinstance(interleaved, bool):
+            raise ValueError("a layout whose interleaved_parallel is true or false")
+        alias = d.get("alias_name")
+        out.append(LayoutDetail(matrix, tmap, interleaved,
+                                None if alias is None else _strings(alias)))
+    return tuple(out)
+
+
+def _search_cost(value: Any) -> SearchCost:
+    d = _fields_of(value, "a cost", ("op", "redistribution"), ("local", "op", "redistribution"))
+    local = _cost(d["local"]) if "local" in d else None
+    return SearchCost(_cost(d["op"]), _cost(d["redistribution"]), local)
+
+
+_SWC = ("communication", "computation", "forward")
+
+
+def _swc(value: Any) -> SwcCost:
+    d = _fields_of(value, "a decision", _SWC)
+    return SwcCost(*(_cost(d[k]) for k in _SWC))
+
+
+def _runner_up(value: Any) -> RunnerUp:
+    d = _fields_of(value, "a runner-up", ("strategy",), ("strategy", "local"),
+                   ("strategy", *_SWC), ("strategy", "local", *_SWC))
+    swc = SwcCost(*(_cost(d[k]) for k in _SWC)) if "forward" in d else None
+    local = _cost(d["local"]) if "local" in d else None
+    return RunnerUp(_strategy(d["strategy"]), local, swc)
+
+
+#: How each `ParallelInfo` field is read (the inverse of `ir.printer.PARALLEL_FIELDS`;
+#: `ir.parser.PARALLEL_FIELDS`).
+FIELD_READERS: dict[str, Callable[[Any], Any]] = {
+    "in_strategy": _strategy,
+    "out_strategy": _strategy,
+    "in_layout": _layouts,
+    "out_layout": _layouts,
+    "cost": _search_cost,
+    "decision": _swc,
+    "runner_up": _runner_up,
+    "decided_by": _str,
+    "micro": _int,
+    "chunk": _int,
+    "reason": _str,
+    "fusion": _int,
+    "members": _strings,
+    "bytes": _int,
+    "parameter": _str,
+}
