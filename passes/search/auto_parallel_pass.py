@@ -16,9 +16,9 @@ from dataclasses import replace
 from typing import Any
 
 from pcompile.passes.search import SearchOptions, SearchResult, search
-from pcompile.passes.search.checkpoint import load_strategies, save_checkpoint
 from pcompile.passes.search.cost_model import CostConstants
 from pcompile.passes.search.explain import annotate
+from pcompile.passes.search.strategy_checkpoint import load_strategies, save_checkpoint
 
 
 class StepAutoParallelPass:
