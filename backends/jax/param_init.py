@@ -50,8 +50,8 @@ from pcompile.compiler.initializer import (
 )
 from pcompile.ir.types import DType
 
-__all__ = ["DEVICE_MIN_CONSTANT", "DEVICE_MIN_RANDOM", "device_block", "make_blocks", "on_device",
-           "philox", "round_bits", "supports"]
+__all__ = ["DEVICE_MIN_CONSTANT", "DEVICE_MIN_RANDOM", "device_block", "make_blocks", "mesh_blocks",
+           "on_device", "philox", "round_bits", "supports"]
 
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85
@@ -264,3 +264,66 @@ def make_blocks(jobs: Sequence[tuple[InitializedData, Sequence[tuple[int, int]],
             counts["device" if here else "host"] += math.prod(hi - lo for lo, hi in bounds)
             futures.append(pool.submit(make, data, bounds, device, here))
         return [f.result() for f in futures], counts
+
+
+@functools.lru_cache(maxsize=256)
+def _mesh_generator(init: Initializer, shape: tuple[int, ...], block: tuple[int, ...],
+                    dtype: DType, zero_rows: tuple[int, ...], mesh: Any) -> Any:
+    """`_generator`'s maker run on every device of `mesh` at once: (starts uint64[n * ndim],
+    each device's block's starts, sharded; key; zero) -> the global array of the n blocks
+    (`spmd.blocked_shape`), one compilation for all devices."""
+    from jax.sharding import PartitionSpec as P
+
+    make = _generator(init, shape, block, dtype, zero_rows)
+    axes = tuple(mesh.axis_names)
+    return jax.jit(jax.shard_map(make, mesh=mesh, in_specs=(P(axes), P(), P()),
+                                 out_specs=P(axes)))
+
+
+@functools.lru_cache(maxsize=256)
+def _mesh_filler(global_shape: tuple[int, ...], dtype: str, mesh: Any) -> Any:
+    """A jitted (value) -> the global array of `global_shape` filled with it, sharded over
+    every axis of `mesh` along its first dimension."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    return jax.jit(lambda value: jnp.full(global_shape, value, np.dtype(dtype)),
+                   out_shardings=sharding)
+
+
+def mesh_blocks(data: InitializedData, bounds: Sequence[Sequence[tuple[int, int]]], mesh: Any,
+                where: str = "auto") -> jax.Array | None:
+    """The global array (`spmd.blocked_shape`) of `data`'s blocks `bounds[r]` on the devices of
+    `mesh` (rank r on `mesh.devices.flat[r]`, every device of this process), made by one
+    program for all devices: bit for bit `device_block`'s blocks, with one compilation where
+    `device_block` compiles once per device. None where the blocks differ in shape, the value
+    is 0-d, a block is made on the host (`on_device`), or a constant has zeroed rows."""
+    shapes = {tuple(hi - lo for lo, hi in b) for b in bounds}
+    if len(shapes) != 1 or not data.shape or len(bounds) != mesh.size:
+        return None
+    block = shapes.pop()
+    if not on_device(data, bounds[0], where):
+        return None
+    n = mesh.size
+    global_shape = (n * block[0], *block[1:])
+    init = data.init
+    assert init is not None
+    if isinstance(init, Constant) or not math.prod(block):
+        value = np.zeros((), data.dtype.np)
+        if isinstance(init, Constant):
+            value = np.asarray(init.value).astype(data.dtype.np)  # numpy's cast, on the host
+        if data.zero_rows and value != 0:
+            return None
+        with jax.enable_x64(data.dtype is DType.float64):
+            return _mesh_filler(global_shape, value.dtype.str, mesh)(value)  # type: ignore[no-any-return]
+    assert data.ticket is not None
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    key = np.asarray(philox_key(data.ticket), np.uint32)
+    starts = np.asarray([[lo for lo, _ in b] for b in bounds], np.uint64).reshape(-1)
+    with jax.enable_x64(True):
+        fn = _mesh_generator(init, data.shape, block, data.dtype, tuple(data.zero_rows), mesh)
+        sharded = jax.device_put(starts, NamedSharding(mesh, P(tuple(mesh.axis_names))))
+        return fn(sharded, key, np.zeros((), np.uint64))  # type: ignore[no-any-return]

@@ -571,25 +571,35 @@ class JaxSpmdRunner:
         """Every stored value's global array, each rank's block made on its own device
         (`param_init.make_blocks`: the same values, bit for bit, as `initial_rank_values`);
         None where a value's dtype is not the parameter's (the host path casts it)."""
-        from pcompile.backends.jax.param_init import make_blocks
+        from pcompile.backends.jax.param_init import make_blocks, mesh_blocks
 
         values = program.initial_values
         n = self.mesh.size
         jobs = []
+        whole: dict[str, jax.Array] = {}  # made by one program for all devices
         for p in self._stored:
             source = values.source(p.name)
             if source.dtype is not p.dtype:
                 return None
             layout = self.layouts.get(p.name)
-            for r in range(n):
-                bounds = (layout.slice_bounds(r) if layout is not None and source.shape
-                          else tuple((0, d) for d in source.shape))
-                jobs.append((source, bounds, self.mesh.devices.flat[r]))
+            bounds = [layout.slice_bounds(r) if layout is not None and source.shape
+                      else tuple((0, d) for d in source.shape) for r in range(n)]
+            array = mesh_blocks(source, bounds, self.mesh, where)
+            if array is not None:
+                whole[p.name] = array
+                continue
+            jobs += [(source, b, self.mesh.devices.flat[r]) for r, b in enumerate(bounds)]
         made, _ = make_blocks(jobs, where)
         sharding = NamedSharding(self.mesh, P(tuple(self.mesh.axis_names)))
-        return {p.name: jax.make_array_from_single_device_arrays(
-                    blocked_shape(n, p.shape), sharding, made[i * n:(i + 1) * n])
-                for i, p in enumerate(self._stored)}
+        out: dict[str, jax.Array] = {}
+        for p in self._stored:
+            if p.name in whole:
+                out[p.name] = whole[p.name]
+                continue
+            out[p.name] = jax.make_array_from_single_device_arrays(
+                blocked_shape(n, p.shape), sharding, made[:n])
+            made = made[n:]
+        return out
 
     def _put(self, pieces: dict[int, np.ndarray], param: Any) -> jax.Array:
         dtype = np.float64 if self.float64 and param.dtype.is_float else param.dtype.np

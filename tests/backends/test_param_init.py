@@ -199,17 +199,25 @@ for init, dtype in [("normal", DType.float32), ("he_uniform", DType.bfloat16),
     report.append({"case": f"{init} {dtype.name}", "devices": on,
                    "same": bool((got.view(f"u{width}") == whole.view(f"u{width}")).all())})
 
-# the in-process SPMD runner makes every rank's blocks on its device as the numpy path does
+# the in-process SPMD runner makes every rank's blocks on its device as the numpy path does,
+# with `device` by one program for all devices (param_init.mesh_blocks) for every value
+import pcompile.backends.jax.param_init as param_init
 from pcompile.backends.jax.spmd import JaxSpmdRunner
 from pcompile.compiler.runtime import initial_rank_values
 from pcompile.tools.compile import compile as compile_model
 
+made_whole = []
+mesh_blocks = param_init.mesh_blocks
+param_init.mesh_blocks = lambda *a, **k: made_whole.append(mesh_blocks(*a, **k)) or made_whole[-1]
 program = compile_model("examples/llama.py", devices=8, dump=False)
 want = initial_rank_values(program)
 for where in ("device", "auto"):
+    made_whole.clear()
     got = JaxSpmdRunner(program, param_init=where).values
     same = all(got[r][k].dtype == v.dtype and got[r][k].tobytes() == v.tobytes()
                for r, vals in enumerate(want) for k, v in vals.items())
+    if where == "device":
+        same = same and bool(made_whole) and all(a is not None for a in made_whole)
     report.append({"case": f"JaxSpmdRunner {where}", "devices": list(range(8)), "same": same})
 print("REPORT " + json.dumps(report))
 """
