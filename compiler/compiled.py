@@ -17,8 +17,8 @@ from pcompile.compiler.model_file import ModelFile
 from pcompile.compiler.nn.optim_base import Optimizer
 from pcompile.compiler.parameter_layout import parameter_layout_dict
 from pcompile.compiler.trace_model import TracedModel
-from pcompile.ir.core import Graph, Node
-from pcompile.passes.step_parallel_begin import ParallelAssignment
+from pcompile.ir.core import Graph
+from pcompile.passes.unit import CompileUnit
 
 
 class InitialValues(MutableMapping[str, np.ndarray]):
@@ -77,39 +77,16 @@ class ReferenceOptions:
     gradient_scales: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass
-class CompileState:
-    """What the passes read and write."""
+@dataclass(kw_only=True)
+class CompileState(CompileUnit):
+    """What the passes read and write (`passes.unit.CompileUnit`), and what only the front
+    end reads: the model file, its trace, the optimizer, the initial values, the oracle's and
+    the shrunk check's settings."""
 
     model_file: ModelFile
-    devices: int
-    parallel_mode: str
-    search_mode: str
     traced: TracedModel | None = None
-    graph: Graph | None = None
-    # After the split, rank r runs rank_graphs[r]. In SPMD modes every entry is the same
-    # rank-parametric graph (what differs between ranks is an `ir.rank` value); hybrid mode
-    # traces the model per rank and has one graph per rank.
-    rank_graphs: list[Graph] = field(default_factory=list)
     initial_values: InitialValues = field(default_factory=lambda: InitialValues())
     optimizer: Optimizer | None = None
-    plan: dict[str, Any] = field(default_factory=dict)
-    assignment: ParallelAssignment | None = None
-    output_layouts: list[Any] = field(default_factory=list)
-    split: bool = False  # True once every rank has its own graph
-    options: dict[str, Any] = field(default_factory=dict)
-    search: Any = None  # passes.search.SearchResult in auto_parallel
-    dump_ranks: list[int] = field(default_factory=list)  # the ranks whose folders are written
-    # Pipeline parallelism (compiler/pipelining.py): stages, micro-batches, the stage of every
-    # op; None when neither pipeline_stages > 1 nor nn.PipelineCell is used.
-    pipeline: Any = None
-    opt_shard: dict[str, Any] = field(default_factory=dict)  # the parallel optimizer's plan
-    # parameters whose gradient is reduced over part of their copies after their user's output
-    # cotangent is summed (passes/cotangents.py; a byte-size decision the shrunk check pins)
-    reduced_parameters: tuple[str, ...] = ()
-    # the rank graph's value for each value of the forward graph that a custom bprop reads
-    # (compiler/custom_bprop.py), by id; None when the graphs are not split
-    bprop_locals: dict[int, Any] | None = None
     state_owners: dict[str, str] = field(default_factory=dict)  # optimizer state -> parameter
     reference: ReferenceOptions | None = None  # single-device reference of a parallel program
     traces: list[TracedModel] = field(default_factory=list)  # hybrid mode: each rank's trace
@@ -117,14 +94,7 @@ class CompileState:
     # pinned strategies; and the overrides the compile was given (to compile it again).
     shrink: Any = None
     trace_only: bool = False  # compile(trace_only=True): the trace pass alone
-    # Each distinct rank graph's nodes before communication fusion (whose buckets depend on
-    # byte sizes): the shrunk check compares a plan's communication by them.
-    unfused: list[list[Node]] = field(default_factory=list)
     overrides: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def parallel(self) -> bool:
-        return self.parallel_mode != "stand_alone"
 
     @property
     def training(self) -> bool:
@@ -138,35 +108,6 @@ class CompileState:
         """The program differentiates (a training step, or a cell returning gradients): the
         split inserts gradient communication."""
         return self.traced is not None and self.traced.differentiates
-
-    @property
-    def stage_devices(self) -> int:
-        """Devices of one pipeline stage (all devices without pipeline stages): operator
-        strategies, layouts and collectives live inside a stage."""
-        stages = self.pipeline.stages if self.pipeline is not None else 1
-        return self.devices // stages
-
-    @property
-    def pipelined(self) -> bool:
-        """Whether the step is cut into pipeline stages (pipeline_stages > 1)."""
-        return self.pipeline is not None and self.pipeline.stages > 1
-
-    @property
-    def micro_batched(self) -> bool:
-        """Whether the local program is repeated per micro-batch (passes/micro_batch.py)."""
-        return self.pipeline is not None and self.parallel and (
-            self.pipeline.stages > 1 or self.pipeline.micro_size > 1)
-
-    @property
-    def graphs(self) -> list[Graph]:
-        """The distinct graphs the ranks run (one in SPMD modes), in rank order."""
-        out: list[Graph] = []
-        seen: set[int] = set()
-        for g in self.rank_graphs:
-            if id(g) not in seen:
-                seen.add(id(g))
-                out.append(g)
-        return out
 
     def rank_values(self, rank: int) -> dict[str, np.ndarray]:
         """Rank `rank`'s initial parameter and optimizer-state values: its block of each
@@ -238,7 +179,7 @@ class CompiledProgram:
         """MindSpore's `Cell.parameter_layout_dict` for the compiling rank (`global_rank`):
         name -> (dev_matrix, tensor_map, slice_shape, field_size, uniform_split,
         opt_shard_group), for every parameter and input (compiler/parameter_layout.py)."""
-        return parameter_layout_dict(self.state, int(self.state.options.get("global_rank", 0)))
+        return parameter_layout_dict(self.state, self.state.options.global_rank)
 
     def parameter_layout(self, rank: int) -> dict[str, Any]:
         """`parameter_layout_dict` as rank `rank` sees it (only the optimizer shard group

@@ -72,3 +72,13 @@ def pinned_search(state: Any) -> Any:
         mode=pinned.mode,
         strategies={id(nodes[i]): s for i, s in pinned.strategies.items()},
         reshape_layouts={id(nodes[i]): lay for i, lay in pinned.reshape_layouts.items()})
+
+
+class PinnedSearchPass:
+    """The shrunk check's compile (tools/shrink.py): the plan's searched strategies and
+    Reshape layouts, pinned by position, in place of a search."""
+
+    name = "step_auto_parallel_begin"
+
+    def apply(self, state: Any) -> None:
+        state.search = pinned_search(state)

@@ -18,7 +18,6 @@ stage of every traced op (`passes/pipeline_stages.py`).
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,36 +31,10 @@ from pcompile.compiler.tracing import tracing
 from pcompile.ir.core import Graph
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.types import DType, TensorType
-from pcompile.passes.pipeline_stages import ScopeCell, StageMap, assign_stages
+from pcompile.passes.pipeline_stages import PipelineSettings, ScopeCell, StageMap, assign_stages
 
 #: pipeline_config pipeline_scheduler values pcompile implements.
 SCHEDULERS = ("1f1b", "gpipe")
-
-
-@dataclass
-class PipelineSettings:
-    """Pipeline options of one compile and what the passes derived from the trace."""
-
-    stages: int
-    micro_size: int
-    scheduler: str
-    interleave: bool = False
-    stage_map: StageMap | None = None
-    loss_scope: str = "Default"
-    # Filled by the passes, keyed by id of a node of the current local graph: its virtual
-    # stage (step_parallel_end, micro_batch, autodiff) and its label ("F" | "B", micro-batch).
-    local_stage: dict[int, int] = field(default_factory=dict)
-    labels: dict[int, tuple[str, int]] = field(default_factory=dict)
-    program: Any = None  # passes.pipeline_split.PipelineProgram once split
-
-    @property
-    def pipelined(self) -> bool:
-        return self.stages > 1
-
-    @property
-    def chunks(self) -> int:
-        """Chunks (segments) per stage: 1 unless interleaved."""
-        return self.stage_map.chunks if self.stage_map is not None else 1
 
 
 def settings_from_context(ctx: Any, devices: int, mode: str) -> PipelineSettings:
@@ -302,76 +275,6 @@ def scope_cells(log: dict[str, Any], traced: Any) -> dict[str, ScopeCell]:
 def stage_map(graph: Graph, log: dict[str, Any], traced: Any, stages: int,
               interleave: bool = False) -> StageMap:
     return assign_stages(graph, scope_cells(log, traced), stages, interleave)
-
-
-# -- the driver's passes -------------------------------------------------------------------------
-
-
-class MicroBatchPass:
-    """`micro_batch` (after step_parallel_end): the local forward program once per micro-batch
-    of nn.PipelineCell (passes/micro_batch.py); every graph input becomes the rank's whole
-    share of the batch."""
-
-    name = "micro_batch"
-
-    def apply(self, state: Any) -> None:
-        from pcompile.ir.layout import TensorLayout
-        from pcompile.passes.micro_batch import replicate
-
-        settings: PipelineSettings = state.pipeline
-        micro = settings.micro_size
-        layouts = state.assignment.param_layouts
-        splits = {p.name: layouts[p.name].splits[0] for p in state.graph.inputs if p.shape}
-        if len(set(splits.values())) > 1:
-            shown = ", ".join(f"{name} {ways} ways" for name, ways in splits.items())
-            raise PcompileError(
-                f"nn.PipelineCell: micro-batch k is the k-th block of each rank's rows of every "
-                f"input, so every input must split dim 0 the same number of ways, but the "
-                f"layouts split it {shown}; give them one dim-0 split (dataset_strategy)")
-        opts = state.options.get("parallel_optimizer_config")
-        shard_acc = bool(getattr(opts, "gradient_accumulation_shard", False)) and bool(
-            state.options.get("enable_parallel_optimizer"))
-
-        def per_micro(node: Any) -> bool:  # gradient_accumulation_shard: the AllGather repeats
-            return shard_acc and node.op == "AllGather" and node.instance_name.startswith(
-                "parallel_optimizer_allgather")
-
-        graph = state.rank_graphs[0]
-        loss_scope = ("Default/network-PipelineCell" if isinstance(
-            state.traced.network, PipelineCell) else "Default")
-        out = replicate(graph, micro, loss_scope=loss_scope, labels=settings.labels,
-                        stages=settings.local_stage, copy_also=per_micro)
-        alive = {id(n) for n in out.nodes}
-        settings.local_stage = {k: v for k, v in settings.local_stage.items() if k in alive}
-        settings.labels = {k: v for k, v in settings.labels.items() if k in alive}
-        state.rank_graphs = [out] * state.devices
-        for p in state.graph.inputs:
-            lay = layouts[p.name]
-            if p.shape:
-                layouts[p.name] = TensorLayout(lay.dev_matrix, lay.tensor_map,
-                                               (lay.shape[0] * micro, *lay.shape[1:]))
-
-
-class PipelineSplitPass:
-    """`pipeline_split` (after the optimizer): one program per stage, joined by Send/Receive
-    (passes/pipeline_split.py); rank r runs its stage's program."""
-
-    name = "pipeline_split"
-
-    def apply(self, state: Any) -> None:
-        from pcompile.passes.pipeline_split import assign, check_loss, split
-
-        settings: PipelineSettings = state.pipeline
-        assert settings.stage_map is not None
-        graph = state.rank_graphs[0]
-        placed = assign(graph, settings.stage_map.virtual, settings.local_stage,
-                        settings.stage_map.param_stage)
-        program = split(graph, settings.stages, state.devices, settings.micro_size,
-                        settings.scheduler, placed, settings.labels, settings.chunks)
-        check_loss(program)
-        settings.program = program
-        n = program.per_stage
-        state.rank_graphs = [program.graphs[r // n] for r in range(state.devices)]
 
 
 def schedule_from_plan(info: Any) -> Any:

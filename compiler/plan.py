@@ -411,7 +411,7 @@ def build_plan(state: Any) -> Plan:
         # name -> [dev_matrix, tensor_map, slice_shape, field_size, uniform_split,
         # opt_shard_group]
         "parameter_layout_dict": as_json(parameter_layout_dict(
-            state, int(state.options.get("global_rank", 0)))),
+            state, state.options.global_rank)),
         "collectives": collectives,
         "search": extra.pop("search", None),
         "comm_fusion": extra.pop("comm_fusion", None),

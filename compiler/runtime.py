@@ -241,7 +241,7 @@ def initial_rank_values(program: CompiledProgram, float64: bool = False
     state = program.state
     values = [{k: held_copy(v, float64) for k, v in state.rank_values(r).items()}
               for r in range(state.devices)]
-    if state.options.get("parameter_broadcast"):
+    if state.options.parameter_broadcast:
         for name in broadcast_parameters(program):
             for vals in values[1:]:
                 vals[name] = np.array(values[0][name], copy=True)
@@ -257,6 +257,7 @@ def holders(program: CompiledProgram, name: str) -> list[int]:
     state = program.state
     if not state.pipelined:
         return list(range(state.devices))
+    assert state.pipeline is not None
     pipe = state.pipeline.program
     return list(pipe.ranks(pipe.param_stages[name][0]))
 

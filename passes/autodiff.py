@@ -20,8 +20,9 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +32,7 @@ from pcompile.ir.errors import PcompileError
 from pcompile.ir.registry import get_op
 from pcompile.ir.types import TensorType, TupleType
 from pcompile.passes.comm_info import backward_annotation
+from pcompile.passes.unit import CompileUnit
 
 
 @dataclass
@@ -195,3 +197,54 @@ def _note_origins(graph: Graph, made: int, forward: Node | None,
 
 
 __all__ = ["CustomVjp", "append_gradients", "zeros_like"]
+
+
+@dataclass(frozen=True)
+class AutodiffOptions:
+    """`custom(graph)`: the vjps of the cells with their own bprop, on that graph (the front
+    end traced them; none: every op's own vjp); `gradient_scales`: each parameter's gradient
+    multiplied by this before the optimizer (the single-device reference's model of a parallel
+    program's gradient scaling; 1 when absent)."""
+
+    custom: Callable[[Graph], list[Any]] | None = None
+    gradient_scales: Mapping[str, float] = field(default_factory=dict)
+
+
+class AutodiffPass:
+    """`autodiff`: reverse-mode autodiff on the IR: append d loss / d w for every trainable
+    weight; the graph's outputs become the loss and the gradients."""
+
+    name = "autodiff"
+    appends_only = True  # existing nodes are left as they are (their dump text is reused)
+
+    def __init__(self, options: AutodiffOptions | None = None) -> None:
+        self.options = options or AutodiffOptions()
+
+    def apply(self, unit: CompileUnit) -> None:
+        scales = self.options.gradient_scales
+        for graph in unit.graphs:
+            # The objective, seeded with ones (MindSpore's sens); a non-scalar objective comes
+            # with its mean, the loss the step reports.
+            objective, loss = graph.outputs[0], graph.outputs[-1]
+            wrt = [p for p in graph.weights if p.requires_grad]
+            if not wrt:
+                raise PcompileError("the network has no trainable parameters to train")
+            origins: dict[int, Node] | None = {} if unit.micro_batched else None
+            custom = self.options.custom(graph) if self.options.custom is not None else []
+            grads = append_gradients(graph, objective, wrt, origins=origins, custom=custom)
+            if origins is not None:  # backward nodes run in their forward node's stage
+                from pcompile.passes.pipeline_split import inherit
+
+                assert unit.pipeline is not None
+                inherit(origins, unit.pipeline.local_stage, unit.pipeline.labels)
+            if scales:
+                grads = [_scaled(graph, g, scales.get(p.name, 1.0)) for p, g in zip(wrt, grads)]
+            graph.outputs = [loss, *grads]
+            graph.attrs["outputs"] = ("loss", *(f"grad.{p.name}" for p in wrt))
+
+
+def _scaled(graph: Graph, grad: Value, scale: float) -> Value:
+    """`grad * scale` appended to `graph`."""
+    if scale == 1.0:
+        return grad
+    return Builder(graph)("Mul", grad, scale, name_hint="scaled_grad")

@@ -25,6 +25,7 @@ the schedules run the backward passes in (a stage then holds one running sum, no
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,7 +42,9 @@ from pcompile.ir.core import (
     Value,
 )
 from pcompile.ir.errors import PcompileError
+from pcompile.ir.layout import TensorLayout
 from pcompile.ir.types import TensorType
+from pcompile.passes.unit import CompileUnit
 
 #: A node label: ("F", k) forward of micro-batch k, ("B", k) its backward.
 Label = tuple[str, int]
@@ -164,3 +167,54 @@ def _lookup(value: Value, local: dict[int, Value], shared: dict[int, Value]) -> 
     if isinstance(value, Constant):
         return copy_constant(value)
     return local[id(value)] if id(value) in local else shared[id(value)]
+
+
+@dataclass(frozen=True)
+class MicroBatchOptions:
+    """`loss_scope`: the scope of the loss (nn.PipelineCell's, or the top level's);
+    `shard_accumulation`: `gradient_accumulation_shard` of the parallel optimizer (its
+    AllGather then repeats per micro-batch)."""
+
+    loss_scope: str = "Default"
+    shard_accumulation: bool = False
+
+
+class MicroBatchPass:
+    """`micro_batch` (after step_parallel_end): the local forward program once per micro-batch
+    of nn.PipelineCell; every graph input becomes the rank's whole share of the batch."""
+
+    name = "micro_batch"
+
+    def __init__(self, options: MicroBatchOptions) -> None:
+        self.options = options
+
+    def apply(self, unit: CompileUnit) -> None:
+        settings = unit.pipeline
+        assert settings is not None and unit.assignment is not None and unit.graph is not None
+        micro = settings.micro_size
+        layouts = unit.assignment.param_layouts
+        splits = {p.name: layouts[p.name].splits[0] for p in unit.graph.inputs if p.shape}
+        if len(set(splits.values())) > 1:
+            shown = ", ".join(f"{name} {ways} ways" for name, ways in splits.items())
+            raise PcompileError(
+                f"nn.PipelineCell: micro-batch k is the k-th block of each rank's rows of every "
+                f"input, so every input must split dim 0 the same number of ways, but the "
+                f"layouts split it {shown}; give them one dim-0 split (dataset_strategy)")
+        shard_acc = self.options.shard_accumulation
+
+        def per_micro(node: Node) -> bool:  # gradient_accumulation_shard: the AllGather repeats
+            return shard_acc and node.op == "AllGather" and node.instance_name.startswith(
+                "parallel_optimizer_allgather")
+
+        graph = unit.rank_graphs[0]
+        out = replicate(graph, micro, loss_scope=self.options.loss_scope, labels=settings.labels,
+                        stages=settings.local_stage, copy_also=per_micro)
+        alive = {id(n) for n in out.nodes}
+        settings.local_stage = {k: v for k, v in settings.local_stage.items() if k in alive}
+        settings.labels = {k: v for k, v in settings.labels.items() if k in alive}
+        unit.rank_graphs = [out] * unit.devices
+        for p in unit.graph.inputs:
+            lay = layouts[p.name]
+            if p.shape:
+                layouts[p.name] = TensorLayout(lay.dev_matrix, lay.tensor_map,
+                                               (lay.shape[0] * micro, *lay.shape[1:]))

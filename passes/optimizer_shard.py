@@ -13,13 +13,15 @@ KB, and dim 0 of its slice divisible by the shard-group size.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from math import prod
 
 from pcompile.ir.core import Graph
 from pcompile.ir.errors import PcompileError
-from pcompile.ir.layout import TensorLayout, devices_along_axes, map_axes
+from pcompile.ir.layout import TensorLayout, devices_along_axes, group_name, map_axes
 from pcompile.ir.rank import RankGroup
+from pcompile.passes.unit import CompileUnit, OptimizerShardOptions, ParameterFacts
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class OptShard:
 def plan_optimizer_sharding(
     graph: Graph,
     layouts: dict[str, TensorLayout],
-    params: dict[str, object],
+    params: Mapping[str, object],
     threshold_kb: int,
     shard_size: int,
 ) -> dict[str, OptShard]:
@@ -146,3 +148,24 @@ def _shard_axes(use: TensorLayout, free: list[int], shard_size: int, name: str
 
 
 __all__ = ["OptShard", "plan_optimizer_sharding"]
+
+
+def optimizer_sharding(unit: CompileUnit, layouts: dict[str, TensorLayout],
+                       parameters: Mapping[str, ParameterFacts],
+                       options: OptimizerShardOptions) -> dict[str, OptShard]:
+    """The parallel optimizer's plan when `enable_parallel_optimizer` is set for training,
+    recorded in the plan (`parallel_optimizer`); {} otherwise."""
+    if not (unit.training and options.enabled):
+        return {}
+    assert unit.graph is not None
+    plan = plan_optimizer_sharding(unit.graph, layouts, dict(parameters), options.threshold_kb,
+                                   options.shard_size)
+    unit.plan["parallel_optimizer"] = {
+        name: {"stored_dev_matrix": list(s.stored.dev_matrix),
+               "stored_tensor_map": [list(e) if isinstance(e, tuple) else e
+                                     for e in s.stored.tensor_map],
+               "stored_slice_shape": list(s.stored.slice_shape),
+               "opt_shard_group": group_name(s.shard_group(0), unit.devices)}
+        for name, s in plan.items()
+    }
+    return plan

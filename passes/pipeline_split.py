@@ -55,6 +55,7 @@ from pcompile.passes.pipeline_schedule import (
     unit_sequence,
 )
 from pcompile.passes.step_parallel import RankBuilder, SplitOptions
+from pcompile.passes.unit import CompileUnit
 
 # -- the forward program, with the stage of every local node ------------------------------------
 
@@ -450,3 +451,23 @@ def check_loss(program: PipelineProgram) -> None:
                             f"loss function's cells (or the cells it follows) in the last "
                             f"{where}")
 
+
+
+class PipelineSplitPass:
+    """`pipeline_split` (after the optimizer): one program per stage, joined by Send/Receive;
+    rank r runs its stage's program."""
+
+    name = "pipeline_split"
+
+    def apply(self, unit: CompileUnit) -> None:
+        settings = unit.pipeline
+        assert settings is not None and settings.stage_map is not None
+        graph = unit.rank_graphs[0]
+        placed = assign(graph, settings.stage_map.virtual, settings.local_stage,
+                        settings.stage_map.param_stage)
+        program = split(graph, settings.stages, unit.devices, settings.micro_size,
+                        settings.scheduler, placed, settings.labels, settings.chunks)
+        check_loss(program)
+        settings.program = program
+        n = program.per_stage
+        unit.rank_graphs = [program.graphs[r // n] for r in range(unit.devices)]

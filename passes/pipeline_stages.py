@@ -34,6 +34,7 @@ source line.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pcompile.ir.core import Graph, GraphParam, Node, NodeResult
 from pcompile.ir.errors import PcompileError
@@ -220,3 +221,29 @@ def _check_segments(cells: dict[str, ScopeCell], interleave: bool) -> None:
 
 def weight_stage(param: GraphParam, result: StageMap) -> int | None:
     return result.param_stage.get(param.name)
+
+
+@dataclass
+class PipelineSettings:
+    """Pipeline options of one compile and what the passes derived from the trace."""
+
+    stages: int
+    micro_size: int
+    scheduler: str
+    interleave: bool = False
+    stage_map: StageMap | None = None
+    loss_scope: str = "Default"
+    # Filled by the passes, keyed by id of a node of the current local graph: its virtual
+    # stage (step_parallel_end, micro_batch, autodiff) and its label ("F" | "B", micro-batch).
+    local_stage: dict[int, int] = field(default_factory=dict)
+    labels: dict[int, tuple[str, int]] = field(default_factory=dict)
+    program: Any = None  # passes.pipeline_split.PipelineProgram once split
+
+    @property
+    def pipelined(self) -> bool:
+        return self.stages > 1
+
+    @property
+    def chunks(self) -> int:
+        """Chunks (segments) per stage: 1 unless interleaved."""
+        return self.stage_map.chunks if self.stage_map is not None else 1

@@ -22,6 +22,7 @@ anything else (the optimizer, a training step's own computations) are not copied
 from __future__ import annotations
 
 from pcompile.ir.core import Constant, Graph, Node, NodeResult, ParallelInfo, Value
+from pcompile.passes.unit import CompileUnit
 
 BACKWARD_SCOPE = "Gradients/"
 
@@ -126,3 +127,14 @@ def apply_recompute(graph: Graph) -> int:
 
 
 __all__ = ["apply_recompute", "is_backward", "marked", "recomputable"]
+
+
+class RecomputePass:
+    """`recompute`: forward values marked `recompute: true` computed again for the backward
+    pass; the plan records how many nodes were copied."""
+
+    name = "recompute"
+
+    def apply(self, unit: CompileUnit) -> None:
+        copied = sum(apply_recompute(graph) for graph in unit.graphs)
+        unit.plan["recompute"] = {"recomputed_nodes": copied}

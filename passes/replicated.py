@@ -10,12 +10,15 @@ over equal-size local batches, training equals single-device training on the glo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pcompile.ir.core import Graph, GraphParam, Node, Value
 from pcompile.ir.layout import TensorLayout
 from pcompile.ir.sharding import OpSharding
 from pcompile.ir.types import TensorType, TupleType
 from pcompile.passes.step_parallel import RankBuilder, SplitOptions
 from pcompile.passes.step_parallel_begin import ParallelAssignment, replicated
+from pcompile.passes.unit import CompileUnit, ParameterFacts
 
 
 def _types(node: Node) -> list[TensorType]:
@@ -89,3 +92,39 @@ def data_parallel_feed_layouts(graph: Graph, devices: int) -> dict[str, TensorLa
         tmap = (0,) + (-1,) * (len(shape) - 1) if shape else ()
         layouts[p.name] = TensorLayout((devices,), tmap, shape)
     return layouts
+
+
+class ReplicatePass:
+    """`split_ranks` in data_parallel / hybrid_parallel: every rank runs the whole graph
+    (hybrid: the graph traced for that rank, already in `unit.rank_graphs`), with gradient
+    mirrors over all ranks for parameters not marked `layerwise_parallel`."""
+
+    name = "split_ranks"
+
+    def __init__(self, parameters: Mapping[str, ParameterFacts]) -> None:
+        self.parameters = parameters
+
+    def apply(self, unit: CompileUnit) -> None:
+        from pcompile.passes.optimizer_shard import optimizer_sharding
+
+        assert unit.graph is not None
+        if unit.parallel_mode == "hybrid_parallel":
+            graphs = list(unit.rank_graphs)  # traced per rank by the front end
+        else:
+            graphs = [unit.graph] * unit.devices
+        options = SplitOptions(unit.devices, unit.backward,
+                               gradients_mean=unit.options.gradients_mean)
+        fusion = {name: p.comm_fusion for name, p in self.parameters.items()}
+        layerwise = {name for name, p in self.parameters.items() if p.layerwise_parallel}
+        assignment = replicated_assignment(unit.graph, unit.devices)
+        options.opt_shard = optimizer_sharding(unit, assignment.param_layouts, self.parameters,
+                                               unit.options.optimizer_shard)
+        unit.opt_shard = dict(options.opt_shard)
+        unit.rank_graphs = build_replicated_graphs(graphs, options, fusion, layerwise)
+        for name, shard in options.opt_shard.items():
+            assignment.param_layouts[name] = shard.stored
+        if unit.parallel_mode == "data_parallel":
+            assignment.param_layouts.update(data_parallel_feed_layouts(unit.graph, unit.devices))
+        unit.assignment = assignment
+        unit.output_layouts = [None] * len(unit.graph.outputs)
+        unit.split = True

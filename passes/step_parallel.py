@@ -22,6 +22,7 @@ communication (AllReduce <-> AllReduce, AllGather <-> ReduceScatter, StridedSlic
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,7 @@ from pcompile.passes.cotangents import (
 from pcompile.passes.forward_scatter import scatter_layouts
 from pcompile.passes.redistribution import plan_redistribution
 from pcompile.passes.step_parallel_begin import ParallelAssignment, replicated
+from pcompile.passes.unit import CompileUnit, ParameterFacts
 
 
 @dataclass
@@ -653,3 +655,69 @@ def build_rank_graphs(graph: Graph, assignment: ParallelAssignment, options: Spl
     """`build_spmd_graph` as the list of what every rank runs (the same graph, once per rank)."""
     local, layouts = build_spmd_graph(graph, assignment, options, fusion_ids)
     return [local] * options.devices, layouts
+
+
+@dataclass(frozen=True)
+class SplitPassOptions:
+    """What `step_parallel_end` needs besides the unit: each parameter's facts, whether
+    output 0 is the loss autodiff seeds (the standard training form), the forward values a
+    custom bprop reads (their local values are recorded in `unit.bprop_locals`), and the
+    parameters whose gradient reduction the shrunk check pins (None: decided here)."""
+
+    parameters: Mapping[str, ParameterFacts]
+    seeded_loss: bool = False
+    bprop_values: tuple[Value, ...] = ()
+    pinned_reductions: tuple[str, ...] | None = None
+
+
+class StepParallelEndPass:
+    """`step_parallel_end`: one local forward graph per rank: slices, redistributions,
+    forward communication, mirrors."""
+
+    name = "step_parallel_end"
+
+    def __init__(self, options: SplitPassOptions) -> None:
+        self.options = options
+
+    def apply(self, unit: CompileUnit) -> None:
+        from pcompile.passes.optimizer_shard import optimizer_sharding
+
+        assert unit.graph is not None and unit.assignment is not None
+        opts = unit.options
+        options = SplitOptions(
+            devices=unit.stage_devices,
+            training=unit.backward,
+            gradients_mean=opts.gradients_mean,
+            loss_repeated_mean=opts.loss_repeated_mean,
+            enable_alltoall=opts.enable_alltoall,
+            gradient_fp32_sync=opts.gradient_fp32_sync,
+            seeded_loss=self.options.seeded_loss,
+        )
+        parameters = self.options.parameters
+        fusion = {name: p.comm_fusion for name, p in parameters.items()}
+        options.opt_shard = optimizer_sharding(unit, unit.assignment.param_layouts, parameters,
+                                               opts.optimizer_shard)
+        unit.opt_shard = dict(options.opt_shard)
+        if options.training:
+            options.reductions = plan_cotangent_reductions(
+                unit.graph, unit.assignment, options.opt_shard,
+                forced=self.options.pinned_reductions)
+            unit.reduced_parameters = tuple(sorted(options.reductions.param_axes))
+        for name, shard in options.opt_shard.items():
+            unit.assignment.param_layouts[name] = shard.stored
+        watch: dict[int, Value | None] = {id(v): None for v in self.options.bprop_values}
+        if unit.pipelined:  # the stage of every local node
+            from pcompile.passes.pipeline_split import build_staged_spmd_graph
+
+            pipeline = unit.pipeline
+            assert pipeline is not None and pipeline.stage_map is not None
+            graph, layouts, pipeline.local_stage = build_staged_spmd_graph(
+                unit.graph, unit.assignment, options, fusion,
+                pipeline.stage_map.node_stage, watch)
+        else:
+            graph, layouts = build_spmd_graph(unit.graph, unit.assignment, options, fusion,
+                                              watch)
+        unit.bprop_locals = watch
+        unit.rank_graphs = [graph] * unit.devices
+        unit.output_layouts = layouts
+        unit.split = True

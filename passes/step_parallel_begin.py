@@ -31,6 +31,7 @@ from pcompile.ir.sharding import (
 )
 from pcompile.ir.types import TensorType
 from pcompile.passes.reshape_layout import map_layout, map_layout_partly
+from pcompile.passes.unit import CompileUnit
 
 
 @dataclass
@@ -526,3 +527,25 @@ def _layout_detail(given: Any, dev: tuple[int, ...], tmap: tuple[Any, ...]) -> L
         return LayoutDetail(given["device_matrix"], given["tensor_map"],
                             given.get("interleaved_parallel"), given.get("alias_name"))
     return LayoutDetail(dev, tmap)
+
+
+class StepParallelBeginPass:
+    """`step_parallel_begin`: strategies (the user's, the search's, the default) and layouts
+    for every forward op; with `parallel_detail` (MindSpore's MS_DEV_DUMP_IR_PARALLEL_DETAIL),
+    tensor maps in semi_auto_parallel and layouts under sharding propagation in the dump."""
+
+    name = "step_parallel_begin"
+
+    def apply(self, unit: CompileUnit) -> None:
+        from pcompile.passes.search.auto_parallel_pass import finish_assignment
+
+        assert unit.graph is not None
+        searched = unit.search.specs() if unit.search is not None else None
+        unit.assignment = assign(unit.graph, unit.stage_devices, unit.options.dataset_strategy,
+                                 searched=searched)
+        finish_assignment(unit)  # the search's annotations, plan entry and checkpoint
+        if unit.options.parallel_detail:
+            if unit.parallel_mode == "semi_auto_parallel":
+                annotate_parallel_detail(unit.graph, unit.assignment, "tensor_map")
+            elif unit.search_mode == "sharding_propagation":
+                annotate_parallel_detail(unit.graph, unit.assignment, "layout")

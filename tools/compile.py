@@ -68,7 +68,7 @@ def write_outputs(program: CompiledProgram, out_dir: str) -> None:
                     raise AssertionError(f"{filename} does not round-trip")
                 with open(os.path.join(tmp, f"rank_{r}", filename), "w", encoding="utf-8") as f:
                     f.write(text)
-                if state.options.get("save_graphs") == 3:  # MindSpore's level 3: .dot files
+                if state.options.save_graphs == 3:  # MindSpore's level 3: .dot files
                     with open(os.path.join(tmp, f"rank_{r}", filename[:-3] + ".dot"), "w",
                               encoding="utf-8") as f:
                         f.write(graph_to_dot(parse_graph(text, filename)))

@@ -282,7 +282,7 @@ def gradient_scales(program: CompiledProgram) -> dict[str, float]:
     replicated_modes = state.parallel_mode in ("data_parallel", "hybrid_parallel")
     if replicated_modes:
         copies = state.devices
-    elif options.get("loss_repeated_mean", True):
+    elif options.loss_repeated_mean:
         copies = 1
     else:
         layout = state.output_layouts[0] if state.output_layouts else None
@@ -298,7 +298,7 @@ def gradient_scales(program: CompiledProgram) -> dict[str, float]:
         shard = state.opt_shard.get(p.name)
         use = shard.use if shard is not None else state.assignment.param_layouts[p.name]
         held = use.repeat_count
-        mean = held if options.get("gradients_mean") and held > 1 else 1
+        mean = held if options.gradients_mean and held > 1 else 1
         if copies != mean:
             scales[p.name] = copies / mean
     return scales

@@ -219,7 +219,9 @@ class ParallelRunner:
         if self.program.state.pipelined:
             from pcompile.backends.numpy.pipeline import run_pipeline
 
-            outs = run_pipeline(self.program.state.pipeline.program, feeds, self.float64)
+            pipeline = self.program.state.pipeline
+            assert pipeline is not None
+            outs = run_pipeline(pipeline.program, feeds, self.float64)
         else:
             outs = run_ranks(self.graphs, feeds, self.float64)
         return [[np.asarray(o) for o in rank_outs] for rank_outs in outs]

@@ -543,7 +543,7 @@ class JaxSpmdRunner:
             # Each rank's blocks are made on its own device (param_init) unless they are
             # wanted in float64 or copied from rank 0 (parameter_broadcast).
             initial = (initial_rank_values(program, float64)
-                       if float64 or state.options.get("parameter_broadcast") else None)
+                       if float64 or state.options.parameter_broadcast else None)
         else:
             self.layouts = {}
             initial = [{k: np.array(v, copy=True) for k, v in program.initial_values.items()}]

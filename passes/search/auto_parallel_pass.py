@@ -2,7 +2,7 @@
 
 `StepAutoParallelPass` (dumped as `NN_step_auto_parallel_begin.ir`, the graph the search
 reads) loads a strategy checkpoint if one is configured, runs the search of
-`state.search_mode` on the forward graph and keeps the `SearchResult` on the state. After
+`unit.search_mode` on the forward graph and keeps the `SearchResult` on the unit. After
 `step_parallel_begin.assign(..., searched=result.strategies)`, `finish_assignment` applies the
 Reshape-chain layouts, writes each searched op's cost, the terms it was chosen by and the
 runner-up into its parallel annotation (`cost`, `decision`, `runner_up` or `decided_by` in the
@@ -15,10 +15,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from pcompile.passes.search import SearchOptions, SearchResult, search
+from pcompile.passes.search import SearchOptions, search
 from pcompile.passes.search.cost_model import CostConstants
 from pcompile.passes.search.explain import annotate
 from pcompile.passes.search.strategy_checkpoint import load_strategies, save_checkpoint
+from pcompile.passes.unit import CompileUnit
 
 
 class StepAutoParallelPass:
@@ -33,37 +34,30 @@ class StepAutoParallelPass:
         self.options = options or SearchOptions()
         self.constants = constants or CostConstants()
 
-    def apply(self, state: Any) -> None:
-        assert state.graph is not None
-        opts = state.options
-        ckpt = opts.get("strategy_ckpt_config")
-        loaded = {}
-        if ckpt is not None and ckpt.load_file:
-            loaded = load_strategies(ckpt.load_file, state.graph)
-        constants = replace(self.constants, training=state.training,
-                            enable_alltoall=bool(opts.get("enable_alltoall", False)))
-        state.search = search(
-            state.graph,
-            getattr(state, "stage_devices", state.devices),  # a pipeline stage's devices
-            state.search_mode,
-            dataset_strategy=opts.get("dataset_strategy"),
+    def apply(self, unit: CompileUnit) -> None:
+        assert unit.graph is not None
+        files = unit.options.strategy_files
+        loaded = load_strategies(files.load_file, unit.graph) if files.load_file else {}
+        constants = replace(self.constants, training=unit.training,
+                            enable_alltoall=unit.options.enable_alltoall)
+        unit.search = search(
+            unit.graph,
+            unit.stage_devices,  # a pipeline stage's devices
+            unit.search_mode,
+            dataset_strategy=unit.options.dataset_strategy,
             constants=constants,
             options=self.options,
             loaded=loaded,
         )
 
 
-def searched_strategies(state: Any) -> dict[int, Any] | None:
-    result: SearchResult | None = getattr(state, "search", None)
-    return result.specs() if result is not None else None
-
-
-def finish_assignment(state: Any) -> None:
+def finish_assignment(unit: CompileUnit) -> None:
     """Reshape-chain layouts, cost annotations, plan.json entry and checkpoint (see above)."""
-    result: SearchResult | None = getattr(state, "search", None)
+    result = unit.search
     if result is None:
         return
-    graph, assignment = state.graph, state.assignment
+    graph, assignment = unit.graph, unit.assignment
+    assert graph is not None and assignment is not None
     assignment.reshape_layouts.update(result.reshape_layouts)
     ops: dict[str, Any] = {}
     for node in graph.nodes:
@@ -73,7 +67,7 @@ def finish_assignment(state: Any) -> None:
         if node.parallel is not None:
             annotate(node.parallel, info)
         ops[node.fullname] = {"instance_name": node.instance_name, **info}
-    state.plan["search"] = {**result.summary(), "ops": ops}
-    ckpt = state.options.get("strategy_ckpt_config")
-    if ckpt is not None and ckpt.save_file:
-        save_checkpoint(ckpt.save_file, graph, assignment, ckpt.only_trainable_params)
+    unit.plan["search"] = {**result.summary(), "ops": ops}
+    files = unit.options.strategy_files
+    if files.save_file:
+        save_checkpoint(files.save_file, graph, assignment, files.only_trainable_params)

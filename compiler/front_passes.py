@@ -1,0 +1,242 @@
+"""The front end's passes: the ones that run the user's code.
+
+`trace` runs `model()` (and the loss) on `inputs()` into the forward graph; `optimizer` traces
+`optimizer(params)` after the gradients; `train_step` replays a training step cell's construct
+on each local graph. They follow the pass contract (`passes.unit.Pass`) on the front end's
+`CompileState`; every other pass lives in `passes/` and sees only the `CompileUnit`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pcompile.compiler.compiled import CompileState
+from pcompile.compiler.context import context_override
+from pcompile.compiler.model_file import ModelFile, call_user, load_model_file
+from pcompile.compiler.optimizer_update import StateSlicer, append_optimizer, rank_sum
+from pcompile.compiler.trace_model import TracedModel, check_optimizer, trace_model
+from pcompile.compiler.train_step import ReplayEnv, replay_step
+from pcompile.ir.core import Graph, Value
+from pcompile.ir.errors import PcompileError
+from pcompile.ir.layout import TensorLayout
+
+
+class TracePass:
+    """Trace `model()` on `inputs()` (and the loss on the labels) into the forward graph."""
+
+    name = "trace"
+
+    def apply(self, state: CompileState) -> None:
+        split = state.devices if state.parallel_mode == "data_parallel" else 1
+        if state.parallel_mode == "hybrid_parallel":
+            # The model's own code reads get_rank(), at module level too (`cur_rank =
+            # get_rank()` after `init()`, as every MindSpore process runs the script as its own
+            # rank): run the model file and trace it once per rank. Rank 0's trace is the graph
+            # of record; each rank's trace is dumped in its own folder.
+            files = [_load_as_rank(state, rank) for rank in range(state.devices)]
+            traces = [_trace_as_rank(mf, rank) for rank, mf in enumerate(files)]
+            state.model_file, traced = files[0], traces[0]
+            state.traces = traces
+            state.rank_graphs = [t.graph for t in traces]
+            state.split = True
+        else:
+            from pcompile.compiler.tracing import recording_cells
+
+            with recording_cells() as cells:
+                traced = trace_model(state.model_file, batch_split=split,
+                                     micro_batches=state.parallel)
+            _pipeline_trace(state, traced, cells)
+        if state.shrink is not None:  # the shrunk check's copy (tools/shrink.py)
+            from pcompile.compiler.pinned_plan import apply_to_trace
+
+            apply_to_trace(state.shrink.shrink, traced)
+        state.traced = traced
+        state.graph = traced.graph
+        _check_functional_shard(state)
+        for name, param in traced.parameters.items():
+            state.initial_values[name] = param.source  # abstract: nothing is allocated
+        if not state.parallel:
+            if state.reference is not None and state.reference.transform is not None:
+                state.reference.transform(traced.graph)
+            state.rank_graphs = [traced.graph]
+            state.split = True
+
+
+def _pipeline_trace(state: CompileState, traced: TracedModel, cells: dict[str, Any]) -> None:
+    """nn.PipelineCell's micro size, and the stage of every op when there are stages."""
+    from pcompile.compiler.nn.pipeline import PipelineCell
+    from pcompile.compiler.pipelining import check_interleave, check_micro_split, stage_map
+    from pcompile.passes.pipeline_stages import PipelineSettings
+
+    settings = state.pipeline
+    if isinstance(traced.network, PipelineCell) and state.parallel:
+        if settings is None:
+            settings = state.pipeline = PipelineSettings(1, 1, "1f1b")
+        settings.micro_size = traced.network.micro_size
+    if settings is None:
+        return
+    check_micro_split(traced.graph, settings.micro_size, state.stage_devices,
+                      state.options.dataset_strategy)
+    if settings.stages <= 1:
+        return
+    if traced.step is not None:
+        raise PcompileError(
+            f"pipeline_stages={settings.stages}: this model file trains through a training "
+            f"step cell ({type(traced.network).__name__}: model() returns one, or its network "
+            "computes its own loss and the file defines optimizer() without loss()); pipeline "
+            "parallelism in this version of pcompile trains nn.PipelineCell(nn.WithLossCell("
+            "net, loss_fn), micro_size) returned from model() with optimizer(), or model() + "
+            "loss() + optimizer()")
+    if traced.mode != "train":
+        raise PcompileError(
+            f"pipeline_stages={settings.stages}: pipeline parallelism trains (a loss, "
+            "gradients, an update per step); this model file compiles inference: return "
+            "nn.PipelineCell(nn.WithLossCell(net, loss_fn), micro_size) from model() or define "
+            "loss() and optimizer()")
+    recomputed = next((n for n in traced.graph.nodes if n.attrs.get("recompute")), None)
+    if recomputed is not None:
+        raise PcompileError(
+            f"pipeline_stages={settings.stages}: {recomputed.op} "
+            f"({recomputed.source or recomputed.scope}) is marked for recomputation; "
+            "recompute is not implemented together with pipeline stages in this version of "
+            "pcompile; remove recompute() or use pipeline_stages=1")
+    settings.stage_map = stage_map(traced.graph, cells, traced, settings.stages,
+                                   settings.interleave)
+    check_interleave(settings)
+
+
+def _load_as_rank(state: CompileState, rank: int) -> ModelFile:
+    """The model file run as rank `rank` (hybrid_parallel): `get_rank()` answers `rank` and
+    `get_group_size()` the device count while its module level runs."""
+    with context_override(global_rank=rank, device_num=state.devices):
+        return load_model_file(state.model_file.path)
+
+
+def _trace_as_rank(mf: ModelFile, rank: int) -> TracedModel:
+    with context_override(global_rank=rank):
+        return trace_model(mf)
+
+
+def _check_functional_shard(state: CompileState) -> None:
+    """Functional shard is valid only with auto_parallel + sharding_propagation (the seed)."""
+    if not state.parallel or (state.parallel_mode == "auto_parallel"
+                              and state.search_mode == "sharding_propagation"):
+        return
+    assert state.graph is not None
+    for node in state.graph.nodes:
+        if node.attrs.get("functional_shard"):
+            raise PcompileError(
+                f"shard() / Cell.shard() (at {node.source or node.scope}) is only supported "
+                "with parallel_mode='auto_parallel' and search_mode='sharding_propagation'; "
+                f"this compile uses {state.parallel_mode}"
+                + (f" with {state.search_mode}" if state.parallel_mode == "auto_parallel"
+                   else "")
+            )
+
+
+def bprop_vjps(state: CompileState, traced: TracedModel | None, graph: Graph) -> list[Any]:
+    """The cells with their own bprop, on the rank graph `graph` (compiler/custom_bprop.py);
+    none in the single-device reference of the check, which differentiates their construct."""
+    if traced is None or not traced.custom_bprops or state.reference is not None:
+        return []
+    from pcompile.compiler.custom_bprop import custom_vjps
+
+    locals_ = state.bprop_locals
+    if locals_ is None:  # not split: the forward graph's own values, where still in it
+        live = {id(n.result) for n in graph.nodes} | {id(p) for p in graph.params}
+        return custom_vjps(traced.custom_bprops, lambda v: v if id(v) in live else None)
+    return custom_vjps(traced.custom_bprops, lambda v: locals_.get(id(v)))
+
+
+class OptimizerPass:
+    """Trace `optimizer(params)` after the gradients: the graph becomes one training step."""
+
+    name = "optimizer"
+    appends_only = True
+
+    def apply(self, state: CompileState) -> None:
+        traced, mf = state.traced, state.model_file
+        assert traced is not None
+        if mf.optimizer is None:
+            raise PcompileError(
+                f"model file {mf.path} defines loss() but no optimizer(params); training needs "
+                "both"
+            )
+        opt = check_optimizer(call_user(mf.optimizer, "optimizer(params)", mf.path,
+                                        traced.network.trainable_params()), mf.path)
+        state.optimizer = opt
+        for graph in state.graphs:
+            names = graph.attrs["outputs"]
+            loss: Value = graph.outputs[0]
+            grads = {n[len("grad."):]: v for n, v in zip(names[1:], graph.outputs[1:])}
+            slicer = _state_slicer(state) if state.parallel else None
+            summer = (rank_sum(graph, state.devices, state.assignment.param_layouts)
+                      if state.parallel and state.assignment is not None else None)
+            init = append_optimizer(graph, opt, traced.parameters, grads, loss, slicer, summer)
+            if not state.parallel:
+                state.initial_values.update(init)
+
+
+def _state_slicer(state: CompileState) -> StateSlicer:
+    """Optimizer state in a local graph: a per-parameter state takes its parameter's layout
+    (its local shape is the parameter's slice shape); the global value is kept, abstract, and
+    each rank's slice is made from it when needed."""
+    assert state.assignment is not None
+    layouts = state.assignment.param_layouts
+
+    def cut(name: str, owner: str, value: Any,
+            dims: tuple[int | None, ...] | None = None) -> tuple[int, ...]:
+        state.initial_values.setdefault(name, value)
+        if not owner:
+            return tuple(value.shape)
+        state.state_owners[name] = owner
+        if dims is None:
+            layouts.setdefault(name, layouts[owner])
+            return layouts[owner].slice_shape
+        # a factored state (AdaFactor's row / column statistics): each of its dims is split as
+        # the parameter dim it follows (None: not split)
+        owner_layout = layouts[owner]
+        layout = TensorLayout(owner_layout.dev_matrix,
+                              tuple(-1 if d is None else owner_layout.tensor_map[d]
+                                    for d in dims), tuple(value.shape))
+        layouts.setdefault(name, layout)
+        return layouts[name].slice_shape
+
+    return cut
+
+
+class TrainStepPass:
+    """A training step cell (`nn.TrainOneStepCell`, ...): its construct replayed on each local
+    graph (`compiler.train_step`): backward, gradient processing, optimizer, state updates."""
+
+    name = "train_step"
+
+    def apply(self, state: CompileState) -> None:
+        traces: Sequence[TracedModel | None] = state.traces or [state.traced]
+        done: set[int] = set()
+        for rank, graph in enumerate(state.rank_graphs):
+            if id(graph) in done:
+                continue
+            done.add(id(graph))
+            traced = traces[rank] if len(traces) > rank else traces[0]
+            assert traced is not None and traced.step is not None
+            env = ReplayEnv(
+                devices=state.devices,
+                layouts=state.assignment.param_layouts if state.assignment is not None else {},
+                initial_values=state.initial_values,
+                slicer=_state_slicer(state) if state.parallel else None,
+                network_params=dict(traced.parameters),
+                custom=bprop_vjps(state, traced, graph),
+            )
+            result = replay_step(traced.step.top, traced.step.captured, graph, env,
+                                 state.model_file.path)
+            if result.trains != (traced.mode == "train"):
+                what = type(traced.step.top).__name__
+                raise PcompileError(
+                    f"{what} holds an optimizer but its construct never calls it"
+                    if traced.mode == "train" else
+                    f"{what} updates stored values but holds no optimizer; give it the "
+                    "optimizer it applies as an attribute")
+            if rank == 0:
+                state.output_layouts = list(result.layouts)

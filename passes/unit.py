@@ -1,0 +1,167 @@
+"""The pass contract: a `Pass` has a `name` and one `apply(unit)` on a `CompileUnit`.
+
+A pass's options are typed data the driver builds when it assembles a compile
+(`compiler/driver.py::pipeline`) and hands to the pass's constructor; a pass reads nothing
+else: no global context, no environment, no front-end object (the model file, the traced
+cells). What the passes read and write between them is the `CompileUnit`: the forward graph,
+the graph each rank runs, the strategy assignment, the search's decision, the pipeline program
+and the plan record. The front end's state (`compiler.compiled.CompileState`) extends it with
+what only the front end reads (the model file, the traced model, the optimizer).
+
+The driver runs the passes in order; after each it verifies the graphs (every node when the
+pass may change any, only the appended ones when the pass says `appends_only`), times it and
+dumps it as `<NN>_<name>.ir`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from pcompile.ir.core import Graph, Node
+
+if TYPE_CHECKING:
+    from pcompile.passes.optimizer_shard import OptShard
+    from pcompile.passes.pipeline_stages import PipelineSettings
+    from pcompile.passes.search import SearchResult
+    from pcompile.passes.step_parallel_begin import ParallelAssignment
+
+U_contra = TypeVar("U_contra", contravariant=True)
+
+
+class Pass(Protocol[U_contra]):
+    """One pass: `name` names its dump (`<NN>_<name>.ir`); `apply` changes the unit in place.
+    A pass that only appends nodes also sets `appends_only = True` (the driver then verifies
+    and prints only what it appended)."""
+
+    name: str
+
+    def apply(self, unit: U_contra) -> None: ...
+
+
+@dataclass(frozen=True)
+class StrategyFiles:
+    """`strategy_ckpt_config`: where the search loads strategies from and saves them to."""
+
+    load_file: str = ""
+    save_file: str = ""
+    only_trainable_params: bool = True
+
+
+@dataclass(frozen=True)
+class OptimizerShardOptions:
+    """`enable_parallel_optimizer` and `parallel_optimizer_config`."""
+
+    enabled: bool = False
+    threshold_kb: int = 64
+    shard_size: int = -1
+    gradient_accumulation_shard: bool = False
+
+
+@dataclass(frozen=True)
+class ParameterFacts:
+    """What the passes need to know of a user's Parameter: its gradient's fusion bucket
+    (`comm_fusion`), whether each rank keeps its own copy (`layerwise_parallel`: no gradient
+    mirror) and whether the parallel optimizer may shard it (`parallel_optimizer`)."""
+
+    comm_fusion: int = 1
+    layerwise_parallel: bool = False
+    parallel_optimizer: bool = True
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """The compile's options the passes read, as the driver took them from the contexts and
+    the command line (MindSpore's names)."""
+
+    dataset_strategy: Any = None  # a tuple of per-input strategies or Layouts; None: default
+    gradients_mean: bool = False
+    loss_repeated_mean: bool = True
+    enable_alltoall: bool = False
+    gradient_fp32_sync: bool = True
+    parameter_broadcast: bool = False
+    optimizer_shard: OptimizerShardOptions = OptimizerShardOptions()
+    strategy_files: StrategyFiles = StrategyFiles()
+    global_rank: int = 0
+    # MS_DEV_DUMP_IR_PARALLEL_DETAIL=1: tensor maps / layouts in step_parallel_begin's dump
+    parallel_detail: bool = False
+    save_graphs: int = 2  # MindSpore's level: which passes are dumped
+    verify_each: bool = False  # verify the graphs after every pass (the test suite sets it)
+
+
+@dataclass(kw_only=True)
+class CompileUnit:
+    """What the passes read and write."""
+
+    devices: int
+    parallel_mode: str
+    search_mode: str
+    options: CompileOptions = field(default_factory=CompileOptions)
+    graph: Graph | None = None  # the forward graph of record
+    # After the split, rank r runs rank_graphs[r]. In SPMD modes every entry is the same
+    # rank-parametric graph (what differs between ranks is an `ir.rank` value); hybrid mode
+    # traces the model per rank and has one graph per rank.
+    rank_graphs: list[Graph] = field(default_factory=list)
+    split: bool = False  # True once every rank has its own graph
+    plan: dict[str, Any] = field(default_factory=dict)  # the plan record (plan.json)
+    assignment: ParallelAssignment | None = None
+    output_layouts: list[Any] = field(default_factory=list)
+    search: SearchResult | None = None  # auto_parallel's decision
+    # Pipeline parallelism: stages, micro-batches, the stage of every op; None when neither
+    # pipeline_stages > 1 nor nn.PipelineCell is used.
+    pipeline: PipelineSettings | None = None
+    opt_shard: dict[str, OptShard] = field(default_factory=dict)  # the parallel optimizer's plan
+    # parameters whose gradient is reduced over part of their copies after their user's output
+    # cotangent is summed (passes/cotangents.py; a byte-size decision the shrunk check pins)
+    reduced_parameters: tuple[str, ...] = ()
+    # the rank graph's value for each value of the forward graph that a custom bprop reads,
+    # by id; None when the graphs are not split
+    bprop_locals: dict[int, Any] | None = None
+    # Each distinct rank graph's nodes before communication fusion (whose buckets depend on
+    # byte sizes): the shrunk check compares a plan's communication by them.
+    unfused: list[list[Node]] = field(default_factory=list)
+    dump_ranks: list[int] = field(default_factory=list)  # the ranks whose folders are written
+
+    @property
+    def parallel(self) -> bool:
+        return self.parallel_mode != "stand_alone"
+
+    @property
+    def training(self) -> bool:
+        """The program is a training step: it returns the loss and updates stored values."""
+        raise NotImplementedError  # the front end knows (compiler.compiled.CompileState)
+
+    @property
+    def backward(self) -> bool:
+        """The program differentiates (a training step, or a cell returning gradients): the
+        split inserts gradient communication."""
+        raise NotImplementedError  # the front end knows (compiler.compiled.CompileState)
+
+    @property
+    def stage_devices(self) -> int:
+        """Devices of one pipeline stage (all devices without pipeline stages): operator
+        strategies, layouts and collectives live inside a stage."""
+        stages = self.pipeline.stages if self.pipeline is not None else 1
+        return self.devices // stages
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the step is cut into pipeline stages (pipeline_stages > 1)."""
+        return self.pipeline is not None and self.pipeline.stages > 1
+
+    @property
+    def micro_batched(self) -> bool:
+        """Whether the local program is repeated per micro-batch (passes/micro_batch.py)."""
+        return self.pipeline is not None and self.parallel and (
+            self.pipeline.stages > 1 or self.pipeline.micro_size > 1)
+
+    @property
+    def graphs(self) -> list[Graph]:
+        """The distinct graphs the ranks run (one in SPMD modes), in rank order."""
+        out: list[Graph] = []
+        seen: set[int] = set()
+        for g in self.rank_graphs:
+            if id(g) not in seen:
+                seen.add(id(g))
+                out.append(g)
+        return out
