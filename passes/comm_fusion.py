@@ -65,6 +65,7 @@ from pcompile.ir.builder import Builder
 from pcompile.ir.core import Graph, GraphParam, Node, NodeResult, ParallelInfo, Value
 from pcompile.ir.rank import RankGroup, RankValue, resolve
 from pcompile.ir.registry import get_op
+from pcompile.passes.unit import CompileUnit
 
 __all__ = [
     "FUSIBLE_OPS",
@@ -667,25 +668,19 @@ class CommFusionPass:
         self.config = config
         self.reports: list[FusionReport] = []
 
-    def apply(self, state: Any) -> None:
-        if not getattr(state, "parallel", True) or not state.rank_graphs:
+    def apply(self, unit: CompileUnit) -> None:
+        if not unit.parallel or not unit.rank_graphs:
             return  # one device: every collective is the identity
-        config = self.config or FusionConfig()
-        devices = getattr(state, "devices", None)
-        if devices:
-            config = replace(config, world_size=int(devices))
-        graphs = state.graphs if hasattr(state, "graphs") else state.rank_graphs
-        reports = {id(g): fuse_communication(g, config) for g in graphs}
-        self.reports = [reports[id(g)] for g in state.rank_graphs]
+        config = replace(self.config or FusionConfig(), world_size=unit.devices)
+        reports = {id(g): fuse_communication(g, config) for g in unit.graphs}
+        self.reports = [reports[id(g)] for g in unit.rank_graphs]
         first = self.reports[0]
-        plan = getattr(state, "plan", None)
-        if isinstance(plan, dict):
-            plan["comm_fusion"] = {
-                "config": config.as_dict(),
-                "parameter_fusion": dict(first.parameter_fusion),
-                "buckets": [b.as_dict() for b in first.buckets],
-                "collectives_per_rank": [
-                    {"before": r.collectives_before, "after": r.collectives_after}
-                    for r in self.reports
-                ],
-            }
+        unit.plan["comm_fusion"] = {
+            "config": config.as_dict(),
+            "parameter_fusion": dict(first.parameter_fusion),
+            "buckets": [b.as_dict() for b in first.buckets],
+            "collectives_per_rank": [
+                {"before": r.collectives_before, "after": r.collectives_after}
+                for r in self.reports
+            ],
+        }

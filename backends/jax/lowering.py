@@ -8,12 +8,14 @@ lowering, which supplies axis-name collectives.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
 
 from pcompile.ir.core import Constant, Graph, Node, Value
+from pcompile.ir.lowering import LoweringOptions, lowering
 from pcompile.ir.registry import get_op
 from pcompile.ir.types import DType
 
@@ -39,10 +41,19 @@ def single_device_comm(node: Node, inputs: list[Any]) -> Any:
     return inputs[0] if len(inputs) == 1 else tuple(inputs)
 
 
+def default_lowering() -> LoweringOptions:
+    """The lowering's options for this process: `PCOMPILE_ATTENTION=xla` keeps attention off
+    fused vendor kernels (cuDNN on GPUs)."""
+    return LoweringOptions(fused_attention=os.environ.get("PCOMPILE_ATTENTION", "") != "xla")
+
+
 def lower_graph(graph: Graph, comm: CommFn = single_device_comm,
-                float64: bool = False) -> Callable[..., list[Any]]:
+                float64: bool = False, options: LoweringOptions | None = None
+                ) -> Callable[..., list[Any]]:
     """`float64`: every float computed in float64 (run it under `x64()`), as the numpy
-    interpreter's float64 mode does."""
+    interpreter's float64 mode does. `options`: what the op implementations may use
+    (default: `default_lowering()`), current while they run."""
+    current = options if options is not None else default_lowering()
     nodes = list(graph.nodes)
     params = list(graph.params)
     outputs = list(graph.outputs)
@@ -58,6 +69,10 @@ def lower_graph(graph: Graph, comm: CommFn = single_device_comm,
         impls.append((opdef, attrs))
 
     def fn(*arrays: Any) -> list[Any]:
+        with lowering(current):
+            return run(arrays)
+
+    def run(arrays: tuple[Any, ...]) -> list[Any]:
         env: dict[int, Any] = {id(p): a for p, a in zip(params, arrays)}
 
         def read(value: Value) -> Any:

@@ -41,7 +41,6 @@ computation is refused.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -51,6 +50,7 @@ from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
 from pcompile.ir.dims import DimRule, Divides, Fixed, In, Out, Product, Same
 from pcompile.ir.errors import PcompileError, ShapeError
+from pcompile.ir.lowering import current_lowering
 from pcompile.ir.ops._define import define, grad_helper
 from pcompile.ir.ops._jax import jax, jnp
 from pcompile.ir.ops._util import is_zero, same_dtype, tensor, tuple_type
@@ -448,10 +448,10 @@ def _implementation(dtype: Any, dims: AttentionDims, explicit_mask: bool
     if size > 4:
         return None
     half = size == 2
-    # PCOMPILE_ATTENTION=xla keeps GPUs off cuDNN (a way out should its kernel reject a
-    # configuration at compile time).
+    # The lowering's `fused_attention=False` (PCOMPILE_ATTENTION=xla) keeps GPUs off cuDNN (a
+    # way out should its kernel reject a configuration at compile time).
     if (backend == "gpu" and half and dims.head_dim % 8 == 0 and dims.head_dim <= 128
-            and not explicit_mask and os.environ.get("PCOMPILE_ATTENTION", "") != "xla"):
+            and not explicit_mask and current_lowering().fused_attention):
         return "cudnn"
     return None if half and backend == "cpu" else "xla"
 
@@ -609,8 +609,8 @@ attention = Attention()
   cuDNN's fused kernel on GPUs for 16-bit inputs with head size a multiple of 8 up to 128 and
   no mask other than causal, its XLA path otherwise (16-bit inputs on CPU and float64 use the
   same computation written out: that path's backward needs a dot precision CPUs lack, and it
-  rounds the softmax of float64 inputs to float32); `PCOMPILE_ATTENTION=xla` keeps GPUs on the
-  XLA path. The statistics come from the same computation on the written-out path; next to
+  rounds the softmax of float64 inputs to float32); the lowering's `fused_attention=False`
+  (`PCOMPILE_ATTENTION=xla` where the program runs) keeps GPUs on the XLA path. The statistics come from the same computation on the written-out path; next to
   `jax.nn.dot_product_attention` they are computed apart, and XLA removes them when nothing
   reads them.
 * **Causal masks known at compile time.** An attn_mask that the graph shows to be
