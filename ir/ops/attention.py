@@ -610,7 +610,8 @@ attention = Attention()
   no mask other than causal, its XLA path otherwise (16-bit inputs on CPU and float64 use the
   same computation written out: that path's backward needs a dot precision CPUs lack, and it
   rounds the softmax of float64 inputs to float32); the lowering's `fused_attention=False`
-  (`PCOMPILE_ATTENTION=xla` where the program runs) keeps GPUs on the XLA path. The statistics come from the same computation on the written-out path; next to
+  (`PCOMPILE_ATTENTION=xla` where the program runs) keeps GPUs on the XLA path. The
+  statistics come from the same computation on the written-out path; next to
   `jax.nn.dot_product_attention` they are computed apart, and XLA removes them when nothing
   reads them.
 * **Causal masks known at compile time.** An attn_mask that the graph shows to be

@@ -192,6 +192,7 @@ def test_rank_programs_are_written_deterministically(tmp_path) -> None:
     assert code(text) == code(files[0]["rank_5/program.py"].decode()) == code(shared)
 
 
+@pytest.mark.slow
 def test_params_manifest_gives_each_rank_its_slice_of_the_initialisation(tmp_path) -> None:
     """No parameter values are written at compile time: params.json names each value's
     initializer and seed, and the block a rank makes from it equals that rank's slice of the
@@ -241,6 +242,7 @@ def test_rank_program_runs_every_rank_in_one_process(tmp_path) -> None:
     assert os.path.exists(out / "checkpoints" / "rank_7" / "step_00000003.json")
 
 
+@pytest.mark.slow
 def test_a_fused_all_reduce_lowers_without_a_buffer() -> None:
     """Communication fusion's bucket (Reshape, Concat, AllReduce, Split/StridedSlice) runs as
     one psum of the gradients themselves (backends/jax/spmd.py `_Joined`): nothing is

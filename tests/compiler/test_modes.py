@@ -77,7 +77,9 @@ def assert_delta_close(program, got: np.ndarray, want: np.ndarray, name: str) ->
     np.testing.assert_allclose(got, want, rtol=bound, atol=bound * scale, err_msg=name)
 
 
-@pytest.mark.parametrize("example", ["quickstart.py", "layout_mlp.py", "gpt_block.py"])
+@pytest.mark.parametrize("example", ["quickstart.py", pytest.param("layout_mlp.py",
+                                                                   marks=pytest.mark.slow),
+                                     "gpt_block.py"])
 def test_data_parallel_with_gradients_mean_matches_single_device(example) -> None:
     program = compile_model(os.path.join(EXAMPLES, example), devices=8,
                             parallel_mode="data_parallel", dump=False,
@@ -98,6 +100,7 @@ def test_data_parallel_without_mean_sums_gradients(tmp_path) -> None:
         assert_delta_close(program, par[name], 8 * one[name], name)
 
 
+@pytest.mark.slow
 def test_hybrid_manual_parallel_matches_single_device(tmp_path) -> None:
     program = compile_model(os.path.join(EXAMPLES, "manual_parallel.py"), devices=8,
                             out_dir=str(tmp_path / "out"))

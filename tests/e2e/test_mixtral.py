@@ -84,7 +84,7 @@ def _layout_of(program: Any, name: str) -> Any:
     return program.state.assignment.param_layouts[name]
 
 
-@pytest.mark.parametrize("env,dp,ep", [({}, 8, 8),
+@pytest.mark.parametrize("env,dp,ep", [pytest.param({}, 8, 8, marks=pytest.mark.slow),
                                        ({"MP": "2"}, 4, 4),
                                        ({"EP": "2", "DTYPE": "float32"}, 8, 2),
                                        ({"MP": "2", "EP": "2"}, 4, 2)])

@@ -10,6 +10,8 @@ import json
 import os
 import tracemalloc
 
+import pytest
+
 from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 
@@ -36,6 +38,7 @@ def test_compiling_never_allocates_a_parameter(tmp_path) -> None:
     assert manifest["params"]["w"]["init"]["initializer"] == "Normal"
 
 
+@pytest.mark.slow
 def test_one_program_for_512_ranks_and_the_dumps_asked_for(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("GPT_BATCH", "512")
     out = tmp_path / "out"

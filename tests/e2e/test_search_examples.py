@@ -104,6 +104,7 @@ def test_quickstart_with_todays_default_prefers_the_cheaper_relu() -> None:
     assert by_name["matmul2"] == ((2, 1), (1, 4))
 
 
+@pytest.mark.slow
 def test_dumps_and_plan_explain_the_search(tmp_path) -> None:
     out = tmp_path / "o"
     compile_model(example("gpt_block.py"), devices=8, search_mode="dynamic_programming",

@@ -86,6 +86,7 @@ def test_batch_matmul_fixed_cases(batches: tuple[tuple[int, ...], tuple[int, ...
     test_batch_matmul.hypothesis.inner_test(batches, 2, 3, 4, ta, tb, 5)
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None)
 @given(st.integers(1, 3), st.integers(1, 3), st.booleans(), st.booleans(), SEEDS)
 def test_batch_matmul_rank2_rhs(batch: int, n: int, ta: bool, tb: bool, seed: int) -> None:

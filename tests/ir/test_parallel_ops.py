@@ -287,6 +287,7 @@ def attention_cases(draw: Any) -> Any:
     return case
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), devices=st.sampled_from([2, 4, 8, 16, 6]), case=attention_cases())
 def test_flash_attention_rule_matches_the_oracle(data: Any, devices: int, case: Any) -> None:

@@ -97,6 +97,7 @@ def mutate(text: str, rng: random.Random) -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.slow
 def test_mutated_dumps_raise_only_parse_errors(real_dumps) -> None:
     rng = random.Random(20240613)
     texts = real_dumps

@@ -97,7 +97,7 @@ def test_interleaved_mlp_trains_like_one_device(monkeypatch, micro, scheduler) -
 
 
 @pytest.mark.parametrize("scheduler", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("micro", [2, 4])
+@pytest.mark.parametrize("micro", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_interleaved_gpt_trains_like_one_device(monkeypatch, micro, scheduler) -> None:
     monkeypatch.setenv("GPT_LAYERS", "6")
     program = gpt(monkeypatch, 2, micro, scheduler, interleave=True)
@@ -143,6 +143,7 @@ def test_segment_config_and_micro_batch_interleaved_in_an_interleaved_pipeline(t
     assert check(program, steps=2).ok()
 
 
+@pytest.mark.slow
 def test_interleaved_dumps_name_the_chunk_of_every_unit(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("PIPE_CHUNKS", "2")
     out = tmp_path / "out"

@@ -221,7 +221,7 @@ def _saved_norm_bytes(program: Any) -> int:
     return total
 
 
-@pytest.mark.parametrize("batch", ["2", "16"])
+@pytest.mark.parametrize("batch", [pytest.param("2", marks=pytest.mark.slow), "16"])
 def test_sequence_parallel_moves_the_same_bytes_in_a_quarter_of_the_memory(
         monkeypatch: Any, tmp_path: Any, batch: str) -> None:
     """mindformers' `use_seq_parallel` (LLAMA_SEQ_PARALLEL=1): per layer 2 AllGathers and 2
@@ -303,7 +303,8 @@ def test_a_sum_every_user_takes_a_block_of_is_reduce_scattered(tmp_path: Any) ->
     _assert_oracle(program)
 
 
-@pytest.mark.parametrize("search", ["sharding_propagation", "recursive_programming"])
+@pytest.mark.parametrize("search", [pytest.param("sharding_propagation", marks=pytest.mark.slow),
+                                    "recursive_programming"])
 def test_the_searches_look_through_casts(monkeypatch: Any, tmp_path: Any, search: str) -> None:
     """Under a search, mindformers' Llama (every MatMul configured, its Casts not) gets the
     semi-auto plan's bytes: the searches give a strategy-less Cast no strategy of its own (it

@@ -85,6 +85,7 @@ def test_shrink_keeps_every_split_valid(monkeypatch: pytest.MonkeyPatch) -> None
     assert new_vocab < vocab and shrink.bounds["input_ids"] == new_vocab
 
 
+@pytest.mark.slow
 def test_large_plan_is_checked_shrunk_by_the_cli(tmp_path, monkeypatch) -> None:
     from pcompile.cli import main
 
@@ -254,6 +255,7 @@ def test_a_wrong_dimension_rule_is_reported(monkeypatch: pytest.MonkeyPatch) -> 
         compile_shrunk(program, choose_shrink(program, factor=4))
 
 
+@pytest.mark.slow
 def test_cli_check_shrunk_flag(tmp_path) -> None:
     from pcompile.cli import main
 
