@@ -87,7 +87,6 @@ class CompileState(CompileUnit):
     traced: TracedModel | None = None
     initial_values: InitialValues = field(default_factory=lambda: InitialValues())
     optimizer: Optimizer | None = None
-    state_owners: dict[str, str] = field(default_factory=dict)  # optimizer state -> parameter
     reference: ReferenceOptions | None = None  # single-device reference of a parallel program
     traces: list[TracedModel] = field(default_factory=list)  # hybrid mode: each rank's trace
     # The shrunk check (tools/shrink.py): the shrink applied to the trace and the plan's

@@ -32,7 +32,7 @@ from pcompile.compiler.context import (
     reset_context,
     save_graphs_level,
 )
-from pcompile.compiler.front_passes import OptimizerPass, TracePass, TrainStepPass, bprop_vjps
+from pcompile.compiler.front_passes import TracePass, TrainStepPass, UserOptimizer, bprop_vjps
 from pcompile.compiler.model_file import load_model_file
 from pcompile.compiler.nn.pipeline import PipelineCell
 from pcompile.compiler.pass_options import cost_constants, fusion_config, search_options
@@ -45,6 +45,7 @@ from pcompile.passes.autodiff import AutodiffOptions, AutodiffPass
 from pcompile.passes.comm_fusion import CommFusionPass
 from pcompile.passes.execute import ExecutePass
 from pcompile.passes.micro_batch import MicroBatchOptions, MicroBatchPass
+from pcompile.passes.optimizer import OptimizerOptions, OptimizerPass
 from pcompile.passes.pipeline_split import PipelineSplitPass
 from pcompile.passes.recompute import RecomputePass, marked
 from pcompile.passes.replicated import ReplicatePass
@@ -99,7 +100,8 @@ def pipeline(state: CompileState) -> list[Pass[CompileState]]:
             def custom(graph: Graph) -> list[Any]:
                 return bprop_vjps(state, traced, graph)
         scales = state.reference.gradient_scales if state.reference is not None else {}
-        passes += [AutodiffPass(AutodiffOptions(custom, scales)), *recompute, OptimizerPass()]
+        passes += [AutodiffPass(AutodiffOptions(custom, scales)), *recompute,
+                   OptimizerPass(OptimizerOptions(UserOptimizer(state), state.initial_values))]
         if state.pipelined:
             passes.append(PipelineSplitPass())
     if state.backward and state.parallel:

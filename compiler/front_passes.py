@@ -1,7 +1,8 @@
 """The front end's passes: the ones that run the user's code.
 
-`trace` runs `model()` (and the loss) on `inputs()` into the forward graph; `optimizer` traces
-`optimizer(params)` after the gradients; `train_step` replays a training step cell's construct
+`trace` runs `model()` (and the loss) on `inputs()` into the forward graph; `UserOptimizer`
+is the `optimizer` pass's update (`passes/optimizer.py`): the model file's `optimizer(params)`
+traced after the gradients; `train_step` replays a training step cell's construct
 on each local graph. They follow the pass contract (`passes.unit.Pass`) on the front end's
 `CompileState`; every other pass lives in `passes/` and sees only the `CompileUnit`.
 """
@@ -14,12 +15,13 @@ from typing import Any
 from pcompile.compiler.compiled import CompileState
 from pcompile.compiler.context import context_override
 from pcompile.compiler.model_file import ModelFile, call_user, load_model_file
-from pcompile.compiler.optimizer_update import StateSlicer, append_optimizer, rank_sum
+from pcompile.compiler.nn.optim_base import Optimizer
+from pcompile.compiler.optimizer_update import tensor_sum, trace_update
 from pcompile.compiler.trace_model import TracedModel, check_optimizer, trace_model
 from pcompile.compiler.train_step import ReplayEnv, replay_step
 from pcompile.ir.core import Graph, Value
 from pcompile.ir.errors import PcompileError
-from pcompile.ir.layout import TensorLayout
+from pcompile.passes.optimizer import RankSum, StateSlicer, state_slicer
 
 
 class TracePass:
@@ -149,61 +151,34 @@ def bprop_vjps(state: CompileState, traced: TracedModel | None, graph: Graph) ->
     return custom_vjps(traced.custom_bprops, lambda v: locals_.get(id(v)))
 
 
-class OptimizerPass:
-    """Trace `optimizer(params)` after the gradients: the graph becomes one training step."""
+class UserOptimizer:
+    """The front end's half of the `optimizer` pass (`passes.optimizer.UpdateTracer`): calls
+    the model file's `optimizer(params)` once (at the first graph, so that its errors come in
+    that pass) and traces its update into each graph."""
 
-    name = "optimizer"
-    appends_only = True
+    def __init__(self, state: CompileState) -> None:
+        self.state = state
 
-    def apply(self, state: CompileState) -> None:
-        traced, mf = state.traced, state.model_file
-        assert traced is not None
-        if mf.optimizer is None:
-            raise PcompileError(
-                f"model file {mf.path} defines loss() but no optimizer(params); training needs "
-                "both"
-            )
-        opt = check_optimizer(call_user(mf.optimizer, "optimizer(params)", mf.path,
-                                        traced.network.trainable_params()), mf.path)
-        state.optimizer = opt
-        for graph in state.graphs:
-            names = graph.attrs["outputs"]
-            loss: Value = graph.outputs[0]
-            grads = {n[len("grad."):]: v for n, v in zip(names[1:], graph.outputs[1:])}
-            slicer = _state_slicer(state) if state.parallel else None
-            summer = (rank_sum(graph, state.devices, state.assignment.param_layouts)
-                      if state.parallel and state.assignment is not None else None)
-            init = append_optimizer(graph, opt, traced.parameters, grads, loss, slicer, summer)
-            if not state.parallel:
-                state.initial_values.update(init)
+    def optimizer(self) -> Optimizer:
+        state = self.state
+        if state.optimizer is None:
+            traced, mf = state.traced, state.model_file
+            assert traced is not None
+            if mf.optimizer is None:
+                raise PcompileError(
+                    f"model file {mf.path} defines loss() but no optimizer(params); training "
+                    "needs both")
+            state.optimizer = check_optimizer(
+                call_user(mf.optimizer, "optimizer(params)", mf.path,
+                          traced.network.trainable_params()), mf.path)
+        return state.optimizer
 
-
-def _state_slicer(state: CompileState) -> StateSlicer:
-    """Optimizer state in a local graph: a per-parameter state takes its parameter's layout
-    (its local shape is the parameter's slice shape); the global value is kept, abstract, and
-    each rank's slice is made from it when needed."""
-    assert state.assignment is not None
-    layouts = state.assignment.param_layouts
-
-    def cut(name: str, owner: str, value: Any,
-            dims: tuple[int | None, ...] | None = None) -> tuple[int, ...]:
-        state.initial_values.setdefault(name, value)
-        if not owner:
-            return tuple(value.shape)
-        state.state_owners[name] = owner
-        if dims is None:
-            layouts.setdefault(name, layouts[owner])
-            return layouts[owner].slice_shape
-        # a factored state (AdaFactor's row / column statistics): each of its dims is split as
-        # the parameter dim it follows (None: not split)
-        owner_layout = layouts[owner]
-        layout = TensorLayout(owner_layout.dev_matrix,
-                              tuple(-1 if d is None else owner_layout.tensor_map[d]
-                                    for d in dims), tuple(value.shape))
-        layouts.setdefault(name, layout)
-        return layouts[name].slice_shape
-
-    return cut
+    def __call__(self, graph: Graph, grads: dict[str, Value], slicer: StateSlicer | None,
+                 summer: RankSum | None) -> tuple[dict[str, Any], list[tuple[str, Value]]]:
+        optimizer = self.optimizer()
+        assert self.state.traced is not None
+        return trace_update(graph, optimizer, self.state.traced.parameters, grads, slicer,
+                            slice_sum=tensor_sum(summer) if summer is not None else None)
 
 
 class TrainStepPass:
@@ -225,7 +200,7 @@ class TrainStepPass:
                 devices=state.devices,
                 layouts=state.assignment.param_layouts if state.assignment is not None else {},
                 initial_values=state.initial_values,
-                slicer=_state_slicer(state) if state.parallel else None,
+                slicer=state_slicer(state, state.initial_values) if state.parallel else None,
                 network_params=dict(traced.parameters),
                 custom=bprop_vjps(state, traced, graph),
             )

@@ -1,17 +1,16 @@
-"""Appends the optimizer update to a graph that already computes the loss and gradients.
-
-The update is the user's optimizer (`nn.Momentum`, `nn.AdamWeightDecay`, ...) traced through
-the front end into the rank's local graph, so this module belongs to the front end (compiler/),
-not to the passes, which never import it. After it the graph is one training step: it returns
-the loss, then the new value of every trainable parameter, then the new optimizer state;
-`graph.attrs["outputs"]` names each returned value (`loss`, the parameter names, `moments.w`,
-...), which is how runtimes write the results back.
+"""The user's optimizer (`nn.Momentum`, `nn.AdamWeightDecay`, ...) traced into a graph that
+already computes the loss and gradients: the front end's half of the `optimizer` pass
+(`passes/optimizer.py` appends the update through `trace_update`, lays out the states and
+completes whole-parameter sums over the slices). `append_optimizer` is both halves on one
+graph: after it the graph is one training step, returning the loss, then the new value of
+every trainable parameter, then the new optimizer state; `graph.attrs["outputs"]` names each
+returned value (`loss`, the parameter names, `moments.w`, ...).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -19,19 +18,11 @@ from pcompile.compiler import ops
 from pcompile.compiler.nn.optim_base import Optimizer
 from pcompile.compiler.tensor import Parameter, Tensor
 from pcompile.compiler.tracing import current_tracer, tracing
-from pcompile.ir.builder import Builder
-from pcompile.ir.core import Graph, GraphParam, ParallelInfo, Value
+from pcompile.ir.core import Graph, GraphParam, Value
 from pcompile.ir.errors import PcompileError
-from pcompile.ir.layout import TensorLayout, axis_index, group_name, map_axes
-from pcompile.ir.rank import GroupName, RankGroup
+from pcompile.ir.layout import TensorLayout
 from pcompile.ir.types import DType, TensorType
-
-
-class StateSlicer(Protocol):
-    """The local shape of an optimizer state in a rank's graph (`append_optimizer`)."""
-
-    def __call__(self, name: str, owner: str, value: Any,
-                 dims: tuple[int | None, ...] | None = None) -> tuple[int, ...]: ...
+from pcompile.passes.optimizer import RankSum, StateSlicer
 
 
 def append_optimizer(
@@ -152,74 +143,27 @@ def _trace_update(graph: Graph, optimizer: Optimizer, grads: dict[str, Value],
 
 def rank_sum(graph: Graph, devices: int,
              layouts: dict[str, TensorLayout]) -> Callable[..., Tensor]:
-    """`slice_sum` for a rank's local graph. `total(local, owner)`: the rank's partial sum over
-    its slice of a parameter, divided by the number of ranks holding that same slice, summed by
-    an AllReduce over all ranks (every rank computes every parameter's sum, in the same order).
-    `total(local, owner, along)`: `local` is a partial sum over the parameter dims `along` (a
-    row mean of AdaFactor's); it is completed by an AllReduce over only the ranks that split
-    those dims (the ranks holding the other slices of the same rows), or returned as it is when
-    none does."""
-    ranks = tuple(range(devices))
+    """`slice_sum` for a rank's local graph (`passes.optimizer.RankSum` on front-end tensors):
+    `total(local, owner)` divides a rank's partial sum over its slice of a parameter by the
+    ranks holding that same slice and adds it over all ranks; `total(local, owner, along)`
+    completes a partial sum over the parameter dims `along` over the ranks that split them."""
+    return tensor_sum(RankSum(graph, devices, layouts))
+
+
+def tensor_sum(summer: RankSum) -> Callable[..., Tensor]:
+    """`summer` on the front end's tensors, in the tracer's current scope."""
 
     def total(local: Tensor, owner: str, along: tuple[int, ...] | None = None) -> Tensor:
-        layout = layouts.get(owner)
+        tracer = current_tracer()
+        scope = tracer.scope if tracer is not None else ""
         if along is not None:
-            return _sum_along(graph, devices, local, owner, layout, along)
-        copies = layout.repeat_count if layout is not None else devices
+            return Tensor(_value=summer.along(_value_of(local, owner), owner, scope, along))
+        copies = summer.copies(owner)
         if copies > 1:
             local = local * (1.0 / copies)
-        value = local._value
-        assert value is not None
-        tracer = current_tracer()
-        b = Builder(graph, scope=tracer.scope if tracer is not None else "")
-        out = b.emit("AllReduce", [value],
-                     {"op": "sum", "group": group_name(ranks, devices), "rank_list": ranks,
-                      "fusion": 0},
-                     instance_name=f"optimizer_sum_{owner}", name_hint="whole_sum",
-                     parallel=ParallelInfo(
-                         reason=f"the optimizer's sum over every slice of {owner!r}: each "
-                                "rank's partial sum (divided by the ranks holding the same "
-                                "slice) added over all ranks",
-                         bytes=value.tensor_type.nbytes))
-        return Tensor(_value=out)
+        return Tensor(_value=summer.whole(_value_of(local, owner), owner, scope))
 
     return total
-
-
-def _sum_along(graph: Graph, devices: int, local: Tensor, owner: str,
-               layout: TensorLayout | None, along: tuple[int, ...]) -> Tensor:
-    """`local` summed over the ranks that split parameter `owner`'s dims `along`."""
-    if layout is None:
-        return local
-    axes = sorted({axis_index(v, layout.dev_matrix)
-                   for d in along for v in map_axes(layout.tensor_map[d])})
-    if not axes:
-        return local
-    if layout.device_num != devices:
-        raise PcompileError(
-            f"the optimizer's partial sums of {owner!r} need its layout over all {devices} "
-            f"devices, got device matrix {layout.dev_matrix}")
-    group = RankGroup.along(layout.dev_matrix, axes)
-    rank = graph.attrs.get("rank")
-    attrs: dict[str, Any] = {"op": "sum", "fusion": 0}
-    if isinstance(rank, int):
-        members = group.at(rank)
-        attrs.update(group=group_name(members, devices), rank_list=members)
-    else:
-        attrs.update(group=GroupName(group), rank_list=group)
-    value = local._value
-    assert value is not None
-    tracer = current_tracer()
-    b = Builder(graph, scope=tracer.scope if tracer is not None else "")
-    dims = ", ".join(str(d) for d in along)
-    out = b.emit("AllReduce", [value], attrs,
-                 instance_name=f"optimizer_sum_{owner}_dims_{'_'.join(map(str, along))}",
-                 name_hint="partial_sum",
-                 parallel=ParallelInfo(
-                     reason=f"the optimizer's sum over dims ({dims}) of {owner!r}: added "
-                            "over the ranks holding the other slices of those dims",
-                     bytes=value.tensor_type.nbytes))
-    return Tensor(_value=out)
 
 
 def _value_of(tensor: Tensor, what: str) -> Value:

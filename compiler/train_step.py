@@ -187,7 +187,7 @@ class Capture(StepContext):
 class ReplayEnv:
     """What the replay needs from the compile: the ranks, each stored tensor's layout (empty
     on one device), where new stored tensors' initial values go, and how a per-parameter
-    optimizer state is laid out in a local graph (`compiler.front_passes._state_slicer`)."""
+    optimizer state is laid out in a local graph (`passes.optimizer.state_slicer`)."""
 
     devices: int
     layouts: dict[str, TensorLayout]

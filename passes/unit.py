@@ -121,6 +121,7 @@ class CompileUnit:
     # byte sizes): the shrunk check compares a plan's communication by them.
     unfused: list[list[Node]] = field(default_factory=list)
     dump_ranks: list[int] = field(default_factory=list)  # the ranks whose folders are written
+    state_owners: dict[str, str] = field(default_factory=dict)  # optimizer state -> parameter
 
     @property
     def parallel(self) -> bool:

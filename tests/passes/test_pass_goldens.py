@@ -111,6 +111,13 @@ CASES: dict[str, tuple[str, int, str | None, str | None, dict[str, str]]] = {
                  {"PIPE_STAGES": "2", "PIPE_MICRO": "2", "PIPE_MP": "1", "PIPE_BATCH": "4",
                   "PIPE_HIDDEN": "4"}),
     "train_step": (_TRAIN_STEP, 2, None, None, {}),
+    # whole-parameter sums completed over the slices (the optimizer's AllReduces)
+    "lamb": (mlp_source("((1, 2), (2, 1))").replace(
+        "nn.Momentum(params, learning_rate=0.1, momentum=0.9)",
+        "nn.Lamb(params, 1e-2, weight_decay=0.01)"), 2, None, None, {}),
+    "adafactor": (mlp_source("((1, 2), (2, 1))").replace(
+        "nn.Momentum(params, learning_rate=0.1, momentum=0.9)",
+        "nn.AdaFactor(params, weight_decay=0.01)"), 2, None, None, {}),
 }
 
 
