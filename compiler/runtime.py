@@ -63,6 +63,67 @@ def rank_batches(program: CompiledProgram, ranks: list[int], steps: int, skip: i
                              rows=rows, skip=skip)
 
 
+@dataclass(frozen=True)
+class DatasetSpec:
+    """What a rank program reads its batches from, written at compile time (program.py's
+    `DATASET`): the model file whose `dataset()` gives them (without one, one batch of
+    `inputs()` and `labels()` repeats, tensor specs filled with random values) and how many
+    arrays of each batch are inputs and labels. The arrays' names, global shapes and dtypes
+    are the program's input parameters."""
+
+    model_file: str
+    inputs: int
+    labels: int
+
+    def literal(self) -> dict[str, Any]:
+        return {"model_file": self.model_file, "inputs": self.inputs, "labels": self.labels}
+
+    @classmethod
+    def from_literal(cls, data: dict[str, Any]) -> DatasetSpec:
+        return cls(str(data["model_file"]), int(data["inputs"]), int(data["labels"]))
+
+
+def dataset_spec(program: Any) -> DatasetSpec:
+    """The `DatasetSpec` of a compiled program (`program.state` or the program itself)."""
+    import os
+
+    state = getattr(program, "state", program)
+    traced = state.traced
+    return DatasetSpec(os.path.abspath(state.model_file.path), len(traced.input_names),
+                       len(traced.label_names))
+
+
+def spec_batches(spec: DatasetSpec, expected: list[tuple[str, tuple[int, ...], Any]],
+                 steps: int, rows: tuple[int, int] | None = None, skip: int = 0
+                 ) -> Iterator[tuple[int, int, list[np.ndarray] | None, int]]:
+    """`iter_rank_batches` of the model file `spec` names: what a rank program reads.
+    `expected`: the (name, global shape, numpy dtype) of every input then label."""
+    import os
+
+    from pcompile.compiler.model_file import load_model_file
+
+    if not os.path.exists(spec.model_file):
+        raise PcompileError(f"model file {spec.model_file} (for the data) does not exist on "
+                            "this host")
+    if len(expected) != spec.inputs + spec.labels:
+        raise PcompileError(
+            f"the program takes {len(expected)} inputs and labels, its data set gives "
+            f"{spec.inputs} input(s) and {spec.labels} label(s)")
+    mf = load_model_file(spec.model_file)
+    examples: list[TensorSpec | np.ndarray] = []
+    if mf.dataset is None:  # the synthetic batch: inputs() and labels()
+        examples = as_input_list(call_user(mf.inputs, "inputs()", mf.path), "inputs", mf.path)
+        if spec.labels and mf.labels is not None:
+            examples += as_input_list(call_user(mf.labels, "labels()", mf.path), "labels",
+                                      mf.path)
+        if len(examples) != len(expected):
+            raise PcompileError(
+                f"{mf.path}: inputs() and labels() give {len(examples)} arrays, the program "
+                f"takes {len(expected)}")
+    return iter_rank_batches(mf, spec.inputs, spec.labels, examples, expected, steps,
+                             rows=rows, skip=skip)
+
+
 def input_shapes(program: CompiledProgram) -> list[tuple[int, ...]]:
     """The global shape of every graph input (the whole batch: with nn.PipelineCell the
     traced graph takes one micro-batch, passes/micro_batch.py the whole)."""

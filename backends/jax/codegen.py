@@ -474,11 +474,13 @@ def run_report_info(state: Any) -> dict[str, Any]:
     step counted on the traced forward graph (compiler/flops.py; 0: none counted) and the
     optimizer's learning rate when it is a constant."""
     from pcompile.compiler.flops import constant_learning_rate, model_flops
+    from pcompile.compiler.runtime import dataset_spec
 
     traced = getattr(state, "traced", None)
     graph = traced.graph if traced is not None else None
     return {"model_flops": model_flops(graph, bool(state.training)),
-            "learning_rate": constant_learning_rate(getattr(state, "optimizer", None))}
+            "learning_rate": constant_learning_rate(getattr(state, "optimizer", None)),
+            "dataset": dataset_spec(state).literal() if traced is not None else None}
 
 
 def run_report_lines(info: dict[str, Any]) -> list[str]:
@@ -486,7 +488,10 @@ def run_report_lines(info: dict[str, Any]) -> list[str]:
     return [f"MODEL_FLOPS = {int(info.get('model_flops') or 0)}  # of one step, all ranks: "
             "3 x the forward's matmul/attention FLOPs when training (0: not counted)",
             f"LEARNING_RATE = {info.get('learning_rate')!r}  # None: a schedule, or no "
-            "optimizer"]
+            "optimizer",
+            "# where the batches come from (compiler.runtime.DatasetSpec): the model file's",
+            "# dataset(), its first `inputs` arrays the inputs, the next `labels` the labels",
+            f"DATASET = {info.get('dataset')!r}"]
 
 
 def stored_values(state: Any) -> list[tuple[str, str, Any]]:

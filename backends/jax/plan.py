@@ -432,7 +432,7 @@ def _plan_node(k: int, node: Node, nodes: list[Node], ref: _Refs, n: int,
 def _slice_plan(node: Node, nodes: list[Node],
                 rank_attrs: list[dict[str, Any]] | None = None) -> SlicePlan | None:
     """`rank_attrs[r]`: rank r's attributes (default: those of `nodes[r]`)."""
-    from pcompile.ir.ops.shape import _slice_spec
+    from pcompile.ir.ops.shape import slice_spec
 
     if node.op == "StridedSlice":
         shape = node.operands[0].shape
@@ -442,7 +442,7 @@ def _slice_plan(node: Node, nodes: list[Node],
     for attrs in rank_attrs if rank_attrs is not None else [nd.attrs for nd in nodes]:
         if node.op == "StridedSliceGrad" and tuple(attrs["shape"]) != shape:
             return None
-        slices, out = _slice_spec(shape, attrs)
+        slices, out = slice_spec(shape, attrs)
         starts.append([s.start for s in slices])
         steps = tuple(s.step for s in slices)
         spans.add(tuple((o - 1) * st + 1 if o else 0 for o, st in zip(out, steps)))

@@ -3,10 +3,12 @@ parameters and optimizer state made on its own device or restored from a checkpo
 process's slices of every batch, the jitted SPMD step, train.log and metrics, periodic and
 final checkpoints written in the background, the inference outputs.
 
-Data: each process imports the model file (`MODEL_FILE`) and iterates `dataset()` like
-`compiler.runtime.batches` (epochs restart it; without one, inputs()/labels() or a synthetic
-batch repeats), then cuts each rank's part of every global batch by the input's layout
-(`LAYOUTS`, from dataset_strategy). A `pcompile.dataset` object is read only for the rows of
+Data: each process reads the data set its program names (`DATASET`, a
+`compiler.runtime.DatasetSpec` written at compile time: the model file and how many arrays of
+each batch are inputs and labels) and iterates `dataset()` like `compiler.runtime.batches`
+(epochs restart it; without one, inputs()/labels() or a synthetic batch repeats), then cuts
+each rank's part of every global batch by the input's layout (`LAYOUTS`, from
+dataset_strategy). A `pcompile.dataset` object is read only for the rows of
 this process's ranks' share of each batch (`compiler.runtime.batch_rows`; the whole batch
 under full_batch), and the steps a resumed run skips are not read. The model file and
 pcompile must be importable on every host, and `dataset()` must give the same batches in every
@@ -44,6 +46,7 @@ from pcompile.backends.jax.rank_process import (
     fault_injection,
 )
 from pcompile.backends.jax.rank_report import RankReport, TrainLog
+from pcompile.ir.errors import PcompileError
 
 
 class RankRunner:
@@ -169,27 +172,19 @@ class RankRunner:
         """(epoch, step, arrays, first_row) per step (compiler.runtime.iter_rank_batches): a
         pcompile.dataset object is read only for the rows of this process's ranks' share of
         each global batch, and its first `skip` steps not at all."""
-        from pcompile.compiler.model_file import as_input_list, call_user, load_model_file
-        from pcompile.compiler.runtime import batch_rows, iter_rank_batches
+        from pcompile.compiler.runtime import DatasetSpec, batch_rows, spec_batches
 
-        path = self.m.MODEL_FILE
-        if not os.path.exists(path):
-            raise RankError(f"model file {path} (for the data) does not exist on this host")
-        mf = load_model_file(path)
-        examples = as_input_list(call_user(mf.inputs, "inputs()", mf.path), "inputs", mf.path)
-        n_inputs = len(examples)
-        if mf.loss is not None or len(self.inputs) > n_inputs:  # labels (nn.PipelineCell)
-            from pcompile.compiler.trace_model import _first_batch_labels
-
-            examples = examples + _first_batch_labels(mf)
+        spec = getattr(self.m, "DATASET", None)
+        if spec is None:  # a program written before DATASET: the model file's own count
+            spec = legacy_dataset_spec(self.m.MODEL_FILE, len(self.inputs))
         expected = [(name, tuple(self.m.LAYOUTS[name][0]), self.dtypes[name])
                     for name, *_ in self.inputs]
-        if len(examples) != len(expected):
-            raise RankError(f"the model file gives {len(examples)} inputs and labels, the "
-                            f"program takes {len(expected)}")
         rows = batch_rows([self._layout(name) for name, *_ in self.inputs], self.local)
-        return iter_rank_batches(mf, n_inputs, len(expected) - n_inputs, examples, expected,
-                                 steps, rows=rows, skip=skip)
+        try:
+            return spec_batches(DatasetSpec.from_literal(spec), expected, steps, rows=rows,
+                                skip=skip)
+        except PcompileError as exc:
+            raise RankError(str(exc)) from None
 
     def _function(self, donate: bool = False) -> Any:
         """The jitted SPMD step; `donate`: it reuses the buffers of the stored values it
@@ -506,3 +501,15 @@ class RankRunner:
         if loss and not first and not self.args.all_ranks:
             return
         print(("" if first else f"[rank {self.local[0]}] ") + text, flush=True)
+
+
+def legacy_dataset_spec(model_file: str, taken: int) -> dict[str, Any]:
+    """The data set of a program written before `DATASET`: the model file's inputs() count,
+    the rest of what the program takes labels."""
+    from pcompile.compiler.model_file import as_input_list, call_user, load_model_file
+
+    if not os.path.exists(model_file):
+        raise RankError(f"model file {model_file} (for the data) does not exist on this host")
+    mf = load_model_file(model_file)
+    n_inputs = len(as_input_list(call_user(mf.inputs, "inputs()", mf.path), "inputs", mf.path))
+    return {"model_file": model_file, "inputs": n_inputs, "labels": max(0, taken - n_inputs)}

@@ -348,7 +348,7 @@ define("Flatten", _flatten_infer, _flatten_np, _flatten_jax, vjp=_shape_restorin
 _MASKS = ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")
 
 
-def _slice_spec(
+def slice_spec(
     shape: tuple[int, ...], attrs: dict[str, Any]
 ) -> tuple[tuple[slice, ...], tuple[int, ...]]:
     """The Python slices of a StridedSlice and its output shape. begin/end/strides may be
@@ -388,7 +388,7 @@ def _strided_slice_infer(types: list[ValueType], attrs: dict[str, Any]) -> Value
                 f"{mask}={attrs[mask]} is not supported (only 0); give explicit begin/end/"
                 "strides for every dim instead"
             )
-    _, out = _slice_spec(x.shape, attrs)
+    _, out = slice_spec(x.shape, attrs)
     return x.with_shape(out)
 
 
@@ -406,12 +406,12 @@ def _strided_slice_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]
 
 
 def _strided_slice_np(x: Any, begin: Any, end: Any, strides: Any, **masks: Any) -> Any:
-    slices, _ = _slice_spec(x.shape, {"begin": begin, "end": end, "strides": strides})
+    slices, _ = slice_spec(x.shape, {"begin": begin, "end": end, "strides": strides})
     return x[slices]
 
 
 def _strided_slice_jax(x: Any, begin: Any, end: Any, strides: Any, **masks: Any) -> Any:
-    slices, _ = _slice_spec(x.shape, {"begin": begin, "end": end, "strides": strides})
+    slices, _ = slice_spec(x.shape, {"begin": begin, "end": end, "strides": strides})
     return x[slices]
 
 
@@ -431,7 +431,7 @@ def strided_slice_labels(ctx: OpContext) -> Labels:
 
 def _slice_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
     """A dim sliced with stride 1 keeps its margins: in = out + what the slice leaves out."""
-    slices, out = _slice_spec(ins[0][0], attrs)
+    slices, out = slice_spec(ins[0][0], attrs)
     for d, (s, n) in enumerate(zip(slices, ins[0][0])):
         if s.step != 1:
             yield Fixed(In(0, d), "a strided slice")
@@ -444,7 +444,7 @@ def _slice_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
 
 def _slice_rewrite(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
                    new_out: Any) -> dict[str, Any]:
-    slices, _ = _slice_spec(old_in[0][0], attrs)
+    slices, _ = slice_spec(old_in[0][0], attrs)
     begin = tuple(s.start for s in slices)
     end = tuple(s.start + n * s.step for s, n in zip(slices, new_out[0]))
     strides = tuple(s.step for s in slices)
@@ -476,7 +476,7 @@ def _strided_slice_grad_infer(types: list[ValueType], attrs: dict[str, Any]) -> 
     shape = _int_tuple_attr(attrs, "shape")
     if any(d < 0 for d in shape):
         raise ShapeError(f"shape {shape} has a negative dim")
-    _, out = _slice_spec(shape, attrs)
+    _, out = slice_spec(shape, attrs)
     if dy.shape != out:
         raise ShapeError(
             f"dy has shape {dy.shape} but slicing {shape} with these bounds gives {out}"
@@ -490,14 +490,14 @@ def _strided_slice_grad_vjp(b: Builder, node: Node, cot: Value) -> list[Value | 
 
 
 def _strided_slice_grad_np(dy: Any, shape: Any, begin: Any, end: Any, strides: Any) -> Any:
-    slices, _ = _slice_spec(shape, {"begin": begin, "end": end, "strides": strides})
+    slices, _ = slice_spec(shape, {"begin": begin, "end": end, "strides": strides})
     out = np.zeros(shape, dy.dtype)
     out[slices] = dy
     return out
 
 
 def _strided_slice_grad_jax(dy: Any, shape: Any, begin: Any, end: Any, strides: Any) -> Any:
-    slices, _ = _slice_spec(shape, {"begin": begin, "end": end, "strides": strides})
+    slices, _ = slice_spec(shape, {"begin": begin, "end": end, "strides": strides})
     return jnp.zeros(shape, dy.dtype).at[slices].set(dy)
 
 

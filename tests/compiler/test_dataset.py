@@ -256,6 +256,38 @@ def test_a_resumed_run_skips_steps_unread_and_sees_the_same_batches(tmp_path) ->
         assert all(np.array_equal(x, y) for x, y in zip(a1, a2))
 
 
+def test_rank_programs_read_the_dataset_spec_written_at_compile_time(tmp_path) -> None:
+    """program.py names its data set (`DATASET`); reading it gives each rank what the
+    compiled program's own batches give, resumed runs included; a program written before
+    `DATASET` gets the same spec from its model file."""
+    import ast
+
+    from pcompile.backends.jax.rank_loop import legacy_dataset_spec
+    from pcompile.compiler.runtime import DatasetSpec, batch_rows, dataset_spec, spec_batches
+
+    path = tmp_path / "net.py"
+    path.write_text(textwrap.dedent(MODEL).replace("STRATEGY", "'data_parallel'"))
+    program = compile_model(str(path), devices=8, out_dir=str(tmp_path / "out"))
+    text = (tmp_path / "out" / "rank_5" / "program.py").read_text()
+    line = next(x for x in text.splitlines() if x.startswith("DATASET = "))
+    spec = DatasetSpec.from_literal(ast.literal_eval(line[len("DATASET = "):]))
+    assert spec == dataset_spec(program)
+    assert (spec.inputs, spec.labels) == (1, 1)
+    assert legacy_dataset_spec(str(path), 2) == spec.literal()
+    layouts = program.state.assignment.param_layouts
+    inputs = program.graph.inputs
+    expected = [(p.name, tuple(layouts[p.name].shape), p.dtype.np) for p in inputs]
+    rows = batch_rows([layouts[p.name] for p in inputs], [5])
+    for skip in (0, 3):
+        want = list(rank_batches(program, [5], 7, skip=skip))
+        got = list(spec_batches(spec, expected, 7, rows=rows, skip=skip))
+        assert [(e, s, f) for e, s, _, f in got] == [(e, s, f) for e, s, _, f in want]
+        for (_, _, a, _), (_, _, b, _) in zip(got, want):
+            assert (a is None and b is None) or all(np.array_equal(x, y) for x, y in zip(a, b))
+    with pytest.raises(PcompileError, match="takes 1 inputs and labels, its data set gives"):
+        spec_batches(spec, expected[:1], 1)
+
+
 def test_a_partial_global_batch_is_one_message(tmp_path) -> None:
     path = tmp_path / "net.py"
     path.write_text(textwrap.dedent(MODEL).replace("STRATEGY", "'data_parallel'")

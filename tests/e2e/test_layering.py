@@ -58,3 +58,26 @@ def test_the_driver_loads_no_backend() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=ROOT).stdout
     assert out.strip() == "[]"
+
+
+def test_no_room_imports_another_rooms_privates() -> None:
+    """A name imported from another room is public (no leading underscore): the rank runtime
+    reads its data through the dataset spec written at compile time
+    (`compiler.runtime.DatasetSpec`), not through the front end's internals."""
+    rooms = ("ir", "passes", "compiler", "backends", "tools")
+    found = []
+    for room in rooms:
+        for folder, _, files in os.walk(os.path.join(ROOT, room)):
+            for name in files:
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(folder, name)
+                for node in ast.walk(ast.parse(open(path).read())):
+                    if not isinstance(node, ast.ImportFrom) or not node.module:
+                        continue
+                    parts = node.module.split(".")
+                    if parts[0] != "pcompile" or len(parts) < 2 or parts[1] == room:
+                        continue
+                    found += [f"{os.path.relpath(path, ROOT)}: {node.module}.{a.name}"
+                              for a in node.names if a.name.startswith("_")]
+    assert found == []
