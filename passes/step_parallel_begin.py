@@ -134,7 +134,9 @@ def layout_from_dict(spec: dict[str, Any], shape: tuple[int, ...], devices: int,
     if total != devices:
         raise StrategyError(
             f"the configured device_matrix {dev} of {what}: accumulate value {total} does not "
-            f"equal to the device number in one stage {devices}"
+            f"equal to the device number in one stage {devices}; compile for {total} devices "
+            f"(--devices {total}), or give the Layout a device matrix whose sizes multiply to "
+            f"{devices}"
         )
     if len(tmap) != len(shape):
         raise StrategyError(

@@ -59,3 +59,18 @@ def test_a_device_count_the_strategy_does_not_divide_says_what_would(tmp_path) -
     assert "the strategy requires 8 devices, but the device number of this stage is 3" in message
     assert "Compile for a multiple of 8 devices (--devices 8 or 16, ...)" in message
 
+
+
+@pytest.mark.parametrize("devices", [4, 16])
+def test_a_layout_for_another_device_count_is_shown_as_written_with_advice(devices) -> None:
+    """A Layout strategy whose device matrix is not the device count: the message shows the
+    Layout as the model file spells it (not its dict) and says which count would do."""
+    with pytest.raises(PcompileError) as info:
+        compile_model(os.path.join(ROOT, "examples", "layout_mlp.py"), devices=devices,
+                      dump=False)
+    message = str(info.value)
+    assert (f"accumulate value 8 does not equal to the device number in one stage {devices}; "
+            "compile for 8 devices (--devices 8)") in message
+    assert ('strategy (Layout((2, 2, 2), ("dp", "sp", "mp"))("mp", ("sp", "dp")), '
+            'Layout((2, 2, 2), ("dp", "sp", "mp"))(("sp", "dp"), "None"))') in message
+    assert "device_matrix'" not in message
