@@ -12,9 +12,9 @@ registry entry; results of parallel passes (strategies, layouts, why a collectiv
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -41,6 +41,8 @@ class Value:
         self.type: ValueType = type_
         self.name_hint = name_hint
         self.uses: list[tuple[Node, int]] = []
+        # (graph, k): this value is output k of graph (kept by `Graph.outputs`)
+        self.output_uses: list[tuple[Graph, int]] = []
 
     @property
     def tensor_type(self) -> TensorType:
@@ -65,10 +67,12 @@ class Value:
         return seen
 
     def replace_all_uses_with(self, other: Value, graph: Graph | None = None) -> None:
+        """Every use of this value, as an operand or as a graph's output, becomes `other`
+        (`graph`: accepted for older callers; outputs are uses of their own)."""
         for node, index in list(self.uses):
             node.set_operand(index, other)
-        if graph is not None:
-            graph.outputs = [other if o is self else o for o in graph.outputs]
+        for owner in {id(g): g for g, _ in self.output_uses}.values():
+            owner.outputs = [other if o is self else o for o in owner.outputs]
 
     def __eq__(self, other: object) -> bool:
         return self is other
@@ -250,19 +254,183 @@ class Node:
         return f"<Node {self.op} {self.instance_name}>"
 
 
+class NodeList:
+    """The nodes of a graph, in order: appending, inserting before or after a node and removing
+    one are O(1) (a doubly linked list keyed by node identity); iterating, indexing and
+    `index` read an array that is rebuilt once after a run of edits in the middle. A node is
+    in at most one place."""
+
+    __slots__ = ("_array", "_head", "_key", "_next", "_position", "_prev", "_tail")
+
+    def __init__(self, nodes: Iterable[Node] = ()) -> None:
+        self._next: dict[int, Node | None] = {}
+        self._prev: dict[int, Node | None] = {}
+        # an increasing key per node (`order_key`): compares positions without the array
+        self._key: dict[int, float] = {}
+        self._head: Node | None = None
+        self._tail: Node | None = None
+        self._array: list[Node] | None = []
+        self._position: dict[int, int] | None = None
+        for node in nodes:
+            self.append(node)
+
+    def _link(self, node: Node, prev: Node | None, nxt: Node | None) -> None:
+        key = id(node)
+        if key in self._next:
+            raise ValueError(f"{node!r} is already in this graph")
+        self._prev[key], self._next[key] = prev, nxt
+        if prev is None:
+            self._head = node
+        else:
+            self._next[id(prev)] = node
+        if nxt is None:
+            self._tail = node
+        else:
+            self._prev[id(nxt)] = node
+        low = self._key[id(prev)] if prev is not None else None
+        high = self._key[id(nxt)] if nxt is not None else None
+        if high is None:
+            self._key[key] = (low if low is not None else 0.0) + 1.0
+        elif low is None:
+            self._key[key] = high - 1.0
+        else:
+            middle = (low + high) / 2
+            if low < middle < high:
+                self._key[key] = middle
+            else:  # no float left between them: number the nodes afresh
+                self._key[key] = low
+                self._renumber()
+
+    def _renumber(self) -> None:
+        node, k = self._head, 0.0
+        while node is not None:
+            self._key[id(node)] = k
+            k += 1.0
+            node = self._next[id(node)]
+
+    def append(self, node: Node) -> None:
+        self._link(node, self._tail, None)
+        if self._array is not None:
+            if self._position is not None:
+                self._position[id(node)] = len(self._array)
+            self._array.append(node)
+
+    def insert_after(self, anchor: Node, node: Node) -> None:
+        if anchor is self._tail:
+            self.append(node)
+            return
+        self._check(anchor)
+        self._link(node, anchor, self._next[id(anchor)])
+        self._array = self._position = None
+
+    def insert_before(self, anchor: Node, node: Node) -> None:
+        self._check(anchor)
+        self._link(node, self._prev[id(anchor)], anchor)
+        self._array = self._position = None
+
+    def remove(self, node: Node) -> None:
+        self._check(node)
+        key = id(node)
+        prev, nxt = self._prev.pop(key), self._next.pop(key)
+        del self._key[key]
+        if prev is None:
+            self._head = nxt
+        else:
+            self._next[id(prev)] = nxt
+        if nxt is None:
+            self._tail = prev
+        else:
+            self._prev[id(nxt)] = prev
+        if nxt is None and self._array is not None:  # the last node: the array stays valid
+            self._array.pop()
+            if self._position is not None:
+                del self._position[key]
+        else:
+            self._array = self._position = None
+
+    def _check(self, node: Node) -> None:
+        if id(node) not in self._next:
+            raise ValueError(f"{node!r} is not in this graph")
+
+    def _list(self) -> list[Node]:
+        if self._array is None:
+            out: list[Node] = []
+            node = self._head
+            nxt = self._next
+            while node is not None:
+                out.append(node)
+                node = nxt[id(node)]
+            self._array = out
+        return self._array
+
+    def order_key(self, node: Node) -> float:
+        """A number that increases along the list (changes when the list is edited): compares
+        two nodes' positions in O(1)."""
+        self._check(node)
+        return self._key[id(node)]
+
+    def index(self, node: Node) -> int:
+        self._check(node)
+        if self._position is None:
+            self._position = {id(n): i for i, n in enumerate(self._list())}
+        return self._position[id(node)]
+
+    def __contains__(self, node: object) -> bool:
+        return id(node) in self._next
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self._list())
+
+    def __reversed__(self) -> Iterator[Node]:
+        return reversed(self._list())
+
+    def __len__(self) -> int:
+        return len(self._next)
+
+    @overload
+    def __getitem__(self, index: int) -> Node: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Node]: ...
+
+    def __getitem__(self, index: int | slice) -> Node | list[Node]:
+        return self._list()[index]
+
+    def __repr__(self) -> str:
+        return f"NodeList({self._list()!r})"
+
+
 class Graph:
     """A function: parameters (inputs first, then stored tensors), nodes in a valid
-    topological order, and the returned values."""
+    topological order, and the returned values. Nodes are added, moved and removed through
+    the graph (`append`, `insert_after`, `insert_before`, `move_after`, `remove`, `reorder`),
+    each O(1) per node; the outputs are uses of their values (`Value.output_uses`)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.params: list[GraphParam] = []
-        self.nodes: list[Node] = []
-        self.outputs: list[Value] = []
+        self._nodes = NodeList()
+        self._outputs: tuple[Value, ...] = ()
         self.attrs: dict[str, Any] = {}
         self._op_counts: dict[str, int] = {}
         self._param_names: set[str] = set()
         self._param_index: dict[str, int] = {}  # name -> position, for `param` (may be stale)
+
+    @property
+    def nodes(self) -> NodeList:
+        return self._nodes
+
+    @property
+    def outputs(self) -> tuple[Value, ...]:
+        return self._outputs
+
+    @outputs.setter
+    def outputs(self, values: Iterable[Value]) -> None:
+        for value in self._outputs:
+            value.output_uses = [(g, k) for g, k in value.output_uses if g is not self]
+        self._outputs = tuple(values)
+        for k, value in enumerate(self._outputs):
+            value.output_uses.append((self, k))
 
     # -- construction -------------------------------------------------------------------------
     def add_param(self, param: GraphParam) -> GraphParam:
@@ -278,30 +446,61 @@ class Graph:
 
     def append(self, node: Node) -> Node:
         self._assign_fullname(node)
-        self.nodes.append(node)
+        self._nodes.append(node)
         return node
 
     def insert_after(self, anchor: Node, node: Node) -> Node:
         self._assign_fullname(node)
-        self.nodes.insert(self.index_of(anchor) + 1, node)
+        self._nodes.insert_after(anchor, node)
         return node
 
     def insert_before(self, anchor: Node, node: Node) -> Node:
         self._assign_fullname(node)
-        self.nodes.insert(self.index_of(anchor), node)
+        self._nodes.insert_before(anchor, node)
         return node
 
+    def move_after(self, anchor: Node | None, nodes: Sequence[Node]) -> None:
+        """Move `nodes` (of this graph), in their given order, right after `anchor` (None: to
+        the front)."""
+        for node in nodes:
+            self._nodes.remove(node)
+        if anchor is None:
+            if not nodes:
+                return
+            first = self._nodes[0] if len(self._nodes) else None
+            if first is None:
+                for node in nodes:
+                    self._nodes.append(node)
+                return
+            for node in nodes:
+                self._nodes.insert_before(first, node)
+            return
+        for node in nodes:
+            self._nodes.insert_after(anchor, node)
+            anchor = node
+
     def remove(self, node: Node) -> None:
-        if node.result.uses:
+        if node.result.uses or any(g is self for g, _ in node.result.output_uses):
             raise ValueError(f"cannot remove {node!r}: its result is still used")
         node.drop_operands()
-        del self.nodes[self.index_of(node)]
+        self._nodes.remove(node)
+
+    def reorder(self, nodes: Sequence[Node]) -> None:
+        """The same nodes in a new order (a topological order: the verifier checks)."""
+        if (len(nodes) != len(self._nodes) or len({id(n) for n in nodes}) != len(nodes)
+                or any(n not in self._nodes for n in nodes)):
+            raise ValueError(f"graph {self.name}: reorder needs the graph's own nodes, each once")
+        self._nodes = NodeList(nodes)
+
+    def order_key(self, node: Node) -> float:
+        """Compares positions in O(1): `order_key(a) < order_key(b)` iff a comes before b."""
+        return self._nodes.order_key(node)
 
     def index_of(self, node: Node) -> int:
-        for i, candidate in enumerate(self.nodes):
-            if candidate is node:
-                return i
-        raise ValueError(f"{node!r} is not in graph {self.name}")
+        try:
+            return self._nodes.index(node)
+        except ValueError:
+            raise ValueError(f"{node!r} is not in graph {self.name}") from None
 
     def _assign_fullname(self, node: Node) -> None:
         if not node.fullname:
@@ -388,7 +587,7 @@ class Graph:
         for node in dead:
             node.result.uses.clear()
             node.drop_operands()
-        if dead:  # one pass over the list: removing one by one is quadratic in graph size
-            self.nodes[:] = [node for node in self.nodes if id(node) in live]
+        for node in dead:
+            self._nodes.remove(node)
         return len(dead)
 

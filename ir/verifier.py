@@ -8,7 +8,8 @@
 * use lists agree with operands: `(node, i)` is in `v.uses` exactly once iff
   `node.operands[i] is v`, and no value lists a use by a node outside the graph;
 * a node's result type is what its op infers from its operand types and attributes;
-* every output is defined (constant, parameter of this graph, or a node result).
+* every output is defined (constant, parameter of this graph, or a node result) and lists
+  that use (`Value.output_uses`).
 
 The first violation raises `VerifyError` naming the graph, the node (`%<n>`, op, instance name,
 scope and source line) and what is wrong.
@@ -246,6 +247,9 @@ class _Verifier:
                     self.fail(f"output {k} is a constant that {problem}")
             elif id(value) not in self.names:
                 self.fail(f"output {k} is undefined: the {self.name(value)}")
+            if not any(g is self.graph and i == k for g, i in value.output_uses):
+                self.fail(f"use lists: output {k} ({self.name(value)}) does not list its use "
+                          "as the graph's output")
 
     def run(self) -> None:
         self.params()

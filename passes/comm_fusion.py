@@ -538,11 +538,10 @@ def _fuse_bucket(graph: Graph, members: list[_Candidate]) -> Node:
     outs = [_reshape(b, v, r.shape, r.name_hint) for v, r in zip(outs, results)]
     created = list(b.created)
     # Move the new nodes (the Builder appended them) right after the last producer of a
-    # member input. (list.index and slicing: C speed, this runs once per bucket.)
-    rest = graph.nodes[: len(graph.nodes) - len(created)]
-    producers = {id(v.node) for v in inputs if isinstance(v, NodeResult)}
-    at = max((i + 1 for i, nd in enumerate(rest) if id(nd) in producers), default=0)
-    graph.nodes = rest[:at] + created + rest[at:]
+    # member input (to the front when none is a node).
+    producers = [v.node for v in inputs if isinstance(v, NodeResult)]
+    last = max(producers, key=graph.order_key) if producers else None
+    graph.move_after(last, created)
     replaced: dict[int, Value] = {}
     for result, new in zip(results, outs):
         result.replace_all_uses_with(new)
@@ -550,7 +549,7 @@ def _fuse_bucket(graph: Graph, members: list[_Candidate]) -> Node:
     graph.outputs = [replaced.get(id(o), o) for o in graph.outputs]  # one pass, not one per member
     for m in members:
         assert not m.node.result.uses
-        m.node.drop_operands()  # removed from graph.nodes once every bucket is fused
+        m.node.drop_operands()  # removed from the graph once every bucket is fused
     assert isinstance(fused, NodeResult)
     return fused.node
 
@@ -580,7 +579,7 @@ def _stable_toposort(graph: Graph) -> None:
     except nx.NetworkXUnfeasible:
         raise AssertionError("comm_fusion produced a cycle") from None  # excluded by the cut
     by_id = {id(nd): nd for nd in nodes}
-    graph.nodes = [by_id[k] for k in order]
+    graph.reorder([by_id[k] for k in order])
 
 
 # --------------------------------------------------------------------------------------------
@@ -604,8 +603,8 @@ def fuse_communication(graph: Graph, config: FusionConfig | None = None) -> Fusi
                 fused_members.update(id(m.node) for m in part)
             else:
                 done.append((part, None))
-    if fused_members:
-        graph.nodes = [nd for nd in graph.nodes if id(nd) not in fused_members]
+    for node in [nd for nd in graph.nodes if id(nd) in fused_members]:
+        graph.remove(node)
     if not _ordered(graph):
         _stable_toposort(graph)
     # Number the buckets per kind by (user fusion id, first member).

@@ -123,7 +123,7 @@ def positions(graph: Graph, sequence: list[Label]) -> dict[int, int]:
 def order_by_units(graph: Graph, sequence: list[Label]) -> None:
     """Reorder `graph`'s nodes unit by unit (stable: a topological order stays one)."""
     pos = positions(graph, sequence)
-    graph.nodes = sorted(graph.nodes, key=lambda n: pos[id(n)])
+    graph.reorder(sorted(graph.nodes, key=lambda n: pos[id(n)]))
 
 
 @dataclass

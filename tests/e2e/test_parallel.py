@@ -134,14 +134,15 @@ def run_sharded(op: str, arrays: list[np.ndarray], attrs: dict, strategy, device
     graph, params = _case_graph(op, arrays, attrs, strategy)
     ref_graph, ref_params = _case_graph(op, arrays, attrs, strategy)
     wrt = [p for p in ref_params if p.requires_grad]
-    ref_graph.outputs = ref_graph.outputs + append_gradients(ref_graph, ref_graph.outputs[0], wrt)
+    ref_graph.outputs = [*ref_graph.outputs,
+                         *append_gradients(ref_graph, ref_graph.outputs[0], wrt)]
     # Both sides in float64 (the oracle's mode): the bound is the derived FLOAT64_RTOL.
     want = run_graph(ref_graph, arrays, float64=True)
 
     assignment = assign(graph, devices, "full_batch")
     local, out_layouts = build_spmd_graph(graph, assignment, SplitOptions(devices, True), {})
     ws = [p for p in local.weights if p.requires_grad]
-    local.outputs = local.outputs + append_gradients(local, local.outputs[0], ws)
+    local.outputs = [*local.outputs, *append_gradients(local, local.outputs[0], ws)]
     ranks = [local] * devices
     feeds = []
     for r in range(devices):

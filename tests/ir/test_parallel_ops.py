@@ -97,7 +97,7 @@ def run_sharded(op: str, arrays: list[np.ndarray], attrs: dict[str, Any], strate
     order of additions), so the bound is the oracle's derived one whatever the dtype."""
     ref, ref_params = case_graph(op, arrays, attrs, strategy)
     wrt = [p for p in ref_params if p.requires_grad]
-    ref.outputs = ref.outputs + append_gradients(ref, ref.outputs[0], wrt)
+    ref.outputs = [*ref.outputs, *append_gradients(ref, ref.outputs[0], wrt)]
     want = run_graph(ref, arrays, float64=True)
 
     graph, params = case_graph(op, arrays, attrs, strategy)
@@ -105,7 +105,7 @@ def run_sharded(op: str, arrays: list[np.ndarray], attrs: dict[str, Any], strate
     ranks, out_layouts = build_rank_graphs(graph, assignment, SplitOptions(devices, True), {})
     for g in ranks:
         ws = [p for p in g.weights if p.requires_grad]
-        g.outputs = g.outputs + append_gradients(g, g.outputs[0], ws)
+        g.outputs = [*g.outputs, *append_gradients(g, g.outputs[0], ws)]
     feeds = [[arr[tuple(slice(lo, hi) for lo, hi in
                         assignment.param_layouts[p.name].slice_bounds(r))] if arr.shape else arr
               for p, arr in zip(graph.params, arrays)] for r in range(devices)]
