@@ -399,6 +399,10 @@ class NodeList:
     def __repr__(self) -> str:
         return f"NodeList({self._list()!r})"
 
+    def __reduce__(self) -> tuple[type[NodeList], tuple[list[Node]]]:
+        # copied or pickled as its nodes in order: the links are keyed by node identity
+        return NodeList, (self._list(),)
+
 
 class Graph:
     """A function: parameters (inputs first, then stored tensors), nodes in a valid

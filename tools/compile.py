@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from pcompile.compiler.compiled import CompiledProgram, CompileState
+from pcompile.compiler.compiled import CompiledProgram, CompileState, ReferenceOptions
 from pcompile.compiler.driver import compile as compile_program
 from pcompile.compiler.plan import build_plan, write_plan
 from pcompile.ir.dot import graph_to_dot
@@ -22,21 +22,37 @@ from pcompile.ir.printer import print_graph
 def compile(  # noqa: A001  (the public name DESIGN.md gives it: `pcompile.compile`)
     model_path: str,
     *,
+    devices: int | None = None,
+    parallel_mode: str | None = None,
+    search_mode: str | None = None,
+    out_dir: str | None = None,
+    dump: bool = True,
+    overrides: dict[str, Any] | None = None,
+    dump_ranks: Any = None,
+    save_graphs: int | None = None,
+    reference: ReferenceOptions | None = None,
+    shrink: Any = None,
+    trace_only: bool = False,
     before_write: Callable[[CompileState, str | None], None] | None = None,
     on_event: Callable[..., None] | None = None,
-    **options: Any,
 ) -> CompiledProgram:
     """Compile a model file and write its outputs into the program's `out_dir`; none with
-    `dump=False`. `options` are those of `compiler.driver.compile`: devices, parallel_mode,
-    search_mode, out_dir, dump, overrides, dump_ranks, save_graphs, reference, shrink,
-    trace_only.
+    `dump=False`. The options up to `trace_only` are those of `compiler.driver.compile`:
+    `devices`, `parallel_mode`, `search_mode` (flags over what the model file sets),
+    `out_dir` (default: the model file's `save_graphs_path`, else ./saved_graph), `overrides`
+    (auto-parallel context keys), `dump_ranks` ("all", "none", "0,5"), `save_graphs` (0-3),
+    `reference` and `shrink` (the oracle's and the shrunk check's compiles), `trace_only`.
 
     `before_write(state, out_dir)` runs after the passes and before anything is written (the
     CLI checks its run options there, so a bad one leaves `--out` untouched).
     `on_event(event, **info)` hears of the compile's progress: the driver's "pass" events,
     then "write" (out_dir, ranks) before the outputs are written and "written" (out_dir)
     after."""
-    program = compile_program(model_path, on_event=on_event, **options)
+    program = compile_program(
+        model_path, devices=devices, parallel_mode=parallel_mode, search_mode=search_mode,
+        out_dir=out_dir, dump=dump, overrides=overrides, dump_ranks=dump_ranks,
+        on_event=on_event, save_graphs=save_graphs, reference=reference, shrink=shrink,
+        trace_only=trace_only)
     if before_write is not None:
         before_write(program.state, program.out_dir)
     out_dir = program.out_dir

@@ -128,3 +128,18 @@ def test_outputs_are_uses() -> None:
     exp.output_uses.clear()  # a stale use list is what the verifier reports
     with pytest.raises(VerifyError, match="output 1 .* does not list its use"):
         verify(g)
+
+
+def test_a_copied_graph_keeps_its_order_and_links() -> None:
+    """The node list is keyed by node identity; a deep copy (or a pickle) rebuilds it from the
+    copied nodes in order."""
+    import copy
+
+    g, _ = _chain()
+    twin = copy.deepcopy(g)
+    assert [n.op for n in twin.nodes] == [n.op for n in g.nodes]
+    assert all(a is not b for a, b in zip(twin.nodes, g.nodes))
+    verify(twin)
+    last = twin.nodes[-1]
+    assert twin.index_of(last) == len(twin.nodes) - 1
+    assert twin.outputs[0] is last.result and last.result.output_uses == [(twin, 0)]
