@@ -5,14 +5,21 @@ live above the backends (`pcompile.tools.runners`; the rank programs in `backend
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-from pcompile.compiler.compiled import CompiledProgram
-from pcompile.compiler.model_file import as_input_list, call_user, iterate_user
+from pcompile.compiler.compiled import CompiledProgram, CompileState
+from pcompile.compiler.model_file import (
+    ModelFile,
+    as_input_list,
+    call_user,
+    iterate_user,
+    load_model_file,
+)
 from pcompile.compiler.tensor import TensorSpec
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
@@ -76,21 +83,34 @@ class DatasetSpec:
     labels: int
 
     def literal(self) -> dict[str, Any]:
-        return {"model_file": self.model_file, "inputs": self.inputs, "labels": self.labels}
+        return asdict(self)
 
     @classmethod
     def from_literal(cls, data: dict[str, Any]) -> DatasetSpec:
         return cls(str(data["model_file"]), int(data["inputs"]), int(data["labels"]))
 
+    @classmethod
+    def of_model_file(cls, path: str, taken: int) -> DatasetSpec:
+        """The spec of a program written before `DATASET`, which takes `taken` arrays: the
+        model file's `inputs()` count, the rest labels."""
+        mf = _data_model_file(path)
+        inputs = len(as_input_list(call_user(mf.inputs, "inputs()", mf.path), "inputs",
+                                   mf.path))
+        return cls(path, inputs, max(0, taken - inputs))
 
-def dataset_spec(program: Any) -> DatasetSpec:
-    """The `DatasetSpec` of a compiled program (`program.state` or the program itself)."""
-    import os
 
-    state = getattr(program, "state", program)
+def dataset_spec(state: CompileState) -> DatasetSpec:
+    """The `DatasetSpec` of a compile (after its trace)."""
     traced = state.traced
+    assert traced is not None
     return DatasetSpec(os.path.abspath(state.model_file.path), len(traced.input_names),
                        len(traced.label_names))
+
+
+def _data_model_file(path: str) -> ModelFile:
+    if not os.path.exists(path):
+        raise PcompileError(f"model file {path} (for the data) does not exist on this host")
+    return load_model_file(path)
 
 
 def spec_batches(spec: DatasetSpec, expected: list[tuple[str, tuple[int, ...], Any]],
@@ -98,18 +118,11 @@ def spec_batches(spec: DatasetSpec, expected: list[tuple[str, tuple[int, ...], A
                  ) -> Iterator[tuple[int, int, list[np.ndarray] | None, int]]:
     """`iter_rank_batches` of the model file `spec` names: what a rank program reads.
     `expected`: the (name, global shape, numpy dtype) of every input then label."""
-    import os
-
-    from pcompile.compiler.model_file import load_model_file
-
-    if not os.path.exists(spec.model_file):
-        raise PcompileError(f"model file {spec.model_file} (for the data) does not exist on "
-                            "this host")
     if len(expected) != spec.inputs + spec.labels:
         raise PcompileError(
             f"the program takes {len(expected)} inputs and labels, its data set gives "
             f"{spec.inputs} input(s) and {spec.labels} label(s)")
-    mf = load_model_file(spec.model_file)
+    mf = _data_model_file(spec.model_file)
     examples: list[TensorSpec | np.ndarray] = []
     if mf.dataset is None:  # the synthetic batch: inputs() and labels()
         examples = as_input_list(call_user(mf.inputs, "inputs()", mf.path), "inputs", mf.path)

@@ -66,9 +66,8 @@ class Value:
                 seen.append(node)
         return seen
 
-    def replace_all_uses_with(self, other: Value, graph: Graph | None = None) -> None:
-        """Every use of this value, as an operand or as a graph's output, becomes `other`
-        (`graph`: accepted for older callers; outputs are uses of their own)."""
+    def replace_all_uses_with(self, other: Value) -> None:
+        """Every use of this value, as an operand or as a graph's output, becomes `other`."""
         for node, index in list(self.uses):
             node.set_operand(index, other)
         for owner in {id(g): g for g, _ in self.output_uses}.values():
@@ -468,20 +467,15 @@ class Graph:
         the front)."""
         for node in nodes:
             self._nodes.remove(node)
-        if anchor is None:
-            if not nodes:
-                return
-            first = self._nodes[0] if len(self._nodes) else None
-            if first is None:
-                for node in nodes:
-                    self._nodes.append(node)
-                return
-            for node in nodes:
-                self._nodes.insert_before(first, node)
-            return
+        first = self._nodes[0] if anchor is None and len(self._nodes) else None
         for node in nodes:
-            self._nodes.insert_after(anchor, node)
-            anchor = node
+            if first is not None:
+                self._nodes.insert_before(first, node)
+            elif anchor is None:  # the graph held only `nodes`
+                self._nodes.append(node)
+            else:
+                self._nodes.insert_after(anchor, node)
+                anchor = node
 
     def remove(self, node: Node) -> None:
         if node.result.uses or any(g is self for g, _ in node.result.output_uses):
@@ -591,7 +585,6 @@ class Graph:
         for node in dead:
             node.result.uses.clear()
             node.drop_operands()
-        for node in dead:
             self._nodes.remove(node)
         return len(dead)
 

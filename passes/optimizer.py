@@ -136,11 +136,7 @@ class RankSum:
                 bytes=local.tensor_type.nbytes))
 
     def along(self, local: Value, owner: str, scope: str, along: tuple[int, ...]) -> Value:
-        return self._along(Builder(self.graph, scope=scope), local, owner,
-                           self.layouts.get(owner), along)
-
-    def _along(self, b: Builder, local: Value, owner: str, layout: TensorLayout | None,
-               along: tuple[int, ...]) -> Value:
+        layout = self.layouts.get(owner)
         if layout is None:
             return local
         axes = sorted({axis_index(v, layout.dev_matrix)
@@ -160,10 +156,11 @@ class RankSum:
         else:
             attrs.update(group=GroupName(group), rank_list=group)
         dims = ", ".join(str(d) for d in along)
-        return b.emit("AllReduce", [local], attrs,
-                      instance_name=f"optimizer_sum_{owner}_dims_{'_'.join(map(str, along))}",
-                      name_hint="partial_sum",
-                      parallel=ParallelInfo(
-                          reason=f"the optimizer's sum over dims ({dims}) of {owner!r}: added "
-                                 "over the ranks holding the other slices of those dims",
-                          bytes=local.tensor_type.nbytes))
+        return Builder(self.graph, scope=scope).emit(
+            "AllReduce", [local], attrs,
+            instance_name=f"optimizer_sum_{owner}_dims_{'_'.join(map(str, along))}",
+            name_hint="partial_sum",
+            parallel=ParallelInfo(
+                reason=f"the optimizer's sum over dims ({dims}) of {owner!r}: added over the "
+                       "ranks holding the other slices of those dims",
+                bytes=local.tensor_type.nbytes))

@@ -174,15 +174,14 @@ class RankRunner:
         each global batch, and its first `skip` steps not at all."""
         from pcompile.compiler.runtime import DatasetSpec, batch_rows, spec_batches
 
-        spec = getattr(self.m, "DATASET", None)
-        if spec is None:  # a program written before DATASET: the model file's own count
-            spec = legacy_dataset_spec(self.m.MODEL_FILE, len(self.inputs))
         expected = [(name, tuple(self.m.LAYOUTS[name][0]), self.dtypes[name])
                     for name, *_ in self.inputs]
         rows = batch_rows([self._layout(name) for name, *_ in self.inputs], self.local)
+        literal = getattr(self.m, "DATASET", None)
         try:
-            return spec_batches(DatasetSpec.from_literal(spec), expected, steps, rows=rows,
-                                skip=skip)
+            spec = (DatasetSpec.from_literal(literal) if literal is not None
+                    else DatasetSpec.of_model_file(self.m.MODEL_FILE, len(self.inputs)))
+            return spec_batches(spec, expected, steps, rows=rows, skip=skip)
         except PcompileError as exc:
             raise RankError(str(exc)) from None
 
@@ -501,15 +500,3 @@ class RankRunner:
         if loss and not first and not self.args.all_ranks:
             return
         print(("" if first else f"[rank {self.local[0]}] ") + text, flush=True)
-
-
-def legacy_dataset_spec(model_file: str, taken: int) -> dict[str, Any]:
-    """The data set of a program written before `DATASET`: the model file's inputs() count,
-    the rest of what the program takes labels."""
-    from pcompile.compiler.model_file import as_input_list, call_user, load_model_file
-
-    if not os.path.exists(model_file):
-        raise RankError(f"model file {model_file} (for the data) does not exist on this host")
-    mf = load_model_file(model_file)
-    n_inputs = len(as_input_list(call_user(mf.inputs, "inputs()", mf.path), "inputs", mf.path))
-    return {"model_file": model_file, "inputs": n_inputs, "labels": max(0, taken - n_inputs)}

@@ -262,7 +262,6 @@ def test_rank_programs_read_the_dataset_spec_written_at_compile_time(tmp_path) -
     `DATASET` gets the same spec from its model file."""
     import ast
 
-    from pcompile.backends.jax.rank_loop import legacy_dataset_spec
     from pcompile.compiler.runtime import DatasetSpec, batch_rows, dataset_spec, spec_batches
 
     path = tmp_path / "net.py"
@@ -271,9 +270,9 @@ def test_rank_programs_read_the_dataset_spec_written_at_compile_time(tmp_path) -
     text = (tmp_path / "out" / "rank_5" / "program.py").read_text()
     line = next(x for x in text.splitlines() if x.startswith("DATASET = "))
     spec = DatasetSpec.from_literal(ast.literal_eval(line[len("DATASET = "):]))
-    assert spec == dataset_spec(program)
+    assert spec == dataset_spec(program.state)
     assert (spec.inputs, spec.labels) == (1, 1)
-    assert legacy_dataset_spec(str(path), 2) == spec.literal()
+    assert DatasetSpec.of_model_file(spec.model_file, 2) == spec
     layouts = program.state.assignment.param_layouts
     inputs = program.graph.inputs
     expected = [(p.name, tuple(layouts[p.name].shape), p.dtype.np) for p in inputs]

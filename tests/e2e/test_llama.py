@@ -289,7 +289,7 @@ def test_the_bf16_bound_tells_a_wrong_plan(monkeypatch: Any) -> None:
     graph = program.rank_graphs[0]  # every rank runs this graph
     (dropped,) = [n for n in graph.nodes if n.op == "AllReduce" and n.scope.startswith(
         "Gradients/") and "layers-CellList/0-" in n.scope and "wo-Linear" in n.scope]
-    dropped.result.replace_all_uses_with(dropped.operands[0], graph)
+    dropped.result.replace_all_uses_with(dropped.operands[0])
     graph.remove(dropped)
     wrong = _bf16_losses(ParallelRunner(program), one, steps, BATCH_ORDERS[0])
     assert bf16_excess(wrong, reference, envelope).max() > MP4_ROUNDINGS
