@@ -30,6 +30,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from pcompile.backends.jax.lowering import default_lowering
 from pcompile.backends.jax.pipeline_plan import Held, PipelinePlan, PipelineTables, Slot
 from pcompile.backends.jax.spmd import (
     apply_node,
@@ -41,6 +42,7 @@ from pcompile.backends.jax.spmd import (
     put_blocks,
 )
 from pcompile.ir.core import Constant
+from pcompile.ir.lowering import LoweringOptions, lowering
 from pcompile.ir.types import DType
 
 UnitFn = Callable[[str, dict[int, Any], Sequence[Any], Any], None]
@@ -174,21 +176,25 @@ def _loss_dtype(tb: PipelineTables, float64: bool) -> Any:
 def pipeline_function(tables: PipelineTables | dict[str, Any], units: Sequence[UnitFn],
                       mesh: Mesh, float64: bool = False,
                       extra: Callable[[list[Any]], list[Any]] | None = None,
-                      out_shapes: list[tuple[int, ...]] | None = None) -> Callable[..., Any]:
+                      out_shapes: list[tuple[int, ...]] | None = None,
+                      options: LoweringOptions | None = None) -> Callable[..., Any]:
     """`jit(shard_map(...))` of the step: arguments and results are the ranks' values as
     blocks of a global array (`spmd.blocked_shape`: along their first axis, sharded over every
     mesh axis in rank order), as `spmd.spmd_function`. `out_shapes` (a list) receives the
-    results' local shapes when the step is traced."""
+    results' local shapes when the step is traced. `options`: the lowering's (default:
+    `default_lowering()`), current while the step traces."""
     axes = tuple(mesh.axis_names)
+    current = options if options is not None else default_lowering()
     params = tables.union_params if isinstance(tables, PipelineTables) else \
         tables["union_params"]
     scalars = [not tuple(shape) for _, _, shape, _ in params]
 
     def per_device(*blocks: Any) -> tuple[Any, ...]:
         args = [b.reshape(()) if scalar else b for b, scalar in zip(blocks, scalars)]
-        outs = run_step(tables, units, args, axes, float64)
-        if extra is not None:
-            outs = extra(outs)
+        with lowering(current):
+            outs = run_step(tables, units, args, axes, float64)
+            if extra is not None:
+                outs = extra(outs)
         outs = [jnp.asarray(o) for o in outs]
         if out_shapes is not None:
             out_shapes[:] = [tuple(o.shape) for o in outs]

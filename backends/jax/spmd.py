@@ -35,8 +35,10 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pcompile.backends.jax.lowering import default_lowering
 from pcompile.backends.jax.plan import MeshSpec, NodePlan, SpmdLoweringError, SpmdPlan
 from pcompile.ir.core import Constant
+from pcompile.ir.lowering import LoweringOptions, lowering
 from pcompile.ir.registry import get_op
 from pcompile.ir.types import DType
 
@@ -442,8 +444,8 @@ def as_block(x: Any) -> Any:
 
 def spmd_function(body: Callable[..., Sequence[Any]], mesh: Mesh,
                   shapes: Sequence[Sequence[int]], donate_argnums: tuple[int, ...] = (),
-                  check_vma: bool = True, out_shapes: list[tuple[int, ...]] | None = None
-                  ) -> jax.stages.Wrapped:
+                  check_vma: bool = True, out_shapes: list[tuple[int, ...]] | None = None,
+                  options: LoweringOptions | None = None) -> jax.stages.Wrapped:
     """`jit(shard_map(...))` of a per-device body whose arguments have the local `shapes`:
     each argument and result is the concatenation of all ranks' values along their first axis
     (`blocked_shape`), sharded over every mesh axis in rank order, so that a device's block is
@@ -453,16 +455,20 @@ def spmd_function(body: Callable[..., Sequence[Any]], mesh: Mesh,
     step may reuse (parameters and optimizer state that it returns updated).
     `check_vma=False` for a pipeline program, whose `lax.switch` branches (one per stage) run
     collectives over different axes. `out_shapes` (a list) receives the results' local shapes
-    when the step is traced (every process traces it, backends/jax/shared_compile.py)."""
+    when the step is traced (every process traces it, backends/jax/shared_compile.py).
+    `options`: the lowering's (default: `default_lowering()`, from the environment), current
+    while the body traces."""
     axes = tuple(mesh.axis_names)
     scalars = [not tuple(s) for s in shapes]
+    current = options if options is not None else default_lowering()
 
     def per_device(*blocks: Any) -> tuple[Any, ...]:
         if len(blocks) != len(scalars):
             raise SpmdLoweringError(f"the step takes {len(scalars)} arguments, got "
                                     f"{len(blocks)}")
-        outs = [jnp.asarray(o) for o in
-                body(*[b.reshape(()) if scalar else b for b, scalar in zip(blocks, scalars)])]
+        with lowering(current):
+            outs = [jnp.asarray(o) for o in body(
+                *[b.reshape(()) if scalar else b for b, scalar in zip(blocks, scalars)])]
         if out_shapes is not None:
             out_shapes[:] = [tuple(o.shape) for o in outs]
         return tuple(as_block(o) for o in outs)

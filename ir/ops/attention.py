@@ -34,7 +34,11 @@ constant causal attn_mask: `causal_lowering_attrs` recognises the mask from the 
 compile time (`ir/ops/causal_mask.py`) and the lowering runs the node as sparse_mode 2, so
 XLA drops the mask. The statistics come from the same computation on the written-out path;
 through jax.nn.dot_product_attention they are computed apart, and XLA removes them when the
-program does not read them (FlashAttentionScoreGrad's JAX form does not). Gradients flow
+program does not read them (FlashAttentionScoreGrad's JAX form does not). Inside a lowering
+(`ir.lowering.lowering`) the forward is run by `jax.vjp` and leaves its pullback in the
+lowering's memo; FlashAttentionScoreGrad of the same query, key, value, mask and output runs
+that pullback (cuDNN's backward from the forward's own residuals) instead of differentiating
+a second forward, as a hand-written `jax.grad` does. Gradients flow
 through attention_out only: reading softmax_max/softmax_sum/softmax_out in a differentiated
 computation is refused.
 """
@@ -50,7 +54,7 @@ from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
 from pcompile.ir.dims import DimRule, Divides, Fixed, In, Out, Product, Same
 from pcompile.ir.errors import PcompileError, ShapeError
-from pcompile.ir.lowering import current_lowering
+from pcompile.ir.lowering import current_lowering, lowering_memo
 from pcompile.ir.ops._define import define, grad_helper
 from pcompile.ir.ops._jax import jax, jnp
 from pcompile.ir.ops._util import is_zero, same_dtype, tensor, tuple_type
@@ -530,9 +534,48 @@ def attention_out_jax(q: Any, k: Any, v: Any, mask: Any, attrs: dict[str, Any],
     return _attention(q, k, v, mask, attrs, dims, statistics=False)[0]
 
 
+@dataclass(frozen=True)
+class _Forward:
+    """What a FlashAttentionScore lowered inside a lowering leaves for its gradient: its
+    operands and output (the traced arrays themselves), its attributes and its pullback."""
+
+    q: Any
+    k: Any
+    v: Any
+    mask: Any
+    out: Any
+    attrs: dict[str, Any]
+    pullback: Any
+
+    def serves(self, q: Any, k: Any, v: Any, mask: Any, out: Any, attrs: dict[str, Any]
+               ) -> bool:
+        """Whether the gradient of (q, k, v, mask) -> out with `attrs` is this forward's: the
+        same traced arrays (an array of another trace, e.g. a `lax.switch` branch, is another
+        object), a mask that is the same array, equal constants, or not read."""
+        if not (self.q is q and self.k is k and self.v is v and self.out is out):
+            return False
+        if any(self.attrs.get(name) != attrs.get(name) for name in DEFAULTS):
+            return False
+        if self.mask is mask or attrs["sparse_mode"] not in (0, 1):
+            return True
+        concrete = not any(isinstance(m, jax.core.Tracer) for m in (self.mask, mask))
+        return (concrete and self.mask is not None and mask is not None
+                and bool(np.array_equal(np.asarray(self.mask), np.asarray(mask))))
+
+
 def _fa_jax(*arrays: Any, **attrs: Any) -> tuple[Any, ...]:
     q, k, v, mask, dims = _operands(arrays, attrs)
-    out, row_max, row_sum = _attention(q, k, v, mask, attrs, dims, statistics=True)
+    memo = lowering_memo()
+    if memo is None:
+        out, row_max, row_sum = _attention(q, k, v, mask, attrs, dims, statistics=True)
+    else:
+        def forward(q_: Any, k_: Any, v_: Any) -> tuple[Any, tuple[Any, Any]]:
+            o, m, s = _attention(q_, k_, v_, mask, attrs, dims, statistics=True)
+            return o, (m, s)
+
+        out, pullback, (row_max, row_sum) = jax.vjp(forward, q, k, v, has_aux=True)
+        memo[("FlashAttentionScore", id(out))] = _Forward(q, k, v, mask, out, dict(attrs),
+                                                          pullback)
     shape = (dims.batch, dims.q_heads, dims.q_seq, SOFTMAX_LAST_DIM)
     return (jnp.broadcast_to(row_max, shape), jnp.broadcast_to(row_sum, shape),
             jnp.zeros((1,), q.dtype), out)
@@ -627,8 +670,11 @@ attention = Attention()
 * **Gradients** flow through attention_out only. The vjp emits `FlashAttentionScoreGrad`
   (query, key, value, dy, [attn_mask], softmax_max, softmax_sum, attention_in) -> (dq, dk, dv)
   (MindSpore's operand order without the inputs pcompile does not take); its numpy form
-  rebuilds the probabilities from the saved statistics, its JAX form differentiates the fused
-  forward (`jax.vjp`, so GPUs run the fused backward). Reading softmax_max, softmax_sum or
+  rebuilds the probabilities from the saved statistics. In JAX the forward runs under
+  `jax.vjp` and the grad of the same operands and output runs its pullback, so the program
+  computes the attention forward once and GPUs run cuDNN's fused forward and backward, as a
+  hand-written `jax.grad` does (a grad in another trace, e.g. another pipeline tick,
+  differentiates the fused forward again). Reading softmax_max, softmax_sum or
   softmax_out in a differentiated computation is refused.
 * **Rule** (MindSpore's flash_attention_score_info): the strategy lists the passed inputs.
   Batch and query heads split freely; key and value split their heads exactly as the query
@@ -864,6 +910,10 @@ def _grad_np(*arrays: Any, **attrs: Any) -> tuple[np.ndarray, ...]:
 def _grad_jax(*arrays: Any, **attrs: Any) -> tuple[Any, ...]:
     q, k, v, dy = arrays[:4]
     mask = arrays[4] if len(arrays) == 8 else None
+    memo = lowering_memo()
+    forward = None if memo is None else memo.get(("FlashAttentionScore", id(arrays[-1])))
+    if forward is not None and forward.serves(q, k, v, mask, arrays[-1], attrs):
+        return tuple(forward.pullback(dy))
     dims = attention_dims(tuple(q.shape), tuple(k.shape), attrs["head_num"],
                           attrs["input_layout"])
     _, pullback = jax.vjp(lambda q_, k_, v_: attention_out_jax(q_, k_, v_, mask, attrs, dims),
@@ -875,8 +925,10 @@ grad_helper("FlashAttentionScoreGrad", _grad_infer, _grad_np, _grad_jax,
             lowering_attrs=causal_lowering_attrs, attrs=dict(DEFAULTS), num_inputs=(7, 8),
             doc="FlashAttentionScoreGrad(query, key, value, dy, [attn_mask], softmax_max, "
                 "softmax_sum, attention_in) -> (dq, dk, dv), MindSpore's operand order without the "
-                "inputs pcompile does not take. The JAX implementation differentiates the fused "
-                "forward (jax.vjp), so GPUs run cuDNN's fused backward.",
+                "inputs pcompile does not take. The JAX implementation runs the pullback the "
+                "forward left in the lowering's memo when the operands are the forward's own, "
+                "else differentiates the fused forward (jax.vjp); GPUs run cuDNN's fused "
+                "backward either way.",
             grad_of="FlashAttentionScore",
             operands="query, key, value, dy, [attn_mask], softmax_max, softmax_sum, attention_in "
                      "-> (dq, dk, dv)", dtypes=FLOATS, section="attention",

@@ -47,3 +47,31 @@ def test_the_jax_lowering_makes_its_options_current(monkeypatch: pytest.MonkeyPa
     lower_graph(graph, options=LoweringOptions(fused_attention=not fused))(*arrays)
     assert seen and set(seen) == {not fused}
     assert current_lowering() == LoweringOptions()  # nothing leaks out of a lowering
+
+
+@pytest.mark.parametrize(("env", "fused"), [("", True), ("xla", False)])
+def test_spmd_programs_trace_inside_a_lowering(monkeypatch: pytest.MonkeyPatch, env: str,
+                                               fused: bool) -> None:
+    """The SPMD step (JaxSpmdRunner, the generated rank programs) and the pipeline step trace
+    their body inside a lowering: the environment's options, and a memo for the trace."""
+    import jax
+
+    from pcompile.backends.jax.pipeline import pipeline_function
+    from pcompile.backends.jax.spmd import spmd_function
+    from pcompile.ir.lowering import lowering_memo
+
+    monkeypatch.setenv("PCOMPILE_ATTENTION", env)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",))
+    seen: list[tuple[bool, bool]] = []
+
+    def body(*arrays: Any) -> list[Any]:
+        seen.append((current_lowering().fused_attention, lowering_memo() is not None))
+        return list(arrays)
+
+    spmd_function(body, mesh, [(2,)])(np.ones(2, np.float32))
+    tables = {"union_params": [("x", "input", (2,), "float32")]}
+    monkeypatch.setattr("pcompile.backends.jax.pipeline.run_step",
+                        lambda tables, units, args, axes, float64: body(*args))
+    pipeline_function(tables, [], mesh)(np.ones(2, np.float32))
+    assert seen == [(fused, True), (fused, True)]
+    assert lowering_memo() is None  # nothing outlives the trace

@@ -26,6 +26,7 @@ from pcompile.compiler.runtime import batches
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Constant, Graph, GraphParam, Node, RankConstant, Value
 from pcompile.ir.layout import TensorLayout
+from pcompile.ir.ops import attention
 from pcompile.ir.ops.attention import INT_MAX, QueryWindow
 from pcompile.ir.ops.causal_mask import is_causal_mask
 from pcompile.ir.rank import RankOffsets, RankScalar, SlicedArray
@@ -327,6 +328,67 @@ def test_a_sliding_window_mask_runs_the_general_path_and_matches() -> None:
     case = Case("BNSD", 2, 4, 2, S, S, 4, 0, 65536, 0, "b1", np.float32, 0.5)
     for i, name in enumerate(NAMES):
         _close(got[i], want[i], 2 * tolerance(case) + 8e-7 * S * 4, name)
+
+
+# -- the gradient runs the forward's pullback -------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_the_gradient_runs_the_forwards_pullback(dtype: Any, monkeypatch: Any) -> None:
+    """Lowered, a training graph computes its attention once: FlashAttentionScoreGrad runs
+    the pullback its forward left, as a hand-written `jax.grad` does (on GPUs: one cuDNN
+    forward and its backward, not a second forward); without the memo the gradient computes
+    the forward again. Both give the same values."""
+    graph, arrays = _training_graph(dtype, "BNSD", causal(), 3)
+    graph.outputs = graph.outputs[3:]  # attention_out, dq, dk, dv
+    calls: list[int] = []
+    original = attention._attention
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_attention", counted)
+    paired = jax.jit(lower_graph(graph))(*arrays)
+    assert len(calls) == 1
+    calls.clear()
+    monkeypatch.setattr(attention, "lowering_memo", lambda: None)
+    again = jax.jit(lower_graph(graph))(*arrays)
+    assert len(calls) == 2
+    case = Case("BNSD", 2, 4, 2, S, S, 4, 0, 65536, 0, "b1", dtype, 0.5)
+    bound = tolerance(case) + 8 * float(np.finfo(np.float32).eps) * S * 4
+    for name, a, b in zip(NAMES[3:], paired, again):
+        _close(a, b, bound, f"pullback vs second forward {name}")
+
+
+def test_a_forward_serves_only_its_own_gradient() -> None:
+    """What the forward leaves is used only for the very arrays it ran on: another array
+    (of another trace, or another value), other attributes or another mask keep the
+    gradient's own forward; an equal constant mask, or one the mode does not read, serves."""
+    q, k, v, out = (jnp.zeros((1, 2, 4, 4)) for _ in range(4))
+    mask = jnp.asarray(causal())
+    attrs = {**attention.DEFAULTS, "head_num": 2, "input_layout": "BNSD"}
+    forward = attention._Forward(q, k, v, mask, out, attrs, pullback=None)
+    assert forward.serves(q, k, v, mask, out, dict(attrs))
+    assert forward.serves(q, k, v, jnp.asarray(causal()), out, attrs)  # equal constant
+    assert not forward.serves(jnp.zeros((1, 2, 4, 4)), k, v, mask, out, attrs)
+    assert not forward.serves(q, k, v, mask, jnp.zeros((1, 2, 4, 4)), attrs)
+    assert not forward.serves(q, k, v, mask, out, {**attrs, "scale_value": 0.5})
+    assert not forward.serves(q, k, v, 1 - mask, out, attrs)
+    assert not forward.serves(q, k, v, None, out, attrs)
+    causal_mode = {**attrs, "sparse_mode": 2}
+    assert attention._Forward(q, k, v, mask, out, causal_mode, None).serves(
+        q, k, v, 1 - mask, out, causal_mode)  # mode 2 reads no mask
+
+    seen: list[bool] = []
+
+    def body(m: Any) -> Any:  # traced masks: another array is another value
+        seen.append(attention._Forward(q, k, v, m, out, attrs, None).serves(
+            q, k, v, m + 0, out, attrs))
+        return m
+
+    jax.jit(body)(mask)
+    assert seen == [False]
 
 
 # -- examples/llama.py -------------------------------------------------------------------------
