@@ -30,6 +30,11 @@ Per (devices, dtype), each in its own processes (so that JAX starts cold and see
   step (XLA compile included); the hand-written side initialises its parameters on the device
   (`jax.random`, the same distributions) and runs its step. `first_step_ratio` = pcompile /
   hand-written (<= 1.3: the target).
+
+`--platform gpu` runs every child on JAX's CUDA backend (`--size 0.9b`: issue 23's GPU
+configuration); `--hlo` adds both compiled steps' HLO instruction counts; `--program STEPS`
+also compiles with the CLI and runs `rank_0/program.py` as a user does, keeping its report and
+its final checkpoint against the disk's speed. `benchmarks/gpu_llama.sh` runs them all on a GPU.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
+import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from typing import Any  # noqa: E402
@@ -66,7 +72,10 @@ from step_bench import (  # noqa: E402
 SIZES = {  # layers, hidden, heads, kv_heads, ffn, vocab, seq, batch
     "small": (2, 256, 8, 4, 704, 2048, 128, 4),
     "64m": (4, 1024, 8, 4, 2816, 8192, 128, 4),
+    "0.9b": (16, 2048, 16, 8, 5632, 32000, 2048, 4),  # issue 23's GPU configuration
 }
+HLO_OPS = ("fusion", "dot", "custom-call", "copy", "transpose", "convert", "all-reduce",
+           "all-gather", "reduce-scatter")
 FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "batch")
 NORM_EPS, ROPE_THETA, PAD_TOKEN_ID = 1e-5, 10000.0, 0  # examples/llama.py
 DP, MP = 2, 4  # on 8 devices
@@ -203,12 +212,18 @@ class Handwritten:
 
         self.fn = jax.jit(step, donate_argnums=(0, 1, 2), **jit_args)
 
-    def step(self, arrays: list[np.ndarray]) -> float:
+    def _ids(self, arrays: list[np.ndarray]) -> Any:
         import jax
 
-        ids = arrays[0] if self.batch_sharding is None else jax.device_put(
+        return arrays[0] if self.batch_sharding is None else jax.device_put(
             arrays[0], self.batch_sharding)
-        loss, *state = self.fn(*self.state, ids)
+
+    def lower(self, arrays: list[np.ndarray]) -> Any:
+        """The step lowered for these arrays (`.compile().as_text()`), nothing run."""
+        return self.fn.lower(*self.state, self._ids(arrays))
+
+    def step(self, arrays: list[np.ndarray]) -> float:
+        loss, *state = self.fn(*self.state, self._ids(arrays))
         self.state = tuple(state)
         return float(loss)
 
@@ -303,6 +318,10 @@ def steady(cfg: LlamaSizes, args: argparse.Namespace) -> dict[str, Any]:
             return loss
         return run
 
+    hlo = {}
+    if args.hlo:  # the compiled steps' instructions (fused computations included)
+        hlo = {"pcompile": hlo_counts(runner.lower(data[0]).compile().as_text()),
+               "handwritten": hlo_counts(hand.lower(data[0]).compile().as_text())}
     seconds = time_steps({"pcompile": recorded("pcompile", runner.step),
                           "handwritten": recorded("handwritten", hand.step)},
                          data, args.steps, args.rounds, args.warmup)
@@ -320,7 +339,14 @@ def steady(cfg: LlamaSizes, args: argparse.Namespace) -> dict[str, Any]:
                    "first_step_relative_difference": float(f"{rel[0]:.3g}"),
                    "max_relative_difference": float(f"{rel.max():.3g}"),
                    "steps_compared": int(rel.size)},
+        **({"hlo_instructions": hlo} if hlo else {}),
     }
+
+
+def hlo_counts(text: str) -> dict[str, int]:
+    """How many of each of `HLO_OPS` a compiled module's text holds."""
+    found = re.findall(r"= \S+ ([\w-]+)\(", text)
+    return {op: found.count(op) for op in HLO_OPS}
 
 
 def first_step(cfg: LlamaSizes, side: str) -> dict[str, Any]:
@@ -381,6 +407,17 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed (compiling) steps")
     parser.add_argument("--no-first-step", action="store_true",
                         help="skip the time-to-first-step processes")
+    parser.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
+                        help="gpu: JAX's CUDA backend (one device per GPU; --devices 8 needs 8)")
+    parser.add_argument("--hlo", action="store_true",
+                        help="count the compiled steps' HLO instructions (compiles once more)")
+    parser.add_argument("--program", type=int, default=0, metavar="STEPS",
+                        help="also compile with the CLI and run rank_0/program.py for STEPS "
+                             "steps (one device), as a user does: its report of time to first "
+                             "step, ms/step, tokens/s, MFU and its final checkpoint against "
+                             "the disk's speed")
+    parser.add_argument("--workdir", default=None,
+                        help="where --program writes (default: the system's temporary folder)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -396,27 +433,129 @@ def child(what: str, cfg: LlamaSizes, args: argparse.Namespace) -> dict[str, Any
     """Runs `what` (steady, first:pcompile, first:handwritten) in a fresh process."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", what, "--devices",
            str(cfg.devices), "--dtypes", cfg.dtype, "--steps", str(args.steps), "--rounds",
-           str(args.rounds), "--warmup", str(args.warmup)]
+           str(args.rounds), "--warmup", str(args.warmup), "--platform", args.platform]
+    cmd += ["--hlo"] if args.hlo else []
     cmd += [x for f in FIELDS for x in (f"--{f.replace('_', '-')}", str(getattr(cfg, f)))]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_")}
-    env.update(JAX_PLATFORMS="cpu", LLAMA_FLASH="1", **cfg.env())
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=model_env(cfg, args))
     if done.returncode != 0:
         raise SystemExit(f"{what} ({cfg.devices} device(s), {cfg.dtype}) failed:\n"
                          f"{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def model_env(cfg: LlamaSizes, args: argparse.Namespace) -> dict[str, str]:
+    """The environment of a child: the platform, and examples/llama.py sized as `cfg`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_")}
+    env.update(JAX_PLATFORMS="cpu" if args.platform == "cpu" else "cuda", LLAMA_FLASH="1",
+               **cfg.env())
+    return env
+
+
 def run_child(args: argparse.Namespace) -> None:
     import jax
 
     cfg = sizes(int(args.devices), args.dtypes, **fields(args))
-    jax.config.update("jax_num_cpu_devices", cfg.devices)
+    if args.platform == "cpu":
+        jax.config.update("jax_num_cpu_devices", cfg.devices)
+    elif len(jax.devices()) < cfg.devices:
+        raise SystemExit(f"{cfg.devices} devices asked for, JAX sees {len(jax.devices())}")
     if args.child == "steady":
         out = steady(cfg, args)
     else:
         out = first_step(cfg, args.child.split(":")[1])
     print(json.dumps(out))
+
+
+def device_name(args: argparse.Namespace) -> str:
+    if args.platform == "cpu":
+        return "CPU (JAX_PLATFORMS=cpu; 8 devices are virtual CPU devices)"
+    probe = subprocess.run([sys.executable, "-c", "import jax; d = jax.devices(); "
+                            "print(len(d), d[0].device_kind)"], capture_output=True, text=True,
+                           env={**os.environ, "JAX_PLATFORMS": "cuda"})
+    return f"GPU: {probe.stdout.strip() or probe.stderr.strip()[-300:]}"
+
+
+_REPORT = {  # what rank_0/program.py prints (backends/run_report.py), as numbers
+    "first_step": re.compile(r"time to first step ([\d.]+) s: Python imports ([\d.]+) s, "
+                             r"parameter init ([\d.]+) s, XLA compile ([\d.]+) s"),
+    "steady": re.compile(r"([\d.]+) ms/step \(median after the first\), ([\d,.e+]+) "
+                         r"tokens/s, ([\d.e+-]+) model TFLOP/s \([^)]*\)(?:, MFU ([\d.]+)%)?"),
+    "checkpoint": re.compile(r"checkpoint of step (\d+) .*?: ([\d.]+) MB in ([\d.]+) s"),
+    "waited": re.compile(r"the end of the run waited ([\d.]+) s"),
+}
+
+
+def disk_seconds(folder: str, nbytes: int) -> float:
+    """Seconds to write `nbytes` (fsynced) into `folder`: what the disk needs for them."""
+    chunk = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
+    path = os.path.join(folder, "disk_speed.bin")
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(chunk[:min(left, len(chunk))])
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    os.unlink(path)
+    return seconds
+
+
+def program_run(cfg: LlamaSizes, args: argparse.Namespace) -> dict[str, Any]:
+    """`pcompile examples/llama.py --devices 1 --no-check --out D`, then
+    `python D/rank_0/program.py --steps N` (final checkpoint written), as a user runs them:
+    the seconds of each, when the first loss line appeared (from the program's start), what
+    the program reports, and its final checkpoint against writing as many bytes to the
+    same disk."""
+    import tempfile
+
+    env = model_env(cfg, args)
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        out = os.path.join(tmp, "out")
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "pcompile", LLAMA, "--devices", "1",
+                               "--no-check", "--out", out], capture_output=True, text=True,
+                              env=env)
+        compile_s = time.perf_counter() - start
+        if done.returncode != 0:
+            raise SystemExit(f"pcompile failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+        cmd = [sys.executable, os.path.join(out, "rank_0", "program.py"), "--steps",
+               str(args.program), "--platform", args.platform, "--print-every", "10"]
+        start = time.perf_counter()
+        first_loss = None
+        lines = []
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line.rstrip())
+                if first_loss is None and "loss is" in line:
+                    first_loss = time.perf_counter() - start
+        total_s = time.perf_counter() - start
+        text = "\n".join(lines)
+        if proc.returncode != 0:
+            raise SystemExit(f"program.py failed:\n{text[-4000:]}")
+        found = {k: pattern.search(text) for k, pattern in _REPORT.items()}
+        result: dict[str, Any] = {"compile_s": round(compile_s, 2), "steps": args.program,
+                                  "process_s": round(total_s, 2),
+                                  "first_loss_line_s": round(first_loss or 0.0, 2),
+                                  "report": [line for line in lines if "loss is" not in line]}
+        if found["first_step"]:
+            result["first_step_s"] = dict(zip(
+                ("total", "imports", "parameter_init", "xla_compile"),
+                (float(x) for x in found["first_step"].groups())))
+        if found["steady"]:
+            ms, tokens, tflops, mfu = found["steady"].groups()
+            result.update(ms_per_step=float(ms), tokens_per_s=float(tokens.replace(",", "")),
+                          model_tflops=float(tflops), mfu_percent=mfu and float(mfu))
+        if found["checkpoint"]:
+            step, mb, seconds = found["checkpoint"].groups()
+            disk = disk_seconds(tmp, int(float(mb) * 1e6))
+            result["final_checkpoint"] = {
+                "MB": float(mb), "seconds": float(seconds), "disk_seconds": round(disk, 2),
+                "over_disk": round(float(seconds) / disk, 2),
+                "exit_waited_s": float(found["waited"].group(1)) if found["waited"] else None}
+        return result
 
 
 def main() -> None:
@@ -439,10 +578,12 @@ def main() -> None:
                 entry["first_step_s"] = firsts
                 entry["first_step_ratio"] = round(
                     firsts["pcompile"]["total"] / firsts["handwritten"]["total"], 3)
+            if args.program and devices == 1:
+                entry["program"] = program_run(cfg, args)
             results.setdefault(where, {})[dtype] = entry
     print(json.dumps({
         "benchmark": "llama_step",
-        "device": "CPU (JAX_PLATFORMS=cpu; 8 devices are virtual CPU devices)",
+        "device": device_name(args),
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "jax": jax.__version__,

@@ -154,8 +154,13 @@ class StandAloneRunner:
 
     def lowered_text(self, arrays: list[np.ndarray]) -> str:
         """The StableHLO of the training step (JAX), as it runs (settings included)."""
+        return str(self.lower(arrays).as_text())
+
+    def lower(self, arrays: list[np.ndarray]) -> Any:
+        """The training step (JAX) lowered for `arrays` as it runs (`jax.stages.Lowered`:
+        `.as_text()`, `.compile().as_text()`), nothing run."""
         with self._context():
-            return str(self._step_fn.lower(*self._feeds(arrays)).as_text())
+            return self._step_fn.lower(*self._feeds(arrays))
 
     def run(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         """One execution; the stored values are not updated."""
