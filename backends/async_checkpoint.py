@@ -18,7 +18,8 @@ next step reuses) into host buffers allocated once and reused by every checkpoin
 page faults cost more than the copy: 2.6 s against 0.14 s for 805 MB on the 2-core test
 machine), faulted in by a background thread when periodic checkpoints are asked for; on other
 devices the transfer itself makes the copy. The final checkpoint takes no copy at all: no step
-follows it, so the writer reads the device buffers directly.
+follows it, so the writer reads the device buffers directly (every device-to-host transfer
+is started at once, before the writer asks for the first).
 
 Every completed checkpoint is reported through `say`: its step, megabytes, the seconds of the
 background write, and the seconds the training thread spent on it (the host copy).
@@ -107,14 +108,14 @@ class HostState:
         if self._prefault is not None:
             self._prefault.join()
             self._prefault = None
-        if final:
-            return {name: {self.ranks[s.device]: _DeviceView(s.data, self.shapes[name])
-                           for s in array.addressable_shards} for name, array in state.items()}
-        for array in state.values():  # start every transfer, then collect
+        for array in state.values():  # start every transfer (all at once), then collect
             try:
                 array.copy_to_host_async()
             except (AttributeError, RuntimeError):
                 pass
+        if final:  # the writer reads the transfers started above
+            return {name: {self.ranks[s.device]: _DeviceView(s.data, self.shapes[name])
+                           for s in array.addressable_shards} for name, array in state.items()}
         out: dict[str, dict[int, Any]] = {}
         for name, array in state.items():
             out[name] = {}

@@ -130,8 +130,9 @@ def write_checkpoint_report(folder: str, rank: int, step: int,
     data_path = tensors_path(index_path)
     os.makedirs(os.path.dirname(index_path), exist_ok=True)
     clean_temp_files(os.path.dirname(index_path))
-    # hash (sha256 releases the GIL) while safetensors writes
-    with ThreadPoolExecutor(max_workers=2) as pool:  # (threads inherit the caller's nice)
+    # hash (sha256 releases the GIL) while safetensors writes: half the cores, 2 to 8 threads
+    # (threads inherit the caller's nice)
+    with ThreadPoolExecutor(max_workers=min(8, max(2, (os.cpu_count() or 2) // 2))) as pool:
         digests = {k: pool.submit(_digest, a) for k, a in arrays.items()}
         atomic_fill(data_path, lambda tmp: save_file(
             arrays, tmp, metadata={"format": FORMAT, "step": str(step), "rank": str(rank)}),
