@@ -40,8 +40,9 @@ import os
 import re
 import stat
 import zipfile
+from collections import deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +92,12 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message names the file and what is wrong."""
 
 
+def hash_threads() -> int:
+    """Threads that hash a checkpoint's tensors (sha256 releases the GIL): half the cores, 2 to
+    8."""
+    return min(8, max(2, (os.cpu_count() or 2) // 2))
+
+
 def _digest(array: np.ndarray) -> str:
     raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)  # no copy of the bytes
     return hashlib.sha256(raw.data).hexdigest()
@@ -130,9 +137,8 @@ def write_checkpoint_report(folder: str, rank: int, step: int,
     data_path = tensors_path(index_path)
     os.makedirs(os.path.dirname(index_path), exist_ok=True)
     clean_temp_files(os.path.dirname(index_path))
-    # hash (sha256 releases the GIL) while safetensors writes: half the cores, 2 to 8 threads
-    # (threads inherit the caller's nice)
-    with ThreadPoolExecutor(max_workers=min(8, max(2, (os.cpu_count() or 2) // 2))) as pool:
+    # hash (sha256 releases the GIL) while safetensors writes (threads inherit the caller's nice)
+    with ThreadPoolExecutor(max_workers=hash_threads()) as pool:
         digests = {k: pool.submit(_digest, a) for k, a in arrays.items()}
         atomic_fill(data_path, lambda tmp: save_file(
             arrays, tmp, metadata={"format": FORMAT, "step": str(step), "rank": str(rank)}),
@@ -324,13 +330,51 @@ class CheckpointReader:
 
     def array(self, name: str) -> np.ndarray:
         """The array `name`, checked against its manifest entry and the rank's slice shape."""
-        value = self._source.get(name) if name in self._source.names else None
-        problem = _array_problem(name, value, self.meta["arrays"].get(name),
-                                 self.meta["layouts"].get(name), self.rank)
-        if problem:
-            raise CheckpointError(f"{self.path}: {problem}")
+        value = self._read(name)
+        self._raise(self._problem(name, value))
         assert value is not None
         return value
+
+    def arrays(self, keep: bool = True) -> dict[str, np.ndarray]:
+        """Every array, each checked as `array` does: read one after the other while a pool of
+        threads hashes the ones read (`hash_threads`). The first fault in name order raises.
+        `keep=False` verifies only: it holds a few arrays at a time and returns nothing."""
+        out: dict[str, np.ndarray] = {}
+        window = 2 * hash_threads()
+        pending: deque[tuple[str, np.ndarray | None, Future[str]]] = deque()
+
+        def settle() -> None:
+            name, value, problem = pending.popleft()
+            self._raise(problem.result())
+            if keep:
+                assert value is not None
+                out[name] = value
+
+        with ThreadPoolExecutor(max_workers=hash_threads()) as pool:
+            for name in self.names:
+                try:
+                    value = self._read(name)
+                except CheckpointError:  # the faults of the arrays before it come first
+                    while pending:
+                        settle()
+                    raise
+                pending.append((name, value, pool.submit(self._problem, name, value)))
+                if len(pending) > window:
+                    settle()
+            while pending:
+                settle()
+        return out
+
+    def _read(self, name: str) -> np.ndarray | None:
+        return self._source.get(name) if name in self._source.names else None
+
+    def _problem(self, name: str, value: np.ndarray | None) -> str:
+        return _array_problem(name, value, self.meta["arrays"].get(name),
+                              self.meta["layouts"].get(name), self.rank)
+
+    def _raise(self, problem: str) -> None:
+        if problem:
+            raise CheckpointError(f"{self.path}: {problem}")
 
     def close(self) -> None:
         if hasattr(self, "_source"):
@@ -349,7 +393,7 @@ def read_checkpoint(path: str, rank: int | None = None
     present with its shape, dtype and checksum) and, given `rank`, against the slice shapes
     of the layouts it records. Anything wrong: `CheckpointError` saying what."""
     with CheckpointReader(path, rank) as reader:
-        return {name: reader.array(name) for name in reader.names}, reader.meta
+        return reader.arrays(), reader.meta
 
 
 def _array_problem(name: str, array: np.ndarray | None, entry: Any, layout: Any,
@@ -380,8 +424,7 @@ def checkpoint_problem(path: str, rank: int, plan_id: str | None = None) -> str:
         return "no checkpoint"
     try:
         with CheckpointReader(path, rank) as reader:
-            for name in reader.names:  # verified one array at a time, none kept
-                reader.array(name)
+            reader.arrays(keep=False)  # verified a few arrays at a time, none kept
             meta = reader.meta
     except CheckpointError as exc:
         return str(exc)

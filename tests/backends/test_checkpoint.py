@@ -155,6 +155,33 @@ def test_damage_is_one_message_and_resume_falls_back(tmp_path, kind: str) -> Non
     assert meta["step"] == 2 and np.array_equal(arrays["w"], values(1, 2)["w"])
 
 
+def test_many_tensors_are_verified_in_parallel_and_the_first_fault_is_named(tmp_path) -> None:
+    """Reading hashes the tensors in a pool of threads: every tensor comes back as written,
+    and with two of them damaged, reading and resuming name the first in name order, as a
+    reader that checks one tensor after the other does."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    arrays = {f"t{i:02d}": rng.standard_normal((64, 33)).astype(np.float32) for i in range(24)}
+    layouts = {k: {"shape": [64, 33], "dtype": "float32", "dev_matrix": [1],
+                   "tensor_map": [-1, -1]} for k in arrays}
+    meta = {**meta_of(0, 3, 1), "layouts": layouts}
+    folder = str(tmp_path / "checkpoints")
+    path = write_checkpoint(folder, 0, 3, arrays, meta)
+    got, _ = read_checkpoint(path, 0)
+    assert list(got) == sorted(arrays) and all(np.array_equal(got[k], v)
+                                               for k, v in arrays.items())
+    with safe_open(data_of(path), framework="np") as f:
+        metadata = f.metadata()
+    damaged = {**arrays, "t07": arrays["t07"] + 1, "t19": arrays["t19"] + 1}
+    save_file(damaged, data_of(path), metadata=metadata)  # the same size, the old manifest
+    with pytest.raises(CheckpointError, match="t07: its contents do not match"):
+        read_checkpoint(path, 0)
+    point = resume_point(folder, 1)
+    assert point.step is None and "t07: its contents" in point.skipped[0]
+
+
 def test_a_checkpoint_is_safetensors_and_a_json_index(tmp_path) -> None:
     """Any safetensors reader opens the tensors; the index names each tensor's layout."""
     from safetensors.numpy import load_file
