@@ -353,23 +353,26 @@ class RankRunner:
         out_names = list(m.OUTPUTS)
         extra_outputs = [i for i, name in enumerate(out_names) if i and name not in state]
         fault, fault_mode = fault_injection(self.local)
-        first = True
+        first, due = True, False
         epoch, in_epoch = int(meta.get("epoch", 1)), int(meta.get("step_in_epoch", 0))
         start = time.perf_counter()
         monitor = LossMonitor(args.steps, args.print_every,
                               lambda line: self._say(line, loss=True), done=done)
         self.heartbeat.set(phase="data", done=done)
-        # Losses still on the device: read back (one wait) every --log-every steps, before a
-        # checkpoint and at the end; the steps in between never wait for the host.
+        # Losses still on the device: read back (one wait) every --log-every steps, once the
+        # step after them is on its way (so the device never waits for the host's read-back,
+        # batch and dispatch), before a checkpoint and at the end; the first step at once.
         pending: list[tuple[int, int, int, Any, list[Any]]] = []
         marks = {"since": 0.0, "called": 0.0}  # the last read-back; the first step's call
 
-        def flush(last: bool = False) -> None:
-            if not pending:
+        def flush(last: bool = False, keep: int = 0) -> None:
+            """Read back the pending steps but the newest `keep`."""
+            ready = pending[:len(pending) - keep]
+            if not ready:
                 return
-            self.watchdog.arm(args.timeout * len(pending), f"steps {pending[0][0] + 1}.."
-                                                           f"{pending[-1][0] + 1}")
-            for k_done, ep, step_in, loss_out, _ in pending:
+            self.watchdog.arm(args.timeout * len(ready), f"steps {ready[0][0] + 1}.."
+                                                         f"{ready[-1][0] + 1}")
+            for k_done, ep, step_in, loss_out, _ in ready:
                 losses = local_pieces(loss_out, self.mesh, ())
                 for r in self.local:
                     logs[r].add(format_loss_line(ep, step_in, float(losses[r])))
@@ -381,15 +384,15 @@ class RankRunner:
                         f"{ep}, step {step_in}); stopped (--no-fail-on-nan trains on)")
             now = time.perf_counter()
             if marks["since"]:  # steps after the first: their share of the time since
-                per = (now - marks["since"]) / len(pending)
+                per = (now - marks["since"]) / len(ready)
             else:  # the first step of this run: its call and read-back, less the compile
                 per = now - marks["called"] - getattr(fn, "compile_seconds", 0.0)
-            report.steps(pending, per, last or pending[-1][0] + 1 >= args.steps,
+            report.steps(ready, per, last or ready[-1][0] + 1 >= args.steps,
                          first=not marks["since"])
             marks["since"] = now
             self.watchdog.disarm()
-            self.heartbeat.set(phase="data", done=pending[-1][0] + 1)
-            pending.clear()
+            self.heartbeat.set(phase="data", done=ready[-1][0] + 1)
+            del pending[:len(ready)]
 
         for k, (epoch, in_epoch, arrays, first_row) in enumerate(self._batches(args.steps,
                                                                                skip=done)):
@@ -419,8 +422,11 @@ class RankRunner:
             pending.append((k, epoch, in_epoch, loss_out,
                             [(out_names[i], outs[i]) for i in extra_outputs]))
             step_no = k + 1
-            if first or step_no % args.log_every == 0:  # the first step: compiled, on time
+            if first:  # compiled, and read back at once: the time to first step
                 flush()
+            elif due:  # the steps up to the last --log-every mark, now that this one runs
+                flush(keep=1)
+            due = not first and step_no % args.log_every == 0
             if first:
                 self.timings["compile"] = getattr(fn, "compile_seconds", 0.0)
                 self.timings["first_step"] = (time.perf_counter() - marks["called"]
