@@ -608,9 +608,12 @@ def _train_here(program: Any, steps: int, backend: str, options: dict[str, Any],
     every = int(options.get("log_every") or 1)
     pending: list[tuple[int, int, int, Any]] = []  # losses not read back yet
 
-    def flush() -> str | None:
-        """Read the pending losses back (one wait for all of them) and log them."""
-        for k, epoch, step, loss in pending:
+    def flush(keep: int = 0) -> str | None:
+        """Read the pending losses but the newest `keep` back (one wait for all of them) and
+        log them."""
+        ready = pending[:len(pending) - keep]
+        del pending[:len(ready)]
+        for k, epoch, step, loss in ready:
             value = float(loss)
             line = format_loss_line(epoch, step, value)
             lines.append(line)
@@ -618,15 +621,16 @@ def _train_here(program: Any, steps: int, backend: str, options: dict[str, Any],
             if fail_on_nan and not np.isfinite(value):
                 pending.clear()
                 return _nonfinite(value, k + 1, epoch, step)
-        pending.clear()
         return None
 
+    due = False  # a --log-every mark passed: read back once the next step is on its way
     for k, (epoch, step, arrays) in enumerate(batches(program, steps)):
         pending.append((k, epoch, step, runner.step_async(arrays)))
-        if (k + 1) % every == 0:
-            bad = flush()
+        if due:
+            bad = flush(keep=1)
             if bad:
                 break
+        due = (k + 1) % every == 0
     bad = bad or flush()
     elapsed = time.perf_counter() - start
     log = _write_logs(program, lines, 1)
