@@ -558,9 +558,12 @@ class _Forward:
             return False
         if self.mask is mask or attrs["sparse_mode"] not in (0, 1):
             return True
-        concrete = not any(isinstance(m, jax.core.Tracer) for m in (self.mask, mask))
-        return (concrete and self.mask is not None and mask is not None
-                and bool(np.array_equal(np.asarray(self.mask), np.asarray(mask))))
+        if self.mask is None or mask is None:
+            return False
+        try:  # constants (the same data read twice) are concrete arrays
+            return bool(np.array_equal(np.asarray(self.mask), np.asarray(mask)))
+        except jax.errors.TracerArrayConversionError:  # computed in the trace: other values
+            return False
 
 
 def _fa_jax(*arrays: Any, **attrs: Any) -> tuple[Any, ...]:
