@@ -135,3 +135,44 @@ def test_log_every_logs_every_step(tmp_path) -> None:
                          timeout=300)
     assert ran.returncode == 0, ran.stderr
     assert _loss_lines(ran.stdout) == lines
+
+
+
+@pytest.mark.parametrize(("every", "order"), [
+    (1, ["call 1", "call 2", "read 1", "call 3", "read 2", "call 4", "read 3", "read 4"]),
+    (2, ["call 1", "call 2", "call 3", "read 1", "read 2", "call 4", "read 3", "read 4"]),
+])
+def test_a_loss_is_read_back_once_the_next_step_runs(monkeypatch, every: int,
+                                                     order: list[str]) -> None:
+    """`pcompile --run` on one device: each --log-every group of losses is read back after
+    the step that follows it has been handed to the device (the device never waits for the
+    host between steps), the last ones at the end; every loss is still logged, in order."""
+    from pcompile import cli
+
+    program = compile_model(os.path.join(EXAMPLES, "quickstart.py"), devices=1, dump=False)
+    events: list[str] = []
+    real = StandAloneRunner.step_async
+
+    class Loss:
+        def __init__(self, value, k: int) -> None:
+            self.value, self.k = value, k
+
+        def __float__(self) -> float:
+            events.append(f"read {self.k}")
+            return float(self.value)
+
+    def step_async(self, arrays):
+        k = sum(e.startswith("call") for e in events) + 1
+        events.append(f"call {k}")
+        return Loss(real(self, arrays), k)
+
+    monkeypatch.setattr(StandAloneRunner, "step_async", step_async)
+    logged: list[str] = []
+    cli._train_here(program, STEPS, "jax", {"log_every": every}, logged.append)
+    assert events == order
+    monkeypatch.undo()
+    from pcompile.compiler.runtime import format_loss_line
+
+    fresh = StandAloneRunner(program, "jax")
+    assert logged == [format_loss_line(epoch, step, fresh.step(arrays))
+                      for epoch, step, arrays in batches(program, STEPS)]
