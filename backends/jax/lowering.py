@@ -47,13 +47,25 @@ def default_lowering() -> LoweringOptions:
     return LoweringOptions(fused_attention=os.environ.get("PCOMPILE_ATTENTION", "") != "xla")
 
 
+def within_lowering(fn: Callable[..., Any], options: LoweringOptions | None = None
+                    ) -> Callable[..., Any]:
+    """`fn` made to run inside `lowering(options)` (default: `default_lowering()`, read once,
+    here): a fresh lowering, with its memo, for each trace of a graph's ops."""
+    current = options if options is not None else default_lowering()
+
+    def traced(*args: Any) -> Any:
+        with lowering(current):
+            return fn(*args)
+
+    return traced
+
+
 def lower_graph(graph: Graph, comm: CommFn = single_device_comm,
                 float64: bool = False, options: LoweringOptions | None = None
                 ) -> Callable[..., list[Any]]:
     """`float64`: every float computed in float64 (run it under `x64()`), as the numpy
     interpreter's float64 mode does. `options`: what the op implementations may use
     (default: `default_lowering()`), current while they run."""
-    current = options if options is not None else default_lowering()
     nodes = list(graph.nodes)
     params = list(graph.params)
     outputs = list(graph.outputs)
@@ -68,11 +80,7 @@ def lower_graph(graph: Graph, comm: CommFn = single_device_comm,
                      for k, v in attrs.items()}
         impls.append((opdef, attrs))
 
-    def fn(*arrays: Any) -> list[Any]:
-        with lowering(current):
-            return run(arrays)
-
-    def run(arrays: tuple[Any, ...]) -> list[Any]:
+    def run(*arrays: Any) -> list[Any]:
         env: dict[int, Any] = {id(p): a for p, a in zip(params, arrays)}
 
         def read(value: Value) -> Any:
@@ -90,4 +98,4 @@ def lower_graph(graph: Graph, comm: CommFn = single_device_comm,
                 env[id(node.result)] = opdef.jax(*args, **attrs)  # type: ignore[misc]
         return [read(v) for v in outputs]
 
-    return fn
+    return within_lowering(run, options)

@@ -30,7 +30,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from pcompile.backends.jax.lowering import default_lowering
+from pcompile.backends.jax.lowering import within_lowering
 from pcompile.backends.jax.pipeline_plan import Held, PipelinePlan, PipelineTables, Slot
 from pcompile.backends.jax.spmd import (
     apply_node,
@@ -42,7 +42,7 @@ from pcompile.backends.jax.spmd import (
     put_blocks,
 )
 from pcompile.ir.core import Constant
-from pcompile.ir.lowering import LoweringOptions, lowering
+from pcompile.ir.lowering import LoweringOptions
 from pcompile.ir.types import DType
 
 UnitFn = Callable[[str, dict[int, Any], Sequence[Any], Any], None]
@@ -184,18 +184,19 @@ def pipeline_function(tables: PipelineTables | dict[str, Any], units: Sequence[U
     results' local shapes when the step is traced. `options`: the lowering's (default:
     `default_lowering()`), current while the step traces."""
     axes = tuple(mesh.axis_names)
-    current = options if options is not None else default_lowering()
     params = tables.union_params if isinstance(tables, PipelineTables) else \
         tables["union_params"]
     scalars = [not tuple(shape) for _, _, shape, _ in params]
 
+    def step(*args: Any) -> list[Any]:
+        outs = run_step(tables, units, args, axes, float64)
+        return outs if extra is None else extra(outs)
+
+    traced = within_lowering(step, options)
+
     def per_device(*blocks: Any) -> tuple[Any, ...]:
-        args = [b.reshape(()) if scalar else b for b, scalar in zip(blocks, scalars)]
-        with lowering(current):
-            outs = run_step(tables, units, args, axes, float64)
-            if extra is not None:
-                outs = extra(outs)
-        outs = [jnp.asarray(o) for o in outs]
+        outs = [jnp.asarray(o) for o in
+                traced(*[b.reshape(()) if scalar else b for b, scalar in zip(blocks, scalars)])]
         if out_shapes is not None:
             out_shapes[:] = [tuple(o.shape) for o in outs]
         return tuple(as_block(o) for o in outs)

@@ -35,10 +35,10 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pcompile.backends.jax.lowering import default_lowering
+from pcompile.backends.jax.lowering import within_lowering
 from pcompile.backends.jax.plan import MeshSpec, NodePlan, SpmdLoweringError, SpmdPlan
 from pcompile.ir.core import Constant
-from pcompile.ir.lowering import LoweringOptions, lowering
+from pcompile.ir.lowering import LoweringOptions
 from pcompile.ir.registry import get_op
 from pcompile.ir.types import DType
 
@@ -460,15 +460,14 @@ def spmd_function(body: Callable[..., Sequence[Any]], mesh: Mesh,
     while the body traces."""
     axes = tuple(mesh.axis_names)
     scalars = [not tuple(s) for s in shapes]
-    current = options if options is not None else default_lowering()
+    traced = within_lowering(body, options)
 
     def per_device(*blocks: Any) -> tuple[Any, ...]:
         if len(blocks) != len(scalars):
             raise SpmdLoweringError(f"the step takes {len(scalars)} arguments, got "
                                     f"{len(blocks)}")
-        with lowering(current):
-            outs = [jnp.asarray(o) for o in body(
-                *[b.reshape(()) if scalar else b for b, scalar in zip(blocks, scalars)])]
+        outs = [jnp.asarray(o) for o in
+                traced(*[b.reshape(()) if scalar else b for b, scalar in zip(blocks, scalars)])]
         if out_shapes is not None:
             out_shapes[:] = [tuple(o.shape) for o in outs]
         return tuple(as_block(o) for o in outs)
