@@ -587,7 +587,7 @@ def _train(program: Any, steps: int, backend: str,
 def _train_here(program: Any, steps: int, backend: str, options: dict[str, Any],
                 monitor: Any) -> None:
     """--run in this process: the numpy simulator, or one device on JAX."""
-    from pcompile.compiler.runtime import batches, format_loss_line
+    from pcompile.compiler.runtime import ReadBack, batches, format_loss_line
     from pcompile.tools.runners import StandAloneRunner
 
     fail_on_nan = bool(options.get("fail_on_nan", True))
@@ -604,34 +604,29 @@ def _train_here(program: Any, steps: int, backend: str, options: dict[str, Any],
         return
     lines: list[str] = []
     start = time.perf_counter()
-    bad = None
-    every = int(options.get("log_every") or 1)
-    pending: list[tuple[int, int, int, Any]] = []  # losses not read back yet
 
-    def flush(keep: int = 0) -> str | None:
-        """Read the pending losses but the newest `keep` back (one wait for all of them) and
-        log them."""
-        ready = pending[:len(pending) - keep]
-        del pending[:len(ready)]
+    class NonFiniteLossError(Exception):
+        """A non-finite loss (its message) ends the loop."""
+
+    def read(ready: list[tuple[int, int, int, Any]], last: bool) -> None:
         for k, epoch, step, loss in ready:
             value = float(loss)
             line = format_loss_line(epoch, step, value)
             lines.append(line)
             monitor(line)
             if fail_on_nan and not np.isfinite(value):
-                pending.clear()
-                return _nonfinite(value, k + 1, epoch, step)
-        return None
+                raise NonFiniteLossError(_nonfinite(value, k + 1, epoch, step))
 
-    due = False  # a --log-every mark passed: read back once the next step is on its way
-    for k, (epoch, step, arrays) in enumerate(batches(program, steps)):
-        pending.append((k, epoch, step, runner.step_async(arrays)))
-        if due:
-            bad = flush(keep=1)
-            if bad:
-                break
-        due = (k + 1) % every == 0
-    bad = bad or flush()
+    # losses still on the device: each --log-every group is read back (one wait) once the step
+    # after it is on its way, and the rest at the end
+    pending = ReadBack(int(options.get("log_every") or 1), read)
+    bad = None
+    try:
+        for k, (epoch, step, arrays) in enumerate(batches(program, steps)):
+            pending.dispatched((k, epoch, step, runner.step_async(arrays)), k + 1)
+        pending.flush(last=True)
+    except NonFiniteLossError as exc:
+        bad = str(exc)
     elapsed = time.perf_counter() - start
     log = _write_logs(program, lines, 1)
     if bad:

@@ -6,9 +6,9 @@ live above the backends (`pcompile.tools.runners`; the rank programs in `backend
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -23,6 +23,8 @@ from pcompile.compiler.model_file import (
 from pcompile.compiler.tensor import TensorSpec
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
+
+T = TypeVar("T")
 
 
 def synthetic(item: TensorSpec | np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -324,6 +326,48 @@ def initial_rank_values(program: CompiledProgram, float64: bool = False
 
 def format_loss_line(epoch: int, step: int, loss: float) -> str:
     return f"epoch: {epoch} step: {step}, loss is {loss!r}"
+
+
+class ReadBack(Generic[T]):
+    """The steps handed to a device whose results (losses) the host has not read yet.
+
+    A training loop calls `dispatched(item, step_no)` right after each step's call returns
+    (the step runs asynchronously). Every `every` steps the group so far is read back (one
+    wait for all of them), but only once the step after the group has been dispatched: the
+    device then never waits while the host reads back, cuts the next batch and dispatches.
+    `first_at_once` reads the first step at once (the time to first step is measured on it).
+    `flush()` reads everything (before a checkpoint, at the end of the run). `read(items,
+    last)` gets each group in step order; `last` is True for the final flush; an exception it
+    raises (a non-finite loss) leaves the loop."""
+
+    def __init__(self, every: int, read: Callable[[list[T], bool], None],
+                 first_at_once: bool = False) -> None:
+        self.every = max(1, int(every))
+        self.read = read
+        self.first_at_once = first_at_once
+        self.pending: list[T] = []
+        self._due = False  # a --log-every mark passed: read once the next step is dispatched
+        self._started = False
+
+    def dispatched(self, item: T, step_no: int) -> None:
+        """Step `step_no` (1-based, counted over the whole run) was just dispatched."""
+        self.pending.append(item)
+        if not self._started:
+            self._started = True
+            if self.first_at_once:
+                self.flush()
+                return
+        elif self._due:
+            self.flush(keep=1)
+        self._due = step_no % self.every == 0
+
+    def flush(self, keep: int = 0, last: bool = False) -> None:
+        """Read the pending steps back but the newest `keep`."""
+        ready = self.pending[:len(self.pending) - keep]
+        if not ready:
+            return
+        del self.pending[:len(ready)]
+        self.read(ready, last)
 
 def holders(program: CompiledProgram, name: str) -> list[int]:
     """The ranks that hold stored value `name` (every rank; with pipeline stages, those of the

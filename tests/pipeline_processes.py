@@ -17,8 +17,12 @@ from types import ModuleType
 
 def load(out_dir: str, index: int) -> ModuleType:
     """`<out_dir>/program.py` as a module of its own name (the programs share their names)."""
-    name = f"pipeline_program_{index}"
-    spec = importlib.util.spec_from_file_location(name, os.path.join(out_dir, "program.py"))
+    return load_program(os.path.join(out_dir, "program.py"), f"pipeline_program_{index}")
+
+
+def load_program(path: str, name: str) -> ModuleType:
+    """The rank program at `path`, imported as module `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

@@ -318,7 +318,7 @@ class RankRunner:
         from pcompile.backends.atomic_files import clean_temp_files
         from pcompile.backends.jax.spmd import local_pieces
         from pcompile.compiler.progress import LossMonitor
-        from pcompile.compiler.runtime import format_loss_line
+        from pcompile.compiler.runtime import ReadBack, format_loss_line
 
         m, args = self.m, self.args
         for r in self.local:  # temporary files of a killed checkpoint write
@@ -353,23 +353,17 @@ class RankRunner:
         out_names = list(m.OUTPUTS)
         extra_outputs = [i for i, name in enumerate(out_names) if i and name not in state]
         fault, fault_mode = fault_injection(self.local)
-        first, due = True, False
+        first = True
         epoch, in_epoch = int(meta.get("epoch", 1)), int(meta.get("step_in_epoch", 0))
         start = time.perf_counter()
         monitor = LossMonitor(args.steps, args.print_every,
                               lambda line: self._say(line, loss=True), done=done)
         self.heartbeat.set(phase="data", done=done)
         # Losses still on the device: read back (one wait) every --log-every steps, once the
-        # step after them is on its way (so the device never waits for the host's read-back,
-        # batch and dispatch), before a checkpoint and at the end; the first step at once.
-        pending: list[tuple[int, int, int, Any, list[Any]]] = []
+        # step after them is on its way, before a checkpoint and at the end; the first at once.
         marks = {"since": 0.0, "called": 0.0}  # the last read-back; the first step's call
 
-        def flush(last: bool = False, keep: int = 0) -> None:
-            """Read back the pending steps but the newest `keep`."""
-            ready = pending[:len(pending) - keep]
-            if not ready:
-                return
+        def read(ready: list[tuple[int, int, int, Any, list[Any]]], last: bool) -> None:
             self.watchdog.arm(args.timeout * len(ready), f"steps {ready[0][0] + 1}.."
                                                          f"{ready[-1][0] + 1}")
             for k_done, ep, step_in, loss_out, _ in ready:
@@ -392,7 +386,8 @@ class RankRunner:
             marks["since"] = now
             self.watchdog.disarm()
             self.heartbeat.set(phase="data", done=ready[-1][0] + 1)
-            del pending[:len(ready)]
+
+        pending = ReadBack(args.log_every, read, first_at_once=True)
 
         for k, (epoch, in_epoch, arrays, first_row) in enumerate(self._batches(args.steps,
                                                                                skip=done)):
@@ -419,14 +414,9 @@ class RankRunner:
                 if name in state:
                     state[name] = value
             loss_out = outs[-1] if len(outs) > len(out_names) else outs[0]
-            pending.append((k, epoch, in_epoch, loss_out,
-                            [(out_names[i], outs[i]) for i in extra_outputs]))
             step_no = k + 1
-            if first:  # compiled, and read back at once: the time to first step
-                flush()
-            elif due:  # the steps up to the last --log-every mark, now that this one runs
-                flush(keep=1)
-            due = not first and step_no % args.log_every == 0
+            pending.dispatched((k, epoch, in_epoch, loss_out,
+                                [(out_names[i], outs[i]) for i in extra_outputs]), step_no)
             if first:
                 self.timings["compile"] = getattr(fn, "compile_seconds", 0.0)
                 self.timings["first_step"] = (time.perf_counter() - marks["called"]
@@ -436,11 +426,11 @@ class RankRunner:
             first = False
             every = args.checkpoint_every
             if every and step_no % every == 0 and step_no < args.steps:
-                flush()
+                pending.flush()
                 self.heartbeat.set(phase="checkpoint")
                 self._checkpoint(step_no, epoch, in_epoch, state, logs)
                 self.heartbeat.set(phase="data", done=step_no)
-        flush(last=True)
+        pending.flush(last=True)
         loop_end = time.perf_counter()
         total = len(logs[self.local[0]].lines)
         if total > done and not args.no_checkpoint:

@@ -5,6 +5,7 @@ every step; the check and the op tests run JAX matmuls at `highest` precision.""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 
 from pcompile.backends.jax import lower_graph
 from pcompile.backends.jax.spmd import JaxSpmdRunner
-from pcompile.compiler.runtime import batches
+from pcompile.compiler.runtime import ReadBack, batches
 from pcompile.tools.compile import compile as compile_model
 from pcompile.tools.runners import StandAloneRunner
 from tests import ROOT
@@ -176,3 +177,51 @@ def test_a_loss_is_read_back_once_the_next_step_runs(monkeypatch, every: int,
     fresh = StandAloneRunner(program, "jax")
     assert logged == [format_loss_line(epoch, step, fresh.step(arrays))
                       for epoch, step, arrays in batches(program, STEPS)]
+
+
+@pytest.mark.parametrize(("every", "order"), [
+    (1, ["call 1", "read 1", "call 2", "call 3", "read 2", "call 4", "read 3", "call 5",
+         "read 4", "read 5"]),
+    (3, ["call 1", "read 1", "call 2", "call 3", "call 4", "read 2", "read 3", "call 5",
+         "read 4", "read 5"]),
+])
+def test_a_rank_program_reads_a_loss_back_once_the_next_step_runs(tmp_path, every: int,
+                                                                  order: list[str]) -> None:
+    """A rank program (`program.py`, run in its own process): the first loss is read back at
+    once (the time to first step), then each --log-every group once the step after it is
+    dispatched, the rest at the end."""
+    compile_model(os.path.join(EXAMPLES, "quickstart.py"), devices=1,
+                  out_dir=str(tmp_path / "out"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    ran = subprocess.run([sys.executable, "-m", "tests.readback_worker",
+                          str(tmp_path / "out" / "program.py"), "--steps", "5", "--log-every",
+                          str(every), "--no-checkpoint", "--quiet"], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert json.loads(ran.stdout.splitlines()[-1]) == order
+
+
+@pytest.mark.parametrize(("every", "first", "steps", "order"), [
+    (1, False, 3, ["call 1", "call 2", "read 1", "call 3", "read 2", "read 3"]),
+    (2, True, 5, ["call 1", "read 1", "call 2", "call 3", "read 2", "call 4", "call 5",
+                  "read 3", "read 4", "read 5"]),
+    (4, False, 5, ["call 1", "call 2", "call 3", "call 4", "call 5", "read 1", "read 2",
+                   "read 3", "read 4", "read 5"]),
+])
+def test_read_back_reads_each_group_after_the_next_dispatch(every: int, first: bool, steps: int,
+                                                            order: list[str]) -> None:
+    events: list[str] = []
+    lasts: list[bool] = []
+
+    def read(items: list[int], last: bool) -> None:
+        events.extend(f"read {k}" for k in items)
+        lasts.append(last)
+
+    queue = ReadBack(every, read, first_at_once=first)
+    for k in range(1, steps + 1):
+        events.append(f"call {k}")
+        queue.dispatched(k, k)
+    queue.flush(last=True)
+    queue.flush(last=True)  # nothing left: no empty read
+    assert events == order
+    assert lasts[-1] and not any(lasts[:-1])
