@@ -128,15 +128,18 @@ def run_graph(
         except KeyError:
             raise RuntimeError(f"value {value!r} used before it is defined") from None
 
-    for node in graph.nodes:
-        args = [read(v) for v in node.operands]
-        opdef = get_op(node.op)
-        if opdef.collective:
-            out = comm.run(node, args)
-        else:
-            assert opdef.numpy is not None, f"{node.op} has no numpy implementation"
-            out = opdef.numpy(*args, **node_attrs(opdef, node, float64))
-        env[id(node.result)] = checked_result(node, node.result.type, out, float64)
+    # IEEE arithmetic as on the devices: an overflow (a loss scale's, on purpose) gives inf or
+    # NaN without a numpy warning; runs and checks report non-finite results themselves.
+    with np.errstate(all="ignore"):
+        for node in graph.nodes:
+            args = [read(v) for v in node.operands]
+            opdef = get_op(node.op)
+            if opdef.collective:
+                out = comm.run(node, args)
+            else:
+                assert opdef.numpy is not None, f"{node.op} has no numpy implementation"
+                out = opdef.numpy(*args, **node_attrs(opdef, node, float64))
+            env[id(node.result)] = checked_result(node, node.result.type, out, float64)
     return [read(v) for v in graph.outputs]
 
 

@@ -51,15 +51,17 @@ def run_pipeline(program: Any, feeds: Sequence[Sequence[Any]], float64: bool = F
 
     events = sorted((tick, u.stage, i) for u in schedule.units
                     for i, tick in enumerate(u.ticks))
-    for _, s, i in events:
-        graph = program.graphs[s]
-        ranks = list(program.ranks(s))
-        for k in schedule.units[s].nodes[i]:
-            node = graph.nodes[k]
-            args = {r: [read(envs[r], v, r) for v in node.operands] for r in ranks}
-            for r in ranks:
-                envs[r][id(node.result)] = checked_result(
-                    node, node.result.type, _execute(node, r, args, mailbox, float64), float64)
+    with np.errstate(all="ignore"):  # overflow: inf or NaN, no numpy warning (run_graph)
+        for _, s, i in events:
+            graph = program.graphs[s]
+            ranks = list(program.ranks(s))
+            for k in schedule.units[s].nodes[i]:
+                node = graph.nodes[k]
+                args = {r: [read(envs[r], v, r) for v in node.operands] for r in ranks}
+                for r in ranks:
+                    envs[r][id(node.result)] = checked_result(
+                        node, node.result.type, _execute(node, r, args, mailbox, float64),
+                        float64)
     return [[read(envs[r], v, r) for v in program.graphs[r // n].outputs]
             for r in range(program.devices)]
 

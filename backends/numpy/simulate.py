@@ -63,10 +63,12 @@ def collective_result(node: Node, rank: int, inputs: dict[int, list[np.ndarray]]
 def run_ranks(graphs: Sequence[Graph], feeds: Sequence[Sequence[Any]],
               float64: bool = False) -> list[list[Any]]:
     """Run every rank's graph; `feeds[r]` lists rank r's parameter values in order
-    (`float64`: see ir.interpret)."""
+    (`float64`: see ir.interpret). Overflow gives inf or NaN without a numpy warning, as in
+    `run_graph`."""
     if _same_structure(graphs):
-        return _lockstep(graphs, feeds, float64)
-    return _threaded(graphs, feeds, float64)
+        with np.errstate(all="ignore"):
+            return _lockstep(graphs, feeds, float64)
+    return _threaded(graphs, feeds, float64)  # each thread's run_graph
 
 
 def _same_structure(graphs: Sequence[Graph]) -> bool:

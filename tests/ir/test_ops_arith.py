@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+import warnings
 from typing import Any
 
 import hypothesis.extra.numpy as hnp
@@ -106,6 +107,18 @@ def test_depend_matches_jax(shapes: Any, seed: int) -> None:
     x = rng.standard_normal(sx).astype(np.float32)
     y = rng.standard_normal(sy).astype(np.float32)
     check_op("Depend", [x, y], {}, lambda a, b: lax.optimization_barrier((a, b))[0])
+
+
+def test_overflow_gives_ieee_values_without_a_numpy_warning() -> None:
+    """The interpreter computes as the devices do: float32 overflow (a loss scale's, on purpose)
+    gives inf and inf - inf NaN, silently; runs and checks report non-finite results."""
+    big = np.full((2, 2), 3e38, np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a numpy RuntimeWarning would fail here
+        total = _run1("Add", [big, big])
+        assert np.isposinf(total).all()
+        assert np.isnan(_run1("Sub", [total, total])).all()
+        assert np.isposinf(_run1("MatMul", [big, big])).all()
 
 
 def test_depend_needs_a_tensor_value() -> None:

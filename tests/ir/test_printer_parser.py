@@ -490,6 +490,8 @@ def arrays_of(draw: st.DrawFn, dtype: DType, shape: tuple[int, ...]) -> np.ndarr
         elements, base = st.integers(-(2**31), 2**31 - 1), np.int32
     elif dtype is DType.int64:
         elements, base = st.integers(-(2**63), 2**63 - 1), np.int64
+    elif dtype is DType.uint8:
+        elements, base = st.integers(0, 255), np.uint8
     elif dtype is DType.float16:
         elements, base = st.floats(width=16), np.float16
     else:
