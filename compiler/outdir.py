@@ -420,7 +420,7 @@ def _retire(old: str, out: str) -> None:
     owned = set(manifest.files) if manifest else set()
     owned |= shown_pictures(old)  # pcompile show's, unchanged: not carried (`_complete`)
     files, folders = _scan(old)
-    for rel in files:
+    for rel in _manifest_last(files):
         path, new = os.path.join(old, rel), os.path.join(out, rel)
         if rel in owned or rel == MANIFEST or is_temp_leftover(rel) or (
                 is_run_output(rel) and (os.path.islink(path) or _same_file(path, new))):
@@ -448,10 +448,16 @@ def _discard(staging: str) -> None:
     manifest = read_manifest(staging)
     owned = set(manifest.files) if manifest else set()
     files, folders = _scan(staging)
-    for rel in files:
+    for rel in _manifest_last(files):
         if rel in owned or rel == MANIFEST or is_run_output(rel):
             os.unlink(os.path.join(staging, rel))
     _remove_emptied(staging, folders, f"kept {staging}: it holds files pcompile did not write")
+
+
+def _manifest_last(files: list[str]) -> list[str]:
+    """`files` with the manifest last: a retire or discard killed part-way leaves a folder that
+    still has its manifest, so the next compile recognises it and finishes the job."""
+    return sorted(files, key=lambda rel: rel == MANIFEST)
 
 
 def _remove_emptied(root: str, folders: list[str], kept: str) -> None:
@@ -474,7 +480,8 @@ def clean_leftovers(out: str) -> None:
     mark) is removed; a complete one (a pcompile manifest, its mark removed) whose swap was cut
     short replaces the missing `out`, or is discarded when `out` is there; a replaced folder
     (with a manifest) is retired. A folder that merely has such a name, with neither mark nor
-    manifest, is not pcompile's and is left alone."""
+    manifest, is not pcompile's and is left alone, unless it holds no file at all (what a
+    retire or discard killed after its last file leaves): its empty folders are removed."""
     parent, name = os.path.dirname(out), os.path.basename(out)
     try:
         entries = sorted(os.listdir(parent))
@@ -489,15 +496,37 @@ def clean_leftovers(out: str) -> None:
         if os.path.lexists(os.path.join(path, _STAGING_MARK)):
             shutil.rmtree(path, ignore_errors=True)  # pcompile's, killed while writing it
         elif read_manifest(path) is None:
-            continue  # neither mark nor manifest: not a folder pcompile made; leave it alone
+            _remove_if_empty(path)  # neither mark nor manifest: its files are not pcompile's
         elif not os.path.exists(out):
             os.rename(path, out)  # the compile had finished; only its swap was cut short
         else:
             _discard(path)
     for path in olds:
-        if not os.path.isdir(path) or os.path.islink(path) or read_manifest(path) is None:
+        if not os.path.isdir(path) or os.path.islink(path):
+            continue
+        if read_manifest(path) is None:
+            _remove_if_empty(path)
             continue
         if os.path.exists(out):
             _retire(path, out)
         else:
             os.rename(path, out)
+
+
+def _remove_if_empty(root: str) -> None:
+    """Remove `root` when it holds folders only (no file, no link): nothing is deleted."""
+    try:
+        files, folders = _scan(root)
+    except OSError:
+        return
+    if files:
+        return
+    for rel in reversed(folders):
+        try:
+            os.rmdir(os.path.join(root, rel))
+        except OSError:
+            return
+    try:
+        os.rmdir(root)
+    except OSError:
+        pass

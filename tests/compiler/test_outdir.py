@@ -138,6 +138,59 @@ def test_leftovers_of_a_killed_compile_are_cleaned_by_the_next(tmp_path) -> None
     assert (out / "rank_0" / "train.log").read_text() == "kept\n"
 
 
+class _Killed(BaseException):
+    """Stands for SIGKILL at one point of a compile (no handler runs after it)."""
+
+
+@pytest.mark.parametrize("where", ["retire", "discard"])
+def test_a_cleanup_killed_at_any_file_is_finished_by_the_next_compile(tmp_path, monkeypatch,
+                                                                      where: str) -> None:
+    """A compile killed while it deletes the replaced folder's files (retire), or a complete
+    staging folder's (discard), leaves a folder the next compile still recognises, whatever
+    file it stopped at: the next compile finishes the job and nothing of it is left beside
+    --out. The manifest goes last; a folder left with no file at all is removed."""
+    out = tmp_path / "out"
+    compile_into(out)
+    (out / "rank_0" / "train.log").write_text("kept\n")
+    whole = tree(out)
+    count = len(whole) - 1  # the files of the folder being cleaned (not train.log)
+    real_unlink, real_rmdir = os.unlink, os.rmdir
+
+    def cleaned(path) -> bool:  # inside the folder being cleaned (not the lock file)
+        return f".out.pcompile-{'old' if where == 'retire' else 'new'}-" in os.fspath(path)
+
+    at = {"cut": 0, "done": 0}  # killed before deletion number `cut` (count: before an rmdir)
+
+    def unlink(path, *args, **kwargs):
+        if cleaned(path) and at["done"] == at["cut"]:
+            raise _Killed
+        at["done"] += cleaned(path)
+        return real_unlink(path, *args, **kwargs)
+
+    def rmdir(path, *args, **kwargs):
+        if cleaned(path) and at["done"] >= count:
+            raise _Killed
+        return real_rmdir(path, *args, **kwargs)
+
+    for cut in range(count + 1):
+        at.update(cut=cut, done=0)
+        if where == "discard":  # a complete staging folder whose swap never began
+            staged = tmp_path / f".out.pcompile-new-1-{cut:08x}"
+            shutil.copytree(out, staged)
+            (staged / "rank_0" / "train.log").unlink()
+            target = staged
+        monkeypatch.setattr(os, "unlink", unlink)
+        monkeypatch.setattr(os, "rmdir", rmdir)
+        with pytest.raises(_Killed):
+            compile_into(out)
+        monkeypatch.undo()
+        if where == "discard":
+            assert target.exists()
+        compile_into(out)
+        assert tree(out) == whole, cut
+        assert sorted(os.listdir(tmp_path)) == ["out"], cut
+
+
 def test_a_users_folder_named_like_a_leftover_is_left_alone(tmp_path) -> None:
     """Only folders pcompile marked (its staging mark, or its manifest) are cleaned up; the
     user's own `.out.pcompile-new-*` / `-old-*` folders stay, whole."""
