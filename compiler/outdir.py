@@ -460,9 +460,9 @@ def _manifest_last(files: list[str]) -> list[str]:
     return sorted(files, key=lambda rel: rel == MANIFEST)
 
 
-def _remove_emptied(root: str, folders: list[str], kept: str) -> None:
+def _remove_emptied(root: str, folders: list[str], kept: str | None) -> None:
     """Remove `root` and its sub`folders` (deepest first) where they are empty; warn `kept`
-    when `root` itself is not."""
+    (unless None) when `root` itself is not."""
     for rel in reversed(folders):
         try:
             os.rmdir(os.path.join(root, rel))
@@ -471,7 +471,8 @@ def _remove_emptied(root: str, folders: list[str], kept: str) -> None:
     try:
         os.rmdir(root)
     except OSError:
-        warnings.warn(kept, RuntimeWarning, stacklevel=3)
+        if kept is not None:
+            warnings.warn(kept, RuntimeWarning, stacklevel=3)
 
 
 def clean_leftovers(out: str) -> None:
@@ -519,14 +520,5 @@ def _remove_if_empty(root: str) -> None:
         files, folders = _scan(root)
     except OSError:
         return
-    if files:
-        return
-    for rel in reversed(folders):
-        try:
-            os.rmdir(os.path.join(root, rel))
-        except OSError:
-            return
-    try:
-        os.rmdir(root)
-    except OSError:
-        pass
+    if not files:
+        _remove_emptied(root, folders, None)
