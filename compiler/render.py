@@ -21,17 +21,37 @@ from pcompile.ir.errors import PcompileError
 
 
 def console(no_color: bool = False, width: int | None = None) -> Console:
-    """stdout; colours only on a terminal (rich's own detection; NO_COLOR is honoured). Not
-    on a terminal, lines are up to `PIPE_WIDTH` wide (rich would cut them at 80); `width`
-    (show's --width) sets it."""
-    if width is None:
-        probe = Console()
-        width = None if probe.is_terminal else max(PIPE_WIDTH, probe.width)
+    """stdout; colours only on a terminal (rich's own detection; NO_COLOR is honoured). `width`
+    (show's --width) sets the width of the lines; else `pipe_width()` when stdout is not a
+    terminal (rich would cut them at 80), and the terminal's own width when it is."""
+    if width is None and not Console().is_terminal:
+        width = pipe_width()
     return Console(no_color=no_color or None, highlight=False, soft_wrap=False, width=width)
 
 
-#: Width of show's output when stdout is not a terminal (COLUMNS, when set, if wider).
+#: Width of show's output when stdout is not a terminal and neither COLUMNS nor a terminal on
+#: stdin or stderr says how wide the screen is (a file, a pipe in a script).
 PIPE_WIDTH = 160
+
+
+def pipe_width(environ: dict[str, str] | None = None) -> int:
+    """The width for output that does not go to a terminal: COLUMNS when it holds a number;
+    else the width of the terminal on stderr or stdin (`pcompile show DIR | less` pages on the
+    screen the user types at); else `PIPE_WIDTH`."""
+    columns = (os.environ if environ is None else environ).get("COLUMNS", "").strip()
+    if columns.isdigit() and int(columns) > 0:
+        return max(MIN_WIDTH, int(columns))
+    for fd in (2, 0):
+        try:
+            if os.isatty(fd):
+                return max(MIN_WIDTH, os.get_terminal_size(fd).columns or PIPE_WIDTH)
+        except OSError:
+            continue
+    return PIPE_WIDTH
+
+
+#: The narrowest layout of show's tables (its --width accepts no less).
+MIN_WIDTH = 40
 
 
 def header(plan: Plan, out_dir: str) -> Text:
@@ -137,7 +157,7 @@ def weights_table(plan: Plan, width: int = PIPE_WIDTH) -> Table:
     columns = [Column("weight", name=True, style="bold"),
                Column("slice shape", 1, 8, essential=True), Column("shape", 2, 8),
                Column("device matrix", 3, 8), Column("tensor map", 4, 8)]
-    rows = [[name, str(p.shape), str(p.slice_shape), str(p.dev_matrix),
+    rows = [[name, str(p.slice_shape), str(p.shape), str(p.dev_matrix),
              inspection.fmt_map(p.tensor_map)]
             for name, p in plan.parameters.items() if p.kind == "weight"]
     return fitted_table(f"weights ({len(rows)})", columns, rows, width)

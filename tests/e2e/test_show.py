@@ -281,6 +281,38 @@ def test_every_weight_is_listed_and_the_undrawn_ones_said(llama: str) -> None:
     assert "layout grids of the first" not in output
 
 
+def test_weights_table_headers_name_their_columns(quickstart: str) -> None:
+    """w is [32, 16], each rank holding an [8, 16] slice: the "shape" column says [32, 16]."""
+    code, output = run_cli(["show", quickstart, "--no-svg", "--width", "200"])
+    assert code == 0, output
+    lines = output.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("weights ("))
+    header = [cell.strip() for cell in lines[at + 2].split("┃")[1:-1]]
+    row = next(line for line in lines[at:] if line.startswith("│ w "))
+    cells = dict(zip(header, (cell.strip() for cell in row.split("│")[1:-1])))
+    assert cells["shape"] == "[32, 16]" and cells["slice shape"] == "[8, 16]"
+
+
+def test_show_into_a_pipe_honours_columns(quickstart: str, monkeypatch) -> None:
+    """`pcompile show DIR | less`: COLUMNS, else the terminal on stderr or stdin, else 160."""
+    for columns in (80, 100):
+        result = CliRunner().invoke(main, ["show", quickstart, "--no-svg"],
+                                    env={"COLUMNS": str(columns)})
+        assert result.exit_code == 0, result.output
+        assert max(map(len, result.output.splitlines())) <= columns
+    assert "not shown at 80 columns" in " ".join(
+        CliRunner().invoke(main, ["show", quickstart, "--no-svg"],
+                           env={"COLUMNS": "80"}).output.split())
+    from pcompile.compiler.render import PIPE_WIDTH, pipe_width
+
+    monkeypatch.setattr(os, "isatty", lambda fd: False)
+    assert pipe_width({}) == pipe_width({"COLUMNS": "x"}) == PIPE_WIDTH
+    assert pipe_width({"COLUMNS": "20"}) == 40  # the narrowest layout --width allows
+    monkeypatch.setattr(os, "isatty", lambda fd: fd == 2)
+    monkeypatch.setattr(os, "get_terminal_size", lambda fd: os.terminal_size((97, 30)))
+    assert pipe_width({}) == 97 and pipe_width({"COLUMNS": "120"}) == 120
+
+
 def test_diff_marks_the_differing_fields(quickstart: str) -> None:
     code, output = run_cli(["diff", quickstart, "--ranks", "0,5"])
     assert code == 0, output
