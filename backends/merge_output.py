@@ -24,6 +24,7 @@ import re
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -35,6 +36,8 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 #: Hugging Face's default `max_shard_size` ("5GB", decimal).
 DEFAULT_MAX_SHARD = 5 * 10**9
+#: The largest file a safetensors header can describe (64-bit offsets).
+MAX_FILE_BYTES = 2**64 - 1
 _CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
           "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint64": "U64",
           "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL"}
@@ -48,11 +51,20 @@ class MergeError(Exception):
 
 
 def parse_size(text: str) -> int:
-    """Bytes of `5GB`, `500MB`, `2GiB` or a plain number (Hugging Face's spelling)."""
+    """Bytes of `5GB`, `500MB`, `2GiB` or a plain number (Hugging Face's spelling), computed
+    exactly; ValueError for anything else, under one byte, or more than a safetensors file can
+    address (its offsets are 64-bit)."""
     m = _SIZE.fullmatch(text.strip())
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"{text!r} is not a size such as 5GB, 500MB or 2GiB")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+    shown = repr(text) if len(text) <= 32 else repr(text[:24] + "...") + f" ({len(text)} chars)"
+    if not m:
+        raise ValueError(f"{shown} is not a size such as 5GB, 500MB or 2GiB")
+    size = int(Decimal(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+    if size < 1:
+        raise ValueError(f"{shown} is less than one byte; give a size such as 5GB, 500MB or 2GiB")
+    if size > MAX_FILE_BYTES:
+        raise ValueError(f"{shown} is more than a safetensors file can hold (2^64 - 1 bytes); "
+                         "give a size such as 5GB, 500MB or 2GiB")
+    return size
 
 
 @dataclass(frozen=True)

@@ -169,3 +169,13 @@ def test_a_foreign_file_is_never_replaced(tmp_path: Any) -> None:
                                        ("2GiB", 2 * 2**30), ("1234", 1234)])
 def test_sizes_are_spelled_as_hugging_face_spells_them(text: str, size: int) -> None:
     assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["9" * 400, "1" * 30 + "TiB", "0.1", "0B", "1e9"])
+def test_an_impossible_shard_size_is_one_message(tmp_path, capsys, text: str) -> None:
+    """A 400-digit size was an OverflowError traceback (float('9' * 400) is inf)."""
+    assert merge_main([str(tmp_path), "--max-shard-size", text]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pcompile-merge: error: --max-shard-size ") and err.count("\n") == 1
+    assert "Traceback" not in err and len(err) < 200
+    assert parse_size("1.5KB") == 1500 and parse_size("18446744073709551615") == 2**64 - 1
