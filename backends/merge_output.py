@@ -30,9 +30,11 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from pcompile.backends.atomic_files import atomic_write_text, temp_name, try_unlink
+from pcompile.compiler.outdir import MERGE_FORMAT, MERGE_INDEX, is_merge_file
 
-MERGE_FORMAT = "pcompile-merge/1"
-INDEX_NAME = "model.safetensors.index.json"
+# The mark of what pcompile-merge writes lives with the output folder's rules, which keep such
+# files wherever they are in a compile's --out (compiler/outdir.py).
+INDEX_NAME = MERGE_INDEX
 SINGLE_NAME = "model.safetensors"
 #: Hugging Face's default `max_shard_size` ("5GB", decimal).
 DEFAULT_MAX_SHARD = 5 * 10**9
@@ -121,22 +123,6 @@ def _write_tensor(f: BinaryIO, entry: Entry, tensor: np.ndarray) -> None:
     if data.dtype.byteorder == ">":
         data = data.byteswap().view(data.dtype.newbyteorder("<"))
     f.write(data.reshape(-1).view(np.uint8).data)
-
-
-def is_merge_file(path: str) -> bool:
-    """Whether `path` is a safetensors file or an index that pcompile-merge wrote."""
-    try:
-        with open(path, "rb") as f:
-            if path.endswith(".json"):
-                meta = json.load(f).get("metadata", {})
-            else:
-                (length,) = struct.unpack("<Q", f.read(8))
-                if length > 100 * 2**20:
-                    return False
-                meta = json.loads(f.read(length)).get("__metadata__", {})
-    except Exception:  # noqa: BLE001  (anything unreadable is not ours)
-        return False
-    return isinstance(meta, dict) and meta.get("format") == MERGE_FORMAT
 
 
 def _refuse_foreign(path: str) -> None:

@@ -9,8 +9,15 @@ The guarantees (docs/running.md, "The output folder"):
   `checkpoints/rank_<r>/step_*` (`.safetensors` and `.json`, or an older pcompile's `.npz`),
   `merged_step_*.safetensors` (or `.npz`) and the shards and index in `merged_step_*/`;
   `pcompile show`'s pictures `show/*.svg`) survive a recompile: they are carried into the new
-  folder. Runs write files, never links: a symbolic link at a run output's place is not
-  carried (the launcher would otherwise write through it).
+  folder. So do, wherever in the folder they are, TensorBoard's event files
+  (`events.out.tfevents.*`, from `--tensorboard DIR/tb`) and what pcompile-merge wrote
+  (`.safetensors` files and `model.safetensors.index.json` whose metadata says
+  `format: pcompile-merge/1`, from `pcompile-merge DIR --output DIR/hf`). Runs write files,
+  never links: a symbolic link at a run output's place is not carried (the launcher would
+  otherwise write through it).
+* Every compile writes `.gitignore` (`*`) into the folder: git does not track it and ruff (which
+  honours .gitignore files inside a git repository) does not lint its rank programs, wherever
+  `--out` is in a clone.
 * Except `pcompile show`'s own pictures: they draw the plan they were made from, so a
   recompile drops them. `show` lists each picture it writes, with its digest, in
   `show/.pcompile-show.json`; a recompile removes exactly the pictures listed there whose
@@ -41,6 +48,7 @@ import os
 import re
 import secrets
 import shutil
+import struct
 import sys
 import warnings
 from collections.abc import Iterator
@@ -67,6 +75,13 @@ _RUN_FOLDER = re.compile(r"rank_\d+|checkpoints|checkpoints/rank_\d+|show|merged
 _TEMP = re.compile(r"(?P<dir>(?:[^/]+/)*)\.(?P<name>[^/]+)\.tmp-[A-Za-z0-9_]+")
 # safetensors' own temporary file (Rust's tempfile) of a checkpoint write that was killed
 _SAFETENSORS_TEMP = re.compile(r"checkpoints/rank_\d+/\.tmp[A-Za-z0-9]{6}")
+# TensorBoard's event files (tensorboardX's name), wherever --tensorboard put them in the folder
+_BOARD_FILE = re.compile(r"(?:[^/]+/)*events\.out\.tfevents\.[^/]+")
+MERGE_FORMAT = "pcompile-merge/1"  # the metadata `format` of what pcompile-merge writes
+MERGE_INDEX = "model.safetensors.index.json"
+IGNORE_FILE = ".gitignore"
+IGNORE_TEXT = ("# Written by pcompile: this output folder is generated (the rank programs, dumps, "
+               "run outputs).\n# Neither git nor ruff looks inside it.\n*\n")
 SHOWN = 8  # foreign entries named in a message
 SHOW_LIST = "show/.pcompile-show.json"  # the pictures `pcompile show` wrote (and their digests)
 _SHOW_FORMAT = "pcompile-show/1"
@@ -75,6 +90,33 @@ _SHOW_FORMAT = "pcompile-show/1"
 def is_run_output(rel: str) -> bool:
     """A file that runs write (kept across recompiles)."""
     return _RUN_OUTPUT.fullmatch(rel) is not None
+
+
+def is_merge_file(path: str) -> bool:
+    """Whether `path` is a safetensors file or an index that pcompile-merge wrote (its metadata
+    says `format: pcompile-merge/1`; backends/merge_output.py writes them)."""
+    try:
+        with open(path, "rb") as f:
+            if path.endswith(".json"):
+                meta = json.load(f).get("metadata", {})
+            else:
+                (length,) = struct.unpack("<Q", f.read(8))
+                if length > 100 * 2**20:
+                    return False
+                meta = json.loads(f.read(length)).get("__metadata__", {})
+    except Exception:  # noqa: BLE001  (anything unreadable is not pcompile-merge's)
+        return False
+    return isinstance(meta, dict) and meta.get("format") == MERGE_FORMAT
+
+
+def is_run_file(root: str, rel: str) -> bool:
+    """`rel` in the folder `root` is a run output: by its name (`is_run_output`), or, at any
+    place, a TensorBoard event file or a file pcompile-merge wrote (not a link)."""
+    if is_run_output(rel) or _BOARD_FILE.fullmatch(rel):
+        return True
+    path = os.path.join(root, rel)
+    return (rel.endswith((".safetensors", "/" + MERGE_INDEX)) or rel == MERGE_INDEX) and (
+        not os.path.islink(path) and is_merge_file(path))
 
 
 def is_temp_leftover(rel: str) -> bool:
@@ -313,8 +355,8 @@ def foreign_entries(out: str) -> list[str]:
     owned_folders = set(manifest.folders) if manifest else set()
     files, folders = _scan(out)
     bad = [f for f in files
-           if not ((f == MANIFEST and manifest is not None) or f in owned or is_run_output(f)
-                   or is_temp_leftover(f))]
+           if not ((f == MANIFEST and manifest is not None) or f in owned
+                   or is_run_file(out, f) or is_temp_leftover(f))]
     for d in folders:
         if d in owned_folders or _RUN_FOLDER.fullmatch(d):
             continue
@@ -350,6 +392,8 @@ def write_output_folder(out_dir: str) -> Iterator[str]:
         try:
             os.mkdir(staging, 0o777)  # the user's umask applies
             open(os.path.join(staging, _STAGING_MARK), "wb").close()
+            with open(os.path.join(staging, IGNORE_FILE), "w", encoding="utf-8") as f:
+                f.write(IGNORE_TEXT)
         except OSError as exc:
             shutil.rmtree(staging, ignore_errors=True)
             raise _os_error("write beside --out, creating", staging, exc) from None
@@ -381,7 +425,7 @@ def _complete(staging: str, out: str) -> None:
             src = os.path.join(out, rel)
             # A symbolic link is no run output (runs write files): it is not carried over, so
             # that no later run writes through it into a file outside --out.
-            if (is_run_output(rel) and not os.path.islink(src) and rel not in dropped
+            if (is_run_file(out, rel) and not os.path.islink(src) and rel not in dropped
                     and not os.path.lexists(os.path.join(staging, rel))):
                 _link_or_copy(src, os.path.join(staging, rel))
     os.unlink(os.path.join(staging, _STAGING_MARK))
@@ -423,7 +467,7 @@ def _retire(old: str, out: str) -> None:
     for rel in _manifest_last(files):
         path, new = os.path.join(old, rel), os.path.join(out, rel)
         if rel in owned or rel == MANIFEST or is_temp_leftover(rel) or (
-                is_run_output(rel) and (os.path.islink(path) or _same_file(path, new))):
+                is_run_file(old, rel) and (os.path.islink(path) or _same_file(path, new))):
             os.unlink(path)  # a link at a run output's place: not carried (`_complete`)
         elif not os.path.lexists(new):
             os.makedirs(os.path.dirname(new), exist_ok=True)
@@ -449,7 +493,7 @@ def _discard(staging: str) -> None:
     owned = set(manifest.files) if manifest else set()
     files, folders = _scan(staging)
     for rel in _manifest_last(files):
-        if rel in owned or rel == MANIFEST or is_run_output(rel):
+        if rel in owned or rel == MANIFEST or is_run_file(staging, rel):
             os.unlink(os.path.join(staging, rel))
     _remove_emptied(staging, folders, f"kept {staging}: it holds files pcompile did not write")
 

@@ -99,8 +99,8 @@ def test_a_smaller_recompile_removes_the_old_ranks_dumps_but_not_their_logs(tmp_
     compile_into(out, devices=8)
     (out / "rank_5" / "train.log").write_text("loss\n")
     compile_into(out, devices=1)
-    assert sorted(os.listdir(out)) == [MANIFEST, "params.json", "plan.json", "program.py",
-                                       "rank_0", "rank_5"]
+    assert sorted(os.listdir(out)) == [".gitignore", MANIFEST, "params.json", "plan.json",
+                                       "program.py", "rank_0", "rank_5"]
     assert os.listdir(out / "rank_5") == ["train.log"]
 
 
@@ -356,3 +356,61 @@ def test_a_killed_compile_never_damages_the_previous_output(tmp_path) -> None:
         compile_into(out, devices=8)  # cleans what the killed one left
         assert tree(out) == whole
         assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_what_merge_and_tensorboard_wrote_inside_out_survives_a_recompile(tmp_path) -> None:
+    """`pcompile-merge DIR --output DIR/hf` and `--tensorboard DIR/tb` write into --out at
+    places of the user's choosing: the next compile into DIR (a --resume recompiles) keeps
+    them; a .safetensors file pcompile-merge did not write is still refused."""
+    import numpy as np
+
+    from pcompile.backends.merge_output import Entry, write_merged
+
+    out = tmp_path / "out"
+    compile_into(out)
+    entries = [Entry("w", np.dtype("float32"), (4, 2)), Entry("b", np.dtype("float32"), (3,))]
+
+    def tensors():
+        return iter([(e.name, np.ones(e.shape, e.dtype)) for e in entries])
+
+    write_merged(str(out / "hf"), entries, tensors(), {"step": "5"}, folder=True)
+    write_merged(str(out / "hf_shards"), entries, tensors(), {"step": "5"}, max_shard=16,
+                 folder=True)  # two shards and model.safetensors.index.json
+    write_merged(str(out / "weights.safetensors"), entries, tensors(), {"step": "5"},
+                 folder=False)
+    (out / "tb").mkdir()
+    (out / "tb" / "events.out.tfevents.1765000000.host").write_bytes(b"scalars")
+    (out / "events.out.tfevents.1765000001.host.1").write_bytes(b"--tensorboard DIR")
+    written = {rel: data for rel, data in tree(out).items()
+               if rel.startswith(("hf", "weights", "tb/", "events"))}
+    assert len(written) == 7 and "hf_shards/model.safetensors.index.json" in written
+    code, output = run_cli([QUICKSTART, "--devices", "1", "--out", str(out), "--no-check"])
+    assert code == 0, output
+    after = tree(out)
+    assert {rel: after.get(rel) for rel in written} == written
+    assert MANIFEST in after and not any(
+        rel in json.loads(after[MANIFEST])["files"] for rel in written)
+    (out / "theirs").mkdir()
+    (out / "theirs" / "model.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"{}      ")
+    code, output = run_cli([QUICKSTART, "--devices", "1", "--out", str(out), "--no-check"])
+    assert code == 1 and "theirs/model.safetensors" in output
+
+
+def test_an_output_folder_is_neither_tracked_by_git_nor_linted_by_ruff(tmp_path) -> None:
+    """Any --out inside a clone: its `.gitignore` (`*`) hides it from git and from ruff."""
+    ruff = shutil.which("ruff") or os.path.join(os.path.dirname(sys.executable), "ruff")
+    if shutil.which("git") is None or not os.path.exists(ruff):
+        pytest.skip("needs git and ruff")
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "init", "-q", str(clone)], check=True)
+    (clone / "model.py").write_text("x = 1\n")
+    out = clone / "runs" / "my_out"
+    compile_into(out)
+    assert (out / "program.py").exists()
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"],
+                            cwd=clone, capture_output=True, text=True, check=True).stdout
+    assert status.splitlines() == ["?? model.py"]
+    files = subprocess.run([ruff, "check", "--show-files", "--no-cache", "."], cwd=clone,
+                           capture_output=True, text=True).stdout
+    assert "model.py" in files and "my_out" not in files, files
+    assert ".gitignore" in json.loads((out / MANIFEST).read_text())["files"]
