@@ -221,8 +221,8 @@ def test_semi_auto_parallel_on_8_devices_checks_the_oracle(tmp_path) -> None:
                             "--parallel-mode", "semi_auto_parallel", "--out", str(out)])
     assert code == 0, output
     assert "parallel plan vs single device (float64): worst relative error" in output
-    assert sorted(os.listdir(out)) == [".pcompile-manifest.json", "params.json", "plan.json",
-                                       "program.py"] + [f"rank_{r}" for r in range(8)]
+    assert sorted(os.listdir(out)) == [".gitignore", ".pcompile-manifest.json", "params.json",
+                                       "plan.json", "program.py"] + [f"rank_{r}" for r in range(8)]
     names = sorted(f for f in os.listdir(out / "rank_3") if f.endswith(".ir"))
     assert names == ["00_trace.ir", "01_step_parallel_begin.ir", "02_step_parallel_end.ir",
                      "03_autodiff.ir", "04_optimizer.ir", "05_comm_fusion.ir", "06_execute.ir"]
