@@ -150,7 +150,7 @@ class ParallelMode:
 # set_auto_parallel_context
 # --------------------------------------------------------------------------------------------
 
-SEARCH_MODES = ("recursive_programming", "sharding_propagation", "dynamic_programming")
+SEARCH_MODES = ("recursive_programming", "sharding_propagation", "dynamic_programming", "ilp")
 
 
 def _check_dataset_strategy(value: Any) -> Any:
@@ -253,7 +253,8 @@ class AutoParallelContext(BaseModel):
     parallel_mode: Literal[
         "stand_alone", "data_parallel", "hybrid_parallel", "semi_auto_parallel", "auto_parallel"
     ] = "stand_alone"
-    search_mode: Literal["recursive_programming", "sharding_propagation", "dynamic_programming"] = (
+    search_mode: Literal["recursive_programming", "sharding_propagation", "dynamic_programming",
+                         "ilp"] = (
         "recursive_programming"
     )
     parameter_broadcast: Bool = False

@@ -206,6 +206,7 @@ def compile_options(ctx: AutoParallelContext, save_graphs: int) -> CompileOption
     environment switches MindSpore and the test suite use."""
     ckpt = ctx.strategy_ckpt_config
     opt = ctx.parallel_optimizer_config
+    search = search_options()
     return CompileOptions(
         dataset_strategy=ctx.dataset_strategy,
         gradients_mean=bool(ctx.gradients_mean),
@@ -225,6 +226,8 @@ def compile_options(ctx: AutoParallelContext, save_graphs: int) -> CompileOption
         parallel_detail=os.environ.get("MS_DEV_DUMP_IR_PARALLEL_DETAIL") == "1",
         save_graphs=save_graphs,
         verify_each=bool(os.environ.get("PCOMPILE_VERIFY_EACH")),
+        device_profile=search.device_profile,
+        device_memory=search.device_memory,
     )
 
 

@@ -66,6 +66,9 @@ def search_options() -> SearchOptions:
         interfered_sapp=os.environ.get("MS_INTERFERED_SAPP", "0") == "1",
         approximate=approx,
         epsilon=eps,
+        device_profile=str(cm.device_profile),
+        device_memory=(float(cm.device_memory_capacity)
+                       if "device_memory_capacity" in cm.model_fields_set else None),
     )
 
 

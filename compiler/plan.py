@@ -24,7 +24,8 @@ SCHEMA_VERSION: Final = 1
 
 PARALLEL_MODES = ("stand_alone", "data_parallel", "hybrid_parallel", "semi_auto_parallel",
                   "auto_parallel")
-SEARCH_MODES = ("sharding_propagation", "dynamic_programming", "recursive_programming")
+SEARCH_MODES = (
+    "sharding_propagation", "dynamic_programming", "recursive_programming", "ilp")
 
 Dim = Annotated[int, Field(ge=0)]
 Positive = Annotated[int, Field(ge=1)]
@@ -181,6 +182,30 @@ class SearchInfo(BaseModel):
                                        description="per searched op (full name)")
 
 
+class PredictedMemory(_Strict):
+    weights: int = Field(description="bytes of parameter slices per rank")
+    gradients: int = Field(description="bytes of gradients per rank")
+    optimizer: int = Field(description="bytes of optimizer states per rank")
+    activations: int = Field(description="bytes of activations the backward reads, per rank")
+    total: int = Field(description="the sum")
+
+
+class Prediction(_Strict):
+    """The plan's predictions under the cost model in seconds (docs/search.md)."""
+
+    device_profile: str = Field(description="the device profile the model describes")
+    device_memory: int = Field(description="bytes of memory per device")
+    step_time: float = Field(description="predicted seconds of one step (compute + comm.)")
+    compute: float = Field(description="predicted seconds of computation per step")
+    communication: float = Field(description="predicted seconds of communication per step")
+    communication_bytes: int = Field(description="bytes a rank moves per step")
+    memory: PredictedMemory = Field(description="predicted memory per rank by kind")
+    fits: bool = Field(description="whether the memory fits the device's")
+    parallel_optimizer: bool = Field(description="the parallel optimizer was assumed on")
+    recompute: bool = Field(description="per-layer recompute was assumed")
+    advice: str | None = Field(None, description="what would fit, when it does not")
+
+
 class FusionBucketInfo(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -303,6 +328,8 @@ class Plan(_Strict):
         None, description="pipeline stages, micro-batches and schedule (pipeline_stages > 1)")
     recompute: RecomputeInfo | None = Field(
         None, description="recomputation, when a cell or primitive asked for it")
+    prediction: Prediction | None = Field(
+        None, description="predicted step time, memory and bytes (parallel plans)")
 
     @model_validator(mode="after")
     def _ranks_in_range(self) -> Plan:

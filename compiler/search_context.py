@@ -49,6 +49,17 @@ class CostModelContext(BaseModel):
     dp_algo_enable_approxi: Bool = False
     dp_algo_approxi_epsilon: PositiveFloat = 0.1
     rp_matmul_mem_coef: PositiveFloat = 0.1
+    # pcompile's: the device the ilp search's cost model (seconds) describes, a built-in
+    # profile (h100, h200, cpu) or a JSON file (docs/search.md)
+    device_profile: str = "h100"
+
+    @field_validator("device_profile")
+    @classmethod
+    def _known_profile(cls, value: str) -> str:
+        from pcompile.passes.search.time_model import load_profile
+
+        load_profile(value)  # ProfileError (a ValueError) names what is wrong
+        return value
 
 
 _CM_HINTS = {
@@ -64,6 +75,7 @@ _CM_HINTS = {
     "dp_algo_enable_approxi": "a bool",
     "dp_algo_approxi_epsilon": "a number > 0",
     "rp_matmul_mem_coef": "a number > 0",
+    "device_profile": "h100, h200, cpu or the path of a device profile JSON file",
 }
 
 
@@ -112,7 +124,9 @@ def _updated(model: _M, kwargs: dict[str, Any], where: str, hints: Mapping[str, 
     for name in kwargs:
         if name not in fields:
             raise unknown_name(where, name, fields)
-    values = {name: getattr(model, name) for name in fields}
+    # only the fields set so far and the new ones count as set (`model_fields_set`: the ilp
+    # search takes the profile's memory unless device_memory_capacity was set)
+    values = {name: getattr(model, name) for name in model.model_fields_set}
     values.update(kwargs)
     try:
         return type(model).model_validate(values)

@@ -33,6 +33,9 @@ more), LLAMA_BATCH (global batch). Other knobs:
   (`out_strategy` ((dp * mp, 1),)) instead of all-reducing it, and the column-parallel
   projections gather their input: the same bytes, the norms' and residuals' activations
   divided by mp;
+* LLAMA_STRATEGIES: `hand` (default: mindformers' shard() strategies, semi_auto_parallel) or
+  `none` (every shard() removed after the network is built, auto_parallel: the search
+  chosen by `--search` decides every op, e.g. `--search ilp`);
 * LLAMA_TRAIN_STEP: `0` (default: model() is the network, optimizer() AdamWeightDecay) or `1`
   (model() is mindformers' training step: dynamic loss scale from LLAMA_LOSS_SCALE, default
   2^12, global-norm clipping at LLAMA_CLIP, default 1.0, AdamWeightDecay);
@@ -97,12 +100,25 @@ RECOMPUTE = os.environ.get("LLAMA_RECOMPUTE", "none")
 VOCAB_EMB_DP = os.environ.get("LLAMA_VOCAB_EMB_DP", "1") == "1"
 TRAIN_STEP = os.environ.get("LLAMA_TRAIN_STEP", "0") == "1"
 SEQ_PARALLEL = os.environ.get("LLAMA_SEQ_PARALLEL", "0") == "1"
+STRATEGIES = os.environ.get("LLAMA_STRATEGIES", "hand")
+if STRATEGIES not in ("hand", "none"):
+    raise ValueError(f"LLAMA_STRATEGIES={STRATEGIES!r}: choose hand or none")
 PAD_TOKEN_ID, IGNORE_TOKEN_ID, NORM_EPS = 0, -100, 1e-5
 
 # mindformers trains Llama in semi-auto parallel with full_batch: every rank reads the whole
 # batch and the strategies split it. `pcompile --devices N` overrides the device count.
-set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
-                          dataset_strategy="full_batch")
+set_auto_parallel_context(
+    parallel_mode="semi_auto_parallel" if STRATEGIES == "hand" else "auto_parallel",
+    device_num=8, dataset_strategy="full_batch")
+
+
+def remove_strategies(net):
+    """Every shard() of `net` undone (LLAMA_STRATEGIES=none): the search decides each op."""
+    for _, cell in net.cells_and_names():
+        for value in vars(cell).values():
+            if isinstance(value, ops.Primitive):
+                value.in_strategy = value.out_strategy = None
+    return net
 
 
 def parallel_config():
@@ -439,8 +455,9 @@ class LogSoftmax(nn.Cell):
         one_hot = self.onehot(label, logits.shape[-1], self.on_value, self.off_value)
         return self.sub(logit_sub, log_exp_sum), one_hot
 
-    def bprop(self, logits, label, out, dout):
-        return dout[0], ops.zeros_like(label)
+    if STRATEGIES == "hand":  # without the strategies the bprop's layouts are not known
+        def bprop(self, logits, label, out, dout):
+            return dout[0], ops.zeros_like(label)
 
 
 class NLLLoss(nn.Cell):
@@ -463,10 +480,13 @@ class NLLLoss(nn.Cell):
     def construct(self, log_softmax, one_hot):
         return self.sum(self.neg(self.mul(log_softmax, one_hot)), -1)
 
-    def bprop(self, log_softmax, one_hot, out, dout):
-        grad = self.grad_mul(self.grad_sub(self.exp(log_softmax), one_hot),
-                             self.expand(dout, -1))
-        return grad * self.repeat_loss, ops.zeros_like(one_hot)
+    if STRATEGIES == "hand":
+        # mindformers' bprop with repeat_loss is right for its own strategies only; with
+        # LLAMA_STRATEGIES=none autodiff differentiates the loss under whatever plan is chosen
+        def bprop(self, log_softmax, one_hot, out, dout):
+            grad = self.grad_mul(self.grad_sub(self.exp(log_softmax), one_hot),
+                                 self.expand(dout, -1))
+            return grad * self.repeat_loss, ops.zeros_like(one_hot)
 
 
 class CrossEntropyLoss(nn.Cell):
@@ -609,6 +629,8 @@ if not TRAIN_STEP:  # a training step cell brings its own optimizer
 
 def model():
     net = LlamaForCausalLM()
+    if STRATEGIES == "none":
+        remove_strategies(net)
     if os.environ.get("LLAMA_PRETRAINED"):
         load_pretrained(net, os.environ["LLAMA_PRETRAINED"])
     if not TRAIN_STEP:

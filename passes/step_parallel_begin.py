@@ -546,8 +546,37 @@ class StepParallelBeginPass:
         unit.assignment = assign(unit.graph, unit.stage_devices, unit.options.dataset_strategy,
                                  searched=searched)
         finish_assignment(unit)  # the search's annotations, plan entry and checkpoint
+        record_prediction(unit)
         if unit.options.parallel_detail:
             if unit.parallel_mode == "semi_auto_parallel":
                 annotate_parallel_detail(unit.graph, unit.assignment, "tensor_map")
             elif unit.search_mode == "sharding_propagation":
                 annotate_parallel_detail(unit.graph, unit.assignment, "layout")
+
+
+def record_prediction(unit: CompileUnit) -> None:
+    """The plan's predicted step time, memory and bytes under the cost model in seconds
+    (passes/search/predict.py) in plan.json's `prediction`, with one line of advice when it
+    is predicted not to fit the device's memory."""
+    from pcompile.passes.recompute import marked
+    from pcompile.passes.search.predict import fit_advice, predict
+    from pcompile.passes.search.time_model import load_profile
+
+    assert unit.graph is not None
+    profile = load_profile(unit.options.device_profile)
+    memory = unit.options.device_memory
+    if unit.search is not None and unit.search.ilp is not None:
+        popt, recompute = (bool(unit.search.ilp["parallel_optimizer"]),
+                           bool(unit.search.ilp["recompute"]))
+    else:
+        popt, recompute = unit.options.optimizer_shard.enabled, marked(unit.graph)
+    pred = predict(unit.graph, unit.stage_devices, profile,
+                   memory if memory is not None else profile.memory,
+                   training=unit.training, parallel_optimizer=popt, recompute=recompute,
+                   dataset_strategy=unit.options.dataset_strategy,
+                   enable_alltoall=unit.options.enable_alltoall)
+    record = pred.as_dict()
+    if not pred.fits:
+        record["advice"] = fit_advice(pred, unit.stage_devices)
+    unit.plan["prediction"] = record
+

@@ -87,6 +87,10 @@ class CompileOptions:
     parallel_detail: bool = False
     save_graphs: int = 2  # MindSpore's level: which passes are dumped
     verify_each: bool = False  # verify the graphs after every pass (the test suite sets it)
+    # the cost model in seconds (passes/search/time_model.py): the device profile (a built-in
+    # name or a JSON file) and the memory per device (None: the profile's)
+    device_profile: str = "h100"
+    device_memory: float | None = None
 
 
 @dataclass(kw_only=True)

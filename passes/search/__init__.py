@@ -44,7 +44,7 @@ from pcompile.passes.search.explain import (
     propagation_explanation,
 )
 
-MODES = ("sharding_propagation", "dynamic_programming", "recursive_programming")
+MODES = ("sharding_propagation", "dynamic_programming", "recursive_programming", "ilp")
 
 
 @dataclass
@@ -59,6 +59,11 @@ class SearchOptions:
     # dynamic programming: edge tables with at most this many layout pairs are planned up
     # front; larger ones start from lower bounds (0: every table starts from bounds)
     exact_edge_classes: int = 256
+    # ilp: the device profile (a built-in name or a JSON file, time_model.py) and the memory
+    # per device (None: the profile's)
+    device_profile: str = "h100"
+    device_memory: float | None = None
+    optimizer_states: int = 2
 
 
 @dataclass
@@ -78,6 +83,8 @@ class SearchResult:
     # ops whose strategy is layouts (built under a neighbour's device matrix): id(node) -> one
     # `Layout` dict per input, what step_parallel_begin lays the op out by
     layouts: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    # ilp: the mesh, global choices, predictions and the program's size (IlpPlan.summary)
+    ilp: dict[str, Any] | None = None
 
     def specs(self) -> dict[int, Any]:
         """What step_parallel_begin takes per searched op: its strategy, or its layouts."""
@@ -86,8 +93,11 @@ class SearchResult:
     def summary(self) -> dict[str, Any]:
         """What plan.json records of the search; no timings, so plans stay byte-identical
         (the CLI prints each pass's time)."""
-        return {"mode": self.mode, "objective": printable(self.objective),
-                "searched_ops": len(self.strategies)}
+        out: dict[str, Any] = {"mode": self.mode, "objective": printable(self.objective),
+                               "searched_ops": len(self.strategies)}
+        if self.ilp is not None:
+            out.update(self.ilp)
+        return out
 
 
 def search(
@@ -114,12 +124,26 @@ def search(
         from pcompile.passes.search.recursive_programming import check_devices
 
         check_devices(devices)
-    cg = CostGraph(graph, devices, constants, dataset_strategy, options.fully_use_devices,
-                   loaded)
+    ilp = mode == "ilp"
+    cg = CostGraph(graph, devices, constants, dataset_strategy,
+                   options.fully_use_devices and not ilp, loaded, weight_casts=ilp)
     via: dict[int, str] = {}
     decision: dict[int, list[int]] = {}  # propagation: the edges that decided a vertex
     lagrange, allowed = 0.0, None
-    if mode == "sharding_propagation":
+    ilp_summary = None
+    if ilp:
+        from pcompile.passes.search.ilp import IlpOptions
+        from pcompile.passes.search.ilp import solve as solve_ilp
+        from pcompile.passes.search.time_model import load_profile
+
+        profile = load_profile(options.device_profile)
+        memory = options.device_memory if options.device_memory is not None else profile.memory
+        plan = solve_ilp(cg, IlpOptions(profile, memory, constants.training,
+                                        options.optimizer_states, constants.enable_alltoall))
+        choice = plan.choice
+        ilp_summary = {"device_profile": profile.name,
+                       "device_memory": round(memory), **plan.summary()}
+    elif mode == "sharding_propagation":
         from pcompile.passes.search.sharding_propagation import propagate
 
         prop = propagate(cg, neighbour_layouts=True)
@@ -134,7 +158,8 @@ def search(
 
         rp = recursive_search(cg, options)
         choice, via, decision = rp.choice, rp.via, rp.decision
-    result = SearchResult(mode, cost_graph=cg, choice=choice, decisions=decision)
+    result = SearchResult(mode, cost_graph=cg, choice=choice, decisions=decision,
+                          ilp=ilp_summary)
     loaded = loaded or {}
     for v in cg.vertices:
         if v.kind != "op" or v.node is None:
@@ -156,6 +181,8 @@ def search(
         elif decision.get(v.index):
             info = propagation_explanation(cg, v, choice, decision[v.index],
                                            via[v.index])
+        elif ilp:
+            info = plain_explanation(cg, v, choice, "ilp")
         elif v.index in decision:
             info = plain_explanation(cg, v, choice, "first candidate (not reached)")
         else:

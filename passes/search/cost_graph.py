@@ -54,7 +54,7 @@ from pcompile.passes.step_parallel_begin import (
 DATASET_TOPO = 1 << 62
 
 
-def _looked_through(node: Node) -> bool:
+def _looked_through(node: Node, weight_casts: bool = False) -> bool:
     """A Cast without a user strategy: not a vertex. It keeps its input's layout
     (step_parallel_begin: transparent), so it decides nothing and costs nothing. A weight's
     Cast is looked through only when every user of it has a `shard()` strategy: it takes
@@ -65,6 +65,13 @@ def _looked_through(node: Node) -> bool:
         return True
     if node.op != "Cast" or len(node.operands) != 1 or node.attrs.get("in_strategy") is not None:
         return False
+    if weight_casts:  # the ilp search: a weight's Cast always follows its user
+        source = node.operands[0]
+        while isinstance(source, NodeResult) and source.node.op == "Cast" \
+                and len(source.node.operands) == 1:
+            source = source.node.operands[0]
+        if isinstance(source, GraphParam) and source.kind != "input":
+            return True
     return bool(node.result.uses) and all(  # a weight's Cast
         user.attrs.get("in_strategy") is not None for user, _ in node.result.uses)
 
@@ -136,8 +143,13 @@ class CostGraph:
 
     def __init__(self, graph: Graph, devices: int, constants: CostConstants,
                  dataset_strategy: Any = None, fully_use_devices: bool = False,
-                 configured: dict[int, Any] | None = None) -> None:
+                 configured: dict[int, Any] | None = None, weight_casts: bool = False
+                 ) -> None:
+        """`weight_casts`: look through every strategy-less Cast of a weight (the ilp search:
+        the weight is stored as its user wants it), not only those whose users are all
+        configured."""
         self.graph = graph
+        self.weight_casts = weight_casts
         self.devices = devices
         self.constants = constants
         self.table = CandidateTable(devices, fully_use_devices)
@@ -168,7 +180,7 @@ class CostGraph:
             user = node.attrs.get("in_strategy")
             if user is None:
                 user = loaded.get(id(node))
-            if user is None and _looked_through(node):
+            if user is None and _looked_through(node, self.weight_casts):
                 continue  # step_parallel_begin lays it out (transparent, or a weight's Cast)
             trainable = tuple(isinstance(v, GraphParam) and v.kind == "weight"
                               and v.requires_grad for v in node.operands)
@@ -221,7 +233,7 @@ class CostGraph:
             assert v.node is not None
             for index, operand in enumerate(v.node.operands):
                 while (isinstance(operand, NodeResult) and id(operand.node) not in self.vertex_of
-                       and _looked_through(operand.node)):
+                       and _looked_through(operand.node, self.weight_casts)):
                     operand = operand.node.operands[0]  # a weight read through its Cast
                 if isinstance(operand, GraphParam) and operand.kind != "input":
                     users.setdefault(id(operand), []).append((v.index, index))
@@ -266,7 +278,7 @@ class CostGraph:
                 run = True
                 continue
             if node.op == "Depend" or (id(node) not in self.vertex_of
-                                       and _looked_through(node)):
+                                       and _looked_through(node, self.weight_casts)):
                 value = node.operands[0]
                 run = False
                 continue

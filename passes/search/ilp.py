@@ -1,0 +1,568 @@
+"""`--search ilp`: an exact plan under the seconds cost model, within the device's memory.
+
+**Variables.** For every vertex v of the cost graph and each of its candidates k allowed on the
+mesh, a binary x[v, k] (sum over k = 1). For every edge e = (u, v) and each pair (r, q) of a
+producer-output layout class r and a consumer-input layout class q with a finite cost, a
+continuous y[e, r, q] >= 0 tied to the choices by its marginals:
+sum_q y[e, r, q] = sum_{k in r} x[u, k] and sum_r y[e, r, q] = sum_{l in q} x[v, l]. With the
+x integral the marginals are unit vectors, so y is the indicator of the chosen pair: the
+linearisation is exact (`_build`).
+
+**Objective.** sum_v m_v t_v(k) x[v, k] + sum_e w_e t_e(r, q) y[e, r, q], in seconds
+(`time_model.py`: an op's compute and its forward and backward collectives, an edge's
+redistribution both ways), where m_v and w_e count the layers a folded vertex or edge stands
+for. **Memory.** sum_v m_v mem_v(k) x[v, k] <= the device's memory (`time_model.memory_of`:
+weights, gradients, optimizer states, activations).
+
+**Repeated layers are solved once** (`fold`): the vertices under `<...>-CellList/<i>-<Cell>/`
+form one group per i; when every group of a list has the same vertex signatures in order and
+the same edges among them, the first group stands for all (its costs times the number of
+groups), and every edge maps to its representatives (an edge from layer i to layer i + 1
+becomes an edge from the representative to itself, costed on the diagonal).
+
+**The mesh and the global choices** (`solve`): for every factorisation of the devices into
+data x model axes (d, m) (ranks m-fastest: the model axis stays inside a node), only candidates
+whose every split device axis is a mesh axis or the product of both are allowed; for each mesh,
+the plan without the parallel optimizer, then with it, then also with per-layer recompute, until
+one fits. The fastest fitting plan over all meshes wins (ties: the earlier mesh, fewer devices
+on the model axis). User strategies stay fixed (their vertices have one candidate).
+
+The solver is HiGHS (`highspy`), single-threaded with a fixed seed, so the same graph gives the
+same plan.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from math import inf, isfinite
+from typing import Any
+
+import numpy as np
+
+from pcompile.ir.core import GraphParam
+from pcompile.ir.layout import TensorLayout
+from pcompile.passes.search.candidates import Candidate
+from pcompile.passes.search.cost_graph import CostGraph, Edge, Vertex
+from pcompile.passes.search.time_model import (
+    DeviceProfile,
+    Memory,
+    MemoryOptions,
+    OpTime,
+    layout_axes,
+    op_time,
+    param_memory,
+    redistribution_time,
+    stored_param,
+)
+
+
+class IlpError(ValueError):
+    """No plan fits (the message says how much memory the smallest plan needs)."""
+
+
+@dataclass(frozen=True)
+class IlpOptions:
+    profile: DeviceProfile
+    memory: float  # bytes per device
+    training: bool = True
+    optimizer_states: int = 2
+    enable_alltoall: bool = False
+    time_limit: float = 60.0
+
+
+@dataclass
+class IlpPlan:
+    """The solution: a candidate per vertex, the global choices and the predictions."""
+
+    choice: list[int]
+    mesh: tuple[int, int]
+    parallel_optimizer: bool
+    recompute: bool
+    step_time: float
+    compute: float
+    communication: float
+    memory: Memory
+    variables: int = 0
+    constraints: int = 0
+    solves: int = 0
+    folded: dict[str, int] = field(default_factory=dict)  # CellList -> layers solved as one
+    seconds: float = 0.0
+    tried: list[dict[str, Any]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """plan.json's record of the search (no timings: plans stay byte-identical)."""
+        return {"mesh": {"data": self.mesh[0], "model": self.mesh[1]},
+                "parallel_optimizer": self.parallel_optimizer, "recompute": self.recompute,
+                "predicted_step_time": _round(self.step_time),
+                "predicted_compute": _round(self.compute),
+                "predicted_communication": _round(self.communication),
+                "predicted_memory": self.memory.as_dict(),
+                "ilp": {"variables": self.variables, "constraints": self.constraints,
+                        "solves": self.solves, "folded_layers": dict(self.folded)},
+                "tried": self.tried}
+
+
+def _round(seconds: float) -> float:
+    return float(f"{seconds:.6g}")
+
+
+# -- folding of repeated layers -------------------------------------------------------------------
+
+_LAYER = re.compile(r"^(.*?-CellList)/(\d+)-[^/]+/")
+
+
+@dataclass
+class Folding:
+    rep: list[int]  # vertex -> its representative
+    mult: list[int]  # representative -> how many vertices it stands for (0: not a representative)
+    last: dict[int, int]  # representative group's last vertex -> layers (for recompute)
+    layer_of: list[bool]  # representative lies in a folded layer
+    folded: dict[str, int]
+
+
+def _fold_signature(v: Vertex) -> Any:
+    if v.configured and v.node is not None:
+        return ("configured", v.node.op, str(v.candidates[0].strategy))
+    return v.signature
+
+
+def _internal(cg: CostGraph, groups: dict[int, list[int]], pos: dict[int, tuple[int, int]],
+              g: int) -> list[tuple[int, int, int, int]]:
+    """The edges inside group `g`, by position: (src, src_out, dst, dst_in)."""
+    out = []
+    for vi in groups[g]:
+        for ei in cg.vertices[vi].out_edges:
+            e = cg.edges[ei]
+            if pos.get(e.dst, (-1, 0))[0] == g:
+                out.append((pos[vi][1], e.src_out, pos[e.dst][1], e.dst_in))
+    return sorted(out)
+
+
+def fold(cg: CostGraph) -> Folding:
+    """Representatives for the vertices of repeated layers (module docstring)."""
+    n = len(cg.vertices)
+    group_of: dict[int, tuple[str, int]] = {}
+    for v in cg.vertices:
+        if v.node is not None:
+            m = _LAYER.match(v.node.fullname)
+            if m:
+                group_of[v.index] = (m.group(1), int(m.group(2)))
+    for v in cg.vertices:  # a shared parameter's TmpIdentity joins its lead user's group
+        if v.kind == "param" and v.out_edges:
+            user = min(cg.edges[e].dst for e in v.out_edges)
+            if user in group_of:
+                group_of[v.index] = group_of[user]
+    families: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for vi in sorted(group_of, key=lambda i: (cg.vertices[i].topo, i)):
+        name, index = group_of[vi]
+        families[name][index].append(vi)
+    rep = list(range(n))
+    mult = [1] * n
+    last: dict[int, int] = {}
+    layer_of = [False] * n
+    folded: dict[str, int] = {}
+    for name, groups in families.items():
+        order = sorted(groups)
+        if len(order) < 2:
+            continue
+        lead = groups[order[0]]
+        sig = [_fold_signature(cg.vertices[i]) for i in lead]
+        pos = {vi: (g, k) for g in order for k, vi in enumerate(groups[g])}
+
+        shape = _internal(cg, groups, pos, order[0])
+        if any(len(groups[g]) != len(lead)
+               or [_fold_signature(cg.vertices[i]) for i in groups[g]] != sig
+               or _internal(cg, groups, pos, g) != shape for g in order[1:]):
+            continue
+        for g in order[1:]:
+            for k, vi in enumerate(groups[g]):
+                rep[vi] = lead[k]
+                mult[vi] = 0
+        for vi in lead:
+            mult[vi] = len(order)
+            layer_of[vi] = True
+        last[lead[-1]] = len(order)
+        folded[name] = len(order)
+    return Folding(rep, mult, last, layer_of, folded)
+
+
+# -- costs ----------------------------------------------------------------------------------------
+
+
+def mesh_aligned(cand: Candidate, mesh: tuple[int, int]) -> bool:
+    """Every split device axis of the candidate is a mesh axis or both together."""
+    d, m = mesh
+    allowed = {(1, d * m)}
+    if m > 1:
+        allowed.add((1, m))
+    if d > 1:
+        allowed.add((m, d))
+    for lay in (*cand.in_layouts, *cand.out_layouts):
+        if not layout_axes(lay) <= allowed:
+            return False
+    return True
+
+
+def meshes(devices: int) -> list[tuple[int, int]]:
+    """(data, model) factorisations; (1, n) is left out: it allows what (n, 1) allows."""
+    return [(devices // m, m) for m in range(1, devices) if devices % m == 0] or [(1, 1)]
+
+
+class Costs:
+    """Per-candidate seconds and memory, per-edge tables, cached."""
+
+    def __init__(self, cg: CostGraph, options: IlpOptions) -> None:
+        self.cg = cg
+        self.options = options
+        self._op: dict[Any, list[OpTime]] = {}
+        self._pair: dict[Any, float] = {}
+        self.owner = self._param_owners()
+
+    def _param_owners(self) -> dict[int, list[tuple[int, GraphParam]]]:
+        """Vertex -> (operand index, parameter) for the parameters it is the first user of."""
+        seen: set[int] = set()
+        out: dict[int, list[tuple[int, GraphParam]]] = defaultdict(list)
+        for v in sorted(self.cg.vertices, key=lambda v: (v.topo, v.index)):
+            if v.kind != "op" or v.node is None:
+                continue
+            for i, value in enumerate(v.node.operands):
+                param = stored_param(value)
+                if param is not None and id(param) not in seen:
+                    seen.add(id(param))
+                    out[v.index].append((i, param))
+        return out
+
+    def op_times(self, v: Vertex) -> list[OpTime]:
+        if v.kind != "op" or v.node is None:
+            return [OpTime()] * len(v.candidates)
+        key = (v.signature, "configured", v.index) if v.configured else v.signature
+        hit = self._op.get(key)
+        if hit is None:
+            hit = [op_time(v.node, c.sharding, self.cg.devices, self.options.profile,
+                           self.options.training) for c in v.candidates]
+            self._op[key] = hit
+        return hit
+
+    def memory(self, v: Vertex, k: int, popt: bool) -> Memory:
+        mem = Memory()
+        if v.kind != "op" or v.node is None:
+            return mem
+        opts = MemoryOptions(self.options.optimizer_states, popt, self.options.training)
+        cand = v.candidates[k]
+        tensor_index = _tensor_positions(v)
+        for i, param in self.owner.get(v.index, []):
+            j = tensor_index.get(i)
+            if j is not None and j < len(cand.in_layouts):
+                mem.add(param_memory(param, cand.in_layouts[j], opts))
+        if self.options.training and cand.out_layouts:
+            out = v.node.result.type
+            from pcompile.ir.types import TensorType
+
+            t = out if isinstance(out, TensorType) else next(
+                (e for e in getattr(out, "elements", ()) if isinstance(e, TensorType)), None)
+            if t is not None:
+                lay = cand.out_layouts[0]
+                mem.activations += float(np.prod(lay.slice_shape)) * t.dtype.itemsize
+        return mem
+
+    def update_time(self, mem: Memory) -> float:
+        """The optimizer step on this rank's parameter slices: read and write the weights,
+        gradients and states once (memory bound)."""
+        if not self.options.training:
+            return 0.0
+        moved = 2 * (mem.weights + mem.gradients + mem.optimizer)
+        return moved / self.options.profile.memory_bandwidth
+
+    def pair(self, e: Edge, ka: Any, la: TensorLayout, kb: Any, lb: TensorLayout) -> float:
+        if e.parameter:
+            return 0.0 if ka == kb else inf
+        if ka == kb:
+            return 0.0
+        key = (ka, kb, e.itemsize, e.is_bool)
+        hit = self._pair.get(key)
+        if hit is None:
+            from pcompile.passes.redistribution import plan_redistribution
+
+            if e.is_bool and plan_redistribution(la, lb, self.options.enable_alltoall
+                                                  ).communicates:
+                hit = inf
+            else:
+                hit = redistribution_time(la, lb, e.itemsize, self.options.profile,
+                                          self.options.training,
+                                          self.options.enable_alltoall).total
+            self._pair[key] = hit
+        return hit
+
+
+def _tensor_positions(v: Vertex) -> dict[int, int]:
+    """Operand index -> index among the op's tensor operands (what in_layouts follow)."""
+    from pcompile.ir.types import TensorType
+
+    assert v.node is not None
+    out, j = {}, 0
+    for i, value in enumerate(v.node.operands):
+        if isinstance(value.type, TensorType):
+            out[i] = j
+            j += 1
+    return out
+
+
+# -- the program ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Mapped:
+    edge: Edge  # an edge between representatives
+    weight: float
+
+
+def mapped_edges(cg: CostGraph, folding: Folding) -> list[_Mapped]:
+    acc: dict[tuple[int, int, int, int, bool], _Mapped] = {}
+    for e in cg.edges:
+        a, b = folding.rep[e.src], folding.rep[e.dst]
+        key = (a, e.src_out, b, e.dst_in, e.parameter)
+        hit = acc.get(key)
+        if hit is None:
+            acc[key] = _Mapped(Edge(-1, a, e.src_out, b, e.dst_in, e.itemsize, e.is_bool,
+                                    e.parameter, e.reshapes), 1.0)
+        else:
+            hit.weight += 1.0
+    return [acc[k] for k in sorted(acc)]
+
+
+@dataclass
+class _Solved:
+    choice: dict[int, int]
+    objective: float
+    variables: int
+    constraints: int
+
+
+def _solve_one(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Mapped],
+               allowed: dict[int, list[int]], popt: bool, recompute: bool,
+               budget: float | None, minimise_memory: bool = False) -> _Solved | None:
+    import highspy
+
+    reps = [v for v in cg.vertices if folding.mult[v.index] > 0]
+    col_cost: list[float] = []
+    col_int: list[bool] = []
+    xcol: dict[tuple[int, int], int] = {}
+    unary: dict[tuple[int, int], float] = defaultdict(float)
+    mem_coef: dict[tuple[int, int], float] = {}
+    banned: set[tuple[int, int]] = set()
+    # self edges (layer i -> layer i + 1 folded onto one representative): on the diagonal
+    for me in edges:
+        e = me.edge
+        if e.src != e.dst:
+            continue
+        v = cg.vertices[e.src]
+        for k in allowed[v.index]:
+            c = v.candidates[k]
+            t = costs.pair(e, c.out_keys[e.src_out], c.out_layouts[e.src_out],
+                           c.in_keys[e.dst_in], c.in_layouts[e.dst_in])
+            if isfinite(t):
+                unary[(v.index, k)] += me.weight * t
+            else:
+                banned.add((v.index, k))
+    for v in reps:
+        mult = folding.mult[v.index]
+        times = costs.op_times(v)
+        for k in allowed[v.index]:
+            if (v.index, k) in banned:
+                continue
+            op = times[k]
+            compute = op.compute * (4 / 3 if recompute and folding.layer_of[v.index] else 1)
+            mem = costs.memory(v, k, popt)
+            act_mult = 1 if recompute and folding.layer_of[v.index] else mult
+            total_mem = (mem.weights + mem.gradients + mem.optimizer) * mult \
+                + mem.activations * act_mult
+            if recompute and v.index in folding.last:
+                total_mem += mem.activations * (folding.last[v.index] - 1)
+            xcol[(v.index, k)] = len(col_cost)
+            seconds = mult * (compute + op.comm + costs.update_time(mem)) \
+                + unary.get((v.index, k), 0.0)
+            col_cost.append(total_mem if minimise_memory else seconds)
+            col_int.append(True)
+            mem_coef[(v.index, k)] = total_mem
+        if not any((v.index, k) in xcol for k in allowed[v.index]):
+            return None
+    rows: list[tuple[list[int], list[float], float, float]] = []
+    for v in reps:
+        cols = [xcol[(v.index, k)] for k in allowed[v.index] if (v.index, k) in xcol]
+        rows.append((cols, [1.0] * len(cols), 1.0, 1.0))
+    for me in edges:
+        e = me.edge
+        if e.src == e.dst:
+            continue
+        cls = cg.edge_classes(e)
+        src, dst = cg.vertices[e.src], cg.vertices[e.dst]
+        rs: dict[int, list[int]] = defaultdict(list)
+        qs: dict[int, list[int]] = defaultdict(list)
+        for k in allowed[src.index]:
+            if (src.index, k) in xcol:
+                rs[int(cls.src_rows[k])].append(xcol[(src.index, k)])
+        for k in allowed[dst.index]:
+            if (dst.index, k) in xcol:
+                qs[int(cls.dst_cols[k])].append(xcol[(dst.index, k)])
+        yr: dict[int, list[int]] = defaultdict(list)
+        yq: dict[int, list[int]] = defaultdict(list)
+        for r in sorted(rs):
+            ka, la = cls.src_reps[r]
+            for q in sorted(qs):
+                kb, lb = cls.dst_reps[q]
+                t = costs.pair(e, ka, la, kb, lb)
+                if not isfinite(t):
+                    continue
+                col = len(col_cost)
+                col_cost.append(0.0 if minimise_memory else me.weight * t)
+                col_int.append(False)
+                yr[r].append(col)
+                yq[q].append(col)
+        for r, xs in rs.items():
+            ys = yr.get(r, [])
+            rows.append((ys + xs, [1.0] * len(ys) + [-1.0] * len(xs), 0.0, 0.0))
+        for q, xs in qs.items():
+            ys = yq.get(q, [])
+            rows.append((ys + xs, [1.0] * len(ys) + [-1.0] * len(xs), 0.0, 0.0))
+    if budget is not None:
+        keys = sorted(mem_coef, key=lambda key: xcol[key])
+        rows.append(([xcol[c] for c in keys], [mem_coef[c] for c in keys], -inf, budget))
+    scale = 1e6 if not minimise_memory else 1e-6  # microseconds / megabytes
+    # the plain solver class: `highspy.Highs` adds Python callbacks and prints a banner to
+    # stdout, which would land in the middle of the compile's output
+    h = highspy._Highs()  # type: ignore[attr-defined]
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", 1)
+    h.setOptionValue("random_seed", 0)
+    h.setOptionValue("time_limit", 60.0)
+    h.setOptionValue("mip_rel_gap", 1e-9)
+    lp = highspy.HighsLp()
+    n = len(col_cost)
+    lp.num_col_ = n
+    lp.num_row_ = len(rows)
+    lp.col_cost_ = np.array(col_cost, dtype=np.float64) * scale
+    lp.col_lower_ = np.zeros(n)
+    lp.col_upper_ = np.ones(n)
+    lp.row_lower_ = np.array([r[2] for r in rows], dtype=np.float64)
+    lp.row_upper_ = np.array([r[3] for r in rows], dtype=np.float64)
+    starts, index, value = [0], [], []
+    for cols, vals, _, _ in rows:
+        index.extend(cols)
+        value.extend(vals)
+        starts.append(len(index))
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
+    lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
+    lp.a_matrix_.value_ = np.array(value, dtype=np.float64)
+    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+                       for i in col_int]
+    h.passModel(lp)
+    h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    x = h.getSolution().col_value
+    choice: dict[int, int] = {}
+    for (vi, k), col in xcol.items():
+        if x[col] > 0.5:
+            choice[vi] = k
+    return _Solved(choice, h.getInfo().objective_function_value / scale, n, len(rows))
+
+
+def evaluate(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Mapped],
+             choice: dict[int, int], popt: bool, recompute: bool
+             ) -> tuple[float, float, Memory]:
+    """(compute, communication, memory) of a representative choice."""
+    compute = comm = 0.0
+    memory = Memory()
+    for v in cg.vertices:
+        mult = folding.mult[v.index]
+        if mult == 0:
+            continue
+        k = choice[v.index]
+        t = costs.op_times(v)[k]
+        layer = recompute and folding.layer_of[v.index]
+        mem = costs.memory(v, k, popt)
+        compute += mult * (t.compute * (4 / 3 if layer else 1) + costs.update_time(mem))
+        comm += mult * t.comm
+        act = mem.activations * (1 if layer else mult)
+        if recompute and v.index in folding.last:
+            act += mem.activations * (folding.last[v.index] - 1)
+        memory.add(Memory(mem.weights, mem.gradients, mem.optimizer, 0.0), mult)
+        memory.activations += act
+    for me in edges:
+        e = me.edge
+        a, b = cg.vertices[e.src].candidates[choice[e.src]], \
+            cg.vertices[e.dst].candidates[choice[e.dst]]
+        comm += me.weight * costs.pair(e, a.out_keys[e.src_out], a.out_layouts[e.src_out],
+                                       b.in_keys[e.dst_in], b.in_layouts[e.dst_in])
+    return compute, comm, memory
+
+
+def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
+    """The fastest plan that fits (module docstring)."""
+    start = time.perf_counter()
+    folding = fold(cg)
+    costs = Costs(cg, options)
+    edges = mapped_edges(cg, folding)
+    best: IlpPlan | None = None
+    tried: list[dict[str, Any]] = []
+    solves = 0
+    configs = [(False, False), (True, False), (True, True)] if options.training \
+        else [(False, False)]
+    for mesh in meshes(cg.devices):
+        allowed: dict[int, list[int]] = {}
+        for v in cg.vertices:
+            ks = list(range(len(v.candidates)))
+            if folding.mult[v.index] == 0:
+                continue
+            if not v.configured and v.kind == "op":
+                aligned = [k for k in ks if mesh_aligned(v.candidates[k], mesh)]
+                ks = aligned or ks
+            allowed[v.index] = ks
+        for popt, recompute in configs:
+            solves += 1
+            solved = _solve_one(cg, costs, folding, edges, allowed, popt, recompute,
+                                options.memory)
+            if solved is None:
+                continue
+            compute, comm, memory = evaluate(cg, costs, folding, edges, solved.choice, popt,
+                                             recompute)
+            tried.append({"mesh": [mesh[0], mesh[1]], "parallel_optimizer": popt,
+                          "recompute": recompute, "predicted_step_time": _round(compute + comm)})
+            plan = IlpPlan(_unfold(cg, folding, solved.choice), mesh, popt, recompute,
+                           compute + comm, compute, comm, memory, solved.variables,
+                           solved.constraints)
+            if best is None or plan.step_time < best.step_time * (1 - 1e-9):
+                best = plan
+            break
+    if best is None:
+        raise IlpError(_no_fit(cg, costs, folding, edges, options))
+    best.solves = solves
+    best.folded = folding.folded
+    best.tried = tried
+    best.seconds = time.perf_counter() - start
+    return best
+
+
+def _unfold(cg: CostGraph, folding: Folding, choice: dict[int, int]) -> list[int]:
+    return [choice[folding.rep[v.index]] for v in cg.vertices]
+
+
+def _no_fit(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Mapped],
+            options: IlpOptions) -> str:
+    smallest = inf
+    # every candidate allowed (any mesh): the least memory any plan needs
+    allowed = {v.index: list(range(len(v.candidates))) for v in cg.vertices
+               if folding.mult[v.index] > 0}
+    solved = _solve_one(cg, costs, folding, edges, allowed, True, options.training, None,
+                        minimise_memory=True)
+    if solved is not None:
+        smallest = solved.objective
+    need = f"{smallest / 1e9:.2f} GB" if isfinite(smallest) else "more than any plan has"
+    return (f"ilp search: no plan of {cg.devices} devices fits {options.memory / 1e9:.2f} GB "
+            f"per device (the smallest plan, with the parallel optimizer and recompute, needs "
+            f"{need}); use more devices, a smaller batch or model, or a larger "
+            f"--device-memory")

@@ -1,0 +1,124 @@
+"""What every plan predicts of itself: step time, memory by kind and bytes, under the cost model
+in seconds (`time_model.py`) that `--search ilp` minimises.
+
+`predict(graph, devices, ...)` takes the forward graph after `step_parallel_begin` (every op
+laid out: a user strategy, a searched one or the semi-auto default) and evaluates that plan:
+the cost graph is built with every op configured to the strategy it got, so that hand-written,
+searched and default plans are costed by one function (`ilp.evaluate`, repeated layers folded
+as the search folds them). The result goes into plan.json (`prediction`) and `pcompile show`;
+a plan whose memory exceeds the device's is reported at compile time in one line, with what
+would make it fit (`fit_advice`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pcompile.ir.core import Graph
+from pcompile.ir.sharding import rule_for
+from pcompile.passes.search.cost_graph import CostGraph, _looked_through
+from pcompile.passes.search.cost_model import CostConstants
+from pcompile.passes.search.ilp import Costs, IlpOptions, evaluate, fold, mapped_edges
+from pcompile.passes.search.time_model import DeviceProfile, Memory
+
+
+@dataclass
+class Prediction:
+    profile: DeviceProfile
+    memory_capacity: float
+    compute: float
+    communication: float
+    comm_bytes: float
+    memory: Memory
+    parallel_optimizer: bool
+    recompute: bool
+
+    @property
+    def step_time(self) -> float:
+        return self.compute + self.communication
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.memory_capacity
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"device_profile": self.profile.name,
+                "device_memory": round(self.memory_capacity),
+                "step_time": float(f"{self.step_time:.6g}"),
+                "compute": float(f"{self.compute:.6g}"),
+                "communication": float(f"{self.communication:.6g}"),
+                "communication_bytes": round(self.comm_bytes),
+                "memory": self.memory.as_dict(),
+                "fits": self.fits,
+                "parallel_optimizer": self.parallel_optimizer,
+                "recompute": self.recompute}
+
+
+def predict(graph: Graph, devices: int, profile: DeviceProfile, memory_capacity: float, *,
+            training: bool, parallel_optimizer: bool, recompute: bool,
+            dataset_strategy: Any = None, enable_alltoall: bool = False,
+            optimizer_states: int = 2) -> Prediction:
+    """The plan's prediction (module docstring). Ops without a layout (no rule) are skipped."""
+    configured: dict[int, Any] = {}
+    for node in graph.nodes:
+        if node.parallel is None or rule_for(node.op) is None:
+            continue
+        if _looked_through(node, True):  # laid out as its input or its user: no vertex
+            continue
+        if node.attrs.get("in_strategy") is None and node.parallel.in_strategy is not None:
+            configured[id(node)] = node.parallel.in_strategy
+    constants = CostConstants(training=training, enable_alltoall=enable_alltoall)
+    cg = CostGraph(graph, devices, constants, dataset_strategy, False, configured,
+                   weight_casts=True)
+    options = IlpOptions(profile, memory_capacity, training, optimizer_states, enable_alltoall)
+    folding = fold(cg)
+    costs = Costs(cg, options)
+    edges = mapped_edges(cg, folding)
+    choice = {v.index: 0 for v in cg.vertices}
+    compute, comm, memory = evaluate(cg, costs, folding, edges, choice, parallel_optimizer,
+                                     recompute)
+    comm_bytes = _bytes(cg, costs, folding, edges, choice)
+    return Prediction(profile, memory_capacity, compute, comm, comm_bytes, memory,
+                      parallel_optimizer, recompute)
+
+
+def _bytes(cg: CostGraph, costs: Costs, folding: Any, edges: Any, choice: dict[int, int]
+           ) -> float:
+    from pcompile.passes.search.time_model import redistribution_time
+
+    total = 0.0
+    for v in cg.vertices:
+        mult = folding.mult[v.index]
+        if mult:
+            total += mult * costs.op_times(v)[choice[v.index]].comm_bytes
+    for me in edges:
+        e = me.edge
+        a = cg.vertices[e.src].candidates[choice[e.src]]
+        b = cg.vertices[e.dst].candidates[choice[e.dst]]
+        if e.parameter or a.out_keys[e.src_out] == b.in_keys[e.dst_in]:
+            continue
+        t = redistribution_time(a.out_layouts[e.src_out], b.in_layouts[e.dst_in], e.itemsize,
+                                costs.options.profile, costs.options.training,
+                                costs.options.enable_alltoall)
+        total += me.weight * t.comm_bytes
+    return total
+
+
+def fit_advice(p: Prediction, devices: int) -> str:
+    """One line for a plan predicted not to fit: its memory, the device's, and what would fit."""
+    m = p.memory
+    ways = []
+    if not p.parallel_optimizer and m.optimizer + m.gradients > 0:
+        ways.append("the parallel optimizer (enable_parallel_optimizer=True) shards the "
+                    f"{(m.optimizer + m.gradients + m.weights) / 1e9:.1f} GB of weights, "
+                    "gradients and optimizer states over their repeat groups")
+    if not p.recompute and m.activations > 0:
+        ways.append(f"recompute (Cell.recompute()) keeps less of the "
+                    f"{m.activations / 1e9:.1f} GB of activations")
+    ways.append(f"more than {devices} devices or `--search ilp`, which chooses a plan that fits")
+    return (f"the plan is predicted to need {m.total / 1e9:.2f} GB per device "
+            f"(weights {m.weights / 1e9:.2f}, gradients {m.gradients / 1e9:.2f}, optimizer "
+            f"{m.optimizer / 1e9:.2f}, activations {m.activations / 1e9:.2f}), more than the "
+            f"{p.memory_capacity / 1e9:.2f} GB of a {p.profile.name} device; "
+            + "; ".join(ways))
