@@ -27,7 +27,8 @@ from pcompile.compiler.progress import CompileProgress, log, run_monitor, setup_
 # out of the collector's sight first; the other exit handlers and file flushes run as usual.
 atexit.register(gc.freeze)
 
-SEARCH_MODES = ("sharding_propagation", "dynamic_programming", "recursive_programming")
+SEARCH_MODES = (
+    "sharding_propagation", "dynamic_programming", "recursive_programming", "ilp")
 PARALLEL_MODES = (
     "stand_alone",
     "data_parallel",
@@ -178,6 +179,14 @@ def _verbosity(function: Any) -> Any:
               metavar="DIR", help="With --run on JAX: also write the metrics (DIR/metrics.jsonl "
                                   "of --out) as TensorBoard event files into DIR (needs "
                                   "pcompile[tensorboard]).")
+@click.option("--device-profile", default=None, metavar="NAME|FILE",
+              help="The device the cost model in seconds describes (the ilp search and every "
+                   "plan's prediction): h100 (default), h200, cpu, or a JSON profile "
+                   "(docs/search.md).")
+@click.option("--device-memory", type=click.FloatRange(min=1, min_open=False), default=None,
+              metavar="BYTES",
+              help="Memory per device in bytes (default: the profile's); the ilp search fits "
+                   "its plan in it. Same as set_cost_model_context(device_memory_capacity=).")
 @_verbosity
 def compile_command(
     model: str,
@@ -207,6 +216,8 @@ def compile_command(
     matmul_precision: str,
     log_every: int,
     tensorboard: str | None,
+    device_profile: str | None,
+    device_memory: float | None,
     verbose: int,
     quiet: bool,
 ) -> None:
@@ -225,6 +236,10 @@ def compile_command(
         overrides["dataset_strategy"] = strategy
     if pipeline_stages is not None:
         overrides["pipeline_stages"] = pipeline_stages
+    if device_profile is not None:
+        overrides["device_profile"] = device_profile
+    if device_memory is not None:
+        overrides["device_memory_capacity"] = device_memory
     run_options = {"checkpoint_every": checkpoint_every, "resume": resume,
                    "processes": processes, "timeout": timeout,
                    "startup_timeout": startup_timeout, "heartbeat_timeout": heartbeat_timeout,
@@ -240,6 +255,8 @@ def compile_command(
                 from pcompile.compiler.outdir import resolve
 
                 resolve(out_dir)  # an unusable --out fails before the compile
+            if do_run and run_options["tensorboard"]:
+                _check_tensorboard(run_options["tensorboard"])
             if do_run:
                 _refuse_under_a_launcher()
 
@@ -343,13 +360,6 @@ def _check_run(state: Any, out_dir: str | None, options: dict[str, Any], held: A
         if platform == "gpu":  # too few GPUs: refused before anything is written or started
             assign_devices(options.get("processes") or state.devices, state.devices, gpus)
     launched = _launched(state, options) and options["backend"] == "jax"
-    if options.get("tensorboard"):
-        import importlib.util
-
-        from pcompile.backends.run_report import TENSORBOARD_MISSING
-
-        if importlib.util.find_spec("tensorboardX") is None:
-            raise PcompileError(TENSORBOARD_MISSING)
     if (options.get("resume") or options.get("checkpoint_every")
             or options.get("tensorboard")) and not launched:
         raise PcompileError("--resume, --checkpoint-every and --tensorboard need the JAX rank "
@@ -380,6 +390,20 @@ def _check_run(state: Any, out_dir: str | None, options: dict[str, Any], held: A
         options["resume_step"] = point.step
 
 
+def _check_tensorboard(folder: str) -> None:
+    """--tensorboard DIR, before the compile: tensorboardX installed, DIR a folder rank 0 can
+    create or write in (else one message now, not a rank's traceback after start-up)."""
+    import importlib.util
+
+    from pcompile.backends.run_report import TENSORBOARD_MISSING
+    from pcompile.compiler.outdir import check_writable_folder
+    from pcompile.ir.errors import PcompileError
+
+    check_writable_folder(folder, "--tensorboard")
+    if importlib.util.find_spec("tensorboardX") is None:
+        raise PcompileError(TENSORBOARD_MISSING)
+
+
 def _from_options(exc: BaseException) -> bool:
     tb = exc.__traceback__
     while tb is not None:
@@ -397,8 +421,30 @@ def _summary(program: Any, elapsed: float, quiet: bool = False) -> None:
         f"{'training step' if program.training else 'inference'}; {len(graph.nodes)} nodes, "
         f"{len(graph.params)} parameters, {elapsed:.3f} s"
     )
+    prediction = state.plan.get("prediction")
+    if prediction and not prediction["fits"]:
+        click.echo(f"warning: {prediction['advice']}", err=True)
     if quiet:
         return
+    if prediction:
+        m, p = prediction["memory"], prediction
+        click.echo(
+            f"predicted on {p['device_profile']}: step {p['step_time'] * 1e3:.3f} ms (compute "
+            f"{p['compute'] * 1e3:.3f}, communication {p['communication'] * 1e3:.3f}), "
+            f"{p['communication_bytes'] / 1e6:.1f} MB moved per rank; memory per rank "
+            f"{m['total'] / 1e9:.2f} GB (weights {m['weights'] / 1e9:.2f}, gradients "
+            f"{m['gradients'] / 1e9:.2f}, optimizer {m['optimizer'] / 1e9:.2f}, activations "
+            f"{m['activations'] / 1e9:.2f})")
+    search = state.plan.get("search") or {}
+    if search.get("mode") == "ilp":
+        ilp = search["ilp"]
+        click.echo(
+            f"search ilp: mesh data {search['mesh']['data']} x model {search['mesh']['model']}, "
+            f"parallel optimizer {'on' if search['parallel_optimizer'] else 'off'}, recompute "
+            f"{'on' if search['recompute'] else 'off'}; {ilp['solves']} solves of up to "
+            f"{ilp['variables']} variables, layers solved once: "
+            + (", ".join(f"{n} of {k.rsplit('/', 1)[-1]}" for k, n in ilp["folded_layers"].items())
+               or "none"))
     if state.pipelined:
         click.echo(state.pipeline.program.schedule.text())
     for name, seconds in program.timings:
@@ -628,6 +674,7 @@ def _train_here(program: Any, steps: int, backend: str, options: dict[str, Any],
     except NonFiniteLossError as exc:
         bad = str(exc)
     elapsed = time.perf_counter() - start
+    monitor.close()  # the bar's last state, then the summary under it
     log = _write_logs(program, lines, 1)
     if bad:
         _fail(bad)
@@ -730,6 +777,8 @@ def _train_simulated(program: Any, steps: int, fail_on_nan: bool = True,
         if fail_on_nan and not np.isfinite(float(loss)):
             bad = _nonfinite(float(loss), k + 1, epoch, step)
             break
+    if monitor is not None:
+        monitor.close()
     if _write_logs(program, lines, program.state.devices):
         click.echo(f"{len(lines)} steps on the numpy simulator; logs: "
                    f"{program.out_dir}/rank_*/train.log")
@@ -775,8 +824,9 @@ def _guard(function: Any) -> Any:
               help="Write each layout grid drawn as DIR/show/<tensor>.svg (an op's inputs "
                    "as DIR/show/<scope>.<instance>_input_<i>.svg).")
 @click.option("--width", type=click.IntRange(40), default=None, metavar="COLUMNS",
-              help="Lay the tables out for this many columns (default: the terminal's, "
-                   "160 when not a terminal).")
+              help="Lay the tables out for this many columns (default: the terminal's; "
+                   "piped, COLUMNS, else the width of the terminal on stderr or stdin, else "
+                   "160).")
 @_verbosity
 @_guard
 def show_command(out_dir: str, rank: int | None, op: str | None, tensors: tuple[str, ...],

@@ -37,6 +37,7 @@ from pcompile.compiler.model_file import load_model_file
 from pcompile.compiler.nn.pipeline import PipelineCell
 from pcompile.compiler.pass_options import cost_constants, fusion_config, search_options
 from pcompile.compiler.pinned_plan import PinnedSearchPass
+from pcompile.compiler.search_context import set_cost_model_context
 from pcompile.ir.core import Graph, Node
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.printer import GraphText
@@ -164,6 +165,10 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
     reset_context()  # a model file's set_context does not leak into the next compile
     mf = load_model_file(model_path)
     flags: dict[str, Any] = dict(overrides or {})
+    cost_model = {k: flags.pop(k) for k in ("device_profile", "device_memory_capacity")
+                  if k in flags}
+    if cost_model:  # the command line's --device-profile / --device-memory win
+        set_cost_model_context(**cost_model)
     if devices is not None:
         flags["device_num"] = devices
     if search_mode is not None:
