@@ -1,0 +1,227 @@
+"""`--search ilp` (passes/search/ilp.py) and the cost model in seconds (time_model.py):
+
+* exact: on random small graphs the solver's plan costs what brute-force enumeration of the
+  same candidates finds, on every mesh;
+* within the memory: a budget between the least memory and the free optimum's is respected;
+* valid: the plan is accepted by step_parallel_begin and computes what the single-device
+  graph computes (float64);
+* folding repeated layers changes nothing: Llama's layers solved once give the same step time
+  as all layers solved together, and every layer gets the same strategies;
+* every plan's prediction (predict.py) of a searched plan is the search's own;
+* device profiles: built-in, from a file, and one clear message for a bad one."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from math import prod
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from pcompile.passes.search import ilp as ilp_module
+from pcompile.passes.search.cost_graph import CostGraph
+from pcompile.passes.search.cost_model import CostConstants
+from pcompile.passes.search.ilp import (
+    Costs,
+    IlpError,
+    IlpOptions,
+    evaluate,
+    fold,
+    mapped_edges,
+    mesh_aligned,
+    meshes,
+    solve,
+)
+from pcompile.passes.search.time_model import (
+    PROFILES,
+    ProfileError,
+    all_reduce_time,
+    load_profile,
+    profile_from_dict,
+)
+from tests import ROOT
+from tests.passes.test_search_random import check_plan, random_graphs
+
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+H100 = PROFILES["h100"]
+
+
+def _graph(graph: Any, devices: int) -> CostGraph:
+    return CostGraph(graph, devices, CostConstants(), "full_batch", False, None,
+                     weight_casts=True)
+
+
+def _brute(cg: CostGraph, options: IlpOptions, budget: float) -> float:
+    """The least step time over every mesh-aligned assignment within `budget` (no parallel
+    optimizer, no recompute: the first configuration the search tries)."""
+    folding = fold(cg)
+    costs = Costs(cg, options)
+    edges = mapped_edges(cg, folding)
+    best = float("inf")
+    for mesh in meshes(cg.devices):
+        allowed = []
+        for v in cg.vertices:
+            ks = list(range(len(v.candidates)))
+            if not v.configured and v.kind == "op":
+                ks = [k for k in ks if mesh_aligned(v.candidates[k], mesh)] or ks
+            allowed.append(ks)
+        assume(prod(len(a) for a in allowed) <= 3000)
+        for combo in itertools.product(*allowed):
+            choice = dict(enumerate(combo))
+            compute, comm, memory = evaluate(cg, costs, folding, edges, choice, False, False)
+            if memory.total <= budget and compute + comm < best:
+                best = compute + comm
+    return best
+
+
+@SETTINGS
+@given(random_graphs(max_ops=5, dims=(2, 4, 8)), st.sampled_from([2, 4]))
+def test_the_plan_is_the_brute_force_optimum(graph, devices) -> None:
+    cg = _graph(graph, devices)
+    options = IlpOptions(H100, 1e12)
+    best = _brute(cg, options, options.memory)
+    plan = solve(cg, options)
+    assert plan.step_time == pytest.approx(best, rel=1e-7, abs=1e-12)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(random_graphs(max_ops=5, dims=(4, 8)), st.sampled_from([2, 4]))
+def test_the_plan_fits_the_memory(graph, devices) -> None:
+    cg = _graph(graph, devices)
+    free = solve(cg, IlpOptions(H100, 1e12))
+    budget = free.memory.total * 0.75
+    try:
+        bounded = solve(cg, IlpOptions(H100, budget))
+    except IlpError as exc:
+        assert "no plan of" in str(exc) and "GB per device" in str(exc)
+        return
+    assert bounded.memory.total <= budget * (1 + 1e-9)
+    assert bounded.step_time >= free.step_time * (1 - 1e-9)
+
+
+@SETTINGS
+@given(random_graphs(), st.sampled_from([2, 4, 8]))
+def test_ilp_plans_compute_the_single_device_result(graph, devices) -> None:
+    check_plan(graph, devices, "ilp")
+
+
+def test_no_plan_fits_is_one_message() -> None:
+    from pcompile.ir.builder import Builder
+    from pcompile.ir.core import Graph, GraphParam
+    from pcompile.ir.types import DType, TensorType
+
+    graph = Graph("g")
+    x = graph.add_param(GraphParam(TensorType(DType.float32, (8, 64)), "x"))
+    w = graph.add_param(GraphParam(TensorType(DType.float32, (64, 64)), "w", "weight", True))
+    graph.outputs = [Builder(graph).emit("MatMul", [x, w], instance_name="mm")]
+    with pytest.raises(IlpError, match=r"no plan of 2 devices fits 0\.00 GB per device \(the "
+                                       r"smallest plan.*needs 0\.00 GB\)"):
+        solve(_graph(graph, 2), IlpOptions(H100, 100.0))
+
+
+def _llama_forward(monkeypatch: Any, **env: str) -> Any:
+    from pcompile.compiler.driver import compile as compile_program
+
+    for name in [n for n in os.environ if n.startswith("LLAMA_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("LLAMA_STRATEGIES", "none")
+    for k, v in env.items():
+        monkeypatch.setenv(f"LLAMA_{k}", v)
+    return compile_program(os.path.join(ROOT, "examples", "llama.py"), devices=8,
+                           search_mode="ilp", dump=False)
+
+
+def test_folded_layers_solve_like_all_layers(monkeypatch: Any) -> None:
+    program = _llama_forward(monkeypatch, LAYERS="3", HIDDEN="128", FFN="256", SEQ="32")
+    state = program.state
+    search = state.plan["search"]
+    assert search["ilp"]["folded_layers"] == {
+        "Default/network-LlamaForCausalLM/model-LlamaModel/layers-CellList": 3}
+    # every layer got the strategies of layer 0
+    by_layer: dict[str, list[Any]] = {}
+    for name, op in search["ops"].items():
+        if "/layers-CellList/" in name:
+            layer = name.split("/layers-CellList/")[1].split("/", 1)
+            by_layer.setdefault(layer[0], []).append(op["strategy"])
+    assert len(by_layer) == 3 and len({json.dumps(s) for s in by_layer.values()}) == 1
+    # the same search with folding turned off: the same step time
+    cg = state.search.cost_graph
+    options = IlpOptions(H100, H100.memory)
+    folded = solve(cg, options)
+    monkeypatch.setattr(ilp_module, "fold", _no_fold)
+    unfolded = solve(cg, options)
+    assert folded.step_time == pytest.approx(unfolded.step_time, rel=1e-9)
+    assert unfolded.folded == {}
+    # the plan's prediction (every plan's, predict.py) is the search's own
+    assert state.plan["prediction"]["step_time"] == pytest.approx(
+        search["predicted_step_time"], rel=1e-5)
+    assert state.plan["prediction"]["memory"] == search["predicted_memory"]
+
+
+def _no_fold(cg: CostGraph) -> ilp_module.Folding:
+    n = len(cg.vertices)
+    return ilp_module.Folding(list(range(n)), [1] * n, {}, [False] * n, {})
+
+
+@pytest.mark.slow
+def test_a_memory_budget_makes_the_search_split_the_weights(monkeypatch: Any) -> None:
+    """Unbounded, a small Llama on 8 H100s is fastest replicated (latency beats bytes); with
+    less memory than its replicated weights and states the search splits them, and the
+    prediction says it fits."""
+    from pcompile.compiler.search_context import reset_cost_model_context
+
+    env = {"LAYERS": "2", "HIDDEN": "256", "FFN": "512", "VOCAB": "1024", "SEQ": "64",
+           "BATCH": "2"}
+    free = _llama_forward(monkeypatch, **env).state.plan
+    budget = free["prediction"]["memory"]["total"] * 0.5
+    from pcompile.compiler.driver import compile as compile_program
+
+    try:
+        program = compile_program(os.path.join(ROOT, "examples", "llama.py"), devices=8,
+                                  search_mode="ilp", dump=False,
+                                  overrides={"device_memory_capacity": budget})
+    finally:
+        reset_cost_model_context()
+    bounded = program.state.plan
+    assert bounded["prediction"]["fits"] and bounded["prediction"]["memory"]["total"] <= budget
+    assert bounded["prediction"]["memory"]["weights"] < free["prediction"]["memory"]["weights"]
+
+
+def test_collective_times_follow_the_links() -> None:
+    nb = 1e9
+    inside = all_reduce_time(nb, 8, H100.link(8))
+    across = all_reduce_time(nb, 8, H100.link(64))
+    assert inside < across
+    assert inside == pytest.approx(2 * 7 * H100.intra.latency + 2 * 7 / 8 * nb
+                                   / H100.intra.bandwidth)
+    assert all_reduce_time(nb, 1, H100.intra) == 0.0
+
+
+def test_profiles_built_in_and_from_a_file(tmp_path: Any) -> None:
+    assert load_profile("h200").memory > load_profile("h100").memory
+    path = tmp_path / "cluster.json"
+    data = PROFILES["h100"].as_dict() | {"name": "mine", "memory": 40e9}
+    path.write_text(json.dumps(data))
+    mine = load_profile(str(path))
+    assert mine.memory == 40e9 and mine.name == "mine" and mine.intra == H100.intra
+    with pytest.raises(ProfileError, match="neither a built-in profile"):
+        load_profile(str(tmp_path / "missing.json"))
+    bad = dict(data, intra_node={"bandwidth": -1, "latency": 1e-6})
+    with pytest.raises(ProfileError, match="intra_node: 'bandwidth' must be a positive"):
+        profile_from_dict(bad)
+    with pytest.raises(ProfileError, match="'node_size' must be a positive integer"):
+        profile_from_dict(dict(data, node_size=0))
+
+
+def test_an_unknown_profile_is_refused_where_it_is_set() -> None:
+    from pcompile.compiler.search_context import reset_cost_model_context, set_cost_model_context
+
+    try:
+        with pytest.raises(ValueError, match="device profile 'nope' is neither a built-in"):
+            set_cost_model_context(device_profile="nope")
+    finally:
+        reset_cost_model_context()
