@@ -50,6 +50,7 @@ import secrets
 import shutil
 import struct
 import sys
+import tempfile
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -206,6 +207,24 @@ def resolve(out_dir: str) -> str:
     if not os.path.isdir(existing):
         raise PcompileError(f"--out {out_dir!r}: {existing} is a file, not a folder")
     return path
+
+
+def check_writable_folder(folder: str, flag: str) -> None:
+    """A folder a run will create or write into (`--tensorboard DIR`): one PcompileError now
+    when it cannot (a file in the way, no permission, a read-only file system). It creates and
+    removes a folder in DIR, or in the nearest folder above it that exists; nothing stays."""
+    path = os.path.realpath(os.path.expanduser(folder))
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise PcompileError(f"{flag} {folder}: {existing} is a file, not a folder; give a "
+                            "folder the run can create or write in")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".pcompile-probe-", dir=existing))
+    except OSError as exc:
+        raise _os_error(f"write {flag} {folder}: no folder can be made in", existing,
+                        exc) from None
 
 
 def _beside(out: str, kind: str) -> str:

@@ -6,10 +6,13 @@
 * Warnings once: a message logged again (e.g. by each rank's graph of a hybrid compile) is
   dropped (`OnceFilter`); Python warnings go through the same handler.
 * Compiles: `CompileProgress` is the driver's `on_event` hook (pass by pass, the outputs
-  written, elapsed time). Runs: `LossMonitor` prints every K-th loss line (MindSpore's
-  `LossMonitor(per_print_times)`) and logs the step rate and the time left;
-  `run_monitor` gives a `RichLossMonitor` instead when stdout is a terminal (a rich progress
-  bar under the printed lines).
+  written, elapsed time). Runs: one display of the steps, chosen by `run_monitor`. On a
+  terminal (stderr, where progress goes, and progress not silenced by `-q`) a
+  `RichLossMonitor`: one rich progress bar (steps done, last loss, step rate, elapsed time,
+  time left) with the printed loss lines and log messages scrolling above it, and no other
+  line per step. Elsewhere a `LossMonitor`: every K-th loss line (MindSpore's
+  `LossMonitor(per_print_times)`) and, at INFO (`-v`), a line with the step rate and the time
+  left.
 """
 
 from __future__ import annotations
@@ -123,74 +126,99 @@ class LossMonitor:
         if self.first is None:  # the first step compiles: measure the rate from the next
             self.first = self.seen
             self.start = now
-        if self.seen % self.per_print == 0 or self.seen >= self.steps:
+        rate = (self.seen - self.first) / (now - self.start) if now > self.start else 0.0
+        printed = self.seen % self.per_print == 0 or self.seen >= self.steps
+        if printed:
             self.echo(line)
-            rate = (self.seen - self.first) / (now - self.start) if now > self.start else 0.0
-            if rate > 0:
-                left = max(0, self.steps - self.seen) / rate
-                log.info("step %d/%d, %.2f steps/s, about %s left", self.seen, self.steps, rate,
-                         _duration(left))
-            else:
-                log.info("step %d/%d", self.seen, self.steps)
+        self.progress(line, rate, printed)
 
+    def progress(self, line: str, rate: float, printed: bool) -> None:
+        """The step rate and the time left, logged (INFO) with each printed loss line."""
+        if not printed:
+            return
+        if rate > 0:
+            left = max(0, self.steps - self.seen) / rate
+            log.info("step %d/%d, %.2f steps/s, about %s left", self.seen, self.steps, rate,
+                     _duration(left))
+        else:
+            log.info("step %d/%d", self.seen, self.steps)
 
     def close(self) -> None:
         """Nothing to undo (a RichLossMonitor stops its bar)."""
 
 
 class RichLossMonitor(LossMonitor):
-    """A LossMonitor for a terminal: the lines it prints scroll above a rich progress bar
-    (steps done of all, the last loss, elapsed time and time left), which starts with the first
-    loss line and stays on the screen when the run ends."""
+    """A LossMonitor for a terminal, and the only display of the steps there: one rich progress
+    bar on `console` (default stderr: steps done of all, the last loss, the step rate, elapsed
+    time and time left), redrawn at every step, no log line per step. The loss lines it prints
+    (through `echo`, default the console) and the messages logged meanwhile scroll above the
+    bar, which starts with the first loss line and stays on the screen when the run ends."""
 
     def __init__(self, steps: int, per_print: int = 1, done: int = 0,
-                 console: Any = None) -> None:
+                 console: Any = None, echo: Callable[[str], None] | None = None) -> None:
         from rich.console import Console
 
-        self.console = console or Console(highlight=False)
-        super().__init__(steps, per_print, self._print, done)
-        self.progress: Any = None
+        self.console = console or Console(stderr=True, highlight=False)
+        super().__init__(steps, per_print, echo or self._print, done)
+        self.bar: Any = None
         self.task: Any = None
+        self.streams: list[tuple[logging.StreamHandler[Any], Any]] = []
 
     def _print(self, line: str) -> None:
         self.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
-    def __call__(self, line: str) -> None:
-        super().__call__(line)
-        if not LOSS_LINE.match(line):
-            return
-        if self.progress is None:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-                TimeRemainingColumn,
-            )
+    def progress(self, line: str, rate: float, printed: bool) -> None:
+        if self.bar is None:
+            self._start()
+        self.bar.update(self.task, completed=min(self.seen, self.steps),
+                        loss=line.rpartition(" ")[2],
+                        rate=f"{rate:.2f} steps/s" if rate > 0 else "", refresh=True)
 
-            self.progress = Progress(
-                TextColumn("step"), MofNCompleteColumn(), BarColumn(),
-                TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(),
-                TextColumn("left"), TimeRemainingColumn(), console=self.console)
-            self.progress.start()
-            self.task = self.progress.add_task("train", total=self.steps,
-                                               completed=self.seen - 1, loss="")
-        self.progress.update(self.task, completed=min(self.seen, self.steps),
-                             loss=line.rpartition(" ")[2])
+    def _start(self) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.bar = Progress(
+            TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+            console=self.console, redirect_stdout=self.echo == self._print)
+        self.bar.start()
+        self.task = self.bar.add_task("train", total=self.steps, completed=self.seen - 1,
+                                      loss="", rate="")
+        # Messages logged while the bar is up go through rich's proxy of stderr (set by
+        # start()), which prints them above the bar instead of into it.
+        for handler in log.handlers + logging.getLogger("py.warnings").handlers:
+            if (isinstance(handler, logging.StreamHandler) and _isatty(handler.stream)
+                    and handler.stream is not sys.stderr
+                    and all(handler is not h for h, _ in self.streams)):
+                self.streams.append((handler, handler.stream))
+                handler.setStream(sys.stderr)
 
     def close(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-            self.progress = None
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+        for handler, stream in self.streams:
+            handler.setStream(stream)
+        self.streams = []
 
 
 def run_monitor(steps: int, per_print: int = 1, echo: Callable[[str], None] = print,
-                done: int = 0, stream: Any = None) -> LossMonitor:
-    """A progress bar (RichLossMonitor) when `stream` (stdout) is a terminal, else plain
-    lines through `echo` (LossMonitor)."""
-    if _isatty(stream or sys.stdout):
-        return RichLossMonitor(steps, per_print, done)
+                done: int = 0, stream: Any = None, err: Any = None) -> LossMonitor:
+    """The one display of a run's steps. A terminal on stderr `err`, with progress shown (not
+    `-q`): a RichLossMonitor, its bar on stderr, the loss lines above it (through `echo` when
+    stdout `stream` is not a terminal: a file or a pipe gets plain lines). Else plain lines
+    through `echo` (LossMonitor), the step rate logged at INFO (`-v`)."""
+    if _isatty(err or sys.stderr) and log.isEnabledFor(logging.INFO):
+        return RichLossMonitor(steps, per_print, done,
+                               echo=None if _isatty(stream or sys.stdout) else echo)
     return LossMonitor(steps, per_print, echo, done)
 
 

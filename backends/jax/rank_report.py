@@ -68,6 +68,9 @@ class RankReport:
                 self.board = run_report.tensorboard_writer(tensorboard)
             except RuntimeError as exc:
                 raise RankError(str(exc)) from None
+            except OSError as exc:  # a rank program started by hand: nobody checked it before
+                raise RankError(f"--tensorboard {tensorboard}: cannot write there: "
+                                f"{exc.strerror or exc}") from None
         if self.path is not None:
             from pcompile.backends.atomic_files import atomic_write_text
 

@@ -137,3 +137,65 @@ def test_only_process_zero_prints_losses(tmp_path) -> None:
     zero, one = job("--all-ranks")
     assert len([line for line in one.splitlines() if line.startswith("[rank 1] epoch: ")]) == 4
     assert not any(line.startswith("[rank") for line in zero.splitlines())
+
+
+def test_a_terminal_gets_one_display_of_the_steps(monkeypatch) -> None:
+    """On a terminal the bar is the only per-step display: no `step k/N` log lines beside it
+    (they glued to the bar and repeated steps); it shows each step as it is reached; messages
+    logged meanwhile go above it; -q or a stderr that is no terminal get plain lines."""
+    from rich.console import Console
+
+    from pcompile.compiler.progress import RichLossMonitor, run_monitor
+
+    logged = _Tty()
+    setup_logging(0, False, logged)  # a terminal: INFO
+    assert type(run_monitor(3, 1, print, stream=_Tty(), err=_Tty())) is RichLossMonitor
+    assert type(run_monitor(3, 1, print, stream=io.StringIO(), err=_Tty())) is RichLossMonitor
+    assert type(run_monitor(3, 1, print, stream=_Tty(), err=io.StringIO())) is LossMonitor
+    setup_logging(0, True, logged)  # -q
+    assert type(run_monitor(3, 1, print, stream=_Tty(), err=_Tty())) is LossMonitor
+
+    setup_logging(0, False, logged)
+    screen = io.StringIO()
+    bar = RichLossMonitor(20, 1, console=Console(file=screen, force_terminal=True, width=80))
+    for step in range(1, 21):
+        bar(f"epoch: 1 step: {step}, loss is 0.{step}")
+        assert f"{step}/20" in screen.getvalue()  # drawn now, not at the next refresh
+        if step == 10:
+            log.warning("a message in the middle of the run")
+    bar.close()
+    text = screen.getvalue()
+    assert "a message in the middle of the run" in text
+    assert len(re.findall(r"epoch: 1 step: \d+, loss is", text)) == 20
+    assert "pcompile: step" not in logged.getvalue() + text
+    assert "a message" not in logged.getvalue()  # above the bar, not into it
+    log.warning("after the run")
+    assert "after the run" in logged.getvalue()  # the handler writes to its stream again
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_a_run_on_a_terminal_prints_each_step_once(tmp_path) -> None:
+    """`pcompile --run --steps 20` on an 80-column terminal: the 20 loss lines and one bar, no
+    per-step stderr line (it was 102 lines, the bar glued to `pcompile: step k/20` lines)."""
+    primary, secondary = os.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pcompile", QUICKSTART, "--devices", "1", "--no-check",
+         "--out", str(tmp_path / "out"), "--run", "--steps", "20"],
+        stdin=secondary, stdout=secondary, stderr=secondary, cwd=str(tmp_path),
+        env=clean_env(COLUMNS="80", LINES="40", TERM="xterm"))
+    os.close(secondary)
+    screen = b""
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:  # the terminal closed: the process is done
+            break
+        if not chunk:
+            break
+        screen += chunk
+    os.close(primary)
+    assert proc.wait(timeout=300) == 0, screen.decode(errors="replace")
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.decode(errors="replace"))
+    assert "pcompile: step" not in text, text
+    assert len(re.findall(r"epoch: \d+ step: \d+, loss is", text)) == 20, text
+    assert "20/20" in text and text.index("20/20") < text.index("20 steps in"), text

@@ -414,3 +414,24 @@ def test_an_output_folder_is_neither_tracked_by_git_nor_linted_by_ruff(tmp_path)
                            capture_output=True, text=True).stdout
     assert "model.py" in files and "my_out" not in files, files
     assert ".gitignore" in json.loads((out / MANIFEST).read_text())["files"]
+
+
+def test_an_unwritable_tensorboard_folder_is_one_message_before_the_compile(shared_tmp) -> None:
+    """It was a traceback from rank 0 after start-up (or, without tensorboardX, a message after
+    the compile): now one message before anything is compiled or written."""
+    out = os.path.join(shared_tmp, "out")
+    blocker = os.path.join(shared_tmp, "a_file")
+    open(blocker, "w").close()
+    code, output = run_cli([QUICKSTART, "--devices", "1", "--no-check", "--out", out, "--run",
+                            "--tensorboard", os.path.join(blocker, "tb")])
+    assert code == 1 and "--tensorboard" in output and "is a file, not a folder" in output
+    assert "compiled " not in output and not os.path.exists(out)
+    readonly = os.path.join(shared_tmp, "readonly")
+    os.mkdir(readonly, 0o555)
+    os.chmod(readonly, 0o555)
+    proc = _cli(["--out", out, "--run", "--tensorboard", os.path.join(readonly, "tb")],
+                unprivileged=True)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "--tensorboard" in proc.stderr and "Permission denied" in proc.stderr
+    assert "compiled " not in proc.stdout and not os.path.exists(out)
+    assert os.listdir(readonly) == []
