@@ -255,8 +255,8 @@ def compile_command(
                 from pcompile.compiler.outdir import resolve
 
                 resolve(out_dir)  # an unusable --out fails before the compile
-            if do_run and run_options["tensorboard"]:
-                _check_tensorboard(run_options["tensorboard"])
+            if do_run and tensorboard:
+                _check_tensorboard(os.path.abspath(tensorboard))
             if do_run:
                 _refuse_under_a_launcher()
 
