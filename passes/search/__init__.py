@@ -182,7 +182,7 @@ def search(
             info = propagation_explanation(cg, v, choice, decision[v.index],
                                            via[v.index])
         elif ilp:
-            info = plain_explanation(cg, v, choice, "ilp")
+            info = plan.explain(cg, v)
         elif v.index in decision:
             info = plain_explanation(cg, v, choice, "first candidate (not reached)")
         else:
@@ -192,7 +192,8 @@ def search(
         if id(node) in loaded:
             info["via"] = "strategy checkpoint"
         result.explain[id(node)] = info
-    result.objective = cg.total(choice)
+    # ilp: the predicted step time (seconds); the others: MindSpore's objective
+    result.objective = plan.step_time if ilp else cg.total(choice)
     result.reshape_layouts = reshape_chain_layouts(graph, cg, choice)
     result.seconds = time.perf_counter() - start
     return result

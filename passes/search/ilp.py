@@ -91,6 +91,26 @@ class IlpPlan:
     folded: dict[str, int] = field(default_factory=dict)  # CellList -> layers solved as one
     seconds: float = 0.0
     tried: list[dict[str, Any]] = field(default_factory=list)
+    costs: Costs | None = None
+
+    def explain(self, cg: CostGraph, v: Vertex) -> dict[str, Any]:
+        """One searched op's record (plan.json `search.ops`, the dump's annotation): its
+        seconds (compute, communication) and those of the redistributions into it."""
+        assert self.costs is not None
+        k = self.choice[v.index]
+        t = self.costs.op_times(v)[k]
+        edges = 0.0
+        for ei in v.in_edges:
+            e = cg.edges[ei]
+            a = cg.vertices[e.src].candidates[self.choice[e.src]]
+            b = v.candidates[k]
+            edges += self.costs.pair(e, a.out_keys[e.src_out], a.out_layouts[e.src_out],
+                                     b.in_keys[e.dst_in], b.in_layouts[e.dst_in])
+        return {"strategy": v.candidates[k].strategy,
+                "cost": {"compute": _round(t.compute), "communication": _round(t.comm),
+                         "objective": _round(t.total)},
+                "redistribution": {"objective": _round(edges)},
+                "candidates": len(v.candidates), "decided_by": "ilp"}
 
     def summary(self) -> dict[str, Any]:
         """plan.json's record of the search (no timings: plans stay byte-identical)."""
@@ -541,6 +561,7 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
     if best is None:
         raise IlpError(_no_fit(cg, costs, folding, edges, options))
     best.solves = solves
+    best.costs = costs
     best.folded = folding.folded
     best.tried = tried
     best.seconds = time.perf_counter() - start
