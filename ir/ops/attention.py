@@ -613,6 +613,8 @@ sparse_mode=0)`, called as MindSpore calls it:
 ```python
 import math
 
+from pcompile import nn, ops
+
 n_head, head_dim, dp, mp = 8, 64, 2, 4
 
 

@@ -14,10 +14,10 @@ is extracted and run. The rule (also in README.md, "Docs are tested"):
 * Not run: `pip install`, `ruff`, `mypy` and `python -m pytest` (what CI runs), and any line
   carrying the visible marker "(not run by the doc test: <reason>)".
 * Commands that train (`--run`, a rank program, `pcompile-merge`) run in the slow test.
-* A ```python block runs with `import numpy as np` and `from pcompile import *` done; the blocks
-  of one file share a namespace, in order. A block that defines `model()` and `inputs()` is a
-  model file: it is written to a file and compiled with `pcompile FILE --devices 8 --search
-  sharding_propagation`.
+* A ```python block runs as written, with the imports it shows and nothing else (a reader
+  copies it); the blocks of one file share a namespace, in order, as the page is read. A block
+  that defines `model()` and `inputs()` is a model file: it is written to a file as it is and
+  compiled with `pcompile FILE --devices 8 --search sharding_propagation`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ FENCE = re.compile(r"^ *```(\w*)[^\n]*\n(.*?)^ *```", re.M | re.S)
 NOT_RUN = "(not run by the doc test:"
 CLUSTER = ("mpirun", "srun", "torchrun", "msrun")
 SETUP = (("pip",), ("ruff",), ("mypy",), ("python", "-m", "pytest"))
-PREAMBLE = "import numpy as np\nfrom pcompile import *  # noqa: F403\n"
 
 
 @dataclass
@@ -317,7 +316,6 @@ def test_python_blocks(scratch: str) -> None:
         from pcompile.compiler.context import reset_auto_parallel_context, reset_context
 
         namespace: dict = {"__name__": "__doc__"}
-        exec(PREAMBLE, namespace)
         for block in found:
             defines = re.search(r"^def model\(", block.text, re.M) and re.search(
                 r"^def inputs\(", block.text, re.M)
@@ -325,7 +323,7 @@ def test_python_blocks(scratch: str) -> None:
                 models += 1
                 model = os.path.join(scratch, f"doc_model_{models}.py")
                 with open(model, "w", encoding="utf-8") as f:
-                    f.write(PREAMBLE + block.text)
+                    f.write(block.text)
                 result = CliRunner().invoke(main, [model, "--devices", "8", "--search",
                                                    "sharding_propagation", "--out",
                                                    f"doc_model_{models}"])
