@@ -565,11 +565,9 @@ def record_prediction(unit: CompileUnit) -> None:
     assert unit.graph is not None
     profile = load_profile(unit.options.device_profile)
     memory = unit.options.device_memory
-    if unit.search is not None and unit.search.ilp is not None:
-        popt, recompute = (bool(unit.search.ilp["parallel_optimizer"]),
-                           bool(unit.search.ilp["recompute"]))
-    else:
-        popt, recompute = unit.options.optimizer_shard.enabled, marked(unit.graph)
+    # what the compiled program does (an ilp plan that assumed the parallel optimizer or
+    # recompute the program does not switch on is predicted without them, and says so)
+    popt, recompute = unit.options.optimizer_shard.enabled, marked(unit.graph)
     pred = predict(unit.graph, unit.stage_devices, profile,
                    memory if memory is not None else profile.memory,
                    training=unit.training, parallel_optimizer=popt, recompute=recompute,
