@@ -179,3 +179,28 @@ def test_an_impossible_shard_size_is_one_message(tmp_path, capsys, text: str) ->
     assert err.startswith("pcompile-merge: error: --max-shard-size ") and err.count("\n") == 1
     assert "Traceback" not in err and len(err) < 200
     assert parse_size("1.5KB") == 1500 and parse_size("18446744073709551615") == 2**64 - 1
+
+
+@pytest.mark.slow  # a 2-rank run, a merge and a resumed run: ~20 s
+def test_a_merge_into_the_run_folder_does_not_block_the_next_compile(tmp_path: Any) -> None:
+    """`pcompile-merge DIR --output DIR/hf` (one file) and `DIR/hf_shards` (shards and index):
+    the next compile into DIR, here a --resume, accepts them as pcompile's and keeps them."""
+    from click.testing import CliRunner
+
+    from pcompile.cli import main as cli_main
+
+    out = tmp_path / "DIR"
+    base = [os.path.join(ROOT, "examples", "quickstart.py"), "--devices", "2",
+            "--parallel-mode", "data_parallel", "--no-check", "--out", str(out), "--run",
+            "--checkpoint-every", "1"]
+    first = CliRunner().invoke(cli_main, [*base, "--steps", "2"])
+    assert first.exit_code == 0, first.output
+    assert merge_main([str(out), "--output", str(out / "hf")]) == 0
+    assert merge_main([str(out), "--output", str(out / "hf_shards"),
+                       "--max-shard-size", "1KB"]) == 0
+    merged = {p: p.read_bytes() for p in sorted(out.glob("hf*/*"))}
+    assert len(merged) >= 3
+    resumed = CliRunner().invoke(cli_main, [*base, "--steps", "3", "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert "did not write" not in resumed.output
+    assert {p: p.read_bytes() for p in sorted(out.glob("hf*/*"))} == merged
