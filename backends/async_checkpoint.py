@@ -23,6 +23,17 @@ is started at once, before the writer asks for the first).
 
 Every completed checkpoint is reported through `say`: its step, megabytes, the seconds of the
 background write, and the seconds the training thread spent on it (the host copy).
+
+Runs and pruning: every checkpoint names the run that wrote it (`run`, an id: the launcher's
+`PCOMPILE_RUN_ID`, else one that process 0 makes and shares through jax.distributed's
+key-value store; a resumed run keeps the id of the run it continues). After each write the
+writer prunes its ranks' folders (`prune_checkpoints`) knowing the newest step of this run
+that every rank holds (`StepAgreement`: each process records the steps it wrote in the
+key-value store; one process holding every rank knows it alone), so that one rank's failed
+write never removes the last step the ranks have in common, and an earlier run's checkpoints
+are removed only once this run has one on every rank (and said so). Each rank's train.log lines
+are appended to the run's log beside the checkpoints (`append_run_log`), only the lines since
+the previous checkpoint: the index holds their count and sha256, not the lines.
 """
 
 from __future__ import annotations
@@ -32,13 +43,20 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from pcompile.backends.checkpoint_files import write_checkpoint_report
+from pcompile.backends.checkpoint_files import (
+    add_log_lines,
+    append_run_log,
+    log_digest,
+    prune_checkpoints,
+    restart_run_log,
+    write_checkpoint_report,
+)
 
 
 def _kill() -> None:
@@ -133,6 +151,46 @@ class HostState:
         return out
 
 
+class StepAgreement:
+    """Which checkpoints of run `run` every rank holds. `client`: jax.distributed's key-value
+    client, with `processes` processes of which this is `index` (None: this process holds every
+    rank, and what it wrote is everywhere)."""
+
+    def __init__(self, run: str, client: Any = None, processes: int = 1, index: int = 0
+                 ) -> None:
+        self.run, self.client, self.processes, self.index = run, client, processes, index
+        self.written: set[int] = set()  # by this process, for all of its ranks
+
+    def _key(self, step: int) -> str:
+        return f"pcompile/checkpoint/{self.run}/{step}/"
+
+    def record(self, step: int) -> None:
+        """This process wrote `step` for all of its ranks."""
+        self.written.add(step)
+        if self.client is not None:
+            try:
+                self.client.key_value_set(self._key(step) + str(self.index), "written")
+            except Exception:  # noqa: BLE001  (written twice, or the coordinator is gone)
+                pass
+
+    def everywhere(self, step: int, wait: float = 0.0) -> bool:
+        """Whether every process wrote `step` (waiting up to `wait` seconds for them)."""
+        if step not in self.written:
+            return False
+        if self.client is None:
+            return True
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                if len(self.client.key_value_dir_get(self._key(step))) >= self.processes:
+                    return True
+            except Exception:  # noqa: BLE001  (the coordinator is gone: not known)
+                return False
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+
 class CheckpointWriteError(Exception):
     """A checkpoint could not be written; the message says which, why, and what is intact."""
 
@@ -160,7 +218,7 @@ class AsyncCheckpointWriter:
 
     `folder`: the checkpoint folder; `say`: prints a line (to run.log); `keep`: steps kept per
     rank; `intact`: the newest step already on disk for every rank (a resumed run's), named when
-    a later write fails."""
+    a later write fails. `start_run` names the run (module docstring) before the first write."""
 
     def __init__(self, folder: str, say: Callable[[str], None], keep: int = 2,
                  intact: int | None = None, fault: tuple[int | None, str] = (None, "")
@@ -172,18 +230,37 @@ class AsyncCheckpointWriter:
         self.say = say
         self.keep = keep
         self.intact = intact
+        self.agreement: StepAgreement | None = None
+        self.complete: int | None = None  # the newest step of the run every rank holds
+        self._logs: dict[int, tuple[int, Any]] = {}  # rank -> lines in the run's log, sha256
         self._pending: _Pending | None = None
         self._error: str | None = None
         self._lock = threading.Lock()
 
+    def start_run(self, agreement: StepAgreement, logs: Mapping[int, Sequence[str]],
+                  complete: int | None = None) -> None:
+        """Write checkpoints as run `agreement.run`: `logs` holds each of this process's ranks'
+        train.log lines so far (a resumed run's; its run log is made to hold exactly them);
+        `complete`: a step every rank already holds (the one resumed from)."""
+        self.agreement, self.complete = agreement, complete
+        if complete is not None:
+            agreement.written.add(complete)
+        for rank, lines in logs.items():
+            restart_run_log(self.folder, rank, agreement.run, lines)
+            self._logs[rank] = (len(lines), log_digest(lines))
+
     def submit(self, step: int, per_rank: Mapping[int, tuple[Mapping[str, np.ndarray],
                                                               dict[str, Any]]],
-               copy_seconds: float) -> float:
+               copy_seconds: float, logs: Mapping[int, Sequence[str]] | None = None,
+               final: bool = False) -> float:
         """Start writing `per_rank` (rank -> (host values, metadata)) as the checkpoint of
         `step`, after the write in flight (if any) is done; returns the seconds waited for it.
-        Raises `CheckpointWriteError` if an earlier write failed."""
+        `logs`: each rank's train.log lines (a list that only grows; the first
+        `meta["log_lines"]` are the step's). Raises `CheckpointWriteError` if an earlier write
+        failed."""
         waited = self.wait()
-        thread = threading.Thread(target=self._write, args=(step, dict(per_rank), copy_seconds),
+        thread = threading.Thread(target=self._write,
+                                  args=(step, dict(per_rank), copy_seconds, logs or {}, final),
                                   name=f"pcompile-checkpoint-{step}")
         self._pending = _Pending(step, thread, copy_seconds)
         thread.start()
@@ -212,16 +289,34 @@ class AsyncCheckpointWriter:
     def busy(self) -> bool:
         return self._pending is not None and self._pending.thread.is_alive()
 
+    def _with_log(self, rank: int, meta: dict[str, Any], logs: Mapping[int, Sequence[str]]
+                  ) -> dict[str, Any]:
+        """`meta` with the run and the step's train.log lines (appended to the run's log)."""
+        if self.agreement is None:
+            return meta
+        meta = dict(meta, run=self.agreement.run, written=time.time())
+        if rank in logs and rank in self._logs:
+            count = int(meta["log_lines"])
+            done, digest = self._logs[rank]
+            new = list(logs[rank][done:count])
+            append_run_log(self.folder, rank, self.agreement.run, new)
+            add_log_lines(digest, new)
+            self._logs[rank] = (count, digest)
+            meta["log_sha256"] = digest.hexdigest()
+        return meta
+
     def _write(self, step: int, per_rank: dict[int, tuple[Mapping[str, np.ndarray],
                                                           dict[str, Any]]],
-               copy_seconds: float) -> None:
+               copy_seconds: float, logs: Mapping[int, Sequence[str]], final: bool) -> None:
         background_priority()
         start = time.perf_counter()
         nbytes = 0
+        pruned = self.agreement is not None
         for rank, (values, meta) in sorted(per_rank.items()):
             try:
                 report = write_checkpoint_report(
-                    self.folder, rank, step, values, meta, self.keep,
+                    self.folder, rank, step, values, self._with_log(rank, meta, logs),
+                    None if pruned else self.keep,
                     before_rename=_FAULTS.get(self.fault[1]) if step == self.fault[0] else None)
             except Exception as exc:  # noqa: BLE001  (any failure: reported, not a traceback)
                 where = os.path.join(self.folder, f"rank_{rank}")
@@ -239,3 +334,29 @@ class AsyncCheckpointWriter:
         self.say(f"checkpoint of step {step} (rank(s) {ranks[0]}..{ranks[-1]}): "
                  f"{nbytes / 1e6:.1f} MB in {seconds:.2f} s, written in the background "
                  f"({copy_seconds:.2f} s on the training thread) -> {self.folder}")
+        if pruned:
+            self._prune(step, ranks, max(5.0, 2 * seconds) if final else 0.0)
+
+    def _prune(self, step: int, ranks: list[int], wait: float) -> None:
+        """Record `step` as written here, learn the newest step every rank holds, prune."""
+        agreement = self.agreement
+        assert agreement is not None
+        agreement.record(step)
+        for candidate in sorted(agreement.written, reverse=True):
+            if self.complete is not None and candidate <= self.complete:
+                break
+            if agreement.everywhere(candidate, wait if candidate == step else 0.0):
+                self.complete = candidate
+                break
+        removed: set[int] = set()
+        for rank in ranks:
+            try:
+                removed.update(prune_checkpoints(self.folder, rank, step, self.keep,
+                                                 agreement.run, self.complete))
+            except OSError as exc:  # the checkpoint is written: a failed removal is a note
+                self.say(f"note: could not prune the checkpoints of rank {rank} in "
+                         f"{self.folder} ({_reason(exc)})")
+        if removed:
+            self.say(f"removed an earlier run's checkpoints (step(s) "
+                     f"{', '.join(map(str, sorted(removed)))}) from {self.folder}: step "
+                     f"{self.complete} of this run is on every rank")

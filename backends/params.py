@@ -147,6 +147,25 @@ def read_manifest(out_dir: str) -> dict[str, InitializedData]:
     return out
 
 
+def check_program(out_dir: str, sources: Mapping[str, InitializedData],
+                  expected: Mapping[str, tuple[Sequence[int], str]]) -> None:
+    """Every value the program stores (`expected`: name -> global shape, dtype name) against
+    its params.json entry (`read_manifest`): one `ParamsError` naming the first that is
+    missing or of another shape or dtype (a manifest from another compile, or edited), before
+    any rank makes a block of it."""
+    path = os.path.join(out_dir, MANIFEST)
+    for name, (shape, dtype) in expected.items():
+        source = sources.get(name)
+        if source is None:
+            raise ParamsError(f"{path} has no entry for {name}; compile again")
+        if tuple(source.shape) != tuple(shape):
+            raise ParamsError(f"{path}: parameter {name!r} has shape {list(source.shape)}, "
+                              f"the program's is {list(shape)}; compile again")
+        if source.dtype.name != DType.from_any(dtype).name:
+            raise ParamsError(f"{path}: parameter {name!r} is {source.dtype.name}, the "
+                              f"program's is {dtype}; compile again")
+
+
 def _source(entry: Mapping[str, Any], out_dir: str) -> InitializedData:
     if not isinstance(entry, dict) or not isinstance(entry.get("init"), dict):
         raise TypeError("its entry is not an object with an init")

@@ -6,7 +6,8 @@ The guarantees (docs/running.md, "The output folder"):
   wrote. A later compile replaces exactly what the manifest lists, nothing else.
 * Run outputs (what `--run`, the rank programs and `pcompile-merge` write: `rank_<r>/train.log`,
   `rank_<r>/run.log`, `rank_<r>/outputs.npz`, `launch.json`, `metrics.jsonl`,
-  `checkpoints/rank_<r>/step_*` (`.safetensors` and `.json`, or an older pcompile's `.npz`),
+  `checkpoints/rank_<r>/step_*` (`.safetensors` and `.json`, or an older pcompile's `.npz`)
+  and `checkpoints/rank_<r>/run_<id>.log`,
   `merged_step_*.safetensors` (or `.npz`) and the shards and index in `merged_step_*/`;
   `pcompile show`'s pictures `show/*.svg`) survive a recompile: they are carried into the new
   folder. So do, wherever in the folder they are, TensorBoard's event files
@@ -67,7 +68,8 @@ _RUN_OUTPUT = re.compile(
     r"launch\.json|metrics\.jsonl|merged_step_\d+\.(?:npz|safetensors)"
     r"|merged_step_\d+/(?:model(?:-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json)"
     r"|rank_\d+/(?:train\.log|run\.log|outputs\.npz)"
-    r"|checkpoints/rank_\d+/step_\d+\.(?:safetensors|json|npz)|show/[A-Za-z0-9._-]+\.svg"
+    r"|checkpoints/rank_\d+/(?:step_\d+\.(?:safetensors|json|npz)|run_[A-Za-z0-9_-]{1,64}\.log)"
+    r"|show/[A-Za-z0-9._-]+\.svg"
     r"|show/\.pcompile-show\.json"
 )
 _RUN_FOLDER = re.compile(r"rank_\d+|checkpoints|checkpoints/rank_\d+|show|merged_step_\d+")

@@ -20,10 +20,12 @@ from `<out>/params.json` (backends/params.py).
 
 Checkpoints: `<out>/checkpoints/rank_<r>/step_<S>.safetensors` and its index `step_<S>.json` at
 the end and every `--checkpoint-every` steps (backends/checkpoint_files.py), written from a host
-copy by a background thread while the loop goes on (backends/async_checkpoint.py); `--resume`
-continues from the newest step that every rank holds intact (verified against each index's
-manifest; damaged newer steps are reported and passed over), restores train.log, skips the
-batches already seen, and so gives bit-identical losses.
+copy by a background thread while the loop goes on (backends/async_checkpoint.py), tagged with
+the run's id (`_run_id`); an earlier run's checkpoints in the folder stay until this run has
+one on every rank. `--resume` continues from the newest step that every rank holds intact
+(verified against each index's manifest and against this program's layouts; damaged newer
+steps are reported and passed over), restores train.log from the run's log, skips the batches
+already seen, and so gives bit-identical losses.
 `--fail-on-nan` (on by default) stops at the first step whose loss is not finite.
 """
 
@@ -47,6 +49,22 @@ from pcompile.backends.jax.rank_process import (
 )
 from pcompile.backends.jax.rank_report import RankReport, TrainLog
 from pcompile.ir.errors import PcompileError
+
+RUN_ID_ENV = "PCOMPILE_RUN_ID"  # the launcher names each run (backends/launcher.py)
+
+
+def _kv_client() -> Any:
+    """jax.distributed's key-value client in a multi-process run (None: one process, or a JAX
+    that keeps it elsewhere)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return None
+    try:
+        from jax._src import distributed
+    except ImportError:
+        return None
+    return getattr(distributed.global_state, "client", None)
 
 
 class RankRunner:
@@ -100,10 +118,12 @@ class RankRunner:
 
         from pcompile.backends.jax.param_init import make_blocks
         from pcompile.backends.jax.spmd import as_block
-        from pcompile.backends.params import ParamsError, read_manifest
+        from pcompile.backends.params import ParamsError, check_program, read_manifest
 
         try:
             sources = read_manifest(self.out_dir)
+            check_program(self.out_dir, sources, {
+                name: (self.m.LAYOUTS[name][0], dtype) for name, _, _, dtype in self.stored})
         except ParamsError as exc:
             raise RankError(str(exc)) from None
         where = self.args.param_init or os.environ.get(PARAM_INIT_ENV) or "auto"
@@ -216,21 +236,36 @@ class RankRunner:
         # compiled by process 0 only, when the processes run the same program on one host
         return SharedStep(jitted, f"{self.m.PLAN_ID}/{'train' if donate else 'infer'}")
 
+    def _expected_layouts(self, rank: int) -> dict[str, dict[str, Any]]:
+        """The layout entry (checkpoint_files.layout_entry) of every value `rank` holds."""
+        return {name: {"shape": list(self.m.LAYOUTS[name][0]), "dtype": dt,
+                       "dev_matrix": list(self.m.LAYOUTS[name][1]),
+                       "tensor_map": [list(e) if isinstance(e, tuple) else e
+                                      for e in self.m.LAYOUTS[name][2]]}
+                for name, _, _, dt in self.stored if self._owns(name, rank)}
+
     def _load_values(self, resume_step: int) -> tuple[dict[int, dict[str, np.ndarray]],
-                                                      dict[str, Any]]:
-        """This process's ranks' values read from their checkpoints of `resume_step`."""
+                                                      dict[str, Any], dict[int, list[str]]]:
+        """This process's ranks' values read from their checkpoints of `resume_step`, checked
+        against this program (plan, layouts, slice shapes, dtypes), and their train.log lines;
+        anything wrong is one RankError."""
         from pcompile.backends.checkpoint_files import (
             CheckpointError,
+            checkpoint_log,
             checkpoint_path,
+            program_problem,
             read_checkpoint,
         )
 
         values: dict[int, dict[str, np.ndarray]] = {}
+        lines: dict[int, list[str]] = {}
         meta: dict[str, Any] = {}
+        runs: dict[int, Any] = {}
         for r in self.local:
+            path = checkpoint_path(self.ckpt_dir, r, resume_step)
             try:
-                arrays, meta_r = read_checkpoint(checkpoint_path(self.ckpt_dir, r, resume_step),
-                                                 r)
+                arrays, meta_r = read_checkpoint(path, r)
+                lines[r] = checkpoint_log(path, meta_r)
             except CheckpointError as exc:
                 raise RankError(f"cannot resume from step {resume_step}: {exc}") from None
             if meta_r.get("plan_id") != self.m.PLAN_ID:
@@ -238,15 +273,75 @@ class RankRunner:
                     f"checkpoint of step {resume_step} was written by plan "
                     f"{meta_r.get('plan_id')}, this program is plan {self.m.PLAN_ID}; "
                     "resume with the same model and options, or start afresh without --resume")
-            values[r], meta = arrays, meta_r
+            problem = program_problem(meta_r, arrays, r, self._expected_layouts(r))
+            if problem:
+                raise RankError(f"cannot resume from step {resume_step}: {path}: {problem} "
+                                "(written by another program, or edited); resume from a "
+                                "checkpoint of this program, or start afresh without --resume")
+            values[r], meta, runs[r] = arrays, meta_r, meta_r.get("run")
             for name, _, shape, _ in self.stored:  # another pipeline stage's: never read
                 if not self._owns(name, r):
                     values[r].setdefault(name, np.zeros(shape, self.dtypes[name]))
-        for r, vals in values.items():
-            missing = [name for name, *_ in self.stored if name not in vals]
-            if missing:
-                raise RankError(f"rank {r}: no value for {', '.join(missing)}")
-        return values, meta
+        if len(set(runs.values())) > 1:
+            raise RankError(f"cannot resume from step {resume_step}: its checkpoints are of "
+                            "different runs (" + ", ".join(f"rank {r}: {run}"
+                                                            for r, run in runs.items()) + ")")
+        return values, meta, lines
+
+    def _run_id(self, resumed: dict[str, Any] | None) -> str:
+        """The id this run's checkpoints carry: a resumed run keeps the one it continues;
+        else the launcher's (PCOMPILE_RUN_ID), else one process 0 makes and shares through
+        jax.distributed's key-value store, else (one process) a new one."""
+        import secrets
+
+        import jax
+
+        from pcompile.backends.checkpoint_files import RUN_ID
+
+        if resumed is not None and isinstance(resumed.get("run"), str):
+            return str(resumed["run"])
+        given = os.environ.get(RUN_ID_ENV)
+        if given:
+            if not RUN_ID.fullmatch(given):
+                raise RankError(f"{RUN_ID_ENV}={given!r}: a run id is 1 to 64 letters, digits, "
+                                "'-' or '_'")
+            return given
+        client = _kv_client()
+        if client is None:
+            return secrets.token_hex(8)
+        key = "pcompile/run_id"
+        if jax.process_index() == 0:
+            run = secrets.token_hex(8)
+            client.key_value_set(key, run)
+            return run
+        run = str(client.blocking_key_value_get(key, int(self.args.startup_timeout * 1000)))
+        if not RUN_ID.fullmatch(run):
+            raise RankError(f"process 0 shared the run id {run!r}, not a run id")
+        return run
+
+    def _start_run(self, resumed: dict[str, Any] | None, logs: dict[int, list[str]],
+                   resume_step: int | None) -> None:
+        """Name this run for the writer, and say what happens to an earlier run's
+        checkpoints in the folder."""
+        import jax
+
+        from pcompile.backends.async_checkpoint import StepAgreement
+        from pcompile.backends.checkpoint_files import run_steps
+
+        run = self._run_id(resumed)
+        client = _kv_client()
+        agreement = StepAgreement(run, client, jax.process_count() if client else 1,
+                                  jax.process_index())
+        self.saver.start_run(agreement, logs, resume_step)
+        if resume_step is not None:
+            return
+        earlier = sorted({step for r in self.local
+                          for step, owner in run_steps(self.ckpt_dir, r).items() if owner != run})
+        if earlier:
+            self._say(f"{self.ckpt_dir} holds checkpoints of an earlier run (step(s) "
+                      f"{', '.join(map(str, earlier))}); this run ({run}) keeps them until it "
+                      "has written a checkpoint on every rank, then removes them",
+                      force=True, first_only=True)
 
     def _resume_step(self) -> int | None:
         """--resume: the launcher's choice (--resume-step), else the newest step that every
@@ -256,11 +351,12 @@ class RankRunner:
         if self.args.resume_step is not None:
             return int(self.args.resume_step)
         point = resume_point(self.ckpt_dir, int(self.m.NUM_RANKS), self.m.PLAN_ID)
+        if point.step is None:
+            why = "; ".join(point.skipped) or "there is none"
+            raise RankError(f"--resume: no step has an intact checkpoint of every rank in "
+                            f"{self.ckpt_dir} ({why}); start without --resume")
         for line in point.skipped:
             self._say(f"passed over checkpoint {line}", force=True)
-        if point.step is None:
-            raise RankError(f"--resume: no step has an intact checkpoint of every rank in "
-                            f"{self.ckpt_dir}; start without --resume")
         return point.step
 
     def _checkpoint(self, step: int, epoch: int, in_epoch: int, state: dict[str, Any],
@@ -284,12 +380,14 @@ class RankRunner:
         per_rank = {}
         for r in self.local:
             mine = [name for name in pieces if self._owns(name, r)]
+            # the lines themselves go to the run's log once (async_checkpoint.py), not here
             meta = {"step": step, "epoch": epoch, "step_in_epoch": in_epoch, "rank": r,
                     "num_ranks": int(self.m.NUM_RANKS), "plan_id": self.m.PLAN_ID,
-                    "log": list(logs[r].lines),
+                    "log_lines": len(logs[r].lines),
                     "layouts": {name: layouts[name] for name in mine}}
             per_rank[r] = ({name: pieces[name][r] for name in mine}, meta)
-        self.saver.submit(step, per_rank, time.perf_counter() - start)
+        self.saver.submit(step, per_rank, time.perf_counter() - start,
+                          logs={r: logs[r].lines for r in self.local}, final=final)
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -327,13 +425,14 @@ class RankRunner:
         making = time.perf_counter()
         self.heartbeat.set(phase="init" if resume_step is None else "restore")
         meta: dict[str, Any]
+        restored: dict[int, list[str]] = {r: [] for r in self.local}
         if resume_step is None:
             state, meta = self._initial_state(), {}
             self.timings["init"] = time.perf_counter() - making
         else:
             self._say(f"resuming from step {resume_step} (checkpoints in {self.ckpt_dir})",
                       force=True, first_only=True)
-            values, meta = self._load_values(resume_step)
+            values, meta, restored = self._load_values(resume_step)
             state = {name: self._put(name, {r: values[r][name] for r in self.local}, shape)
                      for name, _, shape, _ in self.stored}
             self.timings["restore"] = time.perf_counter() - making
@@ -345,8 +444,10 @@ class RankRunner:
         if done > args.steps:
             raise RankError(f"--steps {args.steps} is below the step {done} of the checkpoint "
                             "resumed from; ask for more steps")
-        logs = {r: TrainLog(os.path.join(self._rank_dir(r), "train.log"),
-                            list(meta.get("log", []))[:done]) for r in self.local}
+        logs = {r: TrainLog(os.path.join(self._rank_dir(r), "train.log"), restored[r][:done])
+                for r in self.local}
+        self._start_run(meta if resume_step is not None else None,
+                        {r: logs[r].lines for r in self.local}, resume_step)
         report = RankReport(m, self.mesh, self.out_dir, done, args.log_every,
                          writes=self.local[0] == 0, tensorboard=args.tensorboard)
         fn = self._function(donate=True)
@@ -387,7 +488,14 @@ class RankRunner:
             self.watchdog.disarm()
             self.heartbeat.set(phase="data", done=ready[-1][0] + 1)
 
-        pending = ReadBack(args.log_every, read, first_at_once=True)
+        def finished(item: tuple[int, int, int, Any, list[Any]]) -> None:
+            """Wait for a step to run (not read back): the device never holds more than
+            compiler.runtime.IN_FLIGHT unfinished steps, however long the --log-every
+            groups, and the launcher sees each step done."""
+            item[3].block_until_ready()
+            self.heartbeat.set(done=item[0] + 1)
+
+        pending = ReadBack(args.log_every, read, first_at_once=True, wait=finished)
 
         for k, (epoch, in_epoch, arrays, first_row) in enumerate(self._batches(args.steps,
                                                                                skip=done)):

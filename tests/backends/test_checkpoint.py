@@ -475,7 +475,9 @@ def test_a_full_disk_in_a_rank_program_is_one_message_and_resume_works(tmp_path)
         f"in {folder}: no space left on the device (the disk is full)); nothing of it was "
         "kept, and the checkpoint of step 2 is intact"], proc.stderr
     assert "checkpoint of step 2 (rank(s) 0..1): " in proc.stdout, proc.stdout
-    assert sorted(os.listdir(folder)) == ["step_00000002.json", "step_00000002.safetensors"]
+    names = sorted(os.listdir(folder))
+    assert names[1:] == ["step_00000002.json", "step_00000002.safetensors"], names
+    assert names[0].startswith("run_") and names[0].endswith(".log"), names  # its train.log
     proc = subprocess.run(run + ["--steps", "4", "--resume"], capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
