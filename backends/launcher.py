@@ -24,7 +24,10 @@ process its ranks' GPUs (backends/placement.py: `CUDA_VISIBLE_DEVICES`,
   happened and the tail of its log (`<out>/rank_<r>/run.log`, stdout and stderr; each run
   writes it as a fresh file, never through a link that was at its place: `fresh_file`);
 * `resume=True` continues from the newest step every rank holds intact (checked here, passed
-  to the ranks as `--resume-step`); a fresh run removes the previous run's checkpoints;
+  to the ranks as `--resume-step`); a fresh run gets a new run id (`PCOMPILE_RUN_ID`), and an
+  earlier run's checkpoints stay until it has written one on every rank (the ranks then remove
+  them: backends/async_checkpoint.py), which the launcher says before and, when the run wrote
+  none, after;
 * a coordinator port taken between choosing and binding it is retried on another port;
 * Ctrl-C stops every rank and returns 130;
 * at the end every rank's train.log must report the same losses.
@@ -49,6 +52,7 @@ TAIL_LINES = 25
 EXIT_COORDINATOR_PORT = 75  # backends/jax/rank_process.py: process 0 could not listen
 HEARTBEAT_FD = "PCOMPILE_HEARTBEAT_FD"  # backends/jax/rank_process.py writes heartbeats there
 SHARE_KEY_ENV = "PCOMPILE_SHARE_KEY"  # backends/jax/shared_compile.py keys its digest with it
+RUN_ID_ENV = "PCOMPILE_RUN_ID"  # backends/jax/rank_loop.py tags the run's checkpoints with it
 _PORT_ERRORS = ("address already in use", "failed to start rpc server", "failed to add port",
                 "errno 98")
 
@@ -295,10 +299,12 @@ def _launch(out_dir: str, steps: int, processes: int | None, checkpoint_every: i
         resumed_from = resume_step(out_dir, steps, echo)
         common += ["--resume", "--resume-step", str(resumed_from)]
         echo(f"pcompile launcher: resuming from step {resumed_from}")
-    else:
-        from pcompile.backends.checkpoint_files import clear_checkpoints
-
-        clear_checkpoints(ckpt)  # a fresh run: older checkpoints would confuse a later --resume
+    run_id = secrets.token_hex(8)
+    earlier = [] if resume else _earlier_checkpoints(ckpt, n, run_id)
+    if earlier:
+        echo(f"pcompile launcher: {ckpt} holds checkpoints of an earlier run (step(s) "
+             f"{', '.join(map(str, earlier))}): they stay until this run has written a "
+             "checkpoint on every rank, then they are removed")
     if checkpoint_every:
         common += ["--checkpoint-every", str(checkpoint_every)]
     base_env = dict(os.environ if env is None else env)
@@ -308,6 +314,7 @@ def _launch(out_dir: str, steps: int, processes: int | None, checkpoint_every: i
     # key-value store (backends/jax/shared_compile.py): fresh for every run, and only in the
     # environment of its ranks (which only this user can read).
     base_env[SHARE_KEY_ENV] = secrets.token_hex(32)
+    base_env[RUN_ID_ENV] = run_id  # what this run's checkpoints are tagged with
     envs = [process_env(base_env, platform, devices, gpus) for devices in placement]
     result = LaunchResult(1)
     restore = _sigterm_as_interrupt()
@@ -320,7 +327,41 @@ def _launch(out_dir: str, steps: int, processes: int | None, checkpoint_every: i
         result = _check_logs(out_dir, n, result, echo)
         result.report = _report(out_dir, echo)
     result.resumed_from = resumed_from
+    if earlier:
+        _settle_earlier(ckpt, n, run_id, echo)
     return result
+
+
+def _earlier_checkpoints(folder: str, ranks: int, run_id: str) -> list[int]:
+    """The steps in `folder` of checkpoints that run `run_id` did not write."""
+    from pcompile.backends.checkpoint_files import run_steps
+
+    return sorted({step for r in range(ranks)
+                   for step, run in run_steps(folder, r).items() if run != run_id})
+
+
+def _settle_earlier(folder: str, ranks: int, run_id: str, echo: Callable[[str], None]) -> None:
+    """After a fresh run in a folder that held an earlier run's checkpoints: when this run has
+    a step on every rank, the earlier ones go (the ranks remove them themselves unless the
+    run ended first); else they are kept, and the launcher says so."""
+    from pcompile.backends.checkpoint_files import prune_checkpoints, run_steps
+
+    kept = _earlier_checkpoints(folder, ranks, run_id)
+    if not kept:
+        return
+    per_rank = [run_steps(folder, r) for r in range(ranks)]
+    ours = set.intersection(*({s for s, run in steps.items() if run == run_id}
+                              for steps in per_rank))
+    if ours:
+        newest = max(ours)
+        for r in range(ranks):
+            prune_checkpoints(folder, r, newest, 0, run_id, newest)
+        echo(f"pcompile launcher: removed the earlier run's checkpoints (step(s) "
+             f"{', '.join(map(str, kept))}): step {newest} of this run is on every rank")
+        return
+    echo(f"pcompile launcher: this run wrote no checkpoint that every rank holds, so the "
+         f"earlier run's checkpoints (step(s) {', '.join(map(str, kept))}) are kept in "
+         f"{folder}: --resume continues from the newest of them")
 
 
 def _report(out_dir: str, echo: Callable[[str], None]) -> list[str]:
