@@ -421,6 +421,8 @@ def _summary(program: Any, elapsed: float, quiet: bool = False) -> None:
         f"{'training step' if program.training else 'inference'}; {len(graph.nodes)} nodes, "
         f"{len(graph.params)} parameters, {elapsed:.3f} s"
     )
+    for line in (state.plan.get("search") or {}).get("warnings", []):
+        click.echo(f"warning: {line}", err=True)
     prediction = state.plan.get("prediction")
     if prediction and not prediction["fits"]:
         click.echo(f"warning: {prediction['advice']}", err=True)
@@ -498,7 +500,9 @@ def _check_shrunk(program: Any, factor: int | None, automatic: bool = False) -> 
         shrink = choose_shrink(program, factor)
     except PcompileError as exc:
         if automatic:
-            click.echo(f"note: no shrunk check: {exc}")
+            click.echo(f"warning: this plan was NOT checked against the single-device program:"
+                       f" the full-size check is over budget and no shrunk copy can be made "
+                       f"({exc}); --force-check runs the full-size check", err=True)
             return
         raise
     click.echo(f"shrunk check: {describe(shrink)}")

@@ -85,6 +85,8 @@ class SearchResult:
     layouts: dict[int, tuple[Any, ...]] = field(default_factory=dict)
     # ilp: the mesh, global choices, predictions and the program's size (IlpPlan.summary)
     ilp: dict[str, Any] | None = None
+    # what the user should know of the plan (one line each; plan.json and the compile print)
+    warnings: list[str] = field(default_factory=list)
 
     def specs(self) -> dict[int, Any]:
         """What step_parallel_begin takes per searched op: its strategy, or its layouts."""
@@ -97,6 +99,8 @@ class SearchResult:
                                "searched_ops": len(self.strategies)}
         if self.ilp is not None:
             out.update(self.ilp)
+        if self.warnings:
+            out["warnings"] = list(self.warnings)
         return out
 
 
@@ -194,6 +198,14 @@ def search(
         result.explain[id(node)] = info
     # ilp: the predicted step time (seconds); the others: MindSpore's objective
     result.objective = plan.step_time if ilp else cg.total(choice)
+    if mode == "recursive_programming":
+        memory = cg.memory(choice)
+        if memory > constants.memory_capacity:  # the partition does not look at the memory
+            result.warnings.append(
+                f"recursive_programming does not bound memory: its plan needs "
+                f"{memory / 2**30:.1f} GiB by MindSpore's cost model (parameter and output "
+                f"slices), above device_memory_capacity={constants.memory_capacity / 2**30:.1f} "
+                "GiB; --search ilp chooses a plan within the device's memory")
     result.reshape_layouts = reshape_chain_layouts(graph, cg, choice)
     result.seconds = time.perf_counter() - start
     return result

@@ -303,8 +303,6 @@ class _Problem:
             raise SearchTooLargeError(
                 f"dynamic programming: eliminating {self.cg.vertices[x].name} needs a table of "
                 f"{out_size} entries over {len(nbrs)} ops ({out_size * shape[-1]} evaluations)"
-                "; use sharding_propagation or recursive_programming, or "
-                "set_algo_parameters(enable_algo_approxi=True)"
             )
         views: list[np.ndarray] = [self.unary[x].reshape([1] * len(nbrs) + [self.size[x]])]
         for key in keys:
@@ -439,7 +437,25 @@ def _solve_once(cg: CostGraph, allowed: list[list[int]], lagrange: float,
 
 
 def solve(cg: CostGraph, options: object) -> DPResult:
-    """The plan of least objective whose memory fits the device (see the module doc)."""
+    """The plan of least objective whose memory fits the device (see the module doc); a
+    table too large says what would help, given whether the approximation is already on."""
+    try:
+        return _solve(cg, options)
+    except SearchTooLargeError as exc:
+        if getattr(options, "approximate", False):
+            keep = ceil(1 / float(getattr(options, "epsilon", 0.1)))
+            advice = (f"; the approximation is already on (epsilon "
+                      f"{getattr(options, 'epsilon', 0.1)}: up to {keep} candidates per op): "
+                      "raise algo_approxi_epsilon to keep fewer, or use --search ilp (repeated "
+                      "layers solved once), sharding_propagation or recursive_programming")
+        else:
+            advice = ("; use --search ilp (repeated layers solved once), sharding_propagation "
+                      "or recursive_programming, or set_algo_parameters("
+                      "enable_algo_approxi=True)")
+        raise SearchTooLargeError(str(exc) + advice) from None
+
+
+def _solve(cg: CostGraph, options: object) -> DPResult:
     approximate = bool(getattr(options, "approximate", False))
     epsilon = float(getattr(options, "epsilon", 0.1))
     max_table = int(getattr(options, "max_table", 1 << 24))

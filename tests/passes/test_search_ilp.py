@@ -225,3 +225,45 @@ def test_an_unknown_profile_is_refused_where_it_is_set() -> None:
             set_cost_model_context(device_profile="nope")
     finally:
         reset_cost_model_context()
+
+
+def _matmul_chain(n: int = 3) -> Any:
+    from pcompile.ir.builder import Builder
+    from pcompile.ir.core import Graph, GraphParam
+    from pcompile.ir.types import DType, TensorType
+
+    graph = Graph("chain")
+    b = Builder(graph)
+    v = graph.add_param(GraphParam(TensorType(DType.float32, (16, 16)), "x"))
+    for k in range(n):
+        w = graph.add_param(GraphParam(TensorType(DType.float32, (16, 16)), f"w{k}", "weight",
+                                       True))
+        v = b.emit("MatMul", [v, w], instance_name=f"mm{k}")
+    graph.outputs = [v]
+    return graph
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+def test_a_too_large_dynamic_program_gives_advice_that_applies(approximate: bool) -> None:
+    from pcompile.passes.search import SearchOptions, search
+    from pcompile.passes.search.dynamic_programming import SearchTooLargeError
+
+    with pytest.raises(SearchTooLargeError) as info:
+        search(_matmul_chain(), 8, "dynamic_programming", dataset_strategy="full_batch",
+               options=SearchOptions(max_table=1, approximate=approximate))
+    message = str(info.value)
+    assert ("enable_algo_approxi=True" in message) is not approximate
+    assert ("already on" in message) is approximate
+    assert "--search ilp" in message
+
+
+def test_recursive_programming_warns_beyond_the_memory() -> None:
+    from pcompile.passes.search import search
+
+    graph = _matmul_chain()
+    roomy = search(graph, 8, "recursive_programming", dataset_strategy="full_batch")
+    assert roomy.warnings == []
+    tight = search(graph, 8, "recursive_programming", dataset_strategy="full_batch",
+                   constants=CostConstants(memory_capacity=64.0))
+    assert len(tight.warnings) == 1 and "does not bound memory" in tight.warnings[0]
+    assert tight.summary()["warnings"] == tight.warnings
