@@ -174,7 +174,8 @@ def test_resume_after_a_failure_is_bit_identical(model_path, tmp_path) -> None:
                     echo=quiet)
     assert result.code == 1 and result.failed_rank == 2  # process 1 runs ranks 2 and 3
     assert "PCOMPILE_FAULT_INJECT" in result.message
-    steps = sorted(os.listdir(resumed / "checkpoints" / "rank_3"))
+    steps = sorted(n for n in os.listdir(resumed / "checkpoints" / "rank_3")
+                   if n.startswith("step_"))  # and the run's train.log lines (run_<id>.log)
     assert steps == ["step_00000002.json", "step_00000002.safetensors", "step_00000004.json",
                      "step_00000004.safetensors"]
     # A recompile keeps the checkpoints; --resume continues from step 4.
