@@ -407,7 +407,9 @@ def _check_tensorboard(folder: str) -> None:
 def _from_options(exc: BaseException) -> bool:
     tb = exc.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code.co_filename.endswith(os.path.join("compiler", "context.py")):
+        if tb.tb_frame.f_code.co_filename.endswith((os.path.join("compiler", "context.py"),
+                                                    os.path.join("compiler",
+                                                                 "search_context.py"))):
             return True
         tb = tb.tb_next
     return False

@@ -15,6 +15,7 @@ import gc
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 from pcompile.compiler.compiled import (
@@ -91,8 +92,10 @@ def pipeline(state: CompileState) -> list[Pass[CompileState]]:
                             if isinstance(traced.network, PipelineCell) else "Default"),
                 shard_accumulation=state.options.optimizer_shard.enabled
                 and state.options.optimizer_shard.gradient_accumulation_shard)))
+    # the ilp search may choose recompute after this list is made: its pass then runs too
+    ilp = state.parallel_mode == "auto_parallel" and state.search_mode == "ilp"
     recompute = [RecomputePass()] if state.backward and state.graph is not None and \
-        marked(state.graph) else []
+        (marked(state.graph) or ilp) else []
     if traced.step is not None:
         passes += [TrainStepPass(), *recompute]
     elif state.training:
@@ -199,6 +202,10 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
             state.pipeline = settings
         state.reference = reference
         state.shrink = shrink
+        opt_sharded = getattr(shrink, "opt_sharded", None)
+        if opt_sharded is not None:  # the parallel optimizer shards what the plan sharded
+            state.options = replace(state.options, optimizer_shard=replace(
+                state.options.optimizer_shard, pinned=opt_sharded))
         state.trace_only = trace_only
         state.overrides = dict(overrides or {})
         if out_dir is None:

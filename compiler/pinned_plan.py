@@ -30,6 +30,10 @@ class PinnedPlan:
     #: the parameters whose cotangents the plan sums on their user's output (a choice by byte
     #: sizes, which the shrunk sizes could change: passes/cotangents.py)
     reduced_parameters: tuple[str, ...] = ()
+    #: the ilp search's global choices (parallel optimizer, recompute), applied again
+    ilp: dict[str, Any] | None = None
+    #: the weights the parallel optimizer stored sharded (None: it was off)
+    opt_sharded: tuple[str, ...] | None = None
 
 
 def apply_to_trace(shrink: Shrink, traced: Any) -> None:
@@ -71,7 +75,8 @@ def pinned_search(state: Any) -> Any:
     return SearchResult(
         mode=pinned.mode,
         strategies={id(nodes[i]): s for i, s in pinned.strategies.items()},
-        reshape_layouts={id(nodes[i]): lay for i, lay in pinned.reshape_layouts.items()})
+        reshape_layouts={id(nodes[i]): lay for i, lay in pinned.reshape_layouts.items()},
+        ilp=pinned.ilp)
 
 
 class PinnedSearchPass:
@@ -81,4 +86,7 @@ class PinnedSearchPass:
     name = "step_auto_parallel_begin"
 
     def apply(self, state: Any) -> None:
+        from pcompile.passes.search.auto_parallel_pass import apply_plan_choices
+
         state.search = pinned_search(state)
+        apply_plan_choices(state)  # the plan's parallel optimizer and recompute

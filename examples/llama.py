@@ -12,11 +12,12 @@ count), dp = devices / mp; dp 2 x mp 4 on 8 devices. Parameters are float32; the
 rotary embedding, the softmax and the loss computing in float32.
 
 Sizes come from a preset, LLAMA_PRESET: `tiny` (default: compiles and checks in seconds),
-`llama2_7b` (32 layers, hidden 4096, 32 heads, FFN 11008, vocab 32000, sequence 4096) or
+`llama2_7b` (32 layers, hidden 4096, 32 heads, FFN 11008, vocab 32000, sequence 4096),
 `llama3_8b` (32 layers, hidden 4096, 32 heads, 8 kv heads, FFN 14336, vocab 128256, sequence
-8192, RoPE theta 500000). Any size is overridden by LLAMA_LAYERS, LLAMA_HIDDEN, LLAMA_HEADS,
-LLAMA_KV_HEADS, LLAMA_FFN, LLAMA_VOCAB, LLAMA_SEQ (tokens seen per sample; the data has one
-more), LLAMA_BATCH (global batch). Other knobs:
+8192, RoPE theta 500000) or `llama2_70b` (80 layers, hidden 8192, 64 heads, 8 kv heads, FFN
+28672, vocab 32000, sequence 4096, global batch 128). Any size is overridden by LLAMA_LAYERS,
+LLAMA_HIDDEN, LLAMA_HEADS, LLAMA_KV_HEADS, LLAMA_FFN, LLAMA_VOCAB, LLAMA_SEQ (tokens seen per
+sample; the data has one more), LLAMA_BATCH (global batch). Other knobs:
 
 * LLAMA_DTYPE: compute dtype, `bfloat16` (default), `float16` or `float32`;
 * LLAMA_FLASH: `1` (default) FlashAttentionScore (BNSD, causal uint8 mask), `0` the
@@ -83,6 +84,7 @@ PRESETS = {
     "tiny": (2, 64, 8, 4, 128, 128, 16, 4, 10000.0),
     "llama2_7b": (32, 4096, 32, 32, 11008, 32000, 4096, 8, 10000.0),
     "llama3_8b": (32, 4096, 32, 8, 14336, 128256, 8192, 8, 500000.0),
+    "llama2_70b": (80, 8192, 64, 8, 28672, 32000, 4096, 128, 10000.0),
 }
 PRESET = os.environ.get("LLAMA_PRESET", "tiny")
 if PRESET not in PRESETS:

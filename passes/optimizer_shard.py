@@ -63,12 +63,18 @@ def plan_optimizer_sharding(
     params: Mapping[str, object],
     threshold_kb: int,
     shard_size: int,
+    pinned: tuple[str, ...] | None = None,
 ) -> dict[str, OptShard]:
-    """Decide which weights are stored sharded, and how."""
+    """Decide which weights are stored sharded, and how. `pinned` (the shrunk check): exactly
+    these weights, as the full-size plan decided by their sizes."""
     out: dict[str, OptShard] = {}
     for p in graph.weights:
         if not p.requires_grad or not p.shape:
             continue
+        if pinned is not None:
+            if p.name not in pinned:
+                continue
+            threshold_kb = 0
         owner = params.get(p.name)
         if owner is not None and (not getattr(owner, "parallel_optimizer", True)
                                   or getattr(owner, "layerwise_parallel", False)):
@@ -84,6 +90,11 @@ def plan_optimizer_sharding(
         axes = _shard_axes(use, free, shard_size, p.name)
         size = prod(use.dev_matrix[a] for a in axes)
         if size <= 1 or use.slice_shape[0] % size:
+            if pinned is not None:
+                raise PcompileError(
+                    f"the shrunk copy cannot store {p.name} ({list(p.shape)}) sharded as the "
+                    f"plan does (its first dim's slice {use.slice_shape[0]} over {size} "
+                    "ranks); --check-shrunk with a smaller factor, or --force-check")
             continue
         dev = use.dev_matrix
         first = tuple(map_axes(use.tensor_map[0])) + tuple(len(dev) - 1 - a for a in axes)
@@ -159,7 +170,7 @@ def optimizer_sharding(unit: CompileUnit, layouts: dict[str, TensorLayout],
         return {}
     assert unit.graph is not None
     plan = plan_optimizer_sharding(unit.graph, layouts, dict(parameters), options.threshold_kb,
-                                   options.shard_size)
+                                   options.shard_size, options.pinned)
     unit.plan["parallel_optimizer"] = {
         name: {"stored_dev_matrix": list(s.stored.dev_matrix),
                "stored_tensor_map": [list(e) if isinstance(e, tuple) else e

@@ -56,6 +56,8 @@ class OptimizerShardOptions:
     threshold_kb: int = 64
     shard_size: int = -1
     gradient_accumulation_shard: bool = False
+    # the shrunk check: the weights the full-size plan stored sharded (its choice by sizes)
+    pinned: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

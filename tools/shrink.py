@@ -177,11 +177,14 @@ def pin_plan(program: Any, shrink: Shrink) -> PinnedPlan:
     state = program.state
     pinned = PinnedPlan(shrink, mode=state.search_mode,
                         reduced_parameters=state.reduced_parameters)
+    if state.options.optimizer_shard.enabled:  # which weights it sharded was a size choice
+        pinned.opt_sharded = tuple(sorted(state.opt_shard))
     if state.parallel_mode == "data_parallel" or state.micro_batched:
         pinned.reference = whole_batch_shrink(program, shrink)
     search = state.search
     if search is None:
         return pinned
+    pinned.ilp = search.ilp
     specs = search.specs()
     for i, node in enumerate(program.graph.nodes):
         strategy = specs.get(id(node))

@@ -49,6 +49,34 @@ class StepAutoParallelPass:
             options=self.options,
             loaded=loaded,
         )
+        apply_plan_choices(unit)
+
+
+def apply_plan_choices(unit: CompileUnit) -> None:
+    """The ilp search's global choices made real: the parallel optimizer switched on, and
+    every forward op of the folded layers marked for recompute except each layer's outputs
+    (what `Cell.recompute()` on every layer marks); nothing for the other searches."""
+    from dataclasses import replace as replaced
+
+    from pcompile.passes.search.ilp import layer_groups
+
+    result = unit.search
+    if result is None or result.ilp is None:
+        return
+    if result.ilp.get("parallel_optimizer") and not unit.options.optimizer_shard.enabled:
+        unit.options = replaced(unit.options, optimizer_shard=replaced(
+            unit.options.optimizer_shard, enabled=True))
+    if result.ilp.get("recompute") and unit.graph is not None:
+        group = layer_groups(unit.graph)
+        outputs = {id(v) for v in unit.graph.outputs}
+        for node in unit.graph.nodes:
+            key = group.get(id(node))
+            if key is None or id(node.result) in outputs:
+                continue
+            if any(group.get(id(user)) != key for user, _ in node.result.uses):
+                continue  # a layer's output is kept, as Cell.recompute() keeps a cell's
+            if node.attrs.get("recompute") is None:
+                node.attrs["recompute"] = True
 
 
 def finish_assignment(unit: CompileUnit) -> None:

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from pcompile.ir.core import GraphParam
+from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
 from pcompile.passes.search.candidates import Candidate
 from pcompile.passes.search.cost_graph import CostGraph, Edge, Vertex
@@ -59,7 +60,7 @@ from pcompile.passes.search.time_model import (
 )
 
 
-class IlpError(ValueError):
+class IlpError(PcompileError):
     """No plan fits (the message says how much memory the smallest plan needs)."""
 
 
@@ -141,6 +142,17 @@ class Folding:
     last: dict[int, int]  # representative group's last vertex -> layers (for recompute)
     layer_of: list[bool]  # representative lies in a folded layer
     folded: dict[str, int]
+
+
+def layer_groups(graph: Any) -> dict[int, tuple[str, int]]:
+    """id(node) -> (CellList, layer index) for the nodes of repeated layers (the scopes
+    `fold` groups by)."""
+    out = {}
+    for node in graph.nodes:
+        m = _LAYER.match(node.fullname)
+        if m:
+            out[id(node)] = (m.group(1), int(m.group(2)))
+    return out
 
 
 def _fold_signature(v: Vertex) -> Any:

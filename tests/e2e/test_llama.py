@@ -124,7 +124,8 @@ def _load(monkeypatch: Any, **env: str) -> Any:
 
 
 @pytest.mark.parametrize("preset,count", [("llama2_7b", 6_738_415_616),
-                                          ("llama3_8b", 8_030_261_248)])
+                                          ("llama3_8b", 8_030_261_248),
+                                          ("llama2_70b", 68_976_648_192)])
 def test_presets_have_the_published_parameter_counts(monkeypatch: Any, preset: str,
                                                      count: int) -> None:
     """Llama-2-7B has 6,738,415,616 parameters and Llama-3-8B 8,030,261,248 (untied LM head,
