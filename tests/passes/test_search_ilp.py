@@ -267,3 +267,34 @@ def test_recursive_programming_warns_beyond_the_memory() -> None:
                    constants=CostConstants(memory_capacity=64.0))
     assert len(tight.warnings) == 1 and "does not bound memory" in tight.warnings[0]
     assert tight.summary()["warnings"] == tight.warnings
+
+
+@pytest.mark.slow
+def test_parallel_optimizer_and_recompute_when_the_memory_needs_them(monkeypatch: Any) -> None:
+    """Under 40 MB a 4-layer Llama fits 8 devices only with the parallel optimizer and
+    recompute: the search chooses them, the program has them (sharded weights, recomputed
+    nodes), the prediction fits, and the plan checks against one device (the shrunk check
+    shards the weights the plan sharded)."""
+    from pcompile.compiler.search_context import reset_cost_model_context
+    from pcompile.tools.shrink import shrunk_check
+
+    for name in [n for n in os.environ if n.startswith("LLAMA_")]:
+        monkeypatch.delenv(name)
+    env = {"STRATEGIES": "none", "LAYERS": "4", "HIDDEN": "512", "FFN": "1408",
+           "VOCAB": "4096", "SEQ": "128", "BATCH": "2"}
+    for k, v in env.items():
+        monkeypatch.setenv(f"LLAMA_{k}", v)
+    from pcompile.compiler.driver import compile as compile_program
+
+    try:
+        program = compile_program(os.path.join(ROOT, "examples", "llama.py"), devices=8,
+                                  search_mode="ilp", dump=False,
+                                  overrides={"device_memory_capacity": 4.0e7})
+        plan = program.state.plan
+        assert plan["search"]["parallel_optimizer"] and plan["search"]["recompute"]
+        assert plan["recompute"]["recomputed_nodes"] > 0 and plan["parallel_optimizer"]
+        assert plan["prediction"]["fits"] and plan["prediction"]["parallel_optimizer"]
+        result = shrunk_check(program, factor=16)
+    finally:
+        reset_cost_model_context()
+    assert result.report.ok(), result.report.worst
