@@ -572,6 +572,8 @@ def _fields_problem(meta: Mapping[str, Any]) -> str:
                                 or not isinstance(written, (int, float))):
         return f"its time of writing {written!r} is not a number"
     if "log_lines" in meta:
+        if not _count(meta["log_lines"]):
+            return f"its log_lines {meta['log_lines']!r} is not a non-negative integer"
         if not (isinstance(meta.get("log_sha256"), str) and _SHA256.fullmatch(meta["log_sha256"])):
             return f"its log_sha256 {meta.get('log_sha256')!r} is not a sha256 in hex"
         if run is None or meta.get("rank") is None:

@@ -82,6 +82,11 @@ def merged_tensors(out_dir: str, step: int | None = None, folder: str | None = N
             readers.append(CheckpointReader(path, r))
             if readers[-1].meta.get("plan_id") != readers[0].meta.get("plan_id"):
                 raise MergeError(f"rank {r}'s checkpoint belongs to another plan than rank 0's")
+            if readers[-1].meta.get("run") != readers[0].meta.get("run"):
+                raise MergeError(f"the checkpoints of step {step} are of different runs (rank "
+                                 f"0: {readers[0].meta.get('run')}, rank {r}: "
+                                 f"{readers[-1].meta.get('run')}): a new run replaced some "
+                                 "ranks' only; merge another step")
             if plan_id is not None and readers[-1].meta.get("plan_id") != plan_id:
                 raise MergeError(_plan_mismatch(folder, readers[-1].meta.get("plan_id"),
                                                 plan_id, out_dir))

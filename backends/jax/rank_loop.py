@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterator
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -188,10 +189,11 @@ class RankRunner:
 
         return put_blocks(self.mesh, pieces, tuple(shape), self.dtypes[name])
 
-    def _batches(self, steps: int, skip: int = 0) -> Any:
+    def _batches(self, steps: int, skip: int = 0) -> Iterator[Any]:
         """(epoch, step, arrays, first_row) per step (compiler.runtime.iter_rank_batches): a
         pcompile.dataset object is read only for the rows of this process's ranks' share of
-        each global batch, and its first `skip` steps not at all."""
+        each global batch, and its first `skip` steps not at all. Each batch is checked as it
+        is read (compiler/data_checks.py); see `_reading`."""
         from pcompile.compiler.runtime import DatasetSpec, batch_rows, spec_batches
 
         expected = [(name, tuple(self.m.LAYOUTS[name][0]), self.dtypes[name])
@@ -201,9 +203,31 @@ class RankRunner:
         try:
             spec = (DatasetSpec.from_literal(literal) if literal is not None
                     else DatasetSpec.of_model_file(self.m.MODEL_FILE, len(self.inputs)))
-            return spec_batches(spec, expected, steps, rows=rows, skip=skip)
+            batches = spec_batches(spec, expected, steps, rows=rows, skip=skip)
         except PcompileError as exc:
             raise RankError(str(exc)) from None
+        return self._reading(batches)
+
+    def _reading(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """`batches`, each read while the heartbeat says so (phase "data": the launcher names
+        a dataset() that blocks, not a collective) under the watchdog's --timeout (the first,
+        which calls dataset(): --startup-timeout); a mistake in the data, or a dataset() that
+        fails, is one RankError naming the batch (compiler/data_checks.py)."""
+        step = 0
+        while True:
+            step += 1
+            self.heartbeat.set(phase="data")
+            self.watchdog.arm(self.args.startup_timeout if step == 1 else self.args.timeout,
+                              f"reading the batch of step {step} from dataset()",
+                              why="dataset() is blocked (a stalled read, a lock, a generator "
+                                  "that waits for ever?)")
+            try:
+                item = next(batches)
+            except StopIteration:
+                return
+            except PcompileError as exc:
+                raise RankError(str(exc)) from None
+            yield item
 
     def _function(self, donate: bool = False) -> Any:
         """The jitted SPMD step; `donate`: it reuses the buffers of the stored values it
@@ -337,11 +361,16 @@ class RankRunner:
             return
         earlier = sorted({step for r in self.local
                           for step, owner in run_steps(self.ckpt_dir, r).items() if owner != run})
-        if earlier:
-            self._say(f"{self.ckpt_dir} holds checkpoints of an earlier run (step(s) "
-                      f"{', '.join(map(str, earlier))}); this run ({run}) keeps them until it "
-                      "has written a checkpoint on every rank, then removes them",
+        if not earlier:
+            return
+        held = (f"{self.ckpt_dir} holds checkpoints of an earlier run (step(s) "
+                f"{', '.join(map(str, earlier))})")
+        if self.args.no_checkpoint and not self.args.checkpoint_every:
+            self._say(f"{held}; this run writes none (--no-checkpoint) and leaves them",
                       force=True, first_only=True)
+        else:
+            self._say(f"{held}; this run ({run}) keeps them until it has written a checkpoint "
+                      "on every rank, then removes them", force=True, first_only=True)
 
     def _resume_step(self) -> int | None:
         """--resume: the launcher's choice (--resume-step), else the newest step that every
@@ -486,7 +515,7 @@ class RankRunner:
                          first=not marks["since"])
             marks["since"] = now
             self.watchdog.disarm()
-            self.heartbeat.set(phase="data", done=ready[-1][0] + 1)
+            self.heartbeat.set(done=ready[-1][0] + 1)
 
         def finished(item: tuple[int, int, int, Any, list[Any]]) -> None:
             """Wait for a step to run (not read back): the device never holds more than

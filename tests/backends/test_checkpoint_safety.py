@@ -131,6 +131,12 @@ def test_a_new_run_on_one_rank_only_is_not_mixed_with_the_earlier_run(tmp_path) 
     assert point.step == 12 and point.run == "earlier", point
     assert "step 14: its ranks' checkpoints are of different runs (rank 0: earlier, rank 1: " \
            "new)" in point.skipped, point.skipped
+    from pcompile.backends.checkpoint_merge import merge_checkpoints
+    from pcompile.backends.merge_output import MergeError
+
+    with pytest.raises(MergeError, match="the checkpoints of step 14 are of different runs "
+                                         r"\(rank 0: earlier, rank 1: new\)"):
+        merge_checkpoints(str(tmp_path), step=14)
 
 
 # -- 16: a fresh --run keeps the earlier run's checkpoints until it has one -----------------
@@ -307,6 +313,8 @@ CRAFTED = {
                        "its train.log lines (log) are list, not a list of strings"),
     "log_lines a string": (lambda i: i.update(log_lines="4"),
                            "its metadata's log_lines is '4', not a non-negative integer"),
+    "log_lines null": (lambda i: i.update(log_lines=None),
+                       "its log_lines None is not a non-negative integer"),
     "no log digest": (lambda i: i.pop("log_sha256"), "its log_sha256 None is not a sha256"),
     "run id with a slash": (lambda i: i.update(run="../../x"), "its run id '../../x' is not"),
     "rank a string": (lambda i: i.update(rank="1"), "its metadata's rank is '1'"),
