@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 TAIL_LINES = 25
 EXIT_COORDINATOR_PORT = 75  # backends/jax/rank_process.py: process 0 could not listen
+EXIT_USER_ERROR = 2  # backends/jax/rank_runtime.py: a RankError, which it says in one line
 HEARTBEAT_FD = "PCOMPILE_HEARTBEAT_FD"  # backends/jax/rank_process.py writes heartbeats there
 SHARE_KEY_ENV = "PCOMPILE_SHARE_KEY"  # backends/jax/shared_compile.py keys its digest with it
 RUN_ID_ENV = "PCOMPILE_RUN_ID"  # backends/jax/rank_loop.py tags the run's checkpoints with it
@@ -148,6 +149,8 @@ class _Proc:
     done: int | None = None
     first_done: int | None = None
     failed_at: float | None = None  # time.time() the process reported its failure
+    error: str = ""  # the one-line error it reported (its heartbeat's last words)
+    reading: int | None = None  # the step whose batch it reads (phase "data")
     exited_at: float | None = None  # time.time() the launcher saw it exit
     code: int | None = None
     buffer: bytes = b""
@@ -485,8 +488,15 @@ def _run_once(programs: list[str], per: int, coordinator: str, common: list[str]
                     what = _silence(failed)
                 else:
                     what = _describe(failed.code)
-                message = (f"{failed.name} failed first ({what}); stopped the other ranks. "
-                           f"Last lines of {failed.log}:\n{text}")
+                said = failed.error.strip().split(": error: ", 1)[-1]
+                if failed.code == EXIT_USER_ERROR and said and "\n" not in said:
+                    # the rank's own one-line message (a mistake in the data, a checkpoint
+                    # that does not fit): no log tail to read
+                    message = (f"{failed.name} failed first: {said} (stopped the other ranks; "
+                               f"log: {failed.log})")
+                else:
+                    message = (f"{failed.name} failed first ({what}); stopped the other ranks. "
+                               f"Last lines of {failed.log}:\n{text}")
                 echo(f"pcompile launcher: {message}")
                 return LaunchResult(1, failed.rank, message)
             stuck = _overdue(ranks, deadlines)
@@ -538,6 +548,8 @@ def _read_beats(proc: _Proc) -> None:
             continue
         proc.last_beat = now
         proc.phase = str(beat.get("phase", proc.phase))
+        reading = beat.get("batch")
+        proc.reading = reading if isinstance(reading, int) else None
         done = beat.get("done")
         if isinstance(done, int):
             if proc.first_done is None:
@@ -547,6 +559,8 @@ def _read_beats(proc: _Proc) -> None:
         if proc.phase == "failed" and proc.failed_at is None:
             at = beat.get("at")
             proc.failed_at = float(at) if isinstance(at, (int, float)) else time.time()
+            error = beat.get("error")
+            proc.error = error if isinstance(error, str) else ""
 
 
 SILENT = 5.0  # seconds without a heartbeat after which a process counts as stopped
@@ -654,6 +668,12 @@ def _overdue(ranks: list[_Proc], deadlines: Deadlines) -> tuple[_Proc, str] | No
     limit = deadlines.of(proc)
     flag = "--startup-timeout" if proc.starting() else "--timeout"
     behind = [r for r in live if (r.done, r.phase) != (proc.done, proc.phase)]
+    if not behind and proc.phase == "data":
+        batch = f"the batch of step {proc.reading}" if proc.reading else "its next batch"
+        return proc, (f"no rank got its next batch within {limit:.0f} s ({flag}): every rank is "
+                      f"reading {batch} from dataset(); dataset() is blocked (a stalled read, a "
+                      f"lock, a generator that waits for ever?). {proc.name} is named for its "
+                      "log")
     if not behind:
         return proc, (f"no rank finished its step within {limit:.0f} s ({flag}): every rank is "
                       f"{_PHASES.get(proc.phase, proc.phase)}; a collective that never "

@@ -13,6 +13,15 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from pcompile.compiler.compiled import CompiledProgram, CompileState
+from pcompile.compiler.data_checks import (
+    BatchPlace,
+    DataError,
+    IndexRange,
+    check_batch,
+    index_ranges,
+    no_batch,
+    ranges_of,
+)
 from pcompile.compiler.model_file import (
     ModelFile,
     as_input_list,
@@ -47,7 +56,8 @@ def batches(program: CompiledProgram, steps: int) -> Iterator[tuple[int, int, li
     if shrink is not None:  # the shrunk check (tools/shrink.py): the model's batches, shrunk
         expected = [(name, shrink.shrink.original[name], dtype) for name, _, dtype in expected]
     batches = iter_batches(mf, len(traced.input_names), len(traced.label_names),
-                           traced.example_inputs + traced.example_labels, expected, steps)
+                           traced.example_inputs + traced.example_labels, expected, steps,
+                           index_ranges(traced.graph))
     if shrink is None:
         yield from batches
         return
@@ -69,7 +79,7 @@ def rank_batches(program: CompiledProgram, ranks: list[int], steps: int, skip: i
     rows = batch_rows([layouts[p.name] for p in program.graph.inputs], ranks)
     return iter_rank_batches(mf, len(traced.input_names), len(traced.label_names),
                              traced.example_inputs + traced.example_labels, expected, steps,
-                             rows=rows, skip=skip)
+                             rows=rows, skip=skip, ranges=index_ranges(traced.graph))
 
 
 @dataclass(frozen=True)
@@ -78,18 +88,23 @@ class DatasetSpec:
     `DATASET`): the model file whose `dataset()` gives them (without one, one batch of
     `inputs()` and `labels()` repeats, tensor specs filled with random values) and how many
     arrays of each batch are inputs and labels. The arrays' names, global shapes and dtypes
-    are the program's input parameters."""
+    are the program's input parameters; `ranges` the ids its integer inputs may hold
+    (compiler/data_checks.py, `index_ranges`: every batch is checked as it is read)."""
 
     model_file: str
     inputs: int
     labels: int
+    ranges: tuple[IndexRange, ...] = ()
 
     def literal(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["ranges"] = [r.literal() for r in self.ranges]
+        return out
 
     @classmethod
     def from_literal(cls, data: dict[str, Any]) -> DatasetSpec:
-        return cls(str(data["model_file"]), int(data["inputs"]), int(data["labels"]))
+        return cls(str(data["model_file"]), int(data["inputs"]), int(data["labels"]),
+                   ranges_of(data.get("ranges")))
 
     @classmethod
     def of_model_file(cls, path: str, taken: int) -> DatasetSpec:
@@ -106,7 +121,7 @@ def dataset_spec(state: CompileState) -> DatasetSpec:
     traced = state.traced
     assert traced is not None
     return DatasetSpec(os.path.abspath(state.model_file.path), len(traced.input_names),
-                       len(traced.label_names))
+                       len(traced.label_names), index_ranges(traced.graph))
 
 
 def _data_model_file(path: str) -> ModelFile:
@@ -136,7 +151,7 @@ def spec_batches(spec: DatasetSpec, expected: list[tuple[str, tuple[int, ...], A
                 f"{mf.path}: inputs() and labels() give {len(examples)} arrays, the program "
                 f"takes {len(expected)}")
     return iter_rank_batches(mf, spec.inputs, spec.labels, examples, expected, steps,
-                             rows=rows, skip=skip)
+                             rows=rows, skip=skip, ranges=spec.ranges)
 
 
 def input_shapes(program: CompiledProgram) -> list[tuple[int, ...]]:
@@ -157,12 +172,13 @@ def iter_batches(
     examples: list[TensorSpec | np.ndarray],
     expected: list[tuple[str, tuple[int, ...], Any]],
     steps: int,
+    ranges: tuple[IndexRange, ...] = (),
 ) -> Iterator[tuple[int, int, list[np.ndarray]]]:
     """`batches` from a loaded model file without a compiled program: `examples` are inputs() +
     labels (for the synthetic batch when there is no dataset()), `expected` the (name, global
     shape, numpy dtype) of every graph input."""
     for epoch, step, arrays, _ in iter_rank_batches(mf, n_inputs, n_labels, examples, expected,
-                                                     steps):
+                                                     steps, ranges=ranges):
         assert arrays is not None
         yield epoch, step, arrays
 
@@ -200,6 +216,7 @@ def iter_rank_batches(
     steps: int,
     rows: tuple[int, int] | None = None,
     skip: int = 0,
+    ranges: tuple[IndexRange, ...] = (),
 ) -> Iterator[tuple[int, int, list[np.ndarray] | None, int]]:
     """Yield (epoch, step-in-epoch, arrays, first_row) for `steps` steps: arrays = inputs then
     labels. Epochs restart `dataset()`; without one, one synthetic batch repeats.
@@ -209,7 +226,12 @@ def iter_rank_batches(
     `rows` = (lo, hi) only rows lo..hi of each global batch are read (a rank's share,
     `batch_rows`): the arrays have hi - lo rows and first_row is lo. The first `skip` steps of
     such a data set are passed over without reading them (arrays None). Any other iterable
-    gives whole global batches (first_row 0)."""
+    gives whole global batches (first_row 0).
+
+    Every batch is checked as it is read (compiler/data_checks.py: count, shapes, dtypes, the
+    ids of `ranges`); what the run will certainly read and is known at the start (a list's
+    batches, a pcompile.dataset's short last batch) is checked before the first. A mistake, a
+    failing `dataset()` and an epoch without a batch are one `DataError` naming the batch."""
     if mf.dataset is None:
         rng = np.random.default_rng(0)
         batch = [synthetic(s, rng) for s in examples]
@@ -219,88 +241,128 @@ def iter_rank_batches(
     from pcompile.compiler.dataset import Dataset
 
     data = call_user(mf.dataset, "dataset()", mf.path)
+    sizes = (n_inputs, n_labels)
     if isinstance(data, Dataset):
-        yield from _dataset_batches(mf, data, n_inputs + n_labels, (n_inputs, n_labels),
-                                    expected, steps, rows, skip)
+        yield from _dataset_batches(mf, data, sizes, expected, steps, rows, skip, ranges)
         return
+    if isinstance(data, (list, tuple)):  # every batch the run reads is known now
+        for k, raw in enumerate(data[:steps]):
+            _plain_batch(mf, raw, sizes, expected, BatchPlace(1, k + 1, k + 1), ranges)
     done, epoch = 0, 0
     while done < steps:
         epoch += 1
         produced = 0
         if epoch > 1:
             data = call_user(mf.dataset, "dataset()", mf.path)
-        for raw in iterate_user(data, "dataset()", mf.path):
-            items = list(raw) if isinstance(raw, (tuple, list)) else [raw]
-            arrays = as_input_list(tuple(items[: n_inputs + n_labels]), "dataset", mf.path)
+        used_up = _is_iterator(data)
+        reading = iterate_user(data, "dataset()", mf.path)
+        while done < steps:
+            place = BatchPlace(epoch, produced + 1, done + 1)
+            try:
+                raw = next(reading)
+            except StopIteration:
+                break
+            except DataError:
+                raise
+            except PcompileError as exc:
+                raise DataError(f"reading {place}: {exc}") from None
             produced += 1
             done += 1
-            yield epoch, produced, _checked(mf, arrays, expected, n_inputs, n_labels,
-                                            produced, None), 0
-            if done >= steps:
-                return
+            yield epoch, produced, _plain_batch(mf, raw, sizes, expected, place, ranges), 0
         if produced == 0:
-            raise PcompileError(f"dataset() in {mf.path} yields no batch")
+            raise no_batch(mf.path, epoch, done + 1, used_up)
 
 
-def _checked(mf: Any, arrays: list[Any], expected: list[tuple[str, tuple[int, ...], Any]],
-             n_inputs: int, n_labels: int, produced: int,
-             rows: tuple[int, int] | None) -> list[np.ndarray]:
-    """A batch's arrays in the program's dtypes, their shapes checked (with `rows`: the
-    rows lo..hi of the global shape)."""
-    if len(arrays) != n_inputs + n_labels:
-        raise PcompileError(
-            f"dataset() in {mf.path} yields {len(arrays)} arrays; the program takes "
-            f"{n_inputs} input(s) and {n_labels} label(s)"
-        )
-    out = []
-    for arr, (name, shape, dtype) in zip(arrays, expected):
-        arr = np.asarray(arr)
-        want = shape if rows is None else (rows[1] - rows[0], *shape[1:])
-        if arr.shape != want:
-            got = arr.shape if rows is None else (shape[0], *arr.shape[1:])
-            raise PcompileError(
-                f"dataset() batch {produced}: {name} has shape {got}, "
-                f"the program was compiled for {shape}"
-            )
-        out.append(arr.astype(dtype))
-    return out
+def _is_iterator(data: Any) -> bool:
+    try:
+        return iter(data) is data
+    except Exception:  # not iterable: iterate_user names the mistake
+        return False
 
 
-def _dataset_batches(mf: Any, data: Any, count: int, sizes: tuple[int, int],
+def _plain_batch(mf: Any, raw: Any, sizes: tuple[int, int],
+                 expected: list[tuple[str, tuple[int, ...], Any]], place: BatchPlace,
+                 ranges: tuple[IndexRange, ...]) -> list[np.ndarray]:
+    """One batch of a plain iterable (a tuple of arrays, or one array), checked."""
+    items = list(raw) if isinstance(raw, (tuple, list)) else [raw]
+    try:
+        arrays = as_input_list(tuple(items[: sum(sizes)]), "dataset", mf.path)
+    except PcompileError as exc:
+        raise DataError(f"{place}: {exc}") from None
+    return check_batch(mf.path, arrays, expected, sizes, place, None, ranges)
+
+
+def _dataset_batches(mf: Any, data: Any, sizes: tuple[int, int],
                      expected: list[tuple[str, tuple[int, ...], Any]], steps: int,
-                     rows: tuple[int, int] | None, skip: int,
+                     rows: tuple[int, int] | None, skip: int, ranges: tuple[IndexRange, ...],
                      ) -> Iterator[tuple[int, int, list[np.ndarray] | None, int]]:
     """`iter_rank_batches` over a pcompile.dataset object."""
     batch_dims = {shape[0] if shape else None for _, shape, _ in expected}
     if len(batch_dims) != 1 or None in batch_dims:
         rows = None  # no common batch dim to share out: every rank reads whole batches
     global_rows = next(iter(batch_dims))
+    whole = (f"batch({global_rows}, drop_remainder=True) gives only whole global batches"
+             if global_rows is not None else "")
+    _short_last_batch(mf, data, global_rows, steps, skip, whole)
     done, epoch = 0, 0
     while done < steps:
         epoch += 1
         produced = 0
-        for element in iterate_user(data._elements(epoch - 1), "dataset()", mf.path):
+        elements = iterate_user(data._elements(epoch - 1), "dataset()", mf.path)
+        while done < steps:
+            place = BatchPlace(epoch, produced + 1, done + 1)
+            try:
+                element = next(elements)
+            except StopIteration:
+                break
+            except PcompileError as exc:
+                raise DataError(f"reading {place}: {exc}") from None
             produced += 1
             done += 1
             if done <= skip:
                 yield epoch, produced, None, 0
-            else:
-                total = data._rows(element)
-                share = rows if total is not None else None
-                if share is not None and total != global_rows:
-                    raise PcompileError(
-                        f"dataset() batch {produced} has {total} rows, the program was "
-                        f"compiled for a batch of {global_rows}: batch({global_rows}, "
-                        "drop_remainder=True) gives only whole global batches")
+                continue
+            total = data._rows(element)
+            share = rows if total is not None else None
+            if total is not None and global_rows is not None and total != global_rows:
+                raise DataError(
+                    f"dataset() in {mf.path}, {place}: {total} rows; the program was compiled "
+                    f"for a batch of {global_rows}: {whole}")
+            try:
                 arrays = call_user(data._read, "dataset()", mf.path, element, share)
-                checked = _checked(mf, list(arrays[:count]), expected, *sizes, produced, share)
-                if share is None and rows is not None:  # a whole batch the source made
-                    checked, share = [a[rows[0]:rows[1]] for a in checked], rows
-                yield epoch, produced, checked, share[0] if share is not None else 0
-            if done >= steps:
-                return
+            except PcompileError as exc:
+                raise DataError(f"reading {place}: {exc}") from None
+            checked = check_batch(mf.path, list(arrays[:sum(sizes)]), expected, sizes, place,
+                                  share, ranges, whole)
+            if share is None and rows is not None:  # a whole batch the source made
+                checked, share = [a[rows[0]:rows[1]] for a in checked], rows
+            yield epoch, produced, checked, share[0] if share is not None else 0
         if produced == 0:
-            raise PcompileError(f"dataset() in {mf.path} yields no batch")
+            raise no_batch(mf.path, epoch, done + 1, False)
+
+
+def _short_last_batch(mf: Any, data: Any, global_rows: int | None, steps: int, skip: int,
+                      whole: str) -> None:
+    """Before the first step: a batch(n) without drop_remainder over a known number of rows
+    that leaves a short last batch, when the run certainly reads it (it reads a whole epoch
+    past the steps it skips)."""
+    from pcompile.compiler.dataset import BatchDataset
+
+    node = data
+    while node is not None and not isinstance(node, BatchDataset):
+        node = node._parent
+    if node is None or node.drop_remainder or global_rows is None or node._parent is None:
+        return
+    total, epoch = node._parent._size(), data._size()
+    if total is None or epoch is None or not total % node.batch_size or steps <= skip:
+        return
+    if steps >= epoch and node is data:  # the last batch of epoch 1 is step `epoch`
+        place = BatchPlace(1, epoch, epoch)
+        if place.step > skip:
+            raise DataError(
+                f"dataset() in {mf.path}, {place}: {total % node.batch_size} rows (batch("
+                f"{node.batch_size}) of {total} rows leaves a short last batch in every "
+                f"epoch); the program was compiled for a batch of {global_rows}: {whole}")
 
 def held_copy(value: np.ndarray, float64: bool) -> np.ndarray:
     """A copy of a parameter value as a runner holds it (float64 mode: floats in float64)."""

@@ -216,7 +216,7 @@ class RankRunner:
         step = 0
         while True:
             step += 1
-            self.heartbeat.set(phase="data")
+            self.heartbeat.set(phase="data", batch=step)
             self.watchdog.arm(self.args.startup_timeout if step == 1 else self.args.timeout,
                               f"reading the batch of step {step} from dataset()",
                               why="dataset() is blocked (a stalled read, a lock, a generator "

@@ -193,15 +193,19 @@ class Watchdog:
         self.label = label
         self.deadline = float("inf")
         self.what = "start-up"
+        self.why = ""
         self.grace = LAUNCHER_GRACE if os.environ.get(HEARTBEAT_FD) else 0.0
         self._lock = threading.Lock()
         thread = threading.Thread(target=self._watch, daemon=True, name="pcompile-watchdog")
         thread.start()
 
-    def arm(self, seconds: float, what: str) -> None:
+    def arm(self, seconds: float, what: str, why: str = "") -> None:
+        """End the process unless `what` is over within `seconds`; `why`: the likely cause
+        it names (default: a collective waiting for a rank that stopped)."""
         with self._lock:
             self.deadline = time.monotonic() + seconds + self.grace
             self.what = what
+            self.why = why
 
     def disarm(self) -> None:
         with self._lock:
@@ -219,10 +223,10 @@ class Watchdog:
             with self._lock:
                 late = time.monotonic() > self.deadline
                 what = self.what
+                why = self.why or "a collective is probably waiting for a rank that stopped"
             if late:
-                sys.stderr.write(
-                    f"{self.label}: {what} did not finish in time; a collective is probably "
-                    "waiting for a rank that stopped. Exiting.\n")
+                sys.stderr.write(f"{self.label}: {what} did not finish in time; {why}. "
+                                 "Exiting.\n")
                 sys.stderr.flush()
                 os._exit(EXIT_TIMEOUT)
 
@@ -250,7 +254,7 @@ class Heartbeat:
     def failed(self, why: str) -> None:
         """The process is about to exit with an error: when, so the launcher can tell the
         first failure from the ones it caused."""
-        self.set(phase="failed", error=why[-300:], at=time.time())
+        self.set(phase="failed", error=why[-2000:], at=time.time())
 
     def _send(self) -> None:
         if self.fd is None:
