@@ -282,7 +282,7 @@ class RankBuilder:
 
     def constant(self, value: Constant, want: TensorLayout) -> Constant:
         """A constant operand as `want` lays it out: the whole constant, or each rank's part."""
-        if all(e == -1 for e in want.tensor_map) or not value.shape:
+        if all(s == 1 for s in want.splits) or not value.shape:  # whole on every rank
             return Constant(value.array, value.dtype)
         return self.rank_constant(SlicedArray(value.array, want), value.dtype)
 

@@ -129,7 +129,7 @@ class _Writer:
 
     def _table(self, name: str, table: np.ndarray, what: str) -> None:
         if table.size > 64 * max(1, self.plan.num_ranks):
-            key = f"table.{name}"
+            key = f"table.{array_digest(table)}"  # the same table (one per layer) stored once
             self.consts[key] = np.asarray(table)
             self.tables.append(f"{name} = LazyTable(DATA, {key!r})  # {what}, in consts.npz")
             return

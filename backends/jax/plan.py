@@ -503,11 +503,14 @@ def _build_parametric(graphs: list[Graph], n: int) -> SpmdPlan:
                                      else _groups([node] * n, n))
     mesh = choose_mesh(n, collective_groups)
     ref = _Refs(graph)
-    plans = [_plan_parametric(k, node, ref, n, mesh) for k, node in enumerate(graph.nodes)]
+    tables: dict[Any, np.ndarray] = {}  # one table per distinct per-rank constant
+    plans = [_plan_parametric(k, node, ref, n, mesh, tables)
+             for k, node in enumerate(graph.nodes)]
     return SpmdPlan(list(graphs), mesh, plans, [ref(v) for v in graph.outputs])
 
 
-def _plan_parametric(k: int, node: Node, ref: _Refs, n: int, mesh: MeshSpec) -> NodePlan:
+def _plan_parametric(k: int, node: Node, ref: _Refs, n: int, mesh: MeshSpec,
+                     tables: dict[Any, np.ndarray] | None = None) -> NodePlan:
     opdef = get_op(node.op)
     operands = [("const", i) if isinstance(v, Constant) else ref(v)
                 for i, v in enumerate(node.operands)]
@@ -515,7 +518,15 @@ def _plan_parametric(k: int, node: Node, ref: _Refs, n: int, mesh: MeshSpec) -> 
     plan = NodePlan(k, node, "op", resolve_attrs(impl, 0), operands)
     for i, v in enumerate(node.operands):
         if isinstance(v, RankConstant):
-            plan.const_tables[i] = np.stack([v.array_at(r) for r in range(n)])
+            # the same constant laid out alike (a table per layer's use of a rotary or mask
+            # constant) is one array: 80 layers on 1024 ranks held 80 copies
+            key = (v.data, v.dtype)
+            table = tables.get(key) if tables is not None else None
+            if table is None:
+                table = np.stack([v.array_at(r) for r in range(n)])
+                if tables is not None:
+                    tables[key] = table
+            plan.const_tables[i] = table
     if opdef.collective:
         if node.op not in COLLECTIVE_OPS:
             raise SpmdLoweringError(f"{node.where()}: no SPMD lowering for collective {node.op}")

@@ -52,6 +52,7 @@ from pcompile.passes.search.time_model import (
     Memory,
     MemoryOptions,
     OpTime,
+    differentiable,
     layout_axes,
     op_time,
     param_memory,
@@ -252,6 +253,7 @@ class Costs:
         self._op: dict[Any, list[OpTime]] = {}
         self._pair: dict[Any, float] = {}
         self.owner = self._param_owners()
+        self.grad = differentiable(cg.graph) if options.training else set()
 
     def _param_owners(self) -> dict[int, list[tuple[int, GraphParam]]]:
         """Vertex -> (operand index, parameter) for the parameters it is the first user of."""
@@ -274,7 +276,7 @@ class Costs:
         hit = self._op.get(key)
         if hit is None:
             hit = [op_time(v.node, c.sharding, self.cg.devices, self.options.profile,
-                           self.options.training) for c in v.candidates]
+                           self.options.training, self.grad) for c in v.candidates]
             self._op[key] = hit
         return hit
 
@@ -300,6 +302,14 @@ class Costs:
                 mem.activations += float(np.prod(lay.slice_shape)) * t.dtype.itemsize
         return mem
 
+    def has_grad(self, e: Edge) -> bool:
+        """Whether the value an edge carries gets a gradient (its redistribution then runs
+        backward too)."""
+        node = self.cg.vertices[e.dst].node
+        if node is None or e.dst_in >= len(node.operands):
+            return self.options.training
+        return id(node.operands[e.dst_in]) in self.grad
+
     def update_time(self, mem: Memory) -> float:
         """The optimizer step on this rank's parameter slices: read and write the weights,
         gradients and states once (memory bound)."""
@@ -313,7 +323,8 @@ class Costs:
             return 0.0 if ka == kb else inf
         if ka == kb:
             return 0.0
-        key = (ka, kb, e.itemsize, e.is_bool)
+        backward = self.has_grad(e)
+        key = (ka, kb, e.itemsize, e.is_bool, backward)
         hit = self._pair.get(key)
         if hit is None:
             from pcompile.passes.redistribution import plan_redistribution
@@ -323,8 +334,7 @@ class Costs:
                 hit = inf
             else:
                 hit = redistribution_time(la, lb, e.itemsize, self.options.profile,
-                                          self.options.training,
-                                          self.options.enable_alltoall).total
+                                          backward, self.options.enable_alltoall).total
             self._pair[key] = hit
         return hit
 

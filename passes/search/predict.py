@@ -99,7 +99,7 @@ def _bytes(cg: CostGraph, costs: Costs, folding: Any, edges: Any, choice: dict[i
         if e.parameter or a.out_keys[e.src_out] == b.in_keys[e.dst_in]:
             continue
         t = redistribution_time(a.out_layouts[e.src_out], b.in_layouts[e.dst_in], e.itemsize,
-                                costs.options.profile, costs.options.training,
+                                costs.options.profile, costs.has_grad(e),
                                 costs.options.enable_alltoall)
         total += me.weight * t.comm_bytes
     return total

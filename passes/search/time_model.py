@@ -243,10 +243,28 @@ def stored_param(value: Value) -> GraphParam | None:
     return value if isinstance(value, GraphParam) and value.kind != "input" else None
 
 
-def _needs_grad(value: Value) -> bool:
+def differentiable(graph: Any) -> set[int]:
+    """id() of the values a training step differentiates: trainable weights and the
+    floating-point results computed from them (data, constants, masks and integer values
+    have no gradient, so nothing is communicated for them in the backward)."""
+    out: set[int] = set()
+    for p in graph.params:
+        if p.kind == "weight" and p.requires_grad:
+            out.add(id(p))
+    for node in graph.nodes:
+        t = node.result.type
+        floating = not isinstance(t, TensorType) or t.dtype.is_float
+        if floating and any(id(v) in out for v in node.operands):
+            out.add(id(node.result))
+    return out
+
+
+def _needs_grad(value: Value, grad: set[int] | None) -> bool:
     t = value.type
     if not isinstance(t, TensorType) or not t.dtype.is_float:
         return False
+    if grad is not None:
+        return id(value) in grad
     param = stored_param(value)
     if param is not None:
         return param.kind == "weight" and bool(param.requires_grad)
@@ -258,8 +276,9 @@ def _bytes(layout: TensorLayout, itemsize: int) -> float:
 
 
 def op_time(node: Node, sharding: OpSharding, devices: int, profile: DeviceProfile,
-            training: bool) -> OpTime:
-    """One rank's seconds for `node` laid out by `sharding` (module docstring)."""
+            training: bool, grad: set[int] | None = None) -> OpTime:
+    """One rank's seconds for `node` laid out by `sharding` (module docstring); `grad`: the
+    values that get a gradient (`differentiable`; None: every floating input but data)."""
     in_types = [v.type for v in node.operands if isinstance(v.type, TensorType)]
     out_t = node.result.type
     out_types = [out_t] if isinstance(out_t, TensorType) else [
@@ -301,7 +320,7 @@ def op_time(node: Node, sharding: OpSharding, devices: int, profile: DeviceProfi
         return result
     operands = [v for v in node.operands if isinstance(v.type, TensorType)]
     for value, lay in zip(operands, sharding.in_layouts):
-        if not _needs_grad(value):
+        if not _needs_grad(value, grad):
             continue
         missing = axes - layout_axes(lay)
         if not missing:
@@ -320,7 +339,8 @@ def op_time(node: Node, sharding: OpSharding, devices: int, profile: DeviceProfi
 def redistribution_time(src: TensorLayout, dst: TensorLayout, itemsize: int,
                         profile: DeviceProfile, training: bool,
                         enable_alltoall: bool = False) -> OpTime:
-    """Seconds of turning `src` into `dst` (and, training, its cotangent back)."""
+    """Seconds of turning `src` into `dst` (and, `training` (the value has a gradient), its
+    cotangent back)."""
     plan = plan_redistribution(src, dst, enable_alltoall)
     out = OpTime()
     for op in plan.ops:
