@@ -5,8 +5,10 @@ Pure Python (no JAX): the rank runtime (backends/jax/rank_report.py) measures, t
 decides units and formats; the launcher and the CLI reuse the formats.
 
 * Throughput unit: tokens when the model's first input is token ids (an integer tensor of rank
-  2, `(batch, sequence)`: tokens per step = its global size), else samples (its global first
-  dim). `throughput_unit` decides from the compiled program's input shapes and dtypes.
+  2, `(batch, sequence)`), else samples (its global first dim). Tokens per step are those the
+  step trains on, the ids its embedding lookup reads (the program's `TOKENS_PER_STEP`: S per
+  sample of S + 1 ids, whose last is only a label), else the input's global size.
+  `throughput_unit` decides from them and the compiled program's input shapes and dtypes.
 * Model FLOPs: the program's `MODEL_FLOPS` (compiler/flops.py: 3 x the forward's matmul and
   attention FLOPs, counted on the traced graph) when the compiler counted any, else
   6 x parameters x tokens (only for token inputs).
@@ -68,9 +70,14 @@ def peak_tflops(device_kind: str, platform: str = "gpu") -> float | None:
     return None
 
 
-def throughput_unit(inputs: Sequence[tuple[tuple[int, ...], str]]) -> tuple[str, int]:
+def throughput_unit(inputs: Sequence[tuple[tuple[int, ...], str]],
+                    tokens: int | None = None) -> tuple[str, int]:
     """("tokens", tokens per step) when the first input is token ids, else ("samples", batch).
-    `inputs`: (global shape, dtype name) of the program's inputs, the model's first."""
+    `inputs`: (global shape, dtype name) of the program's inputs, the model's first;
+    `tokens`: the token ids one step trains on, when the compile counted them (the program's
+    `TOKENS_PER_STEP`: S per sample of S + 1 ids), else every id of the first input."""
+    if tokens:
+        return "tokens", int(tokens)
     if not inputs:
         return "samples", 0
     shape, dtype = inputs[0]

@@ -103,6 +103,32 @@ def index_ranges(graph: Any) -> tuple[IndexRange, ...]:
     return tuple(out)
 
 
+def looked_up_ids(graph: Any) -> tuple[str, int, int] | None:
+    """(input, ids looked up, ids it holds) of the integer input whose ids one step looks up
+    the most of: the elements of the Gather indices its ids reach, e.g. S of a sample of
+    S + 1 token ids whose last is only a label; None when no input reaches a Gather."""
+    best: tuple[str, int, int] | None = None
+    for param in graph.params:
+        if not np.issubdtype(param.dtype.np, np.integer):
+            continue
+        most = 0
+        seen: set[int] = set()
+        frontier = [param]
+        while frontier:
+            value = frontier.pop()
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            for node, operand in value.uses:
+                if node.op == "Gather" and operand == 1:
+                    most = max(most, int(np.prod(value.shape, dtype=np.int64)))
+                if node.op in _PASSING and operand == 0:
+                    frontier.append(node.result)
+        if most and (best is None or most > best[1]):
+            best = (param.name, most, int(np.prod(param.shape, dtype=np.int64)))
+    return best
+
+
 def ranges_of(literal: Any) -> tuple[IndexRange, ...]:
     """`IndexRange`s from their literals (a program's `DATASET`)."""
     return tuple(IndexRange(str(name), int(size), str(used))

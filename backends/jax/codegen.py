@@ -471,16 +471,36 @@ def rank_artifacts(state: Any, folder: str) -> dict[str, bytes]:
 
 def run_report_info(state: Any) -> dict[str, Any]:
     """What the runtime needs to report a run (backends/run_report.py): the model FLOPs of one
-    step counted on the traced forward graph (compiler/flops.py; 0: none counted) and the
-    optimizer's learning rate when it is a constant."""
-    from pcompile.compiler.flops import constant_learning_rate, model_flops
+    step counted on the traced forward graph (compiler/flops.py; 0: none counted), the
+    optimizer's learning rate when it is a constant (the model file's optimizer() or the one
+    its training step cell holds), and the token ids one step trains on (`tokens_per_step`)."""
+    from pcompile.compiler.flops import constant_learning_rate, model_flops, training_optimizer
     from pcompile.compiler.runtime import dataset_spec
 
     traced = getattr(state, "traced", None)
     graph = traced.graph if traced is not None else None
     return {"model_flops": model_flops(graph, bool(state.training)),
-            "learning_rate": constant_learning_rate(getattr(state, "optimizer", None)),
+            "learning_rate": constant_learning_rate(training_optimizer(state)),
+            "tokens_per_step": tokens_per_step(state),
             "dataset": dataset_spec(state).literal() if traced is not None else None}
+
+
+def tokens_per_step(state: Any) -> int:
+    """Token ids one step trains on, all ranks: those its embedding lookup reads
+    (compiler/data_checks.py, `looked_up_ids`), not the ids the input holds (a sample of
+    S + 1 ids trains S tokens); 0 when no integer input is looked up. The traced graph takes
+    one micro-batch under nn.PipelineCell: scaled to the whole batch."""
+    from pcompile.compiler.data_checks import looked_up_ids
+
+    traced = getattr(state, "traced", None)
+    found = looked_up_ids(traced.graph) if traced is not None else None
+    if found is None:
+        return 0
+    name, looked, held = found
+    whole = held
+    if state.micro_batched and state.assignment is not None:
+        whole = int(np.prod(state.assignment.param_layouts[name].shape, dtype=np.int64))
+    return looked * whole // max(1, held)
 
 
 def run_report_lines(info: dict[str, Any]) -> list[str]:
@@ -489,6 +509,8 @@ def run_report_lines(info: dict[str, Any]) -> list[str]:
             "3 x the forward's matmul/attention FLOPs when training (0: not counted)",
             f"LEARNING_RATE = {info.get('learning_rate')!r}  # None: a schedule, or no "
             "optimizer",
+            f"TOKENS_PER_STEP = {int(info.get('tokens_per_step') or 0)}  # token ids one step "
+            "trains on, all ranks (0: none looked up)",
             "# where the batches come from (compiler.runtime.DatasetSpec): the model file's",
             "# dataset(), its first `inputs` arrays the inputs, the next `labels` the labels",
             f"DATASET = {info.get('dataset')!r}"]

@@ -50,7 +50,8 @@ class RankReport:
         self.ranks = int(module.NUM_RANKS)
         inputs = [(tuple(module.LAYOUTS[name][0]), dtype)
                   for name, kind, _, dtype in module.PARAMS if kind == "input"]
-        self.unit, self.per_step = run_report.throughput_unit(inputs)
+        self.unit, self.per_step = run_report.throughput_unit(
+            inputs, getattr(module, "TOKENS_PER_STEP", None))
         weights = sum(int(np.prod(module.LAYOUTS[name][0], dtype=np.int64))
                       for name, kind, _, _ in module.PARAMS if kind == "weight")
         self.flops, self.flops_how = run_report.step_flops(

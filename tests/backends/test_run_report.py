@@ -149,6 +149,43 @@ def test_model_flops_are_counted_on_the_traced_graph(model_path, tmp_path) -> No
     assert "LEARNING_RATE = 0.1  #" in text
 
 
+def test_a_token_count_from_the_compile_wins_over_the_inputs_width() -> None:
+    assert run_report.throughput_unit([((4, 17), "int32")], 64) == ("tokens", 64)
+    assert run_report.throughput_unit([((4, 17), "int32")], 0) == ("tokens", 68)  # none counted
+    assert run_report.throughput_unit([((4, 17), "int32")]) == ("tokens", 68)  # older programs
+
+
+@pytest.mark.parametrize(("example", "tokens"), [("llama", 4 * 16), ("mixtral", 8 * 16)])
+def test_llama_and_mixtral_report_their_learning_rate_and_the_tokens_they_train(
+        tmp_path, example: str, tokens: int) -> None:
+    """The network computes its own loss (optimizer() without loss()): the learning rate of
+    the optimizer its training step holds is the program's; a sample of S + 1 = 17 token ids
+    trains S = 16 tokens (the last id is only a label)."""
+    compile_model(os.path.join(ROOT, "examples", f"{example}.py"), devices=8,
+                  out_dir=str(tmp_path / "out"), dump_ranks="0")
+    text = (tmp_path / "out" / "program.py").read_text()
+    assert "LEARNING_RATE = 0.001  #" in text
+    assert f"TOKENS_PER_STEP = {tokens}  #" in text
+
+
+@pytest.mark.slow  # a rank program of Llama on 8 CPU devices (~10 s)
+def test_a_llama_run_writes_its_learning_rate_and_trained_tokens_into_the_metrics(
+        tmp_path) -> None:
+    out = tmp_path / "out"
+    compile_model(os.path.join(ROOT, "examples", "llama.py"), devices=8, out_dir=str(out),
+                  dump_ranks="0")
+    proc = subprocess.run([sys.executable, str(out / "program.py"), "--steps", "3",
+                           "--no-checkpoint"], capture_output=True, text=True, env=clean_env(),
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["lr"] == 0.001, r
+        # 4 samples of 16 trained tokens a step (not the 17 ids each holds)
+        assert r["tokens_per_s"] * r["step_time_ms"] / 1000 == pytest.approx(64, rel=1e-3), r
+
+
 # -- a rank program run, then resumed ------------------------------------------------------------
 
 
