@@ -441,6 +441,8 @@ class RankRunner:
                 print(f"{self.m.LABEL}: error: {exc}", file=sys.stderr, flush=True)
 
     def _train(self) -> int:
+        import jax
+
         from pcompile.backends.async_checkpoint import CheckpointWriteError, HostState
         from pcompile.backends.atomic_files import clean_temp_files
         from pcompile.backends.jax.spmd import local_pieces
@@ -521,7 +523,7 @@ class RankRunner:
             """Wait for a step to run (not read back): the device never holds more than
             compiler.runtime.IN_FLIGHT unfinished steps, however long the --log-every
             groups, and the launcher sees each step done."""
-            item[3].block_until_ready()
+            jax.block_until_ready(item[3])
             self.heartbeat.set(done=item[0] + 1)
 
         pending = ReadBack(args.log_every, read, first_at_once=True, wait=finished)
