@@ -23,9 +23,11 @@ becomes an edge from the representative to itself, costed on the diagonal).
 **The mesh and the global choices** (`solve`): for every factorisation of the devices into
 data x model axes (d, m) (ranks m-fastest: the model axis stays inside a node), only candidates
 whose every split device axis is a mesh axis or the product of both are allowed; for each mesh,
-the plan without the parallel optimizer, then with it, then also with per-layer recompute, until
-one fits. The fastest fitting plan over all meshes wins (ties: the earlier mesh, fewer devices
-on the model axis). User strategies stay fixed (their vertices have one candidate).
+three programs: without the parallel optimizer, with it, and with it and per-layer recompute
+(`_Program` builds the structure once; a configuration changes the op costs and the memory
+row). The fastest fitting plan over all meshes and configurations wins (ties: the earlier
+mesh, fewer devices on the model axis, then the configuration without the feature). User
+strategies stay fixed (their vertices have one candidate).
 
 The solver is HiGHS (`highspy`), single-threaded with a fixed seed, so the same graph gives the
 same plan.
@@ -225,18 +227,28 @@ def fold(cg: CostGraph) -> Folding:
 # -- costs ----------------------------------------------------------------------------------------
 
 
-def mesh_aligned(cand: Candidate, mesh: tuple[int, int]) -> bool:
-    """Every split device axis of the candidate is a mesh axis or both together."""
-    d, m = mesh
-    allowed = {(1, d * m)}
-    if m > 1:
-        allowed.add((1, m))
-    if d > 1:
-        allowed.add((m, d))
+def axes_of(cand: Candidate) -> frozenset[tuple[int, int]]:
+    """The device axes (rank stride, size) any layout of the candidate splits over."""
+    out: set[tuple[int, int]] = set()
     for lay in (*cand.in_layouts, *cand.out_layouts):
-        if not layout_axes(lay) <= allowed:
+        out |= layout_axes(lay)
+    return frozenset(out)
+
+
+def mesh_allows(axes: frozenset[tuple[int, int]], mesh: tuple[int, int]) -> bool:
+    """Every axis is a mesh axis (data: stride m, size d; model: stride 1, size m) or both
+    together (stride 1, size d * m)."""
+    d, m = mesh
+    for stride, size in axes:
+        if not ((stride, size) == (1, d * m) or (m > 1 and (stride, size) == (1, m))
+                or (d > 1 and (stride, size) == (m, d))):
             return False
     return True
+
+
+def mesh_aligned(cand: Candidate, mesh: tuple[int, int]) -> bool:
+    """Every split device axis of the candidate is a mesh axis or both together."""
+    return mesh_allows(axes_of(cand), mesh)
 
 
 def meshes(devices: int) -> list[tuple[int, int]]:
@@ -252,6 +264,7 @@ class Costs:
         self.options = options
         self._op: dict[Any, list[OpTime]] = {}
         self._pair: dict[Any, float] = {}
+        self._axes: dict[Any, list[frozenset[tuple[int, int]]]] = {}
         self.owner = self._param_owners()
         self.grad = differentiable(cg.graph) if options.training else set()
 
@@ -309,6 +322,13 @@ class Costs:
         if node is None or e.dst_in >= len(node.operands):
             return self.options.training
         return id(node.operands[e.dst_in]) in self.grad
+
+    def candidate_axes(self, v: Vertex) -> list[frozenset[tuple[int, int]]]:
+        key = (v.signature, "configured", v.index) if v.configured else v.signature
+        hit = self._axes.get(key)
+        if hit is None:
+            hit = self._axes[key] = [axes_of(c) for c in v.candidates]
+        return hit
 
     def update_time(self, mem: Memory) -> float:
         """The optimizer step on this rank's parameter slices: read and write the weights,
@@ -383,134 +403,162 @@ class _Solved:
     constraints: int
 
 
-def _solve_one(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Mapped],
-               allowed: dict[int, list[int]], popt: bool, recompute: bool,
-               budget: float | None, minimise_memory: bool = False) -> _Solved | None:
-    import highspy
+class _Program:
+    """The integer program of one mesh (its allowed candidates): the structure (variables,
+    one-per-op rows, edge marginals) is built once; each (parallel optimizer, recompute)
+    configuration only changes the op costs and the memory row (`solve`)."""
 
-    reps = [v for v in cg.vertices if folding.mult[v.index] > 0]
-    col_cost: list[float] = []
-    col_int: list[bool] = []
-    xcol: dict[tuple[int, int], int] = {}
-    unary: dict[tuple[int, int], float] = defaultdict(float)
-    mem_coef: dict[tuple[int, int], float] = {}
-    banned: set[tuple[int, int]] = set()
-    # self edges (layer i -> layer i + 1 folded onto one representative): on the diagonal
-    for me in edges:
-        e = me.edge
-        if e.src != e.dst:
-            continue
-        v = cg.vertices[e.src]
-        for k in allowed[v.index]:
-            c = v.candidates[k]
-            t = costs.pair(e, c.out_keys[e.src_out], c.out_layouts[e.src_out],
-                           c.in_keys[e.dst_in], c.in_layouts[e.dst_in])
-            if isfinite(t):
-                unary[(v.index, k)] += me.weight * t
-            else:
-                banned.add((v.index, k))
-    for v in reps:
-        mult = folding.mult[v.index]
-        times = costs.op_times(v)
-        for k in allowed[v.index]:
-            if (v.index, k) in banned:
+    def __init__(self, cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Mapped],
+                 allowed: dict[int, list[int]]) -> None:
+        self.cg, self.costs, self.folding = cg, costs, folding
+        self.feasible = True
+        unary: dict[tuple[int, int], float] = defaultdict(float)
+        banned: set[tuple[int, int]] = set()
+        # self edges (layer i -> layer i + 1 folded onto one representative): on the diagonal
+        for me in edges:
+            e = me.edge
+            if e.src != e.dst:
                 continue
-            op = times[k]
-            compute = op.compute * (4 / 3 if recompute and folding.layer_of[v.index] else 1)
-            mem = costs.memory(v, k, popt)
-            act_mult = 1 if recompute and folding.layer_of[v.index] else mult
-            total_mem = (mem.weights + mem.gradients + mem.optimizer) * mult \
-                + mem.activations * act_mult
-            if recompute and v.index in folding.last:
-                total_mem += mem.activations * (folding.last[v.index] - 1)
-            xcol[(v.index, k)] = len(col_cost)
-            seconds = mult * (compute + op.comm + costs.update_time(mem)) \
-                + unary.get((v.index, k), 0.0)
-            col_cost.append(total_mem if minimise_memory else seconds)
-            col_int.append(True)
-            mem_coef[(v.index, k)] = total_mem
-        if not any((v.index, k) in xcol for k in allowed[v.index]):
-            return None
-    rows: list[tuple[list[int], list[float], float, float]] = []
-    for v in reps:
-        cols = [xcol[(v.index, k)] for k in allowed[v.index] if (v.index, k) in xcol]
-        rows.append((cols, [1.0] * len(cols), 1.0, 1.0))
-    for me in edges:
-        e = me.edge
-        if e.src == e.dst:
-            continue
-        cls = cg.edge_classes(e)
-        src, dst = cg.vertices[e.src], cg.vertices[e.dst]
-        rs: dict[int, list[int]] = defaultdict(list)
-        qs: dict[int, list[int]] = defaultdict(list)
-        for k in allowed[src.index]:
-            if (src.index, k) in xcol:
-                rs[int(cls.src_rows[k])].append(xcol[(src.index, k)])
-        for k in allowed[dst.index]:
-            if (dst.index, k) in xcol:
-                qs[int(cls.dst_cols[k])].append(xcol[(dst.index, k)])
-        yr: dict[int, list[int]] = defaultdict(list)
-        yq: dict[int, list[int]] = defaultdict(list)
-        for r in sorted(rs):
-            ka, la = cls.src_reps[r]
-            for q in sorted(qs):
-                kb, lb = cls.dst_reps[q]
-                t = costs.pair(e, ka, la, kb, lb)
-                if not isfinite(t):
+            v = cg.vertices[e.src]
+            for k in allowed[v.index]:
+                c = v.candidates[k]
+                t = costs.pair(e, c.out_keys[e.src_out], c.out_layouts[e.src_out],
+                               c.in_keys[e.dst_in], c.in_layouts[e.dst_in])
+                if isfinite(t):
+                    unary[(v.index, k)] += me.weight * t
+                else:
+                    banned.add((v.index, k))
+        self.xs: list[tuple[int, int]] = []  # x columns: (vertex, candidate)
+        self.unary: list[float] = []
+        xcol: dict[tuple[int, int], int] = {}
+        self.rows: list[tuple[list[int], list[float], float, float]] = []
+        for v in cg.vertices:
+            if folding.mult[v.index] == 0:
+                continue
+            cols = []
+            for k in allowed[v.index]:
+                if (v.index, k) in banned:
                     continue
-                col = len(col_cost)
-                col_cost.append(0.0 if minimise_memory else me.weight * t)
-                col_int.append(False)
-                yr[r].append(col)
-                yq[q].append(col)
-        for r, xs in rs.items():
-            ys = yr.get(r, [])
-            rows.append((ys + xs, [1.0] * len(ys) + [-1.0] * len(xs), 0.0, 0.0))
-        for q, xs in qs.items():
-            ys = yq.get(q, [])
-            rows.append((ys + xs, [1.0] * len(ys) + [-1.0] * len(xs), 0.0, 0.0))
-    if budget is not None:
-        keys = sorted(mem_coef, key=lambda key: xcol[key])
-        rows.append(([xcol[c] for c in keys], [mem_coef[c] for c in keys], -inf, budget))
-    scale = 1e6 if not minimise_memory else 1e-6  # microseconds / megabytes
-    # the plain solver class: `highspy.Highs` adds Python callbacks and prints a banner to
-    # stdout, which would land in the middle of the compile's output
-    h = highspy._Highs()  # type: ignore[attr-defined]
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("threads", 1)
-    h.setOptionValue("random_seed", 0)
-    h.setOptionValue("time_limit", 60.0)
-    h.setOptionValue("mip_rel_gap", 1e-9)
-    lp = highspy.HighsLp()
-    n = len(col_cost)
-    lp.num_col_ = n
-    lp.num_row_ = len(rows)
-    lp.col_cost_ = np.array(col_cost, dtype=np.float64) * scale
-    lp.col_lower_ = np.zeros(n)
-    lp.col_upper_ = np.ones(n)
-    lp.row_lower_ = np.array([r[2] for r in rows], dtype=np.float64)
-    lp.row_upper_ = np.array([r[3] for r in rows], dtype=np.float64)
-    starts, index, value = [0], [], []
-    for cols, vals, _, _ in rows:
-        index.extend(cols)
-        value.extend(vals)
-        starts.append(len(index))
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
-    lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
-    lp.a_matrix_.value_ = np.array(value, dtype=np.float64)
-    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
-                       for i in col_int]
-    h.passModel(lp)
-    h.run()
-    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        return None
-    x = h.getSolution().col_value
-    choice: dict[int, int] = {}
-    for (vi, k), col in xcol.items():
-        if x[col] > 0.5:
-            choice[vi] = k
-    return _Solved(choice, h.getInfo().objective_function_value / scale, n, len(rows))
+                xcol[(v.index, k)] = len(self.xs)
+                cols.append(len(self.xs))
+                self.xs.append((v.index, k))
+                self.unary.append(unary.get((v.index, k), 0.0))
+            if not cols:
+                self.feasible = False
+            self.rows.append((cols, [1.0] * len(cols), 1.0, 1.0))
+        self.y_cost: list[float] = []
+        nx = len(self.xs)
+        for me in edges:
+            e = me.edge
+            if e.src == e.dst:
+                continue
+            cls = cg.edge_classes(e)
+            rs: dict[int, list[int]] = defaultdict(list)
+            qs: dict[int, list[int]] = defaultdict(list)
+            for k in allowed[e.src]:
+                if (e.src, k) in xcol:
+                    rs[int(cls.src_rows[k])].append(xcol[(e.src, k)])
+            for k in allowed[e.dst]:
+                if (e.dst, k) in xcol:
+                    qs[int(cls.dst_cols[k])].append(xcol[(e.dst, k)])
+            yr: dict[int, list[int]] = defaultdict(list)
+            yq: dict[int, list[int]] = defaultdict(list)
+            for r in sorted(rs):
+                ka, la = cls.src_reps[r]
+                for q in sorted(qs):
+                    kb, lb = cls.dst_reps[q]
+                    t = costs.pair(e, ka, la, kb, lb)
+                    if not isfinite(t):
+                        continue
+                    col = nx + len(self.y_cost)
+                    self.y_cost.append(me.weight * t)
+                    yr[r].append(col)
+                    yq[q].append(col)
+            for r, xcols in rs.items():
+                ys = yr.get(r, [])
+                self.rows.append((ys + xcols, [1.0] * len(ys) + [-1.0] * len(xcols), 0.0, 0.0))
+            for q, xcols in qs.items():
+                ys = yq.get(q, [])
+                self.rows.append((ys + xcols, [1.0] * len(ys) + [-1.0] * len(xcols), 0.0, 0.0))
+        starts, index, value = [0], [], []
+        for cols, vals, _, _ in self.rows:
+            index.extend(cols)
+            value.extend(vals)
+            starts.append(len(index))
+        self.starts, self.index, self.value = starts, index, value
+
+    def coefficients(self, popt: bool, recompute: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(seconds, memory) of every x column under one configuration."""
+        f = self.folding
+        seconds = np.empty(len(self.xs))
+        memory = np.empty(len(self.xs))
+        for col, (vi, k) in enumerate(self.xs):
+            v = self.cg.vertices[vi]
+            mult = f.mult[vi]
+            op = self.costs.op_times(v)[k]
+            layer = recompute and f.layer_of[vi]
+            mem = self.costs.memory(v, k, popt)
+            total = (mem.weights + mem.gradients + mem.optimizer) * mult \
+                + mem.activations * (1 if layer else mult)
+            if recompute and vi in f.last:
+                total += mem.activations * (f.last[vi] - 1)
+            memory[col] = total
+            seconds[col] = mult * (op.compute * (4 / 3 if layer else 1) + op.comm
+                                   + self.costs.update_time(mem)) + self.unary[col]
+        return seconds, memory
+
+    def solve(self, popt: bool, recompute: bool, budget: float | None,
+              minimise_memory: bool = False) -> _Solved | None:
+        import highspy
+
+        if not self.feasible:
+            return None
+        seconds, memory = self.coefficients(popt, recompute)
+        nx, n = len(self.xs), len(self.xs) + len(self.y_cost)
+        if minimise_memory:
+            cost = np.concatenate([memory, np.zeros(len(self.y_cost))]) * 1e-6  # megabytes
+            scale = 1e-6
+        else:
+            cost = np.concatenate([seconds, np.array(self.y_cost)]) * 1e6  # microseconds
+            scale = 1e6
+        starts, index, value = list(self.starts), list(self.index), list(self.value)
+        lower = [r[2] for r in self.rows]
+        upper = [r[3] for r in self.rows]
+        if budget is not None:
+            index.extend(range(nx))
+            value.extend(memory.tolist())
+            starts.append(len(index))
+            lower.append(-inf)
+            upper.append(budget)
+        # the plain solver class: `highspy.Highs` adds Python callbacks and prints a banner
+        # to stdout, which would land in the middle of the compile's output
+        h = highspy._Highs()  # type: ignore[attr-defined]
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("threads", 1)
+        h.setOptionValue("random_seed", 0)
+        h.setOptionValue("time_limit", 60.0)
+        h.setOptionValue("mip_rel_gap", 1e-9)
+        lp = highspy.HighsLp()
+        lp.num_col_ = n
+        lp.num_row_ = len(lower)
+        lp.col_cost_ = cost
+        lp.col_lower_ = np.zeros(n)
+        lp.col_upper_ = np.ones(n)
+        lp.row_lower_ = np.array(lower, dtype=np.float64)
+        lp.row_upper_ = np.array(upper, dtype=np.float64)
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
+        lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
+        lp.a_matrix_.value_ = np.array(value, dtype=np.float64)
+        lp.integrality_ = [highspy.HighsVarType.kInteger] * nx \
+            + [highspy.HighsVarType.kContinuous] * (n - nx)
+        h.passModel(lp)
+        h.run()
+        if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return None
+        x = h.getSolution().col_value
+        choice = {vi: k for col, (vi, k) in enumerate(self.xs) if x[col] > 0.5}
+        return _Solved(choice, h.getInfo().objective_function_value / scale, n, len(lower))
 
 
 def evaluate(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Mapped],
@@ -557,17 +605,18 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
     for mesh in meshes(cg.devices):
         allowed: dict[int, list[int]] = {}
         for v in cg.vertices:
-            ks = list(range(len(v.candidates)))
             if folding.mult[v.index] == 0:
                 continue
+            ks = list(range(len(v.candidates)))
             if not v.configured and v.kind == "op":
-                aligned = [k for k in ks if mesh_aligned(v.candidates[k], mesh)]
+                axes = costs.candidate_axes(v)
+                aligned = [k for k in ks if mesh_allows(axes[k], mesh)]
                 ks = aligned or ks
             allowed[v.index] = ks
+        program = _Program(cg, costs, folding, edges, allowed)
         for popt, recompute in configs:
             solves += 1
-            solved = _solve_one(cg, costs, folding, edges, allowed, popt, recompute,
-                                options.memory)
+            solved = program.solve(popt, recompute, options.memory)
             if solved is None:
                 continue
             compute, comm, memory = evaluate(cg, costs, folding, edges, solved.choice, popt,
@@ -579,7 +628,6 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
                            solved.constraints)
             if best is None or plan.step_time < best.step_time * (1 - 1e-9):
                 best = plan
-            break
     if best is None:
         raise IlpError(_no_fit(cg, costs, folding, edges, options))
     best.solves = solves
@@ -600,8 +648,8 @@ def _no_fit(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Mapped],
     # every candidate allowed (any mesh): the least memory any plan needs
     allowed = {v.index: list(range(len(v.candidates))) for v in cg.vertices
                if folding.mult[v.index] > 0}
-    solved = _solve_one(cg, costs, folding, edges, allowed, True, options.training, None,
-                        minimise_memory=True)
+    solved = _Program(cg, costs, folding, edges, allowed).solve(
+        True, options.training, None, minimise_memory=True)
     if solved is not None:
         smallest = solved.objective
     need = f"{smallest / 1e9:.2f} GB" if isfinite(smallest) else "more than any plan has"

@@ -56,8 +56,8 @@ def _graph(graph: Any, devices: int) -> CostGraph:
 
 
 def _brute(cg: CostGraph, options: IlpOptions, budget: float) -> float:
-    """The least step time over every mesh-aligned assignment within `budget` (no parallel
-    optimizer, no recompute: the first configuration the search tries)."""
+    """The least step time over every mesh-aligned assignment within `budget`, with and
+    without the parallel optimizer (random graphs have no layers to recompute)."""
     folding = fold(cg)
     costs = Costs(cg, options)
     edges = mapped_edges(cg, folding)
@@ -72,9 +72,11 @@ def _brute(cg: CostGraph, options: IlpOptions, budget: float) -> float:
         assume(prod(len(a) for a in allowed) <= 3000)
         for combo in itertools.product(*allowed):
             choice = dict(enumerate(combo))
-            compute, comm, memory = evaluate(cg, costs, folding, edges, choice, False, False)
-            if memory.total <= budget and compute + comm < best:
-                best = compute + comm
+            for popt in (False, True):
+                compute, comm, memory = evaluate(cg, costs, folding, edges, choice, popt,
+                                                 False)
+                if memory.total <= budget and compute + comm < best:
+                    best = compute + comm
     return best
 
 
@@ -168,10 +170,10 @@ def _no_fold(cg: CostGraph) -> ilp_module.Folding:
 
 
 @pytest.mark.slow
-def test_a_memory_budget_makes_the_search_split_the_weights(monkeypatch: Any) -> None:
-    """Unbounded, a small Llama on 8 H100s is fastest replicated (latency beats bytes); with
-    less memory than its replicated weights and states the search splits them, and the
-    prediction says it fits."""
+def test_a_memory_budget_gives_a_plan_that_fits(monkeypatch: Any) -> None:
+    """With half the memory the free plan needs, the search finds another plan that fits the
+    budget (the prediction says so), and no faster than the free one (that one was the
+    fastest)."""
     from pcompile.compiler.search_context import reset_cost_model_context
 
     env = {"LAYERS": "2", "HIDDEN": "256", "FFN": "512", "VOCAB": "1024", "SEQ": "64",
@@ -188,7 +190,9 @@ def test_a_memory_budget_makes_the_search_split_the_weights(monkeypatch: Any) ->
         reset_cost_model_context()
     bounded = program.state.plan
     assert bounded["prediction"]["fits"] and bounded["prediction"]["memory"]["total"] <= budget
-    assert bounded["prediction"]["memory"]["weights"] < free["prediction"]["memory"]["weights"]
+    assert bounded["prediction"]["step_time"] >= free["prediction"]["step_time"] * (1 - 1e-9)
+    assert bounded["search"]["ops"] != free["search"]["ops"] or (
+        bounded["search"]["recompute"] != free["search"]["recompute"])
 
 
 def test_collective_times_follow_the_links() -> None:
