@@ -23,11 +23,13 @@ becomes an edge from the representative to itself, costed on the diagonal).
 **The mesh and the global choices** (`solve`): for every factorisation of the devices into
 data x model axes (d, m) (ranks m-fastest: the model axis stays inside a node), only candidates
 whose every split device axis is a mesh axis or the product of both are allowed; for each mesh,
-three programs: without the parallel optimizer, with it, and with it and per-layer recompute
+the program with the parallel optimizer (training: under this model it never costs time or
+memory, so the program without it is dominated and not solved), first without the memory row;
+only when that optimum does not fit, with the memory row, and with per-layer recompute
 (`_Program` builds the structure once; a configuration changes the op costs and the memory
 row). The fastest fitting plan over all meshes and configurations wins (ties: the earlier
-mesh, fewer devices on the model axis, then the configuration without the feature). User
-strategies stay fixed (their vertices have one candidate).
+mesh, fewer devices on the model axis, then no recompute). User strategies stay fixed (their
+vertices have one candidate).
 
 The solver is HiGHS (`highspy`), single-threaded with a fixed seed, so the same graph gives the
 same plan.
@@ -561,6 +563,12 @@ class _Program:
         return _Solved(choice, h.getInfo().objective_function_value / scale, n, len(lower))
 
 
+def _memory(program: _Program, solved: _Solved, popt: bool, recompute: bool) -> float:
+    _, memory = program.coefficients(popt, recompute)
+    return float(sum(memory[col] for col, (vi, k) in enumerate(program.xs)
+                     if solved.choice.get(vi) == k))
+
+
 def evaluate(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Mapped],
              choice: dict[int, int], popt: bool, recompute: bool
              ) -> tuple[float, float, Memory]:
@@ -600,8 +608,12 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
     best: IlpPlan | None = None
     tried: list[dict[str, Any]] = []
     solves = 0
-    configs = [(False, False), (True, False), (True, True)] if options.training \
-        else [(False, False)]
+    # Training: the parallel optimizer never costs time under this model (ReduceScatter and
+    # AllGather move an AllReduce's bytes; the update runs on a shard) and never adds memory,
+    # so its program dominates the one without it, which is not solved. Recompute only adds
+    # compute: it is solved only where the plan without it is held back by the memory (its
+    # unconstrained optimum does not fit).
+    popt = options.training
     for mesh in meshes(cg.devices):
         allowed: dict[int, list[int]] = {}
         for v in cg.vertices:
@@ -614,9 +626,17 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
                 ks = aligned or ks
             allowed[v.index] = ks
         program = _Program(cg, costs, folding, edges, allowed)
-        for popt, recompute in configs:
-            solves += 1
-            solved = program.solve(popt, recompute, options.memory)
+        solves += 1
+        free = program.solve(popt, False, None)
+        found: list[tuple[bool, _Solved | None]] = []
+        if free is not None and _memory(program, free, popt, False) <= options.memory:
+            found.append((False, free))
+        else:
+            solves += 2 if options.training else 1
+            found.append((False, program.solve(popt, False, options.memory)))
+            if options.training:
+                found.append((True, program.solve(popt, True, options.memory)))
+        for recompute, solved in found:
             if solved is None:
                 continue
             compute, comm, memory = evaluate(cg, costs, folding, edges, solved.choice, popt,
