@@ -24,7 +24,8 @@ expert_num=E)`) and its strategies:
   group's choices routed to e, P_e its mean router probability), times MIXTRAL_AUX (0.01).
 
 The attention, the norms, the LM head and the loss are examples/llama.py's cells (loaded from
-beside this file), so its LLAMA_FLASH, LLAMA_RECOMPUTE and LLAMA_SEQ_PARALLEL apply here too.
+beside this file), so its LLAMA_FLASH, LLAMA_RECOMPUTE, LLAMA_SEQ_PARALLEL and LLAMA_STRATEGIES
+(`none`: every shard() removed, auto_parallel) apply here too.
 
 Parallelism from the parallel context and the environment: mp = MIXTRAL_MP (default 1),
 dp = devices / mp, ep = MIXTRAL_EP (default min(dp, experts)); ep divides both dp and the
@@ -97,8 +98,9 @@ if not 1 <= TOP_K <= EXPERTS:
 
 # Expert parallelism moves tokens with AlltoAll: MindSpore's enable_alltoall (off by default)
 # lets a redistribution that moves a split from one dimension to another use it.
-set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
-                          dataset_strategy="full_batch", enable_alltoall=True)
+set_auto_parallel_context(
+    parallel_mode="semi_auto_parallel" if llama.STRATEGIES == "hand" else "auto_parallel",
+    device_num=8, dataset_strategy="full_batch", enable_alltoall=True)
 
 
 def parallel_config():
@@ -331,7 +333,10 @@ class MixtralForCausalLM(nn.Cell):
 
 
 def model():
-    return MixtralForCausalLM()
+    net = MixtralForCausalLM()
+    if llama.STRATEGIES == "none":  # LLAMA_STRATEGIES=none: the search decides every op
+        llama.remove_strategies(net)
+    return net
 
 
 def optimizer(params):
