@@ -23,9 +23,8 @@ becomes an edge from the representative to itself, costed on the diagonal).
 **The mesh and the global choices** (`solve`): for every factorisation of the devices into
 data x model axes (d, m) (ranks m-fastest: the model axis stays inside a node), only candidates
 whose every split device axis is a mesh axis or the product of both are allowed; for each mesh,
-the program with the parallel optimizer (training: under this model it never costs time or
-memory, so the program without it is dominated and not solved), first without the memory row;
-only when that optimum does not fit, with the memory row, and with per-layer recompute
+the programs without and with the parallel optimizer, each first without the memory row; only
+when that optimum does not fit, with the memory row, and with per-layer recompute
 (`_Program` builds the structure once; a configuration changes the op costs and the memory
 row). The fastest fitting plan over all meshes and configurations wins (ties: the earlier
 mesh, fewer devices on the model axis, then no recompute). User strategies stay fixed (their
@@ -104,7 +103,7 @@ class IlpPlan:
         seconds (compute, communication) and those of the redistributions into it."""
         assert self.costs is not None
         k = self.choice[v.index]
-        t = self.costs.op_times(v)[k]
+        t = self.costs.op_times(v, self.parallel_optimizer)[k]
         edges = 0.0
         for ei in v.in_edges:
             e = cg.edges[ei]
@@ -284,14 +283,14 @@ class Costs:
                     out[v.index].append((i, param))
         return out
 
-    def op_times(self, v: Vertex) -> list[OpTime]:
+    def op_times(self, v: Vertex, popt: bool = False) -> list[OpTime]:
         if v.kind != "op" or v.node is None:
             return [OpTime()] * len(v.candidates)
-        key = (v.signature, "configured", v.index) if v.configured else v.signature
+        key = ((v.signature, "configured", v.index) if v.configured else v.signature, popt)
         hit = self._op.get(key)
         if hit is None:
             hit = [op_time(v.node, c.sharding, self.cg.devices, self.options.profile,
-                           self.options.training, self.grad) for c in v.candidates]
+                           self.options.training, self.grad, popt) for c in v.candidates]
             self._op[key] = hit
         return hit
 
@@ -497,7 +496,7 @@ class _Program:
         for col, (vi, k) in enumerate(self.xs):
             v = self.cg.vertices[vi]
             mult = f.mult[vi]
-            op = self.costs.op_times(v)[k]
+            op = self.costs.op_times(v, popt)[k]
             layer = recompute and f.layer_of[vi]
             mem = self.costs.memory(v, k, popt)
             total = (mem.weights + mem.gradients + mem.optimizer) * mult \
@@ -580,7 +579,7 @@ def evaluate(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Mapped]
         if mult == 0:
             continue
         k = choice[v.index]
-        t = costs.op_times(v)[k]
+        t = costs.op_times(v, popt)[k]
         layer = recompute and folding.layer_of[v.index]
         mem = costs.memory(v, k, popt)
         compute += mult * (t.compute * (4 / 3 if layer else 1) + costs.update_time(mem))
@@ -613,7 +612,7 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
     # so its program dominates the one without it, which is not solved. Recompute only adds
     # compute: it is solved only where the plan without it is held back by the memory (its
     # unconstrained optimum does not fit).
-    popt = options.training
+    popts = (False, True) if options.training else (False,)
     for mesh in meshes(cg.devices):
         allowed: dict[int, list[int]] = {}
         for v in cg.vertices:
@@ -626,17 +625,18 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
                 ks = aligned or ks
             allowed[v.index] = ks
         program = _Program(cg, costs, folding, edges, allowed)
-        solves += 1
-        free = program.solve(popt, False, None)
-        found: list[tuple[bool, _Solved | None]] = []
-        if free is not None and _memory(program, free, popt, False) <= options.memory:
-            found.append((False, free))
-        else:
+        found: list[tuple[bool, bool, _Solved | None]] = []
+        for popt in popts:
+            solves += 1
+            free = program.solve(popt, False, None)
+            if free is not None and _memory(program, free, popt, False) <= options.memory:
+                found.append((popt, False, free))
+                continue
             solves += 2 if options.training else 1
-            found.append((False, program.solve(popt, False, options.memory)))
+            found.append((popt, False, program.solve(popt, False, options.memory)))
             if options.training:
-                found.append((True, program.solve(popt, True, options.memory)))
-        for recompute, solved in found:
+                found.append((popt, True, program.solve(popt, True, options.memory)))
+        for popt, recompute, solved in found:
             if solved is None:
                 continue
             compute, comm, memory = evaluate(cg, costs, folding, edges, solved.choice, popt,

@@ -78,20 +78,20 @@ def predict(graph: Graph, devices: int, profile: DeviceProfile, memory_capacity:
     choice = {v.index: 0 for v in cg.vertices}
     compute, comm, memory = evaluate(cg, costs, folding, edges, choice, parallel_optimizer,
                                      recompute)
-    comm_bytes = _bytes(cg, costs, folding, edges, choice)
+    comm_bytes = _bytes(cg, costs, folding, edges, choice, parallel_optimizer)
     return Prediction(profile, memory_capacity, compute, comm, comm_bytes, memory,
                       parallel_optimizer, recompute)
 
 
-def _bytes(cg: CostGraph, costs: Costs, folding: Any, edges: Any, choice: dict[int, int]
-           ) -> float:
+def _bytes(cg: CostGraph, costs: Costs, folding: Any, edges: Any, choice: dict[int, int],
+           popt: bool) -> float:
     from pcompile.passes.search.time_model import redistribution_time
 
     total = 0.0
     for v in cg.vertices:
         mult = folding.mult[v.index]
         if mult:
-            total += mult * costs.op_times(v)[choice[v.index]].comm_bytes
+            total += mult * costs.op_times(v, popt)[choice[v.index]].comm_bytes
     for me in edges:
         e = me.edge
         a = cg.vertices[e.src].candidates[choice[e.src]]

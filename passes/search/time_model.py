@@ -24,8 +24,10 @@ written / memory bandwidth) (a roofline), times 3 for a training step's matrix p
 (forward, two backward products) and 2 for the rest; forward communication = its forward
 AllReduce / ReduceScatter; backward communication = for every input that needs a gradient, an
 AllReduce of the input's slice over the device axes the op is split on and the input is not
-(a column-parallel MatMul's input gradient; a weight's gradient over data parallelism, where
-the parallel optimizer's ReduceScatter + AllGather move the same bytes).
+(a column-parallel MatMul's input gradient; a weight's gradient over data parallelism). Under
+the parallel optimizer a weight's gradient is reduce-scattered over those axes instead and the
+updated weight all-gathered over its whole repeat group (`_weight_sharded`): the same bytes as
+the AllReduce where the repeat is all data parallelism, more where computation repeats.
 
 **A redistribution** (`redistribution_time`): each step of the planner's op list at its group's
 link: a Concat is an AllGather (its backward a ReduceScatter), a Permute an AlltoAll each way, a
@@ -276,9 +278,11 @@ def _bytes(layout: TensorLayout, itemsize: int) -> float:
 
 
 def op_time(node: Node, sharding: OpSharding, devices: int, profile: DeviceProfile,
-            training: bool, grad: set[int] | None = None) -> OpTime:
+            training: bool, grad: set[int] | None = None,
+            parallel_optimizer: bool = False) -> OpTime:
     """One rank's seconds for `node` laid out by `sharding` (module docstring); `grad`: the
-    values that get a gradient (`differentiable`; None: every floating input but data)."""
+    values that get a gradient (`differentiable`; None: every floating input but data);
+    `parallel_optimizer`: its weights are stored sharded over their repeat groups."""
     in_types = [v.type for v in node.operands if isinstance(v.type, TensorType)]
     out_t = node.result.type
     out_types = [out_t] if isinstance(out_t, TensorType) else [
@@ -323,17 +327,41 @@ def op_time(node: Node, sharding: OpSharding, devices: int, profile: DeviceProfi
         if not _needs_grad(value, grad):
             continue
         missing = axes - layout_axes(lay)
-        if not missing:
-            continue
-        group, span = group_of(missing)
         param = stored_param(value)
         vtype = param.type if param is not None else value.type
         assert isinstance(vtype, TensorType)
-        itemsize = vtype.dtype.itemsize
-        local = float(prod(lay.slice_shape) * itemsize)
+        local = float(prod(lay.slice_shape) * vtype.dtype.itemsize)
+        if parallel_optimizer and param is not None:
+            # the gradient reduce-scattered over the ranks whose sums are partial, the updated
+            # weight all-gathered over its whole repeat group (replicated computation too)
+            _weight_sharded(result, local, missing, repeat_axes(lay), profile)
+            continue
+        if not missing:
+            continue
+        group, span = group_of(missing)
         result.comm += all_reduce_time(local, group, profile.link(span))
         result.comm_bytes += 2 * (group - 1) / group * local
     return result
+
+
+def repeat_axes(layout: TensorLayout) -> set[Axis]:
+    """The device axes (rank stride, size) a layout repeats its slice over."""
+    dev = layout.dev_matrix
+    return {(prod(dev[a + 1:]), dev[a]) for a in layout.repeat_axes if dev[a] > 1}
+
+
+def _weight_sharded(result: OpTime, local: float, partial: set[Axis], repeat: set[Axis],
+                    profile: DeviceProfile) -> None:
+    """The parallel optimizer's traffic for one weight slice of `local` bytes: a
+    ReduceScatter over the `partial` axes, then an AllGather over the `repeat` axes."""
+    group, span = group_of(partial)
+    if group > 1:
+        result.comm += reduce_scatter_time(local, group, profile.link(span))
+        result.comm_bytes += (group - 1) / group * local
+    group, span = group_of(repeat)
+    if group > 1:
+        result.comm += all_gather_time(local / group, group, profile.link(span))
+        result.comm_bytes += (group - 1) / group * local
 
 
 def redistribution_time(src: TensorLayout, dst: TensorLayout, itemsize: int,
