@@ -262,8 +262,6 @@ def iter_rank_batches(
                 raw = next(reading)
             except StopIteration:
                 break
-            except DataError:
-                raise
             except PcompileError as exc:
                 raise DataError(f"reading {place}: {exc}") from None
             produced += 1
@@ -300,7 +298,7 @@ def _dataset_batches(mf: Any, data: Any, sizes: tuple[int, int],
     batch_dims = {shape[0] if shape else None for _, shape, _ in expected}
     if len(batch_dims) != 1 or None in batch_dims:
         rows = None  # no common batch dim to share out: every rank reads whole batches
-    global_rows = next(iter(batch_dims))
+    global_rows = next(iter(batch_dims)) if len(batch_dims) == 1 else None
     whole = (f"batch({global_rows}, drop_remainder=True) gives only whole global batches"
              if global_rows is not None else "")
     _short_last_batch(mf, data, global_rows, steps, skip, whole)
