@@ -302,3 +302,26 @@ def test_parallel_optimizer_and_recompute_when_the_memory_needs_them(monkeypatch
     finally:
         reset_cost_model_context()
     assert result.report.ok(), result.report.worst
+
+
+@pytest.mark.slow
+def test_the_search_finds_expert_parallelism(monkeypatch: Any) -> None:
+    """examples/mixtral.py with every shard() removed: the expert weights are split by
+    expert (at this size every rank holds every token, so a rank takes its experts' slots
+    locally and the combine is an AllReduce; at Mixtral-8x7B widths on 64 devices the
+    dispatch and combine are AlltoAlls, docs/search.md)."""
+    for name in [n for n in os.environ if n.startswith(("LLAMA_", "MIXTRAL_"))]:
+        monkeypatch.delenv(name)
+    env = {"LLAMA_STRATEGIES": "none", "MIXTRAL_HIDDEN": "256", "MIXTRAL_FFN": "1024",
+           "MIXTRAL_SEQ": "64", "MIXTRAL_BATCH": "8"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    from pcompile.compiler.driver import compile as compile_program
+
+    program = compile_program(os.path.join(ROOT, "examples", "mixtral.py"), devices=8,
+                              search_mode="ilp", dump=False)
+    layouts = program.state.assignment.param_layouts
+    w1 = layouts["layers.0.moe.experts.w1"]
+    assert w1.splits[0] > 1, w1  # the expert axis split: expert parallelism
+    for name in ("w2", "w3"):
+        assert layouts[f"layers.0.moe.experts.{name}"].splits[0] == w1.splits[0]
