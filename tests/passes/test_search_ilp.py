@@ -304,7 +304,6 @@ def test_parallel_optimizer_and_recompute_when_the_memory_needs_them(monkeypatch
     assert result.report.ok(), result.report.worst
 
 
-@pytest.mark.slow
 def test_the_search_finds_expert_parallelism(monkeypatch: Any) -> None:
     """examples/mixtral.py with every shard() removed: the expert weights are split by
     expert (at this size every rank holds every token, so a rank takes its experts' slots
