@@ -76,13 +76,11 @@ def throughput_unit(inputs: Sequence[tuple[tuple[int, ...], str]],
     `inputs`: (global shape, dtype name) of the program's inputs, the model's first;
     `tokens`: the token ids one step trains on, when the compile counted them (the program's
     `TOKENS_PER_STEP`: S per sample of S + 1 ids), else every id of the first input."""
-    if tokens:
-        return "tokens", int(tokens)
     if not inputs:
         return "samples", 0
     shape, dtype = inputs[0]
     if len(shape) == 2 and re.fullmatch(r"u?int\d*", dtype.lower()):
-        return "tokens", int(shape[0]) * int(shape[1])
+        return "tokens", int(tokens) if tokens else int(shape[0]) * int(shape[1])
     return "samples", int(shape[0]) if shape else 1
 
 

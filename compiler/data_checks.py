@@ -103,15 +103,14 @@ def index_ranges(graph: Any) -> tuple[IndexRange, ...]:
     return tuple(out)
 
 
-def looked_up_ids(graph: Any) -> tuple[str, int, int] | None:
-    """(input, ids looked up, ids it holds) of the integer input whose ids one step looks up
-    the most of: the elements of the Gather indices its ids reach, e.g. S of a sample of
-    S + 1 token ids whose last is only a label; None when no input reaches a Gather."""
-    best: tuple[str, int, int] | None = None
+def looked_up_ids(graph: Any, name: str) -> int:
+    """How many ids of integer input `name` one step looks up: the elements of the Gather
+    indices its ids reach (the most, over its Gathers), e.g. S of a sample of S + 1 token ids
+    whose last is only a label; 0 when they reach no Gather."""
+    most = 0
     for param in graph.params:
-        if not np.issubdtype(param.dtype.np, np.integer):
+        if param.name != name or not np.issubdtype(param.dtype.np, np.integer):
             continue
-        most = 0
         seen: set[int] = set()
         frontier = [param]
         while frontier:
@@ -124,9 +123,7 @@ def looked_up_ids(graph: Any) -> tuple[str, int, int] | None:
                     most = max(most, int(np.prod(value.shape, dtype=np.int64)))
                 if node.op in _PASSING and operand == 0:
                     frontier.append(node.result)
-        if most and (best is None or most > best[1]):
-            best = (param.name, most, int(np.prod(param.shape, dtype=np.int64)))
-    return best
+    return most
 
 
 def ranges_of(literal: Any) -> tuple[IndexRange, ...]:

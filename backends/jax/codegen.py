@@ -486,17 +486,20 @@ def run_report_info(state: Any) -> dict[str, Any]:
 
 
 def tokens_per_step(state: Any) -> int:
-    """Token ids one step trains on, all ranks: those its embedding lookup reads
-    (compiler/data_checks.py, `looked_up_ids`), not the ids the input holds (a sample of
-    S + 1 ids trains S tokens); 0 when no integer input is looked up. The traced graph takes
-    one micro-batch under nn.PipelineCell: scaled to the whole batch."""
+    """Token ids of the first input one step trains on, all ranks: those its embedding lookup
+    reads (compiler/data_checks.py, `looked_up_ids`), not the ids the input holds (a sample of
+    S + 1 ids trains S tokens); 0 when they reach no lookup. The traced graph takes one
+    micro-batch under nn.PipelineCell: scaled to the whole batch."""
     from pcompile.compiler.data_checks import looked_up_ids
 
     traced = getattr(state, "traced", None)
-    found = looked_up_ids(traced.graph) if traced is not None else None
-    if found is None:
+    if traced is None or not traced.input_names:
         return 0
-    name, looked, held = found
+    name = traced.input_names[0]
+    looked = looked_up_ids(traced.graph, name)
+    if not looked:
+        return 0
+    held = int(np.prod(traced.graph.param(name).shape, dtype=np.int64))
     whole = held
     if state.micro_batched and state.assignment is not None:
         whole = int(np.prod(state.assignment.param_layouts[name].shape, dtype=np.int64))

@@ -152,6 +152,7 @@ def test_model_flops_are_counted_on_the_traced_graph(model_path, tmp_path) -> No
 def test_a_token_count_from_the_compile_wins_over_the_inputs_width() -> None:
     assert run_report.throughput_unit([((4, 17), "int32")], 64) == ("tokens", 64)
     assert run_report.throughput_unit([((4, 17), "int32")], 0) == ("tokens", 68)  # none counted
+    assert run_report.throughput_unit([((4, 17), "float32")], 64) == ("samples", 4)
     assert run_report.throughput_unit([((4, 17), "int32")]) == ("tokens", 68)  # older programs
 
 
