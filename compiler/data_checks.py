@@ -15,6 +15,7 @@ batch is read, before the step that would use it, and each one line (`DataError`
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,29 +78,36 @@ def _index_use(node: Any, operand: int) -> tuple[int, str] | None:
     return None
 
 
+def _uses_of_ids(param: Any) -> Iterator[tuple[Any, int, Any]]:
+    """(node, operand, value) of every use of a value that holds `param`'s ids unchanged
+    (`param` itself, or what the `_PASSING` ops make of it)."""
+    seen: set[int] = set()
+    frontier = [param]
+    while frontier:
+        value = frontier.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        for node, operand in value.uses:
+            yield node, operand, value
+            if node.op in _PASSING and operand == 0:
+                frontier.append(node.result)
+
+
+def _integer_inputs(graph: Any) -> list[Any]:
+    return [p for p in graph.params if np.issubdtype(p.dtype.np, np.integer)]
+
+
 def index_ranges(graph: Any) -> tuple[IndexRange, ...]:
     """The ranges of the graph's integer inputs that index something (the smallest, when an
     input indexes several things); inputs that do not index keep any value."""
     out = []
-    for param in graph.params:
-        if not np.issubdtype(param.dtype.np, np.integer):
-            continue
-        best: tuple[int, str] | None = None
-        seen: set[int] = set()
-        frontier = [param]
-        while frontier:
-            value = frontier.pop()
-            if id(value) in seen:
-                continue
-            seen.add(id(value))
-            for node, operand in value.uses:
-                use = _index_use(node, operand)
-                if use is not None and (best is None or use[0] < best[0]):
-                    best = use
-                if node.op in _PASSING and operand == 0:
-                    frontier.append(node.result)
-        if best is not None:
-            out.append(IndexRange(param.name, best[0], best[1]))
+    for param in _integer_inputs(graph):
+        uses = [use for node, operand, _ in _uses_of_ids(param)
+                if (use := _index_use(node, operand)) is not None]
+        if uses:
+            size, what = min(uses, key=lambda use: use[0])
+            out.append(IndexRange(param.name, size, what))
     return tuple(out)
 
 
@@ -107,23 +115,10 @@ def looked_up_ids(graph: Any, name: str) -> int:
     """How many ids of integer input `name` one step looks up: the elements of the Gather
     indices its ids reach (the most, over its Gathers), e.g. S of a sample of S + 1 token ids
     whose last is only a label; 0 when they reach no Gather."""
-    most = 0
-    for param in graph.params:
-        if param.name != name or not np.issubdtype(param.dtype.np, np.integer):
-            continue
-        seen: set[int] = set()
-        frontier = [param]
-        while frontier:
-            value = frontier.pop()
-            if id(value) in seen:
-                continue
-            seen.add(id(value))
-            for node, operand in value.uses:
-                if node.op == "Gather" and operand == 1:
-                    most = max(most, int(np.prod(value.shape, dtype=np.int64)))
-                if node.op in _PASSING and operand == 0:
-                    frontier.append(node.result)
-    return most
+    return max((int(np.prod(value.shape, dtype=np.int64))
+                for param in _integer_inputs(graph) if param.name == name
+                for node, operand, value in _uses_of_ids(param)
+                if node.op == "Gather" and operand == 1), default=0)
 
 
 def ranges_of(literal: Any) -> tuple[IndexRange, ...]:
