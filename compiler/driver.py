@@ -38,7 +38,7 @@ from pcompile.compiler.model_file import load_model_file
 from pcompile.compiler.nn.pipeline import PipelineCell
 from pcompile.compiler.pass_options import cost_constants, fusion_config, search_options
 from pcompile.compiler.pinned_plan import PinnedSearchPass
-from pcompile.compiler.search_context import set_cost_model_context
+from pcompile.compiler.search_context import cost_model_override
 from pcompile.ir.core import Graph, Node
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.printer import GraphText
@@ -168,10 +168,22 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it)
     reset_context()  # a model file's set_context does not leak into the next compile
     mf = load_model_file(model_path)
     flags: dict[str, Any] = dict(overrides or {})
+    # the command line's --device-profile / --device-memory win over the model file's, for
+    # this compile only
     cost_model = {k: flags.pop(k) for k in ("device_profile", "device_memory_capacity")
                   if k in flags}
-    if cost_model:  # the command line's --device-profile / --device-memory win
-        set_cost_model_context(**cost_model)
+    with cost_model_override(**cost_model):
+        return _compile(mf, flags, devices, parallel_mode, search_mode, out_dir, dump,
+                        overrides, dump_ranks, on_event, save_graphs, reference, shrink,
+                        trace_only)
+
+
+def _compile(mf: Any, flags: dict[str, Any], devices: int | None, parallel_mode: str | None,
+             search_mode: str | None, out_dir: str | None, dump: bool,
+             overrides: dict[str, Any] | None, dump_ranks: Any,
+             on_event: Callable[..., None] | None, save_graphs: int | None,
+             reference: ReferenceOptions | None, shrink: Any, trace_only: bool
+             ) -> CompiledProgram:
     if devices is not None:
         flags["device_num"] = devices
     if search_mode is not None:

@@ -62,6 +62,32 @@ def header(plan: Plan, out_dir: str) -> Text:
                          f"{len(plan.parameters)} parameters")
 
 
+def prediction_lines(plan: Plan) -> list[Text]:
+    """The plan's prediction (plan.json `prediction`) and the ilp search's choices, a line
+    each; nothing for a plan without one (one device)."""
+    p = plan.prediction
+    if p is None:
+        return []
+    m = p.memory
+    lines = [Text.assemble(
+        ("predicted", "bold"), f" on {p.device_profile}: step {p.step_time * 1e3:.3f} ms "
+        f"(compute {p.compute * 1e3:.3f}, communication {p.communication * 1e3:.3f}), "
+        f"{p.communication_bytes / 1e6:.1f} MB moved per rank; memory per rank "
+        f"{m.total / 1e9:.2f} GB of {p.device_memory / 1e9:.2f} (weights {m.weights / 1e9:.2f},"
+        f" gradients {m.gradients / 1e9:.2f}, optimizer {m.optimizer / 1e9:.2f}, activations "
+        f"{m.activations / 1e9:.2f})" + ("" if p.fits else ": does NOT fit"))]
+    if p.advice:
+        lines.append(Text(p.advice, style="yellow"))
+    search = plan.search
+    extra = search.model_extra or {} if search is not None else {}
+    if search is not None and search.mode == "ilp" and "mesh" in extra:
+        lines.append(Text(
+            f"search ilp: mesh data {extra['mesh']['data']} x model {extra['mesh']['model']}, "
+            f"parallel optimizer {'on' if extra['parallel_optimizer'] else 'off'}, recompute "
+            f"{'on' if extra['recompute'] else 'off'}"))
+    return lines
+
+
 # -- tables that fit the terminal -----------------------------------------------------------------
 
 
@@ -233,6 +259,8 @@ def show(out_dir: str, *, rank: int | None = None, op: str | None = None,
     width = out.width
     plan = inspection.load(out_dir)
     out.print(header(plan, out_dir))
+    for line in prediction_lines(plan):
+        out.print(line, overflow="fold")
     rows = inspection.op_rows(plan, op)
     if op and not rows:
         names = sorted({o.instance_name for o in plan.ops.values() if o.instance_name})

@@ -7,7 +7,8 @@ errors. Setting is atomic. The driver hands them to the search as typed options
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
@@ -146,6 +147,21 @@ def set_cost_model_context(**kwargs: Any) -> None:
     global _cost_model
     with CONTEXT_LOCK:
         _cost_model = _updated(_cost_model, kwargs, "set_cost_model_context", _CM_HINTS)
+
+
+@contextlib.contextmanager
+def cost_model_override(**kwargs: Any) -> Iterator[None]:
+    """`set_cost_model_context(**kwargs)` for the duration (the command line's
+    --device-profile / --device-memory for one compile), then the constants as they were."""
+    global _cost_model
+    with CONTEXT_LOCK:
+        saved = _cost_model
+    set_cost_model_context(**kwargs)
+    try:
+        yield
+    finally:
+        with CONTEXT_LOCK:
+            _cost_model = saved
 
 
 def get_cost_model_context(key: str) -> Any:

@@ -375,3 +375,26 @@ def test_a_show_list_names_only_pictures_in_show(tmp_path) -> None:
     record_shown(str(tmp_path), {"show/a.svg": b"<svg/>"})
     (tmp_path / "show" / "a.svg").write_bytes(b"<svg/>")
     assert shown_pictures(str(tmp_path)) == {"show/a.svg", SHOW_LIST}
+
+
+def test_show_and_the_compile_print_the_plans_prediction(tmp_path) -> None:
+    """Every parallel plan states its predicted step time and memory (plan.json `prediction`):
+    the compile prints it, `show` prints it, and a plan that does not fit the device's memory
+    says so in one warning line with what would fit."""
+    out = str(tmp_path / "out")
+    code, output = run_cli([QUICKSTART, "--devices", "8", "--out", out, "--no-check"])
+    assert code == 0, output
+    assert "predicted on h100: step " in output and "memory per rank" in output
+    code, shown = run_cli(["show", out])
+    assert code == 0 and "predicted on h100: step " in shown and "does NOT fit" not in shown
+    with open(os.path.join(out, "plan.json"), encoding="utf-8") as f:
+        prediction = json.load(f)["prediction"]
+    assert prediction["fits"] and prediction["memory"]["weights"] > 0
+    tight = str(tmp_path / "tight")
+    code, output = run_cli([QUICKSTART, "--devices", "8", "--out", tight, "--no-check",
+                            "--device-memory", "1000"])
+    assert code == 0, output
+    warnings = [line for line in output.splitlines() if line.startswith("warning: the plan is")]
+    assert len(warnings) == 1 and "more than the 0.00 GB" in warnings[0]
+    code, shown = run_cli(["show", tight])
+    assert "does NOT fit" in shown
