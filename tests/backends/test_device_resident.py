@@ -168,8 +168,15 @@ def test_a_loss_is_read_back_once_the_next_step_runs(monkeypatch, every: int,
         return Loss(real(self, arrays), k)
 
     monkeypatch.setattr(StandAloneRunner, "step_async", step_async)
-    logged: list[str] = []
-    cli._train_here(program, STEPS, "jax", {"log_every": every}, logged.append)
+    class Monitor(list):  # the run's display: called with each loss line, closed at the end
+        def __call__(self, line: str) -> None:
+            self.append(line)
+
+        def close(self) -> None:
+            pass
+
+    logged = Monitor()
+    cli._train_here(program, STEPS, "jax", {"log_every": every}, logged)
     assert events == order
     monkeypatch.undo()
     from pcompile.compiler.runtime import format_loss_line
