@@ -63,6 +63,7 @@ from pcompile.compiler.ops import (
     RealDiv,
     ReduceMax,
     ReduceMean,
+    ReduceMin,
     ReduceSum,
     ReLU,
     Reshape,
@@ -71,6 +72,7 @@ from pcompile.compiler.ops import (
     Select,
     Shape,
     Sigmoid,
+    Sign,
     SiLU,
     Sin,
     Softmax,
@@ -226,6 +228,10 @@ def isfinite(input: Any) -> Any:
     return IsFinite()(input)
 
 
+def sign(input: Any) -> Any:
+    return Sign()(input)
+
+
 def reciprocal(input: Any) -> Any:
     return 1.0 / input
 
@@ -319,6 +325,27 @@ def where(condition: Any, input: Any, other: Any) -> Any:
     return Select()(condition, input, other)
 
 
+def masked_fill(input_x: Any, mask: Any, value: Any) -> Any:
+    """`value` where the Bool `mask` is True, else `input_x` (broadcast together), in
+    `input_x`'s dtype: MindSpore's `ops.masked_fill`, traced as a `Select`. `value` is a
+    number or a 0-d tensor."""
+    if not isinstance(mask, Tensor) or mask.dtype is not DType.bool_:
+        what = f"a {mask.dtype.value} tensor" if isinstance(mask, Tensor) else repr(mask)
+        raise TypeError(f"masked_fill: mask must be a Bool tensor (a comparison), got {what}")
+    dtype = DType.from_any(input_x.dtype)
+    if isinstance(value, Tensor):
+        if value.shape != ():
+            raise ValueError(f"masked_fill: value must be a number or a 0-d tensor, got a "
+                             f"tensor of shape {value.shape}")
+        fill_value = value if value.dtype is dtype else Cast()(value, dtype)
+    elif isinstance(value, (bool, int, float, np.number, np.bool_)):
+        fill_value = Tensor(np.asarray(value, dtype.np))
+    else:
+        raise TypeError(f"masked_fill: value must be a number or a 0-d tensor, got "
+                        f"{type(value).__name__} {value!r}")
+    return Select()(mask, fill_value, input_x)
+
+
 # -- linear algebra -----------------------------------------------------------------------------
 
 
@@ -384,6 +411,17 @@ def reduce_mean(x: Any, axis: Any = (), keep_dims: bool = False) -> Any:
 
 def reduce_max(x: Any, axis: Any = (), keep_dims: bool = False) -> Any:
     return ReduceMax(keep_dims)(x, axis)
+
+
+def reduce_min(x: Any, axis: Any = (), keep_dims: bool = False) -> Any:
+    return ReduceMin(keep_dims)(x, axis)
+
+
+def amin(input: Any, axis: Any = None, keepdims: bool = False, *, initial: Any = None,
+         where: Any = None) -> Any:
+    if initial is not None or where is not None:
+        raise ValueError("amin: initial and where are not supported; reduce the whole axis")
+    return ReduceMin(keepdims)(input, _axis_tuple(axis))
 
 
 def lp_norm(input_x: Any, axis: Any, p: int = 2, keep_dims: bool = False,
@@ -543,6 +581,48 @@ def broadcast_to(input: Any, shape: Any) -> Any:
 
 def tile(input: Any, dims: Any) -> Any:
     return Tile()(input, dims)
+
+
+def repeat_interleave(input: Any, repeats: Any, axis: Any = None) -> Any:
+    """Each element of `input` repeated along `axis` (the flattened input when None), as
+    MindSpore's `ops.repeat_interleave`: `repeats` an int (every element the same number of
+    times: ExpandDims, Tile, Reshape) or one constant count per element of the axis (a
+    Gather of the repeated positions)."""
+    x = input
+    if axis is None:
+        x = Reshape()(x, (int(np.prod(x.shape, dtype=np.int64)),))
+        axis = 0
+    rank = _ndim(x)
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not (
+            -rank <= axis < rank):
+        raise ValueError(f"repeat_interleave: axis must be an int in [{-rank}, {rank - 1}] for "
+                         f"an input of shape {tuple(x.shape)}, got {axis!r}")
+    axis = int(axis) % rank
+    if isinstance(repeats, Tensor):
+        if repeats.is_symbolic:
+            raise ValueError("repeat_interleave: repeats must be constant (its values set the "
+                             "result's static shape), got a traced tensor")
+        repeats = repeats.asnumpy()
+    counts = np.asarray(repeats)
+    if counts.dtype.kind not in "iu" or counts.ndim > 1:
+        raise ValueError(f"repeat_interleave: repeats must be an int or a 1-D sequence of ints, "
+                         f"got {repeats!r}")
+    size = x.shape[axis]
+    if counts.ndim == 1 and counts.size == 1:
+        counts = counts.reshape(())
+    if (counts < 1).any():
+        raise ValueError(f"repeat_interleave: repeats must be >= 1, got {counts.tolist()}")
+    if counts.ndim == 0:
+        times = int(counts)
+        shape = tuple(x.shape)
+        multiples = (1,) * (axis + 1) + (times,) + (1,) * (rank - axis - 1)
+        spread = Tile()(ExpandDims()(x, axis + 1), multiples)
+        return Reshape()(spread, shape[:axis] + (size * times,) + shape[axis + 1:])
+    if counts.size != size:
+        raise ValueError(f"repeat_interleave: repeats has {counts.size} counts for axis {axis} "
+                         f"of size {size}; give one count per element, or one int")
+    positions = np.repeat(np.arange(size, dtype=np.int32), counts)
+    return Gather()(x, Tensor(positions), axis)
 
 
 def zeros_like(input: Any, *, dtype: Any = None) -> Any:

@@ -21,6 +21,9 @@ from pcompile.ir.types import DType
 # (pcompile/__init__.py); nothing is ever found on it.
 __path__: list[str] = []
 operations = functional = primitive = nn_ops = _inner_ops = _sequence_ops = sys.modules[__name__]
+# MindSpore's generated primitives (`ops.auto_generate.gen_ops_prim.Swiglu()`, mindformers'
+# fused kernels) are attributes of this module too.
+auto_generate = gen_ops_prim = sys.modules[__name__]
 
 
 def constexpr(fn: Any = None, **_options: Any) -> Any:
@@ -109,6 +112,7 @@ Mod = _simple("Mod")
 Cos = _simple("Cos")
 Sin = _simple("Sin")
 IsFinite = _simple("IsFinite")
+Sign = _simple("Sign")
 
 
 class Depend(_Simple):
@@ -206,6 +210,10 @@ class ReduceMean(_Reduce):
 
 class ReduceMax(_Reduce):
     op = "ReduceMax"
+
+
+class ReduceMin(_Reduce):
+    op = "ReduceMin"
 
 
 class Reshape(_Simple):
@@ -423,12 +431,18 @@ class CumSum(Primitive):
 
 class _Filled(_Simple):
     """`Zeros()(size, type)` / `Ones()(size, type)`: a constant tensor of shape `size` (an int
-    or a tuple of ints) and dtype `type` (default Float32). As MindSpore's graph mode folds
+    or a tuple of ints) and dtype `type` (default Float32; also `dtype=`, as mindformers
+    passes it). As MindSpore's graph mode folds
     them, they emit no IR node: the tensor is a constant operand of the ops that use it."""
 
     fill_value = 0
 
-    def __call__(self, size: Any, type: Any = None) -> Tensor:  # noqa: A002  (MindSpore's)
+    def __call__(self, size: Any, type: Any = None,  # noqa: A002  (MindSpore's)
+                 dtype: Any = None) -> Tensor:
+        if type is not None and dtype is not None:
+            raise TypeError(f"{self.op}: give the dtype once, as `type` or as `dtype=`, got "
+                            f"both ({type!r}, {dtype!r})")
+        type = dtype if type is None else type  # mindformers passes `dtype=`
         if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
             shape: tuple[int, ...] = (int(size),)
         elif isinstance(size, (tuple, list)):

@@ -59,10 +59,10 @@ shape.
 ## Zeros and Ones
 
 `ops.Zeros()(size, type)` and `ops.Ones()(size, type)` (`size` an int or a tuple of ints,
-`type` a dtype, Float32 when omitted) return a constant tensor and emit no IR node, as
-MindSpore's graph mode folds them: the constant is an operand of the ops that use it (printed
-in the dumps as a constant) and, like any constant, is sliced per rank by the layout its user
-needs."""
+`type` a dtype, Float32 when omitted; mindformers' `dtype=` keyword is the same argument)
+return a constant tensor and emit no IR node, as MindSpore's graph mode folds them: the
+constant is an operand of the ops that use it (printed in the dumps as a constant) and, like
+any constant, is sliced per rank by the layout its user needs."""
 
 # Section key (`OpDoc.section`) -> (title, introduction).
 SECTIONS: dict[str, tuple[str, str]] = {

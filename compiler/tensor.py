@@ -185,6 +185,12 @@ class Tensor:
     def __le__(self, other: Any) -> Tensor:
         return _call("LessEqual", self, other)
 
+    def __invert__(self) -> Tensor:
+        if self.dtype is not DType.bool_:
+            raise TypeError(f"unary ~ on a Tensor is the logical not of a Bool tensor, got "
+                            f"{self.dtype.value}; compare first (x > 0) or use ops.logical_not")
+        return _call("LogicalNot", self)
+
     def __pow__(self, other: Any) -> Tensor:
         return _call("Pow", self, other)
 
@@ -231,6 +237,27 @@ class Tensor:
 
     def max(self, axis: Any = (), keepdims: bool = False) -> Tensor:
         return _call("ReduceMax", self, axis, keep_dims=keepdims)
+
+    def min(self, axis: Any = None, keepdims: bool = False, *, initial: Any = None,
+            where: Any = None, return_indices: bool = False) -> Tensor:
+        """The minimum over `axis` (all axes when None), MindSpore's `Tensor.min`."""
+        if initial is not None or where is not None or return_indices:
+            raise ValueError("Tensor.min: initial, where and return_indices are not supported; "
+                             "reduce whole axes (ops.topk or ops.sort give positions)")
+        axes = () if axis is None else axis
+        return _call("ReduceMin", self, axes, keep_dims=bool(keepdims))
+
+    def ge(self, other: Any) -> Tensor:
+        return _call("GreaterEqual", self, other)
+
+    def bool(self) -> Tensor:
+        return _call("Cast", self, DType.bool_)
+
+    def repeat_interleave(self, repeats: Any, dim: Any = None) -> Tensor:
+        from pcompile.compiler.functional import repeat_interleave
+
+        out: Tensor = repeat_interleave(self, repeats, dim)
+        return out
 
     def expand_dims(self, axis: int) -> Tensor:
         return _call("ExpandDims", self, axis)

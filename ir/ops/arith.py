@@ -1,4 +1,4 @@
-"""More element-wise primitives: FloorDiv, Mod, Cos, Sin, IsFinite.
+"""More element-wise primitives: FloorDiv, Mod, Cos, Sin, IsFinite, Sign.
 
 * `FloorDiv(x, y)`: floor(x / y) for floats, floor division (rounding toward -inf) for integers,
   as MindSpore's FloorDiv. Its gradient is zero for both operands (MindSpore's bprop returns
@@ -10,8 +10,11 @@
 * `Cos`, `Sin`: the learning-rate schedules (`nn.CosineDecayLR`) and rotary embeddings need them.
 * `IsFinite(x)`: Bool, False where x is inf or NaN (integers and Bool are always finite); the
   loss-scale cells test gradients for overflow with it. It stops gradients.
+* `Sign(x)`: -1, 0 or 1 in x's dtype (NaN stays NaN; unsigned integers give 0 or 1), as
+  MindSpore's Sign; its gradient is zero (MindSpore's bprop returns `zeros_like`).
+  mindformers' TopkRouterV2 takes the sign of expert loads with it.
 
-Sharding: all four are element-wise (each output dim may be split, a broadcast dim never),
+Sharding: all of them are element-wise (each output dim may be split, a broadcast dim never),
 declared in their entries (`sharding=ELEMENTWISE`).
 """
 
@@ -147,3 +150,27 @@ elementwise("IsFinite", _is_finite_infer, _is_finite_np, lambda x: jnp.isfinite(
             doc="Bool: x is neither inf nor NaN (always True for integers and Bool).",
             operands="x -> Bool", dtypes=ALL, rule="element-wise; stops gradients",
             tests=("test_ops_arith.py::test_is_finite",))
+
+# -- Sign -------------------------------------------------------------------------------------
+
+
+def _sign_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0])
+    if x.dtype is DType.bool_:
+        raise ShapeError("needs a numeric input, got Bool (Cast it to an integer or float "
+                         "dtype first)")
+    return x
+
+
+def _sign_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    return [None]  # MindSpore's bprop: zeros_like(x)
+
+
+elementwise("Sign", _sign_infer, lambda x: np.sign(x), lambda x: jnp.sign(x), vjp=_sign_vjp,
+            doc="-1, 0 or 1 by the sign of x, in x's dtype (NaN stays NaN); zero gradient.",
+            dtypes=NUMERIC,
+            tests=("test_ops_arith.py::test_sign_matches_jax",
+                   "test_ops_arith.py::test_sign_of_zero_and_integers",
+                   "test_ops_arith.py::test_rules_match_the_oracle"),
+            note="`Sign` gives -1, 0 or 1 in x's dtype, as MindSpore's Sign; its gradient is "
+                 "zero, as MindSpore's bprop.")

@@ -1,4 +1,5 @@
-"""Reductions (ReduceSum, ReduceMean, ReduceMax), BroadcastTo, Tile, ZerosLike and OnesLike.
+"""Reductions (ReduceSum, ReduceMean, ReduceMax, ReduceMin), BroadcastTo, Tile, ZerosLike and
+OnesLike.
 
 Reductions take `axis`: a tuple of ints (negative counts from the end; `()` reduces every axis)
 and `keep_dims`: whether reduced axes stay as size-1 dims. The result has the input's dtype.
@@ -84,10 +85,11 @@ def _make_reduce_infer(op: str, allowed: str) -> InferFn:
             raise ShapeError("needs a numeric input, got Bool (Cast it first)")
         axes = reduce_axes(attrs["axis"], x.rank)
         keep = _check_keep_dims(attrs)
-        if op == "ReduceMax":
+        if op in ("ReduceMax", "ReduceMin"):
             empty = [a for a in axes if x.shape[a] == 0]
             if empty:
-                raise ShapeError(f"cannot take the max over empty axis {empty[0]}")
+                what = "max" if op == "ReduceMax" else "min"
+                raise ShapeError(f"cannot take the {what} over empty axis {empty[0]}")
         if keep:
             return x.with_shape(_keep_dims_shape(x.shape, axes))
         return x.with_shape(tuple(d for i, d in enumerate(x.shape) if i not in axes))
@@ -199,7 +201,8 @@ def _max_jax(x: Any, axis: Any, keep_dims: bool) -> Any:
 
 
 def _max_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
-    """The cotangent is shared equally by all positions equal to the max (as JAX does)."""
+    """The cotangent is shared equally by all positions equal to the max (as JAX does); the
+    same for the min (ReduceMin's vjp)."""
     x = node.operands[0]
     axes = reduce_axes(node.attrs["axis"], len(x.shape))
     is_max = b("Cast", b("Equal", x, _to_keep_dims(b, node, node.result)), dst_type=x.dtype)
@@ -217,6 +220,28 @@ define("ReduceMax", _make_reduce_infer("ReduceMax", "any"), _max_np, _max_jax, v
        tests=("test_ops_reduce.py::test_reduce", "test_ops_reduce.py::test_reduce_max_bool",
               "test_ops_reduce.py::test_reduce_max_gradient_shared_by_ties",
               "test_parallel.py::test_every_rule_matches_the_oracle"), dims=DimRule(_reduce_dims))
+
+# -- ReduceMin ------------------------------------------------------------------------------
+
+
+def _min_np(x: Any, axis: Any, keep_dims: bool) -> Any:
+    x = np.asarray(x)
+    return np.min(x, axis=reduce_axes(axis, x.ndim), keepdims=keep_dims)
+
+
+def _min_jax(x: Any, axis: Any, keep_dims: bool) -> Any:
+    return jnp.min(x, axis=reduce_axes(axis, x.ndim), keepdims=keep_dims)
+
+
+define("ReduceMin", _make_reduce_infer("ReduceMin", "any"), _min_np, _min_jax, vjp=_max_vjp,
+       attrs={"axis": (), "keep_dims": False}, num_inputs=1,
+       sharding=LabelRule(reduce_labels("min"), cross_batch=True),
+       traits=frozenset({Trait.REDUCTION}),
+       doc="Min over `axis` (() = all axes); gradient split evenly among ties.", section="linalg",
+       operands="x; `axis`, `keep_dims`", dtypes=ALL, rule="reduced dims may split (AllReduce min)",
+       tests=("test_ops_reduce.py::test_reduce", "test_ops_reduce.py::test_reduce_integer",
+              "test_ops_reduce.py::test_reduce_min_of_bool_and_ties",
+              "test_parallel_ops.py::test_rule_matches_the_oracle"), dims=DimRule(_reduce_dims))
 
 # -- BroadcastTo ----------------------------------------------------------------------------
 

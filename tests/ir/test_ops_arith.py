@@ -121,6 +121,28 @@ def test_overflow_gives_ieee_values_without_a_numpy_warning() -> None:
         assert np.isposinf(_run1("MatMul", [big, big])).all()
 
 
+@FEW
+@given(SHAPES, SEEDS)
+def test_sign_matches_jax(shape: tuple[int, ...], seed: int) -> None:
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    check_op("Sign", [x], {}, jnp.sign)
+
+
+def test_sign_of_zero_and_integers() -> None:
+    """MindSpore's Sign: 0 at 0, x's dtype kept, NaN stays NaN; Bool is refused by name."""
+    x = np.array([-2.5, -0.0, 0.0, 3.0, np.nan], np.float32)
+    out = _run1("Sign", [x])
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out[:4], [-1.0, 0.0, 0.0, 1.0])
+    assert np.isnan(out[4])
+    ints = np.array([-7, 0, 9], np.int32)
+    np.testing.assert_array_equal(_run1("Sign", [ints]), np.array([-1, 0, 1], np.int32))
+    graph = Graph("g")
+    flag = graph.add_param(GraphParam(TensorType(DType.bool_, (2,)), "x"))
+    with pytest.raises(OpError, match="Sign.*needs a numeric input, got Bool"):
+        Builder(graph)("Sign", flag)
+
+
 def test_depend_needs_a_tensor_value() -> None:
     graph = Graph("g")
     x = graph.add_param(GraphParam(TensorType(DType.float32, (2,)), "x"))
@@ -145,6 +167,7 @@ CASES = {
     "Mod": lambda: ([rnd((4, 6)), np.abs(rnd((6,), 1)) + 0.5], {}),
     "Cos": lambda: ([rnd((8, 6))], {}),
     "Sin": lambda: ([rnd((8, 2, 3))], {}),
+    "Sign": lambda: ([rnd((4, 8))], {}),
 }
 
 

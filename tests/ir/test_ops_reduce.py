@@ -30,6 +30,7 @@ REFERENCES: dict[str, Callable[..., Any]] = {
     "ReduceSum": jnp.sum,
     "ReduceMean": jnp.mean,
     "ReduceMax": jnp.max,
+    "ReduceMin": jnp.min,
 }
 
 
@@ -67,7 +68,7 @@ def test_reduce(op: str, data: st.DataObject, shape: tuple[int, ...], seed: int)
 
 @settings(max_examples=20, deadline=None)
 @given(
-    st.sampled_from(["ReduceSum", "ReduceMax"]),
+    st.sampled_from(["ReduceSum", "ReduceMax", "ReduceMin"]),
     st.sampled_from([np.int32, np.int64]),
     st.data(),
     SHAPES,
@@ -131,6 +132,15 @@ def test_reduce_single_int_axis() -> None:
 def test_reduce_max_gradient_shared_by_ties() -> None:
     x = np.array([[1.0, 3.0, 3.0], [2.0, 2.0, 2.0]], np.float32)
     check_op("ReduceMax", [x], {"axis": (1,)}, lambda x: jnp.max(x, axis=1))
+
+
+def test_reduce_min_of_bool_and_ties() -> None:
+    """ReduceMin of Bool is all(); tied minima share the gradient evenly (as JAX's min)."""
+    flags = np.array([[True, False, True], [True, True, True]])
+    check_op("ReduceMin", [flags], {"axis": (1,)}, lambda x: jnp.min(x, axis=1))
+    x = np.array([[1.0, 1.0, 3.0], [2.0, 2.0, 2.0]], np.float32)
+    check_op("ReduceMin", [x], {"axis": (1,), "keep_dims": True},
+             lambda x: jnp.min(x, axis=1, keepdims=True))
 
 
 # -- BroadcastTo ----------------------------------------------------------------------------

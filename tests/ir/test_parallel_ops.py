@@ -141,6 +141,8 @@ CASES: dict[str, Any] = {
     "LpNorm2": lambda: ([rnd((4, 8, 2))], {"axis": (1,), "p": 1, "keep_dims": True}),
     "LpNorm3": lambda: ([rnd((8, 4))], {"axis": (), "p": 3}),
     "LpNorm4": lambda: ([rnd((2, 8))], {"axis": (-1,), "p": 4, "keep_dims": False}),
+    "ReduceMin": lambda: ([rnd((4, 6, 8))], {"axis": (2,), "keep_dims": False}),
+    "ReduceMin2": lambda: ([rnd((8, 4))], {"axis": (0,), "keep_dims": True}),
 }
 
 
