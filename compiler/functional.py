@@ -83,6 +83,7 @@ from pcompile.compiler.ops import (
     Squeeze,
     StridedSlice,
     Sub,
+    Swiglu,
     Tanh,
     Tile,
     TopK,
@@ -242,6 +243,10 @@ def relu(input: Any) -> Any:
 
 def silu(input: Any) -> Any:
     return SiLU()(input)
+
+
+def swiglu(input: Any, dim: int = -1) -> Any:
+    return Swiglu()(input, dim)
 
 
 def gelu(input_x: Any, approximate: str = "none") -> Any:

@@ -537,6 +537,17 @@ class FlashAttentionScore(Primitive):
         return self._apply(operands)
 
 
+class Swiglu(_Simple):
+    """`Swiglu()(x, dim=-1)`: silu(a) * b, a and b the first and second halves of x along
+    `dim` (MindSpore's `ops.auto_generate.gen_ops_prim.Swiglu`, mindformers' fused swiglu). Its
+    strategy splits every dim but `dim`."""
+
+    op = "Swiglu"
+
+    def __call__(self, x: Any, dim: Any = -1) -> Any:
+        return self._apply([x], dim=_scalar_int(dim, "Swiglu: dim"))
+
+
 class SoftmaxCrossEntropyWithLogits(_Simple):
     """Returns (per-sample loss, gradient w.r.t. logits) like MindSpore; the second output is
     computed only when used."""

@@ -6,6 +6,7 @@ from pcompile.ir.ops import (  # noqa: F401
     comm,
     control,
     elementwise,
+    fused,
     linalg,
     nn,
     norm,

@@ -138,3 +138,76 @@ def test_group_limited_routing_compiles_and_matches_single_device(tmp_path: Any)
     assert {"Sign", "ReduceMin", "GreaterEqual", "LogicalNot", "Select"} <= ops_used
     report = check(program)
     assert report.ok(), report.errors
+
+
+SWIGLU_MODEL = """
+import numpy as np
+from pcompile import nn, ops, Parameter, Layout, set_auto_parallel_context
+
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
+                          dataset_strategy="full_batch")
+DP, MP, BS, SEQ, HIDDEN, FF = 2, 4, 2, 4, 8, 16
+
+
+class FeedForward(nn.Cell):
+    # mindformers' FeedForward with use_fused_swiglu (ffn_concat off)
+    def __init__(self):
+        super().__init__()
+        r = np.random.default_rng(3)
+        self.w1 = Parameter(0.3 * r.standard_normal((HIDDEN, FF)).astype(np.float32), "w1")
+        self.w3 = Parameter(0.3 * r.standard_normal((HIDDEN, FF)).astype(np.float32), "w3")
+        self.w2 = Parameter(0.3 * r.standard_normal((FF, HIDDEN)).astype(np.float32), "w2")
+        self.matmul1 = ops.MatMul().shard(((DP, 1), (1, MP)))
+        self.matmul3 = ops.MatMul().shard(((DP, 1), (1, MP)))
+        self.matmul2 = ops.MatMul().shard(((DP, MP), (MP, 1)))
+        self.expand_dims = ops.ExpandDims().shard(((DP, 1, MP),))
+        self.w13_concat = ops.Concat(-2).shard(((DP, 1, 1, MP), (DP, 1, 1, MP)))
+        self.swiglu = ops.auto_generate.gen_ops_prim.Swiglu()
+        layout = Layout((DP, 1, MP), ("dp", "cp", "mp"))
+        self.swiglu.shard((layout("dp", "cp", "None", "mp"),),
+                          (layout("dp", "cp", "None", "mp"),))
+        self.swiglu.add_prim_attr("self_define_shard", True)
+        self.reshape = ops.Reshape()
+
+    def construct(self, x):
+        flat = self.reshape(x, (BS * SEQ, HIDDEN))
+        gate = self.reshape(self.matmul1(flat, self.w1), (BS, SEQ, FF))
+        hidden = self.reshape(self.matmul3(flat, self.w3), (BS, SEQ, FF))
+        gate_hidden = self.w13_concat((self.expand_dims(gate, -2), self.expand_dims(hidden, -2)))
+        out = self.swiglu(gate_hidden, -2)
+        out = self.reshape(out, (BS * SEQ, FF))
+        return self.reshape(self.matmul2(out, self.w2), (BS, SEQ, HIDDEN))
+
+
+def model():
+    return FeedForward()
+
+
+def inputs():
+    return (np.random.default_rng(0).standard_normal((BS, SEQ, HIDDEN)).astype(np.float32),)
+
+
+def labels():
+    return (np.random.default_rng(1).standard_normal((BS, SEQ, HIDDEN)).astype(np.float32),)
+
+
+def loss():
+    return nn.MSELoss()
+
+
+def optimizer(params):
+    return nn.SGD(params, learning_rate=0.1)
+"""
+
+
+def test_fused_swiglu_feed_forward_matches_single_device(tmp_path: Any) -> None:
+    path = tmp_path / "ffn.py"
+    path.write_text(textwrap.dedent(SWIGLU_MODEL))
+    program = compile_model(str(path), dump=False)
+    nodes = program.rank_graph(0).nodes
+    swiglu = next(n for n in nodes if n.op == "Swiglu")
+    assert swiglu.operands[0].shape == (1, 4, 2, 4)  # (dp, 1, 1, mp) of (2, 4, 2, 16)
+    assert swiglu.result.shape == (1, 4, 1, 4)
+    assert "SwigluGrad" in {n.op for n in nodes}
+    report = check(program, steps=2)
+    assert report.ok(), report.errors

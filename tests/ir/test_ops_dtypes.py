@@ -232,6 +232,8 @@ CASES: dict[str, Case] = {
     "Sin": Case(unary()),
     "IsFinite": Case(unary()),
     "Sign": Case(unary()),
+    "Swiglu": Case(unary((3, 4), dim=-1)),
+    "SwigluGrad": Case(binary((3, 2), (3, 4), dim=-1)),
     "Depend": Case(binary()),
     "MatMul": Case(binary((3, 4), (4, 2)), terms=4),
     "BatchMatMul": Case(binary((2, 3, 4), (2, 4, 2)), terms=4),
