@@ -145,8 +145,8 @@ def test_rounding_on_bits_matches_numpy_casts() -> None:
         for dtype in (DType.float32, DType.float16, DType.bfloat16):
             got = np.asarray(jax.jit(lambda v, d=dtype: _to_dtype(v, d))(x))
             with np.errstate(over="ignore"):
-                # bfloat16 through float32, as the docstring says: ml_dtypes (0.7 here) casts float64 to
-                # bfloat16 directly (a tie in float32 rounds differently), so the
+                # bfloat16 through float32, as the docstring says: ml_dtypes (0.7 here) casts
+                # float64 to bfloat16 directly (a tie in float32 rounds differently), so the
                 # reference spells the path out rather than depend on the installed version
                 want = (values.astype(np.float32).astype(dtype.np)
                         if dtype == DType.bfloat16 else values.astype(dtype.np))
