@@ -6,6 +6,7 @@ MindSpore passes as constant tensors (shapes, slice bounds, on/off values) as at
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from math import gcd
 from typing import Any
 
@@ -348,12 +349,53 @@ define("Flatten", _flatten_infer, _flatten_np, _flatten_jax, vjp=_shape_restorin
 _MASKS = ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")
 
 
-def slice_spec(
-    shape: tuple[int, ...], attrs: dict[str, Any]
-) -> tuple[tuple[slice, ...], tuple[int, ...]]:
-    """The Python slices of a StridedSlice and its output shape. begin/end/strides may be
-    shorter than the rank (the remaining dims are taken whole, as in MindSpore); out-of-range
-    bounds are clamped like Python slicing."""
+@dataclass(frozen=True)
+class SliceLayout:
+    """What a StridedSlice's begin/end/strides and masks select, dim by dim, as MindSpore (and
+    TensorFlow) read them. Bit i of a mask belongs to entry i of begin/end/strides; bits past
+    their length are ignored; a `new_axis_mask` bit wins over a `shrink_axis_mask` bit.
+
+    * `slices`: one clamped Python slice per input dim (a shrunk dim: its one index);
+    * `dense_shape`: `x[slices]`'s shape, one entry per input dim;
+    * `out_dims`: for each output dim, the input dim it comes from, or None for a new axis;
+    * `shrunk`: the input dims a `shrink_axis_mask` bit removes;
+    * `ellipsis`: the input dims an `ellipsis_mask` entry stands for (taken whole)."""
+
+    in_shape: tuple[int, ...]
+    slices: tuple[slice, ...]
+    dense_shape: tuple[int, ...]
+    out_dims: tuple[int | None, ...]
+    shrunk: frozenset[int]
+    ellipsis: frozenset[int]
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return tuple(1 if d is None else self.dense_shape[d] for d in self.out_dims)
+
+    def whole(self, dim: int) -> bool:
+        """Input dim `dim` is kept whole and in order (MindSpore's "fully fetched", stride 1,
+        not shrunk): the only kind of dim a strategy may split."""
+        s = self.slices[dim]
+        return (dim not in self.shrunk and s.start == 0 and s.step == 1
+                and self.dense_shape[dim] == self.in_shape[dim])
+
+
+def _mask_bits(attrs: dict[str, Any], name: str, count: int) -> tuple[bool, ...]:
+    mask = _int_attr(attrs, name) if attrs.get(name) is not None else 0
+    if mask < 0:
+        raise ShapeError(f"{name}={mask} must be >= 0 (bit i belongs to begin/end/strides[i])")
+    return tuple(bool(mask >> i & 1) for i in range(count))
+
+
+def slice_layout(shape: tuple[int, ...], attrs: dict[str, Any]) -> SliceLayout:
+    """The selection of a StridedSlice of an input of `shape` (see `SliceLayout`).
+
+    Entry i of begin/end/strides is, by its mask bits: an ellipsis (the input dims no other
+    entry takes, whole), a new axis (a size-1 output dim; begin/end/strides ignored), a shrink
+    (the one index begin[i], negative counting from the end, which must exist; the dim is
+    removed), or a slice begin[i]:end[i]:strides[i] with Python clamping, begin[i] read as the
+    dim's start where begin_mask has bit i, end[i] as its end where end_mask has. Input dims
+    after the last entry are taken whole."""
     begin = _int_tuple_attr(attrs, "begin")
     end = _int_tuple_attr(attrs, "end")
     strides = _int_tuple_attr(attrs, "strides")
@@ -361,95 +403,229 @@ def slice_spec(
         raise ShapeError(
             f"begin {begin}, end {end} and strides {strides} must have the same length"
         )
-    if len(begin) > len(shape):
-        raise ShapeError(
-            f"begin/end/strides have {len(begin)} entries but the input has rank {len(shape)}; "
-            "give at most one entry per dim"
-        )
     if any(s <= 0 for s in strides):
         raise ShapeError(f"strides {strides} must be positive (negative strides unsupported)")
+    count = len(begin)
+    begin_bits = _mask_bits(attrs, "begin_mask", count)
+    end_bits = _mask_bits(attrs, "end_mask", count)
+    ellipsis_bits = _mask_bits(attrs, "ellipsis_mask", count)
+    new_bits = _mask_bits(attrs, "new_axis_mask", count)
+    shrink_bits = tuple(s and not n for s, n in zip(_mask_bits(attrs, "shrink_axis_mask", count),
+                                                     new_bits))
+    if sum(ellipsis_bits) > 1:
+        raise ShapeError(
+            f"ellipsis_mask={attrs['ellipsis_mask']} sets {sum(ellipsis_bits)} bits; only one "
+            "ellipsis is allowed in an index"
+        )
+    taking = sum(1 for i in range(count) if not new_bits[i] and not ellipsis_bits[i])
+    if taking > len(shape):
+        raise ShapeError(
+            f"begin/end/strides have {taking} entries that index input dims but the input has "
+            f"rank {len(shape)}; give at most one entry per dim"
+        )
     slices: list[slice] = []
-    out: list[int] = []
-    for i, dim in enumerate(shape):
-        if i < len(begin):
-            start, stop, step = slice(begin[i], end[i], strides[i]).indices(dim)
+    out_dims: list[int | None] = []
+    shrunk: set[int] = set()
+    ellipsis: set[int] = set()
+
+    def take_whole() -> None:
+        dim = len(slices)
+        slices.append(slice(0, shape[dim], 1))
+        out_dims.append(dim)
+
+    for i in range(count):
+        if ellipsis_bits[i]:
+            for _ in range(len(shape) - taking):
+                ellipsis.add(len(slices))
+                take_whole()
+        elif new_bits[i]:
+            out_dims.append(None)
+        elif shrink_bits[i]:
+            dim, size = len(slices), shape[len(slices)]
+            if not -size <= begin[i] < size:
+                raise ShapeError(
+                    f"shrink_axis_mask takes index begin[{i}]={begin[i]} of dim {dim}, which "
+                    f"has size {size}; the index must lie in [{-size}, {size})"
+                )
+            index = begin[i] % size
+            slices.append(slice(index, index + 1, 1))
+            shrunk.add(dim)
         else:
-            start, stop, step = 0, dim, 1
-        slices.append(slice(start, stop, step))
-        out.append(len(range(start, stop, step)))
-    return tuple(slices), tuple(out)
+            dim = len(slices)
+            start, stop, step = slice(None if begin_bits[i] else begin[i],
+                                      None if end_bits[i] else end[i],
+                                      strides[i]).indices(shape[dim])
+            slices.append(slice(start, stop, step))
+            out_dims.append(dim)
+    while len(slices) < len(shape):
+        take_whole()
+    dense = tuple(len(range(s.start, s.stop, s.step)) for s in slices)
+    return SliceLayout(tuple(shape), tuple(slices), dense, tuple(out_dims), frozenset(shrunk),
+                       frozenset(ellipsis))
+
+
+def slice_spec(
+    shape: tuple[int, ...], attrs: dict[str, Any]
+) -> tuple[tuple[slice, ...], tuple[int, ...]]:
+    """The Python slices of a StridedSlice, one per input dim, and `x[slices]`'s shape (the
+    output's before new axes are added and shrunk dims removed; `slice_layout` has both)."""
+    spec = slice_layout(shape, attrs)
+    return spec.slices, spec.dense_shape
+
+
+def _dense_bounds(spec: SliceLayout) -> dict[str, Any]:
+    """Mask-free begin/end/strides selecting `spec.slices` (StridedSliceGrad's attributes)."""
+    return {"begin": tuple(s.start for s in spec.slices),
+            "end": tuple(s.start + n * s.step for s, n in zip(spec.slices, spec.dense_shape)),
+            "strides": tuple(s.step for s in spec.slices)}
 
 
 def _strided_slice_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
     x = tensor(types[0], "x")
-    for mask in _MASKS:
-        if _int_attr(attrs, mask) != 0:
-            raise ShapeError(
-                f"{mask}={attrs[mask]} is not supported (only 0); give explicit begin/end/"
-                "strides for every dim instead"
-            )
-    _, out = slice_spec(x.shape, attrs)
-    return x.with_shape(out)
+    return x.with_shape(slice_layout(x.shape, attrs).out_shape)
 
 
 def _strided_slice_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    """The cotangent viewed as `x[slices]` (new axes dropped, shrunk dims back as size 1),
+    written into zeros by StridedSliceGrad."""
     a = node.attrs
-    grad = b(
-        "StridedSliceGrad",
-        cot,
-        shape=node.operands[0].shape,
-        begin=a["begin"],
-        end=a["end"],
-        strides=a["strides"],
-    )
-    return [grad]
+    shape = node.operands[0].shape
+    if not any(a.get(mask) for mask in _MASKS):
+        # bounds pass through as they are (a redistribution's are per-rank offsets)
+        return [b("StridedSliceGrad", cot, shape=shape, begin=a["begin"], end=a["end"],
+                  strides=a["strides"])]
+    spec = slice_layout(shape, a)
+    dense = cot if cot.shape == spec.dense_shape else b("Reshape", cot, shape=spec.dense_shape)
+    return [b("StridedSliceGrad", dense, shape=shape, **_dense_bounds(spec))]
 
 
 def _strided_slice_np(x: Any, begin: Any, end: Any, strides: Any, **masks: Any) -> Any:
-    slices, _ = slice_spec(x.shape, {"begin": begin, "end": end, "strides": strides})
-    return x[slices]
+    spec = slice_layout(x.shape, {"begin": begin, "end": end, "strides": strides, **masks})
+    return np.reshape(x[spec.slices], spec.out_shape)
 
 
 def _strided_slice_jax(x: Any, begin: Any, end: Any, strides: Any, **masks: Any) -> Any:
-    slices, _ = slice_spec(x.shape, {"begin": begin, "end": end, "strides": strides})
-    return x[slices]
+    spec = slice_layout(x.shape, {"begin": begin, "end": end, "strides": strides, **masks})
+    return jnp.reshape(x[spec.slices], spec.out_shape)
 
 
 def strided_slice_labels(ctx: OpContext) -> Labels:
+    """Input dim d is labelled d; an output dim has its input dim's label, a new axis a fresh
+    one (size 1, never split); a shrunk dim's label is dropped. Every dim not kept whole (sliced,
+    strided, shrunk) is unsplittable."""
     t = ctx.in_types[0]
+    spec = slice_layout(t.shape, ctx.attrs)
     lab = ALPHA[: t.rank]
-    begin, end, strides = ctx.attrs["begin"], ctx.attrs["end"], ctx.attrs["strides"]
-    sliced = set()
-    for i, size in enumerate(t.shape):
-        b = begin[i] if i < len(begin) else 0
-        e = end[i] if i < len(end) else size
-        s = strides[i] if i < len(strides) else 1
-        if slice(b, e, s).indices(size) != (0, size, 1):
-            sliced.add(lab[i])
-    return Labels([lab], [lab], sliced)
+    fresh = iter(fresh_labels(len(spec.out_dims), set(lab)))
+    out = "".join(next(fresh) if d is None else lab[d] for d in spec.out_dims)
+    return Labels([lab], [out], {lab[d] for d in range(t.rank) if not spec.whole(d)})
+
+
+class StridedSliceRule(LabelRule):
+    """MindSpore's stridedslice_info: the strategy has one split per input dim; a dim may be
+    split only where it is fetched whole with stride 1 and not shrunk (a masked begin or end
+    counts as the dim's start or end); a new axis is never split; an ellipsis_mask is refused
+    in a parallel plan. Each rank slices its part with the same attributes."""
+
+    def __init__(self) -> None:
+        super().__init__(strided_slice_labels, unsplittable="a sliced dim")
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        t = ctx.in_types[0]
+        if ctx.attrs.get("ellipsis_mask"):
+            raise StrategyError(
+                f"ellipsis_mask={ctx.attrs['ellipsis_mask']} is not supported in a parallel "
+                "plan (MindSpore's StridedSlice refuses it there too)",
+                "spell the dims the ellipsis stands for: begin 0, end the dim's size, stride 1 "
+                "(or set their begin_mask and end_mask bits)",
+            )
+        spec = slice_layout(t.shape, ctx.attrs)
+        split = strategy[0] if len(strategy) == 1 else ()
+        for d, count in enumerate(split if len(split) == t.rank else ()):
+            if count == 1 or spec.whole(d):
+                continue
+            s = spec.slices[d]
+            if d in spec.shrunk:
+                why = ("it is shrunk (shrink_axis_mask); a shrunk dimension can not be split, "
+                       f"the strategy is {strategy}")
+            elif s.step != 1:
+                why = (f"its stride is {s.step}; a split dimension needs stride 1, the strategy "
+                       f"is {strategy}")
+            else:
+                why = (f"it is not fully fetched ([{s.start}:{s.stop}] of {t.shape[d]}); a "
+                       "dimension that is not fully fetched can not be split, the strategy is "
+                       f"{strategy}")
+            raise StrategyError(f"dim {d} of the input cannot be split {count} ways: {why}",
+                                f"use 1 for dim {d}")
+        return super().apply(ctx, strategy, out_strategy)
 
 
 def _slice_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    """A dim sliced with stride 1 keeps its margins: in = out + what the slice leaves out."""
-    slices, out = slice_spec(ins[0][0], attrs)
-    for d, (s, n) in enumerate(zip(slices, ins[0][0])):
-        if s.step != 1:
+    """A dim sliced with stride 1 keeps its margins: in = out + what the slice leaves out; a
+    shrunk dim keeps its size (its index must stay)."""
+    spec = slice_layout(ins[0][0], attrs)
+    out_of = {d: k for k, d in enumerate(spec.out_dims) if d is not None}
+    for d, (s, n) in enumerate(zip(spec.slices, ins[0][0])):
+        if d in spec.shrunk:
+            yield Fixed(In(0, d), "a shrunk dim")
+        elif s.step != 1:
             yield Fixed(In(0, d), "a strided slice")
-            yield Fixed(Out(d), "a strided slice")
-        elif out[d] == n:
-            yield Same(In(0, d), Out(d))
+            yield Fixed(Out(out_of[d]), "a strided slice")
+        elif spec.dense_shape[d] == n:
+            yield Same(In(0, d), Out(out_of[d]))
         else:
-            yield Offset(In(0, d), Out(d), n - out[d])
+            yield Offset(In(0, d), Out(out_of[d]), n - spec.dense_shape[d])
 
 
 def _slice_rewrite(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any,
                    new_out: Any) -> dict[str, Any]:
-    slices, _ = slice_spec(old_in[0][0], attrs)
-    begin = tuple(s.start for s in slices)
-    end = tuple(s.start + n * s.step for s, n in zip(slices, new_out[0]))
-    strides = tuple(s.step for s in slices)
-    return {**attrs, "begin": begin, "end": end, "strides": strides}
+    """The shrunk op's attributes, one begin/end/strides entry per input dim and new axis in
+    output order (masks recomputed: new axes and shrunk dims keep theirs)."""
+    spec = slice_layout(old_in[0][0], attrs)
+    new_size = {d: new_out[0][k] for k, d in enumerate(spec.out_dims) if d is not None}
+    begin, end, strides, new_axis, shrink = [], [], [], 0, 0
+    dim = 0
+    entries: list[int | None] = []
+    for d in spec.out_dims:
+        while d is not None and dim < d:  # shrunk dims before this output dim
+            entries.append(dim)
+            dim += 1
+        entries.append(d)
+        if d is not None:
+            dim = d + 1
+    entries += list(range(dim, len(spec.slices)))
+    for i, d in enumerate(entries):
+        if d is None:
+            begin.append(0)
+            end.append(1)
+            strides.append(1)
+            new_axis |= 1 << i
+            continue
+        s = spec.slices[d]
+        size = 1 if d in spec.shrunk else new_size[d]
+        begin.append(s.start)
+        end.append(s.start + size * s.step)
+        strides.append(s.step)
+        if d in spec.shrunk:
+            shrink |= 1 << i
+    return {**attrs, "begin": tuple(begin), "end": tuple(end), "strides": tuple(strides),
+            "begin_mask": 0, "end_mask": 0, "ellipsis_mask": 0, "new_axis_mask": new_axis,
+            "shrink_axis_mask": shrink}
 
+
+_STRIDED_SLICE_NOTE = """\
+**StridedSlice** reads its masks as MindSpore does: bit i of a mask belongs to entry i of
+`begin`/`end`/`strides` (bits past their length are ignored). `begin_mask` / `end_mask`: that
+entry starts at the dim's start / runs to its end. `ellipsis_mask` (one bit): the entry stands
+for every input dim no other entry takes, whole. `new_axis_mask`: the entry adds a size-1 dim
+(its bounds are ignored; it wins over a `shrink_axis_mask` bit). `shrink_axis_mask`: the entry
+takes the one index `begin[i]` (negative counts from the end; the masks of bounds do not apply)
+and removes the dim. Dims after the last entry are taken whole. Sharding follows MindSpore's
+stridedslice_info: the strategy has one split per input dim, and only a dim fetched whole with
+stride 1 and not shrunk may be split; a new axis is never split; a StridedSlice with an
+`ellipsis_mask` is refused in a parallel plan (spell those dims out instead). The vjp reshapes
+the cotangent to `x[slices]`'s shape and writes it into zeros (StridedSliceGrad)."""
 
 define("StridedSlice", _strided_slice_infer, _strided_slice_np, _strided_slice_jax,
        vjp=_strided_slice_vjp,
@@ -462,12 +638,16 @@ define("StridedSlice", _strided_slice_infer, _strided_slice_np, _strided_slice_j
            "ellipsis_mask": 0,
            "new_axis_mask": 0,
            "shrink_axis_mask": 0,
-       }, num_inputs=1, sharding=LabelRule(strided_slice_labels, unsplittable="a sliced dim"),
-       doc="x[begin[i]:end[i]:strides[i], ...] with Python clamping; positive strides only and all "
-           "masks 0.", section="shape", operands="x; `begin`, `end`, `strides`", dtypes=ALL,
-       rule="sliced dims never split",
+       }, num_inputs=1, sharding=StridedSliceRule(),
+       doc="x[begin[i]:end[i]:strides[i], ...] with Python clamping and MindSpore's masks "
+           "(begin, end, ellipsis, new axis, shrink axis); positive strides only.",
+       section="shape", operands="x; `begin`, `end`, `strides`, masks", dtypes=ALL,
+       rule="only dims fetched whole with stride 1 (not shrunk) split",
        tests=("test_ops_shape.py::test_strided_slice",
+              "test_strided_slice_masks.py::test_strided_slice_masks",
+              "test_strided_slice_masks.py::test_masked_slice_rule_matches_the_oracle",
               "test_parallel.py::test_every_rule_matches_the_oracle"),
+       note=_STRIDED_SLICE_NOTE,
        dims=DimRule(_slice_dims, rewrite=_slice_rewrite, preserves_values=True))
 
 

@@ -364,8 +364,8 @@ def _emit(
             "StridedSlice",
             [(4, 4)],
             None,
-            {"begin": (0, 0), "end": (4, 4), "strides": (1, 1), "shrink_axis_mask": 1},
-            "shrink_axis_mask=1 is not supported",
+            {"begin": (4, 0), "end": (5, 4), "strides": (1, 1), "shrink_axis_mask": 1},
+            r"shrink_axis_mask takes index begin\[0\]=4 of dim 0",
         ),
         (
             "StridedSlice",
