@@ -253,12 +253,24 @@ class BroadcastTo(Primitive):
 
 class Tile(_Simple):
     """`Tile()(x, multiples)`: x repeated multiples[i] times along dim i. In a strategy, a dim
-    whose multiple is > 1 splits its copies (MindSpore's rule); other dims split x."""
+    whose multiple is > 1 splits its copies (MindSpore's rule); other dims split x. The
+    strategy has one value per multiple (MindSpore's form, also when the multiples are longer
+    than x's rank) or one per dim of x."""
 
     op = "Tile"
+    _multiples: tuple[int, ...] = ()
 
     def __call__(self, x: Any, multiples: Any) -> Any:
-        return self._apply([x], multiples=tuple(int(m) for m in multiples))
+        self._multiples = tuple(int(m) for m in multiples)
+        return self._apply([x], multiples=self._multiples)
+
+    def _check_strategy(self, op: str, values: list[Any], scope: str, source: Any) -> None:
+        strategy = self.in_strategy or ()
+        rank = getattr(values[0].type, "rank", -1) if values else -1
+        if (len(values) == len(strategy) == 1 and isinstance(strategy[0], tuple)
+                and len(strategy[0]) == len(self._multiples) > rank):
+            return  # one value per multiple: the sharding rule checks the values
+        super()._check_strategy(op, values, scope, source)
 
 
 class Concat(Primitive):

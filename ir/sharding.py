@@ -416,6 +416,13 @@ class LabelRule:
             result.forward = []
         return result
 
+    def apply_layouts(self, ctx: OpContext, layouts: list[TensorLayout],
+                      out_layout: TensorLayout | None) -> OpSharding | None:
+        """The sharding of in and out `Layout`s where the labels cannot say it (Tile's out
+        layout splitting copies); None: derived from the labels
+        (`passes.step_parallel_begin.layout_sharding`)."""
+        return None
+
     def default_strategy(self, ctx: OpContext) -> Strategy:
         """MindSpore's semi-auto default: split dim 0 of the first input (and every dim that
         shares its label) by gcd(size, devices); everything else 1."""

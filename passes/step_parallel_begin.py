@@ -268,6 +268,9 @@ def shard_node(node: Node, devices: int, strategy: Any, out_strategy: Any = None
             if out_strategy:
                 out_layout = layout_from_dict(out_strategy[0], ctx.out_types[0].shape, devices,
                                               "the output")
+            own = rule.apply_layouts(ctx, layouts, out_layout)
+            if own is not None:
+                return own
             return layout_sharding(ctx, rule.labels(ctx), layouts, out_layout)
         return rule.apply(ctx, tuple(strategy), tuple(out_strategy) if out_strategy else None)
     except StrategyError as exc:

@@ -353,14 +353,19 @@ def _reshape_same(b: Builder, value: Value, shape: tuple[int, ...]) -> Value:
 
 
 _TILE_NOTE = """\
-**Tile** follows MindSpore's tile_info: the strategy has one value per dim. A dim whose
-multiple is > 1 splits its *copies*: every rank holds the whole input dim and tiles it
+**Tile** follows MindSpore's tile_info: the strategy has one value per multiple (per output
+dim; one per dim of x is read with leading 1s, as the searches give it). A dim whose multiple
+is > 1 splits its *copies*: every rank holds the whole input dim and tiles it
 `multiple / split` times (the split divides the multiple); a dim whose multiple is 1 splits
-the input dim. So mindformers' `tile_kv.shard(((dp, mp, 1, 1),))` with multiples
-`(1, 1, rep, 1)` splits batch and kv heads and tiles every head fully. `multiples` may be
-shorter than x's rank (leading 1s) or longer (x gains leading size-1 dims), as in numpy; a
-sharded Tile needs them of equal length. The vjp reshapes the cotangent to
-`(m0, d0, m1, d1, ...)` and sums the copies."""
+the input dim; a new leading dim of multiple 1 is not split. So mindformers'
+`tile_kv.shard(((dp, mp, 1, 1),))` with multiples `(1, 1, rep, 1)` splits batch and kv heads
+and tiles every head fully. An `out_strategy` may give the copies' splits instead (1 or the
+same in `in_strategy`; dims of multiple 1 split alike in both); with `Layout`s, an input dim
+whose multiple and size are both > 1 is not split, and the out layout splits the copies of
+tiled dims by a divisor of their multiple and maps every other dim as the input does.
+`multiples` may be shorter than x's rank (leading 1s) or longer (x gains leading size-1 dims),
+as in numpy. The searches do not split copies (only a given strategy does). The vjp reshapes
+the cotangent to `(m0, d0, m1, d1, ...)` and sums the copies."""
 
 def tile_labels(ctx: OpContext) -> Labels:
     """A dim with multiple 1 is shared by input and output; a dim with multiple > 1 is never
@@ -382,9 +387,11 @@ def _tile_reps(ctx: OpContext) -> tuple[int, ...]:
 
 
 class TileRule(LabelRule):
-    """Tile (MindSpore's tile_info): the strategy has one value per dim; a dim whose multiple
-    is > 1 splits the multiple (each rank tiles its share of the copies of the whole input
-    dim: local multiple = multiple / split), a dim whose multiple is 1 splits the input dim."""
+    """Tile (MindSpore's tile_info): the strategy has one value per multiple (per output dim;
+    one per input dim is also read, with leading 1s, as the searches give it); a dim whose
+    multiple is > 1 splits the multiple (each rank tiles its share of the copies of the whole
+    input dim: local multiple = multiple / split), a dim whose multiple is 1 splits the input
+    dim. An `out_strategy` (or out Layout) may split the copies of tiled dims instead."""
 
     def __init__(self) -> None:
         super().__init__(tile_labels, unsplittable="a tiled dim (multiple > 1): the strategy "
@@ -394,39 +401,122 @@ class TileRule(LabelRule):
               ) -> OpSharding:
         x, out = ctx.in_types[0], ctx.out_types[0]
         reps = _tile_reps(ctx)
-        if x.rank != out.rank:
-            raise StrategyError(
-                f"a sharded Tile needs len(multiples) == x.ndim; x has rank {x.rank}, the "
-                f"multiples {ctx.attrs.get('multiples')} give rank {out.rank}",
-                "reshape x to the output rank first",
-            )
+        lead = out.rank - x.rank
         if len(strategy) != 1:
             raise StrategyError(
                 f"the strategy has {len(strategy)} entries but Tile has 1 tensor input",
-                "give one tuple with a split per dim",
+                "give one tuple with a split per multiple",
             )
-        for j, (m, count) in enumerate(zip(reps, strategy[0])):
+        split = tuple(strategy[0])
+        if lead and len(split) == x.rank:
+            split = (1,) * lead + split  # one split per input dim: the new dims whole
+        if len(split) != out.rank:
+            raise StrategyError(
+                f"the strategy {strategy} has {len(split)} values, but Tile's strategy has one "
+                f"per multiple: {out.rank} (multiples {ctx.attrs.get('multiples')}, x of rank "
+                f"{x.rank})",
+                f"give {out.rank} values",
+            )
+        if out_strategy is not None:
+            split = _tile_out_split(reps, split, out_strategy)
+        for i, (m, count) in enumerate(zip(reps, split)):
             if m > 1 and m % count:
                 raise StrategyError(
-                    f"dim {j} is tiled {m} times, and the strategy of a tiled dim splits its "
+                    f"dim {i} is tiled {m} times, and the strategy of a tiled dim splits its "
                     f"multiple: {m} cannot be divisible by strategy value {count}",
                     f"choose a split that divides the multiple {m}",
                 )
+        padded = (1,) * lead + x.shape
         # The strategy splits a virtual tensor: the multiple of a tiled dim, else the dim.
-        extent = tuple(m if m > 1 else d for m, d in zip(reps, x.shape))
+        extent = tuple(m if m > 1 else d for m, d in zip(reps, padded))
         virtual = OpContext(ctx.op, [TensorType(x.dtype, extent)], TensorType(x.dtype, extent),
                             ctx.attrs, ctx.devices)
-        lab = ALPHA[: x.rank]
-        base = label_sharding(virtual, Labels([lab], [lab]), strategy, out_strategy)
+        lab = ALPHA[: out.rank]
+        base = label_sharding(virtual, Labels([lab], [lab]), (split,))
         tmap = base.in_layouts[0].tensor_map
-        in_map = tuple(-1 if m > 1 else e for m, e in zip(reps, tmap))
-        split = strategy[0]
+        in_map = tuple(-1 if reps[lead + j] > 1 else tmap[lead + j] for j in range(x.rank))
         return OpSharding(
-            base.strategy, base.dev_matrix,
+            tuple(strategy), base.dev_matrix,
             [TensorLayout(base.dev_matrix, in_map, x.shape)],
             [TensorLayout(base.dev_matrix, tmap, out.shape)],
-            local_attrs={"multiples": tuple(m // c if m > 1 else 1 for m, c in zip(reps, split))},
+            local_attrs={"multiples": _local_multiples(reps, split)},
         )
+
+    def apply_layouts(self, ctx: OpContext, layouts: list[TensorLayout],
+                      out_layout: TensorLayout | None) -> OpSharding | None:
+        """In and out `Layout`s (tile_info's CheckInputLayout / CheckOutputLayout): an input
+        dim whose multiple and size are both > 1 is not split; the out layout may split the
+        copies of a tiled dim by a divisor of its multiple, and maps every other dim as the
+        input does."""
+        x, out = ctx.in_types[0], ctx.out_types[0]
+        reps = _tile_reps(ctx)
+        lead = out.rank - x.rank
+        lay = layouts[0]
+        for j, count in enumerate(lay.splits):
+            if reps[lead + j] > 1 and x.shape[j] > 1 and count > 1:
+                raise StrategyError(
+                    f"dim {j} of the input should not be split, because its multiple "
+                    f"({reps[lead + j]}) and its size ({x.shape[j]}) are both greater than 1",
+                    "leave it unsplit and split its copies with an out_strategy layout",
+                )
+        follow = (-1,) * lead + tuple(lay.tensor_map)
+        if out_layout is None:
+            out_layout = TensorLayout(lay.dev_matrix, follow, out.shape)
+        if out_layout.dev_matrix != lay.dev_matrix:
+            raise StrategyError(
+                f"the out layout's device matrix {out_layout.dev_matrix} differs from the "
+                f"input's {lay.dev_matrix}"
+            )
+        split = out_layout.splits
+        for i, m in enumerate(reps):
+            if m > 1 and m % split[i]:
+                raise StrategyError(
+                    f"the multiple {m} of output dim {i} is not divisible by its split "
+                    f"{split[i]} in the out layout",
+                    f"split the copies by a divisor of {m}",
+                )
+            if m == 1 and out_layout.tensor_map[i] != follow[i]:
+                raise StrategyError(
+                    f"output dim {i} has multiple 1, so the out layout must map it as the "
+                    f"input does ({follow[i]}), got {out_layout.tensor_map[i]}"
+                )
+        return OpSharding(
+            (lay.splits,), lay.dev_matrix, [lay], [out_layout],
+            local_attrs={"multiples": _local_multiples(reps, split)},
+        )
+
+
+def _tile_out_split(reps: tuple[int, ...], split: tuple[int, ...], out_strategy: Strategy
+                    ) -> tuple[int, ...]:
+    """The split per output dim of in_strategy `split` with `out_strategy`: the copies of a
+    tiled dim split as out_strategy says (in_strategy gives 1 or the same), every other dim as
+    in_strategy."""
+    if len(out_strategy) != 1 or len(out_strategy[0]) != len(reps):
+        raise StrategyError(
+            f"out_strategy {out_strategy} must have one tuple of {len(reps)} values (one per "
+            "output dim)"
+        )
+    merged = []
+    for i, (m, s_in, s_out) in enumerate(zip(reps, split, out_strategy[0])):
+        if m > 1 and s_in not in (1, s_out):
+            raise StrategyError(
+                f"dim {i} is tiled {m} times: in_strategy splits its copies {s_in} ways but "
+                f"out_strategy {s_out} ways",
+                "give the split of the copies in out_strategy and 1 in in_strategy",
+            )
+        if m == 1 and s_in != s_out:
+            raise StrategyError(
+                f"out_strategy {out_strategy} splits dim {i} (multiple 1) {s_out} ways but "
+                f"in_strategy {s_in} ways; only the copies of tiled dims may differ",
+                "give dims with multiple 1 the same split in both",
+            )
+        merged.append(s_out if m > 1 else s_in)
+    return tuple(merged)
+
+
+def _local_multiples(reps: tuple[int, ...], split: tuple[int, ...]) -> tuple[int, ...]:
+    """Each rank's multiples: the copies of a tiled dim shared by its split, 1 elsewhere."""
+    return tuple(m // c if m > 1 else 1 for m, c in zip(reps, split))
 
 
 def _tile_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
@@ -455,6 +545,8 @@ define("Tile", _tile_infer, lambda x, multiples: np.tile(x, multiples),
        tests=("test_ops_shape.py::test_tile", "test_ops_shape.py::test_tile_as_repeat_kv",
               "test_parallel_ops.py::test_tile_rule_matches_the_oracle",
               "test_parallel_ops.py::test_tile_strategy_of_a_tiled_dim_splits_its_multiple",
+              "test_tile_sharding.py::test_tile_strategies_of_every_multiple_match_the_oracle",
+              "test_tile_sharding.py::test_tile_networks_train_like_one_device",
               "test_mindformers_ops.py::test_tile_as_repeat_kv_calls_it_trains_like_one_device"),
        note=_TILE_NOTE, dims=DimRule(_tile_dims, rewrite=_tile_rewrite, preserves_values=True))
 

@@ -41,8 +41,8 @@ def bools(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
 NO_GRAD_OUTPUTS = {"FlashAttentionScore": (0, 1, 2)}
 
 
-def case_graph(op: str, arrays: list[np.ndarray], attrs: dict[str, Any], strategy: Any
-               ) -> tuple[Graph, list[GraphParam]]:
+def case_graph(op: str, arrays: list[np.ndarray], attrs: dict[str, Any], strategy: Any,
+               out_strategy: Any = None) -> tuple[Graph, list[GraphParam]]:
     """op(*arrays) with every output returned, and a scalar loss: the sum of every float
     output (but NO_GRAD_OUTPUTS) times a fixed random cotangent."""
     graph = Graph("case")
@@ -53,6 +53,8 @@ def case_graph(op: str, arrays: list[np.ndarray], attrs: dict[str, Any], strateg
                                                  "weight", dtype.is_float)))
     b = Builder(graph)
     user = {"in_strategy": strategy} if strategy is not None else None
+    if user is not None and out_strategy is not None:
+        user["out_strategy"] = out_strategy
     out = b.emit(op, list(params), attrs, user_attrs=user, instance_name="op")
     outs: list[Value] = ([b("TupleGetItem", out, index=i)
                           for i in range(len(out.type.elements))]
@@ -91,16 +93,17 @@ def close(got: np.ndarray, want: np.ndarray, what: str, rtol: float = FLOAT64_RT
 
 
 def run_sharded(op: str, arrays: list[np.ndarray], attrs: dict[str, Any], strategy: Any,
-                devices: int, rtol: float = FLOAT64_RTOL) -> None:
-    """Every output and every input gradient of `op` under `strategy` equal the unsharded
-    op's. Both run in float64 (the oracle's mode: the same arithmetic on slices, up to the
-    order of additions), so the bound is the oracle's derived one whatever the dtype."""
+                devices: int, rtol: float = FLOAT64_RTOL, out_strategy: Any = None) -> None:
+    """Every output and every input gradient of `op` under `strategy` (and `out_strategy`)
+    equal the unsharded op's. Both run in float64 (the oracle's mode: the same arithmetic on
+    slices, up to the order of additions), so the bound is the oracle's derived one whatever
+    the dtype."""
     ref, ref_params = case_graph(op, arrays, attrs, strategy)
     wrt = [p for p in ref_params if p.requires_grad]
     ref.outputs = [*ref.outputs, *append_gradients(ref, ref.outputs[0], wrt)]
     want = run_graph(ref, arrays, float64=True)
 
-    graph, params = case_graph(op, arrays, attrs, strategy)
+    graph, params = case_graph(op, arrays, attrs, strategy, out_strategy)
     assignment = assign(graph, devices, "full_batch")
     ranks, out_layouts = build_rank_graphs(graph, assignment, SplitOptions(devices, True), {})
     for g in ranks:
