@@ -68,6 +68,7 @@ from pcompile.compiler.ops import (
     ReLU,
     Reshape,
     RmsNorm,
+    RotaryPositionEmbedding,
     Rsqrt,
     Select,
     Shape,
@@ -243,6 +244,10 @@ def relu(input: Any) -> Any:
 
 def silu(input: Any) -> Any:
     return SiLU()(input)
+
+
+def rotary_position_embedding(x: Any, cos: Any, sin: Any, mode: int = 0) -> Any:
+    return RotaryPositionEmbedding()(x, cos, sin, mode)
 
 
 def swiglu(input: Any, dim: int = -1) -> Any:

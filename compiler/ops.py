@@ -560,6 +560,18 @@ class Swiglu(_Simple):
         return self._apply([x], dim=_scalar_int(dim, "Swiglu: dim"))
 
 
+class RotaryPositionEmbedding(_Simple):
+    """`RotaryPositionEmbedding()(x, cos, sin, mode=0)`: x * cos + rotate(x) * sin, x 4-D,
+    cos and sin broadcast to it; mode 0 rotates the halves of the last dim (GPT-NeoX), 1 its
+    interleaved pairs (GPT-J). MindSpore's `ops.auto_generate.gen_ops_prim` primitive
+    (mindformers' fused rope). Its strategy splits x's dims but the last, cos and sin alike."""
+
+    op = "RotaryPositionEmbedding"
+
+    def __call__(self, x: Any, cos: Any, sin: Any, mode: Any = 0) -> Any:
+        return self._apply([x, cos, sin], mode=_scalar_int(mode, "RotaryPositionEmbedding: mode"))
+
+
 class SoftmaxCrossEntropyWithLogits(_Simple):
     """Returns (per-sample loss, gradient w.r.t. logits) like MindSpore; the second output is
     computed only when used."""

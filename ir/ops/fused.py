@@ -5,9 +5,17 @@ its unfused form.
   silu(a) * b, as MindSpore's `ops.swiglu` (the first half is gated). mindformers'
   FeedForward (`use_fused_swiglu`) calls it on (bs, seq, 2, hidden) with dim = -2. Its gradient
   is `SwigluGrad(dy, x; dim)` (MindSpore's name): the two halves' gradients side by side.
-
-Sharding: every dim but `dim` may split (the halves of `dim` must stay on one rank; mindformers
-shards Swiglu `("dp", "cp", "None", "mp")`).
+  Sharding: every dim but `dim` may split (the halves of `dim` must stay on one rank;
+  mindformers shards Swiglu `("dp", "cp", "None", "mp")`).
+* `RotaryPositionEmbedding(x, cos, sin; mode)`: x * cos + rotate(x) * sin, as MindSpore's
+  `ops.rotary_position_embedding` (mindformers' `use_fused_rope`). x is 4-D (BNSD, BSND or
+  SBND: the op is the same formula for each), cos and sin broadcast to it and share its last
+  dim D (even). `mode` 0 rotates halves (GPT-NeoX: (x1, x2) -> (-x2, x1) for the two halves
+  of D), 1 rotates interleaved pairs (GPT-J: (x[2i], x[2i+1]) -> (-x[2i+1], x[2i])).
+  `RotateHalf(x; mode)` is that rotation alone, which the gradient needs: rotate is linear and
+  its transpose is -rotate, so dx = dy * cos - rotate(dy * sin), dcos = dy * x and
+  dsin = dy * rotate(x), each summed over the dims cos and sin broadcast. Sharding: element-wise
+  with broadcasting, but D never splits (a rotation mixes its two halves or pairs).
 """
 
 from __future__ import annotations
@@ -19,13 +27,21 @@ import numpy as np
 
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
-from pcompile.ir.dims import DimRule, In, Out, Product, Same
+from pcompile.ir.dims import DimRule, In, Out, Product, Same, broadcast
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._define import define, grad_helper
 from pcompile.ir.ops._jax import jax, jnp
-from pcompile.ir.ops._util import same_dtype, tensor
+from pcompile.ir.ops._util import broadcast_shapes, same_dtype, tensor, unbroadcast
 from pcompile.ir.registry import FLOATS
-from pcompile.ir.sharding import ALPHA, LabelRule, Labels, OpContext, fresh_labels
+from pcompile.ir.sharding import (
+    ALPHA,
+    LabelRule,
+    Labels,
+    OpContext,
+    elementwise_labels,
+    fresh_labels,
+    identity_labels,
+)
 from pcompile.ir.types import TensorType, ValueType
 
 
@@ -157,3 +173,115 @@ grad_helper("SwigluGrad", _swiglu_grad_infer, _swiglu_grad_np, _swiglu_grad_jax,
                 "`dim` (MindSpore operand order: dy, x).",
             dtypes=FLOATS, tests=("test_ops_fused.py::test_swiglu_grad_matches_jax",),
             dims=DimRule(_swiglu_grad_dims))
+
+
+# -- RotaryPositionEmbedding ------------------------------------------------------------------
+
+_MODES = {0: "rotate_half (GPT-NeoX)", 1: "rotate_interleaved (GPT-J)"}
+
+
+def _rope_mode(attrs: dict[str, Any]) -> int:
+    mode = attrs["mode"]
+    if isinstance(mode, bool) or mode not in _MODES:
+        raise ShapeError(f"mode must be 0 ({_MODES[0]}) or 1 ({_MODES[1]}), got {mode!r}")
+    return int(mode)
+
+
+def _rotate_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0], "x")
+    if not x.dtype.is_float:
+        raise ShapeError(f"needs a floating-point x, got {x.dtype.value}")
+    _rope_mode(attrs)
+    if x.rank == 0 or x.shape[-1] % 2:
+        last = x.shape[-1] if x.rank else "none (x is a scalar)"
+        raise ShapeError(f"the last dim of x {x.shape} must be even (it rotates halves or "
+                         f"pairs), got {last}")
+    return x
+
+
+def _rotate(x: Any, mode: int, lib: Any) -> Any:
+    """x's last dim rotated: halves (mode 0) or interleaved pairs (mode 1)."""
+    if mode == 0:
+        first, second = lib.split(x, 2, axis=-1)
+        return lib.concatenate([-second, first], axis=-1)
+    pairs = x.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
+    return lib.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
+
+
+def _rotate_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    return [b("Neg", b("RotateHalf", cot, mode=node.attrs["mode"]))]
+
+
+define("RotateHalf", _rotate_infer, lambda x, mode: _rotate(np.asarray(x), mode, np),
+       lambda x, mode: _rotate(x, mode, jnp), vjp=_rotate_vjp, attrs={"mode": 0},
+       num_inputs=1,
+       sharding=LabelRule(identity_labels(lambda ctx: (-1,)), unsplittable="the rotated dim"),
+       doc="x's last dim rotated: (x1, x2) -> (-x2, x1) by halves (mode 0) or by interleaved "
+           "pairs (mode 1); RotaryPositionEmbedding's gradient uses it.",
+       section="attention", operands="x; `mode`", dtypes=FLOATS,
+       rule="the last dim never splits; other dims split",
+       spelling="emitted by RotaryPositionEmbedding's vjp",
+       tests=("test_ops_fused.py::test_rotate_half_matches_jax",
+              "test_ops_fused.py::test_rules_match_the_oracle"),
+       dims=DimRule(broadcast))
+
+
+def _rope_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x, cos, sin = (tensor(types[i], what) for i, what in enumerate(("x", "cos", "sin")))
+    same_dtype([x, cos, sin])
+    if x.rank != 4:
+        raise ShapeError(f"x must be 4-D (BNSD, BSND or SBND), got shape {x.shape}")
+    _rotate_infer([x], attrs)
+    if cos.shape != sin.shape:
+        raise ShapeError(f"cos {cos.shape} and sin {sin.shape} must have one shape")
+    if (cos.rank != 4 or cos.shape[-1] != x.shape[-1]
+            or broadcast_shapes(x.shape, cos.shape) != x.shape):
+        raise ShapeError(f"cos and sin {cos.shape} must be 4-D with x's last dim "
+                         f"{x.shape[-1]} and broadcast to x {x.shape} (e.g. "
+                         f"(1, 1, {x.shape[2]}, {x.shape[3]}) for BNSD)")
+    return x
+
+
+def _rope_np(x: Any, cos: Any, sin: Any, mode: int) -> Any:
+    wide = [_wide(np.asarray(v)) for v in (x, cos, sin)]
+    out: np.ndarray = (wide[0] * wide[1] + _rotate(wide[0], mode, np) * wide[2]).astype(x.dtype)
+    return out
+
+
+def _rope_jax(x: Any, cos: Any, sin: Any, mode: int) -> Any:
+    return x * cos + _rotate(x, mode, jnp) * sin
+
+
+def _rope_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+    x, cos, sin = node.operands
+    mode = node.attrs["mode"]
+    dx = b("Sub", b("Mul", cot, cos), b("RotateHalf", b("Mul", cot, sin), mode=mode))
+    dcos = unbroadcast(b, b("Mul", cot, x), cos.shape)
+    dsin = unbroadcast(b, b("Mul", cot, b("RotateHalf", x, mode=mode)), sin.shape)
+    return [dx, dcos, dsin]
+
+
+def rope_labels(ctx: OpContext) -> Labels:
+    """Element-wise with broadcasting; the rotated (last) dim never splits."""
+    labels = elementwise_labels(ctx)
+    labels.unsplittable |= {labels.outputs[0][-1]}
+    return labels
+
+
+define("RotaryPositionEmbedding", _rope_infer, _rope_np, _rope_jax, vjp=_rope_vjp,
+       attrs={"mode": 0}, num_inputs=3,
+       sharding=LabelRule(rope_labels, unsplittable="the rotated dim D"),
+       doc="x * cos + rotate(x) * sin; rotate by halves (mode 0) or interleaved pairs (mode 1).",
+       section="attention", operands="4-D x, cos, sin (broadcast to x); `mode`",
+       dtypes=FLOATS, rule="element-wise (cos, sin broadcast); the last dim never splits",
+       tests=("test_ops_fused.py::test_rope_matches_jax",
+              "test_ops_fused.py::test_rope_refuses_bad_shapes",
+              "test_ops_fused.py::test_rope_split_of_the_rotated_dim_is_refused_with_one_message",
+              "test_ops_fused.py::test_rules_match_the_oracle",
+              "test_routing_api.py::test_fused_rope_matches_single_device"),
+       note="`RotaryPositionEmbedding` (`ops.auto_generate.gen_ops_prim."
+            "RotaryPositionEmbedding()(x, cos, sin, mode)`, mindformers' `use_fused_rope`) is "
+            "MindSpore's `ops.rotary_position_embedding`: mode 0 rotates the halves of D "
+            "(GPT-NeoX), mode 1 interleaved pairs (GPT-J). cos and sin may take any shape that "
+            "broadcasts to x with x's D (MindSpore's kernel takes a few of them).",
+       dims=DimRule(broadcast))

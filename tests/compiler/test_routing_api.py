@@ -211,3 +211,72 @@ def test_fused_swiglu_feed_forward_matches_single_device(tmp_path: Any) -> None:
     assert "SwigluGrad" in {n.op for n in nodes}
     report = check(program, steps=2)
     assert report.ok(), report.errors
+
+
+ROPE_MODEL = """
+import numpy as np
+from pcompile import nn, ops, Parameter, Tensor, set_auto_parallel_context
+
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
+                          dataset_strategy="full_batch")
+DP, MP, BS, SEQ, HEADS, HEAD_DIM = 2, 4, 2, 4, 4, 4
+HIDDEN = HEADS * HEAD_DIM
+
+
+class Attention(nn.Cell):
+    # the query projection and mindformers' fused rope (use_fused_rope), BNSD
+    def __init__(self, mode):
+        super().__init__()
+        r = np.random.default_rng(3)
+        self.wq = Parameter(0.3 * r.standard_normal((HIDDEN, HIDDEN)).astype(np.float32), "wq")
+        self.matmul = ops.MatMul().shard(((DP, 1), (1, MP)))
+        self.transpose = ops.Transpose().shard(((DP, 1, MP, 1),))
+        self.rope = ops.auto_generate.gen_ops_prim.RotaryPositionEmbedding()
+        self.rope.shard(((DP, MP, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1)))
+        angles = np.outer(np.arange(SEQ), np.linspace(0.1, 1.0, HEAD_DIM // 2))
+        freqs = np.concatenate([angles, angles], -1).reshape(1, 1, SEQ, HEAD_DIM)
+        self.cos = Tensor(np.cos(freqs).astype(np.float32))
+        self.sin = Tensor(np.sin(freqs).astype(np.float32))
+        self.mode = mode
+        self.reshape = ops.Reshape()
+
+    def construct(self, x):
+        q = self.matmul(self.reshape(x, (BS * SEQ, HIDDEN)), self.wq)
+        q = self.transpose(self.reshape(q, (BS, SEQ, HEADS, HEAD_DIM)), (0, 2, 1, 3))
+        return self.rope(q, self.cos, self.sin, self.mode)
+
+
+def model():
+    return Attention(MODE)
+
+
+def inputs():
+    return (np.random.default_rng(0).standard_normal((BS, SEQ, HIDDEN)).astype(np.float32),)
+
+
+def labels():
+    return (np.random.default_rng(1).standard_normal((BS, HEADS, SEQ, HEAD_DIM))
+            .astype(np.float32),)
+
+
+def loss():
+    return nn.MSELoss()
+
+
+def optimizer(params):
+    return nn.SGD(params, learning_rate=0.1)
+"""
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+def test_fused_rope_matches_single_device(tmp_path: Any, mode: int) -> None:
+    path = tmp_path / "rope.py"
+    path.write_text(f"MODE = {mode}\n" + textwrap.dedent(ROPE_MODEL))
+    program = compile_model(str(path), dump=False)
+    nodes = program.rank_graph(0).nodes
+    rope = next(n for n in nodes if n.op == "RotaryPositionEmbedding")
+    assert rope.attrs["mode"] == mode
+    assert rope.operands[0].shape == (1, 1, 4, 4) and rope.operands[1].shape == (1, 1, 4, 4)
+    assert "RotateHalf" in {n.op for n in nodes}  # x's gradient
+    report = check(program, steps=2)
+    assert report.ok(), report.errors

@@ -179,6 +179,11 @@ def _concat(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[
     return [values(d, (2, 3), rng), values(d, (2, 1), rng)], {"axis": 1}
 
 
+def _rope(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    return [values(d, (1, 2, 3, 4), rng), values(d, (1, 1, 3, 4), rng),
+            values(d, (1, 1, 3, 4), rng)], {"mode": 0}
+
+
 def _make_tuple(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
     return [values(d, (2, 3), rng), values(d, (4,), rng)], {}
 
@@ -234,6 +239,8 @@ CASES: dict[str, Case] = {
     "Sign": Case(unary()),
     "Swiglu": Case(unary((3, 4), dim=-1)),
     "SwigluGrad": Case(binary((3, 2), (3, 4), dim=-1)),
+    "RotateHalf": Case(unary((3, 4), mode=1)),
+    "RotaryPositionEmbedding": Case(_rope),
     "Depend": Case(binary()),
     "MatMul": Case(binary((3, 4), (4, 2)), terms=4),
     "BatchMatMul": Case(binary((2, 3, 4), (2, 4, 2)), terms=4),

@@ -84,13 +84,75 @@ def test_swiglu_refuses_an_odd_dim(dtype: DType, shape: tuple[int, ...],
         Builder(graph).emit("Swiglu", [x], attrs)
 
 
+def rotate_reference(x: Any, mode: int) -> Any:
+    """The unfused rotation, as mindformers' `_rotate_half` writes it."""
+    if mode == 0:
+        first, second = jnp.split(x, 2, axis=-1)
+        return jnp.concatenate([-second, first], axis=-1)
+    pairs = x.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
+    return jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
+
+
+@FEW
+@given(SHAPES, st.sampled_from([0, 1]), SEEDS)
+def test_rotate_half_matches_jax(shape: tuple[int, ...], mode: int, seed: int) -> None:
+    shape = shape[:-1] + (2 * shape[-1],)
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    check_op("RotateHalf", [x], {"mode": mode}, lambda x_: rotate_reference(x_, mode), seed=seed)
+
+
+@st.composite
+def rope_case(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """x (4-D, even last dim) and a shape of cos/sin broadcasting to it with x's last dim."""
+    x = tuple(draw(st.integers(1, 3)) for _ in range(3)) + (2 * draw(st.integers(1, 3)),)
+    table = tuple(d if draw(st.booleans()) else 1 for d in x[:3]) + (x[3],)
+    return x, table
+
+
+@FEW
+@given(rope_case(), st.sampled_from([0, 1]),
+       st.sampled_from([np.float32, np.float16, ml_dtypes.bfloat16]), SEEDS)
+def test_rope_matches_jax(case: Any, mode: int, dtype: Any, seed: int) -> None:
+    """Forward and the gradients of x, cos and sin against the unfused form."""
+    x_shape, table = case
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(x_shape).astype(dtype)
+    angles = rng.uniform(0, 6.3, table)
+    cos, sin = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+    check_op("RotaryPositionEmbedding", [x, cos, sin], {"mode": mode},
+             lambda x_, c_, s_: x_ * c_ + rotate_reference(x_, mode) * s_, seed=seed)
+
+
+@pytest.mark.parametrize("shapes,attrs,message", [
+    (((2, 3, 4), (1, 3, 4), (1, 3, 4)), {}, r"x must be 4-D"),
+    (((1, 2, 3, 5), (1, 1, 3, 5), (1, 1, 3, 5)), {}, r"last dim of x .* must be even"),
+    (((1, 2, 3, 4), (1, 1, 3, 2), (1, 1, 3, 2)), {}, r"cos and sin \(1, 1, 3, 2\) must be 4-D"),
+    (((1, 2, 3, 4), (1, 1, 3, 4), (1, 2, 3, 4)), {}, r"must have one shape"),
+    (((1, 2, 3, 4), (1, 1, 3, 4), (1, 1, 3, 4)), {"mode": 2}, r"mode must be 0 .* or 1"),
+])
+def test_rope_refuses_bad_shapes(shapes: Any, attrs: dict[str, Any], message: str) -> None:
+    graph = Graph("g")
+    params = [graph.add_param(GraphParam(TensorType(DType.float32, s), f"x{i}"))
+              for i, s in enumerate(shapes)]
+    with pytest.raises(OpError, match="RotaryPositionEmbedding.*" + message):
+        Builder(graph).emit("RotaryPositionEmbedding", list(params), attrs)
+
+
+def rope_inputs(x_shape: tuple[int, ...], table: tuple[int, ...]) -> list[np.ndarray]:
+    angles = np.random.default_rng(5).uniform(0, 6.3, table)
+    return [rnd(x_shape), np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)]
+
+
 CASES: dict[str, Any] = {
     "Swiglu": lambda: ([rnd((4, 2, 2, 8))], {"dim": -2}),
     "Swiglu2": lambda: ([rnd((8, 4, 6))], {"dim": -1}),
+    "RotaryPositionEmbedding": lambda: (rope_inputs((2, 4, 4, 8), (1, 1, 4, 8)), {"mode": 0}),
+    "RotaryPositionEmbedding2": lambda: (rope_inputs((4, 2, 2, 4), (4, 1, 2, 4)), {"mode": 1}),
+    "RotateHalf": lambda: ([rnd((4, 2, 8))], {"mode": 1}),
 }
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(st.data(), st.sampled_from(sorted(CASES)), st.sampled_from([1, 2, 4, 8]))
 def test_rules_match_the_oracle(data: Any, case: str, devices: int) -> None:
     op = case.rstrip("0123456789")
@@ -102,4 +164,11 @@ def test_rules_match_the_oracle(data: Any, case: str, devices: int) -> None:
 def test_swiglu_split_dim_split_is_refused_with_one_message() -> None:
     graph, _ = case_graph("Swiglu", [rnd((4, 2, 8))], {"dim": -1}, ((1, 1, 2),))
     with pytest.raises(OpError, match="Swiglu's split dim"):
+        assign(graph, 2, "full_batch")
+
+
+def test_rope_split_of_the_rotated_dim_is_refused_with_one_message() -> None:
+    graph, _ = case_graph("RotaryPositionEmbedding", rope_inputs((2, 2, 4, 8), (1, 1, 4, 8)),
+                          {"mode": 0}, ((1, 1, 1, 2), (1, 1, 1, 2), (1, 1, 1, 2)))
+    with pytest.raises(OpError, match="rotated dim D"):
         assign(graph, 2, "full_batch")
