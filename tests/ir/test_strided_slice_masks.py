@@ -234,7 +234,7 @@ def test_mindspore_refusals(shape: tuple[int, ...], attrs: dict[str, Any], strat
 
 NET = """
 import numpy as np
-from pcompile import nn, ops, Parameter, initializer, set_seed, set_auto_parallel_context
+from pcompile import nn, ops, Parameter, Tensor, initializer, set_seed, set_auto_parallel_context
 
 set_auto_parallel_context(parallel_mode="{mode}", device_num=8,
                           dataset_strategy="full_batch"{search})
@@ -263,7 +263,7 @@ def inputs():
 
 
 def labels():
-    return (np.zeros({out}, np.float32),)
+    return (np.ones({out}, np.float32),)
 
 
 def loss():
@@ -292,6 +292,10 @@ NETS = {
     "shrink_axis_mask_parameter": (
         _ON_PARAMETER, (16, 8, 4), (8, 4), (8, 4), (8, 4), (0, 0, 0), (16, 8, 4), (1, 1, 1),
         "shrink_axis_mask=1", ((1, 2), (1, 2)), ((1, 4, 1),), "semi"),
+    # test_stridedslice_begin_mask_no_0_tensor: the sliced operand a constant tensor
+    "begin_mask_tensor": (
+        _ON_PARAMETER, ("tensor", (16, 8, 4)), (8, 8, 1), (8, 8, 1), (8, 8, 4), (15, 0, 0),
+        (8, 8, 4), (1, 1, 1), "begin_mask=1", ((1, 4, 1), (1, 4, 2)), ((1, 4, 2),), "semi"),
     "shrink_axis_mask_output": (
         _ON_OUTPUT, None, (16, 8, 1), (16, 8, 1), (8, 1), (0, 0, 0), (8, 8, 1), (1, 1, 1),
         "shrink_axis_mask=1", ((1, 8, 1), (1, 8, 1)), ((1, 8, 1),), "semi"),
@@ -301,12 +305,23 @@ NETS = {
 }
 
 
+def _w1_line(w1: Any) -> str:
+    """The sliced operand: a Parameter of shape `w1`, a constant tensor for ("tensor", shape),
+    none for None."""
+    if w1 is None:
+        return ""
+    if w1[0] == "tensor":
+        return ("self.w1 = Tensor(np.random.default_rng(1).standard_normal("
+                f"{w1[1]}).astype(np.float32))")
+    return f'self.w1 = Parameter(initializer("normal", {list(w1)}), "w1")'
+
+
 def _write(tmp_path: Any, name: str) -> str:
     (body, w1, w2, x, out, begin, end, strides, masks, shard1, shard2, mode) = NETS[name]
     text = NET.format(
         mode="semi_auto_parallel" if mode == "semi" else "auto_parallel",
         search="" if mode == "semi" else ", search_mode='sharding_propagation'",
-        w1=f'self.w1 = Parameter(initializer("normal", {list(w1)}), "w1")' if w1 else "",
+        w1=_w1_line(w1),
         w2=list(w2), x=x, out=out, masks=masks,
         shard1=f".shard({shard1})" if shard1 else "",
         shard2=f".shard({shard2})" if shard2 else "",
@@ -343,3 +358,33 @@ def test_masked_slice_split_that_mindspore_refuses_is_refused(tmp_path: Any) -> 
         f.write(text)
     with pytest.raises(PcompileError, match=r"(?s)StridedSlice.*dim 0.*shrunk"):
         compile_model(path, dump=False)
+
+
+def test_masked_slice_shrinks_with_its_input() -> None:
+    """The shrunk check's dimension relations: a dim taken whole shrinks with the input, a
+    sliced one keeps its margins, a shrunk one keeps its size; the rewritten attributes (one
+    entry per dim and new axis, masks recomputed) give the shrunk shapes and the verifier
+    accepts the graph."""
+    from pcompile.ir import dims
+    from pcompile.ir.builder import Builder
+    from pcompile.ir.core import Graph, GraphParam
+    from pcompile.ir.verifier import verify
+
+    g = Graph("slice")
+    x = g.add_param(GraphParam(TensorType(DType.float32, (16, 3, 32, 8)), "x"))
+    b = Builder(g)
+    attrs = {m: 0 for m in MASKS} | {"begin": (0, 1, 0, 4), "end": (0, 2, 0, 8),
+                                      "strides": (1, 1, 1, 1), "begin_mask": 1, "end_mask": 1,
+                                      "new_axis_mask": 4, "shrink_axis_mask": 2}
+    out = b("StridedSlice", x, **attrs)
+    assert out.shape == (16, 1, 4, 8)  # x[:, 1, None, 4:8]
+    g.outputs = [out]
+    verify(g)
+    dims.shrink_graph(g, [], 4).apply(g)
+    verify(g)
+    (node,) = g.find("StridedSlice")
+    new_x = node.operands[0].shape
+    assert new_x[0] < 16 and new_x[1] == 3  # a whole dim shrinks, the shrunk one stays
+    assert out.shape[0] == new_x[0] and new_x[2] - out.shape[2] == 28  # margins kept
+    index = python_index(node.attrs)
+    assert np.zeros(new_x)[index].shape == out.shape

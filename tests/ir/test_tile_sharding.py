@@ -138,7 +138,7 @@ def inputs():
 
 
 def labels():
-    return (np.zeros({out}, np.float32),)
+    return (np.ones({out}, np.float32),)
 
 
 def loss():
@@ -231,3 +231,42 @@ def test_tile_layouts_that_mindspore_refuses(tmp_path: Any, name: str, tile_shar
                                             message: str) -> None:
     with pytest.raises(PcompileError, match=f"(?s)Tile.*{message}"):
         compile_model(_write(tmp_path, name, tile_shard=tile_shard), dump=False)
+
+
+JAX_SCRIPT = """
+import json, pathlib, sys, tempfile
+import tests.spmd_worker as worker  # 8 virtual CPU devices, float64
+from pcompile.tools.compile import compile as compile_model
+from tests.ir import test_strided_slice_masks, test_tile_sharding
+out = {}
+for module in (test_strided_slice_masks, test_tile_sharding):
+    for name in module.NETS:
+        path = module._write(pathlib.Path(tempfile.mkdtemp()), name)
+        out[name] = worker.compare(compile_model(path, dump=False), "")
+print("REPORT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # one 8-device worker process runs the networks of both files (~15 s)
+def test_masked_slice_and_tile_networks_on_jax_spmd() -> None:
+    """The same networks (here and in test_strided_slice_masks.py) as JAX SPMD programs on 8
+    virtual CPU devices: two steps agree with the numpy simulator and one device (float64)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests import ROOT
+    from tests.backends.test_jax_backend import assert_agrees_in_float64
+    from tests.ir.test_strided_slice_masks import NETS as SLICE_NETS
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", JAX_SCRIPT], cwd=ROOT, capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("REPORT ")][-1]
+    report = json.loads(line[len("REPORT "):])
+    assert set(report) == set(SLICE_NETS) | set(NETS)
+    for name, result in report.items():
+        assert result["fallback"] == 0, name
+        assert_agrees_in_float64(result, name)
