@@ -388,3 +388,72 @@ def test_masked_slice_shrinks_with_its_input() -> None:
     assert out.shape[0] == new_x[0] and new_x[2] - out.shape[2] == 28  # margins kept
     index = python_index(node.attrs)
     assert np.zeros(new_x)[index].shape == out.shape
+
+
+NET3 = """
+import numpy as np
+from pcompile import nn, ops, set_auto_parallel_context
+
+set_auto_parallel_context(parallel_mode="auto_parallel", device_num={devices},
+                          search_mode="sharding_propagation", dataset_strategy="full_batch")
+
+
+class Net3(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.strided_slice = ops.StridedSlice({masks}).shard({strategy})
+        self.relu = ops.ReLU()
+
+    def construct(self, x):
+        return self.relu(self.strided_slice(x, {begin}, {end}, {strides}))
+
+
+def model():
+    return Net3()
+
+
+def inputs():
+    return (np.ones((2, 4, 8, 16), np.float32),)
+"""
+
+# MindSpore's test_stridedslice.py auto_parallel cases on x (2, 4, 8, 16): (begin, end, strides,
+# the slice's strategy, masks, devices) and the ReLU strategy its test asserts.
+NET3_CASES = {
+    "new_axis_mask": ((0, 0, 0, 0), (2, 4, 8, 16), (1, 1, 1, 1), ((2, 4, 8, 16),),
+                      "new_axis_mask=7", 1024, (1, 1, 1, 2, 4, 8, 16)),
+    "new_axis_mask_exceed_begin_len": ((0, 0), (2, 4), (1, 1), ((2, 4, 8, 16),),
+                                       "new_axis_mask=7", 1024, (1, 1, 2, 4, 8, 16)),
+    "new_axis_mask_exceed_begin_len1": ((0, 0), (2, 4), (1, 1), ((2, 4, 8, 16),),
+                                        "new_axis_mask=8", 1024, (2, 4, 8, 16)),
+    "new_axis_mask_no_fully_fetch": ((1, 1, 1, 0), (2, 4, 8, 16), (1, 1, 1, 1),
+                                     ((2, 4, 8, 16),), "new_axis_mask=7", 1024,
+                                     (1, 1, 1, 2, 4, 8, 16)),
+    "new_axis_mask_out_of_range": ((0, 0, 0, 0), (2, 4, 8, 16), (1, 1, 1, 1), ((2, 4, 8, 16),),
+                                   "new_axis_mask=20", 1024, (2, 4, 1, 8, 16)),
+    "new_axis_mask_ignore_shrink_axis_mask": (
+        (0, 0, 0, 0), (2, 4, 8, 16), (1, 1, 1, 1), ((2, 4, 8, 16),),
+        "new_axis_mask=7, shrink_axis_mask=7", 1024, (1, 1, 1, 2, 4, 8, 16)),
+    "shrink_axis_mask": ((0, 0, 0, 0), (2, 4, 8, 16), (1, 1, 1, 1), ((1, 1, 1, 16),),
+                         "shrink_axis_mask=7", 16, (16,)),
+    "new_axis_mask_and_shrink_axis_mask": ((1, 1), (2, 4), (1, 1), ((1, 4, 8, 16),),
+                                           "new_axis_mask=6, shrink_axis_mask=1", 512,
+                                           (1, 4, 8, 16)),
+    "new_axis_mask_and_shrink_axis_mask_and_begin_mask": (
+        (1, 1, 3), (2, 4, 8), (1, 1, 1), ((1, 4, 8, 16),),
+        "new_axis_mask=2, shrink_axis_mask=1, begin_mask=4", 512, (1, 4, 8, 16)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NET3_CASES))
+def test_mindspore_auto_parallel_mask_cases_give_its_relu_strategies(tmp_path: Any,
+                                                                      name: str) -> None:
+    """Sharding propagation carries the masked slice's output layout to the ReLU after it:
+    the strategy MindSpore's test asserts (new axes 1, shrunk dims gone, the rest split)."""
+    begin, end, strides, strategy, masks, devices, want = NET3_CASES[name]
+    path = tmp_path / "net3.py"
+    path.write_text(NET3.format(devices=devices, masks=masks, strategy=strategy, begin=begin,
+                                end=end, strides=strides))
+    program = compile_model(str(path), dump=False)
+    (relu,) = program.graph.find("ReLU")
+    sharding = program.state.assignment.sharding(relu)
+    assert sharding is not None and sharding.strategy == (want,)
