@@ -151,6 +151,25 @@ case("ops.amax", lambda x: ops.amax(x, -1), lambda x: x.max(-1), X)
 case("ops.reduce_sum", lambda x: ops.reduce_sum(x, (1,)), lambda x: x.sum(1), X)
 case("ops.reduce_mean", lambda x: ops.reduce_mean(x, (1,)), lambda x: x.mean(1), X)
 case("ops.reduce_max", lambda x: ops.reduce_max(x, (1,)), lambda x: x.max(1), X)
+case("ops.reduce_min", lambda x: ops.reduce_min(x, (1,), True), lambda x: x.min(1, keepdims=True),
+     X)
+case("ops.amin", lambda x: ops.amin(x, -1), lambda x: x.min(-1), X)
+case("ops.sign", ops.sign, np.sign, X)
+case("ops.masked_fill", lambda x: ops.masked_fill(x, x > 0, -1.0), lambda x: np.where(x > 0, -1, x),
+     X)
+case("ops.repeat_interleave", lambda x: ops.repeat_interleave(x, 2, 1),
+     lambda x: np.repeat(x, 2, 1), X)
+case("ops.swiglu", ops.swiglu,
+     lambda x: x[..., :2] / (1 + np.exp(-x[..., :2])) * x[..., 2:], X)
+
+
+def _rope_reference(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    return x * cos + np.concatenate([-x[..., half:], x[..., :half]], -1) * sin
+
+
+case("ops.rotary_position_embedding", ops.rotary_position_embedding, _rope_reference,
+     X.reshape(1, 2, 3, 4), np.cos(V).reshape(1, 1, 1, 4), np.sin(V).reshape(1, 1, 1, 4))
 case("mint.sum", lambda x: mint.sum(x, (0, 1)), lambda x: x.sum((0, 1)), X)
 case("mint.mean", lambda x: mint.mean(x, -1, True), lambda x: x.mean(-1, keepdims=True), X)
 case("mint.amax", lambda x: mint.amax(x, 1), lambda x: x.max(1), X)
