@@ -44,6 +44,9 @@ _MODULE_ALIASES = {
     "pcompile.ops.operations._inner_ops": "pcompile.compiler.ops",
     "pcompile.ops.operations._sequence_ops": "pcompile.compiler.ops",
     "pcompile.ops.functional": "pcompile.compiler.ops",
+    # mindformers' fused ops: `from mindspore.ops.auto_generate import gen_ops_prim`
+    "pcompile.ops.auto_generate": "pcompile.compiler.ops",
+    "pcompile.ops.auto_generate.gen_ops_prim": "pcompile.compiler.ops",
     "pcompile.ops.primitive": "pcompile.compiler.ops",
     "pcompile.common.dtype": "pcompile.compiler.common.dtype",
     "pcompile.common.tensor": "pcompile.compiler.tensor",

@@ -392,6 +392,11 @@ def test_module_aliases() -> None:
 
     assert relu is functional.relu and matmul is functional.matmul
     assert "matmul" in dir(ops)
+    # mindformers imports its fused ops by module path
+    from pcompile.ops.auto_generate import gen_ops_prim
+    from pcompile.ops.auto_generate.gen_ops_prim import Swiglu
+
+    assert gen_ops_prim.Swiglu is Swiglu is ops.auto_generate.gen_ops_prim.Swiglu
 
 
 def test_assign_outside_a_step_cell_is_refused() -> None:
