@@ -16,6 +16,7 @@ from pcompile.ir.builder import Builder
 from pcompile.ir.core import Node, Value
 from pcompile.ir.dims import DimRule, Fixed, In, Index, Offset, Out, Product, Same, Total
 from pcompile.ir.errors import ShapeError
+from pcompile.ir.layout import TensorLayout
 from pcompile.ir.ops._define import define
 from pcompile.ir.ops._jax import jax, jnp
 from pcompile.ir.ops._util import same_dtype, tensor
@@ -532,33 +533,44 @@ class StridedSliceRule(LabelRule):
 
     def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
               ) -> OpSharding:
-        t = ctx.in_types[0]
-        if ctx.attrs.get("ellipsis_mask"):
-            raise StrategyError(
-                f"ellipsis_mask={ctx.attrs['ellipsis_mask']} is not supported in a parallel "
-                "plan (MindSpore's StridedSlice refuses it there too)",
-                "spell the dims the ellipsis stands for: begin 0, end the dim's size, stride 1 "
-                "(or set their begin_mask and end_mask bits)",
-            )
-        spec = slice_layout(t.shape, ctx.attrs)
         split = strategy[0] if len(strategy) == 1 else ()
-        for d, count in enumerate(split if len(split) == t.rank else ()):
-            if count == 1 or spec.whole(d):
-                continue
-            s = spec.slices[d]
-            if d in spec.shrunk:
-                why = ("it is shrunk (shrink_axis_mask); a shrunk dimension can not be split, "
-                       f"the strategy is {strategy}")
-            elif s.step != 1:
-                why = (f"its stride is {s.step}; a split dimension needs stride 1, the strategy "
-                       f"is {strategy}")
-            else:
-                why = (f"it is not fully fetched ([{s.start}:{s.stop}] of {t.shape[d]}); a "
-                       "dimension that is not fully fetched can not be split, the strategy is "
-                       f"{strategy}")
-            raise StrategyError(f"dim {d} of the input cannot be split {count} ways: {why}",
-                                f"use 1 for dim {d}")
+        _check_slice_splits(ctx, tuple(split), f"the strategy is {strategy}")
         return super().apply(ctx, strategy, out_strategy)
+
+    def apply_layouts(self, ctx: OpContext, layouts: list[TensorLayout],
+                      out_layout: TensorLayout | None) -> OpSharding | None:
+        """The same checks for an input `Layout`; its sharding follows from the labels."""
+        if layouts:
+            _check_slice_splits(ctx, layouts[0].splits,
+                                f"the layout splits the input {layouts[0].splits}")
+        return None
+
+
+def _check_slice_splits(ctx: OpContext, split: tuple[int, ...], given: str) -> None:
+    """MindSpore's refusals (stridedslice_info's CheckInputStrategy and GetAttrs), with the
+    reason: an ellipsis_mask, or a split dim that is shrunk, strided or not fully fetched."""
+    t = ctx.in_types[0]
+    if ctx.attrs.get("ellipsis_mask"):
+        raise StrategyError(
+            f"ellipsis_mask={ctx.attrs['ellipsis_mask']} is not supported in a parallel "
+            "plan (MindSpore's StridedSlice refuses it there too)",
+            "spell the dims the ellipsis stands for: begin 0, end the dim's size, stride 1 "
+            "(or set their begin_mask and end_mask bits)",
+        )
+    spec = slice_layout(t.shape, ctx.attrs)
+    for d, count in enumerate(split if len(split) == t.rank else ()):
+        if count == 1 or spec.whole(d):
+            continue
+        s = spec.slices[d]
+        if d in spec.shrunk:
+            why = f"it is shrunk (shrink_axis_mask); a shrunk dimension can not be split, {given}"
+        elif s.step != 1:
+            why = f"its stride is {s.step}; a split dimension needs stride 1, {given}"
+        else:
+            why = (f"it is not fully fetched ([{s.start}:{s.stop}] of {t.shape[d]}); a "
+                   f"dimension that is not fully fetched can not be split, {given}")
+        raise StrategyError(f"dim {d} of the input cannot be split {count} ways: {why}",
+                            f"use 1 (or None in a Layout) for dim {d}")
 
 
 def _slice_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:

@@ -457,3 +457,73 @@ def test_mindspore_auto_parallel_mask_cases_give_its_relu_strategies(tmp_path: A
     (relu,) = program.graph.find("ReLU")
     sharding = program.state.assignment.sharding(relu)
     assert sharding is not None and sharding.strategy == (want,)
+
+
+LAYOUT_NET = """
+import numpy as np
+from pcompile import nn, ops, Layout, Parameter, initializer, set_seed, set_auto_parallel_context
+
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
+                          dataset_strategy="full_batch")
+layout = Layout((2, 4), ("dp", "mp"))
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        set_seed(5)
+        self.w = Parameter(initializer("normal", [8, 16, 4]), "w")
+        self.strided_slice = ops.StridedSlice({masks}).shard((layout({slice_map}),))
+        self.mul = ops.Mul()
+
+    def construct(self, x):
+        return self.mul(x, self.strided_slice(self.w, {begin}, {end}, (1, 1, 1)))
+
+
+def model():
+    return Net()
+
+
+def inputs():
+    return (np.random.default_rng(0).standard_normal({x}).astype(np.float32),)
+
+
+def labels():
+    return (np.ones({x}, np.float32),)
+
+
+def loss():
+    return nn.MSELoss()
+
+
+def optimizer(params):
+    return nn.Momentum(params, learning_rate=0.1, momentum=0.9)
+"""
+
+
+@pytest.mark.parametrize("masks,slice_map,begin,end,x,message", [
+    # a Layout splitting the dims a begin_mask and end_mask fetch whole: trains like one device
+    ("begin_mask=3, end_mask=3", '"dp", "mp", "None"', (5, 3, 0), (2, 9, 4), (8, 16, 4), None),
+    # x[3] with the shrunk dim split by the Layout: MindSpore's refusal, with the reason
+    ("shrink_axis_mask=1", '"dp", "mp", "None"', (3, 0, 0), (8, 16, 4), (16, 4),
+     "dim 0.*shrunk"),
+    ("begin_mask=1, ellipsis_mask=2", '"dp", "None", "None"', (0, 0, 0), (8, 16, 4),
+     (8, 16, 4), "ellipsis_mask=2 is not supported in a parallel plan"),
+])
+def test_masked_slice_with_a_layout(tmp_path: Any, masks: str, slice_map: str,
+                                    begin: tuple[int, ...], end: tuple[int, ...],
+                                    x: tuple[int, ...], message: str | None) -> None:
+    """An input Layout gets stridedslice_info's checks and reasons too."""
+    path = tmp_path / "layout_net.py"
+    path.write_text(LAYOUT_NET.format(masks=masks, slice_map=slice_map, begin=begin, end=end,
+                                      x=x))
+    if message is not None:
+        with pytest.raises(PcompileError, match=f"(?s)StridedSlice.*{message}"):
+            compile_model(str(path), dump=False)
+        return
+    program = compile_model(str(path), dump=False)
+    (node,) = program.graph.find("StridedSlice")
+    sharding = program.state.assignment.sharding(node)
+    assert sharding is not None and sharding.in_layouts[0].splits == (2, 4, 1)
+    report = check(program, steps=2)
+    assert report.ok(), report.errors
