@@ -356,7 +356,8 @@ class SliceLayout:
     TensorFlow) read them. Bit i of a mask belongs to entry i of begin/end/strides; bits past
     their length are ignored; a `new_axis_mask` bit wins over a `shrink_axis_mask` bit.
 
-    * `slices`: one clamped Python slice per input dim (a shrunk dim: its one index);
+    * `slices`: one clamped Python slice per input dim (a shrunk dim: its one index; a
+      reversed slice that runs to index 0 ends at None);
     * `dense_shape`: `x[slices]`'s shape, one entry per input dim;
     * `out_dims`: for each output dim, the input dim it comes from, or None for a new axis;
     * `shrunk`: the input dims a `shrink_axis_mask` bit removes;
@@ -404,8 +405,8 @@ def slice_layout(shape: tuple[int, ...], attrs: dict[str, Any]) -> SliceLayout:
         raise ShapeError(
             f"begin {begin}, end {end} and strides {strides} must have the same length"
         )
-    if any(s <= 0 for s in strides):
-        raise ShapeError(f"strides {strides} must be positive (negative strides unsupported)")
+    if any(s == 0 for s in strides):
+        raise ShapeError(f"strides {strides} cannot contain 0")
     count = len(begin)
     begin_bits = _mask_bits(attrs, "begin_mask", count)
     end_bits = _mask_bits(attrs, "end_mask", count)
@@ -443,6 +444,11 @@ def slice_layout(shape: tuple[int, ...], attrs: dict[str, Any]) -> SliceLayout:
             out_dims.append(None)
         elif shrink_bits[i]:
             dim, size = len(slices), shape[len(slices)]
+            if strides[i] < 0:
+                raise ShapeError(
+                    f"shrink_axis_mask takes index begin[{i}] of dim {dim} with stride "
+                    f"{strides[i]}; when shrinking an axis, the stride cannot be negative"
+                )
             if not -size <= begin[i] < size:
                 raise ShapeError(
                     f"shrink_axis_mask takes index begin[{i}]={begin[i]} of dim {dim}, which "
@@ -456,11 +462,14 @@ def slice_layout(shape: tuple[int, ...], attrs: dict[str, Any]) -> SliceLayout:
             start, stop, step = slice(None if begin_bits[i] else begin[i],
                                       None if end_bits[i] else end[i],
                                       strides[i]).indices(shape[dim])
-            slices.append(slice(start, stop, step))
+            if not range(start, stop, step):
+                slices.append(slice(0, 0, 1))  # clamped bounds of -1 would read as the last
+            else:  # a reversed slice's end before index 0 is None, not -1 (the last index)
+                slices.append(slice(start, stop if stop >= 0 else None, step))
             out_dims.append(dim)
     while len(slices) < len(shape):
         take_whole()
-    dense = tuple(len(range(s.start, s.stop, s.step)) for s in slices)
+    dense = tuple(len(range(*s.indices(n))) for s, n in zip(slices, shape))
     return SliceLayout(tuple(shape), tuple(slices), dense, tuple(out_dims), frozenset(shrunk),
                        frozenset(ellipsis))
 
@@ -474,11 +483,21 @@ def slice_spec(
     return spec.slices, spec.dense_shape
 
 
+def _bounds(s: slice, count: int, size: int) -> tuple[int, int, int]:
+    """Mask-free begin, end, stride selecting the `count` elements of clamped slice `s` of a
+    dim of `size` (an end before index 0 of a reversed slice written -(size + 1))."""
+    if count == 0:
+        return 0, 0, 1
+    stop = s.start + count * s.step
+    return s.start, stop if stop >= 0 else -(size + 1), s.step
+
+
 def _dense_bounds(spec: SliceLayout) -> dict[str, Any]:
     """Mask-free begin/end/strides selecting `spec.slices` (StridedSliceGrad's attributes)."""
-    return {"begin": tuple(s.start for s in spec.slices),
-            "end": tuple(s.start + n * s.step for s, n in zip(spec.slices, spec.dense_shape)),
-            "strides": tuple(s.step for s in spec.slices)}
+    bounds = [_bounds(s, n, size)
+              for s, n, size in zip(spec.slices, spec.dense_shape, spec.in_shape)]
+    return {"begin": tuple(b[0] for b in bounds), "end": tuple(b[1] for b in bounds),
+            "strides": tuple(b[2] for b in bounds)}
 
 
 def _strided_slice_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
@@ -614,11 +633,11 @@ def _slice_rewrite(attrs: dict[str, Any], old_in: Any, old_out: Any, new_in: Any
             strides.append(1)
             new_axis |= 1 << i
             continue
-        s = spec.slices[d]
-        size = 1 if d in spec.shrunk else new_size[d]
-        begin.append(s.start)
-        end.append(s.start + size * s.step)
-        strides.append(s.step)
+        first, stop, step = _bounds(spec.slices[d], 1 if d in spec.shrunk else new_size[d],
+                                    new_in[0][0][d])
+        begin.append(first)
+        end.append(stop)
+        strides.append(step)
         if d in spec.shrunk:
             shrink |= 1 << i
     return {**attrs, "begin": tuple(begin), "end": tuple(end), "strides": tuple(strides),
@@ -635,7 +654,8 @@ for every input dim no other entry takes, whole. `new_axis_mask`: the entry adds
 takes the one index `begin[i]` (negative counts from the end; the masks of bounds do not apply)
 and removes the dim. Dims after the last entry are taken whole. Sharding follows MindSpore's
 stridedslice_info: the strategy has one split per input dim, and only a dim fetched whole with
-stride 1 and not shrunk may be split; a new axis is never split; a StridedSlice with an
+stride 1 and not shrunk may be split (a negative stride reverses a dim, as in numpy, and
+keeps it whole); a new axis is never split; a StridedSlice with an
 `ellipsis_mask` is refused in a parallel plan (spell those dims out instead). The vjp reshapes
 the cotangent to `x[slices]`'s shape and writes it into zeros (StridedSliceGrad)."""
 
@@ -652,7 +672,7 @@ define("StridedSlice", _strided_slice_infer, _strided_slice_np, _strided_slice_j
            "shrink_axis_mask": 0,
        }, num_inputs=1, sharding=StridedSliceRule(),
        doc="x[begin[i]:end[i]:strides[i], ...] with Python clamping and MindSpore's masks "
-           "(begin, end, ellipsis, new axis, shrink axis); positive strides only.",
+           "(begin, end, ellipsis, new axis, shrink axis); a negative stride reverses.",
        section="shape", operands="x; `begin`, `end`, `strides`, masks", dtypes=ALL,
        rule="only dims fetched whole with stride 1 (not shrunk) split",
        tests=("test_ops_shape.py::test_strided_slice",

@@ -186,13 +186,13 @@ def test_tuple_get_item_negative_index() -> None:
 
 @st.composite
 def _slice_case(draw: Any) -> tuple[tuple[int, ...], dict[str, Any]]:
-    """Bounds that may be negative, past the ends (clamped) or empty; strides 1..3; sometimes
-    fewer entries than the rank (the rest taken whole)."""
+    """Bounds that may be negative, past the ends (clamped) or empty; strides -3..3 but 0 (a
+    negative one reverses); sometimes fewer entries than the rank (the rest taken whole)."""
     shape = draw(NONSCALAR)
     n = draw(st.integers(1, len(shape))) if draw(st.booleans()) else len(shape)
     begin = tuple(draw(st.integers(-d - 2, d + 2)) for d in shape[:n])
     end = tuple(draw(st.integers(-d - 2, d + 2)) for d in shape[:n])
-    strides = tuple(draw(st.integers(1, 3)) for _ in range(n))
+    strides = tuple(draw(st.sampled_from([-3, -2, -1, 1, 2, 3])) for _ in range(n))
     return shape, {"begin": begin, "end": end, "strides": strides}
 
 
@@ -371,8 +371,8 @@ def _emit(
             "StridedSlice",
             [(4, 4)],
             None,
-            {"begin": (0, 0), "end": (4, 4), "strides": (1, -1)},
-            "must be positive",
+            {"begin": (0, 0), "end": (4, 4), "strides": (1, 0)},
+            r"strides \(1, 0\) cannot contain 0",
         ),
         (
             "StridedSlice",

@@ -100,7 +100,7 @@ def masked_case(draw: Any) -> tuple[tuple[int, ...], dict[str, Any]]:
             size = shape[dim]
             begin.append(draw(st.integers(-size - 1, size + 1)))
             end.append(draw(st.integers(-size - 1, size + 1)))
-            strides.append(draw(st.integers(1, 3)))
+            strides.append(draw(st.sampled_from([-3, -2, -1, 1, 2, 3])))
             for mask in ("begin_mask", "end_mask"):
                 if draw(st.booleans()):
                     attrs[mask] |= bit
@@ -154,6 +154,8 @@ def test_mindspore_mask_cases_give_mindspore_shapes() -> None:
     ({"begin": (0, 0, 0), "end": (1, 1, 1), "strides": (1, 1, 1), "new_axis_mask": 2},
      "2 entries that index input dims.*rank 1"),
     ({"begin": (0,), "end": (1,), "strides": (1,), "begin_mask": -1}, "must be >= 0"),
+    ({"begin": (1,), "end": (2,), "strides": (-1,), "shrink_axis_mask": 1},
+     "the stride cannot be negative"),
 ])
 def test_masked_slice_errors_name_the_problem(attrs: dict[str, Any], message: str) -> None:
     from pcompile.ir.errors import ShapeError
@@ -175,6 +177,8 @@ RULE_CASES = [
     ((4, 8, 2), {"begin": (0, 0, 3), "end": (4, 1, 8), "strides": (1, 1, 1),
                  "new_axis_mask": 2, "shrink_axis_mask": 4, "end_mask": 1}),
     ((8, 6, 4), {"begin": (0, 1, 0), "end": (8, 5, 4), "strides": (1, 2, 1), "begin_mask": 1}),
+    ((8, 6, 4), {"begin": (0, 0, 0), "end": (8, 0, 4), "strides": (1, -1, 1), "begin_mask": 2,
+                 "end_mask": 2}),
 ]
 
 
@@ -217,6 +221,9 @@ def test_masked_dims_follow_mindspore_splits() -> None:
     # test_stridedslice_strides_no_1_split_error
     ((256, 64, 32), {"begin": (0, 0, 0), "end": (128, 64, 32), "strides": (1, 1, 2)},
      ((1, 2, 2),), "dim 2.*stride is 2"),
+    # a reversed dim, fetched whole: MindSpore splits only stride 1
+    ((256, 64, 32), {"begin": (0, 0, 0), "end": (256, 64, 32), "strides": (1, -1, 1),
+                     "begin_mask": 2, "end_mask": 2}, ((1, 2, 1),), "dim 1.*stride is -1"),
     # test_stridedslice_ellipsis_mask_no_0_parameter
     ((256, 64, 32), {"begin": (127, 0, 0), "end": (128, 64, 32), "strides": (1, 1, 1),
                      "begin_mask": 1, "end_mask": 2, "ellipsis_mask": 4}, ((1, 4, 2),),
