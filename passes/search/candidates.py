@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from pcompile.ir.core import Node
+from pcompile.ir.errors import OpError
 from pcompile.ir.layout import TensorLayout
 from pcompile.ir.sharding import (
     LabelDim,
@@ -204,10 +205,22 @@ class CandidateTable:
         sig = self.signature(node)
         cands = self._cache.get(sig)
         if cands is None:
-            ctx = op_context(node, self.devices)
-            cands = [make_candidate(s) for s in candidate_strategies(ctx, self.fully_use_devices)]
-            if not cands:  # pragma: no cover - the all-ones strategy is always valid
-                raise StrategyError(f"{node.where()} has no valid strategy on {self.devices} "
-                                    "devices")
+            try:
+                ctx = op_context(node, self.devices)
+                cands = [make_candidate(s)
+                         for s in candidate_strategies(ctx, self.fully_use_devices)]
+            except StrategyError as exc:  # one message naming the op, not a traceback
+                raise _no_candidates(node, self.devices, str(exc)) from None
+            if not cands:
+                raise _no_candidates(node, self.devices, "none of its strategies is valid")
             self._cache[sig] = cands
         return cands
+
+
+def _no_candidates(node: Node, devices: int, why: str) -> OpError:
+    return OpError(node.op, f"the search finds no strategy for it on {devices} devices: {why}",
+                   instance_name=node.instance_name, scope=node.scope, source=node.source,
+                   shapes=[getattr(v.type, "shape", None) for v in node.operands],
+                   hint="give it a strategy with shard(), or choose a device count its "
+                        "shapes divide")
+

@@ -324,3 +324,16 @@ def test_the_search_finds_expert_parallelism(monkeypatch: Any) -> None:
     assert w1.splits[0] > 1, w1  # the expert axis split: expert parallelism
     for name in ("w2", "w3"):
         assert layouts[f"layers.0.moe.experts.{name}"].splits[0] == w1.splits[0]
+
+
+@pytest.mark.parametrize("mode", ["ilp", "sharding_propagation"])
+def test_an_op_without_candidates_is_one_message(monkeypatch: Any, mode: str) -> None:
+    """An op the search finds no strategy for is an OpError naming it and what to do (it was
+    an internal StrategyError traceback)."""
+    from pcompile.ir.errors import OpError
+    from pcompile.passes.search import candidates, search
+
+    monkeypatch.setattr(candidates, "candidate_strategies", lambda ctx, fully: [])
+    with pytest.raises(OpError, match=r"MatMul 'mm0'.*finds no strategy for it on 8 devices.*"
+                                      r"give it a strategy with shard\(\)"):
+        search(_matmul_chain(1), 8, mode, dataset_strategy="full_batch")
