@@ -256,9 +256,12 @@ def resume_step(out_dir: str, steps: int, echo: Callable[[str], None] | None = N
     damaged ones are reported through `echo`). LaunchError when there is none, or when it is
     beyond `steps`."""
     from pcompile.backends.checkpoint_files import resume_point
+    from pcompile.backends.checkpoint_merge import folder_plan_id
 
     folder = os.path.join(out_dir, "checkpoints")
-    point = resume_point(folder, _num_ranks(out_dir))
+    # checkpoints of another plan are passed over here, before any rank starts (the ranks
+    # refused them only after starting and compiling)
+    point = resume_point(folder, _num_ranks(out_dir), folder_plan_id(out_dir))
     if point.step is None:
         why = "".join(f"\n  {line}" for line in point.skipped)
         raise LaunchError(f"--resume: no step has an intact checkpoint of every rank in {folder}"

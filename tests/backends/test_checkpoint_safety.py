@@ -525,3 +525,24 @@ def test_the_launcher_run_id_is_checked(compiled) -> None:
     error = one_error(proc)
     assert "PCOMPILE_RUN_ID='../x': a run id is 1 to 64 letters, digits" in error, error
     assert not (compiled / "checkpoints").exists()
+
+
+# -- 6: --resume against another plan is refused before any rank starts -----------------------
+
+
+def test_resume_refuses_another_plans_checkpoints_before_starting_a_rank(tmp_path) -> None:
+    """The launcher reads the plan id of the compiled program and passes over checkpoints
+    written by another plan (the ranks refused them only after starting and compiling XLA):
+    `resume_step` says which plan wrote them, and no process is started."""
+    from pcompile.backends.launcher import LaunchError, resume_step
+    from pcompile.tools.compile import compile as compile_model
+
+    out = tmp_path / "out"
+    compile_model(os.path.join(ROOT, "examples", "quickstart.py"), devices=2,
+                  parallel_mode="data_parallel", out_dir=str(out))
+    write_steps(out / "checkpoints", steps=(2, 4))  # written by plan "p1"
+    with pytest.raises(LaunchError) as info:
+        resume_step(str(out), 10)
+    message = str(info.value)
+    assert "no step has an intact checkpoint of every rank" in message
+    assert "was written by plan p1, this program is plan " in message
