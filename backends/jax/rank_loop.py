@@ -54,6 +54,10 @@ from pcompile.ir.errors import PcompileError
 RUN_ID_ENV = "PCOMPILE_RUN_ID"  # the launcher names each run (backends/launcher.py)
 
 
+
+#: this process's run id once shared through jax.distributed (`_run_id`)
+_SHARED_RUN_ID: str | None = None
+
 def _kv_client() -> Any:
     """jax.distributed's key-value client in a multi-process run (None: one process, or a JAX
     that keeps it elsewhere)."""
@@ -330,17 +334,22 @@ class RankRunner:
                 raise RankError(f"{RUN_ID_ENV}={given!r}: a run id is 1 to 64 letters, digits, "
                                 "'-' or '_'")
             return given
+        global _SHARED_RUN_ID
+        if _SHARED_RUN_ID is not None:  # a process running several programs (pipeline
+            return _SHARED_RUN_ID  # stages) shares its run id once
         client = _kv_client()
         if client is None:
-            return secrets.token_hex(8)
+            _SHARED_RUN_ID = secrets.token_hex(8)
+            return _SHARED_RUN_ID
         key = "pcompile/run_id"
         if jax.process_index() == 0:
             run = secrets.token_hex(8)
             client.key_value_set(key, run)
-            return run
-        run = str(client.blocking_key_value_get(key, int(self.args.startup_timeout * 1000)))
-        if not RUN_ID.fullmatch(run):
-            raise RankError(f"process 0 shared the run id {run!r}, not a run id")
+        else:
+            run = str(client.blocking_key_value_get(key, int(self.args.startup_timeout * 1000)))
+            if not RUN_ID.fullmatch(run):
+                raise RankError(f"process 0 shared the run id {run!r}, not a run id")
+        _SHARED_RUN_ID = run
         return run
 
     def _start_run(self, resumed: dict[str, Any] | None, logs: dict[int, list[str]],
