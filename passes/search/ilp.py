@@ -11,7 +11,7 @@ linearisation is exact (`_build`).
 **Objective.** sum_v m_v t_v(k) x[v, k] + sum_e w_e t_e(r, q) y[e, r, q], in seconds
 (`time_model.py`: an op's compute and its forward and backward collectives, an edge's
 redistribution both ways), where m_v and w_e count the layers a folded vertex or edge stands
-for. **Memory.** sum_v m_v mem_v(k) x[v, k] <= the device's memory (`time_model.memory_of`:
+for. **Memory.** sum_v m_v mem_v(k) x[v, k] <= the device's memory (`Costs.memory`:
 weights, gradients, optimizer states, activations).
 
 **Repeated layers are solved once** (`fold`): the vertices under `<...>-CellList/<i>-<Cell>/`
@@ -264,7 +264,7 @@ class Costs:
         self.cg = cg
         self.options = options
         self._op: dict[Any, list[OpTime]] = {}
-        self._pair: dict[Any, float] = {}
+        self._pair: dict[Any, OpTime] = {}
         self._axes: dict[Any, list[frozenset[tuple[int, int]]]] = {}
         self.owner = self._param_owners()
         self.grad = differentiable(cg.graph) if options.training else set()
@@ -344,6 +344,14 @@ class Costs:
             return 0.0 if ka == kb else inf
         if ka == kb:
             return 0.0
+        return self.pair_time(e, ka, la, kb, lb).total
+
+    def pair_time(self, e: Edge, ka: Any, la: TensorLayout, kb: Any, lb: TensorLayout
+                  ) -> OpTime:
+        """The redistribution on an edge between two layouts (cached; seconds and bytes);
+        infinite seconds for a communicating bool tensor."""
+        if e.parameter or ka == kb:
+            return OpTime(comm=0.0 if ka == kb else inf)
         backward = self.has_grad(e)
         key = (ka, kb, e.itemsize, e.is_bool, backward)
         hit = self._pair.get(key)
@@ -352,10 +360,10 @@ class Costs:
 
             if e.is_bool and plan_redistribution(la, lb, self.options.enable_alltoall
                                                   ).communicates:
-                hit = inf
+                hit = OpTime(comm=inf)
             else:
                 hit = redistribution_time(la, lb, e.itemsize, self.options.profile,
-                                          backward, self.options.enable_alltoall).total
+                                          backward, self.options.enable_alltoall)
             self._pair[key] = hit
         return hit
 

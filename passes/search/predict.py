@@ -85,23 +85,18 @@ def predict(graph: Graph, devices: int, profile: DeviceProfile, memory_capacity:
 
 def _bytes(cg: CostGraph, costs: Costs, folding: Any, edges: Any, choice: dict[int, int],
            popt: bool) -> float:
-    from pcompile.passes.search.time_model import redistribution_time
-
     total = 0.0
     for v in cg.vertices:
         mult = folding.mult[v.index]
         if mult:
             total += mult * costs.op_times(v, popt)[choice[v.index]].comm_bytes
-    for me in edges:
+    for me in edges:  # the redistributions the evaluation costed, from the same cache
         e = me.edge
         a = cg.vertices[e.src].candidates[choice[e.src]]
         b = cg.vertices[e.dst].candidates[choice[e.dst]]
-        if e.parameter or a.out_keys[e.src_out] == b.in_keys[e.dst_in]:
-            continue
-        t = redistribution_time(a.out_layouts[e.src_out], b.in_layouts[e.dst_in], e.itemsize,
-                                costs.options.profile, costs.has_grad(e),
-                                costs.options.enable_alltoall)
-        total += me.weight * t.comm_bytes
+        total += me.weight * costs.pair_time(e, a.out_keys[e.src_out], a.out_layouts[e.src_out],
+                                             b.in_keys[e.dst_in], b.in_layouts[e.dst_in]
+                                             ).comm_bytes
     return total
 
 

@@ -33,16 +33,16 @@ the AllReduce where the repeat is all data parallelism, more where computation r
 link: a Concat is an AllGather (its backward a ReduceScatter), a Permute an AlltoAll each way, a
 Split is local forward and an AllGather of the cotangent backward.
 
-**Memory** (`memory_of`): parameter slices x (weight + gradient + optimizer states) bytes, divided
-by the slice's repeat count under the parallel optimizer; plus the activations the backward
-reads (each op's output slice).
+**Memory**: parameter slices x (weight + gradient + optimizer states) bytes, divided by the
+slice's repeat count under the parallel optimizer (`param_memory`); plus the activations the
+backward reads (each op's output slice, `ilp.Costs.memory`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from math import prod
 from typing import Any
 
@@ -442,34 +442,3 @@ def param_memory(param: GraphParam, layout: TensorLayout, options: MemoryOptions
     return Memory(weights=local / share,
                   gradients=local / share if trained else 0.0,
                   optimizer=local * options.optimizer_states / share if trained else 0.0)
-
-
-@dataclass
-class MemoryOf:
-    """The memory one op's strategy brings: its parameters (counted at their first user) and
-    its output slice (an activation the backward reads)."""
-
-    params: list[tuple[GraphParam, TensorLayout]] = field(default_factory=list)
-    activation: float = 0.0
-
-
-def memory_of(node: Node, sharding: OpSharding, options: MemoryOptions,
-              counted: set[int] | None = None) -> Memory:
-    """Parameters read by `node` (skipping those in `counted`, then adding them) and its output
-    activation, under `sharding`."""
-    mem = Memory()
-    operands = [v for v in node.operands if isinstance(v.type, TensorType)]
-    for value, lay in zip(operands, sharding.in_layouts):
-        param = stored_param(value)
-        if param is None or (counted is not None and id(param) in counted):
-            continue
-        if counted is not None:
-            counted.add(id(param))
-        mem.add(param_memory(param, lay, options))
-    if options.training and sharding.out_layouts:
-        out_t = node.result.type
-        t = out_t if isinstance(out_t, TensorType) else next(
-            (e for e in getattr(out_t, "elements", ()) if isinstance(e, TensorType)), None)
-        if t is not None:
-            mem.activations += _bytes(sharding.out_layouts[0], t.dtype.itemsize)
-    return mem
