@@ -454,7 +454,7 @@ class InitializedData:
             return out
         if not self.shape:
             index = np.zeros((), np.uint64)
-            out[...] = np.asarray(self.init.sample(self.shape, index, key)).astype(out.dtype)
+            out[...] = _rounded(np.asarray(self.init.sample(self.shape, index, key)), out.dtype)
             return out
         # A few rows at a time, so the generator's temporaries stay small.
         rows = max(1, _CHUNK // max(1, out[0].size))
@@ -463,7 +463,7 @@ class InitializedData:
             stop = min(hi0, start + rows)
             index = block_indices(self.shape, ((start, stop), *bounds[1:]))
             values = np.asarray(self.init.sample(self.shape, index, key))
-            out[start - lo0:stop - lo0] = values.astype(out.dtype, copy=False)
+            out[start - lo0:stop - lo0] = _rounded(values, out.dtype)
         return out
 
     asnumpy = to_numpy
@@ -549,3 +549,13 @@ def initializer(
     init.check(dims)  # fail now, not on first use
     ticket = _next_ticket() if init.random else None
     return InitializedData(init, dims, dtype, ticket)
+
+
+def _rounded(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """float64 samples in `dtype` as the device rounds them (backends/jax/param_init.py):
+    bfloat16 through float32, so that host and device blocks agree bit for bit whichever way
+    the installed ml_dtypes casts float64 to bfloat16 (0.7 rounds once, directly)."""
+    if dtype == np.dtype(DType.bfloat16.np):
+        return values.astype(np.float32).astype(dtype)
+    return values.astype(dtype, copy=False)
+
