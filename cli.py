@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import atexit
 import gc
+import math
 import os
 import sys
 import time
 from typing import Any
 
 import click
-import numpy as np
 
-from pcompile.compiler.progress import CompileProgress, log, run_monitor, setup_logging
+from pcompile.backends.progress import CompileProgress, log, run_monitor, setup_logging
 
 # At exit the interpreter runs one last full garbage collection over everything still alive: a
 # compile's graphs (their use lists are cycles) and memo tables, about a second for a 96-layer
@@ -516,6 +516,8 @@ def _check_backends(program: Any) -> None:
     """One device: the numpy interpreter against the JAX lowering, both in float64 and JAX at
     matmul precision `highest` (so the check does not depend on the float32 matmul precision
     of a device, e.g. TF32; this process computes on the CPU anyway)."""
+    import numpy as np
+
     from pcompile.compiler.runtime import batches
     from pcompile.ir.errors import PcompileError
     from pcompile.tools.oracle import (
@@ -639,7 +641,8 @@ def _train(program: Any, steps: int, backend: str,
 def _train_here(program: Any, steps: int, backend: str, options: dict[str, Any],
                 monitor: Any) -> None:
     """--run in this process: the numpy simulator, or one device on JAX."""
-    from pcompile.compiler.runtime import ReadBack, batches, format_loss_line
+    from pcompile.backends.progress import ReadBack, format_loss_line
+    from pcompile.compiler.runtime import batches
     from pcompile.tools.runners import StandAloneRunner
 
     fail_on_nan = bool(options.get("fail_on_nan", True))
@@ -666,7 +669,7 @@ def _train_here(program: Any, steps: int, backend: str, options: dict[str, Any],
             line = format_loss_line(epoch, step, value)
             lines.append(line)
             monitor(line)
-            if fail_on_nan and not np.isfinite(value):
+            if fail_on_nan and not math.isfinite(value):
                 raise NonFiniteLossError(_nonfinite(value, k + 1, epoch, step))
 
     # losses still on the device: each --log-every group is read back (one wait) once the step
@@ -762,7 +765,8 @@ def _write_logs(program: Any, lines: list[str], ranks: int) -> str | None:
 def _train_simulated(program: Any, steps: int, fail_on_nan: bool = True,
                      monitor: Any = None) -> None:
     """--backend numpy for a parallel plan: every rank on the numpy simulator, one process."""
-    from pcompile.compiler.runtime import batches, format_loss_line
+    from pcompile.backends.progress import format_loss_line
+    from pcompile.compiler.runtime import batches
     from pcompile.tools.oracle import single_device
     from pcompile.tools.runners import ParallelRunner
 
@@ -780,7 +784,7 @@ def _train_simulated(program: Any, steps: int, fail_on_nan: bool = True,
         loss = runner.step(arrays)
         lines.append(format_loss_line(epoch, step, loss))
         (monitor or click.echo)(lines[-1])
-        if fail_on_nan and not np.isfinite(float(loss)):
+        if fail_on_nan and not math.isfinite(float(loss)):
             bad = _nonfinite(float(loss), k + 1, epoch, step)
             break
     if monitor is not None:

@@ -1,34 +1,89 @@
 """The user-facing façade, re-exported by `pcompile`: `from pcompile import nn, ops, ...`.
 
 Model files import only from `pcompile` (and `pcompile.communication`, `pcompile.dataset`);
-internal module paths may change, this list does not."""
+internal module paths may change, this list does not.
 
-from pcompile.compiler import amp, communication, mint, nn, ops
-from pcompile.compiler.context import (
-    ParallelMode,
-    get_auto_parallel_context,
-    reset_auto_parallel_context,
-    set_auto_parallel_context,
-)
-from pcompile.compiler.general_context import get_context, set_context
-from pcompile.compiler.grad import ParameterTuple
-from pcompile.compiler.initializer import initializer, set_seed
-from pcompile.compiler.layout import Layout
-from pcompile.compiler.search_context import (
-    get_algo_parameters,
-    get_cost_model_context,
-    reset_algo_parameters,
-    reset_cost_model_context,
-    set_algo_parameters,
-    set_cost_model_context,
-)
-from pcompile.compiler.serialization import load_checkpoint, load_param_into_net
-from pcompile.compiler.tensor import Parameter, Tensor, TensorSpec
-from pcompile.compiler.train_model import Model
-from pcompile.ir.types import bfloat16, bool_, float16, float32, int32, int64, uint8
+Every name is loaded on first use (`__getattr__` below): `import pcompile.compiler.runtime`
+(a rank program's data) imports what that module needs, not the whole front end, its pydantic
+models and the op tables; `pcompile --version` loads none of it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import Any
 
 GRAPH_MODE = 0
 PYNATIVE_MODE = 1
+
+_SUBMODULES = ("amp", "communication", "mint", "nn", "ops")
+
+# name -> the module that defines it
+_NAMES = {
+    "ParallelMode": "context",
+    "get_auto_parallel_context": "context",
+    "reset_auto_parallel_context": "context",
+    "set_auto_parallel_context": "context",
+    "get_context": "general_context",
+    "set_context": "general_context",
+    "ParameterTuple": "grad",
+    "initializer": "initializer",
+    "set_seed": "initializer",
+    "Layout": "layout",
+    "get_algo_parameters": "search_context",
+    "get_cost_model_context": "search_context",
+    "reset_algo_parameters": "search_context",
+    "reset_cost_model_context": "search_context",
+    "set_algo_parameters": "search_context",
+    "set_cost_model_context": "search_context",
+    "load_checkpoint": "serialization",
+    "load_param_into_net": "serialization",
+    "Parameter": "tensor",
+    "Tensor": "tensor",
+    "TensorSpec": "tensor",
+    "Model": "train_model",
+    "bfloat16": "pcompile.ir.types",
+    "bool_": "pcompile.ir.types",
+    "float16": "pcompile.ir.types",
+    "float32": "pcompile.ir.types",
+    "int32": "pcompile.ir.types",
+    "int64": "pcompile.ir.types",
+    "uint8": "pcompile.ir.types",
+}
+
+
+class _Facade(types.ModuleType):
+    """This package's module type. Importing the submodule compiler/initializer.py binds the
+    package's attribute `initializer` to that module; the façade's `initializer` is the
+    function (MindSpore's `initializer(init, shape, dtype)`), whichever loads first."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _NAMES and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Facade
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"pcompile.compiler.{name}")
+    elif name in _NAMES:
+        where = _NAMES[name]
+        module = importlib.import_module(where if "." in where
+                                         else f"pcompile.compiler.{where}")
+        value = getattr(module, name)
+    else:
+        raise AttributeError(f"module 'pcompile.compiler' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device="Ascend", level=0):

@@ -6,9 +6,9 @@ live above the backends (`pcompile.tools.runners`; the rank programs in `backend
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -32,8 +32,6 @@ from pcompile.compiler.model_file import (
 from pcompile.compiler.tensor import TensorSpec
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
-
-T = TypeVar("T")
 
 
 def synthetic(item: TensorSpec | np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -385,69 +383,6 @@ def initial_rank_values(program: CompiledProgram, float64: bool = False
                 vals[name] = np.array(values[0][name], copy=True)
     return values
 
-
-def format_loss_line(epoch: int, step: int, loss: float) -> str:
-    return f"epoch: {epoch} step: {step}, loss is {loss!r}"
-
-
-IN_FLIGHT = 8  # the most steps a training loop leaves unfinished on a device (ReadBack)
-
-
-class ReadBack(Generic[T]):
-    """The steps handed to a device whose results (losses) the host has not read yet.
-
-    A training loop calls `dispatched(item, step_no)` right after each step's call returns
-    (the step runs asynchronously). Every `every` steps the group so far is read back (one
-    wait for all of them), but only once the step after the group has been dispatched: the
-    device then never waits while the host reads back, cuts the next batch and dispatches.
-    `first_at_once` reads the first step at once (the time to first step is measured on it).
-    `flush()` reads everything (before a checkpoint, at the end of the run). `read(items,
-    last)` gets each group in step order; `last` is True for the final flush; an exception it
-    raises (a non-finite loss) leaves the loop.
-
-    `wait(item)`, when given, blocks until that step has run (without reading it back): no
-    more than `depth` steps are ever left unfinished on the device, however long the groups.
-    XLA's CPU client lets a device queue only 32 computations; past that, a process that
-    drives several devices blocks its dispatch threads while the queued steps' collectives
-    wait for them (a deadlock with `--log-every` 40 and two ranks per process)."""
-
-    def __init__(self, every: int, read: Callable[[list[T], bool], None],
-                 first_at_once: bool = False, wait: Callable[[T], None] | None = None,
-                 depth: int = IN_FLIGHT) -> None:
-        self.every = max(1, int(every))
-        self.read = read
-        self.first_at_once = first_at_once
-        self.wait = wait
-        self.depth = max(1, int(depth))
-        self.pending: list[T] = []
-        self._finished = 0  # how many of `pending`, from the oldest, have run (waited for)
-        self._due = False  # a --log-every mark passed: read once the next step is dispatched
-        self._started = False
-
-    def dispatched(self, item: T, step_no: int) -> None:
-        """Step `step_no` (1-based, counted over the whole run) was just dispatched."""
-        self.pending.append(item)
-        if not self._started:
-            self._started = True
-            if self.first_at_once:
-                self.flush()
-                return
-        elif self._due:
-            self.flush(keep=1)
-        self._due = step_no % self.every == 0
-        if self.wait is not None:
-            while len(self.pending) - self._finished > self.depth:
-                self.wait(self.pending[self._finished])
-                self._finished += 1
-
-    def flush(self, keep: int = 0, last: bool = False) -> None:
-        """Read the pending steps back but the newest `keep`."""
-        ready = self.pending[:len(self.pending) - keep]
-        if not ready:
-            return
-        del self.pending[:len(ready)]
-        self._finished = max(0, self._finished - len(ready))
-        self.read(ready, last)
 
 def holders(program: CompiledProgram, name: str) -> list[int]:
     """The ranks that hold stored value `name` (every rank; with pipeline stages, those of the

@@ -16,7 +16,8 @@ import pytest
 
 from pcompile.backends.jax import lower_graph
 from pcompile.backends.jax.spmd import JaxSpmdRunner
-from pcompile.compiler.runtime import ReadBack, batches
+from pcompile.backends.progress import ReadBack
+from pcompile.compiler.runtime import batches
 from pcompile.tools.compile import compile as compile_model
 from pcompile.tools.runners import StandAloneRunner
 from tests import ROOT
@@ -179,7 +180,7 @@ def test_a_loss_is_read_back_once_the_next_step_runs(monkeypatch, every: int,
     cli._train_here(program, STEPS, "jax", {"log_every": every}, logged)
     assert events == order
     monkeypatch.undo()
-    from pcompile.compiler.runtime import format_loss_line
+    from pcompile.backends.progress import format_loss_line
 
     fresh = StandAloneRunner(program, "jax")
     assert logged == [format_loss_line(epoch, step, fresh.step(arrays))

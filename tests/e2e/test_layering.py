@@ -81,3 +81,56 @@ def test_no_room_imports_another_rooms_privates() -> None:
                     found += [f"{os.path.relpath(path, ROOT)}: {node.module}.{a.name}"
                               for a in node.names if a.name.startswith("_")]
     assert found == []
+
+
+def _loaded_after(code: str) -> list[str]:
+    """The pcompile modules (and numpy, pydantic, jax, ml_dtypes) a fresh interpreter holds
+    after running `code`."""
+    probe = (f"{code}\nimport sys\nprint(' '.join(sorted(m for m in sys.modules if "
+             "m.startswith(('pcompile', 'numpy', 'pydantic', 'jax', 'ml_dtypes')))))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout
+    return out.split()
+
+
+def test_version_and_help_load_no_front_end() -> None:
+    """`pcompile --version` (and --help) import the command line only: not the front end
+    (compiler/__init__.py loads its re-exports on first use), pydantic, numpy or JAX (issue 38
+    item 14; 1.2-5 s before, about 0.15 s now)."""
+    for flag in ("--version", "--help"):
+        loaded = _loaded_after("from pcompile.cli import main\ntry:\n    main(['" + flag +
+                               "'])\nexcept SystemExit:\n    pass")
+        heavy = [m for m in loaded if m.startswith(("pcompile.compiler", "pcompile.ir",
+                                                    "numpy", "pydantic", "jax", "ml_dtypes"))]
+        assert heavy == [], (flag, heavy)
+
+
+def test_the_facade_names_still_resolve() -> None:
+    """Every re-export of compiler/__init__.py (lazy) is the object its module defines."""
+    import pcompile.compiler as facade
+
+    for name in facade.__all__:
+        assert getattr(facade, name) is not None, name
+    from pcompile.compiler.tensor import Parameter
+
+    assert facade.Parameter is Parameter
+    # the submodule compiler/initializer.py, once imported, does not shadow the function
+    import pcompile.compiler.initializer as module_or_function  # noqa: F401
+
+    assert callable(facade.initializer) and facade.initializer.__name__ == "initializer"
+    assert sorted(set(facade.__all__) - set(dir(facade))) == []
+
+
+def test_a_rank_programs_loss_lines_load_no_front_end() -> None:
+    """The rank programs' logging, loss lines and read-backs (backends/progress.py) load no
+    module of pcompile.compiler and no pydantic (they did through compiler/__init__.py)."""
+    loaded = _loaded_after(
+        "import pcompile.backends.jax.rank_runtime\n"
+        "from pcompile.backends.progress import (LossMonitor, ReadBack, format_loss_line,\n"
+        "                                        setup_logging)\n"
+        "setup_logging(0)\n"
+        "monitor = LossMonitor(2, 1, lambda line: None)\n"
+        "queue = ReadBack(1, lambda items, last: [monitor(format_loss_line(1, k, 0.5))\n"
+        "                                         for k in items])\n"
+        "queue.dispatched(1, 1)\nqueue.flush(last=True)")
+    assert [m for m in loaded if m.startswith(("pcompile.compiler", "pydantic"))] == []

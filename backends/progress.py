@@ -1,4 +1,8 @@
-"""Progress and logging of the command line, through the `logging` module (logger `pcompile`).
+"""Progress and logging of the command line and the rank programs, through the `logging`
+module (logger `pcompile`), and the loss lines of a run (`format_loss_line`, `ReadBack`).
+
+Standard library only (rich on a terminal): the rank programs print their losses without
+loading the front end (`pcompile.compiler`) or pydantic.
 
 * Where: stderr, so that stdout keeps the results (summary, losses) for pipes and scripts.
 * When: progress (INFO) is shown when stderr is a terminal, or with `-v`; `-q` keeps only
@@ -22,9 +26,11 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 log = logging.getLogger("pcompile")
+
+T = TypeVar("T")
 
 LOSS_LINE = re.compile(r"^epoch: \d+ step: \d+, loss is ")
 
@@ -228,3 +234,67 @@ def _duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds // 60:.0f} min {seconds % 60:.0f} s"
     return f"{seconds // 3600:.0f} h {seconds % 3600 // 60:.0f} min"
+
+
+def format_loss_line(epoch: int, step: int, loss: float) -> str:
+    return f"epoch: {epoch} step: {step}, loss is {loss!r}"
+
+
+IN_FLIGHT = 8  # the most steps a training loop leaves unfinished on a device (ReadBack)
+
+
+class ReadBack(Generic[T]):
+    """The steps handed to a device whose results (losses) the host has not read yet.
+
+    A training loop calls `dispatched(item, step_no)` right after each step's call returns
+    (the step runs asynchronously). Every `every` steps the group so far is read back (one
+    wait for all of them), but only once the step after the group has been dispatched: the
+    device then never waits while the host reads back, cuts the next batch and dispatches.
+    `first_at_once` reads the first step at once (the time to first step is measured on it).
+    `flush()` reads everything (before a checkpoint, at the end of the run). `read(items,
+    last)` gets each group in step order; `last` is True for the final flush; an exception it
+    raises (a non-finite loss) leaves the loop.
+
+    `wait(item)`, when given, blocks until that step has run (without reading it back): no
+    more than `depth` steps are ever left unfinished on the device, however long the groups.
+    XLA's CPU client lets a device queue only 32 computations; past that, a process that
+    drives several devices blocks its dispatch threads while the queued steps' collectives
+    wait for them (a deadlock with `--log-every` 40 and two ranks per process)."""
+
+    def __init__(self, every: int, read: Callable[[list[T], bool], None],
+                 first_at_once: bool = False, wait: Callable[[T], None] | None = None,
+                 depth: int = IN_FLIGHT) -> None:
+        self.every = max(1, int(every))
+        self.read = read
+        self.first_at_once = first_at_once
+        self.wait = wait
+        self.depth = max(1, int(depth))
+        self.pending: list[T] = []
+        self._finished = 0  # how many of `pending`, from the oldest, have run (waited for)
+        self._due = False  # a --log-every mark passed: read once the next step is dispatched
+        self._started = False
+
+    def dispatched(self, item: T, step_no: int) -> None:
+        """Step `step_no` (1-based, counted over the whole run) was just dispatched."""
+        self.pending.append(item)
+        if not self._started:
+            self._started = True
+            if self.first_at_once:
+                self.flush()
+                return
+        elif self._due:
+            self.flush(keep=1)
+        self._due = step_no % self.every == 0
+        if self.wait is not None:
+            while len(self.pending) - self._finished > self.depth:
+                self.wait(self.pending[self._finished])
+                self._finished += 1
+
+    def flush(self, keep: int = 0, last: bool = False) -> None:
+        """Read the pending steps back but the newest `keep`."""
+        ready = self.pending[:len(self.pending) - keep]
+        if not ready:
+            return
+        del self.pending[:len(ready)]
+        self._finished = max(0, self._finished - len(ready))
+        self.read(ready, last)
