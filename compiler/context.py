@@ -38,7 +38,14 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from pcompile.compiler.context_checks import (
     CONTEXT_LOCK,
@@ -199,6 +206,22 @@ def _check_dataset_strategy(value: Any) -> Any:
 
 
 DatasetStrategy = Annotated[Any, BeforeValidator(_check_dataset_strategy)]
+
+#: `communi_parallel_mode`'s values (MindSpore's; how communication groups run in parallel on
+#: Ascend, which pcompile's backends do not distinguish).
+COMMUNI_PARALLEL_MODES = ("all_group_parallel", "same_server_group_parallel",
+                          "no_group_parallel")
+
+
+def _check_communi_mode(value: str) -> str:
+    if value not in COMMUNI_PARALLEL_MODES:
+        raise ValueError(
+            f"{_AP}: invalid value {value!r} for 'communi_parallel_mode'; expected one of "
+            + ", ".join(repr(m) for m in COMMUNI_PARALLEL_MODES))
+    return value
+
+
+CommuniParallelMode = Annotated[Str, AfterValidator(_check_communi_mode)]
 SplitIndices = Annotated[
     tuple[int, ...],
     BeforeValidator(lambda v: check_split_indices("all_reduce_fusion_config", v)),
@@ -231,6 +254,8 @@ _AP_HINTS: dict[str, str] = {
     "grad_accumulation_step": "an int >= 1",
     "force_fp32_communication": "a bool",
     "group_ckpt_save_file": "a str (file path)",
+    "communi_parallel_mode": "one of " + ", ".join(repr(m) for m in COMMUNI_PARALLEL_MODES),
+    "optimizer_weight_shard_aggregated_save": "a bool",
 }
 
 
@@ -240,8 +265,9 @@ class AutoParallelContext(BaseModel):
     Canonical fields only; the MindSpore spellings that are views of another field are
     accepted as input and readable as properties: `full_batch` (<=> dataset_strategy
     "full_batch"), `strategy_ckpt_load_file` / `strategy_ckpt_save_file` (<=>
-    strategy_ckpt_config.load_file / .save_file) and `auto_parallel_search_mode` (deprecated
-    name of search_mode)."""
+    strategy_ckpt_config.load_file / .save_file), `optimizer_weight_shard_size` (<=>
+    parallel_optimizer_config.optimizer_weight_shard_size, MindSpore's older top-level
+    spelling) and `auto_parallel_search_mode` (deprecated name of search_mode)."""
 
     model_config = FROZEN
 
@@ -270,6 +296,10 @@ class AutoParallelContext(BaseModel):
     grad_accumulation_step: Annotated[Int, Field(ge=1)] = 1
     force_fp32_communication: Bool = False
     group_ckpt_save_file: Str = ""
+    communi_parallel_mode: CommuniParallelMode = "all_group_parallel"
+    # False (MindSpore's default): the strategy checkpoint records each parameter's optimizer
+    # shard group (opt_weight_shard_size / _step); True: 0 for both (saved whole)
+    optimizer_weight_shard_aggregated_save: Bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -298,6 +328,10 @@ class AutoParallelContext(BaseModel):
     @property
     def auto_parallel_search_mode(self) -> str:
         return self.search_mode
+
+    @property
+    def optimizer_weight_shard_size(self) -> int:
+        return self.parallel_optimizer_config.optimizer_weight_shard_size
 
     # -- helpers for the passes ---------------------------------------------------------------
     @property
@@ -355,6 +389,7 @@ _AP_VIEWS = (
     "strategy_ckpt_load_file",
     "strategy_ckpt_save_file",
     "auto_parallel_search_mode",
+    "optimizer_weight_shard_size",
 )
 _AP_GETTABLE = frozenset(_AP_FIELDS + _AP_VIEWS)
 _DICT_FIELDS = (
@@ -403,6 +438,8 @@ def _fold_views(data: dict[str, Any], current: AutoParallelContext | None) -> No
             data["dataset_strategy"] = "data_parallel"
         else:
             data["dataset_strategy"] = current.dataset_strategy
+    if "optimizer_weight_shard_size" in data:
+        _fold_shard_size(data, data.pop("optimizer_weight_shard_size"))
     for view, key in (
         ("strategy_ckpt_load_file", "load_file"),
         ("strategy_ckpt_save_file", "save_file"),
@@ -431,6 +468,34 @@ def _fold_views(data: dict[str, Any], current: AutoParallelContext | None) -> No
             )
         ckpt[key] = path
         data["strategy_ckpt_config"] = ckpt
+
+
+def _fold_shard_size(data: dict[str, Any], size: Any) -> None:
+    """The top-level `optimizer_weight_shard_size` (MindSpore's older spelling of
+    parallel_optimizer_config's key): an int; MindSpore warns about a value <= 1 and keeps the
+    current one."""
+    size = unnumpy(size)
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise TypeError(
+            f"{_AP}: invalid value {describe(size)} for 'optimizer_weight_shard_size'; expected "
+            "an int > 1 (the parallel optimizer's shard group size)")
+    if size <= 1:
+        warnings.warn(
+            f"{_AP}: optimizer_weight_shard_size={size} is ignored (MindSpore keeps the current "
+            "value); use an int > 1", UserWarning, stacklevel=5)
+        return
+    config = data.get("parallel_optimizer_config")
+    if isinstance(config, BaseModel):
+        config = config.model_dump()
+    config = ({} if config is None else check_dict_keys(
+        _AP, "parallel_optimizer_config", config, tuple(ParallelOptimizerConfig.model_fields)))
+    given = config.get("optimizer_weight_shard_size")
+    if given is not None and given != size:
+        raise ValueError(
+            f"{_AP}: optimizer_weight_shard_size={size!r} and parallel_optimizer_config"
+            f"['optimizer_weight_shard_size']={given!r} disagree; give only one")
+    config["optimizer_weight_shard_size"] = size
+    data["parallel_optimizer_config"] = config
 
 
 def _partial_updates(kwargs: dict[str, Any], current: AutoParallelContext) -> dict[str, Any]:

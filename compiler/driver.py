@@ -39,6 +39,7 @@ from pcompile.compiler.nn.pipeline import PipelineCell
 from pcompile.compiler.pass_options import cost_constants, fusion_config, search_options
 from pcompile.compiler.pinned_plan import PinnedSearchPass
 from pcompile.compiler.search_context import cost_model_override
+from pcompile.compiler.strategy_files import read_checkpoint
 from pcompile.ir.core import Graph, Node
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.printer import GraphText
@@ -243,8 +244,11 @@ def compile_options(ctx: AutoParallelContext, save_graphs: int) -> CompileOption
             threshold_kb=int(opt.parallel_optimizer_threshold),
             shard_size=int(opt.optimizer_weight_shard_size),
             gradient_accumulation_shard=bool(opt.gradient_accumulation_shard)),
-        strategy_files=StrategyFiles(str(ckpt.load_file or ""), str(ckpt.save_file or ""),
-                                     bool(ckpt.only_trainable_params)),
+        strategy_files=StrategyFiles(
+            str(ckpt.load_file or ""), str(ckpt.save_file or ""),
+            bool(ckpt.only_trainable_params),
+            aggregated_save=bool(ctx.optimizer_weight_shard_aggregated_save),
+            loaded=read_checkpoint(ckpt.load_file) if ckpt.load_file else None),
         global_rank=int(ctx.global_rank),
         # MindSpore's switch for the parallel detail in dumps (reference §5.2)
         parallel_detail=os.environ.get("MS_DEV_DUMP_IR_PARALLEL_DETAIL") == "1",

@@ -548,7 +548,7 @@ class StepParallelBeginPass:
         searched = unit.search.specs() if unit.search is not None else None
         unit.assignment = assign(unit.graph, unit.stage_devices, unit.options.dataset_strategy,
                                  searched=searched)
-        finish_assignment(unit)  # the search's annotations, plan entry and checkpoint
+        finish_assignment(unit)  # the search's annotations and plan entry
         record_prediction(unit)
         if unit.options.parallel_detail:
             if unit.parallel_mode == "semi_auto_parallel":

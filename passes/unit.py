@@ -15,6 +15,7 @@ dumps it as `<NN>_<name>.ir`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -41,11 +42,16 @@ class Pass(Protocol[U_contra]):
 
 @dataclass(frozen=True)
 class StrategyFiles:
-    """`strategy_ckpt_config`: where the search loads strategies from and saves them to."""
+    """`strategy_ckpt_config`: where the search loads strategies from and where the driver
+    saves them; `loaded` is the load file's contents, read by the driver before the passes
+    (passes/search/strategy_checkpoint.py); `aggregated_save` is
+    `optimizer_weight_shard_aggregated_save` (the file then records no optimizer shard groups)."""
 
     load_file: str = ""
     save_file: str = ""
     only_trainable_params: bool = True
+    aggregated_save: bool = False
+    loaded: Mapping[str, Any] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
 """Compile and write: `compile` runs the driver (`compiler.driver.compile`) and writes what it
-returns; `write_outputs` writes a compiled program's dumps, `plan.json` and rank programs.
+returns; `write_outputs` writes a compiled program's dumps, `plan.json` and rank programs. The
+strategy checkpoint `strategy_ckpt_config` names is written by `compile` too, with or without
+dumps (compiler/strategy_files.py).
 
 Everything is written through `compiler.outdir`: beside the output folder first and swapped in
 when complete, so a failed compile or write leaves `--out` as it was; only what an earlier
@@ -14,6 +16,7 @@ from typing import Any
 from pcompile.compiler.compiled import CompiledProgram, CompileState, ReferenceOptions
 from pcompile.compiler.driver import compile as compile_program
 from pcompile.compiler.plan import build_plan, write_plan
+from pcompile.compiler.strategy_files import save_checkpoint
 from pcompile.ir.dot import graph_to_dot
 from pcompile.ir.parser import parse_graph
 from pcompile.ir.printer import print_graph
@@ -55,6 +58,8 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it: `pcompile.compi
         trace_only=trace_only)
     if before_write is not None:
         before_write(program.state, program.out_dir)
+    if not trace_only:  # strategy_ckpt_config's save_file, written whether or not dumped
+        save_checkpoint(program.state)
     out_dir = program.out_dir
     if out_dir is not None:
         notify = on_event or (lambda event, **info: None)

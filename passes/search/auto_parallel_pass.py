@@ -6,8 +6,9 @@ reads) loads a strategy checkpoint if one is configured, runs the search of
 `step_parallel_begin.assign(..., searched=result.strategies)`, `finish_assignment` applies the
 Reshape-chain layouts, writes each searched op's cost, the terms it was chosen by and the
 runner-up into its parallel annotation (`cost`, `decision`, `runner_up` or `decided_by` in the
-step_parallel_begin dump, `explain.annotate`), records the decision under
-`search` in plan.json, and saves the strategy checkpoint.
+step_parallel_begin dump, `explain.annotate`) and records the decision under `search` in
+plan.json. The strategy checkpoint's file is read and written by the driver
+(compiler/strategy_files.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from pcompile.passes.search import SearchOptions, search
 from pcompile.passes.search.cost_model import CostConstants
 from pcompile.passes.search.explain import annotate
-from pcompile.passes.search.strategy_checkpoint import load_strategies, save_checkpoint
+from pcompile.passes.search.strategy_checkpoint import load_strategies
 from pcompile.passes.unit import CompileUnit
 
 
@@ -37,7 +38,8 @@ class StepAutoParallelPass:
     def apply(self, unit: CompileUnit) -> None:
         assert unit.graph is not None
         files = unit.options.strategy_files
-        loaded = load_strategies(files.load_file, unit.graph) if files.load_file else {}
+        loaded = (load_strategies(files.load_file, unit.graph, files.loaded)
+                  if files.load_file and files.loaded is not None else {})
         constants = replace(self.constants, training=unit.training,
                             enable_alltoall=unit.options.enable_alltoall)
         unit.search = search(
@@ -80,7 +82,7 @@ def apply_plan_choices(unit: CompileUnit) -> None:
 
 
 def finish_assignment(unit: CompileUnit) -> None:
-    """Reshape-chain layouts, cost annotations, plan.json entry and checkpoint (see above)."""
+    """Reshape-chain layouts, cost annotations and plan.json entry (see above)."""
     result = unit.search
     if result is None:
         return
@@ -96,6 +98,3 @@ def finish_assignment(unit: CompileUnit) -> None:
             annotate(node.parallel, info)
         ops[node.fullname] = {"instance_name": node.instance_name, **info}
     unit.plan["search"] = {**result.summary(), "ops": ops}
-    files = unit.options.strategy_files
-    if files.save_file:
-        save_checkpoint(files.save_file, graph, assignment, files.only_trainable_params)

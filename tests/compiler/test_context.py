@@ -89,6 +89,9 @@ AP_DEFAULTS: dict[str, Any] = {
     "grad_accumulation_step": 1,
     "force_fp32_communication": False,
     "group_ckpt_save_file": "",
+    "communi_parallel_mode": "all_group_parallel",
+    "optimizer_weight_shard_aggregated_save": False,
+    "optimizer_weight_shard_size": -1,
 }
 
 
