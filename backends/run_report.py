@@ -144,11 +144,14 @@ def _number(value: float) -> str:
 
 def metrics_record(step: int, epoch: int, step_in_epoch: int, loss: float,
                    step_ms: float | None, unit: str, per_step: int,
-                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One line of metrics.jsonl: step, epoch, loss (null when not finite, its text in
-    `loss_text`), step time, throughput, and what the step knows (lr, loss_scale, overflow,
-    grad_norm)."""
-    record: dict[str, Any] = {"step": step, "epoch": epoch, "step_in_epoch": step_in_epoch}
+                   extra: dict[str, Any] | None = None,
+                   run: str | None = None) -> dict[str, Any]:
+    """One line of metrics.jsonl: the run's id (`run`: the id its checkpoints carry, so that
+    readers tell apart the lines of two runs in one file), step, epoch, loss (null when not
+    finite, its text in `loss_text`), step time, throughput, and what the step knows (lr,
+    loss_scale, overflow, grad_norm)."""
+    record: dict[str, Any] = {} if run is None else {"run": run}
+    record.update({"step": step, "epoch": epoch, "step_in_epoch": step_in_epoch})
     if math.isfinite(loss):
         record["loss"] = loss
     else:

@@ -362,6 +362,7 @@ class RankRunner:
         from pcompile.backends.checkpoint_files import run_steps
 
         run = self._run_id(resumed)
+        self.run_id = run
         client = _kv_client()
         agreement = StepAgreement(run, client, jax.process_count() if client else 1,
                                   jax.process_index())
@@ -488,7 +489,8 @@ class RankRunner:
         self._start_run(meta if resume_step is not None else None,
                         {r: logs[r].lines for r in self.local}, resume_step)
         report = RankReport(m, self.mesh, self.out_dir, done, args.log_every,
-                         writes=self.local[0] == 0, tensorboard=args.tensorboard)
+                            writes=self.local[0] == 0, tensorboard=args.tensorboard,
+                            run=self.run_id)
         fn = self._function(donate=True)
         out_names = list(m.OUTPUTS)
         extra_outputs = [i for i, name in enumerate(out_names) if i and name not in state]

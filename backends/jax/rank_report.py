@@ -41,11 +41,12 @@ class RankReport:
     and the summary."""
 
     def __init__(self, module: ModuleType, mesh: Any, out_dir: str, done: int, log_every: int,
-                 writes: bool, tensorboard: str | None = None) -> None:
+                 writes: bool, tensorboard: str | None = None, run: str | None = None) -> None:
         from pcompile.backends import run_report
 
         self.rr = run_report
         self.done = done
+        self.run = run  # each line's "run": readers tell two runs' lines apart
         self.log_every = max(1, log_every)
         self.ranks = int(module.NUM_RANKS)
         inputs = [(tuple(module.LAYOUTS[name][0]), dtype)
@@ -79,7 +80,8 @@ class RankReport:
             atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
     def _kept(self, done: int) -> list[str]:
-        """A resumed run's earlier lines (steps up to the one resumed from)."""
+        """A resumed run's earlier lines: those of the run it continues (the same run id),
+        up to the step it resumes from."""
         if not done or self.path is None:
             return []
         try:
@@ -90,10 +92,11 @@ class RankReport:
         kept = []
         for line in lines:
             try:
-                step = json.loads(line).get("step")
+                record = json.loads(line)
+                step, run = record.get("step"), record.get("run")
             except (ValueError, AttributeError):
                 continue
-            if isinstance(step, int) and step <= done:
+            if isinstance(step, int) and step <= done and (self.run is None or run == self.run):
                 kept.append(line)
         return kept
 
@@ -116,7 +119,7 @@ class RankReport:
             known: dict[str, Any] = {"lr": self.lr}
             known.update(self._extras([local_pieces(v, self.mesh)[0] for _, v in extras]))
             record = self.rr.metrics_record(step, epoch, in_epoch, loss, seconds * 1000,
-                                            self.unit, self.per_step, known)
+                                            self.unit, self.per_step, known, run=self.run)
             out.append(self.rr.metrics_line(record))
             if self.board is not None:
                 for tag, value in self.rr.tensorboard_scalars(record).items():

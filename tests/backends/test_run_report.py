@@ -84,6 +84,28 @@ def test_metrics_records_parse_even_for_a_non_finite_loss() -> None:
     assert nan["loss"] is None and nan["loss_text"] == "nan"
 
 
+def test_metrics_lines_name_their_run_and_a_resume_keeps_only_its_own(tmp_path) -> None:
+    """Each metrics.jsonl line carries the run's id (issue 38: a file could mix two runs'
+    lines); a resumed run keeps the lines of the run it continues, not another run's."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from pcompile.backends.jax.rank_report import RankReport
+
+    assert json.loads(run_report.metrics_line(run_report.metrics_record(
+        3, 1, 3, 0.5, 10.0, "samples", 8, run="a1")))["run"] == "a1"
+    lines = [{"run": "a1", "step": 1}, {"run": "b2", "step": 1}, {"run": "a1", "step": 2},
+             {"run": "b2", "step": 2}, {"run": "a1", "step": 3}, {"step": 1}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    module = SimpleNamespace(NUM_RANKS=1, PARAMS=(), LAYOUTS={})
+    device = SimpleNamespace(device_kind="cpu", platform="cpu")
+    mesh = SimpleNamespace(devices=np.array([device], dtype=object))
+    RankReport(module, mesh, str(tmp_path), 2, 1, writes=True, run="a1")
+    kept = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert kept == [{"run": "a1", "step": 1}, {"run": "a1", "step": 2}]
+
+
 def test_the_startup_line_names_every_phase() -> None:
     line = run_report.startup_line({"imports": 2.0, "distributed": 0.5, "init": 1.0,
                                     "compile": 3.0, "first_step": 0.25, "other": 0.25,
@@ -222,6 +244,7 @@ def test_a_run_reports_its_start_up_metrics_and_a_resume_counts_its_own_steps(
     second = run("--steps", "6", "--resume")
     assert "resuming from step 4" in second, second
     assert "this run: 2 steps (5..6)" in second, second
-    steps = [json.loads(line)["step"] for line in
-             (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 4, 5, 6]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 4, 5, 6]
+    # one run: the resumed run continues the first and keeps its id
+    assert len({r["run"] for r in records}) == 1, records
