@@ -19,8 +19,9 @@ topological order; each one not yet visited starts a breadth-first search (`prop
 * with `neighbour_layouts` (the `sharding_propagation` search), a neighbour about to be
   decided first gets the candidate that takes the decided op's layout as it is, built under
   that op's device matrix, where none of its candidates does (`neighbour_layouts.py`:
-  backwards to a one-input producer, forwards to a several-input consumer, and forwards to a
-  one-input consumer of an op laid out by a `Layout`);
+  backwards to a one-input producer, forwards to a several-input consumer whose in-edges are
+  all visited (`_visited_before`), and forwards to a one-input consumer of an op laid out by a
+  `Layout`);
 * an edge that crosses two Reshape operators is not followed, in either direction:
   MindSpore's `Edge::GetReshapeSWCIndexByPrevOpStrategy` / `ByNextOpStrategy` stop at an edge
   between two Reshapes ("has two Reshapes, please set the strategy for at least one"), so the
@@ -97,6 +98,8 @@ class Propagation:
         # vertex -> the edges whose redistribution decided it (empty: first candidate)
         self.decision: dict[int, list[int]] = {}
         self.waiting: set[int] = set()
+        # vertices a search has popped: their out-edges are MindSpore's visited edges
+        self.popped: set[int] = set()
         self.memo: dict[Any, int] = {}
         # candidates made under a neighbour's layouts, by ("under ...", signature, keys)
         self.made: dict[tuple[Any, ...], tuple[Candidate, ...]] = {}
@@ -125,10 +128,19 @@ class Propagation:
         if len(ins) > 1 and not all(self.decided[cg.edges[x].src] for x in ins):
             self.waiting.add(v.index)
             return
-        self._under_producers(v, ins)
+        if all(self._visited_before(cg.edges[x].src, u, v) for x in ins):
+            self._under_producers(v, ins)
         k = _best_by_in_edges(cg, v, self.choice, ins, self.memo)
         self._set(v.index, k, f"in-edges from {self._names(ins)}", ins)
         queue.append(v.index)
+
+    def _visited_before(self, src: int, u: Vertex, v: Vertex) -> bool:
+        """Whether MindSpore's search has visited the edge src -> v when it decides v from u:
+        src was popped (u is), or src is configured and earlier than v, so its search starts
+        before v leaves the waiting list (`CostGraph::ExistPrevConfiguredOps`). `_VirtualDataset`
+        comes last: its edges are not visited yet."""
+        w = self.cg.vertices[src]
+        return src == u.index or src in self.popped or (w.configured and w.topo < v.topo)
 
     def _visit_prev(self, u: Vertex, ei: int, queue: deque[int]) -> None:
         cg = self.cg
@@ -211,6 +223,7 @@ class Propagation:
         queue: deque[int] = deque([start])
         while queue:
             u = cg.vertices[queue.popleft()]
+            self.popped.add(u.index)
             for ei in u.out_edges:
                 self._visit_next(u, ei, queue)
             for ei in u.in_edges:

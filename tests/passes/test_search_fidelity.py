@@ -120,3 +120,24 @@ def test_dynamic_programming_behind_a_parameter_cast() -> None:
     assert got["cast1"] == got["cast2"] == ((1, 1),)
     program = compile_model(path, devices=8, dump=False)
     assert check(program, steps=1).ok(1e-5, 1e-4)
+
+
+def test_a_multi_input_op_waits_for_its_visited_edges_before_neighbour_layouts() -> None:
+    """test_auto_parallel_out_strategy_propagation.py (test_out_strategy_propagate1), with
+    fully_use_devices=True: the Add after MatMul ((4, 2), (1, 2)) takes ((4, 2), (4, 2)), a
+    candidate using all 8 devices. MindSpore adds an op's candidates under its producers'
+    device matrix (AddSwcUnderPrevOpDevMatrixMulti) only once all its in-edges are visited;
+    the Add's other input comes from `_VirtualDataset`, whose search runs last, so it decides
+    among its own candidates. pcompile counted the configured `_VirtualDataset` as visited and
+    gave the Add ((4, 1), (4, 1)), built under the MatMul's device matrix: 4 of 8 devices."""
+    set_algo_parameters(fully_use_devices=True)
+    try:
+        program = compile_model(model("out_strategy_propagation.py"), devices=8, dump=False)
+    finally:
+        reset_algo_parameters()
+    got = strategies(program)
+    assert got["matmul"] == ((4, 2), (1, 2))
+    assert got["add"] == ((4, 2), (4, 2))
+    assert got["relu"] == ((4, 2),)
+    report = check(program, steps=1)
+    assert report.ok(), report.errors
