@@ -172,10 +172,19 @@ def _transpose_ab(lab: str, flag: bool) -> str:
     return lab[:-2] + lab[-1] + lab[-2] if flag else lab
 
 
+def _logical_a_order(a: str, transpose_a: bool) -> tuple[str, ...]:
+    """MindSpore orders a MatMul's device matrix as the logical operand, `[batch..., M, K]`
+    then `N` (it swaps the last two values of a transposed a's strategy first), so that a
+    Transpose feeding `transpose_a` and the op after the MatMul's AllReduce read their
+    layouts as they are. Only a transposed a changes the order of first appearance."""
+    return tuple(_transpose_ab(a, True)) if transpose_a else ()
+
+
 def matmul_labels(ctx: OpContext) -> Labels:
-    a = _transpose_ab("ik", bool(ctx.attrs.get("transpose_a")))
+    ta = bool(ctx.attrs.get("transpose_a"))
+    a = _transpose_ab("ik", ta)
     b = _transpose_ab("kj", bool(ctx.attrs.get("transpose_b")))
-    return Labels([a, b], ["ij"])
+    return Labels([a, b], ["ij"], dev_order=_logical_a_order(a, ta))
 
 
 def _matmul_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
@@ -202,10 +211,13 @@ define("MatMul", _matmul_infer,
        sharding=LabelRule(matmul_labels), traits=frozenset({Trait.MATMUL, Trait.REDUCTION}),
        doc="op(a) @ op(b) for 2-D a, b; op transposes when transpose_a/transpose_b is set.",
        section="linalg", operands="a, b; `transpose_a`, `transpose_b`", dtypes=NUMERIC,
-       rule="`ik,kj->ij`; a split k all-reduces (or reduce-scatters with `out_strategy`)",
+       rule="`ik,kj->ij`; a split k all-reduces (or reduce-scatters with `out_strategy`); "
+            "device matrix `[M, K, N]` of the logical operands, whatever `transpose_a`",
        tests=("test_ops_linalg.py::test_matmul", "test_ops_linalg.py::test_matmul_int32",
               "test_parallel.py::test_every_rule_matches_the_oracle",
-              "test_parallel.py::test_reduce_scatter_out_strategy"), dims=DimRule(_matmul_dims))
+              "test_parallel.py::test_reduce_scatter_out_strategy",
+              "test_matmul_transpose_a.py::test_the_device_matrix_is_the_logical_operands"),
+       dims=DimRule(_matmul_dims))
 
 # -- BatchMatMul ----------------------------------------------------------------------------
 
@@ -250,7 +262,9 @@ def batch_matmul_labels(ctx: OpContext) -> Labels:
         lab, fresh = aligned_labels(t.shape[:-2], out.shape[:-2], blab, used)
         unsplit |= fresh
         ins.append(_transpose_ab(lab + tail, bool(flag)))
-    return Labels(ins, [blab + "ij"], unsplit, broadcast=frozenset(unsplit))
+    ta = bool(ctx.attrs.get("transpose_a"))
+    order = tuple(n for n in _logical_a_order(ins[0], ta) if n not in unsplit)
+    return Labels(ins, [blab + "ij"], unsplit, broadcast=frozenset(unsplit), dev_order=order)
 
 
 define("BatchMatMul", _batch_matmul_infer,
@@ -261,7 +275,10 @@ define("BatchMatMul", _batch_matmul_infer,
        doc="Batched op(a) @ op(b) over the last two dims; leading batch dims broadcast numpy-style "
            "and one operand may be a rank-2 matrix.", section="linalg",
        operands="a, b (batch dims broadcast); `transpose_a`, `transpose_b`", dtypes=NUMERIC,
-       rule="batch labels plus `ik,kj->ij`",
+       rule="batch labels plus `ik,kj->ij`; device matrix `[batch..., M, K, N]` of the logical "
+            "operands, whatever `transpose_a`",
        tests=("test_ops_linalg.py::test_batch_matmul",
               "test_ops_linalg.py::test_batch_matmul_rank2_rhs",
-              "test_parallel.py::test_every_rule_matches_the_oracle"), dims=DimRule(_matmul_dims))
+              "test_parallel.py::test_every_rule_matches_the_oracle",
+              "test_matmul_transpose_a.py::test_the_device_matrix_is_the_logical_operands"),
+       dims=DimRule(_matmul_dims))
