@@ -19,6 +19,8 @@ from pcompile.compiler.ops import (
     Abs,
     Add,
     Assign,
+    AssignAdd,
+    AssignSub,
     AvgPool,
     BatchMatMul,
     BiasAdd,
@@ -807,7 +809,18 @@ def fill(type: Any, shape: Any, value: Any) -> Tensor:  # noqa: A002  (MindSpore
 
 
 def assign(variable: Any, value: Any) -> Any:
+    """The Parameter `variable`'s new value is `value` (MindSpore's `ops.assign`)."""
     return Assign()(variable, value)
+
+
+def assign_add(variable: Any, value: Any) -> Any:
+    """The Parameter `variable`'s new value is variable + value (`ops.assign_add`)."""
+    return AssignAdd()(variable, value)
+
+
+def assign_sub(variable: Any, value: Any) -> Any:
+    """The Parameter `variable`'s new value is variable - value (`ops.assign_sub`)."""
+    return AssignSub()(variable, value)
 
 
 def global_norm(x: Any) -> Any:

@@ -824,16 +824,25 @@ from pcompile.compiler.grad import GradOperation  # noqa: E402,F401  (MindSpore'
 
 
 class Assign(_Simple):
-    """`ops.Assign()(variable, value)`: in a training step cell, store `value` as the
-    Parameter's new value (returned by the step, written back by the runtime)."""
+    """`ops.Assign()(variable, value)`: the Parameter's new value. In the network's forward
+    computation later reads see it and the step returns it (stored, checkpointed); in a
+    training step cell after the gradients it is the step's own state (compiler/assign.py)."""
 
     op = "Assign"
 
     def __call__(self, variable: Any, value: Any) -> Any:
-        from pcompile.compiler.train_step import current_step
+        from pcompile.compiler.assign import assign_parameter
 
-        step = current_step()
-        if step is None:
-            raise TypeError("ops.assign stores a Parameter's new value; it is supported in a "
-                            "training step cell (after the gradients), not in a network")
-        return step.assign(variable, value)
+        return assign_parameter(self, variable, value)
+
+
+class AssignAdd(Assign):
+    """`ops.AssignAdd()(variable, value)`: the Parameter's new value is variable + value."""
+
+    op = "AssignAdd"
+
+
+class AssignSub(Assign):
+    """`ops.AssignSub()(variable, value)`: the Parameter's new value is variable - value."""
+
+    op = "AssignSub"

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from pcompile.compiler.assign import finish_assignments
 from pcompile.compiler.model_file import ModelFile, as_input_list, call_user
 from pcompile.compiler.nn.cell import Cell
 from pcompile.compiler.nn.loss import WithLossCell
@@ -30,7 +31,9 @@ from pcompile.compiler.tensor import Parameter, Tensor, TensorSpec
 from pcompile.compiler.tracing import tracing
 from pcompile.ir.core import Graph
 from pcompile.ir.errors import PcompileError
+from pcompile.ir.ops.state import refuse_assignments
 from pcompile.ir.types import DType, TensorType
+from pcompile.passes.pipeline_split import PIPELINE_REFUSAL
 from pcompile.passes.pipeline_stages import PipelineSettings, ScopeCell, StageMap, assign_stages
 
 #: pipeline_config pipeline_scheduler values pcompile implements.
@@ -180,6 +183,8 @@ def trace_pipeline_cell(mf: ModelFile, cell: PipelineCell, micro: int) -> Any:
                 f"{type(loss).__name__}; it must return its loss (wrap the network and its loss "
                 "function in nn.WithLossCell)")
         graph.outputs = [loss._value]  # type: ignore[list-item]
+        finish_assignments(tracer, graph)
+        refuse_assignments(graph, PIPELINE_REFUSAL)
         if tracer.custom_bprop:
             raise PcompileError(
                 f"{tracer.custom_bprop[0].name} defines its own bprop inside nn.PipelineCell; "

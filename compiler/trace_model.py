@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from pcompile.compiler.assign import finish_assignments
 from pcompile.compiler.model_file import ModelFile, as_input_list, call_user, iterate_user
 from pcompile.compiler.nn.cell import Cell, call_top
 from pcompile.compiler.nn.optim_base import Optimizer
@@ -236,6 +237,7 @@ def trace_model(mf: ModelFile, batch_split: int = 1, micro_batches: bool = False
         _check_outputs([loss], net_name)
         graph.outputs = _objective_outputs(tracer, loss, f"the loss of "
                                            f"{type(loss_cell).__name__}")
+        finish_assignments(tracer, graph)
         custom_bprops = list(tracer.custom_bprop)
     graph.dead_code_elimination()
     return TracedModel(
@@ -371,6 +373,7 @@ def _trace_network(mf: ModelFile, top: Cell, batch_split: int) -> TracedModel:
             objective = Tensor(_value=captured.objective)
             what = f"the output of {type(captured.network).__name__}"
             graph.outputs = _objective_outputs(tracer, objective, what)
+        finish_assignments(tracer, graph)
         custom_bprops = list(tracer.custom_bprop) if captured is not None else []
     graph.dead_code_elimination()
     if captured is not None:

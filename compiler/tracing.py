@@ -119,6 +119,10 @@ class Tracer:
         self.params: dict[int, GraphParam] = {}
         self.op_counts: dict[str, int] = {}
         self.overrides: dict[int, Value] = {}
+        # Parameters assigned in the forward computation (P.Assign / AssignAdd / AssignSub):
+        # id(parameter) -> (its name, its newest value), in the order of their first
+        # assignment; later reads get the newest value (compiler/assign.py)
+        self.assigned: dict[int, tuple[str, Value]] = {}
         # calls of cells with their own bprop (compiler/custom_bprop.py `BpropCall`)
         self.custom_bprop: list[Any] = []
         # Cell.recompute(): whether the cells being traced are recomputed (innermost last), and
@@ -191,6 +195,8 @@ class Tracer:
         """Turn an operand into an IR value: symbolic tensors as they are, parameters as graph
         parameters, concrete data as constants."""
         if isinstance(arg, Parameter):
+            if id(arg) in self.assigned:
+                return self.assigned[id(arg)][1]
             if id(arg) in self.overrides:
                 return self.overrides[id(arg)]
             if arg.name is None:

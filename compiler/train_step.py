@@ -44,6 +44,7 @@ from pcompile.ir.builder import Builder
 from pcompile.ir.core import Constant, Graph, GraphParam, NodeResult, ParallelInfo, Value
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout, group_name
+from pcompile.ir.ops.state import assigned_names, split_assigned
 from pcompile.ir.registry import Trait, has_trait
 from pcompile.ir.types import DType, TensorType
 
@@ -106,11 +107,6 @@ class StepContext:
         raise PcompileError(
             f"{type(optimizer).__name__} is called before the gradients exist: call it on the "
             "gradients GradOperation returns")
-
-    def assign(self, param: Any, value: Any) -> Any:
-        raise PcompileError(
-            "ops.assign in the network's forward computation is not supported; a training "
-            "step cell may assign its own state after the gradients")
 
     def after_op(self, op: str, operands: list[Value], result: Value) -> None:
         pass
@@ -254,8 +250,11 @@ class Replay(StepContext):
         self.graph = graph
         self.tracer = tracer
         self.env = env
-        self.objective = graph.outputs[0]
-        self.report = graph.outputs[1] if len(graph.outputs) > 1 else graph.outputs[0]
+        own, assigned = split_assigned(graph)
+        self.objective = own[0]
+        self.report = own[1] if len(own) > 1 else own[0]
+        # the Parameters the network's forward assigned, and their new values
+        self.assigned = list(zip(assigned_names(graph), assigned))
         self.tags: dict[int, str] = {}  # id(value) -> name of the stored tensor / input
         self.updates: list[tuple[str, Value]] = []
         self.trusted = 0
@@ -496,6 +495,8 @@ class Replay(StepContext):
         values = [self.tracer.to_value(x, None) if not isinstance(x, Value) else x
                   for x in items]
         if self.updates:
+            for name, value in self.assigned:
+                self._record(name, value)
             if not values:
                 raise PcompileError("the training step must return its loss")
             first = _strip_depend(values[0])
@@ -524,8 +525,13 @@ class Replay(StepContext):
             return ReplayResult(names, outs, layouts, True)
         if not values:
             raise PcompileError("the training step returns nothing")
-        return ReplayResult([f"output{i}" for i in range(len(values))], values,
-                            [self._layout(v) for v in values], False)
+        names = [f"output{i}" for i in range(len(values))]
+        layouts = [self._layout(v) for v in values]
+        for name, value in self.assigned:  # stored under the Parameter's name
+            names.append(name)
+            values.append(value)
+            layouts.append(self.env.layouts.get(name))
+        return ReplayResult(names, values, layouts, False)
 
     def _layout(self, value: Value) -> TensorLayout | None:
         name = self.tags.get(id(value))

@@ -29,6 +29,7 @@ import numpy as np
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Constant, Graph, GraphParam, Node, Value
 from pcompile.ir.errors import PcompileError
+from pcompile.ir.ops.state import assigned_names, split_assigned
 from pcompile.ir.registry import get_op
 from pcompile.ir.types import TensorType, TupleType
 from pcompile.passes.comm_info import backward_annotation
@@ -225,7 +226,8 @@ class AutodiffPass:
         for graph in unit.graphs:
             # The objective, seeded with ones (MindSpore's sens); a non-scalar objective comes
             # with its mean, the loss the step reports.
-            objective, loss = graph.outputs[0], graph.outputs[-1]
+            own, assigned = split_assigned(graph)
+            objective, loss = own[0], own[-1]
             wrt = [p for p in graph.weights if p.requires_grad]
             if not wrt:
                 raise PcompileError("the network has no trainable parameters to train")
@@ -239,8 +241,10 @@ class AutodiffPass:
                 inherit(origins, unit.pipeline.local_stage, unit.pipeline.labels)
             if scales:
                 grads = [_scaled(graph, g, scales.get(p.name, 1.0)) for p, g in zip(wrt, grads)]
-            graph.outputs = [loss, *grads]
-            graph.attrs["outputs"] = ("loss", *(f"grad.{p.name}" for p in wrt))
+            # the Parameters the forward assigned keep their new values, after the gradients
+            graph.outputs = [loss, *grads, *assigned]
+            graph.attrs["outputs"] = ("loss", *(f"grad.{p.name}" for p in wrt),
+                                      *assigned_names(graph))
 
 
 def _scaled(graph: Graph, grad: Value, scale: float) -> Value:

@@ -66,11 +66,16 @@ class OptimizerPass:
         for graph in unit.graphs:
             names = graph.attrs["outputs"]
             loss: Value = graph.outputs[0]
-            grads = {n[len("grad."):]: v for n, v in zip(names[1:], graph.outputs[1:])}
+            grads = {n[len("grad."):]: v for n, v in zip(names[1:], graph.outputs[1:])
+                     if n.startswith("grad.")}
+            assigned = [(n, v) for n, v in zip(names[1:], graph.outputs[1:])
+                        if not n.startswith("grad.")]
             slicer = state_slicer(unit, self.options.initial_values) if unit.parallel else None
             summer = (RankSum(graph, unit.devices, unit.assignment.param_layouts)
                       if unit.parallel and unit.assignment is not None else None)
             init, updates = self.options.trace(graph, grads, slicer, summer)
+            # then the Parameters the forward assigned (stored like the updated weights)
+            updates = [*updates, *assigned]
             graph.outputs = [loss, *(value for _, value in updates)]
             graph.attrs["outputs"] = ("loss", *(name for name, _ in updates))
             if not unit.parallel:

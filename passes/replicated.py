@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from pcompile.ir.core import Graph, GraphParam, Node, Value
 from pcompile.ir.layout import TensorLayout
+from pcompile.ir.ops.state import refuse_assignments
 from pcompile.ir.sharding import OpSharding
 from pcompile.ir.types import TensorType, TupleType
 from pcompile.passes.step_parallel import RankBuilder, SplitOptions
@@ -108,6 +109,11 @@ class ReplicatePass:
         from pcompile.passes.optimizer_shard import optimizer_sharding
 
         assert unit.graph is not None
+        refuse_assignments(unit.graph, (
+            f"in {unit.parallel_mode} mode every rank would update it from its own batch, so "
+            "the ranks' copies of the Parameter would differ and none would be the "
+            "single-device value; compile in semi_auto_parallel or auto_parallel, where a "
+            "reduction over the batch counts every rank's part"))
         if unit.parallel_mode == "hybrid_parallel":
             graphs = list(unit.rank_graphs)  # traced per rank by the front end
         else:

@@ -34,11 +34,13 @@ from pcompile.ir.core import (
     Graph,
     GraphParam,
     Node,
+    NodeResult,
     ParallelInfo,
     RankConstant,
     Value,
 )
 from pcompile.ir.layout import TensorLayout, group_name, std_hash
+from pcompile.ir.ops.state import assigned_names
 from pcompile.ir.rank import (
     GroupName,
     RankGroup,
@@ -154,8 +156,13 @@ class RankBuilder:
         for node in self.global_graph.nodes:
             self.lower_node(node)
         outputs = []
-        for value in self.global_graph.outputs:
+        names = assigned_names(self.global_graph)
+        first_assigned = len(self.global_graph.outputs) - len(names)
+        for i, value in enumerate(self.global_graph.outputs):
             local, layout = self.operand(value)
+            if i >= first_assigned:  # a Parameter's new value: stored in its own layout
+                local, layout = self.stored_value(names[i - first_assigned], value, local,
+                                                  layout)
             outputs.append(local)
             self.output_layouts.append(layout)
         if self.options.training and outputs:
@@ -164,6 +171,20 @@ class RankBuilder:
             outputs[0] = self.virtual_div(outputs[0], loss_layout)
         self.graph.outputs = outputs
         return self.graph
+
+    def stored_value(self, name: str, value: Value, local: Value, layout: TensorLayout
+                     ) -> tuple[Value, TensorLayout]:
+        """The new value of Parameter `name` (assigned in the forward) in the layout the
+        Parameter is stored in, redistributed where the assignment's strategy differs."""
+        want = self.assignment.param_layouts[name]
+        if layout == want:
+            return local, layout
+        assert isinstance(value, NodeResult), "an assigned value is an Assign op's result"
+        plan = plan_redistribution(layout, want, self.options.enable_alltoall)
+        reason = (f"the new value of Parameter {name!r} ({value.node.op} "
+                  f"'{value.node.instance_name}') is stored in the Parameter's layout: "
+                  f"{layout} -> {want}")
+        return self.emit_plan(value.node, local, plan, reason), want
 
     def operand(self, value: Value) -> tuple[Value, Any]:
         if isinstance(value, Constant):

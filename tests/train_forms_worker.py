@@ -24,6 +24,8 @@ CASES = {
     "train_step": (os.path.join(ROOT, "examples", "train_step.py"), 6),
     # gradients as outputs (GradOperation(get_all=True, get_by_list=True))
     "grad_wrap": (os.path.join(ROOT, "tests", "models", "grad_wrap.py"), 1),
+    # the expert load and bias assigned in the forward, split over the ranks (issue 35)
+    "forward_state": (os.path.join(ROOT, "tests", "models", "forward_state.py"), 3),
 }
 
 

@@ -14,4 +14,5 @@ from pcompile.ir.ops import (  # noqa: F401
     reduce,
     shape,
     sort,
+    state,
 )

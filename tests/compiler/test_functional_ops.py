@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import pcompile.mint as mint
-from pcompile import Tensor, ops
+from pcompile import Parameter, Tensor, ops
 from pcompile.compiler import functional
+from pcompile.ir.errors import PcompileError
 from pcompile.mint.nn import functional as mf
 
 RNG = np.random.default_rng(0)
@@ -318,9 +319,12 @@ case("ops.global_norm", lambda x, y: ops.global_norm([x, y]),
      X, M)
 case("ops.clip_by_global_norm", lambda x, y: ops.clip_by_global_norm((x, y), 1.0),
      lambda x, y: tuple(t / np.sqrt((x * x).sum() + (y * y).sum()) for t in (x, y)), X, M)
-# ops.assign stores a Parameter's new value inside a training step cell only
-# (tests/compiler/test_training_forms.py); outside one it is refused (test below).
-NOT_EAGER = {"ops.assign"}
+# Eager, an assignment updates the Parameter's data and returns the Parameter; traced, see
+# tests/compiler/test_forward_state.py and tests/compiler/test_training_forms.py.
+case("ops.assign", lambda x, y: ops.assign(_state(x), y), lambda x, y: x * 0 + y, X, Y)
+case("ops.assign_add", lambda x, y: ops.assign_add(_state(x), y), lambda x, y: x + y, X, Y)
+case("ops.assign_sub", lambda x, y: ops.assign_sub(_state(x), y), lambda x, y: x - y, X, Y)
+NOT_EAGER: set[str] = set()
 
 
 def _names(module: Any) -> set[str]:
@@ -399,9 +403,17 @@ def test_module_aliases() -> None:
     assert gen_ops_prim.Swiglu is Swiglu is ops.auto_generate.gen_ops_prim.Swiglu
 
 
-def test_assign_outside_a_step_cell_is_refused() -> None:
-    with pytest.raises(TypeError, match="training step cell"):
-        ops.assign(_tensor(X), _tensor(Y))
+def _state(a: Any) -> Parameter:
+    return Parameter(Tensor(np.array(a.asnumpy())), "state", requires_grad=False)
+
+
+def test_assign_updates_a_parameter_and_refuses_a_tensor() -> None:
+    state = _state(_tensor(X))
+    assert ops.assign_add(state, _tensor(Y)) is state
+    np.testing.assert_array_equal(state.asnumpy(), X + Y)
+    with pytest.raises(PcompileError, match="AssignAdd: the variable must be a Parameter, got "
+                                            "Tensor.*a plain tensor has no value to update"):
+        ops.assign_add(_tensor(X), _tensor(Y))
 
 
 FUNCTIONAL_MODEL = '''
