@@ -10,9 +10,13 @@ Layout on disk (see docs/running.md):
 
 The `.safetensors` file holds rank r's slice of every stored tensor (weights and optimizer state,
 keyed by graph-parameter name), in the tensors' own dtypes (bfloat16 as BF16), readable by any
-safetensors reader. The index is JSON: format (`pcompile-checkpoint/2`), the tensors' file and
-size, step, epoch, step in epoch, rank, number of ranks, plan id, the run that wrote it (`run`,
-an id, and `written`, the time), how many train.log lines the step had and their sha256
+safetensors reader; its own metadata says what it holds (`file_metadata`: step, rank, number of
+ranks, plan, run, and each slice's global shape, offsets and layout under `pcompile.slices`), so
+that the file opened alone is not mistaken for full tensors (`slice_places` reads it; reading
+checks it against the index). The index is JSON: format (`pcompile-checkpoint/2`), the
+tensors' file and size, step, epoch, step in epoch, rank, number of ranks, plan id, the run
+that wrote it (`run`, an id, and `written`, the time), how many train.log lines the step had
+and their sha256
 (`log_lines`, `log_sha256`: the lines themselves are appended once to the run's log beside it,
 so an index has the same size at step 10 and at step 10^6), every tensor's layout (global
 shape, dtype, device matrix, tensor map), so that merging needs nothing else (plan.json's
@@ -168,9 +172,9 @@ def write_checkpoint_report(folder: str, rank: int, step: int,
     # hash (sha256 releases the GIL) while safetensors writes (threads inherit the caller's nice)
     with ThreadPoolExecutor(max_workers=hash_threads()) as pool:
         digests = {k: pool.submit(_digest, a) for k, a in arrays.items()}
-        atomic_fill(data_path, lambda tmp: save_file(
-            arrays, tmp, metadata={"format": FORMAT, "step": str(step), "rank": str(rank)}),
-            before_rename)
+        header = file_metadata(step, rank, meta, arrays)
+        atomic_fill(data_path, lambda tmp: save_file(arrays, tmp, metadata=header),
+                    before_rename)
         manifest = {k: {"shape": list(a.shape), "dtype": a.dtype.name,
                         "sha256": digests[k].result()} for k, a in arrays.items()}
     index = dict(meta)
@@ -184,6 +188,69 @@ def write_checkpoint_report(folder: str, rank: int, step: int,
         folder, rank, step, keep, run if isinstance(run, str) else None, complete)
     nbytes = index["bytes"] + len(text.encode())
     return WriteReport(index_path, nbytes, time.perf_counter() - start, superseded)
+
+
+SLICES_KEY = "pcompile.slices"  # the tensor file's own metadata: where each slice sits
+
+
+def file_metadata(step: int, rank: int, meta: Mapping[str, Any],
+                  arrays: Mapping[str, np.ndarray]) -> dict[str, str]:
+    """The `.safetensors` file's own metadata (strings, as safetensors stores them): format,
+    step, rank, number of ranks, plan and run, and under `pcompile.slices` (JSON) the place of
+    every tensor's slice in its global tensor (`global_shape`, `offsets`: the slice's first
+    index along each dim, `dev_matrix` and `tensor_map` of its layout), so that the file opened
+    alone says what it holds: rank r's `slice_shape` block at `offsets` of a `global_shape`
+    tensor, not a full tensor of that shape."""
+    header = {"format": FORMAT, "step": str(step), "rank": str(rank)}
+    for key in ("num_ranks", "plan_id", "run"):
+        if meta.get(key) is not None:
+            header[key] = str(meta[key])
+    layouts = meta.get("layouts")
+    if isinstance(layouts, Mapping):
+        places = {}
+        for name, array in arrays.items():
+            entry = layouts.get(name)
+            if entry is None or _layout_problem(entry):
+                continue
+            try:
+                bounds = entry_layout(entry).slice_bounds(rank)
+            except Exception:  # noqa: BLE001  (a rank outside the layout's devices)
+                continue
+            places[name] = {"global_shape": list(entry["shape"]),
+                            "offsets": [lo for lo, _ in bounds],
+                            "slice_shape": list(array.shape),
+                            "dev_matrix": list(entry["dev_matrix"]),
+                            "tensor_map": list(entry["tensor_map"])}
+        header[SLICES_KEY] = json.dumps(places, sort_keys=True, separators=(",", ":"))
+    return header
+
+
+def slice_places(path: str) -> dict[str, dict[str, Any]]:
+    """The places a `.safetensors` checkpoint file gives its slices (`file_metadata`), read
+    from the file alone: {name: {global_shape, offsets, slice_shape, dev_matrix, tensor_map}};
+    {} for a file written before they were recorded. A file that is no safetensors file, or
+    whose record is not JSON, raises CheckpointError."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="np") as f:
+            header = f.metadata() or {}
+    except Exception as exc:  # noqa: BLE001  (SafetensorError or OSError)
+        raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
+    return _places(path, header)
+
+
+def _places(path: str, header: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    text = header.get(SLICES_KEY)
+    if text is None:
+        return {}
+    try:
+        places = json.loads(text)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: its {SLICES_KEY} metadata is not JSON ({exc})") from None
+    if not isinstance(places, dict) or not all(isinstance(v, dict) for v in places.values()):
+        raise CheckpointError(f"{path}: its {SLICES_KEY} metadata is not a table of slices")
+    return places
 
 
 def _sync_folder(folder: str) -> None:
@@ -471,10 +538,14 @@ class CheckpointReader:
                                       f"its own {own} (an index moved or copied from another "
                                       "step)")
         stored = getattr(self._source, "stored", {})
-        for key in ("step", "rank"):
+        for key in ("step", "rank", "num_ranks", "plan_id", "run"):
             if key in stored and key in meta and stored[key] != str(meta[key]):
                 raise CheckpointError(f"{path}: its tensor file holds the tensors of {key} "
                                       f"{stored[key]}, the index says {key} {meta[key]}")
+        data = getattr(self._source, "data", path)
+        problem = _places_problem(_places(data, stored) if stored else {}, meta)
+        if problem:
+            raise CheckpointError(f"{path}: {problem}")
         return meta
 
     @property
@@ -538,6 +609,41 @@ class CheckpointReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _places_problem(places: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
+    """Where the tensor file's own record of its slices (`file_metadata`) disagrees with the
+    index's layouts ('' when they agree, or the file has no record). A slice whose shape is not
+    the one the index's layout gives the rank is left to the array's own check, which names
+    the shapes."""
+    layouts = meta.get("layouts") or {}
+    rank = meta.get("rank")
+    if not isinstance(rank, int) or not _count(rank) or not isinstance(layouts, Mapping):
+        return ""
+    for name, place in sorted(places.items()):
+        entry = layouts.get(name)
+        if not isinstance(entry, Mapping):
+            return f"its tensor file places a slice of {name}, which the index has no layout of"
+        if _layout_problem(entry):
+            continue  # the index's own checks name it
+        try:
+            bounds = entry_layout(entry).slice_bounds(rank)
+        except Exception:  # noqa: BLE001
+            continue
+        if place.get("slice_shape") != [hi - lo for lo, hi in bounds]:
+            continue
+        offsets = [lo for lo, _ in bounds]
+        if (place.get("global_shape") != entry.get("shape")
+                or place.get("dev_matrix") != entry.get("dev_matrix")
+                or place.get("tensor_map") != entry.get("tensor_map")):
+            return (f"its tensor file says {name} is a slice of a {place.get('global_shape')} "
+                    f"tensor laid out as {place.get('dev_matrix')}/{place.get('tensor_map')}, "
+                    f"the index says {entry.get('shape')} as {entry.get('dev_matrix')}/"
+                    f"{entry.get('tensor_map')}")
+        if place.get("offsets") != offsets:
+            return (f"its tensor file places {name}'s slice at offsets {place.get('offsets')}, "
+                    f"rank {rank}'s slice of the index's layout is at {offsets}")
+    return ""
 
 
 def _count(value: Any) -> bool:

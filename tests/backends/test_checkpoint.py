@@ -199,6 +199,51 @@ def test_a_checkpoint_is_safetensors_and_a_json_index(tmp_path) -> None:
         np.testing.assert_array_equal(tensors[name], value)
 
 
+def test_a_tensor_file_opened_alone_says_where_its_slices_sit(tmp_path) -> None:
+    """Issue 38 item 11: each rank's .safetensors file carries, in its own metadata, every
+    slice's global shape, offsets and layout (and step, rank, ranks, plan), so that the file
+    alone is not taken for full tensors; reading checks it against the index."""
+    from safetensors import safe_open
+
+    from pcompile.backends.checkpoint_files import SLICES_KEY, slice_places
+
+    write_steps(tmp_path, steps=(3,))
+    data = tensors_path(checkpoint_path(str(tmp_path), 1, 3))
+    with safe_open(data, framework="np") as f:
+        header = f.metadata()
+    assert {k: header[k] for k in ("step", "rank", "num_ranks", "plan_id")} == {
+        "step": "3", "rank": "1", "num_ranks": "2", "plan_id": "p1"}
+    places = slice_places(data)
+    assert places["w"] == {"global_shape": [4, 6], "offsets": [2, 0], "slice_shape": [2, 6],
+                           "dev_matrix": [2], "tensor_map": [0, -1]}
+    assert places["b"]["offsets"] == [0] and places["b"]["global_shape"] == [6]
+    # the slices put at their offsets make the global tensor
+    whole = np.zeros((4, 6), np.float32)
+    for r in range(2):
+        path = tensors_path(checkpoint_path(str(tmp_path), r, 3))
+        place = slice_places(path)["w"]
+        with safe_open(path, framework="np") as f:
+            block = f.get_tensor("w")
+        (row, col) = place["offsets"]
+        whole[row:row + block.shape[0], col:col + block.shape[1]] = block
+    np.testing.assert_array_equal(whole, np.arange(24, dtype=np.float32).reshape(4, 6) + 3)
+    # a tensor file whose own record disagrees with its index is one message
+    from safetensors.numpy import save_file
+
+    header = dict(header)
+    moved = json.loads(header[SLICES_KEY])
+    moved["w"]["offsets"] = [0, 0]
+    header[SLICES_KEY] = json.dumps(moved)
+    save_file(load_file(data), data, metadata=header)
+    index_path = checkpoint_path(str(tmp_path), 1, 3)
+    index = json.loads(open(index_path).read())
+    index["bytes"] = os.path.getsize(data)
+    with open(index_path, "w") as f:
+        json.dump(index, f)
+    with pytest.raises(CheckpointError, match="offsets"):
+        read_checkpoint(checkpoint_path(str(tmp_path), 1, 3), 1)
+
+
 def test_tensors_round_trip_bit_exactly_in_every_dtype(tmp_path) -> None:
     """bfloat16 (ml_dtypes, stored as safetensors' BF16), float16, float64, integers, bools,
     scalars and empty tensors come back with their dtype, shape and bits."""
