@@ -423,6 +423,11 @@ class LabelRule:
         (`passes.step_parallel_begin.layout_sharding`)."""
         return None
 
+    def searchable(self, ctx: OpContext, strategy: Strategy) -> bool:
+        """Whether the searches enumerate `strategy`, a valid one (MindSpore's strategy
+        generation leaves some valid strategies to the user: Gather's)."""
+        return True
+
     def default_strategy(self, ctx: OpContext) -> Strategy:
         """MindSpore's semi-auto default: split dim 0 of the first input (and every dim that
         shares its label) by gcd(size, devices); everything else 1."""

@@ -545,7 +545,8 @@ class RankBuilder:
         gathered = b.emit("Gather", [table, clipped], {"axis": 0},
                           instance_name=node.instance_name, name_hint=node.result.name_hint,
                           parallel=ParallelInfo(in_strategy=sharding.strategy))
-        mask = b.emit("ExpandDims", [mask], {"axis": -1})
+        for _ in range(len(table.shape) - 1):  # the table's other dims (none for a 1-D one)
+            mask = b.emit("ExpandDims", [mask], {"axis": -1})
         return b.emit("Mul", [gathered, mask])
 
     def lp_norm_partial(self, node: Node, b: Builder, x: Value, attrs: dict[str, Any],

@@ -977,9 +977,12 @@ _GATHER_NOTE = """\
 params and indices are shared batch dims) splits the batch dims alike and never the gathered
 axis. Otherwise its device matrix is [indices' splits, table's splits], as MindSpore's; the
 indices and the table's other dims split freely; a split gathered axis (0) becomes a masked
-local lookup plus AllReduce (or ReduceScatter with `out_strategy`), with whole indices, or
-with indices split on dim 0 in MindSpore's shard-batch-and-axis mode `((mp, 1), (dp, 1))`,
-mp · dp = devices."""
+local lookup plus an AllReduce (or ReduceScatter with `out_strategy`) over the ranks that hold
+the same index block, with the indices whole or split as well when the strategy uses every
+device: `((2, 1), (2, 2))` on 8 devices all-reduces over pairs of ranks (split indices with
+repeated calculation, `((2, 1), (2, 1))` on 8, are refused, as MindSpore does). The searches
+enumerate a split gathered axis with split indices only in MindSpore's shard-batch-and-axis
+mode `((mp, 1), (dp, 1))`, mp · dp = devices, as MindSpore's strategy generation does."""
 
 def gather_labels(ctx: OpContext) -> Labels:
     """The table's dims with the gathered axis replaced by the indices' dims. The device matrix
@@ -1016,9 +1019,10 @@ def shard_batch_and_axis(ctx: OpContext, strategy: Strategy) -> bool:
 
 
 class GatherRule(LabelRule):
-    """Gather: a split table axis needs the masked local gather plus AllReduce (reference
-    §3.2, SHARD_AXIS_0), with the indices whole, or split on their batch dim in MindSpore's
-    shard-batch-and-axis mode (`((mp, 1), (dp, 1))`, the vocab-parallel embedding)."""
+    """Gather: a split table axis needs the masked local gather plus AllReduce over the ranks
+    that share an index block (reference §3.2, SHARD_AXIS_0), the indices whole or split
+    (MindSpore's shard-batch-and-axis mode `((mp, 1), (dp, 1))`, the vocab-parallel embedding,
+    is one case)."""
 
     def __init__(self) -> None:
         super().__init__(gather_labels, unsplittable="the gathered axis, which batch mode "
@@ -1035,18 +1039,29 @@ class GatherRule(LabelRule):
             return label_sharding(ctx, labels, strategy, out_strategy)
         if axis != 0:
             raise StrategyError("only axis 0 of a gathered table can be split")
-        if any(c != 1 for c in strategy[1]) and not shard_batch_and_axis(ctx, strategy):
+        used = math.prod(c for dims in strategy for c in dims)
+        if any(c != 1 for c in strategy[1]) and used != ctx.devices:
             raise StrategyError(
-                "when the table's gathered axis is split, the indices cannot be split, except "
-                "in the shard-batch-and-axis mode: a 2-D table split only on axis 0 and 2-D "
-                "indices split only on dim 0, the two splits together using every device "
-                f"({ctx.devices}), neither alone",
-                "use 1 for every dim of the indices, or ((mp, 1), (dp, 1)) with "
-                f"mp * dp = {ctx.devices}",
+                "when the table's gathered axis is split and the indices are split too, the "
+                f"strategy must use every device ({ctx.devices}; it uses {used}): no repeated "
+                "calculation (MindSpore's shard-batch-and-axis mode ((mp, 1), (dp, 1)) with "
+                f"mp * dp = {ctx.devices} is one such strategy)",
+                "split the indices or the table further, or use 1 for every dim of the indices",
             )
         result = label_sharding(ctx, labels, strategy, out_strategy)
         result.expand = "masked_gather"
         return result
+
+    def searchable(self, ctx: OpContext, strategy: Strategy) -> bool:
+        """MindSpore's auto-parallel strategy generation filters out a split gathered axis with
+        split indices (gather_info's "param is split at dim (axis), index can't be split"),
+        but for the shard-batch-and-axis mode: the searches enumerate what they enumerate."""
+        if ctx.attrs.get("batch_dims") or len(strategy) != 2:
+            return True
+        axis = ctx.attrs.get("axis", 0) % ctx.in_types[0].rank
+        table, idx = strategy
+        return (len(table) <= axis or table[axis] == 1 or all(c == 1 for c in idx)
+                or shard_batch_and_axis(ctx, strategy))
 
     def default_strategy(self, ctx: OpContext) -> Strategy:
         if ctx.attrs.get("batch_dims"):
@@ -1083,11 +1098,13 @@ define("Gather", _gather_infer, _gather_np, _gather_jax, vjp=_gather_vjp,
            "params.shape[axis + 1:] (MindSpore's `Gather(batch_dims)`).", section="shape",
        operands="params, int indices; `axis`, `batch_dims` (default 0)", dtypes=ALL,
        rule="indices and the table's other dims split freely; a split gathered axis is a masked "
-            "local lookup plus AllReduce",
+            "local lookup plus AllReduce over the ranks sharing an index block",
        tests=("test_ops_shape.py::test_gather",
               "test_parallel.py::test_every_rule_matches_the_oracle",
               "test_parallel.py::test_gather_on_a_split_table",
-              "test_parallel_ops.py::test_rule_matches_the_oracle"), note=_GATHER_NOTE,
+              "test_parallel_ops.py::test_rule_matches_the_oracle",
+              "test_gather_split_axis_and_indices.py::test_split_axis_and_split_indices"),
+       note=_GATHER_NOTE,
        dims=DimRule(_gather_dims))
 
 

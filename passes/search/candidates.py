@@ -178,6 +178,8 @@ def candidate_strategies(ctx: OpContext, fully_use_devices: bool = False) -> lis
     out: list[OpSharding] = []
     for splits in enumerate_splits(dims, ctx.devices, fully_use_devices):
         strategy = strategy_from_splits(labels, {d.name: c for d, c in zip(dims, splits)})
+        if not rule.searchable(ctx, strategy):
+            continue
         try:
             out.append(rule.apply(ctx, strategy))
         except StrategyError:
