@@ -631,11 +631,52 @@ def _train(program: Any, steps: int, backend: str,
     if _launched(program.state, options) and backend == "jax":
         _launch(program, steps, options)
         return
+    rank_program = _one_rank_program(program, backend)
+    if rank_program is not None:
+        _train_rank_here(program, rank_program, steps, options)
+        return
     monitor = run_monitor(steps, int(options.get("print_every") or 1), click.echo)
     try:
         _train_here(program, steps, backend, options, monitor)
     finally:
         monitor.close()
+
+
+def _one_rank_program(program: Any, backend: str) -> str | None:
+    """The generated `DIR/program.py` that trains a one-device plan on JAX in this process
+    (None: inference, the numpy backend, a parallel plan, or no rank program written)."""
+    if backend != "jax" or not program.training or program.state.parallel:
+        return None
+    if not program.out_dir or getattr(program.state, "pipelined", False):
+        return None
+    path = os.path.join(program.out_dir, "program.py")
+    return path if os.path.isfile(path) else None
+
+
+def _train_rank_here(program: Any, path: str, steps: int, options: dict[str, Any]) -> None:
+    """--run on one device: the rank program trains in this process (backends/jax/
+    in_process.py), writing what a launched run writes: train.log, metrics.jsonl, the
+    checkpoint at the end, the time to first step and the summary."""
+    from pcompile.backends.jax.in_process import RankRunError, run_in_process
+
+    argv = ["--steps", str(steps), "--platform", "cpu",
+            "--matmul-precision", str(options.get("matmul_precision") or "default"),
+            "--log-every", str(int(options.get("log_every") or 1)),
+            "--fail-on-nan" if options.get("fail_on_nan", True) else "--no-fail-on-nan"]
+    monitor = run_monitor(steps, int(options.get("print_every") or 1), click.echo)
+    start = time.perf_counter()
+    try:
+        trained = run_in_process(path, argv, monitor)
+    except RankRunError as exc:
+        monitor.close()
+        _fail(str(exc))
+        return
+    finally:
+        monitor.close()
+    click.echo(f"{trained} step{'s' if trained != 1 else ''} in "
+               f"{time.perf_counter() - start:.2f} s on jax (1 device, in this process); log: "
+               f"{os.path.join(program.out_dir, 'rank_0', 'train.log')}; checkpoints: "
+               f"{os.path.join(program.out_dir, 'checkpoints')}")
 
 
 def _train_here(program: Any, steps: int, backend: str, options: dict[str, Any],

@@ -413,6 +413,21 @@ class TopK(Primitive):
         return self._apply([x], k=_scalar_int(k, "TopK: k"))
 
 
+class TopKRouter(Primitive):
+    """`P._inner_ops.TopKRouter()(x, capacity, expert_num, drop_type=0)` -> (dispatch_index,
+    combine_index): mindformers' fused routing kernel (`use_fused_ops_topkrouter`) on the
+    (groups, tokens, k) Int32 expert ids of a TopK; each expert keeps its first `capacity`
+    choices, queued token by token (drop_type 0) or by choice rank (1). Its strategy splits
+    the group dim only."""
+
+    op = "TopKRouter"
+
+    def __call__(self, x: Any, capacity: Any, expert_num: Any, drop_type: Any = 0) -> Any:
+        return self._apply([x], capacity=_scalar_int(capacity, "TopKRouter: capacity"),
+                           expert_num=_scalar_int(expert_num, "TopKRouter: expert_num"),
+                           drop_type=_scalar_int(drop_type, "TopKRouter: drop_type"))
+
+
 class Sort(Primitive):
     """`Sort(axis=-1, descending=False)(x)` -> (values, indices Int32). Its strategy splits x's
     dims but `axis`."""

@@ -12,6 +12,7 @@ from pcompile.ir.ops import (  # noqa: F401
     norm,
     pipeline,
     reduce,
+    routing,
     shape,
     sort,
     state,

@@ -3,6 +3,7 @@ model file, --fail-on-nan without the launcher, --run inside someone else's mult
 
 from __future__ import annotations
 
+import json
 import os
 import textwrap
 
@@ -133,3 +134,18 @@ def test_run_inside_a_multi_process_job_is_refused(tmp_path, env: dict[str, str]
     assert code == 1, output
     assert "pcompile --run starts its own rank processes" in output
     assert not out.exists()
+
+
+def test_a_one_device_run_writes_checkpoint_metrics_and_startup(tmp_path) -> None:
+    """Issue 38 item 13: `pcompile --run` on one device (in this process) writes what a
+    launched run writes: metrics.jsonl, the checkpoint at the end, the time to first step."""
+    out = tmp_path / "out"
+    code, output = run_cli([QUICKSTART, "--devices", "1", "--out", str(out), "--no-check",
+                            "--run", "--steps", "3"])
+    assert code == 0, output
+    assert "time to first step " in output and "this run: 3 steps (1..3)" in output, output
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert len({r["run"] for r in records}) == 1
+    index = out / "checkpoints" / "rank_0" / "step_00000003.json"
+    assert json.loads(index.read_text())["run"] == records[0]["run"]
