@@ -160,44 +160,25 @@ QUICK = "tiny_dp2_mp4"
 # -- the analytic minimum -------------------------------------------------------------------------
 
 
+def scheme(c: LlamaSizes) -> Any:
+    """The configuration as the package's Megatron scheme (passes/search/megatron.py, which
+    plan.json's `megatron_minimum` uses too)."""
+    from pcompile.passes.search.megatron import TransformerSizes
+
+    return TransformerSizes(
+        layers=c.layers, hidden=c.hidden, kv=c.kv_heads * c.head_dim, ffn=c.ffn,
+        vocab=c.vocab, tokens=c.batch // c.dp * c.seq, act_bytes=DTYPE_BYTES[c.dtype],
+        dp=c.dp, mp=c.mp, embedding_split=c.embedding_split, head_split=c.head_split,
+        seq_parallel=c.seq_parallel)
+
+
 def megatron_minimum(c: LlamaSizes) -> list[Term]:
-    """The scheme's collectives per rank and step (module docstring)."""
-    b = c.batch // c.dp
-    act = b * c.seq * c.hidden * DTYPE_BYTES[c.dtype]
-    kv = c.kv_heads * c.head_dim
-    per_layer = (2 * c.hidden * c.hidden + 2 * c.hidden * kv + 3 * c.hidden * c.ffn) // c.mp
-    table = c.vocab * c.hidden
-    params = (c.layers * (per_layer + 2 * c.hidden) + c.hidden
-              + (table // c.mp if c.embedding_split else table)
-              + (table // c.mp if c.head_split else 0))
-    terms = [
-        Term("wo and w2 outputs (row-parallel)", "forward", act, c.mp, 2 * c.layers),
-        Term("cross-entropy over the split vocabulary: max, sum of exp, target logit",
-             "forward", 4 * b * c.seq, c.mp, 3),
-        Term("masked mean of the loss: sum and token count", "forward", 4, c.dp, 2),
-        Term("input gradients of q/k/v and of w1/w3 (column-parallel)", "backward", act,
-             c.mp, 2 * c.layers),
-        Term("input gradient of the LM head (column-parallel)", "backward", act, c.mp, 1),
-        Term(f"float32 gradients of the rank's {params} parameters", "gradient_reduction",
-             4 * params, c.dp, 1),
-    ]
-    if c.embedding_split:
-        terms.append(Term("embedding output (vocab-parallel lookup: partial sums)", "forward",
-                          act, c.mp, 1))
-    if not c.head_split:
-        # the replicated LM head's gradient: each rank's rows come from its vocabulary slice of
-        # the logits' cotangent (the loss is vocab-parallel), summed over mp and dp at once
-        # (an AllGather over mp and an AllReduce over dp send as much at dp 2, more beyond)
-        terms.append(Term("float32 gradient of the replicated LM head (rows from each mp "
-                          "rank's vocabulary slice)", "gradient_reduction", 4 * table,
-                          c.devices, 1))
-    if c.seq_parallel:
-        # each AllReduce of an activation is a ReduceScatter and an AllGather (the same ring
-        # bytes, counted as the AllReduce above); the embedding's output is scattered over the
-        # sequence, so its gradient is gathered
-        terms.append(Term("sequence parallel: the embedding output's gradient, gathered over "
-                          "the sequence", "backward", act // c.mp, c.mp, 1, "AllGather"))
-    return terms
+    """The scheme's collectives per rank and step (module docstring), as the package lists
+    them."""
+    from pcompile.passes.search.megatron import minimum_terms
+
+    return [Term(t.what, t.phase, t.operand_bytes, t.group_size, t.count, t.kind)
+            for t in minimum_terms(scheme(c))]
 
 
 def minimum_tally(c: LlamaSizes) -> dict[str, Any]:
@@ -243,6 +224,9 @@ def pcompile_bytes(c: LlamaSizes, model_file: str = LLAMA, prefix: str = "LLAMA_
     worst = max(ranks, key=lambda r: (ranks[r].ring, -r))
     found = {**ranks[0].as_json(), "rank": 0,
              "plan_json_rank0": plan_json,
+             # plan.json's own ratio (the same scheme, recognised from the compiled graph)
+             "plan_json_megatron_minimum": plan.megatron_minimum.model_dump()
+             if plan.megatron_minimum else None,
              "max_over_ranks": {"rank": worst, "payload_bytes": ranks[worst].payload,
                                 "ring_bytes": ranks[worst].ring},
              "compile_s": round(seconds, 2)}

@@ -206,6 +206,39 @@ class Prediction(_Strict):
     advice: str | None = Field(None, description="what would fit, when it does not")
 
 
+class MegatronScheme(_Strict):
+    """The transformer's sizes and Megatron-LM's scheme at the plan's (dp, mp)."""
+
+    layers: int = Field(description="decoder layers")
+    hidden: int = Field(description="hidden size")
+    kv: int = Field(description="key/value heads x head dim")
+    ffn: int = Field(description="feed-forward size")
+    vocab: int = Field(description="vocabulary size")
+    tokens: int = Field(description="tokens one data-parallel replica trains per step")
+    act_bytes: int = Field(description="bytes per activation element")
+    dp: int = Field(description="data-parallel width (devices / mp)")
+    mp: int = Field(description="model-parallel width (the split of wq's rows)")
+    embedding_split: bool = Field(description="embedding split by vocabulary rows")
+    head_split: bool = Field(description="LM head split by vocabulary rows")
+    seq_parallel: bool = Field(description="sequence parallelism (norms split over tokens)")
+
+
+class MegatronMinimumInfo(_Strict):
+    """A plan's bytes next to the analytic Megatron-LM minimum (passes/search/megatron.py)."""
+
+    rank: int = Field(description="the rank whose collectives are counted")
+    ring_bytes: int = Field(description="ring bytes the rank sends per step in this plan")
+    scheme: MegatronScheme | None = Field(
+        description="Megatron's scheme at the plan's model-parallel width (the split of wq's "
+                    "rows) and vocabulary splits; null where that width gives no valid mesh")
+    minimum_ring_bytes: int | None = Field(description="ring bytes of `scheme`'s minimum")
+    ratio: float | None = Field(description="ring_bytes / minimum_ring_bytes")
+    best_scheme: MegatronScheme | None = Field(
+        description="the valid (dp, mp) and vocabulary split with the least bytes")
+    best_minimum_ring_bytes: int | None = Field(description="ring bytes of `best_scheme`")
+    ratio_to_best: float | None = Field(description="ring_bytes / best_minimum_ring_bytes")
+
+
 class FusionBucketInfo(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -330,6 +363,10 @@ class Plan(_Strict):
         None, description="recomputation, when a cell or primitive asked for it")
     prediction: Prediction | None = Field(
         None, description="predicted step time, memory and bytes (parallel plans)")
+    megatron_minimum: MegatronMinimumInfo | None = Field(
+        None, description="rank's ring bytes against the analytic Megatron-LM minimum, for a "
+                          "decoder-only transformer of mindformers' Llama naming (training, "
+                          "no pipeline stages)")
 
     @model_validator(mode="after")
     def _ranks_in_range(self) -> Plan:
@@ -444,8 +481,36 @@ def build_plan(state: Any) -> Plan:
         "comm_fusion": extra.pop("comm_fusion", None),
         "parallel_optimizer": extra.pop("parallel_optimizer", None),
         "pipeline": extra.pop("pipeline", None),
+        "megatron_minimum": _megatron_minimum(state),
         **extra,  # a pass's new section is refused here until the schema names it
     })
+
+
+def _megatron_minimum(state: Any) -> dict[str, Any] | None:
+    """plan.json's `megatron_minimum` (passes/search/megatron.py), or None where the model is
+    not a transformer the module knows, or the plan is not a parallel training step without
+    pipeline stages."""
+    from pcompile.compiler.parameter_layout import use_layout
+    from pcompile.passes.comm_info import is_communication, node_ring_bytes
+    from pcompile.passes.search.megatron import MegatronMinimum, recognise
+
+    if (not state.training or state.devices < 2 or state.assignment is None
+            or getattr(state, "pipelined", False) or not state.rank_graphs):
+        return None
+
+    def split_of(name: str) -> tuple[int, ...] | None:
+        layout = use_layout(state, name)
+        if layout is None:
+            return None
+        return tuple(g // s if s else 1 for g, s in zip(layout.shape, layout.slice_shape))
+
+    model = recognise(state.graph, state.devices, split_of)
+    if model is None:
+        return None
+    rank = 0
+    ring = sum(node_ring_bytes(n) for n in state.rank_graphs[rank].nodes
+               if is_communication(n) and n.op != "_MirrorOperator")
+    return MegatronMinimum(model, rank, ring).as_dict()
 
 
 # -- writing and reading --------------------------------------------------------------------------

@@ -85,6 +85,17 @@ def prediction_lines(plan: Plan) -> list[Text]:
             f"search ilp: mesh data {extra['mesh']['data']} x model {extra['mesh']['model']}, "
             f"parallel optimizer {'on' if extra['parallel_optimizer'] else 'off'}, recompute "
             f"{'on' if extra['recompute'] else 'off'}"))
+    mm = plan.megatron_minimum
+    if mm is not None:
+        parts = []
+        if mm.scheme is not None and mm.ratio is not None:
+            parts.append(f"{mm.ratio:.3f}x Megatron-LM's minimum at dp {mm.scheme.dp} x mp "
+                         f"{mm.scheme.mp}")
+        if mm.best_scheme is not None and mm.ratio_to_best is not None:
+            parts.append(f"{mm.ratio_to_best:.3f}x its least (dp {mm.best_scheme.dp} x mp "
+                         f"{mm.best_scheme.mp})")
+        lines.append(Text(f"bytes: rank {mm.rank} sends {mm.ring_bytes / 1e6:.2f} MB per step "
+                          "(ring), " + ", ".join(parts)))
     return lines
 
 

@@ -65,7 +65,18 @@ from pcompile.passes.search.time_model import (
 
 
 class IlpError(PcompileError):
-    """No plan fits (the message says how much memory the smallest plan needs)."""
+    """No plan fits (the message says how much memory the smallest plan needs; `needed`: those
+    bytes, inf when no plan has them)."""
+
+    needed: float = inf
+
+
+def _gb(nbytes: float) -> str:
+    """Bytes in the largest of GB, MB, kB that is at least one."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 @dataclass(frozen=True)
@@ -657,7 +668,7 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
             if best is None or plan.step_time < best.step_time * (1 - 1e-9):
                 best = plan
     if best is None:
-        raise IlpError(_no_fit(cg, costs, folding, edges, options))
+        raise _no_fit(cg, costs, folding, edges, options)
     best.solves = solves
     best.costs = costs
     best.folded = folding.folded
@@ -671,7 +682,7 @@ def _unfold(cg: CostGraph, folding: Folding, choice: dict[int, int]) -> list[int
 
 
 def _no_fit(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Mapped],
-            options: IlpOptions) -> str:
+            options: IlpOptions) -> IlpError:
     smallest = inf
     # every candidate allowed (any mesh): the least memory any plan needs
     allowed = {v.index: list(range(len(v.candidates))) for v in cg.vertices
@@ -680,8 +691,10 @@ def _no_fit(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Mapped],
         True, options.training, None, minimise_memory=True)
     if solved is not None:
         smallest = solved.objective
-    need = f"{smallest / 1e9:.2f} GB" if isfinite(smallest) else "more than any plan has"
-    return (f"ilp search: no plan of {cg.devices} devices fits {options.memory / 1e9:.2f} GB "
-            f"per device (the smallest plan, with the parallel optimizer and recompute, needs "
-            f"{need}); use more devices, a smaller batch or model, or a larger "
-            f"--device-memory")
+    need = _gb(smallest) if isfinite(smallest) else "more than any plan has"
+    error = IlpError(
+        f"ilp search: no plan of {cg.devices} devices fits {_gb(options.memory)} per device "
+        f"(the smallest plan, with the parallel optimizer and recompute, needs {need}); use "
+        f"more devices, a smaller batch or model, or a larger --device-memory")
+    error.needed = smallest
+    return error

@@ -21,17 +21,22 @@ fit in `node_size`; otherwise it runs at the inter-node link.
 
 **An op** (`op_time`), on one rank's slices: compute = max(FLOPs / peak(dtype), bytes read and
 written / memory bandwidth) (a roofline), times 3 for a training step's matrix products
-(forward, two backward products) and 2 for the rest; forward communication = its forward
-AllReduce / ReduceScatter; backward communication = for every input that needs a gradient, an
-AllReduce of the input's slice over the device axes the op is split on and the input is not
-(a column-parallel MatMul's input gradient; a weight's gradient over data parallelism). Under
-the parallel optimizer a weight's gradient is reduce-scattered over those axes instead and the
-updated weight all-gathered over its whole repeat group (`_weight_sharded`): the same bytes as
-the AllReduce where the repeat is all data parallelism, more where computation repeats.
+(forward, two backward products) and 2 for the rest. Communication follows the parallel
+passes' convention for gradients (passes/cotangents.py): a value several ranks hold carries a
+share of its cotangent on each, and shares are summed only where the program sums them, so an
+op's communication is its forward AllReduce / ReduceScatter and, in training, their vjps (an
+AllReduce; an AllGather), plus for every trainable weight it reads the mirror: an AllReduce of
+the gradient slice over the ranks holding the same slice (the weight layout's repeat axes),
+whether the computation is split over them (data parallelism) or repeated. Under the parallel
+optimizer that AllReduce is a ReduceScatter of the gradient and an AllGather of the updated
+weight over the same ranks (`_weight_sharded`). An embedding's shares may be summed on its
+output instead, whichever moves fewer bytes (`plan_cotangent_reductions`). Not modeled (it only
+moves fewer bytes): a forward AllReduce whose vjp is local because the cotangent is alike on
+every rank (`replicated_cotangents`).
 
 **A redistribution** (`redistribution_time`): each step of the planner's op list at its group's
 link: a Concat is an AllGather (its backward a ReduceScatter), a Permute an AlltoAll each way, a
-Split is local forward and an AllGather of the cotangent backward.
+Split is local both ways (its vjp pads the cotangent share with zeros).
 
 **Memory**: parameter slices x (weight + gradient + optimizer states) bytes, divided by the
 slice's repeat count under the parallel optimizer (`param_memory`); plus the activations the
@@ -306,6 +311,11 @@ def op_time(node: Node, sharding: OpSharding, devices: int, profile: DeviceProfi
     if training:
         compute *= 3 if matrix else 2
     result = OpTime(compute=compute)
+    # the parallel passes' convention (passes/cotangents.py): a value several ranks hold carries
+    # a share of its cotangent on each; shares are summed where a forward collective's vjp
+    # sums them (AllReduce <-> AllReduce, ReduceScatter <-> AllGather) and at each replicated
+    # weight's mirror, nowhere else (a split's vjp is a zero pad)
+    backward = training and (id(node.result) in grad if grad is not None else True)
     for fc in sharding.forward:
         if fc.kind not in ("AllReduce", "ReduceScatter") or not sharding.out_layouts:
             continue
@@ -314,33 +324,55 @@ def op_time(node: Node, sharding: OpSharding, devices: int, profile: DeviceProfi
             continue
         local = _bytes(sharding.out_layouts[0], out_types[0].dtype.itemsize)
         link = profile.link(span)
+        times = 2 if backward else 1
         if fc.kind == "AllReduce":
-            result.comm += all_reduce_time(local, group, link)
-            result.comm_bytes += 2 * (group - 1) / group * local
+            result.comm += times * all_reduce_time(local, group, link)
+            result.comm_bytes += times * 2 * (group - 1) / group * local
         else:
             result.comm += reduce_scatter_time(local * group, group, link)
             result.comm_bytes += (group - 1) * local
+            if backward:
+                result.comm += all_gather_time(local, group, link)
+                result.comm_bytes += (group - 1) * local
     if not training:
         return result
     operands = [v for v in node.operands if isinstance(v.type, TensorType)]
     for value, lay in zip(operands, sharding.in_layouts):
-        if not _needs_grad(value, grad):
-            continue
-        missing = axes - layout_axes(lay)
         param = stored_param(value)
-        vtype = param.type if param is not None else value.type
-        assert isinstance(vtype, TensorType)
-        local = float(prod(lay.slice_shape) * vtype.dtype.itemsize)
-        if parallel_optimizer and param is not None:
-            # the gradient reduce-scattered over the ranks whose sums are partial, the updated
-            # weight all-gathered over its whole repeat group (replicated computation too)
-            _weight_sharded(result, local, missing, repeat_axes(lay), profile)
+        if param is None or not _needs_grad(value, grad):
+            continue  # an activation: its cotangent shares are summed where its producer's are
+        local = float(prod(lay.slice_shape) * param.tensor_type.dtype.itemsize)
+        repeat = repeat_axes(lay)
+        if parallel_optimizer:
+            # the gradient reduce-scattered over the ranks holding the same slice, the updated
+            # weight all-gathered over them
+            _weight_sharded(result, local, repeat, repeat, profile)
             continue
-        if not missing:
+        group, span = group_of(repeat)
+        if group <= 1:
             continue
-        group, span = group_of(missing)
-        result.comm += all_reduce_time(local, group, profile.link(span))
-        result.comm_bytes += 2 * (group - 1) / group * local
+        # the mirror: the gradient's shares summed over the slice's holders; or, for a weight
+        # that is the op's only differentiable input (an embedding's Gather), the shares summed
+        # on the op's output over the axes both repeat, then the gradient over the rest
+        # (passes/cotangents.py chooses whichever moves fewer bytes)
+        full = all_reduce_time(local, group, profile.link(span))
+        full_bytes = 2 * (group - 1) / group * local
+        alone = not sharding.forward and len(out_types) == 1 and out_types[0].dtype.is_float \
+            and not any(v is not value and _needs_grad(v, grad) for v in operands)
+        if alone:
+            shared = repeat & repeat_axes(sharding.out_layouts[0])
+            b_group, b_span = group_of(shared)
+            a_group, a_span = group_of(repeat - shared)
+            if b_group > 1:
+                out_local = _bytes(sharding.out_layouts[0], out_types[0].dtype.itemsize)
+                split_bytes = (2 * (b_group - 1) / b_group * out_local
+                               + 2 * (a_group - 1) / a_group * local)
+                if split_bytes < full_bytes:
+                    full = (all_reduce_time(out_local, b_group, profile.link(b_span))
+                            + all_reduce_time(local, a_group, profile.link(a_span)))
+                    full_bytes = split_bytes
+        result.comm += full
+        result.comm_bytes += full_bytes
     return result
 
 
@@ -384,11 +416,8 @@ def redistribution_time(src: TensorLayout, dst: TensorLayout, itemsize: int,
             once = all_to_all_time(size, op.count, link)
             out.comm += once * (2 if training else 1)
             out.comm_bytes += (op.count - 1) / op.count * size * (2 if training else 1)
-        elif op.kind == "Split":
+        elif op.kind == "Split":  # its vjp is a zero pad: no communication
             out.compute += size / op.count / profile.memory_bandwidth
-            if training:
-                out.comm += all_gather_time(size / op.count, op.count, link)
-                out.comm_bytes += (op.count - 1) / op.count * size
         elif op.kind == "Reshape":
             out.compute += 2 * size / profile.memory_bandwidth
     return out

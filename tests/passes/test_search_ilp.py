@@ -40,7 +40,9 @@ from pcompile.passes.search.time_model import (
     PROFILES,
     ProfileError,
     all_reduce_time,
+    differentiable,
     load_profile,
+    op_time,
     profile_from_dict,
 )
 from tests import ROOT
@@ -99,7 +101,8 @@ def test_the_plan_fits_the_memory(graph, devices) -> None:
     try:
         bounded = solve(cg, IlpOptions(H100, budget))
     except IlpError as exc:
-        assert "no plan of" in str(exc) and "GB per device" in str(exc)
+        assert "no plan of" in str(exc) and "B per device" in str(exc)
+        assert exc.needed > budget
         return
     assert bounded.memory.total <= budget * (1 + 1e-9)
     assert bounded.step_time >= free.step_time * (1 - 1e-9)
@@ -120,9 +123,12 @@ def test_no_plan_fits_is_one_message() -> None:
     x = graph.add_param(GraphParam(TensorType(DType.float32, (8, 64)), "x"))
     w = graph.add_param(GraphParam(TensorType(DType.float32, (64, 64)), "w", "weight", True))
     graph.outputs = [Builder(graph).emit("MatMul", [x, w], instance_name="mm")]
-    with pytest.raises(IlpError, match=r"no plan of 2 devices fits 0\.00 GB per device \(the "
-                                       r"smallest plan.*needs 0\.00 GB\)"):
+    with pytest.raises(IlpError, match=r"no plan of 2 devices fits 100 B per device \(the "
+                                       r"smallest plan.*needs [0-9]+\.[0-9]{2} kB\)") as info:
         solve(_graph(graph, 2), IlpOptions(H100, 100.0))
+    # at least w, its gradient and Adam's two states, each split over the 2 ranks
+    assert info.value.needed >= 4 * 64 * 64 * 4 / 2
+    assert f"{info.value.needed / 1e3:.2f} kB" in str(info.value)
 
 
 def _llama_forward(monkeypatch: Any, **env: str) -> Any:
@@ -171,28 +177,37 @@ def _no_fold(cg: CostGraph) -> ilp_module.Folding:
 
 @pytest.mark.slow
 def test_a_memory_budget_gives_a_plan_that_fits(monkeypatch: Any) -> None:
-    """With half the memory the free plan needs, the search finds another plan that fits the
-    budget (the prediction says so), and no faster than the free one (that one was the
-    fastest)."""
+    """With a budget between what the smallest plan needs and what the free plan needs, the
+    search finds another plan that fits the budget (the prediction says so), and no faster
+    than the free one (that one was the fastest); below the smallest plan it refuses, naming
+    what that plan needs."""
+    from pcompile.compiler.driver import compile as compile_program
     from pcompile.compiler.search_context import reset_cost_model_context
+    from pcompile.passes.search.ilp import IlpError
 
     env = {"LAYERS": "2", "HIDDEN": "256", "FFN": "512", "VOCAB": "1024", "SEQ": "64",
            "BATCH": "2"}
     free = _llama_forward(monkeypatch, **env).state.plan
-    budget = free["prediction"]["memory"]["total"] * 0.5
-    from pcompile.compiler.driver import compile as compile_program
+    model = os.path.join(ROOT, "examples", "llama.py")
 
-    try:
-        program = compile_program(os.path.join(ROOT, "examples", "llama.py"), devices=8,
-                                  search_mode="ilp", dump=False,
-                                  overrides={"device_memory_capacity": budget})
-    finally:
-        reset_cost_model_context()
-    bounded = program.state.plan
-    assert bounded["prediction"]["fits"] and bounded["prediction"]["memory"]["total"] <= budget
-    assert bounded["prediction"]["step_time"] >= free["prediction"]["step_time"] * (1 - 1e-9)
-    assert bounded["search"]["ops"] != free["search"]["ops"] or (
-        bounded["search"]["recompute"] != free["search"]["recompute"])
+    def bounded(budget: float) -> Any:
+        try:
+            return compile_program(model, devices=8, search_mode="ilp", dump=False,
+                                   overrides={"device_memory_capacity": budget}).state.plan
+        finally:
+            reset_cost_model_context()
+
+    with pytest.raises(IlpError, match="the smallest plan, with the parallel optimizer and "
+                                       r"recompute, needs [0-9.]+ [kMG]?B") as refused:
+        bounded(1.0)
+    smallest, total = refused.value.needed, free["prediction"]["memory"]["total"]
+    assert 1.0 < smallest < total
+    budget = (smallest + total) / 2
+    plan = bounded(budget)
+    assert plan["prediction"]["fits"] and plan["prediction"]["memory"]["total"] <= budget
+    assert plan["prediction"]["step_time"] >= free["prediction"]["step_time"] * (1 - 1e-9)
+    assert plan["search"]["ops"] != free["search"]["ops"] or (
+        plan["search"]["recompute"] != free["search"]["recompute"])
 
 
 def test_collective_times_follow_the_links() -> None:
@@ -337,3 +352,55 @@ def test_an_op_without_candidates_is_one_message(monkeypatch: Any, mode: str) ->
     with pytest.raises(OpError, match=r"MatMul 'mm0'.*finds no strategy for it on 8 devices.*"
                                       r"give it a strategy with shard\(\)"):
         search(_matmul_chain(1), 8, mode, dataset_strategy="full_batch")
+
+
+def _matmul_time(strategy: Any, devices: int, training: bool = True,
+                 x_trained: bool = True) -> Any:
+    """op_time of x[8, 64] @ w[64, 32] (w a trainable float32 weight, x another or data)
+    under `strategy`."""
+    from pcompile.ir.builder import Builder
+    from pcompile.ir.core import Graph, GraphParam
+    from pcompile.ir.sharding import rule_for
+    from pcompile.ir.types import DType, TensorType
+    from pcompile.passes.search.candidates import op_context
+
+    graph = Graph("g")
+    x = graph.add_param(GraphParam(TensorType(DType.float32, (8, 64)), "x",
+                                   *(("weight", True) if x_trained else ())))
+    w = graph.add_param(GraphParam(TensorType(DType.float32, (64, 32)), "w", "weight", True))
+    y = Builder(graph).emit("MatMul", [x, w], instance_name="mm")
+    graph.outputs = [y]
+    node = y.node
+    rule = rule_for("MatMul")
+    assert rule is not None
+    sharding = rule.apply(op_context(node, devices), strategy)
+    return op_time(node, sharding, devices, H100, training, differentiable(graph))
+
+
+def test_gradients_follow_the_parallel_passes_convention() -> None:
+    """passes/cotangents.py: a replicated weight's gradient is all-reduced over every rank that
+    holds the same slice, whether the computation is split over them or repeated; a forward
+    AllReduce's vjp is another; a Split's vjp is a zero pad."""
+    from pcompile.ir.layout import TensorLayout
+    from pcompile.passes.search.time_model import redistribution_time
+
+    x_bytes, w_bytes, y_bytes = 8 * 64 * 4, 64 * 32 * 4, 8 * 32 * 4
+    ring = 2 * 7 / 8  # an AllReduce over 8 ranks sends 2 (n - 1) / n of its operand
+    # repeated on all 8 ranks: the mirrors still sum both gradients' shares over 8
+    assert _matmul_time(((1, 1), (1, 1)), 8).comm_bytes == pytest.approx(
+        ring * (x_bytes + w_bytes))
+    # data parallel over 8: x is split, w's gradient all-reduced
+    assert _matmul_time(((8, 1), (1, 1)), 8).comm_bytes == pytest.approx(ring * w_bytes)
+    # row parallel over 8 (the reduced dim split): the forward AllReduce of y and its vjp, no
+    # gradient reduction (each rank holds its own rows and columns)
+    assert _matmul_time(((1, 8), (8, 1)), 8).comm_bytes == pytest.approx(2 * ring * y_bytes)
+    assert _matmul_time(((1, 8), (8, 1)), 8, training=False).comm_bytes == pytest.approx(
+        ring * y_bytes)
+    # w the only input with a gradient and y replicated like it: the shares are summed on y
+    # when that moves fewer bytes (passes/cotangents.py, an embedding's Gather)
+    assert _matmul_time(((1, 1), (1, 1)), 8, x_trained=False).comm_bytes == pytest.approx(
+        ring * min(y_bytes, w_bytes))
+    # replicated -> split over 8: local both ways
+    split = redistribution_time(TensorLayout((8,), (-1, -1), (8, 64)),
+                                TensorLayout((8,), (0, -1), (8, 64)), 4, H100, training=True)
+    assert split.comm_bytes == 0 and split.comm == 0
