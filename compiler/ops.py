@@ -662,9 +662,12 @@ class AvgPool(_Pool):
 # -- collectives (user-called, manual parallel) -----------------------------------------------
 
 
-def _world(group: str) -> tuple[str, tuple[int, ...]]:
+def _world(group: str, prim: str = "") -> tuple[str, tuple[int, ...]]:
     from pcompile.compiler.communication import group_ranks
 
+    if not isinstance(group, str):  # MindSpore's check_value_type('group', ..., (str,))
+        raise TypeError(f"For '{prim}', the 'group' must be str, but got "
+                        f"{type(group).__name__} {group!r}")
     return group_ranks(group)
 
 
@@ -672,7 +675,7 @@ class AllReduce(Primitive):
     op = "AllReduce"
 
     def __init__(self, op: str = ReduceOp.SUM, group: str = "nccl_world_group") -> None:
-        name, ranks = _world(group)
+        name, ranks = _world(group, "AllReduce")
         super().__init__(op=op, group=name, rank_list=ranks)
 
 
@@ -680,7 +683,7 @@ class AllGather(Primitive):
     op = "AllGather"
 
     def __init__(self, group: str = "nccl_world_group") -> None:
-        name, ranks = _world(group)
+        name, ranks = _world(group, "AllGather")
         super().__init__(group=name, rank_list=ranks)
 
 
@@ -688,7 +691,7 @@ class ReduceScatter(Primitive):
     op = "ReduceScatter"
 
     def __init__(self, op: str = ReduceOp.SUM, group: str = "nccl_world_group") -> None:
-        name, ranks = _world(group)
+        name, ranks = _world(group, "ReduceScatter")
         super().__init__(op=op, group=name, rank_list=ranks)
 
 
@@ -698,7 +701,12 @@ class AlltoAll(Primitive):
     def __init__(
         self, split_count: int, split_dim: int, concat_dim: int, group: str = "nccl_world_group"
     ) -> None:
-        name, ranks = _world(group)
+        name, ranks = _world(group, "AlltoAll")
+        for arg, value in (("split_count", split_count), ("split_dim", split_dim),
+                           ("concat_dim", concat_dim)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"For 'AlltoAll', the '{arg}' must be int, but got "
+                                f"{type(value).__name__} {value!r}")
         super().__init__(
             split_count=int(split_count),
             split_dim=int(split_dim),
@@ -712,7 +720,7 @@ class Broadcast(Primitive):
     op = "Broadcast"
 
     def __init__(self, root_rank: int, group: str = "nccl_world_group") -> None:
-        name, ranks = _world(group)
+        name, ranks = _world(group, "Broadcast")
         super().__init__(root_rank=int(root_rank), group=name, rank_list=ranks)
 
     def __call__(self, inputs: Any) -> Any:
@@ -861,3 +869,41 @@ class AssignSub(Assign):
     """`ops.AssignSub()(variable, value)`: the Parameter's new value is variable - value."""
 
     op = "AssignSub"
+
+
+# -- random ------------------------------------------------------------------------------------
+
+
+def _seed_arg(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"For 'Dropout', the '{name}' must be int, but got "
+                        f"{type(value).__name__} {value!r}")
+    return int(value)
+
+
+class Dropout(Primitive):
+    """`ops.Dropout(keep_prob=0.5, Seed0=0, Seed1=0)(x)` -> (output, mask): x / keep_prob
+    where an element is kept (probability keep_prob), else 0, and the mask (1 kept, 0 dropped;
+    x's dtype). New bits every step; any plan keeps the single-device program's elements
+    (compiler/dropout.py). Its strategy is one tuple for x, as MindSpore's."""
+
+    op = "Dropout"
+
+    def __init__(self, keep_prob: float = 0.5, Seed0: int = 0, Seed1: int = 0) -> None:  # noqa: N803
+        if isinstance(keep_prob, bool) or not isinstance(keep_prob, (float, np.floating)):
+            raise TypeError(f"For 'Dropout', the 'keep_prob' must be float, but got "
+                            f"{type(keep_prob).__name__} {keep_prob!r}")
+        if not 0.0 < float(keep_prob) <= 1.0:
+            raise ValueError(f"For 'Dropout', the 'keep_prob' must be in range (0, 1], but got "
+                             f"{keep_prob!r}")
+        super().__init__(keep_prob=float(keep_prob), seed0=_seed_arg("Seed0", Seed0),
+                         seed1=_seed_arg("Seed1", Seed1))
+
+    @property
+    def keep_prob(self) -> float:
+        return float(self.attrs["keep_prob"])
+
+    def __call__(self, x: Any) -> tuple[Any, Any]:
+        from pcompile.compiler.dropout import dropout
+
+        return dropout(self, x)

@@ -27,6 +27,7 @@ from pcompile.compiler.model_file import ModelFile, as_input_list, call_user
 from pcompile.compiler.nn.cell import Cell
 from pcompile.compiler.nn.loss import WithLossCell
 from pcompile.compiler.nn.pipeline import MicroBatchInterleaved, PipelineCell
+from pcompile.compiler.random_state import random_parameters
 from pcompile.compiler.tensor import Parameter, Tensor, TensorSpec
 from pcompile.compiler.tracing import tracing
 from pcompile.ir.core import Graph
@@ -184,6 +185,7 @@ def trace_pipeline_cell(mf: ModelFile, cell: PipelineCell, micro: int) -> Any:
                 "function in nn.WithLossCell)")
         graph.outputs = [loss._value]  # type: ignore[list-item]
         finish_assignments(tracer, graph)
+        parameters.update(random_parameters(tracer))  # ops.Dropout's step counter
         refuse_assignments(graph, PIPELINE_REFUSAL)
         if tracer.custom_bprop:
             raise PcompileError(

@@ -25,6 +25,7 @@ from pcompile.compiler.nn.cell import Cell, call_top
 from pcompile.compiler.nn.optim_base import Optimizer
 from pcompile.compiler.nn.wrap import TrainOneStepCell
 from pcompile.compiler.nn.wrap import _StepCell as StepCellBase
+from pcompile.compiler.random_state import random_parameters
 from pcompile.compiler.tensor import Parameter, Tensor, TensorSpec
 from pcompile.compiler.tracing import tracing
 from pcompile.compiler.train_model import Model
@@ -238,6 +239,7 @@ def trace_model(mf: ModelFile, batch_split: int = 1, micro_batches: bool = False
         graph.outputs = _objective_outputs(tracer, loss, f"the loss of "
                                            f"{type(loss_cell).__name__}")
         finish_assignments(tracer, graph)
+        parameters.update(random_parameters(tracer))  # ops.Dropout's step counter
         custom_bprops = list(tracer.custom_bprop)
     graph.dead_code_elimination()
     return TracedModel(
@@ -374,6 +376,7 @@ def _trace_network(mf: ModelFile, top: Cell, batch_split: int) -> TracedModel:
             what = f"the output of {type(captured.network).__name__}"
             graph.outputs = _objective_outputs(tracer, objective, what)
         finish_assignments(tracer, graph)
+        parameters.update(random_parameters(tracer))  # ops.Dropout's step counter
         custom_bprops = list(tracer.custom_bprop) if captured is not None else []
     graph.dead_code_elimination()
     if captured is not None:

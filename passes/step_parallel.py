@@ -408,6 +408,9 @@ class RankBuilder:
             operands = [self.one_hot_local_indices(node, b, operands[0], sharding)]
         if sharding.expand == "attention_query_split":
             attrs.update(self.attention_query_window(node, sharding))
+        if sharding.expand == "global_offsets":  # Dropout: where this rank's block begins
+            operands[2] = self.rank_constant(layout_offsets(sharding.in_layouts[0]),
+                                             DType.int32)
         if sharding.expand == "masked_gather":
             out = self.masked_gather(node, b, operands, sharding)
         elif sharding.expand == "lp_norm_partial":

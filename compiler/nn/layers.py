@@ -608,38 +608,47 @@ class Flatten(Cell):
 
 
 class Dropout(Cell):
-    """Dropout with keep probability `keep_prob` (or drop probability `p`, which wins when
-    given).
-
-    Compiled training steps here are deterministic (no random-number state flows through the
-    graph yet), so only the identity case is supported: `keep_prob=1.0` / `p=0.0` builds a layer
-    that returns its input unchanged; any real dropout rate raises ValueError rather than
-    silently training without dropout."""
+    """MindSpore's `nn.Dropout(keep_prob=None, p=None, dtype=float32)`: while training, each
+    element is kept with probability `keep_prob` (or `1 - p`; p=0.5 when neither is given) and
+    scaled by 1 / keep_prob, the others are 0; outside training (and with nothing to drop) the
+    input passes through. The mask is `ops.Dropout`'s (compiler/dropout.py): drawn anew every
+    step, and the same for every parallel plan as for one device. The seeds are MindSpore's
+    `_get_graph_seed(0, "dropout")`: 0 and 0, so the op takes the global seed and its place
+    among the program's random ops (compiler/random_state.py)."""
 
     def __init__(
-        self, keep_prob: float = 1.0, p: float | None = None, dtype: Any = DType.float32
+        self, keep_prob: float | None = None, p: float | None = None,
+        dtype: Any = DType.float32
     ) -> None:
         super().__init__()
+        if keep_prob is None and p is None:
+            p = 0.5
         if p is not None:
-            p = check_number(p, "p", "Dropout")
+            if isinstance(p, bool) or not isinstance(p, (int, float)):
+                raise TypeError(f"Dropout: p must be a float or int, got {type(p).__name__} "
+                                f"{p!r}")
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"Dropout: p must be in [0, 1), got {p!r}")
-            keep = 1.0 - p
+            keep = 1.0 - float(p)
         else:
-            keep = check_number(keep_prob, "keep_prob", "Dropout")
-            if not 0.0 < keep <= 1.0:
+            if isinstance(keep_prob, bool) or not isinstance(keep_prob, float):
+                raise TypeError(f"Dropout: keep_prob must be a float, got "
+                                f"{type(keep_prob).__name__} {keep_prob!r}")
+            if not 0.0 < keep_prob <= 1.0:
                 raise ValueError(f"Dropout: keep_prob must be in (0, 1], got {keep_prob!r}")
-        if keep < 1.0:
-            raise ValueError(
-                f"Dropout: a drop rate of {1.0 - keep:g} is not supported yet (compiled training "
-                "steps are deterministic); use keep_prob=1.0 / p=0.0, or remove the layer"
-            )
+            keep = float(keep_prob)
         self.keep_prob = keep
         self.p = 1.0 - keep
         self.dtype = _dtype(dtype, "dtype", "Dropout")
+        from pcompile.compiler.ops import Dropout as DropoutOp
+
+        self.dropout = DropoutOp(keep, 0, 0)
 
     def construct(self, x: Tensor) -> Tensor:
-        return x
+        if not self.training or self.keep_prob == 1.0:
+            return x
+        out, _ = self.dropout(x)
+        return out
 
 
 # -- containers ------------------------------------------------------------------------------------

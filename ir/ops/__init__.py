@@ -11,6 +11,7 @@ from pcompile.ir.ops import (  # noqa: F401
     nn,
     norm,
     pipeline,
+    random,
     reduce,
     routing,
     shape,

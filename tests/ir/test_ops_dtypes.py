@@ -184,6 +184,11 @@ def _rope(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[st
             values(d, (1, 1, 3, 4), rng)], {"mode": 0}
 
 
+def _dropout(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    operands = [values(d, (3, 4), rng), np.asarray(2, np.int32), np.zeros(2, np.int32)]
+    return operands, {"keep_prob": 0.5, "seed0": 1, "seed1": 2, "global_shape": (3, 4)}
+
+
 def _make_tuple(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
     return [values(d, (2, 3), rng), values(d, (4,), rng)], {}
 
@@ -297,6 +302,9 @@ CASES: dict[str, Case] = {
     "CumSum": Case(unary((3, 4), axis=1, exclusive=True, reverse=True), terms=4),
     "_VirtualDiv": Case(unary(divisor=2)),
     "_MirrorOperator": Case(unary()),
+    "Dropout": Case(_dropout),
+    "DropoutMask": Case(_dropout),
+    "DropoutGrad": Case(_dropout),
 }
 
 
