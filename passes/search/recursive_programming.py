@@ -32,10 +32,12 @@ parameter stay `[[1, 1]]`). They are fixed at their all-ones candidate for phase
 strategies are fixed the same way, otherwise the search ignores them (step_parallel_begin still
 applies them).
 
-Phase 2 (`recursive_search`): the splits become strategies; an op whose strategy is not a valid
-candidate, and every user but the first of a shared parameter whose layouts disagree, are left
-undecided; sharding propagation (`sharding_propagation.propagate`) from the decided ops gives
-their strategies and keeps shared parameters consistent.
+Phase 2 (`recursive_search`): the splits become strategies (a Gather's is MindSpore's own,
+`gather_strategy`; a valid strategy that is no candidate, under `fully_use_devices`, becomes
+one); an op whose strategy the rule refuses, a FlashAttentionScore (`FROM_PRODUCER`), and every
+user but the first of a shared parameter whose layouts disagree, are left undecided; sharding
+propagation (`sharding_propagation.propagate`) from the decided ops gives their strategies and
+keeps shared parameters consistent.
 
 Cost: O(R * (ops + edges)), linear in the number of layers.
 """
@@ -45,15 +47,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import log2, prod
 
-from pcompile.ir.core import Constant, GraphParam
+from pcompile.ir.core import Constant, GraphParam, Node
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
+from pcompile.ir.ops.shape import shard_batch_and_axis
 from pcompile.ir.registry import Trait, has_trait
-from pcompile.ir.sharding import Labels, is_power_of_two, label_dims, rule_for
+from pcompile.ir.sharding import (
+    Labels,
+    Strategy,
+    StrategyError,
+    is_power_of_two,
+    label_dims,
+    rule_for,
+)
 from pcompile.passes.reshape_layout import dim_map
-from pcompile.passes.search.candidates import op_context
+from pcompile.passes.search.candidates import make_candidate, op_context
 from pcompile.passes.search.cost_graph import CostGraph, Vertex
 from pcompile.passes.search.sharding_propagation import propagate
+
+#: Ops whose strategy SAPP takes from the layout its query's producer gives them (through
+#: a Reshape, on the first dims that fit), not from the partition:
+#: test_auto_parallel_sapp_flash_attention.py checks FlashAttentionScore's batch and
+#: sequence splits against the MatMul before its Reshape in every input layout.
+FROM_PRODUCER = frozenset({"FlashAttentionScore"})
 
 REDIS_COEF = 16.0
 REPLICATE_BELOW = 25.0
@@ -285,6 +301,75 @@ def partition(cg: CostGraph, interfered: bool, coef: float) -> list[RecOp]:
     return ops
 
 
+def _candidate_index(cg: CostGraph, v: Vertex, strategy: Strategy) -> int | None:
+    """The index of `strategy` among `v`'s candidates. SAPP sets the strategies it finds
+    whatever `fully_use_devices` says (Gather ((1,), (4,)) on 8 devices), so a valid strategy
+    that is no candidate becomes one; None: the rule refuses it (propagation decides `v`)."""
+    for index, cand in enumerate(v.candidates):
+        if cand.strategy == strategy:
+            return index
+    assert v.node is not None
+    rule = rule_for(v.node.op)
+    assert rule is not None
+    try:
+        sharding = rule.apply(op_context(v.node, cg.devices), strategy)
+    except StrategyError:
+        return None
+    cg.add_candidates(v, [make_candidate(sharding)])
+    return next((i for i, c in enumerate(v.candidates) if c.strategy == strategy), None)
+
+
+def _halve_dims(shape: list[int], dims: list[int], devices: int) -> dict[int, int]:
+    """Halve each of `dims` in turn while even, until the cuts use `devices`."""
+    cut, splits = 1, {d: 1 for d in dims}
+    for d in dims:
+        while shape[d] > 0 and shape[d] % 2 == 0 and cut < devices:
+            shape[d] //= 2
+            cut *= 2
+            splits[d] *= 2
+        if cut == devices:
+            break
+    return splits
+
+
+def gather_strategy(node: Node, devices: int) -> Strategy | None:
+    """MindSpore's SAPP strategy for a Gather (rec_generate_strategy's PrepareGather), which
+    replaces what the partition found: axis 0 halves the indices' dim 0, then the table's,
+    until all devices are used; axis 1 splits the output (dim 0 first, then the others
+    largest first) and reads the table's dim 0 and the indices' dims from it. A split
+    gathered axis with split indices outside the shard-batch-and-axis mode goes back to 1.
+    None (the partition's strategy stays) for `batch_dims` and other axes."""
+    if node.attrs.get("batch_dims"):
+        return None
+    table, idx = (tuple(x.shape) for x in node.operands)
+    axis = int(node.attrs.get("axis", 0)) % max(1, len(table))
+    if axis == 0 and table and idx:
+        shapes = [list(table), list(idx)]
+        cut = 1
+        counts = [[1] * len(table), [1] * len(idx)]
+        for i in (1, 0):  # the indices first
+            while shapes[i][0] % 2 == 0 and shapes[i][0] > 0 and cut < devices:
+                shapes[i][0] //= 2
+                cut *= 2
+                counts[i][0] *= 2
+            if cut == devices:
+                break
+        strategy: Strategy = (tuple(counts[0]), tuple(counts[1]))
+    elif axis == 1 and len(table) == 2:
+        out = list(node.result.shape)
+        rest = sorted(range(1, len(out)), key=lambda d: -out[d])  # stable: ties keep order
+        got = _halve_dims(out, [0] + rest, devices)
+        strategy = ((got[0], 1), tuple(got[len(table) - 1 + i] for i in range(len(idx))))
+    else:
+        return None
+    ctx = op_context(node, devices)
+    if (strategy[0][axis] != 1 and any(c != 1 for c in strategy[1])
+            and not shard_batch_and_axis(ctx, strategy)):
+        strategy = (tuple(1 if d == axis else c for d, c in enumerate(strategy[0])),
+                    strategy[1])
+    return strategy
+
+
 def recursive_search(cg: CostGraph, options: object) -> RPResult:
     interfered = bool(getattr(options, "interfered_sapp", False))
     ops = partition(cg, interfered, cg.constants.rp_matmul_mem_coef)
@@ -300,11 +385,15 @@ def recursive_search(cg: CostGraph, options: object) -> RPResult:
         if v.kind != "op" or v.configured:
             continue
         strategy = tuple(tuple(op.splits.get(x, 1) for x in labs) for labs in op.in_labels)
+        assert v.node is not None
+        if v.node.op == "Gather":
+            strategy = gather_strategy(v.node, cg.devices) or strategy
         splits[op.vertex] = dict(op.splits)
-        for index, cand in enumerate(v.candidates):
-            if cand.strategy == strategy:
-                fixed[op.vertex] = index
-                break
+        if v.node.op in FROM_PRODUCER:
+            continue
+        index = _candidate_index(cg, v, strategy)
+        if index is not None:
+            fixed[op.vertex] = index
     for p in cg.vertices:
         if p.kind != "param":
             continue

@@ -141,3 +141,44 @@ def test_a_multi_input_op_waits_for_its_visited_edges_before_neighbour_layouts()
     assert got["relu"] == ((4, 2),)
     report = check(program, steps=1)
     assert report.ok(), report.errors
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("1", ((1, 1), (8, 1))), ("2", ((4, 1), (2, 1))), ("3", ((1,), (4,)))])
+def test_recursive_programming_gives_gather_mindspores_strategy(case: str, expected: tuple,
+                                                                 monkeypatch) -> None:
+    """test_auto_parallel_sapp_gather.py: SAPP replaces the partition's Gather strategy by its
+    own (PrepareGather): axis 0 halves the indices' dim 0, then the table's, until the 8
+    devices are used, and puts a split table axis back to 1 next to split indices outside the
+    shard-batch-and-axis mode. The table x [1024, 128] by indices [2, 1024] gets ((4, 1),
+    (2, 1)) (pcompile gave ((1, 1), (2, 4))), the 1-D [128] by [4] ((1,), (4,)), a strategy of
+    4 of the 8 devices that SAPP sets whatever fully_use_devices says (pcompile gave ((1,),
+    (1,)))."""
+    monkeypatch.setenv("SAPP_GATHER", case)
+    program = compile_model(model("sapp_gather.py"), devices=8, dump=False)
+    assert strategies(program)["gatherv2"] == expected
+
+
+@pytest.mark.parametrize("layout", ["BNSD", "BSH", "SBH", "BSND"])
+def test_recursive_programming_lays_flash_attention_out_as_its_matmul(layout: str,
+                                                                      monkeypatch) -> None:
+    """test_auto_parallel_sapp_flash_attention.py's rules: the query, key and value splits
+    agree, the mask takes the batch and sequence splits, and (through the Reshape, on the
+    first dims that fit) the MatMul's row split is the attention's batch split and its column
+    split the query's dim 2. SAPP takes the attention's strategy from its producer; pcompile's
+    partition gave BNSD ((1, 8, 1, 1), ...) next to a MatMul ((8, 1), (1, 1))."""
+    from pcompile import reset_cost_model_context
+
+    monkeypatch.setenv("FA_LAYOUT", layout)
+    try:
+        program = compile_model(model("sapp_flash_attention.py"), devices=8, dump=False)
+    finally:
+        reset_cost_model_context()
+    got = strategies(program)
+    mm, fa = got["matmul"], got["flash_attention"]
+    dp, mp, sp = {"BNSD": (0, 1, 2), "BSH": (0, 2, 1), "SBH": (1, 2, 0),
+                  "BSND": (0, 2, 1)}[layout]
+    q, k, v, mask = fa
+    assert q[dp] == k[dp] == mask[0] and q[mp] == k[mp] and k == v
+    assert mask[1] == 1 and mask[2] == q[sp]
+    assert (mm[0][0], mm[1][1]) == (q[0], q[2])
