@@ -179,6 +179,17 @@ def _verbosity(function: Any) -> Any:
               metavar="DIR", help="With --run on JAX: also write the metrics (DIR/metrics.jsonl "
                                   "of --out) as TensorBoard event files into DIR (needs "
                                   "pcompile[tensorboard]).")
+@click.option("--keep-checkpoint-max", type=click.IntRange(1), default=None, metavar="K",
+              help="With --run: checkpoints kept per rank, the newest K steps (MindSpore's "
+                   "CheckpointConfig(keep_checkpoint_max); default 2), and always the newest "
+                   "step every rank holds.")
+@click.option("--profile-steps", default=None, metavar="N..M",
+              callback=lambda ctx, param, value: _step_range(value, param),
+              help="With --run on JAX: a jax.profiler trace of steps N to M (one step: N), "
+                   "into --profile-dir.")
+@click.option("--profile-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="With --run: where --profile-steps writes (default DIR/profile of --out; "
+                   "each rank process in rank_<r>).")
 @click.option("--device-profile", default=None, metavar="NAME|FILE",
               help="The device the cost model in seconds describes (the ilp search and every "
                    "plan's prediction): h100 (default), h200, cpu, or a JSON profile "
@@ -216,6 +227,9 @@ def compile_command(
     matmul_precision: str,
     log_every: int,
     tensorboard: str | None,
+    keep_checkpoint_max: int | None,
+    profile_steps: str | None,
+    profile_dir: str | None,
     device_profile: str | None,
     device_memory: float | None,
     verbose: int,
@@ -246,7 +260,9 @@ def compile_command(
                    "fail_on_nan": fail_on_nan, "steps": steps, "backend": backend,
                    "print_every": print_every, "quiet": quiet, "platform": platform,
                    "matmul_precision": matmul_precision, "log_every": log_every,
-                   "tensorboard": os.path.abspath(tensorboard) if tensorboard else None}
+                   "tensorboard": os.path.abspath(tensorboard) if tensorboard else None,
+                   "keep_checkpoint_max": keep_checkpoint_max, "profile_steps": profile_steps,
+                   "profile_dir": os.path.abspath(profile_dir) if profile_dir else None}
     try:
         # The rank processes own the accelerators: compiling and checking here use the CPU.
         pin_parent_to_cpu()
@@ -302,7 +318,36 @@ def compile_command(
 
 RUN_ONLY = ("steps", "checkpoint_every", "resume", "processes", "startup_timeout", "timeout",
             "heartbeat_timeout", "fail_on_nan", "print_every", "platform", "matmul_precision",
-            "log_every", "tensorboard")
+            "log_every", "tensorboard", "keep_checkpoint_max", "profile_steps",
+            "profile_dir")
+
+
+def _step_range(value: str | None, param: Any) -> str | None:
+    """--profile-steps N..M, checked (backends/jax/rank_process.py reads it again)."""
+    if value is None:
+        return None
+    from pcompile.backends.jax.rank_process import step_range
+
+    try:
+        start, stop = step_range(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param=param) from None
+    return f"{start}..{stop}"
+
+
+def _rank_flags(options: dict[str, Any]) -> list[str]:
+    """The rank programs' options that --run passes through (backends/jax/rank_process.py)."""
+    flags = ["--matmul-precision", str(options.get("matmul_precision") or "default"),
+             "--log-every", str(int(options.get("log_every") or 1))]
+    if options.get("tensorboard"):
+        flags += ["--tensorboard", str(options["tensorboard"])]
+    if options.get("keep_checkpoint_max"):
+        flags += ["--keep-checkpoint-max", str(int(options["keep_checkpoint_max"]))]
+    if options.get("profile_steps"):
+        flags += ["--profile-steps", str(options["profile_steps"])]
+    if options.get("profile_dir"):
+        flags += ["--profile-dir", str(options["profile_dir"])]
+    return flags
 
 
 def _check_run_flags(do_run: bool) -> None:
@@ -343,7 +388,7 @@ def _launched(program_state: Any, options: dict[str, Any]) -> bool:
     """Whether --run starts rank processes (else it runs in this process, on CPU)."""
     return bool(program_state.parallel or options.get("checkpoint_every")
                 or options.get("resume") or options.get("resolved_platform") == "gpu"
-                or options.get("tensorboard"))
+                or options.get("tensorboard") or options.get("profile_steps"))
 
 
 def _check_run(state: Any, out_dir: str | None, options: dict[str, Any], held: Any) -> None:
@@ -361,9 +406,9 @@ def _check_run(state: Any, out_dir: str | None, options: dict[str, Any], held: A
             assign_devices(options.get("processes") or state.devices, state.devices, gpus)
     launched = _launched(state, options) and options["backend"] == "jax"
     if (options.get("resume") or options.get("checkpoint_every")
-            or options.get("tensorboard")) and not launched:
-        raise PcompileError("--resume, --checkpoint-every and --tensorboard need the JAX rank "
-                            "programs; drop --backend numpy")
+            or options.get("tensorboard") or options.get("profile_steps")) and not launched:
+        raise PcompileError("--resume, --checkpoint-every, --tensorboard and --profile-steps "
+                            "need the JAX rank programs; drop --backend numpy")
     n = state.devices
     procs = options.get("processes")
     if procs and launched and n % procs:
@@ -628,12 +673,12 @@ def _low_precision_report(program: Any) -> None:
 def _train(program: Any, steps: int, backend: str,
            options: dict[str, Any] | None = None) -> None:
     options = options or {}
-    if _launched(program.state, options) and backend == "jax":
-        _launch(program, steps, options)
-        return
-    rank_program = _one_rank_program(program, backend)
+    rank_program = _one_rank_program(program, backend, options)
     if rank_program is not None:
         _train_rank_here(program, rank_program, steps, options)
+        return
+    if _launched(program.state, options) and backend == "jax":
+        _launch(program, steps, options)
         return
     monitor = run_monitor(steps, int(options.get("print_every") or 1), click.echo)
     try:
@@ -642,10 +687,13 @@ def _train(program: Any, steps: int, backend: str,
         monitor.close()
 
 
-def _one_rank_program(program: Any, backend: str) -> str | None:
-    """The generated `DIR/program.py` that trains a one-device plan on JAX in this process
-    (None: inference, the numpy backend, a parallel plan, or no rank program written)."""
+def _one_rank_program(program: Any, backend: str, options: dict[str, Any]) -> str | None:
+    """The generated `DIR/program.py` that trains a one-device plan on JAX's CPU in this
+    process (None: inference, the numpy backend, a parallel plan, a GPU, or no rank program
+    written)."""
     if backend != "jax" or not program.training or program.state.parallel:
+        return None
+    if options.get("resolved_platform") == "gpu":  # the GPU belongs to a rank process
         return None
     if not program.out_dir or getattr(program.state, "pipelined", False):
         return None
@@ -656,14 +704,18 @@ def _one_rank_program(program: Any, backend: str) -> str | None:
 def _train_rank_here(program: Any, path: str, steps: int, options: dict[str, Any]) -> None:
     """--run on one device: the rank program trains in this process (backends/jax/
     in_process.py), writing what a launched run writes: train.log, metrics.jsonl, the
-    checkpoint at the end, the time to first step and the summary."""
+    checkpoints (at the end, every --checkpoint-every), the time to first step and the
+    summary; --resume, --tensorboard and --profile-steps as the rank program takes them."""
     from pcompile.backends.jax.in_process import RankRunError, run_in_process
 
-    argv = ["--steps", str(steps), "--platform", "cpu",
-            "--matmul-precision", str(options.get("matmul_precision") or "default"),
-            "--log-every", str(int(options.get("log_every") or 1)),
+    argv = ["--steps", str(steps), "--platform", "cpu", *_rank_flags(options),
             "--fail-on-nan" if options.get("fail_on_nan", True) else "--no-fail-on-nan"]
-    monitor = run_monitor(steps, int(options.get("print_every") or 1), click.echo)
+    if options.get("checkpoint_every"):
+        argv += ["--checkpoint-every", str(int(options["checkpoint_every"]))]
+    if options.get("resume"):
+        argv += ["--resume"]  # the program picks the newest intact step of its own plan
+    monitor = run_monitor(steps, int(options.get("print_every") or 1), click.echo,
+                          done=int(options.get("resume_step") or 0))
     start = time.perf_counter()
     try:
         trained = run_in_process(path, argv, monitor)
@@ -673,7 +725,11 @@ def _train_rank_here(program: Any, path: str, steps: int, options: dict[str, Any
         return
     finally:
         monitor.close()
-    click.echo(f"{trained} step{'s' if trained != 1 else ''} in "
+    done = int(options.get("resume_step") or 0) if options.get("resume") else 0
+    text = f"{trained - done} step{'s' if trained - done != 1 else ''}"
+    if done:
+        text += f" (steps {done + 1}..{trained}, resumed from step {done})"
+    click.echo(f"{text} in "
                f"{time.perf_counter() - start:.2f} s on jax (1 device, in this process); log: "
                f"{os.path.join(program.out_dir, 'rank_0', 'train.log')}; checkpoints: "
                f"{os.path.join(program.out_dir, 'checkpoints')}")
@@ -758,11 +814,7 @@ def _launch(program: Any, steps: int, options: dict[str, Any]) -> None:
                         echo=monitor,
                         platform=str(options.get("resolved_platform") or "cpu"),
                         gpus=int(options.get("gpus") or 0),
-                        extra_args=["--matmul-precision",
-                                    str(options.get("matmul_precision") or "default"),
-                                    "--log-every", str(int(options.get("log_every") or 1)),
-                                    *(["--tensorboard", str(options["tensorboard"])]
-                                      if options.get("tensorboard") else [])])
+                        extra_args=_rank_flags(options))
     except LaunchError as exc:
         monitor.close()
         _fail(str(exc))

@@ -9,7 +9,9 @@ The guarantees (docs/running.md, "The output folder"):
   `checkpoints/rank_<r>/step_*` (`.safetensors` and `.json`, or an older pcompile's `.npz`)
   and `checkpoints/rank_<r>/run_<id>.log`,
   `merged_step_*.safetensors` (or `.npz`) and the shards and index in `merged_step_*/`;
-  `pcompile show`'s pictures `show/*.svg`) survive a recompile: they are carried into the new
+  `pcompile show`'s pictures `show/*.svg`; the traces of `--profile-steps`,
+  `profile/rank_<r>/plugins/profile/<time>/*.xplane.pb` and `*.trace.json.gz`) survive a
+  recompile: they are carried into the new
   folder. So do, wherever in the folder they are, TensorBoard's event files
   (`events.out.tfevents.*`, from `--tensorboard DIR/tb`) and what pcompile-merge wrote
   (`.safetensors` files and `model.safetensors.index.json` whose metadata says
@@ -71,8 +73,10 @@ _RUN_OUTPUT = re.compile(
     r"|checkpoints/rank_\d+/(?:step_\d+\.(?:safetensors|json|npz)|run_[A-Za-z0-9_-]{1,64}\.log)"
     r"|show/[A-Za-z0-9._-]+\.svg"
     r"|show/\.pcompile-show\.json"
+    r"|profile/rank_\d+/plugins/profile/[0-9_]+/[A-Za-z0-9._-]+\.(?:xplane\.pb|trace\.json\.gz)"
 )
-_RUN_FOLDER = re.compile(r"rank_\d+|checkpoints|checkpoints/rank_\d+|show|merged_step_\d+")
+_RUN_FOLDER = re.compile(r"rank_\d+|checkpoints|checkpoints/rank_\d+|show|merged_step_\d+"
+                         r"|profile(?:/rank_\d+(?:/plugins(?:/profile(?:/[0-9_]+)?)?)?)?")
 # A temporary file of an atomic write (backends/atomic_files.py `atomic_write_bytes`) that was
 # killed before its rename: `.<name>.tmp-<token>` next to `<name>`.
 _TEMP = re.compile(r"(?P<dir>(?:[^/]+/)*)\.(?P<name>[^/]+)\.tmp-[A-Za-z0-9_]+")

@@ -436,10 +436,13 @@ class RankRunner:
             return self._infer()
         fault, mode = fault_injection(self.local)
         self.saver = AsyncCheckpointWriter(self.ckpt_dir, lambda line: self._say(line, force=True),
+                                           keep=int(getattr(self.args, "keep_checkpoint_max",
+                                                            None) or 2),
                                            fault=(fault, mode))
         try:
             return self._train()
         finally:
+            self._profile(None, stop=True)  # a run that ends inside the profiled steps
             # the exit waits for a write in flight (its failure is reported unless another
             # error already ends the run)
             failing = sys.exc_info()[0] is not None
@@ -558,6 +561,7 @@ class RankRunner:
             self.heartbeat.set(phase="compile" if first else "compute")
             if first:
                 marks["called"] = time.perf_counter()
+            self._profile(k + 1)
             outs = fn(*feeds)
             for name, value in zip(out_names[1:], outs[1:]):
                 if name in state:
@@ -573,6 +577,7 @@ class RankRunner:
                 self.timings["total"] = time.time() - self.timings["start"]
                 self._say(report.startup(self.timings), force=True, first_only=True)
             first = False
+            self._profile(k + 1, outs, stop=True)
             every = args.checkpoint_every
             if every and step_no % every == 0 and step_no < args.steps:
                 pending.flush()
@@ -607,6 +612,35 @@ class RankRunner:
         self._say(f"rank(s) {self.local[0]}..{self.local[-1]}: steps {done + 1}..{total} in "
                   f"{elapsed:.2f} s{rate}{shared}", force=True)
         return 0
+
+    def _profile(self, step: int | None, outs: Any = None, stop: bool = False) -> None:
+        """--profile-steps N..M: a jax.profiler trace from the call of step N to the end of
+        step M (a resumed run from its first step when N is behind it), into --profile-dir
+        (default <out>/profile), rank_<r> for this process (r its first rank)."""
+        import jax
+
+        window = getattr(self.args, "profile_steps", None)
+        if window is None:
+            return
+        tracing: tuple[int, str] | None = getattr(self, "_tracing", None)
+        if not stop and tracing is None and step is not None and window[0] <= step <= window[1]:
+            base = self.args.profile_dir or os.path.join(self.out_dir, "profile")
+            folder = os.path.join(os.path.abspath(base), f"rank_{self.local[0]}")
+            try:
+                os.makedirs(folder, exist_ok=True)
+                jax.profiler.start_trace(folder)
+            except Exception as exc:  # noqa: BLE001  (an unwritable folder, a trace running)
+                raise RankError(f"--profile-steps: cannot trace into {folder}: {exc}") from None
+            self._tracing: tuple[int, str] | None = (step, folder)
+        elif stop and tracing is not None and (step is None or step >= window[1]):
+            if outs is not None:
+                jax.block_until_ready(outs)
+            jax.profiler.stop_trace()
+            self._tracing = None
+            last = f"..{step}" if step is not None and step != tracing[0] else ""
+            self._say(f"profile of step{'s' if last else ''} {tracing[0]}{last}: {tracing[1]} "
+                      "(TensorBoard's profile plugin or Perfetto open it)", force=True,
+                      first_only=True)
 
     def _infer(self) -> int:
         from pcompile.backends.jax.spmd import local_pieces

@@ -134,12 +134,47 @@ def rank_command(num_ranks: int) -> Any:
         click.Option(["--tensorboard"], default=None, metavar="DIR",
                      help="also write the metrics.jsonl scalars as TensorBoard event files "
                           "into DIR (needs tensorboardX: pip install 'pcompile[tensorboard]')"),
+        click.Option(["--keep-checkpoint-max"], type=int, default=2, metavar="K",
+                     callback=positive("--keep-checkpoint-max", 1),
+                     help="checkpoints kept per rank: the newest K steps (MindSpore's "
+                          "CheckpointConfig(keep_checkpoint_max); default 2), and always the "
+                          "newest step every rank holds"),
+        click.Option(["--profile-steps"], default=None, metavar="N..M",
+                     callback=lambda ctx, param, value: (
+                         None if value is None else _step_range(value, ctx, param)),
+                     help="write a jax.profiler trace of steps N to M (one step: N) into "
+                          "--profile-dir"),
+        click.Option(["--profile-dir"], default=None, metavar="DIR",
+                     help="where --profile-steps writes (default <out>/profile; each process "
+                          "in its subfolder rank_<r>, r its first rank)"),
         click.Option(["-v", "--verbose"], count=True,
                      help="progress (step rate, time left) on stderr even when it is not a "
                           "terminal"),
     ]
     return click.Command("program.py", params=params,
                          help=f"pcompile rank program ({num_ranks} ranks); see docs/running.md")
+
+
+def step_range(text: str) -> tuple[int, int]:
+    """`N..M` (or `N`) as (N, M), steps counted from 1 over the whole run; ValueError saying
+    what is valid."""
+    first, sep, last = str(text).strip().partition("..")
+    try:
+        start, stop = int(first), int(last) if sep else int(first)
+    except ValueError:
+        raise ValueError(f"expected N..M (steps, e.g. 3..5) or N, got {text!r}") from None
+    if not 1 <= start <= stop:
+        raise ValueError(f"expected 1 <= N <= M, got {text!r}")
+    return start, stop
+
+
+def _step_range(text: str, ctx: Any, param: Any) -> tuple[int, int]:
+    import click
+
+    try:
+        return step_range(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
 
 
 def parse_args(argv: list[str] | None, num_ranks: int) -> SimpleNamespace:

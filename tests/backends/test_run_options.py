@@ -149,3 +149,26 @@ def test_a_one_device_run_writes_checkpoint_metrics_and_startup(tmp_path) -> Non
     assert len({r["run"] for r in records}) == 1
     index = out / "checkpoints" / "rank_0" / "step_00000003.json"
     assert json.loads(index.read_text())["run"] == records[0]["run"]
+
+
+def test_keep_checkpoint_max_and_a_profile_of_some_steps(tmp_path) -> None:
+    """Issue 38 item 15: --keep-checkpoint-max K keeps the newest K steps (two before, not
+    configurable); --profile-steps N..M writes a jax.profiler trace of those steps, a run
+    output that a recompile keeps; a bad range is refused before anything is compiled."""
+    out = tmp_path / "out"
+    code, output = run_cli([QUICKSTART, "--devices", "1", "--out", str(out), "--no-check",
+                            "--run", "--steps", "4", "--checkpoint-every", "1",
+                            "--keep-checkpoint-max", "3", "--profile-steps", "2..3"])
+    assert code == 0, output
+    kept = sorted(p.name for p in (out / "checkpoints" / "rank_0").glob("step_*.json"))
+    assert kept == [f"step_0000000{s}.json" for s in (2, 3, 4)], kept
+    assert f"profile of steps 2..3: {out / 'profile' / 'rank_0'}" in output, output
+    traces = list((out / "profile" / "rank_0").rglob("*.xplane.pb"))
+    assert len(traces) == 1, list((out / "profile").rglob("*"))
+    code, output = run_cli([QUICKSTART, "--devices", "1", "--out", str(out), "--no-check"])
+    assert code == 0, output  # the trace is a run output: the recompile keeps it
+    assert traces[0].exists()
+    code, output = run_cli([QUICKSTART, "--devices", "1", "--out", str(tmp_path / "o2"),
+                            "--run", "--profile-steps", "3..2"])
+    assert code == 2 and "1 <= N <= M" in output, output
+    assert not (tmp_path / "o2").exists()
