@@ -9,7 +9,7 @@
 Sources: `GeneratorDataset` (a random-access object, a generator function or an iterable),
 `NumpySlicesDataset` (arrays sliced along their first dimension) and `TokenFileDataset` (a
 memory-mapped file of token ids cut into windows). Operations:
-`.batch`, `.shuffle`, `.repeat`; `get_dataset_size()`, `create_tuple_iterator()`,
+`.map`, `.batch`, `.shuffle`, `.repeat`; `get_dataset_size()`, `create_tuple_iterator()`,
 `create_dict_iterator()`; iterating a data set yields tuples of numpy arrays.
 
 How it works: a pipeline carries *references* to rows, not the rows: a random-access source's
@@ -32,7 +32,12 @@ Where MindSpore differs (docs/user-guide.md, "Data"):
 * `num_shards`/`shard_id` deal the samples out in turn (shard k: samples k, k+n, ...) without
   padding, so shards may differ by one sample (MindSpore pads them to equal length);
 * `num_parallel_workers` and `python_multiprocessing` are accepted and ignored (one thread);
-  `sampler`, `map` and schemas are not supported.
+  `sampler` and schemas are not supported;
+* `.map(operations, input_columns, output_columns)` runs Python callables (numpy in, numpy
+  out), applied when a row is read (only the rows of a rank's share); its output columns
+  replace its input columns one for one (MindSpore can also add or drop columns:
+  `column_order`, not supported), and MindSpore's C++ transforms (`mindspore.dataset.vision`,
+  `.transforms`) are not there: write them as numpy functions.
 """
 
 from __future__ import annotations
@@ -101,6 +106,36 @@ class Dataset:
         self._seed = config.get_seed()
 
     # -- MindSpore's operations ---------------------------------------------------------------
+    def map(self, operations: Any = None, input_columns: str | Sequence[str] | None = None,
+            output_columns: str | Sequence[str] | None = None,
+            **unsupported: Any) -> Dataset:
+        """MindSpore's `map`: `operations` (a callable or a list of them, applied in turn, each
+        taking the previous one's outputs as arguments) on `input_columns` of every element
+        (default: the first column); their results (numpy arrays, or values numpy makes arrays
+        of) become `output_columns` (default: the input columns' names), in the input columns'
+        places. A map after `batch` sees whole batches."""
+        _unsupported("map", unsupported, ("num_parallel_workers", "python_multiprocessing",
+                                          "max_rowsize", "offload", "callbacks", "cache"))
+        ops = list(operations) if isinstance(operations, (list, tuple)) else [operations]
+        if not ops or not all(callable(op) for op in ops):
+            raise PcompileError(
+                "map(): operations must be a callable or a list of callables (numpy in, numpy "
+                f"out), got {operations!r}; MindSpore's C++ transforms are not available in "
+                "pcompile.dataset: write them as Python functions on numpy arrays")
+        names = self.get_col_names()
+        inputs = _column_list(input_columns, "input_columns") or names[:1]
+        missing = [c for c in inputs if c not in names]
+        if missing:
+            raise PcompileError(f"map(): input_columns {missing} are not columns of the data "
+                                f"set (its columns: {names})")
+        outputs = _column_list(output_columns, "output_columns") or list(inputs)
+        if len(outputs) != len(inputs):
+            raise PcompileError(
+                f"map(): {len(inputs)} input column(s) {inputs} and {len(outputs)} output "
+                f"column(s) {outputs}: pcompile.dataset's map replaces columns one for one "
+                "(adding or dropping columns is not supported)")
+        return MapDataset(self, ops, inputs, outputs)
+
     def batch(self, batch_size: int, drop_remainder: bool = False, **unsupported: Any) -> Dataset:
         """Rows grouped `batch_size` at a time, each column stacked along a new first dim; the
         last, smaller batch is kept unless `drop_remainder`."""
@@ -136,7 +171,8 @@ class Dataset:
         return 1
 
     def get_col_names(self) -> list[str]:
-        return list(self._root.column_names)
+        return list(self._root.column_names if self._parent is None
+                    else self._parent.get_col_names())
 
     def create_tuple_iterator(self, columns: Sequence[str] | None = None, num_epochs: int = -1,
                               output_numpy: bool = False, do_copy: bool = True) -> TupleIterator:
@@ -170,7 +206,11 @@ class Dataset:
         if isinstance(element, _Batch):
             members = element if rows is None else element[rows[0]:rows[1]]
             return _stack([self._read(m) for m in members], self._root.column_names)
-        arrays = tuple(element) if isinstance(element, _Row) else self._root._fetch(element)
+        if isinstance(element, _Mapped):  # its operations see the whole element
+            arrays = element.node._apply(self._read(element.element))
+        else:
+            arrays = (tuple(element) if isinstance(element, _Row)
+                      else self._root._fetch(element))
         if rows is None:
             return arrays
         return tuple(a[rows[0]:rows[1]] for a in arrays)
@@ -178,7 +218,28 @@ class Dataset:
     @staticmethod
     def _rows(element: Any) -> int | None:
         """How many rows an element has, when known without reading it (a batch's)."""
+        while isinstance(element, _Mapped):
+            element = element.element
         return len(element) if isinstance(element, _Batch) else None
+
+
+def _column_list(value: str | Sequence[str] | None, what: str) -> list[str]:
+    if value is None:
+        return []
+    names = [value] if isinstance(value, str) else list(value)
+    if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+        raise PcompileError(f"map(): {what} must name columns (strings, each once), got "
+                            f"{value!r}")
+    return names
+
+
+class _Mapped:
+    """An element of a `map`: the element below and the map to apply when it is read."""
+
+    __slots__ = ("node", "element")
+
+    def __init__(self, node: MapDataset, element: Any) -> None:
+        self.node, self.element = node, element
 
 
 def _unsupported(what: str, given: dict[str, Any], ignored: tuple[str, ...]) -> None:
@@ -383,6 +444,43 @@ class BatchDataset(Dataset):
             return None
         whole, rest = divmod(inner, self.batch_size)
         return whole + (1 if rest and not self.drop_remainder else 0)
+
+
+class MapDataset(Dataset):
+    def __init__(self, parent: Dataset, operations: list[Any], inputs: list[str],
+                 outputs: list[str]) -> None:
+        super().__init__(parent)
+        self.operations, self.inputs, self.outputs = operations, inputs, outputs
+        self.names = parent.get_col_names()
+
+    def get_col_names(self) -> list[str]:
+        renamed = dict(zip(self.inputs, self.outputs))
+        return [renamed.get(name, name) for name in self.names]
+
+    def _elements(self, epoch: int) -> Iterator[Any]:
+        assert self._parent is not None
+        for element in self._parent._elements(epoch):
+            yield _Mapped(self, element)
+
+    def _size(self) -> int | None:
+        assert self._parent is not None
+        return self._parent._size()
+
+    def _apply(self, arrays: Row) -> Row:
+        places = [self.names.index(name) for name in self.inputs]
+        values: list[Any] = [arrays[i] for i in places]
+        for op in self.operations:
+            result = op(*values)
+            values = list(result) if isinstance(result, (tuple, list)) else [result]
+        if len(values) != len(places):
+            name = getattr(self.operations[-1], "__name__", repr(self.operations[-1]))
+            raise PcompileError(
+                f"map(): {name} returned {len(values)} value(s) for the {len(places)} output "
+                f"column(s) {self.outputs}; return one array per column")
+        out = list(arrays)
+        for i, value in zip(places, values):
+            out[i] = np.asarray(value)
+        return tuple(out)
 
 
 class ShuffleDataset(Dataset):

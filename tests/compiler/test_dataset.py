@@ -155,6 +155,37 @@ def test_token_file_windows(tmp_path) -> None:
         ds.TokenFileDataset(tmp_path / "missing.bin", 5)
 
 
+def test_map_applies_python_functions_to_columns() -> None:
+    """Issue 38 item 15: `.map` (an AttributeError before) applies callables in turn to its
+    input columns of each row, or of each batch after `batch`; the outputs replace the inputs
+    one for one and may be renamed; mistakes are one message."""
+    xs, ys = np.arange(12.0).reshape(6, 2), np.arange(6)
+    data = ds.NumpySlicesDataset({"x": xs, "y": ys}, shuffle=False)
+    seen = []
+
+    def scale(x):
+        seen.append(x.shape)
+        return x * 10
+
+    mapped = data.map(scale).batch(3)  # the first column by default, per row
+    assert [np.array_equal(b[0], xs[i:i + 3] * 10) and np.array_equal(b[1], ys[i:i + 3])
+            for b, i in zip(mapped, (0, 3))] == [True, True]
+    assert seen == [(2,)] * 6
+    both = data.batch(2).map([lambda x, y: (x + 1, y * 2), lambda a, b: [a, b - 1]],
+                             input_columns=["x", "y"], output_columns=["a", "b"])
+    assert both.get_col_names() == ["a", "b"]
+    first = next(iter(both.create_dict_iterator(output_numpy=True)))
+    assert np.array_equal(first["a"], xs[:2] + 1) and np.array_equal(first["b"], ys[:2] * 2 - 1)
+    with pytest.raises(PcompileError, match="operations must be a callable"):
+        data.map("Resize")
+    with pytest.raises(PcompileError, match=r"input_columns \['z'\] are not columns"):
+        data.map(scale, input_columns="z")
+    with pytest.raises(PcompileError, match="replaces columns one for one"):
+        data.map(scale, input_columns="x", output_columns=["p", "q"])
+    with pytest.raises(PcompileError, match="returned 2 value"):
+        list(data.map(lambda x: (x, x)))
+
+
 MODEL = """
 import numpy as np
 import pcompile.dataset as ds
