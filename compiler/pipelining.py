@@ -30,7 +30,7 @@ from pcompile.compiler.nn.pipeline import MicroBatchInterleaved, PipelineCell
 from pcompile.compiler.random_state import random_parameters
 from pcompile.compiler.tensor import Parameter, Tensor, TensorSpec
 from pcompile.compiler.tracing import tracing
-from pcompile.ir.core import Graph
+from pcompile.ir.core import Constant, Graph, NodeResult
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.ops.state import refuse_assignments
 from pcompile.ir.types import DType, TensorType
@@ -139,6 +139,32 @@ def inner_network(cell: PipelineCell) -> tuple[Cell, Cell | None]:
     return net, None
 
 
+def _objective(tracer: Any, loss: Tensor, micro: int, path: str) -> Any:
+    """The value the step differentiates and reports. A loss that is not a scalar is
+    differentiated with a sensitivity of ones, as MindSpore does (nn.PipelineCell adds its
+    micro-batches' losses; the gradient is that of the sum of all their elements): the step's
+    objective is the sum of the loss over the whole batch, traced for one micro-batch as its
+    sum times `micro` (the micro-batches' mean of which, `passes/micro_batch.py`, is the whole
+    batch's sum)."""
+    value = loss._value
+    assert value is not None
+    if value.shape == ():
+        return value
+    if not isinstance(value.type, TensorType) or not value.dtype.is_float:
+        raise PcompileError(f"the loss returned inside nn.PipelineCell in {path} is "
+                            f"{value.type}; a training objective must be a floating-point "
+                            "tensor")
+    node = value.node if isinstance(value, NodeResult) else None
+    where = {"scope": node.scope if node else tracer.scope,
+             "source": node.source if node else None}
+    total = tracer.builder.emit("ReduceSum", [value], {"axis": (), "keep_dims": False},
+                                instance_name="loss_sum", name_hint="loss", **where)
+    if micro == 1:
+        return total
+    return tracer.builder.emit("Mul", [total, Constant(np.asarray(micro), total.dtype)],
+                               instance_name="loss_micro_scale", name_hint="loss", **where)
+
+
 def trace_pipeline_cell(mf: ModelFile, cell: PipelineCell, micro: int) -> Any:
     """The training step of a model() that returns `nn.PipelineCell(...)`: the loss of its
     network on one micro-batch (`micro` = micro_size), or on the whole batch (`micro` = 1).
@@ -183,7 +209,7 @@ def trace_pipeline_cell(mf: ModelFile, cell: PipelineCell, micro: int) -> Any:
                 f"the network inside nn.PipelineCell in {mf.path} returned "
                 f"{type(loss).__name__}; it must return its loss (wrap the network and its loss "
                 "function in nn.WithLossCell)")
-        graph.outputs = [loss._value]  # type: ignore[list-item]
+        graph.outputs = [_objective(tracer, loss, micro, mf.path)]
         finish_assignments(tracer, graph)
         parameters.update(random_parameters(tracer))  # ops.Dropout's step counter
         refuse_assignments(graph, PIPELINE_REFUSAL)
@@ -193,10 +219,6 @@ def trace_pipeline_cell(mf: ModelFile, cell: PipelineCell, micro: int) -> Any:
                 "pcompile runs custom backward functions in networks without pipeline stages "
                 "only: remove bprop (the gradient then follows construct), or train without "
                 f"nn.PipelineCell (in {mf.path})")
-    if graph.outputs[0].shape != ():
-        raise PcompileError(
-            f"the loss returned inside nn.PipelineCell in {mf.path} has shape "
-            f"{graph.outputs[0].shape}; it must be a scalar (use a reduction such as 'mean')")
     graph.dead_code_elimination()
     return TracedModel(
         graph=graph, network=cell, input_names=input_names, label_names=label_names,
