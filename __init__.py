@@ -57,6 +57,11 @@ _MODULE_ALIASES = {
     "pcompile.parallel._utils": "pcompile.compiler.parallel",
     "pcompile.nn.layer": "pcompile.compiler.nn",
     "pcompile.nn.cell": "pcompile.compiler.nn.cell",
+    # mindspore.train: Model, the callbacks, the checkpoint functions
+    "pcompile.train": "pcompile.compiler.callbacks",
+    "pcompile.train.callback": "pcompile.compiler.callbacks",
+    "pcompile.train.serialization": "pcompile.compiler.serialization",
+    "pcompile.train.model": "pcompile.compiler.train_model",
 }
 
 _FACADE = (
@@ -67,7 +72,8 @@ _FACADE = (
     "get_cost_model_context", "reset_cost_model_context", "set_algo_parameters",
     "get_algo_parameters", "reset_algo_parameters", "ParallelMode", "shard", "compile",
     "GRAPH_MODE", "PYNATIVE_MODE", "float32", "float16", "bfloat16", "int32", "int64", "uint8",
-    "bool_", "Model", "load_checkpoint", "load_param_into_net",
+    "bool_", "Model", "load_checkpoint", "load_param_into_net", "save_checkpoint", "Callback",
+    "LossMonitor", "TimeMonitor", "CheckpointConfig", "ModelCheckpoint",
 )
 
 __all__ = [*_FACADE, "__version__"]
@@ -95,6 +101,8 @@ if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
 
 
 def __getattr__(name: str) -> Any:
+    if name == "train":  # `import mindspore as ms; ms.train.Model(...)`
+        return importlib.import_module("pcompile.train")
     if name in _FACADE:
         # `compile` compiles and writes the outputs (pcompile.tools, above the backends); the
         # other names are the front end's (pcompile.compiler)

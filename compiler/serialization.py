@@ -342,3 +342,100 @@ def load_param_into_net(net: Any, parameter_dict: Mapping[str, Any],
                                        else source.to_numpy()))
     unused = [name for name in parameter_dict if name not in used]
     return not_loaded, unused
+
+
+SAVE_FORMAT = "pcompile-save/1"  # the metadata `format` of what save_checkpoint writes
+
+
+def save_checkpoint(save_obj: Any, ckpt_file_name: str, integrated_save: bool = True,
+                    async_save: bool = False, append_dict: Mapping[str, Any] | None = None,
+                    enc_key: Any = None, enc_mode: str = "AES-GCM",
+                    choice_func: Callable[[str], bool] | None = None,
+                    crc_check: bool = False,
+                    format: str = "safetensors",  # noqa: A002  (MindSpore's name)
+                    **kwargs: Any) -> str:
+    """MindSpore's `save_checkpoint(save_obj, ckpt_file_name, ...)` in its `format=
+    "safetensors"` form: every parameter of `save_obj` (a Cell, a dict {name: Parameter,
+    Tensor or array}, or MindSpore's list of {"name": ..., "data": ...}) with its value now
+    (the initialiser's, or what `load_param_into_net` gave it), and `append_dict`'s entries,
+    into one safetensors file under the parameters' names, which `load_checkpoint` reads
+    back. A name without the `.safetensors` suffix gets it (MindSpore appends its format's);
+    `.ckpt` is refused (MindSpore's own format is not written). Written atomically; an
+    existing file is replaced only when an earlier save_checkpoint wrote it. Returns the
+    path written. The whole model passes through host memory: for a trained model's values
+    merge its run's checkpoints (`pcompile-merge DIR`) instead."""
+    from safetensors.numpy import save_file
+
+    from pcompile.compiler.nn.cell import Cell
+    from pcompile.compiler.tensor import Tensor
+
+    if enc_key is not None:
+        raise CheckpointLoadError("save_checkpoint: encrypted checkpoints (enc_key) are not "
+                                  "supported")
+    if format not in ("safetensors", "ckpt"):
+        raise CheckpointLoadError(f"save_checkpoint: format {format!r}: expected 'safetensors'")
+    if not isinstance(ckpt_file_name, (str, os.PathLike)):
+        raise CheckpointLoadError(f"save_checkpoint: ckpt_file_name must be a path, got "
+                                  f"{type(ckpt_file_name).__name__}")
+    path = os.path.abspath(os.fspath(ckpt_file_name))
+    if path.endswith(".ckpt") or format == "ckpt":
+        raise CheckpointLoadError(
+            f"save_checkpoint: {ckpt_file_name}: pcompile writes safetensors (MindSpore's "
+            "format='safetensors'), not MindSpore's .ckpt format; name the file "
+            "NAME.safetensors (load_checkpoint and Hugging Face read it)")
+    if not path.endswith(".safetensors"):
+        path += ".safetensors"
+    if isinstance(save_obj, Cell):
+        save_obj.finalize_parameter_names()
+        items: list[tuple[Any, Any]] = [(p.name, p) for p in save_obj.get_parameters()]
+    elif isinstance(save_obj, Mapping):
+        items = list(save_obj.items())
+    elif isinstance(save_obj, (list, tuple)) and all(
+            isinstance(e, Mapping) and "name" in e and "data" in e for e in save_obj):
+        items = [(e["name"], e["data"]) for e in save_obj]
+    else:
+        raise CheckpointLoadError(
+            f"save_checkpoint: save_obj must be a Cell, a dict of name -> Parameter/Tensor or "
+            f"a list of {{'name': ..., 'data': ...}}, got {type(save_obj).__name__}")
+    items += list((append_dict or {}).items())
+    arrays: dict[str, np.ndarray] = {}
+    for name, value in items:
+        if not isinstance(name, str):
+            raise CheckpointLoadError(f"save_checkpoint: a name must be a str, got {name!r}")
+        if choice_func is not None and not choice_func(name):
+            continue
+        if name in arrays:
+            raise CheckpointLoadError(f"save_checkpoint: two values are named {name!r}")
+        array = value.asnumpy() if isinstance(value, Tensor) else np.asarray(value)
+        arrays[name] = np.ascontiguousarray(array)
+    _refuse_foreign(path)
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        save_file(arrays, tmp, metadata={"format": SAVE_FORMAT})
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def _refuse_foreign(path: str) -> None:
+    """An existing `path` that save_checkpoint did not write is never replaced."""
+    if not os.path.lexists(path):
+        return
+    try:
+        stored = read_header(path)
+        with open(stored.path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            meta = json.loads(f.read(length)).get("__metadata__") or {}
+    except (CheckpointLoadError, OSError, ValueError, struct.error):
+        meta = {}
+    if os.path.islink(path) or meta.get("format") != SAVE_FORMAT:
+        raise CheckpointLoadError(f"save_checkpoint: {path} exists and save_checkpoint did not "
+                                  "write it; name another file (pcompile never replaces a file "
+                                  "it did not write)")

@@ -66,4 +66,24 @@ class Model:
                             "Model; return the Model from model() and run `pcompile "
                             "model.py --run`")
 
-    train = eval = predict = _runs_nothing
+    eval = predict = _runs_nothing
+
+    def train(self, epoch: int, train_dataset: Any = None, callbacks: Any = None,
+              dataset_sink_mode: bool = False, sink_size: int = -1, initial_epoch: int = 0,
+              **kwargs: Any) -> None:
+        """Not run here: one message naming the `pcompile --run` command that trains the
+        same way (the steps of `epoch` epochs of `train_dataset` when it knows its size, and
+        the options that give `callbacks`' behaviour: compiler/callbacks.py)."""
+        from pcompile.compiler.callbacks import run_flags
+
+        steps = "N"
+        size = getattr(train_dataset, "get_dataset_size", None)
+        if callable(size) and isinstance(epoch, int) and not isinstance(epoch, bool):
+            per_epoch = size()
+            if isinstance(per_epoch, int) and per_epoch > 0:
+                steps = str(max(0, epoch - int(initial_epoch or 0)) * per_epoch)
+        flags = " ".join(["--run", "--steps", steps, *run_flags(callbacks)])
+        raise PcompileError(
+            "Model.train: pcompile compiles, it does not run a Model: return the Model from "
+            "model(), give the data set from dataset(), and run `pcompile model.py "
+            f"{flags}` (the callbacks' behaviour comes from those options)")
