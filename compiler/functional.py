@@ -21,9 +21,13 @@ from pcompile.compiler.ops import (
     Assign,
     AssignAdd,
     AssignSub,
+    Atan2,
     AvgPool,
     BatchMatMul,
     BiasAdd,
+    BitwiseAnd,
+    BitwiseOr,
+    BitwiseXor,
     BroadcastTo,
     Cast,
     Concat,
@@ -38,6 +42,7 @@ from pcompile.compiler.ops import (
     FlashAttentionScore,
     Flatten,
     FloorDiv,
+    FloorMod,
     Gather,
     GeLU,
     Greater,
@@ -91,6 +96,7 @@ from pcompile.compiler.ops import (
     Tile,
     TopK,
     Transpose,
+    Trunc,
     ZerosLike,
 )
 from pcompile.compiler.tensor import Parameter, Tensor
@@ -149,9 +155,15 @@ multiply = mul
 
 
 def div(input: Any, other: Any, *, rounding_mode: str | None = None) -> Any:
-    if rounding_mode is not None:
-        raise _unsupported("div", "rounding_mode", rounding_mode, "only true division (None)")
-    return RealDiv()(input, other)
+    """input / other; `rounding_mode="floor"` rounds the quotient down (FloorDiv), "trunc"
+    toward zero (Trunc of the quotient), as MindSpore's `ops.div`."""
+    if rounding_mode is not None and rounding_mode not in ("floor", "trunc"):
+        raise ValueError("For ops.div, rounding_mode value should be None, 'floor' or 'trunc', "
+                         f"but got {rounding_mode!r}")
+    if rounding_mode == "floor":
+        return FloorDiv()(input, other)
+    out = RealDiv()(input, other)
+    return Trunc()(out) if rounding_mode == "trunc" else out
 
 
 def true_divide(dividend: Any, divisor: Any) -> Any:
@@ -226,6 +238,33 @@ def floor_div(input: Any, other: Any) -> Any:
 
 
 floor_divide = floor_div
+
+
+def floor_mod(x: Any, y: Any) -> Any:
+    """x - floor(x / y) * y: the remainder with the sign of y, MindSpore's `ops.floor_mod`."""
+    return FloorMod()(x, y)
+
+
+def trunc(input: Any) -> Any:
+    """input rounded toward zero, MindSpore's `ops.trunc`."""
+    return Trunc()(input)
+
+
+def atan2(input: Any, other: Any) -> Any:
+    """atan(input / other) in the quadrant of (other, input), MindSpore's `ops.atan2`."""
+    return Atan2()(input, other)
+
+
+def bitwise_and(input: Any, other: Any) -> Any:
+    return BitwiseAnd()(input, other)
+
+
+def bitwise_or(input: Any, other: Any) -> Any:
+    return BitwiseOr()(input, other)
+
+
+def bitwise_xor(input: Any, other: Any) -> Any:
+    return BitwiseXor()(input, other)
 
 
 def isfinite(input: Any) -> Any:

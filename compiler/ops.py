@@ -113,6 +113,14 @@ Cos = _simple("Cos")
 Sin = _simple("Sin")
 IsFinite = _simple("IsFinite")
 Sign = _simple("Sign")
+Trunc = _simple("Trunc")
+FloorMod = _simple("FloorMod")
+Atan2 = _simple("Atan2")
+DivNoNan = _simple("DivNoNan")
+MulNoNan = _simple("MulNoNan")
+BitwiseAnd = _simple("BitwiseAnd")
+BitwiseOr = _simple("BitwiseOr")
+BitwiseXor = _simple("BitwiseXor")
 
 
 class Depend(_Simple):

@@ -22,6 +22,7 @@ from pcompile.compiler.nn.loss import (
     L1Loss,
     MSELoss,
     SoftmaxCrossEntropyWithLogits,
+    WithEvalCell,
     WithLossCell,
 )
 from pcompile.compiler.nn.lr import (
@@ -65,6 +66,7 @@ __all__ = [
     "L1Loss",
     "SoftmaxCrossEntropyWithLogits",
     "CrossEntropyLoss",
+    "WithEvalCell",
     "WithLossCell",
     "PipelineCell",
     "Pipeline",

@@ -278,3 +278,38 @@ class WithLossCell(Cell):
         self._backbone.finalize_parameter_names()
         self._loss_fn.finalize_parameter_names()
         super().finalize_parameter_names()
+
+
+class WithEvalCell(Cell):
+    """MindSpore's `nn.WithEvalCell(network, loss_fn, add_cast_fp32=False)`: evaluation of a
+    network with its loss, `construct(data, label)` -> (loss, outputs, label); with
+    `add_cast_fp32` the outputs and the label are cast to float32 first."""
+
+    def __init__(self, network: Cell, loss_fn: Cell, add_cast_fp32: bool = False) -> None:
+        super().__init__(auto_prefix=False)
+        for name, value in (("network", network), ("loss_fn", loss_fn)):
+            if not isinstance(value, Cell):
+                raise TypeError(
+                    f"WithEvalCell: {name} must be a Cell, got {type(value).__name__}"
+                )
+        if not isinstance(add_cast_fp32, bool):
+            raise TypeError(f"WithEvalCell: add_cast_fp32 must be a bool, got {add_cast_fp32!r}")
+        self._network = network
+        self._loss_fn = loss_fn
+        self.add_cast_fp32 = add_cast_fp32
+
+    def construct(self, data: Tensor, label: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        from pcompile.compiler import ops
+
+        outputs = self._network(data)
+        if self.add_cast_fp32:
+            label = ops.cast(label, DType.float32)
+            outputs = ops.cast(outputs, DType.float32)
+        loss = self._loss_fn(outputs, label)
+        return loss, outputs, label
+
+    def finalize_parameter_names(self) -> None:
+        """`auto_prefix=False`, as MindSpore's: the network's parameters keep their names."""
+        self._network.finalize_parameter_names()
+        self._loss_fn.finalize_parameter_names()
+        super().finalize_parameter_names()

@@ -10,6 +10,7 @@ from pcompile.ir.ops import (  # noqa: F401
     linalg,
     nn,
     norm,
+    numeric,
     pipeline,
     random,
     reduce,

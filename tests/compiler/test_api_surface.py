@@ -3,9 +3,12 @@ MindSpore accepts is accepted, and what it refuses is refused with its exception
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from pcompile import ops
+from pcompile import nn, ops
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import check
 
 
 def test_collectives_refuse_a_group_that_is_not_a_str() -> None:
@@ -19,3 +22,50 @@ def test_collectives_refuse_a_group_that_is_not_a_str() -> None:
                  lambda: ops.ReduceScatter(group=2), lambda: ops.Broadcast(0, group=0)):
         with pytest.raises(TypeError, match="'group' must be str"):
             make()
+
+
+def test_div_rounding_modes() -> None:
+    """MindSpore's ops.div: "floor" is FloorDiv, "trunc" rounds the quotient toward zero,
+    anything else a ValueError."""
+    x = np.array([7.0, -7.0, 7.5, -0.5], np.float32)
+    y = np.array([2.0, 2.0, -2.0, 3.0], np.float32)
+    np.testing.assert_array_equal(ops.div(x, y, rounding_mode="floor").asnumpy(),
+                                  [3.0, -4.0, -4.0, -1.0])
+    np.testing.assert_array_equal(ops.div(x, y, rounding_mode="trunc").asnumpy(),
+                                  [3.0, -3.0, -3.0, 0.0])
+    np.testing.assert_allclose(ops.div(x, y).asnumpy(), x / y)
+    with pytest.raises(ValueError, match="rounding_mode value should be None, 'floor' or"):
+        ops.div(x, y, rounding_mode="round")
+
+
+EVAL_MODEL = """
+import numpy as np
+from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="full_batch")
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        set_seed(2)
+        self.w = Parameter(initializer("normal", [8, 4]), "w")
+        self.matmul = ops.MatMul().shard(((2, 1), (1, 4)))
+    def construct(self, x):
+        return self.matmul(x, self.w)
+def model():
+    return nn.WithEvalCell(Net(), nn.MSELoss(), add_cast_fp32=True)
+def inputs():
+    rng = np.random.default_rng(0)
+    return [rng.standard_normal((4, 8)).astype(np.float32),
+            rng.standard_normal((4, 4)).astype(np.float32)]
+"""
+
+
+def test_with_eval_cell(tmp_path) -> None:
+    """nn.WithEvalCell(network, loss_fn, add_cast_fp32): (loss, outputs, label), and a parallel
+    compile of it computes what one device computes."""
+    path = tmp_path / "eval.py"
+    path.write_text(EVAL_MODEL)
+    program = compile_model(str(path), devices=8, dump=False)
+    assert len(program.graph.outputs) == 3  # loss, outputs, label
+    assert check(program).ok()
+    with pytest.raises(TypeError, match="loss_fn must be a Cell"):
+        nn.WithEvalCell(nn.Dense(2, 2), "mse")

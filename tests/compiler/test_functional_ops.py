@@ -264,6 +264,17 @@ case("ops.flash_attention_score",
 case("ops.cos", ops.cos, np.cos, X)
 case("ops.sin", ops.sin, np.sin, X)
 case("ops.floor_div", ops.floor_div, lambda x, y: np.floor(x / y), X, POS)
+case("ops.floor_mod", ops.floor_mod, lambda x, y: x - np.floor(x / y) * y, X * 3, POS)
+case("ops.trunc", ops.trunc, np.trunc, X * 3)
+case("ops.atan2", ops.atan2, np.arctan2, X, Y)
+case("ops.div.floor", lambda x, y: ops.div(x, y, rounding_mode="floor"),
+     lambda x, y: np.floor(x / y), X * 3, POS)
+case("ops.div.trunc", lambda x, y: ops.div(x, y, rounding_mode="trunc"),
+     lambda x, y: np.trunc(x / y), X * 3, POS)
+for _name, _ref in (("bitwise_and", np.bitwise_and), ("bitwise_or", np.bitwise_or),
+                    ("bitwise_xor", np.bitwise_xor)):
+    case(f"ops.{_name}", getattr(ops, _name), _ref, (X * 9).astype(np.int32),
+         (Y * 9).astype(np.int32))
 case("ops.floor_divide", ops.floor_divide, lambda x, y: np.floor(x / y), X * 3, POS)
 case("ops.isfinite", ops.isfinite, np.isfinite, np.where(X > 0, X, np.inf).astype(np.float32))
 for _name, _ref in (("cos", np.cos), ("sin", np.sin)):
@@ -369,7 +380,7 @@ def test_functional_matches_numpy(name: str) -> None:
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: ops.div(_tensor(X), _tensor(POS), rounding_mode="floor"), "rounding_mode"),
+    (lambda: ops.div(_tensor(X), _tensor(POS), rounding_mode="round"), "rounding_mode"),
     (lambda: ops.gelu(_tensor(X), "erf"), "approximate"),
     (lambda: ops.norm(_tensor(M), "nuc"), "matrix norms"),
     (lambda: ops.max_pool2d(_tensor(IMG), 2, padding=1), "padding=1"),
