@@ -492,7 +492,13 @@ def _run_once(programs: list[str], per: int, coordinator: str, common: list[str]
                 else:
                     what = _describe(failed.code)
                 said = failed.error.strip().split(": error: ", 1)[-1]
-                if failed.code == EXIT_USER_ERROR and said and "\n" not in said:
+                if failed.code == 0:
+                    message = (f"{failed.name} exited with status 0 before the run was over "
+                               f"({_where(failed)}): something in the process ended it without "
+                               "an error (os._exit(0) or sys.exit(0) in a library or the model "
+                               f"file?); stopped the other ranks. Last lines of {failed.log}:\n"
+                               f"{text}")
+                elif failed.code == EXIT_USER_ERROR and said and "\n" not in said:
                     # the rank's own one-line message (a mistake in the data, a checkpoint
                     # that does not fit): no log tail to read
                     message = (f"{failed.name} failed first: {said} (stopped the other ranks; "
@@ -594,11 +600,19 @@ def _follows_another(proc: _Proc) -> bool:
     return any(marker in text for marker in _FOLLOW_ON)
 
 
+def _ended_early(proc: _Proc) -> bool:
+    """Exited with status 0 before its run was over (its last heartbeat was not "finish"):
+    something in the process ended it (a library's os._exit(0)), and the others will wait
+    for it in their collectives. (A program that never beat is not a rank program: no
+    judgement.)"""
+    return proc.code == 0 and proc.last_beat is not None and proc.phase != "finish"
+
+
 def _first_failure(ranks: list[_Proc]) -> _Proc | None:
     """The process whose failure came first, once any process has failed: a process that had
     already stopped beating (the others' errors follow from it), else one killed by a signal,
     else the earliest reported error."""
-    bad = [r for r in ranks if r.code not in (None, 0)]
+    bad = [r for r in ranks if r.code not in (None, 0) or _ended_early(r)]
     if not bad:
         return None
     now = time.monotonic()

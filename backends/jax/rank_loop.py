@@ -41,12 +41,15 @@ from typing import Any
 import numpy as np
 
 from pcompile.backends.jax.rank_process import (
+    DISK_ERRNOS,
     PARAM_INIT_ENV,
     Heartbeat,
     NonFiniteLossError,
     RankError,
     Watchdog,
     fault_injection,
+    output_path,
+    write_error,
 )
 from pcompile.backends.jax.rank_report import RankReport, TrainLog
 from pcompile.ir.errors import PcompileError
@@ -678,4 +681,9 @@ class RankRunner:
             return
         if loss and not first and not self.args.all_ranks:
             return
-        print(("" if first else f"[rank {self.local[0]}] ") + text, flush=True)
+        try:
+            print(("" if first else f"[rank {self.local[0]}] ") + text, flush=True)
+        except OSError as exc:  # run.log (or wherever the output goes) on a full disk
+            if exc.errno not in DISK_ERRNOS:
+                raise
+            raise write_error(output_path(), exc) from None

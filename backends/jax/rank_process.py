@@ -9,10 +9,16 @@ falls behind. A watchdog ends the process (exit status 124) when a step takes lo
 `--timeout` seconds (the first step, which compiles, and `jax.distributed` start-up:
 `--startup-timeout`), e.g. because a collective waits for a rank that died; under the launcher
 it fires `LAUNCHER_GRACE` seconds later, so that the launcher's diagnosis comes first.
+Started by hand, the processes watch each other through the coordinator
+(backends/jax/peer_watch.py, `--heartbeat-timeout`).
+
+A file of the run that cannot be written (train.log, metrics.jsonl, the process's output: a
+full disk) is one RankError naming it (`write_error`), and the process exits.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -41,6 +47,51 @@ class RankError(Exception):
 
 class NonFiniteLossError(Exception):
     """--fail-on-nan: the loss of a step is not finite."""
+
+
+# -- files the run writes (train.log, metrics.jsonl, the process's output) --------------------
+
+#: errors of a file system that cannot take more (a full disk, a quota, a read-only or failing
+#: device): the run cannot go on, and says so in one line
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO})
+
+
+def disk_reason(exc: OSError) -> str:
+    """Why a write failed, in words."""
+    if exc.errno == errno.ENOSPC:
+        return "no space left on the device (the disk is full)"
+    if exc.errno == errno.EDQUOT:
+        return "the disk quota is exceeded"
+    return exc.strerror or str(exc)
+
+
+def output_path() -> str:
+    """Where this process's output goes (its run.log under the launcher), in words."""
+    for fd in (1, 2):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/") and os.path.isfile(target):
+            return f"its output {target}"
+    return "its output (stdout)"
+
+
+def write_error(what: str, exc: OSError) -> RankError:
+    """A file of the run could not be written: one message naming it and why; the
+    checkpoints already written are intact (each is written whole or not at all)."""
+    return RankError(f"cannot write {what}: {disk_reason(exc)}; stopped the run (the "
+                     "checkpoints written so far are intact: free some space, then --resume)")
+
+
+def say_safely(text: str) -> None:
+    """Print a line to stderr, ignoring a stderr that cannot take it (a full disk): the
+    process is about to exit, and the launcher hears of it through the heartbeat."""
+    try:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def process_start() -> float:
@@ -110,6 +161,11 @@ def rank_command(num_ranks: int) -> Any:
         click.Option(["--startup-timeout"], type=float, default=600.0,
                      help="seconds for distributed start-up and the first, compiling step "
                           "(default 600)"),
+        click.Option(["--heartbeat-timeout"], type=float, default=30.0,
+                     help="processes started by hand (mpirun, srun, torchrun, flags) beat "
+                          "through the coordinator: one silent this many seconds is lost, and "
+                          "every process stops, naming it (default 30; 0: no watch; under "
+                          "pcompile's launcher the launcher watches)"),
         click.Option(["--fail-on-nan/--no-fail-on-nan"], default=True,
                      help="stop when the loss is not finite (default: on)"),
         click.Option(["--quiet"], is_flag=True, help="do not print loss lines"),
@@ -251,18 +307,14 @@ class Watchdog:
         while True:
             time.sleep(0.5)
             if launcher and str(os.getppid()) != launcher:
-                sys.stderr.write(f"{self.label}: the launcher (pid {launcher}) is gone. "
-                                 "Exiting.\n")
-                sys.stderr.flush()
+                say_safely(f"{self.label}: the launcher (pid {launcher}) is gone. Exiting.")
                 os._exit(EXIT_LAUNCHER_GONE)
             with self._lock:
                 late = time.monotonic() > self.deadline
                 what = self.what
                 why = self.why or "a collective is probably waiting for a rank that stopped"
             if late:
-                sys.stderr.write(f"{self.label}: {what} did not finish in time; {why}. "
-                                 "Exiting.\n")
-                sys.stderr.flush()
+                say_safely(f"{self.label}: {what} did not finish in time; {why}. Exiting.")
                 os._exit(EXIT_TIMEOUT)
 
 
@@ -284,22 +336,31 @@ class Heartbeat:
     def set(self, **state: Any) -> None:
         with self._lock:
             self.state.update(state)
-        self._send()
+        # the last words (finished, failed) must reach the launcher: it tells a process that
+        # exits with status 0 before the run is over by their absence
+        self._send(wait=state.get("phase") in ("finish", "failed"))
 
     def failed(self, why: str) -> None:
         """The process is about to exit with an error: when, so the launcher can tell the
         first failure from the ones it caused."""
         self.set(phase="failed", error=why[-2000:], at=time.time())
 
-    def _send(self) -> None:
+    def _send(self, wait: bool = False) -> None:
         if self.fd is None:
             return
         with self._lock:
             line = json.dumps(self.state) + "\n"
-        try:
-            os.write(self.fd, line.encode())
-        except OSError:  # a full pipe (the launcher reads it soon) or a gone launcher
-            pass
+        give_up = time.monotonic() + (2.0 if wait else 0.0)
+        while True:
+            try:
+                os.write(self.fd, line.encode())
+                return
+            except BlockingIOError:  # a full pipe: the launcher reads it soon
+                if time.monotonic() >= give_up:
+                    return
+                time.sleep(0.05)
+            except OSError:  # a gone launcher
+                return
 
     def _beat(self) -> None:
         while True:

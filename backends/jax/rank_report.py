@@ -13,26 +13,45 @@ from typing import Any
 
 import numpy as np
 
-from pcompile.backends.jax.rank_process import RankError
+from pcompile.backends.jax.rank_process import RankError, write_error
+
+
+def _rewrite(path: str, lines: list[str]) -> None:
+    """`path` holding `lines`, written atomically; a full disk is one RankError naming it."""
+    from pcompile.backends.atomic_files import atomic_write_text
+
+    try:
+        atomic_write_text(path, "".join(line + "\n" for line in lines))
+    except OSError as exc:
+        raise write_error(path, exc) from None
+
+
+def _append(path: str, lines: list[str]) -> None:
+    """Append `lines` to `path`; a full disk (or any failed write) is one RankError naming
+    the file, not a traceback."""
+    data = "".join(line + "\n" for line in lines).encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            while data:  # a write cut short by a filling disk: the rest fails with ENOSPC
+                data = data[os.write(fd, data):]
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise write_error(path, exc) from None
 
 
 class TrainLog:
     """`<rank dir>/train.log`: rewritten atomically on (re)start, then one append per line."""
 
     def __init__(self, path: str, lines: list[str]) -> None:
-        from pcompile.backends.atomic_files import atomic_write_text
-
         self.path = path
         self.lines = list(lines)
-        atomic_write_text(path, "".join(line + "\n" for line in lines))
+        _rewrite(path, self.lines)
 
     def add(self, line: str) -> None:
         self.lines.append(line)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (line + "\n").encode())
-        finally:
-            os.close(fd)
+        _append(self.path, [line])
 
 class RankReport:
     """What this run reports (backends/run_report.py): the start-up line, `metrics.jsonl`
@@ -74,10 +93,7 @@ class RankReport:
                 raise RankError(f"--tensorboard {tensorboard}: cannot write there: "
                                 f"{exc.strerror or exc}") from None
         if self.path is not None:
-            from pcompile.backends.atomic_files import atomic_write_text
-
-            kept = self._kept(done)
-            atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+            _rewrite(self.path, self._kept(done))
 
     def _kept(self, done: int) -> list[str]:
         """A resumed run's earlier lines: those of the run it continues (the same run id),
@@ -127,11 +143,7 @@ class RankReport:
         if self.board is not None:
             self.board.flush()
         if out:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, "".join(line + "\n" for line in out).encode())
-            finally:
-                os.close(fd)
+            _append(self.path, out)
 
     @staticmethod
     def _extras(values: list[Any]) -> dict[str, Any]:

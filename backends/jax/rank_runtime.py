@@ -20,8 +20,11 @@ from collections.abc import Sequence
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
+from pcompile.backends.jax.peer_watch import INTERVAL as PEER_INTERVAL
+from pcompile.backends.jax.peer_watch import PeerWatch, peer_watch
 from pcompile.backends.jax.rank_loop import RankRunner
 from pcompile.backends.jax.rank_process import (
+    DISK_ERRNOS,
     EXIT_COORDINATOR_PORT,
     EXIT_NONFINITE,
     Heartbeat,
@@ -30,10 +33,13 @@ from pcompile.backends.jax.rank_process import (
     Watchdog,
     chosen_platform,
     exit_on_sigterm,
+    output_path,
     parse_args,
     placed_device_ids,
     process_start,
     resolve_identity,
+    say_safely,
+    write_error,
 )
 
 
@@ -48,29 +54,60 @@ def main(module: ModuleType | Sequence[ModuleType], argv: list[str] | None = Non
     def label() -> str:  # the ranks this process runs, once it knows them
         return getattr(modules[0], "LABEL", None) or "pcompile rank program"
 
+    watch: dict[str, PeerWatch] = {}  # started by _main in a job started by hand
     try:
-        return _main(modules, argv, heartbeat)
+        return _main(modules, argv, heartbeat, watch)
     except RankError as exc:
         message, code = f"{label()}: error: {exc}", 2
     except NonFiniteLossError as exc:
         message, code = f"{label()}: error: {exc}", EXIT_NONFINITE
     except KeyboardInterrupt:
         message, code = f"{label()}: interrupted", 130
+    except OSError as exc:
+        if exc.errno not in DISK_ERRNOS:
+            message, code = _failure(exc, label(), watch)
+        else:  # a file the run writes (its output, when no other names itself) is full
+            what = exc.filename if exc.filename else output_path()
+            message, code = f"{label()}: error: {write_error(str(what), exc)}", 2
     except Exception as exc:  # any failure of a rank: report it and leave at once
-        import traceback
-
-        traceback.print_exc()
-        message, code = f"{label()}: failed ({type(exc).__name__}: {exc})", 1
+        message, code = _failure(exc, label(), watch)
     heartbeat.failed(message)
-    print(message, file=sys.stderr)
+    if "peer" in watch:
+        watch["peer"].failed(message)
+    say_safely(message)
     # Exit without the interpreter's shutdown: jax.distributed's atexit hook waits for the
     # other processes, which may be stuck in a collective with this one.
-    sys.stdout.flush()
-    sys.stderr.flush()
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):  # a full disk under the output
+        pass
     os._exit(code)
 
 
-def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbeat) -> int:
+def _failure(exc: BaseException, label: str, watch: dict[str, PeerWatch]) -> tuple[str, int]:
+    """The message and status of an unexpected failure. A collective that failed because
+    another process of a job started by hand went away is that process's loss, in one line:
+    the peer watch names it (and ends this process) within its deadline."""
+    peer = watch.get("peer")
+    if peer is not None and _collective_failure(exc):
+        peer.wait_for_verdict(peer.timeout + 3 * PEER_INTERVAL)
+    import traceback
+
+    try:
+        traceback.print_exc()
+    except (OSError, ValueError):  # a full disk under the output
+        pass
+    return f"{label}: failed ({type(exc).__name__}: {exc})", 1
+
+
+def _collective_failure(exc: BaseException) -> bool:
+    """A runtime error of XLA's (a collective whose peer went away), not the program's own."""
+    return (type(exc).__name__ in ("XlaRuntimeError", "JaxRuntimeError")
+            or "gloo" in str(exc).lower())
+
+
+def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbeat,
+          watch: dict[str, PeerWatch]) -> int:
     num_ranks = int(modules[0].NUM_RANKS)
     if any(int(m.NUM_RANKS) != num_ranks for m in modules):
         raise RankError("the programs run by one process must have the same number of ranks: "
@@ -140,7 +177,14 @@ def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbea
         if jax.process_index() != pid:
             raise RankError(f"JAX numbers this process {jax.process_index()}, expected {pid} "
                             f"({identity.source})")
-    return _train(modules, args, num_ranks, my_ranks, watchdog, heartbeat, timings)
+        # started by hand, the processes watch each other (the launcher watches its own)
+        peer = peer_watch(pid, nproc, per_process, label, coordinator, args.heartbeat_timeout)
+        if peer is not None:
+            watch["peer"] = peer
+    code = _train(modules, args, num_ranks, my_ranks, watchdog, heartbeat, timings)
+    if "peer" in watch:
+        watch["peer"].finished()
+    return code
 
 
 def _train(modules: list[ModuleType], args: SimpleNamespace, num_ranks: int,
