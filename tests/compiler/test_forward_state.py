@@ -66,6 +66,29 @@ def test_state_assigned_in_the_forward_trains_like_one_device(monkeypatch: Any, 
     assert float(bias.sum()) != 0 or np.any(bias != 0)
 
 
+@pytest.mark.parametrize("layout, kwargs", [
+    ("sharded", {"overrides": {"enable_parallel_optimizer": True,
+                               "parallel_optimizer_config": {"parallel_optimizer_threshold": 0}}}),
+    ("replicated", {"search_mode": "sharding_propagation"}),
+    ("replicated", {"search_mode": "ilp"}),
+])
+def test_state_under_the_parallel_optimizer_and_the_searches(monkeypatch: Any, layout: str,
+                                                             kwargs: Any) -> None:
+    """The parallel optimizer shards the trained weights only (the state keeps its layout);
+    the searches lay out the assignments like any element-wise op; the shrunk check's copy
+    carries the state too."""
+    from pcompile.tools.shrink import shrunk_check
+
+    program = _compile(monkeypatch, layout, "own", **kwargs)
+    if "overrides" in kwargs:
+        assert "w_out" in program.state.opt_shard and LOAD not in program.state.opt_shard
+    report = check(program, steps=2)
+    assert report.ok() and report.errors[LOAD] <= FLOAT64_RTOL, report.worst
+    if "overrides" in kwargs:
+        shrunk = shrunk_check(program, factor=2)
+        assert shrunk.report.ok() and LOAD in shrunk.report.errors, shrunk.report.worst
+
+
 def test_the_jax_step_keeps_the_state_on_the_device(monkeypatch: Any) -> None:
     """One device, float32: the jitted step donates the state and returns the new values,
     the numpy interpreter's bit for bit up to float32 rounding of the sums."""

@@ -1,0 +1,691 @@
+"""DeepSeek-V3 as mindformers writes it (research/deepseek3 of mindformers r1.5.0, the training
+path its finetune yaml selects): multi-head latent attention, RMSNorm, dense feed-forwards in the
+first layers, then mixture-of-experts layers of one shared expert plus routed experts (MoEV2 with
+TopkRouterV2: sigmoid scores, aux-loss-free routing through a bias the step updates, capacity),
+the LM head and mindformers' masked cross-entropy inside the network.
+
+Written from mindformers' cells and strategies (`DeepSeekV2Attention`, `DeepSeekV2DecodeLayer`,
+`LlamaFeedForwardWithMoE`, `MoEV2`, `TopkRouterV2`, `TrainingDeepseekV3ForCausalLM`):
+
+* **MLA**: q2l_proj [hidden -> q_lora_rank], lq_norm, l2q_nope_proj and l2q_pe_proj (the query's
+  no-position and rotary parts, split over the heads by mp); kv2l_latent_kv [hidden ->
+  kv_lora_rank] and lkv_norm, kv2l_k_pe [hidden -> qk_rope_head_dim] (one rotary key shared by
+  the heads: reshaped to (B, 1, S, r) and tiled over them), lkv2kv_k_nope and lkv2kv_v from the
+  latent; rotary embedding on the rope parts only, Concat of the nope and rope parts, flash
+  attention (the value padded with zeros to the query's head size, the result sliced back) or
+  the BatchMatMul path, wo;
+* **MoE** (layers from first_k_dense_replace on): the routed experts' output plus one shared
+  expert's (a SwiGLU of moe_intermediate_size x shared_expert_num). Routing per group of tokens:
+  a float32 Dense [hidden -> E], a Sigmoid, TopK of the scores plus the aux-loss-free bias
+  (`topk_bias`), the chosen scores gathered back (Gather with batch_dims=2), normalised over the k
+  (norm_topk_prob); dispatch and combine indices with each expert's capacity C = ceil(k N
+  capacity_factor / E), by the fused `P._inner_ops.TopKRouter` (use_fused_ops_topkrouter,
+  the default) or mindformers' unfused OneHot / CumSum / Sort form (DEEPSEEK_FUSED_ROUTER=0),
+  choices queued by rank ("kdrop", mindformers' default without enable_sdrop); the tokens
+  gathered into (groups, E, C, h) slots, the expert axis moved to the front (the dispatch
+  AlltoAll under expert parallelism), the [E, in, out] SwiGLU experts, the axis moved back (the
+  combine AlltoAll) and each token's k outputs gathered, weighted and summed;
+* **state updated by the step**: each MoE layer accumulates its experts' load (the mean one-hot
+  of the chosen experts) into the Parameter `expert_load` with `P.AssignAdd`, as mindformers'
+  router does; mindformers' TopkBiasBalanceCallback (between steps: `topk_bias` moved by
+  topk_bias_update_rate towards the experts loaded less than the mean, sign(mean load - load),
+  and the load zeroed) runs at the start of the next step's routing, with `P.AssignAdd` and
+  `P.Assign`; both are requires_grad=False state, stored, checkpointed and resumed with the
+  weights (docs/state.md);
+* **loss**: the masked cross-entropy of the next token plus the expert-level balance loss
+  (alpha E^2 mean(f_e P_e), aux_loss_factors [0.0001]) of every MoE layer;
+* **MTP** (multi-token prediction, DEEPSEEK_MTP, default 0 layers; mindformers' mtp_depth 1): one
+  more decoder layer per depth on the fusion (Concat and Dense) of the last hidden state and the
+  next token's embedding, its logits scored against the labels shifted by one more token, times
+  mtp_loss_factor (0.3) / depth.
+
+Parallelism from the parallel context and the environment, as mindformers' MoE parallel config:
+mp = DEEPSEEK_MP (default 2), dp = devices / mp, ep = DEEPSEEK_EP (default gcd(dp, experts)); ep
+divides dp and the expert count. DEEPSEEK_SEQ_PARALLEL (`1`, the yaml's use_seq_parallel, or
+`0`): the norms and residual adds split over the tokens on mp, q2l_proj, kv2l_latent_kv and
+kv2l_k_pe on the (dp * mp) token rows, lq_norm and lkv_norm on 2-D rows, wo reduce-scattering its
+output. Routing groups: DEEPSEEK_GROUPS (default 8, a multiple of dp; mindformers routes per
+data-parallel group). LLAMA_FLASH and LLAMA_STRATEGIES (`none`: every shard() removed,
+auto_parallel) of examples/llama.py apply here too.
+
+Sizes from DEEPSEEK_PRESET: `tiny` (default: compiles and checks in seconds) or `v3_671b` (the
+yaml's: 61 layers, hidden 7168, 128 heads, q_lora_rank 1536, kv_lora_rank 512, nope / rope / v
+head dims 128 / 64 / 128, dense FFN 18432 in the first 3 layers, 256 routed experts of FFN 2048,
+top 8, 1 shared expert, capacity factor 1.5, vocabulary 129280, sequence 4096). Each is overridden
+by DEEPSEEK_LAYERS, DEEPSEEK_HIDDEN, DEEPSEEK_HEADS, DEEPSEEK_Q_LORA, DEEPSEEK_KV_LORA,
+DEEPSEEK_NOPE, DEEPSEEK_ROPE, DEEPSEEK_V_HEAD, DEEPSEEK_FFN, DEEPSEEK_MOE_FFN, DEEPSEEK_EXPERTS,
+DEEPSEEK_TOP_K, DEEPSEEK_DENSE (first_k_dense_replace), DEEPSEEK_VOCAB, DEEPSEEK_SEQ,
+DEEPSEEK_BATCH; DEEPSEEK_CAPACITY the capacity factor, DEEPSEEK_DTYPE the compute dtype
+(bfloat16 by default).
+
+    pcompile examples/deepseek.py --devices 8                      # compile + check
+    pcompile examples/deepseek.py --devices 8 --run --steps 20    # 8 processes
+    DEEPSEEK_MP=1 pcompile examples/deepseek.py --devices 8        # dp 8 x ep 8
+"""
+
+import importlib.util
+import math
+import os
+
+import numpy as np
+
+from pcompile import (
+    Layout,
+    Parameter,
+    Tensor,
+    get_auto_parallel_context,
+    initializer,
+    nn,
+    ops,
+    set_auto_parallel_context,
+    set_seed,
+)
+from pcompile.ops import operations as P  # noqa: N812  (mindformers' spelling)
+
+
+def _load_llama():
+    """examples/llama.py as a private module (its Linear, RMSNorm, rotary embedding and loss)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama.py")
+    spec = importlib.util.spec_from_file_location("_deepseek_llama_cells", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+llama = _load_llama()
+
+_NAMES = ("LAYERS", "HIDDEN", "HEADS", "Q_LORA", "KV_LORA", "NOPE", "ROPE", "V_HEAD", "FFN",
+          "MOE_FFN", "EXPERTS", "TOP_K", "DENSE", "VOCAB", "SEQ", "BATCH")
+PRESETS = {
+    #          layers hidden heads q_lora kv_lora nope rope v ffn moe_ffn experts top_k dense
+    #          vocab seq batch
+    "tiny": (2, 64, 8, 32, 16, 8, 8, 8, 128, 32, 8, 2, 1, 128, 16, 8),
+    "v3_671b": (61, 7168, 128, 1536, 512, 128, 64, 128, 18432, 2048, 256, 8, 3, 129280, 4096,
+                1024),
+}
+PRESET = os.environ.get("DEEPSEEK_PRESET", "tiny")
+if PRESET not in PRESETS:
+    raise ValueError(f"DEEPSEEK_PRESET={PRESET!r}: choose one of {', '.join(PRESETS)}")
+(LAYERS, HIDDEN, HEADS, Q_LORA, KV_LORA, NOPE, ROPE, V_HEAD, FFN, MOE_FFN, EXPERTS, TOP_K,
+ DENSE, VOCAB, SEQ, BATCH) = (int(os.environ.get(f"DEEPSEEK_{k}", v))
+                             for k, v in zip(_NAMES, PRESETS[PRESET]))
+Q_HEAD = NOPE + ROPE
+SHARED_EXPERTS = 1
+CAPACITY_FACTOR = float(os.environ.get("DEEPSEEK_CAPACITY", "1.5"))
+ROUTED_SCALING = 2.5  # applied by mindformers only without norm_topk_prob
+TOPK_BIAS_RATE = float(os.environ.get("DEEPSEEK_BIAS_RATE", "0.001"))
+AUX_EXPERT_FACTOR = 0.0001
+MTP_DEPTH = int(os.environ.get("DEEPSEEK_MTP", "0"))
+MTP_LOSS_FACTOR = 0.3
+GROUPS = int(os.environ.get("DEEPSEEK_GROUPS", "8"))
+FUSED_ROUTER = os.environ.get("DEEPSEEK_FUSED_ROUTER", "1") == "1"
+SEQ_PARALLEL = os.environ.get("DEEPSEEK_SEQ_PARALLEL", "1") == "1"
+COMPUTE_DTYPE = llama.DTYPES[os.environ.get("DEEPSEEK_DTYPE", "bfloat16").lower()]
+ROPE_THETA, NORM_EPS = 10000.0, 1e-6
+if not 1 <= TOP_K <= EXPERTS:
+    raise ValueError(f"DEEPSEEK_TOP_K={TOP_K} must be between 1 and the {EXPERTS} experts")
+
+set_auto_parallel_context(
+    parallel_mode="semi_auto_parallel" if llama.STRATEGIES == "hand" else "auto_parallel",
+    device_num=8, dataset_strategy="full_batch", enable_alltoall=True)
+
+
+def parallel_config():
+    """(dp, mp, ep) from the parallel context, as mindformers' MoEParallelConfig."""
+    devices = int(get_auto_parallel_context("device_num"))
+    mp = min(int(os.environ.get("DEEPSEEK_MP", "2")), devices)
+    if devices % mp:
+        raise ValueError(f"DEEPSEEK_MP={mp} does not divide the {devices} devices")
+    dp = devices // mp
+    ep = min(int(os.environ.get("DEEPSEEK_EP", str(math.gcd(dp, EXPERTS)))), dp)
+    if dp % ep or EXPERTS % ep:
+        raise ValueError(f"DEEPSEEK_EP={ep} must divide the data parallel {dp} and the "
+                         f"{EXPERTS} experts")
+    if GROUPS % dp:
+        raise ValueError(f"DEEPSEEK_GROUPS={GROUPS} routing groups must be a multiple of the "
+                         f"data parallel {dp}")
+    return dp, mp, ep
+
+
+def residual_strategy(dp, mp):
+    """The residual stream [batch, seq, hidden] (adds and norms): under sequence parallelism
+    split over the tokens on mp, the rows wo and w2 reduce-scatter: (dp, mp, 1) when a
+    data-parallel rank holds one sequence (mindformers' batch_size 1), else (dp * mp, 1, 1)
+    (rows are batch-major, so mp splits whole sequences)."""
+    if not SEQ_PARALLEL or mp == 1:
+        return (dp, 1, 1)
+    local = BATCH // dp
+    return (dp, mp, 1) if local == 1 or local % mp else (dp * mp, 1, 1)
+
+
+def token_strategy(dp, mp):
+    """The (B * S, h) rows of the Linears that read the residual stream."""
+    return (dp * mp, 1) if SEQ_PARALLEL and mp > 1 else (dp, 1)
+
+
+class FeedForward(nn.Cell):
+    """mindformers' LlamaFeedForward: w2(silu(w1 x) * w3 x) in the compute dtype."""
+
+    def __init__(self, dim, hidden_dim, dp, mp):
+        super().__init__()
+        if hidden_dim % mp:
+            raise ValueError(f"FFN {hidden_dim} must be a multiple of the model parallel {mp}")
+        self.dtype = COMPUTE_DTYPE
+        self.cast = ops.Cast()
+        self.w1 = llama.Linear(dim, hidden_dim, COMPUTE_DTYPE, activation=llama.LlamaSiLU).shard(
+            ((dp, 1), (mp, 1)), strategy_activation=((dp, mp),))
+        self.w3 = llama.Linear(dim, hidden_dim, COMPUTE_DTYPE).shard(((dp, 1), (mp, 1)))
+        self.w2 = llama.Linear(hidden_dim, dim, COMPUTE_DTYPE)
+        self.w2.matmul.shard(((dp, mp), (1, mp)),
+                             out_strategy=((dp * mp, 1),) if SEQ_PARALLEL and mp > 1 else None)
+        self.mul = ops.Mul().shard(((dp, 1, mp), (dp, 1, mp)))
+
+    def construct(self, x):
+        x = self.cast(x, self.dtype)
+        return self.w2(self.mul(self.w3(x), self.w1(x)))
+
+
+class MLAttention(nn.Cell):
+    """mindformers' DeepSeekV2Attention (training, no incremental state)."""
+
+    def __init__(self, dp, mp):
+        super().__init__()
+        if HEADS % mp:
+            raise ValueError(f"heads {HEADS} must be a multiple of the model parallel {mp}")
+        dtype, rows = COMPUTE_DTYPE, token_strategy(dp, mp)
+        self.dtype = dtype
+        self.shape = ops.Shape()
+        self.cast = ops.Cast()
+        self.reshape = ops.Reshape()
+        self.q2l_proj = llama.Linear(HIDDEN, Q_LORA, dtype).shard((rows, (1, 1)))
+        self.lq_norm = llama.LlamaRMSNorm(Q_LORA, NORM_EPS)
+        self.l2q_nope_proj = llama.Linear(Q_LORA, HEADS * NOPE, dtype).shard(((dp, 1), (mp, 1)))
+        self.l2q_pe_proj = llama.Linear(Q_LORA, HEADS * ROPE, dtype).shard(((dp, 1), (mp, 1)))
+        self.kv2l_k_pe = llama.Linear(HIDDEN, ROPE, dtype).shard((rows, (1, 1)))
+        self.kv2l_latent_kv = llama.Linear(HIDDEN, KV_LORA, dtype).shard((rows, (1, 1)))
+        self.lkv_norm = llama.LlamaRMSNorm(KV_LORA, NORM_EPS)
+        self.lkv2kv_k_nope = llama.Linear(KV_LORA, HEADS * NOPE, dtype).shard(((dp, 1), (mp, 1)))
+        self.lkv2kv_v = llama.Linear(KV_LORA, HEADS * V_HEAD, dtype).shard(((dp, 1), (mp, 1)))
+        if SEQ_PARALLEL:  # the latents normalised on 2-D token rows
+            self.lq_norm.shard((dp * mp, 1))
+            self.lkv_norm.shard((dp * mp, 1))
+        else:
+            self.lq_norm.shard((dp, 1, 1))
+            self.lkv_norm.shard((dp, 1, 1))
+        self.wo = llama.Linear(HEADS * V_HEAD, HIDDEN, dtype)
+        self.wo.matmul.shard(((dp, mp), (1, mp)),
+                             out_strategy=((dp * mp, 1),) if SEQ_PARALLEL and mp > 1 else None)
+        self.transpose = ops.Transpose().shard(((dp, 1, mp, 1),))
+        self.merger_head_transpose = ops.Transpose().shard(((dp, mp, 1, 1),))
+        self.tile_kv = ops.Tile().shard(((dp, mp, 1, 1),))
+        self.pe_concat = ops.Concat(3).shard(((dp, mp, 1, 1), (dp, mp, 1, 1)))
+        self.apply_rotary_emb = llama.RotaryEmbedding(ROPE)
+        self.apply_rotary_emb.shard((dp, mp, 1, 1))
+        self.scale = 1.0 / math.sqrt(Q_HEAD)
+        if llama.FLASH and Q_HEAD - V_HEAD not in (0, ROPE):
+            raise ValueError(f"flash attention pads the value head ({V_HEAD}) to the query's "
+                             f"({Q_HEAD}) with a rope-sized block of zeros: give DEEPSEEK_V_HEAD "
+                             f"{Q_HEAD} or {Q_HEAD - ROPE}, or LLAMA_FLASH=0")
+        if llama.FLASH:
+            self.mul_zeros = ops.Mul().shard(((dp, mp, 1, 1), ()))
+            self.dim_slice_4d = ops.StridedSlice().shard(((dp, mp, 1, 1),))
+            self.flash_attention = ops.FlashAttentionScore(
+                head_num=HEADS, keep_prob=1.0, scale_value=self.scale, pre_tokens=65536,
+                next_tokens=0, input_layout="BNSD", sparse_mode=0)
+            self.flash_attention.shard(((dp, mp, 1, 1), (dp, mp, 1, 1), (dp, mp, 1, 1),
+                                        (dp, 1, 1, 1)))
+        else:
+            self.batch_matmul_q_k = ops.BatchMatMul(transpose_b=True).shard(
+                ((dp, mp, 1, 1), (dp, mp, 1, 1)))
+            self.batch_matmul = ops.BatchMatMul().shard(((dp, mp, 1, 1), (dp, mp, 1, 1)))
+            self.mul = ops.Mul().shard(((dp, mp, 1, 1), ()))
+            self.add = ops.Add().shard(((dp, 1, 1, 1), (dp, mp, 1, 1)))
+            self.softmax = ops.Softmax().shard(((dp, mp, 1, 1),))
+            self.cast_attn = ops.Cast()
+
+    def _norm_rows(self, norm, x):
+        if not SEQ_PARALLEL:
+            return norm(x)
+        shape = self.shape(x)
+        return self.reshape(norm(self.reshape(x, (-1, x.shape[-1]))), shape)
+
+    def _heads(self, x, bs, seq_len, dim):
+        return self.transpose(self.reshape(x, (bs, seq_len, HEADS, dim)), (0, 2, 1, 3))
+
+    def construct(self, x, freqs_cis, mask):
+        ori_dtype = x.dtype
+        bs, seq_len, _ = self.shape(x)
+        norm_q = self._norm_rows(self.lq_norm, self.q2l_proj(x))
+        q_nope = self._heads(self.l2q_nope_proj(norm_q), bs, seq_len, NOPE)
+        q_pe = self._heads(self.l2q_pe_proj(norm_q), bs, seq_len, ROPE)
+        k_pe = self.reshape(self.kv2l_k_pe(x), (bs, 1, seq_len, ROPE))
+        k_pe = self.tile_kv(k_pe, (1, HEADS, 1, 1))
+        latent_kv = self.reshape(self.kv2l_latent_kv(x), (bs, seq_len, KV_LORA))
+        i_kv = self._norm_rows(self.lkv_norm, latent_kv)
+        k_nope = self._heads(self.lkv2kv_k_nope(i_kv), bs, seq_len, NOPE)
+        value = self._heads(self.lkv2kv_v(i_kv), bs, seq_len, V_HEAD)
+        q_pe, k_pe = self.apply_rotary_emb(q_pe, k_pe, freqs_cis)
+        query = self.pe_concat((q_nope, q_pe))
+        key = self.pe_concat((k_nope, k_pe))
+        if llama.FLASH:
+            if Q_HEAD > V_HEAD:  # the value padded with zeros to the query's head size
+                value = self.pe_concat((value, self.mul_zeros(q_pe, 0)))
+            context = self.flash_attention(self.cast(query, self.dtype),
+                                           self.cast(key, self.dtype),
+                                           self.cast(value, self.dtype), None, None, None,
+                                           mask, None, None, None)[3]
+            context = self.dim_slice_4d(context, (0, 0, 0, 0), (bs, HEADS, seq_len, V_HEAD),
+                                        (1, 1, 1, 1))
+        else:
+            score = self.mul(self.batch_matmul_q_k(query, key), self.scale)
+            score = self.add(mask, score)
+            probs = self.softmax(self.cast_attn(score, "float32"))
+            context = self.batch_matmul(self.cast(probs, self.dtype), self.cast(value, self.dtype))
+        context = self.merger_head_transpose(context, (0, 2, 1, 3))
+        output = self.wo(self.reshape(context, (bs, seq_len, HEADS * V_HEAD)))
+        return self.cast(output, ori_dtype)
+
+
+def expert_capacity(tokens):
+    """mindformers' capacity: ceil(k N capacity_factor / E) slots per expert, at most k N."""
+    return min(math.ceil(TOP_K * tokens * CAPACITY_FACTOR / EXPERTS), TOP_K * tokens)
+
+
+class TopkRouterV2(nn.Cell):
+    """mindformers' TopkRouterV2 with sigmoid gating and aux-loss-free balancing: dispatch and
+    combine indices, the router coefficients and the expert balance loss of (groups, N, E)
+    float32 logits; the experts' load and the routing bias updated by the step."""
+
+    def __init__(self, dp):
+        super().__init__()
+        self.dp = dp
+        self.sigmoid = P.Sigmoid().shard(((dp, 1, 1),))
+        self.topk_bias = Parameter(initializer("zeros", (EXPERTS,)), "topk_bias",
+                                   requires_grad=False)
+        self.expert_load = Parameter(initializer("zeros", (EXPERTS,)), "expert_load",
+                                     requires_grad=False)
+        self.afb_add_topk_bias = P.Add().shard(((dp, 1, 1), (1,)))
+        self.afb_topk = P.TopK().shard(((dp, 1, 1),))
+        self.gate_gather = P.Gather(batch_dims=2).shard(((dp, 1, 1), (dp, 1, 1)))
+        self.onehot_2d = P.OneHot().shard(((dp, 1, 1), (), ()))
+        self.reduce_mean = P.ReduceMean(keep_dims=False).shard(((dp, 1, 1),))
+        self.afb_reduce_mean = P.ReduceMean(keep_dims=False).shard(((1, 1),))
+        self.assign_add = P.AssignAdd().shard(((1,), (1,)))
+        # TopkBiasBalanceCallback's arithmetic on the replicated state
+        self.assign_add_bias = P.AssignAdd().shard(((1,), (1,)))
+        self.reset_load = P.Assign().shard(((1,), (1,)))
+        self.afb_load_mean = P.ReduceMean(keep_dims=True).shard(((1,),))
+        self.afb_sub = P.Sub().shard(((1,), (1,)))
+        self.afb_sign = P.Sign().shard(((1,),))
+        self.afb_rate = P.Mul().shard(((1,), ()))
+        self.zeros_e = Tensor(np.zeros((EXPERTS,), np.float32))
+        self.transpose_3d = P.Transpose().shard(((dp, 1, 1),))
+        self.reshape = P.Reshape()
+        self.cast = P.Cast()
+        self.mod = P.Mod().shard(((dp, 1, 1), ()))
+        self.not_equal = P.NotEqual().shard(((dp, 1, 1), ()))
+        self.mul_3d = P.Mul().shard(((dp, 1, 1), (dp, 1, 1)))
+        self.reduce_sum_keep = P.ReduceSum(keep_dims=True).shard(((dp, 1, 1),))
+        self.add_eps = P.Add().shard(((dp, 1, 1), ()))
+        self.div_3d = P.RealDiv().shard(((dp, 1, 1), (dp, 1, 1)))
+        self.reduce_mean_2d = P.ReduceMean(keep_dims=False).shard(((dp, 1),))
+        self.mul_2d = P.Mul().shard(((dp, 1), (dp, 1)))
+        self.on_value = Tensor(1.0, np.float32)
+        self.off_value = Tensor(0.0, np.float32)
+        if FUSED_ROUTER:
+            self.topkrouter = P._inner_ops.TopKRouter().shard(((dp, 1, 1),))
+        else:
+            self.cumsum = P.CumSum().shard(((dp, 1, 1),))
+            self.less = P.Less().shard(((dp, 1, 1), ()))
+            self.reduce_sum = P.ReduceSum(keep_dims=False).shard(((dp, 1, 1),))
+            self.sort_range = P.Sort().shard(((dp, 1, 1),))
+
+    def construct(self, router_logits):
+        router_prob = self.sigmoid(router_logits)                    # (groups, N, E) fp32
+        topk_bias = self._balance_topk_bias()
+        # aux-loss-free: the bias chooses the experts, the scores weigh them
+        _, expert_index = self.afb_topk(self.afb_add_topk_bias(router_prob, topk_bias), TOP_K)
+        expert_gate = self.gate_gather(router_prob, expert_index, 2)  # (groups, N, k)
+        self._update_expert_load(expert_index)
+        extra_loss = self._expert_load_balancing(router_prob, expert_index)
+        if FUSED_ROUTER:
+            dispatch_idx, combine_idx, router_coeff = self._maskout_topkrouter(expert_index,
+                                                                              expert_gate)
+        else:
+            dispatch_idx, combine_idx, router_coeff = self._maskout_sort_kdrop(expert_index,
+                                                                              expert_gate)
+        return dispatch_idx, combine_idx, router_coeff, extra_loss
+
+    def _balance_topk_bias(self):
+        """mindformers' TopkBiasBalanceCallback, which runs between steps, at the start of
+        the next: the bias moves by topk_bias_update_rate towards the experts the last step
+        loaded less than the mean (sign(mean load - load)), and the load restarts from zero.
+        The first step's load is zero: its bias does not move."""
+        load = self.expert_load
+        step = self.afb_sign(self.afb_sub(self.afb_load_mean(load, 0), load))
+        topk_bias = self.assign_add_bias(self.topk_bias, self.afb_rate(step, TOPK_BIAS_RATE))
+        self.reset_load(self.expert_load, self.zeros_e)
+        return topk_bias
+
+    def _update_expert_load(self, expert_index):
+        groups = expert_index.shape[0]
+        mask = self.onehot_2d(self.reshape(expert_index, (groups, -1)), EXPERTS,
+                              self.on_value, self.off_value)          # (groups, kN, E)
+        load = self.afb_reduce_mean(self.reduce_mean(mask, 1), 0)      # (E,)
+        self.assign_add(self.expert_load, load)
+
+    def _expert_load_balancing(self, scores, top_indices):
+        pi = self.reduce_mean(scores, 1)                               # (groups, E)
+        groups = top_indices.shape[0]
+        top_indices = self.reshape(self.transpose_3d(top_indices, (0, 2, 1)), (groups, -1))
+        fi = self.reduce_mean(self.onehot_2d(top_indices, EXPERTS, self.on_value,
+                                             self.off_value), 1)       # (groups, E)
+        return self.reduce_mean_2d(self.mul_2d(pi, fi)) * (AUX_EXPERT_FACTOR * EXPERTS ** 2)
+
+    def _normalize(self, router_coeff_raw):
+        total = self.reduce_sum_keep(router_coeff_raw, 2)
+        return self.div_3d(router_coeff_raw, self.add_eps(total, 1e-9))
+
+    def _coefficients(self, expert_gate):
+        if TOP_K > 1:  # norm_topk_prob
+            return self._normalize(expert_gate)
+        return ops.mul(ROUTED_SCALING, expert_gate)
+
+    def _maskout_topkrouter(self, expert_index, expert_gate):
+        capacity = expert_capacity(expert_index.shape[1])
+        dispatch_index, combine_index = self.topkrouter(expert_index, capacity, EXPERTS, 1)
+        within = self.not_equal(self.mod(combine_index, capacity + 1), 0)
+        expert_gate = self.mul_3d(self.cast(within, "float32"), expert_gate)
+        return dispatch_index, combine_index, self._coefficients(expert_gate)
+
+    def _maskout_sort_kdrop(self, expert_index, expert_gate):
+        """The unfused form: every token's first choice queued first, slots from a CumSum of
+        the one-hot choices, each expert's tokens from a Sort of their positions."""
+        groups, tokens, k = expert_index.shape
+        kn = k * tokens
+        capacity = expert_capacity(tokens)
+        flat = self.reshape(self.transpose_3d(expert_index, (0, 2, 1)), (groups, kn))
+        mask = self.onehot_2d(flat, EXPERTS, self.on_value, self.off_value)  # (g, kN, E)
+        position = self.mul_3d(self.cumsum(mask, 1), mask)
+        position = self.mul_3d(position, self.cast(self.less(position, capacity + 1),
+                                                   "float32"))
+        slot = self.reduce_sum(position, -1)                              # (g, kN)
+        combine = self.cast(flat, "float32") * (capacity + 1) + slot
+        combine = self.transpose_3d(self.reshape(combine, (groups, k, tokens)), (0, 2, 1))
+        within = self.cast(slot > 0, "float32")
+        within = self.transpose_3d(self.reshape(within, (groups, k, tokens)), (0, 2, 1))
+        order = Tensor(np.tile(np.arange(kn, dtype=np.float32), (1, EXPERTS, 1)))
+        select = self.transpose_3d(mask, (0, 2, 1))                        # (g, E, kN)
+        raw = select * order + (1 - select) * (order + 2 * kn)
+        ranked, _ = self.sort_range(raw)
+        ranked = ranked[:, :, :capacity]
+        safe = self.cast(ranked < 2 * kn, "float32")
+        dispatch = (self.mod(ranked, tokens) + 1) * safe
+        router_coeff = self._coefficients(self.mul_3d(expert_gate, within))
+        return self.cast(dispatch, "int32"), self.cast(combine, "int32"), router_coeff
+
+
+class Experts(nn.Cell):
+    """E SwiGLU experts as [E, in, out] weights (mindformers' FeedForward with expert_num): the
+    expert axis split by ep, an expert's tokens by dp / ep, the FFN size by mp."""
+
+    def __init__(self, dp, mp, ep):
+        super().__init__()
+        if MOE_FFN % mp:
+            raise ValueError(f"expert FFN {MOE_FFN} must be a multiple of the model parallel "
+                             f"{mp}")
+        self.dtype = COMPUTE_DTYPE
+        self.w1 = Parameter(initializer("normal", [EXPERTS, HIDDEN, MOE_FFN]), "w1")
+        self.w3 = Parameter(initializer("normal", [EXPERTS, HIDDEN, MOE_FFN]), "w3")
+        self.w2 = Parameter(initializer("normal", [EXPERTS, MOE_FFN, HIDDEN]), "w2")
+        # the data-parallel axis is (dp / ep, ep): the experts take its minor factor, so one
+        # AlltoAll over the ep ranks of a data-parallel group moves the slots
+        layout = Layout((dp // ep, ep, mp), ("dp", "ep", "mp"))
+        tokens, features = layout("ep", "dp", "None"), layout("ep", "dp", "mp")
+        self.gate = ops.BatchMatMul().shard((tokens, layout("ep", "None", "mp")))
+        self.up = ops.BatchMatMul().shard((tokens, layout("ep", "None", "mp")))
+        self.silu = ops.SiLU().shard((features,))
+        self.mul = ops.Mul().shard((features, features))
+        self.down = ops.BatchMatMul().shard((features, layout("ep", "mp", "None")))
+        self.cast = ops.Cast()
+
+    def construct(self, x):
+        gate = self.silu(self.gate(x, self.cast(self.w1, self.dtype)))
+        hidden = self.mul(gate, self.up(x, self.cast(self.w3, self.dtype)))
+        return self.down(hidden, self.cast(self.w2, self.dtype))
+
+
+class MoEV2(nn.Cell):
+    """mindformers' MoEV2: route each group's tokens, gather them into expert slots, run the
+    experts with the expert axis in front, gather each token's k outputs back and weigh them."""
+
+    def __init__(self, dp, mp, ep):
+        super().__init__()
+        self.dtype = COMPUTE_DTYPE
+        self.router_dense = llama.Linear(HIDDEN, EXPERTS, "float32").shard(((dp, 1), (1, 1)))
+        self.router = TopkRouterV2(dp)
+        self.ffn = Experts(dp, mp, ep)
+        self.reshape = ops.Reshape()
+        self.cast = ops.Cast()
+        self.concat_3d = P.Concat(1).shard(((dp, 1, 1), (dp, 1, 1)))
+        self.dispatch_gather = P.Gather(batch_dims=1).shard(((dp, 1, 1), (dp, 1, 1)))
+        self.to_experts = P.Transpose().shard(((dp, 1, 1, 1),))
+        self.to_groups = P.Transpose().shard(((1, dp, 1, 1),))
+        self.concat = P.Concat(2).shard(((dp, 1, 1, 1), (dp, 1, 1, 1)))
+        self.combine_gather = P.Gather(batch_dims=1).shard(((dp, 1, 1), (dp, 1, 1)))
+        self.mul_router_coeff = P.Mul().shard(((dp, 1, 1, 1), (dp, 1, 1, 1)))
+        self.sum_router_coeff = P.ReduceSum(keep_dims=False).shard(((dp, 1, 1, 1),))
+
+    def construct(self, x):
+        """x: [batch, seq, h] -> ([batch, seq, h], the balance loss)."""
+        batch, seq, dim = x.shape
+        if (batch * seq) % GROUPS:
+            raise ValueError(f"{batch} x {seq} tokens do not split into DEEPSEEK_GROUPS={GROUPS}"
+                             " routing groups")
+        tokens = batch * seq // GROUPS
+        capacity = expert_capacity(tokens)
+        x = self.reshape(x, (GROUPS, tokens, dim))
+        logits = self.router_dense(self.cast(self.reshape(x, (GROUPS * tokens, dim)), "float32"))
+        dispatch_idx, combine_idx, router_coeff, extra_loss = self.router(
+            self.reshape(logits, (GROUPS, tokens, EXPERTS)))
+        x = self.cast(x, self.dtype)
+        # dispatch: slot c of expert e holds token dispatch_idx - 1 (row 0: zeros)
+        padded = self.concat_3d((Tensor(np.zeros((GROUPS, 1, dim)), self.dtype), x))
+        slots = self.dispatch_gather(padded, dispatch_idx, 1)          # (g, E, C, h)
+        slots = self.reshape(self.to_experts(slots, (1, 0, 2, 3)), (EXPERTS, GROUPS * capacity,
+                                                                     dim))
+        out = self.ffn(slots)
+        out = self.to_groups(self.reshape(out, (EXPERTS, GROUPS, capacity, dim)), (1, 0, 2, 3))
+        # combine: each choice's output at expert * (C + 1) + slot (slot 0: zeros, dropped)
+        out = self.concat((Tensor(np.zeros((GROUPS, EXPERTS, 1, dim)), self.dtype), out))
+        out = self.reshape(out, (GROUPS, EXPERTS * (capacity + 1), dim))
+        chosen = self.combine_gather(out, combine_idx, 1)               # (g, N, k, h)
+        coeff = self.cast(router_coeff, self.dtype)
+        chosen = self.mul_router_coeff(chosen, self.reshape(coeff, (GROUPS, tokens, TOP_K, 1)))
+        out = self.sum_router_coeff(chosen, 2)
+        return self.reshape(out, (batch, seq, dim)), extra_loss
+
+
+class FeedForwardWithMoE(nn.Cell):
+    """mindformers' LlamaFeedForwardWithMoE: the routed experts plus the shared expert."""
+
+    def __init__(self, dp, mp, ep):
+        super().__init__()
+        self.routed_experts = MoEV2(dp, mp, ep)
+        self.shared_experts = FeedForward(HIDDEN, MOE_FFN * SHARED_EXPERTS, dp, mp)
+        self.add = ops.Add().shard(((dp, 1, 1), (dp, 1, 1)))
+        self.cast = ops.Cast()
+
+    def construct(self, x):
+        routed, extra_loss = self.routed_experts(x)
+        shared = self.shared_experts(x)
+        return self.add(self.cast(routed, shared.dtype), shared), extra_loss
+
+
+class DecodeLayer(nn.Cell):
+    def __init__(self, layer_id, dp, mp, ep):
+        super().__init__()
+        self.attention_norm = llama.LlamaRMSNorm(HIDDEN, NORM_EPS)
+        self.ffn_norm = llama.LlamaRMSNorm(HIDDEN, NORM_EPS)
+        self.attention = MLAttention(dp, mp)
+        self.moe = layer_id >= DENSE
+        self.feed_forward = (FeedForwardWithMoE(dp, mp, ep) if self.moe
+                             else FeedForward(HIDDEN, FFN, dp, mp))
+        residual = residual_strategy(dp, mp)
+        self.add = ops.Add().shard((residual, residual))
+        self.attention_norm.shard(residual)
+        self.ffn_norm.shard(residual)
+        self.cast = ops.Cast()
+
+    def construct(self, x, freqs_cis, mask):
+        h = self.add(x, self.attention(self.attention_norm(x), freqs_cis, mask))
+        if self.moe:
+            out, extra_loss = self.feed_forward(self.ffn_norm(h))
+        else:
+            out, extra_loss = self.feed_forward(self.ffn_norm(h)), 0.0
+        return self.add(h, self.cast(out, h.dtype)), extra_loss
+
+
+class MTPHiddenFuser(nn.Cell):
+    """mindformers' MTPHiddenFuser: the normalised hidden state and next-token embedding,
+    concatenated and projected back to the hidden size."""
+
+    def __init__(self, dp, mp):
+        super().__init__()
+        self.norm = llama.LlamaRMSNorm(HIDDEN, NORM_EPS)
+        self.norm_emb = llama.LlamaRMSNorm(HIDDEN, NORM_EPS)
+        residual = residual_strategy(dp, mp)
+        self.norm.shard(residual)
+        self.norm_emb.shard(residual)
+        self.concat = ops.Concat(-1).shard((residual, residual))
+        self.dense = llama.Linear(2 * HIDDEN, HIDDEN, COMPUTE_DTYPE).shard(
+            (token_strategy(dp, mp), (1, 1)))
+        self.cast = ops.Cast()
+
+    def construct(self, h, h_emb):
+        return self.dense(self.concat((self.norm(h), self.cast(self.norm_emb(h_emb), h.dtype))))
+
+
+class DeepseekV3Model(nn.Cell):
+    def __init__(self, dp, mp, ep):
+        super().__init__()
+        self.shape = ops.Shape()
+        self.cast = ops.Cast()
+        self.reshape = ops.Reshape()
+        self.embedding_weight = Parameter(initializer("normal", [VOCAB, HIDDEN]),
+                                          "embedding_weight")
+        self.gather = ops.Gather().shard(((1, 1), (dp, 1)))
+        self.layers = nn.CellList([DecodeLayer(i, dp, mp, ep) for i in range(LAYERS)])
+        self.norm_out = llama.LlamaRMSNorm(HIDDEN, NORM_EPS)
+        self.norm_out.shard(residual_strategy(dp, mp))
+        self.freqs_cos, self.freqs_sin = llama.rope_tables(SEQ, ROPE, ROPE_THETA)
+        self.mask = llama.causal_mask(SEQ)
+        self.tile_mask = ops.Tile().shard(((1, 1, 1, 1),))
+        self.mask_cast = ops.Cast()
+        self.mtp_fusers = nn.CellList([MTPHiddenFuser(dp, mp) for _ in range(MTP_DEPTH)])
+        self.mtp_layers = nn.CellList([DecodeLayer(DENSE, dp, mp, ep)
+                                       for _ in range(MTP_DEPTH)])
+        self.mtp_norms = nn.CellList([llama.LlamaRMSNorm(HIDDEN, NORM_EPS)
+                                      for _ in range(MTP_DEPTH)])
+        for norm in self.mtp_norms:
+            norm.shard(residual_strategy(dp, mp))
+
+    def embed(self, tokens):
+        bs, seq_len = self.shape(tokens)
+        h = self.cast(self.gather(self.embedding_weight, tokens, 0), COMPUTE_DTYPE)
+        return self.reshape(h, (bs, seq_len, HIDDEN))
+
+    def construct(self, tokens, mtp_tokens):
+        """The main model's hidden states and, per MTP depth, the depth's (their logits are
+        scored against labels shifted once more), and the layers' balance losses."""
+        bs, _ = self.shape(tokens)
+        mask = self.tile_mask(self.mask, (bs, 1, 1, 1))
+        if not llama.FLASH:
+            mask = self.mask_cast(mask, COMPUTE_DTYPE)
+        freqs_cis = (self.freqs_cos, self.freqs_sin)
+        h = self.embed(tokens)
+        extra_loss = 0.0
+        for layer in self.layers:
+            h, layer_loss = layer(h, freqs_cis, mask)
+            extra_loss = extra_loss + layer_loss
+        outputs = [self.norm_out(h)]
+        for fuser, layer, norm, next_tokens in zip(self.mtp_fusers, self.mtp_layers,
+                                                   self.mtp_norms, mtp_tokens):
+            h, layer_loss = layer(fuser(h, self.embed(next_tokens)), freqs_cis, mask)
+            extra_loss = extra_loss + layer_loss
+            outputs.append(norm(h))
+        return outputs, extra_loss
+
+
+class DeepseekV3ForCausalLM(nn.Cell):
+    """mindformers' TrainingDeepseekV3ForCausalLM: tokens = input_ids[:, :-1], labels =
+    input_ids[:, 1:]; the masked cross-entropy (padding and ignored labels do not count), the
+    MoE layers' balance losses and, per MTP depth, its loss on labels shifted once more (the
+    shifted-out end padded) times mtp_loss_factor / depth; a (1,) tensor."""
+
+    def __init__(self):
+        super().__init__()
+        dp, mp, ep = parallel_config()
+        set_seed(1)
+        self.model = DeepseekV3Model(dp, mp, ep)
+        self.lm_head = llama.Linear(HIDDEN, VOCAB, COMPUTE_DTYPE)
+        self.lm_head.shard(((dp, 1), (mp, 1)) if VOCAB % mp == 0 else ((dp, 1), (1, 1)))
+        self.loss = llama.CrossEntropyLoss(dp, mp)
+        self.shape = ops.Shape()
+        self.reshape = ops.Reshape()
+        self.cast = ops.Cast()
+        self.slice = ops.StridedSlice().shard(((dp, 1),))
+        self.not_equal = ops.NotEqual().shard(((dp, 1), ()))
+        self.mul = ops.Mul().shard(((dp, 1), (dp, 1)))
+        self.concat_2d = ops.Concat(-1).shard(((dp, 1), (dp, 1)))
+
+    def _shift_and_pad(self, x):
+        """x one position to the left, the end padded with zeros (mindformers' roll)."""
+        bs, seq_len = self.shape(x)
+        x = self.slice(x, (0, 1), (bs, seq_len), (1, 1))
+        return self.concat_2d((x, Tensor(np.zeros((bs, 1)), x.dtype)))
+
+    def _loss(self, hidden, labels, tokens):
+        input_mask = self.cast(self.not_equal(tokens, llama.PAD_TOKEN_ID), "float32")
+        label_mask = self.cast(self.not_equal(labels, llama.IGNORE_TOKEN_ID), "float32")
+        logits = self.cast(self.lm_head(hidden), "float32")
+        return self.loss(self.reshape(logits, (-1, VOCAB)), labels,
+                         self.mul(input_mask, label_mask))
+
+    def construct(self, input_ids):
+        bsz, seqlen = self.shape(input_ids)
+        tokens = self.slice(input_ids, (0, 0), (bsz, seqlen - 1), (1, 1))
+        labels = self.slice(input_ids, (0, 1), (bsz, seqlen), (1, 1))
+        mtp_tokens, shifted = [], tokens
+        for _ in range(MTP_DEPTH):
+            shifted = self._shift_and_pad(shifted)
+            mtp_tokens.append(shifted)
+        outputs, extra_loss = self.model(tokens, mtp_tokens)
+        loss = self._loss(outputs[0], labels, tokens) + extra_loss
+        for depth in range(MTP_DEPTH):
+            labels = self._shift_and_pad(labels)
+            tokens = self._shift_and_pad(tokens)
+            loss = loss + self._loss(outputs[depth + 1], labels, tokens) * (
+                MTP_LOSS_FACTOR / MTP_DEPTH)
+        return loss
+
+
+def model():
+    net = DeepseekV3ForCausalLM()
+    if llama.STRATEGIES == "none":  # LLAMA_STRATEGIES=none: the search decides every op
+        llama.remove_strategies(net)
+    return net
+
+
+def optimizer(params):
+    return nn.AdamWeightDecay(params, learning_rate=1e-3, weight_decay=0.01)
+
+
+def dataset():
+    """Learnable sequences (each next token the previous one + 1, mod the vocabulary, skipping
+    the padding id 0; the last sample ends in padding)."""
+    return llama.learnable_sequences(VOCAB, SEQ, BATCH)
+
+
+def inputs():
+    return next(iter(dataset()))
