@@ -123,6 +123,68 @@ BitwiseOr = _simple("BitwiseOr")
 BitwiseXor = _simple("BitwiseXor")
 
 
+class AddExt(_Simple):
+    """`ops.auto_generate.AddExt()(input, other, alpha=1)`: input + alpha * other."""
+
+    op = "AddExt"
+
+    def __call__(self, input: Any, other: Any, alpha: Any = 1) -> Any:  # noqa: A002
+        return self._apply([input, other], alpha=_number(alpha, f"{self.op}: alpha"))
+
+
+class SubExt(AddExt):
+    """`ops.auto_generate.SubExt()(input, other, alpha=1)`: input - alpha * other."""
+
+    op = "SubExt"
+
+
+def _number(value: Any, what: str) -> int | float:
+    if isinstance(value, Tensor) and not value.is_symbolic and value.shape == ():
+        value = value.asnumpy().item()
+    if isinstance(value, (np.integer, np.floating)):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number, got {type(value).__name__} {value!r}")
+    return value
+
+
+class Max(_Simple):
+    """`ops.auto_generate.Max()(input)` (`mint.max(input)`): the largest element, a 0-d tensor
+    (a ReduceMax over every dim: its strategy splits any dim, the ranks' maxima are combined
+    by an AllReduce max)."""
+
+    op = "ReduceMax"
+
+    def __call__(self, input: Any) -> Any:  # noqa: A002
+        return self._apply([input], axis=(), keep_dims=False)
+
+
+class Embedding(Primitive):
+    """`ops.auto_generate.Embedding()(input, weight, padding_idx=None, max_norm=None,
+    norm_type=2.0, scale_grad_by_freq=False)`: the rows of `weight` at `input` (a Gather of
+    the table's rows). Its strategy is MindSpore's operand order, `((input dims), (weight
+    dims))`; the IR's Gather takes the table first."""
+
+    op = "Gather"
+
+    def __call__(self, input: Any, weight: Any, padding_idx: Any = None,  # noqa: A002
+                 max_norm: Any = None, norm_type: float = 2.0,
+                 scale_grad_by_freq: bool = False) -> Any:
+        for name, value, default in (("padding_idx", padding_idx, None),
+                                     ("max_norm", max_norm, None),
+                                     ("scale_grad_by_freq", scale_grad_by_freq, False)):
+            if value != default:
+                raise ValueError(f"Embedding: {name}={value!r} is not supported; use "
+                                 f"{default!r}")
+        given = self.in_strategy
+        if given is not None and len(given) == 2:  # MindSpore's order: input, then weight
+            self.in_strategy = (given[1], given[0])
+        try:
+            return self._apply([weight, input], axis=0)
+        finally:
+            self.in_strategy = given
+
+
 class Depend(_Simple):
     """`ops.Depend()(value, expr)`: value, computed after expr. `expr` may be a tuple or list
     of tensors (one Depend per tensor); entries that are not traced tensors (Python values,

@@ -1,5 +1,5 @@
 """Element-wise arithmetic MindSpore's parallel tests and `ops` functions use: Trunc, FloorMod,
-Atan2, DivNoNan, MulNoNan, BitwiseAnd, BitwiseOr, BitwiseXor.
+Atan2, DivNoNan, MulNoNan, BitwiseAnd, BitwiseOr, BitwiseXor, AddExt, SubExt.
 
 * `Trunc(x)`: x rounded toward zero (integers unchanged); zero gradient (MindSpore's bprop),
   so it stops gradients. `ops.div(x, y, rounding_mode="trunc")` is Trunc(RealDiv(x, y)).
@@ -13,6 +13,9 @@ Atan2, DivNoNan, MulNoNan, BitwiseAnd, BitwiseOr, BitwiseXor.
 * `MulNoNan(x, y)`: x * y, and 0 where y is 0 (even where x is inf or NaN). Gradient:
   MulNoNan(cot, y) for x and MulNoNan(x, cot) for y, as MindSpore's bprop.
 * `BitwiseAnd`, `BitwiseOr`, `BitwiseXor`: integers and Bool; no gradient.
+* `AddExt(x, y; alpha)`, `SubExt(x, y; alpha)`: x + alpha y and x - alpha y (MindSpore's
+  `ops.auto_generate` primitives behind `mint.add` / `mint.sub`); a float alpha needs float
+  operands. Gradient: cot for x, +-alpha cot for y.
 
 Sharding: every one is MindSpore's ArithmeticBase (`ELEMENTWISE`, each output dim may be split,
 a broadcast dim never).
@@ -39,22 +42,22 @@ _RULE_TESTS = "test_ops_numeric.py::test_rules_match_the_oracle"
 def _wide(fn: Any) -> Any:
     """A float formula computed in float32 for 16-bit inputs and rounded once (as XLA does)."""
 
-    def impl(*arrays: Any) -> Any:
+    def impl(*arrays: Any, **attrs: Any) -> Any:
         dtype = np.asarray(arrays[0]).dtype
         if dtype.kind == "f" and dtype.itemsize < 4 or dtype.name == "bfloat16":
             arrays = tuple(np.asarray(a, np.float32) for a in arrays)
         with np.errstate(all="ignore"):
-            return np.asarray(fn(*arrays)).astype(dtype, copy=False)
+            return np.asarray(fn(*arrays, **attrs)).astype(dtype, copy=False)
 
     return impl
 
 
 def _wide_jax(fn: Any) -> Any:
-    def impl(*arrays: Any) -> Any:
+    def impl(*arrays: Any, **attrs: Any) -> Any:
         dtype = arrays[0].dtype
         if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
-            return fn(*(a.astype(jnp.float32) for a in arrays)).astype(dtype)
-        return fn(*arrays)
+            return fn(*(a.astype(jnp.float32) for a in arrays), **attrs).astype(dtype)
+        return fn(*arrays, **attrs)
 
     return impl
 
@@ -204,3 +207,51 @@ for _name, _fn in (("BitwiseAnd", "bitwise_and"), ("BitwiseOr", "bitwise_or"),
                 doc=f"bitwise {_name[len('Bitwise'):].lower()} of integers or Bool, with "
                     "broadcasting.",
                 tests=("test_ops_numeric.py::test_values_match_jax", _RULE_TESTS))
+
+# -- AddExt, SubExt ---------------------------------------------------------------------------
+
+
+def _scaled(y: Any, alpha: Any, dtype: Any) -> Any:
+    return y if alpha == 1 else y * np.asarray(alpha, dtype)
+
+
+def _alpha_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    out = tensor(_numeric_binary(types, attrs))
+    alpha = attrs["alpha"]
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise ShapeError(f"alpha must be a number, got {alpha!r}")
+    if isinstance(alpha, float) and not out.dtype.is_float:
+        raise ShapeError(f"a float alpha ({alpha}) needs floating-point operands, got "
+                         f"{out.dtype.value}")
+    return out
+
+
+def _ext_vjp(sign: str) -> Any:
+    def vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
+        x, y = node.operands
+        alpha = node.attrs["alpha"]
+        dy = cot if alpha == 1 else b("Mul", cot, alpha)
+        if sign == "-":
+            dy = b("Neg", dy)
+        return [unbroadcast(b, cot, x.shape), unbroadcast(b, dy, y.shape)]
+
+    return vjp
+
+
+elementwise("AddExt", _alpha_infer,
+            _wide(lambda x, y, alpha: x + _scaled(y, alpha, x.dtype)),
+            _wide_jax(lambda x, y, alpha: x + (y if alpha == 1 else y * jnp.asarray(alpha,
+                                                                                  y.dtype))),
+            vjp=_ext_vjp("+"), num_inputs=2, attrs={"alpha": 1},
+            operands="input, other (broadcast); `alpha`", dtypes=NUMERIC,
+            doc="input + alpha * other with broadcasting (MindSpore's AddExt, `mint.add`).",
+            tests=("test_ops_numeric.py::test_add_ext_and_sub_ext", _RULE_TESTS))
+
+elementwise("SubExt", _alpha_infer,
+            _wide(lambda x, y, alpha: x - _scaled(y, alpha, x.dtype)),
+            _wide_jax(lambda x, y, alpha: x - (y if alpha == 1 else y * jnp.asarray(alpha,
+                                                                                  y.dtype))),
+            vjp=_ext_vjp("-"), num_inputs=2, attrs={"alpha": 1},
+            operands="input, other (broadcast); `alpha`", dtypes=NUMERIC,
+            doc="input - alpha * other with broadcasting (MindSpore's SubExt, `mint.sub`).",
+            tests=("test_ops_numeric.py::test_add_ext_and_sub_ext", _RULE_TESTS))

@@ -69,3 +69,53 @@ def test_with_eval_cell(tmp_path) -> None:
     assert check(program).ok()
     with pytest.raises(TypeError, match="loss_fn must be a Cell"):
         nn.WithEvalCell(nn.Dense(2, 2), "mse")
+
+
+def test_max_and_embedding_of_auto_generate() -> None:
+    """`ops.auto_generate.Max()(x)`: the largest element; `ops.auto_generate.Embedding()(input,
+    weight)`: the rows of weight, its strategy in MindSpore's operand order."""
+    x = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+    assert ops.auto_generate.Max()(x).asnumpy() == x.max()
+    idx = np.array([[0, 2], [1, 1]], np.int32)
+    np.testing.assert_array_equal(ops.auto_generate.Embedding()(idx, x).asnumpy(), x[idx])
+    with pytest.raises(ValueError, match="padding_idx"):
+        ops.auto_generate.Embedding()(idx, x, padding_idx=0)
+
+
+EMBEDDING_MODEL = """
+import numpy as np
+from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="full_batch")
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        set_seed(4)
+        self.table = Parameter(initializer("normal", [16, 8]), "table")
+        self.embedding = ops.auto_generate.Embedding().shard(((2, 1), (1, 4)))
+        self.add = ops.auto_generate.AddExt().shard(((2, 1, 4), (2, 1, 4)))
+        self.max = ops.auto_generate.Max()
+    def construct(self, ids, y):
+        h = self.add(self.embedding(ids, self.table), y, 0.5)
+        return h * self.max(h)
+def model():
+    return Net()
+def inputs():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 16, (4, 3)).astype(np.int32),
+            rng.standard_normal((4, 3, 8)).astype(np.float32)]
+def loss():
+    return nn.MSELoss()
+def labels():
+    return [np.zeros((4, 3, 8), np.float32)]
+def optimizer(params):
+    return nn.SGD(params, learning_rate=0.1)
+"""
+
+
+def test_auto_generate_ops_train_like_one_device(tmp_path) -> None:
+    path = tmp_path / "embedding.py"
+    path.write_text(EMBEDDING_MODEL)
+    program = compile_model(str(path), devices=8, dump=False)
+    gather = next(n for n in program.graph.nodes if n.op == "Gather")
+    assert program.state.assignment.sharding(gather).strategy == ((1, 4), (2, 1))
+    assert check(program, steps=2).ok()

@@ -250,6 +250,8 @@ CASES: dict[str, Case] = {
     "BitwiseAnd": Case(binary()),
     "BitwiseOr": Case(binary()),
     "BitwiseXor": Case(binary()),
+    "AddExt": Case(binary(alpha=2)),
+    "SubExt": Case(binary(alpha=2)),
     "Assign": Case(binary()),
     "AssignAdd": Case(binary()),
     "AssignSub": Case(binary()),

@@ -60,6 +60,24 @@ def test_atan2_and_no_nan_ops_match_jax() -> None:
     check_op("MulNoNan", [x, y], {}, lambda a, b: a * b)
 
 
+def test_add_ext_and_sub_ext() -> None:
+    """MindSpore's AddExt / SubExt: input +- alpha * other (alpha 1: plain Add / Sub)."""
+    rng = np.random.default_rng(2)
+    x, y = rng.standard_normal((3, 4)).astype(np.float32), rng.standard_normal((4,)).astype(
+        np.float32)
+    check_op("AddExt", [x, y], {"alpha": 2.5}, lambda a, b: a + b * 2.5)
+    check_op("SubExt", [x, y], {"alpha": 1}, lambda a, b: a - b)
+    ints = [np.array([5, -2], np.int32), np.array([3, 4], np.int32)]
+    graph = Graph("ext")
+    params = [graph.add_param(GraphParam(TensorType(DType.int32, (2,)), f"x{i}"))
+              for i in range(2)]
+    b = Builder(graph)
+    graph.outputs = [b.emit("SubExt", list(params), {"alpha": 2})]
+    np.testing.assert_array_equal(run_graph(graph, ints)[0], [-1, -10])
+    with pytest.raises(OpError, match="float alpha"):
+        b.emit("AddExt", list(params), {"alpha": 0.5})
+
+
 def test_mindspore_semantics_on_edge_values() -> None:
     """FloorMod takes the sign of y (Mod: of x); DivNoNan and MulNoNan give 0 where y is 0, even
     with an inf or NaN x; Trunc rounds toward zero and leaves integers."""
@@ -83,6 +101,8 @@ CASES = {
     "DivNoNan": lambda: ([rnd((8, 6)), np.abs(rnd((8, 6), 1)) + 0.5], {}),
     "MulNoNan": lambda: ([rnd((4, 8)), rnd((8,), 1)], {}),
     "Trunc": lambda: ([rnd((8, 4))], {}),
+    "AddExt": lambda: ([rnd((4, 8)), rnd((8,), 1)], {"alpha": 0.5}),
+    "SubExt": lambda: ([rnd((8, 4)), rnd((8, 4), 1)], {"alpha": 2.0}),
 }
 
 
