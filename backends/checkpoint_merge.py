@@ -286,6 +286,11 @@ def merge_command() -> Any:
             click.Option(["--weights-only"], is_flag=True,
                          help="only the model's weights (plan.json kind 'weight'), not the "
                               "optimizer state"),
+            click.Option(["--names"], default=None, metavar="MAP",
+                         help="write the tensors under another format's names: llama or "
+                              "mixtral (Hugging Face's; compiler/name_maps.py), or a JSON "
+                              "name map FILE; a stacked parameter (Mixtral's experts) becomes "
+                              "one tensor per slice"),
         ])
 
 
@@ -320,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pcompile-merge: error: --max-shard-size {exc}", file=sys.stderr)
         return 1
     try:
+        names = _name_map(args.names) if args.names else None
         only = _weights(args.out_dir) if args.weights_only else None
         info, tensors = merged_tensors(args.out_dir, args.step, args.checkpoint_dir, only)
     except (MergeError, CheckpointError, OSError, ValueError, KeyError) as exc:
@@ -328,6 +334,17 @@ def main(argv: list[str] | None = None) -> int:
     for line in info.pop("skipped"):
         print(f"pcompile-merge: passed over {line}", file=sys.stderr)
     layouts = info.pop("tensors")
+    if names is not None:  # another format's names (and shapes: stacked ones split)
+        renamed = [(theirs, (dtype, part)) for name, (dtype, shape) in layouts.items()
+                   for theirs, part in names.their_shapes(name, shape)]
+        twice = sorted({n for n, _ in renamed if [m for m, _ in renamed].count(n) > 1})
+        if twice:
+            print(f"pcompile-merge: error: --names {args.names}: several tensors would be "
+                  f"named {', '.join(twice[:4])}", file=sys.stderr)
+            return 1
+        layouts = dict(renamed)
+        tensors = (pair for name, tensor in tensors for pair in names.to_theirs(name, tensor))
+        info["names"] = names.name
     total = sum(math.prod(shape) * dtype.itemsize for dtype, shape in layouts.values())
     base = os.path.join(args.out_dir, f"merged_step_{info['step']:08d}")
     output = args.output or (base + ".safetensors" if total <= max_shard else base)
@@ -370,6 +387,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"merged step {info['step']} of {info['num_ranks']} ranks: {written['tensors']} "
           f"tensors, {written['bytes']} bytes -> {where}")
     return 0
+
+
+def _name_map(value: str) -> Any:
+    """--names: a built-in name map (compiler/name_maps.py) or a JSON file of one."""
+    from pcompile.compiler.name_maps import NAME_MAPS, NameMap, NameMapError
+
+    if value in NAME_MAPS:
+        return NAME_MAPS[value]
+    if not value.endswith(".json"):
+        raise MergeError(f"--names {value}: the built-in name maps are "
+                         f"{', '.join(sorted(NAME_MAPS))}, or give a JSON file (.json)")
+    try:
+        with open(value, encoding="utf-8") as f:
+            return NameMap.from_json(f.read(), value)
+    except NameMapError as exc:
+        raise MergeError(f"--names {exc}") from None
 
 
 def _weights(out_dir: str) -> set[str]:

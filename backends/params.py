@@ -46,7 +46,7 @@ import numpy as np
 
 from pcompile.backends.npz_files import portable
 from pcompile.compiler.initializer import InitializedData, Initializer, One, Zero
-from pcompile.compiler.serialization import PretrainedTensor
+from pcompile.compiler.serialization import PretrainedTensor, StackedTensor
 from pcompile.ir.types import DType
 
 FORMAT = "pcompile-params/1"
@@ -191,6 +191,11 @@ def _source(entry: Mapping[str, Any], out_dir: str) -> InitializedData:
     array: np.ndarray | PretrainedTensor
     if "value" in init:
         array = np.asarray(init["value"], dtype=dtype.np).reshape(shape)
+    elif "safetensors_stack" in init:  # compiler/name_maps.py: one of several tensors
+        array = StackedTensor.from_reference(init)
+        if tuple(array.shape) != shape:
+            raise ValueError(f"the tensors stacked from {array.file.path} have shape "
+                             f"{array.shape}, the parameter {shape}")
     elif "safetensors" in init:
         array = PretrainedTensor.from_reference(init)
         if tuple(array.shape) != shape:

@@ -189,6 +189,78 @@ class PretrainedTensor:
                 f"dtype={self.code})")
 
 
+class StackedTensor(PretrainedTensor):
+    """Tensors of safetensors files read as one (compiler/name_maps.py): `members` stacked
+    along a new first dim (`stack`; else the one member), each transposed (its dims reversed)
+    when `transpose`. A block reads only the members it spans and, of each, only its part,
+    memory-mapped, as PretrainedTensor does."""
+
+    __slots__ = ("members", "transpose", "stack")
+
+    def __init__(self, name: str, members: list[PretrainedTensor], transpose: bool = False,
+                 stack: bool = True) -> None:
+        if not members or (not stack and len(members) != 1):
+            raise CheckpointLoadError(f"{name}: {len(members)} tensors to read as one")
+        first = members[0]
+        for other in members[1:]:
+            if (other.code, other.shape) != (first.code, first.shape):
+                raise CheckpointLoadError(
+                    f"{name}: tensor {other.name} of {other.file.path} is {other.code} "
+                    f"{list(other.shape)}, tensor {first.name} {first.code} "
+                    f"{list(first.shape)}: the tensors stacked into one must agree")
+        self.members, self.transpose, self.stack = list(members), bool(transpose), bool(stack)
+        self.file, self.code, self.dtype = first.file, first.code, first.dtype
+        self.name = (first.name if len(members) == 1
+                     else f"{first.name} .. {members[-1].name}")
+        part = tuple(first.shape[::-1]) if transpose else tuple(first.shape)
+        self.shape = (len(members), *part) if stack else part
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        index = index + (slice(None),) * (len(self.shape) - len(index))
+        if self.stack:
+            picked = range(len(self.members))[index[0]]
+            rest = index[1:]
+        else:
+            picked, rest = range(1), index
+        blocks = []
+        for k in picked:
+            member = self.members[k]
+            if self.transpose:
+                blocks.append(np.transpose(member[tuple(rest[::-1])]))
+            else:
+                blocks.append(member[tuple(rest)])
+        if not self.stack:
+            return blocks[0]
+        if not blocks:
+            width = [len(range(d)[i]) for d, i in zip(self.shape[1:], rest)]
+            return np.zeros((0, *width), self.dtype.np)
+        return np.stack(blocks)
+
+    def reference(self) -> dict[str, Any]:
+        """What params.json records: each member's reference, and how they make one."""
+        return {"safetensors_stack": [m.reference() for m in self.members],
+                "transpose": self.transpose, "stack": self.stack}
+
+    @staticmethod
+    def from_reference(ref: Mapping[str, Any]) -> StackedTensor:
+        """The tensor a params.json entry names (each member checked as
+        PretrainedTensor.from_reference checks it); ValueError saying what differs."""
+        members = ref.get("safetensors_stack")
+        if not isinstance(members, list) or not all(isinstance(m, dict) for m in members):
+            raise ValueError("safetensors_stack is not a list of tensor references")
+        try:
+            return StackedTensor("a stacked tensor",
+                                 [PretrainedTensor.from_reference(m) for m in members],
+                                 bool(ref.get("transpose")), bool(ref.get("stack", True)))
+        except CheckpointLoadError as exc:
+            raise ValueError(str(exc)) from None
+
+    def __repr__(self) -> str:
+        return (f"StackedTensor({len(self.members)} of {self.file.path}, shape={self.shape}, "
+                f"transpose={self.transpose})")
+
+
 def checkpoint_files(path: str) -> dict[str, str]:
     """tensor name -> safetensors file, for a .safetensors file, a Hugging Face index
     (`*.index.json`, shards beside it) or a folder holding either (`model.safetensors.index
@@ -245,13 +317,17 @@ def load_checkpoint(ckpt_file_name: str, net: Any = None, strict_load: bool = Fa
                     choice_func: Callable[[str], bool] | None = None,
                     crc_check: bool = False, remove_redundancy: bool = False,
                     format: str = "safetensors",  # noqa: A002  (MindSpore's name)
+                    name_map: Any = None,
                     ) -> dict[str, Any]:
     """MindSpore's `load_checkpoint`: {name: Parameter} of a safetensors checkpoint (a file,
     a Hugging Face index of shards, or a folder holding either). Only headers are read: each
     Parameter is abstract, a reference to its tensor, read slice by slice by the ranks.
     `filter_prefix` drops names starting with it, `specify_prefix` keeps only those,
     `choice_func(name)` keeps a name when true; given `net`, the parameters are loaded into
-    it (`load_param_into_net`). Encrypted checkpoints (`dec_key`) are not supported."""
+    it (`load_param_into_net`). Encrypted checkpoints (`dec_key`) are not supported.
+    `name_map` (pcompile's): the checkpoint's names are another format's, renamed to the
+    model's (compiler/name_maps.py: "llama", "mixtral", a NameMap or a dict {theirs: ours});
+    the filters see the checkpoint's names."""
     from pcompile.compiler.initializer import InitializedData
     from pcompile.compiler.tensor import Parameter
 
@@ -283,6 +359,10 @@ def load_checkpoint(ckpt_file_name: str, net: Any = None, strict_load: bool = Fa
         tensor = PretrainedTensor(headers[file], name)
         params[name] = Parameter(
             InitializedData(None, tensor.shape, tensor.dtype, None, tensor), name=name)
+    if name_map is not None:
+        from pcompile.compiler.name_maps import name_map as resolve
+
+        params = resolve(name_map).from_theirs(params)
     if net is not None:
         load_param_into_net(net, params, strict_load=strict_load)
     return params

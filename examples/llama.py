@@ -49,7 +49,7 @@ sample; the data has one more), LLAMA_BATCH (global batch). Other knobs:
   sequences below.
 * LLAMA_PRETRAINED: a safetensors checkpoint with Hugging Face Llama names (a `.safetensors`
   file, a `model.safetensors.index.json` or a folder holding either) to start from: read
-  through `HF_NAMES` with `load_checkpoint` / `load_param_into_net`, each rank reading only
+  with `load_checkpoint(path, name_map="llama")` / `load_param_into_net`, each rank reading only
   its slices. The sizes (preset and LLAMA_* overrides) must be the checkpoint's.
 
     pcompile examples/llama.py --devices 8                        # compile + check, bf16
@@ -62,7 +62,6 @@ sample; the data has one more), LLAMA_BATCH (global batch). Other knobs:
 
 import math
 import os
-import re
 
 import numpy as np
 
@@ -573,52 +572,15 @@ class TrainStep(nn.TrainOneStepWithLossScaleCell):
         return loss, overflow, scaling_sens, global_norm
 
 
-#: Hugging Face LlamaForCausalLM's parameter names -> this file's ({i}: the layer). Both store
-#: Linear weights as [out, in] and apply rotary embedding in the rotate-half convention (HF's
-#: conversion script already permuted Meta's interleaved q/k rows into it), so every tensor is
-#: taken as it is: no transpose, no permutation. gate_proj is w1 (SiLU), up_proj w3, down_proj
-#: w2. A checkpoint without lm_head.weight (tie_word_embeddings) gives the LM head the
-#: embedding table.
-HF_NAMES = {
-    "model.embed_tokens.weight": "model.embedding_weight",
-    "model.layers.{i}.input_layernorm.weight": "model.layers.{i}.attention_norm.weight",
-    "model.layers.{i}.self_attn.q_proj.weight": "model.layers.{i}.attention.wq.weight",
-    "model.layers.{i}.self_attn.k_proj.weight": "model.layers.{i}.attention.wk.weight",
-    "model.layers.{i}.self_attn.v_proj.weight": "model.layers.{i}.attention.wv.weight",
-    "model.layers.{i}.self_attn.o_proj.weight": "model.layers.{i}.attention.wo.weight",
-    "model.layers.{i}.post_attention_layernorm.weight": "model.layers.{i}.ffn_norm.weight",
-    "model.layers.{i}.mlp.gate_proj.weight": "model.layers.{i}.feed_forward.w1.weight",
-    "model.layers.{i}.mlp.up_proj.weight": "model.layers.{i}.feed_forward.w3.weight",
-    "model.layers.{i}.mlp.down_proj.weight": "model.layers.{i}.feed_forward.w2.weight",
-    "model.norm.weight": "model.norm_out.weight",
-    "lm_head.weight": "lm_head.weight",
-}
-_HF_PATTERNS = [(re.compile(re.escape(hf).replace(r"\{i\}", r"(\d+)") + "$"), ours)
-                for hf, ours in HF_NAMES.items()]
-
-
-def hf_to_llama(params):
-    """A dict of Hugging Face Llama names (load_checkpoint's) renamed through HF_NAMES; names
-    the map does not know (e.g. older checkpoints' rotary_emb.inv_freq) are left out."""
-    out = {}
-    for name, value in params.items():
-        for pattern, ours in _HF_PATTERNS:
-            m = pattern.match(name)
-            if m:
-                out[ours.format(i=m.group(1)) if m.groups() else ours] = value
-                break
-    if "lm_head.weight" not in out and "model.embedding_weight" in out:
-        out["lm_head.weight"] = out["model.embedding_weight"]
-    return out
-
-
 def load_pretrained(net, path):
     """Start `net` from the Hugging Face Llama checkpoint `path` (every parameter must be in
-    it)."""
-    not_loaded, _ = load_param_into_net(net, hf_to_llama(load_checkpoint(path)))
+    it): its names are mapped to this file's by pcompile's built-in Llama name map
+    (pcompile.compiler.name_maps.LLAMA: every tensor taken as it is, lm_head tied to the
+    embedding table when the checkpoint has none)."""
+    not_loaded, _ = load_param_into_net(net, load_checkpoint(path, name_map="llama"))
     if not_loaded:
         raise ValueError(f"LLAMA_PRETRAINED={path} has no tensor for {', '.join(not_loaded)} "
-                         "(Hugging Face names, mapped through HF_NAMES)")
+                         "(Hugging Face names, mapped by name_map='llama')")
 
 
 def adamw(params):

@@ -38,6 +38,14 @@ MIXTRAL_HEADS, MIXTRAL_KV_HEADS, MIXTRAL_FFN, MIXTRAL_VOCAB, MIXTRAL_SEQ, MIXTRA
 MIXTRAL_EXPERTS, MIXTRAL_TOP_K; MIXTRAL_CAPACITY (1.1) is the capacity factor, MIXTRAL_DTYPE
 the compute dtype (`bfloat16` by default, or `float32`, `float16`).
 
+MIXTRAL_PRETRAINED: a safetensors checkpoint with Hugging Face Mixtral names (a file, a
+`model.safetensors.index.json` or a folder holding either) to start from, read with
+`load_checkpoint(path, name_map="mixtral")`: pcompile's built-in map renames every tensor and
+reads each expert's w1/w2/w3 [out, in] weights, transposed, as the slices of the stacked
+[experts, in, out] parameters; each rank reads only its slices. The sizes must be the
+checkpoint's. `pcompile-merge DIR --names mixtral` writes a run's weights back under
+Hugging Face's names, one tensor per expert.
+
     pcompile examples/mixtral.py --devices 8                       # compile + check
     pcompile examples/mixtral.py --devices 8 --run --steps 20     # 8 processes
     MIXTRAL_MP=2 pcompile examples/mixtral.py --devices 8          # dp 4 x mp 2 x ep 4
@@ -57,6 +65,8 @@ from pcompile import (
     Tensor,
     get_auto_parallel_context,
     initializer,
+    load_checkpoint,
+    load_param_into_net,
     nn,
     ops,
     set_auto_parallel_context,
@@ -336,6 +346,13 @@ def model():
     net = MixtralForCausalLM()
     if llama.STRATEGIES == "none":  # LLAMA_STRATEGIES=none: the search decides every op
         llama.remove_strategies(net)
+    path = os.environ.get("MIXTRAL_PRETRAINED")
+    if path:
+        not_loaded, _ = load_param_into_net(net, load_checkpoint(path, name_map="mixtral"))
+        if not_loaded:
+            raise ValueError(f"MIXTRAL_PRETRAINED={path} has no tensor for "
+                             f"{', '.join(not_loaded)} (Hugging Face names, mapped by "
+                             "name_map='mixtral')")
     return net
 
 

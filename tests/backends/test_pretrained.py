@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 import subprocess
 import sys
 from typing import Any
@@ -74,7 +73,10 @@ def knobs(monkeypatch: Any, **env: str) -> None:
 
 
 def hf_to_llama(tensors: dict[str, Any]) -> dict[str, Any]:
-    return runpy.run_path(LLAMA)["hf_to_llama"](tensors)
+    """Hugging Face's names -> examples/llama.py's (the built-in name map it loads with)."""
+    from pcompile.compiler.name_maps import LLAMA as LLAMA_NAMES
+
+    return LLAMA_NAMES.from_theirs(tensors)
 
 
 @pytest.fixture
