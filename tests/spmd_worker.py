@@ -5,6 +5,7 @@ process may already have initialised JAX with one) and prints one JSON report.
     python -m tests.spmd_worker synthetic  # fallback groups, attribute variants, rank constants
     python -m tests.spmd_worker adafactor  # nn.AdaFactor's factored states on a (2, 2) split
     python -m tests.spmd_worker llama      # examples/llama.py, dp 2 x mp 4, fused causal attention
+    python -m tests.spmd_worker dropout    # nn.Dropout split (2, 4): the rank constants' offsets
 """
 
 from __future__ import annotations
@@ -251,6 +252,51 @@ def check_llama() -> dict[str, Any]:
     return report
 
 
+DROPOUT_MODEL = """
+import numpy as np
+from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context, set_seed
+set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="full_batch")
+set_seed(3)
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.w = Parameter(initializer("normal", [16, 32]), "w")
+        self.w2 = Parameter(initializer("normal", [32, 8]), "w2")
+        self.matmul = ops.MatMul().shard(((2, 1), (1, 4)))
+        self.relu = ops.ReLU().shard(((2, 4),))
+        self.drop = nn.Dropout(p=0.5)
+        self.drop.dropout.shard(((2, 4),))
+        self.matmul2 = ops.MatMul().shard(((2, 4), (4, 1)))
+    def construct(self, x):
+        return self.matmul2(self.drop(self.relu(self.matmul(x, self.w))), self.w2)
+def model():
+    return Net()
+def inputs():
+    return [np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)]
+def labels():
+    return [np.zeros((8, 8), np.float32)]
+def loss():
+    return nn.MSELoss()
+def optimizer(params):
+    return nn.SGD(params, learning_rate=0.1)
+"""
+
+
+def check_dropout() -> dict[str, Any]:
+    """nn.Dropout on a (2, 4) split: each rank draws its block's bits from its rank constant
+    of offsets; two steps of the JAX SPMD program, the numpy simulator and one device."""
+    import tempfile
+
+    from pcompile.tools.compile import compile as compile_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "dropout_model.py")
+        with open(path, "w") as f:
+            f.write(DROPOUT_MODEL)
+        program = compile_model(path, devices=8, dump=False)
+        return compare(program, "semi_auto_parallel")  # (the batches read the model file)
+
+
 def main() -> None:
     what = sys.argv[1]
     if what == "examples":
@@ -261,6 +307,8 @@ def main() -> None:
         report = check_adafactor()
     elif what == "llama":
         report = check_llama()
+    elif what == "dropout":
+        report = check_dropout()
     else:
         report = check_synthetic()
     print("REPORT " + json.dumps(report))

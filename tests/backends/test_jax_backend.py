@@ -92,6 +92,15 @@ def test_adafactor_spmd_equals_numpy_simulator_and_single_device() -> None:
         assert_agrees_in_float64(result, case)
 
 
+@pytest.mark.slow  # a multi-process run; tests/ir/test_ops_random.py checks the rule fast
+def test_dropout_spmd_equals_numpy_simulator_and_single_device() -> None:
+    """A split Dropout's bits in the JAX SPMD program (its offsets a per-rank constant table)
+    are the single-device program's: two steps agree with numpy and one device (float64)."""
+    result = worker("dropout")
+    assert_agrees_in_float64(result, "dropout")
+    assert result["vs_single"]["state"] == 0.0  # random_step: 2 after two steps, on each side
+
+
 # slow: reads the examples worker's report (above)
 @pytest.mark.slow
 def test_gpt_block_uses_dynamic_slices_and_mesh_axis_collectives(examples_report) -> None:
