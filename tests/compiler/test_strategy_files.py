@@ -134,3 +134,63 @@ def test_communi_parallel_mode() -> None:
             set_auto_parallel_context(communi_parallel_mode=1)
     finally:
         reset_auto_parallel_context()
+
+
+# MindSpore's test_strategy_checkpoint.py: six MatMuls (and an Add of weight6), x1 (32, 32) and
+# x6 (128, 32) on 8 devices, full batch.
+SIX_MATMUL = """
+import numpy as np
+from pcompile import Parameter, Tensor, nn, ops, set_auto_parallel_context
+set_auto_parallel_context(dataset_strategy="full_batch")
+STRATEGIES = {strategies}
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        for i, s in enumerate(STRATEGIES, start=1):
+            setattr(self, f"matmul{{i}}", ops.MatMul().shard(s) if s else ops.MatMul())
+        shapes = [(32, 64), (64, 64), (64, 128), (128, 64), (64, 128), (32, 128)]
+        for i, shape in enumerate(shapes, start=1):
+            setattr(self, f"weight{{i}}", Parameter(Tensor(np.ones(shape, np.float32)),
+                                                    f"weight{{i}}", requires_grad=i != 1))
+    def construct(self, x1, x6):
+        out = self.matmul1(x1, self.weight1)
+        out = self.matmul2(out, self.weight2)
+        out = self.matmul3(out, self.weight3)
+        out = self.matmul4(out, self.weight4)
+        out = self.matmul5(out, self.weight5)
+        out = out + self.weight6
+        return self.matmul6(out, x6)
+def model():
+    return Net()
+def inputs():
+    return [np.ones((32, 32), np.float32), np.ones((128, 32), np.float32)]
+"""
+
+SIX_STRATEGIES = [((8, 1), (1, 1)), ((1, 8), (8, 1)), ((2, 2), (2, 2)), ((1, 1), (1, 8)),
+                  ((4, 2), (2, 1)), ((4, 1), (1, 2))]
+
+
+def test_mindspore_six_matmul_save(tmp_path) -> None:
+    """test_six_matmul_save (semi_auto_parallel, a .ckpt file): every op that reads a weight is
+    saved under <Prim>_<weight> with its strategy (shard()'s, or the default); matmul6 reads
+    only inputs and is not. test_six_matmul_save_auto (auto_parallel, a .json file, only trainable
+    parameters): weight1 (requires_grad=False) has no layout item."""
+    model = tmp_path / "six.py"
+    model.write_text(SIX_MATMUL.format(strategies=SIX_STRATEGIES))
+    path = str(tmp_path / "strategy_stage1.ckpt")
+    compile_model(str(model), devices=8, parallel_mode="semi_auto_parallel", dump=False,
+                  overrides={"strategy_ckpt_config": {"save_file": path}})
+    with open(path, "rb") as f:
+        data = decode(path, f.read())
+    saved = {k: v["parallel_strategy"] for k, v in data["parallel_strategy_item"].items()}
+    assert saved == {**{f"MatMul_weight{i}": [list(s) for s in SIX_STRATEGIES[i - 1]]
+                        for i in range(1, 6)},
+                     "Add_weight6": [[8, 1], [8, 1]]}  # the semi-auto default, saved too
+    model.write_text(SIX_MATMUL.format(strategies=[None] * 6))
+    path = str(tmp_path / "strategy_stage1_auto.json")
+    compile_model(str(model), devices=8, search_mode="sharding_propagation", dump=False,
+                  overrides={"strategy_ckpt_config": {"save_file": path,
+                                                      "only_trainable_params": True}})
+    with open(path, "rb") as f:
+        data = decode(path, f.read())
+    assert set(data["parallel_layout_item"]) == {f"weight{i}" for i in range(2, 7)}
