@@ -807,6 +807,9 @@ class _Unimplemented(Primitive):
     builds some it never calls, e.g. `_NLLLoss.gather_d`); calling it is one clear error that
     names the primitive, its instance and the source line."""
 
+    hint = ("use the primitives listed in docs/ops.md (a missing one can be added as "
+            "docs/CONTRIBUTING-ops.md describes)")
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
 
@@ -818,13 +821,15 @@ class _Unimplemented(Primitive):
         raise OpError(self.op, "pcompile has no rules for this MindSpore primitive, so it "
                       "cannot be traced", instance_name=self.instance_name,
                       scope=tracer.scope if tracer is not None else "", source=user_source(),
-                      hint="use the primitives listed in docs/ops.md (a missing one can be "
-                      "added as docs/CONTRIBUTING-ops.md describes)")
+                      hint=self.hint)
 
 
-def _unimplemented(name: str) -> type[Primitive]:
-    return type(name, (_Unimplemented,), {
-        "op": name, "__doc__": f"MindSpore's {name}: constructible, not implemented."})
+def _unimplemented(name: str, hint: str = "") -> type[Primitive]:
+    fields: dict[str, Any] = {
+        "op": name, "__doc__": f"MindSpore's {name}: constructible, not implemented."}
+    if hint:
+        fields["hint"] = hint
+    return type(name, (_Unimplemented,), fields)
 
 
 GatherD = _unimplemented("GatherD")
@@ -833,6 +838,11 @@ GatherD = _unimplemented("GatherD")
 TensorToScalar = _unimplemented("TensorToScalar")
 ArgMaxWithValue = _unimplemented("ArgMaxWithValue")
 Print = _unimplemented("Print")
+# MindSpore's packed uint8 dropout mask (docs/porting-from-mindspore.md, "What is still refused")
+_DROPOUT_HINT = ("use ops.Dropout(keep_prob, Seed0, Seed1)(x), which returns (output, mask) "
+                 "with the mask as a tensor of x's shape")
+DropoutGenMask = _unimplemented("DropoutGenMask", _DROPOUT_HINT)
+DropoutDoMask = _unimplemented("DropoutDoMask", _DROPOUT_HINT)
 
 
 # -- indexing -----------------------------------------------------------------------------------

@@ -119,3 +119,13 @@ def test_auto_generate_ops_train_like_one_device(tmp_path) -> None:
     gather = next(n for n in program.graph.nodes if n.op == "Gather")
     assert program.state.assignment.sharding(gather).strategy == ((1, 4), (2, 1))
     assert check(program, steps=2).ok()
+
+
+def test_dropout_gen_mask_is_refused_with_the_way_out() -> None:
+    from pcompile.ir.errors import OpError
+
+    gen = ops.DropoutGenMask(Seed0=1, Seed1=2)  # constructible, as MindSpore code builds it
+    with pytest.raises(OpError, match=r"DropoutGenMask.*use ops\.Dropout"):
+        gen((4, 4), 0.5)
+    with pytest.raises(OpError, match="DropoutDoMask"):
+        ops.DropoutDoMask()(np.ones((4, 4), np.float32), None, 0.5)
