@@ -472,6 +472,12 @@ class MoEV2(nn.Cell):
         self.to_experts = P.Transpose().shard(((dp, 1, 1, 1),))
         self.to_groups = P.Transpose().shard(((1, dp, 1, 1),))
         self.concat = P.Concat(2).shard(((dp, 1, 1, 1), (dp, 1, 1, 1)))
+        # the zero rows are computed (a slice times 0, as mindformers pads MLA's value): a
+        # (groups, E, 1, h) constant is gigabytes at 671B's sizes
+        self.slice_3d = P.StridedSlice().shard(((dp, 1, 1),))
+        self.zeros_3d = P.Mul().shard(((dp, 1, 1), ()))
+        self.slice_4d = P.StridedSlice().shard(((dp, 1, 1, 1),))
+        self.zeros_4d = P.Mul().shard(((dp, 1, 1, 1), ()))
         self.combine_gather = P.Gather(batch_dims=1).shard(((dp, 1, 1), (dp, 1, 1)))
         self.mul_router_coeff = P.Mul().shard(((dp, 1, 1, 1), (dp, 1, 1, 1)))
         self.sum_router_coeff = P.ReduceSum(keep_dims=False).shard(((dp, 1, 1, 1),))
@@ -490,14 +496,17 @@ class MoEV2(nn.Cell):
             self.reshape(logits, (GROUPS, tokens, EXPERTS)))
         x = self.cast(x, self.dtype)
         # dispatch: slot c of expert e holds token dispatch_idx - 1 (row 0: zeros)
-        padded = self.concat_3d((Tensor(np.zeros((GROUPS, 1, dim)), self.dtype), x))
+        zero_row = self.zeros_3d(self.slice_3d(x, (0, 0, 0), (GROUPS, 1, dim), (1, 1, 1)), 0)
+        padded = self.concat_3d((zero_row, x))
         slots = self.dispatch_gather(padded, dispatch_idx, 1)          # (g, E, C, h)
         slots = self.reshape(self.to_experts(slots, (1, 0, 2, 3)), (EXPERTS, GROUPS * capacity,
                                                                      dim))
         out = self.ffn(slots)
         out = self.to_groups(self.reshape(out, (EXPERTS, GROUPS, capacity, dim)), (1, 0, 2, 3))
         # combine: each choice's output at expert * (C + 1) + slot (slot 0: zeros, dropped)
-        out = self.concat((Tensor(np.zeros((GROUPS, EXPERTS, 1, dim)), self.dtype), out))
+        zero_slot = self.zeros_4d(self.slice_4d(out, (0, 0, 0, 0), (GROUPS, EXPERTS, 1, dim),
+                                                (1, 1, 1, 1)), 0)
+        out = self.concat((zero_slot, out))
         out = self.reshape(out, (GROUPS, EXPERTS * (capacity + 1), dim))
         chosen = self.combine_gather(out, combine_idx, 1)               # (g, N, k, h)
         coeff = self.cast(router_coeff, self.dtype)

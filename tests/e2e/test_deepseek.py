@@ -118,6 +118,21 @@ def test_variants_train_like_one_device(monkeypatch: Any, tmp_path: Any, env: di
     _plan_checks(program, out, dp=dp, ep=ep, moe_layers=moe_layers)
 
 
+@pytest.mark.slow  # a compile for 2048 devices (~3 s)
+def test_the_671b_preset_compiles_for_2048_devices(monkeypatch: Any) -> None:
+    """DEEPSEEK_PRESET=v3_671b's layers (4 of its 61: 3 dense, 1 MoE) at dp 512 x mp 4 x ep 8:
+    the yaml's sizes compile, the expert weights [256, 7168, 2048] stored split by expert over
+    8 and by FFN over 4, the MLA projections' latents whole."""
+    knobs(monkeypatch, PRESET="v3_671b", LAYERS="4", MP="4", EP="8", GROUPS="512")
+    program = compile_model(DEEPSEEK, devices=2048, dump=False, dump_ranks="0")
+    layouts = program.state.assignment.param_layouts
+    w1 = layouts["model.layers.3.feed_forward.routed_experts.ffn.w1"]
+    assert w1.shape == (256, 7168, 2048) and w1.slice_shape == (32, 7168, 512)
+    assert layouts["model.layers.0.attention.q2l_proj.weight"].slice_shape == (1536, 7168)
+    assert layouts["model.layers.0.attention.lkv2kv_v.weight"].slice_shape == (128 * 128 // 4,
+                                                                                512)
+
+
 def test_routing_groups_must_divide_over_data_parallel(monkeypatch: Any) -> None:
     knobs(monkeypatch, GROUPS="2")
     with pytest.raises(Exception, match="DEEPSEEK_GROUPS=2 routing groups must be a multiple"):
