@@ -172,3 +172,26 @@ def test_keep_checkpoint_max_and_a_profile_of_some_steps(tmp_path) -> None:
                             "--run", "--profile-steps", "3..2"])
     assert code == 2 and "1 <= N <= M" in output, output
     assert not (tmp_path / "o2").exists()
+
+
+@pytest.mark.slow  # three one-device runs (~5 s)
+def test_a_one_device_run_resumes_in_process_bit_for_bit(tmp_path) -> None:
+    """One device, in this process: 4 steps with a checkpoint every 2, then --resume to 6,
+    log the same losses, bit for bit, as 6 steps straight; metrics.jsonl keeps one run."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    code, output = run_cli([QUICKSTART, "--devices", "1", "--out", str(straight), "--no-check",
+                            "--run", "--steps", "6"])
+    assert code == 0, output
+    code, output = run_cli([QUICKSTART, "--devices", "1", "--out", str(resumed), "--no-check",
+                            "--run", "--steps", "4", "--checkpoint-every", "2"])
+    assert code == 0, output
+    code, output = run_cli([QUICKSTART, "--devices", "1", "--out", str(resumed), "--no-check",
+                            "--run", "--steps", "6", "--resume"])
+    assert code == 0, output
+    assert "2 steps (steps 5..6, resumed from step 4)" in output, output
+    assert ((resumed / "rank_0" / "train.log").read_text()
+            == (straight / "rank_0" / "train.log").read_text())
+    records = [json.loads(line) for line in
+               (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert len({r["run"] for r in records}) == 1
