@@ -26,11 +26,17 @@ loopback (`127.0.0.1:PORT`, `localhost:PORT`, `[::1]:PORT`: the launcher's, or a
 hand) means every process is on this machine, since no other host can reach that address:
 then it listens on that address only, out of reach of the network. Under mpirun or SLURM
 (JAX's cluster detection) or with a routable address nothing changes.
+
+Which address gloo (CPU collectives between processes) uses (`collectives_address`): gloo
+binds and advertises the address its host name resolves to, and many hosts map their name to
+the loopback (`127.0.1.1` on Debian): the other hosts then cannot reach it. With a routable
+coordinator, a process uses the address it reaches the coordinator from instead.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -240,3 +246,39 @@ def bind_kwargs(coordinator: str | None) -> dict[str, str]:
     if "coordinator_bind_address" not in inspect.signature(jax.distributed.initialize).parameters:
         return {}
     return {"coordinator_bind_address": bind}
+
+
+def _split(address: str) -> tuple[str, int] | None:
+    """(host, port) of HOST:PORT or [IPv6]:PORT; None without a port."""
+    if address.startswith("["):
+        host, _, rest = address[1:].partition("]")
+        port = rest.removeprefix(":")
+    else:
+        host, _, port = address.rpartition(":")
+    return (host, int(port)) if host and port.isdigit() else None
+
+
+def collectives_address(coordinator: str | None) -> str | None:
+    """The address of this host that reaches `coordinator` (a routable HOST:PORT), for gloo to
+    bind and advertise; None on the loopback (one machine: gloo's default is right), without a
+    coordinator, or when no route is found. No packet is sent: a UDP socket is only connected
+    (the kernel chooses the source address by its routes)."""
+    if not coordinator or is_loopback(coordinator):
+        return None
+    parts = _split(coordinator)
+    if parts is None:
+        return None
+    try:
+        infos = socket.getaddrinfo(parts[0], parts[1], type=socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    for family, kind, proto, _, where in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.connect(where)
+                local = str(probe.getsockname()[0])
+        except OSError:
+            continue
+        if not ipaddress.ip_address(local.split("%")[0]).is_unspecified:
+            return local
+    return None

@@ -152,6 +152,7 @@ def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbea
     if nproc > 1:
         if platform != "gpu":  # GPUs talk over NCCL, CPU devices over gloo
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            _gloo_address(coordinator)
         kwargs: dict[str, Any] = {"initialization_timeout": int(args.startup_timeout)}
         if coordinator is not None:
             from pcompile.backends.cluster import bind_kwargs
@@ -185,6 +186,43 @@ def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbea
     if "peer" in watch:
         watch["peer"].finished()
     return code
+
+
+class _GlooAt:
+    """jaxlib's module as JAX's CPU backend sees it, whose gloo collectives bind and advertise
+    `address` (backends/cluster.py `collectives_address`) unless told otherwise."""
+
+    def __init__(self, real: Any, address: str) -> None:
+        self._real = real
+        self._address = address
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def make_gloo_tcp_collectives(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) < 2 and kwargs.get("hostname") is None and kwargs.get("interface") is None:
+            kwargs["hostname"] = self._address
+        return self._real.make_gloo_tcp_collectives(*args, **kwargs)
+
+
+def _gloo_address(coordinator: str | None) -> None:
+    """With a routable coordinator, gloo uses the address this host reaches it from, not the
+    one its host name resolves to (often the loopback, which the other hosts cannot reach).
+    Where this JAX makes its gloo collectives otherwise, nothing changes."""
+    from pcompile.backends.cluster import collectives_address
+
+    address = collectives_address(coordinator)
+    if address is None:
+        return
+    try:
+        from jax._src import xla_bridge
+    except ImportError:
+        return
+    real = getattr(xla_bridge, "_jax", None)
+    make = getattr(real, "make_gloo_tcp_collectives", None)
+    if make is None or "hostname" not in (make.__doc__ or "") or isinstance(real, _GlooAt):
+        return
+    xla_bridge._jax = _GlooAt(real, address)
 
 
 def _train(modules: list[ModuleType], args: SimpleNamespace, num_ranks: int,

@@ -390,3 +390,148 @@ def test_a_process_started_by_hand_that_fails_is_named_by_the_others_at_once(com
                           "RuntimeError: PCOMPILE_FAULT_INJECT: failing at step 6; stopped "
                           "this process"], outputs[p]
         assert "Traceback" not in outputs[p], outputs[p]
+
+
+# -- two hosts: two network namespaces joined by a veth pair ------------------------------------
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def two_hosts(model4, tmp_path_factory):
+    """Two "hosts": network namespaces A (10.213.N.1) and B (10.213.N.2) joined by a veth pair,
+    made here and removed after the tests; the rank program compiled for 4 ranks. Each host's
+    name still resolves to the loopback (/etc/hosts is shared), as on many machines."""
+    import shutil
+
+    from pcompile.tools.compile import compile as compile_model
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces (ip netns) need root and iproute2")
+    tag = os.getpid() % 100000
+    hosts = (f"pc{tag}a", f"pc{tag}b")
+    made = _ip("netns", "add", hosts[0])
+    if made.returncode:
+        pytest.skip(f"the kernel refuses network namespaces here: {made.stderr.strip()}")
+    net = f"10.213.{tag % 250}"
+    try:
+        steps = [("netns", "add", hosts[1]),
+                 ("link", "add", f"pcv{tag}a", "type", "veth", "peer", "name", f"pcv{tag}b"),
+                 ("link", "set", f"pcv{tag}a", "netns", hosts[0]),
+                 ("link", "set", f"pcv{tag}b", "netns", hosts[1])]
+        for host, end, address in ((hosts[0], "a", f"{net}.1"), (hosts[1], "b", f"{net}.2")):
+            steps += [("-n", host, "addr", "add", f"{address}/24", "dev", f"pcv{tag}{end}"),
+                      ("-n", host, "link", "set", f"pcv{tag}{end}", "up"),
+                      ("-n", host, "link", "set", "lo", "up")]
+        for step in steps:
+            done = _ip(*step)
+            if done.returncode:
+                pytest.skip(f"ip {' '.join(step)}: {done.stderr.strip()}")
+        out = tmp_path_factory.mktemp("hosts") / "out"
+        compile_model(model4, devices=4, out_dir=str(out))
+        yield hosts, f"{net}.1", out
+    finally:
+        for host in hosts:
+            _ip("netns", "del", host)  # its end of the veth pair goes with it
+
+
+def _on_host(host: str | None, out, coordinator: str, process: int, *flags: str,
+             **env: str) -> subprocess.Popen[str]:
+    """Process `process` of 2 on `host` (a namespace; None: this one)."""
+    where = ["ip", "netns", "exec", host] if host else []
+    return subprocess.Popen(
+        [*where, sys.executable, str(out / "program.py"), "--coordinator", coordinator,
+         "--num-processes", "2", "--process-id", str(process), "--no-checkpoint", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        env=clean_env(**env))
+
+
+def _listening(host: str, port: int) -> list[str]:
+    """The addresses a socket of namespace `host` listens on at `port` (/proc/net/tcp*)."""
+    import ipaddress
+
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        done = subprocess.run(["ip", "netns", "exec", host, "cat", table], capture_output=True,
+                              text=True)
+        for line in done.stdout.splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1]
+                           for i in range(0, len(address), 8))
+            ip = ipaddress.ip_address(raw)
+            found.append(str(getattr(ip, "ipv4_mapped", None) or ip))
+    return found
+
+
+def _run_pair(hosts, out, coordinator: str, *flags: str, **env: str) -> list[str]:
+    procs = [_on_host(hosts[p] if hosts else None, out, coordinator, p, *flags, **env)
+             for p in (0, 1)]
+    outputs = _outputs(procs, timeout=120)
+    for p, output in zip(procs, outputs):
+        assert p.returncode == 0, output
+    return outputs
+
+
+def _logs(out) -> list[str]:
+    return [(out / f"rank_{r}" / "train.log").read_text() for r in range(4)]
+
+
+@pytest.mark.slow
+def test_two_hosts_train_like_the_loopback_and_share_the_executable_only_with_the_key(
+        two_hosts) -> None:
+    from pcompile.backends.launcher import free_port
+
+    hosts, address, out = two_hosts
+    _run_pair(None, out, f"127.0.0.1:{free_port()}", "--steps", "3")
+    loopback = _logs(out)
+    # the coordinator on host A at its own address; process 1 on host B reaches it there
+    coordinator = f"{address}:7777"
+    first = _on_host(hosts[0], out, coordinator, 0, "--steps", "3", PCOMPILE_SHARE_KEY="k" * 32)
+    deadline = time.monotonic() + 60
+    while not (listening := _listening(hosts[0], 7777)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert listening and all(a in (address, "0.0.0.0", "::") for a in listening), listening
+    assert not _listening(hosts[1], 7777)
+    second = _on_host(hosts[1], out, coordinator, 1, "--steps", "3", PCOMPILE_SHARE_KEY="k" * 32)
+    outputs = _outputs([first, second], timeout=120)
+    assert first.returncode == 0 and second.returncode == 0, outputs
+    assert _logs(out) == loopback  # bit for bit: the same program, the same data
+    assert "(the executable compiled by process 0)" in outputs[1], outputs[1]
+    # without the key, a coordinator other hosts reach shares nothing: each compiles its own
+    outputs = _run_pair(hosts, out, f"{address}:7778", "--steps", "3")
+    assert _logs(out) == loopback
+    assert "rank(s) 2..3: steps 1..3" in outputs[1], outputs[1]
+    assert "(the executable compiled by process 0)" not in outputs[1], outputs[1]
+
+
+@pytest.mark.slow
+def test_a_killed_process_on_one_host_is_named_on_the_other(two_hosts) -> None:
+    hosts, address, out = two_hosts
+    (out / "rank_0" / "train.log").unlink(missing_ok=True)
+    procs = [_on_host(hosts[p], out, f"{address}:7779", p, "--steps", "1000000",
+                      "--heartbeat-timeout", "8") for p in (0, 1)]
+    _wait_for_lines(out / "rank_0" / "train.log", procs[0], 3)
+    procs[1].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    output = _outputs([procs[0]], timeout=60)[0]
+    assert time.monotonic() - killed < 8 + 10, output
+    assert procs[0].returncode == 4, output
+    errors = [line for line in output.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and errors[0].startswith(
+        "pcompile ranks 0-1: error: process 1 (ranks 2-3) is lost: no heartbeat through the "
+        "coordinator for"), output
+    assert "Traceback" not in output and "Check failure" not in output, output
+
+
+def test_gloo_uses_the_address_that_reaches_a_routable_coordinator() -> None:
+    from pcompile.backends.cluster import collectives_address
+
+    # one machine (loopback), no coordinator, or a name that does not resolve: gloo's default
+    for coordinator in ("127.0.0.1:7777", "localhost:7777", "[::1]:7777", None,
+                        "no-such-host.invalid:7777", "10.0.0.1"):
+        assert collectives_address(coordinator) is None, coordinator
