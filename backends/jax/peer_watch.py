@@ -85,12 +85,20 @@ class PeerWatch:
         self._put("done", wait=2.0)
 
     def failed(self, message: str) -> None:
-        """This process is about to exit with `message`: the others hear it at once."""
+        """This process is about to exit with `message`: the others hear it at once. Process 0
+        hosts the coordinator, whose end aborts the others (JAX's C++ abort): it publishes its
+        own verdict and gives them `ACK_WAIT` seconds to read it first."""
+        with self._lock:
+            decided = self.verdict is not None
         self._stopped.set()
         said = message.removeprefix(f"{self.label}: ").removeprefix("error: ")
         if said.startswith("failed (") and said.endswith(")"):  # an unexpected exception
             said = said[len("failed ("):-1]
         self._put("failed " + said[-1500:], wait=2.0)
+        if self.process == 0 and not decided:
+            verdict = self._ended(0, said[-1500:])
+            self._put(verdict, wait=2.0, key=VERDICT)
+            self._await_acks(verdict)
 
     def wait_for_verdict(self, seconds: float) -> str | None:
         """Wait up to `seconds` for a lost process to be found (a collective that failed
@@ -105,10 +113,16 @@ class PeerWatch:
         return f"process {process} ({ranks})"
 
     # -- threads -------------------------------------------------------------------------------
-    def _put(self, value: str, wait: float = 0.0) -> None:
-        """Write this process's beat; with `wait`, from a thread given that long (the
-        coordinator may be gone)."""
-        key = f"{BEATS}{self.process}"
+    def _ended(self, process: int, said: str) -> str:
+        """The verdict on a process that said `said` as it ended."""
+        if said == "interrupted" or said.startswith("stopped by "):
+            return f"{self.name(process)} was {said}"
+        return f"{self.name(process)} failed: {said}"
+
+    def _put(self, value: str, wait: float = 0.0, key: str | None = None) -> None:
+        """Write this process's beat (or `key`); with `wait`, from a thread given that long
+        (the coordinator may be gone)."""
+        key = key or f"{BEATS}{self.process}"
 
         def put() -> None:
             try:
@@ -179,7 +193,7 @@ class PeerWatch:
     def _see(self, process: int, value: str, now: float) -> None:
         if value.startswith("failed "):
             said = value[len("failed "):].split(": error: ", 1)[-1]  # without its label
-            self._decide(f"{self.name(process)} failed: {said}", publish=True)
+            self._decide(self._ended(process, said), publish=True)
             return
         last = self._seen.get(process)
         if last is None or last[0] != value:

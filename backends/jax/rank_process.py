@@ -381,14 +381,24 @@ def fault_injection(local: list[int]) -> tuple[int | None, str]:
     return (int(step) if int(rank) in local else None), (mode[0] if mode else "raise")
 
 
+#: called with the reason before a rank process stops on a signal (the peer watch tells the
+#: other processes of a job started by hand: backends/jax/peer_watch.py)
+ON_STOP: list[Callable[[str], None]] = []
+
+
 def exit_on_sigterm(label: str) -> None:
     """jax.distributed installs a SIGTERM (preemption) handler that keeps the process alive;
     a rank asked to stop must stop."""
     import signal
 
     def stop(signum: int, frame: Any) -> None:
-        sys.stderr.write(f"{label}: stopped by {signal.Signals(signum).name}\n")
-        sys.stderr.flush()
+        reason = f"stopped by {signal.Signals(signum).name}"
+        say_safely(f"{label}: {reason}")
+        for hook in ON_STOP:
+            try:
+                hook(reason)
+            except Exception:  # stopping must not fail
+                pass
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)

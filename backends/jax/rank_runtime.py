@@ -27,6 +27,7 @@ from pcompile.backends.jax.rank_process import (
     DISK_ERRNOS,
     EXIT_COORDINATOR_PORT,
     EXIT_NONFINITE,
+    ON_STOP,
     Heartbeat,
     NonFiniteLossError,
     RankError,
@@ -182,6 +183,7 @@ def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbea
         peer = peer_watch(pid, nproc, per_process, label, coordinator, args.heartbeat_timeout)
         if peer is not None:
             watch["peer"] = peer
+            ON_STOP.append(peer.failed)
     code = _train(modules, args, num_ranks, my_ranks, watchdog, heartbeat, timings)
     if "peer" in watch:
         watch["peer"].finished()

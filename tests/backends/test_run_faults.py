@@ -298,6 +298,19 @@ def test_a_failed_process_is_named_with_its_message_at_once(monkeypatch) -> None
     assert said == {0: want, 2: want}
 
 
+def test_process_0_that_fails_tells_the_others_before_its_coordinator_goes(monkeypatch) -> None:
+    store = _Store()
+    watches, said = _watches(monkeypatch, store, 3, timeout=60)
+    for w in watches:
+        w.start()
+    time.sleep(0.2)
+    begin = time.monotonic()
+    watches[0].failed("pcompile ranks 0-1: stopped by SIGTERM")
+    assert time.monotonic() - begin < 0.5  # it waited for both to read it, not ACK_WAIT
+    want = "process 0 (ranks 0-1) was stopped by SIGTERM"
+    assert said == {1: want, 2: want}
+
+
 def test_processes_that_finished_are_not_lost(monkeypatch) -> None:
     store = _Store()
     watches, said = _watches(monkeypatch, store, 2)
@@ -390,6 +403,25 @@ def test_a_process_started_by_hand_that_fails_is_named_by_the_others_at_once(com
                           "RuntimeError: PCOMPILE_FAULT_INJECT: failing at step 6; stopped "
                           "this process"], outputs[p]
         assert "Traceback" not in outputs[p], outputs[p]
+
+
+@pytest.mark.slow
+def test_process_0_stopped_by_hand_is_named_by_the_others(compiled4) -> None:
+    """Process 0 hosts the coordinator: stopped (SIGTERM, Ctrl-C), it tells the others before
+    the coordinator goes, instead of JAX aborting them with a C++ stack trace."""
+    out = compiled4
+    (out / "rank_0" / "train.log").unlink(missing_ok=True)
+    procs = _start_by_hand(out, 4, "--steps", "1000000", "--no-checkpoint")
+    _wait_for_lines(out / "rank_0" / "train.log", procs[0], 3)
+    procs[0].send_signal(signal.SIGTERM)
+    outputs = _outputs(procs, timeout=60)
+    assert "pcompile rank 0: stopped by SIGTERM" in outputs[0], outputs[0]
+    for p in (1, 2, 3):
+        assert procs[p].returncode == 4, outputs[p]
+        errors = [line for line in outputs[p].splitlines() if ": error: " in line]
+        assert errors == [f"pcompile rank {p}: error: process 0 (rank 0) was stopped by SIGTERM; "
+                          "stopped this process"], outputs[p]
+        assert "Check failure" not in outputs[p] and "Traceback" not in outputs[p], outputs[p]
 
 
 # -- two hosts: two network namespaces joined by a veth pair ------------------------------------
