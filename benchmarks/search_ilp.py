@@ -4,8 +4,9 @@
 For each config and plan: the prediction every plan records (plan.json `prediction`, the cost
 model in seconds of passes/search/time_model.py on the config's device profile): step time,
 bytes a rank moves per step, memory per rank by kind, whether it fits; the compile time and
-the search pass's time. One JSON object per line, then a summary line with the ilp plan's
-ratios to the hand plan.
+the search pass's time; what the plan moves (rank 0's collectives, ring bytes sent:
+`plan_ring_bytes`) and its ratio to Megatron-LM's minimum (`megatron`). One JSON object per
+line, then a summary line with the ilp plan's ratios to the hand plan.
 
     python benchmarks/search_ilp.py                       # the 4-layer config (seconds)
     python benchmarks/search_ilp.py --config llama2_7b_64  # Llama-2-7B widths, 64 devices
@@ -60,7 +61,16 @@ def run(config: str, mode: str) -> dict:
     row.update({"status": "ok", "step_time": pred.get("step_time"),
                 "compute": pred.get("compute"), "communication": pred.get("communication"),
                 "bytes": pred.get("communication_bytes"), "memory": pred.get("memory"),
-                "fits": pred.get("fits")})
+                "fits": pred.get("fits"),
+                # what the plan itself moves: rank 0's collectives (ring bytes sent), and its
+                # ratio to Megatron-LM's minimum (plan.json megatron_minimum)
+                "plan_ring_bytes": sum(r["ring_bytes"] or 0 for r in plan["collectives"]["0"]
+                                       if r["op"] != "_MirrorOperator")})
+    mm = plan.get("megatron_minimum")
+    if mm:
+        row["megatron"] = {k: mm[k] for k in ("ratio", "ratio_to_best")}
+        if mm.get("best_scheme"):
+            row["megatron"]["best"] = {k: mm["best_scheme"][k] for k in ("dp", "mp")}
     search = plan.get("search") or {}
     if search.get("mode") == "ilp":
         row["mesh"] = search["mesh"]
@@ -84,6 +94,7 @@ def main() -> None:
             "ilp_over_hand": {
                 "step_time": round(ilp["step_time"] / hand["step_time"], 3),
                 "bytes": round(ilp["bytes"] / hand["bytes"], 3),
+                "plan_ring_bytes": round(ilp["plan_ring_bytes"] / hand["plan_ring_bytes"], 3),
                 "weights": round(ilp["memory"]["weights"] / hand["memory"]["weights"], 3),
                 "compile_seconds": round(ilp["compile_seconds"] / hand["compile_seconds"], 2)},
         }))

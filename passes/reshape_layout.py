@@ -15,6 +15,11 @@ groups with equal products; within a group:
   concatenated axes;
 * anything else has no equal layout (`map_layout` returns None).
 
+When a device axis must be shared by two dims of B (a [256] split over an axis of 4 becoming
+[2, 128]: 2 ways on the first dim, 2 on the second), the device matrix is refined first
+(`refine`): the axis of 4 becomes two axes of 2, the same slices on every rank, so the output
+keeps the split and the Reshape moves nothing.
+
 `dim_map(A, B)` is the coarser correspondence recursive programming needs: the leading dim of
 each group of A to the leading dim of the group in B.
 """
@@ -64,6 +69,56 @@ def _entry(axes: list[int]) -> MapEntry:
     return axes[0] if len(axes) == 1 else tuple(axes)
 
 
+def refine(layout: TensorLayout, shape: tuple[int, ...]) -> TensorLayout:
+    """`layout` on a finer device matrix, the same slices on every rank: each device axis that
+    one dim of `layout` must hand to several dims of `shape` is cut where their sizes need it
+    (module docstring). `layout` itself where no axis needs cutting or a cut cannot help."""
+    dev = layout.dev_matrix
+    n = len(dev)
+    cuts: dict[int, set[int]] = {}  # device position -> sizes of its leading (major) parts
+    for ra, rb in blocks(layout.shape, shape):
+        if len(ra) != 1:
+            continue
+        axes = map_axes(layout.tensor_map[ra[0]])
+        rest = prod(dev[n - 1 - v] for v in axes)
+        need, done = [], 1  # the split counts at which a dim of `shape` is full
+        for d in rb:
+            if rest == 1 or shape[d] % rest == 0:
+                break
+            if rest % shape[d]:
+                return layout
+            done *= shape[d]
+            rest //= shape[d]
+            need.append(done)
+        at = 1
+        for v in axes:
+            pos, size = n - 1 - v, dev[n - 1 - v]
+            for g in need:
+                if at < g < at * size and g % at == 0 and size % (g // at) == 0:
+                    cuts.setdefault(pos, set()).add(g // at)
+            at *= size
+    if not cuts:
+        return layout
+    parts: list[list[int]] = []
+    for pos, size in enumerate(dev):
+        marks = sorted(cuts.get(pos, ()))
+        if any(b % a for a, b in zip(marks, [*marks[1:], size])):
+            return layout
+        bounds = [1, *marks, size]
+        parts.append([b // a for a, b in zip(bounds, bounds[1:])])
+    new_dev = tuple(s for p in parts for s in p)
+    first, positions = 0, []
+    for p in parts:
+        positions.append(list(range(first, first + len(p))))
+        first += len(p)
+
+    def values(v: int) -> list[int]:
+        return [len(new_dev) - 1 - q for q in positions[n - 1 - v]]
+
+    tmap = tuple(_entry([w for v in map_axes(e) for w in values(v)]) for e in layout.tensor_map)
+    return TensorLayout(new_dev, tmap, layout.shape)
+
+
 def map_layout(layout: TensorLayout, shape: tuple[int, ...]) -> TensorLayout | None:
     """The layout of `shape` holding on every rank the same elements as `layout`, or None."""
     shape = tuple(shape)
@@ -71,6 +126,16 @@ def map_layout(layout: TensorLayout, shape: tuple[int, ...]) -> TensorLayout | N
         return None
     if layout.shape == shape:
         return layout
+    found = _map_layout(layout, shape)
+    if found is None:
+        finer = refine(layout, shape)
+        if finer is not layout:
+            found = _map_layout(finer, shape, layout)
+    return found
+
+
+def _map_layout(layout: TensorLayout, shape: tuple[int, ...],
+                original: TensorLayout | None = None) -> TensorLayout | None:
     dev = layout.dev_matrix
 
     def size(axes: list[int]) -> int:
@@ -112,7 +177,7 @@ def map_layout(layout: TensorLayout, shape: tuple[int, ...]) -> TensorLayout | N
         mapped = TensorLayout(dev, tuple(tmap), shape)
     except ValueError:
         return None
-    plan = plan_redistribution(layout, mapped)
+    plan = plan_redistribution(original or layout, mapped)
     if any(op.kind != "Reshape" for op in plan.ops):
         return None
     return mapped

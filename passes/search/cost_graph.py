@@ -26,7 +26,7 @@ signature, consumer signature), so the repeated layers of a deep model cost one 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +54,7 @@ from pcompile.passes.step_parallel_begin import (
 DATASET_TOPO = 1 << 62
 
 
-def _looked_through(node: Node, weight_casts: bool = False) -> bool:
+def _looked_through(node: Node, weight_casts: bool | Collection[int] = False) -> bool:
     """A Cast without a user strategy: not a vertex. It keeps its input's layout
     (step_parallel_begin: transparent), so it decides nothing and costs nothing. A weight's
     Cast is looked through only when every user of it has a `shard()` strategy: it takes
@@ -65,7 +65,8 @@ def _looked_through(node: Node, weight_casts: bool = False) -> bool:
         return True
     if node.op != "Cast" or len(node.operands) != 1 or node.attrs.get("in_strategy") is not None:
         return False
-    if weight_casts:  # the ilp search: a weight's Cast always follows its user
+    if weight_casts is True or (not isinstance(weight_casts, bool) and id(node) in weight_casts):
+        # the ilp search: a weight's Cast always follows its user (a collection: these Casts)
         source = node.operands[0]
         while isinstance(source, NodeResult) and source.node.op == "Cast" \
                 and len(source.node.operands) == 1:
@@ -143,11 +144,12 @@ class CostGraph:
 
     def __init__(self, graph: Graph, devices: int, constants: CostConstants,
                  dataset_strategy: Any = None, fully_use_devices: bool = False,
-                 configured: dict[int, Any] | None = None, weight_casts: bool = False
+                 configured: dict[int, Any] | None = None,
+                 weight_casts: bool | Collection[int] = False
                  ) -> None:
         """`weight_casts`: look through every strategy-less Cast of a weight (the ilp search:
         the weight is stored as its user wants it), not only those whose users are all
-        configured."""
+        configured; a collection: those Casts (id of the node) only."""
         self.graph = graph
         self.weight_casts = weight_casts
         self.devices = devices

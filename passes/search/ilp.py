@@ -297,11 +297,14 @@ class Costs:
     def op_times(self, v: Vertex, popt: bool = False) -> list[OpTime]:
         if v.kind != "op" or v.node is None:
             return [OpTime()] * len(v.candidates)
-        key = ((v.signature, "configured", v.index) if v.configured else v.signature, popt)
+        owned = frozenset(i for i, _ in self.owner.get(v.index, ()))
+        key = ((v.signature, "configured", v.index) if v.configured else v.signature, popt,
+               owned)
         hit = self._op.get(key)
         if hit is None:
             hit = [op_time(v.node, c.sharding, self.cg.devices, self.options.profile,
-                           self.options.training, self.grad, popt) for c in v.candidates]
+                           self.options.training, self.grad, popt, owned)
+                   for c in v.candidates]
             self._op[key] = hit
         return hit
 
@@ -626,12 +629,24 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
     best: IlpPlan | None = None
     tried: list[dict[str, Any]] = []
     solves = 0
-    # Training: the parallel optimizer never costs time under this model (ReduceScatter and
-    # AllGather move an AllReduce's bytes; the update runs on a shard) and never adds memory,
-    # so its program dominates the one without it, which is not solved. Recompute only adds
-    # compute: it is solved only where the plan without it is held back by the memory (its
-    # unconstrained optimum does not fit).
+    # Recompute only adds compute: it is solved only where the plan without it is held back by
+    # the memory (its unconstrained optimum does not fit). An unconstrained optimum bounds
+    # every constrained plan of its mesh and parallel optimizer from below, so those are not
+    # solved once a plan at least as fast is known (exact: the bound never prunes a faster one).
     popts = (False, True) if options.training else (False,)
+
+    def consider(mesh: tuple[int, int], popt: bool, recompute: bool, solved: _Solved) -> None:
+        nonlocal best
+        compute, comm, memory = evaluate(cg, costs, folding, edges, solved.choice, popt,
+                                         recompute)
+        tried.append({"mesh": [mesh[0], mesh[1]], "parallel_optimizer": popt,
+                      "recompute": recompute, "predicted_step_time": _round(compute + comm)})
+        plan = IlpPlan(_unfold(cg, folding, solved.choice), mesh, popt, recompute,
+                       compute + comm, compute, comm, memory, solved.variables,
+                       solved.constraints)
+        if best is None or plan.step_time < best.step_time * (1 - 1e-9):
+            best = plan
+
     for mesh in meshes(cg.devices):
         allowed: dict[int, list[int]] = {}
         for v in cg.vertices:
@@ -644,29 +659,21 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
                 ks = aligned or ks
             allowed[v.index] = ks
         program = _Program(cg, costs, folding, edges, allowed)
-        found: list[tuple[bool, bool, _Solved | None]] = []
         for popt in popts:
             solves += 1
             free = program.solve(popt, False, None)
-            if free is not None and _memory(program, free, popt, False) <= options.memory:
-                found.append((popt, False, free))
+            if free is None:
                 continue
-            solves += 2 if options.training else 1
-            found.append((popt, False, program.solve(popt, False, options.memory)))
-            if options.training:
-                found.append((popt, True, program.solve(popt, True, options.memory)))
-        for popt, recompute, solved in found:
-            if solved is None:
+            if _memory(program, free, popt, False) <= options.memory:
+                consider(mesh, popt, False, free)
                 continue
-            compute, comm, memory = evaluate(cg, costs, folding, edges, solved.choice, popt,
-                                             recompute)
-            tried.append({"mesh": [mesh[0], mesh[1]], "parallel_optimizer": popt,
-                          "recompute": recompute, "predicted_step_time": _round(compute + comm)})
-            plan = IlpPlan(_unfold(cg, folding, solved.choice), mesh, popt, recompute,
-                           compute + comm, compute, comm, memory, solved.variables,
-                           solved.constraints)
-            if best is None or plan.step_time < best.step_time * (1 - 1e-9):
-                best = plan
+            for recompute in ((False, True) if options.training else (False,)):
+                if best is not None and free.objective >= best.step_time * (1 - 1e-9):
+                    break
+                solves += 1
+                solved = program.solve(popt, recompute, options.memory)
+                if solved is not None:
+                    consider(mesh, popt, recompute, solved)
     if best is None:
         raise _no_fit(cg, costs, folding, edges, options)
     best.solves = solves

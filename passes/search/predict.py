@@ -20,7 +20,7 @@ from pcompile.ir.sharding import rule_for
 from pcompile.passes.search.cost_graph import CostGraph, _looked_through
 from pcompile.passes.search.cost_model import CostConstants
 from pcompile.passes.search.ilp import Costs, IlpOptions, evaluate, fold, mapped_edges
-from pcompile.passes.search.time_model import DeviceProfile, Memory
+from pcompile.passes.search.time_model import DeviceProfile, Memory, stored_param
 
 
 @dataclass
@@ -61,16 +61,19 @@ def predict(graph: Graph, devices: int, profile: DeviceProfile, memory_capacity:
             optimizer_states: int = 2) -> Prediction:
     """The plan's prediction (module docstring). Ops without a layout (no rule) are skipped."""
     configured: dict[int, Any] = {}
+    follows = _following_casts(graph)
     for node in graph.nodes:
         if node.parallel is None or rule_for(node.op) is None:
             continue
-        if _looked_through(node, True):  # laid out as its input or its user: no vertex
+        if _looked_through(node) or id(node) in follows:  # laid out as its input or user
             continue
         if node.attrs.get("in_strategy") is None and node.parallel.in_strategy is not None:
             configured[id(node)] = node.parallel.in_strategy
     constants = CostConstants(training=training, enable_alltoall=enable_alltoall)
+    # a weight's Cast laid out otherwise than its users is a vertex of its own: its layout is
+    # where the plan stores the weight (a search may cast it whole and slice it for its user)
     cg = CostGraph(graph, devices, constants, dataset_strategy, False, configured,
-                   weight_casts=True)
+                   weight_casts=follows)
     options = IlpOptions(profile, memory_capacity, training, optimizer_states, enable_alltoall)
     folding = fold(cg)
     costs = Costs(cg, options)
@@ -81,6 +84,25 @@ def predict(graph: Graph, devices: int, profile: DeviceProfile, memory_capacity:
     comm_bytes = _bytes(cg, costs, folding, edges, choice, parallel_optimizer)
     return Prediction(profile, memory_capacity, compute, comm, comm_bytes, memory,
                       parallel_optimizer, recompute)
+
+
+def _following_casts(graph: Graph) -> set[int]:
+    """id() of the Casts of a weight laid out as every user of theirs reads them (the weight
+    stored as its users want it, as `--search ilp` plans and MindSpore's propagation of a
+    configured strategy lay it out)."""
+    out: set[int] = set()
+    for node in graph.nodes:
+        if node.op != "Cast" or len(node.operands) != 1 or node.parallel is None:
+            continue
+        if stored_param(node.operands[0]) is None or not node.parallel.in_strategy:
+            continue
+        mine = tuple(node.parallel.in_strategy[0])
+        uses = node.result.uses
+        if uses and all(u.parallel is not None and u.parallel.in_strategy is not None
+                        and i < len(u.parallel.in_strategy)
+                        and tuple(u.parallel.in_strategy[i]) == mine for u, i in uses):
+            out.add(id(node))
+    return out
 
 
 def _bytes(cg: CostGraph, costs: Costs, folding: Any, edges: Any, choice: dict[int, int],

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from math import prod
 from typing import Any
@@ -284,10 +285,12 @@ def _bytes(layout: TensorLayout, itemsize: int) -> float:
 
 def op_time(node: Node, sharding: OpSharding, devices: int, profile: DeviceProfile,
             training: bool, grad: set[int] | None = None,
-            parallel_optimizer: bool = False) -> OpTime:
+            parallel_optimizer: bool = False, owned: Collection[int] | None = None) -> OpTime:
     """One rank's seconds for `node` laid out by `sharding` (module docstring); `grad`: the
     values that get a gradient (`differentiable`; None: every floating input but data);
-    `parallel_optimizer`: its weights are stored sharded over their repeat groups."""
+    `parallel_optimizer`: its weights are stored sharded over their repeat groups; `owned`:
+    the operand indices whose weight gradient this op reduces (the weight's first user, where
+    the weight is stored; None: every weight operand)."""
     in_types = [v.type for v in node.operands if isinstance(v.type, TensorType)]
     out_t = node.result.type
     out_types = [out_t] if isinstance(out_t, TensorType) else [
@@ -337,9 +340,11 @@ def op_time(node: Node, sharding: OpSharding, devices: int, profile: DeviceProfi
     if not training:
         return result
     operands = [v for v in node.operands if isinstance(v.type, TensorType)]
-    for value, lay in zip(operands, sharding.in_layouts):
+    index = [i for i, v in enumerate(node.operands) if isinstance(v.type, TensorType)]
+    for i, value, lay in zip(index, operands, sharding.in_layouts):
         param = stored_param(value)
-        if param is None or not _needs_grad(value, grad):
+        if param is None or not _needs_grad(value, grad) or (owned is not None
+                                                             and i not in owned):
             continue  # an activation: its cotangent shares are summed where its producer's are
         local = float(prod(lay.slice_shape) * param.tensor_type.dtype.itemsize)
         repeat = repeat_axes(lay)
@@ -358,6 +363,7 @@ def op_time(node: Node, sharding: OpSharding, devices: int, profile: DeviceProfi
         full = all_reduce_time(local, group, profile.link(span))
         full_bytes = 2 * (group - 1) / group * local
         alone = not sharding.forward and len(out_types) == 1 and out_types[0].dtype.is_float \
+            and not has_trait(node.op, Trait.VALUE_COPY) \
             and not any(v is not value and _needs_grad(v, grad) for v in operands)
         if alone:
             shared = repeat & repeat_axes(sharding.out_layouts[0])

@@ -94,3 +94,30 @@ def test_valid_schemes_divide() -> None:
     widths = {(s.dp, s.mp) for s in model.schemes()}
     assert widths == {(2, 4), (1, 8)}
     assert all(s.tokens * s.dp == 8 * 16 for s in model.schemes())
+
+
+@pytest.mark.parametrize("search", [
+    None, "ilp", "sharding_propagation", "recursive_programming",
+    pytest.param("dynamic_programming", marks=pytest.mark.slow)])
+def test_predicted_bytes_bound_the_plans_own(monkeypatch: Any, search: str | None) -> None:
+    """Every plan's prediction (plan.json `prediction.communication_bytes`) counts what its
+    collectives move: at least rank 0's ring bytes. The cost model leaves out only savings of
+    the passes (an AllReduce's vjp made local where the cotangent is alike on every rank, an
+    AllReduce turned ReduceScatter before a split, an embedding's shares summed after its
+    Cast), so a plan moving more than predicted is a collective the model misses."""
+    from pcompile.compiler.driver import compile as compile_program
+    from pcompile.passes.comm_info import is_communication, node_ring_bytes
+
+    for name in [n for n in os.environ if n.startswith("LLAMA_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("LLAMA_LAYERS", "2")
+    monkeypatch.setenv("LLAMA_BATCH", "2")
+    if search is not None:
+        monkeypatch.setenv("LLAMA_STRATEGIES", "none")
+    program = compile_program(os.path.join(ROOT, "examples", "llama.py"), devices=8,
+                              dump=False, search_mode=search,
+                              overrides={"device_memory_capacity": 4e5} if search == "ilp"
+                              else None)
+    actual = sum(node_ring_bytes(n) for n in program.state.rank_graphs[0].nodes
+                 if is_communication(n) and n.op != "_MirrorOperator")
+    assert actual <= program.state.plan["prediction"]["communication_bytes"]
