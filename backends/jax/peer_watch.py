@@ -207,8 +207,8 @@ class PeerWatch:
             if value == "done":
                 continue
             if now - since > self.timeout:
-                what = ("never beat" if not value else
-                        f"no heartbeat through the coordinator for {now - since:.0f} s")
+                what = (f"no heartbeat through the coordinator for {now - since:.0f} s"
+                        + ("" if value else ", none since the start"))
                 self._decide(f"{self.name(q)} is lost: {what} (--heartbeat-timeout "
                              f"{self.timeout:g}); it was killed, stopped, or its host is "
                              "unreachable", publish=True)
@@ -276,8 +276,11 @@ def peer_watch(process: int, processes: int, ranks_per_process: int, label: str,
     except ImportError:
         return None
     client = getattr(distributed.global_state, "client", None)
-    if client is None:
-        return None
+    setter = getattr(client, "key_value_set", None)
+    if (setter is None or "allow_overwrite" not in (setter.__doc__ or "")
+            or not all(hasattr(client, name)
+                       for name in ("key_value_try_get", "key_value_dir_get"))):
+        return None  # a JAX whose store cannot carry the watch: nobody is judged
     return PeerWatch(client, process, processes, ranks_per_process, label, coordinator,
                      timeout).start()
 
