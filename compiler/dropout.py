@@ -24,7 +24,25 @@ from pcompile.compiler.random_state import next_step, op_seeds
 from pcompile.compiler.tensor import Tensor
 from pcompile.compiler.tracing import current_tracer
 from pcompile.ir.core import Constant
+from pcompile.ir.errors import PcompileError
 from pcompile.ir.types import DType
+
+
+def _check_mode() -> None:
+    """data_parallel traces each rank's own batch: every rank would draw the bits of the
+    batch's first rows (its block's offsets are not known), unlike the single-device program."""
+    from pcompile.compiler.context import current_context
+    from pcompile.compiler.tracing import user_source
+
+    ctx = current_context()
+    if ctx.parallel_mode == "data_parallel" and ctx.device_num > 1:
+        source = user_source()
+        where = f" at {source.file}:{source.line}" if source is not None else ""
+        raise PcompileError(
+            f"Dropout{where} in data_parallel mode: each rank traces only its own batch, so "
+            "every rank would drop the elements the single-device program drops in the first "
+            "rows; compile in semi_auto_parallel (the default strategies split the batch as "
+            "data_parallel does) or auto_parallel, where each rank draws its rows' bits")
 
 
 def dropout(prim: Primitive, x: Any) -> tuple[Any, Any]:
@@ -40,6 +58,7 @@ def dropout(prim: Primitive, x: Any) -> tuple[Any, Any]:
         args = [Tensor(arr), Tensor(np.ones((), np.int32)),
                 Tensor(np.zeros((arr.ndim,), np.int32))]
         return (_eager("Dropout", args, attrs, prim), _eager("DropoutMask", args, attrs, prim))
+    _check_mode()
     value = tracer.to_value(x, None)
     seed0, seed1 = op_seeds(tracer, int(prim.attrs["seed0"]), int(prim.attrs["seed1"]))
     step = Tensor(_value=next_step(tracer))

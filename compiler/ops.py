@@ -159,6 +159,36 @@ class Max(_Simple):
         return self._apply([input], axis=(), keep_dims=False)
 
 
+class BatchNorm(Primitive):
+    """`P.BatchNorm(is_training=False, epsilon=1e-5, momentum=0.1, data_format="NCHW")(x,
+    scale, bias, mean, variance)` -> (y, batch_mean, batch_variance, reserve_1, reserve_2): in
+    training the batch's statistics normalise x and update the moving `mean` / `variance`
+    Parameters, otherwise those normalise it (compiler/batch_norm.py). Its strategy is
+    MindSpore's `((n, c, h, w), (c,), (c,), (c,), (c,))`."""
+
+    op = "BatchNorm"
+
+    def __init__(self, is_training: bool = False, epsilon: float = 1e-5, momentum: float = 0.1,
+                 data_format: str = "NCHW") -> None:
+        from pcompile.compiler.batch_norm import _check_float
+
+        if not isinstance(is_training, bool):
+            raise TypeError(f"For 'BatchNorm', the 'is_training' must be bool, but got "
+                            f"{type(is_training).__name__} {is_training!r}")
+        if data_format != "NCHW":
+            raise ValueError(f"For 'BatchNorm', the 'data_format' must be 'NCHW' (pcompile "
+                             f"has no NHWC layout), but got {data_format!r}")
+        super().__init__(is_training=is_training,
+                         epsilon=_check_float(epsilon, "epsilon", 0.0, 1.0),
+                         momentum=_check_float(momentum, "momentum", 0.0, 1.0),
+                         data_format=data_format)
+
+    def __call__(self, x: Any, scale: Any, bias: Any, mean: Any, variance: Any) -> Any:
+        from pcompile.compiler.batch_norm import batch_norm
+
+        return batch_norm(self, x, scale, bias, mean, variance)
+
+
 class Embedding(Primitive):
     """`ops.auto_generate.Embedding()(input, weight, padding_idx=None, max_norm=None,
     norm_type=2.0, scale_grad_by_freq=False)`: the rows of `weight` at `input` (a Gather of

@@ -89,9 +89,19 @@ The collectives and the virtual ops are inserted per rank by the parallel passes
 OUTRO = """\
 ## Cells
 
-`nn.Dense`, `nn.Embedding`, `nn.LayerNorm`, `nn.Conv2d`, `nn.Flatten`, `nn.Dropout`, the
-activations `nn.ReLU`, `nn.GELU`, `nn.Tanh`, `nn.Sigmoid`, `nn.SiLU`, `nn.Softmax`,
-`nn.LogSoftmax` (also by name: `activation="silu"`), and the containers:
+`nn.Dense`, `nn.Embedding`, `nn.LayerNorm`, `nn.Conv2d`, `nn.Flatten`, `nn.Dropout`,
+`nn.BatchNorm1d`, `nn.BatchNorm2d`, the activations `nn.ReLU`, `nn.GELU`, `nn.Tanh`,
+`nn.Sigmoid`, `nn.SiLU`, `nn.Softmax`, `nn.LogSoftmax` (also by name: `activation="silu"`), and
+the containers:
+
+`nn.BatchNorm1d` / `nn.BatchNorm2d` and the primitive `ops.BatchNorm(is_training, epsilon,
+momentum)` (MindSpore's arguments and strategy `((n, c, h, w), (c,), (c,), (c,), (c,))`) are
+traced as the arithmetic they compute (ReduceMean, Sub, Square, Rsqrt, Mul, Add): in training a
+split N, H or W dim is normalised by the whole batch's statistics (the ReduceMeans all-reduce, as
+MindSpore's SyncBatchNorm in BatchNormInfo), and the moving mean and variance (Parameters,
+`moving = momentum * moving + (1 - momentum) * batch` in the cell's terms, the unbiased batch
+variance) are state the step updates (`ops.assign`). Outside training the moving statistics
+normalise. MindSpore's `group_size` attribute (a sync over sub-groups) is refused.
 
 * `nn.SequentialCell(a, b, ...)` (or a list, or an OrderedDict of named cells) calls its cells
   in order;

@@ -3,6 +3,8 @@
 from pcompile.compiler.nn.cell import Cell
 from pcompile.compiler.nn.layers import (
     GELU,
+    BatchNorm1d,
+    BatchNorm2d,
     CellList,
     Conv2d,
     Dense,
@@ -47,6 +49,8 @@ from pcompile.compiler.nn.wrap import (
 )
 
 __all__ = [
+    "BatchNorm1d",
+    "BatchNorm2d",
     "Cell",
     "Dense",
     "Embedding",

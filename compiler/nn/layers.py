@@ -32,6 +32,8 @@ from pcompile.ir.types import DType
 
 __all__ = [
     "GELU",
+    "BatchNorm1d",
+    "BatchNorm2d",
     "Conv2d",
     "Dense",
     "Dropout",
@@ -800,3 +802,81 @@ class CellList(Cell):
             "a CellList is a container and cannot be called; call its cells instead "
             "(for cell in self.layers: x = cell(x))"
         )
+
+
+# -- batch normalisation --------------------------------------------------------------------------
+
+
+class _BatchNorm(Cell):
+    """MindSpore's `nn.BatchNorm1d` / `nn.BatchNorm2d(num_features, eps=1e-5, momentum=0.9,
+    affine=True, gamma_init="ones", beta_init="zeros", moving_mean_init="zeros",
+    moving_var_init="ones", use_batch_statistics=None, data_format="NCHW", dtype=float32)`:
+    per-channel normalisation by the batch's statistics while training (updating
+    `moving_mean` / `moving_variance`: moving = momentum * moving + (1 - momentum) * batch), by
+    the moving ones otherwise (`use_batch_statistics` True / False forces one); `gamma` and
+    `beta` trained when `affine`. The op is `ops.BatchNorm` (compiler/batch_norm.py)."""
+
+    RANK = 4
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.9,
+                 affine: bool = True, gamma_init: Any = "ones", beta_init: Any = "zeros",
+                 moving_mean_init: Any = "zeros", moving_var_init: Any = "ones",
+                 use_batch_statistics: bool | None = None, data_format: str = "NCHW",
+                 dtype: Any = DType.float32) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        channels = check_positive_int(num_features, "num_features", owner)
+        eps = check_number(eps, "eps", owner)
+        momentum = check_number(momentum, "momentum", owner)
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"{owner}: momentum must be in [0, 1], got {momentum!r}")
+        if eps <= 0:
+            raise ValueError(f"{owner}: eps must be > 0, got {eps!r}")
+        if not isinstance(affine, bool):
+            raise TypeError(f"{owner}: affine must be a bool, got {affine!r}")
+        if use_batch_statistics is not None and not isinstance(use_batch_statistics, bool):
+            raise TypeError(f"{owner}: use_batch_statistics must be None or a bool, got "
+                            f"{use_batch_statistics!r}")
+        if data_format != "NCHW":
+            raise ValueError(f"{owner}: data_format must be 'NCHW' (pcompile has no NHWC "
+                             f"layout), got {data_format!r}")
+        param_dtype = _dtype(dtype, "dtype", owner)
+        self.num_features = channels
+        self.eps = eps
+        self.momentum = momentum
+        self.use_batch_statistics = use_batch_statistics
+        self.gamma = make_parameter(gamma_init, (channels,), param_dtype, "gamma", owner)
+        self.beta = make_parameter(beta_init, (channels,), param_dtype, "beta", owner)
+        self.gamma.requires_grad = self.beta.requires_grad = affine
+        self.moving_mean = make_parameter(moving_mean_init, (channels,), param_dtype,
+                                          "moving_mean", owner)
+        self.moving_variance = make_parameter(moving_var_init, (channels,), param_dtype,
+                                              "moving_variance", owner)
+        for p in (self.moving_mean, self.moving_variance):
+            p.requires_grad = False
+            p.parallel_optimizer = False
+        # MindSpore's op momentum is the weight of the batch: 1 - the cell's
+        self.bn_train = ops.BatchNorm(True, eps, 1.0 - momentum)
+        self.bn_infer = ops.BatchNorm(False, eps, 1.0 - momentum)
+
+    def construct(self, x: Tensor) -> Tensor:
+        if len(x.shape) != self.RANK:
+            dims = "(N, C, H, W)" if self.RANK == 4 else "(N, C)"
+            raise _input_error(self, f"expects a {self.RANK}-D input {dims}, got shape "
+                                     f"{tuple(x.shape)}")
+        training = (self.training if self.use_batch_statistics is None
+                    else self.use_batch_statistics)
+        bn = self.bn_train if training else self.bn_infer
+        return bn(x, self.gamma, self.beta, self.moving_mean, self.moving_variance)[0]
+
+
+class BatchNorm2d(_BatchNorm):
+    """`nn.BatchNorm2d`: x (N, C, H, W), statistics over N, H and W (see `_BatchNorm`)."""
+
+    RANK = 4
+
+
+class BatchNorm1d(_BatchNorm):
+    """`nn.BatchNorm1d`: x (N, C), statistics over N (see `_BatchNorm`)."""
+
+    RANK = 2

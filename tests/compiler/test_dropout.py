@@ -155,3 +155,23 @@ def test_nn_dropout_mindspore_arguments() -> None:
         nn.Dropout(keep_prob=1)
     with pytest.raises(ValueError, match="p must be"):
         nn.Dropout(p=1.0)
+
+
+def test_data_parallel_mode_is_refused_with_the_way_out(tmp_path) -> None:
+    """data_parallel traces each rank's own batch, so a rank's rows would take the first
+    rows' bits: refused with one message naming the mode that works."""
+    from pcompile.ir.errors import PcompileError
+
+    path = tmp_path / "dp.py"
+    path.write_text(
+        "import numpy as np\nfrom pcompile import nn\n"
+        "class Net(nn.Cell):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.drop = nn.Dropout(p=0.5)\n        self.dense = nn.Dense(4, 2)\n"
+        "    def construct(self, x):\n        return self.dense(self.drop(x))\n"
+        "def model():\n    return Net()\n"
+        "def inputs():\n    return [np.ones((16, 4), np.float32)]\n"
+        "def labels():\n    return [np.ones((16, 2), np.float32)]\n"
+        "def loss():\n    return nn.MSELoss()\n"
+        "def optimizer(params):\n    return nn.SGD(params, learning_rate=0.1)\n")
+    with pytest.raises(PcompileError, match="Dropout at .* in data_parallel mode.*semi_auto"):
+        compile_model(str(path), devices=8, parallel_mode="data_parallel", dump=False)
