@@ -174,10 +174,6 @@ class PeerWatch:
             if not _missing(exc):
                 raise
         else:
-            try:
-                self.client.key_value_set(f"{ACKS}{self.process}", "1", allow_overwrite=True)
-            except Exception:
-                pass
             self._decide(str(verdict), publish=False)
             return
         now = time.monotonic()
@@ -238,6 +234,8 @@ class PeerWatch:
             except Exception:
                 pass
             self._await_acks(message)
+        elif self.process != 0:  # process 0 waits for this before its coordinator goes
+            self._put("1", wait=1.0, key=f"{ACKS}{self.process}")
         self.on_lost(message)  # (by default the process ends here)
         self._decided.set()
 
