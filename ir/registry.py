@@ -114,6 +114,21 @@ class Trait(Enum):
     NO_STRATEGY = "no_strategy"
 
 
+@dataclass(frozen=True)
+class CommFacts:
+    """What a communication op moves on ONE rank, in the two conventions of
+    `passes/comm_info.py` (its module docstring has the tables), and whether the comm_fusion
+    pass buckets it. Declared in the op's block (`ir/ops/comm.py`, `ir/ops/pipeline.py`);
+    passes read it instead of keeping lists of collective names."""
+
+    #: bytes one rank receives: f(operand bytes, result bytes, group size n >= 1)
+    received: Callable[[int, int, int], int]
+    #: bytes one rank sends with ring algorithms: f(operand bytes S, group size n >= 2)
+    ring_sent: Callable[[int, int], int]
+    #: the op's key in MindSpore's `comm_fusion` config ("allreduce"); "" when never fused
+    fusion_key: str = ""
+
+
 VjpFn = Callable[["Builder", "Node", Any], list["Value | None"]]
 LoweringAttrsFn = Callable[["Node", dict[str, Any]], dict[str, Any]]
 
@@ -135,6 +150,7 @@ class OpDef:
     traits: frozenset[Trait] = frozenset()  # what passes ask of it (`Trait`)
     dims: DimRule | None = None  # how its dims relate (ir/dims.py, the shrunk check)
     lowering_attrs: LoweringAttrsFn | None = None  # compile-time specialisation (JAX)
+    comm: CommFacts | None = None  # what a communication op moves (`CommFacts`)
     doc: str = ""
     page: OpDoc | None = None  # its row on docs/ops.md
     module: str = ""  # the module that registered it (filled in by `register`)
@@ -241,6 +257,13 @@ def has_trait(name: str, trait: Trait) -> bool:
 def all_ops() -> dict[str, OpDef]:
     _ensure_loaded()
     return dict(_REGISTRY)
+
+
+def group_collectives() -> tuple[str, ...]:
+    """The collectives that run over a group of ranks (`collective=True`, not the point to
+    point Send / Receive), in registry order: each backend keeps one row for each."""
+    return tuple(name for name, d in all_ops().items()
+                 if d.collective and Trait.POINT_TO_POINT not in d.traits)
 
 
 _loaded = False

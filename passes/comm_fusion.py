@@ -64,7 +64,7 @@ import networkx as nx
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Graph, GraphParam, Node, NodeResult, ParallelInfo, Value
 from pcompile.ir.rank import RankGroup, RankValue, resolve
-from pcompile.ir.registry import get_op
+from pcompile.ir.registry import all_ops, get_op
 from pcompile.passes.unit import CompileUnit
 
 __all__ = [
@@ -85,11 +85,11 @@ MB_TO_ELEMENTS = 262144
 """MindSpore's `DEFAULT_THRESHOLD_MB_TO_BYTE`: a threshold of k MB is k x 262144 elements."""
 
 FUSIBLE_OPS: dict[str, str] = {
-    "AllReduce": "allreduce",
-    "AllGather": "allgather",
-    "ReduceScatter": "reducescatter",
+    name: opdef.comm.fusion_key for name, opdef in all_ops().items()
+    if opdef.comm is not None and opdef.comm.fusion_key
 }
-"""Op name -> its comm_fusion key."""
+"""Op name -> its comm_fusion key: the collectives whose `CommFacts.fusion_key` (their op block
+in `ir/ops/comm.py`) names one (AllReduce, AllGather, ReduceScatter)."""
 
 _GRAD_SCOPE = "Gradients/"
 _MAX_CONCAT = 1000  # Concat takes at most 1000 inputs; larger buckets concat in two levels

@@ -10,14 +10,18 @@ Bytes are what ONE rank receives in one step, the convention of the parallel pas
 | AllGather | the (n - 1) pieces of the other ranks: input x (n - 1) |
 | ReduceScatter | (n - 1) blocks of its own size: output x (n - 1) |
 | AlltoAll | (n - 1) / n of the input |
+| Send / Receive | the tensor (the pair's, counted at its Send) / 0 |
 
-n is the group size (`rank_list`). A `_MirrorOperator` is the identity when the program runs;
-the bytes the parallel pass writes on it are those of the gradient AllReduce that its vjp
-emits in the backward part (alone, or as a member of a fused bucket), which is counted there.
+Each row is the op's `CommFacts.received` (`ir/registry.py`), declared in its op block
+(`ir/ops/comm.py`, `ir/ops/pipeline.py`), as is whether comm_fusion buckets it
+(`CommFacts.fusion_key`). n is the group size (`rank_list`). A `_MirrorOperator` is the
+identity when the program runs; the bytes the parallel pass writes on it are those of the
+gradient AllReduce that its vjp emits in the backward part (alone, or as a member of a fused
+bucket), which is counted there.
 
 The second convention, `ring_bytes` (plan.json, `pcompile show`), is what ONE rank SENDS when
 the collective runs with ring algorithms, S the operand on one rank (one function per
-collective below, `RING_SENT`):
+communication op: its `CommFacts.ring_sent` in `ir/ops/comm.py` / `ir/ops/pipeline.py`):
 
 | collective | bytes one rank sends |
 | --- | --- |
@@ -35,74 +39,35 @@ comparing plans with different collectives needs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pcompile.ir.core import Node, ParallelInfo
-from pcompile.ir.registry import Trait, get_op, has_trait
+from pcompile.ir.registry import Trait, all_ops, find_op, get_op, has_trait
 from pcompile.ir.types import TensorType
 
 PHASES = ("forward", "backward", "optimizer")
 
 
 def collective_bytes(op: str, in_type: Any, out_type: Any, group_size: int) -> int:
-    """Bytes one rank receives in collective `op` over `group_size` ranks (table above)."""
+    """Bytes one rank receives in collective `op` over `group_size` ranks (table above: the
+    op's `CommFacts.received`; an op without facts: its operand)."""
     n = max(1, int(group_size))
-
-    def nbytes(t: Any) -> int:
-        if isinstance(t, TensorType):
-            return t.nbytes
-        return 0
-
-    if op == "AllGather":
-        return nbytes(in_type) * (n - 1)
-    if op == "ReduceScatter":
-        return nbytes(out_type) * (n - 1)
-    if op == "AlltoAll":
-        return nbytes(in_type) * (n - 1) // n
-    return nbytes(in_type)
+    operand, result = _nbytes(in_type), _nbytes(out_type)
+    opdef = find_op(op)
+    if opdef is None or opdef.comm is None:
+        return operand
+    return opdef.comm.received(operand, result, n)
 
 
-def all_reduce_ring(size: int, n: int) -> int:
-    """A ring AllReduce: ReduceScatter then AllGather, each (n - 1) / n of the tensor."""
-    return 2 * (n - 1) * size // n
+def _nbytes(t: Any) -> int:
+    return t.nbytes if isinstance(t, TensorType) else 0
 
 
-def all_gather_ring(size: int, n: int) -> int:
-    """A ring AllGather of an operand of `size` bytes: n - 1 pieces passed on."""
-    return (n - 1) * size
-
-
-def reduce_scatter_ring(size: int, n: int) -> int:
-    """A ring ReduceScatter of an operand of `size` bytes: n - 1 blocks of size / n."""
-    return (n - 1) * size // n
-
-
-def all_to_all_ring(size: int, n: int) -> int:
-    """AlltoAll: every block but one's own leaves the rank."""
-    return (n - 1) * size // n
-
-
-def broadcast_ring(size: int, n: int) -> int:
-    """A chain Broadcast: the root and each relay send the tensor once."""
-    return size
-
-
-def send_ring(size: int, n: int) -> int:
-    return size
-
-
-def receive_ring(size: int, n: int) -> int:
-    return 0
-
-
-#: Bytes one rank sends under ring algorithms, per collective: f(operand bytes, group size).
-RING_SENT = {
-    "AllReduce": all_reduce_ring, "AllGather": all_gather_ring,
-    "ReduceScatter": reduce_scatter_ring, "AlltoAll": all_to_all_ring,
-    "Broadcast": broadcast_ring, "Send": send_ring, "Receive": receive_ring,
-    # the identity when run; stands for its vjp's gradient AllReduce, as its `bytes` do
-    "_MirrorOperator": all_reduce_ring,
-}
+def ring_sent_ops() -> dict[str, Callable[[int, int], int]]:
+    """Bytes one rank sends under ring algorithms, per communication op: f(operand bytes,
+    group size) (its `CommFacts.ring_sent`), in registry order."""
+    return {name: d.comm.ring_sent for name, d in all_ops().items() if d.comm is not None}
 
 
 def ring_bytes(op: str, operand_bytes: int, group_size: int) -> int:
@@ -112,7 +77,10 @@ def ring_bytes(op: str, operand_bytes: int, group_size: int) -> int:
     n = int(group_size)
     if n < 2:
         return 0
-    return RING_SENT[op](int(operand_bytes), n)
+    comm = get_op(op).comm
+    if comm is None:
+        raise KeyError(f"{op} moves no bytes between ranks (its OpDef has no CommFacts)")
+    return comm.ring_sent(int(operand_bytes), n)
 
 
 def node_ring_bytes(node: Node) -> int:

@@ -24,7 +24,7 @@ from pcompile.ir.core import Node, Value
 from pcompile.ir.errors import PcompileError, ShapeError
 from pcompile.ir.ops._define import define
 from pcompile.ir.ops._util import normalize_axis, tensor
-from pcompile.ir.registry import ALL, InferFn, OpDef
+from pcompile.ir.registry import ALL, CommFacts, InferFn, OpDef
 from pcompile.ir.types import ValueType
 
 _COMM_DEFAULTS: dict[str, Any] = {"group": "", "rank_list": (0,), "fusion": 0}
@@ -74,6 +74,25 @@ def _flag(attrs: dict[str, Any], name: str) -> bool:
     return value
 
 
+# -- bytes one rank moves (passes/comm_info.py has the two conventions' tables) ---------------
+
+
+def _operand_received(operand: int, result: int, n: int) -> int:
+    """The tensor: AllReduce, Broadcast (and a _MirrorOperator, for its gradient AllReduce)."""
+    return operand
+
+
+def _all_reduce_ring(size: int, n: int) -> int:
+    """A ring AllReduce: ReduceScatter then AllGather, each (n - 1) / n of the tensor."""
+    return 2 * (n - 1) * size // n
+
+
+def _spread_ring(size: int, n: int) -> int:
+    """(n - 1) / n of the operand: ReduceScatter's n - 1 blocks of size / n; AlltoAll, every
+    block but its own."""
+    return (n - 1) * size // n
+
+
 _COLLECTIVE_RULE = ("*no strategy*: inserted per rank by the parallel passes (user-callable in "
                     "hybrid_parallel mode)")
 
@@ -118,6 +137,7 @@ def _all_reduce_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
 
 
 collective("AllReduce", _all_reduce_infer, vjp=_all_reduce_vjp,
+           comm=CommFacts(_operand_received, _all_reduce_ring, fusion_key="allreduce"),
            attrs={"op": "sum", **_COMM_DEFAULTS},
            doc="Element-wise reduction (op sum|max|min|prod) over the ranks of the group. vjp: "
                "AllReduce(sum) of the cotangent (the cotangent times the group size when the node "
@@ -146,7 +166,18 @@ def _all_gather_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [grad]
 
 
+def _all_gather_received(operand: int, result: int, n: int) -> int:
+    """The n - 1 pieces of the other ranks."""
+    return operand * (n - 1)
+
+
+def _all_gather_ring(size: int, n: int) -> int:
+    """A ring AllGather: its own piece passed on n - 1 times."""
+    return (n - 1) * size
+
+
 collective("AllGather", _all_gather_infer, vjp=_all_gather_vjp,
+           comm=CommFacts(_all_gather_received, _all_gather_ring, fusion_key="allgather"),
            attrs={**_COMM_DEFAULTS, "mean_flag": False},
            doc="Concatenates the ranks' x along dim 0 in rank_list order (dim 0 grows n times). "
                "vjp: ReduceScatter(sum), times 1/n if mean_flag.",
@@ -178,7 +209,13 @@ def _reduce_scatter_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None
     return [b("AllGather", cot, **_comm_attrs(node))]
 
 
+def _reduce_scatter_received(operand: int, result: int, n: int) -> int:
+    """n - 1 blocks of its own (the result's) size."""
+    return result * (n - 1)
+
+
 collective("ReduceScatter", _reduce_scatter_infer, vjp=_reduce_scatter_vjp,
+           comm=CommFacts(_reduce_scatter_received, _spread_ring, fusion_key="reducescatter"),
            attrs={"op": "sum", **_COMM_DEFAULTS},
            doc="Reduces x over the group and gives rank i the i-th of n blocks along dim 0. vjp "
                "(op sum only): AllGather.",
@@ -229,7 +266,13 @@ def _all_to_all_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     ]
 
 
+def _all_to_all_received(operand: int, result: int, n: int) -> int:
+    """(n - 1) / n of the operand: every block but its own."""
+    return operand * (n - 1) // n
+
+
 collective("AlltoAll", _all_to_all_infer, vjp=_all_to_all_vjp,
+           comm=CommFacts(_all_to_all_received, _spread_ring),
            attrs={"split_count": 1, "split_dim": 0, "concat_dim": 0, **_COMM_DEFAULTS},
            doc="Splits x into split_count blocks along split_dim, sends block i to the i-th rank "
                "and concatenates the received blocks along concat_dim. split_count must equal "
@@ -250,7 +293,13 @@ def _broadcast_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType
     return x
 
 
+def _broadcast_ring(size: int, n: int) -> int:
+    """A chain Broadcast: the root and each relay send the tensor once."""
+    return size
+
+
 collective("Broadcast", _broadcast_infer, vjp=None, attrs={"root_rank": 0, **_COMM_DEFAULTS},
+           comm=CommFacts(_operand_received, _broadcast_ring),
            doc="Every rank receives the root_rank's x. Not differentiable here: the correct "
                "gradient (sum of the cotangents onto the root, zero elsewhere) needs a "
                "rank-dependent op; MindSpore's own bprop passes the cotangent through unchanged.",
@@ -289,6 +338,8 @@ def _identity_jax(x: Any, **_: Any) -> Any:
 
 
 define("_MirrorOperator", _mirror_infer, _identity_np, _identity_jax, vjp=_mirror_vjp,
+       # the identity when run; its bytes stand for its vjp's gradient AllReduce
+       comm=CommFacts(_operand_received, _all_reduce_ring),
        attrs={**_COMM_DEFAULTS, "dev_num": 1, "mean_flag": False, "parameter": ""}, num_inputs=1,
        doc="Forward identity placed after a parameter; vjp: AllReduce(sum) of the gradient over "
            "the parameter's mirror group, times 1/dev_num if mean_flag.", section="compiler",

@@ -13,7 +13,10 @@ from click.testing import CliRunner
 
 from pcompile.cli import main
 from pcompile.compiler.inspection import comm_summary, comm_totals, load
-from pcompile.passes.comm_info import RING_SENT, ring_bytes
+from pcompile.ir.registry import CommFacts, all_ops, get_op, group_collectives
+from pcompile.ir.types import DType, TensorType
+from pcompile.passes.comm_fusion import FUSIBLE_OPS
+from pcompile.passes.comm_info import collective_bytes, ring_bytes, ring_sent_ops
 from tests import ROOT
 
 QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")
@@ -40,8 +43,32 @@ def test_allreduce_equals_its_reduce_scatter_and_all_gather() -> None:
     size, n = 4096, 8
     assert ring_bytes("AllReduce", size, n) == (
         ring_bytes("ReduceScatter", size, n) + ring_bytes("AllGather", size // n, n))
-    assert set(RING_SENT) >= {"AllReduce", "AllGather", "ReduceScatter", "AlltoAll",
+    assert set(ring_sent_ops()) >= {"AllReduce", "AllGather", "ReduceScatter", "AlltoAll",
                               "Broadcast", "Send", "Receive"}
+
+
+def test_bytes_and_fusibility_are_facts_of_each_communication_op(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each communication op's block (ir/ops/comm.py, ir/ops/pipeline.py) declares what one rank
+    receives and sends and whether comm_fusion buckets it; comm_info and comm_fusion keep no
+    list of collective names but read those facts."""
+    facts = {name: d.comm for name, d in all_ops().items() if d.comm is not None}
+    assert set(facts) == {*group_collectives(), "Send", "Receive", "_MirrorOperator"}
+    assert FUSIBLE_OPS == {"AllReduce": "allreduce", "AllGather": "allgather",
+                           "ReduceScatter": "reducescatter"}
+    piece, whole = TensorType(DType.float32, (4, 8)), TensorType(DType.float32, (16, 8))
+    received = {op: collective_bytes(op, piece, whole, 4) for op in facts}
+    assert received == {"AllReduce": 128, "AllGather": 384, "ReduceScatter": 1536,
+                        "AlltoAll": 96, "Broadcast": 128, "_MirrorOperator": 128, "Send": 128,
+                        "Receive": 0}  # a pair's tensor is counted at its Send
+    # a changed fact is what the passes see
+    alltoall = get_op("AlltoAll")
+    assert alltoall.comm is not None
+    monkeypatch.setattr(alltoall, "comm",
+                        CommFacts(lambda i, o, n: 7 * n, lambda s, n: 5 * n, "alltoall"))
+    assert ring_bytes("AlltoAll", 1024, 4) == 20
+    assert collective_bytes("AlltoAll", piece, piece, 4) == 28
+    assert set(ring_sent_ops()) == set(facts)
 
 
 @pytest.fixture(scope="module")
