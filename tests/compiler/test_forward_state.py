@@ -287,3 +287,27 @@ def test_a_value_assigned_in_another_layout_is_stored_in_the_parameters(tmp_path
                "Parameter's layout" in r for r in reasons), reasons
     report = check(program, steps=2)
     assert report.ok() and report.errors["count"] <= FLOAT64_RTOL, report.errors
+
+
+def test_a_cell_returning_gradients_returns_the_state_after_them(tmp_path: Any) -> None:
+    """A GradWrap cell (GradOperation(get_all=True, get_by_list=True), no optimizer) over a
+    network that accumulates a statistic: the program returns the gradients, then the
+    statistic's new value under its name, checked against one device."""
+    source = open(os.path.join(ROOT, "tests", "models", "grad_wrap.py")).read()
+    source = source.replace(
+        "        self.relu = ops.ReLU()\n",
+        "        self.relu = ops.ReLU()\n"
+        "        self.count = Parameter(initializer('zeros', [32]), 'count', requires_grad=False)\n"
+        "        self.sum = ops.ReduceSum().shard(((8, 1),))\n")
+    source = source.replace(
+        "        return self.matmul2(self.relu(self.matmul1(x, self.w1)), self.w2)\n",
+        "        h = self.relu(self.matmul1(x, self.w1))\n"
+        "        ops.assign_add(self.count, self.sum(h, 0))\n"
+        "        return self.matmul2(h, self.w2)\n")
+    path = tmp_path / "grad_wrap_state.py"
+    path.write_text(source)
+    program = compile_model(str(path), devices=8, dump=False)
+    assert program.output_names == [*(f"output{i}" for i in range(4)),
+                                    "network._backbone.count"]
+    report = check(program)
+    assert report.ok() and report.errors["output4"] <= FLOAT64_RTOL, report.errors
