@@ -42,7 +42,7 @@ def batch_norm(prim: Primitive, x: Any, scale: Any, bias: Any, mean: Any,
                variance: Any) -> tuple[Any, ...]:
     """`prim(x, scale, bias, mean, variance)` for a `P.BatchNorm` primitive `prim`."""
     from pcompile.compiler import ops
-    from pcompile.compiler.functional import assign
+    from pcompile.compiler.functional import assign, reshape
 
     if "group_size" in prim.user_attrs:
         raise ValueError(
@@ -78,24 +78,24 @@ def batch_norm(prim: Primitive, x: Any, scale: Any, bias: Any, mean: Any,
         return p
 
     def as_channels(t: Any) -> Any:
-        return ops.reshape(t, per_channel) if len(shape) == 4 else t
+        return reshape(t, per_channel) if len(shape) == 4 else t
 
     if training:
         m = op(ops.ReduceMean, full, keep_dims=True)(x, axes)
         centered = op(ops.Sub, full, stat)(x, m)
         v = op(ops.ReduceMean, full, keep_dims=True)(op(ops.Square, full)(centered), axes)
     else:
-        m = ops.reshape(mean, bshape)
+        m = reshape(mean, bshape)
         centered = op(ops.Sub, full, stat)(x, m)
-        v = ops.reshape(variance, bshape)
+        v = reshape(variance, bshape)
     rstd = op(ops.Rsqrt, stat)(op(ops.Add, stat, ())(v, Tensor(eps)))
     y = op(ops.Mul, full, stat)(centered, rstd)
     y = op(ops.Mul, full, pc)(y, as_channels(scale))
     y = op(ops.Add, full, pc)(y, as_channels(bias))
     if not training:
         return y, mean, variance, mean, variance
-    batch_mean = ops.reshape(m, (channels,))
-    batch_var = ops.reshape(v, (channels,))
+    batch_mean = reshape(m, (channels,))
+    batch_var = reshape(v, (channels,))
     count = 1
     for d in axes:
         count *= shape[d]

@@ -55,6 +55,16 @@ def opt_shard_fields(unit: CompileUnit) -> dict[str, tuple[int, int]]:
     return out
 
 
+def _node_stages(unit: CompileUnit) -> dict[int, int]:
+    """id(node) -> the pipeline stage each forward op runs in (its virtual stage modulo the
+    stages, as MindSpore's strategy items record it); empty without pipeline stages."""
+    settings = unit.pipeline
+    if settings is None or settings.stage_map is None:
+        return {}
+    stages = settings.stage_map.stages
+    return {key: virtual % stages for key, virtual in settings.stage_map.node_stage.items()}
+
+
 def save_checkpoint(unit: CompileUnit) -> str | None:
     """Write the strategy checkpoint `strategy_ckpt_config.save_file` asks for, if any, in a
     mode that saves one; returns its path (None when nothing was written)."""
@@ -70,7 +80,7 @@ def save_checkpoint(unit: CompileUnit) -> str | None:
                            opt_shards=opt_shard_fields(unit),
                            model_layouts={name: shard.model or shard.use
                                           for name, shard in unit.opt_shard.items()},
-                           current_stage=stage)
+                           current_stage=stage, node_stages=_node_stages(unit))
     path = files.save_file
     folder = os.path.dirname(os.path.abspath(path))
     try:

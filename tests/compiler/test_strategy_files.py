@@ -194,3 +194,15 @@ def test_mindspore_six_matmul_save(tmp_path) -> None:
     with open(path, "rb") as f:
         data = decode(path, f.read())
     assert set(data["parallel_layout_item"]) == {f"weight{i}" for i in range(2, 7)}
+
+
+def test_pipeline_stages_are_recorded(tmp_path) -> None:
+    """Each strategy item carries the pipeline stage its op runs in (examples/pipeline_mlp.py:
+    block s in stage s of 4)."""
+    path = str(tmp_path / "pipeline.json")
+    compile_model(os.path.join(ROOT, "examples", "pipeline_mlp.py"), devices=8, dump=False,
+                  overrides={"strategy_ckpt_config": {"save_file": path}})
+    with open(path, "rb") as f:
+        items = decode(path, f.read())["parallel_strategy_item"]
+    assert {k: v["stage"] for k, v in items.items()} == {
+        f"MatMul_blocks.{s}.{w}": s for s in range(4) for w in ("w1", "w2")}
