@@ -18,7 +18,8 @@ process its ranks' GPUs (backends/placement.py: `CUDA_VISIBLE_DEVICES`,
 * a process that fails: the launcher names the one that failed first (a process that had
   stopped beating, else one killed by a signal, else the earliest failure a process reported
   before exiting), not the others' follow-on errors (a process that `jax.distributed` aborted
-  because another one left counts last);
+  because another one left counts last); a process that exits with status 0 before its run
+  is over (its last heartbeat was not "finish": a library's `os._exit(0)`) is named at once;
 * either way it stops the others (SIGTERM and SIGCONT to each rank's process group, SIGKILL
   after `stop_grace` seconds) and returns non-zero with a message naming the rank, what
   happened and the tail of its log (`<out>/rank_<r>/run.log`, stdout and stderr; each run
