@@ -18,6 +18,9 @@ programs that liveness on their own:
 * each process then prints one line naming the lost process and what happened to it, and
   exits (status `EXIT_PEER_LOST`), instead of waiting in its collective; process 0 waits a few
   seconds for the others to read its verdict first (they acknowledge under `pcompile/ack/`).
+  Process 0's own end (a failure, Ctrl-C, SIGTERM) is published the same way before its
+  coordinator goes: the coordinator's end makes `jax.distributed` abort every other process.
+  Only a process 0 that is killed outright leaves them to JAX's abort.
 
 The traffic is O(processes) calls per interval (process 0 reads one list; every other
 process reads two keys).
