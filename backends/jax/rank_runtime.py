@@ -101,10 +101,16 @@ def _failure(exc: BaseException, label: str, watch: dict[str, PeerWatch]) -> tup
     return f"{label}: failed ({type(exc).__name__}: {exc})", 1
 
 
+#: what XLA's runtime errors say when a collective's peer went away (gloo, NCCL, sockets)
+_PEER_GONE = ("gloo", "nccl", "connection", "socket", "peer", "unavailable", "broken pipe")
+
+
 def _collective_failure(exc: BaseException) -> bool:
-    """A runtime error of XLA's (a collective whose peer went away), not the program's own."""
-    return (type(exc).__name__ in ("XlaRuntimeError", "JaxRuntimeError")
-            or "gloo" in str(exc).lower())
+    """A runtime error of XLA's that a peer's loss explains (a collective whose peer went
+    away), not one of the program's own (out of memory, a bad shape)."""
+    text = str(exc).lower()
+    return ("gloo" in text or type(exc).__name__ in ("XlaRuntimeError", "JaxRuntimeError")
+            and any(word in text for word in _PEER_GONE))
 
 
 def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbeat,

@@ -575,3 +575,17 @@ def test_gloo_uses_the_address_that_reaches_a_routable_coordinator() -> None:
     for coordinator in ("127.0.0.1:7777", "localhost:7777", "[::1]:7777", None,
                         "no-such-host.invalid:7777", "10.0.0.1"):
         assert collectives_address(coordinator) is None, coordinator
+
+
+def test_only_a_collective_that_lost_its_peer_waits_for_the_watch() -> None:
+    """A failed collective waits (up to --heartbeat-timeout) for the watch to name the lost
+    process; the program's own runtime errors are reported at once."""
+    from pcompile.backends.jax.rank_runtime import _collective_failure
+
+    class JaxRuntimeError(Exception):
+        pass
+
+    assert _collective_failure(JaxRuntimeError(
+        "UNKNOWN: Gloo all-reduce failed: [pair.cc:547] Connection closed by peer"))
+    assert not _collective_failure(JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory"))
+    assert not _collective_failure(ValueError("connection refused by the model's own code"))
