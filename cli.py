@@ -476,24 +476,13 @@ def _summary(program: Any, elapsed: float, quiet: bool = False) -> None:
     if quiet:
         return
     if prediction:
-        m, p = prediction["memory"], prediction
-        click.echo(
-            f"predicted on {p['device_profile']}: step {p['step_time'] * 1e3:.3f} ms (compute "
-            f"{p['compute'] * 1e3:.3f}, communication {p['communication'] * 1e3:.3f}), "
-            f"{p['communication_bytes'] / 1e6:.1f} MB moved per rank; memory per rank "
-            f"{m['total'] / 1e9:.2f} GB (weights {m['weights'] / 1e9:.2f}, gradients "
-            f"{m['gradients'] / 1e9:.2f}, optimizer {m['optimizer'] / 1e9:.2f}, activations "
-            f"{m['activations'] / 1e9:.2f})")
-    search = state.plan.get("search") or {}
-    if search.get("mode") == "ilp":
-        ilp = search["ilp"]
-        click.echo(
-            f"search ilp: mesh data {search['mesh']['data']} x model {search['mesh']['model']}, "
-            f"parallel optimizer {'on' if search['parallel_optimizer'] else 'off'}, recompute "
-            f"{'on' if search['recompute'] else 'off'}; {ilp['solves']} solves of up to "
-            f"{ilp['variables']} variables, layers solved once: "
-            + (", ".join(f"{n} of {k.rsplit('/', 1)[-1]}" for k, n in ilp["folded_layers"].items())
-               or "none"))
+        from pcompile.compiler.plan import megatron_minimum
+        from pcompile.compiler.render import prediction_text
+
+        # the advice was printed above, as a warning
+        for text, style in prediction_text({**prediction, "advice": None}, state.plan.get(
+                "search"), megatron_minimum(state)):
+            click.echo(text)
     if state.pipelined:
         click.echo(state.pipeline.program.schedule.text())
     for name, seconds in program.timings:

@@ -481,12 +481,12 @@ def build_plan(state: Any) -> Plan:
         "comm_fusion": extra.pop("comm_fusion", None),
         "parallel_optimizer": extra.pop("parallel_optimizer", None),
         "pipeline": extra.pop("pipeline", None),
-        "megatron_minimum": _megatron_minimum(state),
+        "megatron_minimum": megatron_minimum(state),
         **extra,  # a pass's new section is refused here until the schema names it
     })
 
 
-def _megatron_minimum(state: Any) -> dict[str, Any] | None:
+def megatron_minimum(state: Any) -> dict[str, Any] | None:
     """plan.json's `megatron_minimum` (passes/search/megatron.py), or None where the model is
     not a transformer the module knows, or the plan is not a parallel training step without
     pipeline stages."""

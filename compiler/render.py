@@ -62,40 +62,67 @@ def header(plan: Plan, out_dir: str) -> Text:
                          f"{len(plan.parameters)} parameters")
 
 
-def prediction_lines(plan: Plan) -> list[Text]:
-    """The plan's prediction (plan.json `prediction`) and the ilp search's choices, a line
-    each; nothing for a plan without one (one device)."""
-    p = plan.prediction
-    if p is None:
+def prediction_text(prediction: dict | None, search: dict | None = None,
+                    megatron: dict | None = None) -> list[tuple[str, str]]:
+    """The plan's prediction (plan.json `prediction`), the ilp search's choices and the bytes
+    against Megatron-LM's minimum (`megatron_minimum`), a line each as (text, style): what the
+    compile prints and `pcompile show` draws. Nothing for a plan without a prediction."""
+    p = prediction
+    if not p:
         return []
-    m = p.memory
-    lines = [Text.assemble(
-        ("predicted", "bold"), f" on {p.device_profile}: step {p.step_time * 1e3:.3f} ms "
-        f"(compute {p.compute * 1e3:.3f}, communication {p.communication * 1e3:.3f}), "
-        f"{p.communication_bytes / 1e6:.1f} MB moved per rank; memory per rank "
-        f"{m.total / 1e9:.2f} GB of {p.device_memory / 1e9:.2f} (weights {m.weights / 1e9:.2f},"
-        f" gradients {m.gradients / 1e9:.2f}, optimizer {m.optimizer / 1e9:.2f}, activations "
-        f"{m.activations / 1e9:.2f})" + ("" if p.fits else ": does NOT fit"))]
-    if p.advice:
-        lines.append(Text(p.advice, style="yellow"))
-    search = plan.search
-    extra = search.model_extra or {} if search is not None else {}
-    if search is not None and search.mode == "ilp" and "mesh" in extra:
-        lines.append(Text(
-            f"search ilp: mesh data {extra['mesh']['data']} x model {extra['mesh']['model']}, "
-            f"parallel optimizer {'on' if extra['parallel_optimizer'] else 'off'}, recompute "
-            f"{'on' if extra['recompute'] else 'off'}"))
-    mm = plan.megatron_minimum
-    if mm is not None:
+    m = p["memory"]
+    unit, scale = ("GB", 1e9) if m["total"] >= 1e8 else ("MB", 1e6)
+    lines = [(f"predicted on {p['device_profile']}: step {p['step_time'] * 1e3:.3f} ms "
+              f"(compute {p['compute'] * 1e3:.3f}, communication "
+              f"{p['communication'] * 1e3:.3f}), {p['communication_bytes'] / 1e6:.1f} MB moved "
+              f"per rank; memory per rank {m['total'] / scale:.2f} {unit} of "
+              f"{p['device_memory'] / 1e9:.2f} GB (weights {m['weights'] / scale:.2f}, gradients "
+              f"{m['gradients'] / scale:.2f}, optimizer {m['optimizer'] / scale:.2f}, "
+              f"activations {m['activations'] / scale:.2f})"
+              + ("" if p["fits"] else ": does NOT fit"), "")]
+    if p.get("advice"):
+        lines.append((p["advice"], "yellow"))
+    search = search or {}
+    if search.get("mode") == "ilp" and "mesh" in search:
+        ilp = search.get("ilp") or {}
+        folded = ", ".join(f"{n} of {k.rsplit('/', 1)[-1]}"
+                           for k, n in (ilp.get("folded_layers") or {}).items()) or "none"
+        lines.append((
+            f"search ilp: mesh data {search['mesh']['data']} x model {search['mesh']['model']}, "
+            f"parallel optimizer {'on' if search['parallel_optimizer'] else 'off'}, recompute "
+            f"{'on' if search['recompute'] else 'off'}; {ilp.get('solves')} solves of up to "
+            f"{ilp.get('variables')} variables, layers solved once: {folded}", ""))
+    if megatron:
         parts = []
-        if mm.scheme is not None and mm.ratio is not None:
-            parts.append(f"{mm.ratio:.3f}x Megatron-LM's minimum at dp {mm.scheme.dp} x mp "
-                         f"{mm.scheme.mp}")
-        if mm.best_scheme is not None and mm.ratio_to_best is not None:
-            parts.append(f"{mm.ratio_to_best:.3f}x its least (dp {mm.best_scheme.dp} x mp "
-                         f"{mm.best_scheme.mp})")
-        lines.append(Text(f"bytes: rank {mm.rank} sends {mm.ring_bytes / 1e6:.2f} MB per step "
-                          "(ring), " + ", ".join(parts)))
+        own, best = megatron.get("scheme"), megatron.get("best_scheme")
+        if own is not None and megatron.get("ratio") is not None:
+            parts.append(f"{megatron['ratio']:.3f}x Megatron-LM's minimum at {_scheme(own)}")
+        if best is not None and megatron.get("ratio_to_best") is not None:
+            parts.append(f"{megatron['ratio_to_best']:.3f}x its least ({_scheme(best)})")
+        lines.append((f"bytes: rank {megatron['rank']} sends {megatron['ring_bytes'] / 1e6:.2f} "
+                      "MB per step (ring), " + ", ".join(parts), ""))
+    return lines
+
+
+def _scheme(s: dict) -> str:
+    vocab = ("vocabulary split" if s["embedding_split"] and s["head_split"]
+             else "head split" if s["head_split"] else "vocabulary whole")
+    return (f"dp {s['dp']} x mp {s['mp']}, {vocab}"
+            + (", sequence parallel" if s["seq_parallel"] else ""))
+
+
+def prediction_lines(plan: Plan) -> list[Text]:
+    """`prediction_text` of a plan.json, as rich Text ("predicted" in bold)."""
+    dump = (lambda x: x.model_dump() if x is not None else None)
+    search = plan.search.model_dump() if plan.search is not None else None
+    lines = []
+    for i, (text, style) in enumerate(prediction_text(dump(plan.prediction), search,
+                                                      dump(plan.megatron_minimum))):
+        if i == 0:
+            head, rest = text.split(" ", 1)
+            lines.append(Text.assemble((head, "bold"), " " + rest))
+        else:
+            lines.append(Text(text, style=style))
     return lines
 
 

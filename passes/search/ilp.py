@@ -647,6 +647,10 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
         if best is None or plan.step_time < best.step_time * (1 - 1e-9):
             best = plan
 
+    # first every mesh's unconstrained optima; then, in the order of those bounds, the
+    # constrained solves of the ones that did not fit, until a bound is no faster than the
+    # best plan found
+    held: list[tuple[float, int, tuple[int, int], bool, _Program]] = []
     for mesh in meshes(cg.devices):
         allowed: dict[int, list[int]] = {}
         for v in cg.vertices:
@@ -666,14 +670,16 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
                 continue
             if _memory(program, free, popt, False) <= options.memory:
                 consider(mesh, popt, False, free)
-                continue
-            for recompute in ((False, True) if options.training else (False,)):
-                if best is not None and free.objective >= best.step_time * (1 - 1e-9):
-                    break
-                solves += 1
-                solved = program.solve(popt, recompute, options.memory)
-                if solved is not None:
-                    consider(mesh, popt, recompute, solved)
+            else:
+                held.append((free.objective, len(held), mesh, popt, program))
+    for bound, _, mesh, popt, program in sorted(held, key=lambda h: h[:2]):
+        for recompute in ((False, True) if options.training else (False,)):
+            if best is not None and bound >= best.step_time * (1 - 1e-9):
+                break
+            solves += 1
+            solved = program.solve(popt, recompute, options.memory)
+            if solved is not None:
+                consider(mesh, popt, recompute, solved)
     if best is None:
         raise _no_fit(cg, costs, folding, edges, options)
     best.solves = solves

@@ -387,6 +387,9 @@ def test_show_and_the_compile_print_the_plans_prediction(tmp_path) -> None:
     assert "predicted on h100: step " in output and "memory per rank" in output
     code, shown = run_cli(["show", out])
     assert code == 0 and "predicted on h100: step " in shown and "does NOT fit" not in shown
+    # one formatter: the compile's lines are show's (which wraps them to the terminal)
+    printed = [line for line in output.splitlines() if line.startswith("predicted on ")]
+    assert len(printed) == 1 and " ".join(printed[0].split()) in " ".join(shown.split())
     with open(os.path.join(out, "plan.json"), encoding="utf-8") as f:
         prediction = json.load(f)["prediction"]
     assert prediction["fits"] and prediction["memory"]["weights"] > 0
@@ -398,3 +401,15 @@ def test_show_and_the_compile_print_the_plans_prediction(tmp_path) -> None:
     assert len(warnings) == 1 and "more than the 0.00 GB" in warnings[0]
     code, shown = run_cli(["show", tight])
     assert "does NOT fit" in shown
+
+
+def test_a_transformer_plan_shows_its_bytes_against_megatrons_minimum(tmp_path) -> None:
+    """plan.json `megatron_minimum` in the compile's summary and in show, the same line."""
+    out = str(tmp_path / "out")
+    code, output = run_cli([os.path.join(ROOT, "examples", "llama.py"), "--devices", "8",
+                            "--out", out, "--no-check"])
+    assert code == 0, output
+    lines = [line for line in output.splitlines() if line.startswith("bytes: rank 0 sends")]
+    assert len(lines) == 1 and "x Megatron-LM's minimum at dp 2 x mp 4, head split" in lines[0]
+    code, shown = run_cli(["show", out])
+    assert code == 0 and " ".join(lines[0].split()) in " ".join(shown.split())
