@@ -96,3 +96,18 @@ __all__ = [
     "ClipByGlobalNorm",
     "ClipGradNorm",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """A name MindSpore's `nn` has and pcompile's does not: one message that says so and
+    suggests the closest names, as `ops` does."""
+    if name.startswith("__"):  # Python's own probes (__path__, __wrapped__, ...)
+        raise AttributeError(f"module 'pcompile.nn' has no attribute {name!r}")
+    import difflib
+
+    close = difflib.get_close_matches(name, __all__, n=3, cutoff=0.6)
+    near = f" (did you mean {', '.join(f'nn.{c}' for c in close)}?)" if close else ""
+    raise AttributeError(
+        f"pcompile.nn has no {name!r}{near}: the cells, losses, optimizers and wrappers "
+        "pcompile has are listed in docs/ops.md (Cells) and docs/user-guide.md (Training); a "
+        "missing cell can be written as a Cell of the ops in docs/ops.md")

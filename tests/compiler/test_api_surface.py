@@ -129,3 +129,11 @@ def test_dropout_gen_mask_is_refused_with_the_way_out() -> None:
         gen((4, 4), 0.5)
     with pytest.raises(OpError, match="DropoutDoMask"):
         ops.DropoutDoMask()(np.ones((4, 4), np.float32), None, 0.5)
+
+
+def test_a_missing_nn_name_is_one_message() -> None:
+    """MindSpore's tests reached `nn.WithEvalCell` before pcompile had it: a missing name of
+    `nn` says what it is and suggests the closest, as `ops` does (a bare AttributeError
+    before)."""
+    with pytest.raises(AttributeError, match=r"pcompile.nn has no 'WithEvalCel'.*nn.WithEvalCell"):
+        nn.WithEvalCel  # noqa: B018
