@@ -83,6 +83,20 @@ class SplitOptions:
     # where partial cotangents are summed, when decided by the caller (the driver decides once,
     # so that the shrunk check can pin it); None: decided here (`plan_cotangent_reductions`)
     reductions: CotangentReductions | None = None
+    # a prediction's outputs, MindSpore's `_VirtualOutput`: "data_parallel" (dim 0 split over
+    # every device where it divides), "full_batch" (whole on every rank), or None (each
+    # output stays in its producer's layout)
+    virtual_output: str | None = None
+
+
+def virtual_output_layout(shape: tuple[int, ...], devices: int, mode: str | None
+                          ) -> TensorLayout:
+    """MindSpore's `_VirtualOutput` layout of a prediction's output: with "full_batch" whole
+    on every rank; otherwise dim 0 split over every device where it divides (whole where it
+    does not), the other dims whole."""
+    if mode == "full_batch" or not shape or shape[0] % devices:
+        return replicated(shape, devices)
+    return TensorLayout((devices,), (0,) + (-1,) * (len(shape) - 1), shape)
 
 
 def slice_array(array: np.ndarray, layout: TensorLayout, rank: int) -> np.ndarray:
@@ -163,6 +177,8 @@ class RankBuilder:
             if i >= first_assigned:  # a Parameter's new value: stored in its own layout
                 local, layout = self.stored_value(names[i - first_assigned], value, local,
                                                   layout)
+            elif self.options.virtual_output is not None and value.shape:
+                local, layout = self.virtual_output(value, local, layout)
             outputs.append(local)
             self.output_layouts.append(layout)
         if self.options.training and outputs:
@@ -185,6 +201,24 @@ class RankBuilder:
                   f"'{value.node.instance_name}') is stored in the Parameter's layout: "
                   f"{layout} -> {want}")
         return self.emit_plan(value.node, local, plan, reason), want
+
+    def virtual_output(self, value: Value, local: Value, layout: TensorLayout
+                       ) -> tuple[Value, TensorLayout]:
+        """A prediction's output in MindSpore's `_VirtualOutput` layout
+        (`virtual_output_layout`), redistributed from its producer's where they differ."""
+        want = virtual_output_layout(value.shape, self.options.devices,
+                                     self.options.virtual_output)
+        if layout == want:
+            return local, layout
+        plan = plan_redistribution(layout, want, self.options.enable_alltoall)
+        what = (f"{value.node.op} '{value.node.instance_name}'"
+                if isinstance(value, NodeResult) else f"input {getattr(value, 'name', '')}")
+        reason = (f"the prediction's output ({what}) in _VirtualOutput's layout "
+                  f"({self.options.virtual_output}): {layout} -> {want}")
+        anchor = value.node if isinstance(value, NodeResult) else None
+        if anchor is None:
+            return local, layout
+        return self.emit_plan(anchor, local, plan, reason), want
 
     def operand(self, value: Value) -> tuple[Value, Any]:
         if isinstance(value, Constant):
@@ -695,6 +729,20 @@ class SplitPassOptions:
     pinned_reductions: tuple[str, ...] | None = None
 
 
+def _virtual_output(unit: CompileUnit) -> str | None:
+    """MindSpore inserts `_VirtualOutput` after every output of a prediction (a program that
+    does not train) in semi_auto_parallel and auto_parallel. Not where a `cross_batch`
+    reduction makes the ranks' results differ: each rank keeps its own result's slice (a
+    gathered output would join parts no one program computes)."""
+    if unit.backward or unit.pipelined or unit.parallel_mode not in ("semi_auto_parallel",
+                                                                      "auto_parallel"):
+        return None
+    assert unit.graph is not None
+    if any(n.attrs.get("cross_batch") for n in unit.graph.nodes):
+        return None
+    return "full_batch" if unit.options.dataset_strategy == "full_batch" else "data_parallel"
+
+
 class StepParallelEndPass:
     """`step_parallel_end`: one local forward graph per rank: slices, redistributions,
     forward communication, mirrors."""
@@ -717,6 +765,7 @@ class StepParallelEndPass:
             enable_alltoall=opts.enable_alltoall,
             gradient_fp32_sync=opts.gradient_fp32_sync,
             seeded_loss=self.options.seeded_loss,
+            virtual_output=_virtual_output(unit),
         )
         parameters = self.options.parameters
         fusion = {name: p.comm_fusion for name, p in parameters.items()}
