@@ -107,3 +107,28 @@ def test_split_indices_with_repeated_calculation_are_refused(tmp_path: Any) -> N
 
     with pytest.raises(PcompileError, match="must use every device"):
         compile_gather(tmp_path, ((2, 1), (2, 1)), (16, 8), (4, 8))
+
+
+def test_split_axis_and_split_indices_train_like_one_device(tmp_path: Any) -> None:
+    """The same Gather trained two steps: the table's gradient (GatherGrad of the ranks'
+    index blocks) and its update equal the single-device program's."""
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent(MODEL.format(
+        strategy=((2, 1), (2, 2)), out="", table=(16, 8), rows=16, indices=(4, 8),
+        result=(4, 8, 8))) + textwrap.dedent("""
+
+        def loss():
+            return nn.MSELoss()
+
+
+        def labels():
+            return (np.random.default_rng(7).standard_normal((4, 8, 8)).astype(np.float32),)
+
+
+        def optimizer(params):
+            return nn.SGD(params, 0.1)
+        """))
+    program = compile_model(str(path), dump=False)
+    assert program.training
+    report = check(program, steps=2)
+    assert report.ok(), (report.losses, report.errors)
