@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from pcompile.backends.checkpoint_files import layout_entry
+from pcompile.backends.jax.collectives import COLLECTIVES
 from pcompile.backends.jax.plan import NodePlan, SpmdLoweringError, SpmdPlan
 from pcompile.backends.npz_files import npz_bytes
 from pcompile.ir.core import Constant, Graph, array_digest
@@ -236,18 +237,10 @@ class _Writer:
             c = n.collective
             assert c is not None
             if c.axes is not None:
-                fn = {"AllReduce": "all_reduce", "AllGather": "all_gather",
-                      "ReduceScatter": "reduce_scatter", "AlltoAll": "all_to_all",
-                      "Broadcast": "broadcast"}[c.op]
-                kw = [f"axes={literal(c.axes)}"]
-                if c.op in ("AllReduce", "ReduceScatter"):
-                    kw.append(f"op={literal(c.attrs.get('op', 'sum'))}")
-                if c.op == "AlltoAll":
-                    kw += [f"split_dim={c.attrs['split_dim']}",
-                           f"concat_dim={c.attrs['concat_dim']}"]
-                if c.op == "Broadcast":
-                    kw.append(f"root={c.attrs.get('root_rank', 0)}")
-                return f"{target} = spmd.{fn}({', '.join(args + kw)})"
+                row = COLLECTIVES[c.op]
+                kw = [f"axes={literal(c.axes)}"] + [
+                    f"{k}={literal(v)}" for k, v in row.keywords(c.attrs).items()]
+                return f"{target} = spmd.{row.over_axes}({', '.join(args + kw)})"
             members, positions = f"{self.prefix}G{n.index}", f"{self.prefix}P{n.index}"
             self._table(members, c.members, f"group members of %{n.index} ({c.op})")
             self._table(positions, c.positions, f"position in the group of %{n.index}")

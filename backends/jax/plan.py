@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from pcompile.backends.jax.collectives import COLLECTIVES
 from pcompile.ir.core import Constant, Graph, GraphParam, Node, NodeResult, RankConstant, Value
 from pcompile.ir.rank import RankGroup, RankOffsets, has_rank_values, resolve_attrs
 from pcompile.ir.registry import get_op
@@ -41,8 +42,6 @@ IGNORED_RANK_ATTRS: dict[str, frozenset[str]] = {
     "_MirrorOperator": frozenset({"group", "rank_list", "fusion", "dev_num", "mean_flag",
                                   "parameter"}),
 }
-
-COLLECTIVE_OPS = ("AllReduce", "AllGather", "ReduceScatter", "AlltoAll", "Broadcast")
 
 
 class SpmdLoweringError(Exception):
@@ -402,6 +401,15 @@ def _impl_attrs(node: Node) -> dict[str, Any]:
     return {k: v for k, v in attrs.items() if k not in ignored}
 
 
+def _collective_attrs(node: Node) -> dict[str, Any]:
+    """The attributes of collective `node` that the JAX lowering reads (its row in
+    backends/jax/collectives.py), in the node's order."""
+    row = COLLECTIVES.get(node.op)
+    if row is None:
+        raise SpmdLoweringError(f"{node.where()}: no SPMD lowering for collective {node.op}")
+    return {k: v for k, v in node.attrs.items() if k in row.attrs}
+
+
 def _plan_node(k: int, node: Node, nodes: list[Node], ref: _Refs, n: int,
                mesh: MeshSpec) -> NodePlan:
     opdef = get_op(node.op)
@@ -417,13 +425,10 @@ def _plan_node(k: int, node: Node, nodes: list[Node], ref: _Refs, n: int,
             if any(not np.array_equal(arrays[0], a) for a in arrays[1:]):
                 plan.const_tables[i] = np.stack(arrays)
     if opdef.collective:
-        if node.op not in COLLECTIVE_OPS:
-            raise SpmdLoweringError(f"{node.where()}: no SPMD lowering for collective {node.op}")
+        attrs = _collective_attrs(node)
         groups = _groups(nodes, n)
         axes = align_groups(mesh, groups)
         names = tuple(mesh.names[a] for a in axes) if axes is not None else None
-        attrs = {k2: v for k2, v in node.attrs.items()
-                 if k2 in ("op", "split_count", "split_dim", "concat_dim", "root_rank")}
         plan.kind = "collective"
         plan.collective = CollectivePlan(node.op, tuple(groups), names, attrs, num_ranks=n)
         return plan
@@ -549,10 +554,7 @@ def _plan_parametric(k: int, node: Node, ref: _Refs, n: int, mesh: MeshSpec,
                     tables[key] = table
             plan.const_tables[i] = table
     if opdef.collective:
-        if node.op not in COLLECTIVE_OPS:
-            raise SpmdLoweringError(f"{node.where()}: no SPMD lowering for collective {node.op}")
-        attrs = {k2: v for k2, v in node.attrs.items()
-                 if k2 in ("op", "split_count", "split_dim", "concat_dim", "root_rank")}
+        attrs = _collective_attrs(node)
         group = node.attrs.get("rank_list")
         plan.kind = "collective"
         if isinstance(group, RankGroup):

@@ -35,6 +35,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pcompile.backends.jax.collectives import COLLECTIVES
 from pcompile.backends.jax.lowering import within_lowering
 from pcompile.backends.jax.plan import MeshSpec, NodePlan, SpmdLoweringError, SpmdPlan
 from pcompile.ir.core import Constant
@@ -120,38 +121,48 @@ def group_members(x: Any, all_axes: Axes, members: Any) -> Any:
     return jnp.take(every, members, axis=0)
 
 
+_REDUCERS: dict[str, Callable[..., Any]] = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min,
+                                            "prod": jnp.prod}
+
+
+def group_all_reduce(parts: Any, x: Any, position: Any, op: str = "sum", **_: Any) -> Any:
+    return _REDUCERS[op](parts, axis=0).astype(x.dtype)
+
+
+def group_all_gather(parts: Any, x: Any, position: Any, **_: Any) -> Any:
+    return parts.reshape((parts.shape[0] * x.shape[0],) + x.shape[1:])
+
+
+def group_reduce_scatter(parts: Any, x: Any, position: Any, op: str = "sum", **_: Any) -> Any:
+    total = group_all_reduce(parts, x, position, op)
+    size = x.shape[0] // parts.shape[0]
+    return lax.dynamic_slice_in_dim(total, position * size, size, 0)
+
+
+def group_all_to_all(parts: Any, x: Any, position: Any, *, split_dim: int, concat_dim: int,
+                     **_: Any) -> Any:
+    g = parts.shape[0]
+    split, concat = split_dim % x.ndim, concat_dim % x.ndim
+    size = x.shape[split] // g
+    mine = lax.dynamic_slice_in_dim(parts, position * size, size, split + 1)
+    return jnp.concatenate([mine[j] for j in range(g)], axis=concat)
+
+
+def group_broadcast(parts: Any, x: Any, position: Any, root_rank: int = 0, **_: Any) -> Any:
+    return parts[root_rank]
+
+
 def group_collective(prim: str, *xs: Any, all_axes: Axes, members: Any, position: Any,
                      **attrs: Any) -> Any:
     """Collective `prim` (IR op name) over an arbitrary group: `members` (this rank's group, a
     traced row of a table) and `position` (this rank's index in it). Exact; costs an
-    all-gather over all ranks."""
-
-    reducers: dict[str, Callable[..., Any]] = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min,
-                                               "prod": jnp.prod}
-
-    def one(x: Any) -> Any:
-        parts = group_members(x, all_axes, members)
-        g = parts.shape[0]
-        if prim == "AllReduce":
-            return reducers[attrs.get("op", "sum")](parts, axis=0).astype(x.dtype)
-        if prim == "AllGather":
-            return parts.reshape((g * x.shape[0],) + x.shape[1:])
-        if prim == "ReduceScatter":
-            total = reducers[attrs.get("op", "sum")](parts, axis=0).astype(x.dtype)
-            size = x.shape[0] // g
-            return lax.dynamic_slice_in_dim(total, position * size, size, 0)
-        if prim == "AlltoAll":
-            split = attrs["split_dim"] % x.ndim
-            concat = attrs["concat_dim"] % x.ndim
-            size = x.shape[split] // g
-            mine = lax.dynamic_slice_in_dim(parts, position * size, size, split + 1)
-            blocks = [mine[j] for j in range(g)]
-            return jnp.concatenate(blocks, axis=concat)
-        if prim == "Broadcast":
-            return parts[attrs.get("root_rank", 0)]
+    all-gather over all ranks. The collective's row (`backends/jax/collectives.py`) names
+    its `group_*` function above: f(every member's x in group order, x, position, **attrs)."""
+    row = COLLECTIVES.get(prim)
+    if row is None:
         raise SpmdLoweringError(f"no JAX lowering for collective {prim}")
-
-    return _each(one, xs)
+    run = globals()[row.over_group]
+    return _each(lambda x: run(group_members(x, all_axes, members), x, position, **attrs), xs)
 
 
 # -- rank-dependent slices ---------------------------------------------------------------------
@@ -382,19 +393,12 @@ def apply_node(n: NodePlan, args: list[Any], me: Any, all_axes: Axes) -> Any:
 
 
 def collective(prim: str, *xs: Any, axes: Axes, **attrs: Any) -> Any:
-    """A collective over mesh axes, by IR op name and attributes."""
-    if prim == "AllReduce":
-        return all_reduce(*xs, axes=axes, op=attrs.get("op", "sum"))
-    if prim == "AllGather":
-        return all_gather(*xs, axes=axes)
-    if prim == "ReduceScatter":
-        return reduce_scatter(*xs, axes=axes, op=attrs.get("op", "sum"))
-    if prim == "AlltoAll":
-        return all_to_all(*xs, axes=axes, split_dim=attrs["split_dim"],
-                          concat_dim=attrs["concat_dim"])
-    if prim == "Broadcast":
-        return broadcast(*xs, axes=axes, root=attrs.get("root_rank", 0))
-    raise SpmdLoweringError(f"no JAX lowering for collective {prim}")
+    """A collective over mesh axes, by IR op name and attributes: the function its row
+    (`backends/jax/collectives.py`) names, with the keywords the row gives."""
+    row = COLLECTIVES.get(prim)
+    if row is None:
+        raise SpmdLoweringError(f"no JAX lowering for collective {prim}")
+    return globals()[row.over_axes](*xs, axes=axes, **row.keywords(attrs))
 
 
 # -- mesh, feeding, the jitted step --------------------------------------------------------------

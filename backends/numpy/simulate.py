@@ -31,33 +31,55 @@ _REDUCE: dict[str, Callable[..., Any]] = {"sum": np.sum, "max": np.max, "min": n
                                           "prod": np.prod}
 
 
+def _reduced(node: Node, xs: list[np.ndarray]) -> Any:
+    fn = _REDUCE[node.attrs.get("op", "sum")]
+    return fn(np.stack(xs), axis=0).astype(xs[0].dtype)
+
+
+def _all_reduce(node: Node, xs: list[np.ndarray], mine: int) -> Any:
+    return _reduced(node, xs)
+
+
+def _all_gather(node: Node, xs: list[np.ndarray], mine: int) -> Any:
+    return np.concatenate(xs, axis=0)
+
+
+def _reduce_scatter(node: Node, xs: list[np.ndarray], mine: int) -> Any:
+    return np.split(_reduced(node, xs), len(xs), axis=0)[mine]
+
+
+def _all_to_all(node: Node, xs: list[np.ndarray], mine: int) -> Any:
+    count = node.attrs["split_count"]
+    split_dim, concat_dim = node.attrs["split_dim"], node.attrs["concat_dim"]
+    parts = [np.split(x, count, axis=split_dim)[mine] for x in xs]
+    return np.concatenate(parts, axis=concat_dim)
+
+
+def _broadcast(node: Node, xs: list[np.ndarray], mine: int) -> Any:
+    return xs[node.attrs.get("root_rank", 0)].copy() if len(xs) > 1 else xs[0].copy()
+
+
+#: One row per collective that runs over a group (`ir.registry.group_collectives`; a test
+#: checks the two agree): f(node, every member's input in group order, this rank's position in
+#: the group) -> this rank's output.
+COLLECTIVES: dict[str, Callable[[Node, list[np.ndarray], int], Any]] = {
+    "AllReduce": _all_reduce,
+    "AllGather": _all_gather,
+    "ReduceScatter": _reduce_scatter,
+    "AlltoAll": _all_to_all,
+    "Broadcast": _broadcast,
+}
+
+
 def collective_result(node: Node, rank: int, inputs: dict[int, list[np.ndarray]]) -> Any:
     """The output on `rank` of collective `node`, given every group member's inputs."""
     ranks = tuple(resolve(node.attrs["rank_list"], rank))
     if rank not in ranks:
         raise RuntimeError(f"{node.where()}: rank {rank} is not in its group {ranks}")
-    mine = ranks.index(rank)
-    xs = [inputs[r][0] for r in ranks]
-    op = node.op
-    if op == "AllReduce":
-        kind = node.attrs.get("op", "sum")
-        fn = _REDUCE[kind]
-        return fn(np.stack(xs), axis=0).astype(xs[0].dtype)
-    if op == "AllGather":
-        return np.concatenate(xs, axis=0)
-    if op == "ReduceScatter":
-        kind = node.attrs.get("op", "sum")
-        fn = _REDUCE[kind]
-        total = fn(np.stack(xs), axis=0).astype(xs[0].dtype)
-        return np.split(total, len(ranks), axis=0)[mine]
-    if op == "AlltoAll":
-        count = node.attrs["split_count"]
-        split_dim, concat_dim = node.attrs["split_dim"], node.attrs["concat_dim"]
-        parts = [np.split(x, count, axis=split_dim)[mine] for x in xs]
-        return np.concatenate(parts, axis=concat_dim)
-    if op == "Broadcast":
-        return xs[node.attrs.get("root_rank", 0)].copy() if len(xs) > 1 else xs[0].copy()
-    raise RuntimeError(f"unknown collective {op}")
+    run = COLLECTIVES.get(node.op)
+    if run is None:
+        raise RuntimeError(f"unknown collective {node.op}")
+    return run(node, [inputs[r][0] for r in ranks], ranks.index(rank))
 
 
 def run_ranks(graphs: Sequence[Graph], feeds: Sequence[Sequence[Any]],
