@@ -32,9 +32,7 @@ from pcompile.compiler.tensor import Parameter, Tensor, TensorSpec
 from pcompile.compiler.tracing import tracing
 from pcompile.ir.core import Constant, Graph, NodeResult
 from pcompile.ir.errors import PcompileError
-from pcompile.ir.ops.state import refuse_assignments
 from pcompile.ir.types import DType, TensorType
-from pcompile.passes.pipeline_split import PIPELINE_REFUSAL
 from pcompile.passes.pipeline_stages import PipelineSettings, ScopeCell, StageMap, assign_stages
 
 #: pipeline_config pipeline_scheduler values pcompile implements.
@@ -210,9 +208,8 @@ def trace_pipeline_cell(mf: ModelFile, cell: PipelineCell, micro: int) -> Any:
                 f"{type(loss).__name__}; it must return its loss (wrap the network and its loss "
                 "function in nn.WithLossCell)")
         graph.outputs = [_objective(tracer, loss, micro, mf.path)]
-        finish_assignments(tracer, graph)
+        finish_assignments(tracer, graph)  # summed over micro-batches: passes/micro_batch.py
         parameters.update(random_parameters(tracer))  # ops.Dropout's step counter
-        refuse_assignments(graph, PIPELINE_REFUSAL)
         if tracer.custom_bprop:
             raise PcompileError(
                 f"{tracer.custom_bprop[0].name} defines its own bprop inside nn.PipelineCell; "

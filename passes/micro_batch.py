@@ -43,6 +43,7 @@ from pcompile.ir.core import (
 )
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
+from pcompile.ir.ops.state import assigned_names
 from pcompile.ir.types import TensorType
 from pcompile.passes.unit import CompileUnit
 
@@ -119,6 +120,10 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
         if id(node) in stage_of:
             stage_of[id(copy)] = stage_of[id(node)]
     losses: dict[int, Value] = {}
+    names = assigned_names(graph)
+    assigned = graph.outputs[len(graph.outputs) - len(names):] if names else []
+    # each micro-batch's value operand of the assignments whose variable is shared
+    assigned_values: dict[int, list[Value]] = {}
     for k in reversed(range(micro)):
         local: dict[int, Value] = {}
         for p in graph.inputs:
@@ -148,6 +153,10 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
             if id(node) in stage_of:
                 stage_of[id(copy)] = stage_of[id(node)]
         losses[k] = _lookup(graph.outputs[0], local, shared)
+        for i, value in enumerate(assigned):
+            if id(value) in per_micro and isinstance(value, NodeResult):
+                assigned_values.setdefault(i, []).append(
+                    _lookup(value.node.operands[1], local, shared))
     loss: Value = losses[0]
     b = Builder(out, scope=loss_scope)
     for k in range(1, micro):
@@ -158,8 +167,62 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
                       instance_name="micro_loss_mean", name_hint="loss",
                       parallel=ParallelInfo(
                           reason=f"the step's loss: the mean of its {micro} micro-batches'"))
-    out.outputs = [loss] + [_lookup(v, local, shared) for v in graph.outputs[1:]]
+    own = graph.outputs[1:len(graph.outputs) - len(names)]
+    outputs = [loss] + [_lookup(v, local, shared) for v in own]
+    for i, value in enumerate(assigned):
+        outputs.append(_step_assignment(out, value, names[i], assigned_values.get(i, []),
+                                        shared, per_micro, stage_of, micro))
+    out.outputs = outputs
     return out
+
+
+def _step_assignment(out: Graph, value: Value, name: str, per_micro_values: list[Value],
+                     shared: dict[int, Value], per_micro: set[int], stage_of: dict[int, int],
+                     micro: int) -> Value:
+    """The step's new value of Parameter `name`, assigned in the forward by `value`. MindSpore
+    runs the forward once per micro-batch, each assignment with it: an `AssignAdd` /
+    `AssignSub` of the Parameter by a micro-batch's value adds up every micro-batch's (emitted
+    here once, after them). Refused with one message: an assignment that reads no micro-batch's
+    data (it would run once per micro-batch, each reading the last's result: the copies are
+    emitted last micro-batch first), an `Assign`, an assignment of an assigned value, and one
+    whose new value the forward reads again (each micro-batch would read its partial sum)."""
+    assert isinstance(value, NodeResult)
+    node = value.node
+    variable = node.operands[0]
+    why = None
+    if id(value) not in per_micro:
+        why = ("it reads no micro-batch's data, so it would run once per micro-batch, each "
+               "time on the one before's result")
+    elif node.op not in ("AssignAdd", "AssignSub") or not isinstance(variable, GraphParam):
+        why = ("only an AssignAdd or AssignSub of the Parameter itself by a micro-batch's "
+               "value adds up over the micro-batches")
+    elif value.users:
+        why = ("the forward reads the new value again, and each micro-batch would read its "
+               "own partial sum")
+    if why is not None:
+        raise PcompileError(
+            f"{node.op} '{node.instance_name}' of Parameter {name!r} at "
+            f"{node.source or 'an unknown line'} (cell {node.scope}) inside nn.PipelineCell's "
+            f"micro-batches: {why}; pipeline stages support the accumulation of a statistic "
+            "(AssignAdd(parameter, value computed from the batch), not read again in the step)")
+    b = Builder(out, scope=node.scope, source=node.source)
+    total = per_micro_values[-1]  # micro-batch 0's (emitted last), then 1, 2, ...
+    for v in reversed(per_micro_values[:-1]):
+        total = b.emit("Add", [total, v], instance_name=f"{node.instance_name}_micro_sum",
+                       name_hint=name.rsplit(".", 1)[-1],
+                       parallel=ParallelInfo(reason=(
+                           f"{node.op} '{node.instance_name}' runs once per micro-batch: the "
+                           f"step adds the {micro} micro-batches' values")))
+        assert isinstance(total, NodeResult)
+        if id(node) in stage_of:
+            stage_of[id(total.node)] = stage_of[id(node)]
+    result = b.emit(node.op, [shared[id(variable)], total], dict(node.attrs),
+                    instance_name=node.instance_name, name_hint=node.result.name_hint,
+                    parallel=node.parallel)
+    assert isinstance(result, NodeResult)
+    if id(node) in stage_of:
+        stage_of[id(result.node)] = stage_of[id(node)]
+    return result
 
 
 def _lookup(value: Value, local: dict[int, Value], shared: dict[int, Value]) -> Value:

@@ -44,7 +44,6 @@ from pcompile.ir.core import (
 )
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import WORLD_GROUP
-from pcompile.ir.ops.state import refuse_assignments
 from pcompile.ir.rank import GroupName, RankGroup, RankShift
 from pcompile.ir.registry import Trait, has_trait
 from pcompile.passes.micro_batch import copy_constant
@@ -454,13 +453,6 @@ def check_loss(program: PipelineProgram) -> None:
 
 
 
-#: why a pipeline cannot hold a Parameter assigned in the forward computation
-PIPELINE_REFUSAL = (
-    "a Parameter assigned in the forward computation is not supported with pipeline stages "
-    "yet (each micro-batch's stage would update it between the others' reads); compile with "
-    "pipeline_stages=1, or update the Parameter in a training step cell after the gradients")
-
-
 class PipelineSplitPass:
     """`pipeline_split` (after the optimizer): one program per stage, joined by Send/Receive;
     rank r runs its stage's program."""
@@ -471,7 +463,6 @@ class PipelineSplitPass:
         settings = unit.pipeline
         assert settings is not None and settings.stage_map is not None
         graph = unit.rank_graphs[0]
-        refuse_assignments(graph, PIPELINE_REFUSAL)
         placed = assign(graph, settings.stage_map.virtual, settings.local_stage,
                         settings.stage_map.param_stage)
         program = split(graph, settings.stages, unit.devices, settings.micro_size,

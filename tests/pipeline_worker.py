@@ -38,6 +38,9 @@ CASES: dict[str, tuple[str, dict[str, str], dict[str, Any], int]] = {
     "mlp_interleaved_1f1b": (os.path.join(ROOT, "examples", "pipeline_mlp.py"),
                              {"PIPE_MICRO": "4", "PIPE_SCHEDULER": "1f1b", "PIPE_CHUNKS": "2"},
                              {}, 3),
+    # a statistic each stage accumulates with AssignAdd, summed over 4 micro-batches
+    "state_1f1b": (os.path.join(ROOT, "tests", "models", "pipeline_state.py"),
+                   {"PIPE_STATE_MICRO": "4"}, {}, 3),
 }
 
 

@@ -190,16 +190,77 @@ def test_data_parallel_refuses_a_forward_assignment_naming_it(tmp_path: Any) -> 
     assert "in data_parallel mode every rank would update it from its own batch" in message
 
 
-def test_pipeline_stages_refuse_a_forward_assignment_naming_it(tmp_path: Any) -> None:
+@pytest.mark.parametrize("micro", ["1", "4"])
+def test_pipeline_micro_batches_add_up_the_statistic(monkeypatch: Any, micro: str) -> None:
+    """Two stages, each counting its outputs' column sums with AssignAdd inside
+    nn.PipelineCell: MindSpore runs the assignment once per micro-batch, so the step's count
+    is the sum over the micro-batches: the whole batch's, as one device counts it (float64
+    oracle; and against numpy)."""
+    from pcompile.tools.oracle import single_device
+
+    monkeypatch.setenv("PIPE_STATE_MICRO", micro)
+    program = compile_model(os.path.join(ROOT, "tests", "models", "pipeline_state.py"),
+                            devices=8, dump=False)
+    assert program.state.pipelined
+    report = check(program, steps=2)
+    assert report.ok(), report.worst
+    assert report.errors["a.count"] <= FLOAT64_RTOL and report.errors["b.count"] <= FLOAT64_RTOL
+    # independent of the oracle: block a's count is the column sums of x @ w over the batch
+    one = single_device(program)
+    w = np.asarray(one.initial_values["a.w"], np.float64)
+    parallel = ParallelRunner(program, float64=True)
+    _, _, arrays = next(batches(program, 1))
+    parallel.step(arrays)
+    want = (np.asarray(arrays[0], np.float64) @ w).sum(axis=0)
+    np.testing.assert_allclose(parallel.global_value("a.count"), want, rtol=1e-12, atol=1e-12)
+
+
+PIPELINE_BODY = """
+class Block(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.w = Parameter(initializer("normal", [16, 16]), "w")
+        self.count = Parameter(Tensor(np.zeros((16,), np.float32)), "count", requires_grad=False)
+        self.matmul = ops.MatMul()
+
+    def construct(self, x):
+        h = self.matmul(x, self.w)
+        {assignment}
+        return h
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = Block(), Block()
+        self.a.pipeline_stage, self.b.pipeline_stage = 0, 1
+
+    def construct(self, x):
+        return self.b(self.a(x))
+"""
+
+
+@pytest.mark.parametrize("assignment, why", [
+    ("ops.assign_add(self.count, 1.0)", "it reads no micro-batch's data"),
+    ("ops.assign(self.count, ops.reduce_sum(h, 0))", "only an AssignAdd or AssignSub"),
+    ("h = h + ops.assign_add(self.count, ops.reduce_sum(h, 0))",
+     "the forward reads the new value again"),
+])
+def test_pipeline_assignments_micro_batches_cannot_add_up_are_one_message(
+        tmp_path: Any, assignment: str, why: str) -> None:
+    body = PIPELINE_BODY.format(assignment=assignment)
     path = _write(tmp_path, context='parallel_mode="semi_auto_parallel", device_num=8, '
                                     'pipeline_stages=2',
                   model="nn.PipelineCell(nn.WithLossCell(Net(), nn.MSELoss()), 2)", loss="")
+    source = open(path).read()
+    cut = source.index("class Net(nn.Cell):")
+    end = source.index("def model():")
+    open(path, "w").write(source[:cut] + textwrap.dedent(body) + "\n\n" + source[end:])
     with pytest.raises(PcompileError) as info:
         compile_model(path, devices=8, dump=False)
     message = str(info.value)
-    assert "AssignAdd 'AssignAdd-op0' of Parameter 'count' at " in message
-    assert "model.py:19 (cell " in message
-    assert "not supported with pipeline stages" in message
+    assert "of Parameter 'a.count' at " in message and "model.py:" in message, message
+    assert "(cell Default/network-PipelineCell" in message and why in message, message
 
 
 @pytest.mark.slow  # three runs of 8 rank processes (~60 s of CPU)
