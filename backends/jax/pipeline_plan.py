@@ -38,9 +38,9 @@ from pcompile.backends.jax.plan import (
     MeshSpec,
     NodePlan,
     SpmdLoweringError,
-    _plan_parametric,
     _Refs,
     choose_mesh,
+    plan_node,
 )
 from pcompile.ir.core import Graph, NodeResult
 from pcompile.ir.rank import RankGroup
@@ -151,7 +151,7 @@ def _stage_nodes(graph: Graph, devices: int, mesh: MeshSpec) -> list[NodePlan]:
                                 operands))
             continue
         try:
-            out.append(_plan_parametric(k, node, ref, devices, mesh))
+            out.append(plan_node(k, node, ref, devices, mesh))
         except SpmdLoweringError:
             raise
     return out

@@ -272,7 +272,7 @@ class SpmdPlan:
                 collective_groups.append(_groups(nodes, n))
         mesh = choose_mesh(n, collective_groups)
         ref = _Refs(graphs[0])
-        plans = [_plan_node(k, node, nodes, ref, n, mesh) for k, node, nodes in raw]
+        plans = [plan_node(k, node, ref, n, mesh, nodes) for k, node, nodes in raw]
         outputs = [ref(v) for v in graphs[0].outputs]
         return SpmdPlan(list(graphs), mesh, plans, outputs)
 
@@ -410,51 +410,6 @@ def _collective_attrs(node: Node) -> dict[str, Any]:
     return {k: v for k, v in node.attrs.items() if k in row.attrs}
 
 
-def _plan_node(k: int, node: Node, nodes: list[Node], ref: _Refs, n: int,
-               mesh: MeshSpec) -> NodePlan:
-    opdef = get_op(node.op)
-    operands = [ref(v) for v in node.operands]
-    for i, v in enumerate(node.operands):
-        if isinstance(v, Constant):
-            operands[i] = ("const", i)
-    plan = NodePlan(k, node, "op", _impl_attrs(node), operands)
-    # Constants that differ between ranks become tables.
-    for i, v in enumerate(node.operands):
-        if isinstance(v, Constant):
-            arrays = [nd.operands[i].array for nd in nodes]  # type: ignore[attr-defined]
-            if any(not np.array_equal(arrays[0], a) for a in arrays[1:]):
-                plan.const_tables[i] = np.stack(arrays)
-    if opdef.collective:
-        attrs = _collective_attrs(node)
-        groups = _groups(nodes, n)
-        axes = align_groups(mesh, groups)
-        names = tuple(mesh.names[a] for a in axes) if axes is not None else None
-        plan.kind = "collective"
-        plan.collective = CollectivePlan(node.op, tuple(groups), names, attrs, num_ranks=n)
-        return plan
-    if opdef.jax is None:
-        raise SpmdLoweringError(f"{node.where()}: {node.op} has no JAX implementation")
-    per_rank = [_impl_attrs(nd) for nd in nodes]
-    if all(a == per_rank[0] for a in per_rank[1:]):
-        return plan
-    if node.op in ("StridedSlice", "StridedSliceGrad"):
-        sliced = _slice_plan(node, nodes)
-        if sliced is not None:
-            plan.kind = "slice" if node.op == "StridedSlice" else "slice_grad"
-            plan.slice = sliced
-            return plan
-    variants: list[dict[str, Any]] = []
-    index = []
-    for attrs in per_rank:
-        if attrs not in variants:
-            variants.append(attrs)
-        index.append(variants.index(attrs))
-    plan.kind = "switch"
-    plan.variants = variants
-    plan.variant = tuple(index)
-    return plan
-
-
 def _slice_plan(node: Node, nodes: list[Node],
                 rank_attrs: list[dict[str, Any]] | None = None) -> SlicePlan | None:
     """`rank_attrs[r]`: rank r's attributes (default: those of `nodes[r]`)."""
@@ -530,64 +485,51 @@ def _build_parametric(graphs: list[Graph], n: int) -> SpmdPlan:
     mesh = choose_mesh(n, collective_groups)
     ref = _Refs(graph)
     tables: dict[Any, np.ndarray] = {}  # one table per distinct per-rank constant
-    plans = [_plan_parametric(k, node, ref, n, mesh, tables)
+    plans = [plan_node(k, node, ref, n, mesh, tables=tables)
              for k, node in enumerate(graph.nodes)]
     return SpmdPlan(list(graphs), mesh, plans, [ref(v) for v in graph.outputs])
 
 
-def _plan_parametric(k: int, node: Node, ref: _Refs, n: int, mesh: MeshSpec,
-                     tables: dict[Any, np.ndarray] | None = None) -> NodePlan:
+def plan_node(k: int, node: Node, ref: _Refs, n: int, mesh: MeshSpec,
+              nodes: list[Node] | None = None,
+              tables: dict[Any, np.ndarray] | None = None) -> NodePlan:
+    """The plan of node `k` for all `n` ranks: `nodes` holds node k of each rank's own graph
+    (`node` is rank 0's); without them `node` is of one rank-parametric graph that every rank
+    runs (`ir.rank` values say what differs between ranks; `tables` shares the per-rank
+    constant tables between its nodes)."""
     opdef = get_op(node.op)
     operands = [("const", i) if isinstance(v, Constant) else ref(v)
                 for i, v in enumerate(node.operands)]
     impl = _impl_attrs(node)
-    plan = NodePlan(k, node, "op", resolve_attrs(impl, 0), operands)
-    for i, v in enumerate(node.operands):
-        if isinstance(v, RankConstant):
-            # the same constant laid out alike (a table per layer's use of a rotary or mask
-            # constant) is one array: 80 layers on 1024 ranks held 80 copies
-            key = (v.data, v.dtype)
-            table = tables.get(key) if tables is not None else None
-            if table is None:
-                table = np.stack([v.array_at(r) for r in range(n)])
-                if tables is not None:
-                    tables[key] = table
-            plan.const_tables[i] = table
+    plan = NodePlan(k, node, "op", impl if nodes is not None else resolve_attrs(impl, 0),
+                    operands)
+    if nodes is not None:
+        _rank_graph_constants(plan, nodes)
+    else:
+        _parametric_constants(plan, n, tables)
     if opdef.collective:
-        attrs = _collective_attrs(node)
-        group = node.attrs.get("rank_list")
         plan.kind = "collective"
-        if isinstance(group, RankGroup):
-            if group.world != n:
-                raise SpmdLoweringError(
-                    f"{node.where()}: its group spans {group.world} ranks, the program {n}")
-            axes = align_digits(mesh, group)
-            names = tuple(mesh.names[a] for a in axes) if axes is not None else None
-            plan.collective = CollectivePlan(node.op, None, names, attrs, group, n)
-        else:
-            groups = _groups([node] * n, n)
-            axes = align_groups(mesh, groups)
-            names = tuple(mesh.names[a] for a in axes) if axes is not None else None
-            plan.collective = CollectivePlan(node.op, tuple(groups), names, attrs,
-                                             num_ranks=n)
+        plan.collective = _collective_plan(node, nodes, n, mesh)
         return plan
     if opdef.jax is None:
         raise SpmdLoweringError(f"{node.where()}: {node.op} has no JAX implementation")
-    if not has_rank_values(impl):
+    if nodes is not None:
+        per_rank = [_impl_attrs(nd) for nd in nodes]
+        if all(a == per_rank[0] for a in per_rank[1:]):
+            return plan
+        sliced = _slice_plan(node, nodes) if node.op in _SLICES else None
+    else:
+        if not has_rank_values(impl):
+            return plan
+        sliced = _affine_slice_plan(node, impl, n) if node.op in _SLICES else None
+        if sliced is None:
+            per_rank = [resolve_attrs(impl, r) for r in range(n)]
+            if node.op in _SLICES:
+                sliced = _slice_plan(node, [node] * n, per_rank)
+    if sliced is not None:
+        plan.kind = "slice" if node.op == "StridedSlice" else "slice_grad"
+        plan.slice = sliced
         return plan
-    if node.op in ("StridedSlice", "StridedSliceGrad"):
-        sliced = _affine_slice_plan(node, impl, n)
-        if sliced is not None:
-            plan.kind = "slice" if node.op == "StridedSlice" else "slice_grad"
-            plan.slice = sliced
-            return plan
-    per_rank = [resolve_attrs(impl, r) for r in range(n)]
-    if node.op in ("StridedSlice", "StridedSliceGrad"):
-        sliced = _slice_plan(node, [node] * n, per_rank)
-        if sliced is not None:
-            plan.kind = "slice" if node.op == "StridedSlice" else "slice_grad"
-            plan.slice = sliced
-            return plan
     variants: list[dict[str, Any]] = []
     index = []
     for attrs in per_rank:
@@ -598,3 +540,49 @@ def _plan_parametric(k: int, node: Node, ref: _Refs, n: int, mesh: MeshSpec,
     plan.variants = variants
     plan.variant = tuple(index)
     return plan
+
+
+_SLICES = ("StridedSlice", "StridedSliceGrad")
+
+
+def _rank_graph_constants(plan: NodePlan, nodes: list[Node]) -> None:
+    """Constants that differ between the ranks' graphs become tables."""
+    for i, v in enumerate(plan.node.operands):
+        if isinstance(v, Constant):
+            arrays = [nd.operands[i].array for nd in nodes]  # type: ignore[attr-defined]
+            if any(not np.array_equal(arrays[0], a) for a in arrays[1:]):
+                plan.const_tables[i] = np.stack(arrays)
+
+
+def _parametric_constants(plan: NodePlan, n: int, tables: dict[Any, np.ndarray] | None) -> None:
+    """A rank-parametric graph's per-rank constants become tables; the same constant laid out
+    alike (a table per layer's use of a rotary or mask constant) is one array: 80 layers on
+    1024 ranks held 80 copies."""
+    for i, v in enumerate(plan.node.operands):
+        if isinstance(v, RankConstant):
+            key = (v.data, v.dtype)
+            table = tables.get(key) if tables is not None else None
+            if table is None:
+                table = np.stack([v.array_at(r) for r in range(n)])
+                if tables is not None:
+                    tables[key] = table
+            plan.const_tables[i] = table
+
+
+def _collective_plan(node: Node, nodes: list[Node] | None, n: int,
+                     mesh: MeshSpec) -> CollectivePlan:
+    """How collective `node` runs: over the mesh axes that give its groups, or the fallback.
+    Its groups are the ranks' own (`nodes`) or one `RankGroup` of a rank-parametric graph."""
+    attrs = _collective_attrs(node)
+    group = node.attrs.get("rank_list") if nodes is None else None
+    if isinstance(group, RankGroup):
+        if group.world != n:
+            raise SpmdLoweringError(
+                f"{node.where()}: its group spans {group.world} ranks, the program {n}")
+        axes = align_digits(mesh, group)
+        names = tuple(mesh.names[a] for a in axes) if axes is not None else None
+        return CollectivePlan(node.op, None, names, attrs, group, n)
+    groups = _groups(nodes if nodes is not None else [node] * n, n)
+    axes = align_groups(mesh, groups)
+    names = tuple(mesh.names[a] for a in axes) if axes is not None else None
+    return CollectivePlan(node.op, tuple(groups), names, attrs, num_ranks=n)
