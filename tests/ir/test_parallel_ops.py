@@ -413,15 +413,17 @@ def _elementwise_ops() -> list[str]:
 
 def elementwise_case(op: str) -> tuple[list[np.ndarray], dict[str, Any]]:
     """Inputs for an element-wise op read from its registration: as many operands as it
-    takes, the second broadcast along dim 0, of its first accepted dtype among Bool-only,
-    float32 (positive: inside every unary op's domain) and int32."""
+    takes, the second broadcast along dim 0, of its first accepted dtype among Bool (for an op
+    without a float dtype: the harness needs a float or Bool output), float32 (positive: inside
+    every unary op's domain) and int32."""
     from pcompile.ir.registry import BOOL, get_op
 
     opdef = get_op(op)
     assert opdef.page is not None
     count = opdef.num_inputs if isinstance(opdef.num_inputs, int) else 1
     shapes = [(4, 8) if i % 2 == 0 else (1, 8) for i in range(count)]
-    if opdef.page.dtypes == BOOL:
+    if opdef.page.dtypes == BOOL or (BOOL <= opdef.page.dtypes
+                                     and DType.float32 not in opdef.page.dtypes):
         arrays = [bools(s, i) for i, s in enumerate(shapes)]
     elif DType.float32 in opdef.page.dtypes:
         arrays = [rnd(s, i, True) for i, s in enumerate(shapes)]
