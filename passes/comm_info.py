@@ -10,7 +10,7 @@ Bytes are what ONE rank receives in one step, the convention of the parallel pas
 | AllGather | the (n - 1) pieces of the other ranks: input x (n - 1) |
 | ReduceScatter | (n - 1) blocks of its own size: output x (n - 1) |
 | AlltoAll | (n - 1) / n of the input |
-| Send / Receive | the tensor (the pair's, counted at its Send) / 0 |
+| Send / Receive | 0 / the tensor (as `passes/pipeline_split.py` writes them) |
 
 Each row is the op's `CommFacts.received` (`ir/registry.py`), declared in its op block
 (`ir/ops/comm.py`, `ir/ops/pipeline.py`), as is whether comm_fusion buckets it

@@ -57,12 +57,13 @@ def _send_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
     return x
 
 
-def _send_received(operand: int, result: int, n: int) -> int:
-    """The pair's tensor, counted once: at its Send."""
-    return operand
+def _nothing(*sizes: int) -> int:
+    """What a Send receives and a Receive sends."""
+    return 0
 
 
 def _send_ring(size: int, n: int) -> int:
+    """The tensor it sends."""
     return size
 
 
@@ -70,7 +71,7 @@ define("Send", _send_infer,
        attrs={"sr_tag": 0, "dest_rank": 0, **{k: v for k, v in _P2P_DEFAULTS.items()
                                                if k != "sr_tag"}}, num_inputs=1,
        differentiable=False, collective=True, traits=frozenset({Trait.POINT_TO_POINT}),
-       comm=CommFacts(_send_received, _send_ring),
+       comm=CommFacts(_nothing, _send_ring),
        doc="Sends x to rank dest_rank (the Receive with the same sr_tag there); returns x. shape "
            "and dtype describe x. Not differentiated (the pipeline cut follows autodiff).",
        section="compiler", operands="x; `dest_rank`, `sr_tag`, `shape`, `dtype` -> x", dtypes=ALL,
@@ -88,16 +89,16 @@ def _receive_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
     return TensorType(dtype, shape)
 
 
-def _nothing(*sizes: int) -> int:
-    """A Receive: its pair's bytes are counted at the Send, and it sends nothing."""
-    return 0
+def _receive_received(operand: int, result: int, n: int) -> int:
+    """The tensor it receives."""
+    return result
 
 
 define("Receive", _receive_infer,
        attrs={"sr_tag": 0, "src_rank": 0, **{k: v for k, v in _P2P_DEFAULTS.items()
                                               if k != "sr_tag"}}, num_inputs=0,
        differentiable=False, collective=True, traits=frozenset({Trait.POINT_TO_POINT}),
-       comm=CommFacts(_nothing, _nothing),
+       comm=CommFacts(_receive_received, _nothing),
        doc="Receives the tensor (shape, dtype) that rank src_rank sends with the same sr_tag.",
        section="compiler", operands="`src_rank`, `sr_tag`, `shape`, `dtype` -> tensor", dtypes=ALL,
        rule="*no strategy*: between pipeline stages; receives the Send of the same `sr_tag`",
