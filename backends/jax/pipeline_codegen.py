@@ -25,22 +25,23 @@ from typing import Any
 import numpy as np
 
 from pcompile.backends.checkpoint_files import layout_entry
-from pcompile.backends.jax.codegen import (
-    _HEADER,
-    ROOT,
-    _layouts_literal,
-    _Writer,
-    literal,
-    run_report_info,
-    run_report_lines,
-)
 from pcompile.backends.jax.pipeline_plan import PipelinePlan
-from pcompile.backends.jax.plan import NodePlan
+from pcompile.backends.jax.plan import CollectivePlan, NodePlan
+from pcompile.backends.jax.program_writer import (
+    StatementWriter,
+    footer,
+    header,
+    layouts_literal,
+    literal,
+    params_literal,
+    preamble,
+    run_report_info,
+)
 from pcompile.backends.npz_files import npz_bytes
 
 
 class _StagePlan:
-    """What `_Writer` reads of a plan, for one stage's graph."""
+    """What `StatementWriter` reads of a plan, for one stage's graph."""
 
     def __init__(self, plan: PipelinePlan, stage: int) -> None:
         self.graph = plan.graphs[stage]
@@ -51,8 +52,13 @@ class _StagePlan:
         self.outputs: list[Any] = []
 
 
-class _StageWriter(_Writer):
-    """Statements of one stage: `v[k]` for node results, `p[i]` for the stage's parameters."""
+class _StageWriter(StatementWriter):
+    """Statements of one stage: `v[k]` for node results, `p[i]` for the stage's parameters;
+    a fallback collective gathers over the stage's axes (AXES[1:]), its members given by their
+    positions in the stage."""
+
+    fallback_axes = "AXES[1:]"
+    fallback_note = "exact fallback, in the stage"
 
     def __init__(self, plan: PipelinePlan, stage: int, info: dict[str, Any]) -> None:
         self.prefix = f"S{stage}_"
@@ -68,18 +74,10 @@ class _StageWriter(_Writer):
             return f"v[{n.index}] = {self._arg(n, 0)}  # sent after the unit (PIPELINE)"
         if n.kind == "recv":
             return "pass  # arrived before the unit (PIPELINE)"
-        c = n.collective
-        if n.kind == "collective" and c is not None and c.axes is None:
-            members, positions = f"{self.prefix}G{n.index}", f"{self.prefix}P{n.index}"
-            self._table(members, c.members % self.per_stage,
-                        f"group members (positions in the stage) of %{n.index} ({c.op})")
-            self._table(positions, c.positions, f"position in the group of %{n.index}")
-            kw = "".join(f", {k}={literal(v)}" for k, v in c.attrs.items())
-            args = ", ".join(self._arg(n, i) for i in range(len(n.operands)))
-            return (f"v[{n.index}] = spmd.group_collective({c.op!r}, {args}, "
-                    f"all_axes=AXES[1:], members=pick({members}, me), "
-                    f"position=pick({positions}, me){kw})  # exact fallback, in the stage")
         return super()._statement(n)
+
+    def _members(self, c: CollectivePlan) -> tuple[np.ndarray, str]:
+        return c.members % self.per_stage, "group members (positions in the stage)"
 
     def function(self, plan: PipelinePlan, rank: int | None) -> list[str]:
         s = self.stage
@@ -154,21 +152,10 @@ def _source(plan: PipelinePlan, writers: list[_StageWriter], info: dict[str, Any
             rank: int | None) -> str:
     program = plan.program
     n = plan.num_ranks
-    head = _HEADER.format(
-        title=f"Rank {rank} of {n}" if rank is not None else f"All {n} ranks",
-        comments=(f"The comments show rank {rank}'s values." if rank is not None
-                  else "rank_<r>/program.py (dumped ranks) comments each rank's values.")
-        + f" Pipeline: {program.stages} stages of {program.per_stage} ranks, "
-          f"{program.micro} micro-batch(es) per step, schedule {program.scheduler}.",
-        path=f"rank_{rank}/program.py" if rank is not None else "program.py",
-        n=n,
-        model=os.path.relpath(info["model"], ROOT) if info["model"].startswith(ROOT)
-        else info["model"],
-        mode=info["mode"], what="training step",
-        dump=f"rank_{rank if rank is not None else 0}/{info['dump']}",
-        plan_id=info["plan_id"],
-    )
-    params_rows = "".join(f"    {literal(row)},\n" for row in info["params"])
+    head = header(info, rank, n, what="training step",
+                  note=f" Pipeline: {program.stages} stages of {program.per_stage} ranks, "
+                       f"{program.micro} micro-batch(es) per step, schedule "
+                       f"{program.scheduler}.")
     mesh = tuple(zip(plan.mesh.names, plan.mesh.sizes))
     functions: list[str] = []
     for w in writers:
@@ -177,28 +164,14 @@ def _source(plan: PipelinePlan, writers: list[_StageWriter], info: dict[str, Any
     stage_of = {name: list(stages) for name, stages in program.param_stages.items()}
     parts = [
         head,
-        "import jax.numpy as jnp  # noqa: E402,F401",
-        "import numpy as np  # noqa: E402,F401",
-        "from jax import lax  # noqa: E402,F401",
-        "",
-        "from pcompile.backends.jax import pipeline, spmd  # noqa: E402,F401",
-        "from pcompile.backends.jax.spmd import LazyTable, const, ops, pick  # noqa: E402,F401",
-        "from pcompile.ir.types import DType  # noqa: E402,F401",
-        "",
-        f"RANK = {rank}",
-        f"NUM_RANKS = {n}",
-        f"MODEL_FILE = {info['model']!r}",
-        f"PARALLEL_MODE = {info['mode']!r}",
-        "TRAINING = True",
-        f"PLAN_ID = {info['plan_id']!r}",
-        *run_report_lines(info),
+        *preamble(info, rank, n, modules="pipeline, spmd", noqa="E402,F401"),
         f"MESH = {literal(mesh)}  # rank = row-major index; stage s owns ranks "
         f"[s*{program.per_stage}, (s+1)*{program.per_stage})",
         f"AXES = {literal(plan.mesh.names)}",
         "# Graph parameters of all stages: (name, kind, local shape, dtype name); a device",
         "# reads its own stage's. Their layouts (inside a stage) are in LAYOUTS.",
-        f"PARAMS = (\n{params_rows})",
-        f"LAYOUTS = {_layouts_literal(info['layouts'])}",
+        f"PARAMS = {params_literal(info)}",
+        f"LAYOUTS = {layouts_literal(info['layouts'])}",
         f"OUTPUTS = {literal(tuple(info['outputs']))}",
         f"PARAM_STAGES = {literal(stage_of)}  # the stages that hold each stored value",
         f"RANKS_PER_STAGE = {program.per_stage}",
@@ -218,14 +191,6 @@ def _source(plan: PipelinePlan, writers: list[_StageWriter], info: dict[str, Any
         "    return pipeline.run_step(PIPELINE, STAGES, arrays, AXES)",
         "",
         "",
-        *(["# Per-rank tables (row r: rank r)."] if tables else []),
-        *tables,
-        *([""] if tables else []),
-        "",
-        'if __name__ == "__main__":',
-        "    from pcompile.backends.jax.rank_runtime import main",
-        "",
-        "    sys.exit(main(sys.modules[__name__]))",
-        "",
+        *footer(tables),
     ]
     return "\n".join(parts)
