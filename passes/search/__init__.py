@@ -130,7 +130,8 @@ def search(
         check_devices(devices)
     ilp = mode == "ilp"
     cg = CostGraph(graph, devices, constants, dataset_strategy,
-                   options.fully_use_devices and not ilp, loaded, weight_casts=ilp)
+                   options.fully_use_devices and not ilp, loaded, weight_casts=ilp,
+                   reduce_scatter=ilp)
     via: dict[int, str] = {}
     decision: dict[int, list[int]] = {}  # propagation: the edges that decided a vertex
     lagrange, allowed = 0.0, None
@@ -173,6 +174,10 @@ def search(
             continue
         chosen = v.candidates[choice[v.index]]
         result.strategies[id(node)] = chosen.strategy
+        if chosen.out_strategy is not None and result.ilp is not None:
+            # applied by apply_plan_choices (and again by the shrunk check), by full name
+            result.ilp.setdefault("out_strategies", {})[node.fullname] = [
+                list(s) for s in chosen.out_strategy]
         if chosen.spec is not None:
             result.layouts[id(node)] = chosen.spec
         if not explain:

@@ -55,9 +55,10 @@ class StepAutoParallelPass:
 
 
 def apply_plan_choices(unit: CompileUnit) -> None:
-    """The ilp search's global choices made real: the parallel optimizer switched on, and
-    every forward op of the folded layers marked for recompute except each layer's outputs
-    (what `Cell.recompute()` on every layer marks); nothing for the other searches."""
+    """The ilp search's global choices made real: the ReduceScatter forms it chose (the op's
+    `out_strategy`), the parallel optimizer switched on, and every forward op of the folded
+    layers marked for recompute except each layer's outputs (what `Cell.recompute()` on every
+    layer marks); nothing for the other searches."""
     from dataclasses import replace as replaced
 
     from pcompile.passes.search.ilp import layer_groups
@@ -65,6 +66,12 @@ def apply_plan_choices(unit: CompileUnit) -> None:
     result = unit.search
     if result is None or result.ilp is None:
         return
+    scattered = result.ilp.get("out_strategies") or {}
+    if scattered and unit.graph is not None:
+        for node in unit.graph.nodes:  # the ReduceScatter forms the search chose
+            form = scattered.get(node.fullname)
+            if form is not None and node.attrs.get("out_strategy") is None:
+                node.attrs["out_strategy"] = tuple(tuple(s) for s in form)
     if result.ilp.get("parallel_optimizer") and not unit.options.optimizer_shard.enabled:
         unit.options = replaced(unit.options, optimizer_shard=replaced(
             unit.options.optimizer_shard, enabled=True))

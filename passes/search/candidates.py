@@ -64,6 +64,9 @@ class Candidate:
     # The strategy as `Layout` dicts, one per input, for a strategy given or built as layouts
     # (`neighbour_layouts.py`): what step_parallel_begin needs to lay the op out exactly so
     spec: tuple[Any, ...] | None = None
+    # the ReduceScatter form of a strategy with a split reduced dim (`--search ilp`): the
+    # out_strategy that scatters the sum over the output's first dim (sequence parallelism)
+    out_strategy: Strategy | None = None
 
     @property
     def in_layouts(self) -> list[TensorLayout]:
@@ -85,14 +88,45 @@ class Candidate:
         return prod(c for s in self.strategy for c in s)
 
 
-def make_candidate(sharding: OpSharding, spec: tuple[Any, ...] | None = None) -> Candidate:
+def make_candidate(sharding: OpSharding, spec: tuple[Any, ...] | None = None,
+                   out_strategy: Strategy | None = None) -> Candidate:
     return Candidate(
         sharding.strategy,
         sharding,
         tuple(layout_key(lay) for lay in sharding.in_layouts),
         tuple(layout_key(lay) for lay in sharding.out_layouts),
         spec,
+        out_strategy,
     )
+
+
+#: ops whose ReduceScatter form `--search ilp` weighs (`CandidateTable(reduce_scatter=True)`)
+REDUCE_SCATTER_OPS = ("MatMul", "BatchMatMul")
+
+
+def reduce_scatter_forms(ctx: OpContext, cands: list[Candidate]) -> list[Candidate]:
+    """For each candidate whose forward communication is one summing AllReduce, the same
+    strategy with the sum reduce-scattered over the output's first dim (MindSpore's
+    `out_strategy` with dim 0 split further by the reduced dims), where that dim divides."""
+    rule = rule_for(ctx.op)
+    out: list[Candidate] = []
+    if rule is None:
+        return out
+    for cand in cands:
+        comms = [c for c in cand.sharding.forward if c.kind != "Div"]
+        if len(comms) != 1 or comms[0].kind != "AllReduce" or comms[0].op != "sum" \
+                or len(cand.out_layouts) != 1:
+            continue
+        red = prod(cand.sharding.dev_matrix[a] for a in comms[0].axes)
+        want = cand.out_layouts[0].splits
+        form = ((want[0] * red, *want[1:]),)
+        try:
+            sharding = rule.apply(ctx, cand.strategy, form)
+        except StrategyError:
+            continue
+        if any(c.kind == "ReduceScatter" for c in sharding.forward):
+            out.append(make_candidate(sharding, cand.spec, form))
+    return out
 
 
 def power_of_two_part(devices: int) -> int:
@@ -190,9 +224,11 @@ def candidate_strategies(ctx: OpContext, fully_use_devices: bool = False) -> lis
 class CandidateTable:
     """Candidates per op, cached by signature for one search."""
 
-    def __init__(self, devices: int, fully_use_devices: bool = False) -> None:
+    def __init__(self, devices: int, fully_use_devices: bool = False,
+                 reduce_scatter: bool = False) -> None:
         self.devices = devices
         self.fully_use_devices = fully_use_devices
+        self.reduce_scatter = reduce_scatter  # add the ReduceScatter forms (`--search ilp`)
         self._cache: dict[tuple[Any, ...], list[Candidate]] = {}
         self._signatures: dict[int, tuple[Any, ...]] = {}
 
@@ -211,6 +247,8 @@ class CandidateTable:
                 ctx = op_context(node, self.devices)
                 cands = [make_candidate(s)
                          for s in candidate_strategies(ctx, self.fully_use_devices)]
+                if self.reduce_scatter and node.op in REDUCE_SCATTER_OPS:
+                    cands += reduce_scatter_forms(ctx, cands)
             except StrategyError as exc:  # one message naming the op, not a traceback
                 raise _no_candidates(node, self.devices, str(exc)) from None
             if not cands:

@@ -145,16 +145,18 @@ class CostGraph:
     def __init__(self, graph: Graph, devices: int, constants: CostConstants,
                  dataset_strategy: Any = None, fully_use_devices: bool = False,
                  configured: dict[int, Any] | None = None,
-                 weight_casts: bool | Collection[int] = False
+                 weight_casts: bool | Collection[int] = False, reduce_scatter: bool = False
                  ) -> None:
         """`weight_casts`: look through every strategy-less Cast of a weight (the ilp search:
         the weight is stored as its user wants it), not only those whose users are all
-        configured; a collection: those Casts (id of the node) only."""
+        configured; a collection: those Casts (id of the node) only. `reduce_scatter`: a
+        MatMul's candidates include their ReduceScatter forms
+        (`candidates.reduce_scatter_forms`)."""
         self.graph = graph
         self.weight_casts = weight_casts
         self.devices = devices
         self.constants = constants
-        self.table = CandidateTable(devices, fully_use_devices)
+        self.table = CandidateTable(devices, fully_use_devices, reduce_scatter)
         self.vertices: list[Vertex] = []
         self.edges: list[Edge] = []
         self.vertex_of: dict[int, int] = {}  # id(node) -> vertex index
