@@ -259,6 +259,11 @@ class Tensor:
         out: Tensor = repeat_interleave(self, repeats, dim)
         return out
 
+    def repeat(self, repeats: Any, axis: Any = None) -> Tensor:
+        """MindSpore's `Tensor.repeat` (numpy's): each element repeated along `axis`, as
+        `repeat_interleave` (mindformers' group-limited routing repeats its group mask so)."""
+        return self.repeat_interleave(repeats, axis)
+
     def expand_dims(self, axis: int) -> Tensor:
         return _call("ExpandDims", self, axis)
 

@@ -56,7 +56,10 @@ by DEEPSEEK_LAYERS, DEEPSEEK_HIDDEN, DEEPSEEK_HEADS, DEEPSEEK_Q_LORA, DEEPSEEK_K
 DEEPSEEK_NOPE, DEEPSEEK_ROPE, DEEPSEEK_V_HEAD, DEEPSEEK_FFN, DEEPSEEK_MOE_FFN, DEEPSEEK_EXPERTS,
 DEEPSEEK_TOP_K, DEEPSEEK_DENSE (first_k_dense_replace), DEEPSEEK_VOCAB, DEEPSEEK_SEQ,
 DEEPSEEK_BATCH; DEEPSEEK_CAPACITY the capacity factor, DEEPSEEK_DTYPE the compute dtype
-(bfloat16 by default).
+(bfloat16 by default). DEEPSEEK_TOPK_METHOD: `greedy` (default, the yaml's) or
+`group_limited_greedy` (mindformers' group-limited routing: the experts in DEEPSEEK_N_GROUP
+groups, a token choosing among those of its DEEPSEEK_TOPK_GROUP best; 4 and 1 for tiny, 8 and 4
+for v3_671b).
 
     pcompile examples/deepseek.py --devices 8                      # compile + check
     pcompile examples/deepseek.py --devices 8 --run --steps 20    # 8 processes
@@ -118,6 +121,13 @@ AUX_EXPERT_FACTOR = 0.0001
 MTP_DEPTH = int(os.environ.get("DEEPSEEK_MTP", "0"))
 MTP_LOSS_FACTOR = 0.3
 GROUPS = int(os.environ.get("DEEPSEEK_GROUPS", "8"))
+TOPK_METHOD = os.environ.get("DEEPSEEK_TOPK_METHOD", "greedy")
+if TOPK_METHOD not in ("greedy", "group_limited_greedy"):
+    raise ValueError(f"DEEPSEEK_TOPK_METHOD={TOPK_METHOD!r}: choose greedy or "
+                     "group_limited_greedy")
+N_GROUP, TOPK_GROUP = (int(os.environ.get(f"DEEPSEEK_{k}", v)) for k, v in
+                       (("N_GROUP", 8 if PRESET == "v3_671b" else 4),
+                        ("TOPK_GROUP", 4 if PRESET == "v3_671b" else 1)))
 FUSED_ROUTER = os.environ.get("DEEPSEEK_FUSED_ROUTER", "1") == "1"
 SEQ_PARALLEL = os.environ.get("DEEPSEEK_SEQ_PARALLEL", "1") == "1"
 COMPUTE_DTYPE = llama.DTYPES[os.environ.get("DEEPSEEK_DTYPE", "bfloat16").lower()]
@@ -332,6 +342,13 @@ class TopkRouterV2(nn.Cell):
         self.mul_2d = P.Mul().shard(((dp, 1), (dp, 1)))
         self.on_value = Tensor(1.0, np.float32)
         self.off_value = Tensor(0.0, np.float32)
+        if TOPK_METHOD == "group_limited_greedy":
+            if EXPERTS % N_GROUP or not 1 <= TOPK_GROUP <= N_GROUP:
+                raise ValueError(f"group-limited routing: DEEPSEEK_N_GROUP={N_GROUP} must divide "
+                                 f"the {EXPERTS} experts and DEEPSEEK_TOPK_GROUP={TOPK_GROUP} "
+                                 "be between 1 and it")
+            self.topk = P.TopK().shard(((dp, 1, 1),))
+            self.tile = P.Tile()
         if FUSED_ROUTER:
             self.topkrouter = P._inner_ops.TopKRouter().shard(((dp, 1, 1),))
         else:
@@ -344,7 +361,10 @@ class TopkRouterV2(nn.Cell):
         router_prob = self.sigmoid(router_logits)                    # (groups, N, E) fp32
         topk_bias = self._balance_topk_bias()
         # aux-loss-free: the bias chooses the experts, the scores weigh them
-        _, expert_index = self.afb_topk(self.afb_add_topk_bias(router_prob, topk_bias), TOP_K)
+        choice_scores = self.afb_add_topk_bias(router_prob, topk_bias)
+        if TOPK_METHOD == "group_limited_greedy":
+            choice_scores = self._group_limited(choice_scores)
+        _, expert_index = self.afb_topk(choice_scores, TOP_K)
         expert_gate = self.gate_gather(router_prob, expert_index, 2)  # (groups, N, k)
         self._update_expert_load(expert_index)
         extra_loss = self._expert_load_balancing(router_prob, expert_index)
@@ -355,6 +375,19 @@ class TopkRouterV2(nn.Cell):
             dispatch_idx, combine_idx, router_coeff = self._maskout_sort_kdrop(expert_index,
                                                                               expert_gate)
         return dispatch_idx, combine_idx, router_coeff, extra_loss
+
+    def _group_limited(self, scores):
+        """mindformers' group_limited_greedy: only the experts of each token's TOPK_GROUP best
+        groups (a group's score: its best expert's) stay candidates, the others' scores 0."""
+        groups, tokens, _ = scores.shape
+        group_scores = self.reshape(scores, (groups, tokens, N_GROUP, -1)).max(axis=-1)
+        top_values, _ = self.topk(group_scores, TOPK_GROUP)
+        group_mask = self.cast(group_scores.ge(self.tile(top_values.min(axis=-1, keepdims=True),
+                                                         (1, 1, N_GROUP))), "float32")
+        score_mask = self.reshape(group_mask, (groups, tokens, N_GROUP, 1))
+        score_mask = score_mask.repeat(EXPERTS // N_GROUP, axis=-1)
+        score_mask = self.reshape(score_mask, (groups, tokens, -1))
+        return ops.masked_fill(scores, ~score_mask.bool(), 0.0)
 
     def _balance_topk_bias(self):
         """mindformers' TopkBiasBalanceCallback, which runs between steps, at the start of

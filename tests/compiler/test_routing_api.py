@@ -60,6 +60,8 @@ def test_repeat_interleave_matches_numpy() -> None:
     np.testing.assert_array_equal(t.repeat_interleave(2, 1).asnumpy(), np.repeat(x, 2, 1))
     np.testing.assert_array_equal(t.repeat_interleave(3, dim=-2).asnumpy(), np.repeat(x, 3, 0))
     np.testing.assert_array_equal(t.repeat_interleave(2).asnumpy(), np.repeat(x, 2))
+    # MindSpore's Tensor.repeat (numpy's), as mindformers' group-limited routing calls it
+    np.testing.assert_array_equal(t.repeat(2, axis=-1).asnumpy(), np.repeat(x, 2, -1))
     np.testing.assert_array_equal(t.repeat_interleave([1, 3], 0).asnumpy(),
                                   np.repeat(x, [1, 3], 0))
     np.testing.assert_array_equal(ops.repeat_interleave(t, Tensor(np.array([2, 1, 1])), 1)

@@ -107,6 +107,7 @@ def test_the_fused_router_trains_like_the_unfused_one(monkeypatch: Any) -> None:
     ({"LLAMA_FLASH": "0", "FUSED_ROUTER": "0"}, 4, 4, 1),
     ({"MTP": "1"}, 4, 4, 2),                     # the MTP layer is a MoE layer too
     ({"SEQ_PARALLEL": "0", "EP": "2", "DTYPE": "float32"}, 4, 2, 1),
+    ({"TOPK_METHOD": "group_limited_greedy"}, 4, 4, 1),  # Tensor.ge/min/repeat, masked_fill
 ])
 def test_variants_train_like_one_device(monkeypatch: Any, tmp_path: Any, env: dict[str, str],
                                         dp: int, ep: int, moe_layers: int) -> None:
@@ -131,6 +132,24 @@ def test_the_671b_preset_compiles_for_2048_devices(monkeypatch: Any) -> None:
     assert layouts["model.layers.0.attention.q2l_proj.weight"].slice_shape == (1536, 7168)
     assert layouts["model.layers.0.attention.lkv2kv_v.weight"].slice_shape == (128 * 128 // 4,
                                                                                 512)
+
+
+@pytest.mark.slow  # two compiles and a step each (~3 s)
+def test_group_limited_routing_chooses_within_the_best_groups(monkeypatch: Any) -> None:
+    """With 4 groups of 2 experts and 1 group per token, each token's 2 experts are its best
+    group's both: the first step routes otherwise than greedy top 2 (another loss), and
+    every choice pair is one group (the experts' load per group pair is even)."""
+    losses = []
+    for method in ("greedy", "group_limited_greedy"):
+        knobs(monkeypatch, TOPK_METHOD=method, DTYPE="float32")
+        program = compile_model(DEEPSEEK, devices=1, dump=False)
+        runner = StandAloneRunner(program, "numpy", float64=True)
+        _, _, arrays = next(batches(program, 1))
+        losses.append(runner.step(arrays))
+        load = np.asarray(runner.values[LOAD])
+    assert losses[0] != losses[1]
+    # each token chose both experts of one group: the two experts of a group share its load
+    np.testing.assert_allclose(load[0::2], load[1::2], rtol=0, atol=1e-12)
 
 
 def test_routing_groups_must_divide_over_data_parallel(monkeypatch: Any) -> None:
