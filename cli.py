@@ -480,7 +480,7 @@ def _summary(program: Any, elapsed: float, quiet: bool = False) -> None:
         from pcompile.compiler.render import prediction_text
 
         # the advice was printed above, as a warning
-        for text, style in prediction_text({**prediction, "advice": None}, state.plan.get(
+        for text, _style in prediction_text({**prediction, "advice": None}, state.plan.get(
                 "search"), megatron_minimum(state)):
             click.echo(text)
     if state.pipelined:
