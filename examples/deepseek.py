@@ -59,7 +59,9 @@ DEEPSEEK_BATCH; DEEPSEEK_CAPACITY the capacity factor, DEEPSEEK_DTYPE the comput
 (bfloat16 by default). DEEPSEEK_TOPK_METHOD: `greedy` (default, the yaml's) or
 `group_limited_greedy` (mindformers' group-limited routing: the experts in DEEPSEEK_N_GROUP
 groups, a token choosing among those of its DEEPSEEK_TOPK_GROUP best; 4 and 1 for tiny, 8 and 4
-for v3_671b).
+for v3_671b). DEEPSEEK_RECOMPUTE=1 recomputes every decoder layer (mindformers' recompute);
+DEEPSEEK_PARALLEL_OPTIMIZER=1 shards the weights over their data-parallel copies (the yaml's
+enable_parallel_optimizer, threshold 64 KB; 0 for tiny, whose weights are all smaller).
 
     pcompile examples/deepseek.py --devices 8                      # compile + check
     pcompile examples/deepseek.py --devices 8 --run --steps 20    # 8 processes
@@ -129,6 +131,8 @@ N_GROUP, TOPK_GROUP = (int(os.environ.get(f"DEEPSEEK_{k}", v)) for k, v in
                        (("N_GROUP", 8 if PRESET == "v3_671b" else 4),
                         ("TOPK_GROUP", 4 if PRESET == "v3_671b" else 1)))
 FUSED_ROUTER = os.environ.get("DEEPSEEK_FUSED_ROUTER", "1") == "1"
+RECOMPUTE = os.environ.get("DEEPSEEK_RECOMPUTE", "0") == "1"
+PARALLEL_OPTIMIZER = os.environ.get("DEEPSEEK_PARALLEL_OPTIMIZER", "0") == "1"
 SEQ_PARALLEL = os.environ.get("DEEPSEEK_SEQ_PARALLEL", "1") == "1"
 COMPUTE_DTYPE = llama.DTYPES[os.environ.get("DEEPSEEK_DTYPE", "bfloat16").lower()]
 ROPE_THETA, NORM_EPS = 10000.0, 1e-6
@@ -137,7 +141,10 @@ if not 1 <= TOP_K <= EXPERTS:
 
 set_auto_parallel_context(
     parallel_mode="semi_auto_parallel" if llama.STRATEGIES == "hand" else "auto_parallel",
-    device_num=8, dataset_strategy="full_batch", enable_alltoall=True)
+    device_num=8, dataset_strategy="full_batch", enable_alltoall=True,
+    enable_parallel_optimizer=PARALLEL_OPTIMIZER,
+    # the yaml's threshold (KB); the tiny model's weights are all below it
+    parallel_optimizer_config={"parallel_optimizer_threshold": 64 if PRESET == "v3_671b" else 0})
 
 
 def parallel_config():
@@ -618,6 +625,9 @@ class DeepseekV3Model(nn.Cell):
                                           "embedding_weight")
         self.gather = ops.Gather().shard(((1, 1), (dp, 1)))
         self.layers = nn.CellList([DecodeLayer(i, dp, mp, ep) for i in range(LAYERS)])
+        if RECOMPUTE:  # mindformers' recompute: True (the assignments are not recomputed)
+            for layer in self.layers:
+                layer.recompute()
         self.norm_out = llama.LlamaRMSNorm(HIDDEN, NORM_EPS)
         self.norm_out.shard(residual_strategy(dp, mp))
         self.freqs_cos, self.freqs_sin = llama.rope_tables(SEQ, ROPE, ROPE_THETA)

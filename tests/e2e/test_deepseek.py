@@ -38,13 +38,17 @@ def knobs(monkeypatch: Any, **env: str) -> None:
         monkeypatch.setenv(name if name.startswith("LLAMA_") else f"DEEPSEEK_{name}", value)
 
 
-def _plan_checks(program: Any, out: Any, dp: int, ep: int, moe_layers: int = 1) -> None:
+def _plan_checks(program: Any, out: Any, dp: int, ep: int, moe_layers: int = 1,
+                 recompute: bool = False) -> None:
     plan = json.loads((out / "plan.json").read_text())
     rows = [r for r in plan["collectives"]["0"] if r["op"] != "_MirrorOperator"]
     for phase in ("forward", "backward"):
         alltoall = [r for r in rows if r["op"] == "AlltoAll" and r["phase"] == phase]
         assert all("/routed_experts-MoEV2/" in r["node"] for r in alltoall)
-        assert len(alltoall) == 2 * moe_layers, [r["node"] for r in alltoall]
+        # a recomputed layer runs its forward AlltoAlls again for the backward (dumped as
+        # forward ops)
+        per_layer = 4 if recompute and phase == "forward" else 2
+        assert len(alltoall) == per_layer * moe_layers, [r["node"] for r in alltoall]
         assert all(len(r["rank_list"]) == ep for r in alltoall)
     mp = 8 // dp
     for name in EXPERT_WEIGHTS:
@@ -108,6 +112,7 @@ def test_the_fused_router_trains_like_the_unfused_one(monkeypatch: Any) -> None:
     ({"MTP": "1"}, 4, 4, 2),                     # the MTP layer is a MoE layer too
     ({"SEQ_PARALLEL": "0", "EP": "2", "DTYPE": "float32"}, 4, 2, 1),
     ({"TOPK_METHOD": "group_limited_greedy"}, 4, 4, 1),  # Tensor.ge/min/repeat, masked_fill
+    ({"RECOMPUTE": "1", "PARALLEL_OPTIMIZER": "1"}, 4, 4, 1),  # the yaml's memory options
 ])
 def test_variants_train_like_one_device(monkeypatch: Any, tmp_path: Any, env: dict[str, str],
                                         dp: int, ep: int, moe_layers: int) -> None:
@@ -116,7 +121,11 @@ def test_variants_train_like_one_device(monkeypatch: Any, tmp_path: Any, env: di
     program = compile_model(DEEPSEEK, devices=8, out_dir=str(out), dump_ranks="0")
     report = check(program, steps=2)
     assert report.ok(), f"worst {report.worst}, losses {report.losses}"
-    _plan_checks(program, out, dp=dp, ep=ep, moe_layers=moe_layers)
+    _plan_checks(program, out, dp=dp, ep=ep, moe_layers=moe_layers,
+                 recompute=bool(env.get("RECOMPUTE")))
+    if env.get("RECOMPUTE"):
+        assert any(n.attrs.get("recompute") is True for n in program.graph.nodes)
+        assert program.state.opt_shard and LOAD not in program.state.opt_shard
 
 
 @pytest.mark.slow  # a compile for 2048 devices (~3 s)
