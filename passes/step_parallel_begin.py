@@ -294,8 +294,11 @@ def assign(
     devices: int,
     dataset_strategy: Any,
     searched: dict[int, Any] | None = None,
+    loaded: dict[int, Any] | None = None,
 ) -> ParallelAssignment:
-    """step_parallel_begin: strategies, layouts and checks for every forward op."""
+    """step_parallel_begin: strategies, layouts and checks for every forward op. `loaded`:
+    id(node) -> the strategy a strategy checkpoint gives it, which wins over the user's as in
+    MindSpore (`load_strategy_from_ckpt`)."""
     result = ParallelAssignment(devices)
     result.param_layouts.update(dataset_layouts(graph, dataset_strategy, devices))
     users: dict[str, list[tuple[Node, TensorLayout]]] = {}
@@ -312,7 +315,8 @@ def assign(
                 instance_name=node.instance_name, scope=node.scope, source=node.source,
                 hint="use stand_alone or hybrid_parallel mode for hand-written communication",
             )
-        user = node.attrs.get("in_strategy")
+        user = (loaded[id(node)] if loaded and id(node) in loaded
+                else node.attrs.get("in_strategy"))
         strategy: Any
         if user is not None:
             if any(s is None for s in user):
@@ -543,11 +547,15 @@ class StepParallelBeginPass:
 
     def apply(self, unit: CompileUnit) -> None:
         from pcompile.passes.search.auto_parallel_pass import finish_assignment
+        from pcompile.passes.search.strategy_checkpoint import load_strategies
 
         assert unit.graph is not None
         searched = unit.search.specs() if unit.search is not None else None
+        files = unit.options.strategy_files
+        loaded = (load_strategies(files.load_file, unit.graph, files.loaded)
+                  if files.load_file and files.loaded is not None else None)
         unit.assignment = assign(unit.graph, unit.stage_devices, unit.options.dataset_strategy,
-                                 searched=searched)
+                                 searched=searched, loaded=loaded)
         finish_assignment(unit)  # the search's annotations and plan entry
         record_prediction(unit)
         if unit.options.parallel_detail:

@@ -206,3 +206,23 @@ def test_pipeline_stages_are_recorded(tmp_path) -> None:
         items = decode(path, f.read())["parallel_strategy_item"]
     assert {k: v["stage"] for k, v in items.items()} == {
         f"MatMul_blocks.{s}.{w}": s for s in range(4) for w in ("w1", "w2")}
+
+
+def test_semi_auto_parallel_loads_strategies_over_the_users(tmp_path) -> None:
+    """MindSpore's load_strategy_from_ckpt: in semi_auto_parallel too, an op whose key the load
+    file holds takes the file's strategy, over its shard() (quickstart's matmul ((2, 4), (4,
+    1))) and over the default (matmul2); the plan still trains like one device."""
+    path = tmp_path / "load.json"
+    path.write_text(json.dumps({"current_stage": 1, "parallel_strategy_item": {
+        "MatMul_w": {"stage": 0, "parallel_strategy": [[4, 2], [2, 1]]},
+        "MatMul_w2": {"stage": 0, "parallel_strategy": [[1, 8], [8, 1]]}},
+        "parallel_layout_item": {}}))
+    program = compile_model(QUICKSTART, devices=8, parallel_mode="semi_auto_parallel",
+                            dump=False, overrides={"strategy_ckpt_config": {
+                                "load_file": str(path)}})
+    got = {n.instance_name: program.state.assignment.sharding(n).strategy
+           for n in program.graph.nodes if n.op == "MatMul"}
+    assert got == {"matmul": ((4, 2), (2, 1)), "matmul2": ((1, 8), (8, 1))}
+    from pcompile.tools.oracle import check
+
+    assert check(program, steps=1).ok()
