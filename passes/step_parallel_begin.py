@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pcompile.ir.core import Graph, GraphParam, Node, ParallelInfo
+from pcompile.ir.core import Constant, Graph, GraphParam, Node, ParallelInfo
 from pcompile.ir.errors import OpError, PcompileError
 from pcompile.ir.layout import TensorLayout, map_axes
 from pcompile.ir.parallel_info import LayoutDetail
@@ -477,7 +477,7 @@ def _assign_layout_flow(graph: Graph, result: ParallelAssignment,
     keeps its input's layout carried through the shape change (`map_layout`: split dims
     that map to one group of dims stay split; where a group cannot keep its split, only that
     group is gathered), so a chain redistributes once, where the shapes force it. A
-    transparent Cast takes its input's layout."""
+    transparent Cast takes its input's layout (a constant's: whole on every rank)."""
     for node in graph.nodes:
         if node.op == "Reshape":
             out_type = node.result.type
@@ -492,7 +492,12 @@ def _assign_layout_flow(graph: Graph, result: ParallelAssignment,
                 wanted = replicated(out_type.shape, result.devices)
             result.reshape_layouts[id(node)] = wanted
         elif id(node) in transparent:
-            source = value_layout(node.operands[0], result)
+            operand = node.operands[0]
+            source = value_layout(operand, result)
+            if source is None and isinstance(operand, Constant):
+                # a constant is whole on every rank (MindSpore folds the Cast of a constant
+                # into a new constant): its Cast stays whole, not split and gathered back
+                source = replicated(operand.tensor_type.shape, result.devices)
             sharding = (_in_layout(node, source, result.devices) if source is not None
                         else None)
             if sharding is None:
