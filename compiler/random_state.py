@@ -22,6 +22,7 @@ import numpy as np
 
 from pcompile.compiler.tensor import Parameter
 from pcompile.ir.core import Value
+from pcompile.ir.errors import PcompileError
 
 #: the counter's name in the program, its checkpoints and plan.json
 COUNTER_NAME = "random_step"
@@ -62,6 +63,10 @@ def next_step(tracer: Any) -> Value:
 
     state = _state(tracer)
     if state.counter is None:
+        if any(p.name == COUNTER_NAME for p in tracer.graph.params):
+            raise PcompileError(
+                f"the network has a Parameter named {COUNTER_NAME!r}, the name of the step "
+                "counter its random ops (ops.Dropout, nn.Dropout) keep; rename the Parameter")
         state.counter = Parameter(np.zeros((), np.int32), name=COUNTER_NAME,
                                   requires_grad=False, parallel_optimizer=False)
     # the advanced value: the Parameter's one user is the assignment (a scalar read by ops of

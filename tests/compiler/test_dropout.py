@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pcompile import nn, ops, set_seed
+from pcompile import Parameter, Tensor, nn, ops, set_seed
 from pcompile.compiler.initializer import get_seed
 from pcompile.compiler.runtime import batches
 from pcompile.tools.compile import compile as compile_model
@@ -175,3 +175,20 @@ def test_data_parallel_mode_is_refused_with_the_way_out(tmp_path) -> None:
         "def optimizer(params):\n    return nn.SGD(params, learning_rate=0.1)\n")
     with pytest.raises(PcompileError, match="Dropout at .* in data_parallel mode.*semi_auto"):
         compile_model(str(path), devices=8, parallel_mode="data_parallel", dump=False)
+
+
+def test_a_parameter_named_like_the_counter_is_refused() -> None:
+    from pcompile.compiler.trace_model import trace_cell
+    from pcompile.ir.errors import PcompileError
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.w = Parameter(Tensor(np.ones((4,), np.float32)), "random_step")
+            self.drop = ops.Dropout(0.5)
+
+        def construct(self, x):
+            return self.drop(x * self.w)[0]
+
+    with pytest.raises(PcompileError, match="named 'random_step'"):
+        trace_cell(Net(), np.ones((2, 4), np.float32))
