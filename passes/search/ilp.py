@@ -271,9 +271,14 @@ def meshes(devices: int) -> list[tuple[int, int]]:
 class Costs:
     """Per-candidate seconds and memory, per-edge tables, cached."""
 
-    def __init__(self, cg: CostGraph, options: IlpOptions) -> None:
+    def __init__(self, cg: CostGraph, options: IlpOptions, *,
+                 parameters_agree: bool = True) -> None:
+        """`parameters_agree`: a parameter's users must read it in one layout (the search's
+        constraint, MindSpore's); False (costing a given plan, predict.py): users that read it
+        otherwise pay the redistribution the program makes."""
         self.cg = cg
         self.options = options
+        self.parameters_agree = parameters_agree
         self._op: dict[Any, list[OpTime]] = {}
         self._pair: dict[Any, OpTime] = {}
         self._axes: dict[Any, list[frozenset[tuple[int, int]]]] = {}
@@ -354,8 +359,6 @@ class Costs:
         return moved / self.options.profile.memory_bandwidth
 
     def pair(self, e: Edge, ka: Any, la: TensorLayout, kb: Any, lb: TensorLayout) -> float:
-        if e.parameter:
-            return 0.0 if ka == kb else inf
         if ka == kb:
             return 0.0
         return self.pair_time(e, ka, la, kb, lb).total
@@ -363,9 +366,12 @@ class Costs:
     def pair_time(self, e: Edge, ka: Any, la: TensorLayout, kb: Any, lb: TensorLayout
                   ) -> OpTime:
         """The redistribution on an edge between two layouts (cached; seconds and bytes);
-        infinite seconds for a communicating bool tensor."""
-        if e.parameter or ka == kb:
-            return OpTime(comm=0.0 if ka == kb else inf)
+        infinite seconds for a communicating bool tensor, and between a parameter's users
+        that read it in other layouts (`parameters_agree`)."""
+        if ka == kb:
+            return OpTime()
+        if e.parameter and self.parameters_agree:
+            return OpTime(comm=inf)
         backward = self.has_grad(e)
         key = (ka, kb, e.itemsize, e.is_bool, backward)
         hit = self._pair.get(key)

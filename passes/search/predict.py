@@ -76,7 +76,7 @@ def predict(graph: Graph, devices: int, profile: DeviceProfile, memory_capacity:
                    weight_casts=follows)
     options = IlpOptions(profile, memory_capacity, training, optimizer_states, enable_alltoall)
     folding = fold(cg)
-    costs = Costs(cg, options)
+    costs = Costs(cg, options, parameters_agree=False)
     edges = mapped_edges(cg, folding)
     choice = {v.index: 0 for v in cg.vertices}
     compute, comm, memory = evaluate(cg, costs, folding, edges, choice, parallel_optimizer,

@@ -473,3 +473,31 @@ def test_a_searched_reduce_scatter_form_is_applied_and_checked(monkeypatch: Any)
                 if is_communication(n) and n.op != "_MirrorOperator")
     assert moved <= program.state.plan["prediction"]["communication_bytes"]
     assert any(n.op == "ReduceScatter" for n in program.state.rank_graphs[0].nodes)
+
+
+def test_a_plans_prediction_is_finite_where_a_weights_users_differ() -> None:
+    """predict.py costs a given plan: where two users of a weight read it in layouts on
+    different device matrices (here both whole, 2 x 4 and 4 x 2), the prediction is the
+    program's redistribution, not the search's infinite refusal (which plan.json cannot
+    hold)."""
+    from math import isfinite
+
+    from pcompile.ir.builder import Builder
+    from pcompile.ir.core import Graph, GraphParam, ParallelInfo
+    from pcompile.ir.types import DType, TensorType
+    from pcompile.passes.search.predict import predict
+
+    graph = Graph("g")
+    x = graph.add_param(GraphParam(TensorType(DType.float32, (8, 16)), "x"))
+    w = graph.add_param(GraphParam(TensorType(DType.float32, (16, 16)), "w", "weight", True))
+    b = Builder(graph)
+    y1 = b.emit("MatMul", [x, w], instance_name="mm1")
+    y2 = b.emit("MatMul", [x, w], instance_name="mm2")
+    out = b.emit("Add", [y1, y2], instance_name="add")
+    graph.outputs = [out]
+    for value, strategy in ((y1, ((2, 1), (1, 1))), (y2, ((4, 1), (1, 1))),
+                            (out, ((8, 1), (8, 1)))):
+        value.node.parallel = ParallelInfo(in_strategy=strategy)
+    p = predict(graph, 8, H100, H100.memory, training=True, parallel_optimizer=False,
+                recompute=False)
+    assert isfinite(p.step_time) and isfinite(p.comm_bytes)
