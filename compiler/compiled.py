@@ -1,8 +1,8 @@
 """What a compile holds and what it returns: `CompileState` (what the passes read and write),
 `InitialValues` (parameter and optimizer-state values, held abstractly), `ReferenceOptions` (how
 a single-device program models a parallel one) and `CompiledProgram`, the typed result of
-`compiler.driver.compile`: the per-rank graphs, initial values, plan and dump texts. Writing it
-out, running it and checking it happen above the backends (`pcompile.tools`)."""
+`compiler.driver.compile_program`: the per-rank graphs, initial values, plan and dump texts.
+Writing it out, running it and checking it happen above the backends (`pcompile.tools`)."""
 
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ class PassDump:
 
 @dataclass
 class CompiledProgram:
-    """The result of `compile()`: per-rank graphs, initial values and how to feed them.
+    """The result of `compile_program()`: per-rank graphs, initial values and how to feed them.
     `out_dir` is the folder its outputs are for (None: a compile without dumps); `dumps` the
     texts of the dumped passes, in pass order, until they are written
     (`pcompile.tools.compile.write_outputs`)."""

@@ -135,7 +135,7 @@ def _check_mode(devices: int, parallel_mode: str, search_mode: str) -> None:
         )
 
 
-def compile(  # noqa: A001  (the public name DESIGN.md gives it)
+def compile_program(
     model_path: str,
     *,
     devices: int | None = None,

@@ -1,11 +1,11 @@
-"""Compile and write: `compile` runs the driver (`compiler.driver.compile`) and writes what it
-returns; `write_outputs` writes a compiled program's dumps, `plan.json` and rank programs. The
-strategy checkpoint `strategy_ckpt_config` names is written by `compile` too, with or without
-dumps (compiler/strategy_files.py).
+"""Compile and write: `compile` runs the driver (`compiler.driver.compile_program`) and writes what
+it returns; `write_outputs` writes a compiled program's dumps, `plan.json` and rank programs.
+The strategy checkpoint `strategy_ckpt_config` names is written by `compile` too, with or
+without dumps (compiler/strategy_files.py).
 
-Everything is written through `compiler.outdir`: beside the output folder first and swapped in
-when complete, so a failed compile or write leaves `--out` as it was; only what an earlier
-compile wrote is replaced, run outputs survive, a folder holding anything else is refused."""
+Everything is written through `compiler.outdir`: beside the output folder first and swapped in when
+complete, so a failed compile or write leaves `--out` as it was; only what an earlier compile wrote
+is replaced, run outputs survive, a folder holding anything else is refused."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pcompile.compiler.compiled import CompiledProgram, CompileState, ReferenceOptions
-from pcompile.compiler.driver import compile as compile_program
+from pcompile.compiler.driver import compile_program
 from pcompile.compiler.plan import build_plan, write_plan
 from pcompile.compiler.strategy_files import save_checkpoint
 from pcompile.ir.dot import graph_to_dot
@@ -40,7 +40,7 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it: `pcompile.compi
     on_event: Callable[..., None] | None = None,
 ) -> CompiledProgram:
     """Compile a model file and write its outputs into the program's `out_dir`; none with
-    `dump=False`. The options up to `trace_only` are those of `compiler.driver.compile`:
+    `dump=False`. The options up to `trace_only` are those of `compiler.driver.compile_program`:
     `devices`, `parallel_mode`, `search_mode` (flags over what the model file sets),
     `out_dir` (default: the model file's `save_graphs_path`, else ./saved_graph), `overrides`
     (auto-parallel context keys), `dump_ranks` ("all", "none", "0,5"), `save_graphs` (0-3),

@@ -30,7 +30,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from pcompile.compiler.compiled import CompiledProgram, ReferenceOptions
-from pcompile.compiler.driver import compile as compile_program
+from pcompile.compiler.driver import compile_program
 from pcompile.compiler.runtime import RankLocal, batches, rank_local_reductions
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Graph, NodeResult, Value

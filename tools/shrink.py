@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pcompile.compiler.driver import compile as compile_program
+from pcompile.compiler.driver import compile_program
 from pcompile.compiler.pinned_plan import PinnedPlan
 from pcompile.ir.core import Graph, GraphParam, Value
 from pcompile.ir.dims import Shrink, shapes_of, shrinker

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _compile(monkeypatch: Any, path: str, devices: int, **env: str) -> Any:
-    from pcompile.compiler.driver import compile as compile_program
+    from pcompile.compiler.driver import compile_program
 
     for name in [n for n in os.environ if n.startswith("LLAMA_")]:
         monkeypatch.delenv(name)
@@ -105,7 +105,7 @@ def test_predicted_bytes_bound_the_plans_own(monkeypatch: Any, search: str | Non
     the passes (an AllReduce's vjp made local where the cotangent is alike on every rank, an
     AllReduce turned ReduceScatter before a split, an embedding's shares summed after its
     Cast), so a plan moving more than predicted is a collective the model misses."""
-    from pcompile.compiler.driver import compile as compile_program
+    from pcompile.compiler.driver import compile_program
     from pcompile.passes.comm_info import is_communication, node_ring_bytes
 
     for name in [n for n in os.environ if n.startswith("LLAMA_")]:
