@@ -420,7 +420,7 @@ class LabelRule:
                       out_layout: TensorLayout | None) -> OpSharding | None:
         """The sharding of in and out `Layout`s where the labels cannot say it (Tile's out
         layout splitting copies); None: derived from the labels
-        (`passes.step_parallel_begin.layout_sharding`)."""
+        (`passes.layouts.layout_sharding`)."""
         return None
 
     def searchable(self, ctx: OpContext, strategy: Strategy) -> bool:

@@ -27,7 +27,7 @@ from pcompile.ir.layout import TensorLayout
 from pcompile.ir.rank import Digit, RankGroup
 from pcompile.ir.registry import Trait, get_op, has_trait
 from pcompile.ir.types import TensorType, TupleType
-from pcompile.passes.step_parallel_begin import ParallelAssignment
+from pcompile.passes.layouts import ParallelAssignment
 
 #: the attribute of a forward AllReduce whose vjp is a local multiplication (see above)
 REPLICATED_COTANGENT = "replicated_cotangent"

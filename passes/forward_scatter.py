@@ -18,7 +18,7 @@ from math import prod
 from pcompile.ir.core import Graph
 from pcompile.ir.layout import TensorLayout, axis_index, map_axes
 from pcompile.ir.rank import Digit, RankGroup
-from pcompile.passes.step_parallel_begin import ParallelAssignment
+from pcompile.passes.layouts import ParallelAssignment
 
 
 def _dim_digits(layout: TensorLayout, dim: int) -> list[Digit]:

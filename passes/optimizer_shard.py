@@ -14,47 +14,13 @@ KB, and dim 0 of its slice divisible by the shard-group size.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from math import prod
 
 from pcompile.ir.core import Graph
 from pcompile.ir.errors import PcompileError
-from pcompile.ir.layout import TensorLayout, devices_along_axes, group_name, map_axes
-from pcompile.ir.rank import RankGroup
+from pcompile.ir.layout import TensorLayout, group_name, map_axes
+from pcompile.passes.layouts import OptShard
 from pcompile.passes.unit import CompileUnit, OptimizerShardOptions, ParameterFacts
-
-
-@dataclass(frozen=True)
-class OptShard:
-    """How one parameter is stored: `stored` layout and the device axes (left indices) of its
-    shard group; the forward use keeps the layout `use`."""
-
-    use: TensorLayout
-    stored: TensorLayout
-    shard_axes: tuple[int, ...]
-    # the model-parallel layout as the strategies give it (`use` may split a replication axis
-    # in two for optimizer_weight_shard_size); MindSpore's parameter_layout_dict shows it
-    model: TensorLayout | None = None
-
-    def shard_group(self, rank: int) -> tuple[int, ...]:
-        return devices_along_axes(rank, self.use.dev_matrix, self.shard_axes)
-
-    def mirror_group(self, rank: int) -> tuple[int, ...]:
-        return devices_along_axes(rank, self.use.dev_matrix, self._free_axes())
-
-    def _free_axes(self) -> list[int]:
-        return [a for a in range(len(self.use.dev_matrix))
-                if a not in self.use.used_axes and a not in self.shard_axes]
-
-    @property
-    def shard_rank_group(self) -> RankGroup:
-        """`shard_group` for every rank (ir.rank)."""
-        return RankGroup.along(self.use.dev_matrix, self.shard_axes)
-
-    @property
-    def mirror_rank_group(self) -> RankGroup:
-        """`mirror_group` for every rank (ir.rank)."""
-        return RankGroup.along(self.use.dev_matrix, self._free_axes())
 
 
 def plan_optimizer_sharding(
@@ -158,7 +124,7 @@ def _shard_axes(use: TensorLayout, free: list[int], shard_size: int, name: str
     return tuple(chosen)
 
 
-__all__ = ["OptShard", "plan_optimizer_sharding"]
+__all__ = ["plan_optimizer_sharding"]
 
 
 def optimizer_sharding(unit: CompileUnit, layouts: dict[str, TensorLayout],

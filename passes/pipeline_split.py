@@ -54,41 +54,7 @@ from pcompile.passes.pipeline_schedule import (
     unit_name,
     unit_sequence,
 )
-from pcompile.passes.step_parallel import RankBuilder, SplitOptions
 from pcompile.passes.unit import CompileUnit
-
-# -- the forward program, with the stage of every local node ------------------------------------
-
-
-class _StagedBuilder(RankBuilder):
-    """`RankBuilder` that records which forward op each local node was made for."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.origin: dict[int, Node] = {}
-
-    def lower_node(self, node: Node) -> None:
-        start = len(self.graph.nodes)
-        super().lower_node(node)
-        for made in self.graph.nodes[start:]:
-            self.origin[id(made)] = node
-
-
-def build_staged_spmd_graph(graph: Graph, assignment: Any, options: SplitOptions,
-                            fusion_ids: dict[str, int], node_stage: dict[int, int],
-                            watch: dict[int, Any] | None = None
-                            ) -> tuple[Graph, list[Any], dict[int, int]]:
-    """`step_parallel.build_spmd_graph` that also returns the stage of each local node (that
-    of the forward op it was made for; `node_stage` by id of the forward op)."""
-    from pcompile.passes.step_parallel import note_locals
-
-    builder = _StagedBuilder(graph, assignment, None, options, fusion_ids)
-    local = builder.build()
-    note_locals(builder, watch)
-    stages = {key: node_stage[id(op)] for key, op in builder.origin.items()
-              if id(op) in node_stage}
-    return local, builder.output_layouts, stages
-
 
 #: ("F" | "B", micro-batch) of a local node (its chunk follows from its virtual stage).
 MicroLabel = tuple[str, int]

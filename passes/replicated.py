@@ -17,8 +17,8 @@ from pcompile.ir.layout import TensorLayout
 from pcompile.ir.ops.state import refuse_assignments
 from pcompile.ir.sharding import OpSharding
 from pcompile.ir.types import TensorType, TupleType
+from pcompile.passes.layouts import ParallelAssignment, replicated
 from pcompile.passes.step_parallel import RankBuilder, SplitOptions
-from pcompile.passes.step_parallel_begin import ParallelAssignment, replicated
 from pcompile.passes.unit import CompileUnit, ParameterFacts
 
 

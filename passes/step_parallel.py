@@ -63,8 +63,8 @@ from pcompile.passes.cotangents import (
     replicated_cotangents,
 )
 from pcompile.passes.forward_scatter import scatter_layouts
+from pcompile.passes.layouts import ParallelAssignment, replicated
 from pcompile.passes.redistribution import plan_redistribution
-from pcompile.passes.step_parallel_begin import ParallelAssignment, replicated
 from pcompile.passes.unit import CompileUnit, ParameterFacts
 
 
@@ -708,6 +708,33 @@ def note_locals(builder: RankBuilder, watch: dict[int, Value | None] | None) -> 
         watch[key] = made[0] if made is not None else None
 
 
+class _StagedBuilder(RankBuilder):
+    """`RankBuilder` that records which forward op each local node was made for."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.origin: dict[int, Node] = {}
+
+    def lower_node(self, node: Node) -> None:
+        start = len(self.graph.nodes)
+        super().lower_node(node)
+        for made in self.graph.nodes[start:]:
+            self.origin[id(made)] = node
+
+
+def build_staged_spmd_graph(graph: Graph, assignment: ParallelAssignment, options: SplitOptions,
+                            fusion_ids: dict[str, int], node_stage: dict[int, int],
+                            watch: dict[int, Any] | None = None
+                            ) -> tuple[Graph, list[Any], dict[int, int]]:
+    """`build_spmd_graph` that also returns the stage of each local node (that
+    of the forward op it was made for; `node_stage` by id of the forward op)."""
+    builder = _StagedBuilder(graph, assignment, None, options, fusion_ids)
+    local = builder.build()
+    note_locals(builder, watch)
+    stages = {key: node_stage[id(op)] for key, op in builder.origin.items()
+              if id(op) in node_stage}
+    return local, builder.output_layouts, stages
+
 
 def build_rank_graphs(graph: Graph, assignment: ParallelAssignment, options: SplitOptions,
                       fusion_ids: dict[str, int]) -> tuple[list[Graph], list[Any]]:
@@ -781,8 +808,6 @@ class StepParallelEndPass:
             unit.assignment.param_layouts[name] = shard.stored
         watch: dict[int, Value | None] = {id(v): None for v in self.options.bprop_values}
         if unit.pipelined:  # the stage of every local node
-            from pcompile.passes.pipeline_split import build_staged_spmd_graph
-
             pipeline = unit.pipeline
             assert pipeline is not None and pipeline.stage_map is not None
             graph, layouts, pipeline.local_stage = build_staged_spmd_graph(

@@ -22,10 +22,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from pcompile.ir.core import Graph, Node
 
 if TYPE_CHECKING:
-    from pcompile.passes.optimizer_shard import OptShard
+    from pcompile.passes.layouts import OptShard, ParallelAssignment
     from pcompile.passes.pipeline_stages import PipelineSettings
     from pcompile.passes.search import SearchResult
-    from pcompile.passes.step_parallel_begin import ParallelAssignment
 
 U_contra = TypeVar("U_contra", contravariant=True)
 

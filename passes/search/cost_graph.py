@@ -36,6 +36,11 @@ from pcompile.ir.core import Constant, Graph, GraphParam, Node, NodeResult, Valu
 from pcompile.ir.layout import TensorLayout
 from pcompile.ir.sharding import OpSharding, rule_for
 from pcompile.ir.types import DType, TensorType
+from pcompile.passes.layouts import (
+    dataset_layouts,
+    is_transparent_cast,
+    shard_node,
+)
 from pcompile.passes.search.candidates import Candidate, CandidateTable, LayoutKey, make_candidate
 from pcompile.passes.search.cost_model import (
     INFINITE,
@@ -44,11 +49,6 @@ from pcompile.passes.search.cost_model import (
     CostConstants,
     op_cost,
     redistribution_cost,
-)
-from pcompile.passes.step_parallel_begin import (
-    dataset_layouts,
-    is_transparent_cast,
-    shard_node,
 )
 
 DATASET_TOPO = 1 << 62

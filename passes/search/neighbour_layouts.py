@@ -45,8 +45,8 @@ from pcompile.ir.layout import TensorLayout, map_axes
 from pcompile.ir.registry import Trait, has_trait
 from pcompile.ir.sharding import LabelRule, Labels, OpContext, StrategyError, rule_for
 from pcompile.ir.types import TensorType
+from pcompile.passes.layouts import layout_sharding
 from pcompile.passes.search.candidates import Candidate, layout_key, make_candidate, op_context
-from pcompile.passes.step_parallel_begin import layout_sharding
 
 
 def tensor_input_count(node: Node) -> int:

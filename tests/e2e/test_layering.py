@@ -134,3 +134,44 @@ def test_a_rank_programs_loss_lines_load_no_front_end() -> None:
         "                                         for k in items])\n"
         "queue.dispatched(1, 1)\nqueue.flush(last=True)")
     assert [m for m in loaded if m.startswith(("pcompile.compiler", "pydantic"))] == []
+
+
+def _imports_under(room: str) -> dict[str, set[str]]:
+    """Module -> the modules under `room` it imports (module level, inside a function or under
+    `if TYPE_CHECKING:`), read with `ast`: `from pcompile.passes import x` names the module x."""
+    modules: dict[str, str] = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, room)):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                dotted = "pcompile." + os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                modules[dotted.removesuffix(".__init__")] = path
+    edges: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    parts = parts[: len(parts) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                targets |= {base} | {f"{base}.{a.name}" for a in node.names}
+        edges[module] = {t for t in targets if t in modules and t != module}
+    return edges
+
+
+def test_no_import_cycle_among_the_passes() -> None:
+    """No module under passes/ imports, directly or through others, one that imports it back
+    (at module level, inside a function or for type checking alike): the layout helpers the
+    search and step_parallel_begin share live in passes/layouts.py, the staged SPMD builder in
+    step_parallel.py (issue 37 move 3). Importing a submodule also runs its package's
+    __init__, which is not counted as an edge."""
+    import networkx as nx
+
+    graph = nx.DiGraph(_imports_under("passes"))
+    cycles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
+    assert cycles == [], f"import cycles under passes/: {cycles}"
