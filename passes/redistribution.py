@@ -193,6 +193,16 @@ class RedistributionPlan:
     def communicates(self) -> bool:
         return any(op.kind in ("Concat", "Permute") for op in self.ops)
 
+    def split_after_communication(self) -> tuple[RedistributionPlan, RedistributionPlan]:
+        """(the steps up to the last collective, the local steps after it): two redistributions
+        of one value whose first parts are equal move the same bytes and may share them."""
+        last = max((i for i, op in enumerate(self.ops) if op.kind in ("Concat", "Permute")),
+                   default=-1)
+        return (RedistributionPlan(self.src, self.dst, self.dev, self.ops[:last + 1],
+                                   self.unexpand),
+                RedistributionPlan(self.src, self.dst, self.dev, self.ops[last + 1:],
+                                   self.unexpand))
+
     def ops_for_rank(self, rank: int) -> list[tuple[object, ...]]:
         """Concrete steps for `rank`: ("StridedSlice", begin, end, strides),
         ("AllConcat", ranks, axis), ("AlltoAll", ranks, split_dim, concat_dim, count),

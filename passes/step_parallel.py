@@ -130,6 +130,7 @@ class RankBuilder:
         self.local: dict[int, tuple[Value, Any]] = {}
         self.redistributed: dict[tuple[int, TensorLayout], Value] = {}
         self.reshaped: dict[tuple[int, TensorLayout], Value] = {}
+        self.gathered: dict[tuple[int, TensorLayout, tuple[Any, ...]], Value] = {}
         self.mirrors: dict[int, Value] = {}
         self.anchor_counts: dict[str, int] = {}
         self.output_layouts: list[TensorLayout | None] = []
@@ -678,7 +679,17 @@ class RankBuilder:
             self.local[id(node.result)] = (self.reshaped[key], want)
             return
         reason = f"Reshape '{node.instance_name}': {have} -> {want}"
-        out = self.emit_plan(node, local, plan, reason)
+        if plan.communicates:
+            # Reshapes of one value whose collectives are the same (to different shapes, or
+            # through a Cast to the dtype it has) share them: the MoE layer's input flattened
+            # for the router and for the shared expert is gathered once
+            head, tail = plan.split_after_communication()
+            shared = (id(_same_values(local)), have, tuple(head.ops))
+            if shared not in self.gathered:
+                self.gathered[shared] = self.emit_plan(node, local, head, reason)
+            out = self.emit_plan(node, self.gathered[shared], tail, reason)
+        else:
+            out = self.emit_plan(node, local, plan, reason)
         if out.shape != want.slice_shape:
             b = Builder(self.graph, scope=node.scope, source=node.source)
             out = b.emit("Reshape", [out], {"shape": want.slice_shape},
@@ -686,6 +697,14 @@ class RankBuilder:
         if plan.communicates:
             self.reshaped[key] = out
         self.local[id(node.result)] = (out, want)
+
+
+def _same_values(local: Value) -> Value:
+    """`local` before any Casts to the dtype it already has (they change no value)."""
+    while (isinstance(local, NodeResult) and local.node.op == "Cast"
+           and len(local.node.operands) == 1 and local.node.operands[0].type == local.type):
+        local = local.node.operands[0]
+    return local
 
 
 def build_spmd_graph(graph: Graph, assignment: ParallelAssignment, options: SplitOptions,
