@@ -1,5 +1,6 @@
-"""`pcompile MODEL.py --devices N --search MODE`: the command line. Thin: parse options, call
-`compiler`, print.
+"""`pcompile MODEL.py --devices N --search MODE`: the command line. Thin: parse the options
+(the run's into a typed `tools.run.RunOptions`), call `tools` (`tools.command` compiles, checks
+and runs), print.
 
 Commands: `pcompile [compile] MODEL.py ...` (compile is the default: `pcompile MODEL.py` works
 as it always did), `pcompile show DIR`, `pcompile diff DIR --ranks A,B`; `pcompile --version`.
@@ -11,15 +12,14 @@ from __future__ import annotations
 
 import atexit
 import gc
-import math
 import os
 import sys
-import time
 from typing import Any
 
 import click
 
-from pcompile.backends.progress import CompileProgress, log, run_monitor, setup_logging
+from pcompile import __version__
+from pcompile.backends.progress import setup_logging
 
 # At exit the interpreter runs one last full garbage collection over everything still alive: a
 # compile's graphs (their use lists are cycles) and memo tables, about a second for a 96-layer
@@ -29,18 +29,37 @@ atexit.register(gc.freeze)
 
 SEARCH_MODES = (
     "sharding_propagation", "dynamic_programming", "recursive_programming", "ilp")
-PARALLEL_MODES = (
-    "stand_alone",
-    "data_parallel",
-    "hybrid_parallel",
-    "semi_auto_parallel",
-    "auto_parallel",
-)
+PARALLEL_MODES = ("stand_alone", "data_parallel", "hybrid_parallel", "semi_auto_parallel",
+                  "auto_parallel")
 
 
 def _fail(message: str, code: int = 1) -> None:
     click.echo(f"pcompile: error: {message}", err=True)
     sys.exit(code)
+
+
+def _guard(function: Any) -> Any:
+    """PcompileError (plan.json refused, rank not dumped, a check failed, ...), a file the system
+    refused, an invalid option in the model file -> one message, exit 1."""
+    import functools
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        from pcompile.ir.errors import PcompileError
+
+        try:
+            return function(*args, **kwargs)
+        except PcompileError as exc:
+            _fail(str(exc))
+        except OSError as exc:  # the file system refused: say which file and why
+            where = f" {exc.filename}" if exc.filename else ""
+            _fail(f"cannot access{where}: {exc.strerror or exc}")
+        except (ValueError, TypeError, KeyError) as exc:
+            # Option validation (set_auto_parallel_context and friends) raises these by contract.
+            if _from_options(exc):
+                _fail(f"invalid option: {exc}")
+            raise
+    return run
 
 
 def _parse_dataset_strategy(text: str | None) -> Any:
@@ -79,15 +98,9 @@ class _DefaultGroup(click.Group):
                                                 "DIR --ranks A,B")
 
 
-def _version() -> str:
-    from pcompile import __version__
-
-    return __version__
-
-
 @click.group(cls=_DefaultGroup, context_settings=CONTEXT, invoke_without_command=False,
              no_args_is_help=True)
-@click.version_option(_version(), "--version", prog_name="pcompile",
+@click.version_option(__version__, "--version", prog_name="pcompile",
                       message="%(prog)s %(version)s")
 def main() -> None:
     """pcompile: compile a MindSpore-style model into per-rank programs, and look at them.
@@ -199,121 +212,33 @@ def _verbosity(function: Any) -> Any:
               help="Memory per device in bytes (default: the profile's); the ilp search fits "
                    "its plan in it. Same as set_cost_model_context(device_memory_capacity=).")
 @_verbosity
-def compile_command(
-    model: str,
-    devices: int | None,
-    search: str | None,
-    parallel_mode: str | None,
-    out_dir: str | None,
-    dataset_strategy: str | None,
-    pipeline_stages: int | None,
-    dump_ranks: str | None,
-    save_graphs: int | None,
-    do_run: bool,
-    steps: int,
-    backend: str,
-    check: bool,
-    force_check: bool,
-    check_shrunk: int | None,
-    checkpoint_every: int,
-    resume: bool,
-    processes: int | None,
-    startup_timeout: float,
-    timeout: float,
-    heartbeat_timeout: float,
-    fail_on_nan: bool,
-    print_every: int,
-    platform: str,
-    matmul_precision: str,
-    log_every: int,
-    tensorboard: str | None,
-    keep_checkpoint_max: int | None,
-    profile_steps: str | None,
-    profile_dir: str | None,
-    device_profile: str | None,
-    device_memory: float | None,
-    verbose: int,
-    quiet: bool,
-) -> None:
+@_guard
+def compile_command(model: str, do_run: bool, verbose: int, quiet: bool, **flags: Any) -> None:
     """Compile MODEL.py into per-rank execution plans and dump the IR of every pass."""
     setup_logging(verbose, quiet)
-    from contextlib import ExitStack
+    from dataclasses import fields
 
-    from pcompile.backends.placement import pin_parent_to_cpu
-    from pcompile.ir.errors import PcompileError
-    from pcompile.tools.compile import compile as compile_model
+    from pcompile.tools.command import CheckOptions, compile_check_run
+    from pcompile.tools.run import RunOptions
 
     _check_run_flags(do_run)
-    overrides: dict[str, Any] = {}
-    strategy = _parse_dataset_strategy(dataset_strategy)
-    if strategy is not None:
-        overrides["dataset_strategy"] = strategy
-    if pipeline_stages is not None:
-        overrides["pipeline_stages"] = pipeline_stages
-    if device_profile is not None:
-        overrides["device_profile"] = device_profile
-    if device_memory is not None:
-        overrides["device_memory_capacity"] = device_memory
-    run_options = {"checkpoint_every": checkpoint_every, "resume": resume,
-                   "processes": processes, "timeout": timeout,
-                   "startup_timeout": startup_timeout, "heartbeat_timeout": heartbeat_timeout,
-                   "fail_on_nan": fail_on_nan, "steps": steps, "backend": backend,
-                   "print_every": print_every, "quiet": quiet, "platform": platform,
-                   "matmul_precision": matmul_precision, "log_every": log_every,
-                   "tensorboard": os.path.abspath(tensorboard) if tensorboard else None,
-                   "keep_checkpoint_max": keep_checkpoint_max, "profile_steps": profile_steps,
-                   "profile_dir": os.path.abspath(profile_dir) if profile_dir else None}
-    try:
-        # The rank processes own the accelerators: compiling and checking here use the CPU.
-        pin_parent_to_cpu()
-        with ExitStack() as held:
-            if out_dir is not None:
-                from pcompile.compiler.outdir import resolve
-
-                resolve(out_dir)  # an unusable --out fails before the compile
-            if do_run and tensorboard:
-                _check_tensorboard(os.path.abspath(tensorboard))
-            if do_run:
-                _refuse_under_a_launcher()
-
-            def before_write(state: Any, out: str | None) -> None:
-                if do_run:
-                    _check_run(state, out, run_options, held)
-
-            start = time.perf_counter()
-            program = compile_model(
-                model,
-                devices=devices,
-                parallel_mode=parallel_mode,
-                search_mode=search,
-                out_dir=out_dir,
-                overrides=overrides,
-                dump_ranks=dump_ranks,
-                before_write=before_write,
-                on_event=CompileProgress(start),
-                save_graphs=save_graphs,
-            )
-            elapsed = time.perf_counter() - start
-            _summary(program, elapsed, quiet)
-            if check and check_shrunk is not None:
-                _check_shrunk(program, check_shrunk or None)
-            elif check and _check_affordable(program, force_check):
-                log.info("checking one step against the single-device program ...")
-                _check_backends(program)
-            elif check:
-                _check_shrunk(program, None, automatic=True)
-            if do_run:
-                _train(program, steps, backend, run_options)
-    except PcompileError as exc:
-        _fail(str(exc))
-    except OSError as exc:  # the file system refused: say which file and why
-        where = f" {exc.filename}" if exc.filename else ""
-        _fail(f"cannot access{where}: {exc.strerror or exc}")
-    except (ValueError, TypeError, KeyError) as exc:
-        # Option validation (set_auto_parallel_context and friends) raises these by contract.
-        if _from_options(exc):
-            _fail(f"invalid option: {exc}")
-        raise
+    overrides = {key: value for key, value in (
+        ("dataset_strategy", _parse_dataset_strategy(flags["dataset_strategy"])),
+        ("pipeline_stages", flags["pipeline_stages"]), ("device_profile", flags["device_profile"]),
+        ("device_memory_capacity", flags["device_memory"])) if value is not None}
+    paths = {key: os.path.abspath(flags[key]) if flags[key] else None
+             for key in ("tensorboard", "profile_dir")}
+    run = RunOptions(**{**{f.name: flags[f.name] for f in fields(RunOptions) if f.name in flags},
+                        **paths})
+    compile_args = {"devices": flags["devices"], "parallel_mode": flags["parallel_mode"],
+                    "search_mode": flags["search"], "out_dir": flags["out_dir"],
+                    "overrides": overrides, "dump_ranks": flags["dump_ranks"],
+                    "save_graphs": flags["save_graphs"]}
+    check = CheckOptions(flags["check"], flags["check_shrunk"], flags["force_check"])
+    code = compile_check_run(model, compile_args, check, run if do_run else None, quiet=quiet,
+                             echo=click.echo)
+    if code:
+        sys.exit(code)
 
 
 RUN_ONLY = ("steps", "checkpoint_every", "resume", "processes", "startup_timeout", "timeout",
@@ -335,21 +260,6 @@ def _step_range(value: str | None, param: Any) -> str | None:
     return f"{start}..{stop}"
 
 
-def _rank_flags(options: dict[str, Any]) -> list[str]:
-    """The rank programs' options that --run passes through (backends/jax/rank_process.py)."""
-    flags = ["--matmul-precision", str(options.get("matmul_precision") or "default"),
-             "--log-every", str(int(options.get("log_every") or 1))]
-    if options.get("tensorboard"):
-        flags += ["--tensorboard", str(options["tensorboard"])]
-    if options.get("keep_checkpoint_max"):
-        flags += ["--keep-checkpoint-max", str(int(options["keep_checkpoint_max"]))]
-    if options.get("profile_steps"):
-        flags += ["--profile-steps", str(options["profile_steps"])]
-    if options.get("profile_dir"):
-        flags += ["--profile-dir", str(options["profile_dir"])]
-    return flags
-
-
 def _check_run_flags(do_run: bool) -> None:
     """Flags that only mean something with --run are refused without it (exit status 2)."""
     from click.core import ParameterSource
@@ -363,92 +273,6 @@ def _check_run_flags(do_run: bool) -> None:
                                " with --run; add --run (or drop them)")
 
 
-def _refuse_under_a_launcher() -> None:
-    """`pcompile --run` starts every rank itself: inside a job of several processes (torchrun,
-    msrun, mpirun, srun, ...) each process would run all of them."""
-    from pcompile.backends.cluster import IdentityError, resolve_identity
-
-    try:
-        identity = resolve_identity(None, None, None, dict(os.environ))
-    except IdentityError as exc:
-        _fail(f"pcompile --run starts its own rank processes, and this environment describes "
-              f"a multi-process job it cannot use: {exc}")
-        return
-    if identity.num_processes > 1 or identity.scheduler:
-        n = identity.num_processes
-        _fail(f"pcompile --run starts its own rank processes, but this process is one of "
-              f"{n} started by {identity.source}: together they would run {n} times every "
-              "rank. Compile once (pcompile MODEL.py --out DIR ...), then start the rank "
-              "programs with your launcher, e.g. `torchrun --nproc-per-node "
-              f"{n} DIR/rank_0/program.py --steps N` (docs/running.md, 'Without the "
-              "launcher')")
-
-
-def _launched(program_state: Any, options: dict[str, Any]) -> bool:
-    """Whether --run starts rank processes (else it runs in this process, on CPU)."""
-    return bool(program_state.parallel or options.get("checkpoint_every")
-                or options.get("resume") or options.get("resolved_platform") == "gpu"
-                or options.get("tensorboard") or options.get("profile_steps"))
-
-
-def _check_run(state: Any, out_dir: str | None, options: dict[str, Any], held: Any) -> None:
-    """--run's options against the compiled program, before anything is written; takes the
-    lock of --out for the rest of the command."""
-    from pcompile.backends.checkpoint import resume_point
-    from pcompile.backends.placement import assign_devices, resolve_platform
-    from pcompile.compiler.outdir import out_lock
-    from pcompile.ir.errors import PcompileError
-
-    if options["backend"] == "jax":
-        platform, gpus = resolve_platform(options.get("platform") or "auto")
-        options["resolved_platform"], options["gpus"] = platform, gpus
-        if platform == "gpu":  # too few GPUs: refused before anything is written or started
-            assign_devices(options.get("processes") or state.devices, state.devices, gpus)
-    launched = _launched(state, options) and options["backend"] == "jax"
-    if (options.get("resume") or options.get("checkpoint_every")
-            or options.get("tensorboard") or options.get("profile_steps")) and not launched:
-        raise PcompileError("--resume, --checkpoint-every, --tensorboard and --profile-steps "
-                            "need the JAX rank programs; drop --backend numpy")
-    n = state.devices
-    procs = options.get("processes")
-    if procs and launched and n % procs:
-        divisors = [d for d in range(1, n + 1) if n % d == 0]
-        raise PcompileError(f"--processes {procs} cannot share {n} ranks evenly; choose one of "
-                            f"{', '.join(map(str, divisors))}")
-    if out_dir is None:
-        if launched:
-            raise PcompileError("--run on JAX needs the rank programs: do not disable dumps")
-        return
-    held.enter_context(out_lock(out_dir))
-    if options.get("resume"):
-        folder = os.path.join(out_dir, "checkpoints")
-        point = resume_point(folder, n)
-        if point.step is None:
-            why = "".join(f"\n  {line}" for line in point.skipped)
-            raise PcompileError(f"--resume: no step has an intact checkpoint of every rank in "
-                                f"{folder}{why or ' (there is none)'}; run without --resume to "
-                                "start afresh")
-        if point.step > options["steps"]:
-            raise PcompileError(f"--resume: the checkpoint is at step {point.step}, beyond "
-                                f"--steps {options['steps']}; ask for at least {point.step} "
-                                "steps")
-        options["resume_step"] = point.step
-
-
-def _check_tensorboard(folder: str) -> None:
-    """--tensorboard DIR, before the compile: tensorboardX installed, DIR a folder rank 0 can
-    create or write in (else one message now, not a rank's traceback after start-up)."""
-    import importlib.util
-
-    from pcompile.backends.run_report import TENSORBOARD_MISSING
-    from pcompile.compiler.outdir import check_writable_folder
-    from pcompile.ir.errors import PcompileError
-
-    check_writable_folder(folder, "--tensorboard")
-    if importlib.util.find_spec("tensorboardX") is None:
-        raise PcompileError(TENSORBOARD_MISSING)
-
-
 def _from_options(exc: BaseException) -> bool:
     tb = exc.__traceback__
     while tb is not None:
@@ -460,443 +284,7 @@ def _from_options(exc: BaseException) -> bool:
     return False
 
 
-def _summary(program: Any, elapsed: float, quiet: bool = False) -> None:
-    state = program.state
-    graph = program.graph
-    click.echo(
-        f"compiled {state.model_file.path}: {state.parallel_mode}, {state.devices} device(s), "
-        f"{'training step' if program.training else 'inference'}; {len(graph.nodes)} nodes, "
-        f"{len(graph.params)} parameters, {elapsed:.3f} s"
-    )
-    for line in (state.plan.get("search") or {}).get("warnings", []):
-        click.echo(f"warning: {line}", err=True)
-    prediction = state.plan.get("prediction")
-    if prediction and not prediction["fits"]:
-        click.echo(f"warning: {prediction['advice']}", err=True)
-    if quiet:
-        return
-    if prediction:
-        from pcompile.compiler.plan import megatron_minimum
-        from pcompile.compiler.render import prediction_text
-
-        # the advice was printed above, as a warning
-        for text, _style in prediction_text({**prediction, "advice": None}, state.plan.get(
-                "search"), megatron_minimum(state)):
-            click.echo(text)
-    if state.pipelined:
-        click.echo(state.pipeline.program.schedule.text())
-    for name, seconds in program.timings:
-        click.echo(f"  pass {name:<24} {seconds * 1000:8.1f} ms")
-    if program.out_dir:
-        ranks = state.dump_ranks
-        if ranks:
-            which = ("every rank" if len(ranks) == state.devices and state.devices > 1
-                     else "rank " + ", ".join(map(str, ranks)) if len(ranks) <= 8
-                     else f"{len(ranks)} ranks")
-            first = os.path.join(program.out_dir, f"rank_{ranks[0]}")
-            click.echo(f"dumps ({which}): {first}/*.ir, plan: "
-                       f"{os.path.join(program.out_dir, 'plan.json')}")
-        else:
-            click.echo(f"dumps: none (--dump-ranks none); plan: "
-                       f"{os.path.join(program.out_dir, 'plan.json')}")
-
-
-def _check_affordable(program: Any, force: bool) -> bool:
-    """The check's rule: it runs when it holds at most CHECK_BUDGET_BYTES (or when forced)."""
-    from pcompile.tools.oracle import CHECK_BUDGET_BYTES, check_cost
-
-    cost = check_cost(program)
-    if force or cost <= CHECK_BUDGET_BYTES:
-        return True
-    click.echo(
-        f"note: check skipped: simulating the {program.state.devices} rank(s) and the "
-        f"single-device program in float64 would hold about {cost / 2**30:.1f} GB (pcompile "
-        f"checks plans that take at most {CHECK_BUDGET_BYTES / 2**30:.0f} GB); --force-check "
-        "runs it anyway; the same plan is checked on a shrunk copy of the model instead "
-        "(--check-shrunk FACTOR chooses how much it shrinks)")
-    return False
-
-
-def _check_shrunk(program: Any, factor: int | None, automatic: bool = False) -> None:
-    """The plan checked on a shrunk copy of the model (tools/shrink.py): same graph and
-    strategies, dims divided by up to `factor` (None: the smallest factor within the budget).
-    `automatic` (the full-size check was over budget): a model the copy cannot be made of is
-    a note, not an error."""
-    from pcompile.ir.errors import PcompileError
-    from pcompile.tools.shrink import choose_shrink, compile_shrunk, describe
-
-    if not program.state.parallel:
-        message = ("the shrunk check checks parallel plans; this program runs on one device "
-                   "(--force-check runs the full-size check)")
-        if automatic:
-            click.echo(f"note: {message}")
-            return
-        raise PcompileError(f"--check-shrunk: {message}")
-    try:
-        shrink = choose_shrink(program, factor)
-    except PcompileError as exc:
-        if automatic:
-            click.echo(f"warning: this plan was NOT checked against the single-device program:"
-                       f" the full-size check is over budget and no shrunk copy can be made "
-                       f"({exc}); --force-check runs the full-size check", err=True)
-            return
-        raise
-    click.echo(f"shrunk check: {describe(shrink)}")
-    log.info("checking one step of the shrunk copy against its single-device program ...")
-    _check_oracle(compile_shrunk(program, shrink))
-
-
-def _check_backends(program: Any) -> None:
-    """One device: the numpy interpreter against the JAX lowering, both in float64 and JAX at
-    matmul precision `highest` (so the check does not depend on the float32 matmul precision
-    of a device, e.g. TF32; this process computes on the CPU anyway)."""
-    import numpy as np
-
-    from pcompile.compiler.runtime import batches
-    from pcompile.ir.errors import PcompileError
-    from pcompile.tools.oracle import (
-        FLOAT64_RTOL,
-        OracleReport,
-        inconclusive_message,
-        nonfinite_input_note,
-        note_nonfinite,
-        relative_error,
-    )
-    from pcompile.tools.runners import StandAloneRunner
-
-    if program.state.parallel:
-        _check_oracle(program)
-        return
-
-    _, _, arrays = next(batches(program, 1))
-    results = {}
-    with np.errstate(all="ignore"):  # non-finite results are reported below, not warned about
-        for backend in ("numpy", "jax"):
-            runner = StandAloneRunner(program, backend, float64=True)
-            results[backend] = runner.run(arrays)
-    if program.training:
-        ln, lj = float(results["numpy"][0]), float(results["jax"][0])
-        click.echo(f"first step loss (float64): numpy {ln!r}, jax {lj!r}")
-    finite = OracleReport(float64=True)
-    note_nonfinite(finite, [(f"input {p.name}", a) for p, a in zip(program.graph.inputs, arrays)],
-                   [(name, a) for name, a in zip(program.output_names, results["numpy"])])
-    inconclusive = inconclusive_message(finite, "the numpy interpreter")
-    if inconclusive is not None:
-        raise PcompileError(inconclusive)
-    for i, (a, b) in enumerate(zip(results["numpy"], results["jax"])):
-        err = relative_error(b, a)
-        if err > FLOAT64_RTOL:
-            raise PcompileError(
-                f"check failed: the JAX lowering and the numpy interpreter disagree on output "
-                f"{program.output_names[i]} by {err:.3g} relative to its scale (both in "
-                f"float64; they agree within {FLOAT64_RTOL:.2g} when the lowering is right); "
-                "please report it with the model file; --no-check skips this check"
-            )
-    if not program.training:
-        shapes = ", ".join(str(tuple(o.shape)) for o in results["numpy"])
-        click.echo(f"inference outputs {shapes}: numpy and jax agree (float64)")
-    note = nonfinite_input_note(finite)
-    if note is not None:
-        click.echo(note)
-
-
-def _check_oracle(program: Any) -> None:
-    """Parallel programs: all ranks on the numpy simulator against the single-device model,
-    both evaluated in float64 (tools/oracle.py derives the bound)."""
-    from pcompile.ir.errors import PcompileError
-    from pcompile.tools.oracle import check, inconclusive_message, nonfinite_input_note
-
-    report = check(program, steps=1)
-    state = program.state
-    bound = report.bound
-    if program.training:
-        (par, one), = report.losses
-        click.echo(f"first step loss (float64): {state.devices} ranks (numpy simulator) {par!r}, "
-                   f"single device {one!r}")
-    inconclusive = inconclusive_message(report)
-    if inconclusive is not None:  # NaN matched NaN: no verdict either way
-        raise PcompileError(inconclusive)
-        if abs(par - one) > bound * max(1.0, abs(one)):
-            raise PcompileError(
-                f"check failed: the first-step loss of the {state.devices}-rank plan is {par!r}, "
-                f"the single-device program's {one!r} (both in float64; a correct plan agrees "
-                f"within {bound:.2g} relative). The plan does not compute what the model "
-                "computes: please report it with the model file; --no-check skips this check"
-            )
-    name, err = report.worst
-    click.echo(f"parallel plan vs single device (float64): worst relative error {err:.2e} "
-               f"({name or 'none'}; bound {bound:.2g})")
-    if not report.ok():
-        raise PcompileError(
-            f"check failed: {name} of the {state.devices}-rank plan differs from the "
-            f"single-device program by {err:.3g} relative to its scale (both evaluated in "
-            f"float64; a correct plan agrees within {bound:.2g}). The plan does not compute "
-            "what the model computes: please report it with the model file; --no-check skips "
-            "this check"
-        )
-    note = nonfinite_input_note(report)
-    if note is not None:
-        click.echo(note)
-    if program.training:
-        _low_precision_report(program)
-
-
-def _low_precision_report(program: Any) -> None:
-    """A model that computes in float16/bfloat16: the plan was checked in float64 above; here
-    the first-step loss of the plan and of the single-device program, both in the model's own
-    dtypes, against what the dtype's rounding explains (eps x the longest reduction)."""
-    from pcompile.tools.oracle import check, low_precision_bound
-
-    dtype, bound = low_precision_bound(program)
-    if dtype is None:
-        return
-    report = check(program, steps=1, float64=False)
-    (par, one), = report.losses
-    diff = abs(par - one) / max(1.0, abs(one))
-    verdict = "within" if diff <= bound else "beyond (accumulated rounding; the plan is right)"
-    click.echo(f"{dtype} compute: first-step loss {program.state.devices} ranks {par!r}, single "
-               f"device {one!r}: relative difference {diff:.2e}, {verdict} the worst case "
-               f"{dtype} rounding explains ({bound:.2g})")
-
-
-def _train(program: Any, steps: int, backend: str,
-           options: dict[str, Any] | None = None) -> None:
-    options = options or {}
-    rank_program = _one_rank_program(program, backend, options)
-    if rank_program is not None:
-        _train_rank_here(program, rank_program, steps, options)
-        return
-    if _launched(program.state, options) and backend == "jax":
-        _launch(program, steps, options)
-        return
-    monitor = run_monitor(steps, int(options.get("print_every") or 1), click.echo)
-    try:
-        _train_here(program, steps, backend, options, monitor)
-    finally:
-        monitor.close()
-
-
-def _one_rank_program(program: Any, backend: str, options: dict[str, Any]) -> str | None:
-    """The generated `DIR/program.py` that trains a one-device plan on JAX's CPU in this
-    process (None: inference, the numpy backend, a parallel plan, a GPU, or no rank program
-    written)."""
-    if backend != "jax" or not program.training or program.state.parallel:
-        return None
-    if options.get("resolved_platform") == "gpu":  # the GPU belongs to a rank process
-        return None
-    if not program.out_dir or getattr(program.state, "pipelined", False):
-        return None
-    path = os.path.join(program.out_dir, "program.py")
-    return path if os.path.isfile(path) else None
-
-
-def _train_rank_here(program: Any, path: str, steps: int, options: dict[str, Any]) -> None:
-    """--run on one device: the rank program trains in this process (backends/jax/
-    in_process.py), writing what a launched run writes: train.log, metrics.jsonl, the
-    checkpoints (at the end, every --checkpoint-every), the time to first step and the
-    summary; --resume, --tensorboard and --profile-steps as the rank program takes them."""
-    from pcompile.backends.jax.in_process import RankRunError, run_in_process
-
-    argv = ["--steps", str(steps), "--platform", "cpu", *_rank_flags(options),
-            "--fail-on-nan" if options.get("fail_on_nan", True) else "--no-fail-on-nan"]
-    if options.get("checkpoint_every"):
-        argv += ["--checkpoint-every", str(int(options["checkpoint_every"]))]
-    if options.get("resume"):
-        argv += ["--resume"]  # the program picks the newest intact step of its own plan
-    monitor = run_monitor(steps, int(options.get("print_every") or 1), click.echo,
-                          done=int(options.get("resume_step") or 0))
-    start = time.perf_counter()
-    try:
-        trained = run_in_process(path, argv, monitor)
-    except RankRunError as exc:
-        monitor.close()
-        _fail(str(exc))
-        return
-    finally:
-        monitor.close()
-    done = int(options.get("resume_step") or 0) if options.get("resume") else 0
-    text = f"{trained - done} step{'s' if trained - done != 1 else ''}"
-    if done:
-        text += f" (steps {done + 1}..{trained}, resumed from step {done})"
-    click.echo(f"{text} in "
-               f"{time.perf_counter() - start:.2f} s on jax (1 device, in this process); log: "
-               f"{os.path.join(program.out_dir, 'rank_0', 'train.log')}; checkpoints: "
-               f"{os.path.join(program.out_dir, 'checkpoints')}")
-
-
-def _train_here(program: Any, steps: int, backend: str, options: dict[str, Any],
-                monitor: Any) -> None:
-    """--run in this process: the numpy simulator, or one device on JAX."""
-    from pcompile.backends.progress import ReadBack, format_loss_line
-    from pcompile.compiler.runtime import batches
-    from pcompile.tools.runners import StandAloneRunner
-
-    fail_on_nan = bool(options.get("fail_on_nan", True))
-    if program.state.parallel:
-        _train_simulated(program, steps, fail_on_nan, monitor)
-        return
-    runner = StandAloneRunner(program, backend,
-                              matmul_precision=options.get("matmul_precision") or None)
-    if not program.training:
-        _, _, arrays = next(batches(program, 1))
-        outs = runner.run(arrays)
-        click.echo("inference: " + ", ".join(f"{n} {tuple(o.shape)}" for n, o in
-                                               zip(program.output_names, outs)))
-        return
-    lines: list[str] = []
-    start = time.perf_counter()
-
-    class NonFiniteLossError(Exception):
-        """A non-finite loss (its message) ends the loop."""
-
-    def read(ready: list[tuple[int, int, int, Any]], last: bool) -> None:
-        for k, epoch, step, loss in ready:
-            value = float(loss)
-            line = format_loss_line(epoch, step, value)
-            lines.append(line)
-            monitor(line)
-            if fail_on_nan and not math.isfinite(value):
-                raise NonFiniteLossError(_nonfinite(value, k + 1, epoch, step))
-
-    # losses still on the device: each --log-every group is read back (one wait) once the step
-    # after it is on its way, and the rest at the end
-    pending = ReadBack(int(options.get("log_every") or 1), read)
-    bad = None
-    try:
-        for k, (epoch, step, arrays) in enumerate(batches(program, steps)):
-            pending.dispatched((k, epoch, step, runner.step_async(arrays)), k + 1)
-        pending.flush(last=True)
-    except NonFiniteLossError as exc:
-        bad = str(exc)
-    elapsed = time.perf_counter() - start
-    monitor.close()  # the bar's last state, then the summary under it
-    log = _write_logs(program, lines, 1)
-    if bad:
-        _fail(bad)
-    if log:
-        click.echo(f"{steps} steps in {elapsed:.2f} s on {backend}; log: {log}")
-
-
-def _launch(program: Any, steps: int, options: dict[str, Any]) -> None:
-    """Train with the generated rank programs, one process per rank (backends/launcher.py)."""
-    from pcompile.backends.launcher import LaunchError, launch
-
-    if not program.out_dir:
-        _fail("--run on JAX needs the rank programs: do not disable dumps")
-    n = program.state.devices
-    procs = options.get("processes") or n
-    where = ("one GPU per rank" if options.get("resolved_platform") == "gpu"
-             else "CPU devices")
-    click.echo(f"launching {procs} process(es) for {n} rank(s) on {where}: {program.out_dir}/"
-               "rank_*/program.py (logs: rank_*/run.log)")
-    start = time.perf_counter()
-    monitor = run_monitor(steps, int(options.get("print_every") or 1), click.echo,
-                          done=int(options.get("resume_step") or 0))
-    try:
-        result = launch(program.out_dir, steps=steps, processes=procs,
-                        checkpoint_every=int(options.get("checkpoint_every") or 0),
-                        resume=bool(options.get("resume")),
-                        timeout=float(options.get("timeout") or 300.0),
-                        startup_timeout=float(options.get("startup_timeout") or 600.0),
-                        heartbeat_timeout=float(options.get("heartbeat_timeout") or 30.0),
-                        fail_on_nan=bool(options.get("fail_on_nan", True)),
-                        echo=monitor,
-                        platform=str(options.get("resolved_platform") or "cpu"),
-                        gpus=int(options.get("gpus") or 0),
-                        extra_args=_rank_flags(options))
-    except LaunchError as exc:
-        monitor.close()
-        _fail(str(exc))
-        return
-    finally:
-        monitor.close()
-    if result.code != 0:
-        sys.exit(result.code)
-    if not program.training:
-        click.echo(f"inference on {n} rank(s) in {time.perf_counter() - start:.2f} s (JAX, "
-                   f"{procs} process(es)); outputs: {program.out_dir}/rank_*/outputs.npz")
-        return
-    log = os.path.join(program.out_dir, "rank_0", "train.log")
-    trained = result.trained
-    steps_text = f"{trained} step{'s' if trained != 1 else ''}"
-    if result.resumed_from:
-        steps_text += (f" (steps {result.resumed_from + 1}..{len(result.losses)}, resumed "
-                       f"from step {result.resumed_from})")
-    click.echo(f"{steps_text} on {n} rank(s) in {time.perf_counter() - start:.2f} "
-               f"s (JAX, {procs} process(es)); every rank reports the same loss; log: {log}; "
-               f"checkpoints: {os.path.join(program.out_dir, 'checkpoints')}")
-
-
-def _nonfinite(loss: float, step_no: int, epoch: int, in_epoch: int) -> str:
-    return (f"the loss is {loss} at step {step_no} (epoch {epoch}, step {in_epoch}); stopped "
-            "(--no-fail-on-nan trains on)")
-
-
-def _write_logs(program: Any, lines: list[str], ranks: int) -> str | None:
-    """Every rank's train.log (run outputs: kept across recompiles); rank 0's path."""
-    if not program.out_dir:
-        return None
-    from pcompile.backends.checkpoint import atomic_write_text
-
-    for r in range(ranks):
-        atomic_write_text(os.path.join(program.out_dir, f"rank_{r}", "train.log"),
-                          "\n".join(lines) + "\n" if lines else "")
-    return os.path.join(program.out_dir, "rank_0", "train.log")
-
-
-def _train_simulated(program: Any, steps: int, fail_on_nan: bool = True,
-                     monitor: Any = None) -> None:
-    """--backend numpy for a parallel plan: every rank on the numpy simulator, one process."""
-    from pcompile.backends.progress import format_loss_line
-    from pcompile.compiler.runtime import batches
-    from pcompile.tools.oracle import single_device
-    from pcompile.tools.runners import ParallelRunner
-
-    runner = ParallelRunner(program)
-    data = program if program.state.parallel_mode != "data_parallel" else single_device(program)
-    if not program.training:
-        _, _, arrays = next(batches(data, 1))
-        outs = runner.run(arrays)
-        click.echo("inference (rank 0): " + ", ".join(
-            f"{n} {tuple(o.shape)}" for n, o in zip(program.output_names, outs[0])))
-        return
-    lines: list[str] = []
-    bad = None
-    for k, (epoch, step, arrays) in enumerate(batches(data, steps)):
-        loss = runner.step(arrays)
-        lines.append(format_loss_line(epoch, step, loss))
-        (monitor or click.echo)(lines[-1])
-        if fail_on_nan and not math.isfinite(float(loss)):
-            bad = _nonfinite(float(loss), k + 1, epoch, step)
-            break
-    if monitor is not None:
-        monitor.close()
-    if _write_logs(program, lines, program.state.devices):
-        click.echo(f"{len(lines)} steps on the numpy simulator; logs: "
-                   f"{program.out_dir}/rank_*/train.log")
-    if bad:
-        _fail(bad)
-
-
 # -- show and diff --------------------------------------------------------------------------------
-
-
-def _guard(function: Any) -> Any:
-    """PcompileError (plan.json refused, rank not dumped, ...) -> one message, exit 1."""
-    import functools
-
-    @functools.wraps(function)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        from pcompile.ir.errors import PcompileError
-
-        try:
-            return function(*args, **kwargs)
-        except PcompileError as exc:
-            _fail(str(exc))
-        except OSError as exc:
-            where = f" {exc.filename}" if exc.filename else ""
-            _fail(f"cannot access{where}: {exc.strerror or exc}")
-    return run
 
 
 @main.command("show", context_settings=CONTEXT)

@@ -149,7 +149,7 @@ def test_a_loss_is_read_back_once_the_next_step_runs(monkeypatch, every: int,
     """`pcompile --run` on one device: each --log-every group of losses is read back after
     the step that follows it has been handed to the device (the device never waits for the
     host between steps), the last ones at the end; every loss is still logged, in order."""
-    from pcompile import cli
+    from pcompile.tools.run import RunOptions, train_here
 
     program = compile_model(os.path.join(EXAMPLES, "quickstart.py"), devices=1, dump=False)
     events: list[str] = []
@@ -177,7 +177,7 @@ def test_a_loss_is_read_back_once_the_next_step_runs(monkeypatch, every: int,
             pass
 
     logged = Monitor()
-    cli._train_here(program, STEPS, "jax", {"log_every": every}, logged)
+    train_here(program, RunOptions(steps=STEPS, log_every=every), logged, print)
     assert events == order
     monkeypatch.undo()
     from pcompile.backends.progress import format_loss_line
