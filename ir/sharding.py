@@ -29,11 +29,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from math import gcd, prod
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pcompile.ir.layout import MapEntry, TensorLayout
 from pcompile.ir.registry import Trait, find_op, has_trait
 from pcompile.ir.types import TensorType, TupleType, ValueType
+
+if TYPE_CHECKING:
+    from pcompile.ir.builder import Builder
+    from pcompile.ir.core import Constant, Node, ParallelInfo, Value
+    from pcompile.ir.rank import RankValue
 
 Strategy = tuple[tuple[int, ...], ...]
 
@@ -58,6 +63,43 @@ class ForwardComm:
     divisor: int = 1
 
 
+class LocalLowering(Protocol):
+    """What an op's `Expansion` may ask of the pass that writes one rank's program
+    (`passes/step_parallel.py::RankBuilder`): a value that differs by rank, as a constant
+    operand (`rank_constant`) or as an attribute (`rank_value`)."""
+
+    def rank_constant(self, data: RankValue, dtype: Any) -> Constant: ...
+
+    def rank_value(self, value: RankValue) -> Any: ...
+
+
+class Expansion:
+    """How a sharded op is written into a rank's program where the op itself on the local
+    slices would compute something else (a table split on its rows, a split normalised dim,
+    a split query sequence, ...). An op's rule sets an instance, made in the op's block, as the
+    `expand` of the `OpSharding` it returns; step_parallel calls its hooks in order. Each
+    default leaves the op as it is."""
+
+    def operands(self, lower: LocalLowering, node: Node, b: Builder, operands: list[Value],
+                 sharding: OpSharding) -> list[Value]:
+        """The local operands (after their redistributions), before the op is emitted."""
+        return operands
+
+    def attrs(self, lower: LocalLowering, node: Node, sharding: OpSharding) -> dict[str, Any]:
+        """Attributes of the local op added to the rule's `local_attrs`."""
+        return {}
+
+    def emit(self, lower: LocalLowering, node: Node, b: Builder, operands: list[Value],
+             attrs: dict[str, Any], info: ParallelInfo, sharding: OpSharding) -> Value | None:
+        """Local ops emitted instead of the op (None: the op itself); the sharding's forward
+        collectives follow them."""
+        return None
+
+    def finish(self, node: Node, b: Builder, out: Value, attrs: dict[str, Any]) -> Value:
+        """Local ops after the forward collectives (and an output's mirror)."""
+        return out
+
+
 @dataclass
 class OpSharding:
     """Everything a strategy implies for one op."""
@@ -68,7 +110,7 @@ class OpSharding:
     out_layouts: list[TensorLayout]
     forward: list[ForwardComm] = field(default_factory=list)
     local_attrs: dict[str, Any] = field(default_factory=dict)
-    expand: str = ""  # name of a local expansion (e.g. "masked_gather") instead of the op
+    expand: Expansion | None = None  # a local expansion instead of the op (its block's)
     # MindSpore's OperatorInfo tensor maps on `dev_matrix` (inputs, outputs): every dim maps to
     # its label's axis, split or not (Gather ((1, 2), (4,)): ((1, 0), (2)) on (4, 1, 2)); None
     # where the rule derives no labels (then the layouts' maps are MindSpore's)
@@ -429,16 +471,19 @@ class LabelRule:
         return True
 
     def default_strategy(self, ctx: OpContext) -> Strategy:
-        """MindSpore's semi-auto default: split dim 0 of the first input (and every dim that
-        shares its label) by gcd(size, devices); everything else 1."""
+        """MindSpore's semi-auto default: split dim 0 of the first input that has dims (and
+        every dim that shares its label) by gcd(size, devices); everything else 1. A scalar
+        input has no dim to split (MindSpore's batch strategy is empty for it): `ops.mul(2.5,
+        x)` splits x's batch as `ops.mul(x, 2.5)` does."""
         labels = self.labels(ctx)
         ones = tuple(tuple(1 for _ in t.shape) for t in ctx.in_types)
-        if not ctx.in_types or not ctx.in_types[0].rank:
+        ranked = next((i for i, t in enumerate(ctx.in_types) if t.rank), None)
+        if ranked is None:
             return ones
-        first = labels.inputs[0][0]
+        first = labels.inputs[ranked][0]
         if first in labels.unsplittable:
             return ones
-        count = gcd(ctx.in_types[0].shape[0], ctx.devices)
+        count = gcd(ctx.in_types[ranked].shape[0], ctx.devices)
         if is_power_of_two(ctx.devices):
             while not is_power_of_two(count):
                 count -= 1

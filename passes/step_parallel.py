@@ -45,15 +45,13 @@ from pcompile.ir.rank import (
     GroupName,
     RankGroup,
     RankId,
-    RankScalar,
     RankValue,
     SlicedArray,
-    layout_offsets,
     resolve,
 )
 from pcompile.ir.registry import Trait, get_op, has_trait
 from pcompile.ir.sharding import OpSharding
-from pcompile.ir.types import DType, TensorType
+from pcompile.ir.types import TensorType
 from pcompile.passes.comm_info import collective_bytes
 from pcompile.passes.cotangents import (
     REPLICATED_COTANGENT,
@@ -439,25 +437,20 @@ class RankBuilder:
         old = node.parallel or ParallelInfo()
         info = ParallelInfo(in_strategy=sharding.strategy, out_strategy=old.out_strategy,
                             in_layout=old.in_layout, out_layout=old.out_layout)
-        if sharding.expand == "offset_one_hot":
-            operands = [self.one_hot_local_indices(node, b, operands[0], sharding)]
-        if sharding.expand == "attention_query_split":
-            attrs.update(self.attention_query_window(node, sharding))
-        if sharding.expand == "global_offsets":  # Dropout: where this rank's block begins
-            operands[2] = self.rank_constant(layout_offsets(sharding.in_layouts[0]),
-                                             DType.int32)
-        if sharding.expand == "masked_gather":
-            out = self.masked_gather(node, b, operands, sharding)
-        elif sharding.expand == "lp_norm_partial":
-            out = self.lp_norm_partial(node, b, operands[0], attrs, info)
-        else:
-            out = b.emit(node.op, operands, attrs, instance_name=node.instance_name,
-                         name_hint=node.result.name_hint, parallel=info, user_attrs=user)
+        expand = sharding.expand  # the op block's local expansion, if its rule set one
+        expanded = None
+        if expand is not None:
+            operands = expand.operands(self, node, b, operands, sharding)
+            attrs.update(expand.attrs(self, node, sharding))
+            expanded = expand.emit(self, node, b, operands, attrs, info, sharding)
+        out = expanded if expanded is not None else b.emit(
+            node.op, operands, attrs, instance_name=node.instance_name,
+            name_hint=node.result.name_hint, parallel=info, user_attrs=user)
         out = self.forward_comm(node, b, out, sharding)
         if id(node) in self.reductions.outputs:
             out = self.output_mirror(node, b, out, self.reductions.outputs[id(node)])
-        if sharding.expand == "lp_norm_partial":
-            out = self.lp_norm_finish(node, b, out, attrs)
+        if expand is not None:
+            out = expand.finish(node, b, out, attrs)
         layouts: Any = (sharding.out_layouts if len(sharding.out_layouts) > 1
                         or node.op == "Split" else
                         self.scatter.get(id(node), sharding.out_layouts[0]))
@@ -563,101 +556,6 @@ class RankBuilder:
                          instance_name=self.inserted_name(node, "forward_op"),
                          parallel=info, user_attrs=marks or None)
             info.bytes = collective_bytes(kind, partial.type, out.type, len(group))
-        return out
-
-    def masked_gather(self, node: Node, b: Builder, operands: list[Value],
-                      sharding: OpSharding) -> Value:
-        """Gather from a table split on its rows: look up the rows this rank holds, zero the
-        others; the forward AllReduce then sums the parts."""
-        table, idx = operands
-        layout = sharding.in_layouts[0]
-        rows = table.shape[0]
-        start = self.rank_constant(RankScalar(layout_offsets(layout), 0), idx.dtype)
-        sub = b.emit("Sub", [idx, start])
-        low = b.emit("GreaterEqual", [sub, Constant(np.asarray(0), idx.dtype)])
-        high = b.emit("Less", [sub, Constant(np.asarray(rows), idx.dtype)])
-        mask = b.emit("Mul", [b.emit("Cast", [low], {"dst_type": table.dtype}),
-                              b.emit("Cast", [high], {"dst_type": table.dtype})])
-        clipped = b.emit("Minimum", [b.emit("Maximum", [sub, Constant(np.asarray(0), idx.dtype)]),
-                                     Constant(np.asarray(rows - 1), idx.dtype)])
-        gathered = b.emit("Gather", [table, clipped], {"axis": 0},
-                          instance_name=node.instance_name, name_hint=node.result.name_hint,
-                          parallel=ParallelInfo(in_strategy=sharding.strategy))
-        for _ in range(len(table.shape) - 1):  # the table's other dims (none for a 1-D one)
-            mask = b.emit("ExpandDims", [mask], {"axis": -1})
-        return b.emit("Mul", [gathered, mask])
-
-    def lp_norm_partial(self, node: Node, b: Builder, x: Value, attrs: dict[str, Any],
-                        info: ParallelInfo) -> Value:
-        """LpNorm with a split normalised dim: this rank's sum of |x|**p over its slice (in
-        float32 for 16-bit inputs); the forward AllReduce adds the ranks' sums."""
-        if x.dtype.itemsize < 4:
-            x = b.emit("Cast", [x], {"dst_type": DType.float32})
-        powered = b.emit("Pow", [b.emit("Abs", [x]),
-                                 Constant(np.asarray(float(attrs["p"])), x.dtype)])
-        return b.emit("ReduceSum", [powered],
-                      {"axis": attrs["axis"], "keep_dims": attrs["keep_dims"]},
-                      instance_name=node.instance_name, name_hint=node.result.name_hint,
-                      parallel=ParallelInfo(
-                          in_strategy=info.in_strategy,
-                          reason=f"LpNorm '{node.instance_name}' splits a normalised dim: "
-                                 "each rank sums |x|**p over its slice"))
-
-    def lp_norm_finish(self, node: Node, b: Builder, total: Value,
-                       attrs: dict[str, Any]) -> Value:
-        """The p-th root of the all-reduced sum, floored at epsilon, in the op's dtype. The
-        root is taken of a positive sum only (Select), so that a zero norm gets a zero
-        gradient, not 0 * inf; p > 2 takes exp(log(sum) / p): 1/p is not exact in the
-        tensor's dtype, p is."""
-        p = int(attrs["p"])
-        root = total
-        if p > 1:
-            zero = Constant(np.asarray(0.0), total.dtype)
-            positive = b.emit("Greater", [total, zero])
-            safe = b.emit("Select", [positive, total, Constant(np.asarray(1.0), total.dtype)])
-            if p == 2:
-                root = b.emit("Sqrt", [safe])
-            else:
-                scaled = b.emit("RealDiv", [b.emit("Log", [safe]),
-                                            Constant(np.asarray(float(p)), total.dtype)])
-                root = b.emit("Exp", [scaled])
-            root = b.emit("Select", [positive, root, zero])
-        out = b.emit("Maximum", [root, Constant(np.asarray(float(attrs["epsilon"])),
-                                                total.dtype)])
-        dtype = node.result.dtype
-        return out if out.dtype == dtype else b.emit("Cast", [out], {"dst_type": dtype})
-
-    def one_hot_local_indices(self, node: Node, b: Builder, idx: Value,
-                              sharding: OpSharding) -> Value:
-        """OneHot with a split depth axis: this rank holds classes [start, start + depth) of
-        the output, so it looks up `indices - start` (outside [0, depth): all off_value)."""
-        axis = int(node.attrs["axis"]) % len(sharding.out_layouts[0].shape)
-        start = self.rank_constant(RankScalar(layout_offsets(sharding.out_layouts[0]), axis),
-                                   idx.dtype)
-        return b.emit("Sub", [idx, start],
-                      parallel=ParallelInfo(
-                          reason=f"OneHot '{node.instance_name}': each rank holds a slice "
-                                 "of the classes (its depth axis is split); the indices are "
-                                 "shifted by the first class it holds"))
-
-    def attention_query_window(self, node: Node, sharding: OpSharding) -> dict[str, Any]:
-        """FlashAttentionScore with a split query sequence: this rank's query slice keeps
-        the positions the whole query keeps once its window is moved to the slice."""
-        from pcompile.ir.ops.attention import QueryWindow, attention_dims, query_split_window
-
-        q_layout = sharding.in_layouts[0]
-        dims = attention_dims(q_layout.shape, node.operands[1].shape,
-                              int(node.attrs["head_num"]), str(node.attrs["input_layout"]))
-        length = q_layout.slice_shape[dims.seq_dim]
-        count = dims.q_seq // length
-        if count == 1 or int(node.attrs["sparse_mode"]) == 1:
-            return {}
-        window = {k: int(node.attrs[k]) for k in ("sparse_mode", "pre_tokens", "next_tokens")}
-        start = RankScalar(layout_offsets(q_layout), dims.seq_dim)
-        out = query_split_window(window, dims.q_seq, dims.kv_seq, 0, count)
-        out.update({key: self.rank_value(QueryWindow(tuple(window.items()), dims.q_seq,
-                                                     dims.kv_seq, start, length, key))
-                    for key in ("pre_tokens", "next_tokens")})
         return out
 
     def lower_reshape(self, node: Node) -> None:

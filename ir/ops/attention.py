@@ -59,11 +59,13 @@ from pcompile.ir.ops._define import define, grad_helper
 from pcompile.ir.ops._jax import jax, jnp
 from pcompile.ir.ops._util import is_zero, same_dtype, tensor, tuple_type
 from pcompile.ir.ops.causal_mask import is_causal_mask
-from pcompile.ir.rank import RankScalar, RankValue
+from pcompile.ir.rank import RankScalar, RankValue, layout_offsets
 from pcompile.ir.registry import FLOATS
 from pcompile.ir.sharding import (
+    Expansion,
     LabelRule,
     Labels,
+    LocalLowering,
     OpContext,
     OpSharding,
     Strategy,
@@ -742,6 +744,30 @@ _ATTENTION_ROLES = {
 }
 
 
+class _QuerySplitWindow(Expansion):
+    """FlashAttentionScore with a split query sequence: this rank's query slice keeps the
+    positions the whole query keeps once its window is moved to the slice."""
+
+    def attrs(self, lower: LocalLowering, node: Node, sharding: OpSharding) -> dict[str, Any]:
+        q_layout = sharding.in_layouts[0]
+        dims = attention_dims(q_layout.shape, node.operands[1].shape,
+                              int(node.attrs["head_num"]), str(node.attrs["input_layout"]))
+        length = q_layout.slice_shape[dims.seq_dim]
+        count = dims.q_seq // length
+        if count == 1 or int(node.attrs["sparse_mode"]) == 1:
+            return {}
+        window = {k: int(node.attrs[k]) for k in ("sparse_mode", "pre_tokens", "next_tokens")}
+        start = RankScalar(layout_offsets(q_layout), dims.seq_dim)
+        out = query_split_window(window, dims.q_seq, dims.kv_seq, 0, count)
+        out.update({key: lower.rank_value(QueryWindow(tuple(window.items()), dims.q_seq,
+                                                      dims.kv_seq, start, length, key))
+                    for key in ("pre_tokens", "next_tokens")})
+        return out
+
+
+QUERY_SPLIT_WINDOW = _QuerySplitWindow()
+
+
 class FlashAttentionRule(LabelRule):
     """Labels plus what they cannot say: a split of the hidden size (BSH, SBH) or of the
     heads must keep whole heads on a rank, query and kv alike; the local op sees
@@ -790,7 +816,7 @@ class FlashAttentionRule(LabelRule):
         result = label_sharding(ctx, self.labels(ctx), strategy, out_strategy)
         result.local_attrs["head_num"] = head_num // heads_split
         if strategy[0][dims.seq_dim] > 1:
-            result.expand = "attention_query_split"
+            result.expand = QUERY_SPLIT_WINDOW
         return result
 
 

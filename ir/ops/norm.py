@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from pcompile.ir.builder import Builder
-from pcompile.ir.core import Constant, Node, Value
+from pcompile.ir.core import Constant, Node, ParallelInfo, Value
 from pcompile.ir.dims import DimRule, In, Out, Same
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._define import define, grad_helper
@@ -24,8 +24,10 @@ from pcompile.ir.ops.reduce import reduce_axes
 from pcompile.ir.registry import FLOATS
 from pcompile.ir.sharding import (
     ALPHA,
+    Expansion,
     LabelRule,
     Labels,
+    LocalLowering,
     OpContext,
     OpSharding,
     Strategy,
@@ -273,6 +275,54 @@ def _lp_vjp(b: Builder, node: Node, cot: Value) -> list[Value | None]:
     return [b("Select", live, b("Mul", grad, direction), zero)]
 
 
+class _LpNormPartial(Expansion):
+    """LpNorm with a split normalised dim: each rank sums |x|**p over its slice (in float32
+    for 16-bit inputs), the forward AllReduce adds the ranks' sums, and the p-th root is taken
+    of the total."""
+
+    def emit(self, lower: LocalLowering, node: Node, b: Builder, operands: list[Value],
+             attrs: dict[str, Any], info: ParallelInfo, sharding: OpSharding) -> Value:
+        x = operands[0]
+        if x.dtype.itemsize < 4:
+            x = b.emit("Cast", [x], {"dst_type": DType.float32})
+        powered = b.emit("Pow", [b.emit("Abs", [x]),
+                                 Constant(np.asarray(float(attrs["p"])), x.dtype)])
+        return b.emit("ReduceSum", [powered],
+                      {"axis": attrs["axis"], "keep_dims": attrs["keep_dims"]},
+                      instance_name=node.instance_name, name_hint=node.result.name_hint,
+                      parallel=ParallelInfo(
+                          in_strategy=info.in_strategy,
+                          reason=f"LpNorm '{node.instance_name}' splits a normalised dim: "
+                                 "each rank sums |x|**p over its slice"))
+
+    def finish(self, node: Node, b: Builder, out: Value, attrs: dict[str, Any]) -> Value:
+        """The p-th root of the all-reduced sum, floored at epsilon, in the op's dtype. The
+        root is taken of a positive sum only (Select), so that a zero norm gets a zero
+        gradient, not 0 * inf; p > 2 takes exp(log(sum) / p): 1/p is not exact in the
+        tensor's dtype, p is."""
+        total = out
+        p = int(attrs["p"])
+        root = total
+        if p > 1:
+            zero = Constant(np.asarray(0.0), total.dtype)
+            positive = b.emit("Greater", [total, zero])
+            safe = b.emit("Select", [positive, total, Constant(np.asarray(1.0), total.dtype)])
+            if p == 2:
+                root = b.emit("Sqrt", [safe])
+            else:
+                scaled = b.emit("RealDiv", [b.emit("Log", [safe]),
+                                            Constant(np.asarray(float(p)), total.dtype)])
+                root = b.emit("Exp", [scaled])
+            root = b.emit("Select", [positive, root, zero])
+        result = b.emit("Maximum", [root, Constant(np.asarray(float(attrs["epsilon"])),
+                                                   total.dtype)])
+        dtype = node.result.dtype
+        return result if result.dtype == dtype else b.emit("Cast", [result], {"dst_type": dtype})
+
+
+LP_NORM_PARTIAL = _LpNormPartial()
+
+
 class LpNormRule(LabelRule):
     """LpNorm: reduction labels (every dim may split). A split normalised dim leaves partial
     sums: each rank computes sum |x|**p over its slice, the forward AllReduce adds them and
@@ -285,7 +335,7 @@ class LpNormRule(LabelRule):
               ) -> OpSharding:
         result = label_sharding(ctx, self.labels(ctx), strategy, out_strategy)
         if result.forward:
-            result.expand = "lp_norm_partial"
+            result.expand = LP_NORM_PARTIAL
         return result
 
 

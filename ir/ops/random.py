@@ -30,16 +30,21 @@ from typing import Any
 
 import numpy as np
 
+from pcompile.ir.builder import Builder
+from pcompile.ir.core import Node, Value
 from pcompile.ir.dims import DimRule, In, Out, Same
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.ops._define import define, grad_helper
 from pcompile.ir.ops._jax import jnp
 from pcompile.ir.ops._util import tensor
+from pcompile.ir.rank import layout_offsets
 from pcompile.ir.registry import FLOATS
 from pcompile.ir.sharding import (
     ALPHA,
+    Expansion,
     LabelRule,
     Labels,
+    LocalLowering,
     OpContext,
     OpSharding,
     Strategy,
@@ -193,6 +198,20 @@ def dropout_labels(ctx: OpContext) -> Labels:
     return Labels([lab, "", place], [lab], {place})
 
 
+class _GlobalOffsets(Expansion):
+    """Dropout with a split input: its offsets operand is where this rank's block begins, so
+    each element draws the bit it draws on one device."""
+
+    def operands(self, lower: LocalLowering, node: Node, b: Builder, operands: list[Value],
+                 sharding: OpSharding) -> list[Value]:
+        out = list(operands)
+        out[2] = lower.rank_constant(layout_offsets(sharding.in_layouts[0]), DType.int32)
+        return out
+
+
+GLOBAL_OFFSETS = _GlobalOffsets()
+
+
 class DropoutRule(LabelRule):
     """Element-wise on `x` (MindSpore's DropoutInfo: any split of x, the output alike); `step`
     is a scalar and `offset` stays whole. A split x needs each rank's offsets
@@ -205,7 +224,7 @@ class DropoutRule(LabelRule):
               ) -> OpSharding:
         result = super().apply(ctx, strategy, out_strategy)
         if any(s > 1 for s in result.strategy[0]):
-            result.expand = "global_offsets"
+            result.expand = GLOBAL_OFFSETS
         return result
 
 

@@ -13,18 +13,21 @@ from typing import Any
 import numpy as np
 
 from pcompile.ir.builder import Builder
-from pcompile.ir.core import Node, Value
+from pcompile.ir.core import Constant, Node, ParallelInfo, Value
 from pcompile.ir.dims import DimRule, Fixed, In, Index, Offset, Out, Product, Same, Total
 from pcompile.ir.errors import ShapeError
 from pcompile.ir.layout import TensorLayout
 from pcompile.ir.ops._define import define
 from pcompile.ir.ops._jax import jax, jnp
 from pcompile.ir.ops._util import same_dtype, tensor
+from pcompile.ir.rank import RankScalar, layout_offsets
 from pcompile.ir.registry import ALL, NUMERIC, Trait
 from pcompile.ir.sharding import (
     ALPHA,
+    Expansion,
     LabelRule,
     Labels,
+    LocalLowering,
     OpContext,
     OpSharding,
     Strategy,
@@ -1018,6 +1021,34 @@ def shard_batch_and_axis(ctx: OpContext, strategy: Strategy) -> bool:
             and idx[0] != ctx.devices)
 
 
+class _MaskedGather(Expansion):
+    """Gather from a table split on its rows: look up the rows this rank holds, zero the
+    others; the forward AllReduce then sums the parts."""
+
+    def emit(self, lower: LocalLowering, node: Node, b: Builder, operands: list[Value],
+             attrs: dict[str, Any], info: ParallelInfo, sharding: OpSharding) -> Value:
+        table, idx = operands
+        layout = sharding.in_layouts[0]
+        rows = table.shape[0]
+        start = lower.rank_constant(RankScalar(layout_offsets(layout), 0), idx.dtype)
+        sub = b.emit("Sub", [idx, start])
+        low = b.emit("GreaterEqual", [sub, Constant(np.asarray(0), idx.dtype)])
+        high = b.emit("Less", [sub, Constant(np.asarray(rows), idx.dtype)])
+        mask = b.emit("Mul", [b.emit("Cast", [low], {"dst_type": table.dtype}),
+                              b.emit("Cast", [high], {"dst_type": table.dtype})])
+        clipped = b.emit("Minimum", [b.emit("Maximum", [sub, Constant(np.asarray(0), idx.dtype)]),
+                                     Constant(np.asarray(rows - 1), idx.dtype)])
+        gathered = b.emit("Gather", [table, clipped], {"axis": 0},
+                          instance_name=node.instance_name, name_hint=node.result.name_hint,
+                          parallel=ParallelInfo(in_strategy=sharding.strategy))
+        for _ in range(len(table.shape) - 1):  # the table's other dims (none for a 1-D one)
+            mask = b.emit("ExpandDims", [mask], {"axis": -1})
+        return b.emit("Mul", [gathered, mask])
+
+
+MASKED_GATHER = _MaskedGather()
+
+
 class GatherRule(LabelRule):
     """Gather: a split table axis needs the masked local gather plus AllReduce over the ranks
     that share an index block (reference §3.2, SHARD_AXIS_0), the indices whole or split
@@ -1049,7 +1080,7 @@ class GatherRule(LabelRule):
                 "split the indices or the table further, or use 1 for every dim of the indices",
             )
         result = label_sharding(ctx, labels, strategy, out_strategy)
-        result.expand = "masked_gather"
+        result.expand = MASKED_GATHER
         return result
 
     def searchable(self, ctx: OpContext, strategy: Strategy) -> bool:
@@ -1231,6 +1262,27 @@ def one_hot_labels(ctx: OpContext) -> Labels:
     return Labels([lab], [lab[:axis] + fresh + lab[axis:]], {fresh})
 
 
+class _OffsetOneHot(Expansion):
+    """OneHot with a split depth axis: this rank holds classes [start, start + depth) of the
+    output, so it looks up `indices - start` (outside [0, depth): all off_value)."""
+
+    def operands(self, lower: LocalLowering, node: Node, b: Builder, operands: list[Value],
+                 sharding: OpSharding) -> list[Value]:
+        idx = operands[0]
+        axis = int(node.attrs["axis"]) % len(sharding.out_layouts[0].shape)
+        start = lower.rank_constant(RankScalar(layout_offsets(sharding.out_layouts[0]), axis),
+                                    idx.dtype)
+        shifted = b.emit("Sub", [idx, start],
+                         parallel=ParallelInfo(
+                             reason=f"OneHot '{node.instance_name}': each rank holds a slice "
+                                    "of the classes (its depth axis is split); the indices are "
+                                    "shifted by the first class it holds"))
+        return [shifted] + operands[1:]
+
+
+OFFSET_ONE_HOT = _OffsetOneHot()
+
+
 class OneHotRule(LabelRule):
     """OneHot takes its strategy in two forms: one tuple for the indices (the depth axis is
     whole on every rank), or MindSpore's `((dp, mp), (), ())`, which splits the output
@@ -1274,7 +1326,7 @@ class OneHotRule(LabelRule):
         result.strategy = tuple(strategy)
         if out_split[axis] > 1:
             result.local_attrs["depth"] = depth // out_split[axis]
-            result.expand = "offset_one_hot"
+            result.expand = OFFSET_ONE_HOT
         return result
 
 

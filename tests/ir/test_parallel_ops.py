@@ -440,3 +440,35 @@ def test_every_elementwise_rule_matches_the_oracle(op: str, data: Any, devices: 
     arrays, attrs = elementwise_case(op)
     strategy = draw_strategy(data.draw, op, arrays, attrs, devices)
     run_sharded(op, arrays, attrs, strategy, devices)
+
+
+def test_local_expansions_are_their_op_blocks_callables() -> None:
+    """A sharding that the op itself on the local slices would get wrong carries its op
+    block's `Expansion` (issue 37 move 3), which step_parallel calls: a new op brings its own
+    without a case in the pass (they were names the pass switched on)."""
+    from pcompile.ir.sharding import Expansion
+
+    cases = [("Gather", [rnd((8, 6)), np.array([[1, 7, 3], [0, 5, 5]], np.int32)],
+              {"axis": 0}, ((4, 1), (1, 1)), "pcompile.ir.ops.shape"),
+             ("OneHot", [np.array([1, 0, 3, 11, 7, 5, 2, 9], np.int32)], {"depth": 12},
+              ((2, 4), (), ()), "pcompile.ir.ops.shape"),
+             ("LpNorm", [rnd((4, 8, 2))], {"axis": (0, 1), "p": 2}, ((2, 2, 1),),
+              "pcompile.ir.ops.norm")]
+    for op, arrays, attrs, strategy, block in cases:
+        graph, _ = case_graph(op, arrays, attrs, strategy)
+        assignment = assign(graph, 8, "full_batch")
+        (node,) = [n for n in graph.nodes if n.op == op]
+        expand = assignment.sharding(node).expand
+        assert isinstance(expand, Expansion) and type(expand).__module__ == block, op
+
+    class Negated(Expansion):  # an expansion the pass has never heard of
+        def finish(self, node: Any, b: Builder, out: Value, attrs: dict[str, Any]) -> Value:
+            return b.emit("Neg", [out])
+
+    graph, _ = case_graph("Abs", [rnd((8, 4))], {}, ((2, 1),))
+    assignment = assign(graph, 2, "full_batch")
+    (node,) = [n for n in graph.nodes if n.op == "Abs"]
+    assignment.sharding(node).expand = Negated()
+    ranks, _ = build_rank_graphs(graph, assignment, SplitOptions(2, False), {})
+    ops = [n.op for n in ranks[0].nodes]
+    assert ops[ops.index("Abs") + 1] == "Neg"
