@@ -1,6 +1,6 @@
 """`pcompile MODEL.py --devices N --search MODE`: the command line. Thin: parse the options
-(the run's into a typed `tools.run.RunOptions`), call `tools` (`tools.command` compiles, checks
-and runs), print.
+(the run's into a typed `backends.run_options.RunOptions`), call `tools` (`tools.command`
+compiles, checks and runs), print.
 
 Commands: `pcompile [compile] MODEL.py ...` (compile is the default: `pcompile MODEL.py` works
 as it always did), `pcompile show DIR`, `pcompile diff DIR --ranks A,B`; `pcompile --version`.
@@ -218,8 +218,8 @@ def compile_command(model: str, do_run: bool, verbose: int, quiet: bool, **flags
     setup_logging(verbose, quiet)
     from dataclasses import fields
 
+    from pcompile.backends.run_options import RunOptions
     from pcompile.tools.command import CheckOptions, compile_check_run
-    from pcompile.tools.run import RunOptions
 
     _check_run_flags(do_run)
     overrides = {key: value for key, value in (

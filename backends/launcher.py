@@ -33,7 +33,8 @@ process its ranks' GPUs (backends/placement.py: `CUDA_VISIBLE_DEVICES`,
 * Ctrl-C stops every rank and returns 130;
 * at the end every rank's train.log must report the same losses.
 
-`pcompile MODEL.py --devices N ... --run --steps S` calls this after compiling.
+`pcompile MODEL.py --devices N ... --run --steps S` calls this after compiling, through
+`run_launched` (the progress and the summary, as `RunOptions` say).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from pcompile.backends.run_options import RunOptions
 
 TAIL_LINES = 25
 EXIT_COORDINATOR_PORT = 75  # backends/jax/rank_process.py: process 0 could not listen
@@ -809,3 +812,50 @@ def _same(a: str, b: str) -> bool:
     except ValueError:
         return False
     return head_a == head_b and abs(x - y) <= 1e-5 * max(1.0, abs(y))
+
+
+def run_launched(out_dir: str, devices: int, training: bool, options: RunOptions,
+                 echo: Callable[..., None]) -> int:
+    """`pcompile --run` with the rank programs in `out_dir`, one process per rank (`launch`,
+    as `options` say): what starts, the progress (backends/progress.py `run_monitor`), and the
+    summary; the run's exit status. A refusal is a LaunchError."""
+    from pcompile.backends.progress import run_monitor
+
+    n = devices
+    procs = options.processes or n
+    where = "one GPU per rank" if options.resolved_platform == "gpu" else "CPU devices"
+    echo(f"launching {procs} process(es) for {n} rank(s) on {where}: {out_dir}/"
+         "rank_*/program.py (logs: rank_*/run.log)")
+    start = time.perf_counter()
+    monitor = run_monitor(options.steps, options.print_every or 1, echo,
+                          done=options.resume_step)
+    try:
+        result = launch(out_dir, steps=options.steps, processes=procs,
+                        checkpoint_every=options.checkpoint_every,
+                        resume=options.resume,
+                        timeout=options.timeout or 300.0,
+                        startup_timeout=options.startup_timeout or 600.0,
+                        heartbeat_timeout=options.heartbeat_timeout or 30.0,
+                        fail_on_nan=options.fail_on_nan,
+                        echo=monitor,
+                        platform=options.resolved_platform or "cpu",
+                        gpus=options.gpus,
+                        extra_args=options.rank_flags())
+    finally:
+        monitor.close()
+    if result.code != 0:
+        return int(result.code)
+    if not training:
+        echo(f"inference on {n} rank(s) in {time.perf_counter() - start:.2f} s (JAX, "
+             f"{procs} process(es)); outputs: {out_dir}/rank_*/outputs.npz")
+        return 0
+    log = os.path.join(out_dir, "rank_0", "train.log")
+    trained = result.trained
+    steps_text = f"{trained} step{'s' if trained != 1 else ''}"
+    if result.resumed_from:
+        steps_text += (f" (steps {result.resumed_from + 1}..{len(result.losses)}, resumed "
+                       f"from step {result.resumed_from})")
+    echo(f"{steps_text} on {n} rank(s) in {time.perf_counter() - start:.2f} "
+         f"s (JAX, {procs} process(es)); every rank reports the same loss; log: {log}; "
+         f"checkpoints: {os.path.join(out_dir, 'checkpoints')}")
+    return 0

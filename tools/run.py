@@ -1,7 +1,8 @@
-"""`pcompile --run`: the run's options (`RunOptions`, built by the CLI from its flags), what is
-checked before the compile writes anything (`prepare_run`), and where the steps run (`train`):
-the generated rank programs launched one process per rank (backends/launcher.py), a one-device
-rank program in this process (backends/jax/in_process.py), or this process's runners (the numpy
+"""`pcompile --run`: what is checked before the compile writes anything (`prepare_run`, which
+resolves the `RunOptions` the CLI built from its flags: backends/run_options.py), and where the
+steps run (`train`): the generated rank programs launched one process per rank
+(backends/launcher.py `run_launched`), a one-device rank program in this process
+(backends/jax/in_process.py `train_in_process`), or this process's runners (the numpy
 simulator, one device on JAX: tools/runners.py).
 
 Everything said goes through `echo(text, err=False)` (the CLI passes `click.echo`); a refusal
@@ -14,61 +15,17 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from pcompile.backends.progress import run_monitor
+from pcompile.backends.run_options import RunOptions
 from pcompile.ir.errors import PcompileError
 
+__all__ = ["RunOptions", "check_tensorboard", "prepare_run", "refuse_under_a_launcher", "train",
+           "train_here"]
+
 Echo = Callable[..., None]
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """The --run flags (`pcompile compile -h` says each one's meaning), paths absolute; then
-    what `prepare_run` resolves against the compiled program: the platform the ranks run on
-    (`auto` made `cpu` or `gpu`), the GPUs seen, and the step --resume continues from."""
-
-    steps: int = 1
-    backend: str = "jax"
-    checkpoint_every: int = 0
-    resume: bool = False
-    processes: int | None = None
-    timeout: float = 300.0
-    startup_timeout: float = 600.0
-    heartbeat_timeout: float = 30.0
-    fail_on_nan: bool = True
-    print_every: int = 1
-    platform: str = "auto"
-    matmul_precision: str = "default"
-    log_every: int = 1
-    tensorboard: str | None = None
-    keep_checkpoint_max: int | None = None
-    profile_steps: str | None = None
-    profile_dir: str | None = None
-    resolved_platform: str | None = None
-    gpus: int = 0
-    resume_step: int = 0
-
-    def rank_flags(self) -> list[str]:
-        """The rank programs' options that --run passes through (backends/jax/
-        rank_process.py)."""
-        flags = ["--matmul-precision", self.matmul_precision or "default",
-                 "--log-every", str(self.log_every or 1)]
-        if self.tensorboard:
-            flags += ["--tensorboard", self.tensorboard]
-        if self.keep_checkpoint_max:
-            flags += ["--keep-checkpoint-max", str(self.keep_checkpoint_max)]
-        if self.profile_steps:
-            flags += ["--profile-steps", self.profile_steps]
-        if self.profile_dir:
-            flags += ["--profile-dir", self.profile_dir]
-        return flags
-
-    def launched(self, parallel: bool) -> bool:
-        """Whether --run starts rank processes (else it runs in this process, on CPU)."""
-        return bool(parallel or self.checkpoint_every or self.resume
-                    or self.resolved_platform == "gpu" or self.tensorboard or self.profile_steps)
 
 
 def refuse_under_a_launcher() -> None:
@@ -155,7 +112,9 @@ def train(program: Any, options: RunOptions, echo: Echo) -> int:
     say; the run's exit status (a launched run's)."""
     rank_program = _one_rank_program(program, options)
     if rank_program is not None:
-        _train_rank_here(program, rank_program, options, echo)
+        from pcompile.backends.jax.in_process import train_in_process
+
+        train_in_process(rank_program, program.out_dir, options, echo)
         return 0
     if options.launched(program.state.parallel) and options.backend == "jax":
         return _launch(program, options, echo)
@@ -179,36 +138,6 @@ def _one_rank_program(program: Any, options: RunOptions) -> str | None:
         return None
     path = os.path.join(program.out_dir, "program.py")
     return path if os.path.isfile(path) else None
-
-
-def _train_rank_here(program: Any, path: str, options: RunOptions, echo: Echo) -> None:
-    """--run on one device: the rank program trains in this process (backends/jax/
-    in_process.py), writing what a launched run writes: train.log, metrics.jsonl, the
-    checkpoints (at the end, every --checkpoint-every), the time to first step and the
-    summary; --resume, --tensorboard and --profile-steps as the rank program takes them."""
-    from pcompile.backends.jax.in_process import run_in_process
-
-    steps = options.steps
-    argv = ["--steps", str(steps), "--platform", "cpu", *options.rank_flags(),
-            "--fail-on-nan" if options.fail_on_nan else "--no-fail-on-nan"]
-    if options.checkpoint_every:
-        argv += ["--checkpoint-every", str(options.checkpoint_every)]
-    if options.resume:
-        argv += ["--resume"]  # the program picks the newest intact step of its own plan
-    monitor = run_monitor(steps, options.print_every or 1, echo, done=options.resume_step)
-    start = time.perf_counter()
-    try:
-        trained = run_in_process(path, argv, monitor)  # RankRunError: one message
-    finally:
-        monitor.close()
-    done = options.resume_step if options.resume else 0
-    text = f"{trained - done} step{'s' if trained - done != 1 else ''}"
-    if done:
-        text += f" (steps {done + 1}..{trained}, resumed from step {done})"
-    echo(f"{text} in "
-         f"{time.perf_counter() - start:.2f} s on jax (1 device, in this process); log: "
-         f"{os.path.join(program.out_dir, 'rank_0', 'train.log')}; checkpoints: "
-         f"{os.path.join(program.out_dir, 'checkpoints')}")
 
 
 class _NonFiniteLossError(Exception):
@@ -267,50 +196,15 @@ def train_here(program: Any, options: RunOptions, monitor: Any, echo: Echo) -> N
 
 def _launch(program: Any, options: RunOptions, echo: Echo) -> int:
     """Train with the generated rank programs, one process per rank (backends/launcher.py)."""
-    from pcompile.backends.launcher import LaunchError, launch
+    from pcompile.backends.launcher import LaunchError, run_launched
 
     if not program.out_dir:
         raise PcompileError("--run on JAX needs the rank programs: do not disable dumps")
-    n = program.state.devices
-    procs = options.processes or n
-    where = "one GPU per rank" if options.resolved_platform == "gpu" else "CPU devices"
-    echo(f"launching {procs} process(es) for {n} rank(s) on {where}: {program.out_dir}/"
-         "rank_*/program.py (logs: rank_*/run.log)")
-    start = time.perf_counter()
-    monitor = run_monitor(options.steps, options.print_every or 1, echo,
-                          done=options.resume_step)
     try:
-        result = launch(program.out_dir, steps=options.steps, processes=procs,
-                        checkpoint_every=options.checkpoint_every,
-                        resume=options.resume,
-                        timeout=options.timeout or 300.0,
-                        startup_timeout=options.startup_timeout or 600.0,
-                        heartbeat_timeout=options.heartbeat_timeout or 30.0,
-                        fail_on_nan=options.fail_on_nan,
-                        echo=monitor,
-                        platform=options.resolved_platform or "cpu",
-                        gpus=options.gpus,
-                        extra_args=options.rank_flags())
+        return run_launched(program.out_dir, program.state.devices, program.training, options,
+                            echo)
     except LaunchError as exc:
         raise PcompileError(str(exc)) from None
-    finally:
-        monitor.close()
-    if result.code != 0:
-        return int(result.code)
-    if not program.training:
-        echo(f"inference on {n} rank(s) in {time.perf_counter() - start:.2f} s (JAX, "
-             f"{procs} process(es)); outputs: {program.out_dir}/rank_*/outputs.npz")
-        return 0
-    log = os.path.join(program.out_dir, "rank_0", "train.log")
-    trained = result.trained
-    steps_text = f"{trained} step{'s' if trained != 1 else ''}"
-    if result.resumed_from:
-        steps_text += (f" (steps {result.resumed_from + 1}..{len(result.losses)}, resumed "
-                       f"from step {result.resumed_from})")
-    echo(f"{steps_text} on {n} rank(s) in {time.perf_counter() - start:.2f} "
-         f"s (JAX, {procs} process(es)); every rank reports the same loss; log: {log}; "
-         f"checkpoints: {os.path.join(program.out_dir, 'checkpoints')}")
-    return 0
 
 
 def _nonfinite(loss: float, step_no: int, epoch: int, in_epoch: int) -> str:

@@ -30,6 +30,7 @@ from pcompile.backends.jax.rank_process import (
     parse_args,
 )
 from pcompile.backends.progress import log as progress_log
+from pcompile.backends.run_options import RunOptions
 from pcompile.ir.errors import PcompileError
 
 
@@ -130,3 +131,34 @@ def run_in_process(path: str, argv: list[str], echo: Callable[[str], None]) -> i
     log = os.path.join(out_dir, "rank_0", "train.log")
     with open(log, encoding="utf-8") as f:
         return sum(1 for _ in f)
+
+
+def train_in_process(path: str, out_dir: str, options: RunOptions,
+                     echo: Callable[..., None]) -> None:
+    """`pcompile --run` on one device: the rank program `path` trains in this process, writing
+    what a launched run writes: train.log, metrics.jsonl, the checkpoints (at the end, every
+    --checkpoint-every), the time to first step and the summary; --resume, --tensorboard and
+    --profile-steps as the rank program takes them. A failure is a RankRunError."""
+    from pcompile.backends.progress import run_monitor
+
+    steps = options.steps
+    argv = ["--steps", str(steps), "--platform", "cpu", *options.rank_flags(),
+            "--fail-on-nan" if options.fail_on_nan else "--no-fail-on-nan"]
+    if options.checkpoint_every:
+        argv += ["--checkpoint-every", str(options.checkpoint_every)]
+    if options.resume:
+        argv += ["--resume"]  # the program picks the newest intact step of its own plan
+    monitor = run_monitor(steps, options.print_every or 1, echo, done=options.resume_step)
+    start = time.perf_counter()
+    try:
+        trained = run_in_process(path, argv, monitor)
+    finally:
+        monitor.close()
+    done = options.resume_step if options.resume else 0
+    text = f"{trained - done} step{'s' if trained - done != 1 else ''}"
+    if done:
+        text += f" (steps {done + 1}..{trained}, resumed from step {done})"
+    echo(f"{text} in "
+         f"{time.perf_counter() - start:.2f} s on jax (1 device, in this process); log: "
+         f"{os.path.join(out_dir, 'rank_0', 'train.log')}; checkpoints: "
+         f"{os.path.join(out_dir, 'checkpoints')}")

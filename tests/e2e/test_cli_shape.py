@@ -1,6 +1,8 @@
 """The command line only parses and prints (issue 37 move 5): the run and check orchestration
-live in tools/ (tools/command.py, tools/run.py, tools/checks.py), the run's options are a typed
-frozen `RunOptions`, and `compile` names one thing."""
+live in tools/ (tools/command.py, tools/run.py, tools/checks.py), the launch and the one-rank
+run in backends/ (launcher.py `run_launched`, jax/in_process.py `train_in_process`), the run's
+options are a typed frozen `RunOptions` (backends/run_options.py), and `compile` names one
+thing."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def test_cli_is_short_and_defines_no_run_or_check() -> None:
 def test_run_options_are_typed_and_frozen() -> None:
     """--run's options travel as a frozen dataclass (a dict before); a name it lacks is a
     TypeError, not a silently ignored key; the rank programs' flags come from it."""
-    from pcompile.tools.run import RunOptions
+    from pcompile.backends.run_options import RunOptions
 
     options = RunOptions(steps=3, log_every=2, tensorboard="/tb")
     with pytest.raises(dataclasses.FrozenInstanceError):
