@@ -75,7 +75,7 @@ def pinned_search(state: Any) -> Any:
     return SearchResult(
         mode=pinned.mode,
         strategies={id(nodes[i]): s for i, s in pinned.strategies.items()},
-        reshape_layouts={id(nodes[i]): lay for i, lay in pinned.reshape_layouts.items()},
+        reshape_layouts={nodes[i]: lay for i, lay in pinned.reshape_layouts.items()},
         ilp=pinned.ilp)
 
 

@@ -81,7 +81,7 @@ def _cheapest_cast(node: Node, assignment: ParallelAssignment, nbytes: int
     """Where along `node`'s chain of sole-user Casts (linear, same layout) its output is
     smallest: an embedding's float32 rows are summed after their cast to the compute dtype."""
     best, best_bytes = node, nbytes
-    layout = assignment.shardings[id(node)].out_layouts[0]
+    layout = assignment.shardings[node].out_layouts[0]
     while len(node.result.uses) == 1:
         user = node.result.uses[0][0]
         sharding = assignment.sharding(user)
@@ -203,7 +203,7 @@ def _consumed_layouts(node: Node, assignment: ParallelAssignment) -> list[Tensor
     """The layouts `node` reads its operands in and produces its outputs in, or None when
     some are not known (an op the check cannot vouch for)."""
     if node.op == "Reshape":
-        out = assignment.reshape_layouts.get(id(node))
+        out = assignment.reshape_layouts.get(node)
         return None if out is None else [out]
     if has_trait(node.op, Trait.FIRST_OPERAND) or node.op == "TupleGetItem":
         return []

@@ -36,13 +36,12 @@ class ParallelAssignment:
     """The result of step_parallel_begin: a sharding per op, a layout per graph parameter."""
 
     devices: int
-    shardings: dict[int, OpSharding] = field(default_factory=dict)  # id(node) -> sharding
+    shardings: dict[Node, OpSharding] = field(default_factory=dict)
     param_layouts: dict[str, TensorLayout] = field(default_factory=dict)
-    reshape_layouts: dict[int, TensorLayout] = field(default_factory=dict)  # id(node) -> out
-    searched: dict[int, Any] = field(default_factory=dict)  # id(node) -> strategy from search
+    reshape_layouts: dict[Node, TensorLayout] = field(default_factory=dict)  # a Reshape's out
 
     def sharding(self, node: Node) -> OpSharding | None:
-        return self.shardings.get(id(node))
+        return self.shardings.get(node)
 
 
 def replicated(shape: tuple[int, ...], devices: int) -> TensorLayout:

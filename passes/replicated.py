@@ -36,9 +36,9 @@ def replicated_assignment(graph: Graph, devices: int) -> ParallelAssignment:
         ins = [replicated(getattr(v.type, "shape", ()), devices) for v in node.operands]
         outs = [replicated(t.shape, devices) for t in _types(node)]
         strategy = tuple(tuple(1 for _ in lay.shape) for lay in ins)
-        result.shardings[id(node)] = OpSharding(strategy, (devices,), ins, outs)
+        result.shardings[node] = OpSharding(strategy, (devices,), ins, outs)
         if node.op == "Reshape":
-            result.reshape_layouts[id(node)] = outs[0]
+            result.reshape_layouts[node] = outs[0]
     return result
 
 

@@ -560,7 +560,7 @@ class RankBuilder:
 
     def lower_reshape(self, node: Node) -> None:
         (value,) = node.operands
-        want = self.assignment.reshape_layouts[id(node)]
+        want = self.assignment.reshape_layouts[node]
         local: Value
         if isinstance(value, Constant):
             local, have = value, replicated(value.shape, self.options.devices)

@@ -83,7 +83,7 @@ def assign(
         else:
             strategy = default_strategy(node, devices)
         sharding = shard_node(node, devices, strategy, node.attrs.get("out_strategy"))
-        result.shardings[id(node)] = sharding
+        result.shardings[node] = sharding
         node.parallel = ParallelInfo(
             in_strategy=sharding.strategy,
             out_strategy=node.attrs.get("out_strategy"),
@@ -93,7 +93,7 @@ def assign(
                 users.setdefault(operand.name, []).append((node, layout))
     for node in reversed([n for n in graph.nodes if id(n) in follow]):
         sharding = _follow_consumer(node, result, devices)
-        result.shardings[id(node)] = sharding
+        result.shardings[node] = sharding
         node.parallel = ParallelInfo(in_strategy=sharding.strategy)
         operand = node.operands[0]
         if isinstance(operand, GraphParam) and operand.kind != "input":
@@ -181,7 +181,7 @@ def value_layout(value: Any, result: ParallelAssignment) -> TensorLayout | None:
     if node is None:
         return None
     if node.op == "Reshape":
-        return result.reshape_layouts.get(id(node))
+        return result.reshape_layouts.get(node)
     if has_trait(node.op, Trait.FIRST_OPERAND):
         return value_layout(node.operands[0], result)
     if node.op == "TupleGetItem":
@@ -233,7 +233,7 @@ def _assign_layout_flow(graph: Graph, result: ParallelAssignment,
                               or map_layout_partly(source, out_type.shape))
             if wanted is None:
                 wanted = replicated(out_type.shape, result.devices)
-            result.reshape_layouts[id(node)] = wanted
+            result.reshape_layouts[node] = wanted
         elif id(node) in transparent:
             operand = node.operands[0]
             source = value_layout(operand, result)
@@ -246,7 +246,7 @@ def _assign_layout_flow(graph: Graph, result: ParallelAssignment,
             if sharding is None:
                 sharding = shard_node(node, result.devices,
                                       default_strategy(node, result.devices), None)
-            result.shardings[id(node)] = sharding
+            result.shardings[node] = sharding
             node.parallel = ParallelInfo(in_strategy=sharding.strategy)
 
 

@@ -75,13 +75,13 @@ def plan_splits(program: Any) -> list[tuple[Value, int, int, int]]:
                 out.append((value, elem, d, n // s))
 
     for node in graph.nodes:
-        sharding = assignment.shardings.get(id(node))
+        sharding = assignment.shardings.get(node)
         if sharding is not None:
             for operand, layout in zip(node.operands, sharding.in_layouts):
                 add(operand, 0, layout)
             for k, layout in enumerate(sharding.out_layouts):
                 add(node.result, k, layout)
-        layout = assignment.reshape_layouts.get(id(node))
+        layout = assignment.reshape_layouts.get(node)
         if layout is not None:
             add(node.result, 0, layout)
     for p in graph.params:
@@ -190,7 +190,7 @@ def pin_plan(program: Any, shrink: Shrink) -> PinnedPlan:
         strategy = specs.get(id(node))
         if strategy is not None:
             pinned.strategies[i] = strategy
-        layout = search.reshape_layouts.get(id(node))
+        layout = search.reshape_layouts.get(node)
         if layout is not None:
             pinned.reshape_layouts[i] = TensorLayout(layout.dev_matrix, layout.tensor_map,
                                                      shrink.results[i][0])

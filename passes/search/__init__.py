@@ -11,7 +11,7 @@ Reshape/TupleGetItem), runs one algorithm and returns a `SearchResult`:
   neighbours' chosen strategies, and the runner-up under the comparison the search made
   (`explain.py` states the invariant: the chosen cost is never above the runner-up's), so a
   plan can say why;
-* `reshape_layouts`: id(Reshape) -> output layout for Reshapes feeding other Reshapes (the
+* `reshape_layouts`: Reshape -> output layout for Reshapes feeding other Reshapes (the
   layout the chain's consumer wants, mapped back through the chain), so a chain costs one
   redistribution instead of a gather to replicated and a slice;
 * `objective`: the plan's total cost under the cost model.
@@ -73,7 +73,7 @@ class SearchResult:
     mode: str
     strategies: dict[int, Strategy] = field(default_factory=dict)
     explain: dict[int, dict[str, Any]] = field(default_factory=dict)
-    reshape_layouts: dict[int, TensorLayout] = field(default_factory=dict)
+    reshape_layouts: dict[Node, TensorLayout] = field(default_factory=dict)
     objective: float = 0.0
     seconds: float = 0.0
     cost_graph: CostGraph | None = None
@@ -217,10 +217,10 @@ def search(
 
 
 def reshape_chain_layouts(graph: Graph, cg: CostGraph, choice: list[int]
-                          ) -> dict[int, TensorLayout]:
+                          ) -> dict[Node, TensorLayout]:
     """Output layouts for Reshapes whose first user is a Reshape: what the end of the chain
     wants, mapped back through it (when such a layout exists)."""
-    out: dict[int, TensorLayout] = {}
+    out: dict[Node, TensorLayout] = {}
 
     def wanted(node: Node) -> TensorLayout | None:
         for user, index in node.result.uses:
@@ -232,7 +232,7 @@ def reshape_chain_layouts(graph: Graph, cg: CostGraph, choice: list[int]
                 assert isinstance(t, TensorType)
                 mapped = map_layout(after, t.shape)
                 if mapped is not None:
-                    out[id(node)] = mapped
+                    out[node] = mapped
                 return mapped
             vi = cg.vertex_of.get(id(user))
             if vi is None:
@@ -241,7 +241,7 @@ def reshape_chain_layouts(graph: Graph, cg: CostGraph, choice: list[int]
         return None
 
     for node in graph.nodes:
-        if node.op == "Reshape" and id(node) not in out:
+        if node.op == "Reshape" and node not in out:
             first = node.result.uses[0][0] if node.result.uses else None
             if first is not None and first.op == "Reshape":
                 wanted(node)
