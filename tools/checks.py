@@ -9,15 +9,18 @@ check is a `PcompileError` (one message)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pcompile.backends.progress import log
 from pcompile.ir.errors import PcompileError
 
+if TYPE_CHECKING:
+    from pcompile.compiler.compiled import CompiledProgram
+
 Echo = Callable[..., None]
 
 
-def check_plan(program: Any, echo: Echo, *, shrunk: int | None = None,
+def check_plan(program: CompiledProgram, echo: Echo, *, shrunk: int | None = None,
                force: bool = False) -> None:
     """The check of a compiled program: on a shrunk copy when `shrunk` is given (0: the
     smallest factor within the budget), else at full size when it fits the budget (or
@@ -31,7 +34,7 @@ def check_plan(program: Any, echo: Echo, *, shrunk: int | None = None,
         check_shrunk(program, None, echo, automatic=True)
 
 
-def check_affordable(program: Any, force: bool, echo: Echo) -> bool:
+def check_affordable(program: CompiledProgram, force: bool, echo: Echo) -> bool:
     """The check's rule: it runs when it holds at most CHECK_BUDGET_BYTES (or when forced)."""
     from pcompile.tools.oracle import CHECK_BUDGET_BYTES, check_cost
 
@@ -47,7 +50,8 @@ def check_affordable(program: Any, force: bool, echo: Echo) -> bool:
     return False
 
 
-def check_shrunk(program: Any, factor: int | None, echo: Echo, automatic: bool = False) -> None:
+def check_shrunk(program: CompiledProgram, factor: int | None, echo: Echo,
+                 automatic: bool = False) -> None:
     """The plan checked on a shrunk copy of the model (tools/shrink.py): same graph and
     strategies, dims divided by up to `factor` (None: the smallest factor within the budget).
     `automatic` (the full-size check was over budget): a model the copy cannot be made of is
@@ -75,7 +79,7 @@ def check_shrunk(program: Any, factor: int | None, echo: Echo, automatic: bool =
     check_oracle(compile_shrunk(program, shrink), echo)
 
 
-def check_backends(program: Any, echo: Echo) -> None:
+def check_backends(program: CompiledProgram, echo: Echo) -> None:
     """One device: the numpy interpreter against the JAX lowering, both in float64 and JAX at
     matmul precision `highest` (so the check does not depend on the float32 matmul precision
     of a device, e.g. TF32; this process computes on the CPU anyway). Parallel programs:
@@ -129,7 +133,7 @@ def check_backends(program: Any, echo: Echo) -> None:
         echo(note)
 
 
-def check_oracle(program: Any, echo: Echo) -> None:
+def check_oracle(program: CompiledProgram, echo: Echo) -> None:
     """Parallel programs: all ranks on the numpy simulator against the single-device model,
     both evaluated in float64 (tools/oracle.py derives the bound)."""
     from pcompile.tools.oracle import check, inconclusive_message, nonfinite_input_note
@@ -162,7 +166,7 @@ def check_oracle(program: Any, echo: Echo) -> None:
         low_precision_report(program, echo)
 
 
-def low_precision_report(program: Any, echo: Echo) -> None:
+def low_precision_report(program: CompiledProgram, echo: Echo) -> None:
     """A model that computes in float16/bfloat16: the plan was checked in float64 above; here
     the first-step loss of the plan and of the single-device program, both in the model's own
     dtypes, against what the dtype's rounding explains (eps x the longest reduction)."""

@@ -8,9 +8,12 @@ import os
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pcompile.tools.run import Echo, RunOptions
+
+if TYPE_CHECKING:
+    from pcompile.compiler.compiled import CompiledProgram, CompileState
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ def compile_check_run(model: str, compile_args: dict[str, Any], check: CheckOpti
             refuse_under_a_launcher()
         resolved = [run]
 
-        def before_write(state: Any, out: str | None) -> None:
+        def before_write(state: CompileState, out: str | None) -> None:
             if run is not None:
                 resolved[0] = prepare_run(state, out, run, held)
 
@@ -61,7 +64,7 @@ def compile_check_run(model: str, compile_args: dict[str, Any], check: CheckOpti
         return train(program, options, echo) if options is not None else 0
 
 
-def summary(program: Any, elapsed: float, quiet: bool, echo: Echo) -> None:
+def summary(program: CompiledProgram, elapsed: float, quiet: bool, echo: Echo) -> None:
     """What was compiled: the program, the search's warnings and the prediction's advice
     (on stderr), then unless `quiet` the prediction, the pipeline schedule, every pass's time
     and where the dumps and plan.json are."""
@@ -87,7 +90,7 @@ def summary(program: Any, elapsed: float, quiet: bool, echo: Echo) -> None:
         for text, _style in prediction_text({**prediction, "advice": None}, state.plan.get(
                 "search"), megatron_minimum(state)):
             echo(text)
-    if state.pipelined:
+    if state.pipelined and state.pipeline is not None:
         echo(state.pipeline.program.schedule.text())
     for name, seconds in program.timings:
         echo(f"  pass {name:<24} {seconds * 1000:8.1f} ms")

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pcompile.backends.progress import run_monitor
 from pcompile.backends.run_options import RunOptions
@@ -24,6 +24,9 @@ from pcompile.ir.errors import PcompileError
 
 __all__ = ["RunOptions", "check_tensorboard", "prepare_run", "refuse_under_a_launcher", "train",
            "train_here"]
+
+if TYPE_CHECKING:
+    from pcompile.compiler.compiled import CompiledProgram, CompileState
 
 Echo = Callable[..., None]
 
@@ -62,7 +65,7 @@ def check_tensorboard(folder: str) -> None:
         raise PcompileError(TENSORBOARD_MISSING)
 
 
-def prepare_run(state: Any, out_dir: str | None, options: RunOptions,
+def prepare_run(state: CompileState, out_dir: str | None, options: RunOptions,
                 held: ExitStack) -> RunOptions:
     """--run's options against the compiled program, before anything is written; takes the
     lock of --out for the rest of the command (`held`). Returns the options resolved."""
@@ -107,11 +110,11 @@ def prepare_run(state: Any, out_dir: str | None, options: RunOptions,
     return options
 
 
-def train(program: Any, options: RunOptions, echo: Echo) -> int:
+def train(program: CompiledProgram, options: RunOptions, echo: Echo) -> int:
     """Run `options.steps` steps of the compiled program (inference: one), where the options
     say; the run's exit status (a launched run's)."""
     rank_program = _one_rank_program(program, options)
-    if rank_program is not None:
+    if rank_program is not None and program.out_dir is not None:
         from pcompile.backends.jax.in_process import train_in_process
 
         train_in_process(rank_program, program.out_dir, options, echo)
@@ -126,7 +129,7 @@ def train(program: Any, options: RunOptions, echo: Echo) -> int:
     return 0
 
 
-def _one_rank_program(program: Any, options: RunOptions) -> str | None:
+def _one_rank_program(program: CompiledProgram, options: RunOptions) -> str | None:
     """The generated `DIR/program.py` that trains a one-device plan on JAX's CPU in this
     process (None: inference, the numpy backend, a parallel plan, a GPU, or no rank program
     written)."""
@@ -144,7 +147,7 @@ class _NonFiniteLossError(Exception):
     """A non-finite loss (its message) ends the loop."""
 
 
-def train_here(program: Any, options: RunOptions, monitor: Any, echo: Echo) -> None:
+def train_here(program: CompiledProgram, options: RunOptions, monitor: Any, echo: Echo) -> None:
     """--run in this process: the numpy simulator, or one device on JAX. `monitor(line)` shows
     each loss line; `monitor.close()` ends the display before the summary."""
     from pcompile.backends.progress import ReadBack, format_loss_line
@@ -194,7 +197,7 @@ def train_here(program: Any, options: RunOptions, monitor: Any, echo: Echo) -> N
         echo(f"{steps} steps in {elapsed:.2f} s on {backend}; log: {log}")
 
 
-def _launch(program: Any, options: RunOptions, echo: Echo) -> int:
+def _launch(program: CompiledProgram, options: RunOptions, echo: Echo) -> int:
     """Train with the generated rank programs, one process per rank (backends/launcher.py)."""
     from pcompile.backends.launcher import LaunchError, run_launched
 
@@ -212,7 +215,7 @@ def _nonfinite(loss: float, step_no: int, epoch: int, in_epoch: int) -> str:
             "(--no-fail-on-nan trains on)")
 
 
-def _write_logs(program: Any, lines: list[str], ranks: int) -> str | None:
+def _write_logs(program: CompiledProgram, lines: list[str], ranks: int) -> str | None:
     """Every rank's train.log (run outputs: kept across recompiles); rank 0's path."""
     if not program.out_dir:
         return None
@@ -224,7 +227,7 @@ def _write_logs(program: Any, lines: list[str], ranks: int) -> str | None:
     return os.path.join(program.out_dir, "rank_0", "train.log")
 
 
-def _train_simulated(program: Any, steps: int, fail_on_nan: bool, monitor: Any,
+def _train_simulated(program: CompiledProgram, steps: int, fail_on_nan: bool, monitor: Any,
                      echo: Echo) -> None:
     """--backend numpy for a parallel plan: every rank on the numpy simulator, one process."""
     from pcompile.backends.progress import format_loss_line
