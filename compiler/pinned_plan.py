@@ -74,7 +74,7 @@ def pinned_search(state: Any) -> Any:
     nodes = state.graph.nodes
     return SearchResult(
         mode=pinned.mode,
-        strategies={id(nodes[i]): s for i, s in pinned.strategies.items()},
+        strategies={nodes[i]: s for i, s in pinned.strategies.items()},
         reshape_layouts={nodes[i]: lay for i, lay in pinned.reshape_layouts.items()},
         ilp=pinned.ilp)
 

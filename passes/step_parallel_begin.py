@@ -46,11 +46,11 @@ def assign(
     graph: Graph,
     devices: int,
     dataset_strategy: Any,
-    searched: dict[int, Any] | None = None,
-    loaded: dict[int, Any] | None = None,
+    searched: dict[Node, Any] | None = None,
+    loaded: dict[Node, Any] | None = None,
 ) -> ParallelAssignment:
     """step_parallel_begin: strategies, layouts and checks for every forward op. `loaded`:
-    id(node) -> the strategy a strategy checkpoint gives it, which wins over the user's as in
+    node -> the strategy a strategy checkpoint gives it, which wins over the user's as in
     MindSpore (`load_strategy_from_ckpt`)."""
     result = ParallelAssignment(devices)
     result.param_layouts.update(dataset_layouts(graph, dataset_strategy, devices))
@@ -68,7 +68,7 @@ def assign(
                 instance_name=node.instance_name, scope=node.scope, source=node.source,
                 hint="use stand_alone or hybrid_parallel mode for hand-written communication",
             )
-        user = (loaded[id(node)] if loaded and id(node) in loaded
+        user = (loaded[node] if loaded and node in loaded
                 else node.attrs.get("in_strategy"))
         strategy: Any
         if user is not None:
@@ -78,8 +78,8 @@ def assign(
                               instance_name=node.instance_name, scope=node.scope,
                               source=node.source, strategy=user)
             strategy = user
-        elif searched and id(node) in searched:
-            strategy = searched[id(node)]
+        elif searched and node in searched:
+            strategy = searched[node]
         else:
             strategy = default_strategy(node, devices)
         sharding = shard_node(node, devices, strategy, node.attrs.get("out_strategy"))
@@ -119,7 +119,7 @@ def assign(
     return result
 
 
-def _followers(graph: Graph, searched: dict[int, Any] | None) -> set[int]:
+def _followers(graph: Graph, searched: dict[Node, Any] | None) -> set[int]:
     """The strategy-less pass-through ops (trait `VALUE_COPY`) on a stored parameter (directly
     or through other such ops): their strategy follows their consumer's instead of the
     default, so the parameter is stored split the way its real user wants it (MindSpore looks
@@ -128,7 +128,7 @@ def _followers(graph: Graph, searched: dict[int, Any] | None) -> set[int]:
     for node in graph.nodes:
         if (not has_trait(node.op, Trait.VALUE_COPY) or len(node.operands) != 1
                 or node.attrs.get("in_strategy") is not None
-                or (searched and id(node) in searched)):
+                or (searched and node in searched)):
             continue
         source = node.operands[0]
         if isinstance(source, GraphParam) and source.kind != "input":
@@ -165,12 +165,12 @@ def _in_layout(node: Node, layout: TensorLayout, devices: int) -> OpSharding | N
         return None
 
 
-def _transparent(graph: Graph, searched: dict[int, Any] | None, follow: set[int]) -> set[int]:
+def _transparent(graph: Graph, searched: dict[Node, Any] | None, follow: set[int]) -> set[int]:
     """The transparent Casts the search gave no strategy (the searches look through them):
     laid out as their input, in `_assign_layout_flow`."""
     return {id(node) for node in graph.nodes
             if is_transparent_cast(node)
-            and not (searched and id(node) in searched) and id(node) not in follow}
+            and not (searched and node in searched) and id(node) not in follow}
 
 
 def value_layout(value: Any, result: ParallelAssignment) -> TensorLayout | None:

@@ -187,7 +187,7 @@ def pin_plan(program: Any, shrink: Shrink) -> PinnedPlan:
     pinned.ilp = search.ilp
     specs = search.specs()
     for i, node in enumerate(program.graph.nodes):
-        strategy = specs.get(id(node))
+        strategy = specs.get(node)
         if strategy is not None:
             pinned.strategies[i] = strategy
         layout = search.reshape_layouts.get(node)

@@ -4,7 +4,7 @@
 ops, `_VirtualDataset`, `TmpIdentity` for shared parameters, redistribution edges through
 Reshape/TupleGetItem), runs one algorithm and returns a `SearchResult`:
 
-* `strategies`: id(node) -> strategy for every op without a user strategy (Reshape,
+* `strategies`: node -> strategy for every op without a user strategy (Reshape,
   TupleGetItem and MakeTuple have none), to be applied by `step_parallel_begin.assign(...,
   searched=...)`;
 * `explain`: id(node) -> the chosen strategy, its cost terms, the cost of its edges with the
@@ -71,8 +71,8 @@ class SearchResult:
     """The decision of one search (see the module docstring)."""
 
     mode: str
-    strategies: dict[int, Strategy] = field(default_factory=dict)
-    explain: dict[int, dict[str, Any]] = field(default_factory=dict)
+    strategies: dict[Node, Strategy] = field(default_factory=dict)
+    explain: dict[Node, dict[str, Any]] = field(default_factory=dict)
     reshape_layouts: dict[Node, TensorLayout] = field(default_factory=dict)
     objective: float = 0.0
     seconds: float = 0.0
@@ -80,15 +80,15 @@ class SearchResult:
     choice: list[int] = field(default_factory=list)
     # propagation: vertex index -> the edges whose redistribution decided it
     decisions: dict[int, list[int]] = field(default_factory=dict)
-    # ops whose strategy is layouts (built under a neighbour's device matrix): id(node) -> one
+    # ops whose strategy is layouts (built under a neighbour's device matrix): node -> one
     # `Layout` dict per input, what step_parallel_begin lays the op out by
-    layouts: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    layouts: dict[Node, tuple[Any, ...]] = field(default_factory=dict)
     # ilp: the mesh, global choices, predictions and the program's size (IlpPlan.summary)
     ilp: dict[str, Any] | None = None
     # what the user should know of the plan (one line each; plan.json and the compile print)
     warnings: list[str] = field(default_factory=list)
 
-    def specs(self) -> dict[int, Any]:
+    def specs(self) -> dict[Node, Any]:
         """What step_parallel_begin takes per searched op: its strategy, or its layouts."""
         return {**self.strategies, **self.layouts}
 
@@ -112,12 +112,12 @@ def search(
     dataset_strategy: Any = None,
     constants: CostConstants | None = None,
     options: SearchOptions | None = None,
-    loaded: dict[int, Strategy] | None = None,
+    loaded: dict[Node, Strategy] | None = None,
     explain: bool = True,
 ) -> SearchResult:
     """Find a strategy for every op of the forward `graph` without a user strategy.
 
-    `loaded`: id(node) -> strategy read from a strategy checkpoint; such ops count as
+    `loaded`: node -> strategy read from a strategy checkpoint; such ops count as
     configured (the loaded strategy overrides the search)."""
     if mode not in MODES:
         raise ValueError(f"unknown search mode {mode!r}; expected one of {', '.join(MODES)}")
@@ -173,16 +173,16 @@ def search(
         if node.attrs.get("in_strategy") is not None:
             continue
         chosen = v.candidates[choice[v.index]]
-        result.strategies[id(node)] = chosen.strategy
+        result.strategies[node] = chosen.strategy
         if chosen.out_strategy is not None and result.ilp is not None:
             # applied by apply_plan_choices (and again by the shrunk check), by full name
             result.ilp.setdefault("out_strategies", {})[node.fullname] = [
                 list(s) for s in chosen.out_strategy]
         if chosen.spec is not None:
-            result.layouts[id(node)] = chosen.spec
+            result.layouts[node] = chosen.spec
         if not explain:
             continue
-        if id(node) in loaded:
+        if node in loaded:
             info = plain_explanation(cg, v, choice, "strategy checkpoint")
         elif mode == "dynamic_programming":
             info = local_explanation(cg, v, choice, lagrange,
@@ -198,9 +198,9 @@ def search(
             info = plain_explanation(cg, v, choice, "recursive programming")
         if v.index in via:
             info["via"] = via[v.index]
-        if id(node) in loaded:
+        if node in loaded:
             info["via"] = "strategy checkpoint"
-        result.explain[id(node)] = info
+        result.explain[node] = info
     # ilp: the predicted step time (seconds); the others: MindSpore's objective
     result.objective = plan.step_time if ilp else cg.total(choice)
     if mode == "recursive_programming":

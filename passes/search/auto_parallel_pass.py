@@ -98,7 +98,7 @@ def finish_assignment(unit: CompileUnit) -> None:
     assignment.reshape_layouts.update(result.reshape_layouts)
     ops: dict[str, Any] = {}
     for node in graph.nodes:
-        info = result.explain.get(id(node))
+        info = result.explain.get(node)
         if info is None:
             continue
         if node.parallel is not None:

@@ -144,7 +144,7 @@ class CostGraph:
 
     def __init__(self, graph: Graph, devices: int, constants: CostConstants,
                  dataset_strategy: Any = None, fully_use_devices: bool = False,
-                 configured: dict[int, Any] | None = None,
+                 configured: dict[Node, Any] | None = None,
                  weight_casts: bool | Collection[int] = False, reduce_scatter: bool = False
                  ) -> None:
         """`weight_casts`: look through every strategy-less Cast of a weight (the ilp search:
@@ -176,14 +176,14 @@ class CostGraph:
         self.vertices.append(v)
         return v
 
-    def _build(self, dataset_strategy: Any, loaded: dict[int, Any]) -> None:
+    def _build(self, dataset_strategy: Any, loaded: dict[Node, Any]) -> None:
         devices = self.devices
         for topo, node in enumerate(self.graph.nodes):
             if rule_for(node.op) is None:  # no rule, or no strategy of its own (Reshape)
                 continue
             user = node.attrs.get("in_strategy")
             if user is None:
-                user = loaded.get(id(node))
+                user = loaded.get(node)
             if user is None and _looked_through(node, self.weight_casts):
                 continue  # step_parallel_begin lays it out (transparent, or a weight's Cast)
             trainable = tuple(isinstance(v, GraphParam) and v.kind == "weight"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pcompile.ir.core import Graph
+from pcompile.ir.core import Graph, Node
 from pcompile.ir.sharding import rule_for
 from pcompile.passes.search.cost_graph import CostGraph, _looked_through
 from pcompile.passes.search.cost_model import CostConstants
@@ -60,7 +60,7 @@ def predict(graph: Graph, devices: int, profile: DeviceProfile, memory_capacity:
             dataset_strategy: Any = None, enable_alltoall: bool = False,
             optimizer_states: int = 2) -> Prediction:
     """The plan's prediction (module docstring). Ops without a layout (no rule) are skipped."""
-    configured: dict[int, Any] = {}
+    configured: dict[Node, Any] = {}
     follows = _following_casts(graph)
     for node in graph.nodes:
         if node.parallel is None or rule_for(node.op) is None:
@@ -68,7 +68,7 @@ def predict(graph: Graph, devices: int, profile: DeviceProfile, memory_capacity:
         if _looked_through(node) or id(node) in follows:  # laid out as its input or user
             continue
         if node.attrs.get("in_strategy") is None and node.parallel.in_strategy is not None:
-            configured[id(node)] = node.parallel.in_strategy
+            configured[node] = node.parallel.in_strategy
     constants = CostConstants(training=training, enable_alltoall=enable_alltoall)
     # a weight's Cast laid out otherwise than its users is a vertex of its own: its layout is
     # where the plan stores the weight (a search may cast it whole and slice it for its user)

@@ -125,13 +125,13 @@ def decode(path: str, raw: bytes) -> dict[str, Any]:
             f"({exc}); a JSON checkpoint's name must end in .json") from None
 
 
-def load_strategies(path: str, graph: Graph, data: Mapping[str, Any]) -> dict[int, Any]:
-    """id(node) -> strategy for every op of `graph` whose key checkpoint `data` (read from
+def load_strategies(path: str, graph: Graph, data: Mapping[str, Any]) -> dict[Node, Any]:
+    """Node -> strategy for every op of `graph` whose key checkpoint `data` (read from
     `path`) holds."""
     items = data.get("parallel_strategy_item")
     if not isinstance(items, dict):
         raise PcompileError(f"strategy checkpoint {path!r} has no 'parallel_strategy_item'")
-    out: dict[int, Any] = {}
+    out: dict[Node, Any] = {}
     for node in _strategy_nodes(graph):
         key = strategy_key(node)
         if key is None or key not in items:
@@ -142,7 +142,7 @@ def load_strategies(path: str, graph: Graph, data: Mapping[str, Any]) -> dict[in
         except (KeyError, TypeError, ValueError):
             raise PcompileError(f"strategy checkpoint {path!r}: item {key!r} has no valid "
                                 "'parallel_strategy' (a list of lists of ints)") from None
-        out[id(node)] = strategy
+        out[node] = strategy
     return out
 
 

@@ -36,7 +36,7 @@ def test_propagation_crosses_consecutive_reshapes_as_one() -> None:
     assert got["mul"] == ((8, 1), (8, 1))
     assert got["relu2"] == ((8, 1),)
     relu = next(n for n in program.graph.nodes if n.instance_name == "relu2")
-    assert program.state.search.explain[id(relu)]["decision"]["communication"] == 0.0
+    assert program.state.search.explain[relu]["decision"]["communication"] == 0.0
     assert check(program, steps=1).ok(1e-5, 1e-4)
 
 
@@ -74,7 +74,7 @@ def test_functional_shard_matmul_keeps_the_shard_layout(fully_use_devices: bool)
     finally:
         reset_algo_parameters()
     matmul = next(n for n in program.graph.nodes if n.instance_name == "MatMul-op0")
-    info = program.state.search.explain[id(matmul)]
+    info = program.state.search.explain[matmul]
     assert info["strategy"] == ((4, 2), (2, 1))
     assert info["decision"]["communication"] == 0.0
     chosen = tuple(info["decision"][k] for k in ("communication", "computation", "forward"))
@@ -95,7 +95,7 @@ def test_recursive_programming_keeps_the_sliced_parameter_unsplit(with_loss: boo
     if not with_loss:
         graph = trace_model(load_model_file(path)).graph
         result = search(graph, 8, "recursive_programming", dataset_strategy="full_batch")
-        got = {n.instance_name: result.strategies.get(id(n)) for n in graph.nodes}
+        got = {n.instance_name: result.strategies.get(n) for n in graph.nodes}
         assert got["matmul"] == ((1, 1), (1, 8))
         assert got["strided_slice"] == ((1, 1, 1),)
         return
@@ -115,7 +115,7 @@ def test_dynamic_programming_behind_a_parameter_cast() -> None:
     path = model("parameter_cast.py")
     graph = trace_model(load_model_file(path)).graph
     result = search(graph, 8, "dynamic_programming", dataset_strategy="full_batch")
-    got = {n.instance_name: result.strategies.get(id(n)) for n in graph.nodes}
+    got = {n.instance_name: result.strategies.get(n) for n in graph.nodes}
     assert got["matmul2"] == ((8, 1), (1, 1))
     assert got["cast1"] == got["cast2"] == ((1, 1),)
     program = compile_model(path, devices=8, dump=False)

@@ -253,7 +253,7 @@ def test_choice_is_the_minimum_of_the_printed_candidates(graph, devices, mode, f
     for v in cg.vertices:
         if v.kind != "op" or v.configured:
             continue
-        info = result.explain[id(v.node)]
+        info = result.explain[v.node]
         k = result.choice[v.index]
         n = len(v.candidates)
         assert info["strategy"] == v.candidates[k].strategy
