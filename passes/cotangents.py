@@ -55,10 +55,10 @@ class OutputReduction:
 @dataclass
 class CotangentReductions:
     """Where partial cotangents are summed: per parameter, the device axes its gradient is
-    all-reduced over (when not all of its repeat axes); per op (id), an output reduction."""
+    all-reduced over (when not all of its repeat axes); per op, an output reduction."""
 
     param_axes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    outputs: dict[int, OutputReduction] = field(default_factory=dict)
+    outputs: dict[Node, OutputReduction] = field(default_factory=dict)
 
 
 def _real_users(value: Value) -> list[tuple[Node, int]] | None:
@@ -157,8 +157,8 @@ def plan_cotangent_reductions(graph: Graph, assignment: ParallelAssignment,
         if (chosen >= default) if forced is None else (param.name not in forced):
             continue
         out.param_axes[param.name] = rest
-        out.outputs[id(at)] = OutputReduction(param.name, dev, shared, a_size,
-                                                a_size * b_size, chosen, default)
+        out.outputs[at] = OutputReduction(param.name, dev, shared, a_size, a_size * b_size,
+                                          chosen, default)
     return out
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from math import prod
 
-from pcompile.ir.core import Graph
+from pcompile.ir.core import Graph, Node
 from pcompile.ir.layout import TensorLayout, axis_index, map_axes
 from pcompile.ir.rank import Digit, RankGroup
 from pcompile.passes.layouts import ParallelAssignment
@@ -55,11 +55,11 @@ def scatters(have: TensorLayout, want: TensorLayout, group: tuple[Digit, ...]) -
                for d in range(1, len(have.shape)))
 
 
-def scatter_layouts(graph: Graph, assignment: ParallelAssignment) -> dict[int, TensorLayout]:
-    """id(node) -> the layout its result takes when its forward AllReduce becomes a
+def scatter_layouts(graph: Graph, assignment: ParallelAssignment) -> dict[Node, TensorLayout]:
+    """Node -> the layout its result takes when its forward AllReduce becomes a
     ReduceScatter (module docstring)."""
     outputs = {id(v) for v in graph.outputs}
-    out: dict[int, TensorLayout] = {}
+    out: dict[Node, TensorLayout] = {}
     for node in graph.nodes:
         sharding = assignment.sharding(node)
         if (sharding is None or sharding.expand or len(sharding.out_layouts) != 1
@@ -81,5 +81,5 @@ def scatter_layouts(graph: Graph, assignment: ParallelAssignment) -> dict[int, T
             want = wants.pop()
             group = RankGroup.along(sharding.dev_matrix, comms[0].axes).digits
             if scatters(sharding.out_layouts[0], want, group):
-                out[id(node)] = want
+                out[node] = want
     return out

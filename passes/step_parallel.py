@@ -134,7 +134,7 @@ class RankBuilder:
         self.output_layouts: list[TensorLayout | None] = []
         self.reductions = CotangentReductions()
         self.alike: set[tuple[int, int]] = set()  # forward AllReduces, replicated_cotangents
-        self.scatter: dict[int, TensorLayout] = {}  # forward AllReduces that reduce-scatter
+        self.scatter: dict[Node, TensorLayout] = {}  # forward AllReduces that reduce-scatter
 
     # -- naming ---------------------------------------------------------------------------------
     def inserted_name(self, anchor: Node, kind: str, op: str = "") -> str:
@@ -447,13 +447,13 @@ class RankBuilder:
             node.op, operands, attrs, instance_name=node.instance_name,
             name_hint=node.result.name_hint, parallel=info, user_attrs=user)
         out = self.forward_comm(node, b, out, sharding)
-        if id(node) in self.reductions.outputs:
-            out = self.output_mirror(node, b, out, self.reductions.outputs[id(node)])
+        if node in self.reductions.outputs:
+            out = self.output_mirror(node, b, out, self.reductions.outputs[node])
         if expand is not None:
             out = expand.finish(node, b, out, attrs)
         layouts: Any = (sharding.out_layouts if len(sharding.out_layouts) > 1
                         or node.op == "Split" else
-                        self.scatter.get(id(node), sharding.out_layouts[0]))
+                        self.scatter.get(node, sharding.out_layouts[0]))
         self.local[id(node.result)] = (out, layouts)
 
     def output_mirror(self, node: Node, b: Builder, out: Value,
@@ -546,10 +546,10 @@ class RankBuilder:
             partial = out
             marks = dict(keep or {})
             kind = comm.kind
-            if id(node) in self.scatter:
+            if node in self.scatter:
                 kind = "ReduceScatter"
                 info.reason = (f"{reason}; every user takes its block of the sum "
-                               f"{self.scatter[id(node)]}")
+                               f"{self.scatter[node]}")
             elif (id(node), index) in self.alike:
                 marks[REPLICATED_COTANGENT] = True
             out = b.emit(kind, [out], {"op": comm.op, **self.group_attrs(group)},

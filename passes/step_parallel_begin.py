@@ -59,7 +59,7 @@ def assign(
     transparent = _transparent(graph, searched, follow)
     for node in graph.nodes:
         if (has_trait(node.op, Trait.NO_STRATEGY) or has_trait(node.op, Trait.FIRST_OPERAND)
-                or id(node) in follow or id(node) in transparent):
+                or node in follow or node in transparent):
             continue
         if rule_for(node.op) is None:
             raise OpError(
@@ -91,7 +91,7 @@ def assign(
         for operand, layout in zip(node.operands, sharding.in_layouts):
             if isinstance(operand, GraphParam) and operand.kind != "input":
                 users.setdefault(operand.name, []).append((node, layout))
-    for node in reversed([n for n in graph.nodes if id(n) in follow]):
+    for node in reversed([n for n in graph.nodes if n in follow]):
         sharding = _follow_consumer(node, result, devices)
         result.shardings[node] = sharding
         node.parallel = ParallelInfo(in_strategy=sharding.strategy)
@@ -119,12 +119,12 @@ def assign(
     return result
 
 
-def _followers(graph: Graph, searched: dict[Node, Any] | None) -> set[int]:
+def _followers(graph: Graph, searched: dict[Node, Any] | None) -> set[Node]:
     """The strategy-less pass-through ops (trait `VALUE_COPY`) on a stored parameter (directly
     or through other such ops): their strategy follows their consumer's instead of the
     default, so the parameter is stored split the way its real user wants it (MindSpore looks
     through the Cast a mixed-precision model puts between a weight and its MatMul)."""
-    out: set[int] = set()
+    out: set[Node] = set()
     for node in graph.nodes:
         if (not has_trait(node.op, Trait.VALUE_COPY) or len(node.operands) != 1
                 or node.attrs.get("in_strategy") is not None
@@ -132,9 +132,9 @@ def _followers(graph: Graph, searched: dict[Node, Any] | None) -> set[int]:
             continue
         source = node.operands[0]
         if isinstance(source, GraphParam) and source.kind != "input":
-            out.add(id(node))
-        elif hasattr(source, "node") and id(source.node) in out:
-            out.add(id(node))
+            out.add(node)
+        elif hasattr(source, "node") and source.node in out:
+            out.add(node)
     return out
 
 
@@ -165,12 +165,13 @@ def _in_layout(node: Node, layout: TensorLayout, devices: int) -> OpSharding | N
         return None
 
 
-def _transparent(graph: Graph, searched: dict[Node, Any] | None, follow: set[int]) -> set[int]:
+def _transparent(graph: Graph, searched: dict[Node, Any] | None, follow: set[Node]
+                 ) -> set[Node]:
     """The transparent Casts the search gave no strategy (the searches look through them):
     laid out as their input, in `_assign_layout_flow`."""
-    return {id(node) for node in graph.nodes
+    return {node for node in graph.nodes
             if is_transparent_cast(node)
-            and not (searched and node in searched) and id(node) not in follow}
+            and not (searched and node in searched) and node not in follow}
 
 
 def value_layout(value: Any, result: ParallelAssignment) -> TensorLayout | None:
@@ -198,11 +199,11 @@ def value_layout(value: Any, result: ParallelAssignment) -> TensorLayout | None:
 
 
 def _consumer_layout(node: Node, result: ParallelAssignment,
-                     transparent: set[int]) -> TensorLayout | None:
+                     transparent: set[Node]) -> TensorLayout | None:
     """The layout the first user with a strategy wants `node`'s output in, looking through
     transparent Casts (which keep the shape)."""
     for user, index in node.result.uses:
-        if id(user) in transparent:
+        if user in transparent:
             wanted = _consumer_layout(user, result, transparent)
             if wanted is not None:
                 return wanted
@@ -214,7 +215,7 @@ def _consumer_layout(node: Node, result: ParallelAssignment,
 
 
 def _assign_layout_flow(graph: Graph, result: ParallelAssignment,
-                        transparent: set[int]) -> None:
+                        transparent: set[Node]) -> None:
     """Layouts of the strategy-less ops, in graph order. A Reshape's output takes the layout
     its first user with a strategy wants (reference §2.3); a Reshape feeding only Reshapes
     keeps its input's layout carried through the shape change (`map_layout`: split dims
@@ -234,7 +235,7 @@ def _assign_layout_flow(graph: Graph, result: ParallelAssignment,
             if wanted is None:
                 wanted = replicated(out_type.shape, result.devices)
             result.reshape_layouts[node] = wanted
-        elif id(node) in transparent:
+        elif node in transparent:
             operand = node.operands[0]
             source = value_layout(operand, result)
             if source is None and isinstance(operand, Constant):
