@@ -403,6 +403,7 @@ def test_show_and_the_compile_print_the_plans_prediction(tmp_path) -> None:
     assert "does NOT fit" in shown
 
 
+@pytest.mark.slow
 def test_a_transformer_plan_shows_its_bytes_against_megatrons_minimum(tmp_path) -> None:
     """plan.json `megatron_minimum` in the compile's summary and in show, the same line."""
     out = str(tmp_path / "out")
