@@ -54,7 +54,7 @@ from pcompile.passes.search.cost_model import (
 DATASET_TOPO = 1 << 62
 
 
-def _looked_through(node: Node, weight_casts: bool | Collection[int] = False) -> bool:
+def _looked_through(node: Node, weight_casts: bool | Collection[Node] = False) -> bool:
     """A Cast without a user strategy: not a vertex. It keeps its input's layout
     (step_parallel_begin: transparent), so it decides nothing and costs nothing. A weight's
     Cast is looked through only when every user of it has a `shard()` strategy: it takes
@@ -65,7 +65,7 @@ def _looked_through(node: Node, weight_casts: bool | Collection[int] = False) ->
         return True
     if node.op != "Cast" or len(node.operands) != 1 or node.attrs.get("in_strategy") is not None:
         return False
-    if weight_casts is True or (not isinstance(weight_casts, bool) and id(node) in weight_casts):
+    if weight_casts is True or (not isinstance(weight_casts, bool) and node in weight_casts):
         # the ilp search: a weight's Cast always follows its user (a collection: these Casts)
         source = node.operands[0]
         while isinstance(source, NodeResult) and source.node.op == "Cast" \
@@ -145,11 +145,11 @@ class CostGraph:
     def __init__(self, graph: Graph, devices: int, constants: CostConstants,
                  dataset_strategy: Any = None, fully_use_devices: bool = False,
                  configured: dict[Node, Any] | None = None,
-                 weight_casts: bool | Collection[int] = False, reduce_scatter: bool = False
+                 weight_casts: bool | Collection[Node] = False, reduce_scatter: bool = False
                  ) -> None:
         """`weight_casts`: look through every strategy-less Cast of a weight (the ilp search:
         the weight is stored as its user wants it), not only those whose users are all
-        configured; a collection: those Casts (id of the node) only. `reduce_scatter`: a
+        configured; a collection: those Casts only. `reduce_scatter`: a
         MatMul's candidates include their ReduceScatter forms
         (`candidates.reduce_scatter_forms`)."""
         self.graph = graph

@@ -38,9 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pcompile.ir.core import Graph, GraphParam, NodeResult, Value
+from pcompile.ir.core import Graph, Value
 from pcompile.ir.types import TensorType
 from pcompile.passes.comm_info import ring_bytes
+from pcompile.passes.search.time_model import stored_param
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(attention\.w[qkvo]|feed_forward\.w[123])\.weight$")
 
@@ -208,10 +209,10 @@ class MegatronMinimum:
 
 
 def _parameter_of(value: Value) -> str | None:
-    """The parameter a value reads, through Casts (a weight cast to the compute dtype)."""
-    while isinstance(value, NodeResult) and value.node.op == "Cast" and value.node.operands:
-        value = value.node.operands[0]
-    return value.name if isinstance(value, GraphParam) else None
+    """The stored parameter a value reads, through Casts (a weight cast to the compute
+    dtype)."""
+    param = stored_param(value)
+    return param.name if param is not None else None
 
 
 def recognise(graph: Graph, devices: int,

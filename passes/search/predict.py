@@ -65,7 +65,7 @@ def predict(graph: Graph, devices: int, profile: DeviceProfile, memory_capacity:
     for node in graph.nodes:
         if node.parallel is None or rule_for(node.op) is None:
             continue
-        if _looked_through(node) or id(node) in follows:  # laid out as its input or user
+        if _looked_through(node) or node in follows:  # laid out as its input or user
             continue
         if node.attrs.get("in_strategy") is None and node.parallel.in_strategy is not None:
             configured[node] = node.parallel.in_strategy
@@ -86,11 +86,11 @@ def predict(graph: Graph, devices: int, profile: DeviceProfile, memory_capacity:
                       parallel_optimizer, recompute)
 
 
-def _following_casts(graph: Graph) -> set[int]:
-    """id() of the Casts of a weight laid out as every user of theirs reads them (the weight
+def _following_casts(graph: Graph) -> set[Node]:
+    """The Casts of a weight laid out as every user of theirs reads them (the weight
     stored as its users want it, as `--search ilp` plans and MindSpore's propagation of a
     configured strategy lay it out)."""
-    out: set[int] = set()
+    out: set[Node] = set()
     for node in graph.nodes:
         if node.op != "Cast" or len(node.operands) != 1 or node.parallel is None:
             continue
@@ -101,7 +101,7 @@ def _following_casts(graph: Graph) -> set[int]:
         if uses and all(u.parallel is not None and u.parallel.in_strategy is not None
                         and i < len(u.parallel.in_strategy)
                         and tuple(u.parallel.in_strategy[i]) == mine for u, i in uses):
-            out.add(id(node))
+            out.add(node)
     return out
 
 
