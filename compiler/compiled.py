@@ -95,19 +95,6 @@ class CompileState(CompileUnit):
     trace_only: bool = False  # compile(trace_only=True): the trace pass alone
     overrides: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def training(self) -> bool:
-        """The program is a training step: it returns the loss and updates stored values."""
-        if self.traced is None:
-            return self.model_file.training
-        return self.traced.mode == "train"
-
-    @property
-    def backward(self) -> bool:
-        """The program differentiates (a training step, or a cell returning gradients): the
-        split inserts gradient communication."""
-        return self.traced is not None and self.traced.differentiates
-
     def rank_values(self, rank: int) -> dict[str, np.ndarray]:
         """Rank `rank`'s initial parameter and optimizer-state values: its block of each
         global initial value, generated on its own (never the whole value)."""

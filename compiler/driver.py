@@ -209,7 +209,7 @@ def _compile(mf: Any, flags: dict[str, Any], devices: int | None, parallel_mode:
 
         settings = settings_from_context(ctx, devices, mode)
         state = CompileState(model_file=mf, devices=devices, parallel_mode=mode,
-                             search_mode=str(ctx.search_mode),
+                             search_mode=str(ctx.search_mode), training=mf.training,
                              options=compile_options(ctx, save_graphs_level(save_graphs)))
         if settings.stages > 1:
             state.pipeline = settings

@@ -54,6 +54,8 @@ class TracePass:
 
             apply_to_trace(state.shrink.shrink, traced)
         state.traced = traced
+        state.training = traced.mode == "train"
+        state.backward = traced.differentiates
         state.graph = traced.graph
         _check_functional_shard(state)
         for name, param in traced.parameters.items():

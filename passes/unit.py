@@ -108,6 +108,11 @@ class CompileUnit:
     parallel_mode: str
     search_mode: str
     options: CompileOptions = field(default_factory=CompileOptions)
+    # the program is a training step: it returns the loss and updates stored values
+    training: bool = False
+    # the program differentiates (a training step, or a cell returning gradients): the split
+    # inserts gradient communication
+    backward: bool = False
     graph: Graph | None = None  # the forward graph of record
     # After the split, rank r runs rank_graphs[r]. In SPMD modes every entry is the same
     # rank-parametric graph (what differs between ranks is an `ir.rank` value); hybrid mode
@@ -137,17 +142,6 @@ class CompileUnit:
     @property
     def parallel(self) -> bool:
         return self.parallel_mode != "stand_alone"
-
-    @property
-    def training(self) -> bool:
-        """The program is a training step: it returns the loss and updates stored values."""
-        raise NotImplementedError  # the front end knows (compiler.compiled.CompileState)
-
-    @property
-    def backward(self) -> bool:
-        """The program differentiates (a training step, or a cell returning gradients): the
-        split inserts gradient communication."""
-        raise NotImplementedError  # the front end knows (compiler.compiled.CompileState)
 
     @property
     def stage_devices(self) -> int:
