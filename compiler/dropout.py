@@ -73,3 +73,138 @@ def dropout(prim: Primitive, x: Any) -> tuple[Any, Any]:
     finally:
         prim.in_strategy = given
     return out, mask
+
+
+# -- MindSpore's two-op dropout ------------------------------------------------------------------
+
+
+def _keep_prob(value: Any, op: str) -> float:
+    """The constant keep_prob of a DropoutGenMask / DropoutDoMask call: a float, or a 0-d
+    float tensor known when the program is traced (through Casts, as MindSpore folds them;
+    its parallel rule needs the value too)."""
+    from pcompile.ir.core import NodeResult
+
+    if isinstance(value, bool) or isinstance(value, (int, np.integer)):
+        raise TypeError(f"For '{op}', the keep_prob input type must be float, but got "
+                        f"{type(value).__name__} {value!r}")
+    if isinstance(value, (float, np.floating)):
+        number = float(value)
+    elif isinstance(value, Tensor):
+        if not value.dtype.is_float:
+            raise TypeError(f"For '{op}', the keep_prob must be a float tensor (Float16, "
+                            f"Float32 or Float64), but got {value.dtype.value}")
+        if tuple(value.shape) != ():
+            raise ValueError(f"For '{op}', the keep_prob's dim must be 0 (scalar), but got "
+                             f"shape {tuple(value.shape)}")
+        v = value._value
+        while isinstance(v, NodeResult) and v.node.op == "Cast":
+            v = v.node.operands[0]
+        if v is None:
+            number = float(value.asnumpy())
+        elif isinstance(v, Constant) and type(v) is Constant:
+            number = float(np.asarray(v.array))
+        else:
+            raise ValueError(
+                f"For '{op}', the keep_prob must be a constant (a float or a Tensor built from "
+                "one, cast or not); a computed keep_prob is not supported (MindSpore's parallel "
+                "rule also needs it as a value node)")
+    else:
+        raise TypeError(f"For '{op}', the keep_prob input must be a float number or tensor, "
+                        f"but got {type(value).__name__}")
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(f"For '{op}', the 'keep_prob' input value must in the range [0, 1], "
+                         f"but got {number}")
+    return number
+
+
+def _shape_arg(shape: Any) -> tuple[int, ...]:
+    if isinstance(shape, Tensor) and not shape.is_symbolic:
+        shape = tuple(int(d) for d in np.asarray(shape.asnumpy()).reshape(-1))
+    if not isinstance(shape, (tuple, list)) or not all(
+            isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in shape):
+        raise TypeError("For 'DropoutGenMask', the 'shape' must be a tuple of ints (e.g. "
+                        f"ops.Shape()(x)), but got {type(shape).__name__} {shape!r}")
+    out = tuple(int(d) for d in shape)
+    if any(d <= 0 for d in out):
+        raise ValueError(f"For 'DropoutGenMask', every value of 'shape' must be > 0, but got "
+                         f"{out}")
+    return out
+
+
+def gen_mask(prim: Primitive, shape: Any, keep_prob: Any) -> Any:
+    """`prim(shape, keep_prob)` for a `P.DropoutGenMask(Seed0, Seed1)` primitive: the packed
+    UInt8 mask (ir/ops/random.py) of the bits ops.Dropout draws for a tensor of `shape`."""
+    dims = _shape_arg(shape)
+    keep = _keep_prob(keep_prob, "DropoutGenMask")
+    tracer = current_tracer()
+    attrs: dict[str, Any] = {"shape": dims, "keep_prob": keep}
+    if tracer is None:  # eager: the first step's bits
+        from pcompile.compiler.primitive import _eager
+
+        return _eager("DropoutGenMask", [Tensor(np.ones((), np.int32))],
+                      {**attrs, "seed0": prim.attrs["seed0"], "seed1": prim.attrs["seed1"]},
+                      prim)
+    _check_mode()
+    seed0, seed1 = op_seeds(tracer, int(prim.attrs["seed0"]), int(prim.attrs["seed1"]))
+    step = Tensor(_value=next_step(tracer))
+    given = prim.in_strategy
+    prim.in_strategy = None  # its output is whole: DropoutDoMask's strategy says the split
+    try:
+        return prim._apply([step], seed0=seed0, seed1=seed1, **attrs)
+    finally:
+        prim.in_strategy = given
+
+
+def _mask_source_error(prim: Primitive, what: str) -> PcompileError:
+    from pcompile.compiler.tracing import user_source
+
+    source = user_source()
+    where = f" at {source.file}:{source.line}" if source is not None else ""
+    return PcompileError(
+        f"DropoutDoMask{where}: in a parallel plan its mask must be the output of a "
+        f"DropoutGenMask (MindSpore's DropoutDoMaskInfo rewrites that op's shape to the "
+        f"input's slice), but it is {what}; pass DropoutGenMask()(ops.Shape()(x), keep_prob) "
+        "directly, or use ops.Dropout, which returns (output, mask)")
+
+
+def do_mask(prim: Primitive, x: Any, mask: Any, keep_prob: Any) -> Any:
+    """`prim(x, mask, keep_prob)` for a `P.DropoutDoMask()` primitive: x / keep_prob where the
+    mask's bit of the element is set, else 0 (any plan reads the single-device bits)."""
+    from pcompile.compiler.context import current_context
+    from pcompile.ir.core import NodeResult
+
+    keep = _keep_prob(keep_prob, "DropoutDoMask")
+    tracer = current_tracer()
+    if tracer is None:
+        from pcompile.compiler.primitive import _eager
+
+        arr = x.asnumpy() if isinstance(x, Tensor) else np.asarray(x, np.float32)
+        packed = mask.asnumpy() if isinstance(mask, Tensor) else np.asarray(mask)
+        return _eager("DropoutDoMask", [Tensor(arr), Tensor(np.asarray(packed, np.uint8)),
+                                        Tensor(np.zeros((arr.ndim,), np.int32))],
+                      {"keep_prob": keep, "global_shape": tuple(arr.shape)}, prim)
+    value = tracer.to_value(x, None)
+    bits = tracer.to_value(mask, None)
+    ctx = current_context()
+    if ctx.parallel_mode in ("semi_auto_parallel", "auto_parallel") and ctx.device_num > 1:
+        if not (isinstance(bits, NodeResult) and bits.node.op == "DropoutGenMask"):
+            producer = bits.node.op if isinstance(bits, NodeResult) else type(bits).__name__
+            raise _mask_source_error(prim, f"a {producer}")
+    offset = Tensor(_value=Constant(np.zeros(len(value.shape), np.int32), DType.int32))
+    given = prim.in_strategy
+    if given is not None:
+        if len(given) != 1:
+            from pcompile.compiler.tracing import user_source
+
+            source = user_source()
+            where = f" at {source.file}:{source.line}" if source is not None else ""
+            raise PcompileError(
+                f"DropoutDoMask{where}: invalid strategy size {len(given)}, it must be 1 (one "
+                f"tuple for x {tuple(value.shape)}; the mask and keep_prob take none), got "
+                f"{given}")
+        prim.in_strategy = (given[0], (1,), (1,))
+    try:
+        return prim._apply([Tensor(_value=value), Tensor(_value=bits), offset],
+                           keep_prob=keep, global_shape=tuple(value.shape))
+    finally:
+        prim.in_strategy = given

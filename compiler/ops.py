@@ -12,7 +12,7 @@ import numpy as np
 
 from pcompile.compiler.primitive import Primitive
 from pcompile.compiler.tensor import Tensor
-from pcompile.ir.types import DType
+from pcompile.ir.types import DType as IRDType
 
 # MindSpore splits this module into `ops.operations` (the primitives; `nn_ops`, `_inner_ops`,
 # `_sequence_ops`),
@@ -289,7 +289,7 @@ class Cast(Primitive):
         super().__init__()
 
     def __call__(self, x: Any, dtype: Any) -> Any:
-        return self._apply([x], dst_type=DType.from_any(dtype))
+        return self._apply([x], dst_type=IRDType.from_any(dtype))
 
 
 class _Reduce(Primitive):
@@ -468,7 +468,7 @@ class OneHot(Primitive):
         super()._check_strategy(op, values, scope, source)
 
     def __call__(self, indices: Any, depth: int, on_value: Any = 1.0, off_value: Any = 0.0) -> Any:
-        dtype = DType.float32
+        dtype = IRDType.float32
         if isinstance(on_value, Tensor):
             dtype = on_value.dtype
             on_value = float(on_value.asnumpy())
@@ -579,7 +579,7 @@ class _Filled(_Simple):
                             f"{size.__class__.__name__} {size!r}")
         if any(d < 0 for d in shape):
             raise ValueError(f"{self.op}: size must not hold negative dims, got {shape}")
-        dtype = DType.float32 if type is None else DType.from_any(type)
+        dtype = IRDType.float32 if type is None else IRDType.from_any(type)
         return Tensor(np.full(shape, self.fill_value, dtype.np))
 
 
@@ -685,6 +685,58 @@ class RotaryPositionEmbedding(_Simple):
 
     def __call__(self, x: Any, cos: Any, sin: Any, mode: Any = 0) -> Any:
         return self._apply([x, cos, sin], mode=_scalar_int(mode, "RotaryPositionEmbedding: mode"))
+
+
+class GroupedMatmul(Primitive):
+    """`GroupedMatmul(split_item=3, group_type=0)([x], [weight], None, None, None, None, None,
+    group_list)` -> [y]: MindSpore's grouped matrix product as mindformers' MoEV3 calls it
+    (`ops.auto_generate.GroupedMatmul`): x (M, K) rows sorted by expert, weight (E, K, N),
+    group_list (E,) the cumulative row end of each expert; row m times its expert's matrix,
+    rows after the last end zero. The lists hold one tensor each (split_item 3); bias,
+    quantisation scales and offsets are not implemented. Its strategy splits K (the result
+    all-reduced) and N, never the rows or the experts."""
+
+    op = "GroupedMatmul"
+
+    def __init__(self, split_item: int = 0, group_type: int = -1) -> None:
+        super().__init__(split_item=_scalar_int(split_item, "GroupedMatmul: split_item"),
+                         group_type=_scalar_int(group_type, "GroupedMatmul: group_type"))
+
+    def __call__(self, x: Any, weight: Any, bias: Any = None, scale: Any = None,
+                 offset: Any = None, antiquant_scale: Any = None, antiquant_offset: Any = None,
+                 group_list: Any = None) -> Any:
+        unsupported = [name for name, value in (
+            ("bias", bias), ("scale", scale), ("offset", offset),
+            ("antiquant_scale", antiquant_scale), ("antiquant_offset", antiquant_offset))
+            if value is not None]
+        if unsupported:
+            raise ValueError(f"GroupedMatmul: {', '.join(unsupported)} must be None (pcompile "
+                             "implements the unquantised product without bias, as MoEV3 calls "
+                             "it)")
+        x_list, w_list = (list(v) if isinstance(v, (list, tuple)) else [v] for v in (x, weight))
+        if len(x_list) != 1 or len(w_list) != 1:
+            raise ValueError(f"GroupedMatmul: x and weight must be lists of one tensor each "
+                             f"(split_item=3), got {len(x_list)} and {len(w_list)}")
+        if group_list is None:
+            raise ValueError("GroupedMatmul: group_list is required (group_type=0: the "
+                             "cumulative row end of each expert)")
+        return [self._apply([x_list[0], w_list[0], group_list])]
+
+
+class MoveTo(Primitive):
+    """`MoveTo()(x, to="CPU", blocking=True)`: MindSpore copies x to another memory (MoEV3 moves
+    AlltoAllV's counts to the host, where its kernel reads them). pcompile's collectives read
+    run-time counts on the device (`AlltoAllV` takes them as operands), so the move is x
+    itself: no node, no copy. `to` must be "CPU", "Ascend" or "GPU"."""
+
+    op = "MoveTo"
+
+    def __call__(self, x: Any, to: str = "CPU", blocking: bool = True) -> Any:
+        if to not in ("CPU", "Ascend", "GPU"):
+            raise ValueError(f"MoveTo: to must be 'CPU', 'Ascend' or 'GPU', got {to!r}")
+        if not isinstance(blocking, bool):
+            raise TypeError(f"MoveTo: blocking must be a bool, got {blocking!r}")
+        return x
 
 
 class SoftmaxCrossEntropyWithLogits(_Simple):
@@ -868,11 +920,6 @@ GatherD = _unimplemented("GatherD")
 TensorToScalar = _unimplemented("TensorToScalar")
 ArgMaxWithValue = _unimplemented("ArgMaxWithValue")
 Print = _unimplemented("Print")
-# MindSpore's packed uint8 dropout mask (docs/porting-from-mindspore.md, "What is still refused")
-_DROPOUT_HINT = ("use ops.Dropout(keep_prob, Seed0, Seed1)(x), which returns (output, mask) "
-                 "with the mask as a tensor of x's shape")
-DropoutGenMask = _unimplemented("DropoutGenMask", _DROPOUT_HINT)
-DropoutDoMask = _unimplemented("DropoutDoMask", _DROPOUT_HINT)
 
 
 # -- indexing -----------------------------------------------------------------------------------
@@ -984,9 +1031,9 @@ class AssignSub(Assign):
 # -- random ------------------------------------------------------------------------------------
 
 
-def _seed_arg(name: str, value: Any) -> int:
+def _seed_arg(name: str, value: Any, op: str = "Dropout") -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"For 'Dropout', the '{name}' must be int, but got "
+        raise TypeError(f"For '{op}', the '{name}' must be int, but got "
                         f"{type(value).__name__} {value!r}")
     return int(value)
 
@@ -1017,3 +1064,47 @@ class Dropout(Primitive):
         from pcompile.compiler.dropout import dropout
 
         return dropout(self, x)
+
+
+class DropoutGenMask(Primitive):
+    """`P.DropoutGenMask(Seed0=0, Seed1=0)(shape, keep_prob)`: MindSpore's packed UInt8 mask
+    of a tensor of `shape` (length ceil(prod(shape) / 128) * 16), drawn as ops.Dropout draws
+    its bits (compiler/dropout.py, ir/ops/random.py)."""
+
+    op = "DropoutGenMask"
+
+    def __init__(self, Seed0: int = 0, Seed1: int = 0) -> None:  # noqa: N803
+        super().__init__(seed0=_seed_arg("Seed0", Seed0, "DropoutGenMask"),
+                         seed1=_seed_arg("Seed1", Seed1, "DropoutGenMask"))
+
+    def __call__(self, shape: Any, keep_prob: Any) -> Any:
+        from pcompile.compiler.dropout import gen_mask
+
+        return gen_mask(self, shape, keep_prob)
+
+
+class DropoutDoMask(Primitive):
+    """`P.DropoutDoMask()(x, mask, keep_prob)`: x / keep_prob where DropoutGenMask's mask
+    keeps the element, else 0. Its strategy is one tuple for x, as MindSpore's."""
+
+    op = "DropoutDoMask"
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def __call__(self, x: Any, mask: Any, keep_prob: Any) -> Any:
+        from pcompile.compiler.dropout import do_mask
+
+        return do_mask(self, x, mask, keep_prob)
+
+
+class DType(_Simple):
+    """`P.DType()(x)`: the dtype of x (a compile-time value, as MindSpore folds it)."""
+
+    op = "DType"
+
+    def __call__(self, x: Any) -> Any:
+        dtype = getattr(x, "dtype", None)
+        if dtype is None:
+            raise TypeError(f"DType expects a tensor, got {type(x).__name__} {x!r}")
+        return IRDType.from_any(dtype)

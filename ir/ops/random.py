@@ -269,3 +269,183 @@ grad_helper("DropoutGrad", _infer, _dropout_np, _dropout_jax, grad_of="Dropout",
             attrs=_ATTRS, section="elementwise", dtypes=FLOATS,
             doc="dy / keep_prob where Dropout with the same operands keeps the element, else 0.",
             operands="dy, int32 step, int32 offset; as Dropout", tests=_TESTS)
+
+
+# -- MindSpore's two-op dropout: DropoutGenMask and DropoutDoMask --------------------------------
+#
+# `DropoutGenMask(step)` draws the mask of a tensor of shape `shape` as `ops.Dropout` draws it
+# (the same seeds, step and flat indices give the same bits) and packs it as MindSpore's op
+# returns it: UInt8 of shape (ceil(n / 128) * 16,), n = prod(shape) (a whole number of 128-bit
+# blocks, the bits past n zero). Element i is bit i % 8 of byte i // 8 (least significant bit
+# first); MindSpore leaves the order inside its bytes to its kernels (they differ between
+# devices) and only DropoutDoMask reads them. `DropoutDoMask(x, mask, offset)` reads bit i for
+# the element of flat index i in the whole tensor of shape `global_shape` (a split x reads its
+# block's bits at its offsets, as Dropout does) and gives x / keep_prob where it is set, else 0
+# (0 everywhere when keep_prob is 0).
+
+_GEN_ATTRS = {"shape": (), "keep_prob": 0.5, "seed0": 0, "seed1": 0}
+_DO_ATTRS = {"keep_prob": 0.5, "global_shape": ()}
+
+
+def mask_bytes(shape: tuple[int, ...]) -> int:
+    """The length of MindSpore's packed mask of a tensor of `shape`."""
+    count = 1
+    for d in shape:
+        count *= int(d)
+    return -(-count // 128) * 16
+
+
+def _gen_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    step = tensor(types[0], "step")
+    if step.shape != () or step.dtype is not DType.int32:
+        raise ShapeError(f"step must be an Int32 scalar, got {step}")
+    shape = tuple(attrs["shape"])
+    if any(int(d) <= 0 for d in shape):
+        raise ShapeError(f"every value of shape must be > 0, got {shape}")
+    keep = float(attrs["keep_prob"])
+    if not 0.0 <= keep <= 1.0:
+        raise ShapeError(f"keep_prob must be in [0, 1], got {keep!r}")
+    from pcompile.ir.types import TensorType
+
+    return TensorType(DType.uint8, (mask_bytes(shape),))
+
+
+def _gen_np(step: Any, shape: tuple[int, ...], keep_prob: float, seed0: int,
+            seed1: int) -> np.ndarray:
+    shape = tuple(int(d) for d in shape)
+    kept = kept_np(shape, step, np.zeros(len(shape), np.int32), keep_prob, seed0, seed1, shape)
+    bits = np.zeros(mask_bytes(shape) * 8, bool)
+    bits[: kept.size] = kept.reshape(-1)
+    out: np.ndarray = np.packbits(bits, bitorder="little")
+    return out
+
+
+def _gen_jax(step: Any, shape: tuple[int, ...], keep_prob: float, seed0: int,
+             seed1: int) -> Any:
+    shape = tuple(int(d) for d in shape)
+    kept = kept_jax(shape, step, jnp.zeros((len(shape),), jnp.int32), keep_prob, seed0, seed1,
+                    shape).reshape(-1)
+    size = mask_bytes(shape) * 8
+    bits = jnp.zeros((size,), jnp.uint8).at[: kept.size].set(kept.astype(jnp.uint8))
+    weights = jnp.left_shift(jnp.uint8(1), jnp.arange(8, dtype=jnp.uint8))
+    return jnp.sum(bits.reshape(-1, 8) * weights, axis=1, dtype=jnp.uint8)
+
+
+def _do_infer(types: list[ValueType], attrs: dict[str, Any]) -> ValueType:
+    x = tensor(types[0])
+    if not x.dtype.is_float:
+        raise ShapeError(f"needs a floating-point input, got {x.dtype.value}")
+    mask, offset = tensor(types[1], "mask"), tensor(types[2], "offset")
+    if mask.dtype is not DType.uint8 or mask.rank != 1:
+        raise ShapeError(f"the mask must be 1-D UInt8 (DropoutGenMask's output), got {mask}")
+    if offset.shape != (x.rank,) or offset.dtype is not DType.int32:
+        raise ShapeError(f"offset must be Int32 of shape ({x.rank},), got {offset}")
+    keep = float(attrs["keep_prob"])
+    if not 0.0 <= keep <= 1.0:
+        raise ShapeError(f"keep_prob must be in [0, 1], got {keep!r}")
+    whole = tuple(attrs["global_shape"])
+    if len(whole) != x.rank or any(w < s for w, s in zip(whole, x.shape)):
+        raise ShapeError(f"global_shape {whole} must be the whole tensor of the block {x.shape}")
+    count = 1
+    for d in whole:
+        count *= int(d)
+    if count > mask.shape[0] * 8:
+        raise ShapeError(f"the mask {mask.shape} holds {mask.shape[0] * 8} bits, fewer than the "
+                         f"{count} elements of x {whole}")
+    return x
+
+
+def _do_np(x: np.ndarray, mask: np.ndarray, offset: Any, keep_prob: float,
+           global_shape: tuple[int, ...]) -> np.ndarray:
+    index = _index_np(x.shape, offset, tuple(global_shape)).astype(np.int64)
+    kept = (np.asarray(mask, np.uint8)[index >> 3] >> (index & 7).astype(np.uint8)) & 1
+    if keep_prob <= 0.0:
+        return np.zeros_like(x)
+    return _scaled_np(x, kept.astype(bool), keep_prob)
+
+
+def _do_jax(x: Any, mask: Any, offset: Any, keep_prob: float,
+            global_shape: tuple[int, ...]) -> Any:
+    if keep_prob <= 0.0:
+        return jnp.zeros_like(x)
+    offsets = jnp.asarray(offset).astype(jnp.int32).astype(jnp.uint32).reshape(-1)
+    index = jnp.zeros(x.shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(x.ndim)):
+        coord = (jnp.arange(x.shape[d], dtype=jnp.uint32) + offsets[d]) * jnp.uint32(stride)
+        view = [1] * x.ndim
+        view[d] = x.shape[d]
+        index = index + coord.reshape(view)
+        stride *= int(global_shape[d])
+    byte = jnp.asarray(mask, jnp.uint8)[(index >> jnp.uint32(3)).astype(jnp.int32)]
+    kept = ((byte >> (index & jnp.uint32(7)).astype(jnp.uint8)) & jnp.uint8(1)) == 1
+    scale = jnp.asarray(1.0 / keep_prob, x.dtype)
+    return jnp.where(kept, x * scale, jnp.zeros((), x.dtype))
+
+
+def _do_vjp(b: Any, node: Any, cot: Any) -> list[Any]:
+    _, mask, offset = node.operands
+    return [b("DropoutDoMask", cot, mask, offset, **dict(node.attrs)), None, None]
+
+
+def gen_mask_labels(ctx: OpContext) -> Labels:
+    whole = fresh_labels(1, set())[0]
+    return Labels([""], [whole], {whole})
+
+
+def do_mask_labels(ctx: OpContext) -> Labels:
+    lab = ALPHA[: ctx.in_types[0].rank]
+    whole, place = fresh_labels(2, set(lab))
+    return Labels([lab, whole, place], [lab], {whole, place})
+
+
+class DropoutDoMaskRule(LabelRule):
+    """MindSpore's DropoutDoMaskInfo: any split of x, the output alike; the mask is read whole
+    (every rank holds the packed bits of the whole tensor) and a split x needs each rank's
+    offsets ("global_offsets"), so each rank reads its block's bits."""
+
+    def __init__(self) -> None:
+        super().__init__(do_mask_labels, unsplittable="the packed mask and the offsets")
+
+    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
+              ) -> OpSharding:
+        result = super().apply(ctx, strategy, out_strategy)
+        if any(s > 1 for s in result.strategy[0]):
+            result.expand = GLOBAL_OFFSETS
+        return result
+
+
+def _do_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
+    for d in range(len(ins[0][0])):
+        yield Same(In(0, d), Out(d))
+
+
+_MASK_NOTE = """\
+**DropoutGenMask / DropoutDoMask** (MindSpore's `P.DropoutGenMask(Seed0, Seed1)(shape,
+keep_prob)` and `P.DropoutDoMask()(x, mask, keep_prob)`): GenMask draws the bits `ops.Dropout`
+draws (the same seeds and step keep the same elements) and packs them as MindSpore's mask,
+UInt8 of shape `(ceil(prod(shape) / 128) * 16,)`, element i in bit `i % 8` of byte `i // 8`.
+DoMask reads the bit of each element's flat index in the whole tensor: its strategy splits x
+(MindSpore's `((dp, mp),)`), the mask stays whole on every rank and each rank reads its block's
+bits at its offsets, so any plan drops what one device drops."""
+
+_MASK_TESTS = ("test_ops_random.py::test_gen_mask_packs_the_dropout_bits",
+               "test_dropout_do_mask.py::test_mindspore_do_mask_networks_train_like_one_device")
+
+define("DropoutGenMask", _gen_infer, _gen_np, _gen_jax, differentiable=False, num_inputs=1,
+       attrs=_GEN_ATTRS, sharding=LabelRule(gen_mask_labels, unsplittable="the packed mask"),
+       section="elementwise", dtypes=frozenset({DType.int32}),
+       doc="The bits Dropout keeps for a tensor of `shape`, packed as MindSpore's UInt8 mask.",
+       operands="int32 step; `shape`, `keep_prob`, `seed0`, `seed1`",
+       rule="the packed mask is whole on every rank", note=_MASK_NOTE,
+       spelling="`P.DropoutGenMask(Seed0, Seed1)(shape, keep_prob)`",
+       tests=_MASK_TESTS)
+
+define("DropoutDoMask", _do_infer, _do_np, _do_jax, vjp=_do_vjp, num_inputs=3,
+       attrs=_DO_ATTRS, sharding=DropoutDoMaskRule(),
+       dims=DimRule(_do_dims, _rewrite), section="elementwise", dtypes=FLOATS,
+       doc="x / keep_prob where the packed mask's bit of the element is set, else 0.",
+       operands="x, UInt8 mask, int32 offset; `keep_prob`, `global_shape`",
+       rule="element-wise on x; the mask whole; each rank reads its block's bits",
+       spelling="`P.DropoutDoMask()(x, mask, keep_prob)`",
+       tests=_MASK_TESTS)

@@ -121,16 +121,6 @@ def test_auto_generate_ops_train_like_one_device(tmp_path) -> None:
     assert check(program, steps=2).ok()
 
 
-def test_dropout_gen_mask_is_refused_with_the_way_out() -> None:
-    from pcompile.ir.errors import OpError
-
-    gen = ops.DropoutGenMask(Seed0=1, Seed1=2)  # constructible, as MindSpore code builds it
-    with pytest.raises(OpError, match=r"DropoutGenMask.*use ops\.Dropout"):
-        gen((4, 4), 0.5)
-    with pytest.raises(OpError, match="DropoutDoMask"):
-        ops.DropoutDoMask()(np.ones((4, 4), np.float32), None, 0.5)
-
-
 def test_a_missing_nn_name_is_one_message() -> None:
     """MindSpore's tests reached `nn.WithEvalCell` before pcompile had it: a missing name of
     `nn` says what it is and suggests the closest, as `ops` does (a bare AttributeError

@@ -189,6 +189,17 @@ def _dropout(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict
     return operands, {"keep_prob": 0.5, "seed0": 1, "seed1": 2, "global_shape": (3, 4)}
 
 
+def _gen_mask(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    return [values(d, (), rng, True)], {"shape": (3, 50), "keep_prob": 0.5, "seed0": 1,
+                                        "seed1": 2}
+
+
+def _do_mask(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
+    mask = rng.integers(0, 256, (16,)).astype(np.uint8)
+    return ([values(d, (3, 4), rng), mask, np.zeros(2, np.int32)],
+            {"keep_prob": 0.5, "global_shape": (3, 4)})
+
+
 def _make_tuple(d: DType, rng: np.random.Generator) -> tuple[list[np.ndarray], dict[str, Any]]:
     return [values(d, (2, 3), rng), values(d, (4,), rng)], {}
 
@@ -258,6 +269,12 @@ CASES: dict[str, Case] = {
     "TopKRouter": Case(lambda d, rng: ([rng.integers(0, 4, (2, 5, 2)).astype(d.np)],
                                        {"capacity": 3, "expert_num": 4, "drop_type": 0})),
     "Swiglu": Case(unary((3, 4), dim=-1)),
+    "GroupedMatmul": Case(lambda d, rng: ([values(d, (5, 3), rng), values(d, (3, 3, 2), rng),
+                                           np.array([2, 2, 4], np.int64)], {}), terms=3),
+    "GroupedMatmulWeightGrad": Case(lambda d, rng: ([values(d, (5, 3), rng),
+                                                     values(d, (5, 2), rng),
+                                                     np.array([2, 2, 4], np.int64)], {}),
+                                    terms=2),
     "SwigluGrad": Case(binary((3, 2), (3, 4), dim=-1)),
     "RotateHalf": Case(unary((3, 4), mode=1)),
     "RotaryPositionEmbedding": Case(_rope),
@@ -315,6 +332,8 @@ CASES: dict[str, Case] = {
     "Dropout": Case(_dropout),
     "DropoutMask": Case(_dropout),
     "DropoutGrad": Case(_dropout),
+    "DropoutGenMask": Case(_gen_mask),
+    "DropoutDoMask": Case(_do_mask),
 }
 
 

@@ -14,7 +14,7 @@ from pcompile.backends.numpy import run_graph
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Graph, GraphParam
 from pcompile.ir.errors import OpError
-from pcompile.ir.ops.random import kept_jax, kept_np
+from pcompile.ir.ops.random import kept_jax, kept_np, mask_bytes
 from pcompile.ir.types import DType, TensorType
 from tests.e2e.test_parallel import run_sharded
 
@@ -88,3 +88,60 @@ def test_every_strategy_draws_the_single_device_mask(strategy, devices) -> None:
     arrays = [x, np.asarray(3, np.int32), np.zeros(2, np.int32)]
     run_sharded("Dropout", arrays, attrs, strategy, devices)
     run_sharded("DropoutMask", arrays, attrs, strategy, devices)
+
+
+def _emit(op, arrays, attrs):
+    graph = Graph(op)
+    params = [graph.add_param(GraphParam(TensorType(DType.from_any(a.dtype), a.shape), f"x{i}"))
+              for i, a in enumerate(arrays)]
+    graph.outputs = [Builder(graph).emit(op, params, attrs)]
+    return graph
+
+
+def test_gen_mask_packs_the_dropout_bits() -> None:
+    """DropoutGenMask packs the bits Dropout keeps (the same seeds and step) as MindSpore's
+    UInt8 mask, ceil(n / 128) * 16 bytes, element i in bit i % 8 of byte i // 8, the bits past n
+    zero; numpy and JAX agree; DropoutDoMask with that mask is Dropout, and its gradient keeps
+    the same elements."""
+    from pcompile.backends.jax import lower_graph
+
+    shape, keep, step = (5, 70), 0.6, np.asarray(4, np.int32)
+    attrs = {"shape": shape, "keep_prob": keep, "seed0": 9, "seed1": 3}
+    gen = _emit("DropoutGenMask", [step], attrs)
+    (mask,) = run_graph(gen, [step])
+    assert mask.dtype == np.uint8 and mask.shape == (mask_bytes(shape),) == (48,)
+    bits = np.unpackbits(mask, bitorder="little")
+    kept = kept_np(shape, step, np.zeros(2, np.int32), keep, 9, 3, shape)
+    assert np.array_equal(bits[:350], kept.reshape(-1)) and not bits[350:].any()
+    assert np.array_equal(np.asarray(jax.jit(lower_graph(gen))(step)[0]), mask)
+    assert mask_bytes((128,)) == 16 and mask_bytes((129,)) == 32 and mask_bytes(()) == 16
+    for edge, want in ((0.0, 0), (1.0, 1)):  # MindSpore's keep_prob range is [0, 1]
+        (m,) = run_graph(_emit("DropoutGenMask", [step], {**attrs, "keep_prob": edge}), [step])
+        assert (np.unpackbits(m, bitorder="little")[:350] == want).all()
+
+    x = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
+    zero = np.zeros(2, np.int32)
+    do = _emit("DropoutDoMask", [x, mask, zero], {"keep_prob": keep, "global_shape": shape})
+    (got,) = run_graph(do, [x, mask, zero])
+    drop = _emit("Dropout", [x, step, zero], {"keep_prob": keep, "seed0": 9, "seed1": 3,
+                                               "global_shape": shape})
+    assert np.array_equal(got, run_graph(drop, [x, step, zero])[0])
+    assert np.array_equal(np.asarray(jax.jit(lower_graph(do))(x, mask, zero)[0]), got)
+    with pytest.raises(OpError, match="holds 128 bits, fewer than the 350"):
+        _emit("DropoutDoMask", [x, mask[:16], zero], {"keep_prob": keep, "global_shape": shape})
+    with pytest.raises(OpError, match="1-D UInt8"):
+        _emit("DropoutDoMask", [x, x, zero], {"keep_prob": keep, "global_shape": shape})
+
+
+@pytest.mark.parametrize("strategy,devices", [
+    (((2, 4), (1,), (1,)), 8), (((1, 4), (1,), (1,)), 8), (((4, 2), (1,), (1,)), 16)])
+def test_a_split_do_mask_reads_the_single_device_bits(strategy, devices) -> None:
+    """DropoutDoMask under MindSpore's strategies (x split, the mask whole, repeated ranks
+    included) computes the unsplit op's output and gradient."""
+    x = np.random.default_rng(3).standard_normal((8, 12))
+    shape = (8, 12)
+    step = np.asarray(2, np.int32)
+    (mask,) = run_graph(_emit("DropoutGenMask", [step], {"shape": shape, "keep_prob": 0.7,
+                                                        "seed0": 1, "seed1": 5}), [step])
+    run_sharded("DropoutDoMask", [x, mask, np.zeros(2, np.int32)],
+                {"keep_prob": 0.7, "global_shape": shape}, strategy, devices)
