@@ -7,6 +7,7 @@ from pcompile.ir.ops import (  # noqa: F401
     control,
     elementwise,
     fused,
+    grouped,
     linalg,
     nn,
     norm,
