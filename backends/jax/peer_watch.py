@@ -20,7 +20,9 @@ programs that liveness on their own:
   seconds for the others to read its verdict first (they acknowledge under `pcompile/ack/`).
   Process 0's own end (a failure, Ctrl-C, SIGTERM) is published the same way before its
   coordinator goes: the coordinator's end makes `jax.distributed` abort every other process.
-  Only a process 0 that is killed outright leaves them to JAX's abort.
+  A process 0 that is killed outright cannot say anything: the other processes' coordination
+  clients abort them (C++) within milliseconds, before this watch can notice; the helper of
+  backends/jax/abort_guard.py prints the one line naming it there.
 
 The traffic is O(processes) calls per interval (process 0 reads one list; every other
 process reads two keys).
@@ -66,6 +68,7 @@ class PeerWatch:
         self.coordinator = coordinator
         self.timeout = timeout
         self.on_lost = on_lost or self._exit
+        self.before_exit: list[Callable[[], None]] = []  # run before the default exit
         self.verdict: str | None = None
         self._stopped = threading.Event()
         self._decided = threading.Event()
@@ -259,6 +262,11 @@ class PeerWatch:
     def _exit(self, message: str) -> None:
         from pcompile.backends.jax.rank_process import say_safely
 
+        for hook in self.before_exit:
+            try:
+                hook()
+            except Exception:  # leaving must not fail
+                pass
         say_safely(f"{self.label}: error: {message}; stopped this process")
         os._exit(EXIT_PEER_LOST)
 

@@ -21,12 +21,13 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 from pcompile.backends.jax.peer_watch import INTERVAL as PEER_INTERVAL
-from pcompile.backends.jax.peer_watch import PeerWatch, peer_watch
+from pcompile.backends.jax.peer_watch import peer_watch
 from pcompile.backends.jax.rank_loop import RankRunner
 from pcompile.backends.jax.rank_process import (
     DISK_ERRNOS,
     EXIT_COORDINATOR_PORT,
     EXIT_NONFINITE,
+    HEARTBEAT_FD,
     ON_STOP,
     Heartbeat,
     NonFiniteLossError,
@@ -55,7 +56,7 @@ def main(module: ModuleType | Sequence[ModuleType], argv: list[str] | None = Non
     def label() -> str:  # the ranks this process runs, once it knows them
         return getattr(modules[0], "LABEL", None) or "pcompile rank program"
 
-    watch: dict[str, PeerWatch] = {}  # started by _main in a job started by hand
+    watch: dict[str, Any] = {}  # the PeerWatch and AbortGuard of a job started by hand
     try:
         return _main(modules, argv, heartbeat, watch)
     except RankError as exc:
@@ -73,6 +74,8 @@ def main(module: ModuleType | Sequence[ModuleType], argv: list[str] | None = Non
     except Exception as exc:  # any failure of a rank: report it and leave at once
         message, code = _failure(exc, label(), watch)
     heartbeat.failed(message)
+    if "guard" in watch:  # this process says why it ends itself
+        watch["guard"].done()
     if "peer" in watch:
         watch["peer"].failed(message)
     say_safely(message)
@@ -85,7 +88,7 @@ def main(module: ModuleType | Sequence[ModuleType], argv: list[str] | None = Non
     os._exit(code)
 
 
-def _failure(exc: BaseException, label: str, watch: dict[str, PeerWatch]) -> tuple[str, int]:
+def _failure(exc: BaseException, label: str, watch: dict[str, Any]) -> tuple[str, int]:
     """The message and status of an unexpected failure. A collective that failed because
     another process of a job started by hand went away is that process's loss, in one line:
     the peer watch names it (and ends this process) within its deadline."""
@@ -114,7 +117,7 @@ def _collective_failure(exc: BaseException) -> bool:
 
 
 def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbeat,
-          watch: dict[str, PeerWatch]) -> int:
+          watch: dict[str, Any]) -> int:
     num_ranks = int(modules[0].NUM_RANKS)
     if any(int(m.NUM_RANKS) != num_ranks for m in modules):
         raise RankError("the programs run by one process must have the same number of ranks: "
@@ -170,6 +173,16 @@ def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbea
         if local_ids is not None:  # the launcher's placement (else JAX's: by local rank)
             kwargs["local_device_ids"] = local_ids
         # else: JAX's own cluster detection (SLURM, Open MPI) finds everything
+        if pid != 0 and not os.environ.get(HEARTBEAT_FD) and args.heartbeat_timeout > 0:
+            # started by hand: process 0's death is one line, not jaxlib's C++ abort
+            from pcompile.backends.jax.abort_guard import start_abort_guard
+
+            first = 0 if per_process == 1 else f"0-{per_process - 1}"
+            guard = start_abort_guard(
+                label, f"process 0 (rank{'s' if per_process > 1 else ''} {first})",
+                coordinator, per_process, verbose=args.verbose > 0)
+            if guard is not None:
+                watch["guard"] = guard
         heartbeat.set(phase="connect")
         connecting = time.perf_counter()
         try:
@@ -190,7 +203,11 @@ def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbea
         if peer is not None:
             watch["peer"] = peer
             ON_STOP.append(peer.failed)
+            if "guard" in watch:  # the watch's own line comes first: the helper says nothing
+                peer.before_exit.append(watch["guard"].done)
     code = _train(modules, args, num_ranks, my_ranks, watchdog, heartbeat, timings)
+    if "guard" in watch:
+        watch["guard"].done()
     if "peer" in watch:
         watch["peer"].finished()
     return code

@@ -432,6 +432,32 @@ def test_process_0_stopped_by_hand_is_named_by_the_others(compiled4) -> None:
         assert "Check failure" not in outputs[p] and "Traceback" not in outputs[p], outputs[p]
 
 
+@pytest.mark.slow
+def test_process_0_killed_by_hand_is_one_line_in_the_others_not_jaxlibs_abort(compiled4) -> None:
+    """Process 0 SIGKILLed mid-run: its coordinator's connection closes and jaxlib aborts every
+    other process within milliseconds (C++, before any Python watch can act); the helper of
+    backends/jax/abort_guard.py names process 0 in one line first, and the process leaves with
+    status 4 before jaxlib's abort (which printed 'Check failure' and a stack trace before)."""
+    out = compiled4
+    (out / "rank_0" / "train.log").unlink(missing_ok=True)
+    procs = _start_by_hand(out, 4, "--steps", "1000000", "--no-checkpoint")
+    _wait_for_lines(out / "rank_0" / "train.log", procs[0], 3)
+    procs[0].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    outputs = _outputs(procs[1:], timeout=60)
+    assert time.monotonic() - killed < 10, outputs
+    for p, output in zip((1, 2, 3), outputs):
+        errors = [line for line in output.splitlines() if ": error: " in line]
+        assert len(errors) == 1 and re.fullmatch(
+            rf"pcompile rank {p}: error: process 0 \(rank 0\) is lost: the coordinator at "
+            r"127\.0\.0\.1:\d+ closed its connection or stopped answering \(process 0 was "
+            r"killed, or its host is down or unreachable\); stopped this process",
+            errors[0]), output
+        assert "Check failure" not in output and "Terminating process" not in output, output
+        assert "Traceback" not in output and "bad_cast" not in output, output
+        assert procs[p].returncode == 4, output
+
+
 # -- two hosts: two network namespaces joined by a veth pair ------------------------------------
 
 
