@@ -301,8 +301,6 @@ def _run_passes(state: CompileState, out_dir: str | None, dump_ranks: Any,
         try:
             before = {id(g): list(g.nodes) for g in (state.graphs if state.split
                                                       else [state.graph]) if g is not None}
-            if p.name == CommFusionPass.name:
-                state.unfused = [list(g.nodes) for g in state.graphs]
             p.apply(state)
             graphs = state.graphs if state.split else [state.graph]
             if index == 0 or index + 1 == len(passes) or verify_each:

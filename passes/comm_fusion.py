@@ -542,11 +542,8 @@ def _fuse_bucket(graph: Graph, members: list[_Candidate]) -> Node:
     producers = [v.node for v in inputs if isinstance(v, NodeResult)]
     last = max(producers, key=graph.order_key) if producers else None
     graph.move_after(last, created)
-    replaced: dict[int, Value] = {}
     for result, new in zip(results, outs):
-        result.replace_all_uses_with(new)
-        replaced[id(result)] = new
-    graph.outputs = [replaced.get(id(o), o) for o in graph.outputs]  # one pass, not one per member
+        result.replace_all_uses_with(new)  # its uses as an operand and as a graph output
     for m in members:
         assert not m.node.result.uses
         m.node.drop_operands()  # removed from the graph once every bucket is fused
@@ -670,6 +667,9 @@ class CommFusionPass:
     def apply(self, unit: CompileUnit) -> None:
         if not unit.parallel or not unit.rank_graphs:
             return  # one device: every collective is the identity
+        # the nodes before fusion, whose buckets depend on byte sizes: the shrunk check
+        # compares a plan's communication by them
+        unit.unfused = [list(g.nodes) for g in unit.graphs]
         config = replace(self.config or FusionConfig(), world_size=unit.devices)
         reports = {id(g): fuse_communication(g, config) for g in unit.graphs}
         self.reports = [reports[id(g)] for g in unit.rank_graphs]

@@ -134,7 +134,8 @@ class CompileUnit:
     # by id; None when the graphs are not split
     bprop_locals: dict[int, Any] | None = None
     # Each distinct rank graph's nodes before communication fusion (whose buckets depend on
-    # byte sizes): the shrunk check compares a plan's communication by them.
+    # byte sizes), kept by comm_fusion: the shrunk check compares a plan's communication by
+    # them.
     unfused: list[list[Node]] = field(default_factory=list)
     dump_ranks: list[int] = field(default_factory=list)  # the ranks whose folders are written
     state_owners: dict[str, str] = field(default_factory=dict)  # optimizer state -> parameter

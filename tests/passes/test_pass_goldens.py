@@ -354,7 +354,10 @@ def test_each_pass_alone_on_its_before_dump(case: str,
             forward = before
         assert forward is not None
         unit = _unit(compiled, step, before, forward)
+        nodes = list(before.nodes)
         step.step.apply(unit)
+        if step.step.name == "comm_fusion":  # it keeps the nodes before fusion (the shrunk check's)
+            assert unit.unfused == [nodes], case
         graph = unit.rank_graphs[0] if unit.split else unit.graph
         assert graph is not None
         text = print_graph(graph, 0)
