@@ -28,21 +28,43 @@ from pcompile.ir.errors import PcompileError
 from pcompile.ir.types import DType
 
 
-def _check_mode() -> None:
-    """data_parallel traces each rank's own batch: every rank would draw the bits of the
-    batch's first rows (its block's offsets are not known), unlike the single-device program."""
+def _data_parallel_ranks() -> int:
+    """The ranks data_parallel splits the batch over (1 outside that mode)."""
     from pcompile.compiler.context import current_context
-    from pcompile.compiler.tracing import user_source
 
     ctx = current_context()
     if ctx.parallel_mode == "data_parallel" and ctx.device_num > 1:
+        return int(ctx.device_num)
+    return 1
+
+
+def _place(tracer: Any, shape: tuple[int, ...], op: str) -> tuple[Any, tuple[int, ...]]:
+    """The offsets operand of a random op's tensor of (traced) `shape` and the whole tensor's
+    shape. data_parallel traces each rank's own rows: the tensor's dim 0 is then the batch's
+    (the local rows of the inputs), rank r's rows begin at r * rows and the whole tensor has
+    rows * ranks, so each rank draws its rows' bits of the single-device program's tensor."""
+    ranks = _data_parallel_ranks()
+    zeros = Constant(np.zeros(len(shape), np.int32), DType.int32)
+    if ranks == 1:
+        return Tensor(_value=zeros), shape
+    from pcompile.compiler.tracing import user_source
+    from pcompile.ir.core import RankConstant
+    from pcompile.ir.rank import RankOffsets
+
+    rows = {p.shape[0] for p in tracer.graph.inputs if p.shape}
+    if not shape or rows != {shape[0]}:
         source = user_source()
         where = f" at {source.file}:{source.line}" if source is not None else ""
         raise PcompileError(
-            f"Dropout{where} in data_parallel mode: each rank traces only its own batch, so "
-            "every rank would drop the elements the single-device program drops in the first "
-            "rows; compile in semi_auto_parallel (the default strategies split the batch as "
-            "data_parallel does) or auto_parallel, where each rank draws its rows' bits")
+            f"{op}{where} in data_parallel mode: each rank traces its own rows of the batch, "
+            f"so a random op's dim 0 must be the batch's ({sorted(rows)} rows a rank), but its "
+            f"input has shape {shape}; compile in semi_auto_parallel (the default strategies "
+            "split the batch as data_parallel does), where the plan knows every tensor's "
+            "layout")
+    terms = (((1, ranks, shape[0]),),) + ((),) * (len(shape) - 1)
+    offsets = RankOffsets((0,) * len(shape), terms)
+    return (Tensor(_value=RankConstant(offsets, DType.int32)),
+            (shape[0] * ranks, *shape[1:]))
 
 
 def dropout(prim: Primitive, x: Any) -> tuple[Any, Any]:
@@ -58,12 +80,11 @@ def dropout(prim: Primitive, x: Any) -> tuple[Any, Any]:
         args = [Tensor(arr), Tensor(np.ones((), np.int32)),
                 Tensor(np.zeros((arr.ndim,), np.int32))]
         return (_eager("Dropout", args, attrs, prim), _eager("DropoutMask", args, attrs, prim))
-    _check_mode()
     value = tracer.to_value(x, None)
+    offset, whole = _place(tracer, tuple(value.shape), "Dropout")
     seed0, seed1 = op_seeds(tracer, int(prim.attrs["seed0"]), int(prim.attrs["seed1"]))
     step = Tensor(_value=next_step(tracer))
-    offset = Tensor(_value=Constant(np.zeros(len(value.shape), np.int32), DType.int32))
-    call: dict[str, Any] = {"seed0": seed0, "seed1": seed1, "global_shape": tuple(value.shape)}
+    call: dict[str, Any] = {"seed0": seed0, "seed1": seed1, "global_shape": whole}
     given = prim.in_strategy
     if given is not None and len(given) == 1:  # MindSpore's form: x's split only
         prim.in_strategy = (given[0], (), (1,))
@@ -144,7 +165,16 @@ def gen_mask(prim: Primitive, shape: Any, keep_prob: Any) -> Any:
         return _eager("DropoutGenMask", [Tensor(np.ones((), np.int32))],
                       {**attrs, "seed0": prim.attrs["seed0"], "seed1": prim.attrs["seed1"]},
                       prim)
-    _check_mode()
+    if _data_parallel_ranks() > 1:
+        from pcompile.compiler.tracing import user_source
+
+        source = user_source()
+        where = f" at {source.file}:{source.line}" if source is not None else ""
+        raise PcompileError(
+            f"DropoutGenMask{where} in data_parallel mode: each rank traces its own rows, and "
+            "the packed mask of its shape would hold the first rows' bits on every rank; use "
+            "ops.Dropout (which draws each rank's rows' bits in data_parallel), or compile in "
+            "semi_auto_parallel (the default strategies split the batch alike)")
     seed0, seed1 = op_seeds(tracer, int(prim.attrs["seed0"]), int(prim.attrs["seed1"]))
     step = Tensor(_value=next_step(tracer))
     given = prim.in_strategy

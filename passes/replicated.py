@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from pcompile.ir.core import Graph, GraphParam, Node, Value
 from pcompile.ir.layout import TensorLayout
-from pcompile.ir.ops.state import refuse_assignments
+from pcompile.ir.ops.state import batch_assigned_names, refuse_assignments
 from pcompile.ir.sharding import OpSharding
 from pcompile.ir.types import TensorType, TupleType
 from pcompile.passes.layouts import ParallelAssignment, replicated
@@ -113,7 +113,8 @@ class ReplicatePass:
             f"in {unit.parallel_mode} mode every rank would update it from its own batch, so "
             "the ranks' copies of the Parameter would differ and none would be the "
             "single-device value; compile in semi_auto_parallel or auto_parallel, where a "
-            "reduction over the batch counts every rank's part"))
+            "reduction over the batch counts every rank's part"),
+            batch_assigned_names(unit.graph))
         if unit.parallel_mode == "hybrid_parallel":
             graphs = list(unit.rank_graphs)  # traced per rank by the front end
         else:

@@ -336,6 +336,8 @@ class RankBuilder:
 
     def constant(self, value: Constant, want: TensorLayout) -> Constant:
         """A constant operand as `want` lays it out: the whole constant, or each rank's part."""
+        if isinstance(value, RankConstant):  # already each rank's own (data_parallel's offsets)
+            return self.rank_constant(value.data, value.dtype)
         if all(s == 1 for s in want.splits) or not value.shape:  # whole on every rank
             return Constant(value.array, value.dtype)
         return self.rank_constant(SlicedArray(value.array, want), value.dtype)

@@ -48,6 +48,25 @@ def split_assigned(graph: Graph) -> tuple[list[Value], list[Value]]:
 ASSIGN_OPS = frozenset({"Assign", "AssignAdd", "AssignSub"})
 
 
+def batch_assigned_names(graph: Graph) -> tuple[str, ...]:
+    """The assigned Parameters whose assignment reads the graph's inputs (the batch): the
+    others (a step counter's AssignAdd(counter, 1)) compute the same on every rank."""
+    batch: set[int] = {id(p) for p in graph.inputs}
+    for node in graph.nodes:
+        if any(id(v) in batch for v in node.operands):
+            batch.add(id(node.result))
+    names: list[str] = []
+    for node in graph.nodes:
+        if node.op not in ASSIGN_OPS or id(node.result) not in batch:
+            continue
+        target = node.operands[0]
+        while isinstance(target, NodeResult) and target.node.op in ASSIGN_OPS:
+            target = target.node.operands[0]
+        if isinstance(target, GraphParam) and target.name not in names:
+            names.append(target.name)
+    return tuple(names)
+
+
 def assignment_sites(graph: Graph, names: tuple[str, ...] | None = None) -> list[str]:
     """Where the forward assigns each Parameter of `names` (default: every assigned one), as
     "AssignAdd 'assign_add' of Parameter 'load' at model.py:12 (cell Default/network-Net)"."""
@@ -67,12 +86,12 @@ def assignment_sites(graph: Graph, names: tuple[str, ...] | None = None) -> list
     return sites
 
 
-def refuse_assignments(graph: Graph, why: str) -> None:
-    """One message naming every forward assignment of `graph`, when it has any: `why` says
-    what cannot hold them."""
-    if not assigned_names(graph):
+def refuse_assignments(graph: Graph, why: str, names: tuple[str, ...] | None = None) -> None:
+    """One message naming every forward assignment of `graph` (of the Parameters `names`,
+    default every assigned one), when it has any: `why` says what cannot hold them."""
+    if not (assigned_names(graph) if names is None else names):
         return
-    sites = assignment_sites(graph)
+    sites = assignment_sites(graph, names)
     raise PcompileError(f"{'; '.join(sites) or 'an assignment to a Parameter'}: {why}")
 
 

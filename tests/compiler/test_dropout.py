@@ -157,23 +157,55 @@ def test_nn_dropout_mindspore_arguments() -> None:
         nn.Dropout(p=1.0)
 
 
-def test_data_parallel_mode_is_refused_with_the_way_out(tmp_path) -> None:
-    """data_parallel traces each rank's own batch, so a rank's rows would take the first
-    rows' bits: refused with one message naming the mode that works."""
+DATA_PARALLEL_NET = """
+import numpy as np
+from pcompile import nn, ops
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(p=0.5)
+        self.dense = nn.Dense(4, 2)
+    def construct(self, x):
+        return self.dense({body})
+def model():
+    return Net()
+def inputs():
+    return [np.random.default_rng(0).standard_normal((16, 4)).astype(np.float32)]
+def labels():
+    return [np.ones((16, 2), np.float32)]
+def loss():
+    return nn.MSELoss()
+def optimizer(params):
+    return nn.SGD(params, learning_rate=0.1)
+"""
+
+
+def test_data_parallel_dropout_trains_like_one_device(tmp_path) -> None:
+    """data_parallel traces each rank's own rows: a Dropout there draws its rows' bits of the
+    whole batch's tensor (its offsets a rank constant: rank r's rows begin at r * 2), so two
+    steps on 8 ranks equal one device's; the counter's AssignAdd reads no batch and is the same
+    on every rank, so it is not refused as a batch-dependent assignment is (it was refused)."""
+    path = tmp_path / "dp.py"
+    path.write_text(DATA_PARALLEL_NET.format(body="self.drop(x)"))
+    program = compile_model(str(path), devices=8, parallel_mode="data_parallel", dump=False)
+    drop = next(n for n in program.graph.nodes if n.op == "Dropout")
+    assert drop.attrs["global_shape"] == (16, 4) and drop.operands[0].shape == (2, 4)
+    assert [tuple(drop.operands[2].array_at(r)) for r in (0, 3)] == [(0, 0), (6, 0)]
+    report = check(program, steps=2)
+    assert report.ok(), report
+
+
+def test_data_parallel_dropout_off_the_batch_dim_is_refused(tmp_path) -> None:
+    """A random op whose dim 0 is not the batch's (here the transposed rows) has no known
+    place in the whole tensor when each rank traces its own rows: one message naming the mode
+    that works."""
     from pcompile.ir.errors import PcompileError
 
-    path = tmp_path / "dp.py"
-    path.write_text(
-        "import numpy as np\nfrom pcompile import nn\n"
-        "class Net(nn.Cell):\n    def __init__(self):\n        super().__init__()\n"
-        "        self.drop = nn.Dropout(p=0.5)\n        self.dense = nn.Dense(4, 2)\n"
-        "    def construct(self, x):\n        return self.dense(self.drop(x))\n"
-        "def model():\n    return Net()\n"
-        "def inputs():\n    return [np.ones((16, 4), np.float32)]\n"
-        "def labels():\n    return [np.ones((16, 2), np.float32)]\n"
-        "def loss():\n    return nn.MSELoss()\n"
-        "def optimizer(params):\n    return nn.SGD(params, learning_rate=0.1)\n")
-    with pytest.raises(PcompileError, match="Dropout at .* in data_parallel mode.*semi_auto"):
+    path = tmp_path / "dp_t.py"
+    path.write_text(DATA_PARALLEL_NET.format(
+        body="ops.transpose(self.drop(ops.transpose(x, (1, 0))), (1, 0))"))
+    with pytest.raises(PcompileError, match=r"Dropout at .* in data_parallel mode.*dim 0 must "
+                                            r"be the batch's.*semi_auto_parallel"):
         compile_model(str(path), devices=8, parallel_mode="data_parallel", dump=False)
 
 
