@@ -1108,3 +1108,7 @@ class DType(_Simple):
         if dtype is None:
             raise TypeError(f"DType expects a tensor, got {type(x).__name__} {x!r}")
         return IRDType.from_any(dtype)
+
+
+# the all-to-all with run-time counts (mindformers' MoEV3), composed of the ops above
+from pcompile.compiler.ragged import AlltoAllV  # noqa: E402, F401
