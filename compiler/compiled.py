@@ -16,6 +16,7 @@ from pcompile.compiler.initializer import InitializedData
 from pcompile.compiler.model_file import ModelFile
 from pcompile.compiler.nn.optim_base import Optimizer
 from pcompile.compiler.parameter_layout import parameter_layout_dict
+from pcompile.compiler.pinned_plan import PinnedPlan
 from pcompile.compiler.trace_model import TracedModel
 from pcompile.ir.core import Graph
 from pcompile.passes.unit import CompileUnit
@@ -91,7 +92,7 @@ class CompileState(CompileUnit):
     traces: list[TracedModel] = field(default_factory=list)  # hybrid mode: each rank's trace
     # The shrunk check (tools/shrink.py): the shrink applied to the trace and the plan's
     # pinned strategies; and the overrides the compile was given (to compile it again).
-    shrink: Any = None
+    shrink: PinnedPlan | None = None
     trace_only: bool = False  # compile(trace_only=True): the trace pass alone
     overrides: dict[str, Any] = field(default_factory=dict)
 

@@ -37,7 +37,7 @@ from pcompile.compiler.front_passes import TracePass, TrainStepPass, UserOptimiz
 from pcompile.compiler.model_file import load_model_file
 from pcompile.compiler.nn.pipeline import PipelineCell
 from pcompile.compiler.pass_options import cost_constants, fusion_config, search_options
-from pcompile.compiler.pinned_plan import PinnedSearchPass
+from pcompile.compiler.pinned_plan import PinnedPlan, PinnedSearchPass
 from pcompile.compiler.search_context import cost_model_override
 from pcompile.compiler.strategy_files import read_checkpoint
 from pcompile.ir.core import Graph, Node
@@ -77,7 +77,7 @@ def pipeline(state: CompileState) -> list[Pass[CompileState]]:
         passes.append(ReplicatePass(parameters))
     elif state.parallel:
         if state.parallel_mode == "auto_parallel" and state.shrink is not None:
-            passes.append(PinnedSearchPass())  # the shrunk check: the plan's strategies
+            passes.append(PinnedSearchPass(state.shrink))  # the shrunk check's plan
         elif state.parallel_mode == "auto_parallel":  # search
             passes.append(StepAutoParallelPass(search_options(), cost_constants()))
         passes += [StepParallelBeginPass(), StepParallelEndPass(SplitPassOptions(
@@ -148,7 +148,7 @@ def compile_program(
     on_event: Callable[..., None] | None = None,
     save_graphs: int | None = None,
     reference: ReferenceOptions | None = None,
-    shrink: Any = None,
+    shrink: PinnedPlan | None = None,
     trace_only: bool = False,
 ) -> CompiledProgram:
     """Compile a model file. Flags given here override what the model file sets.
@@ -183,7 +183,8 @@ def _compile(mf: Any, flags: dict[str, Any], devices: int | None, parallel_mode:
              search_mode: str | None, out_dir: str | None, dump: bool,
              overrides: dict[str, Any] | None, dump_ranks: Any,
              on_event: Callable[..., None] | None, save_graphs: int | None,
-             reference: ReferenceOptions | None, shrink: Any, trace_only: bool
+             reference: ReferenceOptions | None, shrink: PinnedPlan | None,
+             trace_only: bool
              ) -> CompiledProgram:
     if devices is not None:
         flags["device_num"] = devices
@@ -215,7 +216,7 @@ def _compile(mf: Any, flags: dict[str, Any], devices: int | None, parallel_mode:
             state.pipeline = settings
         state.reference = reference
         state.shrink = shrink
-        opt_sharded = getattr(shrink, "opt_sharded", None)
+        opt_sharded = shrink.opt_sharded if shrink is not None else None
         if opt_sharded is not None:  # the parallel optimizer shards what the plan sharded
             state.options = replace(state.options, optimizer_shard=replace(
                 state.options.optimizer_shard, pinned=opt_sharded))

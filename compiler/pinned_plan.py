@@ -7,12 +7,17 @@ place of a search."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pcompile.compiler.initializer import InitializedData
+from pcompile.ir.core import Graph
 from pcompile.ir.dims import Shrink
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
+from pcompile.passes.unit import CompileUnit
+
+if TYPE_CHECKING:
+    from pcompile.passes.search import SearchResult
 
 
 @dataclass
@@ -66,12 +71,11 @@ def shrunk_source(source: InitializedData, shape: tuple[int, ...]) -> Initialize
     return InitializedData(source.init, shape, source.dtype, source.ticket, array, rows)
 
 
-def pinned_search(state: Any) -> Any:
-    """The plan's search result for the shrunk trace (`PinnedPlan`), in place of a search."""
+def pinned_search(pinned: PinnedPlan, graph: Graph) -> SearchResult:
+    """The plan's search result for the shrunk trace `graph`, in place of a search."""
     from pcompile.passes.search import SearchResult
 
-    pinned: PinnedPlan = state.shrink
-    nodes = state.graph.nodes
+    nodes = graph.nodes
     return SearchResult(
         mode=pinned.mode,
         strategies={nodes[i]: s for i, s in pinned.strategies.items()},
@@ -81,12 +85,17 @@ def pinned_search(state: Any) -> Any:
 
 class PinnedSearchPass:
     """The shrunk check's compile (tools/shrink.py): the plan's searched strategies and
-    Reshape layouts, pinned by position, in place of a search."""
+    Reshape layouts, pinned by position, in place of a search; the driver gives it the plan
+    (its option) when the tool asks for the shrunk compile."""
 
     name = "step_auto_parallel_begin"
 
-    def apply(self, state: Any) -> None:
+    def __init__(self, pinned: PinnedPlan) -> None:
+        self.pinned = pinned
+
+    def apply(self, unit: CompileUnit) -> None:
         from pcompile.passes.search.auto_parallel_pass import apply_plan_choices
 
-        state.search = pinned_search(state)
-        apply_plan_choices(state)  # the plan's parallel optimizer and recompute
+        assert unit.graph is not None
+        unit.search = pinned_search(self.pinned, unit.graph)
+        apply_plan_choices(unit)  # the plan's parallel optimizer and recompute
