@@ -116,14 +116,22 @@ class StatementWriter:
         if arr.size <= INLINE_CONST_LIMIT and (arr.dtype.kind != "f" or np.isfinite(
                 arr.astype(np.float64)).all()):
             return f"const({array_literal(arr)}, {dtype!r})"
-        key = f"const.{array_digest(arr)}"  # the same data (one mask per layer) stored once
-        self.consts[key] = arr
+        key = self._store(f"const.{array_digest(arr)}", arr)  # the same data stored once
         return f"jnp.asarray(DATA[{key!r}])"
+
+    def _store(self, key: str, arr: np.ndarray) -> str:
+        """`arr` under `key` in consts.npz, or under a key naming its dtype and shape when
+        other data of the same bytes is stored there (a (64, 1) and a (1, 64) iota)."""
+        known = self.consts.get(key)
+        if known is not None and (known.shape != arr.shape or known.dtype != arr.dtype):
+            key = f"{key}.{_dtype_name(arr.dtype)}.{'x'.join(map(str, arr.shape))}"
+        self.consts[key] = arr
+        return key
 
     def _table(self, name: str, table: np.ndarray, what: str) -> None:
         if table.size > 64 * max(1, self.plan.num_ranks):
-            key = f"table.{array_digest(table)}"  # the same table (one per layer) stored once
-            self.consts[key] = np.asarray(table)
+            # the same table (one per layer) stored once
+            key = self._store(f"table.{array_digest(table)}", np.asarray(table))
             self.tables.append(f"{name} = LazyTable(DATA, {key!r})  # {what}, in consts.npz")
             return
         # DType's numpy dtype: numpy itself has no bfloat16 (ml_dtypes gives DType its own)

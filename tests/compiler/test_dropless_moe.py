@@ -85,3 +85,33 @@ def test_8_processes_train_like_one_device(tmp_path: Any) -> None:
     assert len(got) == steps
     for step, (g, w) in enumerate(zip(got, want), start=1):
         assert abs(g - w) <= step * eps * longest * abs(w), (step, g, w)
+
+
+def test_the_program_writer_keeps_same_bytes_of_other_shapes_apart() -> None:
+    """One consts.npz key per stored array: equal bytes of another shape or dtype get their
+    own (the AlltoAllVs' (64, 1) and (1, 64) iotas)."""
+    from types import SimpleNamespace
+
+    from pcompile.backends.jax.program_writer import StatementWriter
+
+    writer = SimpleNamespace(consts={})
+    column, row = np.arange(64, dtype=np.int32).reshape(64, 1), np.arange(64, dtype=np.int32)
+    keys = [StatementWriter._store(writer, "const.k", a)  # type: ignore[arg-type]
+            for a in (column, row.reshape(1, 64), column, column.view(np.float32))]
+    assert keys[0] == keys[2] == "const.k" and len(set(keys)) == 3, keys
+    assert writer.consts[keys[3]].dtype == np.float32
+    assert [writer.consts[k].shape for k in keys] == [(64, 1), (1, 64), (64, 1), (64, 1)]
+
+
+@pytest.mark.slow
+def test_constants_of_the_same_bytes_and_other_shapes_are_stored_apart(tmp_path: Any) -> None:
+    """The AlltoAllVs' iotas (64, 1) and (1, 64) hold the same bytes: the rank program's
+    consts.npz keeps both shapes (one key for both made a rank broadcast (1, 8) against the
+    wrong one)."""
+    compile_model(MODEL, devices=8, out_dir=str(tmp_path / "out"), dump=True)
+    program = (tmp_path / "out" / "program.py").read_text()
+    with np.load(tmp_path / "out" / "consts.npz") as consts:
+        iotas = {consts[k].shape for k in consts.files
+                 if consts[k].size == 64 and np.array_equal(consts[k].ravel(), np.arange(64))}
+        assert {(64, 1), (1, 64)} <= iotas, iotas
+        assert all(f"DATA[{k!r}]" in program for k in consts.files if k.startswith("const."))
