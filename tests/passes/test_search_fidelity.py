@@ -4,6 +4,7 @@ each also checked against the single-device program."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -141,6 +142,26 @@ def test_a_multi_input_op_waits_for_its_visited_edges_before_neighbour_layouts()
     assert got["relu"] == ((4, 2),)
     report = check(program, steps=1)
     assert report.ok(), report.errors
+
+
+def test_a_multi_input_op_is_decided_from_its_visited_edges_only(tmp_path) -> None:
+    """The same test with `dataset_strategy="data_parallel"` (MindSpore's test default): the
+    Add's edge from `_VirtualDataset` is not visited when MindSpore decides the Add, so the
+    Add takes ((4, 2), (4, 2)) as with full_batch. pcompile summed that edge too and gave
+    ((8, 1), (8, 1)), the input's split."""
+    text = Path(model("out_strategy_propagation.py")).read_text()
+    path = tmp_path / "out_strategy_propagation_dp.py"
+    path.write_text(text.replace('dataset_strategy="full_batch"',
+                                 'dataset_strategy="data_parallel"'))
+    set_algo_parameters(fully_use_devices=True)
+    try:
+        program = compile_model(str(path), devices=8, dump=False)
+    finally:
+        reset_algo_parameters()
+    got = strategies(program)
+    assert (got["matmul"], got["add"], got["relu"]) == (((4, 2), (1, 2)), ((4, 2), (4, 2)),
+                                                         ((4, 2),))
+    assert check(program, steps=1).ok()
 
 
 @pytest.mark.parametrize("case,expected", [
