@@ -53,6 +53,7 @@ from pcompile.passes.pipeline_split import PipelineSplitPass
 from pcompile.passes.recompute import RecomputePass, marked
 from pcompile.passes.replicated import ReplicatePass
 from pcompile.passes.search.auto_parallel_pass import StepAutoParallelPass
+from pcompile.passes.search.time_model import load_profile
 from pcompile.passes.step_parallel import SplitPassOptions, StepParallelEndPass
 from pcompile.passes.step_parallel_begin import StepParallelBeginPass
 from pcompile.passes.unit import (
@@ -255,7 +256,7 @@ def compile_options(ctx: AutoParallelContext, save_graphs: int) -> CompileOption
         parallel_detail=os.environ.get("MS_DEV_DUMP_IR_PARALLEL_DETAIL") == "1",
         save_graphs=save_graphs,
         verify_each=bool(os.environ.get("PCOMPILE_VERIFY_EACH")),
-        device_profile=search.device_profile,
+        device_profile=load_profile(search.device_profile),  # the passes read no file
         device_memory=search.device_memory,
     )
 

@@ -323,7 +323,7 @@ def record_prediction(unit: CompileUnit) -> None:
     from pcompile.passes.search.time_model import load_profile
 
     assert unit.graph is not None
-    profile = load_profile(unit.options.device_profile)
+    profile = unit.options.device_profile or load_profile("h100")  # a built-in: no file
     memory = unit.options.device_memory
     # what the compiled program does (an ilp plan that assumed the parallel optimizer or
     # recompute the program does not switch on is predicted without them, and says so)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from pcompile.passes.layouts import OptShard, ParallelAssignment
     from pcompile.passes.pipeline_stages import PipelineSettings
     from pcompile.passes.search import SearchResult
+    from pcompile.passes.search.time_model import DeviceProfile
 
 U_contra = TypeVar("U_contra", contravariant=True)
 
@@ -94,9 +95,10 @@ class CompileOptions:
     parallel_detail: bool = False
     save_graphs: int = 2  # MindSpore's level: which passes are dumped
     verify_each: bool = False  # verify the graphs after every pass (the test suite sets it)
-    # the cost model in seconds (passes/search/time_model.py): the device profile (a built-in
-    # name or a JSON file) and the memory per device (None: the profile's)
-    device_profile: str = "h100"
+    # the cost model in seconds (passes/search/time_model.py): the device profile, read by the
+    # driver (a built-in one or a JSON file's; None: the built-in h100), and the memory per
+    # device (None: the profile's)
+    device_profile: DeviceProfile | None = None
     device_memory: float | None = None
 
 
