@@ -282,19 +282,38 @@ def optimizer(params):
 """
 
 
+DO_MASK_LINES = (
+    "        self.drop = nn.Dropout(p=0.5)\n        self.drop.dropout.shard(((2, 4),))\n",
+    "        self.gen = ops.DropoutGenMask(Seed0=2, Seed1=5)\n"
+    "        self.drop = lambda h: ops.DropoutDoMask().shard(((2, 4),))(\n"
+    "            h, self.gen(ops.Shape()(h), 0.5), 0.5)\n")
+
+
 def check_dropout() -> dict[str, Any]:
     """nn.Dropout on a (2, 4) split: each rank draws its block's bits from its rank constant
-    of offsets; two steps of the JAX SPMD program, the numpy simulator and one device."""
+    of offsets; DropoutGenMask / DropoutDoMask under the same split (the packed mask whole,
+    each rank reading its block's bits); nn.Dropout in data_parallel mode (each rank's rows'
+    offsets a rank constant); two steps of the JAX SPMD program, the numpy simulator and one
+    device for each."""
     import tempfile
 
     from pcompile.tools.compile import compile as compile_model
 
+    models = {"semi_auto_parallel": DROPOUT_MODEL,
+              "do_mask": DROPOUT_MODEL.replace(*DO_MASK_LINES),
+              "data_parallel": DROPOUT_MODEL.replace('parallel_mode="semi_auto_parallel", '
+                                                     'dataset_strategy="full_batch"',
+                                                     'parallel_mode="data_parallel"')}
+    report = {}
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "dropout_model.py")
-        with open(path, "w") as f:
-            f.write(DROPOUT_MODEL)
-        program = compile_model(path, devices=8, dump=False)
-        return compare(program, "semi_auto_parallel")  # (the batches read the model file)
+        for case, text in models.items():
+            path = os.path.join(tmp, f"dropout_{case}.py")
+            with open(path, "w") as f:
+                f.write(text)
+            program = compile_model(path, devices=8, dump=False)
+            # (the batches read the model file)
+            report[case] = compare(program, program.state.parallel_mode)
+    return report
 
 
 def main() -> None:

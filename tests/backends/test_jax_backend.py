@@ -97,9 +97,11 @@ def test_adafactor_spmd_equals_numpy_simulator_and_single_device() -> None:
 def test_dropout_spmd_equals_numpy_simulator_and_single_device() -> None:
     """A split Dropout's bits in the JAX SPMD program (its offsets a per-rank constant table)
     are the single-device program's: two steps agree with numpy and one device (float64)."""
-    result = worker("dropout")
-    assert_agrees_in_float64(result, "dropout")
-    assert result["vs_single"]["state"] == 0.0  # random_step: 2 after two steps, on each side
+    report = worker("dropout")
+    assert set(report) == {"semi_auto_parallel", "do_mask", "data_parallel"}
+    for case, result in report.items():
+        assert_agrees_in_float64(result, case)
+        assert result["vs_single"]["state"] == 0.0, case  # random_step: 2 after two steps
 
 
 # slow: reads the examples worker's report (above)
