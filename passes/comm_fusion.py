@@ -656,7 +656,7 @@ class CommFusionPass:
     The driver gives the config (`compiler.pass_options.fusion_config`: the context's
     `comm_fusion`); without one, the defaults (AllReduce fusion, `auto`). The rank reports are
     kept in `self.reports`, and a summary (rank 0's buckets and parameter ids, collectives per
-    rank before and after) in `state.plan["comm_fusion"]`."""
+    rank before and after) in `unit.plan.comm_fusion`."""
 
     name = "comm_fusion"
 
@@ -674,7 +674,7 @@ class CommFusionPass:
         reports = {id(g): fuse_communication(g, config) for g in unit.graphs}
         self.reports = [reports[id(g)] for g in unit.rank_graphs]
         first = self.reports[0]
-        unit.plan["comm_fusion"] = {
+        unit.plan.comm_fusion = {
             "config": config.as_dict(),
             "parameter_fusion": dict(first.parameter_fusion),
             "buckets": [b.as_dict() for b in first.buckets],

@@ -18,4 +18,4 @@ class ExecutePass:
         if unit.pipelined:  # the schedule of the final stage graphs
             assert unit.pipeline is not None and unit.pipeline.program is not None
             unit.pipeline.program.finish()
-            unit.plan["pipeline"] = unit.pipeline.program.describe()
+            unit.plan.pipeline = unit.pipeline.program.describe()

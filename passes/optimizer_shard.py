@@ -137,7 +137,7 @@ def optimizer_sharding(unit: CompileUnit, layouts: dict[str, TensorLayout],
     assert unit.graph is not None
     plan = plan_optimizer_sharding(unit.graph, layouts, dict(parameters), options.threshold_kb,
                                    options.shard_size, options.pinned)
-    unit.plan["parallel_optimizer"] = {
+    unit.plan.parallel_optimizer = {
         name: {"stored_dev_matrix": list(s.stored.dev_matrix),
                "stored_tensor_map": [list(e) if isinstance(e, tuple) else e
                                      for e in s.stored.tensor_map],

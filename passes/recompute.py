@@ -139,4 +139,4 @@ class RecomputePass:
         if not any(marked(graph) for graph in unit.graphs):
             return  # nothing asked for it (an ilp plan that chose no recompute)
         copied = sum(apply_recompute(graph) for graph in unit.graphs)
-        unit.plan["recompute"] = {"recomputed_nodes": copied}
+        unit.plan.recompute = {"recomputed_nodes": copied}

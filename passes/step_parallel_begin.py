@@ -336,5 +336,5 @@ def record_prediction(unit: CompileUnit) -> None:
     record = pred.as_dict()
     if not pred.fits:
         record["advice"] = fit_advice(pred, unit.stage_devices)
-    unit.plan["prediction"] = record
+    unit.plan.prediction = record
 

@@ -15,8 +15,8 @@ dumps it as `<NN>_<name>.ir`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, MutableMapping
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pcompile.ir.core import Graph, Node
@@ -102,6 +102,49 @@ class CompileOptions:
     device_memory: float | None = None
 
 
+@dataclass
+class PlanRecord(MutableMapping[str, Any]):
+    """The plan record's sections the passes write, one field each (None until its pass
+    writes it): plan.json's sections of the same names (`compiler/plan.py::Plan` gives their
+    schema). Seen as a mapping, it holds the sections written, by name; a name that is no
+    field is refused (a new section is a new field here and in the schema)."""
+
+    search: dict[str, Any] | None = None  # step_auto_parallel_begin: the search's summary
+    prediction: dict[str, Any] | None = None  # step_parallel_begin: step time and memory
+    parallel_optimizer: dict[str, Any] | None = None  # the parallel optimizer's shards
+    recompute: dict[str, Any] | None = None  # recompute: the nodes it copied
+    comm_fusion: dict[str, Any] | None = None  # comm_fusion: buckets and counts
+    pipeline: dict[str, Any] | None = None  # execute: the pipeline's schedule
+
+    def _section(self, name: str) -> str:
+        if name not in _PLAN_SECTIONS:
+            raise KeyError(f"plan section {name!r} is not one of {', '.join(_PLAN_SECTIONS)} "
+                           "(passes.unit.PlanRecord)")
+        return name
+
+    def __getitem__(self, name: str) -> Any:
+        value = getattr(self, self._section(name))
+        if value is None:
+            raise KeyError(name)
+        return value
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        setattr(self, self._section(name), value)
+
+    def __delitem__(self, name: str) -> None:
+        self[name]  # noqa: B018  (KeyError when not written)
+        setattr(self, name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name in _PLAN_SECTIONS if getattr(self, name) is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+_PLAN_SECTIONS = tuple(f.name for f in fields(PlanRecord))
+
+
 @dataclass(kw_only=True)
 class CompileUnit:
     """What the passes read and write."""
@@ -121,7 +164,7 @@ class CompileUnit:
     # traces the model per rank and has one graph per rank.
     rank_graphs: list[Graph] = field(default_factory=list)
     split: bool = False  # True once every rank has its own graph
-    plan: dict[str, Any] = field(default_factory=dict)  # the plan record (plan.json)
+    plan: PlanRecord = field(default_factory=PlanRecord)  # the plan record (plan.json)
     assignment: ParallelAssignment | None = None
     output_layouts: list[Any] = field(default_factory=list)
     search: SearchResult | None = None  # auto_parallel's decision

@@ -75,9 +75,9 @@ def summary(program: CompiledProgram, elapsed: float, quiet: bool, echo: Echo) -
         f"{'training step' if program.training else 'inference'}; {len(graph.nodes)} nodes, "
         f"{len(graph.params)} parameters, {elapsed:.3f} s"
     )
-    for line in (state.plan.get("search") or {}).get("warnings", []):
+    for line in (state.plan.search or {}).get("warnings", []):
         echo(f"warning: {line}", err=True)
-    prediction = state.plan.get("prediction")
+    prediction = state.plan.prediction
     if prediction and not prediction["fits"]:
         echo(f"warning: {prediction['advice']}", err=True)
     if quiet:
@@ -87,8 +87,8 @@ def summary(program: CompiledProgram, elapsed: float, quiet: bool, echo: Echo) -
         from pcompile.compiler.render import prediction_text
 
         # the advice was printed above, as a warning
-        for text, _style in prediction_text({**prediction, "advice": None}, state.plan.get(
-                "search"), megatron_minimum(state)):
+        for text, _style in prediction_text({**prediction, "advice": None}, state.plan.search,
+                                            megatron_minimum(state)):
             echo(text)
     if state.pipelined and state.pipeline is not None:
         echo(state.pipeline.program.schedule.text())

@@ -38,7 +38,7 @@ from pcompile.ir.parser import parse_graph
 from pcompile.ir.printer import print_graph
 from pcompile.passes.layouts import ParallelAssignment
 from pcompile.passes.pipeline_stages import PipelineSettings
-from pcompile.passes.unit import CompileUnit, Pass
+from pcompile.passes.unit import CompileUnit, Pass, PlanRecord
 from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 from tests.multiprocess import mlp_source
@@ -331,7 +331,7 @@ def _unit(compiled: Compiled, step: Step, before: Graph, forward: Graph) -> Comp
               "rank_graphs": [before] * state.devices if step.split else [],
               "split": step.split, **fields}
     if isinstance(step.step, TrainStepPass):  # a front-end pass: it replays the user's cell
-        return replace(state, **common, plan={})
+        return replace(state, **common, plan=PlanRecord())
     return CompileUnit(**common)
 
 

@@ -13,7 +13,7 @@ import pytest
 from pcompile.ir.parser import parse_graph
 from pcompile.passes.search.time_model import PROFILES
 from pcompile.passes.step_parallel_begin import StepParallelBeginPass
-from pcompile.passes.unit import CompileOptions, CompileUnit
+from pcompile.passes.unit import CompileOptions, CompileUnit, PlanRecord
 from tests import ROOT
 
 TRACE = Path(ROOT, "tests", "passes", "goldens", "semi_auto", "00_trace.ir")
@@ -34,6 +34,23 @@ def test_step_parallel_begin_predicts_with_the_profile_it_is_given(
 
     monkeypatch.setattr(builtins, "open", no_file)
     StepParallelBeginPass().apply(unit)
-    prediction = unit.plan["prediction"]
+    prediction = unit.plan.prediction
+    assert prediction is not None
     assert prediction["device_profile"] == "mine"
     assert prediction["device_memory"] == 40e9
+
+
+def test_the_plan_record_has_a_field_per_section() -> None:
+    """The passes write typed sections; seen as a mapping (what plan.json is built from) the
+    record holds the written ones, and a name no section has is refused."""
+    plan = PlanRecord()
+    assert dict(plan) == {} and plan.get("recompute") is None
+    plan.recompute = {"recomputed_nodes": 3}
+    plan["comm_fusion"] = {"buckets": []}
+    assert dict(plan) == {"recompute": {"recomputed_nodes": 3}, "comm_fusion": {"buckets": []}}
+    assert plan.comm_fusion == {"buckets": []}
+    with pytest.raises(KeyError, match="plan section 'predicton' is not one of search, "
+                                       "prediction"):
+        plan["predicton"] = {}
+    del plan["recompute"]
+    assert plan.recompute is None and list(plan) == ["comm_fusion"]
