@@ -473,8 +473,10 @@ def _run_once(programs: list[str], per: int, coordinator: str, common: list[str]
         _write_launch_info(out_dir, coordinator, ranks)
         seen = [0, 0, resumed_from]
         told: set[str] = set()
+        first_log = [0, 0]  # rank 0's run.log: the lines of its TimeMonitor callback
         while True:
             echoed = _echo_progress(progress, seen, echo)
+            _echo_progress(ranks[0].log, first_log, echo, CALLBACK_LINES)
             for r in ranks:
                 _read_beats(r)
             _echo_startup(ranks[0], told, echo)
@@ -522,6 +524,7 @@ def _run_once(programs: list[str], per: int, coordinator: str, common: list[str]
                 return LaunchResult(1, proc.rank, message)
             if all(r.code == 0 for r in ranks):
                 _echo_progress(progress, seen, echo)
+                _echo_progress(ranks[0].log, first_log, echo, CALLBACK_LINES)
                 return LaunchResult(0)
             time.sleep(0.1)
     except KeyboardInterrupt:
@@ -725,10 +728,16 @@ def _echo_startup(proc: _Proc, told: set[str], echo: Callable[[str], None]) -> N
     echo(f"pcompile launcher: {proc.name} is {_PHASES[proc.phase]} ({elapsed:.1f} s)")
 
 
-def _echo_progress(path: str, state: list[int], echo: Callable[[str], None]) -> int:
-    """Echo the complete lines added to `path` since the last call. `state` is
-    [bytes consumed, lines echoed, lines to pass over first (a resumed run's restored
-    ones)]; returns the number of lines echoed so far."""
+#: the lines of rank 0's run.log that the launcher echoes as they come: MindSpore's
+#: TimeMonitor callback (compiler/callbacks.py), which a model file's callbacks() may give
+CALLBACK_LINES = ("Train epoch time: ",)
+
+
+def _echo_progress(path: str, state: list[int], echo: Callable[[str], None],
+                   only: tuple[str, ...] | None = None) -> int:
+    """Echo the complete lines added to `path` since the last call (with `only`: those that
+    start so). `state` is [bytes consumed, lines echoed, lines to pass over first (a resumed
+    run's restored ones)]; returns the number of lines echoed so far."""
     try:
         with open(path, "rb") as f:
             f.seek(state[0])
@@ -739,6 +748,8 @@ def _echo_progress(path: str, state: list[int], echo: Callable[[str], None]) -> 
     for line in data[:end].decode("utf-8", errors="replace").splitlines():
         if len(state) > 2 and state[2] > 0:
             state[2] -= 1
+            continue
+        if only is not None and not line.startswith(only):
             continue
         echo(line)
         state[1] += 1

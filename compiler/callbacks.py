@@ -1,24 +1,34 @@
 """MindSpore's training callbacks, `mindspore.train.callback` (also `mindspore.train` and
-`mindspore`): `Callback`, `LossMonitor`, `TimeMonitor`, `CheckpointConfig`, `ModelCheckpoint`.
+`mindspore`): `Callback`, `RunContext`, `LossMonitor`, `TimeMonitor`, `CheckpointConfig`,
+`ModelCheckpoint`.
 
-A ported script builds them for `Model.train(epoch, dataset, callbacks=[...])`. pcompile
-compiles a model file and its run loop (`pcompile MODEL.py --run`, the rank programs) gives
-their behaviour through options, so each callback says which (`run_flags`), and
-`Model.train` names the command that runs the same training:
+A model file gives them as MindSpore's `Model.train(..., callbacks=[...])` takes them: a
+module-level `callbacks()` returning a list (DESIGN.md, "Model file"; docs/running.md,
+"Callbacks"). The rank programs (`pcompile MODEL.py --run`, `python DIR/program.py`) call them
+at MindSpore's points (`CallbackRunner`): `on_train_begin`, `on_train_epoch_begin`,
+`on_train_step_begin`, `on_train_step_end` (the step's loss read back), `on_train_epoch_end`,
+`on_train_end`, each with a `RunContext` whose `original_args()` holds `cur_epoch_num`,
+`cur_step_num` (over the whole run), `batch_num`, `net_outputs` (the loss, a Tensor), ...; and
+`run_context.request_stop()` ends the run after the step. The built-in ones map onto the run's
+own options (`run_settings`), which an option given on the command line overrides:
 
 * `LossMonitor(per_print_times=k)`: a loss line every k steps (`--print-every k`; 0 prints
-  none: `-q`), in MindSpore's `epoch: E step: S, loss is L` form;
-* `TimeMonitor(data_size=None)`: the step time (always reported: the summary's ms/step after
-  the first step, and `step_time_ms` of every line of metrics.jsonl);
+  none), in MindSpore's `epoch: E step: S, loss is L` form; a loss that is not finite stops the
+  run (`--fail-on-nan`, on by default);
+* `TimeMonitor(data_size=None)`: at each epoch's end MindSpore's line `Train epoch time: T ms,
+  per step time: t ms` (the epoch's steps, or `data_size`, dividing);
 * `ModelCheckpoint(prefix, directory, config=CheckpointConfig(save_checkpoint_steps=s,
   keep_checkpoint_max=m))`: a checkpoint every s steps (`--checkpoint-every s`), the newest m
   kept (`--keep-checkpoint-max m`); pcompile's checkpoints are per rank, in safetensors, under
   DIR/checkpoints (`pcompile-merge DIR` gathers them), whatever `prefix` and `directory` say.
+
+`Model.train` (compiler/train_model.py) is not run: it names the command (`run_flags`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pcompile.ir.errors import PcompileError
@@ -35,38 +45,95 @@ def _count(value: Any, what: str, least: int = 0) -> int:
 
 
 class Callback:
-    """MindSpore's `Callback`: a subclass's `on_train_*` / `step_end` hooks are kept for the
-    script's sake; pcompile's run loop does not call them (it runs compiled programs)."""
+    """MindSpore's `Callback`: a subclass overrides the hooks it needs. Each `on_train_*` hook
+    calls MindSpore's older name (`begin`, `epoch_begin`, `step_begin`, `step_end`,
+    `epoch_end`, `end`) unless overridden, as MindSpore's does, so either form works."""
 
     def run_flags(self) -> list[str]:
         """The `pcompile --run` options that give this callback's behaviour."""
         return []
 
     def on_train_begin(self, run_context: Any) -> None:
-        """Called by MindSpore before training; not by pcompile."""
+        """Before the first step."""
+        self.begin(run_context)
 
     def on_train_epoch_begin(self, run_context: Any) -> None:
-        """Called by MindSpore at each epoch's start; not by pcompile."""
+        """Before each epoch's first step."""
+        self.epoch_begin(run_context)
 
     def on_train_step_begin(self, run_context: Any) -> None:
-        """Called by MindSpore before each step; not by pcompile."""
+        """Before each step."""
+        self.step_begin(run_context)
 
     def on_train_step_end(self, run_context: Any) -> None:
-        """Called by MindSpore after each step; not by pcompile."""
+        """After each step, its loss read back (`net_outputs`)."""
+        self.step_end(run_context)
 
     def on_train_epoch_end(self, run_context: Any) -> None:
-        """Called by MindSpore at each epoch's end; not by pcompile."""
+        """After each epoch's last step (or the run's last step, in its epoch)."""
+        self.epoch_end(run_context)
 
     def on_train_end(self, run_context: Any) -> None:
-        """Called by MindSpore after training; not by pcompile."""
+        """After the last step."""
+        self.end(run_context)
 
     # MindSpore's older names
-    begin = on_train_begin
-    epoch_begin = on_train_epoch_begin
-    step_begin = on_train_step_begin
-    step_end = on_train_step_end
-    epoch_end = on_train_epoch_end
-    end = on_train_end
+    def begin(self, run_context: Any) -> None:
+        """MindSpore's older `on_train_begin`."""
+
+    def epoch_begin(self, run_context: Any) -> None:
+        """MindSpore's older `on_train_epoch_begin`."""
+
+    def step_begin(self, run_context: Any) -> None:
+        """MindSpore's older `on_train_step_begin`."""
+
+    def step_end(self, run_context: Any) -> None:
+        """MindSpore's older `on_train_step_end`."""
+
+    def epoch_end(self, run_context: Any) -> None:
+        """MindSpore's older `on_train_epoch_end`."""
+
+    def end(self, run_context: Any) -> None:
+        """MindSpore's older `on_train_end`."""
+
+    def __enter__(self) -> Callback:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class CallbackParams(dict):  # type: ignore[type-arg]
+    """What `RunContext.original_args()` returns: MindSpore's callback parameters, read as
+    attributes (`cb_params.cur_step_num`) or keys."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self[name] = value
+
+
+class RunContext:
+    """MindSpore's `RunContext`: `original_args()` (the callback parameters),
+    `request_stop()` (end the run after this step; every process must ask at the same step,
+    or the others wait for it in their collectives) and `get_stop_requested()`."""
+
+    def __init__(self, original_args: CallbackParams) -> None:
+        self._original_args = original_args
+        self._stop_requested = False
+
+    def original_args(self) -> CallbackParams:
+        return self._original_args
+
+    def request_stop(self) -> None:
+        self._stop_requested = True
+
+    def get_stop_requested(self) -> bool:
+        return self._stop_requested
 
 
 class LossMonitor(Callback):
@@ -83,12 +150,30 @@ class LossMonitor(Callback):
 
 
 class TimeMonitor(Callback):
-    """`TimeMonitor(data_size=None, data_time=False)`: the time of each step; pcompile
-    always reports it (the summary, metrics.jsonl's `step_time_ms`)."""
+    """`TimeMonitor(data_size=None, data_time=False)`: at each epoch's end, MindSpore's line
+    `Train epoch time: T ms, per step time: t ms`, t = T over the epoch's steps (`batch_num`;
+    `data_size` when that is unknown). Printed by the process that prints the loss lines."""
 
     def __init__(self, data_size: int | None = None, data_time: bool = False) -> None:
         self.data_size = None if data_size is None else _count(data_size, "TimeMonitor", 1)
         self.data_time = bool(data_time)
+        self.epoch_time = time.time()
+
+    def on_train_epoch_begin(self, run_context: Any) -> None:
+        self.epoch_time = time.time()
+
+    def on_train_epoch_end(self, run_context: Any) -> None:
+        epoch_ms = (time.time() - self.epoch_time) * 1000
+        params = run_context.original_args()
+        # the epoch's steps (MindSpore's batch_num); a last epoch cut short by --steps: those run
+        steps = params.get("epoch_steps_run") or params.get("batch_num")
+        if not isinstance(steps, int) or steps < 1:
+            steps = self.data_size
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"For 'TimeMonitor', step size must be positive integer, but got "
+                             f"{steps}.")
+        say = params.get("say") or print
+        say(f"Train epoch time: {epoch_ms:5.3f} ms, per step time: {epoch_ms / steps:5.3f} ms")
 
 
 class CheckpointConfig:
@@ -140,12 +225,121 @@ class ModelCheckpoint(Callback):
         return flags
 
 
-def run_flags(callbacks: Callback | Iterable[Any] | None) -> list[str]:
-    """The `pcompile --run` options that give `callbacks`' behaviour (others: none)."""
+def _items(callbacks: Callback | Iterable[Any] | None) -> list[Any]:
     if callbacks is None:
         return []
-    items = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
-    return [flag for cb in items if isinstance(cb, Callback) for flag in cb.run_flags()]
+    return [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
+
+
+def run_flags(callbacks: Callback | Iterable[Any] | None) -> list[str]:
+    """The `pcompile --run` options that give `callbacks`' behaviour (others: none)."""
+    return [flag for cb in _items(callbacks) if isinstance(cb, Callback)
+            for flag in cb.run_flags()]
+
+
+def run_settings(callbacks: Callback | Iterable[Any] | None) -> dict[str, int]:
+    """The run options the built-in callbacks set (`print_every`, 0 for no loss lines;
+    `checkpoint_every`; `keep_checkpoint_max`): the values of the options a run leaves at
+    their defaults. The last callback of a kind decides."""
+    settings: dict[str, int] = {}
+    for cb in _items(callbacks):
+        if isinstance(cb, LossMonitor):
+            settings["print_every"] = cb.per_print_times
+        elif isinstance(cb, ModelCheckpoint):
+            if cb.config.save_checkpoint_steps:
+                settings["checkpoint_every"] = cb.config.save_checkpoint_steps
+            if cb.config.keep_checkpoint_max:
+                settings["keep_checkpoint_max"] = cb.config.keep_checkpoint_max
+    return settings
+
+
+def checked_callbacks(value: Any, path: str) -> list[Callback]:
+    """What a model file's `callbacks()` returned, as a list of Callback objects (a single one,
+    a list or tuple, or None); anything else is one message."""
+    items = [] if value is None else [value] if isinstance(value, Callback) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(cb, Callback)
+                                                       for cb in items):
+        got = [type(cb).__name__ for cb in items] if isinstance(items, (list, tuple)) else (
+            type(items).__name__)
+        raise PcompileError(f"callbacks() in {path} must return a list of Callback objects "
+                            f"(pcompile.train.Callback and its subclasses: LossMonitor, "
+                            f"TimeMonitor, ModelCheckpoint, or your own), got {got}")
+    return list(items)
+
+
+_STEP_HOOKS = ("on_train_step_begin", "on_train_step_end", "step_begin", "step_end")
+
+
+class CallbackRunner:
+    """Calls a run's callbacks at MindSpore's points (module docstring) with one `RunContext`
+    (MindSpore's `_InternalCallbackParam` fields `cur_epoch_num`, `cur_step_num`, `batch_num`,
+    `epoch_num`, `net_outputs`, `mode`, `dataset_sink_mode`, `parallel_mode`, `device_number`,
+    `list_callback`; `batch_num` is the steps of an epoch once one is complete, before that
+    the current epoch's steps so far; pcompile's `epoch_steps_run`: the steps of this epoch
+    this run has trained, and `say`: how the built-in callbacks print). A callback that
+    raises is one PcompileError naming it (`path`: the model file, for the line)."""
+
+    def __init__(self, callbacks: list[Callback], path: str, say: Callable[[str], None],
+                 **fields: Any) -> None:
+        self.callbacks = callbacks
+        self.path = path
+        self.params = CallbackParams(cur_epoch_num=0, cur_step_num=0, batch_num=None,
+                                     epoch_num=None, net_outputs=None, epoch_steps_run=0,
+                                     mode="train",
+                                     dataset_sink_mode=False, list_callback=callbacks,
+                                     say=say, **fields)
+        self.context = RunContext(self.params)
+        self.epoch: int | None = None
+        self.epoch_steps = 0  # the largest step-in-epoch seen: an epoch's size once complete
+
+    @property
+    def per_step(self) -> bool:
+        """Whether a callback has step hooks of its own: each step is then read back before
+        the next starts, so its hooks come in MindSpore's order."""
+        return any(getattr(type(cb), name) is not getattr(Callback, name)
+                   for cb in self.callbacks for name in _STEP_HOOKS)
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.context.get_stop_requested()
+
+    def _call(self, hook: str) -> None:
+        from pcompile.compiler.model_file import call_user
+
+        for cb in self.callbacks:
+            call_user(getattr(cb, hook), f"callback {type(cb).__name__}.{hook}", self.path,
+                      self.context)
+
+    def train_begin(self) -> None:
+        self._call("on_train_begin")
+
+    def epoch_begin(self, epoch: int) -> None:
+        self.epoch = self.params.cur_epoch_num = epoch
+        self.params.epoch_steps_run = 0
+        self._call("on_train_epoch_begin")
+
+    def step_begin(self, step: int, epoch: int, in_epoch: int) -> None:
+        self._at(step, epoch, in_epoch)
+        self.params.net_outputs = None
+        self._call("on_train_step_begin")
+
+    def step_end(self, step: int, epoch: int, in_epoch: int, loss: Any) -> None:
+        self._at(step, epoch, in_epoch)
+        self.params.net_outputs = loss
+        self.params.epoch_steps_run = self.params.get("epoch_steps_run", 0) + 1
+        self._call("on_train_step_end")
+
+    def epoch_end(self) -> None:
+        if self.epoch is not None:
+            self._call("on_train_epoch_end")
+
+    def train_end(self) -> None:
+        self._call("on_train_end")
+
+    def _at(self, step: int, epoch: int, in_epoch: int) -> None:
+        self.params.cur_step_num, self.params.cur_epoch_num = step, epoch
+        self.epoch_steps = max(self.epoch_steps, in_epoch)
+        self.params.batch_num = self.epoch_steps
 
 
 # `mindspore.train` also holds Model and the checkpoint functions (loaded on first use)

@@ -1,8 +1,9 @@
 """Loading a user's model file (the contract of DESIGN.md §2 "Model file").
 
 A model file defines `model()`, `inputs()` and optionally `loss()`, `optimizer(params)`,
-`dataset()` and `labels()`. `optimizer()` without `loss()`: the network computes its own loss
-(MindSpore's training form); `model()` may also return a training step cell
+`dataset()`, `labels()` and `callbacks()` (MindSpore's training callbacks, which the rank
+programs call: compiler/callbacks.py). `optimizer()` without `loss()`: the network computes
+its own loss (MindSpore's training form); `model()` may also return a training step cell
 (`nn.TrainOneStepCell`, ...), see `compiler.trace_model`. Every way this can go wrong becomes
 one clear `PcompileError`.
 """
@@ -36,6 +37,7 @@ class ModelFile:
     optimizer: Callable[[Any], Any] | None
     dataset: Callable[[], Iterable[Any]] | None
     labels: Callable[[], Any] | None
+    callbacks: Callable[[], Any] | None = None
 
     @property
     def training(self) -> bool:
@@ -104,6 +106,7 @@ def load_model_file(path: str) -> ModelFile:
         optimizer=optimizer,
         dataset=get("dataset", False),
         labels=get("labels", False),
+        callbacks=get("callbacks", False),
     )
 
 

@@ -124,10 +124,33 @@ def dataset_spec(state: CompileState) -> DatasetSpec:
                        len(traced.label_names), index_ranges(traced.graph))
 
 
+_LOADED: dict[str, tuple[tuple[int, int], ModelFile]] = {}
+
+
 def _data_model_file(path: str) -> ModelFile:
-    if not os.path.exists(path):
-        raise PcompileError(f"model file {path} (for the data) does not exist on this host")
-    return load_model_file(path)
+    """The model file a rank program reads its data (and callbacks) from, imported once per
+    process while it is unchanged."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        raise PcompileError(f"model file {path} (for the data) does not exist on this host"
+                            ) from None
+    key, version = os.path.abspath(path), (info.st_mtime_ns, info.st_size)
+    loaded = _LOADED.get(key)
+    if loaded is None or loaded[0] != version:
+        loaded = _LOADED[key] = (version, load_model_file(path))
+    return loaded[1]
+
+
+def spec_callbacks(spec: DatasetSpec) -> tuple[list[Any], str]:
+    """The callbacks the model file `spec` names gives (`callbacks()`, compiler/callbacks.py;
+    none without it) and its path."""
+    from pcompile.compiler.callbacks import checked_callbacks
+
+    mf = _data_model_file(spec.model_file)
+    if mf.callbacks is None:
+        return [], mf.path
+    return checked_callbacks(call_user(mf.callbacks, "callbacks()", mf.path), mf.path), mf.path
 
 
 def spec_batches(spec: DatasetSpec, expected: list[tuple[str, tuple[int, ...], Any]],

@@ -85,5 +85,6 @@ class Model:
         flags = " ".join(["--run", "--steps", steps, *run_flags(callbacks)])
         raise PcompileError(
             "Model.train: pcompile compiles, it does not run a Model: return the Model from "
-            "model(), give the data set from dataset(), and run `pcompile model.py "
-            f"{flags}` (the callbacks' behaviour comes from those options)")
+            "model(), give the data set from dataset() and the callbacks from callbacks(), and "
+            f"run `pcompile model.py {flags}` (the rank programs call the callbacks; those "
+            "options are what the built-in ones set)")

@@ -83,6 +83,7 @@ def prepare_run(state: CompileState, out_dir: str | None, options: RunOptions,
             or options.tensorboard or options.profile_steps) and not launched:
         raise PcompileError("--resume, --checkpoint-every, --tensorboard and --profile-steps "
                             "need the JAX rank programs; drop --backend numpy")
+    options = _with_callbacks(state, options, launched)
     n = state.devices
     procs = options.processes
     if procs and launched and n % procs:
@@ -108,6 +109,31 @@ def prepare_run(state: CompileState, out_dir: str | None, options: RunOptions,
                                 "steps")
         options = replace(options, resume_step=point.step)
     return options
+
+
+def _with_callbacks(state: CompileState, options: RunOptions, launched: bool) -> RunOptions:
+    """The options the model file's built-in callbacks set (`callbacks()`: LossMonitor's
+    per_print_times, and for the JAX rank programs ModelCheckpoint's save_checkpoint_steps and
+    keep_checkpoint_max; compiler/callbacks.py `run_settings`), where the command line left
+    them at their defaults. The rank programs call the callbacks themselves."""
+    from pcompile.compiler.callbacks import checked_callbacks, run_settings
+    from pcompile.compiler.model_file import call_user
+
+    model_file = getattr(state, "model_file", None)
+    make = getattr(model_file, "callbacks", None)
+    if model_file is None or make is None:
+        return options
+    settings = run_settings(checked_callbacks(call_user(make, "callbacks()", model_file.path),
+                                              model_file.path))
+    changes: dict[str, Any] = {}
+    if settings.get("print_every") and options.print_every == RunOptions.print_every:
+        changes["print_every"] = settings["print_every"]
+    if options.backend == "jax" and (launched or state.devices == 1):
+        if settings.get("checkpoint_every") and not options.checkpoint_every:
+            changes["checkpoint_every"] = settings["checkpoint_every"]
+        if settings.get("keep_checkpoint_max") and options.keep_checkpoint_max is None:
+            changes["keep_checkpoint_max"] = settings["keep_checkpoint_max"]
+    return replace(options, **changes) if changes else options
 
 
 def train(program: CompiledProgram, options: RunOptions, echo: Echo) -> int:

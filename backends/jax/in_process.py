@@ -142,8 +142,9 @@ def train_in_process(path: str, out_dir: str, options: RunOptions,
     from pcompile.backends.progress import run_monitor
 
     steps = options.steps
+    # every loss line goes to `echo`, whose display keeps every --print-every-th
     argv = ["--steps", str(steps), "--platform", "cpu", *options.rank_flags(),
-            "--fail-on-nan" if options.fail_on_nan else "--no-fail-on-nan"]
+            "--fail-on-nan" if options.fail_on_nan else "--no-fail-on-nan", "--print-every", "1"]
     if options.checkpoint_every:
         argv += ["--checkpoint-every", str(options.checkpoint_every)]
     if options.resume:

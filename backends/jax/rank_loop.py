@@ -431,12 +431,51 @@ class RankRunner:
         self.saver.submit(step, per_rank, time.perf_counter() - start,
                           logs={r: logs[r].lines for r in self.local}, final=final)
 
+    def _callbacks(self) -> Any:
+        """The model file's `callbacks()` (compiler/callbacks.py) as a CallbackRunner (None
+        without any); what the built-in ones set (LossMonitor's per_print_times,
+        ModelCheckpoint's save_checkpoint_steps and keep_checkpoint_max) becomes the value of
+        each option this run left at its default."""
+        from pcompile.compiler.runtime import DatasetSpec, spec_callbacks
+
+        literal = getattr(self.m, "DATASET", None)
+        try:
+            spec = (DatasetSpec.from_literal(literal) if literal is not None
+                    else DatasetSpec.of_model_file(self.m.MODEL_FILE, len(self.inputs)))
+            callbacks, path = spec_callbacks(spec)
+        except PcompileError as exc:
+            raise RankError(str(exc)) from None
+        if not callbacks:
+            return None
+        from pcompile.compiler.callbacks import CallbackRunner, run_settings
+
+        self.args = args = SimpleNamespace(**vars(self.args))
+        defaulted: set[str] = getattr(args, "defaulted", set())
+        for name, value in run_settings(callbacks).items():
+            if name == "print_every" and value == 0:  # LossMonitor(0): no loss lines
+                if "quiet" in defaulted:
+                    args.quiet = True
+            elif name in defaulted:
+                setattr(args, name, value)
+        return CallbackRunner(callbacks, path,
+                              lambda line: self._say(line, force=True, first_only=True),
+                              parallel_mode=self.m.PARALLEL_MODE,
+                              device_number=int(self.m.NUM_RANKS))
+
+    def _hook(self, call: Any, *args: Any) -> None:
+        """Call a CallbackRunner hook; a callback that fails is one RankError."""
+        try:
+            call(*args)
+        except PcompileError as exc:
+            raise RankError(str(exc)) from None
+
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
         from pcompile.backends.async_checkpoint import AsyncCheckpointWriter, CheckpointWriteError
 
         if not self.m.TRAINING:
             return self._infer()
+        self.hooks = self._callbacks()
         fault, mode = fault_injection(self.local)
         self.saver = AsyncCheckpointWriter(self.ckpt_dir, lambda line: self._say(line, force=True),
                                            keep=int(getattr(self.args, "keep_checkpoint_max",
@@ -524,6 +563,11 @@ class RankRunner:
                     raise NonFiniteLossError(
                         f"the loss is {float(losses[bad[0]])} at step {k_done + 1} (epoch "
                         f"{ep}, step {step_in}); stopped (--no-fail-on-nan trains on)")
+                if hooks is not None:
+                    from pcompile.compiler.tensor import Tensor
+
+                    self._hook(hooks.step_end, k_done + 1, ep, step_in,
+                               Tensor(np.asarray(losses[self.local[0]])))
             now = time.perf_counter()
             if marks["since"]:  # steps after the first: their share of the time since
                 per = (now - marks["since"]) / len(ready)
@@ -543,6 +587,9 @@ class RankRunner:
             self.heartbeat.set(done=item[0] + 1)
 
         pending = ReadBack(args.log_every, read, first_at_once=True, wait=finished)
+        hooks = self.hooks
+        if hooks is not None:
+            self._hook(hooks.train_begin)
 
         for k, (epoch, in_epoch, arrays, first_row) in enumerate(self._batches(args.steps,
                                                                                skip=done)):
@@ -561,6 +608,12 @@ class RankRunner:
                                shape)
                      for (name, _, shape, _), a in zip(self.inputs, arrays)]
             feeds += [state[name] for name, *_ in self.stored]
+            if hooks is not None:
+                if epoch != hooks.epoch:  # the previous epoch's steps done, then its end
+                    pending.flush()
+                    self._hook(hooks.epoch_end)
+                    self._hook(hooks.epoch_begin, epoch)
+                self._hook(hooks.step_begin, k + 1, epoch, in_epoch)
             self.heartbeat.set(phase="compile" if first else "compute")
             if first:
                 marks["called"] = time.perf_counter()
@@ -573,6 +626,8 @@ class RankRunner:
             step_no = k + 1
             pending.dispatched((k, epoch, in_epoch, loss_out,
                                 [(out_names[i], outs[i]) for i in extra_outputs]), step_no)
+            if hooks is not None and (hooks.per_step or hooks.stop_requested):
+                pending.flush()  # step hooks in MindSpore's order: this step's end first
             if first:
                 self.timings["compile"] = getattr(fn, "compile_seconds", 0.0)
                 self.timings["first_step"] = (time.perf_counter() - marks["called"]
@@ -587,7 +642,14 @@ class RankRunner:
                 self.heartbeat.set(phase="checkpoint")
                 self._checkpoint(step_no, epoch, in_epoch, state, logs)
                 self.heartbeat.set(phase="data", done=step_no)
+            if hooks is not None and hooks.stop_requested:  # run_context.request_stop()
+                self._say(f"a callback asked to stop after step {step_no} "
+                          "(run_context.request_stop())", force=True, first_only=True)
+                break
         pending.flush(last=True)
+        if hooks is not None:
+            self._hook(hooks.epoch_end)
+            self._hook(hooks.train_end)
         loop_end = time.perf_counter()
         total = len(logs[self.local[0]].lines)
         if total > done and not args.no_checkpoint:

@@ -242,7 +242,10 @@ def parse_args(argv: list[str] | None, num_ranks: int) -> SimpleNamespace:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         with command.make_context("program.py", args) as ctx:
-            return SimpleNamespace(**ctx.params)
+            # the options left at their defaults: a model file's callbacks() may set them
+            defaults = {name for name in ctx.params
+                        if ctx.get_parameter_source(name) == click.core.ParameterSource.DEFAULT}
+            return SimpleNamespace(**ctx.params, defaulted=defaults)
     except click.exceptions.Exit as exc:  # --help
         raise SystemExit(exc.exit_code) from None
     except click.ClickException as exc:
