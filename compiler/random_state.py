@@ -23,9 +23,10 @@ import numpy as np
 from pcompile.compiler.tensor import Parameter
 from pcompile.ir.core import Value
 from pcompile.ir.errors import PcompileError
+from pcompile.ir.ops.random import COUNTER_NAME as _COUNTER_NAME
 
 #: the counter's name in the program, its checkpoints and plan.json
-COUNTER_NAME = "random_step"
+COUNTER_NAME = _COUNTER_NAME
 
 
 class _State:

@@ -15,7 +15,13 @@ every rank runs:
   gradient. With `gradient_accumulation_shard` the parallel optimizer's AllGather is repeated
   instead, so each micro-batch's gradient is reduce-scattered and only the shard accumulates;
 * returns the mean of the micro-batches' losses (so that, for a loss averaged over the batch,
-  loss and gradients equal the whole batch's).
+  loss and gradients equal the whole batch's);
+* gives each micro-batch's copy of a random op (`Dropout`, `DropoutMask`) its rows' place in
+  the whole batch (`random_offsets`): the single-device program draws the whole batch's tensor,
+  and micro-batch k's rows of a rank begin at `m * o + k * r` (o: the block's offset in the
+  traced micro-batch, r: its local rows), so every micro-batch draws the single-device bits of
+  its rows; the step counter's update reads no micro-batch and runs once a step, as on one
+  device.
 
 The copies are emitted last micro-batch first: autodiff sweeps the graph backwards, so it
 meets micro-batch 0 first and accumulates each gradient in the order 0, 1, ..., m-1, the order
@@ -43,7 +49,9 @@ from pcompile.ir.core import (
 )
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
+from pcompile.ir.ops.random import COUNTER_NAME
 from pcompile.ir.ops.state import assigned_names
+from pcompile.ir.rank import RankOffsets, Term, layout_offsets
 from pcompile.ir.types import TensorType
 from pcompile.passes.unit import CompileUnit
 
@@ -77,12 +85,14 @@ def copy_node(node: Node, operands: list[Value], parallel: ParallelInfo | None) 
 def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
               labels: dict[int, Label] | None = None,
               stages: dict[int, int] | None = None,
-              copy_also: Callable[[Node], bool] | None = None) -> Graph:
+              copy_also: Callable[[Node], bool] | None = None,
+              batch_terms: tuple[Term, ...] | None = None) -> Graph:
     """The graph of one step of `micro` micro-batches (see the module docstring).
 
     `labels` receives ("F", k) for every node of micro-batch k; `stages` (id(node) -> stage)
     is extended to the copies; `copy_also(node)` marks nodes that are repeated although they
-    read no input."""
+    read no input; `batch_terms` is the split of the inputs' dim 0 (their `RankOffsets`
+    terms), which a random op's dim 0 must share."""
     labels = labels if labels is not None else {}
     if not graph.attrs.get("training"):
         raise PcompileError("nn.PipelineCell trains: the program has no loss")
@@ -117,7 +127,8 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
             continue
         copy = out.append(copy_node(node, [fresh(v) for v in node.operands], node.parallel))
         shared[id(node.result)] = copy.result
-        if id(node) in stage_of:
+        if id(node) in stage_of and not _advances_counter(node):
+            # (the counter's advance has no stage: each stage that reads it computes it)
             stage_of[id(copy)] = stage_of[id(node)]
     losses: dict[int, Value] = {}
     names = assigned_names(graph)
@@ -146,8 +157,17 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
         for node in graph.nodes:
             if id(node.result) not in per_micro:
                 continue
-            copy = out.append(copy_node(node, [_lookup(v, local, shared) for v in node.operands],
-                                        with_micro(node.parallel, k)))
+            operands = [_lookup(v, local, shared) for v in node.operands]
+            copy = out.append(copy_node(node, operands, with_micro(node.parallel, k)))
+            if node.op in RANDOM_OPS:
+                random_offsets(copy, node, k, micro, batch_terms)
+            elif node.op == "DropoutDoMask":
+                raise PcompileError(
+                    f"DropoutDoMask '{node.instance_name}' at {node.source or 'an unknown line'} "
+                    f"(cell {node.scope}) inside nn.PipelineCell's micro-batches: its packed "
+                    "mask is drawn once for the traced micro-batch's shape, so every micro-batch "
+                    "would read the same bits; use ops.Dropout (or nn.Dropout), whose "
+                    "micro-batch copies draw their rows' bits of the whole batch")
             local[id(node.result)] = copy.result
             labels[id(copy)] = ("F", k)
             if id(node) in stage_of:
@@ -176,6 +196,58 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
     return out
 
 
+def _advances_counter(node: Node) -> bool:
+    """An AssignAdd of the random ops' step counter (through the chain of its advances)."""
+    target: Value = node.result
+    while isinstance(target, NodeResult) and target.node.op == "AssignAdd":
+        target = target.node.operands[0]
+    return node.op == "AssignAdd" and isinstance(target, GraphParam) and \
+        target.name == COUNTER_NAME
+
+
+#: the random ops whose micro-batch copies take their rows' place in the whole batch
+RANDOM_OPS = ("Dropout", "DropoutMask")
+
+
+def _split(terms: tuple[Term, ...]) -> tuple[Term, ...]:
+    """The terms of a dim's offsets that move it (a device axis of size 1 does not)."""
+    return tuple(t for t in terms if t[1] > 1)
+
+
+def random_offsets(copy: Node, node: Node, k: int, micro: int,
+                   batch_terms: tuple[Term, ...] | None) -> None:
+    """Micro-batch k's copy of the random op `node`: its offsets operand and whole shape as the
+    whole batch has them (module docstring). Refused where the op's dim 0 is not the batch's
+    split as the inputs' are: a rank's rows of a micro-batch are then not one block of the
+    whole batch's tensor."""
+    offsets = node.operands[2]
+    whole = tuple(node.attrs["global_shape"])
+    rows = node.operands[0].shape[0] if node.operands[0].shape else 0
+    if isinstance(offsets, RankConstant) and isinstance(offsets.data, RankOffsets):
+        base, terms = offsets.data.base, offsets.data.terms
+    elif isinstance(offsets, Constant) and not isinstance(offsets, (RankConstant,
+                                                                    OpaqueConstant)):
+        base = tuple(int(v) for v in np.asarray(offsets.array).reshape(-1))
+        terms = ((),) * len(base)
+    else:
+        base, terms = (), ()
+    if not base or batch_terms is None or _split(terms[0]) != _split(batch_terms):
+        raise PcompileError(
+            f"{node.op} '{node.instance_name}' at {node.source or 'an unknown line'} (cell "
+            f"{node.scope}) inside nn.PipelineCell's micro-batches: its input's dim 0 must be "
+            "the batch's, split as the inputs' dim 0 is, so that a rank's rows of micro-batch "
+            "k are one block of the whole batch's tensor (their random bits the single-device "
+            f"program's); its input {node.operands[0].shape} of the whole {whole} is split "
+            "otherwise; give the dropout's input the inputs' dim-0 split")
+    shifted = RankOffsets((base[0] * micro + k * rows, *base[1:]),
+                          (tuple((st, c, u * micro) for st, c, u in terms[0]), *terms[1:]))
+    if any(terms):
+        copy.set_operand(2, RankConstant(shifted, offsets.dtype))
+    else:
+        copy.set_operand(2, Constant(np.asarray(shifted.base, np.int32), offsets.dtype))
+    copy.attrs["global_shape"] = (whole[0] * micro, *whole[1:])
+
+
 def _step_assignment(out: Graph, value: Value, name: str, per_micro_values: list[Value],
                      shared: dict[int, Value], per_micro: set[int], stage_of: dict[int, int],
                      micro: int) -> Value:
@@ -189,6 +261,8 @@ def _step_assignment(out: Graph, value: Value, name: str, per_micro_values: list
     assert isinstance(value, NodeResult)
     node = value.node
     variable = node.operands[0]
+    if name == COUNTER_NAME and id(value) not in per_micro:
+        return shared[id(value)]  # the random ops' counter: advanced once a step, as on one device
     why = None
     if id(value) not in per_micro:
         why = ("it reads no micro-batch's data, so it would run once per micro-batch, each "
@@ -270,8 +344,12 @@ class MicroBatchPass:
                 "parallel_optimizer_allgather")
 
         graph = unit.rank_graphs[0]
+        first = next((p for p in unit.graph.inputs if p.shape), None)
+        batch_terms = (None if first is None else
+                       tuple(layout_offsets(layouts[first.name]).terms[0]))
         out = replicate(graph, micro, loss_scope=self.options.loss_scope, labels=settings.labels,
-                        stages=settings.local_stage, copy_also=per_micro)
+                        stages=settings.local_stage, copy_also=per_micro,
+                        batch_terms=batch_terms)
         alive = {id(n) for n in out.nodes}
         settings.local_stage = {k: v for k, v in settings.local_stage.items() if k in alive}
         settings.labels = {k: v for k, v in settings.labels.items() if k in alive}

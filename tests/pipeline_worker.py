@@ -41,6 +41,9 @@ CASES: dict[str, tuple[str, dict[str, str], dict[str, Any], int]] = {
     # a statistic each stage accumulates with AssignAdd, summed over 4 micro-batches
     "state_1f1b": (os.path.join(ROOT, "tests", "models", "pipeline_state.py"),
                    {"PIPE_STATE_MICRO": "4"}, {}, 3),
+    # two Dropouts, each micro-batch drawing its rows' bits of the whole batch, 4 micro-batches
+    "dropout_1f1b": (os.path.join(ROOT, "tests", "models", "pipeline_dropout.py"),
+                     {"PIPE_DROPOUT_MICRO": "4"}, {}, 2),
 }
 
 

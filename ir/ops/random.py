@@ -58,6 +58,10 @@ _KEY = (0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35)  # odd constants that separate the k
 
 _ATTRS = {"keep_prob": 0.5, "seed0": 0, "seed1": 0, "global_shape": ()}
 
+#: the name of the step counter the front end's random ops advance (compiler/random_state.py),
+#: which passes recognise (a pipeline's micro-batches advance it once a step)
+COUNTER_NAME = "random_step"
+
 
 def threshold(keep_prob: float) -> int | None:
     """Elements whose bits are below this are kept; None: every element (keep_prob 1)."""
