@@ -255,11 +255,11 @@ def _signature(node: Node, scope: str, operand: Value, result: Value) -> tuple[A
 
 @dataclass
 class _Owners:
-    """Which parameter each collective and mirror belongs to (keys are node ids)."""
+    """Which parameter each collective and mirror belongs to."""
 
-    names: dict[int, str] = field(default_factory=dict)  # collective -> parameter
-    mirrors: dict[int, str] = field(default_factory=dict)  # _MirrorOperator -> parameter
-    mirror_of: dict[int, Node] = field(default_factory=dict)  # gradient AllReduce -> mirror
+    names: dict[Node, str] = field(default_factory=dict)  # collective -> parameter
+    mirrors: dict[Node, str] = field(default_factory=dict)  # _MirrorOperator -> parameter
+    mirror_of: dict[Node, Node] = field(default_factory=dict)  # gradient AllReduce -> mirror
 
 
 def _parameter_names(graph: Graph) -> _Owners:
@@ -282,9 +282,9 @@ def _parameter_names(graph: Graph) -> _Owners:
         if not name:
             continue
         if node.op == "_MirrorOperator":
-            mirrors[id(node)] = name
+            mirrors[node] = name
         else:
-            names[id(node)] = name
+            names[node] = name
         sig = _signature(node, node.scope, node.result, node.operands[0])
         anchors.setdefault(sig, []).append((node, name))
     for pending in anchors.values():
@@ -294,15 +294,15 @@ def _parameter_names(graph: Graph) -> _Owners:
             continue
         own = node.attrs.get("parameter")
         if isinstance(own, str) and own:
-            names[id(node)] = own
+            names[node] = own
             continue
         sig = _signature(node, node.scope[len(_GRAD_SCOPE):], node.operands[0], node.result)
         queue = anchors.get(sig)
         if queue:
             anchor, name = queue.pop(0)
-            names[id(node)] = name
+            names[node] = name
             if anchor.op == "_MirrorOperator":
-                owners.mirror_of[id(node)] = anchor
+                owners.mirror_of[node] = anchor
     return owners
 
 
@@ -323,7 +323,7 @@ def _key(node: Node) -> tuple[Any, ...]:
     )
 
 
-def _candidates(graph: Graph, config: FusionConfig, names: dict[int, str]) -> list[_Candidate]:
+def _candidates(graph: Graph, config: FusionConfig, names: dict[Node, str]) -> list[_Candidate]:
     out: list[_Candidate] = []
     for node in graph.nodes:
         if config.enabled(node.op) is None:
@@ -334,7 +334,7 @@ def _candidates(graph: Graph, config: FusionConfig, names: dict[int, str]) -> li
         if len(node.attrs.get("rank_list", ())) <= 1:
             continue  # a group of one communicates nothing
         operand = node.operands[0].tensor_type
-        name = names.get(id(node)) or node.instance_name or node.fullname
+        name = names.get(node) or node.instance_name or node.fullname
         out.append(_Candidate(node, len(out), _key(node), operand.size, operand.nbytes, name))
     return out
 
@@ -391,30 +391,29 @@ def _split_by_dependency(members: list[_Candidate]) -> list[list[_Candidate]]:
         return [list(members)]
     deps = _dependency_graph([c.node for c in members])
     parts: list[list[_Candidate]] = []
-    reach: set[int] = set()
+    reach: set[Node] = set()
     for cand in members:
-        if parts and id(cand.node) not in reach:
+        if parts and cand.node not in reach:
             parts[-1].append(cand)
         else:
             parts.append([cand])
             reach = set()
-        reach |= nx.descendants(deps, id(cand.node))
+        reach |= nx.descendants(deps, cand.node)
     return parts
 
 
 def _dependency_graph(starts: list[Node]) -> nx.DiGraph:
-    """node -> user edges (by node id) of everything downstream of `starts`: the nodes
-    reachable from them through use lists, which is all a later member can depend on through
-    an earlier one."""
+    """node -> user edges of everything downstream of `starts`: the nodes reachable from them
+    through use lists, which is all a later member can depend on through an earlier one."""
     deps = nx.DiGraph()
-    deps.add_nodes_from(id(n) for n in starts)
-    stack, seen = list(starts), {id(n) for n in starts}
+    deps.add_nodes_from(starts)
+    stack, seen = list(starts), set(starts)
     while stack:
         node = stack.pop()
         for user, _ in node.result.uses:
-            deps.add_edge(id(node), id(user))
-            if id(user) not in seen:
-                seen.add(id(user))
+            deps.add_edge(node, user)
+            if user not in seen:
+                seen.add(user)
                 stack.append(user)
     return deps
 
@@ -552,12 +551,12 @@ def _fuse_bucket(graph: Graph, members: list[_Candidate]) -> Node:
 
 
 def _ordered(graph: Graph) -> bool:
-    defined: set[int] = set()
+    defined: set[Node] = set()
     for node in graph.nodes:
         for v in node.operands:
-            if isinstance(v, NodeResult) and id(v.node) not in defined:
+            if isinstance(v, NodeResult) and v.node not in defined:
                 return False
-        defined.add(id(node))
+        defined.add(node)
     return True
 
 
@@ -566,17 +565,16 @@ def _stable_toposort(graph: Graph) -> None:
     wherever the dependencies allow (networkx's lexicographical topological sort keyed by the
     current position: Kahn's algorithm, earliest position first)."""
     nodes = list(graph.nodes)
-    position = {id(nd): i for i, nd in enumerate(nodes)}
+    position = {nd: i for i, nd in enumerate(nodes)}
     deps = nx.DiGraph()
     deps.add_nodes_from(position)
-    deps.add_edges_from((id(v.node), id(nd)) for nd in nodes for v in nd.operands
-                        if isinstance(v, NodeResult) and id(v.node) in position)
+    deps.add_edges_from((v.node, nd) for nd in nodes for v in nd.operands
+                        if isinstance(v, NodeResult) and v.node in position)
     try:
         order = list(nx.lexicographical_topological_sort(deps, key=position.__getitem__))
     except nx.NetworkXUnfeasible:
         raise AssertionError("comm_fusion produced a cycle") from None  # excluded by the cut
-    by_id = {id(nd): nd for nd in nodes}
-    graph.reorder([by_id[k] for k in order])
+    graph.reorder(order)
 
 
 # --------------------------------------------------------------------------------------------
@@ -592,22 +590,22 @@ def fuse_communication(graph: Graph, config: FusionConfig | None = None) -> Fusi
     mirrors, grad_of = owners.mirrors, owners.mirror_of
     candidates = _candidates(graph, config, owners.names) if config.openstate else []
     done: list[tuple[list[_Candidate], Node | None]] = []
-    fused_members: set[int] = set()
+    fused_members: set[Node] = set()
     for bucket in _plan(candidates, config):
         for part in _split_by_dependency(bucket):  # re-checked after earlier rewrites
             if len(part) >= 2:
                 done.append((part, _fuse_bucket(graph, part)))
-                fused_members.update(id(m.node) for m in part)
+                fused_members.update(m.node for m in part)
             else:
                 done.append((part, None))
-    for node in [nd for nd in graph.nodes if id(nd) in fused_members]:
+    for node in [nd for nd in graph.nodes if nd in fused_members]:
         graph.remove(node)
     if not _ordered(graph):
         _stable_toposort(graph)
     # Number the buckets per kind by (user fusion id, first member).
     done.sort(key=lambda item: (item[0][0].key[0], item[0][0].key[3], item[0][0].position))
     counters: dict[str, int] = {}
-    member_ids: dict[int, int] = {}
+    member_ids: dict[Node, int] = {}  # a member -> its bucket's fusion id
     for part, fused in done:
         head = part[0]
         op = head.key[0]
@@ -620,8 +618,8 @@ def fuse_communication(graph: Graph, config: FusionConfig | None = None) -> Fusi
         else:
             head.node.attrs["fusion"] = fusion
         for cand in part:
-            member_ids[id(cand.node)] = fusion
-            mirror = grad_of.get(id(cand.node))
+            member_ids[cand.node] = fusion
+            mirror = grad_of.get(cand.node)
             if mirror is not None:
                 mirror.attrs["fusion"] = fusion
         report.buckets.append(FusionBucket(
@@ -638,14 +636,14 @@ def fuse_communication(graph: Graph, config: FusionConfig | None = None) -> Fusi
         ))
     report.buckets.sort(key=lambda bk: (bk.kind, bk.fusion))
     # {parameter: AllReduce id}: every mirrored parameter; unfused ones keep their own id.
-    by_mirror = {id(mirror): grad for grad, mirror in grad_of.items()}
-    for mirror_id, name in mirrors.items():
-        grad = by_mirror.get(mirror_id)
+    by_mirror = {mirror: grad for grad, mirror in grad_of.items()}
+    for mirror, name in mirrors.items():
+        grad = by_mirror.get(mirror)
         if grad is not None and grad in member_ids:
             report.parameter_fusion[name] = member_ids[grad]
     for node in graph.nodes:
-        if node.op == "_MirrorOperator" and id(node) in mirrors:
-            report.parameter_fusion.setdefault(mirrors[id(node)], int(node.attrs["fusion"]))
+        if node.op == "_MirrorOperator" and node in mirrors:
+            report.parameter_fusion.setdefault(mirrors[node], int(node.attrs["fusion"]))
     report.collectives_after = count_collectives(graph)
     return report
 
