@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pcompile.compiler.dropout import _data_parallel_ranks
 from pcompile.compiler.primitive import Primitive
 from pcompile.compiler.tensor import Parameter, Tensor
 
@@ -80,7 +81,23 @@ def batch_norm(prim: Primitive, x: Any, scale: Any, bias: Any, mean: Any,
     def as_channels(t: Any) -> Any:
         return reshape(t, per_channel) if len(shape) == 4 else t
 
-    if training:
+    count = 1
+    for d in axes:
+        count *= shape[d]
+    ranks = _data_parallel_ranks()
+    if training and ranks > 1:
+        # data_parallel traces each rank's rows: the whole batch's statistics are the sums of
+        # every rank's (MindSpore's SyncBatchNorm), so each rank normalises as one device does
+        # and updates the moving statistics alike
+        count *= ranks
+
+        def whole_mean(t: Any) -> Any:
+            return ops.AllReduce()(ops.ReduceSum(keep_dims=True)(t, axes)) / float(count)
+
+        m = whole_mean(x)
+        centered = x - m
+        v = whole_mean(ops.Square()(centered))
+    elif training:
         m = op(ops.ReduceMean, full, keep_dims=True)(x, axes)
         centered = op(ops.Sub, full, stat)(x, m)
         v = op(ops.ReduceMean, full, keep_dims=True)(op(ops.Square, full)(centered), axes)
@@ -96,9 +113,6 @@ def batch_norm(prim: Primitive, x: Any, scale: Any, bias: Any, mean: Any,
         return y, mean, variance, mean, variance
     batch_mean = reshape(m, (channels,))
     batch_var = reshape(v, (channels,))
-    count = 1
-    for d in axes:
-        count *= shape[d]
     unbiased = batch_var * (count / max(count - 1, 1))
     for stored, current in ((mean, batch_mean), (variance, unbiased)):
         if isinstance(stored, Parameter):

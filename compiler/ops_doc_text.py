@@ -100,8 +100,13 @@ traced as the arithmetic they compute (ReduceMean, Sub, Square, Rsqrt, Mul, Add)
 split N, H or W dim is normalised by the whole batch's statistics (the ReduceMeans all-reduce, as
 MindSpore's SyncBatchNorm in BatchNormInfo), and the moving mean and variance (Parameters,
 `moving = momentum * moving + (1 - momentum) * batch` in the cell's terms, the unbiased batch
-variance) are state the step updates (`ops.assign`). Outside training the moving statistics
-normalise. MindSpore's `group_size` attribute (a sync over sub-groups) is refused.
+variance) are state the step updates (`ops.assign`). In `data_parallel` mode, where each rank
+traces its own rows, the statistics are the world's AllReduce of every rank's sums (as
+MindSpore's SyncBatchNorm; MindSpore's data_parallel BatchNorm uses each rank's rows), so each
+rank normalises and updates the moving statistics as one device does. Outside training the
+moving statistics normalise. MindSpore's `group_size` attribute (a sync over sub-groups) is
+refused; training inside `nn.PipelineCell` is refused (per-micro-batch statistics are not the
+whole batch's).
 
 * `nn.SequentialCell(a, b, ...)` (or a list, or an OrderedDict of named cells) calls its cells
   in order;

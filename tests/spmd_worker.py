@@ -292,9 +292,9 @@ DO_MASK_LINES = (
 def check_dropout() -> dict[str, Any]:
     """nn.Dropout on a (2, 4) split: each rank draws its block's bits from its rank constant
     of offsets; DropoutGenMask / DropoutDoMask under the same split (the packed mask whole,
-    each rank reading its block's bits); nn.Dropout in data_parallel mode (each rank's rows'
-    offsets a rank constant); two steps of the JAX SPMD program, the numpy simulator and one
-    device for each."""
+    each rank reading its block's bits); nn.BatchNorm1d then nn.Dropout in data_parallel mode
+    (the statistics summed over the world, each rank's rows' offsets a rank constant); two
+    steps of the JAX SPMD program, the numpy simulator and one device for each."""
     import tempfile
 
     from pcompile.tools.compile import compile as compile_model
@@ -303,7 +303,11 @@ def check_dropout() -> dict[str, Any]:
               "do_mask": DROPOUT_MODEL.replace(*DO_MASK_LINES),
               "data_parallel": DROPOUT_MODEL.replace('parallel_mode="semi_auto_parallel", '
                                                      'dataset_strategy="full_batch"',
-                                                     'parallel_mode="data_parallel"')}
+                                                     'parallel_mode="data_parallel"').replace(
+                  "self.drop(self.relu(", "self.drop(self.bn(self.relu(").replace(
+                  "self.w))), self.w2)", "self.w)))), self.w2)").replace(
+                  "        self.drop = nn.Dropout(p=0.5)\n",
+                  "        self.drop = nn.Dropout(p=0.5)\n        self.bn = nn.BatchNorm1d(32)\n")}
     report = {}
     with tempfile.TemporaryDirectory() as tmp:
         for case, text in models.items():

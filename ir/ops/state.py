@@ -50,9 +50,14 @@ ASSIGN_OPS = frozenset({"Assign", "AssignAdd", "AssignSub"})
 
 def batch_assigned_names(graph: Graph) -> tuple[str, ...]:
     """The assigned Parameters whose assignment reads the graph's inputs (the batch): the
-    others (a step counter's AssignAdd(counter, 1)) compute the same on every rank."""
+    others (a step counter's AssignAdd(counter, 1), statistics summed over every rank by an
+    AllReduce of the world group) compute the same on every rank."""
+    from pcompile.ir.layout import WORLD_GROUP
+
     batch: set[int] = {id(p) for p in graph.inputs}
     for node in graph.nodes:
+        if node.op == "AllReduce" and node.attrs.get("group") == WORLD_GROUP:
+            continue  # every rank holds the same sum
         if any(id(v) in batch for v in node.operands):
             batch.add(id(node.result))
     names: list[str] = []

@@ -125,3 +125,24 @@ def test_mindspore_batchnorm_cases_train_like_one_device(tmp_path, name: str) ->
     report = check(program, steps=2)
     assert report.ok(), report
     assert {"bn.moving_mean", "bn.moving_variance"} <= report.params
+
+
+@pytest.mark.parametrize("body", ["conv", "dense"])
+def test_data_parallel_mode_normalises_by_the_whole_batch(tmp_path, body: str) -> None:
+    """parallel_mode="data_parallel" traces each rank's rows: BatchNorm sums its statistics
+    over every rank (an AllReduce of the world group, MindSpore's SyncBatchNorm), so each rank
+    normalises by the whole batch and updates the moving statistics alike; the assignments are
+    then the same on every rank and not refused (they were), and two steps on 8 ranks equal one
+    device's, the moving statistics included."""
+    conv = body == "conv"
+    path = tmp_path / f"dp_{body}.py"
+    path.write_text(MODEL.replace('set_auto_parallel_context(dataset_strategy="full_batch")',
+                                  "").format(s1=None, s2=None, body=CONV if conv else DENSE,
+                                             x=(32, 16, 4, 4) if conv else (32, 8),
+                                             y=(32, 8, 4, 4) if conv else (32, 8)))
+    program = compile_model(str(path), devices=8, parallel_mode="data_parallel", dump=False)
+    reduces = [n for n in program.graph.nodes if n.op == "AllReduce"]
+    assert len(reduces) == 2  # the batch's sum and its sum of squares
+    report = check(program, steps=2)
+    assert report.ok(), report
+    assert {"bn.moving_mean", "bn.moving_variance"} <= report.params
