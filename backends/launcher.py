@@ -607,19 +607,22 @@ def _follows_another(proc: _Proc) -> bool:
     return any(marker in text for marker in _FOLLOW_ON)
 
 
-def _ended_early(proc: _Proc) -> bool:
+def _ended_early(proc: _Proc, ranks: list[_Proc] | None = None) -> bool:
     """Exited with status 0 before its run was over (its last heartbeat was not "finish"):
     something in the process ended it (a library's os._exit(0)), and the others will wait
-    for it in their collectives. (A program that never beat is not a rank program: no
-    judgement.)"""
-    return proc.code == 0 and proc.last_beat is not None and proc.phase != "finish"
+    for it in their collectives (in jax.distributed's start-up when it never beat, until
+    --startup-timeout). A program that never beat while no other process of the run did is
+    not a rank program: no judgement."""
+    if proc.code != 0 or proc.phase == "finish":
+        return False
+    return proc.last_beat is not None or any(r.last_beat is not None for r in ranks or [])
 
 
 def _first_failure(ranks: list[_Proc]) -> _Proc | None:
     """The process whose failure came first, once any process has failed: a process that had
     already stopped beating (the others' errors follow from it), else one killed by a signal,
     else the earliest reported error."""
-    bad = [r for r in ranks if r.code not in (None, 0) or _ended_early(r)]
+    bad = [r for r in ranks if r.code not in (None, 0) or _ended_early(r, ranks)]
     if not bad:
         return None
     now = time.monotonic()

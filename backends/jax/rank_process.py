@@ -305,6 +305,11 @@ class Watchdog:
         with self._lock:
             self.deadline = float("inf")
 
+    def explain(self, why: str) -> None:
+        """The likely cause to name if the current deadline passes (the deadline unchanged)."""
+        with self._lock:
+            self.why = why
+
     def _watch(self) -> None:
         launcher = os.environ.get("PCOMPILE_LAUNCHER_PID")
         while True:

@@ -177,14 +177,20 @@ def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbea
             # started by hand: process 0's death is one line, not jaxlib's C++ abort
             from pcompile.backends.jax.abort_guard import start_abort_guard
 
-            first = 0 if per_process == 1 else f"0-{per_process - 1}"
-            guard = start_abort_guard(
-                label, f"process 0 (rank{'s' if per_process > 1 else ''} {first})",
-                coordinator, per_process, verbose=args.verbose > 0)
+            guard = start_abort_guard(label, _process_name(0, per_process), coordinator,
+                                      per_process, verbose=args.verbose > 0)
             if guard is not None:
                 watch["guard"] = guard
         heartbeat.set(phase="connect")
         connecting = time.perf_counter()
+        startup = None
+        if coordinator is not None and not os.environ.get(HEARTBEAT_FD):
+            # started by hand: a process that never connects is named, or at least counted
+            from pcompile.backends.jax.startup_watch import StartupWatch
+
+            startup = StartupWatch(pid, nproc, coordinator, label, _process_name(0, per_process),
+                                   args.heartbeat_timeout, say_safely,
+                                   explain=watchdog.explain).start()
         try:
             jax.distributed.initialize(**kwargs)
         except Exception as exc:
@@ -193,6 +199,10 @@ def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbea
                       f"{coordinator} (address in use?): {exc}", file=sys.stderr)
                 return EXIT_COORDINATOR_PORT
             raise
+        finally:
+            if startup is not None:
+                startup.stop()
+                watchdog.explain("")
         timings["distributed"] = time.perf_counter() - connecting
         exit_on_sigterm(label)
         if jax.process_index() != pid:
@@ -211,6 +221,14 @@ def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbea
     if "peer" in watch:
         watch["peer"].finished()
     return code
+
+
+def _process_name(process: int, per_process: int) -> str:
+    """`process p (rank r)` or `process p (ranks r-s)`, as the peer watch names them."""
+    first = process * per_process
+    ranks = (f"rank {first}" if per_process == 1
+             else f"ranks {first}-{first + per_process - 1}")
+    return f"process {process} ({ranks})"
 
 
 class _GlooAt:

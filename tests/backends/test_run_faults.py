@@ -186,6 +186,13 @@ def test_a_process_that_exits_0_before_its_run_is_over_is_a_failure(tmp_path) ->
     # exited 0 after saying it had finished: the end of its run, not a failure
     ranks = [_proc(tmp_path, 0, None, "compute"), _proc(tmp_path, 1, 0, "finish")]
     assert _first_failure(ranks) is None
+    # exited 0 before its first heartbeat while the others connect (jax.distributed's start-up
+    # would wait --startup-timeout for it): named at once; programs that never beat: no judgement
+    ranks = [_proc(tmp_path, 0, None, "connect"), _proc(tmp_path, 1, 0, "start")]
+    ranks[1].last_beat = None
+    assert _first_failure(ranks) is ranks[1]
+    ranks[0].last_beat = None
+    assert _first_failure(ranks) is None
 
 
 EXITS_EARLY = mlp_source("((2, 2), (2, 1))", relu_matmul=True, data='''
