@@ -8,7 +8,8 @@ byte with `tests/passes/goldens/<case>/<NN>_<pass>.ir`, two ways:
   (`test_each_pass_alone_on_its_before_dump`). What the text does not carry (the options, the
   strategy assignment, the search's decision, the pipeline's stages: typed fields of the unit)
   the test takes from the compile's unit as it was when that pass began, its facts about nodes
-  moved to the parsed graph's nodes by position.
+  moved to the parsed graph's nodes by position. The plan sections the pass writes are the
+  compile's.
 
 A difference names the pass and shows what it changed against what its golden says it changes
 (the dump before it is the previous pass's). Between the cases every pass the driver has runs at
@@ -361,6 +362,10 @@ def test_each_pass_alone_on_its_before_dump(case: str,
         graph = unit.rank_graphs[0] if unit.split else unit.graph
         assert graph is not None
         text = print_graph(graph, 0)
+        # the plan sections it writes are the compile's
+        written = {name: compiled.state.plan.get(name) for name in unit.plan}
+        if dict(unit.plan) != written:
+            failures.append(f"pass {step.step.name}: plan {dict(unit.plan)} != {written}")
         golden = (folder / after_name).read_text()
         if text != golden:
             does = "".join(difflib.unified_diff(golden.splitlines(True), text.splitlines(True),
