@@ -190,6 +190,22 @@ class PredictedMemory(_Strict):
     total: int = Field(description="the sum")
 
 
+class PredictedStage(_Strict):
+    compute: float = Field(description="seconds of computation of the stage's ops per step")
+    communication: float = Field(description="seconds of its collectives, redistributions "
+                                 "and transfers to other stages per step")
+    held_micro_batches: float | None = Field(
+        description="micro-batches whose activations it holds at its peak")
+    memory: PredictedMemory = Field(description="memory per rank of the stage by kind")
+
+
+class PredictedStages(_Strict):
+    """Pipeline stages: the step is the slowest stage's seconds times the bubble."""
+
+    bubble: float | None = Field(description="(m v + S - 1) / (m v)")
+    per_stage: list[PredictedStage] = Field(description="each stage's seconds and memory")
+
+
 class Prediction(_Strict):
     """The plan's predictions under the cost model in seconds (docs/search.md)."""
 
@@ -204,6 +220,9 @@ class Prediction(_Strict):
     parallel_optimizer: bool = Field(description="the parallel optimizer was assumed on")
     recompute: bool = Field(description="per-layer recompute was assumed")
     advice: str | None = Field(None, description="what would fit, when it does not")
+    stages: PredictedStages | None = Field(
+        None, description="pipeline stages: each stage's seconds and memory (the step is the "
+        "slowest's, the memory the largest's)")
 
 
 class MegatronScheme(_Strict):

@@ -320,6 +320,7 @@ def record_prediction(unit: CompileUnit) -> None:
     is predicted not to fit the device's memory."""
     from pcompile.passes.recompute import marked
     from pcompile.passes.search.predict import fit_advice, predict
+    from pcompile.passes.search.stages import pipeline_shape
     from pcompile.passes.search.time_model import load_profile
 
     assert unit.graph is not None
@@ -332,7 +333,8 @@ def record_prediction(unit: CompileUnit) -> None:
                    memory if memory is not None else profile.memory,
                    training=unit.training, parallel_optimizer=popt, recompute=recompute,
                    dataset_strategy=unit.options.dataset_strategy,
-                   enable_alltoall=unit.options.enable_alltoall)
+                   enable_alltoall=unit.options.enable_alltoall,
+                   pipeline=pipeline_shape(unit.pipeline, unit.graph))
     record = pred.as_dict()
     if not pred.fits:
         record["advice"] = fit_advice(pred, unit.stage_devices)

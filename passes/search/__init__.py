@@ -114,11 +114,13 @@ def search(
     options: SearchOptions | None = None,
     loaded: dict[Node, Strategy] | None = None,
     explain: bool = True,
+    pipeline: Any = None,
 ) -> SearchResult:
     """Find a strategy for every op of the forward `graph` without a user strategy.
 
     `loaded`: node -> strategy read from a strategy checkpoint; such ops count as
-    configured (the loaded strategy overrides the search)."""
+    configured (the loaded strategy overrides the search). `pipeline`: the pipeline stages
+    (stages.PipelineShape) `--search ilp` costs per stage; `devices` are then one stage's."""
     if mode not in MODES:
         raise ValueError(f"unknown search mode {mode!r}; expected one of {', '.join(MODES)}")
     start = time.perf_counter()
@@ -144,7 +146,8 @@ def search(
         profile = load_profile(options.device_profile)
         memory = options.device_memory if options.device_memory is not None else profile.memory
         plan = solve_ilp(cg, IlpOptions(profile, memory, constants.training,
-                                        options.optimizer_states, constants.enable_alltoall))
+                                        options.optimizer_states, constants.enable_alltoall,
+                                        pipeline=pipeline))
         choice = plan.choice
         ilp_summary = {"device_profile": profile.name,
                        "device_memory": round(memory), **plan.summary()}

@@ -19,6 +19,7 @@ from typing import Any
 from pcompile.passes.search import SearchOptions, search
 from pcompile.passes.search.cost_model import CostConstants
 from pcompile.passes.search.explain import annotate
+from pcompile.passes.search.stages import pipeline_shape
 from pcompile.passes.search.strategy_checkpoint import load_strategies
 from pcompile.passes.unit import CompileUnit
 
@@ -50,6 +51,7 @@ class StepAutoParallelPass:
             constants=constants,
             options=self.options,
             loaded=loaded,
+            pipeline=pipeline_shape(unit.pipeline, unit.graph),
         )
         apply_plan_choices(unit)
 

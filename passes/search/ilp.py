@@ -30,6 +30,10 @@ row). The fastest fitting plan over all meshes and configurations wins (ties: th
 mesh, fewer devices on the model axis, then no recompute). User strategies stay fixed (their
 vertices have one candidate).
 
+**Pipeline stages** (`IlpOptions.pipeline`, stages.py): layers fold per stage, the memory row
+is one per stage, and the objective is the bubble times a column z above every stage's seconds
+(plus TIE times their sum).
+
 The solver is HiGHS (`highspy`), single-threaded with a fixed seed, so the same graph gives the
 same plan.
 """
@@ -50,6 +54,7 @@ from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
 from pcompile.passes.search.candidates import Candidate
 from pcompile.passes.search.cost_graph import CostGraph, Edge, Vertex
+from pcompile.passes.search.stages import PipelineShape, vertex_stages
 from pcompile.passes.search.time_model import (
     DeviceProfile,
     Memory,
@@ -87,6 +92,7 @@ class IlpOptions:
     optimizer_states: int = 2
     enable_alltoall: bool = False
     time_limit: float = 60.0
+    pipeline: PipelineShape | None = None  # pipeline stages (stages.py); None: one stage
 
 
 @dataclass
@@ -108,6 +114,7 @@ class IlpPlan:
     seconds: float = 0.0
     tried: list[dict[str, Any]] = field(default_factory=list)
     costs: Costs | None = None
+    stages: list[StageTotals] = field(default_factory=list)  # pipeline stages only
 
     def explain(self, cg: CostGraph, v: Vertex) -> dict[str, Any]:
         """One searched op's record (plan.json `search.ops`, the dump's annotation): its
@@ -138,7 +145,23 @@ class IlpPlan:
                 "predicted_memory": self.memory.as_dict(),
                 "ilp": {"variables": self.variables, "constraints": self.constraints,
                         "solves": self.solves, "folded_layers": dict(self.folded)},
+                **({"stages": stages_summary(self.stages, self.costs)} if self.stages else {}),
                 "tried": self.tried}
+
+
+def stages_summary(stages: list[StageTotals], costs: Any) -> dict[str, Any]:
+    """plan.json's record of the pipeline stages: the bubble and every stage's seconds (its
+    busy time over the whole step) and memory."""
+    shape = costs.pipeline if costs is not None else None
+    return {"bubble": _round(shape.bubble) if shape is not None else None,
+            "per_stage": [{"compute": _round(st.compute),
+                           "communication": _round(st.communication),
+                           "held_micro_batches": (_round(shape.held(i) * shape.micro)
+                                                  if shape is not None else None),
+                           "memory": st.memory.as_dict()} for i, st in enumerate(stages)]}
+
+
+TIE = 1e-6  # pipeline stages: the weight of the stages that do not bound the step (solve)
 
 
 def _round(seconds: float) -> float:
@@ -188,15 +211,17 @@ def _internal(cg: CostGraph, groups: dict[int, list[int]], pos: dict[int, tuple[
     return sorted(out)
 
 
-def fold(cg: CostGraph) -> Folding:
-    """Representatives for the vertices of repeated layers (module docstring)."""
+def fold(cg: CostGraph, stages: list[int] | None = None) -> Folding:
+    """Representatives for the vertices of repeated layers (module docstring); with pipeline
+    stages (`stages`: every vertex's), the layers of one stage fold together."""
     n = len(cg.vertices)
     group_of: dict[int, tuple[str, int]] = {}
     for v in cg.vertices:
         if v.node is not None:
             m = _LAYER.match(v.node.fullname)
             if m:
-                group_of[v.index] = (m.group(1), int(m.group(2)))
+                name = m.group(1) if stages is None else f"{m.group(1)} (stage {stages[v.index]})"
+                group_of[v.index] = (name, int(m.group(2)))
     for v in cg.vertices:  # a shared parameter's TmpIdentity joins its lead user's group
         if v.kind == "param" and v.out_edges:
             user = min(cg.edges[e].dst for e in v.out_edges)
@@ -216,12 +241,16 @@ def fold(cg: CostGraph) -> Folding:
         if len(order) < 2:
             continue
         lead = groups[order[0]]
-        sig = [_fold_signature(cg.vertices[i]) for i in lead]
+
+        def signature(group: list[int]) -> list[Any]:
+            return [(_fold_signature(cg.vertices[i]), stages[i] if stages else 0)
+                    for i in group]
+
+        sig = signature(lead)
         pos = {vi: (g, k) for g in order for k, vi in enumerate(groups[g])}
 
         shape = _internal(cg, groups, pos, order[0])
-        if any(len(groups[g]) != len(lead)
-               or [_fold_signature(cg.vertices[i]) for i in groups[g]] != sig
+        if any(len(groups[g]) != len(lead) or signature(groups[g]) != sig
                or _internal(cg, groups, pos, g) != shape for g in order[1:]):
             continue
         for g in order[1:]:
@@ -284,6 +313,28 @@ class Costs:
         self._axes: dict[Any, list[frozenset[tuple[int, int]]]] = {}
         self.owner = self._param_owners()
         self.grad = differentiable(cg.graph) if options.training else set()
+        # pipeline stages: every vertex's stage, and the fraction of a stage's whole-batch
+        # activations it holds at its peak (stages.py); one stage holding all without
+        self.pipeline = options.pipeline
+        self.stages = vertex_stages(cg, options.pipeline) if options.pipeline else None
+        self.held = ([options.pipeline.held(s) for s in range(options.pipeline.stages)]
+                     if options.pipeline else [1.0])
+
+    def stage(self, vi: int) -> int:
+        return self.stages[vi] if self.stages is not None else 0
+
+    def transfer(self, e: Edge, layout: TensorLayout) -> OpTime:
+        """The point-to-point transfer of an edge that crosses into another pipeline stage:
+        each rank sends its slice to the next stage's rank, and its cotangent comes back
+        (stages.py); nothing inside a stage."""
+        if self.stages is None or self.stages[e.src] == self.stages[e.dst]:
+            return OpTime()
+        nbytes = float(np.prod(layout.slice_shape)) * e.itemsize
+        times = 2 if self.has_grad(e) else 1
+        hops = abs(self.stages[e.dst] - self.stages[e.src])
+        link = self.options.profile.link(hops * self.cg.devices + 1)
+        return OpTime(comm=times * (link.latency + nbytes / link.bandwidth),
+                      comm_bytes=times * nbytes)
 
     def _param_owners(self) -> dict[int, list[tuple[int, GraphParam]]]:
         """Vertex -> (operand index, parameter) for the parameters it is the first user of."""
@@ -443,10 +494,16 @@ class _Program:
         self.feasible = True
         unary: dict[tuple[int, int], float] = defaultdict(float)
         banned: set[tuple[int, int]] = set()
-        # self edges (layer i -> layer i + 1 folded onto one representative): on the diagonal
+        # self edges (layer i -> layer i + 1 folded onto one representative): on the diagonal;
+        # an edge into another pipeline stage: its transfer on the producer's choice
         for me in edges:
             e = me.edge
             if e.src != e.dst:
+                if costs.stages is not None and costs.stages[e.src] != costs.stages[e.dst]:
+                    v = cg.vertices[e.src]
+                    for k in allowed[v.index]:
+                        lay = v.candidates[k].out_layouts[e.src_out]
+                        unary[(v.index, k)] += me.weight * costs.transfer(e, lay).total
                 continue
             v = cg.vertices[e.src]
             for k in allowed[v.index]:
@@ -476,6 +533,7 @@ class _Program:
                 self.feasible = False
             self.rows.append((cols, [1.0] * len(cols), 1.0, 1.0))
         self.y_cost: list[float] = []
+        self.y_stage: list[int] = []  # the consumer's stage
         nx = len(self.xs)
         for me in edges:
             e = me.edge
@@ -501,6 +559,7 @@ class _Program:
                         continue
                     col = nx + len(self.y_cost)
                     self.y_cost.append(me.weight * t)
+                    self.y_stage.append(costs.stage(e.dst))
                     yr[r].append(col)
                     yq[q].append(col)
             for r, xcols in rs.items():
@@ -528,7 +587,8 @@ class _Program:
             layer = recompute and f.layer_of[vi]
             mem = self.costs.memory(v, k, popt)
             total = (mem.weights + mem.gradients + mem.optimizer) * mult \
-                + mem.activations * (1 if layer else mult)
+                + mem.activations * (1 if layer else mult) * self.costs.held[
+                    self.costs.stage(vi)]
             if recompute and vi in f.last:
                 total += mem.activations * (f.last[vi] - 1)
             memory[col] = total
@@ -544,21 +604,56 @@ class _Program:
             return None
         seconds, memory = self.coefficients(popt, recompute)
         nx, n = len(self.xs), len(self.xs) + len(self.y_cost)
-        if minimise_memory:
-            cost = np.concatenate([memory, np.zeros(len(self.y_cost))]) * 1e-6  # megabytes
-            scale = 1e-6
-        else:
-            cost = np.concatenate([seconds, np.array(self.y_cost)]) * 1e6  # microseconds
-            scale = 1e6
         starts, index, value = list(self.starts), list(self.index), list(self.value)
         lower = [r[2] for r in self.rows]
         upper = [r[3] for r in self.rows]
-        if budget is not None:
-            index.extend(range(nx))
-            value.extend(memory.tolist())
+
+        def row(cols: list[int], vals: list[float], hi: float) -> None:
+            index.extend(cols)
+            value.extend(vals)
             starts.append(len(index))
             lower.append(-inf)
-            upper.append(budget)
+            upper.append(hi)
+
+        pipeline = self.costs.pipeline
+        if pipeline is None:
+            if minimise_memory:
+                cost = np.concatenate([memory, np.zeros(len(self.y_cost))]) * 1e-6  # MB
+                scale = 1e-6
+            else:
+                cost = np.concatenate([seconds, np.array(self.y_cost)]) * 1e6  # microseconds
+                scale = 1e6
+            if budget is not None:
+                row(list(range(nx)), memory.tolist(), budget)
+        else:
+            # pipeline stages (stages.py): one more column z, above every stage's seconds (or
+            # memory); the objective is the bubble times z, plus the sum over the stages
+            # weighted by TIE (so that the stages that do not bound the step are not left
+            # anywhere: at most TIE relative away from the exact optimum)
+            z = n
+            n += 1
+            by_stage: dict[int, list[int]] = defaultdict(list)
+            for col, (vi, _) in enumerate(self.xs):
+                by_stage[self.costs.stage(vi)].append(col)
+            y_by_stage: dict[int, list[int]] = defaultdict(list)
+            for j, st in enumerate(self.y_stage):
+                y_by_stage[st].append(nx + j)
+            every = np.concatenate([seconds, np.array(self.y_cost)])
+            for st in range(pipeline.stages):
+                cols = by_stage.get(st, [])
+                if minimise_memory:
+                    row(cols + [z], [float(memory[c]) for c in cols] + [-1.0], 0.0)
+                else:
+                    ys = y_by_stage.get(st, [])
+                    row(cols + ys + [z], [float(every[c]) for c in cols + ys] + [-1.0], 0.0)
+                if budget is not None:
+                    row(cols, [float(memory[c]) for c in cols], budget)
+            if minimise_memory:
+                cost = np.concatenate([memory * TIE, np.zeros(len(self.y_cost)), [1.0]]) * 1e-6
+                scale = 1e-6
+            else:
+                cost = np.concatenate([every * TIE, [pipeline.bubble]]) * 1e6
+                scale = 1e6
         # the plain solver class: `highspy.Highs` adds Python callbacks and prints a banner
         # to stdout, which would land in the middle of the compile's output
         h = highspy._Highs()  # type: ignore[attr-defined]
@@ -572,7 +667,8 @@ class _Program:
         lp.num_row_ = len(lower)
         lp.col_cost_ = cost
         lp.col_lower_ = np.zeros(n)
-        lp.col_upper_ = np.ones(n)
+        lp.col_upper_ = np.ones(n) if n == nx + len(self.y_cost) else np.concatenate(
+            [np.ones(n - 1), [inf]])
         lp.row_lower_ = np.array(lower, dtype=np.float64)
         lp.row_upper_ = np.array(upper, dtype=np.float64)
         lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
@@ -587,50 +683,89 @@ class _Program:
             return None
         x = h.getSolution().col_value
         choice = {vi: k for col, (vi, k) in enumerate(self.xs) if x[col] > 0.5}
-        return _Solved(choice, h.getInfo().objective_function_value / scale, n, len(lower))
+        objective = h.getInfo().objective_function_value / scale
+        if pipeline is not None:  # the bound is the step (or memory) alone
+            objective = x[n - 1] * (1.0 if minimise_memory else pipeline.bubble)
+        return _Solved(choice, objective, n, len(lower))
 
 
 def _memory(program: _Program, solved: _Solved, popt: bool, recompute: bool) -> float:
+    """The plan's memory per rank: its largest stage's."""
     _, memory = program.coefficients(popt, recompute)
-    return float(sum(memory[col] for col, (vi, k) in enumerate(program.xs)
-                     if solved.choice.get(vi) == k))
+    per: dict[int, float] = defaultdict(float)
+    for col, (vi, k) in enumerate(program.xs):
+        if solved.choice.get(vi) == k:
+            per[program.costs.stage(vi)] += float(memory[col])
+    return max(per.values(), default=0.0)
+
+
+@dataclass
+class StageTotals:
+    """One pipeline stage's seconds and memory (the whole step's without stages)."""
+
+    compute: float = 0.0
+    communication: float = 0.0
+    memory: Memory = field(default_factory=Memory)
+
+    @property
+    def seconds(self) -> float:
+        return self.compute + self.communication
+
+
+def stage_totals(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Mapped],
+                 choice: dict[int, int], popt: bool, recompute: bool) -> list[StageTotals]:
+    """Seconds and memory of a representative choice, per pipeline stage (one entry
+    without stages)."""
+    count = costs.pipeline.stages if costs.pipeline is not None else 1
+    out = [StageTotals() for _ in range(count)]
+    for v in cg.vertices:
+        mult = folding.mult[v.index]
+        if mult == 0:
+            continue
+        st = out[costs.stage(v.index)]
+        k = choice[v.index]
+        t = costs.op_times(v, popt)[k]
+        layer = recompute and folding.layer_of[v.index]
+        mem = costs.memory(v, k, popt)
+        st.compute += mult * (t.compute * (4 / 3 if layer else 1) + costs.update_time(mem))
+        st.communication += mult * t.comm
+        act = mem.activations * (1 if layer else mult)
+        if recompute and v.index in folding.last:
+            act += mem.activations * (folding.last[v.index] - 1)
+        st.memory.add(Memory(mem.weights, mem.gradients, mem.optimizer, 0.0), mult)
+        st.memory.activations += act * costs.held[costs.stage(v.index)]
+    for me in edges:
+        e = me.edge
+        a, b = cg.vertices[e.src].candidates[choice[e.src]], \
+            cg.vertices[e.dst].candidates[choice[e.dst]]
+        out[costs.stage(e.dst)].communication += me.weight * costs.pair(
+            e, a.out_keys[e.src_out], a.out_layouts[e.src_out], b.in_keys[e.dst_in],
+            b.in_layouts[e.dst_in])
+        out[costs.stage(e.src)].communication += me.weight * costs.transfer(
+            e, a.out_layouts[e.src_out]).total
+    return out
 
 
 def evaluate(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Mapped],
              choice: dict[int, int], popt: bool, recompute: bool
              ) -> tuple[float, float, Memory]:
-    """(compute, communication, memory) of a representative choice."""
-    compute = comm = 0.0
-    memory = Memory()
-    for v in cg.vertices:
-        mult = folding.mult[v.index]
-        if mult == 0:
-            continue
-        k = choice[v.index]
-        t = costs.op_times(v, popt)[k]
-        layer = recompute and folding.layer_of[v.index]
-        mem = costs.memory(v, k, popt)
-        compute += mult * (t.compute * (4 / 3 if layer else 1) + costs.update_time(mem))
-        comm += mult * t.comm
-        act = mem.activations * (1 if layer else mult)
-        if recompute and v.index in folding.last:
-            act += mem.activations * (folding.last[v.index] - 1)
-        memory.add(Memory(mem.weights, mem.gradients, mem.optimizer, 0.0), mult)
-        memory.activations += act
-    for me in edges:
-        e = me.edge
-        a, b = cg.vertices[e.src].candidates[choice[e.src]], \
-            cg.vertices[e.dst].candidates[choice[e.dst]]
-        comm += me.weight * costs.pair(e, a.out_keys[e.src_out], a.out_layouts[e.src_out],
-                                       b.in_keys[e.dst_in], b.in_layouts[e.dst_in])
-    return compute, comm, memory
+    """(compute, communication, memory) of a representative choice; with pipeline stages,
+    the slowest stage's seconds times the bubble, and the largest stage's memory."""
+    stages = stage_totals(cg, costs, folding, edges, choice, popt, recompute)
+    if len(stages) == 1:
+        return stages[0].compute, stages[0].communication, stages[0].memory
+    assert costs.pipeline is not None
+    slowest = max(stages, key=lambda st: st.seconds)
+    largest = max(stages, key=lambda st: st.memory.total)
+    bubble = costs.pipeline.bubble
+    return slowest.compute * bubble, slowest.communication * bubble, largest.memory
 
 
 def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
     """The fastest plan that fits (module docstring)."""
     start = time.perf_counter()
-    folding = fold(cg)
     costs = Costs(cg, options)
+    folding = fold(cg, costs.stages)
     edges = mapped_edges(cg, folding)
     best: IlpPlan | None = None
     tried: list[dict[str, Any]] = []
@@ -640,6 +775,8 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
     # every constrained plan of its mesh and parallel optimizer from below, so those are not
     # solved once a plan at least as fast is known (exact: the bound never prunes a faster one).
     popts = (False, True) if options.training else (False,)
+    # pcompile recomputes nothing inside pipeline stages (front_passes refuses it)
+    recomputes = (False, True) if options.training and options.pipeline is None else (False,)
 
     def consider(mesh: tuple[int, int], popt: bool, recompute: bool, solved: _Solved) -> None:
         nonlocal best
@@ -650,6 +787,9 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
         plan = IlpPlan(_unfold(cg, folding, solved.choice), mesh, popt, recompute,
                        compute + comm, compute, comm, memory, solved.variables,
                        solved.constraints)
+        if options.pipeline is not None:
+            plan.stages = stage_totals(cg, costs, folding, edges, solved.choice, popt,
+                                       recompute)
         if best is None or plan.step_time < best.step_time * (1 - 1e-9):
             best = plan
 
@@ -679,7 +819,7 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
             else:
                 held.append((free.objective, len(held), mesh, popt, program))
     for bound, _, mesh, popt, program in sorted(held, key=lambda h: h[:2]):
-        for recompute in ((False, True) if options.training else (False,)):
+        for recompute in recomputes:
             if best is not None and bound >= best.step_time * (1 - 1e-9):
                 break
             solves += 1
@@ -706,14 +846,19 @@ def _no_fit(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Mapped],
     # every candidate allowed (any mesh): the least memory any plan needs
     allowed = {v.index: list(range(len(v.candidates))) for v in cg.vertices
                if folding.mult[v.index] > 0}
+    recompute = options.training and options.pipeline is None
     solved = _Program(cg, costs, folding, edges, allowed).solve(
-        True, options.training, None, minimise_memory=True)
+        True, recompute, None, minimise_memory=True)
     if solved is not None:
         smallest = solved.objective
     need = _gb(smallest) if isfinite(smallest) else "more than any plan has"
+    where = (f"{cg.devices} devices" if options.pipeline is None else
+             f"{cg.devices} devices per stage ({options.pipeline.stages} pipeline stages)")
+    how = "the parallel optimizer and recompute" if recompute else "the parallel optimizer"
+    more = "" if options.pipeline is None else ", more pipeline stages"
     error = IlpError(
-        f"ilp search: no plan of {cg.devices} devices fits {_gb(options.memory)} per device "
-        f"(the smallest plan, with the parallel optimizer and recompute, needs {need}); use "
-        f"more devices, a smaller batch or model, or a larger --device-memory")
+        f"ilp search: no plan of {where} fits {_gb(options.memory)} per device "
+        f"(the smallest plan, with {how}, needs {need}); use more devices{more}, a smaller "
+        "batch or model, or a larger --device-memory")
     error.needed = smallest
     return error

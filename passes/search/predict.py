@@ -19,7 +19,16 @@ from pcompile.ir.core import Graph, Node
 from pcompile.ir.sharding import rule_for
 from pcompile.passes.search.cost_graph import CostGraph, _looked_through
 from pcompile.passes.search.cost_model import CostConstants
-from pcompile.passes.search.ilp import Costs, IlpOptions, evaluate, fold, mapped_edges
+from pcompile.passes.search.ilp import (
+    Costs,
+    IlpOptions,
+    evaluate,
+    fold,
+    mapped_edges,
+    stage_totals,
+    stages_summary,
+)
+from pcompile.passes.search.stages import PipelineShape
 from pcompile.passes.search.time_model import DeviceProfile, Memory, stored_param
 
 
@@ -33,6 +42,7 @@ class Prediction:
     memory: Memory
     parallel_optimizer: bool
     recompute: bool
+    stages: dict[str, Any] | None = None  # pipeline stages (ilp.stages_summary)
 
     @property
     def step_time(self) -> float:
@@ -52,14 +62,17 @@ class Prediction:
                 "memory": self.memory.as_dict(),
                 "fits": self.fits,
                 "parallel_optimizer": self.parallel_optimizer,
-                "recompute": self.recompute}
+                "recompute": self.recompute,
+                **({"stages": self.stages} if self.stages is not None else {})}
 
 
 def predict(graph: Graph, devices: int, profile: DeviceProfile, memory_capacity: float, *,
             training: bool, parallel_optimizer: bool, recompute: bool,
             dataset_strategy: Any = None, enable_alltoall: bool = False,
-            optimizer_states: int = 2) -> Prediction:
-    """The plan's prediction (module docstring). Ops without a layout (no rule) are skipped."""
+            optimizer_states: int = 2, pipeline: PipelineShape | None = None) -> Prediction:
+    """The plan's prediction (module docstring). Ops without a layout (no rule) are skipped.
+    With pipeline stages (`pipeline`; `devices` are one stage's), the step is the slowest
+    stage's stretched by the bubble and the memory the largest stage's (stages.py)."""
     configured: dict[Node, Any] = {}
     follows = _following_casts(graph)
     for node in graph.nodes:
@@ -74,16 +87,21 @@ def predict(graph: Graph, devices: int, profile: DeviceProfile, memory_capacity:
     # where the plan stores the weight (a search may cast it whole and slice it for its user)
     cg = CostGraph(graph, devices, constants, dataset_strategy, False, configured,
                    weight_casts=follows)
-    options = IlpOptions(profile, memory_capacity, training, optimizer_states, enable_alltoall)
-    folding = fold(cg)
+    options = IlpOptions(profile, memory_capacity, training, optimizer_states, enable_alltoall,
+                         pipeline=pipeline)
     costs = Costs(cg, options, parameters_agree=False)
+    folding = fold(cg, costs.stages)
     edges = mapped_edges(cg, folding)
     choice = {v.index: 0 for v in cg.vertices}
     compute, comm, memory = evaluate(cg, costs, folding, edges, choice, parallel_optimizer,
                                      recompute)
     comm_bytes = _bytes(cg, costs, folding, edges, choice, parallel_optimizer)
+    stages = None
+    if pipeline is not None:
+        stages = stages_summary(stage_totals(cg, costs, folding, edges, choice,
+                                             parallel_optimizer, recompute), costs)
     return Prediction(profile, memory_capacity, compute, comm, comm_bytes, memory,
-                      parallel_optimizer, recompute)
+                      parallel_optimizer, recompute, stages)
 
 
 def _following_casts(graph: Graph) -> set[Node]:
@@ -107,19 +125,28 @@ def _following_casts(graph: Graph) -> set[Node]:
 
 def _bytes(cg: CostGraph, costs: Costs, folding: Any, edges: Any, choice: dict[int, int],
            popt: bool) -> float:
-    total = 0.0
+    """Bytes a rank sends or receives per step (with pipeline stages, on the busiest stage,
+    its transfers between stages included)."""
+    total: dict[int, float] = {}
     for v in cg.vertices:
         mult = folding.mult[v.index]
         if mult:
-            total += mult * costs.op_times(v, popt)[choice[v.index]].comm_bytes
+            st = costs.stage(v.index)
+            total[st] = total.get(st, 0.0) \
+                + mult * costs.op_times(v, popt)[choice[v.index]].comm_bytes
     for me in edges:  # the redistributions the evaluation costed, from the same cache
         e = me.edge
         a = cg.vertices[e.src].candidates[choice[e.src]]
         b = cg.vertices[e.dst].candidates[choice[e.dst]]
-        total += me.weight * costs.pair_time(e, a.out_keys[e.src_out], a.out_layouts[e.src_out],
-                                             b.in_keys[e.dst_in], b.in_layouts[e.dst_in]
-                                             ).comm_bytes
-    return total
+        st = costs.stage(e.dst)
+        total[st] = total.get(st, 0.0) + me.weight * costs.pair_time(
+            e, a.out_keys[e.src_out], a.out_layouts[e.src_out], b.in_keys[e.dst_in],
+            b.in_layouts[e.dst_in]).comm_bytes
+        moved = costs.transfer(e, a.out_layouts[e.src_out]).comm_bytes
+        if moved:
+            total[costs.stage(e.src)] = total.get(costs.stage(e.src), 0.0) + me.weight * moved
+            total[st] += me.weight * moved
+    return max(total.values(), default=0.0)
 
 
 def fit_advice(p: Prediction, devices: int) -> str:
@@ -133,6 +160,8 @@ def fit_advice(p: Prediction, devices: int) -> str:
     if not p.recompute and m.activations > 0:
         ways.append(f"recompute (Cell.recompute()) keeps less of the "
                     f"{m.activations / 1e9:.1f} GB of activations")
+    if p.stages is not None:
+        ways.append("more pipeline stages (each stage stores only its own layers)")
     ways.append(f"more than {devices} devices or `--search ilp`, which chooses a plan that fits")
     return (f"the plan is predicted to need {m.total / 1e9:.2f} GB per device "
             f"(weights {m.weights / 1e9:.2f}, gradients {m.gradients / 1e9:.2f}, optimizer "

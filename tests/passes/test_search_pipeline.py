@@ -1,0 +1,85 @@
+"""`--search ilp` and every plan's prediction with pipeline stages (passes/search/stages.py):
+repeated layers fold per stage, each stage holds the micro-batches its scheduler keeps in
+flight, a stage's memory is its own parameters' (the memory row is per stage, so a budget
+below the whole model's fits), and the step is the slowest stage's times the bubble."""
+
+from __future__ import annotations
+
+import os
+from math import prod
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pcompile.passes.search.ilp import IlpError
+from tests import ROOT
+
+MODEL = os.path.join(ROOT, "tests", "models", "pipeline_search.py")
+ITEMSIZE = {"Float32": 4, "Float16": 2, "BFloat16": 2}
+
+
+def _compile(monkeypatch: Any, memory: float | None = None, **env: str) -> Any:
+    from pcompile.compiler.driver import compile_program
+    from pcompile.compiler.search_context import reset_cost_model_context
+
+    for k, v in env.items():
+        monkeypatch.setenv(f"PIPE_SEARCH_{k}", v)
+    overrides = {"device_memory_capacity": memory} if memory is not None else {}
+    try:
+        return compile_program(MODEL, devices=8, dump=False, overrides=overrides)
+    finally:
+        reset_cost_model_context()
+
+
+def _stage_weights(plan: dict[str, Any], blocks: int) -> list[float]:
+    """Bytes of each stage's weight slices, from the plan's parameter layouts."""
+    out = [0.0, 0.0]
+    for name, p in plan["parameters"].items():
+        if p["kind"] == "weight" and "blocks." in name:
+            stage = 2 * int(name.split(".")[1]) // blocks
+            out[stage] += prod(p["slice_shape"]) * ITEMSIZE[p["dtype"]]
+    return out
+
+
+@pytest.mark.parametrize("scheduler,held", [("1f1b", [2, 1]), ("gpipe", [4, 4])])
+def test_stages_fold_apart_and_hold_their_micro_batches(monkeypatch: Any, scheduler: str,
+                                                        held: list[int]) -> None:
+    from pcompile.compiler.plan import build_plan
+
+    plan = build_plan(_compile(monkeypatch, SCHEDULER=scheduler).state).model_dump()
+    search, pred = plan["search"], plan["prediction"]
+    folded = search["ilp"]["folded_layers"]
+    assert sorted(folded.values()) == [2, 2] and all("(stage " in k for k in folded)
+    stages = pred["stages"]["per_stage"]
+    assert [s["held_micro_batches"] for s in stages] == held
+    # each stage stores its own blocks' weights, as the plan lays them out
+    assert [s["memory"]["weights"] for s in stages] == pytest.approx(_stage_weights(plan, 4))
+    # the rank's memory is its stage's, the plan's the largest stage's; the step the
+    # slowest stage's stretched by the bubble (m + S - 1) / m
+    assert pred["memory"]["total"] == max(s["memory"]["total"] for s in stages)
+    assert pred["stages"]["bubble"] == pytest.approx(5 / 4)
+    slowest = max(s["compute"] + s["communication"] for s in stages)
+    assert pred["step_time"] == pytest.approx(5 / 4 * slowest, rel=1e-5)
+    assert search["predicted_step_time"] == pytest.approx(pred["step_time"], rel=1e-5)
+    # activations: a stage holding k micro-batches holds k / m of its whole-batch ones
+    acts = [s["memory"]["activations"] for s in stages]
+    if scheduler == "1f1b":
+        assert acts[0] > acts[1]
+
+
+def test_a_budget_below_the_whole_model_fits_per_stage(monkeypatch: Any) -> None:
+    """Each stage stores half the blocks: a budget that holds one stage's parameters (with
+    the parallel optimizer's shards) but not the whole model's is met per stage."""
+    free = _compile(monkeypatch).state.plan["prediction"]
+    stage = free["memory"]["total"]
+    whole = sum(s["memory"]["weights"] + s["memory"]["gradients"] + s["memory"]["optimizer"]
+                for s in free["stages"]["per_stage"])
+    assert whole > stage
+    budget = float(np.floor(stage * 1.01))
+    plan = _compile(monkeypatch, memory=budget).state.plan
+    assert plan["prediction"]["fits"]
+    assert plan["prediction"]["memory"]["total"] <= budget
+    with pytest.raises(IlpError, match=r"no plan of 4 devices per stage \(2 pipeline "
+                       r"stages\) fits .* more pipeline stages"):
+        _compile(monkeypatch, memory=stage / 40)
