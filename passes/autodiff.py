@@ -65,14 +65,14 @@ def append_gradients(
     loss: Value | Sequence[Value],
     wrt: Sequence[GraphParam],
     seeds: Sequence[Value] | None = None,
-    origins: dict[int, Node] | None = None,
+    origins: dict[Node, Node] | None = None,
     custom: Sequence[CustomVjp] = (),
 ) -> list[Value]:
     """Append the backward graph; returns one gradient value per entry of `wrt`.
 
     `loss` is usually one scalar, seeded with 1. Several values with explicit `seeds`
     (cotangents of their types) compute a vector-Jacobian product instead. `origins`, when
-    given, receives id(backward node) -> the forward node whose vjp made it (the pipeline
+    given, receives backward node -> the forward node whose vjp made it (the pipeline
     passes run a backward node in its forward node's stage and micro-batch). `custom`: regions
     whose backward is given (`CustomVjp`)."""
     losses = [loss] if isinstance(loss, Value) else list(loss)
@@ -190,11 +190,11 @@ def append_gradients(
 
 
 def _note_origins(graph: Graph, made: int, forward: Node | None,
-                  origins: dict[int, Node]) -> None:
+                  origins: dict[Node, Node]) -> None:
     """The nodes appended since `made` were made by `forward`'s vjp."""
     if forward is not None:
         for node in graph.nodes[made:]:
-            origins[id(node)] = forward
+            origins[node] = forward
 
 
 __all__ = ["CustomVjp", "append_gradients", "zeros_like"]
@@ -231,7 +231,7 @@ class AutodiffPass:
             wrt = [p for p in graph.weights if p.requires_grad]
             if not wrt:
                 raise PcompileError("the network has no trainable parameters to train")
-            origins: dict[int, Node] | None = {} if unit.micro_batched else None
+            origins: dict[Node, Node] | None = {} if unit.micro_batched else None
             custom = self.options.custom(graph) if self.options.custom is not None else []
             grads = append_gradients(graph, objective, wrt, origins=origins, custom=custom)
             if origins is not None:  # backward nodes run in their forward node's stage

@@ -60,16 +60,16 @@ from pcompile.passes.unit import CompileUnit
 MicroLabel = tuple[str, int]
 
 
-def inherit(created: dict[int, Node], stages: dict[int, int],
+def inherit(created: dict[Node, Node], stages: dict[int, int],
             labels: dict[int, MicroLabel]) -> None:
-    """Autodiff made the nodes `created` (id -> the forward node it differentiates): they run
-    in its stage, in the backward unit of its micro-batch."""
-    for key, forward in created.items():
+    """Autodiff made the nodes `created` (node -> the forward node it differentiates): they
+    run in its stage, in the backward unit of its micro-batch."""
+    for node, forward in created.items():
         if id(forward) in stages:
-            stages[key] = stages[id(forward)]
+            stages[id(node)] = stages[id(forward)]
         label = labels.get(id(forward))
         if label is not None:
-            labels[key] = ("B", label[1])
+            labels[id(node)] = ("B", label[1])
 
 
 # -- stage assignment ---------------------------------------------------------------------------
