@@ -130,7 +130,13 @@ def start_abort_guard(label: str, lost: str, coordinator: str | None, ranks_per_
                        or "utf-8", errors="backslashreplace")
     os.dup2(write_end, 2)
     os.close(write_end)
-    sys.stderr = stream
+    old, sys.stderr = sys.stderr, stream
+    import logging
+
+    for name in ("pcompile", "py.warnings"):  # the rank program's log lines follow sys.stderr
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream is old:
+                handler.setStream(stream)
     return AbortGuard(helper, ours)
 
 

@@ -93,11 +93,14 @@ def test_a_rank_process_routes_only_descriptor_2_through_the_helper(tmp_path) ->
     script.write_text(
         "import os, sys\n"
         "from pcompile.backends.jax.abort_guard import start_abort_guard\n"
+        "from pcompile.backends.progress import log, setup_logging\n"
+        "setup_logging(1)\n"
         "real = os.readlink('/proc/self/fd/2')\n"
         "guard = start_abort_guard('pcompile rank 1', 'process 0 (rank 0)', 'h:1', 1)\n"
         "assert guard is not None\n"
         "assert os.readlink(f'/proc/self/fd/{sys.stderr.fileno()}') == real\n"
         "assert os.readlink('/proc/self/fd/2') != real\n"
+        "assert log.handlers[0].stream is sys.stderr\n"
         "print('python line', file=sys.stderr)\n"
         "os.write(2, b'c++ line\\n')\n")
     done = subprocess.run([sys.executable, str(script)], stderr=subprocess.PIPE, text=True,
