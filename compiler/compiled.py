@@ -94,6 +94,7 @@ class CompileState(CompileUnit):
     # pinned strategies; and the overrides the compile was given (to compile it again).
     shrink: PinnedPlan | None = None
     trace_only: bool = False  # compile(trace_only=True): the trace pass alone
+    dump_ranks: list[int] = field(default_factory=list)  # the ranks whose folders are written
     overrides: dict[str, Any] = field(default_factory=dict)
 
     def rank_values(self, rank: int) -> dict[str, np.ndarray]:

@@ -182,7 +182,6 @@ class CompileUnit:
     # byte sizes), kept by comm_fusion: the shrunk check compares a plan's communication by
     # them.
     unfused: list[list[Node]] = field(default_factory=list)
-    dump_ranks: list[int] = field(default_factory=list)  # the ranks whose folders are written
     state_owners: dict[str, str] = field(default_factory=dict)  # optimizer state -> parameter
 
     @property
