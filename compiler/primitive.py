@@ -53,6 +53,9 @@ def normalize_strategy(strategy: Any, what: str) -> tuple[Any, ...]:
     return tuple(out)
 
 
+_PLAIN_INTS = frozenset({int})
+
+
 def attr_value(value: Any) -> Any:
     """Plain, printable attribute values: lists become tuples, layouts become their dicts."""
     from pcompile.compiler.layout import LayoutSpec
@@ -62,6 +65,8 @@ def attr_value(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): attr_value(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
+        if _PLAIN_INTS.issuperset(map(type, value)):  # a shape or a rank list of 2048 ranks
+            return tuple(value)
         return tuple(attr_value(v) for v in value)
     if isinstance(value, np.integer):
         return int(value)

@@ -257,6 +257,7 @@ class Replay(StepContext):
         self.assigned = list(zip(assigned_names(graph), assigned))
         self.tags: dict[int, str] = {}  # id(value) -> name of the stored tensor / input
         self.updates: list[tuple[str, Value]] = []
+        self._updated: set[str] = set()  # the names in `updates` (one look-up per record)
         self.trusted = 0
 
     # -- the network and its gradients ------------------------------------------------------------
@@ -385,8 +386,9 @@ class Replay(StepContext):
         return Tensor(_value=new)
 
     def _record(self, name: str, value: Value) -> None:
-        if any(n == name for n, _ in self.updates):
+        if name in self._updated:
             raise PcompileError(f"the training step assigns {name!r} twice")
+        self._updated.add(name)
         self.updates.append((name, value))
 
     # -- reductions of gradients -------------------------------------------------------------------

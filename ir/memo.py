@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
+_PLAIN_INTS = frozenset({int})
+
 
 def typed_key(value: Any) -> Any:
     """A hashable key that is equal only for values of the same types and the same values."""
     if isinstance(value, tuple):
-        if all(type(v) is int for v in value):  # shapes, axes, rank lists: the common case
+        if _PLAIN_INTS.issuperset(map(type, value)):  # shapes, axes, rank lists: the common case
             return (tuple, int, value)
         return (tuple, tuple(typed_key(v) for v in value))
     if isinstance(value, float):

@@ -130,6 +130,9 @@ def format_float(value: float) -> str:
     return repr(float(value))
 
 
+_PLAIN_INTS = frozenset({int})
+
+
 def format_value(value: Any) -> str:
     """The text of an attribute value (see the module docstring for the grammar)."""
     if isinstance(value, (bool, np.bool_)):
@@ -147,6 +150,8 @@ def format_value(value: Any) -> str:
     if isinstance(value, tuple):
         if len(value) == 1:
             return f"({format_value(value[0])},)"
+        if _PLAIN_INTS.issuperset(map(type, value)):  # shapes, rank lists: str(int) each
+            return "(" + ", ".join(map(str, value)) + ")"
         return "(" + ", ".join(format_value(v) for v in value) + ")"
     if isinstance(value, list):
         return "[" + ", ".join(format_value(v) for v in value) + "]"

@@ -31,6 +31,9 @@ _COMM_DEFAULTS: dict[str, Any] = {"group": "", "rank_list": (0,), "fusion": 0}
 _REDUCE_OPS = ("sum", "max", "min", "prod")
 
 
+_PLAIN_INTS = frozenset({int})  # a rank list's entries (not bool, nor an int subclass)
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -40,7 +43,8 @@ def _group_size(attrs: dict[str, Any]) -> int:
     group, ranks, fusion = attrs["group"], attrs["rank_list"], attrs["fusion"]
     if not isinstance(group, str):
         raise ShapeError(f"group must be a str, got {group!r}")
-    if not isinstance(ranks, tuple) or not ranks or not all(_is_int(r) and r >= 0 for r in ranks):
+    if not isinstance(ranks, tuple) or not ranks or not _PLAIN_INTS.issuperset(
+            map(type, ranks)) or min(ranks) < 0:
         raise ShapeError(f"rank_list must be a non-empty tuple of non-negative ints, got {ranks!r}")
     if len(set(ranks)) != len(ranks):
         raise ShapeError(f"rank_list {ranks} names a rank twice")
