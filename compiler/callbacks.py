@@ -290,6 +290,7 @@ class CallbackRunner:
                                      say=say, **fields)
         self.context = RunContext(self.params)
         self.epoch: int | None = None
+        self._epoch_open = False
         self.epoch_steps = 0  # the largest step-in-epoch seen: an epoch's size once complete
 
     @property
@@ -316,6 +317,7 @@ class CallbackRunner:
     def epoch_begin(self, epoch: int) -> None:
         self.epoch = self.params.cur_epoch_num = epoch
         self.params.epoch_steps_run = 0
+        self._epoch_open = True
         self._call("on_train_epoch_begin")
 
     def step_begin(self, step: int, epoch: int, in_epoch: int) -> None:
@@ -330,7 +332,9 @@ class CallbackRunner:
         self._call("on_train_step_end")
 
     def epoch_end(self) -> None:
-        if self.epoch is not None:
+        """The open epoch's end (once)."""
+        if self._epoch_open:
+            self._epoch_open = False
             self._call("on_train_epoch_end")
 
     def train_end(self) -> None:

@@ -542,6 +542,7 @@ class RankRunner:
         fault, fault_mode = fault_injection(self.local)
         first = True
         epoch, in_epoch = int(meta.get("epoch", 1)), int(meta.get("step_in_epoch", 0))
+        trained = (epoch, in_epoch)  # the last step trained (a callback may stop before a batch)
         start = time.perf_counter()
         monitor = LossMonitor(args.steps, args.print_every,
                               lambda line: self._say(line, loss=True), done=done)
@@ -612,6 +613,10 @@ class RankRunner:
                 if epoch != hooks.epoch:  # the previous epoch's steps done, then its end
                     pending.flush()
                     self._hook(hooks.epoch_end)
+                    if hooks.stop_requested:  # asked at the epoch's end: no next epoch
+                        self._say(f"a callback asked to stop after step {k} "
+                                  "(run_context.request_stop())", force=True, first_only=True)
+                        break
                     self._hook(hooks.epoch_begin, epoch)
                 self._hook(hooks.step_begin, k + 1, epoch, in_epoch)
             self.heartbeat.set(phase="compile" if first else "compute")
@@ -626,6 +631,7 @@ class RankRunner:
             step_no = k + 1
             pending.dispatched((k, epoch, in_epoch, loss_out,
                                 [(out_names[i], outs[i]) for i in extra_outputs]), step_no)
+            trained = (epoch, in_epoch)
             if hooks is not None and (hooks.per_step or hooks.stop_requested):
                 pending.flush()  # step hooks in MindSpore's order: this step's end first
             if first:
@@ -654,7 +660,7 @@ class RankRunner:
         total = len(logs[self.local[0]].lines)
         if total > done and not args.no_checkpoint:
             self.heartbeat.set(phase="checkpoint", done=total)
-            self._checkpoint(total, epoch, in_epoch, state, logs, final=True)
+            self._checkpoint(total, *trained, state, logs, final=True)
         waited = time.perf_counter()
         try:
             self.saver.wait()  # the exit waits for the last write

@@ -124,3 +124,43 @@ def test_callbacks_run_in_every_rank_process_and_the_command_line_wins(tmp_path)
         folder = tmp_path / "out" / "checkpoints" / f"rank_{rank}"
         assert sorted(p.name for p in folder.glob("step_*.json")) == ["step_00000005.json"]
     assert "checkpoint of step 3" in (tmp_path / "out" / "rank_0" / "run.log").read_text()
+
+
+STOPPER = '''
+
+class Stop(Callback):
+    """run_context.request_stop() at a step's end or at an epoch's end."""
+
+    def on_train_step_end(self, run_context):
+        if run_context.original_args().cur_step_num == int(os.environ.get("STOP_STEP", 0)):
+            run_context.request_stop()
+
+    def on_train_epoch_end(self, run_context):
+        if run_context.original_args().cur_epoch_num == int(os.environ.get("STOP_EPOCH", 0)):
+            run_context.request_stop()
+
+
+def callbacks():
+    return [Stop()]
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where, trained, epoch, in_epoch", [
+    ("STOP_STEP", 4, 2, 1), ("STOP_EPOCH", 3, 1, 3)])
+def test_request_stop_ends_the_run_after_that_step_with_its_checkpoint(
+        tmp_path, where, trained, epoch, in_epoch) -> None:
+    source = mlp_source("((1, 1), (1, 1))", imports="import os\n\nfrom pcompile.train import "
+                        "Callback\n")
+    model = tmp_path / "model.py"
+    model.write_text(source + STOPPER)
+    done = subprocess.run([sys.executable, "-m", "pcompile", str(model), "--devices", "1",
+                           "--out", str(tmp_path / "out"), "--run", "--steps", "10"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env=clean_env(**{where: "1" if where == "STOP_EPOCH" else "4"}))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(_losses(tmp_path)) == trained
+    assert f"a callback asked to stop after step {trained}" in done.stdout
+    index = tmp_path / "out" / "checkpoints" / "rank_0" / f"step_{trained:08d}.json"
+    meta = json.loads(index.read_text())
+    assert (meta["step"], meta["epoch"], meta["step_in_epoch"]) == (trained, epoch, in_epoch)

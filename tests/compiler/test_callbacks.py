@@ -123,3 +123,19 @@ def test_mistakes_are_one_message() -> None:
     with pytest.raises(PcompileError, match=r"callback Broken.on_train_step_end in m.py failed: "
                                             r"KeyError: 'nope'"):
         runner.step_end(1, 1, 1, Tensor(np.float32(1.0)))
+
+
+def test_an_epoch_ends_once() -> None:
+    ends: list[int] = []
+
+    class Ends(Callback):
+        def epoch_end(self, run_context) -> None:
+            ends.append(run_context.original_args().cur_epoch_num)
+            run_context.request_stop()
+
+    runner = CallbackRunner([Ends()], "m.py", print)
+    runner.epoch_end()  # before any epoch: nothing
+    runner.epoch_begin(1)
+    runner.epoch_end()
+    runner.epoch_end()  # the run stopped at the epoch's end, then ends: not twice
+    assert ends == [1] and runner.stop_requested
