@@ -1110,5 +1110,7 @@ class DType(_Simple):
         return IRDType.from_any(dtype)
 
 
-# the all-to-all with run-time counts (mindformers' MoEV3), composed of the ops above
+# mindformers' MoEV3: a region of user code on each rank's slices (self_define_shard) and the
+# all-to-all with run-time counts, composed of the ops above
+from pcompile.compiler.morph import Morph  # noqa: E402, F401
 from pcompile.compiler.ragged import AlltoAllV  # noqa: E402, F401

@@ -9,6 +9,7 @@ from pcompile.ir.ops import (  # noqa: F401
     fused,
     grouped,
     linalg,
+    morph,
     nn,
     norm,
     numeric,

@@ -271,6 +271,8 @@ CASES: dict[str, Case] = {
     "Swiglu": Case(unary((3, 4), dim=-1)),
     "GroupedMatmul": Case(lambda d, rng: ([values(d, (5, 3), rng), values(d, (3, 3, 2), rng),
                                            np.array([2, 2, 4], np.int64)], {}), terms=3),
+    # a region of user code: its body runs, not the node (tests/compiler/test_morph.py)
+    "Morph": Case(unary()),
     "GroupedMatmulWeightGrad": Case(lambda d, rng: ([values(d, (5, 3), rng),
                                                      values(d, (5, 2), rng),
                                                      np.array([2, 2, 4], np.int64)], {}),
@@ -424,7 +426,7 @@ def tolerance(dtype: np.dtype, terms: int) -> float:
 @pytest.mark.parametrize("op", sorted(CASES))
 def test_op_under_every_dtype(op: str) -> None:
     case = CASES[op]
-    if op == "TupleGetItem":
+    if op in ("TupleGetItem", "Morph"):
         return
     for dtype in SWEPT:
         inputs, attrs = case.make(dtype, np.random.default_rng(0))

@@ -1,0 +1,87 @@
+"""`ops.Morph` (self_define_shard, issue 35 item 4): mindformers' MoEV3 with its experts in a
+Morph region (tests/models/morph_moe.py: AlltoAllV with run-time counts, GroupedMatmul of the
+rank's experts) on a batch where experts 2..7 get no tokens and 0 and 1 more than a capacity
+would keep: the region's ops written into each rank's program on its slices, 8 ranks training
+like one device (float64 oracle; 8 JAX processes, slow); one device runs the function itself;
+a Morph without Layouts is refused with one message."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from pcompile.compiler.runtime import batches
+from pcompile.ir.errors import PcompileError
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import check
+from pcompile.tools.runners import StandAloneRunner
+from tests import ROOT
+from tests.multiprocess import clean_env
+
+MODEL = os.path.join(ROOT, "tests", "models", "morph_moe.py")
+
+
+def test_morph_region_trains_like_one_device() -> None:
+    """The global graph holds one Morph node; each rank's program holds its body instead, on
+    the rank's slices: one expert's weights (1, h, 2F) in GroupedMatmul, the AlltoAlls over
+    the 8 ranks; three steps equal one device's (every loss, weight and gradient, float64)."""
+    program = compile_model(MODEL, devices=8, dump=False)
+    morph = [n for n in program.graph.nodes if n.op == "Morph"]
+    assert len(morph) == 1 and morph[0].attrs["body"] == "ffn_forward.1"
+    rank = program.rank_graph(5)
+    assert not any(n.op == "Morph" for n in rank.nodes)
+    gmm = [n for n in rank.nodes if n.op == "GroupedMatmul"]
+    assert [n.operands[1].shape for n in gmm][:2] == [(1, 8, 16), (1, 8, 8)]
+    assert sum(n.op == "AlltoAll" and len(n.attrs["rank_list"]) == 8 for n in rank.nodes) >= 4
+    layout = program.state.assignment.param_layouts["w1"]
+    assert layout.splits == (8, 1, 1)
+    report = check(program, steps=3)
+    assert report.ok(), report
+
+
+def test_morph_on_one_device_runs_the_function() -> None:
+    program = compile_model(MODEL, devices=1, dump=False)
+    assert not any(n.op == "Morph" for n in program.graph.nodes)
+    assert any(n.op == "GroupedMatmul" for n in program.graph.nodes)
+
+
+def test_morph_without_layouts_is_refused(tmp_path: Any) -> None:
+    text = open(MODEL).read().replace(
+        "self.hook_ffn_forward.shard(", "(lambda **_: None)(")
+    path = tmp_path / "morph_no_layouts.py"
+    path.write_text(text)
+    with pytest.raises(PcompileError) as info:
+        compile_model(str(path), devices=8, dump=False)
+    message = str(info.value)
+    for part in ("Morph", "ffn_forward", "self_define_shard", "in_strategy=", "morph_no_layouts"):
+        assert part in message, (part, message)
+
+
+@pytest.mark.slow
+def test_8_processes_train_like_one_device(tmp_path: Any) -> None:
+    """`pcompile tests/models/morph_moe.py --devices 8 --run` (8 JAX processes, float32): every
+    rank the same loss, within t x eps x K of the float64 single device at step t (K the
+    longest reduction, test_llama's rule)."""
+    steps = 3
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pcompile", MODEL, "--devices", "8", "--out", str(out),
+         "--run", "--steps", str(steps), "--no-check", "--dump-ranks", "0"],
+        capture_output=True, text=True, env=clean_env(), timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "every rank reports the same loss" in proc.stdout
+    got = [float(line.rsplit(" ", 1)[1])
+           for line in (out / "rank_0" / "train.log").read_text().splitlines()]
+    one = compile_model(MODEL, devices=1, dump=False)
+    runner = StandAloneRunner(one, "numpy", float64=True)
+    want = [runner.step(a) for _, _, a in batches(one, steps)]
+    longest = max(max(v.type.shape, default=1) for node in one.graph.nodes
+                  for v in node.operands if hasattr(v.type, "shape"))
+    eps = 2.0 ** -23
+    assert len(got) == steps
+    for step, (g, w) in enumerate(zip(got, want), start=1):
+        assert abs(g - w) <= step * eps * longest * abs(w), (step, g, w)
