@@ -33,7 +33,13 @@ from pcompile.compiler.context import (
     reset_context,
     save_graphs_level,
 )
-from pcompile.compiler.front_passes import TracePass, TrainStepPass, UserOptimizer, bprop_vjps
+from pcompile.compiler.front_passes import (
+    TraceOptions,
+    TracePass,
+    TrainStepPass,
+    UserOptimizer,
+    bprop_vjps,
+)
 from pcompile.compiler.model_file import load_model_file
 from pcompile.compiler.nn.pipeline import PipelineCell
 from pcompile.compiler.pass_options import cost_constants, fusion_config, search_options
@@ -99,7 +105,7 @@ def pipeline(state: CompileState) -> list[Pass[CompileState]]:
     recompute = [RecomputePass()] if state.backward and state.graph is not None and \
         (marked(state.graph) or ilp) else []
     if traced.step is not None:
-        passes += [TrainStepPass(), *recompute]
+        passes += [TrainStepPass(custom_bprops=state.reference is None), *recompute]
     elif state.training:
         custom = None
         if traced.custom_bprops and state.reference is None:
@@ -285,7 +291,10 @@ def _run_pipeline(state: CompileState, out_dir: str | None, dump_ranks: Any = No
 def _run_passes(state: CompileState, out_dir: str | None, dump_ranks: Any,
                 on_event: Callable[..., None] | None) -> CompiledProgram:
     notify = on_event or (lambda event, **info: None)
-    passes: list[Pass[CompileState]] = [TracePass()]
+    shrink, reference = state.shrink, state.reference  # the tools' shrunk check and oracle
+    passes: list[Pass[CompileState]] = [TracePass(TraceOptions(
+        shrink.shrink if shrink is not None else None,
+        reference.transform if reference is not None else None))]
     timings: list[tuple[str, float]] = []
     dumps: list[PassDump] = []
     ranks = resolve_dump_ranks(dump_ranks, state.devices)

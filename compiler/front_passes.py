@@ -9,7 +9,8 @@ on each local graph. They follow the pass contract (`passes.unit.Pass`) on the f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pcompile.compiler.compiled import CompileState
@@ -20,14 +21,28 @@ from pcompile.compiler.optimizer_update import tensor_sum, trace_update
 from pcompile.compiler.trace_model import TracedModel, check_optimizer, trace_model
 from pcompile.compiler.train_step import ReplayEnv, replay_step
 from pcompile.ir.core import Graph, Value
+from pcompile.ir.dims import Shrink
 from pcompile.ir.errors import PcompileError
 from pcompile.passes.optimizer import RankSum, StateSlicer, state_slicer
+
+
+@dataclass(frozen=True)
+class TraceOptions:
+    """What the tools ask of the trace: `shrink`, the shrunk check's shrink of the traced
+    graph and parameters (tools/shrink.py); `transform`, the oracle's rewrite of a
+    single-device reference's forward graph (`ReferenceOptions.transform`)."""
+
+    shrink: Shrink | None = None
+    transform: Callable[[Graph], None] | None = None
 
 
 class TracePass:
     """Trace `model()` on `inputs()` (and the loss on the labels) into the forward graph."""
 
     name = "trace"
+
+    def __init__(self, options: TraceOptions | None = None) -> None:
+        self.options = options or TraceOptions()
 
     def apply(self, state: CompileState) -> None:
         split = state.devices if state.parallel_mode == "data_parallel" else 1
@@ -49,10 +64,10 @@ class TracePass:
                 traced = trace_model(state.model_file, batch_split=split,
                                      micro_batches=state.parallel)
             _pipeline_trace(state, traced, cells)
-        if state.shrink is not None:  # the shrunk check's copy (tools/shrink.py)
+        if self.options.shrink is not None:  # the shrunk check's copy (tools/shrink.py)
             from pcompile.compiler.pinned_plan import apply_to_trace
 
-            apply_to_trace(state.shrink.shrink, traced)
+            apply_to_trace(self.options.shrink, traced)
         state.traced = traced
         state.training = traced.mode == "train"
         state.backward = traced.differentiates
@@ -61,8 +76,8 @@ class TracePass:
         for name, param in traced.parameters.items():
             state.initial_values[name] = param.source  # abstract: nothing is allocated
         if not state.parallel:
-            if state.reference is not None and state.reference.transform is not None:
-                state.reference.transform(traced.graph)
+            if self.options.transform is not None:
+                self.options.transform(traced.graph)
             state.rank_graphs = [traced.graph]
             state.split = True
 
@@ -140,9 +155,8 @@ def _check_functional_shard(state: CompileState) -> None:
 
 
 def bprop_vjps(state: CompileState, traced: TracedModel | None, graph: Graph) -> list[Any]:
-    """The cells with their own bprop, on the rank graph `graph` (compiler/custom_bprop.py);
-    none in the single-device reference of the check, which differentiates their construct."""
-    if traced is None or not traced.custom_bprops or state.reference is not None:
+    """The cells with their own bprop, on the rank graph `graph` (compiler/custom_bprop.py)."""
+    if traced is None or not traced.custom_bprops:
         return []
     from pcompile.compiler.custom_bprop import custom_vjps
 
@@ -185,9 +199,14 @@ class UserOptimizer:
 
 class TrainStepPass:
     """A training step cell (`nn.TrainOneStepCell`, ...): its construct replayed on each local
-    graph (`compiler.train_step`): backward, gradient processing, optimizer, state updates."""
+    graph (`compiler.train_step`): backward, gradient processing, optimizer, state updates.
+    `custom_bprops`: the cells with their own bprop differentiate by it (False in the
+    oracle's single-device reference, which differentiates their construct)."""
 
     name = "train_step"
+
+    def __init__(self, custom_bprops: bool = True) -> None:
+        self.custom_bprops = custom_bprops
 
     def apply(self, state: CompileState) -> None:
         traces: Sequence[TracedModel | None] = state.traces or [state.traced]
@@ -204,7 +223,7 @@ class TrainStepPass:
                 initial_values=state.initial_values,
                 slicer=state_slicer(state, state.initial_values) if state.parallel else None,
                 network_params=dict(traced.parameters),
-                custom=bprop_vjps(state, traced, graph),
+                custom=bprop_vjps(state, traced, graph) if self.custom_bprops else [],
             )
             result = replay_step(traced.step.top, traced.step.captured, graph, env,
                                  state.model_file.path)
