@@ -217,24 +217,25 @@ def _alike_downstream(start: Node, group: tuple[Digit, ...], assignment: Paralle
                       loss_path: set[int]) -> bool:
     """Whether every value from `start`'s result to the loss is held alike by the ranks of
     `group` (their local computations then match, and so do their cotangents)."""
-    stack, seen = [start], {id(start)}
+    stack, seen = [start], {start}
     while stack:
         node = stack.pop()
         for user, _ in node.result.uses:
-            if id(user.result) not in loss_path or id(user) in seen:
+            if id(user.result) not in loss_path or user in seen:
                 continue
             if get_op(user.op).collective:
                 return False
             layouts = _consumed_layouts(user, assignment)
             if layouts is None or not all(_holds_alike(lay, group) for lay in layouts):
                 return False
-            seen.add(id(user))
+            seen.add(user)
             stack.append(user)
     return True
 
 
-def replicated_cotangents(graph: Graph, assignment: ParallelAssignment) -> set[tuple[int, int]]:
-    """(id(node), index into its forward communication) of the forward AllReduces whose
+def replicated_cotangents(graph: Graph, assignment: ParallelAssignment
+                          ) -> set[tuple[Node, int]]:
+    """(node, index into its forward communication) of the forward AllReduces whose
     cotangent every rank of the group holds alike (module docstring). The loss must be seeded
     alike on every rank (the standard training form: ones, divided by `_VirtualDiv`), which
     the caller vouches for; ops whose ranks compute different things under a replicated
@@ -245,7 +246,7 @@ def replicated_cotangents(graph: Graph, assignment: ParallelAssignment) -> set[t
     if isinstance(graph.outputs[0].type, TupleType):
         return set()
     loss_path = _on_loss_path(graph)
-    out: set[tuple[int, int]] = set()
+    out: set[tuple[Node, int]] = set()
     for node in graph.nodes:
         if id(node.result) not in loss_path:
             continue
@@ -259,5 +260,5 @@ def replicated_cotangents(graph: Graph, assignment: ParallelAssignment) -> set[t
             if not all(_holds_alike(lay, group) for lay in sharding.out_layouts):
                 continue
             if _alike_downstream(node, group, assignment, loss_path):
-                out.add((id(node), index))
+                out.add((node, index))
     return out

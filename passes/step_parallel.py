@@ -133,7 +133,7 @@ class RankBuilder:
         self.anchor_counts: dict[str, int] = {}
         self.output_layouts: list[TensorLayout | None] = []
         self.reductions = CotangentReductions()
-        self.alike: set[tuple[int, int]] = set()  # forward AllReduces, replicated_cotangents
+        self.alike: set[tuple[Node, int]] = set()  # forward AllReduces, replicated_cotangents
         self.scatter: dict[Node, TensorLayout] = {}  # forward AllReduces that reduce-scatter
 
     # -- naming ---------------------------------------------------------------------------------
@@ -552,7 +552,7 @@ class RankBuilder:
                 kind = "ReduceScatter"
                 info.reason = (f"{reason}; every user takes its block of the sum "
                                f"{self.scatter[node]}")
-            elif (id(node), index) in self.alike:
+            elif (node, index) in self.alike:
                 marks[REPLICATED_COTANGENT] = True
             out = b.emit(kind, [out], {"op": comm.op, **self.group_attrs(group)},
                          instance_name=self.inserted_name(node, "forward_op"),
