@@ -195,14 +195,16 @@ class PredictedStage(_Strict):
     communication: float = Field(description="seconds of its collectives, redistributions "
                                  "and transfers to other stages per step")
     held_micro_batches: float | None = Field(
-        description="micro-batches whose activations it holds at its peak")
+        description="micro-batches whose activations it holds at its peak (one chunk's each)")
     memory: PredictedMemory = Field(description="memory per rank of the stage by kind")
 
 
 class PredictedStages(_Strict):
-    """Pipeline stages: the step is the slowest stage's seconds times the bubble."""
+    """Micro-batches (and pipeline stages): each stage's seconds per step; the step is the
+    slowest stage's."""
 
-    bubble: float | None = Field(description="(m v + S - 1) / (m v)")
+    micro_batches: int | None = Field(description="micro-batches per step (m)")
+    bubble: float | None = Field(description="the idle share of the ticks, (S - 1) / (m v + S - 1)")
     per_stage: list[PredictedStage] = Field(description="each stage's seconds and memory")
 
 
@@ -221,8 +223,8 @@ class Prediction(_Strict):
     recompute: bool = Field(description="per-layer recompute was assumed")
     advice: str | None = Field(None, description="what would fit, when it does not")
     stages: PredictedStages | None = Field(
-        None, description="pipeline stages: each stage's seconds and memory (the step is the "
-        "slowest's, the memory the largest's)")
+        None, description="micro-batches (nn.PipelineCell): each stage's seconds and memory "
+        "(the step is the slowest's, the memory the largest's)")
 
 
 class MegatronScheme(_Strict):

@@ -334,7 +334,8 @@ def record_prediction(unit: CompileUnit) -> None:
                    training=unit.training, parallel_optimizer=popt, recompute=recompute,
                    dataset_strategy=unit.options.dataset_strategy,
                    enable_alltoall=unit.options.enable_alltoall,
-                   pipeline=pipeline_shape(unit.pipeline, unit.graph))
+                   pipeline=pipeline_shape(unit.pipeline, unit.graph,
+                                           unit.micro_batched))
     record = pred.as_dict()
     if not pred.fits:
         record["advice"] = fit_advice(pred, unit.stage_devices)

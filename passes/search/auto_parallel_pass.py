@@ -51,7 +51,7 @@ class StepAutoParallelPass:
             constants=constants,
             options=self.options,
             loaded=loaded,
-            pipeline=pipeline_shape(unit.pipeline, unit.graph),
+            pipeline=pipeline_shape(unit.pipeline, unit.graph, unit.micro_batched),
         )
         apply_plan_choices(unit)
 

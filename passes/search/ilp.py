@@ -153,10 +153,11 @@ def stages_summary(stages: list[StageTotals], costs: Any) -> dict[str, Any]:
     """plan.json's record of the pipeline stages: the bubble and every stage's seconds (its
     busy time over the whole step) and memory."""
     shape = costs.pipeline if costs is not None else None
-    return {"bubble": _round(shape.bubble) if shape is not None else None,
+    return {"micro_batches": shape.micro if shape is not None else None,
+            "bubble": _round(shape.bubble) if shape is not None else None,
             "per_stage": [{"compute": _round(st.compute),
                            "communication": _round(st.communication),
-                           "held_micro_batches": (_round(shape.held(i) * shape.micro)
+                           "held_micro_batches": (_round(shape.held(i))
                                                   if shape is not None else None),
                            "memory": st.memory.as_dict()} for i, st in enumerate(stages)]}
 
@@ -319,6 +320,8 @@ class Costs:
         self.stages = vertex_stages(cg, options.pipeline) if options.pipeline else None
         self.held = ([options.pipeline.held(s) for s in range(options.pipeline.stages)]
                      if options.pipeline else [1.0])
+        # a stage's busy time over a micro-batch's (None: no micro-batches)
+        self.repeat = options.pipeline.repeat if options.pipeline else None
 
     def stage(self, vi: int) -> int:
         return self.stages[vi] if self.stages is not None else 0
@@ -592,8 +595,14 @@ class _Program:
             if recompute and vi in f.last:
                 total += mem.activations * (f.last[vi] - 1)
             memory[col] = total
-            seconds[col] = mult * (op.compute * (4 / 3 if layer else 1) + op.comm
-                                   + self.costs.update_time(mem)) + self.unary[col]
+            rep = self.costs.repeat
+            if rep is None:
+                seconds[col] = mult * (op.compute * (4 / 3 if layer else 1) + op.comm
+                                       + self.costs.update_time(mem)) + self.unary[col]
+            else:  # micro-batches (stages.py): the weights' collectives once per step
+                seconds[col] = mult * (
+                    rep * (op.compute * (4 / 3 if layer else 1) + op.comm - op.weight_comm)
+                    + op.weight_comm + self.costs.update_time(mem)) + rep * self.unary[col]
         return seconds, memory
 
     def solve(self, popt: bool, recompute: bool, budget: float | None,
@@ -626,9 +635,9 @@ class _Program:
             if budget is not None:
                 row(list(range(nx)), memory.tolist(), budget)
         else:
-            # pipeline stages (stages.py): one more column z, above every stage's seconds (or
-            # memory); the objective is the bubble times z, plus the sum over the stages
-            # weighted by TIE (so that the stages that do not bound the step are not left
+            # micro-batches and stages (stages.py): one more column z, above every stage's
+            # seconds (or memory); the objective is z, plus the sum over the stages weighted
+            # by TIE (so that the stages that do not bound the step are not left
             # anywhere: at most TIE relative away from the exact optimum)
             z = n
             n += 1
@@ -638,7 +647,7 @@ class _Program:
             y_by_stage: dict[int, list[int]] = defaultdict(list)
             for j, st in enumerate(self.y_stage):
                 y_by_stage[st].append(nx + j)
-            every = np.concatenate([seconds, np.array(self.y_cost)])
+            every = np.concatenate([seconds, np.array(self.y_cost) * pipeline.repeat])
             for st in range(pipeline.stages):
                 cols = by_stage.get(st, [])
                 if minimise_memory:
@@ -652,7 +661,7 @@ class _Program:
                 cost = np.concatenate([memory * TIE, np.zeros(len(self.y_cost)), [1.0]]) * 1e-6
                 scale = 1e-6
             else:
-                cost = np.concatenate([every * TIE, [pipeline.bubble]]) * 1e6
+                cost = np.concatenate([every * TIE, [1.0]]) * 1e6
                 scale = 1e6
         # the plain solver class: `highspy.Highs` adds Python callbacks and prints a banner
         # to stdout, which would land in the middle of the compile's output
@@ -685,7 +694,7 @@ class _Program:
         choice = {vi: k for col, (vi, k) in enumerate(self.xs) if x[col] > 0.5}
         objective = h.getInfo().objective_function_value / scale
         if pipeline is not None:  # the bound is the step (or memory) alone
-            objective = x[n - 1] * (1.0 if minimise_memory else pipeline.bubble)
+            objective = x[n - 1]
         return _Solved(choice, objective, n, len(lower))
 
 
@@ -718,6 +727,7 @@ def stage_totals(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Map
     without stages)."""
     count = costs.pipeline.stages if costs.pipeline is not None else 1
     out = [StageTotals() for _ in range(count)]
+    rep = costs.repeat
     for v in cg.vertices:
         mult = folding.mult[v.index]
         if mult == 0:
@@ -727,8 +737,13 @@ def stage_totals(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Map
         t = costs.op_times(v, popt)[k]
         layer = recompute and folding.layer_of[v.index]
         mem = costs.memory(v, k, popt)
-        st.compute += mult * (t.compute * (4 / 3 if layer else 1) + costs.update_time(mem))
-        st.communication += mult * t.comm
+        if rep is None:
+            st.compute += mult * (t.compute * (4 / 3 if layer else 1) + costs.update_time(mem))
+            st.communication += mult * t.comm
+        else:  # micro-batches: the weights' collectives and the update once per step
+            st.compute += mult * (rep * t.compute * (4 / 3 if layer else 1)
+                                  + costs.update_time(mem))
+            st.communication += mult * (rep * (t.comm - t.weight_comm) + t.weight_comm)
         act = mem.activations * (1 if layer else mult)
         if recompute and v.index in folding.last:
             act += mem.activations * (folding.last[v.index] - 1)
@@ -738,10 +753,11 @@ def stage_totals(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Map
         e = me.edge
         a, b = cg.vertices[e.src].candidates[choice[e.src]], \
             cg.vertices[e.dst].candidates[choice[e.dst]]
-        out[costs.stage(e.dst)].communication += me.weight * costs.pair(
+        times = me.weight if rep is None else me.weight * rep
+        out[costs.stage(e.dst)].communication += times * costs.pair(
             e, a.out_keys[e.src_out], a.out_layouts[e.src_out], b.in_keys[e.dst_in],
             b.in_layouts[e.dst_in])
-        out[costs.stage(e.src)].communication += me.weight * costs.transfer(
+        out[costs.stage(e.src)].communication += times * costs.transfer(
             e, a.out_layouts[e.src_out]).total
     return out
 
@@ -750,15 +766,11 @@ def evaluate(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Mapped]
              choice: dict[int, int], popt: bool, recompute: bool
              ) -> tuple[float, float, Memory]:
     """(compute, communication, memory) of a representative choice; with pipeline stages,
-    the slowest stage's seconds times the bubble, and the largest stage's memory."""
+    the slowest stage's seconds and the largest stage's memory."""
     stages = stage_totals(cg, costs, folding, edges, choice, popt, recompute)
-    if len(stages) == 1:
-        return stages[0].compute, stages[0].communication, stages[0].memory
-    assert costs.pipeline is not None
     slowest = max(stages, key=lambda st: st.seconds)
     largest = max(stages, key=lambda st: st.memory.total)
-    bubble = costs.pipeline.bubble
-    return slowest.compute * bubble, slowest.communication * bubble, largest.memory
+    return slowest.compute, slowest.communication, largest.memory
 
 
 def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
@@ -776,7 +788,8 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
     # solved once a plan at least as fast is known (exact: the bound never prunes a faster one).
     popts = (False, True) if options.training else (False,)
     # pcompile recomputes nothing inside pipeline stages (front_passes refuses it)
-    recomputes = (False, True) if options.training and options.pipeline is None else (False,)
+    staged = options.pipeline is not None and options.pipeline.stages > 1
+    recomputes = (False, True) if options.training and not staged else (False,)
 
     def consider(mesh: tuple[int, int], popt: bool, recompute: bool, solved: _Solved) -> None:
         nonlocal best
@@ -846,16 +859,17 @@ def _no_fit(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Mapped],
     # every candidate allowed (any mesh): the least memory any plan needs
     allowed = {v.index: list(range(len(v.candidates))) for v in cg.vertices
                if folding.mult[v.index] > 0}
-    recompute = options.training and options.pipeline is None
+    staged = options.pipeline is not None and options.pipeline.stages > 1
+    recompute = options.training and not staged
     solved = _Program(cg, costs, folding, edges, allowed).solve(
         True, recompute, None, minimise_memory=True)
     if solved is not None:
         smallest = solved.objective
     need = _gb(smallest) if isfinite(smallest) else "more than any plan has"
-    where = (f"{cg.devices} devices" if options.pipeline is None else
-             f"{cg.devices} devices per stage ({options.pipeline.stages} pipeline stages)")
+    where = (f"{cg.devices} devices per stage ({options.pipeline.stages} pipeline stages)"
+             if staged and options.pipeline is not None else f"{cg.devices} devices")
     how = "the parallel optimizer and recompute" if recompute else "the parallel optimizer"
-    more = "" if options.pipeline is None else ", more pipeline stages"
+    more = ", more pipeline stages" if staged else ""
     error = IlpError(
         f"ilp search: no plan of {where} fits {_gb(options.memory)} per device "
         f"(the smallest plan, with {how}, needs {need}); use more devices{more}, a smaller "

@@ -125,27 +125,31 @@ def _following_casts(graph: Graph) -> set[Node]:
 
 def _bytes(cg: CostGraph, costs: Costs, folding: Any, edges: Any, choice: dict[int, int],
            popt: bool) -> float:
-    """Bytes a rank sends or receives per step (with pipeline stages, on the busiest stage,
-    its transfers between stages included)."""
+    """Bytes a rank sends or receives per step (with micro-batches, each micro-batch's and the
+    weights' once; with pipeline stages, on the busiest stage, its transfers included)."""
     total: dict[int, float] = {}
+    micro = costs.pipeline.micro if costs.pipeline is not None else None
     for v in cg.vertices:
         mult = folding.mult[v.index]
         if mult:
             st = costs.stage(v.index)
-            total[st] = total.get(st, 0.0) \
-                + mult * costs.op_times(v, popt)[choice[v.index]].comm_bytes
+            t = costs.op_times(v, popt)[choice[v.index]]
+            moved = t.comm_bytes if micro is None else (
+                micro * (t.comm_bytes - t.weight_bytes) + t.weight_bytes)
+            total[st] = total.get(st, 0.0) + mult * moved
     for me in edges:  # the redistributions the evaluation costed, from the same cache
         e = me.edge
         a = cg.vertices[e.src].candidates[choice[e.src]]
         b = cg.vertices[e.dst].candidates[choice[e.dst]]
         st = costs.stage(e.dst)
-        total[st] = total.get(st, 0.0) + me.weight * costs.pair_time(
+        times = me.weight if micro is None else me.weight * micro
+        total[st] = total.get(st, 0.0) + times * costs.pair_time(
             e, a.out_keys[e.src_out], a.out_layouts[e.src_out], b.in_keys[e.dst_in],
             b.in_layouts[e.dst_in]).comm_bytes
-        moved = costs.transfer(e, a.out_layouts[e.src_out]).comm_bytes
-        if moved:
-            total[costs.stage(e.src)] = total.get(costs.stage(e.src), 0.0) + me.weight * moved
-            total[st] += me.weight * moved
+        sent = costs.transfer(e, a.out_layouts[e.src_out]).comm_bytes
+        if sent:
+            total[costs.stage(e.src)] = total.get(costs.stage(e.src), 0.0) + times * sent
+            total[st] += times * sent
     return max(total.values(), default=0.0)
 
 

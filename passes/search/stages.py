@@ -1,23 +1,29 @@
-"""Pipeline stages in the cost model in seconds: what `--search ilp` and every plan's prediction
-count per stage when the step is cut into pipeline stages (`pipeline_stages` > 1).
+"""Pipeline stages and micro-batches in the cost model in seconds: what `--search ilp` and
+every plan's prediction count per stage when the step runs micro-batches (`nn.PipelineCell`),
+through pipeline stages (`pipeline_stages` > 1) or not (gradient accumulation).
 
-A pipelined step runs each stage's ops on that stage's devices, `micro` micro-batches through
-the `stages` stages in the scheduler's order (passes/pipeline_schedule.py). The search and the
-prediction see the forward graph of the whole batch, laid out inside one stage's devices, and
-count per stage:
+The program is traced for ONE micro-batch (compiler/pipelining.py), so the search and the
+prediction see one micro-batch's forward graph, laid out inside one stage's devices. Per stage:
 
-* **time**: a stage's seconds T_s are its ops' and edges' (the whole batch's compute and
-  collectives), plus the point-to-point transfer of every value that crosses into another
-  stage (each rank sends its slice, forward and, for a value with a gradient, its cotangent
-  back, at the link between the stages' ranks). The step is the slowest stage stretched by the
-  bubble: (m v + S - 1) / (m v) * max_s T_s (m micro-batches, v chunks per stage, S stages;
-  the ideal of both schedulers). The weights' gradient collectives, which run once per step,
-  are stretched too: the model errs towards fewer of them.
+* **time**: an op's compute and activation collectives, an edge's redistribution and the
+  point-to-point transfer of every value that crosses into another stage (each rank sends its
+  slice, and for a value with a gradient its cotangent comes back, at the link between the
+  stages' ranks) run once per micro-batch; the weights' gradient collectives (the mirror's
+  AllReduce, the parallel optimizer's ReduceScatter and AllGather) and the optimizer's update
+  run once per step, on the accumulated gradient (passes/micro_batch.py). A pipelined step
+  takes m v + S - 1 ticks of one unit (a micro-batch on one chunk) of the slowest stage, so a
+  stage's seconds are (m + (S - 1) / v) times its per-micro-batch seconds plus its once-per-step
+  seconds, and the step is the slowest stage's (m micro-batches, v chunks per stage, S stages;
+  the ideal of both schedulers; without stages, m times the micro-batch plus the step's).
 * **memory**: each stage's parameters (weights, gradients, optimizer states) in full, and the
-  activations of the micro-batches it holds at its peak: the most forward units whose backward
-  has not run, from the scheduler's own unit order (1F1B: min(S - s, m) on stage s; GPipe: all
-  m), each 1 / (m v) of the stage's whole-batch activations. A rank's memory is its stage's;
-  the plan's is the largest stage's.
+  activations of the units it holds at its peak: the most forward units whose backward has not
+  run, from the scheduler's own unit order (1F1B: min(S - s, m) on stage s; GPipe: all m;
+  gradient accumulation: 1), each one micro-batch's activations of one chunk. A rank's memory is
+  its stage's; the plan's is the largest stage's.
+
+Not modelled: with `gradient_accumulation_shard` the parallel optimizer reduce-scatters each
+micro-batch's gradient (counted here once per step); an embedding's gradient summed on its
+output is counted once per step too.
 """
 
 from __future__ import annotations
@@ -41,34 +47,42 @@ class PipelineShape:
     node_stage: Mapping[Node, int] = field(default_factory=dict)  # forward node -> stage
 
     @property
+    def repeat(self) -> float:
+        """A stage's busy time per step over its per-micro-batch time: m + (S - 1) / v (the
+        m v + S - 1 ticks of the step, each 1 / v of a micro-batch's work)."""
+        return self.micro + (self.stages - 1) / self.chunks
+
+    @property
     def bubble(self) -> float:
-        """The step over the slowest stage's busy time: (m v + S - 1) / (m v)."""
-        units = self.micro * self.chunks
-        return (units + self.stages - 1) / units
+        """The idle share of the ticks: (S - 1) / (m v + S - 1)."""
+        return (self.stages - 1) / (self.micro * self.chunks + self.stages - 1)
 
     def held(self, stage: int) -> float:
-        """The fraction of `stage`'s whole-batch activations it holds at its peak."""
+        """The micro-batches' activations `stage` holds at its peak (forward units whose
+        backward has not run, each one chunk's)."""
         open_ = peak = 0
         for label in unit_sequence(self.scheduler, self.stages, stage, self.micro,
                                    self.chunks):
             open_ += 1 if label[0] == "F" else -1
             peak = max(peak, open_)
-        return peak / (self.micro * self.chunks)
+        return peak / self.chunks
 
     def stage_of(self, node: Node) -> int | None:
         virtual = self.node_stage.get(node)
         return None if virtual is None else virtual % self.stages
 
 
-def pipeline_shape(settings: Any, graph: Any) -> PipelineShape | None:
+def pipeline_shape(settings: Any, graph: Any, micro_batched: bool
+                   ) -> PipelineShape | None:
     """The shape of `settings` (passes.pipeline_stages.PipelineSettings) over the forward
-    `graph`; None without pipeline stages."""
-    if settings is None or settings.stages <= 1 or settings.stage_map is None:
+    `graph`, traced for one micro-batch when `micro_batched`; None otherwise."""
+    if settings is None or not micro_batched:
         return None
     stage_map = settings.stage_map
-    node_stage = {node: stage_map.node_stage[id(node)] for node in graph.nodes
-                  if id(node) in stage_map.node_stage}
-    return PipelineShape(settings.stages, settings.micro_size, settings.chunks,
+    node_stage = {} if stage_map is None else {
+        node: stage_map.node_stage[id(node)] for node in graph.nodes
+        if id(node) in stage_map.node_stage}
+    return PipelineShape(max(1, settings.stages), settings.micro_size, settings.chunks,
                          settings.scheduler, node_stage)
 
 

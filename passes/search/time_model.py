@@ -237,6 +237,10 @@ class OpTime:
     compute: float = 0.0
     comm: float = 0.0
     comm_bytes: float = 0.0  # bytes each rank sends or receives, forward and backward
+    # of which the weights' gradient collectives (the mirror, the parallel optimizer's): once
+    # per step however many micro-batches the step runs (stages.py)
+    weight_comm: float = 0.0
+    weight_bytes: float = 0.0
 
     @property
     def total(self) -> float:
@@ -351,7 +355,10 @@ def op_time(node: Node, sharding: OpSharding, devices: int, profile: DeviceProfi
         if parallel_optimizer:
             # the gradient reduce-scattered over the ranks holding the same slice, the updated
             # weight all-gathered over them
+            comm, nbytes = result.comm, result.comm_bytes
             _weight_sharded(result, local, repeat, repeat, profile)
+            result.weight_comm += result.comm - comm
+            result.weight_bytes += result.comm_bytes - nbytes
             continue
         group, span = group_of(repeat)
         if group <= 1:
@@ -379,6 +386,8 @@ def op_time(node: Node, sharding: OpSharding, devices: int, profile: DeviceProfi
                     full_bytes = split_bytes
         result.comm += full
         result.comm_bytes += full_bytes
+        result.weight_comm += full
+        result.weight_bytes += full_bytes
     return result
 
 
