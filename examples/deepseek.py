@@ -32,6 +32,12 @@ Written from mindformers' cells and strategies (`DeepSeekV2Attention`, `DeepSeek
   and the load zeroed) runs at the start of the next step's routing, with `P.AssignAdd` and
   `P.Assign`; both are requires_grad=False state, stored, checkpointed and resumed with the
   weights (docs/state.md);
+* **dropless MoE** (DEEPSEEK_USE_GMM=1, the yaml's pretraining `use_gmm: True`: mindformers'
+  MoEV3): no capacity; each group's choices sorted by expert, the experts in a Morph region
+  (self_define_shard) that runs on each rank's slices: an AlltoAll of the per-expert counts,
+  AlltoAllV of the tokens and ids with the counts the step computes, two GroupedMatmuls over
+  the rank's experts (Swiglu between) and the AlltoAllV back; ep = the devices (the region's
+  collectives run over every rank), E and DEEPSEEK_GROUPS multiples of it;
 * **loss**: the masked cross-entropy of the next token plus the expert-level balance loss
   (alpha E^2 mean(f_e P_e), aux_loss_factors [0.0001]) of every MoE layer;
 * **MTP** (multi-token prediction, DEEPSEEK_MTP, default 0 layers; mindformers' mtp_depth 1): one
@@ -131,6 +137,7 @@ N_GROUP, TOPK_GROUP = (int(os.environ.get(f"DEEPSEEK_{k}", v)) for k, v in
                        (("N_GROUP", 8 if PRESET == "v3_671b" else 4),
                         ("TOPK_GROUP", 4 if PRESET == "v3_671b" else 1)))
 FUSED_ROUTER = os.environ.get("DEEPSEEK_FUSED_ROUTER", "1") == "1"
+USE_GMM = os.environ.get("DEEPSEEK_USE_GMM", "0") == "1"  # mindformers' use_gmm: MoEV3
 RECOMPUTE = os.environ.get("DEEPSEEK_RECOMPUTE", "0") == "1"
 PARALLEL_OPTIMIZER = os.environ.get("DEEPSEEK_PARALLEL_OPTIMIZER", "0") == "1"
 SEQ_PARALLEL = os.environ.get("DEEPSEEK_SEQ_PARALLEL", "1") == "1"
@@ -555,12 +562,170 @@ class MoEV2(nn.Cell):
         return self.reshape(out, (batch, seq, dim)), extra_loss
 
 
+def ffn_forward(x, expert_id, counter, w1, w2, hidden_size, ep):
+    """mindformers' MoEV3 ffn_forward_func on one rank's slices (a Morph region): x (g, kN, h)
+    and expert_id (g, kN) the local routing groups' choices, counter (g, E) their counts, w1
+    (E / ep, h, 2 F) and w2 (E / ep, F, h) the rank's experts. The counts go to every rank (an
+    AlltoAll), the tokens and their expert ids with AlltoAllV, sorted there by expert for two
+    GroupedMatmuls over the received counts with Swiglu between, and come back the same way.
+    Differences from mindformers' function, which takes one group per rank: the local groups'
+    choices are sorted by expert together first (so that each rank's tokens leave in one
+    block), and the rows past the received ones (AlltoAllV's static bound, zeros) sort last."""
+    groups, choices, _ = x.shape
+    rows = x.reshape(-1, hidden_size)
+    ids = expert_id.reshape(-1)
+    _, order = ops.sort(ids)
+    _, back_order = ops.sort(ops.cast(order, "float32"))
+    rows, ids = ops.gather(rows, order, 0), ops.gather(ids, order, 0)
+    counter = counter.sum(0).reshape(1, EXPERTS)
+    local_counter = ops.AlltoAll(ep, -1, -2)(counter)                  # (ep, E / ep)
+    send = ops.MoveTo()(ops.cast(counter.reshape(ep, -1).sum(-1), "int32"), "CPU", True)
+    recv = ops.MoveTo()(ops.cast(local_counter.sum(-1), "int32"), "CPU", True)
+    group_list = ops.cumsum(ops.cast(local_counter.sum(0), "int32"), 0)
+    received = ops.AlltoAllV(block_size=hidden_size)(rows.reshape(-1), send, recv)
+    received = received.reshape(-1, hidden_size)
+    ids = ops.AlltoAllV(block_size=1)(ids, send, recv)
+    index = Tensor(np.arange(ids.shape[0], dtype=np.int32))
+    valid = ops.cast(index < recv.sum(), "float32")
+    _, sort_map = ops.sort(ids * valid + EXPERTS * (1 - valid))
+    _, unsort_map = ops.sort(ops.cast(sort_map, "float32"))
+    gmm = ops.GroupedMatmul(split_item=3, group_type=0)
+    gate = gmm([ops.gather(received, sort_map, 0)], [w1], None, None, None, None, None,
+               group_list)[0]
+    hidden = ops.Swiglu()(gate, -1)
+    y = gmm([hidden], [w2], None, None, None, None, None, group_list)[0]
+    y = ops.gather(y, unsort_map, 0)
+    y = ops.AlltoAllV(block_size=hidden_size)(y.reshape(-1), recv, send)
+    y = ops.gather(y.reshape(-1, hidden_size), back_order, 0)
+    return y.reshape(groups, choices, hidden_size)
+
+
+def _morph_shape(*shapes):
+    return shapes[0]
+
+
+def _morph_dtype(*dtypes):
+    return dtypes[0]
+
+
+class MoEFFN(nn.Cell):
+    """mindformers' MoEV3 `FFN` cell: w1 [E, h, 2 F] (gate and up) and w2 [E, F, h], the experts
+    in a Morph region (`hook_ffn_forward`, self_define_shard) laid out as mindformers' Layout
+    (outer_dp, inner_dp, sp, mp0, mp1): the groups over (outer_dp, inner_dp), the experts over
+    inner_dp = ep. Its AlltoAll and AlltoAllVs run over every rank (pcompile's user-called
+    collectives take the world group), so ep is the device count."""
+
+    def __init__(self, devices):
+        super().__init__()
+        if EXPERTS % devices or GROUPS % devices:
+            raise ValueError(f"DEEPSEEK_USE_GMM=1 puts E / ep experts on each of the {devices} "
+                             f"ranks (ep = the devices) and splits the routing groups over them: "
+                             f"{EXPERTS} experts and DEEPSEEK_GROUPS={GROUPS} must be multiples "
+                             f"of {devices}")
+        self.dtype = COMPUTE_DTYPE
+        self.ep = devices
+        self.w1 = Parameter(initializer("normal", [EXPERTS, HIDDEN, 2 * MOE_FFN]), "w1")
+        self.w2 = Parameter(initializer("normal", [EXPERTS, MOE_FFN, HIDDEN]), "w2")
+        self.cast = P.Cast()
+        layout = Layout((1, devices, 1, 1, 1), ("outer_dp", "inner_dp", "sp", "mp0", "mp1"))
+        self.hook_ffn_forward = P.Morph(ffn_forward, _morph_shape, _morph_dtype)
+        self.hook_ffn_forward.add_prim_attr("self_define_shard", True)
+        self.hook_ffn_forward.shard(
+            in_strategy=(layout(("outer_dp", "inner_dp"), "sp", "mp0"),   # x [g, kN, h]
+                         layout(("outer_dp", "inner_dp"), "sp"),          # expert_id [g, kN]
+                         layout(("outer_dp", "inner_dp"), "sp"),          # counter [g, E]
+                         layout("inner_dp", "mp0", "mp1"),                # w1 [E, h, 2F]
+                         layout("inner_dp", "mp1", "mp0")),               # w2 [E, F, h]
+            out_strategy=(layout(("outer_dp", "inner_dp"), "sp", "mp0"),))
+
+    def construct(self, x, expert_id, counter):
+        w1, w2 = self.cast(self.w1, self.dtype), self.cast(self.w2, self.dtype)
+        return self.hook_ffn_forward(x, expert_id, counter, w1, w2, HIDDEN, self.ep)
+
+
+class MoEV3(nn.Cell):
+    """mindformers' MoEV3 (use_gmm: dropless, GroupedMatmul, AlltoAllV): routing as
+    TopkRouterV2's without capacity (sigmoid scores, aux-loss-free bias, the expert load, the
+    coefficients normalised over the k then times routed_scaling_factor), each group's k N
+    choices sorted by expert (_tensor_sort: Sort, Gather, the OneHot counts), the experts in
+    MoEFFN's Morph region, the sort undone and each token's k outputs weighed and summed
+    (_tensor_unsort). The balance loss reads the normalised scores and their own top k, as
+    MoEV3's does with balance_via_topk_bias."""
+
+    def __init__(self, dp, mp):
+        super().__init__()
+        devices = dp * mp
+        self.dtype = COMPUTE_DTYPE
+        self.router_dense = llama.Linear(HIDDEN, EXPERTS, "float32").shard(((dp, 1), (1, 1)))
+        self.router = TopkRouterV2(dp)
+        self.ffn = MoEFFN(devices)
+        self.reshape = ops.Reshape()
+        self.cast = ops.Cast()
+        self.aux_topk = P.TopK().shard(((dp, 1, 1),))
+        self.mul_scaling = P.Mul().shard(((), (dp, 1, 1)))
+        self.transpose_3d = P.Transpose().shard(((dp, 1, 1),))
+        self.sort = P.Sort(1).shard(((dp, 1),))
+        self.mod = P.Mod().shard(((dp, 1), ()))
+        self.gather_sort = P.Gather(batch_dims=1).shard(((dp, 1, 1), (dp, 1)))
+        self.onehot = P.OneHot().shard(((dp, 1, 1), (), ()))
+        self.reduce_cnt = P.ReduceSum(keep_dims=False).shard(((dp, 1, 1),))
+        self.transpose_unsort_map = P.Transpose().shard(((dp, 1, 1),))
+        self.gather_unsort = P.Gather(batch_dims=1).shard(((dp, 1, 1), (dp, 1, 1)))
+        self.mul_router_coeff = P.Mul().shard(((dp, 1, 1, 1), (dp, 1, 1, 1)))
+        self.sum_router_coeff = P.ReduceSum(keep_dims=False).shard(((dp, 1, 1, 1),))
+        self.on_value = Tensor(1.0, np.float32)
+        self.off_value = Tensor(0.0, np.float32)
+
+    def _route(self, router_logits):
+        router = self.router
+        router_prob = router.sigmoid(router_logits)                    # (g, N, E) fp32
+        choice_scores = router.afb_add_topk_bias(router_prob, router._balance_topk_bias())
+        if TOPK_METHOD == "group_limited_greedy":
+            choice_scores = router._group_limited(choice_scores)
+        _, expert_index = router.afb_topk(choice_scores, TOP_K)
+        expert_gate = router.gate_gather(router_prob, expert_index, 2)  # (g, N, k)
+        router._update_expert_load(expert_index)
+        coeff = router._normalize(expert_gate) if TOP_K > 1 else expert_gate
+        coeff = self.mul_scaling(ROUTED_SCALING, coeff)
+        prob_for_aux = router._normalize(router_prob)
+        _, index_for_aux = self.aux_topk(prob_for_aux, TOP_K)
+        return expert_index, coeff, router._expert_load_balancing(prob_for_aux, index_for_aux)
+
+    def construct(self, x):
+        """x: [batch, seq, h] -> ([batch, seq, h], the balance loss)."""
+        batch, seq, dim = x.shape
+        if (batch * seq) % GROUPS:
+            raise ValueError(f"{batch} x {seq} tokens do not split into DEEPSEEK_GROUPS={GROUPS}"
+                             " routing groups")
+        tokens = batch * seq // GROUPS
+        x = self.reshape(x, (GROUPS, tokens, dim))
+        logits = self.router_dense(self.cast(self.reshape(x, (GROUPS * tokens, dim)), "float32"))
+        expert_index, coeff, extra_loss = self._route(
+            self.reshape(logits, (GROUPS, tokens, EXPERTS)))
+        x = self.cast(x, self.dtype)
+        # _tensor_sort: each group's choices (first choices first) sorted by expert
+        index = self.reshape(self.transpose_3d(expert_index, (0, 2, 1)), (GROUPS, -1))
+        sorted_index, sort_map = self.sort(self.cast(index, "float32"))
+        expert_input = self.gather_sort(x, self.mod(sort_map, tokens), 1)   # (g, kN, h)
+        counter = self.reduce_cnt(self.onehot(index, EXPERTS, self.on_value, self.off_value), 1)
+        _, unsort_map = self.sort(self.cast(sort_map, "float32"))
+        unsort_map = self.transpose_unsort_map(self.reshape(unsort_map, (GROUPS, TOP_K, tokens)),
+                                               (0, 2, 1))                   # (g, N, k)
+        expert_output = self.ffn(expert_input, sorted_index, counter)
+        # _tensor_unsort
+        out = self.gather_unsort(expert_output, unsort_map, 1)               # (g, N, k, h)
+        out = self.mul_router_coeff(out, self.cast(self.reshape(coeff, (GROUPS, tokens, TOP_K,
+                                                                        1)), self.dtype))
+        out = self.sum_router_coeff(out, 2)
+        return self.reshape(out, (batch, seq, dim)), extra_loss
+
+
 class FeedForwardWithMoE(nn.Cell):
     """mindformers' LlamaFeedForwardWithMoE: the routed experts plus the shared expert."""
 
     def __init__(self, dp, mp, ep):
         super().__init__()
-        self.routed_experts = MoEV2(dp, mp, ep)
+        self.routed_experts = MoEV3(dp, mp) if USE_GMM else MoEV2(dp, mp, ep)
         self.shared_experts = FeedForward(HIDDEN, MOE_FFN * SHARED_EXPERTS, dp, mp)
         self.add = ops.Add().shard(((dp, 1, 1), (dp, 1, 1)))
         self.cast = ops.Cast()
