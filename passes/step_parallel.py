@@ -632,13 +632,13 @@ class _StagedBuilder(RankBuilder):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.origin: dict[int, Node] = {}
+        self.origin: dict[Node, Node] = {}  # local node -> the forward op it was made for
 
     def lower_node(self, node: Node) -> None:
         start = len(self.graph.nodes)
         super().lower_node(node)
         for made in self.graph.nodes[start:]:
-            self.origin[id(made)] = node
+            self.origin[made] = node
 
 
 def build_staged_spmd_graph(graph: Graph, assignment: ParallelAssignment, options: SplitOptions,
@@ -650,7 +650,8 @@ def build_staged_spmd_graph(graph: Graph, assignment: ParallelAssignment, option
     builder = _StagedBuilder(graph, assignment, None, options, fusion_ids)
     local = builder.build()
     note_locals(builder, watch)
-    stages = {key: node_stage[id(op)] for key, op in builder.origin.items()
+    # the pipeline's stages stay keyed by id (PipelineSettings.local_stage)
+    stages = {id(made): node_stage[id(op)] for made, op in builder.origin.items()
               if id(op) in node_stage}
     return local, builder.output_layouts, stages
 
