@@ -326,18 +326,18 @@ class Costs:
     def stage(self, vi: int) -> int:
         return self.stages[vi] if self.stages is not None else 0
 
-    def transfer(self, e: Edge, layout: TensorLayout) -> OpTime:
-        """The point-to-point transfer of an edge that crosses into another pipeline stage:
-        each rank sends its slice to the next stage's rank, and its cotangent comes back
-        (stages.py); nothing inside a stage."""
+    def transfer(self, e: Edge, layout: TensorLayout) -> tuple[OpTime, OpTime]:
+        """The point-to-point transfer of an edge that crosses into another pipeline stage,
+        each as its sender's seconds and bytes: each rank sends its slice to the next stage's
+        rank (the producer's stage), and the cotangent comes back (the consumer's stage);
+        nothing inside a stage (stages.py)."""
         if self.stages is None or self.stages[e.src] == self.stages[e.dst]:
-            return OpTime()
+            return OpTime(), OpTime()
         nbytes = float(np.prod(layout.slice_shape)) * e.itemsize
-        times = 2 if self.has_grad(e) else 1
         hops = abs(self.stages[e.dst] - self.stages[e.src])
         link = self.options.profile.link(hops * self.cg.devices + 1)
-        return OpTime(comm=times * (link.latency + nbytes / link.bandwidth),
-                      comm_bytes=times * nbytes)
+        one = OpTime(comm=link.latency + nbytes / link.bandwidth, comm_bytes=nbytes)
+        return one, (one if self.has_grad(e) else OpTime())
 
     def _param_owners(self) -> dict[int, list[tuple[int, GraphParam]]]:
         """Vertex -> (operand index, parameter) for the parameters it is the first user of."""
@@ -497,8 +497,10 @@ class _Program:
         self.feasible = True
         unary: dict[tuple[int, int], float] = defaultdict(float)
         banned: set[tuple[int, int]] = set()
-        # self edges (layer i -> layer i + 1 folded onto one representative): on the diagonal;
-        # an edge into another pipeline stage: its transfer on the producer's choice
+        # an edge into another pipeline stage: its transfer on the producer's choice, the
+        # forward one in the producer's stage, the cotangent's in the consumer's (`cross`)
+        cross: dict[int, dict[tuple[int, int], float]] = defaultdict(lambda: defaultdict(float))
+        # self edges (layer i -> layer i + 1 folded onto one representative): on the diagonal
         for me in edges:
             e = me.edge
             if e.src != e.dst:
@@ -506,7 +508,11 @@ class _Program:
                     v = cg.vertices[e.src]
                     for k in allowed[v.index]:
                         lay = v.candidates[k].out_layouts[e.src_out]
-                        unary[(v.index, k)] += me.weight * costs.transfer(e, lay).total
+                        forward, backward = costs.transfer(e, lay)
+                        unary[(v.index, k)] += me.weight * forward.total
+                        if backward.total:
+                            cross[costs.stages[e.dst]][(v.index, k)] += \
+                                me.weight * backward.total
                 continue
             v = cg.vertices[e.src]
             for k in allowed[v.index]:
@@ -535,6 +541,10 @@ class _Program:
             if not cols:
                 self.feasible = False
             self.rows.append((cols, [1.0] * len(cols), 1.0, 1.0))
+        # stage -> (x column, seconds per micro-batch) of the cotangents sent back into it
+        self.cross: dict[int, list[tuple[int, float]]] = {
+            st: sorted((xcol[key], t) for key, t in entries.items() if key in xcol)
+            for st, entries in cross.items()}
         self.y_cost: list[float] = []
         self.y_stage: list[int] = []  # the consumer's stage
         nx = len(self.xs)
@@ -654,7 +664,10 @@ class _Program:
                     row(cols + [z], [float(memory[c]) for c in cols] + [-1.0], 0.0)
                 else:
                     ys = y_by_stage.get(st, [])
-                    row(cols + ys + [z], [float(every[c]) for c in cols + ys] + [-1.0], 0.0)
+                    back = self.cross.get(st, [])
+                    row(cols + ys + [c for c, _ in back] + [z],
+                        [float(every[c]) for c in cols + ys]
+                        + [pipeline.repeat * t for _, t in back] + [-1.0], 0.0)
                 if budget is not None:
                     row(cols, [float(memory[c]) for c in cols], budget)
             if minimise_memory:
@@ -757,8 +770,9 @@ def stage_totals(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Map
         out[costs.stage(e.dst)].communication += times * costs.pair(
             e, a.out_keys[e.src_out], a.out_layouts[e.src_out], b.in_keys[e.dst_in],
             b.in_layouts[e.dst_in])
-        out[costs.stage(e.src)].communication += times * costs.transfer(
-            e, a.out_layouts[e.src_out]).total
+        forward, backward = costs.transfer(e, a.out_layouts[e.src_out])
+        out[costs.stage(e.src)].communication += times * forward.total
+        out[costs.stage(e.dst)].communication += times * backward.total
     return out
 
 

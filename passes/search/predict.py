@@ -146,10 +146,11 @@ def _bytes(cg: CostGraph, costs: Costs, folding: Any, edges: Any, choice: dict[i
         total[st] = total.get(st, 0.0) + times * costs.pair_time(
             e, a.out_keys[e.src_out], a.out_layouts[e.src_out], b.in_keys[e.dst_in],
             b.in_layouts[e.dst_in]).comm_bytes
-        sent = costs.transfer(e, a.out_layouts[e.src_out]).comm_bytes
-        if sent:
-            total[costs.stage(e.src)] = total.get(costs.stage(e.src), 0.0) + times * sent
-            total[st] += times * sent
+        forward, backward = costs.transfer(e, a.out_layouts[e.src_out])
+        if forward.comm_bytes:  # the bytes each side sends: the value, its cotangent back
+            total[costs.stage(e.src)] = total.get(costs.stage(e.src), 0.0) \
+                + times * forward.comm_bytes
+            total[st] += times * backward.comm_bytes
     return max(total.values(), default=0.0)
 
 

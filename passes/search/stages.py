@@ -7,8 +7,8 @@ prediction see one micro-batch's forward graph, laid out inside one stage's devi
 
 * **time**: an op's compute and activation collectives, an edge's redistribution and the
   point-to-point transfer of every value that crosses into another stage (each rank sends its
-  slice, and for a value with a gradient its cotangent comes back, at the link between the
-  stages' ranks) run once per micro-batch; the weights' gradient collectives (the mirror's
+  slice, charged to the producer's stage, and for a value with a gradient the consumer's stage
+  sends the cotangent back, at the link between the stages' ranks) run once per micro-batch; the weights' gradient collectives (the mirror's
   AllReduce, the parallel optimizer's ReduceScatter and AllGather) and the optimizer's update
   run once per step, on the accumulated gradient (passes/micro_batch.py). A pipelined step
   takes m v + S - 1 ticks of one unit (a micro-batch on one chunk) of the slowest stage, so a
