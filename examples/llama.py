@@ -114,10 +114,12 @@ set_auto_parallel_context(
 
 
 def remove_strategies(net):
-    """Every shard() of `net` undone (LLAMA_STRATEGIES=none): the search decides each op."""
+    """Every shard() of `net` undone (LLAMA_STRATEGIES=none): the search decides each op, but
+    a self_define_shard region's (a Morph), whose Layouts are its own code's."""
     for _, cell in net.cells_and_names():
         for value in vars(cell).values():
-            if isinstance(value, ops.Primitive):
+            if isinstance(value, ops.Primitive) and \
+                    not value.user_attrs.get("self_define_shard"):
                 value.in_strategy = value.out_strategy = None
     return net
 

@@ -75,3 +75,16 @@ def test_gmm_variant_8_processes_train_like_one_device(monkeypatch: Any, tmp_pat
     assert len(got) == steps
     for step, (g, w) in enumerate(zip(got, want), start=1):
         assert abs(g - w) <= step * eps * longest * abs(w), (step, g, w)
+
+
+@pytest.mark.slow  # a searched compile and a float64 check on 8 devices (~5 s of CPU)
+def test_gmm_variant_searched_keeps_the_regions_layouts(monkeypatch: Any) -> None:
+    """LLAMA_STRATEGIES=none (auto_parallel, every shard() removed): the search decides the
+    other ops; the Morph keeps its Layouts (its own code's: a search cannot choose them), and
+    the plan trains like one device."""
+    knobs(monkeypatch, USE_GMM="1", LLAMA_STRATEGIES="none")
+    program = compile_model(DEEPSEEK, devices=8, dump=False)
+    morph = next(n for n in program.graph.nodes if n.op == "Morph")
+    assert program.state.assignment.sharding(morph).strategy[3] == (8, 1, 1)
+    report = check(program, steps=1)
+    assert report.ok(), f"worst {report.worst}, losses {report.losses}"
