@@ -173,10 +173,14 @@ def trace_pipeline_cell(mf: ModelFile, cell: PipelineCell, micro: int) -> Any:
     cell.finalize_parameter_names()
     backbone, loss_fn = inner_network(cell)
     example_inputs = as_input_list(call_user(mf.inputs, "inputs()", mf.path), "inputs", mf.path)
-    if mf.labels is None and mf.dataset is None:
+    taken = _positional_count(backbone.construct)
+    if loss_fn is None and taken is not None and len(example_inputs) >= taken:
+        # a network that computes its own loss from its inputs (a causal LM's input_ids): the
+        # data set's batches are its inputs, with no labels after them
+        example_labels: list[TensorSpec | np.ndarray] = []
+    elif mf.labels is None and mf.dataset is None:
         # As MindSpore's tests compile a PipelineCell on (data, label): the arrays after the
         # network's own arguments are the labels of its loss.
-        taken = _positional_count(backbone.construct)
         if loss_fn is None:
             example_labels = []
         elif taken is not None and len(example_inputs) > taken:

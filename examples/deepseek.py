@@ -65,11 +65,29 @@ DEEPSEEK_BATCH; DEEPSEEK_CAPACITY the capacity factor, DEEPSEEK_DTYPE the comput
 (bfloat16 by default). DEEPSEEK_TOPK_METHOD: `greedy` (default, the yaml's) or
 `group_limited_greedy` (mindformers' group-limited routing: the experts in DEEPSEEK_N_GROUP
 groups, a token choosing among those of its DEEPSEEK_TOPK_GROUP best; 4 and 1 for tiny, 8 and 4
-for v3_671b). DEEPSEEK_RECOMPUTE=1 recomputes every decoder layer (mindformers' recompute);
-DEEPSEEK_PARALLEL_OPTIMIZER=1 shards the weights over their data-parallel copies (the yaml's
-enable_parallel_optimizer, threshold 64 KB; 0 for tiny, whose weights are all smaller).
+for v3_671b). DEEPSEEK_RECOMPUTE=1 recomputes every decoder layer (mindformers' recompute;
+pcompile refuses recompute together with pipeline stages, so the yaml's per-stage
+recompute_config is not applied); DEEPSEEK_PARALLEL_OPTIMIZER=1 shards the weights over their
+data-parallel copies (the yaml's enable_parallel_optimizer, threshold 64 KB; v3_671b's default;
+0 for tiny, whose weights are all smaller).
+
+Pipeline stages as the pretraining yaml's parallel_config (DEEPSEEK_PP stages, default 16 for
+v3_671b, 1 for tiny; `--pipeline-stages` overrides it): dp x mp are one stage's devices
+(dp = devices / (mp x stages): 32 x 4 x 16 stages on 2048 devices), model() returns
+nn.PipelineCell with DEEPSEEK_MICRO micro-batches (the yaml's micro_batch_num 32 for v3_671b;
+as many as the stages otherwise); the embedding and the input split run in the first stage,
+the decoder layers then the MTP layers spread as mindformers' LayerSetting counts them
+((layers + mtp) // stages each plus the stage's DEEPSEEK_PP_OFFSET, the yaml's
+1,...,1,-1 for v3_671b), the final norm, the LM head and the loss in the last. Each layer adds
+its balance loss to the running sum, so the sum runs in the layer's stage. Under stages the
+loss inside is autodiffed (mindformers' own bprops are for the network without stages), the
+step's loss is a scalar (the micro-batches' mean), the routing groups and capacities are each
+micro-batch's, the expert load adds up over the micro-batches, and the aux-loss-free bias does
+not move between steps (mindformers moves it in TopkBiasBalanceCallback, outside the step);
+MTP layers are refused (their embedding would be shared between the first and last stages).
 
     pcompile examples/deepseek.py --devices 8                      # compile + check
+    DEEPSEEK_PP=2 DEEPSEEK_MICRO=1 pcompile examples/deepseek.py --devices 8  # 2 stages
     pcompile examples/deepseek.py --devices 8 --run --steps 20    # 8 processes
     DEEPSEEK_MP=1 pcompile examples/deepseek.py --devices 8        # dp 8 x ep 8
 """
@@ -139,27 +157,77 @@ N_GROUP, TOPK_GROUP = (int(os.environ.get(f"DEEPSEEK_{k}", v)) for k, v in
 FUSED_ROUTER = os.environ.get("DEEPSEEK_FUSED_ROUTER", "1") == "1"
 USE_GMM = os.environ.get("DEEPSEEK_USE_GMM", "0") == "1"  # mindformers' use_gmm: MoEV3
 RECOMPUTE = os.environ.get("DEEPSEEK_RECOMPUTE", "0") == "1"
-PARALLEL_OPTIMIZER = os.environ.get("DEEPSEEK_PARALLEL_OPTIMIZER", "0") == "1"
+PARALLEL_OPTIMIZER = os.environ.get("DEEPSEEK_PARALLEL_OPTIMIZER",
+                                    "1" if PRESET == "v3_671b" else "0") == "1"
 SEQ_PARALLEL = os.environ.get("DEEPSEEK_SEQ_PARALLEL", "1") == "1"
 COMPUTE_DTYPE = llama.DTYPES[os.environ.get("DEEPSEEK_DTYPE", "bfloat16").lower()]
 ROPE_THETA, NORM_EPS = 10000.0, 1e-6
 if not 1 <= TOP_K <= EXPERTS:
     raise ValueError(f"DEEPSEEK_TOP_K={TOP_K} must be between 1 and the {EXPERTS} experts")
 
+# Pipeline stages as the yaml's parallel_config: pipeline_stage 16, micro_batch_num 32 and the
+# model config's offset (the first 15 stages one layer more than 62 // 16, the last one less:
+# 61 decoder layers plus the MTP layer); none for tiny. --pipeline-stages overrides the stages.
+PIPELINE_STAGES = int(os.environ.get("DEEPSEEK_PP", "16" if PRESET == "v3_671b" else "1"))
+MICRO_BATCHES = int(os.environ.get("DEEPSEEK_MICRO", "32" if PRESET == "v3_671b" else "0"))
+YAML_OFFSET = (1,) * 15 + (-1,)
+_offset = os.environ.get("DEEPSEEK_PP_OFFSET")
+PP_OFFSET = (tuple(int(v) for v in _offset.split(",")) if _offset
+             else YAML_OFFSET if PRESET == "v3_671b" else None)
+
 set_auto_parallel_context(
     parallel_mode="semi_auto_parallel" if llama.STRATEGIES == "hand" else "auto_parallel",
     device_num=8, dataset_strategy="full_batch", enable_alltoall=True,
-    enable_parallel_optimizer=PARALLEL_OPTIMIZER,
+    enable_parallel_optimizer=PARALLEL_OPTIMIZER, pipeline_stages=PIPELINE_STAGES,
     # the yaml's threshold (KB); the tiny model's weights are all below it
     parallel_optimizer_config={"parallel_optimizer_threshold": 64 if PRESET == "v3_671b" else 0})
 
 
+def micro_batches():
+    """The micro-batches of a step: DEEPSEEK_MICRO (the yaml's micro_batch_num 32 for v3_671b),
+    by default as many as the pipeline stages; 1 without stages."""
+    stages = int(get_auto_parallel_context("pipeline_stages"))
+    if stages == 1:
+        return 1
+    return MICRO_BATCHES or stages
+
+
+def stage_layers(stages):
+    """How many of the decoder layers, then the MTP layers, each pipeline stage runs, as
+    mindformers' LayerSetting counts them: (layers + mtp) // stages plus the stage's offset
+    (DEEPSEEK_PP_OFFSET, comma-separated; the yaml's for v3_671b at 16 stages); without an
+    offset that fits, the remainder goes to the first stages. The yaml's offset counts its MTP
+    layer (mtp_depth 1) in the last stage: without MTP that stage holds one layer less."""
+    total = LAYERS + MTP_DEPTH
+    if PP_OFFSET is not None and len(PP_OFFSET) == stages:
+        # the yaml's MTP slot, kept empty when the model has no MTP layer
+        missing = 1 if PRESET == "v3_671b" and not _offset and MTP_DEPTH == 0 else 0
+        counts = [(total + missing) // stages + o for o in PP_OFFSET]
+        counts[-1] -= missing
+        if sum(counts) == total and min(counts) >= 0:
+            return counts
+        if _offset:
+            raise ValueError(f"DEEPSEEK_PP_OFFSET={_offset} gives {counts} layers per stage, but "
+                             f"the model has {total} ({LAYERS} decoder + {MTP_DEPTH} MTP)")
+    elif _offset:
+        raise ValueError(f"DEEPSEEK_PP_OFFSET={_offset} has {len(PP_OFFSET)} entries for "
+                         f"{stages} pipeline stages")
+    if total < stages:
+        raise ValueError(f"{total} layers cannot fill {stages} pipeline stages")
+    return [total // stages + (s < total % stages) for s in range(stages)]
+
+
 def parallel_config():
-    """(dp, mp, ep) from the parallel context, as mindformers' MoEParallelConfig."""
+    """(dp, mp, ep) from the parallel context, as mindformers' MoEParallelConfig: the devices
+    of one pipeline stage are dp x mp."""
     devices = int(get_auto_parallel_context("device_num"))
+    stages = int(get_auto_parallel_context("pipeline_stages"))
+    if devices > 1 and devices % stages:
+        raise ValueError(f"{stages} pipeline stages do not divide the {devices} devices")
+    devices = max(devices // stages, 1)
     mp = min(int(os.environ.get("DEEPSEEK_MP", "2")), devices)
     if devices % mp:
-        raise ValueError(f"DEEPSEEK_MP={mp} does not divide the {devices} devices")
+        raise ValueError(f"DEEPSEEK_MP={mp} does not divide the {devices} devices of a stage")
     dp = devices // mp
     ep = min(int(os.environ.get("DEEPSEEK_EP", str(math.gcd(dp, EXPERTS)))), dp)
     if dp % ep or EXPERTS % ep:
@@ -178,7 +246,7 @@ def residual_strategy(dp, mp):
     (rows are batch-major, so mp splits whole sequences)."""
     if not SEQ_PARALLEL or mp == 1:
         return (dp, 1, 1)
-    local = BATCH // dp
+    local = BATCH // micro_batches() // dp  # a micro-batch's sequences per rank
     return (dp, mp, 1) if local == 1 or local % mp else (dp * mp, 1, 1)
 
 
@@ -751,12 +819,15 @@ class DecodeLayer(nn.Cell):
         self.ffn_norm.shard(residual)
         self.cast = ops.Cast()
 
-    def construct(self, x, freqs_cis, mask):
+    def construct(self, x, freqs_cis, mask, extra_loss=0.0):
+        """(the layer's output, `extra_loss` plus its balance loss): as mindformers' decode
+        layer, each layer adds its own, so that the sum runs in the layer's pipeline stage."""
         h = self.add(x, self.attention(self.attention_norm(x), freqs_cis, mask))
         if self.moe:
-            out, extra_loss = self.feed_forward(self.ffn_norm(h))
+            out, layer_loss = self.feed_forward(self.ffn_norm(h))
+            extra_loss = extra_loss + layer_loss
         else:
-            out, extra_loss = self.feed_forward(self.ffn_norm(h)), 0.0
+            out = self.feed_forward(self.ffn_norm(h))
         return self.add(h, self.cast(out, h.dtype)), extra_loss
 
 
@@ -823,15 +894,29 @@ class DeepseekV3Model(nn.Cell):
         h = self.embed(tokens)
         extra_loss = 0.0
         for layer in self.layers:
-            h, layer_loss = layer(h, freqs_cis, mask)
-            extra_loss = extra_loss + layer_loss
+            h, extra_loss = layer(h, freqs_cis, mask, extra_loss)
         outputs = [self.norm_out(h)]
         for fuser, layer, norm, next_tokens in zip(self.mtp_fusers, self.mtp_layers,
                                                    self.mtp_norms, mtp_tokens):
-            h, layer_loss = layer(fuser(h, self.embed(next_tokens)), freqs_cis, mask)
-            extra_loss = extra_loss + layer_loss
+            h, extra_loss = layer(fuser(h, self.embed(next_tokens)), freqs_cis, mask,
+                                  extra_loss)
             outputs.append(norm(h))
         return outputs, extra_loss
+
+
+class InputSplit(nn.Cell):
+    """tokens = input_ids[:, :-1], labels = input_ids[:, 1:] (a cell of its own: under
+    pipeline stages it runs in the first stage, the loss in the last)."""
+
+    def __init__(self, dp):
+        super().__init__()
+        self.shape = ops.Shape()
+        self.slice = ops.StridedSlice().shard(((dp, 1),))
+
+    def construct(self, input_ids):
+        bsz, seqlen = self.shape(input_ids)
+        return (self.slice(input_ids, (0, 0), (bsz, seqlen - 1), (1, 1)),
+                self.slice(input_ids, (0, 1), (bsz, seqlen), (1, 1)))
 
 
 class DeepseekV3ForCausalLM(nn.Cell):
@@ -851,6 +936,8 @@ class DeepseekV3ForCausalLM(nn.Cell):
         self.shape = ops.Shape()
         self.reshape = ops.Reshape()
         self.cast = ops.Cast()
+        self.input_split = InputSplit(dp)
+        self.scalar_loss = False  # set by model() under pipeline stages
         self.slice = ops.StridedSlice().shard(((dp, 1),))
         self.not_equal = ops.NotEqual().shard(((dp, 1), ()))
         self.mul = ops.Mul().shard(((dp, 1), (dp, 1)))
@@ -870,9 +957,7 @@ class DeepseekV3ForCausalLM(nn.Cell):
                          self.mul(input_mask, label_mask))
 
     def construct(self, input_ids):
-        bsz, seqlen = self.shape(input_ids)
-        tokens = self.slice(input_ids, (0, 0), (bsz, seqlen - 1), (1, 1))
-        labels = self.slice(input_ids, (0, 1), (bsz, seqlen), (1, 1))
+        tokens, labels = self.input_split(input_ids)
         mtp_tokens, shifted = [], tokens
         for _ in range(MTP_DEPTH):
             shifted = self._shift_and_pad(shifted)
@@ -884,13 +969,61 @@ class DeepseekV3ForCausalLM(nn.Cell):
             tokens = self._shift_and_pad(tokens)
             loss = loss + self._loss(outputs[depth + 1], labels, tokens) * (
                 MTP_LOSS_FACTOR / MTP_DEPTH)
+        if self.scalar_loss:  # nn.PipelineCell: the step's loss is its micro-batches' mean
+            return self.reshape(loss, ())
         return loss
+
+
+def assign_stages(net, stages):
+    """mindformers' pipeline placement: the embedding in the first stage, the decoder layers
+    then the MTP layers spread by `stage_layers`, the final norm and LM head in the last."""
+    counts = stage_layers(stages)
+    owners = [s for s, n in enumerate(counts) for _ in range(n)]
+    if MTP_DEPTH:
+        raise ValueError(f"DEEPSEEK_MTP={MTP_DEPTH} with {stages} pipeline stages: the MTP "
+                         "layers embed their tokens with the first stage's embedding, which "
+                         "this example does not share across stages; use DEEPSEEK_MTP=0")
+    net.pipeline_stage = stages - 1  # the loss
+    net.input_split.pipeline_stage = 0
+    backbone = net.model
+    backbone.pipeline_stage = 0
+    for layer, stage in zip(backbone.layers, owners):
+        layer.pipeline_stage = stage
+    for layer, stage in zip(backbone.mtp_layers, owners[LAYERS:]):
+        layer.pipeline_stage = stage
+    for cell in (*backbone.mtp_fusers, *backbone.mtp_norms, backbone.norm_out, net.lm_head,
+                 net.loss):
+        cell.pipeline_stage = stages - 1
+
+
+class _LogSoftmaxAutodiff(llama.LogSoftmax):
+    bprop = None
+
+
+class _NLLLossAutodiff(llama.NLLLoss):
+    bprop = None
 
 
 def model():
     net = DeepseekV3ForCausalLM()
     if llama.STRATEGIES == "none":  # LLAMA_STRATEGIES=none: the search decides every op
         llama.remove_strategies(net)
+    stages = int(get_auto_parallel_context("pipeline_stages"))
+    if stages > 1 and int(get_auto_parallel_context("device_num")) > 1:
+        assign_stages(net, stages)
+        # the loss's own bprops (mindformers') are for a network without stages: inside
+        # nn.PipelineCell autodiff differentiates the same log-softmax and NLL
+        dp, mp, _ = parallel_config()
+        net.loss.log_softmax = _LogSoftmaxAutodiff(dp, mp)
+        net.loss.nll = _NLLLossAutodiff(dp, mp)
+        net.scalar_loss = True
+        # The routers accumulate the experts' load over the micro-batches (AssignAdd), but the
+        # bias moves between steps (mindformers' TopkBiasBalanceCallback), not once per
+        # micro-batch: with stages they read the bias as it is (see docs/deepseek.md).
+        for _, cell in net.cells_and_names():
+            if isinstance(cell, TopkRouterV2):
+                cell._balance_topk_bias = lambda router=cell: router.topk_bias
+        return nn.PipelineCell(net, micro_size=micro_batches())
     return net
 
 

@@ -106,17 +106,23 @@ def positions(graph: Graph, sequence: list[Label]) -> dict[int, int]:
             if isinstance(value, NodeResult):
                 pos = max(pos, out[id(value.node)])
                 bound = bound or id(value.node) not in free
+        if node.op == "TupleGetItem" and isinstance(node.operands[0], NodeResult):
+            # an element of a multi-output op (RmsNorm's rstd read by its backward) is taken
+            # where the op runs: the element, not the tuple, is what a later unit holds
+            pos = out[id(node.operands[0].node)]
         out[id(node)] = pos
         if not bound:
             free.add(id(node))
     # A node that depends on no micro-batch (a weight's mirror or cast, a constant, the
     # optimizer's work on its state) runs in the unit of its first user, not the first unit:
-    # it is not held longer than needed.
+    # it is not held longer than needed. A Send of such a value (a constant mask another stage
+    # reads) has no user here: it runs in the first unit, before any unit of the stage that
+    # receives it can wait on it.
     last = len(sequence) - 1
     for node in reversed(graph.nodes):
         if id(node) in free:
             users = [out[id(u)] for u in node.result.users if id(u) in out]
-            out[id(node)] = min(users) if users else last
+            out[id(node)] = min(users) if users else 0 if node.op == "Send" else last
     return out
 
 

@@ -60,13 +60,13 @@ from pcompile.passes.unit import CompileUnit
 MicroLabel = tuple[str, int]
 
 
-def inherit(created: dict[Node, Node], stages: dict[int, int],
+def inherit(created: dict[Node, Node], stages: dict[Node, int],
             labels: dict[int, MicroLabel]) -> None:
     """Autodiff made the nodes `created` (node -> the forward node it differentiates): they
     run in its stage, in the backward unit of its micro-batch."""
     for node, forward in created.items():
-        if id(forward) in stages:
-            stages[id(node)] = stages[id(forward)]
+        if forward in stages:
+            stages[node] = stages[forward]
         label = labels.get(id(forward))
         if label is not None:
             labels[id(node)] = ("B", label[1])
@@ -85,14 +85,14 @@ class Assignment:
     param_stages: dict[str, set[int]] = field(default_factory=dict)
 
 
-def assign(graph: Graph, stages: int, node_stage: dict[int, int],
+def assign(graph: Graph, stages: int, node_stage: dict[Node, int],
            weight_stage: dict[str, int]) -> Assignment:
     """Stages of every node and parameter of the local training step (module docstring)."""
     out = Assignment()
     stage = out.stage
     for node in graph.nodes:
-        if id(node) in node_stage:
-            stage[id(node)] = node_stage[id(node)]
+        if node in node_stage:
+            stage[id(node)] = node_stage[node]
             continue
         for v in node.operands:  # the optimizer update runs where its weight lives
             if isinstance(v, GraphParam) and v.kind == "weight" and v.name in weight_stage:
@@ -337,7 +337,9 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
                     source=v.node.source, name_hint=v.name_hint,
                     parallel=info)
         outs[src].append(send)
-        user_label = labels.get(id(user))
+        # a value no micro-batch computes (a constant mask) is received once, unlabelled like
+        # its Send, in the unit of its first reader; the others' in their reader's unit
+        user_label = labels.get(id(user)) if label is not None else None
         info = mark(None, user, user_label, s)
         info.reason = f"pipeline: stage {s} receives {what} from stage {src}"
         info.bytes = ttype.nbytes
