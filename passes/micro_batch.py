@@ -84,13 +84,13 @@ def copy_node(node: Node, operands: list[Value], parallel: ParallelInfo | None) 
 
 def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
               labels: dict[int, Label] | None = None,
-              stages: dict[int, int] | None = None,
+              stages: dict[Node, int] | None = None,
               copy_also: Callable[[Node], bool] | None = None,
               batch_terms: tuple[Term, ...] | None = None) -> Graph:
     """The graph of one step of `micro` micro-batches (see the module docstring).
 
-    `labels` receives ("F", k) for every node of micro-batch k; `stages` (id(node) -> stage)
-    is extended to the copies; `copy_also(node)` marks nodes that are repeated although they
+    `labels` receives ("F", k) for every node (by id) of micro-batch k; `stages` (node ->
+    stage) is extended to the copies; `copy_also(node)` marks nodes that are repeated although they
     read no input; `batch_terms` is the split of the inputs' dim 0 (their `RankOffsets`
     terms), which a random op's dim 0 must share."""
     labels = labels if labels is not None else {}
@@ -127,9 +127,9 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
             continue
         copy = out.append(copy_node(node, [fresh(v) for v in node.operands], node.parallel))
         shared[id(node.result)] = copy.result
-        if id(node) in stage_of and not _advances_counter(node):
+        if node in stage_of and not _advances_counter(node):
             # (the counter's advance has no stage: each stage that reads it computes it)
-            stage_of[id(copy)] = stage_of[id(node)]
+            stage_of[copy] = stage_of[node]
     losses: dict[int, Value] = {}
     names = assigned_names(graph)
     assigned = graph.outputs[len(graph.outputs) - len(names):] if names else []
@@ -170,8 +170,8 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
                     "micro-batch copies draw their rows' bits of the whole batch")
             local[id(node.result)] = copy.result
             labels[id(copy)] = ("F", k)
-            if id(node) in stage_of:
-                stage_of[id(copy)] = stage_of[id(node)]
+            if node in stage_of:
+                stage_of[copy] = stage_of[node]
         losses[k] = _lookup(graph.outputs[0], local, shared)
         for i, value in enumerate(assigned):
             if id(value) in per_micro and isinstance(value, NodeResult):
@@ -249,7 +249,7 @@ def random_offsets(copy: Node, node: Node, k: int, micro: int,
 
 
 def _step_assignment(out: Graph, value: Value, name: str, per_micro_values: list[Value],
-                     shared: dict[int, Value], per_micro: set[int], stage_of: dict[int, int],
+                     shared: dict[int, Value], per_micro: set[int], stage_of: dict[Node, int],
                      micro: int) -> Value:
     """The step's new value of Parameter `name`, assigned in the forward by `value`. MindSpore
     runs the forward once per micro-batch, each assignment with it: an `AssignAdd` /
@@ -288,14 +288,14 @@ def _step_assignment(out: Graph, value: Value, name: str, per_micro_values: list
                            f"{node.op} '{node.instance_name}' runs once per micro-batch: the "
                            f"step adds the {micro} micro-batches' values")))
         assert isinstance(total, NodeResult)
-        if id(node) in stage_of:
-            stage_of[id(total.node)] = stage_of[id(node)]
+        if node in stage_of:
+            stage_of[total.node] = stage_of[node]
     result = b.emit(node.op, [shared[id(variable)], total], dict(node.attrs),
                     instance_name=node.instance_name, name_hint=node.result.name_hint,
                     parallel=node.parallel)
     assert isinstance(result, NodeResult)
-    if id(node) in stage_of:
-        stage_of[id(result.node)] = stage_of[id(node)]
+    if node in stage_of:
+        stage_of[result.node] = stage_of[node]
     return result
 
 
@@ -350,9 +350,10 @@ class MicroBatchPass:
         out = replicate(graph, micro, loss_scope=self.options.loss_scope, labels=settings.labels,
                         stages=settings.local_stage, copy_also=per_micro,
                         batch_terms=batch_terms)
-        alive = {id(n) for n in out.nodes}
+        alive = set(out.nodes)
         settings.local_stage = {k: v for k, v in settings.local_stage.items() if k in alive}
-        settings.labels = {k: v for k, v in settings.labels.items() if k in alive}
+        live = {id(n) for n in alive}
+        settings.labels = {k: v for k, v in settings.labels.items() if k in live}
         unit.rank_graphs = [out] * unit.devices
         for p in unit.graph.inputs:
             lay = layouts[p.name]

@@ -644,14 +644,13 @@ class _StagedBuilder(RankBuilder):
 def build_staged_spmd_graph(graph: Graph, assignment: ParallelAssignment, options: SplitOptions,
                             fusion_ids: dict[str, int], node_stage: dict[int, int],
                             watch: dict[int, Any] | None = None
-                            ) -> tuple[Graph, list[Any], dict[int, int]]:
+                            ) -> tuple[Graph, list[Any], dict[Node, int]]:
     """`build_spmd_graph` that also returns the stage of each local node (that
     of the forward op it was made for; `node_stage` by id of the forward op)."""
     builder = _StagedBuilder(graph, assignment, None, options, fusion_ids)
     local = builder.build()
     note_locals(builder, watch)
-    # the pipeline's stages stay keyed by id (PipelineSettings.local_stage)
-    stages = {id(made): node_stage[id(op)] for made, op in builder.origin.items()
+    stages = {made: node_stage[id(op)] for made, op in builder.origin.items()
               if id(op) in node_stage}
     return local, builder.output_layouts, stages
 

@@ -324,7 +324,9 @@ def _unit(compiled: Compiled, step: Step, before: Graph, forward: Graph) -> Comp
         if stage_map is not None:
             stage_map = replace(stage_map, node_stage=_by_id(record, stage_map.node_stage))
         fields["pipeline"] = replace(pipeline, stage_map=stage_map,
-                                     local_stage=_by_id(local, pipeline.local_stage),
+                                     local_stage={local[n]: stage for n, stage
+                                                  in pipeline.local_stage.items()
+                                                  if n in local},
                                      labels=_by_id(local, pipeline.labels))
     common = {"devices": state.devices, "parallel_mode": state.parallel_mode,
               "search_mode": state.search_mode, "options": state.options,
