@@ -67,7 +67,12 @@ class _MorphBody(Expansion):
         if body is None:
             raise PcompileError(f"{node.where()}: the body {node.attrs['body']!r} of this Morph "
                                 "was not traced in this compile")
+        before = set(map(id, b.graph.nodes))
         out = body(b.graph, operands)
+        if node.attrs.get("recompute") is True:  # a recomputed cell's region: its ops too
+            for made in b.graph.nodes:
+                if id(made) not in before and "recompute" not in made.attrs:
+                    made.attrs["recompute"] = True
         want = sharding.out_layouts[0].slice_shape
         if out.type != TensorType(node.result.tensor_type.dtype, want):
             raise PcompileError(

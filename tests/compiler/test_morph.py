@@ -85,3 +85,19 @@ def test_8_processes_train_like_one_device(tmp_path: Any) -> None:
     assert len(got) == steps
     for step, (g, w) in enumerate(zip(got, want), start=1):
         assert abs(g - w) <= step * eps * longest * abs(w), (step, g, w)
+
+
+def test_a_recomputed_region_is_recomputed(tmp_path: Any) -> None:
+    """A Morph marked for recomputation (`recompute()`, as inside a recomputed cell): its
+    body's ops are recomputed for the backward (a duplicated copy of each GroupedMatmul) and the
+    plan still trains like one device."""
+    text = open(MODEL).read().replace(
+        'self.hook_ffn_forward.add_prim_attr("self_define_shard", True)',
+        'self.hook_ffn_forward.add_prim_attr("self_define_shard", True).recompute()')
+    path = tmp_path / "morph_recompute.py"
+    path.write_text(text)
+    program = compile_model(str(path), devices=8, dump=False)
+    rank = program.rank_graph(0)
+    assert sum(n.op == "GroupedMatmul" and n.attrs.get("duplicated") is True
+               for n in rank.nodes) == 2
+    assert check(program, steps=2).ok()
