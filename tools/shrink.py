@@ -54,6 +54,14 @@ def _refuse_mode(program: Any) -> None:
             f"the shrunk check reproduces semi_auto_parallel, auto_parallel and data_parallel "
             f"plans; this "
             f"program is {state.parallel_mode}; --force-check checks it at full size")
+    region = next((n for n in program.graph.nodes if n.op == "Morph"), None)
+    if region is not None:
+        # one device runs a Morph's function on the whole tensors, so its single-device copy
+        # is not the plan's graph, and a region's shapes are its own code's
+        raise PcompileError(
+            f"the shrunk check does not reproduce a Morph region (self_define_shard: "
+            f"{region.instance_name} at {region.source or region.scope}) in this version of "
+            "pcompile; --force-check checks it at full size")
 
 
 def plan_splits(program: Any) -> list[tuple[Value, int, int, int]]:

@@ -101,3 +101,17 @@ def test_a_recomputed_region_is_recomputed(tmp_path: Any) -> None:
     assert sum(n.op == "GroupedMatmul" and n.attrs.get("duplicated") is True
                for n in rank.nodes) == 2
     assert check(program, steps=2).ok()
+
+
+def test_the_shrunk_check_refuses_a_region_with_one_message() -> None:
+    """One device runs the region's function itself, so a shrunk single-device copy is not the
+    plan's graph: the shrunk check names the region and the way out (it said only that the
+    graphs differ)."""
+    from pcompile.tools.shrink import shrunk_check
+
+    program = compile_model(MODEL, devices=8, dump=False)
+    with pytest.raises(PcompileError) as info:
+        shrunk_check(program, factor=2)
+    message = str(info.value)
+    for part in ("Morph region", "hook_ffn_forward", "morph_moe.py", "--force-check"):
+        assert part in message, (part, message)
