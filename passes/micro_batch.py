@@ -83,14 +83,14 @@ def copy_node(node: Node, operands: list[Value], parallel: ParallelInfo | None) 
 
 
 def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
-              labels: dict[int, Label] | None = None,
+              labels: dict[Node, Label] | None = None,
               stages: dict[Node, int] | None = None,
               copy_also: Callable[[Node], bool] | None = None,
               batch_terms: tuple[Term, ...] | None = None) -> Graph:
     """The graph of one step of `micro` micro-batches (see the module docstring).
 
-    `labels` receives ("F", k) for every node (by id) of micro-batch k; `stages` (node ->
-    stage) is extended to the copies; `copy_also(node)` marks nodes that are repeated although they
+    `labels` receives ("F", k) for every node of micro-batch k; `stages` (node -> stage) is
+    extended to the copies; `copy_also(node)` marks nodes that are repeated although they
     read no input; `batch_terms` is the split of the inputs' dim 0 (their `RankOffsets`
     terms), which a random op's dim 0 must share."""
     labels = labels if labels is not None else {}
@@ -151,7 +151,7 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
                     f"micro-batch {k} of {micro}: rows [{k * rows}, {(k + 1) * rows}) of the "
                     f"rank's {p.shape[0] * micro} rows of {p.name}")))
             assert isinstance(sliced, NodeResult)
-            labels[id(sliced.node)] = ("F", k)
+            labels[sliced.node] = ("F", k)
             local[id(p)] = sliced
 
         for node in graph.nodes:
@@ -169,7 +169,7 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
                     "would read the same bits; use ops.Dropout (or nn.Dropout), whose "
                     "micro-batch copies draw their rows' bits of the whole batch")
             local[id(node.result)] = copy.result
-            labels[id(copy)] = ("F", k)
+            labels[copy] = ("F", k)
             if node in stage_of:
                 stage_of[copy] = stage_of[node]
         losses[k] = _lookup(graph.outputs[0], local, shared)
@@ -352,8 +352,7 @@ class MicroBatchPass:
                         batch_terms=batch_terms)
         alive = set(out.nodes)
         settings.local_stage = {k: v for k, v in settings.local_stage.items() if k in alive}
-        live = {id(n) for n in alive}
-        settings.labels = {k: v for k, v in settings.labels.items() if k in live}
+        settings.labels = {k: v for k, v in settings.labels.items() if k in alive}
         unit.rank_graphs = [out] * unit.devices
         for p in unit.graph.inputs:
             lay = layouts[p.name]

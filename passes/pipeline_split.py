@@ -61,15 +61,15 @@ MicroLabel = tuple[str, int]
 
 
 def inherit(created: dict[Node, Node], stages: dict[Node, int],
-            labels: dict[int, MicroLabel]) -> None:
+            labels: dict[Node, MicroLabel]) -> None:
     """Autodiff made the nodes `created` (node -> the forward node it differentiates): they
     run in its stage, in the backward unit of its micro-batch."""
     for node, forward in created.items():
         if forward in stages:
             stages[node] = stages[forward]
-        label = labels.get(id(forward))
+        label = labels.get(forward)
         if label is not None:
-            labels[id(node)] = ("B", label[1])
+            labels[node] = ("B", label[1])
 
 
 # -- stage assignment ---------------------------------------------------------------------------
@@ -250,7 +250,7 @@ def _describe(node: Node) -> str:
 
 
 def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
-          placed: Assignment, labels: dict[int, MicroLabel], chunks: int = 1
+          placed: Assignment, labels: dict[Node, MicroLabel], chunks: int = 1
           ) -> PipelineProgram:
     """One graph per stage (see the module docstring); `placed` in virtual stages."""
     n = devices // stages
@@ -326,7 +326,7 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
         what = _describe(v.node)
         transfers.append(Transfer(tag, src, s, what, ttype.shape, ttype.dtype.value,
                                   ttype.nbytes))
-        label = labels.get(id(v.node))
+        label = labels.get(v.node)
         info = mark(None, v.node, label, src)
         info.reason = f"pipeline: stage {src} sends {what} to stage {s}"
         info.bytes = 0
@@ -339,7 +339,7 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
         outs[src].append(send)
         # a value no micro-batch computes (a constant mask) is received once, unlabelled like
         # its Send, in the unit of its first reader; the others' in their reader's unit
-        user_label = labels.get(id(user)) if label is not None else None
+        user_label = labels.get(user) if label is not None else None
         info = mark(None, user, user_label, s)
         info.reason = f"pipeline: stage {s} receives {what} from stage {src}"
         info.bytes = ttype.nbytes
@@ -357,7 +357,7 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
         copies = placed.copies.get(id(node))
         pure = copies is not None
         for s in sorted(physical(copies)) if pure else [placed.stage[id(node)] % stages]:
-            label = labels.get(id(node))
+            label = labels.get(node)
             parallel = node.parallel
             if label is not None:
                 parallel = mark(parallel, node, label, s)

@@ -234,9 +234,9 @@ class PipelineSettings:
     stage_map: StageMap | None = None
     loss_scope: str = "Default"
     # Filled by the passes for the nodes of the current local graph: the virtual stage of each
-    # (step_parallel_end, micro_batch, autodiff) and, by id, its label ("F" | "B", micro-batch).
+    # (step_parallel_end, micro_batch, autodiff) and its label ("F" | "B", micro-batch).
     local_stage: dict[Node, int] = field(default_factory=dict)
-    labels: dict[int, tuple[str, int]] = field(default_factory=dict)
+    labels: dict[Node, tuple[str, int]] = field(default_factory=dict)
     program: Any = None  # passes.pipeline_split.PipelineProgram once split
 
     @property

@@ -327,7 +327,8 @@ def _unit(compiled: Compiled, step: Step, before: Graph, forward: Graph) -> Comp
                                      local_stage={local[n]: stage for n, stage
                                                   in pipeline.local_stage.items()
                                                   if n in local},
-                                     labels=_by_id(local, pipeline.labels))
+                                     labels={local[n]: label for n, label
+                                             in pipeline.labels.items() if n in local})
     common = {"devices": state.devices, "parallel_mode": state.parallel_mode,
               "search_mode": state.search_mode, "options": state.options,
               "training": state.training, "backward": state.backward, "graph": forward,
