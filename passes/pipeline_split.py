@@ -80,8 +80,8 @@ class Assignment:
     """The stage of every node (`stage`), the stages that compute each pure node and hold
     each stored parameter (`copies`), and where every graph input is read (`reads`)."""
 
-    stage: dict[int, int] = field(default_factory=dict)
-    copies: dict[int, set[int]] = field(default_factory=dict)
+    stage: dict[Node, int] = field(default_factory=dict)
+    copies: dict[Node, set[int]] = field(default_factory=dict)
     param_stages: dict[str, set[int]] = field(default_factory=dict)
 
 
@@ -92,23 +92,23 @@ def assign(graph: Graph, stages: int, node_stage: dict[Node, int],
     stage = out.stage
     for node in graph.nodes:
         if node in node_stage:
-            stage[id(node)] = node_stage[node]
+            stage[node] = node_stage[node]
             continue
         for v in node.operands:  # the optimizer update runs where its weight lives
             if isinstance(v, GraphParam) and v.kind == "weight" and v.name in weight_stage:
-                stage[id(node)] = weight_stage[v.name]
+                stage[node] = weight_stage[v.name]
                 break
-    pure: set[int] = set()
+    pure: set[Node] = set()
     for node in graph.nodes:
-        if id(node) in stage:
+        if node in stage:
             continue
         seen = []
         impure = False
         for v in node.operands:
             if isinstance(v, NodeResult):
-                if id(v.node) in stage:
-                    seen.append(stage[id(v.node)])
-                elif id(v.node) not in pure:
+                if v.node in stage:
+                    seen.append(stage[v.node])
+                elif v.node not in pure:
                     impure = True
             elif isinstance(v, GraphParam):
                 if v.kind == "weight" and v.name in weight_stage:
@@ -116,30 +116,30 @@ def assign(graph: Graph, stages: int, node_stage: dict[Node, int],
                 elif v.kind != "state":
                     impure = True
         if seen:
-            stage[id(node)] = max(seen)
+            stage[node] = max(seen)
         elif not impure:
-            pure.add(id(node))
+            pure.add(node)
     for node in reversed(graph.nodes):
-        if id(node) in stage or id(node) in pure:
+        if node in stage or node in pure:
             continue
-        users = [stage[id(u)] for u in node.result.users if id(u) in stage]
-        stage[id(node)] = min(users) if users else stages - 1
+        users = [stage[u] for u in node.result.users if u in stage]
+        stage[node] = min(users) if users else stages - 1
     # Pure nodes and states: computed / held in every stage that needs them.
     names = list(graph.attrs.get("outputs") or ())
-    out_stage: dict[int, set[int]] = {}
+    out_stage: dict[Node, set[int]] = {}
     for name, value in zip(names, graph.outputs):
         if isinstance(value, NodeResult):
             where = weight_stage.get(name)
-            out_stage.setdefault(id(value.node), set())
+            out_stage.setdefault(value.node, set())
             if where is not None:
-                out_stage[id(value.node)].add(where)
+                out_stage[value.node].add(where)
     for node in reversed(graph.nodes):
-        if id(node) not in pure:
+        if node not in pure:
             continue
-        need = set(out_stage.get(id(node), ()))
+        need = set(out_stage.get(node, ()))
         for user in node.result.users:
-            need |= out.copies.get(id(user), {stage[id(user)]} if id(user) in stage else set())
-        out.copies[id(node)] = need
+            need |= out.copies.get(user, {stage[user]} if user in stage else set())
+        out.copies[node] = need
     for p in graph.params:
         if p.kind == "input":
             continue
@@ -148,7 +148,7 @@ def assign(graph: Graph, stages: int, node_stage: dict[Node, int],
             continue
         need = set()
         for user in p.users:
-            need |= out.copies.get(id(user), {stage[id(user)]} if id(user) in stage else set())
+            need |= out.copies.get(user, {stage[user]} if user in stage else set())
         out.param_stages[p.name] = need or {stages - 1}
     # A state's update must be computable wherever the state is held.
     for name, value in zip(names, graph.outputs):
@@ -156,9 +156,9 @@ def assign(graph: Graph, stages: int, node_stage: dict[Node, int],
         if not held or not isinstance(value, NodeResult):
             continue
         node = value.node
-        updated = out.copies.get(id(node), {stage[id(node)]} if id(node) in stage else set())
-        if id(node) in pure:
-            out.copies[id(node)] = updated | held
+        updated = out.copies.get(node, {stage[node]} if node in stage else set())
+        if node in pure:
+            out.copies[node] = updated | held
         elif len(held) > 1 or held != updated:
             raise PcompileError(
                 f"pipeline: optimizer state {name!r} is used in stages "
@@ -265,12 +265,12 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
         out.micro = label[1]
         if chunks == 1:
             return out
-        if id(node) in placed.stage:
-            out.chunk = placed.stage[id(node)] // stages
+        if node in placed.stage:
+            out.chunk = placed.stage[node] // stages
             return out
         # A pure node (computed where needed): the chunk of its copies on stage s whose unit
         # comes first (forward: the lowest chunk, backward: the highest).
-        mine = [u // stages for u in placed.copies.get(id(node), ()) if u % stages == s]
+        mine = [u // stages for u in placed.copies.get(node, ()) if u % stages == s]
         out.chunk = (max(mine) if label[0] == "B" else min(mine)) if mine else 0
         return out
 
@@ -296,7 +296,7 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
         else:
             where[id(p)] = set(holders[p.name])
     for node in graph.nodes:
-        sites = physical(placed.copies.get(id(node), {placed.stage.get(id(node), -1)}))
+        sites = physical(placed.copies.get(node, {placed.stage.get(node, -1)}))
         for v in node.operands:
             if isinstance(v, GraphParam) and v.kind == "input":
                 where[id(v)] |= sites
@@ -354,9 +354,9 @@ def split(graph: Graph, stages: int, devices: int, micro: int, scheduler: str,
         return recv.result
 
     for node in graph.nodes:
-        copies = placed.copies.get(id(node))
+        copies = placed.copies.get(node)
         pure = copies is not None
-        for s in sorted(physical(copies)) if pure else [placed.stage[id(node)] % stages]:
+        for s in sorted(physical(copies)) if pure else [placed.stage[node] % stages]:
             label = labels.get(node)
             parallel = node.parallel
             if label is not None:
