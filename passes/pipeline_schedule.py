@@ -93,26 +93,26 @@ def node_label(node: Node) -> Label | None:
     return (phase, info.micro, info.chunk or 0)
 
 
-def positions(graph: Graph, sequence: list[Label]) -> dict[int, int]:
-    """id(node) -> index in `sequence` of the unit that runs it (see the module docstring)."""
+def positions(graph: Graph, sequence: list[Label]) -> dict[Node, int]:
+    """node -> index in `sequence` of the unit that runs it (see the module docstring)."""
     index = {label: i for i, label in enumerate(sequence)}
-    out: dict[int, int] = {}
-    free: set[int] = set()  # unlabelled, reading no labelled node: placed by their users
+    out: dict[Node, int] = {}
+    free: set[Node] = set()  # unlabelled, reading no labelled node: placed by their users
     for node in graph.nodes:
         label = node_label(node)
         pos = index[label] if label is not None else 0
         bound = label is not None
         for value in node.operands:
             if isinstance(value, NodeResult):
-                pos = max(pos, out[id(value.node)])
-                bound = bound or id(value.node) not in free
+                pos = max(pos, out[value.node])
+                bound = bound or value.node not in free
         if node.op == "TupleGetItem" and isinstance(node.operands[0], NodeResult):
             # an element of a multi-output op (RmsNorm's rstd read by its backward) is taken
             # where the op runs: the element, not the tuple, is what a later unit holds
-            pos = out[id(node.operands[0].node)]
-        out[id(node)] = pos
+            pos = out[node.operands[0].node]
+        out[node] = pos
         if not bound:
-            free.add(id(node))
+            free.add(node)
     # A node that depends on no micro-batch (a weight's mirror or cast, a constant, the
     # optimizer's work on its state) runs in the unit of its first user, not the first unit:
     # it is not held longer than needed. A Send of such a value (a constant mask another stage
@@ -120,16 +120,16 @@ def positions(graph: Graph, sequence: list[Label]) -> dict[int, int]:
     # receives it can wait on it.
     last = len(sequence) - 1
     for node in reversed(graph.nodes):
-        if id(node) in free:
-            users = [out[id(u)] for u in node.result.users if id(u) in out]
-            out[id(node)] = min(users) if users else 0 if node.op == "Send" else last
+        if node in free:
+            users = [out[u] for u in node.result.users if u in out]
+            out[node] = min(users) if users else 0 if node.op == "Send" else last
     return out
 
 
 def order_by_units(graph: Graph, sequence: list[Label]) -> None:
     """Reorder `graph`'s nodes unit by unit (stable: a topological order stays one)."""
     pos = positions(graph, sequence)
-    graph.reorder(sorted(graph.nodes, key=lambda n: pos[id(n)]))
+    graph.reorder(sorted(graph.nodes, key=lambda n: pos[n]))
 
 
 @dataclass
@@ -219,7 +219,7 @@ def _units(graph: Graph, sequence: list[Label]) -> list[list[int]]:
     pos = positions(graph, sequence)
     out: list[list[int]] = [[] for _ in sequence]
     for i, node in enumerate(graph.nodes):
-        out[pos[id(node)]].append(i)
+        out[pos[node]].append(i)
     return out
 
 
@@ -229,15 +229,15 @@ def held(graph: Graph, sequence: list[Label]) -> tuple[int, int]:
     schedules hold alike), and the peak number of micro-batches whose forward ran and
     backward did not."""
     pos = positions(graph, sequence)
-    last: dict[int, int] = {}
+    last: dict[Node, int] = {}
     for node in graph.nodes:
         for value in node.operands:
             if isinstance(value, NodeResult):
-                key = id(value.node)
-                last[key] = max(last.get(key, 0), pos[id(node)])
+                key = value.node
+                last[key] = max(last.get(key, 0), pos[node])
     delta = [0] * (len(sequence) + 2)  # delta[i]: change of what is held when unit i starts
     for node in graph.nodes:
-        first, end = pos[id(node)], last.get(id(node), pos[id(node)])
+        first, end = pos[node], last.get(node, pos[node])
         if end > first and sequence[first][0] == "F":
             nbytes = _nbytes(node)
             delta[first + 1] += nbytes
