@@ -365,10 +365,21 @@ def test_each_pass_alone_on_its_before_dump(case: str,
         graph = unit.rank_graphs[0] if unit.split else unit.graph
         assert graph is not None
         text = print_graph(graph, 0)
-        # the plan sections it writes are the compile's
+        # the plan sections it writes are the compile's, and so are the parameters' layouts,
+        # the parallel optimizer's shards and the cotangent reductions it leaves in the unit
         written = {name: compiled.state.plan.get(name) for name in unit.plan}
         if dict(unit.plan) != written:
             failures.append(f"pass {step.step.name}: plan {dict(unit.plan)} != {written}")
+        after = (compiled.steps[step.index].fields if step.index < len(compiled.steps)
+                 else _snapshot(0, step.step, compiled.state).fields)
+        for name in ("opt_shard", "reduced_parameters", "state_owners"):
+            if getattr(unit, name) != after[name]:
+                failures.append(f"pass {step.step.name}: {name} {getattr(unit, name)} != "
+                                f"{after[name]}")
+        if (unit.assignment is None) != (after["assignment"] is None) or (
+                unit.assignment is not None
+                and unit.assignment.param_layouts != after["assignment"].param_layouts):
+            failures.append(f"pass {step.step.name}: the parameters' layouts differ")
         golden = (folder / after_name).read_text()
         if text != golden:
             does = "".join(difflib.unified_diff(golden.splitlines(True), text.splitlines(True),
