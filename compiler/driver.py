@@ -58,7 +58,7 @@ from pcompile.passes.optimizer import OptimizerOptions, OptimizerPass
 from pcompile.passes.pipeline_split import PipelineSplitPass
 from pcompile.passes.recompute import RecomputePass, marked
 from pcompile.passes.replicated import ReplicatePass
-from pcompile.passes.search.auto_parallel_pass import StepAutoParallelPass
+from pcompile.passes.search.auto_parallel_pass import AutoParallelOptions, StepAutoParallelPass
 from pcompile.passes.search.time_model import load_profile
 from pcompile.passes.step_parallel import SplitPassOptions, StepParallelEndPass
 from pcompile.passes.step_parallel_begin import StepParallelBeginPass
@@ -86,7 +86,8 @@ def pipeline(state: CompileState) -> list[Pass[CompileState]]:
         if state.parallel_mode == "auto_parallel" and state.shrink is not None:
             passes.append(PinnedSearchPass(state.shrink))  # the shrunk check's plan
         elif state.parallel_mode == "auto_parallel":  # search
-            passes.append(StepAutoParallelPass(search_options(), cost_constants()))
+            passes.append(StepAutoParallelPass(AutoParallelOptions(search_options(),
+                                                                   cost_constants())))
         passes += [StepParallelBeginPass(), StepParallelEndPass(SplitPassOptions(
             parameters,
             seeded_loss=state.training and traced.step is None,  # autodiff seeds output 0
@@ -319,7 +320,7 @@ def _run_passes(state: CompileState, out_dir: str | None, dump_ranks: Any,
                     assert g is not None
                     verify(g, allow_extra_attrs=True,
                            start=_unchanged_prefix(before.get(id(g)), g)
-                           if getattr(p, "appends_only", False) and verified else 0)
+                           if p.appends_only and verified else 0)
                 verified = True
             else:
                 verified = False
@@ -333,7 +334,7 @@ def _run_passes(state: CompileState, out_dir: str | None, dump_ranks: Any,
         notify("pass", name=p.name, index=index, total=len(passes), seconds=timings[-1][1])
         if out_dir is not None and p.name in DUMP_LEVELS[state.options.save_graphs]:
             texts = _rank_texts(state, ranks, templates,
-                                reuse=getattr(p, "appends_only", False))
+                                reuse=p.appends_only)
             dumps.append(PassDump(f"{index:02d}_{p.name}.ir", texts))
         else:
             templates.clear()  # a pass not dumped may change nodes: print afresh next time

@@ -40,6 +40,7 @@ class TracePass:
     """Trace `model()` on `inputs()` (and the loss on the labels) into the forward graph."""
 
     name = "trace"
+    appends_only = False
 
     def __init__(self, options: TraceOptions | None = None) -> None:
         self.options = options or TraceOptions()
@@ -204,6 +205,7 @@ class TrainStepPass:
     oracle's single-device reference, which differentiates their construct)."""
 
     name = "train_step"
+    appends_only = False
 
     def __init__(self, custom_bprops: bool = True) -> None:
         self.custom_bprops = custom_bprops

@@ -2,7 +2,7 @@
 
 The passes (passes/) never read `compiler.context` or the environment: the driver builds their
 options here when it assembles a compile and hands them over (`CommFusionPass(fusion_config())`,
-`StepAutoParallelPass(search_options(), cost_constants())`).
+`StepAutoParallelPass(AutoParallelOptions(search_options(), cost_constants()))`).
 """
 
 from __future__ import annotations

@@ -89,6 +89,7 @@ class PinnedSearchPass:
     (its option) when the tool asks for the shrunk compile."""
 
     name = "step_auto_parallel_begin"
+    appends_only = False
 
     def __init__(self, pinned: PinnedPlan) -> None:
         self.pinned = pinned

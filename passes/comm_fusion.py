@@ -657,6 +657,7 @@ class CommFusionPass:
     rank before and after) in `unit.plan.comm_fusion`."""
 
     name = "comm_fusion"
+    appends_only = False
 
     def __init__(self, config: FusionConfig | None = None) -> None:
         self.config = config

@@ -321,6 +321,7 @@ class MicroBatchPass:
     of nn.PipelineCell; every graph input becomes the rank's whole share of the batch."""
 
     name = "micro_batch"
+    appends_only = False
 
     def __init__(self, options: MicroBatchOptions) -> None:
         self.options = options

@@ -426,6 +426,7 @@ class PipelineSplitPass:
     rank r runs its stage's program."""
 
     name = "pipeline_split"
+    appends_only = False
 
     def apply(self, unit: CompileUnit) -> None:
         settings = unit.pipeline

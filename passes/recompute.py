@@ -134,6 +134,7 @@ class RecomputePass:
     pass; the plan records how many nodes were copied."""
 
     name = "recompute"
+    appends_only = False
 
     def apply(self, unit: CompileUnit) -> None:
         if not any(marked(graph) for graph in unit.graphs):

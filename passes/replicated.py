@@ -101,6 +101,7 @@ class ReplicatePass:
     mirrors over all ranks for parameters not marked `layerwise_parallel`."""
 
     name = "split_ranks"
+    appends_only = False
 
     def __init__(self, parameters: Mapping[str, ParameterFacts]) -> None:
         self.parameters = parameters

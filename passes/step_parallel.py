@@ -694,6 +694,7 @@ class StepParallelEndPass:
     forward communication, mirrors."""
 
     name = "step_parallel_end"
+    appends_only = False
 
     def __init__(self, options: SplitPassOptions) -> None:
         self.options = options

@@ -293,6 +293,7 @@ class StepParallelBeginPass:
     tensor maps in semi_auto_parallel and layouts under sharding propagation in the dump."""
 
     name = "step_parallel_begin"
+    appends_only = False
 
     def apply(self, unit: CompileUnit) -> None:
         from pcompile.passes.search.auto_parallel_pass import finish_assignment

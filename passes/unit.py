@@ -32,10 +32,11 @@ U_contra = TypeVar("U_contra", contravariant=True)
 
 class Pass(Protocol[U_contra]):
     """One pass: `name` names its dump (`<NN>_<name>.ir`); `apply` changes the unit in place.
-    A pass that only appends nodes also sets `appends_only = True` (the driver then verifies
-    and prints only what it appended)."""
+    A pass that only appends nodes sets `appends_only = True` (the driver then verifies and
+    prints only what it appended); every other pass says False."""
 
     name: str
+    appends_only: bool
 
     def apply(self, unit: U_contra) -> None: ...
 

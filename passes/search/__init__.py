@@ -115,12 +115,15 @@ def search(
     loaded: dict[Node, Strategy] | None = None,
     explain: bool = True,
     pipeline: Any = None,
+    profile: Any = None,
 ) -> SearchResult:
     """Find a strategy for every op of the forward `graph` without a user strategy.
 
     `loaded`: node -> strategy read from a strategy checkpoint; such ops count as
     configured (the loaded strategy overrides the search). `pipeline`: the pipeline stages
-    (stages.PipelineShape) `--search ilp` costs per stage; `devices` are then one stage's."""
+    (stages.PipelineShape) `--search ilp` costs per stage; `devices` are then one stage's.
+    `profile`: the ilp search's device profile (time_model.DeviceProfile; None: the one
+    `options.device_profile` names, read here)."""
     if mode not in MODES:
         raise ValueError(f"unknown search mode {mode!r}; expected one of {', '.join(MODES)}")
     start = time.perf_counter()
@@ -143,7 +146,8 @@ def search(
         from pcompile.passes.search.ilp import solve as solve_ilp
         from pcompile.passes.search.time_model import load_profile
 
-        profile = load_profile(options.device_profile)
+        if profile is None:
+            profile = load_profile(options.device_profile)
         memory = options.device_memory if options.device_memory is not None else profile.memory
         plan = solve_ilp(cg, IlpOptions(profile, memory, constants.training,
                                         options.optimizer_states, constants.enable_alltoall,

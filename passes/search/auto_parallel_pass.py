@@ -13,7 +13,7 @@ plan.json. The strategy checkpoint's file is read and written by the driver
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pcompile.passes.search import SearchOptions, search
@@ -24,24 +24,33 @@ from pcompile.passes.search.strategy_checkpoint import load_strategies
 from pcompile.passes.unit import CompileUnit
 
 
+@dataclass(frozen=True)
+class AutoParallelOptions:
+    """The search's options: the algorithms' (`set_algo_parameters`) and MindSpore's cost
+    model's constants (`set_cost_model_context`), as the driver read them from the contexts
+    (`compiler.pass_options`). The cost model in seconds (`--search ilp`, the predictions)
+    takes its device profile and memory from the unit's `CompileOptions`."""
+
+    search: SearchOptions = field(default_factory=SearchOptions)
+    constants: CostConstants = field(default_factory=CostConstants)
+
+
 class StepAutoParallelPass:
     """Strategy search for `auto_parallel` (sharding propagation, dynamic or recursive
-    programming), with the options and cost-model constants the driver read from the contexts
-    (`compiler.pass_options`)."""
+    programming, ilp)."""
 
     name = "step_auto_parallel_begin"
+    appends_only = False
 
-    def __init__(self, options: SearchOptions | None = None,
-                 constants: CostConstants | None = None) -> None:
-        self.options = options or SearchOptions()
-        self.constants = constants or CostConstants()
+    def __init__(self, options: AutoParallelOptions | None = None) -> None:
+        self.options = options or AutoParallelOptions()
 
     def apply(self, unit: CompileUnit) -> None:
         assert unit.graph is not None
         files = unit.options.strategy_files
         loaded = (load_strategies(files.load_file, unit.graph, files.loaded)
                   if files.load_file and files.loaded is not None else {})
-        constants = replace(self.constants, training=unit.training,
+        constants = replace(self.options.constants, training=unit.training,
                             enable_alltoall=unit.options.enable_alltoall)
         unit.search = search(
             unit.graph,
@@ -49,9 +58,10 @@ class StepAutoParallelPass:
             unit.search_mode,
             dataset_strategy=unit.options.dataset_strategy,
             constants=constants,
-            options=self.options,
+            options=replace(self.options.search, device_memory=unit.options.device_memory),
             loaded=loaded,
             pipeline=pipeline_shape(unit.pipeline, unit.graph, unit.micro_batched),
+            profile=unit.options.device_profile,  # read by the driver: no file opened here
         )
         apply_plan_choices(unit)
 
@@ -106,4 +116,4 @@ def finish_assignment(unit: CompileUnit) -> None:
         if node.parallel is not None:
             annotate(node.parallel, info)
         ops[node.fullname] = {"instance_name": node.instance_name, **info}
-    unit.plan["search"] = {**result.summary(), "ops": ops}
+    unit.plan.search = {**result.summary(), "ops": ops}
