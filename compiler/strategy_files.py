@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from pcompile.compiler.outdir import write_file_atomic
+from pcompile.ir.core import Node
 from pcompile.ir.errors import PcompileError
 from pcompile.passes.search.strategy_checkpoint import checkpoint_data, decode, encode
 from pcompile.passes.unit import CompileUnit
@@ -55,14 +56,14 @@ def opt_shard_fields(unit: CompileUnit) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _node_stages(unit: CompileUnit) -> dict[int, int]:
-    """id(node) -> the pipeline stage each forward op runs in (its virtual stage modulo the
+def _node_stages(unit: CompileUnit) -> dict[Node, int]:
+    """Forward node -> the pipeline stage each forward op runs in (its virtual stage modulo the
     stages, as MindSpore's strategy items record it); empty without pipeline stages."""
     settings = unit.pipeline
     if settings is None or settings.stage_map is None:
         return {}
     stages = settings.stage_map.stages
-    return {key: virtual % stages for key, virtual in settings.stage_map.node_stage.items()}
+    return {node: virtual % stages for node, virtual in settings.stage_map.node_stage.items()}
 
 
 def save_checkpoint(unit: CompileUnit) -> str | None:

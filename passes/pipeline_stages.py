@@ -56,16 +56,16 @@ class ScopeCell:
 
 @dataclass
 class StageMap:
-    """The result: virtual stage (segment * stages + stage) of every forward node (by id) and
+    """The result: virtual stage (segment * stages + stage) of every forward node and
     of every weight (by name); `chunks`: the segments (1 without interleaving)."""
 
     stages: int
-    node_stage: dict[int, int] = field(default_factory=dict)
+    node_stage: dict[Node, int] = field(default_factory=dict)
     param_stage: dict[str, int] = field(default_factory=dict)
     chunks: int = 1
 
     def of(self, node: Node) -> int:
-        return self.node_stage[id(node)]
+        return self.node_stage[node]
 
     @property
     def virtual(self) -> int:
@@ -135,26 +135,26 @@ def assign_stages(graph: Graph, cells: dict[str, ScopeCell], stages: int,
     result.chunks = 1 + max((c.segment for c in cells.values() if c.stage is not None),
                             default=0)
     stage = result.node_stage
-    declared: set[int] = set()
+    declared: set[Node] = set()
     for node in graph.nodes:
         s = declared_stage(node, cells, stages)
         if s is not None:
-            stage[id(node)] = s
-            declared.add(id(node))
+            stage[node] = s
+            declared.add(node)
     # Ops that follow their data: the latest stage of their inputs ...
     for node in graph.nodes:
-        if id(node) in stage:
+        if node in stage:
             continue
-        seen = [stage[id(v.node)] for v in node.operands
-                if isinstance(v, NodeResult) and id(v.node) in stage]
+        seen = [stage[v.node] for v in node.operands
+                if isinstance(v, NodeResult) and v.node in stage]
         if seen:
-            stage[id(node)] = max(seen)
+            stage[node] = max(seen)
     # ... or, reading only parameters and inputs, the earliest stage that reads them.
     for node in reversed(graph.nodes):
-        if id(node) in stage:
+        if node in stage:
             continue
-        users = [stage[id(u)] for u in node.result.users if id(u) in stage]
-        stage[id(node)] = min(users) if users else result.virtual - 1
+        users = [stage[u] for u in node.result.users if u in stage]
+        stage[node] = min(users) if users else result.virtual - 1
     _check_order(graph, result, declared)
     _check_weights(graph, result)
     used = {v % stages for v in stage.values()}
@@ -167,14 +167,14 @@ def assign_stages(graph: Graph, cells: dict[str, ScopeCell], stages: int,
     return result
 
 
-def _check_order(graph: Graph, result: StageMap, declared: set[int]) -> None:
+def _check_order(graph: Graph, result: StageMap, declared: set[Node]) -> None:
     stage = result.node_stage
     for node in graph.nodes:
         for value in node.operands:
             if not isinstance(value, NodeResult):
                 continue
             producer = value.node
-            a, b = stage[id(producer)], stage[id(node)]
+            a, b = stage[producer], stage[node]
             if a > b:
                 order = ("a stage to itself or a later one only: give the cells stages that grow "
                          "along the network") if result.chunks == 1 else (
@@ -191,7 +191,7 @@ def _check_weights(graph: Graph, result: StageMap) -> None:
     for param in graph.params:
         if param.kind == "input":
             continue
-        users = {result.node_stage[id(u)]: u for u in param.users}
+        users = {result.node_stage[u]: u for u in param.users}
         if len(users) > 1:
             (a, ua), (b, ub) = sorted(users.items())[:2]
             where = (f"stages {a} ({ua.where()}) and {b} ({ub.where()})" if result.chunks == 1

@@ -642,16 +642,16 @@ class _StagedBuilder(RankBuilder):
 
 
 def build_staged_spmd_graph(graph: Graph, assignment: ParallelAssignment, options: SplitOptions,
-                            fusion_ids: dict[str, int], node_stage: dict[int, int],
+                            fusion_ids: dict[str, int], node_stage: dict[Node, int],
                             watch: dict[int, Any] | None = None
                             ) -> tuple[Graph, list[Any], dict[Node, int]]:
     """`build_spmd_graph` that also returns the stage of each local node (that
-    of the forward op it was made for; `node_stage` by id of the forward op)."""
+    of the forward op it was made for; `node_stage`: the forward ops')."""
     builder = _StagedBuilder(graph, assignment, None, options, fusion_ids)
     local = builder.build()
     note_locals(builder, watch)
-    stages = {made: node_stage[id(op)] for made, op in builder.origin.items()
-              if id(op) in node_stage}
+    stages = {made: node_stage[op] for made, op in builder.origin.items()
+              if op in node_stage}
     return local, builder.output_layouts, stages
 
 

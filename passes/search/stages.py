@@ -80,9 +80,7 @@ def pipeline_shape(settings: Any, graph: Any, micro_batched: bool
     if settings is None or not micro_batched:
         return None
     stage_map = settings.stage_map
-    node_stage = {} if stage_map is None else {
-        node: stage_map.node_stage[id(node)] for node in graph.nodes
-        if id(node) in stage_map.node_stage}
+    node_stage = {} if stage_map is None else dict(stage_map.node_stage)
     return PipelineShape(max(1, settings.stages), settings.micro_size, settings.chunks,
                          settings.scheduler, node_stage)
 

@@ -65,19 +65,19 @@ def checkpoint_data(graph: Graph, assignment: Any, *, only_trainable: bool = Tru
                     opt_shards: Mapping[str, tuple[int, int]] | None = None,
                     model_layouts: Mapping[str, TensorLayout] | None = None,
                     current_stage: int = 1,
-                    node_stages: Mapping[int, int] | None = None) -> dict[str, Any]:
+                    node_stages: Mapping[Node, int] | None = None) -> dict[str, Any]:
     """The checkpoint of `assignment` (strategies and parameter layouts) on `graph`.
     `opt_shards`: parameter name -> (opt_weight_shard_size, opt_weight_shard_step) of the
     parameters the parallel optimizer stores split; `model_layouts`: their layouts as the
     strategies give them (the file records those, and the shard group apart); `node_stages`:
-    id(node) -> the pipeline stage the op runs in (0 without pipeline stages)."""
+    node -> the pipeline stage the op runs in (0 without pipeline stages)."""
     items: dict[str, Any] = {}
     for node in _strategy_nodes(graph):
         key = strategy_key(node)
         sharding = assignment.sharding(node)
         if key is None or key in items or sharding is None:
             continue
-        items[key] = {"stage": (node_stages or {}).get(id(node), 0),
+        items[key] = {"stage": (node_stages or {}).get(node, 0),
                       "parallel_strategy": [list(s) for s in sharding.strategy]}
     layouts: dict[str, Any] = {}
     for p in graph.params:

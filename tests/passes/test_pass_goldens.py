@@ -293,10 +293,6 @@ def _moved(nodes: list[Node], parsed: Graph) -> dict[Node, Node]:
     return dict(zip(nodes, parsed.nodes))
 
 
-def _by_id(moved: dict[Node, Node], table: dict[int, Any]) -> dict[int, Any]:
-    return {id(new): table[id(old)] for old, new in moved.items() if id(old) in table}
-
-
 def _unit(compiled: Compiled, step: Step, before: Graph, forward: Graph) -> CompileUnit:
     """A unit for `step`'s pass holding the parsed graph `before` (the forward graph
     `forward` of record), its typed fields the compile's when the pass began, their facts
@@ -322,7 +318,9 @@ def _unit(compiled: Compiled, step: Step, before: Graph, forward: Graph) -> Comp
     if pipeline is not None:
         stage_map = pipeline.stage_map
         if stage_map is not None:
-            stage_map = replace(stage_map, node_stage=_by_id(record, stage_map.node_stage))
+            stage_map = replace(stage_map, node_stage={
+                new: stage_map.node_stage[old] for old, new in record.items()
+                if old in stage_map.node_stage})
         fields["pipeline"] = replace(pipeline, stage_map=stage_map,
                                      local_stage={local[n]: stage for n, stage
                                                   in pipeline.local_stage.items()
