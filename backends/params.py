@@ -1,7 +1,7 @@
 """Parameters at run time: `<out>/params.json`, how every rank makes its own slices.
 
 A compile allocates no parameter: each parameter and optimizer state is abstract (its shape,
-dtype, initializer and seed ticket, or the user's array; `compiler.initializer`). The manifest
+dtype, initializer and seed ticket, or the user's array; `program.initializers`). The manifest
 `params.json` writes that down, one entry per stored value of the program:
 
     {"format": "pcompile-params/1",
@@ -34,7 +34,6 @@ digest, and holds that tensor with that dtype and shape; it then reads only its 
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -45,9 +44,9 @@ from typing import Any
 import numpy as np
 
 from pcompile.backends.npz_files import portable
-from pcompile.compiler.initializer import InitializedData, Initializer, One, Zero
-from pcompile.compiler.serialization import PretrainedTensor, StackedTensor
 from pcompile.ir.types import DType
+from pcompile.program.initializers import InitializedData, Initializer, One, Zero
+from pcompile.program.pretrained import PretrainedTensor, StackedTensor
 
 FORMAT = "pcompile-params/1"
 MANIFEST = "params.json"
@@ -222,8 +221,9 @@ def _initializer(name: Any, args: Any) -> Initializer:
     """The initializer `name` made again from `args` by its constructor, which checks every
     argument as it did for the model (a wrong type or value is one message here, not a
     traceback when a rank makes its values)."""
-    module = importlib.import_module("pcompile.compiler.initializer")
-    cls = getattr(module, name, None) if isinstance(name, str) else None
+    from pcompile.program import initializers
+
+    cls = getattr(initializers, name, None) if isinstance(name, str) else None
     if not (isinstance(cls, type) and issubclass(cls, Initializer) and cls is not Initializer):
         raise ValueError(f"unknown initializer {name!r}")
     if not isinstance(args, dict):

@@ -2,7 +2,7 @@
 
 `compiler/initializer.py` defines every random init by the Philox4x32-10 words at counter
 (flat index, draw) under the key of its (seed, counter) ticket, and a float64 transform of
-those words (compiler/init_math.py); numpy runs it on the host. Here the same generator runs
+those words (program/init_math.py); numpy runs it on the host. Here the same generator runs
 jitted on the device that holds the block, so a rank makes its slices at device speed and
 nothing crosses from the host but the block's offsets and the key:
 
@@ -40,15 +40,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pcompile.compiler.init_math import Ops
-from pcompile.compiler.initializer import (
+from pcompile.ir.types import DType
+from pcompile.program.init_math import Ops
+from pcompile.program.initializers import (
     Constant,
     InitializedData,
     Initializer,
     TruncatedNormal,
     philox_key,
 )
-from pcompile.ir.types import DType
 
 __all__ = ["DEVICE_MIN_CONSTANT", "DEVICE_MIN_RANDOM", "device_block", "make_blocks", "mesh_blocks",
            "on_device", "philox", "round_bits", "supports"]

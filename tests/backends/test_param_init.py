@@ -1,7 +1,7 @@
 """Parameter slices made on the device (backends/jax/param_init.py) are bit for bit the numpy
 reference's (`InitializedData.block`), for every init and dtype, on random blocks, on one
 device here and on 8 virtual CPU devices in a subprocess; and the portable transforms
-(compiler/init_math.py) are accurate."""
+(program/init_math.py) are accurate."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from pcompile.backends.jax.param_init import device_block, round_bits, supports
-from pcompile.compiler import init_math
 from pcompile.compiler.initializer import (
     Constant,
     HeUniform,
@@ -28,6 +27,7 @@ from pcompile.compiler.initializer import (
     set_seed,
 )
 from pcompile.ir.types import DType
+from pcompile.program import init_math
 from tests import ROOT
 from tests.multiprocess import clean_env
 

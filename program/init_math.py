@@ -1,6 +1,6 @@
 """From random bits to initial values, written once for numpy and for jax.numpy.
 
-The initializers (compiler/initializer.py) turn the four 32-bit Philox words of an element
+The initializers (program/initializers.py) turn the four 32-bit Philox words of an element
 into a float64 value, then round it to the parameter's dtype. The numpy reference and the
 device generator (backends/jax/param_init.py) must agree bit for bit, on any machine, so the
 arithmetic here is restricted to what every backend rounds the same way:
