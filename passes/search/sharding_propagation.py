@@ -128,12 +128,13 @@ class Propagation:
         if len(ins) > 1 and not all(self.decided[cg.edges[x].src] for x in ins):
             self.waiting.add(v.index)
             return
-        visited = [x for x in ins if self._visited_before(cg.edges[x].src, u, v)]
-        if len(visited) == len(ins):
+        if all(self._visited_before(cg.edges[x].src, u, v) for x in ins):
             self._under_producers(v, ins)
-        # MindSpore decides the op from its visited in-edges only (an edge from
-        # `_VirtualDataset`, whose search runs last, is not counted yet)
-        ins = visited or ins
+        # MindSpore decides the op from its visited in-edges: an edge from `_VirtualDataset`,
+        # whose search runs last, is not counted yet (a parameter's edges still are: its users
+        # must agree on its layout)
+        ins = [x for x in ins if cg.vertices[cg.edges[x].src].kind != "dataset"
+               or self._visited_before(cg.edges[x].src, u, v)] or ins
         k = _best_by_in_edges(cg, v, self.choice, ins, self.memo)
         self._set(v.index, k, f"in-edges from {self._names(ins)}", ins)
         queue.append(v.index)
