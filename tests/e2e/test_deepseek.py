@@ -131,10 +131,12 @@ def test_variants_train_like_one_device(monkeypatch: Any, tmp_path: Any, env: di
 @pytest.mark.slow  # a compile for 2048 devices (~3 s)
 def test_the_671b_preset_compiles_for_2048_devices(monkeypatch: Any) -> None:
     """DEEPSEEK_PRESET=v3_671b's layers (4 of its 61: 3 dense, 1 MoE) at dp 512 x mp 4 x ep 8
-    without pipeline stages (DEEPSEEK_PP=1; the yaml's 16: test_deepseek_pipeline.py): the
-    yaml's sizes compile, the expert weights [256, 7168, 2048] stored split by expert over
+    without pipeline stages and the parallel optimizer (DEEPSEEK_PP=1,
+    DEEPSEEK_PARALLEL_OPTIMIZER=0; the yaml's stages: test_deepseek_pipeline.py): the yaml's
+    sizes compile, the expert weights [256, 7168, 2048] stored split by expert over
     8 and by FFN over 4, the MLA projections' latents whole."""
-    knobs(monkeypatch, PRESET="v3_671b", LAYERS="4", MP="4", EP="8", GROUPS="512", PP="1")
+    knobs(monkeypatch, PRESET="v3_671b", LAYERS="4", MP="4", EP="8", GROUPS="512", PP="1",
+          PARALLEL_OPTIMIZER="0")
     program = compile_model(DEEPSEEK, devices=2048, dump=False, dump_ranks="0")
     layouts = program.state.assignment.param_layouts
     w1 = layouts["model.layers.3.feed_forward.routed_experts.ffn.w1"]
