@@ -44,7 +44,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _best(fn, *args, rounds: int = 5) -> float:
+def _best(fn, *args, rounds: int = 10) -> float:
     fn(*args).block_until_ready()  # compile
     times = []
     for _ in range(rounds):
