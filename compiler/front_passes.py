@@ -165,7 +165,24 @@ def bprop_vjps(state: CompileState, traced: TracedModel | None, graph: Graph) ->
     if locals_ is None:  # not split: the forward graph's own values, where still in it
         live = {id(n.result) for n in graph.nodes} | {id(p) for p in graph.params}
         return custom_vjps(traced.custom_bprops, lambda v: v if id(v) in live else None)
+    if state.bprop_micro is not None:
+        # nn.PipelineCell's micro-batches: each call's bprop runs once per micro-batch, on
+        # that micro-batch's copies (a call whose outputs no micro-batch computes, once)
+        out: list[Any] = []
+        seen: set[tuple[int, ...]] = set()
+        for copies in state.bprop_micro:
+            for vjp in custom_vjps(traced.custom_bprops, _finder(copies)):
+                key = tuple(id(v) for v in vjp.outputs)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(vjp)
+        return out
     return custom_vjps(traced.custom_bprops, lambda v: locals_.get(id(v)))
+
+
+def _finder(copies: dict[int, Any]) -> Callable[[Value], Value | None]:
+    """The lookup of one micro-batch's copies (`CompileUnit.bprop_micro`)."""
+    return lambda v: copies.get(id(v))
 
 
 class UserOptimizer:

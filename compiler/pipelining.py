@@ -214,17 +214,15 @@ def trace_pipeline_cell(mf: ModelFile, cell: PipelineCell, micro: int) -> Any:
         graph.outputs = [_objective(tracer, loss, micro, mf.path)]
         finish_assignments(tracer, graph)  # summed over micro-batches: passes/micro_batch.py
         parameters.update(random_parameters(tracer))  # ops.Dropout's step counter
-        if tracer.custom_bprop:
-            raise PcompileError(
-                f"{tracer.custom_bprop[0].name} defines its own bprop inside nn.PipelineCell; "
-                "pcompile runs custom backward functions in networks without pipeline stages "
-                "only: remove bprop (the gradient then follows construct), or train without "
-                f"nn.PipelineCell (in {mf.path})")
+        # cells with their own bprop: run per micro-batch in their forward's stage
+        # (compiler/front_passes.py bprop_vjps, passes/micro_batch.py)
+        custom_bprops = list(tracer.custom_bprop)
     graph.dead_code_elimination()
     return TracedModel(
         graph=graph, network=cell, input_names=input_names, label_names=label_names,
         example_inputs=example_inputs, example_labels=example_labels, parameters=parameters,
-        loss_cell=loss_fn if loss_fn is not None else cell, mode="train")
+        loss_cell=loss_fn if loss_fn is not None else cell, mode="train",
+        custom_bprops=custom_bprops)
 
 
 def check_micro_split(graph: Graph, micro: int, devices: int, dataset_strategy: Any) -> None:

@@ -86,13 +86,16 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
               labels: dict[Node, Label] | None = None,
               stages: dict[Node, int] | None = None,
               copy_also: Callable[[Node], bool] | None = None,
-              batch_terms: tuple[Term, ...] | None = None) -> Graph:
+              batch_terms: tuple[Term, ...] | None = None,
+              watch: dict[int, dict[int, Value]] | None = None) -> Graph:
     """The graph of one step of `micro` micro-batches (see the module docstring).
 
     `labels` receives ("F", k) for every node of micro-batch k; `stages` (node -> stage) is
     extended to the copies; `copy_also(node)` marks nodes that are repeated although they
     read no input; `batch_terms` is the split of the inputs' dim 0 (their `RankOffsets`
-    terms), which a random op's dim 0 must share."""
+    terms), which a random op's dim 0 must share. `watch` (the id of each value of `graph`
+    a custom bprop reads -> {}) receives {k: micro-batch k's copy} for each (the shared value
+    for every k where no micro-batch computes it; nothing for a value no longer in `graph`)."""
     labels = labels if labels is not None else {}
     if not graph.attrs.get("training"):
         raise PcompileError("nn.PipelineCell trains: the program has no loss")
@@ -172,6 +175,10 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
             labels[copy] = ("F", k)
             if node in stage_of:
                 stage_of[copy] = stage_of[node]
+        for key, copies in (watch or {}).items():
+            found = local.get(key, shared.get(key))
+            if found is not None:
+                copies[k] = found
         losses[k] = _lookup(graph.outputs[0], local, shared)
         for i, value in enumerate(assigned):
             if id(value) in per_micro and isinstance(value, NodeResult):
@@ -348,9 +355,16 @@ class MicroBatchPass:
         first = next((p for p in unit.graph.inputs if p.shape), None)
         batch_terms = (None if first is None else
                        tuple(layout_offsets(layouts[first.name]).terms[0]))
+        # the values the custom bprops read, followed into each micro-batch's copy
+        before = unit.bprop_locals or {}
+        watch: dict[int, dict[int, Value]] = {id(v): {} for v in before.values()
+                                              if v is not None}
         out = replicate(graph, micro, loss_scope=self.options.loss_scope, labels=settings.labels,
                         stages=settings.local_stage, copy_also=per_micro,
-                        batch_terms=batch_terms)
+                        batch_terms=batch_terms, watch=watch)
+        if unit.bprop_locals is not None:
+            unit.bprop_micro = [{key: watch[id(v)].get(k) if v is not None else None
+                                 for key, v in before.items()} for k in range(micro)]
         alive = set(out.nodes)
         settings.local_stage = {k: v for k, v in settings.local_stage.items() if k in alive}
         settings.labels = {k: v for k, v in settings.labels.items() if k in alive}

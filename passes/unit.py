@@ -179,6 +179,8 @@ class CompileUnit:
     # the rank graph's value for each value of the forward graph that a custom bprop reads,
     # by id; None when the graphs are not split
     bprop_locals: dict[int, Any] | None = None
+    # after micro_batch (passes/micro_batch.py): the same, once per micro-batch (index k)
+    bprop_micro: list[dict[int, Any]] | None = None
     # Each distinct rank graph's nodes before communication fusion (whose buckets depend on
     # byte sizes), kept by comm_fusion: the shrunk check compares a plan's communication by
     # them.
