@@ -6,8 +6,10 @@ Writing it out, running it and checking it happen above the backends (`pcompile.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,7 @@ from pcompile.compiler.pinned_plan import PinnedPlan
 from pcompile.compiler.trace_model import TracedModel
 from pcompile.ir.core import Graph
 from pcompile.passes.unit import CompileUnit
+from pcompile.program.rank_program import RankProgram, RunReport
 
 
 class InitialValues(MutableMapping[str, np.ndarray]):
@@ -58,6 +61,10 @@ class InitialValues(MutableMapping[str, np.ndarray]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._sources
+
+    def sources(self) -> dict[str, InitializedData]:
+        """Every value's abstract source by name (nothing materialised)."""
+        return dict(self._sources)
 
     @property
     def nbytes(self) -> int:
@@ -139,6 +146,11 @@ class CompiledProgram:
         assert self.state.graph is not None
         return self.state.graph
 
+    @cached_property
+    def rank_program(self) -> RankProgram:
+        """The typed, data-only program the backends and tools read (`build_rank_program`)."""
+        return build_rank_program(self.state)
+
     @property
     def rank_graphs(self) -> list[Graph]:
         """The graph each rank runs: in SPMD modes the same rank-parametric graph for every
@@ -180,3 +192,59 @@ class CompiledProgram:
         if names:
             return list(names)
         return [f"output{i}" for i in range(len(self.rank_graphs[0].outputs))]
+
+
+def build_rank_program(state: CompileState) -> RankProgram:
+    """The `RankProgram` of a finished compile: its graphs, layouts, abstract initial values
+    and pipeline, and what the program says of its run (`run_report`)."""
+    pipeline = state.pipeline.program if state.pipelined and state.pipeline else None
+    return RankProgram(
+        model_path=os.path.abspath(state.model_file.path),
+        parallel_mode=state.parallel_mode,
+        training=bool(state.training),
+        rank_graphs=tuple(state.rank_graphs),
+        graphs=tuple(state.graphs),
+        dump_ranks=tuple(state.dump_ranks),
+        param_layouts=(dict(state.assignment.param_layouts) if state.assignment is not None
+                       else {}),
+        initial_values=state.initial_values.sources(),
+        pipeline=pipeline,
+        run_report=run_report(state))
+
+
+def run_report(state: CompileState) -> RunReport:
+    """What the runtime needs to report a run (backends/run_report.py): the model FLOPs of one
+    step counted on the traced forward graph (compiler/flops.py; 0: none counted), the
+    optimizer's learning rate when it is a constant (the model file's optimizer() or the one
+    its training step cell holds), the token ids one step trains on (`tokens_per_step`) and
+    the data set's spec."""
+    from pcompile.compiler.flops import constant_learning_rate, model_flops, training_optimizer
+    from pcompile.compiler.runtime import dataset_spec
+
+    traced = state.traced
+    graph = traced.graph if traced is not None else None
+    return RunReport(model_flops=model_flops(graph, bool(state.training)),
+                     learning_rate=constant_learning_rate(training_optimizer(state)),
+                     tokens_per_step=tokens_per_step(state),
+                     dataset=dataset_spec(state).literal() if traced is not None else None)
+
+
+def tokens_per_step(state: CompileState) -> int:
+    """Token ids of the first input one step trains on, all ranks: those its embedding lookup
+    reads (compiler/data_checks.py, `looked_up_ids`), not the ids the input holds (a sample of
+    S + 1 ids trains S tokens); 0 when they reach no lookup. The traced graph takes one
+    micro-batch under nn.PipelineCell: scaled to the whole batch."""
+    from pcompile.compiler.data_checks import looked_up_ids
+
+    traced = state.traced
+    if traced is None or not traced.input_names:
+        return 0
+    name = traced.input_names[0]
+    looked = looked_up_ids(traced.graph, name)
+    if not looked:
+        return 0
+    held = int(np.prod(traced.graph.param(name).shape, dtype=np.int64))
+    whole = held
+    if state.micro_batched and state.assignment is not None:
+        whole = int(np.prod(state.assignment.param_layouts[name].shape, dtype=np.int64))
+    return looked * whole // max(1, held)

@@ -94,4 +94,4 @@ def write_outputs(program: CompiledProgram, out_dir: str) -> None:
                               encoding="utf-8") as f:
                         f.write(graph_to_dot(parse_graph(text, filename)))
         write_plan(os.path.join(tmp, "plan.json"), build_plan(state))
-        write_rank_artifacts(tmp, state)  # the rank programs (program.py, consts.npz, ...)
+        write_rank_artifacts(tmp, program.rank_program)  # program.py, consts.npz, params.json

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any
 
 import numpy as np
 
@@ -37,10 +36,9 @@ from pcompile.backends.jax.program_writer import (
     literal,
     params_literal,
     preamble,
-    run_report_info,
 )
 from pcompile.backends.npz_files import npz_bytes
-from pcompile.ir.core import Graph
+from pcompile.program.rank_program import RankProgram
 
 
 class _Writer(StatementWriter):
@@ -110,32 +108,32 @@ def _plan_id(writer: _Writer, n: int) -> str:
     return h.hexdigest()[:16]
 
 
-def rank_artifacts(state: Any, folder: str) -> dict[str, bytes]:
+def rank_artifacts(program: RankProgram, folder: str) -> dict[str, bytes]:
     """The files of the rank programs, by path relative to the output folder: `program.py`
     (every rank's SPMD program), `rank_<r>/program.py` for each dumped rank (the same program,
     commented with that rank's values), `consts.npz` (large constants and tables). `folder`
     holds the dumps (for the dump name)."""
-    graphs: list[Graph] = state.rank_graphs
+    graphs = list(program.rank_graphs)
     n = len(graphs)
-    dumped = list(getattr(state, "dump_ranks", range(n)))
+    dumped = list(program.dump_ranks)
     first = os.path.join(folder, f"rank_{dumped[0]}") if dumped else ""
     irs = sorted(f for f in os.listdir(first) if f.endswith(".ir")) if first else []
-    if getattr(state, "pipelined", False):  # one program of all stages (pipeline_codegen.py)
+    if program.pipeline is not None:  # one program of all stages (pipeline_codegen.py)
         from pcompile.backends.jax.pipeline_codegen import pipeline_artifacts
 
-        return pipeline_artifacts(state, dumped, irs[-1] if irs else "")
+        return pipeline_artifacts(program, dumped, irs[-1] if irs else "")
     try:
         plan = SpmdPlan.build(graphs)
     except SpmdLoweringError as exc:
         ident = hashlib.sha256(str(exc).encode()).hexdigest()[:16]
         text = _STUB.format(reason=str(exc).replace('"""', "'''"), plan_id=ident).encode()
         return {"program.py": text, **{f"rank_{r}/program.py": text for r in dumped}}
-    layouts = state.assignment.param_layouts if state.assignment is not None else {}
+    layouts = program.param_layouts
     graph = graphs[0]
     info = {
-        "model": os.path.abspath(state.model_file.path),
-        "mode": state.parallel_mode,
-        "training": bool(state.training),
+        "model": program.model_path,
+        "mode": program.parallel_mode,
+        "training": program.training,
         "dump": irs[-1] if irs else "",
         "plan_id": "",
         "outputs": list(graph.attrs.get("outputs") or
@@ -143,8 +141,8 @@ def rank_artifacts(state: Any, folder: str) -> dict[str, bytes]:
         "params": [(p.name, p.kind, tuple(p.shape), p.dtype.name) for p in graph.params],
         "layouts": {p.name: layout_entry(layouts.get(p.name), tuple(p.shape), p.dtype.name)
                     for p in graph.params},
-        "doc": "One training step" if state.training else "The forward computation",
-        **run_report_info(state),
+        "doc": "One training step" if program.training else "The forward computation",
+        **program.run_report.info(),
     }
     writer = _Writer(plan, info)
     info["plan_id"] = _plan_id(writer, n)
@@ -154,17 +152,6 @@ def rank_artifacts(state: Any, folder: str) -> dict[str, bytes]:
     if writer.consts:
         out["consts.npz"] = npz_bytes(writer.consts)
     return out
-
-
-def stored_values(state: Any) -> list[tuple[str, str, Any]]:
-    """(name, kind, abstract initial value) of every parameter and optimizer state the
-    program stores (what `params.json` describes)."""
-    seen: dict[str, Any] = {}
-    for graph in state.graphs:  # the stages' graphs of a pipeline hold different values
-        for p in graph.params:
-            if p.kind != "input" and p.name not in seen:
-                seen[p.name] = (p.name, p.kind, state.initial_values.source(p.name))
-    return list(seen.values())
 
 
 _STUB = '''#!/usr/bin/env python3
@@ -179,17 +166,17 @@ sys.exit(__doc__)
 '''
 
 
-def write_rank_artifacts(folder: str, state: Any) -> None:
+def write_rank_artifacts(folder: str, program: RankProgram) -> None:
     """Write the rank programs, `consts.npz` and `params.json` (backends/params.py: every
     rank makes its own parameter slices at run time) into `folder` (the driver's staging
     folder; compiler/outdir.py carries run outputs such as checkpoints over)."""
     from pcompile.backends.params import write_manifest
 
-    for rel, data in rank_artifacts(state, folder).items():
+    for rel, data in rank_artifacts(program, folder).items():
         path = os.path.join(folder, *rel.split("/"))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             f.write(data)
         if rel.endswith("program.py"):
             os.chmod(path, 0o755)
-    write_manifest(folder, stored_values(state))
+    write_manifest(folder, program.stored_values())

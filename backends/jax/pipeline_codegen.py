@@ -19,7 +19,6 @@ The file has the interface of every rank program (backends/jax/rank_runtime.py: 
 from __future__ import annotations
 
 import hashlib
-import os
 from typing import Any
 
 import numpy as np
@@ -35,9 +34,9 @@ from pcompile.backends.jax.program_writer import (
     literal,
     params_literal,
     preamble,
-    run_report_info,
 )
 from pcompile.backends.npz_files import npz_bytes
+from pcompile.program.rank_program import RankProgram
 
 
 class _StagePlan:
@@ -109,15 +108,17 @@ class _StageWriter(StatementWriter):
         return lines
 
 
-def pipeline_artifacts(state: Any, dumped: list[int], dump: str) -> dict[str, bytes]:
+def pipeline_artifacts(compiled: RankProgram, dumped: list[int], dump: str
+                       ) -> dict[str, bytes]:
     """`program.py`, `rank_<r>/program.py` (dumped ranks) and `consts.npz` of a pipeline."""
-    program = state.pipeline.program
+    program = compiled.pipeline
+    assert program is not None
     plan = PipelinePlan.build(program)
     tables = plan.tables
-    layouts = state.assignment.param_layouts
+    layouts = compiled.param_layouts
     info = {
-        "model": os.path.abspath(state.model_file.path),
-        "mode": state.parallel_mode,
+        "model": compiled.model_path,
+        "mode": compiled.parallel_mode,
         "training": True,
         "dump": dump,
         "plan_id": "",
@@ -127,7 +128,7 @@ def pipeline_artifacts(state: Any, dumped: list[int], dump: str) -> dict[str, by
         "layouts": {name: layout_entry(layouts.get(name), tuple(shape), dtype)
                     for name, _, shape, dtype in tables.union_params},
         "doc": "One training step",
-        **run_report_info(state),
+        **compiled.run_report.info(),
     }
     writers = [_StageWriter(plan, s, info) for s in range(program.stages)]
     digest = hashlib.sha256(repr(sorted(tables.literal().items())).encode())

@@ -387,45 +387,8 @@ def footer(tables: list[str]) -> list[str]:
 # -- what a program says of its run ----------------------------------------------------------
 
 
-def run_report_info(state: Any) -> dict[str, Any]:
-    """What the runtime needs to report a run (backends/run_report.py): the model FLOPs of one
-    step counted on the traced forward graph (compiler/flops.py; 0: none counted), the
-    optimizer's learning rate when it is a constant (the model file's optimizer() or the one
-    its training step cell holds), and the token ids one step trains on (`tokens_per_step`)."""
-    from pcompile.compiler.flops import constant_learning_rate, model_flops, training_optimizer
-    from pcompile.compiler.runtime import dataset_spec
-
-    traced = getattr(state, "traced", None)
-    graph = traced.graph if traced is not None else None
-    return {"model_flops": model_flops(graph, bool(state.training)),
-            "learning_rate": constant_learning_rate(training_optimizer(state)),
-            "tokens_per_step": tokens_per_step(state),
-            "dataset": dataset_spec(state).literal() if traced is not None else None}
-
-
-def tokens_per_step(state: Any) -> int:
-    """Token ids of the first input one step trains on, all ranks: those its embedding lookup
-    reads (compiler/data_checks.py, `looked_up_ids`), not the ids the input holds (a sample of
-    S + 1 ids trains S tokens); 0 when they reach no lookup. The traced graph takes one
-    micro-batch under nn.PipelineCell: scaled to the whole batch."""
-    from pcompile.compiler.data_checks import looked_up_ids
-
-    traced = getattr(state, "traced", None)
-    if traced is None or not traced.input_names:
-        return 0
-    name = traced.input_names[0]
-    looked = looked_up_ids(traced.graph, name)
-    if not looked:
-        return 0
-    held = int(np.prod(traced.graph.param(name).shape, dtype=np.int64))
-    whole = held
-    if state.micro_batched and state.assignment is not None:
-        whole = int(np.prod(state.assignment.param_layouts[name].shape, dtype=np.int64))
-    return looked * whole // max(1, held)
-
-
 def run_report_lines(info: dict[str, Any]) -> list[str]:
-    """The program's lines for `run_report_info`."""
+    """The program's lines for its run report (`program.rank_program.RunReport.info()`)."""
     return [f"MODEL_FLOPS = {int(info.get('model_flops') or 0)}  # of one step, all ranks: "
             "3 x the forward's matmul/attention FLOPs when training (0: not counted)",
             f"LEARNING_RATE = {info.get('learning_rate')!r}  # None: a schedule, or no "

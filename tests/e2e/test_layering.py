@@ -1,6 +1,7 @@
-"""The rooms' import arrows point down: ir/ <- program/ <- passes/ <- compiler/ <- backends/ <-
-tools/ <- cli.py (DESIGN.md). program/ holds what a rank needs at run time without the front end
-(issue 37 move 1) and imports ir/ only."""
+"""The rooms' import arrows point down: ir/ <- passes/ <- program/ <- compiler/ <- backends/ <-
+tools/ <- cli.py (DESIGN.md). program/ holds what a compile hands to the backends (the typed
+`RankProgram`, which names the passes' pipeline program) and what a rank needs at run time
+without the front end; its run-time pieces import ir/ only (issue 37 move 1)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import pytest
 
 from tests import ROOT
 
-ABOVE_IR = ("pcompile.program", "pcompile.passes", "pcompile.compiler", "pcompile.backends",
+ABOVE_IR = ("pcompile.passes", "pcompile.program", "pcompile.compiler", "pcompile.backends",
             "pcompile.tools", "pcompile.cli")
-ABOVE_PROGRAM = ABOVE_IR[1:]
+ABOVE_PROGRAM = ABOVE_IR[2:]
 
 
 def _upward(room: str, above: tuple[str, ...]) -> list[str]:
@@ -39,8 +40,8 @@ def _upward(room: str, above: tuple[str, ...]) -> list[str]:
 def test_no_pass_imports_the_front_end() -> None:
     """passes/ imports ir/ and itself only: the driver hands the passes typed options
     (compiler/pass_options.py) and traces user code itself (arrows point down)."""
-    assert _upward("passes", ("pcompile.compiler", "pcompile.backends", "pcompile.tools",
-                              "pcompile.cli")) == []
+    assert _upward("passes", ("pcompile.program", "pcompile.compiler", "pcompile.backends",
+                              "pcompile.tools", "pcompile.cli")) == []
 
 
 def test_the_compiler_never_imports_a_backend() -> None:
@@ -53,6 +54,10 @@ def test_the_compiler_never_imports_a_backend() -> None:
 def test_ir_and_backends_import_nothing_above_them() -> None:
     assert _upward("ir", ABOVE_IR) == []
     assert _upward("program", ABOVE_PROGRAM) == []
+    # the run-time pieces (all of program/ but the RankProgram record) import ir/ only
+    runtime = [found for found in _upward("program", ("pcompile.passes",) + ABOVE_PROGRAM)
+               if not found.startswith(os.path.join("program", "rank_program.py"))]
+    assert runtime == []
     assert _upward("backends", ("pcompile.tools", "pcompile.cli")) == []
 
 
