@@ -139,7 +139,12 @@ class TensorLayout:
                 if value in used:
                     raise ValueError(f"device axis {value} is used twice in {self.tensor_map}")
                 used.append(value)
-        for dim, (size, count) in enumerate(zip(self.shape, self.splits)):
+        matrix = self.dev_matrix
+        splits = tuple(prod(matrix[axis_index(v, matrix)] for v in map_axes(e))
+                       for e in self.tensor_map)
+        # computed once: the passes ask a layout for its splits hundreds of thousands of times
+        object.__setattr__(self, "_splits", splits)
+        for dim, (size, count) in enumerate(zip(self.shape, splits)):
             if size % count:
                 raise ValueError(
                     f"dim {dim} of shape {self.shape} (size {size}) is not divisible by its "
@@ -154,8 +159,8 @@ class TensorLayout:
     @property
     def splits(self) -> tuple[int, ...]:
         """Number of slices of each tensor dim (MindSpore's shard strategy)."""
-        dev = self.dev_matrix
-        return tuple(prod(dev[axis_index(v, dev)] for v in map_axes(e)) for e in self.tensor_map)
+        splits: tuple[int, ...] = self.__dict__["_splits"]  # set by __post_init__
+        return splits
 
     @property
     def slice_shape(self) -> tuple[int, ...]:
