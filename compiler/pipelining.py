@@ -113,8 +113,9 @@ def _labels(mf: ModelFile) -> list[TensorSpec | np.ndarray]:
     return _first_batch_labels(mf)
 
 
-def _positional_count(fn: Any) -> int | None:
-    """How many positional arguments `fn` takes (None: any number)."""
+def _positional_count(fn: Any, required: bool = False) -> int | None:
+    """How many positional arguments `fn` takes (None: any number); `required`: only those
+    without a default (`construct(self, input_ids, labels=None)` needs 1)."""
     import inspect
 
     try:
@@ -123,7 +124,8 @@ def _positional_count(fn: Any) -> int | None:
         return None
     if any(p.kind == p.VAR_POSITIONAL for p in params):
         return None
-    return sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    return sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               and (not required or p.default is p.empty))
 
 
 def inner_network(cell: PipelineCell) -> tuple[Cell, Cell | None]:
@@ -174,9 +176,11 @@ def trace_pipeline_cell(mf: ModelFile, cell: PipelineCell, micro: int) -> Any:
     backbone, loss_fn = inner_network(cell)
     example_inputs = as_input_list(call_user(mf.inputs, "inputs()", mf.path), "inputs", mf.path)
     taken = _positional_count(backbone.construct)
-    if loss_fn is None and taken is not None and len(example_inputs) >= taken:
-        # a network that computes its own loss from its inputs (a causal LM's input_ids): the
-        # data set's batches are its inputs, with no labels after them
+    needed = _positional_count(backbone.construct, required=True)
+    if loss_fn is None and needed is not None and len(example_inputs) >= needed:
+        # a network that computes its own loss from its inputs (a causal LM's input_ids, its
+        # labels argument left to its default): the data set's batches are its inputs, with
+        # no labels after them
         example_labels: list[TensorSpec | np.ndarray] = []
     elif mf.labels is None and mf.dataset is None:
         # As MindSpore's tests compile a PipelineCell on (data, label): the arrays after the

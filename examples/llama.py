@@ -47,6 +47,15 @@ sample; the data has one more), LLAMA_BATCH (global batch). Other knobs:
   rows of every batch (under the default full_batch, every rank reads the whole batch; with
   `--dataset-strategy data_parallel` only its share). Unset (default): the learnable
   sequences below.
+* LLAMA_PP: pipeline stages (default 1), as mindformers places them: the embedding in stage
+  0, decoder layer i in stage min((i + offset) // max((layers + 1) // PP, 1), PP - 1) (its
+  set_layer_stage_recompute; LLAMA_PP_OFFSET, one integer per stage, gives the list form:
+  layers // PP + offset[s] layers on stage s), the final norm, LM head and loss in the last;
+  dp x mp are then a stage's devices (devices / PP). LLAMA_MICRO: micro-batches (default
+  LLAMA_PP); above 1 model() returns nn.PipelineCell(net, LLAMA_MICRO), the loss a scalar (the
+  micro-batches' mean) and the cross entropy's bprops run per micro-batch. The learnable
+  sequences end every micro-batch's last sample in padding, so that each micro-batch counts
+  as many tokens (the mean of their losses is then the batch's);
 * LLAMA_PRETRAINED: a safetensors checkpoint with Hugging Face Llama names (a `.safetensors`
   file, a `model.safetensors.index.json` or a folder holding either) to start from: read
   with `load_checkpoint(path, name_map="llama")` / `load_param_into_net`, each rank reading only
@@ -58,6 +67,7 @@ sample; the data has one more), LLAMA_BATCH (global batch). Other knobs:
     LLAMA_PRESET=llama3_8b LLAMA_BATCH=16 pcompile examples/llama.py --devices 64 --no-check \\
         --dump-ranks 0
     LLAMA_TOKEN_FILE=corpus.bin pcompile examples/llama.py --devices 8 --run --steps 100
+    LLAMA_PP=2 pcompile examples/llama.py --devices 8               # 2 stages of dp 1 x mp 4
 """
 
 import math
@@ -104,13 +114,23 @@ SEQ_PARALLEL = os.environ.get("LLAMA_SEQ_PARALLEL", "0") == "1"
 STRATEGIES = os.environ.get("LLAMA_STRATEGIES", "hand")
 if STRATEGIES not in ("hand", "none"):
     raise ValueError(f"LLAMA_STRATEGIES={STRATEGIES!r}: choose hand or none")
+PIPELINE_STAGES = int(os.environ.get("LLAMA_PP", "1"))
+MICRO_BATCHES = int(os.environ.get("LLAMA_MICRO", str(PIPELINE_STAGES)))
+_offset = os.environ.get("LLAMA_PP_OFFSET")
+PP_OFFSET = tuple(int(v) for v in _offset.split(",")) if _offset else 0
+if PIPELINE_STAGES < 1 or MICRO_BATCHES < 1:
+    raise ValueError(f"LLAMA_PP={PIPELINE_STAGES} and LLAMA_MICRO={MICRO_BATCHES} must be "
+                     "at least 1")
+if TRAIN_STEP and MICRO_BATCHES > 1:
+    raise ValueError("LLAMA_TRAIN_STEP=1 with LLAMA_PP / LLAMA_MICRO: nn.PipelineCell trains "
+                     "the network with the model file's optimizer(); use LLAMA_TRAIN_STEP=0")
 PAD_TOKEN_ID, IGNORE_TOKEN_ID, NORM_EPS = 0, -100, 1e-5
 
 # mindformers trains Llama in semi-auto parallel with full_batch: every rank reads the whole
 # batch and the strategies split it. `pcompile --devices N` overrides the device count.
 set_auto_parallel_context(
     parallel_mode="semi_auto_parallel" if STRATEGIES == "hand" else "auto_parallel",
-    device_num=8, dataset_strategy="full_batch")
+    device_num=8, dataset_strategy="full_batch", pipeline_stages=PIPELINE_STAGES)
 
 
 def remove_strategies(net):
@@ -124,13 +144,60 @@ def remove_strategies(net):
     return net
 
 
+def pipelined():
+    """Whether model() returns nn.PipelineCell: pipeline stages or micro-batches, on more
+    than one device (one device runs the network on the whole batch, the oracle's program)."""
+    return MICRO_BATCHES > 1 and int(get_auto_parallel_context("device_num")) > 1
+
+
 def parallel_config():
-    """(dp, mp) from the parallel context, as mindformers' TransformerOpParallelConfig."""
+    """(dp, mp) from the parallel context, as mindformers' TransformerOpParallelConfig: the
+    devices of one pipeline stage (devices / LLAMA_PP) are dp x mp."""
     devices = int(get_auto_parallel_context("device_num"))
+    stages = int(get_auto_parallel_context("pipeline_stages"))
+    if devices > 1 and devices % stages:
+        raise ValueError(f"LLAMA_PP={stages} pipeline stages do not divide the {devices} "
+                         "devices")
+    devices = max(devices // stages, 1) if devices > 1 else 1
     mp = min(int(os.environ.get("LLAMA_MP", "4")), devices)
     if devices % mp:
-        raise ValueError(f"LLAMA_MP={mp} does not divide the {devices} devices")
+        raise ValueError(f"LLAMA_MP={mp} does not divide the {devices} devices"
+                         + (" of a pipeline stage" if stages > 1 else ""))
     return devices // mp, mp
+
+
+def layer_stage(layer_id, stages, layers=None):
+    """The pipeline stage of decoder layer `layer_id`, as mindformers' LLama sets it
+    (set_layer_stage_recompute): with an integer offset (LLAMA_PP_OFFSET unset: 0), stage
+    min((layer_id + offset) // max((layers + 1) // stages, 1), stages - 1); with a list of
+    one offset per stage (LLAMA_PP_OFFSET=a,b,...), stage s holds layers // stages + offset[s]
+    layers, in order."""
+    layers = LAYERS if layers is None else layers
+    if isinstance(PP_OFFSET, tuple):
+        if len(PP_OFFSET) != stages:
+            raise ValueError(f"LLAMA_PP_OFFSET={_offset} has {len(PP_OFFSET)} entries for "
+                             f"{stages} pipeline stages")
+        counts = [layers // stages + o for o in PP_OFFSET]
+        if sum(counts) != layers or min(counts) < 0:
+            raise ValueError(f"LLAMA_PP_OFFSET={_offset} gives {counts} layers per stage, but "
+                             f"the model has {layers}")
+        return int(np.sum(np.cumsum(counts) < layer_id + 1))
+    return min((layer_id + PP_OFFSET) // max((layers + 1) // stages, 1), stages - 1)
+
+
+def assign_stages(net, stages):
+    """mindformers' pipeline placement: the embedding (and the causal mask) in the first
+    stage, decoder layer i in `layer_stage(i)`, the final norm, the LM head and the loss in
+    the last."""
+    if LAYERS < stages:
+        raise ValueError(f"{LAYERS} decoder layers cannot fill LLAMA_PP={stages} stages")
+    # the network's own ops (the token and label slices, the masks, the logits' cast) follow
+    # their data: the tokens in the first stage, the labels and the logits in the last
+    net.model.pipeline_stage = 0
+    for i, layer in enumerate(net.model.layers):
+        layer.pipeline_stage = layer_stage(i, stages)
+    for cell in (net.model.norm_out, net.lm_head, net.loss):
+        cell.pipeline_stage = stages - 1
 
 
 def residual_strategy(dp, mp):
@@ -550,7 +617,10 @@ class LlamaForCausalLM(nn.Cell):
         output = self.model(tokens)
         logits = self.cast(self.lm_head(output), "float32")
         logits = self.reshape(logits, (-1, VOCAB))
-        return self.loss(logits, labels, input_mask)
+        loss = self.loss(logits, labels, input_mask)
+        if pipelined():  # nn.PipelineCell: the step's loss is its micro-batches' mean
+            return self.reshape(loss, ())
+        return loss
 
 
 class TrainStep(nn.TrainOneStepWithLossScaleCell):
@@ -599,6 +669,11 @@ def model():
         remove_strategies(net)
     if os.environ.get("LLAMA_PRETRAINED"):
         load_pretrained(net, os.environ["LLAMA_PRETRAINED"])
+    if pipelined():
+        stages = int(get_auto_parallel_context("pipeline_stages"))
+        if stages > 1:
+            assign_stages(net, stages)
+        return nn.PipelineCell(net, micro_size=MICRO_BATCHES)
     if not TRAIN_STEP:
         return net
     scale = float(os.environ.get("LLAMA_LOSS_SCALE", str(2.0 ** 12)))
@@ -633,12 +708,16 @@ def token_file_dataset(path):
     return data.batch(BATCH, drop_remainder=True)
 
 
-def learnable_sequences(vocab=VOCAB, seq=SEQ, batch=BATCH):
+def learnable_sequences(vocab=VOCAB, seq=SEQ, batch=BATCH, micro=MICRO_BATCHES):
+    """The last sample of every micro-batch (of the batch, without micro-batches) ends in
+    padding: each micro-batch counts as many tokens, so the mean of their masked losses (what
+    nn.PipelineCell trains) is the batch's."""
     rng = np.random.default_rng(0)
+    rows = batch // micro if batch % micro == 0 else batch
     for _ in range(1000):
         start = rng.integers(0, vocab - 1, (batch, 1))
         ids = (start + np.arange(seq + 1)) % (vocab - 1) + 1
-        ids[-1, -2:] = PAD_TOKEN_ID
+        ids[rows - 1::rows, -2:] = PAD_TOKEN_ID
         yield (ids.astype(np.int32),)
 
 
