@@ -80,7 +80,6 @@ the decoder layers then the MTP layers spread as mindformers' LayerSetting count
 ((layers + mtp) // stages each plus the stage's DEEPSEEK_PP_OFFSET, the yaml's
 1,...,1,-1 for v3_671b), the final norm, the LM head and the loss in the last. Each layer adds
 its balance loss to the running sum, so the sum runs in the layer's stage. Under stages the
-loss inside is autodiffed (mindformers' own bprops are for the network without stages), the
 step's loss is a scalar (the micro-batches' mean), the routing groups and capacities are each
 micro-batch's, the expert load adds up over the micro-batches, and the aux-loss-free bias does
 not move between steps (mindformers moves it in TopkBiasBalanceCallback, outside the step);
@@ -996,14 +995,6 @@ def assign_stages(net, stages):
         cell.pipeline_stage = stages - 1
 
 
-class _LogSoftmaxAutodiff(llama.LogSoftmax):
-    bprop = None
-
-
-class _NLLLossAutodiff(llama.NLLLoss):
-    bprop = None
-
-
 def model():
     net = DeepseekV3ForCausalLM()
     if llama.STRATEGIES == "none":  # LLAMA_STRATEGIES=none: the search decides every op
@@ -1011,11 +1002,6 @@ def model():
     stages = int(get_auto_parallel_context("pipeline_stages"))
     if stages > 1 and int(get_auto_parallel_context("device_num")) > 1:
         assign_stages(net, stages)
-        # the loss's own bprops (mindformers') are for a network without stages: inside
-        # nn.PipelineCell autodiff differentiates the same log-softmax and NLL
-        dp, mp, _ = parallel_config()
-        net.loss.log_softmax = _LogSoftmaxAutodiff(dp, mp)
-        net.loss.nll = _NLLLossAutodiff(dp, mp)
         net.scalar_loss = True
         # The routers accumulate the experts' load over the micro-batches (AssignAdd), but the
         # bias moves between steps (mindformers' TopkBiasBalanceCallback), not once per
