@@ -24,9 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pcompile.compiler.compiled import CompiledProgram
 from pcompile.compiler.driver import compile_program
 from pcompile.compiler.pinned_plan import PinnedPlan
-from pcompile.ir.core import Graph, GraphParam, Value
+from pcompile.ir.core import Graph, GraphParam, Node, Value
 from pcompile.ir.dims import Shrink, shapes_of, shrinker
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
@@ -45,7 +46,7 @@ FACTORS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 
-def _refuse_mode(program: Any) -> None:
+def _refuse_mode(program: CompiledProgram) -> None:
     state = program.state
     # pipelines (stages, nn.PipelineCell) are reproduced: the stage of each op follows the
     # traced graph, and the micro-batch keeps its size (`plan_splits`)
@@ -64,12 +65,13 @@ def _refuse_mode(program: Any) -> None:
             "pcompile; --force-check checks it at full size")
 
 
-def plan_splits(program: Any) -> list[tuple[Value, int, int, int]]:
+def plan_splits(program: CompiledProgram) -> list[tuple[Value, int, int, int]]:
     """(value, tuple element, dim, split count) of every split dim the plan lays out: each
     op's operands and results, each graph parameter, each searched Reshape layout."""
     state = program.state
     graph: Graph = program.graph
     assignment = state.assignment
+    assert assignment is not None  # _refuse_mode: a parallel plan
     out: list[tuple[Value, int, int, int]] = []
 
     def add(value: Value, elem: int, layout: TensorLayout | None) -> None:
@@ -89,9 +91,9 @@ def plan_splits(program: Any) -> list[tuple[Value, int, int, int]]:
                 add(operand, 0, layout)
             for k, layout in enumerate(sharding.out_layouts):
                 add(node.result, k, layout)
-        layout = assignment.reshape_layouts.get(node)
-        if layout is not None:
-            add(node.result, 0, layout)
+        reshaped = assignment.reshape_layouts.get(node)
+        if reshaped is not None:
+            add(node.result, 0, reshaped)
     for p in graph.params:
         add(p, 0, assignment.param_layouts.get(p.name))
     if state.micro_batched:  # the micro-batch keeps its size: the same micro-batches, splits
@@ -99,7 +101,7 @@ def plan_splits(program: Any) -> list[tuple[Value, int, int, int]]:
     return out
 
 
-def choose_shrink(program: Any, factor: int | None = None,
+def choose_shrink(program: CompiledProgram, factor: int | None = None,
                   budget: int | None = None) -> Shrink:
     """The shrink of `program`'s traced graph by `factor`; None: the smallest factor (of
     `FACTORS`) whose check holds at most `SHRUNK_CHECK_BYTES` (a check of seconds), or failing
@@ -139,7 +141,7 @@ def _size(nbytes: float) -> str:
 
 
 
-def whole_batch_shrink(program: Any, shrink: Shrink) -> Shrink:
+def whole_batch_shrink(program: CompiledProgram, shrink: Shrink) -> Shrink:
     """data_parallel traces one rank's part of the batch, a pipeline (nn.PipelineCell) one
     micro-batch; their single-device program traces the whole batch. The whole-batch trace
     shrunk by the same factor, with dim 0 of every input and label kept a multiple of the
@@ -180,7 +182,7 @@ def whole_batch_shrink(program: Any, shrink: Shrink) -> Shrink:
     return solved
 
 
-def pin_plan(program: Any, shrink: Shrink) -> PinnedPlan:
+def pin_plan(program: CompiledProgram, shrink: Shrink) -> PinnedPlan:
     """The plan's strategies and Reshape layouts by node position, layouts at shrunk shapes."""
     state = program.state
     pinned = PinnedPlan(shrink, mode=state.search_mode,
@@ -209,7 +211,7 @@ def pin_plan(program: Any, shrink: Shrink) -> PinnedPlan:
 class ShrunkCheck:
     """The shrunk compile, its oracle report, and what was shrunk."""
 
-    program: Any
+    program: CompiledProgram
     report: Any
     shrink: Shrink
 
@@ -227,7 +229,7 @@ def describe(shrink: Shrink) -> str:
     return text
 
 
-def compile_shrunk(program: Any, shrink: Shrink) -> Any:
+def compile_shrunk(program: CompiledProgram, shrink: Shrink) -> CompiledProgram:
     """`program`'s model file compiled again with the same options, traced graph shrunk by
     `shrink` and every strategy pinned to `program`'s (no dumps)."""
     state = program.state
@@ -242,7 +244,7 @@ def compile_shrunk(program: Any, shrink: Shrink) -> Any:
     return shrunk
 
 
-def _same_plan(program: Any, shrunk: Any) -> None:
+def _same_plan(program: CompiledProgram, shrunk: CompiledProgram) -> None:
     """Same ops, same strategies (a difference is a bug of the shrink, not of the plan)."""
     a, b = program.graph.nodes, shrunk.graph.nodes
     if [n.op for n in a] != [n.op for n in b]:
@@ -263,15 +265,14 @@ def _same_plan(program: Any, shrunk: Any) -> None:
 SIZE_ATTRS = frozenset({"shape", "fusion"})
 
 
-def communication(program: Any) -> list[list[tuple[str, tuple[tuple[str, str], ...]]]]:
+def communication(program: CompiledProgram) -> list[list[tuple[str, tuple[tuple[str, str], ...]]]]:
     """Each distinct rank graph's op sequence, with every collective's attrs (group, ranks,
     reduction, split/concat dims, tags, peers; no sizes, no fusion buckets): what the plan
     communicates, and the redistributions (slices, concats, reshapes) around it, in order."""
     from pcompile.ir.registry import get_op
 
-    state = program.state
     out = []
-    for nodes in state.unfused or [g.nodes for g in state.graphs]:
+    for nodes in _programs(program):
         seq = []
         for node in nodes:
             attrs: tuple[tuple[str, str], ...] = ()
@@ -283,14 +284,19 @@ def communication(program: Any) -> list[list[tuple[str, tuple[tuple[str, str], .
     return out
 
 
-def same_communication(program: Any, shrunk: Any) -> None:
+def _programs(program: CompiledProgram) -> list[list[Node]]:
+    """Each distinct rank graph's nodes, before communication fusion where it ran."""
+    state = program.state
+    return state.unfused or [list(g.nodes) for g in state.graphs]
+
+
+def same_communication(program: CompiledProgram, shrunk: CompiledProgram) -> None:
     """The shrunk compile re-derives redistributions, collectives, communication fusion and
     the parallel optimizer's sharding on smaller shapes; its verdict is about the plan only
     if they are the same ops with the same groups and attrs (PcompileError: the first
     difference)."""
     full, small = communication(program), communication(shrunk)
-    graphs_a = program.state.unfused or [g.nodes for g in program.state.graphs]
-    graphs_b = shrunk.state.unfused or [g.nodes for g in shrunk.state.graphs]
+    graphs_a, graphs_b = _programs(program), _programs(shrunk)
     if len(full) != len(small):
         raise PcompileError(
             f"the shrunk copy's ranks run {len(small)} distinct programs, the plan's "
@@ -302,7 +308,7 @@ def same_communication(program: Any, shrunk: Any) -> None:
         nodes_a, nodes_b = graphs_a[g], graphs_b[g]
 
         raise PcompileError(
-            f"the shrunk copy (factor {shrunk.state.shrink.shrink.factor}) communicates "
+            f"the shrunk copy (factor {shrink_factor(shrunk)}) communicates "
             f"differently from the plan, so its check would not be about the same plan: "
             f"{_graph_name(program, g)}, op {i}: the plan has {_show(nodes_a, a, i)}, the "
             f"shrunk copy {_show(nodes_b, b, i)}; --check-shrunk with a smaller factor, or "
@@ -317,7 +323,14 @@ def _show(nodes: list[Any], seq: list[Any], i: int) -> str:
     return f"{node.op}{dict(seq[i][1]) if seq[i][1] else ''} ({where})"
 
 
-def _graph_name(program: Any, index: int) -> str:
+def shrink_factor(shrunk: CompiledProgram) -> int:
+    """The factor a shrunk compile was shrunk by."""
+    pinned = shrunk.state.shrink
+    assert pinned is not None
+    return pinned.shrink.factor
+
+
+def _graph_name(program: CompiledProgram, index: int) -> str:
     graph = program.state.graphs[index]
     ranks = [r for r, g in enumerate(program.state.rank_graphs) if g is graph]
     if len(ranks) == len(program.state.rank_graphs):
@@ -326,7 +339,8 @@ def _graph_name(program: Any, index: int) -> str:
         f"..{ranks[-1]}" if len(ranks) > 1 else "")
 
 
-def shrunk_check(program: Any, factor: int | None = None, steps: int = 1) -> ShrunkCheck:
+def shrunk_check(program: CompiledProgram, factor: int | None = None, steps: int = 1
+                 ) -> ShrunkCheck:
     """Check `program`'s plan on a shrunk copy (see the module docstring): the report is
     `oracle.check` of the shrunk parallel program against its single-device program."""
     shrink = choose_shrink(program, factor)

@@ -21,7 +21,7 @@ runs a compiled pipeline program on N devices of this process with the interface
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +44,9 @@ from pcompile.backends.jax.spmd import (
 from pcompile.ir.core import Constant
 from pcompile.ir.lowering import LoweringOptions
 from pcompile.ir.types import DType
+
+if TYPE_CHECKING:
+    from pcompile.compiler.compiled import CompiledProgram
 
 UnitFn = Callable[[str, dict[int, Any], Sequence[Any], Any], None]
 
@@ -272,7 +275,7 @@ class JaxPipelineRunner:
     (the interface of `tools.runners.ParallelRunner`: `run`, `step`, `values`,
     `global_value`)."""
 
-    def __init__(self, program: Any, devices: Sequence[Any] | None = None,
+    def __init__(self, program: CompiledProgram, devices: Sequence[Any] | None = None,
                  float64: bool = False) -> None:
         from pcompile.compiler.runtime import initial_rank_values
 
@@ -281,6 +284,7 @@ class JaxPipelineRunner:
         self.program = program
         self.float64 = float64
         state = program.state
+        assert state.pipeline is not None and state.assignment is not None  # pipelined
         self.plan = PipelinePlan.build(state.pipeline.program)
         self.tables = self.plan.tables
         self.mesh = make_mesh(self.plan.mesh, devices)

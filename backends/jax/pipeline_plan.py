@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import prod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pcompile.backends.jax.plan import (
     MeshSpec,
@@ -46,6 +46,9 @@ from pcompile.ir.core import Graph, NodeResult
 from pcompile.ir.rank import RankGroup
 from pcompile.ir.registry import get_op
 from pcompile.passes.pipeline_schedule import unit_name
+
+if TYPE_CHECKING:
+    from pcompile.passes.pipeline_split import PipelineProgram
 
 #: (node index, dtype name, offset, shape): one value in a packed buffer.
 Slot = tuple[int, str, int, tuple[int, ...]]
@@ -101,7 +104,7 @@ class PipelineTables:
 class PipelinePlan:
     """A pipeline program's tables, mesh and per-stage node plans."""
 
-    program: Any  # passes.pipeline_split.PipelineProgram
+    program: PipelineProgram
     mesh: MeshSpec
     tables: PipelineTables
     nodes: list[list[NodePlan]] = field(default_factory=list)  # per stage, graph order
@@ -119,7 +122,7 @@ class PipelinePlan:
         return self.mesh.names[1:]
 
     @staticmethod
-    def build(program: Any) -> PipelinePlan:
+    def build(program: PipelineProgram) -> PipelinePlan:
         if program.schedule is None:
             program.finish()
         graphs = list(program.graphs)
@@ -161,8 +164,9 @@ def _dtype_name(value: Any) -> str:
     return str(value.tensor_type.dtype.name)
 
 
-def _tables(program: Any) -> PipelineTables:
+def _tables(program: PipelineProgram) -> PipelineTables:
     sched = program.schedule
+    assert sched is not None  # PipelinePlan.build finished it
     graphs: list[Graph] = list(program.graphs)
     stages, ticks = program.stages, sched.num_ticks
     units: list[list[tuple[str, tuple[int, ...]] | None]] = [[None] * stages

@@ -341,12 +341,12 @@ class Heartbeat:
             os.set_blocking(self.fd, False)
             threading.Thread(target=self._beat, daemon=True, name="pcompile-heartbeat").start()
 
-    def set(self, **state: Any) -> None:
+    def set(self, **fields: Any) -> None:
         with self._lock:
-            self.state.update(state)
+            self.state.update(fields)
         # the last words (finished, failed) must reach the launcher: it tells a process that
         # exits with status 0 before the run is over by their absence
-        self._send(wait=state.get("phase") in ("finish", "failed"))
+        self._send(wait=fields.get("phase") in ("finish", "failed"))
 
     def failed(self, why: str) -> None:
         """The process is about to exit with an error: when, so the launcher can tell the

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,9 @@ from pcompile.ir.core import Constant
 from pcompile.ir.lowering import LoweringOptions
 from pcompile.ir.registry import get_op
 from pcompile.ir.types import DType
+
+if TYPE_CHECKING:
+    from pcompile.compiler.compiled import CompiledProgram
 
 Axes = tuple[str, ...]
 
@@ -532,7 +535,7 @@ class JaxSpmdRunner:
     own device as a rank program makes them (`param_init`: `auto`, `device` or `host`), except
     in float64 and under `parameter_broadcast`."""
 
-    def __init__(self, program: Any, devices: Sequence[Any] | None = None,
+    def __init__(self, program: CompiledProgram, devices: Sequence[Any] | None = None,
                  float64: bool = False, matmul_precision: str | None = None,
                  param_init: str = "auto") -> None:
         from pcompile.compiler.runtime import initial_rank_values
@@ -576,7 +579,7 @@ class JaxSpmdRunner:
         self._shapes = {p.name: p.shape for p in self._stored}
         self._values_cache: list[dict[str, np.ndarray]] | None = None
 
-    def _made_on_devices(self, program: Any, where: str) -> dict[str, jax.Array] | None:
+    def _made_on_devices(self, program: CompiledProgram, where: str) -> dict[str, jax.Array] | None:
         """Every stored value's global array, each rank's block made on its own device
         (`param_init.make_blocks`: the same values, bit for bit, as `initial_rank_values`);
         None where a value's dtype is not the parameter's (the host path casts it)."""

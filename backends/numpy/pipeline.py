@@ -11,7 +11,7 @@ units whose Sends it receives, so a Receive always finds its value.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from pcompile.ir.core import Constant, Graph, Node, Value
 from pcompile.ir.interpret import checked_result, constant_value, node_attrs, value_dtype
 from pcompile.ir.rank import resolve, resolve_attrs
 from pcompile.ir.registry import get_op
+
+if TYPE_CHECKING:
+    from pcompile.passes.pipeline_split import PipelineProgram
 
 
 def _start(graph: Graph, values: Sequence[Any], float64: bool) -> dict[int, Any]:
@@ -33,11 +36,10 @@ def _start(graph: Graph, values: Sequence[Any], float64: bool) -> dict[int, Any]
     return env
 
 
-def run_pipeline(program: Any, feeds: Sequence[Sequence[Any]], float64: bool = False
-                 ) -> list[list[Any]]:
-    """Run every rank's stage graph (`program`: passes.pipeline_split.PipelineProgram, with
-    its schedule); `feeds[r]` lists rank r's parameter values in its graph's order. Returns
-    every rank's outputs."""
+def run_pipeline(program: PipelineProgram, feeds: Sequence[Sequence[Any]],
+                 float64: bool = False) -> list[list[Any]]:
+    """Run every rank's stage graph (`program`, with its schedule); `feeds[r]` lists rank
+    r's parameter values in its graph's order. Returns every rank's outputs."""
     schedule = program.schedule
     assert schedule is not None, "the pipeline program has no schedule (finish() it)"
     n = program.per_stage

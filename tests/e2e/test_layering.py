@@ -217,12 +217,12 @@ def _any_typed(folder_or_file: str) -> list[str]:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason="issue 37 move 1: the backends and tools still take the "
-                   "compile state (codegen, program_writer, pipeline plans, tools/shrink.py)")
 def test_nothing_above_the_compiler_takes_an_untyped_state() -> None:
-    """What passes from the compiler to the backends and tools is a typed program: no
-    parameter or field above the compiler is `state: Any` or `program: Any` (issue 37 move 1;
-    26 at its start)."""
+    """What passes from the compiler to the backends and tools is typed: no parameter or
+    field above the compiler is `state: Any` or `program: Any` (issue 37 move 1; 26 at its
+    start). The code generators take the data-only `program.rank_program.RankProgram`, the
+    pipeline plans `PipelineProgram`, the in-process runners and the shrunk check the
+    `CompiledProgram`."""
     found = _any_typed("backends") + _any_typed("tools") + _any_typed("cli.py")
     assert found == []
 
