@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from pcompile.ir.errors import PcompileError
+from pcompile.program.dataset import IndexRange, ranges_of  # noqa: F401  (re-exported)
 
 
 class DataError(PcompileError):
@@ -38,19 +39,6 @@ class BatchPlace:
 
     def __str__(self) -> str:
         return f"batch {self.batch} of epoch {self.epoch} (step {self.step} of the run)"
-
-
-@dataclass(frozen=True)
-class IndexRange:
-    """Integer input `name` indexes `size` entries of something (`used_by`, for the message):
-    its values must lie in 0..size-1."""
-
-    name: str
-    size: int
-    used_by: str
-
-    def literal(self) -> tuple[str, int, str]:
-        return (self.name, self.size, self.used_by)
 
 
 # Ops whose result holds (some of) their first operand's values unchanged: an id passes them.
@@ -119,12 +107,6 @@ def looked_up_ids(graph: Any, name: str) -> int:
                 for param in _integer_inputs(graph) if param.name == name
                 for node, operand, value in _uses_of_ids(param)
                 if node.op == "Gather" and operand == 1), default=0)
-
-
-def ranges_of(literal: Any) -> tuple[IndexRange, ...]:
-    """`IndexRange`s from their literals (a program's `DATASET`)."""
-    return tuple(IndexRange(str(name), int(size), str(used))
-                 for name, size, used in (literal or ()))
 
 
 def check_batch(path: str, arrays: list[Any], expected: list[tuple[str, tuple[int, ...], Any]],

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,11 +16,9 @@ from pcompile.compiler.compiled import CompiledProgram, CompileState
 from pcompile.compiler.data_checks import (
     BatchPlace,
     DataError,
-    IndexRange,
     check_batch,
     index_ranges,
     no_batch,
-    ranges_of,
 )
 from pcompile.compiler.model_file import (
     ModelFile,
@@ -32,6 +30,12 @@ from pcompile.compiler.model_file import (
 from pcompile.compiler.tensor import TensorSpec
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
+from pcompile.program.dataset import (  # noqa: F401  (re-exported)
+    DatasetSpec,
+    IndexRange,
+    batch_rows,
+    slice_rows,
+)
 
 
 def synthetic(item: TensorSpec | np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -82,38 +86,12 @@ def rank_batches(program: CompiledProgram, ranks: list[int], steps: int, skip: i
                              rows=rows, skip=skip, ranges=index_ranges(traced.graph))
 
 
-@dataclass(frozen=True)
-class DatasetSpec:
-    """What a rank program reads its batches from, written at compile time (program.py's
-    `DATASET`): the model file whose `dataset()` gives them (without one, one batch of
-    `inputs()` and `labels()` repeats, tensor specs filled with random values) and how many
-    arrays of each batch are inputs and labels. The arrays' names, global shapes and dtypes
-    are the program's input parameters; `ranges` the ids its integer inputs may hold
-    (compiler/data_checks.py, `index_ranges`: every batch is checked as it is read)."""
-
-    model_file: str
-    inputs: int
-    labels: int
-    ranges: tuple[IndexRange, ...] = ()
-
-    def literal(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["ranges"] = [r.literal() for r in self.ranges]
-        return out
-
-    @classmethod
-    def from_literal(cls, data: dict[str, Any]) -> DatasetSpec:
-        return cls(str(data["model_file"]), int(data["inputs"]), int(data["labels"]),
-                   ranges_of(data.get("ranges")))
-
-    @classmethod
-    def of_model_file(cls, path: str, taken: int) -> DatasetSpec:
-        """The spec of a program written before `DATASET`, which takes `taken` arrays: the
-        model file's `inputs()` count, the rest labels."""
-        mf = _data_model_file(path)
-        inputs = len(as_input_list(call_user(mf.inputs, "inputs()", mf.path), "inputs",
-                                   mf.path))
-        return cls(path, inputs, max(0, taken - inputs))
+def spec_of_model_file(path: str, taken: int) -> DatasetSpec:
+    """The `DatasetSpec` of a program written before `DATASET`, which takes `taken` arrays:
+    the model file's `inputs()` count, the rest labels."""
+    mf = _data_model_file(path)
+    inputs = len(as_input_list(call_user(mf.inputs, "inputs()", mf.path), "inputs", mf.path))
+    return DatasetSpec(path, inputs, max(0, taken - inputs))
 
 
 def dataset_spec(state: CompileState) -> DatasetSpec:
@@ -204,30 +182,6 @@ def iter_batches(
                                                      steps, ranges=ranges):
         assert arrays is not None
         yield epoch, step, arrays
-
-
-def batch_rows(layouts: list[TensorLayout], ranks: list[int]) -> tuple[int, int] | None:
-    """The rows of the global batch that `ranks` read, (lo, hi) along dim 0, from the inputs'
-    layouts: the span of their slices of dim 0 (None when an input has no batch dim or the
-    inputs' batches differ in size: then a rank reads the whole batch)."""
-    if not layouts or any(not layout.shape for layout in layouts):
-        return None
-    if len({layout.shape[0] for layout in layouts}) != 1:
-        return None
-    bounds = [layout.slice_bounds(r)[0] for layout in layouts for r in ranks]
-    return min(lo for lo, _ in bounds), max(hi for _, hi in bounds)
-
-
-def slice_rows(array: np.ndarray, layout: TensorLayout, rank: int,
-               first_row: int = 0) -> np.ndarray:
-    """`rank`'s slice of an input by its layout, from `array` = rows first_row.. of the global
-    batch (the whole batch when first_row is 0 and `array` has the global shape)."""
-    if not array.shape:
-        return array
-    bounds = list(layout.slice_bounds(rank))
-    lo, hi = bounds[0]
-    bounds[0] = (lo - first_row, hi - first_row)
-    return array[tuple(slice(b, e) for b, e in bounds)]
 
 
 def iter_rank_batches(

@@ -1,11 +1,18 @@
-"""What passes from compiling to running: the run-time pieces a rank needs without the front
-end (issue 37 move 1). This room imports only `ir/` (tests/e2e/test_layering.py):
+"""What passes from compiling to running (issue 37 move 1). The room sits above passes/ and
+below the front end (ir/ <- passes/ <- program/ <- compiler/, tests/e2e/test_layering.py):
+
+- `rank_program`: `RankProgram`, the typed, data-only program the compiler hands to the code
+  generators (rank graphs, layouts, abstract initial values, pipeline program, run report);
+
+and the run-time pieces a rank needs without the front end, which import `ir/` only:
 
 - `init_math`, `initializers`: parameter data generated block by block from a seed ticket
   (the initializers, `InitializedData`, Philox and its float64 arithmetic);
 - `pretrained`: a tensor of a safetensors file, checked against its recorded identity and read
-  slice by slice.
+  slice by slice;
+- `dataset`: the dataset spec written into a rank program (`DATASET`) and the batch slicing by
+  layout.
 
-The front end (compiler/initializer.py, compiler/serialization.py) re-exports these under the
-names a model file uses.
+The front end (compiler/initializer.py, compiler/serialization.py, compiler/runtime.py,
+compiler/data_checks.py) re-exports these under the names model files and tests use.
 """

@@ -36,7 +36,7 @@ import sys
 import time
 from collections.abc import Iterator
 from types import ModuleType, SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -53,6 +53,9 @@ from pcompile.backends.jax.rank_process import (
 )
 from pcompile.backends.jax.rank_report import RankReport, TrainLog
 from pcompile.ir.errors import PcompileError
+
+if TYPE_CHECKING:
+    from pcompile.program.dataset import DatasetSpec
 
 RUN_ID_ENV = "PCOMPILE_RUN_ID"  # the launcher names each run (backends/launcher.py)
 
@@ -187,7 +190,7 @@ class RankRunner:
 
     def _slice(self, name: str, array: np.ndarray, rank: int, first_row: int = 0) -> np.ndarray:
         """`rank`'s part of an input from `array`, rows first_row.. of the global batch."""
-        from pcompile.compiler.runtime import slice_rows
+        from pcompile.program.dataset import slice_rows
 
         return slice_rows(array, self._layout(name), rank, first_row)
 
@@ -196,20 +199,31 @@ class RankRunner:
 
         return put_blocks(self.mesh, pieces, tuple(shape), self.dtypes[name])
 
+    def _dataset_spec(self) -> DatasetSpec:
+        """The program's `DATASET` (program/dataset.py); a program written before it names
+        only its model file, whose `inputs()` count is read (compiler/runtime.py)."""
+        from pcompile.program.dataset import DatasetSpec
+
+        literal = getattr(self.m, "DATASET", None)
+        if literal is not None:
+            return DatasetSpec.from_literal(literal)
+        from pcompile.compiler.runtime import spec_of_model_file
+
+        return spec_of_model_file(self.m.MODEL_FILE, len(self.inputs))
+
     def _batches(self, steps: int, skip: int = 0) -> Iterator[Any]:
         """(epoch, step, arrays, first_row) per step (compiler.runtime.iter_rank_batches): a
         pcompile.dataset object is read only for the rows of this process's ranks' share of
         each global batch, and its first `skip` steps not at all. Each batch is checked as it
         is read (compiler/data_checks.py); see `_reading`."""
-        from pcompile.compiler.runtime import DatasetSpec, batch_rows, spec_batches
+        from pcompile.compiler.runtime import spec_batches
+        from pcompile.program.dataset import batch_rows
 
         expected = [(name, tuple(self.m.LAYOUTS[name][0]), self.dtypes[name])
                     for name, *_ in self.inputs]
         rows = batch_rows([self._layout(name) for name, *_ in self.inputs], self.local)
-        literal = getattr(self.m, "DATASET", None)
         try:
-            spec = (DatasetSpec.from_literal(literal) if literal is not None
-                    else DatasetSpec.of_model_file(self.m.MODEL_FILE, len(self.inputs)))
+            spec = self._dataset_spec()
             batches = spec_batches(spec, expected, steps, rows=rows, skip=skip)
         except PcompileError as exc:
             raise RankError(str(exc)) from None
@@ -436,13 +450,10 @@ class RankRunner:
         without any); what the built-in ones set (LossMonitor's per_print_times,
         ModelCheckpoint's save_checkpoint_steps and keep_checkpoint_max) becomes the value of
         each option this run left at its default."""
-        from pcompile.compiler.runtime import DatasetSpec, spec_callbacks
+        from pcompile.compiler.runtime import spec_callbacks
 
-        literal = getattr(self.m, "DATASET", None)
         try:
-            spec = (DatasetSpec.from_literal(literal) if literal is not None
-                    else DatasetSpec.of_model_file(self.m.MODEL_FILE, len(self.inputs)))
-            callbacks, path = spec_callbacks(spec)
+            callbacks, path = spec_callbacks(self._dataset_spec())
         except PcompileError as exc:
             raise RankError(str(exc)) from None
         if not callbacks:

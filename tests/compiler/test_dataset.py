@@ -293,7 +293,13 @@ def test_rank_programs_read_the_dataset_spec_written_at_compile_time(tmp_path) -
     `DATASET` gets the same spec from its model file."""
     import ast
 
-    from pcompile.compiler.runtime import DatasetSpec, batch_rows, dataset_spec, spec_batches
+    from pcompile.compiler.runtime import (
+        DatasetSpec,
+        batch_rows,
+        dataset_spec,
+        spec_batches,
+        spec_of_model_file,
+    )
 
     path = tmp_path / "net.py"
     path.write_text(textwrap.dedent(MODEL).replace("STRATEGY", "'data_parallel'"))
@@ -303,7 +309,7 @@ def test_rank_programs_read_the_dataset_spec_written_at_compile_time(tmp_path) -
     spec = DatasetSpec.from_literal(ast.literal_eval(line[len("DATASET = "):]))
     assert spec == dataset_spec(program.state)
     assert (spec.inputs, spec.labels) == (1, 1)
-    assert DatasetSpec.of_model_file(spec.model_file, 2) == spec
+    assert spec_of_model_file(spec.model_file, 2) == spec
     layouts = program.state.assignment.param_layouts
     inputs = program.graph.inputs
     expected = [(p.name, tuple(layouts[p.name].shape), p.dtype.np) for p in inputs]

@@ -73,7 +73,7 @@ def test_the_driver_loads_no_backend() -> None:
 def test_no_room_imports_another_rooms_privates() -> None:
     """A name imported from another room is public (no leading underscore): the rank runtime
     reads its data through the dataset spec written at compile time
-    (`compiler.runtime.DatasetSpec`), not through the front end's internals."""
+    (`program.dataset.DatasetSpec`), not through the front end's internals."""
     rooms = ("ir", "program", "passes", "compiler", "backends", "tools")
     found = []
     for room in rooms:
