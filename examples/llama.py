@@ -208,7 +208,7 @@ def residual_strategy(dp, mp):
     (dp * mp, 1, 1) (rows are batch-major, so mp then splits whole sequences)."""
     if not SEQ_PARALLEL:
         return (dp, 1, 1)
-    local = BATCH // dp
+    local = (BATCH // MICRO_BATCHES if pipelined() else BATCH) // dp  # a micro-batch's rows
     if local == 1 or local % mp:
         return (dp, mp, 1)
     return (dp * mp, 1, 1)

@@ -45,6 +45,22 @@ def test_layers_are_placed_by_mindformers_rule(monkeypatch: Any) -> None:
         llama.layer_stage(0, 2)
 
 
+def test_sequence_parallelism_splits_a_micro_batch(monkeypatch: Any) -> None:
+    """LLAMA_SEQ_PARALLEL=1 with micro-batches: the residual's split is chosen for a
+    micro-batch's rows (256 / 16 micro-batches / dp 16 = one sequence: (dp, mp, 1), as
+    mindformers writes it), not the batch's (16 rows a rank: (dp * mp, 1, 1), which the traced
+    micro-batch of 16 rows cannot split 128 ways)."""
+    llama = _example(monkeypatch, PRESET="llama2_70b", PP="8", MICRO="16", BATCH="256",
+                     SEQ_PARALLEL="1")
+    from pcompile import reset_auto_parallel_context, set_auto_parallel_context
+
+    set_auto_parallel_context(device_num=1024)
+    try:
+        assert llama.residual_strategy(16, 8) == (16, 8, 1)
+    finally:
+        reset_auto_parallel_context()
+
+
 OWN_LOSS = """
 import numpy as np
 from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context
