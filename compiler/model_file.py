@@ -70,6 +70,9 @@ def load_model_file(path: str) -> ModelFile:
     added = directory not in sys.path
     if added:
         sys.path.insert(0, directory)
+    from pcompile.compiler.communication import new_load
+
+    new_load()  # as a process starting: the groups it creates are its own (create_group)
     try:
         spec.loader.exec_module(module)
     except PcompileError:

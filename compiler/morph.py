@@ -11,9 +11,11 @@ they are); the planner lays the operands out as the in_strategy Layouts say, and
 traces `fn` on the rank's local operands into its program (the other arguments as given), so
 `fn`'s collectives and shapes are the local ones it was written for.
 
+`fn`'s collectives run over the world group or a group `create_group` made: each rank over its
+own group of the like groups (compiler/communication.py; mindformers' expert-parallel groups).
+
 Limits, each refused with a message: the Layouts are required (`self_define_shard` has no
-default), one tensor result, and `fn`'s collectives run over the world group (the group of
-every rank, as the other user-called collectives).
+default), and one tensor result.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from pcompile.compiler.communication import every_rank
 from pcompile.compiler.context import get_auto_parallel_context
 from pcompile.compiler.primitive import Primitive
 from pcompile.compiler.tensor import Tensor
@@ -80,12 +83,13 @@ class Morph(Primitive):
 
 
 def _body(fn: Callable[..., Any], args: tuple[Any, ...], scope: str, where: str
-          ) -> Callable[[Graph, list[Value]], Value]:
-    """fn traced on a rank's local operands into its program (the other arguments as given)."""
+          ) -> Callable[[Graph, list[Value], Callable[[Any], Any]], Value]:
+    """fn traced on a rank's local operands into its program (the other arguments as given;
+    a collective over a created group runs over each rank's own group)."""
 
-    def build(graph: Graph, operands: list[Value]) -> Value:
+    def build(graph: Graph, operands: list[Value], rank_value: Callable[[Any], Any]) -> Value:
         local = iter(operands)
-        with tracing(graph) as tracer, tracer.absolute_scope(scope):
+        with tracing(graph) as tracer, tracer.absolute_scope(scope), every_rank(rank_value):
             call = [Tensor(_value=next(local)) if isinstance(a, Tensor) else a for a in args]
             out = fn(*call)
         value = out._value if isinstance(out, Tensor) and out.is_symbolic else None

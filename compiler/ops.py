@@ -814,13 +814,12 @@ class AvgPool(_Pool):
 # -- collectives (user-called, manual parallel) -----------------------------------------------
 
 
-def _world(group: str, prim: str = "") -> tuple[str, tuple[int, ...]]:
+def _world(group: str, prim: str = "") -> tuple[Any, Any]:
     from pcompile.compiler.communication import group_ranks
 
-    if not isinstance(group, str):  # MindSpore's check_value_type('group', ..., (str,))
-        raise TypeError(f"For '{prim}', the 'group' must be str, but got "
-                        f"{type(group).__name__} {group!r}")
-    return group_ranks(group)
+    # MindSpore's check_value_type('group', ..., (str,)) and the created groups
+    # (compiler/communication.py: inside a Morph region, every rank's own group)
+    return group_ranks(group, prim)
 
 
 class AllReduce(Primitive):

@@ -24,7 +24,9 @@ capacity blocks per member. Being IR ops (Gather, CumSum, comparisons, AlltoAll)
 both backends and differentiates as they do: the gradient is the AlltoAllV back, with the
 counts swapped.
 
-The group is the world group, as for the other user-called collectives (hybrid_parallel).
+The group is the world group or one `create_group` made (compiler/communication.py): inside a
+Morph region, each rank's own group of the like groups (mindformers' expert-parallel groups
+of ep ranks, ep smaller than the devices); the padded AlltoAll runs over it.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class AlltoAllV(Primitive):
             raise TypeError(f"For 'AlltoAllV', the 'block_size' must be an int >= 1, got "
                             f"{block_size!r}")
         super().__init__(group=name, block_size=int(block_size))
-        self.ranks = ranks
+        self.ranks, self.group = ranks, group
 
     def __call__(self, x: Any, send_list: Any, recv_list: Any) -> Any:
         from pcompile.compiler import ops
@@ -79,7 +81,7 @@ class AlltoAllV(Primitive):
             kept = blocks if out_rows == rows else _resize(blocks, out_rows)
             return ops.Reshape()(_mask_rows(kept, recv, out_rows), (out_rows * block,))
         packed = _pack(blocks, send, n, rows)                        # (n * rows, block)
-        exchanged = ops.AlltoAll(n, 0, 0)(packed)                    # (n * rows, block)
+        exchanged = ops.AlltoAll(n, 0, 0, self.group)(packed)        # (n * rows, block)
         out = _unpack(exchanged, recv, n, rows, out_rows)            # (out_rows, block)
         return ops.Reshape()(out, (out_rows * block,))
 

@@ -36,8 +36,11 @@ Written from mindformers' cells and strategies (`DeepSeekV2Attention`, `DeepSeek
   MoEV3): no capacity; each group's choices sorted by expert, the experts in a Morph region
   (self_define_shard) that runs on each rank's slices: an AlltoAll of the per-expert counts,
   AlltoAllV of the tokens and ids with the counts the step computes, two GroupedMatmuls over
-  the rank's experts (Swiglu between) and the AlltoAllV back; ep = the devices (the region's
-  collectives run over every rank), E and DEEPSEEK_GROUPS multiples of it;
+  the rank's experts (Swiglu between) and the AlltoAllV back, over the rank's expert-parallel
+  group (mindformers' FFN: Layout (dp * mp / ep, ep, 1, 1, 1), ep = DEEPSEEK_EP dividing
+  dp * mp, default dp * mp; each group the ep consecutive ranks, made with create_group and
+  named by a hash of its ranks as mindformers names it); E a multiple of ep, DEEPSEEK_GROUPS
+  of dp * mp;
 * **loss**: the masked cross-entropy of the next token plus the expert-level balance loss
   (alpha E^2 mean(f_e P_e), aux_loss_factors [0.0001]) of every MoE layer;
 * **MTP** (multi-token prediction, DEEPSEEK_MTP, default 0 layers; mindformers' mtp_depth 1): one
@@ -47,7 +50,8 @@ Written from mindformers' cells and strategies (`DeepSeekV2Attention`, `DeepSeek
 
 Parallelism from the parallel context and the environment, as mindformers' MoE parallel config:
 mp = DEEPSEEK_MP (default 2), dp = devices / mp, ep = DEEPSEEK_EP (default gcd(dp, experts)); ep
-divides dp and the expert count. DEEPSEEK_SEQ_PARALLEL (`1`, the yaml's use_seq_parallel, or
+divides dp and the expert count (with DEEPSEEK_USE_GMM=1, as mindformers' MoEV3: ep divides dp * mp,
+default dp * mp). DEEPSEEK_SEQ_PARALLEL (`1`, the yaml's use_seq_parallel, or
 `0`): the norms and residual adds split over the tokens on mp, q2l_proj, kv2l_latent_kv and
 kv2l_k_pe on the (dp * mp) token rows, lq_norm and lkv_norm on 2-D rows, wo reduce-scattering its
 output. Routing groups: DEEPSEEK_GROUPS (default 8, a multiple of dp; mindformers routes per
@@ -91,6 +95,7 @@ MTP layers are refused (their embedding would be shared between the first and la
     DEEPSEEK_MP=1 pcompile examples/deepseek.py --devices 8        # dp 8 x ep 8
 """
 
+import hashlib
 import importlib.util
 import math
 import os
@@ -108,6 +113,7 @@ from pcompile import (
     set_auto_parallel_context,
     set_seed,
 )
+from pcompile.communication import create_group, get_rank
 from pcompile.ops import operations as P  # noqa: N812  (mindformers' spelling)
 
 
@@ -229,7 +235,7 @@ def parallel_config():
         raise ValueError(f"DEEPSEEK_MP={mp} does not divide the {devices} devices of a stage")
     dp = devices // mp
     ep = min(int(os.environ.get("DEEPSEEK_EP", str(math.gcd(dp, EXPERTS)))), dp)
-    if dp % ep or EXPERTS % ep:
+    if not USE_GMM and (dp % ep or EXPERTS % ep):  # MoEV3's ep: MoEFFN
         raise ValueError(f"DEEPSEEK_EP={ep} must divide the data parallel {dp} and the "
                          f"{EXPERTS} experts")
     if GROUPS % dp:
@@ -629,12 +635,13 @@ class MoEV2(nn.Cell):
         return self.reshape(out, (batch, seq, dim)), extra_loss
 
 
-def ffn_forward(x, expert_id, counter, w1, w2, hidden_size, ep):
+def ffn_forward(x, expert_id, counter, w1, w2, ep_group, hidden_size, ep):
     """mindformers' MoEV3 ffn_forward_func on one rank's slices (a Morph region): x (g, kN, h)
     and expert_id (g, kN) the local routing groups' choices, counter (g, E) their counts, w1
-    (E / ep, h, 2 F) and w2 (E / ep, F, h) the rank's experts. The counts go to every rank (an
-    AlltoAll), the tokens and their expert ids with AlltoAllV, sorted there by expert for two
-    GroupedMatmuls over the received counts with Swiglu between, and come back the same way.
+    (E / ep, h, 2 F) and w2 (E / ep, F, h) the rank's experts. The counts go to every rank of its
+    expert-parallel group ep_group (an AlltoAll), the tokens and their expert ids with
+    AlltoAllV, sorted there by expert for two GroupedMatmuls over the received counts with
+    Swiglu between, and come back the same way.
     Differences from mindformers' function, which takes one group per rank: the local groups'
     choices are sorted by expert together first (so that each rank's tokens leave in one
     block), and the rows past the received ones (AlltoAllV's static bound, zeros) sort last."""
@@ -645,13 +652,13 @@ def ffn_forward(x, expert_id, counter, w1, w2, hidden_size, ep):
     _, back_order = ops.sort(ops.cast(order, "float32"))
     rows, ids = ops.gather(rows, order, 0), ops.gather(ids, order, 0)
     counter = counter.sum(0).reshape(1, EXPERTS)
-    local_counter = ops.AlltoAll(ep, -1, -2)(counter)                  # (ep, E / ep)
+    local_counter = ops.AlltoAll(ep, -1, -2, ep_group)(counter)        # (ep, E / ep)
     send = ops.MoveTo()(ops.cast(counter.reshape(ep, -1).sum(-1), "int32"), "CPU", True)
     recv = ops.MoveTo()(ops.cast(local_counter.sum(-1), "int32"), "CPU", True)
     group_list = ops.cumsum(ops.cast(local_counter.sum(0), "int32"), 0)
-    received = ops.AlltoAllV(block_size=hidden_size)(rows.reshape(-1), send, recv)
+    received = ops.AlltoAllV(ep_group, hidden_size)(rows.reshape(-1), send, recv)
     received = received.reshape(-1, hidden_size)
-    ids = ops.AlltoAllV(block_size=1)(ids, send, recv)
+    ids = ops.AlltoAllV(ep_group, 1)(ids, send, recv)
     index = Tensor(np.arange(ids.shape[0], dtype=np.int32))
     valid = ops.cast(index < recv.sum(), "float32")
     _, sort_map = ops.sort(ids * valid + EXPERTS * (1 - valid))
@@ -662,7 +669,7 @@ def ffn_forward(x, expert_id, counter, w1, w2, hidden_size, ep):
     hidden = ops.Swiglu()(gate, -1)
     y = gmm([hidden], [w2], None, None, None, None, None, group_list)[0]
     y = ops.gather(y, unsort_map, 0)
-    y = ops.AlltoAllV(block_size=hidden_size)(y.reshape(-1), recv, send)
+    y = ops.AlltoAllV(ep_group, hidden_size)(y.reshape(-1), recv, send)
     y = ops.gather(y.reshape(-1, hidden_size), back_order, 0)
     return y.reshape(groups, choices, hidden_size)
 
@@ -675,26 +682,48 @@ def _morph_dtype(*dtypes):
     return dtypes[0]
 
 
+_EP_GROUP_NAME = {}
+
+
+def ep_group_name(ep):
+    """mindformers' FFN._get_ep_group_name: this rank's expert-parallel group, the ep
+    consecutive ranks from rank // ep * ep, named by a hash of their list and created once."""
+    start = get_rank() // ep * ep
+    ranks = list(range(start, start + ep))
+    key = "-".join(str(r) for r in ranks)
+    if key not in _EP_GROUP_NAME:
+        _EP_GROUP_NAME[key] = hashlib.sha256(key.encode()).hexdigest()[:48]
+        create_group(_EP_GROUP_NAME[key], ranks)
+    return _EP_GROUP_NAME[key]
+
+
 class MoEFFN(nn.Cell):
     """mindformers' MoEV3 `FFN` cell: w1 [E, h, 2 F] (gate and up) and w2 [E, F, h], the experts
     in a Morph region (`hook_ffn_forward`, self_define_shard) laid out as mindformers' Layout
-    (outer_dp, inner_dp, sp, mp0, mp1): the groups over (outer_dp, inner_dp), the experts over
-    inner_dp = ep. Its AlltoAll and AlltoAllVs run over every rank (pcompile's user-called
-    collectives take the world group), so ep is the device count."""
+    (outer_dp, inner_dp, sp, mp0, mp1) = (devices / ep, ep, 1, 1, 1): the groups over
+    (outer_dp, inner_dp), the experts over inner_dp = ep. Its AlltoAll and AlltoAllVs run over
+    the rank's expert-parallel group (ep_group_name)."""
 
     def __init__(self, devices):
         super().__init__()
-        if EXPERTS % devices or GROUPS % devices:
-            raise ValueError(f"DEEPSEEK_USE_GMM=1 puts E / ep experts on each of the {devices} "
-                             f"ranks (ep = the devices) and splits the routing groups over them: "
-                             f"{EXPERTS} experts and DEEPSEEK_GROUPS={GROUPS} must be multiples "
-                             f"of {devices}")
+        ep = min(int(os.environ.get("DEEPSEEK_EP", str(devices))), devices)
+        if devices % ep:
+            raise ValueError(f"DEEPSEEK_USE_GMM=1: the expert parallel DEEPSEEK_EP={ep} must "
+                             f"divide data_parallel * model_parallel ({devices}), as mindformers' "
+                             "MoEV3 requires")
+        if EXPERTS % ep or GROUPS % devices:
+            raise ValueError(f"DEEPSEEK_USE_GMM=1 puts E / ep experts on each of the ep={ep} "
+                             f"ranks of an expert-parallel group and splits the routing groups "
+                             f"over the {devices} ranks: {EXPERTS} experts must be a multiple of "
+                             f"{ep} and DEEPSEEK_GROUPS={GROUPS} of {devices}")
         self.dtype = COMPUTE_DTYPE
-        self.ep = devices
+        self.ep = ep
+        self.ep_group = ep_group_name(ep)
         self.w1 = Parameter(initializer("normal", [EXPERTS, HIDDEN, 2 * MOE_FFN]), "w1")
         self.w2 = Parameter(initializer("normal", [EXPERTS, MOE_FFN, HIDDEN]), "w2")
         self.cast = P.Cast()
-        layout = Layout((1, devices, 1, 1, 1), ("outer_dp", "inner_dp", "sp", "mp0", "mp1"))
+        layout = Layout((devices // ep, ep, 1, 1, 1), ("outer_dp", "inner_dp", "sp", "mp0",
+                                                          "mp1"))
         self.hook_ffn_forward = P.Morph(ffn_forward, _morph_shape, _morph_dtype)
         self.hook_ffn_forward.add_prim_attr("self_define_shard", True)
         self.hook_ffn_forward.shard(
@@ -707,7 +736,8 @@ class MoEFFN(nn.Cell):
 
     def construct(self, x, expert_id, counter):
         w1, w2 = self.cast(self.w1, self.dtype), self.cast(self.w2, self.dtype)
-        return self.hook_ffn_forward(x, expert_id, counter, w1, w2, HIDDEN, self.ep)
+        return self.hook_ffn_forward(x, expert_id, counter, w1, w2, self.ep_group, HIDDEN,
+                                     self.ep)
 
 
 class MoEV3(nn.Cell):

@@ -39,9 +39,11 @@ from pcompile.ir.sharding import (
 )
 from pcompile.ir.types import DType, TensorType, ValueType
 
-#: body name -> f(the rank graph, the local operands) -> the local result, filled by the front
-#: end while it traces (compiler/morph.py)
-BodyFn = Callable[[Graph, list[Value]], Value]
+#: body name -> f(the rank graph, the local operands, the builder's `rank_value`) -> the local
+#: result, filled by the front end while it traces (compiler/morph.py); `rank_value` gives a
+#: rank-dependent value (the group of a collective over a created group) for every rank of the
+#: program, or at its one rank
+BodyFn = Callable[[Graph, list[Value], Callable[[Any], Any]], Value]
 _BODIES: dict[str, BodyFn] = {}
 
 
@@ -68,7 +70,7 @@ class _MorphBody(Expansion):
             raise PcompileError(f"{node.where()}: the body {node.attrs['body']!r} of this Morph "
                                 "was not traced in this compile")
         before = set(map(id, b.graph.nodes))
-        out = body(b.graph, operands)
+        out = body(b.graph, operands, lower.rank_value)
         if node.attrs.get("recompute") is True:  # a recomputed cell's region: its ops too
             for made in b.graph.nodes:
                 if id(made) not in before and "recompute" not in made.attrs:

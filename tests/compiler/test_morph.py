@@ -115,3 +115,75 @@ def test_the_shrunk_check_refuses_a_region_with_one_message() -> None:
     message = str(info.value)
     for part in ("Morph region", "hook_ffn_forward", "morph_moe.py", "--force-check"):
         assert part in message, (part, message)
+
+
+def test_expert_parallel_smaller_than_the_world(monkeypatch: Any) -> None:
+    """MORPH_MOE_EP=4 of 8 devices (mindformers' FFN with outer_dp 2): the model creates its
+    expert-parallel group as mindformers does (create_group of the 4 consecutive ranks of
+    rank 0, the compiling rank); in each rank's program the region's AlltoAlls run over that
+    rank's own group (ranks 0..3 or 4..7), a rank holds 2 of the 8 experts, and three steps
+    equal one device's in float64. (Before, the region's collectives took the world group:
+    `AlltoAll(4, ..., group)` was refused.)"""
+    monkeypatch.setenv("MORPH_MOE_EP", "4")
+    program = compile_model(MODEL, devices=8, dump=False)
+    assert program.state.assignment.param_layouts["w1"].splits == (4, 1, 1)
+    for rank, group in ((1, (0, 1, 2, 3)), (6, (4, 5, 6, 7))):
+        graph = program.rank_graph(rank)
+        groups = {n.attrs["rank_list"] for n in graph.nodes if n.op == "AlltoAll"}
+        assert groups == {group}, (rank, groups)
+        gmm = [n.operands[1].shape for n in graph.nodes if n.op == "GroupedMatmul"]
+        assert gmm[:2] == [(2, 8, 16), (2, 8, 8)]
+    report = check(program, steps=3)
+    assert report.ok(), report
+
+
+JAX_EP_CHECK = """
+import json, os, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_enable_x64", True)
+import numpy as np
+from pcompile.backends.jax.spmd import JaxSpmdRunner
+from pcompile.compiler.runtime import batches
+from pcompile.tools.compile import compile as compile_model
+from pcompile.tools.oracle import single_device
+from pcompile.tools.runners import StandAloneRunner
+program = compile_model(sys.argv[1], devices=8, dump=False)
+ref = single_device(program)
+jr = JaxSpmdRunner(program, float64=True)
+one = StandAloneRunner(ref, "numpy", float64=True)
+for name in one.values:
+    if name in program.initial_values:
+        one.values[name] = np.asarray(program.initial_values[name], np.float64)
+losses = [(jr.step(a), one.step(a)) for _, _, a in batches(ref, 3)]
+worst = 0.0
+for name, want in one.values.items():
+    got = np.asarray(jr.global_value(name), np.float64)
+    scale = max(float(np.max(np.abs(want))), 1e-6)
+    worst = max(worst, float(np.max(np.abs(got - want))) / scale)
+print("REPORT " + json.dumps({"losses": losses, "worst": worst,
+                              "mesh": list(jr.plan.mesh.sizes),
+                              "fallback": sum(1 for n in jr.plan.nodes if n.kind == "collective"
+                                              and n.collective.axes is None)}))
+"""
+
+
+@pytest.mark.slow  # a JAX process of 8 virtual CPU devices (~15 s)
+def test_expert_parallel_smaller_than_the_world_on_jax() -> None:
+    """The same plan (MORPH_MOE_EP=4 of 8) as one SPMD JAX program over 8 CPU devices in
+    float64: the sub-group collectives lower to mesh axes (no fallback group), and three steps'
+    losses and weights equal one device's within the oracle's float64 bound."""
+    import json
+
+    from pcompile.tools.oracle import FLOAT64_RTOL
+
+    env = dict(clean_env(), JAX_PLATFORMS="cpu", MORPH_MOE_EP="4")
+    proc = subprocess.run([sys.executable, "-c", JAX_EP_CHECK, MODEL], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("REPORT ")][-1]
+    report = json.loads(line[len("REPORT "):])
+    assert report["fallback"] == 0, report
+    for got, want in report["losses"]:
+        assert abs(got - want) <= FLOAT64_RTOL * abs(want), report
+    assert report["worst"] <= FLOAT64_RTOL, report

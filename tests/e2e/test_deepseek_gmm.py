@@ -49,13 +49,41 @@ def test_gmm_variant_needs_the_experts_over_every_rank(monkeypatch: Any) -> None
         compile_model(DEEPSEEK, devices=8, dump=False)
 
 
+@pytest.mark.slow  # a compile and a float64 check on 8 devices of two steps (~5 s of CPU)
+def test_gmm_variant_with_ep_smaller_than_the_devices(monkeypatch: Any) -> None:
+    """DEEPSEEK_EP=4 of dp 4 x mp 2 (mindformers' FFN: Layout (2, 4, 1, 1, 1), ep dividing
+    dp * mp): the expert-parallel groups are made with create_group as mindformers makes them;
+    a rank holds 2 of the 8 experts and the region's AlltoAlls run over its own group of 4;
+    two steps equal one device's (float64). Refused before (the region's collectives took the
+    world group only)."""
+    knobs(monkeypatch, USE_GMM="1", EP="4")
+    program = compile_model(DEEPSEEK, devices=8, dump=False)
+    for rank, group in ((1, (0, 1, 2, 3)), (6, (4, 5, 6, 7))):
+        graph = program.rank_graph(rank)
+        assert {n.attrs["rank_list"] for n in graph.nodes if n.op == "AlltoAll"} == {group}
+        gmm = [n.operands[1].shape for n in graph.nodes if n.op == "GroupedMatmul"]
+        assert gmm[:2] == [(2, 64, 64), (2, 32, 64)], gmm
+    report = check(program, steps=2)
+    assert report.ok(), f"worst {report.worst}, losses {report.losses}"
+
+
+def test_gmm_variant_refuses_an_ep_that_does_not_divide_the_devices(monkeypatch: Any) -> None:
+    knobs(monkeypatch, USE_GMM="1", EP="3")
+    with pytest.raises(Exception, match="must divide data_parallel \\* model_parallel"):
+        compile_model(DEEPSEEK, devices=8, dump=False)
+
+
 @pytest.mark.slow
-def test_gmm_variant_8_processes_train_like_one_device(monkeypatch: Any, tmp_path: Any) -> None:
-    """`DEEPSEEK_USE_GMM=1 pcompile examples/deepseek.py --devices 8 --run` (float32): every
-    rank the same loss, within t x eps x K of the float64 single device at step t (K the
-    longest reduction, test_llama's rule)."""
+@pytest.mark.parametrize("ep", ["8", "4"])
+def test_gmm_variant_8_processes_train_like_one_device(monkeypatch: Any, tmp_path: Any,
+                                                       ep: str) -> None:
+    """`DEEPSEEK_USE_GMM=1 DEEPSEEK_EP=<ep> pcompile examples/deepseek.py --devices 8 --run`
+    (float32; ep 8 = every rank, ep 4 = two expert-parallel groups): every rank the same loss,
+    within t x eps x K of the float64 single device at step t (K the longest reduction,
+    test_llama's rule)."""
     steps = 3
-    env = clean_env("DEEPSEEK_", "LLAMA_", DEEPSEEK_DTYPE="float32", DEEPSEEK_USE_GMM="1")
+    env = clean_env("DEEPSEEK_", "LLAMA_", DEEPSEEK_DTYPE="float32", DEEPSEEK_USE_GMM="1",
+                    DEEPSEEK_EP=ep)
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "pcompile", DEEPSEEK, "--devices", "8", "--out", str(out),
@@ -65,7 +93,7 @@ def test_gmm_variant_8_processes_train_like_one_device(monkeypatch: Any, tmp_pat
     assert "every rank reports the same loss" in proc.stdout
     got = [float(line.rsplit(" ", 1)[1])
            for line in (out / "rank_0" / "train.log").read_text().splitlines()]
-    knobs(monkeypatch, DTYPE="float32", USE_GMM="1")
+    knobs(monkeypatch, DTYPE="float32", USE_GMM="1", EP=ep)
     one = compile_model(DEEPSEEK, devices=1, dump=False)
     runner = StandAloneRunner(one, "numpy", float64=True)
     want = [runner.step(a) for _, _, a in batches(one, steps)]

@@ -7,9 +7,17 @@ expert ids, a sort by expert, `GroupedMatmul` with the rank's experts over the r
 weighed and summed. The experts are split over the ranks (ep = the devices; one device runs the
 region on the whole tensors).
 
+MORPH_MOE_EP=n (n dividing the devices) makes expert parallelism smaller than the world, as
+mindformers' FFN does: Layout (devices / n, n, 1, 1, 1), the experts split n ways, and the
+region's collectives over each rank's expert-parallel group of n ranks (create_group, named
+after its ranks as mindformers names them).
+
 The router makes every token choose experts 0 and 1: experts 2..7 get no tokens and 0 and 1
 every one, more than a capacity factor of 1.5 keeps (ceil(2 * 32 * 1.5 / 8) = 12 of 32).
 """
+
+import hashlib
+import os
 
 import numpy as np
 
@@ -24,6 +32,7 @@ from pcompile import (
     set_auto_parallel_context,
     set_seed,
 )
+from pcompile.communication import create_group, get_rank
 
 set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
                           dataset_strategy="full_batch")
@@ -39,17 +48,33 @@ def router_init():
     return w.astype(np.float32)
 
 
-def ffn_forward(x, expert_id, counter, w1, w2, hidden_size, ep):
+_EP_GROUP_NAME = {}
+
+
+def ep_group_name(ep):
+    """mindformers' FFN._get_ep_group_name: the ep consecutive ranks of this rank, named by a
+    hash of their list, created once."""
+    start = get_rank() // ep * ep
+    ranks = list(range(start, start + ep))
+    key = "-".join(str(r) for r in ranks)
+    if key not in _EP_GROUP_NAME:
+        name = hashlib.sha256(key.encode()).hexdigest()[:48]
+        create_group(name, ranks)
+        _EP_GROUP_NAME[key] = name
+    return _EP_GROUP_NAME[key]
+
+
+def ffn_forward(x, expert_id, counter, w1, w2, ep_group, hidden_size, ep):
     """mindformers' ffn_forward_func on one rank's slices: x (1, kN, h) sorted by expert,
     expert_id (1, kN), counter (1, E); w1 (E / ep, h, 2 F), w2 (E / ep, F, h)."""
     x_shape = x.shape
-    local_counter = ops.AlltoAll(ep, -1, -2)(counter)                  # (ep, E / ep)
+    local_counter = ops.AlltoAll(ep, -1, -2, ep_group)(counter)        # (ep, E / ep)
     send = ops.MoveTo()(ops.cast(counter.reshape(ep, -1).sum(-1), "int32"), "CPU")
     recv = ops.MoveTo()(ops.cast(local_counter.sum(-1), "int32"), "CPU")
     group_list = ops.cumsum(ops.cast(local_counter.sum(0), "int32"), 0)
-    x = ops.AlltoAllV(block_size=hidden_size)(x.reshape(-1), send, recv).reshape(1, -1,
-                                                                                  hidden_size)
-    ids = ops.AlltoAllV(block_size=1)(expert_id.reshape(-1), send, recv).reshape(1, -1)
+    x = ops.AlltoAllV(ep_group, hidden_size)(x.reshape(-1), send, recv).reshape(1, -1,
+                                                                                 hidden_size)
+    ids = ops.AlltoAllV(ep_group, 1)(expert_id.reshape(-1), send, recv).reshape(1, -1)
     # the rows past the received ones (AlltoAllV's static bound, zeros) sort last
     rows = Tensor(np.arange(ids.shape[1], dtype=np.int32).reshape(1, -1))
     valid = ops.cast(rows < recv.sum(), "float32")
@@ -62,7 +87,7 @@ def ffn_forward(x, expert_id, counter, w1, w2, hidden_size, ep):
     hidden = ops.Swiglu()(gate, -1)
     y = gmm([hidden], [w2], None, None, None, None, None, group_list)[0]
     y = ops.gather(y.reshape(1, -1, hidden_size), unsort_map, 1, 1)
-    y = ops.AlltoAllV(block_size=hidden_size)(y.reshape(-1), recv, send)
+    y = ops.AlltoAllV(ep_group, hidden_size)(y.reshape(-1), recv, send)
     return y.reshape(x_shape)
 
 
@@ -78,7 +103,11 @@ class MoEV3(nn.Cell):
     def __init__(self):
         super().__init__()
         self.dp = dp = int(get_auto_parallel_context("device_num"))
-        self.ep = dp
+        self.ep = int(os.environ.get("MORPH_MOE_EP", dp)) if dp > 1 else 1
+        if dp % self.ep or EXPERTS % self.ep:
+            raise ValueError(f"MORPH_MOE_EP={self.ep} must divide the {dp} devices and the "
+                             f"{EXPERTS} experts")
+        self.ep_group = ep_group_name(self.ep)
         self.router = Parameter(Tensor(router_init()), "router")
         self.w1 = Parameter(initializer("normal", [EXPERTS, HIDDEN, 2 * FFN]), "w1")
         self.w2 = Parameter(initializer("normal", [EXPERTS, FFN, HIDDEN]), "w2")
@@ -98,7 +127,8 @@ class MoEV3(nn.Cell):
         self.cast = ops.Cast()
         self.reshape = ops.Reshape()
         self.on, self.off = Tensor(1.0, np.float32), Tensor(0.0, np.float32)
-        layout = Layout((1, self.ep, 1, 1, 1), ("outer_dp", "inner_dp", "sp", "mp0", "mp1"))
+        layout = Layout((dp // self.ep, self.ep, 1, 1, 1),
+                        ("outer_dp", "inner_dp", "sp", "mp0", "mp1"))
         self.hook_ffn_forward = ops.Morph(ffn_forward, infer_shape, infer_dtype)
         self.hook_ffn_forward.add_prim_attr("self_define_shard", True)
         self.hook_ffn_forward.shard(
@@ -125,7 +155,7 @@ class MoEV3(nn.Cell):
         _, unsort_map = self.sort(self.cast(sort_map, "float32"))
         unsort_map = self.transpose_unsort(self.reshape(unsort_map, (dp, TOP_K, n)), (0, 2, 1))
         out = self.hook_ffn_forward(expert_input, sorted_index, counter, self.w1, self.w2,
-                                    HIDDEN, self.ep)
+                                    self.ep_group, HIDDEN, self.ep)
         # mindformers' _tensor_unsort
         out = self.gather_unsort(out, unsort_map, 1)                          # (dp, N, k, h)
         out = self.mul_coeff(out, self.reshape(gate, (dp, n, TOP_K, 1)))
