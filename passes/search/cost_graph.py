@@ -157,6 +157,7 @@ class CostGraph:
         self.devices = devices
         self.constants = constants
         self.table = CandidateTable(devices, fully_use_devices, reduce_scatter)
+        self._configured: dict[Any, list[Candidate]] = {}  # configured ops by signature
         self.vertices: list[Vertex] = []
         self.edges: list[Edge] = []
         self.vertex_of: dict[int, int] = {}  # id(node) -> vertex index
@@ -192,10 +193,17 @@ class CostGraph:
                            for v in node.operands)
             sig: Any
             if user is not None:
-                sharding = shard_node(node, devices, user, node.attrs.get("out_strategy"))
-                by_layout = any(isinstance(s, dict) for s in user)
-                cands = [make_candidate(sharding, spec=tuple(user) if by_layout else None)]
-                sig = ("configured", id(node))
+                # alike ops given alike strategies (a deep model's layers) share their
+                # candidate, and every cache keyed by the signature
+                out_strategy = node.attrs.get("out_strategy")
+                sig = ("configured", self.table.signature(node), trainable, params,
+                       repr(user), repr(out_strategy))
+                cands = self._configured.get(sig)
+                if cands is None:
+                    sharding = shard_node(node, devices, user, out_strategy)
+                    by_layout = any(isinstance(s, dict) for s in user)
+                    cands = [make_candidate(sharding, spec=tuple(user) if by_layout else None)]
+                    self._configured[sig] = cands
             else:
                 cands = self.table.for_node(node)
                 sig = (self.table.signature(node), trainable, params)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import re
 import time
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from math import inf, isfinite
 from typing import Any
@@ -194,10 +195,16 @@ def layer_groups(graph: Any) -> dict[int, tuple[str, int]]:
     return out
 
 
+def grad_flags(v: Vertex, grad: Collection[int] | None) -> Any:
+    """Which of the op's operands and result get a gradient (what its backward moves depends
+    on, besides its signature)."""
+    if grad is None or v.node is None:
+        return None
+    return (id(v.node.result) in grad, tuple(id(o) in grad for o in v.node.operands))
+
+
 def _fold_signature(v: Vertex) -> Any:
-    if v.configured and v.node is not None:
-        return ("configured", v.node.op, str(v.candidates[0].strategy))
-    return v.signature
+    return v.signature  # a configured op's names its strategy (cost_graph.py)
 
 
 def _internal(cg: CostGraph, groups: dict[int, list[int]], pos: dict[int, tuple[int, int]],
@@ -212,9 +219,12 @@ def _internal(cg: CostGraph, groups: dict[int, list[int]], pos: dict[int, tuple[
     return sorted(out)
 
 
-def fold(cg: CostGraph, stages: list[int] | None = None) -> Folding:
+def fold(cg: CostGraph, stages: list[int] | None = None,
+         grad: Collection[int] | None = None) -> Folding:
     """Representatives for the vertices of repeated layers (module docstring); with pipeline
-    stages (`stages`: every vertex's), the layers of one stage fold together."""
+    stages (`stages`: every vertex's), the layers of one stage fold together; `grad`: the
+    values that get a gradient (`Costs.grad`): a layer folds with those whose ops' values get
+    gradients alike (a first layer reading data does not stand for the next ones)."""
     n = len(cg.vertices)
     group_of: dict[int, tuple[str, int]] = {}
     for v in cg.vertices:
@@ -239,30 +249,34 @@ def fold(cg: CostGraph, stages: list[int] | None = None) -> Folding:
     folded: dict[str, int] = {}
     for name, groups in families.items():
         order = sorted(groups)
-        if len(order) < 2:
-            continue
-        lead = groups[order[0]]
-
-        def signature(group: list[int]) -> list[Any]:
-            return [(_fold_signature(cg.vertices[i]), stages[i] if stages else 0)
-                    for i in group]
-
-        sig = signature(lead)
         pos = {vi: (g, k) for g in order for k, vi in enumerate(groups[g])}
 
-        shape = _internal(cg, groups, pos, order[0])
-        if any(len(groups[g]) != len(lead) or signature(groups[g]) != sig
-               or _internal(cg, groups, pos, g) != shape for g in order[1:]):
-            continue
-        for g in order[1:]:
-            for k, vi in enumerate(groups[g]):
-                rep[vi] = lead[k]
-                mult[vi] = 0
-        for vi in lead:
-            mult[vi] = len(order)
-            layer_of[vi] = True
-        last[lead[-1]] = len(order)
-        folded[name] = len(order)
+        # maximal runs of consecutive alike layers (a model's first dense layers before its
+        # mixture-of-experts ones fold apart); one run: the whole list, as named
+        runs: list[list[int]] = []
+        previous: Any = None
+        for g in order:
+            current = ([(_fold_signature(cg.vertices[i]), stages[i] if stages else 0,
+                         grad_flags(cg.vertices[i], grad))
+                        for i in groups[g]], _internal(cg, groups, pos, g))
+            if runs and current == previous:
+                runs[-1].append(g)
+            else:
+                runs.append([g])
+            previous = current
+        for run in runs:
+            if len(run) < 2:
+                continue
+            lead = groups[run[0]]
+            for g in run[1:]:
+                for k, vi in enumerate(groups[g]):
+                    rep[vi] = lead[k]
+                    mult[vi] = 0
+            for vi in lead:
+                mult[vi] = len(run)
+                layer_of[vi] = True
+            last[lead[-1]] = len(run)
+            folded[name if len(runs) == 1 else f"{name} [{run[0]}-{run[-1]}]"] = len(run)
     return Folding(rep, mult, last, layer_of, folded)
 
 
@@ -357,8 +371,8 @@ class Costs:
         if v.kind != "op" or v.node is None:
             return [OpTime()] * len(v.candidates)
         owned = frozenset(i for i, _ in self.owner.get(v.index, ()))
-        key = ((v.signature, "configured", v.index) if v.configured else v.signature, popt,
-               owned)
+        # a configured op's signature names its strategy; the gradients' flags are the op's
+        key = (v.signature, popt, owned, grad_flags(v, self.grad))
         hit = self._op.get(key)
         if hit is None:
             hit = [op_time(v.node, c.sharding, self.cg.devices, self.options.profile,
@@ -398,7 +412,7 @@ class Costs:
         return id(node.operands[e.dst_in]) in self.grad
 
     def candidate_axes(self, v: Vertex) -> list[frozenset[tuple[int, int]]]:
-        key = (v.signature, "configured", v.index) if v.configured else v.signature
+        key = v.signature
         hit = self._axes.get(key)
         if hit is None:
             hit = self._axes[key] = [axes_of(c) for c in v.candidates]
@@ -791,7 +805,7 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
     """The fastest plan that fits (module docstring)."""
     start = time.perf_counter()
     costs = Costs(cg, options)
-    folding = fold(cg, costs.stages)
+    folding = fold(cg, costs.stages, costs.grad)
     edges = mapped_edges(cg, folding)
     best: IlpPlan | None = None
     tried: list[dict[str, Any]] = []

@@ -90,7 +90,7 @@ def predict(graph: Graph, devices: int, profile: DeviceProfile, memory_capacity:
     options = IlpOptions(profile, memory_capacity, training, optimizer_states, enable_alltoall,
                          pipeline=pipeline)
     costs = Costs(cg, options, parameters_agree=False)
-    folding = fold(cg, costs.stages)
+    folding = fold(cg, costs.stages, costs.grad)
     edges = mapped_edges(cg, folding)
     choice = {v.index: 0 for v in cg.vertices}
     compute, comm, memory = evaluate(cg, costs, folding, edges, choice, parallel_optimizer,

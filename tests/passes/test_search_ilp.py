@@ -179,7 +179,7 @@ def test_folded_layers_solve_like_all_layers(monkeypatch: Any) -> None:
     assert state.plan["prediction"]["memory"] == search["predicted_memory"]
 
 
-def _no_fold(cg: CostGraph, stages: Any = None) -> ilp_module.Folding:
+def _no_fold(cg: CostGraph, stages: Any = None, grad: Any = None) -> ilp_module.Folding:
     n = len(cg.vertices)
     return ilp_module.Folding(list(range(n)), [1] * n, {}, [False] * n, {})
 
