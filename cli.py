@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 from pcompile import __version__
-from pcompile.backends.progress import setup_logging
+from pcompile.program.progress import setup_logging
 
 # At exit the interpreter runs one last full garbage collection over everything still alive: a
 # compile's graphs (their use lists are cycles) and memo tables, about a second for a 96-layer

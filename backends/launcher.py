@@ -831,9 +831,9 @@ def _same(a: str, b: str) -> bool:
 def run_launched(out_dir: str, devices: int, training: bool, options: RunOptions,
                  echo: Callable[..., None]) -> int:
     """`pcompile --run` with the rank programs in `out_dir`, one process per rank (`launch`,
-    as `options` say): what starts, the progress (backends/progress.py `run_monitor`), and the
+    as `options` say): what starts, the progress (program/progress.py `run_monitor`), and the
     summary; the run's exit status. A refusal is a LaunchError."""
-    from pcompile.backends.progress import run_monitor
+    from pcompile.program.progress import run_monitor
 
     n = devices
     procs = options.processes or n

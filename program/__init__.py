@@ -11,7 +11,9 @@ and the run-time pieces a rank needs without the front end, which import `ir/` o
 - `pretrained`: a tensor of a safetensors file, checked against its recorded identity and read
   slice by slice;
 - `dataset`: the dataset spec written into a rank program (`DATASET`) and the batch slicing by
-  layout.
+  layout;
+- `progress`: logging, MindSpore's loss lines, the bounded read-back of a run's losses and the
+  run's progress display (imports nothing of pcompile: `pcompile --version` loads it).
 
 The front end (compiler/initializer.py, compiler/serialization.py, compiler/runtime.py,
 compiler/data_checks.py) re-exports these under the names model files and tests use.

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pcompile.backends.progress import log
 from pcompile.ir.errors import PcompileError
+from pcompile.program.progress import log
 
 if TYPE_CHECKING:
     from pcompile.compiler.compiled import CompiledProgram

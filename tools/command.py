@@ -32,7 +32,7 @@ def compile_check_run(model: str, compile_args: dict[str, Any], check: CheckOpti
     it, and run it when `run` is given; the exit status. --out is usable and --run's options
     fit the program before anything is written; --out stays locked until the run ends."""
     from pcompile.backends.placement import pin_parent_to_cpu
-    from pcompile.backends.progress import CompileProgress
+    from pcompile.program.progress import CompileProgress
     from pcompile.tools.checks import check_plan
     from pcompile.tools.compile import compile as compile_model
     from pcompile.tools.run import check_tensorboard, prepare_run, refuse_under_a_launcher, train

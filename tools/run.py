@@ -18,9 +18,9 @@ from contextlib import ExitStack
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from pcompile.backends.progress import run_monitor
 from pcompile.backends.run_options import RunOptions
 from pcompile.ir.errors import PcompileError
+from pcompile.program.progress import run_monitor
 
 __all__ = ["RunOptions", "check_tensorboard", "prepare_run", "refuse_under_a_launcher", "train",
            "train_here"]
@@ -176,8 +176,8 @@ class _NonFiniteLossError(Exception):
 def train_here(program: CompiledProgram, options: RunOptions, monitor: Any, echo: Echo) -> None:
     """--run in this process: the numpy simulator, or one device on JAX. `monitor(line)` shows
     each loss line; `monitor.close()` ends the display before the summary."""
-    from pcompile.backends.progress import ReadBack, format_loss_line
     from pcompile.compiler.runtime import batches
+    from pcompile.program.progress import ReadBack, format_loss_line
     from pcompile.tools.runners import StandAloneRunner
 
     steps, backend = options.steps, options.backend
@@ -256,8 +256,8 @@ def _write_logs(program: CompiledProgram, lines: list[str], ranks: int) -> str |
 def _train_simulated(program: CompiledProgram, steps: int, fail_on_nan: bool, monitor: Any,
                      echo: Echo) -> None:
     """--backend numpy for a parallel plan: every rank on the numpy simulator, one process."""
-    from pcompile.backends.progress import format_loss_line
     from pcompile.compiler.runtime import batches
+    from pcompile.program.progress import format_loss_line
     from pcompile.tools.oracle import single_device
     from pcompile.tools.runners import ParallelRunner
 

@@ -29,9 +29,9 @@ from pcompile.backends.jax.rank_process import (
     Watchdog,
     parse_args,
 )
-from pcompile.backends.progress import log as progress_log
 from pcompile.backends.run_options import RunOptions
 from pcompile.ir.errors import PcompileError
+from pcompile.program.progress import log as progress_log
 
 
 class RankRunError(PcompileError):
@@ -139,7 +139,7 @@ def train_in_process(path: str, out_dir: str, options: RunOptions,
     what a launched run writes: train.log, metrics.jsonl, the checkpoints (at the end, every
     --checkpoint-every), the time to first step and the summary; --resume, --tensorboard and
     --profile-steps as the rank program takes them. A failure is a RankRunError."""
-    from pcompile.backends.progress import run_monitor
+    from pcompile.program.progress import run_monitor
 
     steps = options.steps
     # every loss line goes to `echo`, whose display keeps every --print-every-th

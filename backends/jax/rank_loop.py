@@ -512,7 +512,7 @@ class RankRunner:
         from pcompile.backends.async_checkpoint import CheckpointWriteError, HostState
         from pcompile.backends.atomic_files import clean_temp_files
         from pcompile.backends.jax.spmd import local_pieces
-        from pcompile.backends.progress import LossMonitor, ReadBack, format_loss_line
+        from pcompile.program.progress import LossMonitor, ReadBack, format_loss_line
 
         m, args = self.m, self.args
         for r in self.local:  # temporary files of a killed checkpoint write
@@ -593,7 +593,7 @@ class RankRunner:
 
         def finished(item: tuple[int, int, int, Any, list[Any]]) -> None:
             """Wait for a step to run (not read back): the device never holds more than
-            backends.progress.IN_FLIGHT unfinished steps, however long the --log-every
+            program.progress.IN_FLIGHT unfinished steps, however long the --log-every
             groups, and the launcher sees each step done."""
             jax.block_until_ready(item[3])
             self.heartbeat.set(done=item[0] + 1)

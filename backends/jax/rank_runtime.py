@@ -139,7 +139,7 @@ def _main(modules: list[ModuleType], argv: list[str] | None, heartbeat: Heartbea
              else f"pcompile ranks {my_ranks[0]}-{my_ranks[-1]}")
     for module in modules:
         module.LABEL = label  # type: ignore[attr-defined]  # a module takes any attribute
-    from pcompile.backends.progress import setup_logging
+    from pcompile.program.progress import setup_logging
 
     setup_logging(args.verbose, prefix="" if pid == 0 else f"[rank {my_ranks[0]}] ")
 

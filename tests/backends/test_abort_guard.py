@@ -93,7 +93,7 @@ def test_a_rank_process_routes_only_descriptor_2_through_the_helper(tmp_path) ->
     script.write_text(
         "import os, sys\n"
         "from pcompile.backends.jax.abort_guard import start_abort_guard\n"
-        "from pcompile.backends.progress import log, setup_logging\n"
+        "from pcompile.program.progress import log, setup_logging\n"
         "setup_logging(1)\n"
         "real = os.readlink('/proc/self/fd/2')\n"
         "guard = start_abort_guard('pcompile rank 1', 'process 0 (rank 0)', 'h:1', 1)\n"

@@ -16,8 +16,8 @@ import pytest
 
 from pcompile.backends.jax import lower_graph
 from pcompile.backends.jax.spmd import JaxSpmdRunner
-from pcompile.backends.progress import ReadBack
 from pcompile.compiler.runtime import batches
+from pcompile.program.progress import ReadBack
 from pcompile.tools.compile import compile as compile_model
 from pcompile.tools.runners import StandAloneRunner
 from tests import ROOT
@@ -180,7 +180,7 @@ def test_a_loss_is_read_back_once_the_next_step_runs(monkeypatch, every: int,
     train_here(program, RunOptions(steps=STEPS, log_every=every), logged, print)
     assert events == order
     monkeypatch.undo()
-    from pcompile.backends.progress import format_loss_line
+    from pcompile.program.progress import format_loss_line
 
     fresh = StandAloneRunner(program, "jax")
     assert logged == [format_loss_line(epoch, step, fresh.step(arrays))

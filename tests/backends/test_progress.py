@@ -1,4 +1,4 @@
-"""Progress and logging (backends/progress.py, the CLI's -v/-q, the rank programs' output):
+"""Progress and logging (program/progress.py, the CLI's -v/-q, the rank programs' output):
 pass-by-pass compile progress through the driver's hook, quiet when not a terminal, a warning
 once however many ranks log it, loss lines every K steps with the step rate and time left,
 and under a multi-process launcher only process 0 prints losses unless asked, other processes'
@@ -16,8 +16,8 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from pcompile.backends.progress import LossMonitor, log, setup_logging
 from pcompile.cli import main
+from pcompile.program.progress import LossMonitor, log, setup_logging
 from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 from tests.multiprocess import clean_env
@@ -145,7 +145,7 @@ def test_a_terminal_gets_one_display_of_the_steps(monkeypatch) -> None:
     logged meanwhile go above it; -q or a stderr that is no terminal get plain lines."""
     from rich.console import Console
 
-    from pcompile.backends.progress import RichLossMonitor, run_monitor
+    from pcompile.program.progress import RichLossMonitor, run_monitor
 
     logged = _Tty()
     setup_logging(0, False, logged)  # a terminal: INFO

@@ -3,7 +3,7 @@
 generator that raises, an exhausted iterator, `sys.exit()` in `dataset()`) is one line naming
 the batch, the ranks, what is wrong and what would be valid, never a traceback; a `dataset()`
 that blocks is reported as reading its next batch; long `--log-every` groups never leave more
-than `backends.progress.IN_FLIGHT` steps unfinished on a device (a process holding several ranks
+than `program.progress.IN_FLIGHT` steps unfinished on a device (a process holding several ranks
 deadlocked past XLA's CPU queue of 32)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from pcompile.backends.progress import IN_FLIGHT, ReadBack
+from pcompile.program.progress import IN_FLIGHT, ReadBack
 from tests import ROOT
 from tests.multiprocess import clean_env
 

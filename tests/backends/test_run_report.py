@@ -138,7 +138,7 @@ def test_a_resumed_launch_counts_only_its_own_steps() -> None:
 def test_a_terminal_gets_a_progress_bar_and_a_pipe_plain_lines() -> None:
     from rich.console import Console
 
-    from pcompile.backends.progress import LossMonitor, RichLossMonitor, run_monitor
+    from pcompile.program.progress import LossMonitor, RichLossMonitor, run_monitor
 
     lines: list[str] = []
     plain = run_monitor(3, 1, lines.append, stream=io.StringIO())

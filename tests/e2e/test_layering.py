@@ -132,11 +132,11 @@ def test_the_facade_names_still_resolve() -> None:
 
 
 def test_a_rank_programs_loss_lines_load_no_front_end() -> None:
-    """The rank programs' logging, loss lines and read-backs (backends/progress.py) load no
+    """The rank programs' logging, loss lines and read-backs (program/progress.py) load no
     module of pcompile.compiler and no pydantic (they did through compiler/__init__.py)."""
     loaded = _loaded_after(
         "import pcompile.backends.jax.rank_runtime\n"
-        "from pcompile.backends.progress import (LossMonitor, ReadBack, format_loss_line,\n"
+        "from pcompile.program.progress import (LossMonitor, ReadBack, format_loss_line,\n"
         "                                        setup_logging)\n"
         "setup_logging(0)\n"
         "monitor = LossMonitor(2, 1, lambda line: None)\n"
