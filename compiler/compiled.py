@@ -79,10 +79,17 @@ class ReferenceOptions:
     as the mean of the ranks' losses when reductions are rank-local, `cross_batch`), and each
     trainable parameter's gradient is multiplied by `gradient_scales[name]` before the
     optimizer (the mirrors' division under `gradients_mean`, a loss held by k ranks without
-    `loss_repeated_mean`)."""
+    `loss_repeated_mean`). `micro_batches`: a model returning `nn.PipelineCell` runs its
+    micro-batches on the one device as MindSpore's PipelineCell does (each micro-batch through
+    the network, the gradients accumulated, the loss their mean, a forward assignment once per
+    micro-batch in order: `passes.micro_batch.replicate`); else the whole batch at once.
+    `batch_blocks`: how many blocks of the inputs' rows the plan's ranks hold (dim 0's split);
+    micro-batch k is the k-th part of each, the rows the plan's micro-batch k reads."""
 
     transform: Callable[[Graph], None] | None = None
     gradient_scales: dict[str, float] = field(default_factory=dict)
+    micro_batches: bool = False
+    batch_blocks: int = 1
 
 
 @dataclass(kw_only=True)

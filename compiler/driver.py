@@ -295,7 +295,9 @@ def _run_passes(state: CompileState, out_dir: str | None, dump_ranks: Any,
     shrink, reference = state.shrink, state.reference  # the tools' shrunk check and oracle
     passes: list[Pass[CompileState]] = [TracePass(TraceOptions(
         shrink.shrink if shrink is not None else None,
-        reference.transform if reference is not None else None))]
+        reference.transform if reference is not None else None,
+        reference is not None and reference.micro_batches,
+        reference.batch_blocks if reference is not None else 1))]
     timings: list[tuple[str, float]] = []
     dumps: list[PassDump] = []
     ranks = resolve_dump_ranks(dump_ranks, state.devices)

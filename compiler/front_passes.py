@@ -30,10 +30,14 @@ from pcompile.passes.optimizer import RankSum, StateSlicer, state_slicer
 class TraceOptions:
     """What the tools ask of the trace: `shrink`, the shrunk check's shrink of the traced
     graph and parameters (tools/shrink.py); `transform`, the oracle's rewrite of a
-    single-device reference's forward graph (`ReferenceOptions.transform`)."""
+    single-device reference's forward graph (`ReferenceOptions.transform`); `micro_batches`,
+    a single-device `nn.PipelineCell` run one micro-batch after another
+    (`ReferenceOptions.micro_batches`, `batch_blocks`)."""
 
     shrink: Shrink | None = None
     transform: Callable[[Graph], None] | None = None
+    micro_batches: bool = False
+    batch_blocks: int = 1
 
 
 class TracePass:
@@ -63,7 +67,7 @@ class TracePass:
 
             with recording_cells() as cells:
                 traced = trace_model(state.model_file, batch_split=split,
-                                     micro_batches=state.parallel)
+                                     micro_batches=state.parallel or self.options.micro_batches)
             _pipeline_trace(state, traced, cells)
         if self.options.shrink is not None:  # the shrunk check's copy (tools/shrink.py)
             from pcompile.compiler.pinned_plan import apply_to_trace
@@ -81,6 +85,28 @@ class TracePass:
                 self.options.transform(traced.graph)
             state.rank_graphs = [traced.graph]
             state.split = True
+            if self.options.micro_batches:
+                _micro_batches_in_turn(state, traced, self.options.batch_blocks)
+
+
+def _micro_batches_in_turn(state: CompileState, traced: TracedModel, blocks: int) -> None:
+    """One device runs `nn.PipelineCell`'s micro-batches as MindSpore's PipelineCell does:
+    the traced micro-batch once per micro-batch of the whole batch (the graph of record then
+    takes the whole batch), the loss their mean, the gradients accumulated over them, and a
+    forward `Assign` (BatchNorm's moving statistics) once per micro-batch, in order
+    (`passes.micro_batch.replicate`, the local program of every pipeline plan); micro-batch
+    k is the k-th part of each of `blocks` blocks of the rows (`ReferenceOptions.batch_blocks`)."""
+    from pcompile.compiler.nn.pipeline import PipelineCell
+    from pcompile.passes.micro_batch import replicate
+
+    network = traced.network
+    if not isinstance(network, PipelineCell) or network.micro_size == 1:
+        return
+    graph = replicate(traced.graph, network.micro_size,
+                      loss_scope="Default/network-PipelineCell", batch_terms=(),
+                      blocks=blocks)
+    state.graph = graph
+    state.rank_graphs = [graph]
 
 
 def _pipeline_trace(state: CompileState, traced: TracedModel, cells: dict[str, Any]) -> None:

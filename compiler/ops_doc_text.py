@@ -105,8 +105,9 @@ traces its own rows, the statistics are the world's AllReduce of every rank's su
 MindSpore's SyncBatchNorm; MindSpore's data_parallel BatchNorm uses each rank's rows), so each
 rank normalises and updates the moving statistics as one device does. Outside training the
 moving statistics normalise. MindSpore's `group_size` attribute (a sync over sub-groups) is
-refused; training inside `nn.PipelineCell` is refused (per-micro-batch statistics are not the
-whole batch's).
+refused. Inside `nn.PipelineCell` each micro-batch is normalised by its own statistics and the
+moving statistics move once per micro-batch, in micro-batch order, as MindSpore's PipelineCell
+does (docs/pipeline.md).
 
 * `nn.SequentialCell(a, b, ...)` (or a list, or an OrderedDict of named cells) calls its cells
   in order;

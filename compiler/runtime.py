@@ -56,7 +56,12 @@ def batches(program: CompiledProgram, steps: int) -> Iterator[tuple[int, int, li
                 for p, shape in zip(program.graph.inputs, input_shapes(program))]
     shrink = program.state.shrink
     if shrink is not None:  # the shrunk check (tools/shrink.py): the model's batches, shrunk
-        expected = [(name, shrink.shrink.original[name], dtype) for name, _, dtype in expected]
+        # (a single-device reference running nn.PipelineCell's micro-batches in turn traced,
+        # and shrank, one micro-batch: its graph takes `micro` of them)
+        micro = {p.name: p.shape[0] // traced.graph.param(p.name).shape[0]
+                 for p in program.graph.inputs if p.shape}
+        expected = [(name, _rows_times(shrink.shrink.original[name], micro.get(name, 1)), dtype)
+                    for name, _, dtype in expected]
     # the shrunk model's tables are not the model's: its batches are checked against neither
     ranges = index_ranges(traced.graph) if shrink is None else ()
     batches = iter_batches(mf, len(traced.input_names), len(traced.label_names),
@@ -67,7 +72,19 @@ def batches(program: CompiledProgram, steps: int) -> Iterator[tuple[int, int, li
         return
     names = [name for name, _, _ in expected]
     for epoch, step, arrays in batches:
-        yield epoch, step, [shrink.shrink.shrink_input(n, a) for n, a in zip(names, arrays)]
+        yield epoch, step, [_shrink_parts(shrink.shrink, n, a, micro.get(n, 1))
+                            for n, a in zip(names, arrays)]
+
+
+def _rows_times(shape: tuple[int, ...], parts: int) -> tuple[int, ...]:
+    return (shape[0] * parts, *shape[1:]) if shape and parts > 1 else tuple(shape)
+
+
+def _shrink_parts(shrink: Any, name: str, array: np.ndarray, parts: int) -> np.ndarray:
+    """`shrink.shrink_input` of each of `parts` micro-batches of an input, joined again."""
+    if parts <= 1:
+        return shrink.shrink_input(name, array)
+    return np.concatenate([shrink.shrink_input(name, a) for a in np.split(array, parts)])
 
 
 def rank_batches(program: CompiledProgram, ranks: list[int], steps: int, skip: int = 0

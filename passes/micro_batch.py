@@ -16,6 +16,10 @@ every rank runs:
   instead, so each micro-batch's gradient is reduce-scattered and only the shard accumulates;
 * returns the mean of the micro-batches' losses (so that, for a loss averaged over the batch,
   loss and gradients equal the whole batch's);
+* runs an `Assign` of a Parameter (BatchNorm's moving mean and variance) once per micro-batch,
+  in micro-batch order, as MindSpore's PipelineCell does: micro-batch k's update reads the value
+  micro-batch k-1 assigned (`_state_chain`), so BatchNorm normalises each micro-batch by its
+  own statistics and moves its moving statistics once per micro-batch;
 * gives each micro-batch's copy of a random op (`Dropout`, `DropoutMask`) its rows' place in
   the whole batch (`random_offsets`): the single-device program draws the whole batch's tensor,
   and micro-batch k's rows of a rank begin at `m * o + k * r` (o: the block's offset in the
@@ -30,7 +34,7 @@ the schedules run the backward passes in (a stage then holds one running sum, no
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,7 +54,7 @@ from pcompile.ir.core import (
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
 from pcompile.ir.ops.random import COUNTER_NAME
-from pcompile.ir.ops.state import assigned_names
+from pcompile.ir.ops.state import ASSIGN_OPS, assigned_names, assignment_sites
 from pcompile.ir.rank import RankOffsets, Term, layout_offsets
 from pcompile.ir.types import TensorType
 from pcompile.passes.unit import CompileUnit
@@ -87,7 +91,8 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
               stages: dict[Node, int] | None = None,
               copy_also: Callable[[Node], bool] | None = None,
               batch_terms: tuple[Term, ...] | None = None,
-              watch: dict[int, dict[int, Value]] | None = None) -> Graph:
+              watch: dict[int, dict[int, Value]] | None = None,
+              blocks: int = 1) -> Graph:
     """The graph of one step of `micro` micro-batches (see the module docstring).
 
     `labels` receives ("F", k) for every node of micro-batch k; `stages` (node -> stage) is
@@ -95,10 +100,17 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
     read no input; `batch_terms` is the split of the inputs' dim 0 (their `RankOffsets`
     terms), which a random op's dim 0 must share. `watch` (the id of each value of `graph`
     a custom bprop reads -> {}) receives {k: micro-batch k's copy} for each (the shared value
-    for every k where no micro-batch computes it; nothing for a value no longer in `graph`)."""
+    for every k where no micro-batch computes it; nothing for a value no longer in `graph`).
+    `blocks` (a single-device reference of a plan whose ranks hold `blocks` blocks of the
+    inputs' rows): micro-batch k is the k-th part of each block, as the plan's ranks cut it
+    (`_micro_rows`), not the k-th rows of the whole input."""
     labels = labels if labels is not None else {}
     if not graph.attrs.get("training"):
         raise PcompileError("nn.PipelineCell trains: the program has no loss")
+    names = assigned_names(graph)
+    assigned = graph.outputs[len(graph.outputs) - len(names):] if names else []
+    chain = _state_chain(graph, len(names))
+    chained = {id(n.result) for n in chain}
     inputs = {id(p) for p in graph.inputs}
     per_micro: set[int] = set(inputs)
     for node in graph.nodes:
@@ -126,7 +138,7 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
 
     stage_of = stages if stages is not None else {}
     for node in graph.nodes:  # computed once, before every micro-batch
-        if id(node.result) in per_micro:
+        if id(node.result) in per_micro or id(node.result) in chained:
             continue
         copy = out.append(copy_node(node, [fresh(v) for v in node.operands], node.parallel))
         shared[id(node.result)] = copy.result
@@ -134,16 +146,19 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
             # (the counter's advance has no stage: each stage that reads it computes it)
             stage_of[copy] = stage_of[node]
     losses: dict[int, Value] = {}
-    names = assigned_names(graph)
-    assigned = graph.outputs[len(graph.outputs) - len(names):] if names else []
     # each micro-batch's value operand of the assignments whose variable is shared
     assigned_values: dict[int, list[Value]] = {}
+    micro_locals: dict[int, dict[int, Value]] = {}
     for k in reversed(range(micro)):
         local: dict[int, Value] = {}
+        micro_locals[k] = local
         for p in graph.inputs:
             wide = widened[id(p)]
             rows = p.shape[0]
             b = Builder(out, scope=loss_scope)
+            if blocks > 1:
+                local[id(p)] = _micro_rows(b, wide, p, k, micro, blocks, labels)
+                continue
             sliced = b.emit(
                 "StridedSlice", [wide],
                 {"begin": (k * rows,) + (0,) * (len(p.shape) - 1),
@@ -158,7 +173,7 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
             local[id(p)] = sliced
 
         for node in graph.nodes:
-            if id(node.result) not in per_micro:
+            if id(node.result) not in per_micro or id(node.result) in chained:
                 continue
             operands = [_lookup(v, local, shared) for v in node.operands]
             copy = out.append(copy_node(node, operands, with_micro(node.parallel, k)))
@@ -181,7 +196,8 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
                 copies[k] = found
         losses[k] = _lookup(graph.outputs[0], local, shared)
         for i, value in enumerate(assigned):
-            if id(value) in per_micro and isinstance(value, NodeResult):
+            if id(value) in per_micro and id(value) not in chained and \
+                    isinstance(value, NodeResult):
                 assigned_values.setdefault(i, []).append(
                     _lookup(value.node.operands[1], local, shared))
     loss: Value = losses[0]
@@ -196,11 +212,128 @@ def replicate(graph: Graph, micro: int, *, loss_scope: str = "Default",
                           reason=f"the step's loss: the mean of its {micro} micro-batches'"))
     own = graph.outputs[1:len(graph.outputs) - len(names)]
     outputs = [loss] + [_lookup(v, local, shared) for v in own]
+    newest = _run_chain(out, graph, chain, names, assigned, micro_locals, shared, labels,
+                        stage_of)
     for i, value in enumerate(assigned):
+        if id(value) in chained:
+            outputs.append(newest[id(value)])
+            continue
         outputs.append(_step_assignment(out, value, names[i], assigned_values.get(i, []),
                                         shared, per_micro, stage_of, micro))
     out.outputs = outputs
     return out
+
+
+def _assigned_parameter(node: Node) -> GraphParam | None:
+    """The Parameter an assignment sets (through an assignment of an assigned value)."""
+    target: Value = node.operands[0]
+    while isinstance(target, NodeResult) and target.node.op in ASSIGN_OPS:
+        target = target.node.operands[0]
+    return target if isinstance(target, GraphParam) else None
+
+
+def _state_chain(graph: Graph, assigned_count: int) -> list[Node]:
+    """The nodes of `graph` that read a Parameter some `Assign` sets (BatchNorm's moving
+    statistics; not the random ops' counter), and the nodes that read those, in graph order:
+    the update MindSpore's PipelineCell runs once per micro-batch, each micro-batch's reading
+    the value the micro-batch before assigned (`_run_chain`). Refused with one message where
+    the loss or another output of the step reads one of them: micro-batch k's forward would
+    need micro-batch k-1's assigned value, and the copies are emitted last micro-batch first
+    (for the order of the gradients' accumulation)."""
+    variables: dict[int, GraphParam] = {}
+    for node in graph.nodes:
+        if node.op == "Assign":
+            param = _assigned_parameter(node)
+            if param is not None and param.name != COUNTER_NAME:
+                variables[id(param)] = param
+    if not variables:
+        return []
+    reached: dict[int, GraphParam] = dict(variables)  # value id -> the Parameter it reads
+    chain: list[Node] = []
+    for node in graph.nodes:
+        read = next((reached[id(v)] for v in node.operands if id(v) in reached), None)
+        if read is not None:
+            reached[id(node.result)] = read
+            chain.append(node)
+    own = graph.outputs[:len(graph.outputs) - assigned_count]
+    needed: set[int] = {id(v) for v in own}
+    for node in reversed(graph.nodes):  # the nodes the loss and the step's outputs read
+        if id(node.result) in needed:
+            needed.update(id(v) for v in node.operands)
+    reader = next((n for n in chain if id(n.result) in needed), None)
+    if reader is not None:
+        param = reached[id(reader.result)]
+        raise PcompileError(
+            f"{reader.op} '{reader.instance_name}' at {reader.source or 'an unknown line'} "
+            f"(cell {reader.scope}) inside nn.PipelineCell's micro-batches reads Parameter "
+            f"{param.name!r}, which {'; '.join(assignment_sites(graph, (param.name,)))} "
+            "sets: MindSpore's micro-batch k "
+            "reads the value micro-batch k-1 assigned, and pipeline stages run a Parameter's "
+            "Assign once per micro-batch, in order, only where the loss does not read it "
+            "(BatchNorm's moving statistics); read the Parameter only in its own update, or "
+            "train it outside nn.PipelineCell")
+    return chain
+
+
+def _run_chain(out: Graph, graph: Graph, chain: list[Node], names: tuple[str, ...],
+               assigned: Sequence[Value], micro_locals: dict[int, dict[int, Value]],
+               shared: dict[int, Value], labels: dict[Node, Label],
+               stage_of: dict[Node, int]) -> dict[int, Value]:
+    """The `_state_chain` nodes once per micro-batch, in order 0, 1, ..., m-1 (emitted after
+    every micro-batch's forward, which they read): micro-batch k's reads of an assigned
+    Parameter take the value micro-batch k-1 assigned (micro-batch 0's the stored one), the
+    batch statistics micro-batch k's. Each copy is labelled ("F", k) in its node's stage. Returns
+    the id of each chained assigned output of `graph` -> its value after the last micro-batch."""
+    if not chain:
+        return {}
+    chained = {id(n.result) for n in chain}
+    params = {p.name: p for p in graph.params}
+    current: dict[int, Value] = {}  # a Parameter's id -> its value before the micro-batch
+    for name, value in zip(names, assigned):
+        if id(value) in chained:
+            current[id(params[name])] = shared[id(params[name])]
+    env: dict[int, Value] = {}
+    for k in range(len(micro_locals)):
+        env = dict(current)
+        for node in chain:
+            operands = [env[id(v)] if id(v) in env else _lookup(v, micro_locals[k], shared)
+                        for v in node.operands]
+            copy = out.append(copy_node(node, operands, with_micro(node.parallel, k)))
+            env[id(node.result)] = copy.result
+            labels[copy] = ("F", k)
+            if node in stage_of:
+                stage_of[copy] = stage_of[node]
+        for name, value in zip(names, assigned):
+            if id(value) in chained:
+                current[id(params[name])] = env[id(value)]
+    return {id(v): env[id(v)] for v in assigned if id(v) in chained}
+
+
+def _micro_rows(b: Builder, wide: Value, p: GraphParam, k: int, micro: int, blocks: int,
+                labels: dict[Node, Label]) -> Value:
+    """Micro-batch k of the whole input `wide` where a plan's ranks hold `blocks` blocks of its
+    rows and cut micro-batch k out of each: the k-th part of every block, in block order."""
+    rows = p.shape[0] // blocks  # a block's rows of one micro-batch
+    rest = tuple(p.shape[1:])
+    reason = (f"micro-batch {k} of {micro}: rows [{k * rows}, {(k + 1) * rows}) of each of the "
+              f"{blocks} blocks of {p.name}'s {p.shape[0] * micro} rows")
+    parts = b.emit("Reshape", [wide], {"shape": (blocks, micro, rows, *rest)},
+                   instance_name="micro_batch", name_hint=p.name,
+                   parallel=ParallelInfo(micro=k, reason=reason))
+    parts = b.emit("StridedSlice", [parts],
+                   {"begin": (0, k) + (0,) * (len(rest) + 1),
+                    "end": (blocks, k + 1, rows, *rest),
+                    "strides": (1,) * (len(rest) + 3)},
+                   instance_name="micro_batch", name_hint=p.name,
+                   parallel=ParallelInfo(micro=k, reason=reason))
+    sliced = b.emit("Reshape", [parts], {"shape": tuple(p.shape)},
+                    instance_name="micro_batch", name_hint=p.name,
+                    parallel=ParallelInfo(micro=k, reason=reason))
+    for value in (parts, sliced):
+        assert isinstance(value, NodeResult)
+    assert isinstance(sliced, NodeResult)
+    labels[sliced.node] = ("F", k)
+    return sliced
 
 
 def _advances_counter(node: Node) -> bool:
@@ -261,10 +394,11 @@ def _step_assignment(out: Graph, value: Value, name: str, per_micro_values: list
     """The step's new value of Parameter `name`, assigned in the forward by `value`. MindSpore
     runs the forward once per micro-batch, each assignment with it: an `AssignAdd` /
     `AssignSub` of the Parameter by a micro-batch's value adds up every micro-batch's (emitted
-    here once, after them). Refused with one message: an assignment that reads no micro-batch's
-    data (it would run once per micro-batch, each reading the last's result: the copies are
-    emitted last micro-batch first), an `Assign`, an assignment of an assigned value, and one
-    whose new value the forward reads again (each micro-batch would read its partial sum)."""
+    here once, after them; an `Assign` runs per micro-batch in order, `_run_chain`). Refused
+    with one message: an assignment that reads no micro-batch's data (it would run once per
+    micro-batch, each reading the last's result: the copies are emitted last micro-batch
+    first), an assignment of an assigned value, and one whose new value the forward reads
+    again (each micro-batch would read its partial sum)."""
     assert isinstance(value, NodeResult)
     node = value.node
     variable = node.operands[0]

@@ -44,6 +44,9 @@ CASES: dict[str, tuple[str, dict[str, str], dict[str, Any], int]] = {
     # two Dropouts, each micro-batch drawing its rows' bits of the whole batch, 4 micro-batches
     "dropout_1f1b": (os.path.join(ROOT, "tests", "models", "pipeline_dropout.py"),
                      {"PIPE_DROPOUT_MICRO": "4"}, {}, 2),
+    # BatchNorm: each micro-batch by its own statistics, the moving ones once per micro-batch
+    "batch_norm_1f1b": (os.path.join(ROOT, "tests", "models", "pipeline_batch_norm.py"),
+                        {"PIPE_BN_MICRO": "4"}, {}, 2),
 }
 
 

@@ -363,13 +363,54 @@ def _mean_over_ranks(locals_: list[RankLocal], devices: int) -> Callable[[Graph]
     return transform
 
 
+def reference_micro_batches(program: CompiledProgram) -> tuple[bool, int]:
+    """(whether the reference runs nn.PipelineCell's micro-batches in turn, the blocks of the
+    inputs' rows). A plan's ranks cut micro-batch k out of the rows each holds (its dim-0
+    block of every input), so micro-batch k is the k-th part of every block: that is the
+    reference's micro-batch, which matters where a micro-batch's own statistics do (BatchNorm).
+    One device running MindSpore's PipelineCell reads the k-th rows of the whole batch: the same
+    where dim 0 is not split (one block). Without per-micro-batch statistics the micro-batches'
+    mean loss and accumulated gradients are the whole batch's, so both references agree
+    (tests/passes/test_pipeline_batch_norm.py). The one exception: a random op's bits are drawn
+    by a row's place in the whole batch, which a micro-batch gathered from several blocks does
+    not have in one piece, so with random ops and a split dim 0 the reference runs the whole
+    batch (what those ops draw then equals), and a program that also assigns a Parameter per
+    micro-batch (BatchNorm) is refused by the check with one message."""
+    state = program.state
+    if not state.micro_batched or state.assignment is None:
+        return False, 1
+    layouts = state.assignment.param_layouts
+    first = next((p for p in program.graph.inputs if p.shape), None)
+    blocks = layouts[first.name].splits[0] if first is not None else 1
+    from pcompile.passes.micro_batch import RANDOM_OPS
+
+    random = next((n for n in program.graph.nodes if n.op in RANDOM_OPS), None)
+    if blocks > 1 and random is not None:
+        assign = next((n for n in program.graph.nodes if n.op == "Assign"), None)
+        if assign is not None:
+            raise PcompileError(
+                f"the check cannot compare this plan: {random.op} '{random.instance_name}' at "
+                f"{random.source or 'an unknown line'} draws its bits by a row's place in the "
+                f"whole batch and {assign.op} '{assign.instance_name}' at "
+                f"{assign.source or 'an unknown line'} runs once per micro-batch, but each "
+                f"micro-batch gathers rows from the {blocks} blocks the ranks of a stage hold, "
+                "which no single-device program draws in one piece; --no-check skips the "
+                "check, dataset_strategy='full_batch' (or one device a stage) makes it possible")
+        return False, 1
+    return True, blocks
+
+
 def single_device(program: CompiledProgram, rank: int | None = None) -> CompiledProgram:
     """The same model file compiled for one device (no dumps), modelling the parallel
     program's options: gradient scales (`gradient_scales`), and rank-local reductions
     (`cross_batch`): restricted to `rank`'s part when `rank` is given (rank `rank`'s own
-    result), else, for training, the loss as the mean of the ranks' losses."""
-    reference = ReferenceOptions(gradient_scales=gradient_scales(program))
+    result), else, for training, the loss as the mean of the ranks' losses. A micro-batched
+    plan (`nn.PipelineCell`) is checked against its micro-batches run in turn, as MindSpore's
+    PipelineCell runs them on one device (`reference_micro_batches`)."""
     locals_ = rank_local_reductions(program)
+    micro, blocks = reference_micro_batches(program) if not locals_ else (False, 1)
+    reference = ReferenceOptions(gradient_scales=gradient_scales(program),
+                                 micro_batches=micro, batch_blocks=blocks)
     if locals_ and rank is not None:
         def restrict_all(graph: Graph) -> None:
             for local in locals_:
@@ -381,7 +422,8 @@ def single_device(program: CompiledProgram, rank: int | None = None) -> Compiled
     if shrink is not None:  # the shrunk check: the same shrunk copy on one device
         from pcompile.compiler.pinned_plan import PinnedPlan
 
-        shrink = PinnedPlan(shrink.reference or shrink.shrink)
+        # micro-batches in turn trace one micro-batch, as the plan does: the plan's shrink
+        shrink = PinnedPlan(shrink.shrink if micro else shrink.reference or shrink.shrink)
     return compile_program(program.state.model_file.path, devices=1, dump=False,
                            reference=reference, shrink=shrink)
 

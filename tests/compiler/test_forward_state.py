@@ -242,7 +242,8 @@ class Net(nn.Cell):
 
 @pytest.mark.parametrize("assignment, why", [
     ("ops.assign_add(self.count, 1.0)", "it reads no micro-batch's data"),
-    ("ops.assign(self.count, ops.reduce_sum(h, 0))", "only an AssignAdd or AssignSub"),
+    ("h = h * self.count\n        ops.assign(self.count, ops.reduce_sum(h, 0))",
+     "micro-batch k reads the value micro-batch k-1 assigned"),
     ("h = h + ops.assign_add(self.count, ops.reduce_sum(h, 0))",
      "the forward reads the new value again"),
 ])
