@@ -119,9 +119,9 @@ def _with_callbacks(state: CompileState, options: RunOptions, launched: bool) ->
     from pcompile.compiler.callbacks import checked_callbacks, run_settings
     from pcompile.compiler.model_file import call_user
 
-    model_file = getattr(state, "model_file", None)
-    make = getattr(model_file, "callbacks", None)
-    if model_file is None or make is None:
+    model_file = state.model_file
+    make = model_file.callbacks
+    if make is None:
         return options
     settings = run_settings(checked_callbacks(call_user(make, "callbacks()", model_file.path),
                                               model_file.path))
@@ -163,7 +163,7 @@ def _one_rank_program(program: CompiledProgram, options: RunOptions) -> str | No
         return None
     if options.resolved_platform == "gpu":  # the GPU belongs to a rank process
         return None
-    if not program.out_dir or getattr(program.state, "pipelined", False):
+    if not program.out_dir or program.state.pipelined:
         return None
     path = os.path.join(program.out_dir, "program.py")
     return path if os.path.isfile(path) else None
