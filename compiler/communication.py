@@ -45,7 +45,9 @@ class _Group:
     load: int  # the model file load that created it (a name is created once per load)
 
 
-_GROUPS: dict[str, _Group] = {}
+# (the creating rank, the name) -> the group: in hybrid_parallel each rank's trace creates its
+# own groups, and two ranks may give one name different ranks, as two MindSpore processes may
+_GROUPS: dict[tuple[int, str], _Group] = {}
 _LOADS = [0]
 # Set while a Morph body is traced into the SPMD program: rank_value(RankValue) -> the value
 # for every rank (symbolic) or for the builder's one rank.
@@ -67,6 +69,14 @@ def set_runtime(rank: int, size: int) -> None:
 def new_load() -> None:
     """A model file is being loaded (as a process starting): its groups may be created anew."""
     _LOADS[0] += 1
+
+
+def _find(group: str) -> _Group | None:
+    """`group` as this rank created it, else as the compiling rank did (the one trace)."""
+    found = _GROUPS.get((_world_rank(), group))
+    if found is not None:
+        return found
+    return next((g for (_, name), g in _GROUPS.items() if name == group), None)
 
 
 def _world_rank() -> int:
@@ -92,7 +102,7 @@ def _members(group: str, what: str) -> tuple[int, ...]:
                         f"{type(group).__name__} {group!r}")
     if group in _WORLD_NAMES:
         return tuple(range(_world_size()))
-    found = _GROUPS.get(group)
+    found = _find(group)
     if found is None:
         raise ValueError(f"For '{what}', the group {group!r} has not been created; create it "
                          f"with create_group({group!r}, rank_ids) or use the world group "
@@ -174,19 +184,19 @@ def create_group(group: str, rank_ids: Sequence[int], options: Any = None) -> No
         raise ValueError(f"For 'create_group', rank {rank} creates the group {group!r} of ranks "
                          f"{ranks} without being a member: a rank creates only the groups it "
                          "belongs to (`if get_rank() in rank_ids: create_group(...)`)")
-    old = _GROUPS.get(group)
-    if old is not None and old.load == _LOADS[0] and old.creator == rank:
+    old = _GROUPS.get((rank, group))
+    if old is not None and old.load == _LOADS[0]:
         raise ValueError(f"For 'create_group', the group {group!r} has been created already "
                          f"(ranks {list(old.ranks)}); a name is created once")
     made = _Group(tuple(sorted(ranks)), rank, world, _LOADS[0])
     _rank_group(group, made)  # refuses ranks no axes give
-    _GROUPS[group] = made
+    _GROUPS[(rank, group)] = made
 
 
 def destroy_group(group: str) -> None:
     if group in _WORLD_NAMES:
         raise ValueError("For 'destroy_group', the world group cannot be destroyed")
-    if _GROUPS.pop(group, None) is None:
+    if _GROUPS.pop((_world_rank(), group), None) is None:
         raise ValueError(f"For 'destroy_group', the group {group!r} has not been created")
 
 
@@ -234,7 +244,7 @@ def group_ranks(group: str, what: str = "") -> tuple[Any, Any]:
                         f"{type(group).__name__} {group!r}")
     if group in _WORLD_NAMES:
         return WORLD_GROUP, tuple(range(_world_size()))
-    found = _GROUPS.get(group)
+    found = _find(group)
     if found is None or not _RANK_VALUE:
         return group, _members(group, what)
     from pcompile.ir.rank import GroupName

@@ -81,3 +81,16 @@ def test_a_name_is_created_once_per_load() -> None:
 def test_an_unknown_group_is_refused_by_name() -> None:
     with context_override(device_num=8), pytest.raises(ValueError, match="has not been created"):
         ops.AllGather("nope")
+
+
+def test_each_rank_its_own_group_of_one_name() -> None:
+    """hybrid_parallel traces each rank with its own get_rank(): two ranks may give one name
+    different ranks (as two MindSpore processes may), and each rank's collectives take its own."""
+    with context_override(device_num=8, global_rank=1):
+        comm.create_group("ep", [0, 1, 2, 3])
+    with context_override(device_num=8, global_rank=5):
+        comm.create_group("ep", [4, 5, 6, 7])
+        assert ops.AlltoAll(4, 0, 0, "ep").attrs["rank_list"] == (4, 5, 6, 7)
+    with context_override(device_num=8, global_rank=1):
+        assert ops.AlltoAll(4, 0, 0, "ep").attrs["rank_list"] == (0, 1, 2, 3)
+        assert comm.get_rank("ep") == 1
