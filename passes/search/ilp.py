@@ -336,6 +336,52 @@ class Costs:
                      if options.pipeline else [1.0])
         # a stage's busy time over a micro-batch's (None: no micro-batches)
         self.repeat = options.pipeline.repeat if options.pipeline else None
+        # the ops that read the batch (run once per micro-batch; the others once per step,
+        # shared by the micro-batches: passes/micro_batch.py)
+        self.batched = _batched(cg) if options.pipeline else None
+
+    def times(self, vi: int) -> float:
+        """How many times per step vertex `vi`'s op (and what it sends) runs: once, or once
+        per micro-batch (`repeat`, the stage's busy time over a micro-batch's)."""
+        if self.repeat is None or self.batched is None or vi not in self.batched:
+            return 1
+        return self.repeat
+
+    def runs(self, vi: int) -> int:
+        """How many times per step vertex `vi`'s op runs (what it moves, in bytes): once per
+        micro-batch for an op that reads the batch, else once."""
+        if self.pipeline is None or self.batched is None or vi not in self.batched:
+            return 1
+        return self.pipeline.micro
+
+    def held_for(self, vi: int) -> float:
+        """How many copies of vertex `vi`'s output activations its stage holds at its peak:
+        one per micro-batch in flight, one for a value computed once per step."""
+        if self.batched is not None and vi not in self.batched:
+            return 1.0
+        return self.held[self.stage(vi)]
+
+    def crossings(self, folding: Folding) -> list[tuple[Edge, float]]:
+        """The values that cross into another pipeline stage, each once per (value, receiving
+        stage) however many ops there read it, on a representative edge between the folded
+        layers' representatives, with how many such values it stands for."""
+        if self.stages is None:
+            return []
+        seen: set[tuple[int, int, int]] = set()
+        out: dict[tuple[int, int, int], list[Any]] = {}
+        for e in self.cg.edges:
+            st = self.stages[e.dst]
+            if self.stages[e.src] == st or (e.src, e.src_out, st) in seen:
+                continue
+            seen.add((e.src, e.src_out, st))
+            key = (folding.rep[e.src], e.src_out, st)
+            hit = out.get(key)
+            if hit is None:
+                out[key] = [Edge(-1, key[0], e.src_out, folding.rep[e.dst], e.dst_in,
+                                 e.itemsize, e.is_bool, e.parameter, e.reshapes), 1.0]
+            else:
+                hit[1] += 1.0
+        return [(edge, count) for edge, count in (out[k] for k in sorted(out))]
 
     def stage(self, vi: int) -> int:
         return self.stages[vi] if self.stages is not None else 0
@@ -456,6 +502,20 @@ class Costs:
         return hit
 
 
+def _batched(cg: CostGraph) -> set[int]:
+    """The vertices whose op reads a graph input (directly or through other ops); the dataset
+    vertex too."""
+    from pcompile.ir.core import NodeResult
+
+    nodes: set[int] = set()
+    for node in cg.graph.nodes:
+        if any((isinstance(v, GraphParam) and v.kind == "input")
+               or (isinstance(v, NodeResult) and id(v.node) in nodes) for v in node.operands):
+            nodes.add(id(node))
+    return {v.index for v in cg.vertices
+            if v.kind == "dataset" or (v.node is not None and id(v.node) in nodes)}
+
+
 def _tensor_positions(v: Vertex) -> dict[int, int]:
     """Operand index -> index among the op's tensor operands (what in_layouts follow)."""
     from pcompile.ir.types import TensorType
@@ -511,22 +571,23 @@ class _Program:
         self.feasible = True
         unary: dict[tuple[int, int], float] = defaultdict(float)
         banned: set[tuple[int, int]] = set()
-        # an edge into another pipeline stage: its transfer on the producer's choice, the
+        # a value sent into another pipeline stage: its transfer on the producer's choice, the
         # forward one in the producer's stage, the cotangent's in the consumer's (`cross`)
         cross: dict[int, dict[tuple[int, int], float]] = defaultdict(lambda: defaultdict(float))
+        for e, count in costs.crossings(folding):
+            v = cg.vertices[e.src]
+            times = count * costs.times(e.src)
+            for k in allowed[v.index]:
+                lay = v.candidates[k].out_layouts[e.src_out]
+                forward, backward = costs.transfer(e, lay)
+                unary[(v.index, k)] += times * forward.total
+                if backward.total:
+                    cross[costs.stage(e.dst)][(v.index, k)] += times * backward.total
         # self edges (layer i -> layer i + 1 folded onto one representative): on the diagonal
+        # (every cost here per step: an edge from an op run per micro-batch, times `repeat`)
         for me in edges:
             e = me.edge
             if e.src != e.dst:
-                if costs.stages is not None and costs.stages[e.src] != costs.stages[e.dst]:
-                    v = cg.vertices[e.src]
-                    for k in allowed[v.index]:
-                        lay = v.candidates[k].out_layouts[e.src_out]
-                        forward, backward = costs.transfer(e, lay)
-                        unary[(v.index, k)] += me.weight * forward.total
-                        if backward.total:
-                            cross[costs.stages[e.dst]][(v.index, k)] += \
-                                me.weight * backward.total
                 continue
             v = cg.vertices[e.src]
             for k in allowed[v.index]:
@@ -534,7 +595,7 @@ class _Program:
                 t = costs.pair(e, c.out_keys[e.src_out], c.out_layouts[e.src_out],
                                c.in_keys[e.dst_in], c.in_layouts[e.dst_in])
                 if isfinite(t):
-                    unary[(v.index, k)] += me.weight * t
+                    unary[(v.index, k)] += me.weight * costs.times(e.src) * t
                 else:
                     banned.add((v.index, k))
         self.xs: list[tuple[int, int]] = []  # x columns: (vertex, candidate)
@@ -555,7 +616,7 @@ class _Program:
             if not cols:
                 self.feasible = False
             self.rows.append((cols, [1.0] * len(cols), 1.0, 1.0))
-        # stage -> (x column, seconds per micro-batch) of the cotangents sent back into it
+        # stage -> (x column, seconds per step) of the cotangents sent back into it
         self.cross: dict[int, list[tuple[int, float]]] = {
             st: sorted((xcol[key], t) for key, t in entries.items() if key in xcol)
             for st, entries in cross.items()}
@@ -585,7 +646,7 @@ class _Program:
                     if not isfinite(t):
                         continue
                     col = nx + len(self.y_cost)
-                    self.y_cost.append(me.weight * t)
+                    self.y_cost.append(me.weight * costs.times(e.src) * t)
                     self.y_stage.append(costs.stage(e.dst))
                     yr[r].append(col)
                     yq[q].append(col)
@@ -614,19 +675,18 @@ class _Program:
             layer = recompute and f.layer_of[vi]
             mem = self.costs.memory(v, k, popt)
             total = (mem.weights + mem.gradients + mem.optimizer) * mult \
-                + mem.activations * (1 if layer else mult) * self.costs.held[
-                    self.costs.stage(vi)]
+                + mem.activations * (1 if layer else mult) * self.costs.held_for(vi)
             if recompute and vi in f.last:
                 total += mem.activations * (f.last[vi] - 1)
             memory[col] = total
-            rep = self.costs.repeat
-            if rep is None:
+            if self.costs.repeat is None:
                 seconds[col] = mult * (op.compute * (4 / 3 if layer else 1) + op.comm
                                        + self.costs.update_time(mem)) + self.unary[col]
             else:  # micro-batches (stages.py): the weights' collectives once per step
+                rep = self.costs.times(vi)
                 seconds[col] = mult * (
                     rep * (op.compute * (4 / 3 if layer else 1) + op.comm - op.weight_comm)
-                    + op.weight_comm + self.costs.update_time(mem)) + rep * self.unary[col]
+                    + op.weight_comm + self.costs.update_time(mem)) + self.unary[col]
         return seconds, memory
 
     def solve(self, popt: bool, recompute: bool, budget: float | None,
@@ -671,7 +731,7 @@ class _Program:
             y_by_stage: dict[int, list[int]] = defaultdict(list)
             for j, st in enumerate(self.y_stage):
                 y_by_stage[st].append(nx + j)
-            every = np.concatenate([seconds, np.array(self.y_cost) * pipeline.repeat])
+            every = np.concatenate([seconds, np.array(self.y_cost)])
             for st in range(pipeline.stages):
                 cols = by_stage.get(st, [])
                 if minimise_memory:
@@ -681,7 +741,7 @@ class _Program:
                     back = self.cross.get(st, [])
                     row(cols + ys + [c for c, _ in back] + [z],
                         [float(every[c]) for c in cols + ys]
-                        + [pipeline.repeat * t for _, t in back] + [-1.0], 0.0)
+                        + [t for _, t in back] + [-1.0], 0.0)
                 if budget is not None:
                     row(cols, [float(memory[c]) for c in cols], budget)
             if minimise_memory:
@@ -754,7 +814,6 @@ def stage_totals(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Map
     without stages)."""
     count = costs.pipeline.stages if costs.pipeline is not None else 1
     out = [StageTotals() for _ in range(count)]
-    rep = costs.repeat
     for v in cg.vertices:
         mult = folding.mult[v.index]
         if mult == 0:
@@ -764,10 +823,11 @@ def stage_totals(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Map
         t = costs.op_times(v, popt)[k]
         layer = recompute and folding.layer_of[v.index]
         mem = costs.memory(v, k, popt)
-        if rep is None:
+        if costs.repeat is None:
             st.compute += mult * (t.compute * (4 / 3 if layer else 1) + costs.update_time(mem))
             st.communication += mult * t.comm
         else:  # micro-batches: the weights' collectives and the update once per step
+            rep = costs.times(v.index)
             st.compute += mult * (rep * t.compute * (4 / 3 if layer else 1)
                                   + costs.update_time(mem))
             st.communication += mult * (rep * (t.comm - t.weight_comm) + t.weight_comm)
@@ -775,16 +835,19 @@ def stage_totals(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Map
         if recompute and v.index in folding.last:
             act += mem.activations * (folding.last[v.index] - 1)
         st.memory.add(Memory(mem.weights, mem.gradients, mem.optimizer, 0.0), mult)
-        st.memory.activations += act * costs.held[costs.stage(v.index)]
+        st.memory.activations += act * costs.held_for(v.index)
     for me in edges:
         e = me.edge
         a, b = cg.vertices[e.src].candidates[choice[e.src]], \
             cg.vertices[e.dst].candidates[choice[e.dst]]
-        times = me.weight if rep is None else me.weight * rep
+        times = me.weight * costs.times(e.src)
         out[costs.stage(e.dst)].communication += times * costs.pair(
             e, a.out_keys[e.src_out], a.out_layouts[e.src_out], b.in_keys[e.dst_in],
             b.in_layouts[e.dst_in])
+    for e, values in costs.crossings(folding):
+        a = cg.vertices[e.src].candidates[choice[e.src]]
         forward, backward = costs.transfer(e, a.out_layouts[e.src_out])
+        times = values * costs.times(e.src)
         out[costs.stage(e.src)].communication += times * forward.total
         out[costs.stage(e.dst)].communication += times * backward.total
     return out

@@ -128,29 +128,28 @@ def _bytes(cg: CostGraph, costs: Costs, folding: Any, edges: Any, choice: dict[i
     """Bytes a rank sends or receives per step (with micro-batches, each micro-batch's and the
     weights' once; with pipeline stages, on the busiest stage, its transfers included)."""
     total: dict[int, float] = {}
-    micro = costs.pipeline.micro if costs.pipeline is not None else None
     for v in cg.vertices:
         mult = folding.mult[v.index]
         if mult:
             st = costs.stage(v.index)
             t = costs.op_times(v, popt)[choice[v.index]]
-            moved = t.comm_bytes if micro is None else (
-                micro * (t.comm_bytes - t.weight_bytes) + t.weight_bytes)
+            runs = costs.runs(v.index)
+            moved = t.comm_bytes if runs == 1 else (
+                runs * (t.comm_bytes - t.weight_bytes) + t.weight_bytes)
             total[st] = total.get(st, 0.0) + mult * moved
     for me in edges:  # the redistributions the evaluation costed, from the same cache
         e = me.edge
         a = cg.vertices[e.src].candidates[choice[e.src]]
         b = cg.vertices[e.dst].candidates[choice[e.dst]]
         st = costs.stage(e.dst)
-        times = me.weight if micro is None else me.weight * micro
-        total[st] = total.get(st, 0.0) + times * costs.pair_time(
+        total[st] = total.get(st, 0.0) + me.weight * costs.runs(e.src) * costs.pair_time(
             e, a.out_keys[e.src_out], a.out_layouts[e.src_out], b.in_keys[e.dst_in],
             b.in_layouts[e.dst_in]).comm_bytes
+    for e, count in costs.crossings(folding):  # the bytes each side sends
+        a = cg.vertices[e.src].candidates[choice[e.src]]
         forward, backward = costs.transfer(e, a.out_layouts[e.src_out])
-        if forward.comm_bytes:  # the bytes each side sends: the value, its cotangent back
-            total[costs.stage(e.src)] = total.get(costs.stage(e.src), 0.0) \
-                + times * forward.comm_bytes
-            total[st] += times * backward.comm_bytes
+        for st, sent in ((costs.stage(e.src), forward), (costs.stage(e.dst), backward)):
+            total[st] = total.get(st, 0.0) + count * costs.runs(e.src) * sent.comm_bytes
     return max(total.values(), default=0.0)
 
 

@@ -5,17 +5,19 @@ through pipeline stages (`pipeline_stages` > 1) or not (gradient accumulation).
 The program is traced for ONE micro-batch (compiler/pipelining.py), so the search and the
 prediction see one micro-batch's forward graph, laid out inside one stage's devices. Per stage:
 
-* **time**: an op's compute and activation collectives, an edge's redistribution and the point-
-  to-point transfer of every value that crosses into another stage (each rank sends its slice,
-  charged to the producer's stage, and for a value with a gradient the consumer's stage sends
-  the cotangent back, at the link between the stages' ranks) run once per micro-batch; the
-  weights' gradient collectives (the mirror's AllReduce, the parallel optimizer's ReduceScatter
-  and AllGather) and the optimizer's update run once per step, on the accumulated gradient
-  (passes/micro_batch.py). A pipelined step takes m v + S - 1 ticks of one unit (a micro-batch
-  on one chunk) of the slowest stage, so a stage's seconds are (m + (S - 1) / v) times its per-
-  micro-batch seconds plus its once-per-step seconds, and the step is the slowest stage's (m
-  micro-batches, v chunks per stage, S stages; the ideal of both schedulers; without stages, m
-  times the micro-batch plus the step's).
+* **time**: an op's compute and activation collectives, an edge's redistribution and the
+  point-to-point transfer of every value that crosses into another stage (each rank sends its
+  slice, charged to the producer's stage, and for a value with a gradient the consumer's stage
+  sends the cotangent back, at the link between the stages' ranks; once per value and receiving
+  stage, however many ops there read it) run once per micro-batch when they read the batch; an
+  op that reads no input (a mask built from constants) runs once per step and is shared by the
+  micro-batches, and so are the weights' gradient collectives (the mirror's AllReduce, the
+  parallel optimizer's ReduceScatter and AllGather) and the optimizer's update, on the
+  accumulated gradient (passes/micro_batch.py). A pipelined step takes m v + S - 1 ticks of one
+  unit (a micro-batch on one chunk) of the slowest stage, so a stage's seconds are (m + (S - 1)
+  / v) times its per-micro-batch seconds plus its once-per-step seconds, and the step is the
+  slowest stage's (m micro-batches, v chunks per stage, S stages; the ideal of both schedulers;
+  without stages, m times the micro-batch plus the step's). Bytes count m per micro-batch's.
 * **memory**: each stage's parameters (weights, gradients, optimizer states) in full, and the
   activations of the units it holds at its peak: the most forward units whose backward has not
   run, from the scheduler's own unit order (1F1B: min(S - s, m) on stage s; GPipe: all m;
