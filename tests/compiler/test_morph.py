@@ -168,17 +168,39 @@ print("REPORT " + json.dumps({"losses": losses, "worst": worst,
 """
 
 
-@pytest.mark.slow  # a JAX process of 8 virtual CPU devices (~15 s)
-def test_expert_parallel_smaller_than_the_world_on_jax() -> None:
-    """The same plan (MORPH_MOE_EP=4 of 8) as one SPMD JAX program over 8 CPU devices in
-    float64: the sub-group collectives lower to mesh axes (no fallback group), and three steps'
-    losses and weights equal one device's within the oracle's float64 bound."""
+TP_MODEL = os.path.join(ROOT, "tests", "models", "morph_tp.py")
+
+
+def test_a_region_over_a_strided_group() -> None:
+    """tests/models/morph_tp.py: a region's AllGather and AlltoAll over the tp group a
+    create_group of the strided ranks [0, 4] made (Layout (tp 2, dp 4)); on each rank they run
+    over its own pair (rank 7: [3, 7]), and so do the backward's ReduceScatter and AlltoAll;
+    two steps equal one device's in float64."""
+    program = compile_model(TP_MODEL, devices=8, dump=False)
+    for rank, group in ((0, (0, 4)), (7, (3, 7))):
+        graph = program.rank_graph(rank)
+        found = [(n.op, n.attrs["rank_list"]) for n in graph.nodes
+               if n.op in ("AllGather", "AlltoAll", "ReduceScatter")]
+        assert sorted(found) == sorted([("AllGather", group), ("AlltoAll", group),
+                                        ("AlltoAll", group), ("ReduceScatter", group)]), found
+    report = check(program, steps=2)
+    assert report.ok(), report
+
+
+@pytest.mark.slow  # a JAX process of 8 virtual CPU devices (3-5 s each)
+@pytest.mark.parametrize("model, env", [(MODEL, {"MORPH_MOE_EP": "4"}), (TP_MODEL, {})],
+                         ids=["ep4_of_8", "strided_tp"])
+def test_regions_over_groups_on_jax(model: str, env: dict[str, str]) -> None:
+    """The same plans (MORPH_MOE_EP=4 of 8; morph_tp's strided pairs) as one SPMD JAX program
+    over 8 CPU devices in float64: the sub-group collectives lower to mesh axes (no fallback
+    group), and three steps' losses and weights equal one device's within the oracle's float64
+    bound."""
     import json
 
     from pcompile.tools.oracle import FLOAT64_RTOL
 
-    env = dict(clean_env(), JAX_PLATFORMS="cpu", MORPH_MOE_EP="4")
-    proc = subprocess.run([sys.executable, "-c", JAX_EP_CHECK, MODEL], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-c", JAX_EP_CHECK, model], cwd=ROOT,
+                          env=dict(clean_env(), JAX_PLATFORMS="cpu", **env),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("REPORT ")][-1]
