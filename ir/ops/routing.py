@@ -103,7 +103,9 @@ def _router_jax(x: Any, capacity: int, expert_num: int, drop_type: int) -> Any:
     kept = (slot >= 1) & (slot <= capacity)
     combine_q = queued * (capacity + 1) + jnp.where(kept, slot, 0)
     combine_q = jnp.where(slot >= 1, combine_q, 0)  # an id outside the experts: 0
-    combine = jnp.zeros((groups, length), jnp.int32).at[:, perm].set(combine_q)
+    # (under 64-bit mode the sums are int64: stored as the op's int32, as numpy's kernel)
+    combine = jnp.zeros((groups, length), jnp.int32).at[:, perm].set(
+        combine_q.astype(jnp.int32))
     target = jnp.where(kept, queued * capacity + slot - 1, expert_num * capacity)
     rows = jnp.arange(groups)[:, None]
     values = jnp.broadcast_to(jnp.asarray(queued_token + 1, jnp.int32), (groups, length))
