@@ -140,13 +140,6 @@ def _pipeline_trace(state: CompileState, traced: TracedModel, cells: dict[str, A
             "gradients, an update per step); this model file compiles inference: return "
             "nn.PipelineCell(nn.WithLossCell(net, loss_fn), micro_size) from model() or define "
             "loss() and optimizer()")
-    recomputed = next((n for n in traced.graph.nodes if n.attrs.get("recompute")), None)
-    if recomputed is not None:
-        raise PcompileError(
-            f"pipeline_stages={settings.stages}: {recomputed.op} "
-            f"({recomputed.source or recomputed.scope}) is marked for recomputation; "
-            "recompute is not implemented together with pipeline stages in this version of "
-            "pcompile; remove recompute() or use pipeline_stages=1")
     settings.stage_map = stage_map(traced.graph, cells, traced, settings.stages,
                                    settings.interleave)
     check_interleave(settings)

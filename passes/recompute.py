@@ -17,6 +17,17 @@ die after their forward uses and only the checkpoints live until the backward pa
 `jax.checkpoint` achieves with its rematerialisation, here on the IR because pcompile's
 backward pass is the IR's own (autodiff after the parallel split), not JAX's. Values read by
 anything else (the optimizer, a training step's own computations) are not copied.
+
+Inside nn.PipelineCell's micro-batches (passes/micro_batch.py) with pipeline stages, `stages`
+(node -> virtual stage) and `labels` (node -> ("F" | "B", micro-batch)) of the unit's pipeline
+settings are extended to the copies: a copy runs in its forward node's stage, in the backward
+unit of its micro-batch (("B", k)), and so does each checkpoint's Depend. A backward node reads
+a recomputed copy only of a value of its own stage and micro-batch: a value another stage
+computed reaches it by a Receive in the forward unit (recomputing it there would make its stage
+wait in its backward for a stage that runs its own backward only after it), and a value no
+micro-batch computes (a weight's cast, computed once a step) is kept. So each stage holds, from
+a micro-batch's forward to its backward, the checkpoints instead of the recomputed values (the
+schedule's 'activation memory per stage').
 """
 
 from __future__ import annotations
@@ -62,12 +73,41 @@ def marked(graph: Graph) -> bool:
     return any(node.attrs.get("recompute") is True for node in graph.nodes)
 
 
+Label = tuple[str, int]
+
+
 class _Recomputer:
-    def __init__(self, graph: Graph) -> None:
+    def __init__(self, graph: Graph, stages: dict[Node, int] | None = None,
+                 labels: dict[Node, Label] | None = None) -> None:
         self.graph = graph
+        self.stages = stages
+        self.labels = labels if labels is not None else {}
         self.copies: dict[int, Value] = {}  # id(original result) -> its copy
         self.barriers: dict[tuple[int, int], Value] = {}  # (id(checkpoint), id(trigger))
         self.count = 0
+
+    def eligible(self, node: Node, reader: Node) -> bool:
+        """Whether `reader` (a backward node, or a copy) takes a recomputed copy of the
+        recomputable `node`: always without pipeline stages; with them, only where `node` runs
+        in `reader`'s stage and one micro-batch computes it (module docstring)."""
+        if not recomputable(node):
+            return False
+        if self.stages is None:
+            return True
+        if self.stages.get(node) != self.stages.get(reader):
+            return False
+        mine, theirs = self.labels.get(node), self.labels.get(reader)
+        return mine is not None and theirs is not None and mine[1] == theirs[1]
+
+    def place(self, node: Node, like: Node) -> None:
+        """`node` runs where `like` does: its stage, the backward unit of its micro-batch."""
+        if self.stages is None:
+            return
+        if like in self.stages:
+            self.stages[node] = self.stages[like]
+        label = self.labels.get(like)
+        if label is not None:
+            self.labels[node] = ("B", label[1])
 
     def copy(self, node: Node, before: Node, trigger: Value | None) -> Value:
         key = id(node.result)
@@ -75,7 +115,7 @@ class _Recomputer:
             return self.copies[key]
         operands = []
         for value in node.operands:
-            if isinstance(value, NodeResult) and recomputable(value.node):
+            if isinstance(value, NodeResult) and self.eligible(value.node, node):
                 operands.append(self.copy(value.node, before, trigger))
             else:
                 operands.append(self.checkpoint(value, before, trigger))
@@ -83,6 +123,7 @@ class _Recomputer:
                      instance_name=node.instance_name, scope=node.scope, source=node.source,
                      name_hint=node.result.name_hint, parallel=node.parallel)
         self.graph.insert_before(before, clone)
+        self.place(clone, node)
         self.copies[key] = clone.result
         self.count += 1
         return clone.result
@@ -101,6 +142,7 @@ class _Recomputer:
                                    "from this kept value once the backward pass reaches "
                                    f"{before.op} '{before.instance_name or before.fullname}'"))
             self.graph.insert_before(before, node)
+            self.place(node, before)
             self.barriers[key] = node.result
         return self.barriers[key]
 
@@ -113,15 +155,17 @@ def _trigger(node: Node) -> Value | None:
     return None
 
 
-def apply_recompute(graph: Graph) -> int:
+def apply_recompute(graph: Graph, stages: dict[Node, int] | None = None,
+                    labels: dict[Node, Label] | None = None) -> int:
     """Rematerialise the recomputable values the backward pass reads; returns how many nodes
-    were copied."""
-    work = _Recomputer(graph)
+    were copied. With pipeline stages, `stages` and `labels` (the pipeline settings' of
+    `graph`'s nodes) place the copies (module docstring)."""
+    work = _Recomputer(graph, stages, labels)
     for node in list(graph.nodes):
         if not is_backward(node):
             continue
         for index, value in enumerate(node.operands):
-            if isinstance(value, NodeResult) and recomputable(value.node):
+            if isinstance(value, NodeResult) and work.eligible(value.node, node):
                 node.set_operand(index, work.copy(value.node, node, _trigger(node)))
     return work.count
 
@@ -139,5 +183,10 @@ class RecomputePass:
     def apply(self, unit: CompileUnit) -> None:
         if not any(marked(graph) for graph in unit.graphs):
             return  # nothing asked for it (an ilp plan that chose no recompute)
-        copied = sum(apply_recompute(graph) for graph in unit.graphs)
+        settings = unit.pipeline
+        if unit.micro_batched and settings is not None and settings.pipelined:
+            copied = sum(apply_recompute(graph, settings.local_stage, settings.labels)
+                         for graph in unit.graphs)
+        else:
+            copied = sum(apply_recompute(graph) for graph in unit.graphs)
         unit.plan.recompute = {"recomputed_nodes": copied}

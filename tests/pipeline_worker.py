@@ -47,6 +47,9 @@ CASES: dict[str, tuple[str, dict[str, str], dict[str, Any], int]] = {
     # BatchNorm: each micro-batch by its own statistics, the moving ones once per micro-batch
     "batch_norm_1f1b": (os.path.join(ROOT, "tests", "models", "pipeline_batch_norm.py"),
                         {"PIPE_BN_MICRO": "4"}, {}, 2),
+    # recompute: every block's ops computed again in its stage's backward unit, 4 micro-batches
+    "recompute_1f1b": (os.path.join(ROOT, "tests", "models", "pipeline_recompute.py"),
+                       {"PIPE_RC_MICRO": "4", "PIPE_RC_SCHEDULER": "1f1b"}, {}, 2),
 }
 
 

@@ -34,7 +34,7 @@ def test_pipeline_on_jax_equals_the_simulator_and_one_device() -> None:
     line = [x for x in proc.stdout.splitlines() if x.startswith("REPORT ")][-1]
     report = json.loads(line[len("REPORT "):])
     assert set(report) == {"mlp_1f1b", "gpt_gpipe", "mlp_interleaved_1f1b", "state_1f1b",
-                           "dropout_1f1b", "batch_norm_1f1b"}
+                           "dropout_1f1b", "batch_norm_1f1b", "recompute_1f1b"}
     for case, result in report.items():
         # every rank's stored values (its stage's weights and optimizer state) were compared
         assert result["stored"] > 0 and result["compared"] >= result["stored"], case

@@ -137,6 +137,26 @@ def test_two_stages_train_like_one_device(monkeypatch: Any, tmp_path: Any) -> No
     assert report.ok(), (report.losses, report.worst)
 
 
+@pytest.mark.slow  # two compiles on 8 devices and their float64 checks (~3 s each)
+@pytest.mark.parametrize("recompute", ["full", "select"])
+def test_two_stages_with_recompute_train_like_one_device(monkeypatch: Any,
+                                                         recompute: str) -> None:
+    """LLAMA_PP=2 with LLAMA_RECOMPUTE (refused before: recompute with pipeline stages): the
+    float64 check passes, the recomputed copies run in both stages, and each stage holds fewer
+    activation bytes under both schedules than without recompute."""
+    knobs(monkeypatch, PP="2")
+    plain = compile_model(LLAMA, devices=8, dump=False).state.pipeline.program
+    knobs(monkeypatch, PP="2", RECOMPUTE=recompute)
+    program = compile_model(LLAMA, devices=8, dump=False)
+    pipe = program.state.pipeline.program
+    assert all(any(n.attrs.get("duplicated") for n in g.nodes) for g in pipe.graphs)
+    for name in ("1f1b", "gpipe"):
+        assert all(a < b for a, b in zip(pipe.schedule.held_bytes[name],
+                                          plain.schedule.held_bytes[name])), name
+    report = check(program, steps=2)
+    assert report.ok(), (report.losses, report.worst)
+
+
 @pytest.mark.slow
 def test_8_processes_with_two_stages_track_single_device_training(monkeypatch: Any,
                                                                   tmp_path: Any) -> None:

@@ -549,14 +549,6 @@ def test_a_training_step_cell_in_a_pipeline_is_refused(tmp_path) -> None:
     assert "pipeline_stages=2" in message and "training step cell (TrainOneStepCell" in message
 
 
-def test_recompute_in_a_pipeline_is_refused(tmp_path) -> None:
-    text = TWO_STAGES.replace("        self.l1.pipeline_stage = STAGE1\n",
-                              "        self.l1.pipeline_stage = STAGE1\n"
-                              "        self.l1.recompute()\n")
-    message = error_of(write_model(tmp_path, text))
-    assert "marked for recomputation" in message and "pipeline_stages=1" in message
-
-
 def test_inputs_split_differently_are_refused(tmp_path) -> None:
     path = write_model(tmp_path, TWO_STAGES,
                        context="dataset_strategy=((2, 1), (1, 1))")
