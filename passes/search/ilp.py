@@ -674,10 +674,13 @@ class _Program:
             op = self.costs.op_times(v, popt)[k]
             layer = recompute and f.layer_of[vi]
             mem = self.costs.memory(v, k, popt)
+            # a recomputed layer's activations once (the layer being recomputed, one
+            # micro-batch at a time), the outputs it keeps per micro-batch held
+            held = self.costs.held_for(vi)
             total = (mem.weights + mem.gradients + mem.optimizer) * mult \
-                + mem.activations * (1 if layer else mult) * self.costs.held_for(vi)
+                + mem.activations * (1 if layer else mult * held)
             if recompute and vi in f.last:
-                total += mem.activations * (f.last[vi] - 1)
+                total += mem.activations * (f.last[vi] - 1) * held
             memory[col] = total
             if self.costs.repeat is None:
                 seconds[col] = mult * (op.compute * (4 / 3 if layer else 1) + op.comm
@@ -831,11 +834,12 @@ def stage_totals(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Map
             st.compute += mult * (rep * t.compute * (4 / 3 if layer else 1)
                                   + costs.update_time(mem))
             st.communication += mult * (rep * (t.comm - t.weight_comm) + t.weight_comm)
-        act = mem.activations * (1 if layer else mult)
+        held = costs.held_for(v.index)  # as _Program.coefficients counts them
+        act = mem.activations * (1 if layer else mult * held)
         if recompute and v.index in folding.last:
-            act += mem.activations * (folding.last[v.index] - 1)
+            act += mem.activations * (folding.last[v.index] - 1) * held
         st.memory.add(Memory(mem.weights, mem.gradients, mem.optimizer, 0.0), mult)
-        st.memory.activations += act * costs.held_for(v.index)
+        st.memory.activations += act
     for me in edges:
         e = me.edge
         a, b = cg.vertices[e.src].candidates[choice[e.src]], \
@@ -878,9 +882,7 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
     # every constrained plan of its mesh and parallel optimizer from below, so those are not
     # solved once a plan at least as fast is known (exact: the bound never prunes a faster one).
     popts = (False, True) if options.training else (False,)
-    # pcompile recomputes nothing inside pipeline stages (front_passes refuses it)
-    staged = options.pipeline is not None and options.pipeline.stages > 1
-    recomputes = (False, True) if options.training and not staged else (False,)
+    recomputes = (False, True) if options.training else (False,)
 
     def consider(mesh: tuple[int, int], popt: bool, recompute: bool, solved: _Solved) -> None:
         nonlocal best
@@ -951,7 +953,7 @@ def _no_fit(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Mapped],
     allowed = {v.index: list(range(len(v.candidates))) for v in cg.vertices
                if folding.mult[v.index] > 0}
     staged = options.pipeline is not None and options.pipeline.stages > 1
-    recompute = options.training and not staged
+    recompute = options.training
     solved = _Program(cg, costs, folding, edges, allowed).solve(
         True, recompute, None, minimise_memory=True)
     if solved is not None:

@@ -97,3 +97,21 @@ def test_a_budget_below_the_whole_model_fits_per_stage(monkeypatch: Any) -> None
     with pytest.raises(IlpError, match=r"no plan of 4 devices per stage \(2 pipeline "
                        r"stages\) fits .* more pipeline stages"):
         _compile(monkeypatch, memory=stage / 40)
+
+
+@pytest.mark.slow
+def test_recompute_inside_stages_when_the_memory_needs_it(monkeypatch: Any) -> None:
+    """Under a budget the free plan (the parallel optimizer already on) does not meet, the
+    search recomputes the stages' layers (pcompile recomputes inside stages since 5dfec2d):
+    the program recomputes, fits the budget as predicted, and computes what one device does
+    (float64)."""
+    from pcompile.tools.oracle import check
+
+    free = _compile(monkeypatch, BLOCKS="6").state.plan["prediction"]["memory"]["total"]
+    budget = float(np.floor(free * 0.88))
+    program = _compile(monkeypatch, memory=budget, BLOCKS="6")
+    plan = program.state.plan
+    assert plan["search"]["recompute"] and plan["recompute"]["recomputed_nodes"] > 0
+    assert plan["prediction"]["fits"] and plan["prediction"]["memory"]["total"] <= budget
+    report = check(program, steps=1)
+    assert report.ok(), report.worst
