@@ -84,6 +84,10 @@ class _Recomputer:
         self.labels = labels if labels is not None else {}
         self.copies: dict[int, Value] = {}  # id(original result) -> its copy
         self.barriers: dict[tuple[int, int], Value] = {}  # (id(checkpoint), id(trigger))
+        # the nodes made to go right before each backward node, in the order made (appended
+        # now, moved into place by one reorder: an insertion per node renumbers the graph's
+        # order keys each time the gaps run out, seconds at a 671B model's 16 stages)
+        self.pending: dict[Node, list[Node]] = {}
         self.count = 0
 
     def eligible(self, node: Node, reader: Node) -> bool:
@@ -122,11 +126,21 @@ class _Recomputer:
         clone = Node(node.op, operands, {**node.attrs, "duplicated": True}, node.result.type,
                      instance_name=node.instance_name, scope=node.scope, source=node.source,
                      name_hint=node.result.name_hint, parallel=node.parallel)
-        self.graph.insert_before(before, clone)
+        self.insert_before(before, clone)
         self.place(clone, node)
         self.copies[key] = clone.result
         self.count += 1
         return clone.result
+
+    def insert_before(self, before: Node, node: Node) -> None:
+        self.graph.append(node)
+        self.pending.setdefault(before, []).append(node)
+
+    def finish(self, order: list[Node]) -> None:
+        """Every made node right before its backward node (`order`: the graph's nodes before)."""
+        if self.pending:
+            self.graph.reorder([n for node in order
+                                for n in (*self.pending.get(node, ()), node)])
 
     def checkpoint(self, value: Value, before: Node, trigger: Value | None) -> Value:
         """A kept value as the copies read it: after `trigger` (see the module docstring)."""
@@ -141,7 +155,7 @@ class _Recomputer:
                             reason="recompute: the recomputed forward values are computed "
                                    "from this kept value once the backward pass reaches "
                                    f"{before.op} '{before.instance_name or before.fullname}'"))
-            self.graph.insert_before(before, node)
+            self.insert_before(before, node)
             self.place(node, before)
             self.barriers[key] = node.result
         return self.barriers[key]
@@ -161,12 +175,14 @@ def apply_recompute(graph: Graph, stages: dict[Node, int] | None = None,
     were copied. With pipeline stages, `stages` and `labels` (the pipeline settings' of
     `graph`'s nodes) place the copies (module docstring)."""
     work = _Recomputer(graph, stages, labels)
-    for node in list(graph.nodes):
+    order = list(graph.nodes)
+    for node in order:
         if not is_backward(node):
             continue
         for index, value in enumerate(node.operands):
             if isinstance(value, NodeResult) and work.eligible(value.node, node):
                 node.set_operand(index, work.copy(value.node, node, _trigger(node)))
+    work.finish(order)
     return work.count
 
 
