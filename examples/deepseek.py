@@ -69,9 +69,11 @@ DEEPSEEK_BATCH; DEEPSEEK_CAPACITY the capacity factor, DEEPSEEK_DTYPE the comput
 (bfloat16 by default). DEEPSEEK_TOPK_METHOD: `greedy` (default, the yaml's) or
 `group_limited_greedy` (mindformers' group-limited routing: the experts in DEEPSEEK_N_GROUP
 groups, a token choosing among those of its DEEPSEEK_TOPK_GROUP best; 4 and 1 for tiny, 8 and 4
-for v3_671b). DEEPSEEK_RECOMPUTE=1 recomputes every decoder layer (mindformers' recompute;
-pcompile refuses recompute together with pipeline stages, so the yaml's per-stage
-recompute_config is not applied); DEEPSEEK_PARALLEL_OPTIMIZER=1 shards the weights over their
+for v3_671b). DEEPSEEK_RECOMPUTE=1 recomputes every decoder layer (mindformers' recompute: True),
+0 none, and a comma-separated list of one count per pipeline stage recomputes that stage's
+first layers (mindformers' recompute list, as its LayerSetting applies it: the first n of the
+stage's layers); v3_671b at the yaml's 16 stages takes the yaml's list 3,4,...,4,3,2,0 by
+default, every other configuration 0; DEEPSEEK_PARALLEL_OPTIMIZER=1 shards the weights over their
 data-parallel copies (the yaml's enable_parallel_optimizer, threshold 64 KB; v3_671b's default;
 0 for tiny, whose weights are all smaller).
 
@@ -161,7 +163,11 @@ N_GROUP, TOPK_GROUP = (int(os.environ.get(f"DEEPSEEK_{k}", v)) for k, v in
                         ("TOPK_GROUP", 4 if PRESET == "v3_671b" else 1)))
 FUSED_ROUTER = os.environ.get("DEEPSEEK_FUSED_ROUTER", "1") == "1"
 USE_GMM = os.environ.get("DEEPSEEK_USE_GMM", "0") == "1"  # mindformers' use_gmm: MoEV3
-RECOMPUTE = os.environ.get("DEEPSEEK_RECOMPUTE", "0") == "1"
+# the pretraining yaml's recompute_config.recompute: full recompute of the first n layers of
+# each of its 16 stages
+YAML_RECOMPUTE = (3,) + (4,) * 12 + (3, 2, 0)
+_recompute = os.environ.get("DEEPSEEK_RECOMPUTE")
+RECOMPUTE = _recompute == "1"  # every decoder layer
 PARALLEL_OPTIMIZER = os.environ.get("DEEPSEEK_PARALLEL_OPTIMIZER",
                                     "1" if PRESET == "v3_671b" else "0") == "1"
 SEQ_PARALLEL = os.environ.get("DEEPSEEK_SEQ_PARALLEL", "1") == "1"
@@ -220,6 +226,21 @@ def stage_layers(stages):
     if total < stages:
         raise ValueError(f"{total} layers cannot fill {stages} pipeline stages")
     return [total // stages + (s < total % stages) for s in range(stages)]
+
+
+def stage_recompute(stages):
+    """How many of each stage's first layers are recomputed (mindformers' recompute list):
+    DEEPSEEK_RECOMPUTE as one count per stage, else the yaml's for v3_671b at its 16 stages;
+    None where no list applies (DEEPSEEK_RECOMPUTE 0 or 1, or unset elsewhere)."""
+    if _recompute in ("0", "1"):
+        return None
+    if _recompute is None:
+        return YAML_RECOMPUTE if PRESET == "v3_671b" and stages == len(YAML_RECOMPUTE) else None
+    counts = tuple(int(v) for v in _recompute.split(","))
+    if len(counts) != stages or min(counts) < 0:
+        raise ValueError(f"DEEPSEEK_RECOMPUTE={_recompute}: 0, 1, or one count of recomputed "
+                         f"layers (>= 0) per pipeline stage ({stages} here)")
+    return counts
 
 
 def parallel_config():
@@ -1032,6 +1053,7 @@ def model():
     stages = int(get_auto_parallel_context("pipeline_stages"))
     if stages > 1 and int(get_auto_parallel_context("device_num")) > 1:
         assign_stages(net, stages)
+        recompute_layers(net, stages)
         net.scalar_loss = True
         # The routers accumulate the experts' load over the micro-batches (AssignAdd), but the
         # bias moves between steps (mindformers' TopkBiasBalanceCallback), not once per
@@ -1040,7 +1062,20 @@ def model():
             if isinstance(cell, TopkRouterV2):
                 cell._balance_topk_bias = lambda router=cell: router.topk_bias
         return nn.PipelineCell(net, micro_size=micro_batches())
+    recompute_layers(net, stages)  # (the single-device reference of a pipelined plan too)
     return net
+
+
+def recompute_layers(net, stages):
+    """mindformers' recompute list: the first n layers of each stage recomputed
+    (`stage_recompute`), the stages counted by `stage_layers`."""
+    counts = stage_recompute(stages)
+    if counts is None:
+        return
+    owners = [s for s, n in enumerate(stage_layers(stages)) for _ in range(n)]
+    for i, (layer, stage) in enumerate(zip(net.model.layers, owners)):
+        if i - owners.index(stage) < counts[stage]:
+            layer.recompute()
 
 
 def optimizer(params):

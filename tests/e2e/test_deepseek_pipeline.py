@@ -60,3 +60,45 @@ def test_two_stages_train_like_one_device(monkeypatch: Any, tmp_path: Any) -> No
     assert not any("/1-DecodeLayer" in s or "lm_head" in s for s in stage0)
 
 
+
+
+def test_the_yaml_recompute_list_recomputes_each_stages_first_layers(monkeypatch: Any) -> None:
+    """recompute_config.recompute [3, 4, ..., 4, 3, 2, 0] of the pretraining yaml (v3_671b's
+    default at 16 stages): the first n layers of each stage are recomputed (mindformers'
+    LayerSetting), with 4 layers on stages 0-14 and 1 on the last; a list of another length is
+    refused, 0 and 1 are no list."""
+    from types import SimpleNamespace
+
+    ds = _example(monkeypatch, PRESET="v3_671b")
+    assert ds.stage_recompute(16) == (3,) + (4,) * 12 + (3, 2, 0)
+    marked: list[int] = []
+    layers = [SimpleNamespace(recompute=lambda i=i: marked.append(i)) for i in range(61)]
+    ds.recompute_layers(SimpleNamespace(model=SimpleNamespace(layers=layers)), 16)
+    starts = [4 * s for s in range(16)]
+    assert marked == [starts[s] + k for s, n in enumerate(ds.stage_recompute(16))
+                      for k in range(n)]
+    assert ds.stage_recompute(8) is None  # the yaml's list is for its 16 stages
+    assert _example(monkeypatch, PRESET="v3_671b", RECOMPUTE="0").stage_recompute(16) is None
+    assert _example(monkeypatch).stage_recompute(2) is None  # tiny: no list
+    ds = _example(monkeypatch, RECOMPUTE="1,0")
+    assert ds.stage_recompute(2) == (1, 0)
+    with pytest.raises(ValueError, match="DEEPSEEK_RECOMPUTE=1,0: 0, 1, or one count"):
+        ds.stage_recompute(16)
+
+
+@pytest.mark.slow  # two compiles on 8 devices and a float64 check (~5 s of CPU)
+def test_a_recompute_list_under_two_stages_trains_like_one_device(monkeypatch: Any) -> None:
+    """DEEPSEEK_RECOMPUTE=1,0 (was refused: recompute with pipeline stages): stage 0's layer is
+    recomputed in its backward units, the float64 check passes, and stage 0 holds fewer
+    activation bytes than without recompute, stage 1 as many."""
+    knobs(monkeypatch, PP="2", MICRO="1")
+    plain = compile_model(DEEPSEEK, devices=8, dump=False).state.pipeline.program
+    knobs(monkeypatch, PP="2", MICRO="1", RECOMPUTE="1,0")
+    program = compile_model(DEEPSEEK, devices=8, dump=False)
+    pipe = program.state.pipeline.program
+    copies = [[n for n in g.nodes if n.attrs.get("duplicated")] for g in pipe.graphs]
+    assert copies[0] and not copies[1]
+    before, after = plain.schedule.held_bytes["1f1b"], pipe.schedule.held_bytes["1f1b"]
+    assert after[0] < before[0] and after[1] == before[1]
+    report = check(program, steps=1)
+    assert report.ok(), (report.losses, report.worst)
