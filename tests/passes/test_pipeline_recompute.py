@@ -20,34 +20,39 @@ MODEL = os.path.join(ROOT, "tests", "models", "pipeline_recompute.py")
 
 
 def _compile(monkeypatch: Any, micro: int, devices: int, scheduler: str = "1f1b",
-             mark: str = "full") -> Any:
+             mark: str = "full", chunks: int = 1) -> Any:
+    monkeypatch.setenv("PIPE_RC_CHUNKS", str(chunks))
     monkeypatch.setenv("PIPE_RC_MICRO", str(micro))
     monkeypatch.setenv("PIPE_RC_SCHEDULER", scheduler)
     monkeypatch.setenv("PIPE_RC_MARK", mark)
     return compile_model(MODEL, devices=devices, dump=False)
 
 
-@pytest.mark.parametrize("micro,devices,scheduler",
-                         [(2, 4, "1f1b"), (4, 8, "gpipe"), (4, 4, "1f1b"), (2, 8, "gpipe")])
+@pytest.mark.parametrize("micro,devices,scheduler,chunks",
+                         [(2, 4, "1f1b", 1), (4, 8, "gpipe", 1), (4, 4, "1f1b", 1),
+                          (2, 8, "gpipe", 1), (4, 4, "1f1b", 2)])
 def test_recompute_in_a_pipeline_trains_like_one_device(monkeypatch: Any, micro: int,
-                                                        devices: int, scheduler: str) -> None:
-    """Two stages of 2 or 4 devices, 2 to 4 micro-batches, 1F1B and GPipe, every block
-    recomputed: two steps equal the single-device program's (float64); every recomputed copy
-    and every checkpoint's Depend runs in its stage's backward unit of its micro-batch, and no
-    copy crosses stages."""
-    program = _compile(monkeypatch, micro, devices, scheduler)
+                                                        devices: int, scheduler: str,
+                                                        chunks: int) -> None:
+    """Two stages of 2 or 4 devices, 2 to 4 micro-batches, 1F1B and GPipe, interleaved (2
+    chunks a stage) or not, every block recomputed: two steps equal the single-device
+    program's (float64); every recomputed copy and every checkpoint's Depend runs in its
+    stage's backward unit of its micro-batch (and chunk), and no copy crosses stages."""
+    program = _compile(monkeypatch, micro, devices, scheduler, chunks=chunks)
     assert "recompute" in [name for name, _ in program.timings]
     pipe = program.state.pipeline.program
     for s, graph in enumerate(pipe.graphs):
-        sequence = unit_sequence(scheduler, 2, s, micro)
+        sequence = unit_sequence(scheduler, 2, s, micro, chunks)
         where = positions(graph, sequence)
         copies = [n for n in graph.nodes if n.attrs.get("duplicated")]
         assert copies, f"stage {s} recomputes nothing"
         for node in copies:
             assert node.parallel is not None and node.parallel.micro is not None
-            assert sequence[where[node]] == ("B", node.parallel.micro, 0), node
+            assert sequence[where[node]] == (
+                "B", node.parallel.micro, node.parallel.chunk or 0), node
         depends = [n for n in graph.nodes if n.instance_name == "recompute_depend"]
-        assert depends and all(node_label(n) == ("B", n.parallel.micro, 0) for n in depends)
+        assert depends and all(
+            node_label(n) == ("B", n.parallel.micro, n.parallel.chunk or 0) for n in depends)
     sent = [n for g in pipe.graphs for n in g.nodes if n.op == "Send"]
     assert not any(n.operands[0].node.attrs.get("duplicated") for n in sent)
     report = check(program, steps=2)
