@@ -317,7 +317,7 @@ def show_command(out_dir: str, rank: int | None, op: str | None, tensors: tuple[
     grids of how they are split over the ranks, and the communication of one rank per step.
     Columns that do not fit the width are left out (and named); op and instance names never
     are."""
-    from pcompile.compiler.render import console, show
+    from pcompile.tools.render import console, show
 
     setup_logging(verbose, quiet)
     show(out_dir, rank=rank, op=op, tensors=tensors, svg=svg, all_weights=all_weights,
@@ -333,7 +333,7 @@ def show_command(out_dir: str, rank: int | None, op: str | None, tensors: tuple[
 @_guard
 def diff_command(out_dir: str, ranks: str, pass_name: str, verbose: int, quiet: bool) -> None:
     """Show where two ranks' programs differ (their dumps of one pass, as a unified diff)."""
-    from pcompile.compiler.render import diff
+    from pcompile.tools.render import diff
 
     setup_logging(verbose, quiet)
     try:

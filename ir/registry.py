@@ -51,14 +51,14 @@ NUMERIC = FLOATS | INTS
 ALL = NUMERIC | {DType.bool_}
 BOOL = frozenset({DType.bool_})
 
-# The sections of docs/ops.md an op's table row goes to (compiler/ops_doc.py gives their
+# The sections of docs/ops.md an op's table row goes to (tools/ops_doc.py gives their
 # titles and prose, in this order).
 SECTIONS = ("elementwise", "linalg", "attention", "shape", "conv", "compiler")
 
 
 @dataclass(frozen=True)
 class OpDoc:
-    """What docs/ops.md says of one primitive. `python -m pcompile.compiler.ops_doc` writes the
+    """What docs/ops.md says of one primitive. `python -m pcompile.tools.ops_doc` writes the
     page from these records; `test_ops_page_lists_every_functional_name`
     (tests/compiler/test_functional_ops.py) fails when the page is stale,
     tests/ir/test_ops_dtypes.py when `dtypes` is not exactly what the op accepts on both

@@ -84,7 +84,7 @@ def summary(program: CompiledProgram, elapsed: float, quiet: bool, echo: Echo) -
         return
     if prediction:
         from pcompile.compiler.plan import megatron_minimum
-        from pcompile.compiler.render import prediction_text
+        from pcompile.tools.render import prediction_text
 
         # the advice was printed above, as a warning
         for text, _style in prediction_text({**prediction, "advice": None}, state.plan.search,

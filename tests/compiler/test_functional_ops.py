@@ -495,13 +495,13 @@ def test_functional_model_trains_as_on_one_device(tmp_path: Any) -> None:
 
 
 def test_ops_page_lists_every_functional_name() -> None:
-    """docs/ops.md is, byte for byte, what `python -m pcompile.compiler.ops_doc` generates now
+    """docs/ops.md is, byte for byte, what `python -m pcompile.tools.ops_doc` generates now
     from the op registry's doc records and the functional namespaces (regenerate it after
     adding an op or a name, or changing a record)."""
-    from pcompile.compiler import ops_doc
+    from pcompile.tools import ops_doc
 
     assert ops_doc.current() == ops_doc.generated(), (
-        "docs/ops.md is stale: run `python -m pcompile.compiler.ops_doc`")
+        "docs/ops.md is stale: run `python -m pcompile.tools.ops_doc`")
     for name in ops_doc.all_ops():
         if not name.startswith("TestOnly_"):
             assert f"| `{name}` |" in ops_doc.current(), name

@@ -1,5 +1,5 @@
-"""`pcompile show` / `pcompile diff` / `pcompile --version` (cli.py, compiler/inspection.py,
-compiler/render.py): the quickstart's strategies and the layout grid of `w` over 8 ranks; the
+"""`pcompile show` / `pcompile diff` / `pcompile --version` (cli.py, tools/inspection.py,
+tools/render.py): the quickstart's strategies and the layout grid of `w` over 8 ranks; the
 communication totals equal the sum of the `bytes` annotations of the collectives in the
 execute dumps; one message for a wrong plan, an op or rank that is not there."""
 
@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from pcompile import __version__
 from pcompile.cli import main
-from pcompile.compiler.inspection import comm_summary, comm_totals, load
+from pcompile.tools.inspection import comm_summary, comm_totals, load
 from tests import ROOT
 
 QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")
@@ -303,7 +303,7 @@ def test_show_into_a_pipe_honours_columns(quickstart: str, monkeypatch) -> None:
     assert "not shown at 80 columns" in " ".join(
         CliRunner().invoke(main, ["show", quickstart, "--no-svg"],
                            env={"COLUMNS": "80"}).output.split())
-    from pcompile.compiler.render import PIPE_WIDTH, pipe_width
+    from pcompile.tools.render import PIPE_WIDTH, pipe_width
 
     monkeypatch.setattr(os, "isatty", lambda fd: False)
     assert pipe_width({}) == pipe_width({"COLUMNS": "x"}) == PIPE_WIDTH
@@ -330,7 +330,7 @@ def test_diff_marks_the_differing_fields(quickstart: str) -> None:
 
 
 def test_differing_spans_mark_whole_tokens() -> None:
-    from pcompile.compiler.inspection import differing_spans, marked_diff
+    from pcompile.tools.inspection import differing_spans, marked_diff
 
     a, b = "group: 4-630, rank_list: (0, 1)", "group: 4-157, rank_list: (4, 5)"
     spans_a, spans_b = differing_spans(a, b)

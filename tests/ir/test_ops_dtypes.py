@@ -353,7 +353,7 @@ def test_every_op_has_a_dtype_case() -> None:
 def test_every_op_has_a_doc_record() -> None:
     """Every registered op (collectives included) has the OpDoc record docs/ops.md is
     generated from, and every test it names exists (a renamed test fails here)."""
-    from pcompile.compiler import ops_doc
+    from pcompile.tools import ops_doc
 
     assert ops_doc.problems() == []
 
@@ -363,7 +363,7 @@ def test_doc_record_problems_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
     named, and the page is then not generated."""
     import dataclasses
 
-    from pcompile.compiler import ops_doc
+    from pcompile.tools import ops_doc
 
     add, neg, sqrt_grad = get_op("Add"), get_op("Neg"), get_op("SqrtGrad")
     assert add.page is not None and neg.page is not None

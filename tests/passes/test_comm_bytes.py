@@ -13,11 +13,11 @@ import pytest
 from click.testing import CliRunner
 
 from pcompile.cli import main
-from pcompile.compiler.inspection import comm_summary, comm_totals, load
 from pcompile.ir.registry import CommFacts, all_ops, get_op, group_collectives
 from pcompile.ir.types import DType, TensorType
 from pcompile.passes.comm_fusion import FUSIBLE_OPS
 from pcompile.passes.comm_info import collective_bytes, ring_bytes, ring_sent_ops
+from pcompile.tools.inspection import comm_summary, comm_totals, load
 from tests import ROOT
 
 QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")

@@ -1,6 +1,6 @@
 """Terminal rendering of `pcompile show` and `pcompile diff` with rich (tables, the layout grid
 in the style of `jax.debug.visualize_array_sharding`, a coloured diff). The numbers come from
-`compiler/inspection.py`; this module only draws them."""
+`tools/inspection.py`; this module only draws them."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from pcompile.compiler import inspection
 from pcompile.compiler.outdir import record_shown, write_file_atomic
 from pcompile.compiler.plan import Plan
 from pcompile.ir.errors import PcompileError
+from pcompile.tools import inspection
 
 
 def console(no_color: bool = False, width: int | None = None) -> Console:

@@ -1,6 +1,6 @@
 """The prose of docs/ops.md that is about no single op: the page's introduction, the section
 introductions and the sections on cells and training-step functions. Per-op facts live in the
-`OpDoc` record next to each op's declaration (`ir/ops/*.py`); `compiler/ops_doc.py` assembles
+`OpDoc` record next to each op's declaration (`ir/ops/*.py`); `tools/ops_doc.py` assembles
 the page."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ arguments MindSpore passes at call time but that are compile-time constants here
 shape, ReduceSum's axis, Cast's dtype, Tile's multiples, OneHot's depth) become attributes.
 Each op is declared once in `ir/ops/*.py` (see [CONTRIBUTING-ops.md](CONTRIBUTING-ops.md)).
 
-This page is generated (`python -m pcompile.compiler.ops_doc`): the tables and the notes under
+This page is generated (`python -m pcompile.tools.ops_doc`): the tables and the notes under
 them from the `OpDoc` record next to each op's declaration, the functional tables from the
 `ops`, `mint` and `mint.nn.functional` namespaces. `test_ops_page_lists_every_functional_name`
 (in `tests/compiler/test_functional_ops.py`) fails when the page differs from what the registry
