@@ -227,11 +227,13 @@ def fold(cg: CostGraph, stages: list[int] | None = None,
     gradients alike (a first layer reading data does not stand for the next ones)."""
     n = len(cg.vertices)
     group_of: dict[int, tuple[str, int]] = {}
+    staged = stages is not None and any(stages)  # stages, not one stage of micro-batches
     for v in cg.vertices:
         if v.node is not None:
             m = _LAYER.match(v.node.fullname)
             if m:
-                name = m.group(1) if stages is None else f"{m.group(1)} (stage {stages[v.index]})"
+                name = (f"{m.group(1)} (stage {stages[v.index]})" if staged and stages
+                        else m.group(1))
                 group_of[v.index] = (name, int(m.group(2)))
     for v in cg.vertices:  # a shared parameter's TmpIdentity joins its lead user's group
         if v.kind == "param" and v.out_edges:
