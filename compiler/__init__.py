@@ -22,22 +22,22 @@ _SUBMODULES = ("amp", "communication", "mint", "nn", "ops")
 
 # name -> the module that defines it
 _NAMES = {
-    "ParallelMode": "context",
-    "get_auto_parallel_context": "context",
-    "reset_auto_parallel_context": "context",
-    "set_auto_parallel_context": "context",
-    "get_context": "general_context",
-    "set_context": "general_context",
+    "ParallelMode": "config.context",
+    "get_auto_parallel_context": "config.context",
+    "reset_auto_parallel_context": "config.context",
+    "set_auto_parallel_context": "config.context",
+    "get_context": "config.general_context",
+    "set_context": "config.general_context",
     "ParameterTuple": "grad",
     "initializer": "initializer",
     "set_seed": "initializer",
-    "Layout": "layout",
-    "get_algo_parameters": "search_context",
-    "get_cost_model_context": "search_context",
-    "reset_algo_parameters": "search_context",
-    "reset_cost_model_context": "search_context",
-    "set_algo_parameters": "search_context",
-    "set_cost_model_context": "search_context",
+    "Layout": "config.layout",
+    "get_algo_parameters": "config.search_context",
+    "get_cost_model_context": "config.search_context",
+    "reset_algo_parameters": "config.search_context",
+    "reset_cost_model_context": "config.search_context",
+    "set_algo_parameters": "config.search_context",
+    "set_cost_model_context": "config.search_context",
     "load_checkpoint": "serialization",
     "load_param_into_net": "serialization",
     "save_checkpoint": "serialization",
@@ -79,7 +79,7 @@ def __getattr__(name: str) -> Any:
         value = importlib.import_module(f"pcompile.compiler.{name}")
     elif name in _NAMES:
         where = _NAMES[name]
-        module = importlib.import_module(where if "." in where
+        module = importlib.import_module(where if where.startswith("pcompile.")
                                          else f"pcompile.compiler.{where}")
         value = getattr(module, name)
     else:

@@ -196,7 +196,7 @@ def _check_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_level(level: Any, boost_level: Any) -> str:
-    from pcompile.compiler.general_context import get_context
+    from pcompile.compiler.config.general_context import get_context
 
     if level not in AMP_LEVELS + ("auto",):
         raise ValueError("For 'build_train_network', the argument 'level' must be one of "

@@ -82,7 +82,7 @@ def _find(group: str) -> _Group | None:
 def _world_rank() -> int:
     if "rank" in _RUNTIME:
         return _RUNTIME["rank"]
-    from pcompile.compiler.context import get_auto_parallel_context
+    from pcompile.compiler.config.context import get_auto_parallel_context
 
     return int(get_auto_parallel_context("global_rank"))
 
@@ -90,7 +90,7 @@ def _world_rank() -> int:
 def _world_size() -> int:
     if "size" in _RUNTIME:
         return _RUNTIME["size"]
-    from pcompile.compiler.context import get_auto_parallel_context
+    from pcompile.compiler.config.context import get_auto_parallel_context
 
     return int(get_auto_parallel_context("device_num"))
 

@@ -24,7 +24,7 @@ from pcompile.compiler.compiled import (
     PassDump,
     ReferenceOptions,
 )
-from pcompile.compiler.context import (
+from pcompile.compiler.config.context import (
     AutoParallelContext,
     context_override,
     current_context,
@@ -33,6 +33,8 @@ from pcompile.compiler.context import (
     reset_context,
     save_graphs_level,
 )
+from pcompile.compiler.config.pass_options import cost_constants, fusion_config, search_options
+from pcompile.compiler.config.search_context import cost_model_override
 from pcompile.compiler.front_passes import (
     TraceOptions,
     TracePass,
@@ -42,9 +44,7 @@ from pcompile.compiler.front_passes import (
 )
 from pcompile.compiler.model_file import load_model_file
 from pcompile.compiler.nn.pipeline import PipelineCell
-from pcompile.compiler.pass_options import cost_constants, fusion_config, search_options
 from pcompile.compiler.pinned_plan import PinnedPlan, PinnedSearchPass
-from pcompile.compiler.search_context import cost_model_override
 from pcompile.compiler.strategy_files import read_checkpoint
 from pcompile.ir.core import Graph, Node
 from pcompile.ir.errors import PcompileError

@@ -30,7 +30,7 @@ from pcompile.ir.types import DType
 
 def _data_parallel_ranks() -> int:
     """The ranks data_parallel splits the batch over (1 outside that mode)."""
-    from pcompile.compiler.context import current_context
+    from pcompile.compiler.config.context import current_context
 
     ctx = current_context()
     if ctx.parallel_mode == "data_parallel" and ctx.device_num > 1:
@@ -200,7 +200,7 @@ def _mask_source_error(prim: Primitive, what: str) -> PcompileError:
 def do_mask(prim: Primitive, x: Any, mask: Any, keep_prob: Any) -> Any:
     """`prim(x, mask, keep_prob)` for a `P.DropoutDoMask()` primitive: x / keep_prob where the
     mask's bit of the element is set, else 0 (any plan reads the single-device bits)."""
-    from pcompile.compiler.context import current_context
+    from pcompile.compiler.config.context import current_context
     from pcompile.ir.core import NodeResult
 
     keep = _keep_prob(keep_prob, "DropoutDoMask")

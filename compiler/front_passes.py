@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pcompile.compiler.compiled import CompileState
-from pcompile.compiler.context import context_override
+from pcompile.compiler.config.context import context_override
 from pcompile.compiler.model_file import ModelFile, call_user, load_model_file
 from pcompile.compiler.nn.optim_base import Optimizer
 from pcompile.compiler.optimizer_update import tensor_sum, trace_update

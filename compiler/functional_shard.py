@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pcompile.compiler.layout import LayoutSpec
+from pcompile.compiler.config.layout import LayoutSpec
 from pcompile.compiler.tensor import Parameter, Tensor
 from pcompile.compiler.tracing import current_tracer
 from pcompile.ir.errors import PcompileError

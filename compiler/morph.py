@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pcompile.compiler.communication import every_rank
-from pcompile.compiler.context import get_auto_parallel_context
+from pcompile.compiler.config.context import get_auto_parallel_context
 from pcompile.compiler.primitive import Primitive
 from pcompile.compiler.tensor import Tensor
 from pcompile.compiler.tracing import current_tracer, tracing, user_source

@@ -23,7 +23,7 @@ from pcompile.ir.types import DType, TensorType, TupleType
 def normalize_strategy(strategy: Any, what: str) -> tuple[Any, ...]:
     """Validate a `shard()` strategy: a tuple with one entry per input, each a tuple of
     positive ints, a `Layout(...)` result, or None (derived by the search)."""
-    from pcompile.compiler.layout import LayoutSpec
+    from pcompile.compiler.config.layout import LayoutSpec
 
     if not isinstance(strategy, (tuple, list)):
         raise TypeError(
@@ -58,7 +58,7 @@ _PLAIN_INTS = frozenset({int})
 
 def attr_value(value: Any) -> Any:
     """Plain, printable attribute values: lists become tuples, layouts become their dicts."""
-    from pcompile.compiler.layout import LayoutSpec
+    from pcompile.compiler.config.layout import LayoutSpec
 
     if isinstance(value, LayoutSpec):
         return attr_value(value.to_dict())

@@ -8,9 +8,9 @@ command line's overrides), as MindSpore's read the context when a cell is built.
 
 from __future__ import annotations
 
-from pcompile.compiler.context import get_auto_parallel_context
-from pcompile.compiler.layout import Layout
-from pcompile.compiler.search_context import (
+from pcompile.compiler.config.context import get_auto_parallel_context
+from pcompile.compiler.config.layout import Layout
+from pcompile.compiler.config.search_context import (
     get_algo_parameters,
     reset_algo_parameters,
     set_algo_parameters,

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from pcompile.compiler.context import (
+from pcompile.compiler.config.context import (
     GRAPH_MODE,
     PYNATIVE_MODE,
     AutoParallelContext,
@@ -37,7 +37,7 @@ from pcompile.compiler.context import (
     set_context,
     set_cost_model_context,
 )
-from pcompile.compiler.layout import Layout
+from pcompile.compiler.config.layout import Layout
 
 
 @pytest.fixture(autouse=True)
@@ -802,7 +802,7 @@ def test_algo_parameters_invalid(kwargs: dict[str, Any], exc: type[Exception]) -
 
 
 def test_dict_options_accept_their_models() -> None:
-    from pcompile.compiler.context import CommFusionConfig, ParallelOptimizerConfig
+    from pcompile.compiler.config.context import CommFusionConfig, ParallelOptimizerConfig
 
     set_auto_parallel_context(
         parallel_optimizer_config=ParallelOptimizerConfig(optimizer_level="level2"),

@@ -12,7 +12,7 @@ import pytest
 
 import pcompile.compiler.communication as comm
 from pcompile import ops
-from pcompile.compiler.context import context_override
+from pcompile.compiler.config.context import context_override
 from pcompile.ir.rank import GroupName, RankGroup
 
 

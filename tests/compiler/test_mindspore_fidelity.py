@@ -83,7 +83,7 @@ def test_comm_fusion_getter_returns_all_four_keys() -> None:
         reset_auto_parallel_context()
         assert get_auto_parallel_context("comm_fusion") == MS_COMM_FUSION_DEFAULT
         # the displayed default of allgather does not turn its fusion on
-        from pcompile.compiler.context import current_context
+        from pcompile.compiler.config.context import current_context
         assert not current_context().fusion_enabled("allgather")
     finally:
         reset_auto_parallel_context()

@@ -313,7 +313,7 @@ def test_python_blocks(scratch: str) -> None:
         by_file.setdefault(block.path, []).append(block)
     models = 0
     for found in by_file.values():
-        from pcompile.compiler.context import reset_auto_parallel_context, reset_context
+        from pcompile.compiler.config.context import reset_auto_parallel_context, reset_context
 
         namespace: dict = {"__name__": "__doc__"}
         for block in found:

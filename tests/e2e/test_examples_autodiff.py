@@ -15,7 +15,7 @@ import pytest
 from pcompile.backends.jax import lower_graph
 from pcompile.backends.jax.lowering import x64
 from pcompile.backends.numpy import run_graph
-from pcompile.compiler.context import reset_auto_parallel_context, reset_context
+from pcompile.compiler.config.context import reset_auto_parallel_context, reset_context
 from pcompile.compiler.model_file import load_model_file
 from pcompile.compiler.runtime import synthetic
 from pcompile.compiler.tensor import TensorSpec

@@ -39,7 +39,7 @@ def _upward(room: str, above: tuple[str, ...]) -> list[str]:
 
 def test_no_pass_imports_the_front_end() -> None:
     """passes/ imports ir/ and itself only: the driver hands the passes typed options
-    (compiler/pass_options.py) and traces user code itself (arrows point down)."""
+    (compiler/config/pass_options.py) and traces user code itself (arrows point down)."""
     assert _upward("passes", ("pcompile.program", "pcompile.compiler", "pcompile.backends",
                               "pcompile.tools", "pcompile.cli")) == []
 
@@ -185,6 +185,35 @@ def test_no_import_cycle_among_the_passes() -> None:
     graph = nx.DiGraph(_imports_under("passes"))
     cycles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
     assert cycles == [], f"import cycles under passes/: {cycles}"
+
+
+# compiler/'s rooms, lowest first (issue 37 move 5): a module imports from its own room or a
+# lower one. The façade (compiler/__init__.py) reads the configuration and the front end only.
+COMPILER_ROOMS = ("config", "frontend", "driver")
+
+
+def _compiler_room(module: str) -> int:
+    """The rank of a module under pcompile.compiler in COMPILER_ROOMS (the flat modules, nn/,
+    mint/, common/ and parallel/ are the front end's until they move into compiler/frontend/)."""
+    parts = module.split(".")
+    room = parts[2] if len(parts) > 3 and parts[2] in COMPILER_ROOMS else "frontend"
+    return COMPILER_ROOMS.index(room)
+
+
+def test_the_compilers_rooms_import_downward() -> None:
+    """Inside compiler/ the arrows point one way: the driver (compile_program, the compile
+    state, the plan, the output folder, the rank programs' data) imports the front end and the
+    configuration; the front end (tracing, Tensor, Parameter, nn, ops, ...) imports the
+    configuration; the configuration (context settings and the typed options they become)
+    imports neither. Module level, inside a function and under TYPE_CHECKING alike."""
+    edges = _imports_under("compiler")
+    upward = sorted(f"{module} -> {target}" for module, targets in edges.items()
+                    if module != "pcompile.compiler" for target in targets
+                    if target != "pcompile.compiler"
+                    and _compiler_room(target) > _compiler_room(module))
+    assert upward == []
+    facade = {_compiler_room(t) for t in edges["pcompile.compiler"] if t != "pcompile.compiler"}
+    assert facade <= {COMPILER_ROOMS.index("config"), COMPILER_ROOMS.index("frontend")}
 
 
 def test_parameter_init_loads_no_front_end() -> None:

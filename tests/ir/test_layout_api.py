@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pcompile.compiler.layout import Layout, LayoutSpec
+from pcompile.compiler.config.layout import Layout, LayoutSpec
 
 
 def test_reference_to_dict_example() -> None:

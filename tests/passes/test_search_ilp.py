@@ -190,8 +190,8 @@ def test_a_memory_budget_gives_a_plan_that_fits(monkeypatch: Any) -> None:
     search finds another plan that fits the budget (the prediction says so), and no faster
     than the free one (that one was the fastest); below the smallest plan it refuses, naming
     what that plan needs."""
+    from pcompile.compiler.config.search_context import reset_cost_model_context
     from pcompile.compiler.driver import compile_program
-    from pcompile.compiler.search_context import reset_cost_model_context
     from pcompile.passes.search.ilp import IlpError
 
     env = {"LAYERS": "2", "HIDDEN": "256", "FFN": "512", "VOCAB": "1024", "SEQ": "64",
@@ -246,7 +246,10 @@ def test_profiles_built_in_and_from_a_file(tmp_path: Any) -> None:
 
 
 def test_an_unknown_profile_is_refused_where_it_is_set() -> None:
-    from pcompile.compiler.search_context import reset_cost_model_context, set_cost_model_context
+    from pcompile.compiler.config.search_context import (
+        reset_cost_model_context,
+        set_cost_model_context,
+    )
 
     try:
         with pytest.raises(ValueError, match="device profile 'nope' is neither a built-in"):
@@ -303,7 +306,7 @@ def test_parallel_optimizer_and_recompute_when_the_memory_needs_them(monkeypatch
     recompute: the search chooses them, the program has them (sharded weights, recomputed
     nodes), the prediction fits, and the plan checks against one device (the shrunk check
     shards the weights the plan sharded)."""
-    from pcompile.compiler.search_context import reset_cost_model_context
+    from pcompile.compiler.config.search_context import reset_cost_model_context
     from pcompile.tools.shrink import shrunk_check
 
     for name in [n for n in os.environ if n.startswith("LLAMA_")]:
@@ -446,8 +449,8 @@ def test_a_searched_reduce_scatter_form_is_applied_and_checked(monkeypatch: Any)
     """On the 4-layer Llama under 100 MB the search reduce-scatters the row-parallel outputs
     (sequence parallelism): the plan carries their out_strategy, moves no more than it
     predicts, and computes the single-device step (the shrunk float64 check)."""
+    from pcompile.compiler.config.search_context import reset_cost_model_context
     from pcompile.compiler.driver import compile_program
-    from pcompile.compiler.search_context import reset_cost_model_context
     from pcompile.passes.comm_info import is_communication, node_ring_bytes
     from pcompile.tools.shrink import shrunk_check
 

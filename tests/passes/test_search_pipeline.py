@@ -21,8 +21,8 @@ ITEMSIZE = {"Float32": 4, "Float16": 2, "BFloat16": 2}
 
 
 def _compile(monkeypatch: Any, memory: float | None = None, **env: str) -> Any:
+    from pcompile.compiler.config.search_context import reset_cost_model_context
     from pcompile.compiler.driver import compile_program
-    from pcompile.compiler.search_context import reset_cost_model_context
 
     for k, v in env.items():
         monkeypatch.setenv(f"PIPE_SEARCH_{k}", v)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pcompile.compiler.pass_options import search_options
+from pcompile.compiler.config.pass_options import search_options
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Graph, GraphParam
 from pcompile.ir.errors import PcompileError

@@ -2,7 +2,7 @@
 every family of options uses (numpy scalars accepted as the Python scalars they hold), the
 conversion of a pydantic `ValidationError` into a `TypeError` / `ValueError` that names the
 option, the value and what would be valid, unknown-name suggestions, and the lock that every
-family of options (compiler/context.py, general_context.py, search_context.py) is set under.
+family of options (compiler/config/context.py, general_context.py, search_context.py) is set under.
 """
 
 from __future__ import annotations

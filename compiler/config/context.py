@@ -5,20 +5,20 @@ Each family of options is one frozen pydantic v2 model:
 
 * `AutoParallelContext`  - `set_auto_parallel_context` / `get_auto_parallel_context` /
   `reset_auto_parallel_context`; the compiler reads it through `current_context()`. Its
-  dict-valued options are in compiler/parallel_options.py.
-* `GeneralContext`       - `set_context` / `get_context` (compiler/general_context.py).
+  dict-valued options are in compiler/config/parallel_options.py.
+* `GeneralContext`       - `set_context` / `get_context` (compiler/config/general_context.py).
 * `CostModelContext`     - `set_cost_model_context` / `get_cost_model_context` /
   `reset_cost_model_context` (constants of the strategy-search cost model, reference §4.1;
-  compiler/search_context.py).
+  compiler/config/search_context.py).
 * `AlgoParameters`       - `set_algo_parameters` / `get_algo_parameters` /
-  `reset_algo_parameters` (compiler/search_context.py).
+  `reset_algo_parameters` (compiler/config/search_context.py).
 
 `context_override` (the command line) fixes auto-parallel options for a `with` block and
 restores every family on exit.
 
 Setting is atomic: the new state is validated as a whole and swapped in only when every
 argument is valid. Errors are plain Python exceptions, never `pydantic.ValidationError`
-(compiler/context_checks.py): an unknown option name is a `ValueError` that suggests the
+(compiler/config/context_checks.py): an unknown option name is a `ValueError` that suggests the
 closest name; a value of the wrong type is a `TypeError`, a value out of range a `ValueError`,
 and both name the option, the value and what would be valid. Unknown keys inside dict options
 raise `ContextKeyError` (a `KeyError` that is also a `ValueError`). `comm_fusion` raises
@@ -47,7 +47,7 @@ from pydantic import (
     model_validator,
 )
 
-from pcompile.compiler.context_checks import (
+from pcompile.compiler.config.context_checks import (
     CONTEXT_LOCK,
     FROZEN,
     Bool,
@@ -60,7 +60,7 @@ from pcompile.compiler.context_checks import (
     unknown_name,
     unnumpy,
 )
-from pcompile.compiler.general_context import (
+from pcompile.compiler.config.general_context import (
     GRAPH_MODE,
     PYNATIVE_MODE,
     GeneralContext,
@@ -71,8 +71,8 @@ from pcompile.compiler.general_context import (
     save_graphs_level,
     set_context,
 )
-from pcompile.compiler.layout import LayoutSpec
-from pcompile.compiler.parallel_options import (
+from pcompile.compiler.config.layout import LayoutSpec
+from pcompile.compiler.config.parallel_options import (
     FUSION_OPS,
     PIPELINE_SCHEDULERS,
     CommFusionConfig,
@@ -83,7 +83,7 @@ from pcompile.compiler.parallel_options import (
     check_comm_fusion,
     check_split_indices,
 )
-from pcompile.compiler.search_context import (
+from pcompile.compiler.config.search_context import (
     AlgoParameters,
     CostModelContext,
     current_algo_parameters,

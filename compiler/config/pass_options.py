@@ -12,8 +12,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from pcompile.compiler.context import AutoParallelContext, current_context
-from pcompile.compiler.search_context import current_algo_parameters, current_cost_model_context
+from pcompile.compiler.config.context import AutoParallelContext, current_context
+from pcompile.compiler.config.search_context import (
+    current_algo_parameters,
+    current_cost_model_context,
+)
 from pcompile.passes.comm_fusion import FUSIBLE_OPS, FusionConfig, KindConfig
 from pcompile.passes.search import SearchOptions
 from pcompile.passes.search.cost_model import CostConstants

@@ -1,7 +1,7 @@
 """The dict-valued options of `set_auto_parallel_context`: `strategy_ckpt_config`,
 `parallel_optimizer_config`, `pipeline_config` and `comm_fusion` (with the exact
 `TypeError` / `KeyError` of reference §6.1), one frozen pydantic model each; and the gradient
-split indices of `all_reduce_fusion_config`. compiler/context.py holds them in
+split indices of `all_reduce_fusion_config`. compiler/config/context.py holds them in
 `AutoParallelContext`.
 """
 
@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from pcompile.compiler.context_checks import (
+from pcompile.compiler.config.context_checks import (
     FROZEN,
     Bool,
     Int,

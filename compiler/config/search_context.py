@@ -2,7 +2,7 @@
 cost model (reference §4.1) and the parameters of the search algorithms, one frozen pydantic
 model each (`CostModelContext`, `AlgoParameters`), with MindSpore's names, defaults and
 errors. Setting is atomic. The driver hands them to the search as typed options
-(compiler/pass_options.py). See docs/context-options.md.
+(compiler/config/pass_options.py). See docs/context-options.md.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from pcompile.compiler.context_checks import (
+from pcompile.compiler.config.context_checks import (
     CONTEXT_LOCK,
     FROZEN,
     Bool,

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError, field_validator
 
-from pcompile.compiler.context_checks import (
+from pcompile.compiler.config.context_checks import (
     CONTEXT_LOCK,
     FROZEN,
     Int,
