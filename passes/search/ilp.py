@@ -21,8 +21,9 @@ groups), and every edge maps to its representatives (an edge from layer i to lay
 becomes an edge from the representative to itself, costed on the diagonal).
 
 **The mesh and the global choices** (`solve`): for every factorisation of the devices into
-data x model axes (d, m) (ranks m-fastest: the model axis stays inside a node), only candidates
-whose every split device axis is a mesh axis or the product of both are allowed; for each mesh,
+data x model axes (d, m) (ranks m-fastest: the model axis stays inside a node), and, where the
+model has expert weights, data x expert x model (d / e, e, m) (`meshes`), only candidates whose
+every split device axis is a mesh axis or a run of neighbouring ones are allowed; for each mesh,
 the programs without and with the parallel optimizer, each first without the memory row; only
 when that optimum does not fit, with the memory row, and with per-layer recompute
 (`_Program` builds the structure once; a configuration changes the op costs and the memory
@@ -45,6 +46,7 @@ import time
 from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from functools import cache
 from math import inf, isfinite
 from typing import Any
 
@@ -101,7 +103,7 @@ class IlpPlan:
     """The solution: a candidate per vertex, the global choices and the predictions."""
 
     choice: list[int]
-    mesh: tuple[int, int]
+    mesh: tuple[int, ...]
     parallel_optimizer: bool
     recompute: bool
     step_time: float
@@ -138,7 +140,7 @@ class IlpPlan:
 
     def summary(self) -> dict[str, Any]:
         """plan.json's record of the search (no timings: plans stay byte-identical)."""
-        return {"mesh": {"data": self.mesh[0], "model": self.mesh[1]},
+        return {"mesh": mesh_record(self.mesh),
                 "parallel_optimizer": self.parallel_optimizer, "recompute": self.recompute,
                 "predicted_step_time": _round(self.step_time),
                 "predicted_compute": _round(self.compute),
@@ -293,25 +295,73 @@ def axes_of(cand: Candidate) -> frozenset[tuple[int, int]]:
     return frozenset(out)
 
 
-def mesh_allows(axes: frozenset[tuple[int, int]], mesh: tuple[int, int]) -> bool:
-    """Every axis is a mesh axis (data: stride m, size d; model: stride 1, size m) or both
-    together (stride 1, size d * m)."""
-    d, m = mesh
-    for stride, size in axes:
-        if not ((stride, size) == (1, d * m) or (m > 1 and (stride, size) == (1, m))
-                or (d > 1 and (stride, size) == (m, d))):
-            return False
-    return True
+@cache
+def mesh_groups(mesh: tuple[int, ...]) -> frozenset[tuple[int, int]]:
+    """The device axes (rank stride, size) a mesh offers: each run of consecutive mesh axes
+    (ranks fastest along the last). (data, model): data (stride m, size d), model (1, m), both
+    (1, d m); (data, expert, model) also the expert axis (m, e), the data axis's outer part
+    (e m, d / e) and expert x model (1, e m)."""
+    out = set()
+    for i in range(len(mesh)):
+        for j in range(i, len(mesh)):
+            size = 1
+            for a in mesh[i:j + 1]:
+                size *= a
+            stride = 1
+            for a in mesh[j + 1:]:
+                stride *= a
+            if size > 1:
+                out.add((stride, size))
+    return frozenset(out)
 
 
-def mesh_aligned(cand: Candidate, mesh: tuple[int, int]) -> bool:
-    """Every split device axis of the candidate is a mesh axis or both together."""
+def mesh_allows(axes: frozenset[tuple[int, int]], mesh: tuple[int, ...]) -> bool:
+    """Every axis is a mesh axis or a run of them (`mesh_groups`)."""
+    return axes <= mesh_groups(mesh)
+
+
+def mesh_aligned(cand: Candidate, mesh: tuple[int, ...]) -> bool:
+    """Every split device axis of the candidate is a mesh axis or a run of them."""
     return mesh_allows(axes_of(cand), mesh)
 
 
-def meshes(devices: int) -> list[tuple[int, int]]:
-    """(data, model) factorisations; (1, n) is left out: it allows what (n, 1) allows."""
-    return [(devices // m, m) for m in range(1, devices) if devices % m == 0] or [(1, 1)]
+def meshes(devices: int, experts: Collection[int] = ()) -> list[tuple[int, ...]]:
+    """(data, model) factorisations ((1, n) is left out: it allows what (n, 1) allows); with
+    expert weights of E experts (`experts`), after each (d, m) the (d / e, e, m) whose expert
+    axis e (1 < e < d) divides some E: mindformers' expert parallelism, a minor factor of the
+    data axis."""
+    out: list[tuple[int, ...]] = []
+    for m in range(1, devices):
+        if devices % m:
+            continue
+        d = devices // m
+        out.append((d, m))
+        for e in range(2, d):
+            if d % e == 0 and any(n % e == 0 for n in experts):
+                out.append((d // e, e, m))
+    return out or [(1, 1)]
+
+
+def expert_counts(cg: CostGraph) -> set[int]:
+    """The expert counts E of the model's expert weights: stored trainable [E, in, out]
+    weights a BatchMatMul reads (mixture-of-experts layers)."""
+    out: set[int] = set()
+    for v in cg.vertices:
+        if v.node is None or v.node.op != "BatchMatMul":
+            continue
+        for value in v.node.operands:
+            param = stored_param(value)
+            if param is not None and param.kind == "weight" and len(param.shape) == 3:
+                out.add(int(param.shape[0]))
+    return out
+
+
+def mesh_record(mesh: tuple[int, ...]) -> dict[str, int]:
+    """plan.json's `mesh`: data and model (the data axis whole: outer x expert), and the expert
+    axis where there is one."""
+    if len(mesh) == 3:
+        return {"data": mesh[0] * mesh[1], "model": mesh[2], "expert": mesh[1]}
+    return {"data": mesh[0], "model": mesh[1]}
 
 
 class Costs:
@@ -886,11 +936,11 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
     popts = (False, True) if options.training else (False,)
     recomputes = (False, True) if options.training else (False,)
 
-    def consider(mesh: tuple[int, int], popt: bool, recompute: bool, solved: _Solved) -> None:
+    def consider(mesh: tuple[int, ...], popt: bool, recompute: bool, solved: _Solved) -> None:
         nonlocal best
         compute, comm, memory = evaluate(cg, costs, folding, edges, solved.choice, popt,
                                          recompute)
-        tried.append({"mesh": [mesh[0], mesh[1]], "parallel_optimizer": popt,
+        tried.append({"mesh": list(mesh), "parallel_optimizer": popt,
                       "recompute": recompute, "predicted_step_time": _round(compute + comm)})
         plan = IlpPlan(_unfold(cg, folding, solved.choice), mesh, popt, recompute,
                        compute + comm, compute, comm, memory, solved.variables,
@@ -904,8 +954,8 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
     # first every mesh's unconstrained optima; then, in the order of those bounds, the
     # constrained solves of the ones that did not fit, until a bound is no faster than the
     # best plan found
-    held: list[tuple[float, int, tuple[int, int], bool, _Program]] = []
-    for mesh in meshes(cg.devices):
+    held: list[tuple[float, int, tuple[int, ...], bool, _Program]] = []
+    for mesh in meshes(cg.devices, expert_counts(cg)):
         allowed: dict[int, list[int]] = {}
         for v in cg.vertices:
             if folding.mult[v.index] == 0:
