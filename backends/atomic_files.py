@@ -18,7 +18,8 @@ TEMP_FILE = re.compile(r"\.[^/]+\.tmp-[0-9a-f]+|\.tmp[A-Za-z0-9]{6}")
 
 def temp_name(path: str) -> str:
     """The temporary file an atomic write of `path` goes through: `.<name>.tmp-<token>` in the
-    same folder (compiler/outdir.py and `clean_temp_files` recognise leftovers by this name)."""
+    same folder (compiler/driver/outdir.py and `clean_temp_files` recognise leftovers by this
+    name)."""
     folder, name = os.path.split(os.path.abspath(path))
     return os.path.join(folder, f".{name}.tmp-{secrets.token_hex(4)}")
 

@@ -52,9 +52,9 @@ def merged_tensors(out_dir: str, step: int | None = None, folder: str | None = N
     plan_path = os.path.join(out_dir, "plan.json")
     plan = None
     if os.path.exists(plan_path):
-        from pcompile.compiler.plan import PlanError, read_plan
+        from pcompile.compiler.driver.plan import PlanError, read_plan
 
-        try:  # validated against its schema (compiler/plan.py)
+        try:  # validated against its schema (compiler/driver/plan.py)
             plan = read_plan(out_dir).model_dump(mode="json")
         except PlanError as exc:
             raise MergeError(str(exc)) from None
@@ -407,7 +407,7 @@ def _name_map(value: str) -> Any:
 
 def _weights(out_dir: str) -> set[str]:
     """plan.json's weights (what --weights-only keeps: no optimizer state)."""
-    from pcompile.compiler.plan import PlanError, read_plan
+    from pcompile.compiler.driver.plan import PlanError, read_plan
 
     if not os.path.exists(os.path.join(out_dir, "plan.json")):
         raise MergeError(f"--weights-only needs {out_dir}/plan.json to tell weights apart")

@@ -1,8 +1,8 @@
 """Launch the rank programs of a compiled plan as processes on this machine.
 
-`launch(out_dir, steps=N)` takes the lock of `out_dir` (compiler/outdir.py), starts one process
-per rank (`<out>/rank_<r>/program.py`, under `jax.distributed` with gloo collectives on CPU),
-with the coordinator on a free port of the loopback (`127.0.0.1`, where process 0 then listens
+`launch(out_dir, steps=N)` takes the lock of `out_dir` (compiler/driver/outdir.py), starts one
+process per rank (`<out>/rank_<r>/program.py`, under `jax.distributed` with gloo collectives on
+CPU), with the coordinator on a free port of the loopback (`127.0.0.1`, where process 0 then listens
 only: backends/cluster.py), and watches them. `platform="gpu"` gives each
 process its ranks' GPUs (backends/placement.py: `CUDA_VISIBLE_DEVICES`,
 `PCOMPILE_LOCAL_DEVICE_IDS`; fewer GPUs than ranks is refused before anything starts);
@@ -208,8 +208,8 @@ class Deadlines:
 
 
 def _num_ranks(out_dir: str) -> int:
-    """The plan's rank count (plan.json validated against its schema, compiler/plan.py)."""
-    from pcompile.compiler.plan import PlanError, read_plan
+    """The plan's rank count (plan.json validated against its schema, compiler/driver/plan.py)."""
+    from pcompile.compiler.driver.plan import PlanError, read_plan
 
     try:
         return read_plan(out_dir).devices
@@ -240,9 +240,9 @@ def launch(
 ) -> LaunchResult:
     """Run `steps` training steps of the plan in `out_dir` with one process per rank (or
     `processes` processes, each running N/processes ranks), holding the lock of `out_dir`
-    (compiler/outdir.py) meanwhile. `platform`: "cpu" (virtual CPU devices) or "gpu" (one of
+    (compiler/driver/outdir.py) meanwhile. `platform`: "cpu" (virtual CPU devices) or "gpu" (one of
     the `gpus` visible GPUs per rank, backends/placement.py)."""
-    from pcompile.compiler.outdir import out_lock
+    from pcompile.compiler.driver.outdir import out_lock
     from pcompile.ir.errors import PcompileError
 
     try:

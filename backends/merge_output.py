@@ -30,10 +30,10 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from pcompile.backends.atomic_files import atomic_write_text, temp_name, try_unlink
-from pcompile.compiler.outdir import MERGE_FORMAT, MERGE_INDEX, is_merge_file
+from pcompile.compiler.driver.outdir import MERGE_FORMAT, MERGE_INDEX, is_merge_file
 
 # The mark of what pcompile-merge writes lives with the output folder's rules, which keep such
-# files wherever they are in a compile's --out (compiler/outdir.py).
+# files wherever they are in a compile's --out (compiler/driver/outdir.py).
 INDEX_NAME = MERGE_INDEX
 SINGLE_NAME = "model.safetensors"
 #: Hugging Face's default `max_shard_size` ("5GB", decimal).

@@ -9,7 +9,7 @@ decides units and formats; the launcher and the CLI reuse the formats.
   step trains on, the ids its embedding lookup reads (the program's `TOKENS_PER_STEP`: S per
   sample of S + 1 ids, whose last is only a label), else the input's global size.
   `throughput_unit` decides from them and the compiled program's input shapes and dtypes.
-* Model FLOPs: the program's `MODEL_FLOPS` (compiler/flops.py: 3 x the forward's matmul and
+* Model FLOPs: the program's `MODEL_FLOPS` (compiler/driver/flops.py: 3 x the forward's matmul and
   attention FLOPs, counted on the traced graph) when the compiler counted any, else
   6 x parameters x tokens (only for token inputs).
 * MFU: model FLOP/s over the dense bf16 peak of the devices (`PEAK_BF16_TFLOPS`, matched on

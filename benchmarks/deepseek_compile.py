@@ -61,7 +61,7 @@ DEFAULT_ROWS = [("v3_671b", 2048, True), ("v3_671b_micro2", 2048, False),
 PREDICT = """
 import json, sys
 import pcompile.passes.step_parallel_begin as spb
-from pcompile.compiler.driver import compile_program
+from pcompile.compiler.driver.driver import compile_program
 
 record, stop = spb.record_prediction, type("Stop", (Exception,), {})
 found = {}

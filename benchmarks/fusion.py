@@ -49,9 +49,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from pcompile.compiler.compiled import CompiledProgram  # noqa: E402
 from pcompile.compiler.config.pass_options import fusion_config_from_dict  # noqa: E402
-from pcompile.compiler.runtime import batches  # noqa: E402
+from pcompile.compiler.driver.compiled import CompiledProgram  # noqa: E402
+from pcompile.compiler.driver.runtime import batches  # noqa: E402
 from pcompile.ir.registry import get_op  # noqa: E402
 from pcompile.passes.comm_fusion import CommFusionPass  # noqa: E402
 from pcompile.tools.compile import compile as compile_model  # noqa: E402

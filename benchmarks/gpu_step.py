@@ -142,7 +142,7 @@ def main() -> None:
     import numpy as np
 
     from pcompile.backends.jax.spmd import JaxSpmdRunner, matmul_precision
-    from pcompile.compiler.runtime import batches
+    from pcompile.compiler.driver.runtime import batches
     from pcompile.tools.compile import compile as compile_model
     from pcompile.tools.runners import StandAloneRunner
 

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from pcompile.backends.jax import lower_graph  # noqa: E402
 from pcompile.backends.jax.spmd import JaxSpmdRunner  # noqa: E402
-from pcompile.compiler.runtime import batches  # noqa: E402
+from pcompile.compiler.driver.runtime import batches  # noqa: E402
 from pcompile.tools.compile import compile as compile_model  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

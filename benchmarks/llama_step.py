@@ -295,7 +295,7 @@ def check_shardings(program: Any, runner: Any, hand: Handwritten) -> None:
 
 
 def steady(cfg: LlamaSizes, args: argparse.Namespace) -> dict[str, Any]:
-    from pcompile.compiler.runtime import batches
+    from pcompile.compiler.driver.runtime import batches
 
     devices = cfg.devices
     program, runner = pcompile_side(devices)
@@ -356,7 +356,7 @@ def first_step(cfg: LlamaSizes, side: str) -> dict[str, Any]:
     devices = cfg.devices
     phases = {"imports": time.perf_counter() - T0}
     if side == "pcompile":
-        from pcompile.compiler.runtime import batches
+        from pcompile.compiler.driver.runtime import batches
         from pcompile.tools.compile import compile as compile_model
 
         phases["imports"] = time.perf_counter() - T0

@@ -162,7 +162,7 @@ def intended_tally(c: MoESizes) -> dict[str, Any]:
 
 def compile_worker(name: str) -> None:
     """In a subprocess: compile the configuration and print rank 0's collectives."""
-    from pcompile.compiler.plan import read_plan
+    from pcompile.compiler.driver.plan import read_plan
     from pcompile.tools.compile import compile as compile_model
 
     c = CONFIGS[name]

@@ -52,7 +52,7 @@ MODEL = os.path.join(ROOT, "examples", "pipeline_mlp.py")
 def measure(micro: int, scheduler: str, batch: int, hidden: int, repeat: int,
             chunks: int = 1) -> dict[str, Any]:
     from pcompile.backends.jax.pipeline import JaxPipelineRunner
-    from pcompile.compiler.runtime import batches
+    from pcompile.compiler.driver.runtime import batches
     from pcompile.tools.compile import compile as compile_model
 
     os.environ.update(PIPE_MICRO=str(micro), PIPE_SCHEDULER=scheduler, PIPE_BATCH=str(batch),

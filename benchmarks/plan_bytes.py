@@ -209,7 +209,7 @@ def pcompile_bytes(c: LlamaSizes, model_file: str = LLAMA, prefix: str = "LLAMA_
     """Bytes of pcompile's plan of `model_file` compiled with the configuration's sizes under
     `prefix`; with `top`, rank 0's `top` largest collectives (ring bytes) with their node,
     phase and reason."""
-    from pcompile.compiler.plan import read_plan
+    from pcompile.compiler.driver.plan import read_plan
     from pcompile.tools.compile import compile as compile_model
 
     start = time.perf_counter()

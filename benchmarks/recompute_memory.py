@@ -153,7 +153,7 @@ def measure(path: str, devices: int, repeat: int) -> dict[str, Any]:
     import jax
     import numpy as np
 
-    from pcompile.compiler.runtime import batches
+    from pcompile.compiler.driver.runtime import batches
     from pcompile.tools.compile import compile as compile_model
 
     program = compile_model(path, devices=devices, dump=False)

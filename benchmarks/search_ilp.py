@@ -57,7 +57,7 @@ MODES = ["hand", "ilp", "sharding_propagation", "recursive_programming", "dynami
 PREDICT = """
 import json, sys
 import pcompile.passes.step_parallel_begin as spb
-from pcompile.compiler.driver import compile_program
+from pcompile.compiler.driver.driver import compile_program
 
 record, stop = spb.record_prediction, type("Stop", (Exception,), {})
 found = {}

@@ -3,7 +3,7 @@
 Model files import only from `pcompile` (and `pcompile.communication`, `pcompile.dataset`);
 internal module paths may change, this list does not.
 
-Every name is loaded on first use (`__getattr__` below): `import pcompile.compiler.runtime`
+Every name is loaded on first use (`__getattr__` below): `import pcompile.compiler.driver.runtime`
 (a rank program's data) imports what that module needs, not the whole front end, its pydantic
 models and the op tables; `pcompile --version` loads none of it.
 """

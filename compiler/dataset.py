@@ -15,9 +15,9 @@ memory-mapped file of token ids cut into windows). Operations:
 How it works: a pipeline carries *references* to rows, not the rows: a random-access source's
 row index (a stream source's row, already read), batches as lists of references. Rows are read
 only when a batch is handed out, so a shuffle buffer holds integers, and the runtime
-(compiler/runtime.py, `iter_rank_batches`) reads for a rank only the rows of its data-parallel
-share of each global batch: rows `lo..hi` of the batch, the rank's slice along the batch
-dimension, which equals the slice of the global batch that the rank would otherwise cut.
+(compiler/driver/runtime.py, `iter_rank_batches`) reads for a rank only the rows of its
+data-parallel share of each global batch: rows `lo..hi` of the batch, the rank's slice along the
+batch dimension, which equals the slice of the global batch that the rank would otherwise cut.
 
 Determinism: every random choice comes from a generator seeded by (seed, the operation's depth
 in the pipeline, the epoch). The seed is `config.set_seed(...)`'s if given, else pcompile's

@@ -34,7 +34,7 @@ _PACKAGE_DIRS = tuple(
 )
 # Frames of these files call into user code; walking past them would leave the model.
 _ENTRY_FILES = {
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "driver", name)
     for name in ("trace_model.py", "driver.py", "front_passes.py")
 } | {
     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "passes", name)

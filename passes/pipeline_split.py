@@ -214,7 +214,7 @@ class PipelineProgram:
         return self.schedule
 
     def describe(self) -> dict[str, Any]:
-        """plan.json's `pipeline` section (compiler/plan.py: PipelineInfo)."""
+        """plan.json's `pipeline` section (compiler/driver/plan.py: PipelineInfo)."""
         sched = self.schedule
         assert sched is not None
         return {

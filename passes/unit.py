@@ -1,7 +1,7 @@
 """The pass contract: a `Pass` has a `name` and one `apply(unit)` on a `CompileUnit`.
 
 A pass's options are typed data the driver builds when it assembles a compile
-(`compiler/driver.py::pipeline`) and hands to the pass's constructor; a pass reads nothing
+(`compiler/driver/driver.py::pipeline`) and hands to the pass's constructor; a pass reads nothing
 else: no global context, no environment, no front-end object (the model file, the traced
 cells). What the passes read and write between them is the `CompileUnit`: the forward graph,
 the graph each rank runs, the strategy assignment, the search's decision, the pipeline program
@@ -106,7 +106,7 @@ class CompileOptions:
 @dataclass
 class PlanRecord(MutableMapping[str, Any]):
     """The plan record's sections the passes write, one field each (None until its pass
-    writes it): plan.json's sections of the same names (`compiler/plan.py::Plan` gives their
+    writes it): plan.json's sections of the same names (`compiler/driver/plan.py::Plan` gives their
     schema). Seen as a mapping, it holds the sections written, by name; a name that is no
     field is refused (a new section is a new field here and in the schema)."""
 

@@ -2,7 +2,8 @@
 (`DatasetSpec`, program.py's `DATASET`: the model file, how many arrays of a batch are inputs
 and labels, the ranges its integer inputs must lie in) and the batch slicing by layout
 (`batch_rows`: the rows a group of ranks reads; `slice_rows`: one rank's slice). Reading the
-batches themselves runs the model file's `dataset()` (compiler/runtime.py, `spec_batches`)."""
+batches themselves runs the model file's `dataset()` (compiler/driver/runtime.py,
+`spec_batches`)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class DatasetSpec:
     `inputs()` and `labels()` repeats, tensor specs filled with random values) and how many
     arrays of each batch are inputs and labels. The arrays' names, global shapes and dtypes
     are the program's input parameters; `ranges` the ids its integer inputs may hold
-    (compiler/data_checks.py, `index_ranges`: every batch is checked as it is read)."""
+    (compiler/driver/data_checks.py, `index_ranges`: every batch is checked as it is read)."""
 
     model_file: str
     inputs: int

@@ -62,7 +62,7 @@ def rel(got: Any, want: Any) -> float:
 def run_case(path: str, env: dict[str, str], overrides: dict[str, Any],
              steps: int) -> dict[str, Any]:
     from pcompile.backends.jax.pipeline import JaxPipelineRunner
-    from pcompile.compiler.runtime import batches
+    from pcompile.compiler.driver.runtime import batches
     from pcompile.tools.compile import compile as compile_model
     from pcompile.tools.oracle import single_device
     from pcompile.tools.runners import ParallelRunner, StandAloneRunner
@@ -129,7 +129,7 @@ def run_matrix_case(path: str, env: dict[str, str], overrides: dict[str, Any],
     float64: losses, and every weight and optimizer state (which carries the gradients) of
     every stage that holds it; the bound is `rounding_rtol(program, float64, steps)`."""
     from pcompile.backends.jax.pipeline import JaxPipelineRunner
-    from pcompile.compiler.runtime import batches
+    from pcompile.compiler.driver.runtime import batches
     from pcompile.tools.compile import compile as compile_model
     from pcompile.tools.oracle import rounding_rtol, single_device
     from pcompile.tools.runners import StandAloneRunner

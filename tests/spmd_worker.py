@@ -78,7 +78,7 @@ def check_example(example: str, mode: str) -> dict[str, Any]:
 def compare(program: Any, used: str) -> dict[str, Any]:
     """`STEPS` steps of `program` by JAX SPMD, the numpy simulator and one device."""
     from pcompile.backends.jax.spmd import JaxSpmdRunner
-    from pcompile.compiler.runtime import batches
+    from pcompile.compiler.driver.runtime import batches
     from pcompile.tools.oracle import single_device
     from pcompile.tools.runners import ParallelRunner, StandAloneRunner
 

@@ -37,7 +37,7 @@ def rel(got: Any, want: Any) -> float:
 
 def run_case(path: str, steps: int) -> dict[str, Any]:
     from pcompile.backends.jax.spmd import JaxSpmdRunner
-    from pcompile.compiler.runtime import batches
+    from pcompile.compiler.driver.runtime import batches
     from pcompile.tools.compile import compile as compile_model
     from pcompile.tools.oracle import single_device
     from pcompile.tools.runners import ParallelRunner, StandAloneRunner

@@ -15,7 +15,7 @@ from pcompile.ir.errors import PcompileError
 from pcompile.program.progress import log
 
 if TYPE_CHECKING:
-    from pcompile.compiler.compiled import CompiledProgram
+    from pcompile.compiler.driver.compiled import CompiledProgram
 
 Echo = Callable[..., None]
 
@@ -86,7 +86,7 @@ def check_backends(program: CompiledProgram, echo: Echo) -> None:
     `check_oracle`."""
     import numpy as np
 
-    from pcompile.compiler.runtime import batches
+    from pcompile.compiler.driver.runtime import batches
     from pcompile.tools.oracle import (
         FLOAT64_RTOL,
         OracleReport,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from pcompile.tools.run import Echo, RunOptions
 
 if TYPE_CHECKING:
-    from pcompile.compiler.compiled import CompiledProgram, CompileState
+    from pcompile.compiler.driver.compiled import CompiledProgram, CompileState
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def compile_check_run(model: str, compile_args: dict[str, Any], check: CheckOpti
     pin_parent_to_cpu()
     with ExitStack() as held:
         if compile_args.get("out_dir") is not None:
-            from pcompile.compiler.outdir import resolve
+            from pcompile.compiler.driver.outdir import resolve
 
             resolve(compile_args["out_dir"])  # an unusable --out fails before the compile
         if run is not None and run.tensorboard:
@@ -83,7 +83,7 @@ def summary(program: CompiledProgram, elapsed: float, quiet: bool, echo: Echo) -
     if quiet:
         return
     if prediction:
-        from pcompile.compiler.plan import megatron_minimum
+        from pcompile.compiler.driver.plan import megatron_minimum
         from pcompile.tools.render import prediction_text
 
         # the advice was printed above, as a warning

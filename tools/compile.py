@@ -1,7 +1,7 @@
 """Compile and write: `compile` runs the driver (`compiler.driver.compile_program`) and writes what
 it returns; `write_outputs` writes a compiled program's dumps, `plan.json` and rank programs.
 The strategy checkpoint `strategy_ckpt_config` names is written by `compile` too, with or
-without dumps (compiler/strategy_files.py).
+without dumps (compiler/driver/strategy_files.py).
 
 Everything is written through `compiler.outdir`: beside the output folder first and swapped in when
 complete, so a failed compile or write leaves `--out` as it was; only what an earlier compile wrote
@@ -13,10 +13,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from pcompile.compiler.compiled import CompiledProgram, CompileState, ReferenceOptions
-from pcompile.compiler.driver import compile_program
-from pcompile.compiler.plan import build_plan, write_plan
-from pcompile.compiler.strategy_files import save_checkpoint
+from pcompile.compiler.driver.compiled import CompiledProgram, CompileState, ReferenceOptions
+from pcompile.compiler.driver.driver import compile_program
+from pcompile.compiler.driver.plan import build_plan, write_plan
+from pcompile.compiler.driver.strategy_files import save_checkpoint
 from pcompile.ir.dot import graph_to_dot
 from pcompile.ir.parser import parse_graph
 from pcompile.ir.printer import print_graph
@@ -72,9 +72,9 @@ def compile(  # noqa: A001  (the public name DESIGN.md gives it: `pcompile.compi
 
 def write_outputs(program: CompiledProgram, out_dir: str) -> None:
     """The program's dumps, plan.json and rank programs, written into `out_dir` through
-    compiler/outdir.py."""
+    compiler/driver/outdir.py."""
     from pcompile.backends.jax.codegen import write_rank_artifacts
-    from pcompile.compiler.outdir import write_output_folder
+    from pcompile.compiler.driver.outdir import write_output_folder
 
     state = program.state
     with write_output_folder(out_dir) as tmp:

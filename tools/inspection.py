@@ -1,7 +1,7 @@
 """What `pcompile show` and `pcompile diff` compute from a compile's folder: rows of the strategy
 table, how a tensor's blocks are held by the ranks, the communication summary of a rank, and
 the difference between two ranks' programs. Pure data (the terminal rendering is
-`tools/render.py`); everything is read from `DIR/plan.json` (validated, compiler/plan.py)
+`tools/render.py`); everything is read from `DIR/plan.json` (validated, compiler/driver/plan.py)
 and the rank dumps, so it works on a folder compiled elsewhere.
 """
 
@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from pcompile.compiler.plan import Plan, PlanCollective, PlanLayout, read_plan
+from pcompile.compiler.driver.plan import Plan, PlanCollective, PlanLayout, read_plan
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import DTypeLike
 
-from pcompile.compiler.compiled import CompiledProgram, ReferenceOptions
-from pcompile.compiler.driver import compile_program
-from pcompile.compiler.runtime import RankLocal, batches, rank_local_reductions
+from pcompile.compiler.driver.compiled import CompiledProgram, ReferenceOptions
+from pcompile.compiler.driver.driver import compile_program
+from pcompile.compiler.driver.runtime import RankLocal, batches, rank_local_reductions
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Graph, NodeResult, Value
 from pcompile.ir.errors import PcompileError
@@ -420,7 +420,7 @@ def single_device(program: CompiledProgram, rank: int | None = None) -> Compiled
         reference.transform = _mean_over_ranks(locals_, program.state.devices)
     shrink = program.state.shrink
     if shrink is not None:  # the shrunk check: the same shrunk copy on one device
-        from pcompile.compiler.pinned_plan import PinnedPlan
+        from pcompile.compiler.driver.pinned_plan import PinnedPlan
 
         # micro-batches in turn trace one micro-batch, as the plan does: the plan's shrink
         shrink = PinnedPlan(shrink.shrink if micro else shrink.reference or shrink.shrink)

@@ -14,8 +14,8 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from pcompile.compiler.outdir import record_shown, write_file_atomic
-from pcompile.compiler.plan import Plan
+from pcompile.compiler.driver.outdir import record_shown, write_file_atomic
+from pcompile.compiler.driver.plan import Plan
 from pcompile.ir.errors import PcompileError
 from pcompile.tools import inspection
 
@@ -322,7 +322,7 @@ def show(out_dir: str, *, rank: int | None = None, op: str | None = None,
         out.print(Text(f"layout pictures: {len(written)} written to {folder}/: "
                        + ", ".join(os.path.basename(p) for p in written)), overflow="fold")
     if plan.pipeline is not None:
-        from pcompile.compiler.pipelining import schedule_from_plan
+        from pcompile.compiler.driver.pipelining import schedule_from_plan
 
         out.print(Text(schedule_from_plan(plan.pipeline).text()), overflow="ignore", crop=False)
     which = rank if rank is not None else (plan.dump_ranks[0] if plan.dump_ranks else None)
@@ -376,7 +376,7 @@ MAX_GRIDS = 8
 def _write_svgs(out_dir: str, pictures: list[tuple[str, str]]) -> list[str]:
     """DIR/show/<label>.svg per picture (one file per label: a name that a label's safe
     spelling already took gets -2, -3, ...), listed in DIR/show/.pcompile-show.json so that a
-    recompile drops them (compiler/outdir.py)."""
+    recompile drops them (compiler/driver/outdir.py)."""
     folder = os.path.join(out_dir, "show")
     if os.path.islink(folder):
         raise PcompileError(f"{folder} is a symbolic link; pcompile show writes its pictures "

@@ -26,7 +26,7 @@ __all__ = ["RunOptions", "check_tensorboard", "prepare_run", "refuse_under_a_lau
            "train_here"]
 
 if TYPE_CHECKING:
-    from pcompile.compiler.compiled import CompiledProgram, CompileState
+    from pcompile.compiler.driver.compiled import CompiledProgram, CompileState
 
 Echo = Callable[..., None]
 
@@ -58,7 +58,7 @@ def check_tensorboard(folder: str) -> None:
     import importlib.util
 
     from pcompile.backends.run_report import TENSORBOARD_MISSING
-    from pcompile.compiler.outdir import check_writable_folder
+    from pcompile.compiler.driver.outdir import check_writable_folder
 
     check_writable_folder(folder, "--tensorboard")
     if importlib.util.find_spec("tensorboardX") is None:
@@ -71,7 +71,7 @@ def prepare_run(state: CompileState, out_dir: str | None, options: RunOptions,
     lock of --out for the rest of the command (`held`). Returns the options resolved."""
     from pcompile.backends.checkpoint import resume_point
     from pcompile.backends.placement import assign_devices, resolve_platform
-    from pcompile.compiler.outdir import out_lock
+    from pcompile.compiler.driver.outdir import out_lock
 
     if options.backend == "jax":
         platform, gpus = resolve_platform(options.platform or "auto")
@@ -176,7 +176,7 @@ class _NonFiniteLossError(Exception):
 def train_here(program: CompiledProgram, options: RunOptions, monitor: Any, echo: Echo) -> None:
     """--run in this process: the numpy simulator, or one device on JAX. `monitor(line)` shows
     each loss line; `monitor.close()` ends the display before the summary."""
-    from pcompile.compiler.runtime import batches
+    from pcompile.compiler.driver.runtime import batches
     from pcompile.program.progress import ReadBack, format_loss_line
     from pcompile.tools.runners import StandAloneRunner
 
@@ -256,7 +256,7 @@ def _write_logs(program: CompiledProgram, lines: list[str], ranks: int) -> str |
 def _train_simulated(program: CompiledProgram, steps: int, fail_on_nan: bool, monitor: Any,
                      echo: Echo) -> None:
     """--backend numpy for a parallel plan: every rank on the numpy simulator, one process."""
-    from pcompile.compiler.runtime import batches
+    from pcompile.compiler.driver.runtime import batches
     from pcompile.program.progress import format_loss_line
     from pcompile.tools.oracle import single_device
     from pcompile.tools.runners import ParallelRunner

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from pcompile.compiler.compiled import CompiledProgram
-from pcompile.compiler.runtime import (
+from pcompile.compiler.driver.compiled import CompiledProgram
+from pcompile.compiler.driver.runtime import (
     assemble,
     held_copy,
     initial_rank_values,

@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pcompile.compiler.compiled import CompiledProgram
-from pcompile.compiler.driver import compile_program
-from pcompile.compiler.pinned_plan import PinnedPlan
+from pcompile.compiler.driver.compiled import CompiledProgram
+from pcompile.compiler.driver.driver import compile_program
+from pcompile.compiler.driver.pinned_plan import PinnedPlan
 from pcompile.ir.core import Graph, GraphParam, Node, Value
 from pcompile.ir.dims import Shrink, shapes_of, shrinker
 from pcompile.ir.errors import PcompileError

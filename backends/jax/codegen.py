@@ -169,7 +169,7 @@ sys.exit(__doc__)
 def write_rank_artifacts(folder: str, program: RankProgram) -> None:
     """Write the rank programs, `consts.npz` and `params.json` (backends/params.py: every
     rank makes its own parameter slices at run time) into `folder` (the driver's staging
-    folder; compiler/outdir.py carries run outputs such as checkpoints over)."""
+    folder; compiler/driver/outdir.py carries run outputs such as checkpoints over)."""
     from pcompile.backends.params import write_manifest
 
     for rel, data in rank_artifacts(program, folder).items():

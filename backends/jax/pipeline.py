@@ -46,7 +46,7 @@ from pcompile.ir.lowering import LoweringOptions
 from pcompile.ir.types import DType
 
 if TYPE_CHECKING:
-    from pcompile.compiler.compiled import CompiledProgram
+    from pcompile.compiler.driver.compiled import CompiledProgram
 
 UnitFn = Callable[[str, dict[int, Any], Sequence[Any], Any], None]
 
@@ -277,7 +277,7 @@ class JaxPipelineRunner:
 
     def __init__(self, program: CompiledProgram, devices: Sequence[Any] | None = None,
                  float64: bool = False) -> None:
-        from pcompile.compiler.runtime import initial_rank_values
+        from pcompile.compiler.driver.runtime import initial_rank_values
 
         if float64 and not jax.config.read("jax_enable_x64"):
             raise RuntimeError("float64 evaluation needs jax_enable_x64")
@@ -343,6 +343,6 @@ class JaxPipelineRunner:
         return self._values_cache
 
     def global_value(self, name: str) -> np.ndarray:
-        from pcompile.compiler.runtime import assemble
+        from pcompile.compiler.driver.runtime import assemble
 
         return assemble(self.program, name, self.layouts.get(name), self.values)

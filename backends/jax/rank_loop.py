@@ -201,13 +201,13 @@ class RankRunner:
 
     def _dataset_spec(self) -> DatasetSpec:
         """The program's `DATASET` (program/dataset.py); a program written before it names
-        only its model file, whose `inputs()` count is read (compiler/runtime.py)."""
+        only its model file, whose `inputs()` count is read (compiler/driver/runtime.py)."""
         from pcompile.program.dataset import DatasetSpec
 
         literal = getattr(self.m, "DATASET", None)
         if literal is not None:
             return DatasetSpec.from_literal(literal)
-        from pcompile.compiler.runtime import spec_of_model_file
+        from pcompile.compiler.driver.runtime import spec_of_model_file
 
         return spec_of_model_file(self.m.MODEL_FILE, len(self.inputs))
 
@@ -215,8 +215,8 @@ class RankRunner:
         """(epoch, step, arrays, first_row) per step (compiler.runtime.iter_rank_batches): a
         pcompile.dataset object is read only for the rows of this process's ranks' share of
         each global batch, and its first `skip` steps not at all. Each batch is checked as it
-        is read (compiler/data_checks.py); see `_reading`."""
-        from pcompile.compiler.runtime import spec_batches
+        is read (compiler/driver/data_checks.py); see `_reading`."""
+        from pcompile.compiler.driver.runtime import spec_batches
         from pcompile.program.dataset import batch_rows
 
         expected = [(name, tuple(self.m.LAYOUTS[name][0]), self.dtypes[name])
@@ -233,7 +233,7 @@ class RankRunner:
         """`batches`, each read while the heartbeat says so (phase "data": the launcher names
         a dataset() that blocks, not a collective) under the watchdog's --timeout (the first,
         which calls dataset(): --startup-timeout); a mistake in the data, or a dataset() that
-        fails, is one RankError naming the batch (compiler/data_checks.py)."""
+        fails, is one RankError naming the batch (compiler/driver/data_checks.py)."""
         step = 0
         while True:
             step += 1
@@ -450,7 +450,7 @@ class RankRunner:
         without any); what the built-in ones set (LossMonitor's per_print_times,
         ModelCheckpoint's save_checkpoint_steps and keep_checkpoint_max) becomes the value of
         each option this run left at its default."""
-        from pcompile.compiler.runtime import spec_callbacks
+        from pcompile.compiler.driver.runtime import spec_callbacks
 
         try:
             callbacks, path = spec_callbacks(self._dataset_spec())

@@ -44,7 +44,7 @@ from pcompile.ir.registry import get_op
 from pcompile.ir.types import DType
 
 if TYPE_CHECKING:
-    from pcompile.compiler.compiled import CompiledProgram
+    from pcompile.compiler.driver.compiled import CompiledProgram
 
 Axes = tuple[str, ...]
 
@@ -538,7 +538,7 @@ class JaxSpmdRunner:
     def __init__(self, program: CompiledProgram, devices: Sequence[Any] | None = None,
                  float64: bool = False, matmul_precision: str | None = None,
                  param_init: str = "auto") -> None:
-        from pcompile.compiler.runtime import initial_rank_values
+        from pcompile.compiler.driver.runtime import initial_rank_values
 
         if float64 and not jax.config.read("jax_enable_x64"):
             raise SpmdLoweringError("float64 evaluation needs jax_enable_x64")

@@ -8,7 +8,7 @@ Reshape-chain layouts, writes each searched op's cost, the terms it was chosen b
 runner-up into its parallel annotation (`cost`, `decision`, `runner_up` or `decided_by` in the
 step_parallel_begin dump, `explain.annotate`) and records the decision under `search` in
 plan.json. The strategy checkpoint's file is read and written by the driver
-(compiler/strategy_files.py).
+(compiler/driver/strategy_files.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 every plan's prediction count per stage when the step runs micro-batches (`nn.PipelineCell`),
 through pipeline stages (`pipeline_stages` > 1) or not (gradient accumulation).
 
-The program is traced for ONE micro-batch (compiler/pipelining.py), so the search and the
+The program is traced for ONE micro-batch (compiler/driver/pipelining.py), so the search and the
 prediction see one micro-batch's forward graph, laid out inside one stage's devices. Per stage:
 
 * **time**: an op's compute and activation collectives, an edge's redistribution and the

@@ -29,7 +29,7 @@ several device axes is one `TensorMap` per dim there, as MindSpore writes it.
 Loading maps keys back to the ops of the graph (`load_strategies`); in auto_parallel the loaded
 strategies are configured strategies and override the search. Nothing here reads or writes a
 file: the driver reads the load file before the passes and the checkpoint is written after the
-compile (`compiler/strategy_files.py`).
+compile (`compiler/driver/strategy_files.py`).
 """
 
 from __future__ import annotations

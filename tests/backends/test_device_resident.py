@@ -16,7 +16,7 @@ import pytest
 
 from pcompile.backends.jax import lower_graph
 from pcompile.backends.jax.spmd import JaxSpmdRunner
-from pcompile.compiler.runtime import batches
+from pcompile.compiler.driver.runtime import batches
 from pcompile.program.progress import ReadBack
 from pcompile.tools.compile import compile as compile_model
 from pcompile.tools.runners import StandAloneRunner

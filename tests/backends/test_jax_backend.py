@@ -244,7 +244,7 @@ def test_params_manifest_gives_each_rank_its_slice_of_the_initialisation(tmp_pat
 
 def test_rank_program_runs_every_rank_in_one_process(tmp_path) -> None:
     """`python rank_0/program.py` without distributed settings: 8 virtual CPU devices."""
-    from pcompile.compiler.runtime import batches
+    from pcompile.compiler.driver.runtime import batches
     from pcompile.tools.runners import ParallelRunner
 
     out = tmp_path / "out"

@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 
 from pcompile.backends.checkpoint_merge import merge_checkpoints
 from pcompile.backends.launcher import launch
-from pcompile.compiler.runtime import batches
+from pcompile.compiler.driver.runtime import batches
 from pcompile.tools.compile import compile as compile_model
 from pcompile.tools.oracle import rounding_rtol
 from pcompile.tools.runners import StandAloneRunner

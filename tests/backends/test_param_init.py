@@ -207,7 +207,7 @@ for init, dtype in [("normal", DType.float32), ("he_uniform", DType.bfloat16),
 # with `device` by one program for all devices (param_init.mesh_blocks) for every value
 import pcompile.backends.jax.param_init as param_init
 from pcompile.backends.jax.spmd import JaxSpmdRunner
-from pcompile.compiler.runtime import initial_rank_values
+from pcompile.compiler.driver.runtime import initial_rank_values
 from pcompile.tools.compile import compile as compile_model
 
 made_whole = []

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from pcompile.compiler.runtime import batches
+from pcompile.compiler.driver.runtime import batches
 from pcompile.compiler.serialization import CheckpointLoadError, PretrainedTensor
 from pcompile.ir.errors import PcompileError
 from pcompile.tools.compile import compile as compile_model

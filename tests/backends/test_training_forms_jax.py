@@ -49,7 +49,7 @@ def test_train_step_example_trains_on_8_processes(tmp_path: Any) -> None:
     the update is skipped). Both sum the same float32 terms in different orders: reductions of
     at most 2^6 terms over 5 steps of Adam-like updates stay within 2^-24 * 2^6 * 2^4 = 2^-14
     of each other."""
-    from pcompile.compiler.runtime import batches
+    from pcompile.compiler.driver.runtime import batches
     from pcompile.tools.runners import ParallelRunner
 
     env = clean_env(TRAIN_STEP_INF_AT="3")

@@ -1,4 +1,4 @@
-"""Data mistakes found as a run reads its batches (compiler/data_checks.py, through
+"""Data mistakes found as a run reads its batches (compiler/driver/data_checks.py, through
 compiler.runtime's batch iterators): each one `DataError` naming the batch, what is wrong and
 what would be valid, raised before the step that would use the batch, or before the first step
 when the run certainly reads it and it is known then (issue 38 items 7 and 21). The rank
@@ -12,8 +12,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from pcompile.compiler.data_checks import DataError, IndexRange, index_ranges
-from pcompile.compiler.runtime import DatasetSpec, batches, dataset_spec
+from pcompile.compiler.driver.data_checks import DataError, IndexRange, index_ranges
+from pcompile.compiler.driver.runtime import DatasetSpec, batches, dataset_spec
 from pcompile.tools.compile import compile as compile_model
 from tests.backends.test_rank_data import vocab_model
 from tests.multiprocess import mlp_source

@@ -1,6 +1,6 @@
 """pcompile.dataset (compiler/dataset.py): MindSpore's dataset API (batching, drop_remainder,
 deterministic shuffles, shards that cover the data exactly once), the token-file windows, and
-the runtime's sharded reading (compiler/runtime.py): each rank reads only its rows of every
+the runtime's sharded reading (compiler/driver/runtime.py): each rank reads only its rows of every
 global batch, equal to the slice it would cut from the whole batch, and a resumed run's skipped
 steps give the same batches."""
 
@@ -14,7 +14,7 @@ import pytest
 
 import pcompile.dataset as ds
 from pcompile import set_seed
-from pcompile.compiler.runtime import batches, rank_batches, slice_rows
+from pcompile.compiler.driver.runtime import batches, rank_batches, slice_rows
 from pcompile.ir.errors import PcompileError
 from pcompile.passes.step_parallel import slice_array
 from pcompile.tools.compile import compile as compile_model
@@ -293,7 +293,7 @@ def test_rank_programs_read_the_dataset_spec_written_at_compile_time(tmp_path) -
     `DATASET` gets the same spec from its model file."""
     import ast
 
-    from pcompile.compiler.runtime import (
+    from pcompile.compiler.driver.runtime import (
         DatasetSpec,
         batch_rows,
         dataset_spec,

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from pcompile import Parameter, Tensor, nn, ops, set_seed
+from pcompile.compiler.driver.runtime import batches
 from pcompile.compiler.initializer import get_seed
-from pcompile.compiler.runtime import batches
 from pcompile.tools.compile import compile as compile_model
 from pcompile.tools.oracle import check
 from pcompile.tools.runners import StandAloneRunner
@@ -126,8 +126,8 @@ def test_ops_dropout_arguments_and_eager_call() -> None:
 def test_seeds_follow_mindspore() -> None:
     """Seed0 = Seed1 = 0: the global seed and the op's place among the random ops (MindSpore's
     `_get_graph_seed` with a global seed); given seeds are kept."""
+    from pcompile.compiler.driver.trace_model import trace_cell
     from pcompile.compiler.nn.layers import Dropout as NnDropout
-    from pcompile.compiler.trace_model import trace_cell
 
     class Net(nn.Cell):
         def __init__(self):
@@ -210,7 +210,7 @@ def test_data_parallel_dropout_off_the_batch_dim_is_refused(tmp_path) -> None:
 
 
 def test_a_parameter_named_like_the_counter_is_refused() -> None:
-    from pcompile.compiler.trace_model import trace_cell
+    from pcompile.compiler.driver.trace_model import trace_cell
     from pcompile.ir.errors import PcompileError
 
     class Net(nn.Cell):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pcompile import Tensor, ops
-from pcompile.compiler.trace_model import trace_cell
+from pcompile.compiler.driver.trace_model import trace_cell
 from pcompile.ir.errors import PcompileError
 from pcompile.tools.compile import compile as compile_model
 from pcompile.tools.oracle import check

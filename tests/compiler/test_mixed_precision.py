@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from pcompile.compiler.runtime import batches
+from pcompile.compiler.driver.runtime import batches
 from pcompile.ir.types import DType
 from pcompile.tools.compile import compile as compile_model
 from pcompile.tools.oracle import check

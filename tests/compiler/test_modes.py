@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from pcompile.compiler.runtime import batches
+from pcompile.compiler.driver.runtime import batches
 from pcompile.tools.compile import compile as compile_model
 from pcompile.tools.oracle import check, rounding_rtol
 from pcompile.tools.runners import ParallelRunner, StandAloneRunner

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pcompile.compiler.runtime import batches
+from pcompile.compiler.driver.runtime import batches
 from pcompile.ir.errors import PcompileError
 from pcompile.tools.compile import compile as compile_model
 from pcompile.tools.oracle import check
@@ -144,7 +144,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", True)
 import numpy as np
 from pcompile.backends.jax.spmd import JaxSpmdRunner
-from pcompile.compiler.runtime import batches
+from pcompile.compiler.driver.runtime import batches
 from pcompile.tools.compile import compile as compile_model
 from pcompile.tools.oracle import single_device
 from pcompile.tools.runners import StandAloneRunner

@@ -1,5 +1,5 @@
-"""The --out folder (compiler/outdir.py): what a recompile replaces, keeps and refuses, the lock,
-leftovers of a killed compile, unusable folders, the user's umask."""
+"""The --out folder (compiler/driver/outdir.py): what a recompile replaces, keeps and refuses, the
+lock, leftovers of a killed compile, unusable folders, the user's umask."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from pcompile.cli import main
-from pcompile.compiler.outdir import MANIFEST, lock_path, out_lock
+from pcompile.compiler.driver.outdir import MANIFEST, lock_path, out_lock
 from pcompile.ir.errors import PcompileError
 from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
@@ -221,7 +221,7 @@ def test_a_complete_staging_folder_keeps_what_pcompile_did_not_write(tmp_path) -
 
 
 def _hold_lock_in_another_process(out) -> subprocess.Popen[str]:
-    code = ("import sys, time\nfrom pcompile.compiler.outdir import out_lock\n"
+    code = ("import sys, time\nfrom pcompile.compiler.driver.outdir import out_lock\n"
             f"with out_lock({str(out)!r}):\n    print('held', flush=True)\n    time.sleep(60)\n")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                               cwd=ROOT)

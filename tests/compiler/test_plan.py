@@ -1,4 +1,4 @@
-"""plan.json as a contract (compiler/plan.py): it round-trips through its pydantic model, an
+"""plan.json as a contract (compiler/driver/plan.py): it round-trips through its pydantic model, an
 edited plan.json with a wrong field is refused with one message by every reader (`pcompile
 show`, the launcher, `pcompile-merge`), and docs/plan.schema.json is the generated schema."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from pcompile.backends.checkpoint_merge import main as merge_main
 from pcompile.backends.launcher import LaunchError, launch
-from pcompile.compiler.plan import (
+from pcompile.compiler.driver.plan import (
     SCHEMA_VERSION,
     Plan,
     PlanError,
@@ -108,8 +108,8 @@ def test_parse_plan_names_where(compiled: str) -> None:
 
 
 def test_checked_in_schema_is_generated() -> None:
-    """docs/plan.schema.json is `python -m pcompile.compiler.plan --schema` (regenerate it
-    with `python -m pcompile.compiler.plan --schema docs/plan.schema.json`)."""
+    """docs/plan.schema.json is `python -m pcompile.compiler.driver.plan --schema` (regenerate it
+    with `python -m pcompile.compiler.driver.plan --schema docs/plan.schema.json`)."""
     path = os.path.join(ROOT, "docs", "plan.schema.json")
     with open(path, encoding="utf-8") as f:
         assert f.read() == schema_text()

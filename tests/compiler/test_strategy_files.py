@@ -1,7 +1,7 @@
 """Strategy checkpoints (`strategy_ckpt_config`) as MindSpore writes them: in semi_auto_parallel
 as in auto_parallel, as `.json` or protobuf (any other name), with the parallel optimizer's shard
-group (`opt_weight_shard_size` / `_step`), written after the compile (compiler/strategy_files.py)
-and read back by a later compile."""
+group (`opt_weight_shard_size` / `_step`), written after the compile
+(compiler/driver/strategy_files.py) and read back by a later compile."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pcompile.compiler.runtime import batches
+from pcompile.compiler.driver.runtime import batches
 from pcompile.ir.errors import PcompileError
 from pcompile.tools.compile import compile as compile_model
 from pcompile.tools.oracle import FLOAT64_RTOL, check, relative_error, single_device

@@ -44,7 +44,7 @@ def test_one_name_per_meaning_of_compile() -> None:
     """`pcompile.compile` (tools/compile.py) compiles and writes; the driver's compile, which
     writes nothing, is `compile_program` (both were `compile`)."""
     import pcompile
-    from pcompile.compiler import driver
+    from pcompile.compiler.driver import driver
     from pcompile.tools import compile as facade
 
     assert not hasattr(driver, "compile")

@@ -16,10 +16,10 @@ from pcompile.backends.jax import lower_graph
 from pcompile.backends.jax.lowering import x64
 from pcompile.backends.numpy import run_graph
 from pcompile.compiler.config.context import reset_auto_parallel_context, reset_context
+from pcompile.compiler.driver.runtime import synthetic
+from pcompile.compiler.driver.trace_model import trace_model
 from pcompile.compiler.model_file import load_model_file
-from pcompile.compiler.runtime import synthetic
 from pcompile.compiler.tensor import TensorSpec
-from pcompile.compiler.trace_model import trace_model
 from pcompile.passes.autodiff import append_gradients
 from pcompile.tools.oracle import FLOAT64_RTOL
 from tests import ROOT
@@ -30,7 +30,7 @@ EXAMPLES = ["quickstart.py", "layout_mlp.py", "manual_parallel.py", "dense_gelu_
 
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_gradients_equal_jax_grad(example) -> None:
-    # A fresh context, as a compile starts (compiler/driver.py): an earlier test's device_num
+    # A fresh context, as a compile starts (compiler/driver/driver.py): an earlier test's device_num
     # would make manual_parallel.py's AllReduce span ranks this single-device trace lacks.
     reset_auto_parallel_context()
     reset_context()

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pcompile.compiler.runtime import batches
+from pcompile.compiler.driver.runtime import batches
 from pcompile.tools.compile import compile as compile_model
 from pcompile.tools.oracle import FLOAT64_RTOL, check, low_precision_bound, relative_error
 from pcompile.tools.runners import ParallelRunner, StandAloneRunner

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pcompile.compiler.runtime import batches
+from pcompile.compiler.driver.runtime import batches
 from pcompile.tools.compile import compile as compile_model
 from pcompile.tools.oracle import check
 from pcompile.tools.runners import StandAloneRunner

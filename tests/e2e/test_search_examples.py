@@ -10,8 +10,8 @@ import os
 import pytest
 
 from pcompile import reset_algo_parameters, set_algo_parameters
+from pcompile.compiler.driver.trace_model import trace_model
 from pcompile.compiler.model_file import load_model_file
-from pcompile.compiler.trace_model import trace_model
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.parser import parse_graph
 from pcompile.ir.printer import print_graph

@@ -363,7 +363,7 @@ def test_send_rows_count_the_bytes_they_send(tmp_path) -> None:
 def test_a_show_list_names_only_pictures_in_show(tmp_path) -> None:
     """The list is read as data: what it names outside show/*.svg, or in a malformed list, is
     never dropped by a recompile."""
-    from pcompile.compiler.outdir import SHOW_LIST, record_shown, shown_pictures
+    from pcompile.compiler.driver.outdir import SHOW_LIST, record_shown, shown_pictures
 
     (tmp_path / "show").mkdir()
     listed = tmp_path / SHOW_LIST

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from pcompile.backends.numpy.simulate import _same_structure, run_ranks
-from pcompile.compiler.compiled import CompiledProgram
 from pcompile.compiler.config.context import context_override
 from pcompile.compiler.config.pass_options import fusion_config, fusion_config_from_dict
+from pcompile.compiler.driver.compiled import CompiledProgram
 from pcompile.ir.builder import Builder
 from pcompile.ir.core import Graph, GraphParam, Value
 from pcompile.ir.parser import parse_graph

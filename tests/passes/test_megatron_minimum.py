@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _compile(monkeypatch: Any, path: str, devices: int, **env: str) -> Any:
-    from pcompile.compiler.driver import compile_program
+    from pcompile.compiler.driver.driver import compile_program
 
     for name in [n for n in os.environ if n.startswith("LLAMA_")]:
         monkeypatch.delenv(name)
@@ -43,7 +43,7 @@ def test_llama_hand_plans_against_their_minimum(monkeypatch: Any, mp: int) -> No
     plan's bytes are rank 0's, at least the minimum, within 1% of it (the scalar loss
     reductions and the norms' gradients are all it adds), and the best scheme on 8 devices
     moves no more than the plan's own."""
-    from pcompile.compiler.plan import build_plan
+    from pcompile.compiler.driver.plan import build_plan
 
     program = _compile(monkeypatch, "llama.py", 8, LLAMA_MP=str(mp), LLAMA_BATCH="8")
     found = build_plan(program.state).megatron_minimum
@@ -61,7 +61,7 @@ def test_llama_hand_plans_against_their_minimum(monkeypatch: Any, mp: int) -> No
 
 
 def test_models_it_does_not_know_get_none(monkeypatch: Any) -> None:
-    from pcompile.compiler.plan import build_plan
+    from pcompile.compiler.driver.plan import build_plan
 
     program = _compile(monkeypatch, "mixtral.py", 8)  # routed experts: not Megatron's layer
     assert build_plan(program.state).megatron_minimum is None
@@ -105,7 +105,7 @@ def test_predicted_bytes_bound_the_plans_own(monkeypatch: Any, search: str | Non
     the passes (an AllReduce's vjp made local where the cotangent is alike on every rank, an
     AllReduce turned ReduceScatter before a split, an embedding's shares summed after its
     Cast), so a plan moving more than predicted is a collective the model misses."""
-    from pcompile.compiler.driver import compile_program
+    from pcompile.compiler.driver.driver import compile_program
     from pcompile.passes.comm_info import is_communication, node_ring_bytes
 
     for name in [n for n in os.environ if n.startswith("LLAMA_")]:

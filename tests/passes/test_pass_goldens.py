@@ -31,9 +31,9 @@ from typing import Any
 
 import pytest
 
-import pcompile.compiler.driver as driver
-from pcompile.compiler.compiled import CompileState
-from pcompile.compiler.front_passes import TrainStepPass
+import pcompile.compiler.driver.driver as driver
+from pcompile.compiler.driver.compiled import CompileState
+from pcompile.compiler.driver.front_passes import TrainStepPass
 from pcompile.ir.core import Graph, Node
 from pcompile.ir.parser import parse_graph
 from pcompile.ir.printer import print_graph

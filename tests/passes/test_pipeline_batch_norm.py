@@ -240,7 +240,7 @@ def test_an_assign_keeps_the_last_micro_batch_value(tmp_path: Any) -> None:
     so the step stores the last micro-batch's value: here the column sums of x @ w over the
     rows of micro-batch 1, the second half of each of the 4 blocks of rows the ranks of a stage
     hold (against numpy, and the float64 check)."""
-    from pcompile.compiler.runtime import batches
+    from pcompile.compiler.driver.runtime import batches
     from pcompile.tools.runners import ParallelRunner
 
     path = tmp_path / "assign_last.py"

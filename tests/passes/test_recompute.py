@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pcompile.compiler.runtime import batches
+from pcompile.compiler.driver.runtime import batches
 from pcompile.ir.core import NodeResult
 from pcompile.passes.recompute import is_backward, recomputable
 from pcompile.tools.compile import compile as compile_model

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pcompile.compiler.plan import read_plan
+from pcompile.compiler.driver.plan import read_plan
 from pcompile.tools.compile import compile as compile_model
 from pcompile.tools.oracle import check
 

@@ -132,7 +132,7 @@ def test_no_plan_fits_is_one_message() -> None:
 
 
 def _llama_forward(monkeypatch: Any, **env: str) -> Any:
-    from pcompile.compiler.driver import compile_program
+    from pcompile.compiler.driver.driver import compile_program
 
     for name in [n for n in os.environ if n.startswith("LLAMA_")]:
         monkeypatch.delenv(name)
@@ -191,7 +191,7 @@ def test_a_memory_budget_gives_a_plan_that_fits(monkeypatch: Any) -> None:
     than the free one (that one was the fastest); below the smallest plan it refuses, naming
     what that plan needs."""
     from pcompile.compiler.config.search_context import reset_cost_model_context
-    from pcompile.compiler.driver import compile_program
+    from pcompile.compiler.driver.driver import compile_program
     from pcompile.passes.search.ilp import IlpError
 
     env = {"LAYERS": "2", "HIDDEN": "256", "FFN": "512", "VOCAB": "1024", "SEQ": "64",
@@ -315,7 +315,7 @@ def test_parallel_optimizer_and_recompute_when_the_memory_needs_them(monkeypatch
            "VOCAB": "4096", "SEQ": "128", "BATCH": "2"}
     for k, v in env.items():
         monkeypatch.setenv(f"LLAMA_{k}", v)
-    from pcompile.compiler.driver import compile_program
+    from pcompile.compiler.driver.driver import compile_program
 
     try:
         program = compile_program(os.path.join(ROOT, "examples", "llama.py"), devices=8,
@@ -342,7 +342,7 @@ def test_the_search_finds_expert_parallelism(monkeypatch: Any) -> None:
            "MIXTRAL_SEQ": "64", "MIXTRAL_BATCH": "8"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    from pcompile.compiler.driver import compile_program
+    from pcompile.compiler.driver.driver import compile_program
 
     program = compile_program(os.path.join(ROOT, "examples", "mixtral.py"), devices=8,
                               search_mode="ilp", dump=False)
@@ -450,7 +450,7 @@ def test_a_searched_reduce_scatter_form_is_applied_and_checked(monkeypatch: Any)
     (sequence parallelism): the plan carries their out_strategy, moves no more than it
     predicts, and computes the single-device step (the shrunk float64 check)."""
     from pcompile.compiler.config.search_context import reset_cost_model_context
-    from pcompile.compiler.driver import compile_program
+    from pcompile.compiler.driver.driver import compile_program
     from pcompile.passes.comm_info import is_communication, node_ring_bytes
     from pcompile.tools.shrink import shrunk_check
 

@@ -22,7 +22,7 @@ ITEMSIZE = {"Float32": 4, "Float16": 2, "BFloat16": 2}
 
 def _compile(monkeypatch: Any, memory: float | None = None, **env: str) -> Any:
     from pcompile.compiler.config.search_context import reset_cost_model_context
-    from pcompile.compiler.driver import compile_program
+    from pcompile.compiler.driver.driver import compile_program
 
     for k, v in env.items():
         monkeypatch.setenv(f"PIPE_SEARCH_{k}", v)
@@ -50,7 +50,7 @@ def _stage_weights(plan: dict[str, Any], blocks: int) -> list[float]:
 @pytest.mark.parametrize("scheduler,held", [("1f1b", [2, 1]), ("gpipe", [4, 4])])
 def test_stages_fold_apart_and_hold_their_micro_batches(monkeypatch: Any, scheduler: str,
                                                         held: list[int]) -> None:
-    from pcompile.compiler.plan import build_plan
+    from pcompile.compiler.driver.plan import build_plan
 
     plan = build_plan(_compile(monkeypatch, SCHEDULER=scheduler, BLOCKS="6").state).model_dump()
     search, pred = plan["search"], plan["prediction"]

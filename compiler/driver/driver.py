@@ -18,12 +18,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from pcompile.compiler.compiled import (
-    CompiledProgram,
-    CompileState,
-    PassDump,
-    ReferenceOptions,
-)
 from pcompile.compiler.config.context import (
     AutoParallelContext,
     context_override,
@@ -35,17 +29,23 @@ from pcompile.compiler.config.context import (
 )
 from pcompile.compiler.config.pass_options import cost_constants, fusion_config, search_options
 from pcompile.compiler.config.search_context import cost_model_override
-from pcompile.compiler.front_passes import (
+from pcompile.compiler.driver.compiled import (
+    CompiledProgram,
+    CompileState,
+    PassDump,
+    ReferenceOptions,
+)
+from pcompile.compiler.driver.front_passes import (
     TraceOptions,
     TracePass,
     TrainStepPass,
     UserOptimizer,
     bprop_vjps,
 )
+from pcompile.compiler.driver.pinned_plan import PinnedPlan, PinnedSearchPass
+from pcompile.compiler.driver.strategy_files import read_checkpoint
 from pcompile.compiler.model_file import load_model_file
 from pcompile.compiler.nn.pipeline import PipelineCell
-from pcompile.compiler.pinned_plan import PinnedPlan, PinnedSearchPass
-from pcompile.compiler.strategy_files import read_checkpoint
 from pcompile.ir.core import Graph, Node
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.printer import GraphText
@@ -214,7 +214,7 @@ def _compile(mf: Any, flags: dict[str, Any], devices: int | None, parallel_mode:
         if devices == 1 and mode != "stand_alone":
             mode = "stand_alone"  # one device: every mode is stand-alone
         _check_mode(devices, mode, str(ctx.search_mode))
-        from pcompile.compiler.pipelining import settings_from_context
+        from pcompile.compiler.driver.pipelining import settings_from_context
 
         settings = settings_from_context(ctx, devices, mode)
         state = CompileState(model_file=mf, devices=devices, parallel_mode=mode,

@@ -1,5 +1,5 @@
-"""Checks on the batches a run reads from `dataset()` (compiler/runtime.py), each found as the
-batch is read, before the step that would use it, and each one line (`DataError`): which batch
+"""Checks on the batches a run reads from `dataset()` (compiler/driver/runtime.py), each found as
+the batch is read, before the step that would use it, and each one line (`DataError`): which batch
 (of which epoch, at which step of the run), what is wrong, what would be valid.
 
 * the count, shapes and dtypes of a batch's arrays against the program's inputs and labels (a

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from pcompile.ir.layout import TensorLayout, group_name, map_axes
 
 if TYPE_CHECKING:
-    from pcompile.compiler.compiled import CompileState
+    from pcompile.compiler.driver.compiled import CompileState
 
 ParameterLayout = tuple[list[int], list[int], list[int], int, bool, str]
 

@@ -5,8 +5,8 @@ The driver builds a `Plan` from the compile state (`build_plan`) and writes it w
 load it with `read_plan`, which refuses a file that does not match the schema with ONE message
 naming each wrong field. `SCHEMA_VERSION` changes whenever a field changes meaning or is
 removed; a reader refuses other versions. The JSON Schema is exported to
-`docs/plan.schema.json` by `python -m pcompile.compiler.plan --schema` (a test checks that the
-file in docs/ equals the generated one); docs/plan-json.md explains the fields.
+`docs/plan.schema.json` by `python -m pcompile.compiler.driver.plan --schema` (a test checks that
+the file in docs/ equals the generated one); docs/plan-json.md explains the fields.
 """
 
 from __future__ import annotations
@@ -421,7 +421,7 @@ def _layout(layout: Any) -> dict[str, Any]:
 
 def build_plan(state: Any) -> Plan:
     """The plan of a finished compile (`compiler.compiled.CompileState`)."""
-    from pcompile.compiler.parameter_layout import as_json, parameter_layout_dict, use_layout
+    from pcompile.compiler.driver.parameter_layout import as_json, parameter_layout_dict, use_layout
     from pcompile.ir.rank import resolve
     from pcompile.passes.comm_info import (
         is_communication,
@@ -511,7 +511,7 @@ def megatron_minimum(state: Any) -> dict[str, Any] | None:
     """plan.json's `megatron_minimum` (passes/search/megatron.py), or None where the model is
     not a transformer the module knows, or the plan is not a parallel training step without
     pipeline stages."""
-    from pcompile.compiler.parameter_layout import use_layout
+    from pcompile.compiler.driver.parameter_layout import use_layout
     from pcompile.passes.comm_info import is_communication, node_ring_bytes
     from pcompile.passes.search.megatron import MegatronMinimum, recognise
 
@@ -604,10 +604,11 @@ def schema_text() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m pcompile.compiler.plan --schema [FILE]`: print (or write) the JSON Schema."""
+    """`python -m pcompile.compiler.driver.plan --schema [FILE]`: print (or write) the JSON
+    Schema."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m pcompile.compiler.plan",
+    parser = argparse.ArgumentParser(prog="python -m pcompile.compiler.driver.plan",
                                      description="Export plan.json's JSON Schema.")
     parser.add_argument("--schema", action="store_true", required=True)
     parser.add_argument("output", nargs="?", help="write here (default: print)")

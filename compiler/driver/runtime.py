@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from pcompile.compiler.compiled import CompiledProgram, CompileState
-from pcompile.compiler.data_checks import (
+from pcompile.compiler.driver.compiled import CompiledProgram, CompileState
+from pcompile.compiler.driver.data_checks import (
     BatchPlace,
     DataError,
     check_batch,
@@ -222,7 +222,7 @@ def iter_rank_batches(
     such a data set are passed over without reading them (arrays None). Any other iterable
     gives whole global batches (first_row 0).
 
-    Every batch is checked as it is read (compiler/data_checks.py: count, shapes, dtypes, the
+    Every batch is checked as it is read (compiler/driver/data_checks.py: count, shapes, dtypes, the
     ids of `ranges`); what the run will certainly read and is known at the start (a list's
     batches, a pcompile.dataset's short last batch) is checked before the first. A mistake, a
     failing `dataset()` and an epoch without a batch are one `DataError` naming the batch."""

@@ -173,7 +173,7 @@ def trace_model(mf: ModelFile, batch_split: int = 1, micro_batches: bool = False
             raise PcompileError(
                 f"model() in {mf.path} returns nn.PipelineCell, whose network computes its own "
                 "loss (nn.WithLossCell), and the file also defines loss(); remove loss()")
-        from pcompile.compiler.pipelining import trace_pipeline_cell
+        from pcompile.compiler.driver.pipelining import trace_pipeline_cell
 
         network.set_train(True)
         return trace_pipeline_cell(mf, network, network.micro_size if micro_batches else 1)

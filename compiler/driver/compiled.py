@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from pcompile.compiler.driver.parameter_layout import parameter_layout_dict
+from pcompile.compiler.driver.pinned_plan import PinnedPlan
+from pcompile.compiler.driver.trace_model import TracedModel
 from pcompile.compiler.initializer import InitializedData
 from pcompile.compiler.model_file import ModelFile
 from pcompile.compiler.nn.optim_base import Optimizer
-from pcompile.compiler.parameter_layout import parameter_layout_dict
-from pcompile.compiler.pinned_plan import PinnedPlan
-from pcompile.compiler.trace_model import TracedModel
 from pcompile.ir.core import Graph
 from pcompile.passes.unit import CompileUnit
 from pcompile.program.rank_program import RankProgram, RunReport
@@ -185,7 +185,7 @@ class CompiledProgram:
     def parameter_layout_dict(self) -> dict[str, Any]:
         """MindSpore's `Cell.parameter_layout_dict` for the compiling rank (`global_rank`):
         name -> (dev_matrix, tensor_map, slice_shape, field_size, uniform_split,
-        opt_shard_group), for every parameter and input (compiler/parameter_layout.py)."""
+        opt_shard_group), for every parameter and input (compiler/driver/parameter_layout.py)."""
         return parameter_layout_dict(self.state, self.state.options.global_rank)
 
     def parameter_layout(self, rank: int) -> dict[str, Any]:
@@ -221,12 +221,16 @@ def build_rank_program(state: CompileState) -> RankProgram:
 
 def run_report(state: CompileState) -> RunReport:
     """What the runtime needs to report a run (backends/run_report.py): the model FLOPs of one
-    step counted on the traced forward graph (compiler/flops.py; 0: none counted), the
+    step counted on the traced forward graph (compiler/driver/flops.py; 0: none counted), the
     optimizer's learning rate when it is a constant (the model file's optimizer() or the one
     its training step cell holds), the token ids one step trains on (`tokens_per_step`) and
     the data set's spec."""
-    from pcompile.compiler.flops import constant_learning_rate, model_flops, training_optimizer
-    from pcompile.compiler.runtime import dataset_spec
+    from pcompile.compiler.driver.flops import (
+        constant_learning_rate,
+        model_flops,
+        training_optimizer,
+    )
+    from pcompile.compiler.driver.runtime import dataset_spec
 
     traced = state.traced
     graph = traced.graph if traced is not None else None
@@ -238,10 +242,10 @@ def run_report(state: CompileState) -> RunReport:
 
 def tokens_per_step(state: CompileState) -> int:
     """Token ids of the first input one step trains on, all ranks: those its embedding lookup
-    reads (compiler/data_checks.py, `looked_up_ids`), not the ids the input holds (a sample of
-    S + 1 ids trains S tokens); 0 when they reach no lookup. The traced graph takes one
+    reads (compiler/driver/data_checks.py, `looked_up_ids`), not the ids the input holds (a sample
+    of S + 1 ids trains S tokens); 0 when they reach no lookup. The traced graph takes one
     micro-batch under nn.PipelineCell: scaled to the whole batch."""
-    from pcompile.compiler.data_checks import looked_up_ids
+    from pcompile.compiler.driver.data_checks import looked_up_ids
 
     traced = state.traced
     if traced is None or not traced.input_names:

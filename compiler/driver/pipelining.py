@@ -103,7 +103,7 @@ def _micro_type(t: TensorType, micro: int, name: str, path: str) -> TensorType:
 
 
 def _labels(mf: ModelFile) -> list[TensorSpec | np.ndarray]:
-    from pcompile.compiler.trace_model import _first_batch_labels
+    from pcompile.compiler.driver.trace_model import _first_batch_labels
 
     if mf.labels is None and mf.dataset is None:
         raise PcompileError(
@@ -170,7 +170,7 @@ def trace_pipeline_cell(mf: ModelFile, cell: PipelineCell, micro: int) -> Any:
     network on one micro-batch (`micro` = micro_size), or on the whole batch (`micro` = 1).
     Graph inputs: the network's inputs (named after its backbone's construct arguments) then
     the labels (`label`, `label1`, ...), as `model()` + `loss()` names them."""
-    from pcompile.compiler.trace_model import TracedModel
+    from pcompile.compiler.driver.trace_model import TracedModel
 
     cell.finalize_parameter_names()
     backbone, loss_fn = inner_network(cell)
@@ -219,7 +219,7 @@ def trace_pipeline_cell(mf: ModelFile, cell: PipelineCell, micro: int) -> Any:
         finish_assignments(tracer, graph)  # summed over micro-batches: passes/micro_batch.py
         parameters.update(random_parameters(tracer))  # ops.Dropout's step counter
         # cells with their own bprop: run per micro-batch in their forward's stage
-        # (compiler/front_passes.py bprop_vjps, passes/micro_batch.py)
+        # (compiler/driver/front_passes.py bprop_vjps, passes/micro_batch.py)
         custom_bprops = list(tracer.custom_bprop)
     graph.dead_code_elimination()
     return TracedModel(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pcompile.compiler.outdir import write_file_atomic
+from pcompile.compiler.driver.outdir import write_file_atomic
 from pcompile.ir.core import Node
 from pcompile.ir.errors import PcompileError
 from pcompile.passes.search.strategy_checkpoint import checkpoint_data, decode, encode

@@ -13,12 +13,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pcompile.compiler.compiled import CompileState
 from pcompile.compiler.config.context import context_override
+from pcompile.compiler.driver.compiled import CompileState
+from pcompile.compiler.driver.trace_model import TracedModel, check_optimizer, trace_model
 from pcompile.compiler.model_file import ModelFile, call_user, load_model_file
 from pcompile.compiler.nn.optim_base import Optimizer
 from pcompile.compiler.optimizer_update import tensor_sum, trace_update
-from pcompile.compiler.trace_model import TracedModel, check_optimizer, trace_model
 from pcompile.compiler.train_step import ReplayEnv, replay_step
 from pcompile.ir.core import Graph, Value
 from pcompile.ir.dims import Shrink
@@ -70,7 +70,7 @@ class TracePass:
                                      micro_batches=state.parallel or self.options.micro_batches)
             _pipeline_trace(state, traced, cells)
         if self.options.shrink is not None:  # the shrunk check's copy (tools/shrink.py)
-            from pcompile.compiler.pinned_plan import apply_to_trace
+            from pcompile.compiler.driver.pinned_plan import apply_to_trace
 
             apply_to_trace(self.options.shrink, traced)
         state.traced = traced
@@ -111,8 +111,8 @@ def _micro_batches_in_turn(state: CompileState, traced: TracedModel, blocks: int
 
 def _pipeline_trace(state: CompileState, traced: TracedModel, cells: dict[str, Any]) -> None:
     """nn.PipelineCell's micro size, and the stage of every op when there are stages."""
+    from pcompile.compiler.driver.pipelining import check_interleave, check_micro_split, stage_map
     from pcompile.compiler.nn.pipeline import PipelineCell
-    from pcompile.compiler.pipelining import check_interleave, check_micro_split, stage_map
     from pcompile.passes.pipeline_stages import PipelineSettings
 
     settings = state.pipeline
