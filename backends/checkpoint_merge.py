@@ -288,7 +288,7 @@ def merge_command() -> Any:
                               "optimizer state"),
             click.Option(["--names"], default=None, metavar="MAP",
                          help="write the tensors under another format's names: llama or "
-                              "mixtral (Hugging Face's; compiler/name_maps.py), or a JSON "
+                              "mixtral (Hugging Face's; compiler/frontend/name_maps.py), or a JSON "
                               "name map FILE; a stacked parameter (Mixtral's experts) becomes "
                               "one tensor per slice"),
         ])
@@ -390,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _name_map(value: str) -> Any:
-    """--names: a built-in name map (compiler/name_maps.py) or a JSON file of one."""
-    from pcompile.compiler.name_maps import NAME_MAPS, NameMap, NameMapError
+    """--names: a built-in name map (compiler/frontend/name_maps.py) or a JSON file of one."""
+    from pcompile.compiler.frontend.name_maps import NAME_MAPS, NameMap, NameMapError
 
     if value in NAME_MAPS:
         return NAME_MAPS[value]

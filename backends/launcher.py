@@ -732,7 +732,7 @@ def _echo_startup(proc: _Proc, told: set[str], echo: Callable[[str], None]) -> N
 
 
 #: the lines of rank 0's run.log that the launcher echoes as they come: MindSpore's
-#: TimeMonitor callback (compiler/callbacks.py), which a model file's callbacks() may give
+#: TimeMonitor callback (compiler/frontend/callbacks.py), which a model file's callbacks() may give
 CALLBACK_LINES = ("Train epoch time: ",)
 
 

@@ -22,9 +22,9 @@ gave are written once (not per rank) to `params/<name>.npy`, or referenced where
 are (a memory-mapped `.npy`), and read block by block with `mmap_mode="r"`. Nothing here is
 unpickled or evaluated: JSON, and `.npy` files loaded with `allow_pickle=False`.
 
-Pretrained weights (`load_checkpoint`, compiler/serialization.py) are recorded as references
-to a tensor of a safetensors file, never copied: the file the model file named (its absolute
-path with links resolved), its size, modification time and header digest, and the tensor's
+Pretrained weights (`load_checkpoint`, compiler/frontend/serialization.py) are recorded as
+references to a tensor of a safetensors file, never copied: the file the model file named (its
+absolute path with links resolved), its size, modification time and header digest, and the tensor's
 stored dtype and shape. This is the one way a read leaves the output folder besides `npy`, and
 it is confined to what the compile saw: a rank refuses the entry unless the path is absolute,
 link-free, ends in `.safetensors`, is a regular file of the recorded size, mtime and header
@@ -190,7 +190,7 @@ def _source(entry: Mapping[str, Any], out_dir: str) -> InitializedData:
     array: np.ndarray | PretrainedTensor
     if "value" in init:
         array = np.asarray(init["value"], dtype=dtype.np).reshape(shape)
-    elif "safetensors_stack" in init:  # compiler/name_maps.py: one of several tensors
+    elif "safetensors_stack" in init:  # compiler/frontend/name_maps.py: one of several tensors
         array = StackedTensor.from_reference(init)
         if tuple(array.shape) != shape:
             raise ValueError(f"the tensors stacked from {array.file.path} have shape "

@@ -40,7 +40,7 @@ def rates(rows: int, cols: int) -> list[dict[str, object]]:
     import jax
 
     from pcompile.backends.jax.param_init import device_block
-    from pcompile.compiler.initializer import initializer
+    from pcompile.compiler.frontend.initializer import initializer
     from pcompile.ir.types import DType
 
     device = jax.devices()[0]

@@ -31,7 +31,7 @@ MODES = ("sharding_propagation", "recursive_programming", "dynamic_programming")
 CHILD = r"""
 import json, os, sys, time
 sys.path.insert(0, {root!r})
-from pcompile.compiler.model_file import load_model_file
+from pcompile.compiler.frontend.model_file import load_model_file
 from pcompile.compiler.driver.trace_model import trace_model
 from pcompile.passes.search import SearchOptions, search
 import pcompile.passes.search.dynamic_programming as dp

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-# nn.AdamWeightDecay as the examples build it (compiler/nn/optim.py): no bias correction.
+# nn.AdamWeightDecay as the examples build it (compiler/frontend/nn/optim.py): no bias correction.
 ADAMW = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-6, "weight_decay": 0.01}
 
 

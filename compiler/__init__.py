@@ -28,9 +28,9 @@ _NAMES = {
     "set_auto_parallel_context": "config.context",
     "get_context": "config.general_context",
     "set_context": "config.general_context",
-    "ParameterTuple": "grad",
-    "initializer": "initializer",
-    "set_seed": "initializer",
+    "ParameterTuple": "frontend.grad",
+    "initializer": "frontend.initializer",
+    "set_seed": "frontend.initializer",
     "Layout": "config.layout",
     "get_algo_parameters": "config.search_context",
     "get_cost_model_context": "config.search_context",
@@ -38,18 +38,18 @@ _NAMES = {
     "reset_cost_model_context": "config.search_context",
     "set_algo_parameters": "config.search_context",
     "set_cost_model_context": "config.search_context",
-    "load_checkpoint": "serialization",
-    "load_param_into_net": "serialization",
-    "save_checkpoint": "serialization",
-    "Callback": "callbacks",
-    "LossMonitor": "callbacks",
-    "TimeMonitor": "callbacks",
-    "CheckpointConfig": "callbacks",
-    "ModelCheckpoint": "callbacks",
-    "Parameter": "tensor",
-    "Tensor": "tensor",
-    "TensorSpec": "tensor",
-    "Model": "train_model",
+    "load_checkpoint": "frontend.serialization",
+    "load_param_into_net": "frontend.serialization",
+    "save_checkpoint": "frontend.serialization",
+    "Callback": "frontend.callbacks",
+    "LossMonitor": "frontend.callbacks",
+    "TimeMonitor": "frontend.callbacks",
+    "CheckpointConfig": "frontend.callbacks",
+    "ModelCheckpoint": "frontend.callbacks",
+    "Parameter": "frontend.tensor",
+    "Tensor": "frontend.tensor",
+    "TensorSpec": "frontend.tensor",
+    "Model": "frontend.train_model",
     "bfloat16": "pcompile.ir.types",
     "bool_": "pcompile.ir.types",
     "float16": "pcompile.ir.types",
@@ -61,9 +61,10 @@ _NAMES = {
 
 
 class _Facade(types.ModuleType):
-    """This package's module type. Importing the submodule compiler/initializer.py binds the
-    package's attribute `initializer` to that module; the façade's `initializer` is the
-    function (MindSpore's `initializer(init, shape, dtype)`), whichever loads first."""
+    """This package's module type. Importing a submodule binds its name on its package; a
+    module named like a façade name (compiler/frontend/initializer.py, under compiler/ before
+    issue 37 move 5) never replaces it here: the façade's `initializer` is the function
+    (MindSpore's `initializer(init, shape, dtype)`), whichever loads first."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _NAMES and isinstance(value, types.ModuleType):
@@ -76,7 +77,7 @@ sys.modules[__name__].__class__ = _Facade
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
-        value = importlib.import_module(f"pcompile.compiler.{name}")
+        value = importlib.import_module(f"pcompile.compiler.frontend.{name}")
     elif name in _NAMES:
         where = _NAMES[name]
         module = importlib.import_module(where if where.startswith("pcompile.")
@@ -97,9 +98,9 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device="Ascen
     `fn` (a function or a Cell) with its inputs constrained to `in_strategy` (None entries are
     derived by the search) and, for a Cell, its parameters to `parameter_plan`. Valid only with
     auto_parallel and sharding_propagation."""
-    from pcompile.compiler.functional_shard import call_sharded
-    from pcompile.compiler.nn.cell import Cell
-    from pcompile.compiler.primitive import normalize_strategy
+    from pcompile.compiler.frontend.functional_shard import call_sharded
+    from pcompile.compiler.frontend.nn.cell import Cell
+    from pcompile.compiler.frontend.primitive import normalize_strategy
 
     config = {
         "in_strategy": normalize_strategy(in_strategy, "in_strategy"),

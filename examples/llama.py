@@ -647,7 +647,7 @@ class TrainStep(nn.TrainOneStepWithLossScaleCell):
 def load_pretrained(net, path):
     """Start `net` from the Hugging Face Llama checkpoint `path` (every parameter must be in
     it): its names are mapped to this file's by pcompile's built-in Llama name map
-    (pcompile.compiler.name_maps.LLAMA: every tensor taken as it is, lm_head tied to the
+    (pcompile.compiler.frontend.name_maps.LLAMA: every tensor taken as it is, lm_head tied to the
     embedding table when the checkpoint has none)."""
     not_loaded, _ = load_param_into_net(net, load_checkpoint(path, name_map="llama"))
     if not_loaded:

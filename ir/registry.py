@@ -65,7 +65,7 @@ class OpDoc:
     backends or a named test is missing.
 
     How a model file spells the op (`ops.Div()` for RealDiv, `ops.TensorAdd()` for Add) is
-    read from `compiler/ops.py`, not restated here; `spelling` is for ops no `ops.X` class
+    read from `compiler/frontend/ops.py`, not restated here; `spelling` is for ops no `ops.X` class
     emits (tuple plumbing, compiler-inserted ops). Whether the op has a sharding rule is
     checked against `OpDef.sharding`: a `rule` not starting with "no strategy" claims one."""
 

@@ -12,10 +12,10 @@ Rules:
 * a tuple-typed result collects one cotangent per element; unused elements get zeros;
 * the collectives a communication op's vjp emits say why they exist and what they move
   (`reason`, `bytes`; passes/comm_info.py), as the forward ones do;
-* a region with a given backward (`CustomVjp`: a cell's own `bprop`, compiler/custom_bprop.py)
-  takes the cotangents of its outputs once every user of them is differentiated, and its
-  `build` gives the cotangents of its inputs; the region's own ops are not differentiated
-  (their results get no cotangent).
+* a region with a given backward (`CustomVjp`: a cell's own `bprop`,
+  compiler/frontend/custom_bprop.py) takes the cotangents of its outputs once every user of them is
+  differentiated, and its `build` gives the cotangents of its inputs; the region's own ops are not
+  differentiated (their results get no cotangent).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ and the run-time pieces a rank needs without the front end, which import `ir/` o
 - `progress`: logging, MindSpore's loss lines, the bounded read-back of a run's losses and the
   run's progress display (imports nothing of pcompile: `pcompile --version` loads it).
 
-The front end (compiler/initializer.py, compiler/serialization.py, compiler/driver/runtime.py,
-compiler/driver/data_checks.py) re-exports these under the names model files and tests use.
+The front end (compiler/frontend/initializer.py, compiler/frontend/serialization.py,
+compiler/driver/runtime.py, compiler/driver/data_checks.py) re-exports these under the names model
+files and tests use.
 """

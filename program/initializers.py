@@ -1,8 +1,8 @@
 """Parameter data at run time: the initializers (`Normal`, `Uniform`, ..., `Constant`) and
 `InitializedData`, reproducible, lazily evaluated data of known shape and dtype, any block of
 which is generated on its own. The front end's `initializer(init, shape, dtype)`
-(compiler/initializer.py) draws the seed tickets and makes them; a rank generates its blocks
-from the tickets recorded in params.json (backends/params.py, backends/jax/param_init.py).
+(compiler/frontend/initializer.py) draws the seed tickets and makes them; a rank generates its
+blocks from the tickets recorded in params.json (backends/params.py, backends/jax/param_init.py).
 This room imports only `ir/`: a rank initialises its parameters without loading the front end.
 
 Any block of a tensor is generated on its own, equal to the same block of the whole tensor

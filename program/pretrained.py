@@ -1,7 +1,7 @@
 """Pretrained tensors at run time: one tensor of a safetensors file (`PretrainedTensor`), or
 tensors of several read as one (`StackedTensor`), read block by block, memory-mapped, never
 as a whole unless asked; and the header reader that identifies a file (its size, mtime and
-header digest). `compiler/serialization.py`'s `load_checkpoint` makes them at compile time;
+header digest). `compiler/frontend/serialization.py`'s `load_checkpoint` makes them at compile time;
 `backends/params.py` checks a recorded reference against the file (`from_reference`) and
 reads a rank's slices. This room imports only `ir/`: a rank reads its weights without
 loading the front end.
@@ -182,7 +182,7 @@ class PretrainedTensor:
 
 
 class StackedTensor(PretrainedTensor):
-    """Tensors of safetensors files read as one (compiler/name_maps.py): `members` stacked
+    """Tensors of safetensors files read as one (compiler/frontend/name_maps.py): `members` stacked
     along a new first dim (`stack`; else the one member), each transposed (its dims reversed)
     when `transpose`. A block reads only the members it spans and, of each, only its part,
     memory-mapped, as PretrainedTensor does."""

@@ -7,8 +7,8 @@ op has no `OpDoc` record or its record names a test that does not exist.
 
 * Primitives: one row per registered op, from the `OpDoc` record next to its declaration in
   `ir/ops/*.py` (operands, dtypes, one-line rule, the tests that check it, notes printed under
-  the table); the model-file spelling is read from `compiler/ops.py` (every `ops` class that
-  emits the op, aliases included). Rows follow the declaring modules in `_MODULE_ORDER`, then
+  the table); the model-file spelling is read from `compiler/frontend/ops.py` (every `ops` class
+  that emits the op, aliases included). Rows follow the declaring modules in `_MODULE_ORDER`, then
   the registration order; a gradient helper follows the op whose vjp emits it.
 * Functional names: for each name of `ops` (the lower-case functions), `mint` and
   `mint.nn.functional`, its signature, the primitives its body calls (what it traces into),
@@ -44,15 +44,15 @@ _seen: dict[int, bool] = {}  # functions being expanded (no infinite recursion)
 def _primitives(fn: Any) -> list[str]:
     """The primitive classes of `compiler.ops` that `fn`'s body calls, in order of first use;
     for a function that only delegates (`fn.gelu(...)`), those of the function it calls."""
-    from pcompile.compiler import functional, ops
-    from pcompile.compiler.primitive import Primitive
+    from pcompile.compiler.frontend import functional, ops
+    from pcompile.compiler.frontend.primitive import Primitive
 
     try:
         source = inspect.getsource(fn)
     except (OSError, TypeError):
         return []
-    from pcompile.compiler import nn
-    from pcompile.compiler.nn.cell import Cell
+    from pcompile.compiler.frontend import nn
+    from pcompile.compiler.frontend.nn.cell import Cell
 
     found: list[str] = []
     for name in _CALL.findall(source):
@@ -126,9 +126,9 @@ def _dtypes(dtypes: frozenset[DType]) -> str:
 
 
 def spellings(op: str) -> list[str]:
-    """How a model file emits `op`: every class of `compiler/ops.py` whose `op` it is."""
-    from pcompile.compiler import ops
-    from pcompile.compiler.primitive import Primitive
+    """How a model file emits `op`: every class of `compiler/frontend/ops.py` whose `op` it is."""
+    from pcompile.compiler.frontend import ops
+    from pcompile.compiler.frontend.primitive import Primitive
 
     return [f"`ops.{name}()`" for name, cls in vars(ops).items()
             if isinstance(cls, type) and issubclass(cls, Primitive) and not name.startswith("_")
@@ -245,8 +245,8 @@ def primitive_sections() -> str:
 
 def functional_sections() -> str:
     """The functional-name tables."""
-    from pcompile.compiler import functional, mint
-    from pcompile.compiler.mint.nn import functional as mint_functional
+    from pcompile.compiler.frontend import functional, mint
+    from pcompile.compiler.frontend.mint.nn import functional as mint_functional
 
     parts = [
         "### `ops` functions",

@@ -114,10 +114,10 @@ def prepare_run(state: CompileState, out_dir: str | None, options: RunOptions,
 def _with_callbacks(state: CompileState, options: RunOptions, launched: bool) -> RunOptions:
     """The options the model file's built-in callbacks set (`callbacks()`: LossMonitor's
     per_print_times, and for the JAX rank programs ModelCheckpoint's save_checkpoint_steps and
-    keep_checkpoint_max; compiler/callbacks.py `run_settings`), where the command line left
+    keep_checkpoint_max; compiler/frontend/callbacks.py `run_settings`), where the command line left
     them at their defaults. The rank programs call the callbacks themselves."""
-    from pcompile.compiler.callbacks import checked_callbacks, run_settings
-    from pcompile.compiler.model_file import call_user
+    from pcompile.compiler.frontend.callbacks import checked_callbacks, run_settings
+    from pcompile.compiler.frontend.model_file import call_user
 
     model_file = state.model_file
     make = model_file.callbacks

@@ -1,6 +1,6 @@
 """Parameter slices made on the device: the initializers' generator in jax.numpy.
 
-`compiler/initializer.py` defines every random init by the Philox4x32-10 words at counter
+`compiler/frontend/initializer.py` defines every random init by the Philox4x32-10 words at counter
 (flat index, draw) under the key of its (seed, counter) ticket, and a float64 transform of
 those words (program/init_math.py); numpy runs it on the host. Here the same generator runs
 jitted on the device that holds the block, so a rank makes its slices at device speed and
@@ -66,7 +66,7 @@ DEVICE_MIN_CONSTANT = 1 << 12
 
 def philox(c0: Any, c1: Any, c2: Any, c3: Any, k0: Any, k1: Any) -> tuple[Any, ...]:
     """Philox4x32-10 on uint32 counter words and key words (the numpy reference:
-    compiler/initializer.py `philox`)."""
+    compiler/frontend/initializer.py `philox`)."""
     m0, m1 = np.uint64(_M0), np.uint64(_M1)
     w0, w1 = np.uint32(_W0), np.uint32(_W1)
     shift = np.uint64(32)

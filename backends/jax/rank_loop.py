@@ -446,7 +446,7 @@ class RankRunner:
                           logs={r: logs[r].lines for r in self.local}, final=final)
 
     def _callbacks(self) -> Any:
-        """The model file's `callbacks()` (compiler/callbacks.py) as a CallbackRunner (None
+        """The model file's `callbacks()` (compiler/frontend/callbacks.py) as a CallbackRunner (None
         without any); what the built-in ones set (LossMonitor's per_print_times,
         ModelCheckpoint's save_checkpoint_steps and keep_checkpoint_max) becomes the value of
         each option this run left at its default."""
@@ -458,7 +458,7 @@ class RankRunner:
             raise RankError(str(exc)) from None
         if not callbacks:
             return None
-        from pcompile.compiler.callbacks import CallbackRunner, run_settings
+        from pcompile.compiler.frontend.callbacks import CallbackRunner, run_settings
 
         self.args = args = SimpleNamespace(**vars(self.args))
         defaulted: set[str] = getattr(args, "defaulted", set())
@@ -576,7 +576,7 @@ class RankRunner:
                         f"the loss is {float(losses[bad[0]])} at step {k_done + 1} (epoch "
                         f"{ep}, step {step_in}); stopped (--no-fail-on-nan trains on)")
                 if hooks is not None:
-                    from pcompile.compiler.tensor import Tensor
+                    from pcompile.compiler.frontend.tensor import Tensor
 
                     self._hook(hooks.step_end, k_done + 1, ep, step_in,
                                Tensor(np.asarray(losses[self.local[0]])))

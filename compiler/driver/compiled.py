@@ -17,9 +17,9 @@ import numpy as np
 from pcompile.compiler.driver.parameter_layout import parameter_layout_dict
 from pcompile.compiler.driver.pinned_plan import PinnedPlan
 from pcompile.compiler.driver.trace_model import TracedModel
-from pcompile.compiler.initializer import InitializedData
-from pcompile.compiler.model_file import ModelFile
-from pcompile.compiler.nn.optim_base import Optimizer
+from pcompile.compiler.frontend.initializer import InitializedData
+from pcompile.compiler.frontend.model_file import ModelFile
+from pcompile.compiler.frontend.nn.optim_base import Optimizer
 from pcompile.ir.core import Graph
 from pcompile.passes.unit import CompileUnit
 from pcompile.program.rank_program import RankProgram, RunReport

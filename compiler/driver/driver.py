@@ -44,8 +44,8 @@ from pcompile.compiler.driver.front_passes import (
 )
 from pcompile.compiler.driver.pinned_plan import PinnedPlan, PinnedSearchPass
 from pcompile.compiler.driver.strategy_files import read_checkpoint
-from pcompile.compiler.model_file import load_model_file
-from pcompile.compiler.nn.pipeline import PipelineCell
+from pcompile.compiler.frontend.model_file import load_model_file
+from pcompile.compiler.frontend.nn.pipeline import PipelineCell
 from pcompile.ir.core import Graph, Node
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.printer import GraphText

@@ -32,7 +32,7 @@ def training_optimizer(state: Any) -> Any:
     traced = getattr(state, "traced", None)
     if traced is None or traced.step is None:
         return None
-    from pcompile.compiler.nn.optim_base import Optimizer
+    from pcompile.compiler.frontend.nn.optim_base import Optimizer
 
     return next((cell for _, cell in traced.network.cells_and_names()
                  if isinstance(cell, Optimizer)), None)

@@ -16,10 +16,10 @@ from typing import Any
 from pcompile.compiler.config.context import context_override
 from pcompile.compiler.driver.compiled import CompileState
 from pcompile.compiler.driver.trace_model import TracedModel, check_optimizer, trace_model
-from pcompile.compiler.model_file import ModelFile, call_user, load_model_file
-from pcompile.compiler.nn.optim_base import Optimizer
-from pcompile.compiler.optimizer_update import tensor_sum, trace_update
-from pcompile.compiler.train_step import ReplayEnv, replay_step
+from pcompile.compiler.frontend.model_file import ModelFile, call_user, load_model_file
+from pcompile.compiler.frontend.nn.optim_base import Optimizer
+from pcompile.compiler.frontend.optimizer_update import tensor_sum, trace_update
+from pcompile.compiler.frontend.train_step import ReplayEnv, replay_step
 from pcompile.ir.core import Graph, Value
 from pcompile.ir.dims import Shrink
 from pcompile.ir.errors import PcompileError
@@ -63,7 +63,7 @@ class TracePass:
             state.rank_graphs = [t.graph for t in traces]
             state.split = True
         else:
-            from pcompile.compiler.tracing import recording_cells
+            from pcompile.compiler.frontend.tracing import recording_cells
 
             with recording_cells() as cells:
                 traced = trace_model(state.model_file, batch_split=split,
@@ -96,7 +96,7 @@ def _micro_batches_in_turn(state: CompileState, traced: TracedModel, blocks: int
     forward `Assign` (BatchNorm's moving statistics) once per micro-batch, in order
     (`passes.micro_batch.replicate`, the local program of every pipeline plan); micro-batch
     k is the k-th part of each of `blocks` blocks of the rows (`ReferenceOptions.batch_blocks`)."""
-    from pcompile.compiler.nn.pipeline import PipelineCell
+    from pcompile.compiler.frontend.nn.pipeline import PipelineCell
     from pcompile.passes.micro_batch import replicate
 
     network = traced.network
@@ -112,7 +112,7 @@ def _micro_batches_in_turn(state: CompileState, traced: TracedModel, blocks: int
 def _pipeline_trace(state: CompileState, traced: TracedModel, cells: dict[str, Any]) -> None:
     """nn.PipelineCell's micro size, and the stage of every op when there are stages."""
     from pcompile.compiler.driver.pipelining import check_interleave, check_micro_split, stage_map
-    from pcompile.compiler.nn.pipeline import PipelineCell
+    from pcompile.compiler.frontend.nn.pipeline import PipelineCell
     from pcompile.passes.pipeline_stages import PipelineSettings
 
     settings = state.pipeline
@@ -175,10 +175,11 @@ def _check_functional_shard(state: CompileState) -> None:
 
 
 def bprop_vjps(state: CompileState, traced: TracedModel | None, graph: Graph) -> list[Any]:
-    """The cells with their own bprop, on the rank graph `graph` (compiler/custom_bprop.py)."""
+    """The cells with their own bprop, on the rank graph `graph`
+    (compiler/frontend/custom_bprop.py)."""
     if traced is None or not traced.custom_bprops:
         return []
-    from pcompile.compiler.custom_bprop import custom_vjps
+    from pcompile.compiler.frontend.custom_bprop import custom_vjps
 
     locals_ = state.bprop_locals
     if locals_ is None:  # not split: the forward graph's own values, where still in it

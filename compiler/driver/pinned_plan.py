@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pcompile.compiler.initializer import InitializedData
+from pcompile.compiler.frontend.initializer import InitializedData
 from pcompile.ir.core import Graph
 from pcompile.ir.dims import Shrink
 from pcompile.ir.errors import PcompileError

@@ -22,14 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from pcompile.compiler.assign import finish_assignments
-from pcompile.compiler.model_file import ModelFile, as_input_list, call_user
-from pcompile.compiler.nn.cell import Cell
-from pcompile.compiler.nn.loss import WithLossCell
-from pcompile.compiler.nn.pipeline import MicroBatchInterleaved, PipelineCell
-from pcompile.compiler.random_state import random_parameters
-from pcompile.compiler.tensor import Parameter, Tensor, TensorSpec
-from pcompile.compiler.tracing import tracing
+from pcompile.compiler.frontend.assign import finish_assignments
+from pcompile.compiler.frontend.model_file import ModelFile, as_input_list, call_user
+from pcompile.compiler.frontend.nn.cell import Cell
+from pcompile.compiler.frontend.nn.loss import WithLossCell
+from pcompile.compiler.frontend.nn.pipeline import MicroBatchInterleaved, PipelineCell
+from pcompile.compiler.frontend.random_state import random_parameters
+from pcompile.compiler.frontend.tensor import Parameter, Tensor, TensorSpec
+from pcompile.compiler.frontend.tracing import tracing
 from pcompile.ir.core import Constant, Graph, NodeResult
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.types import DType, TensorType

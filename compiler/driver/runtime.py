@@ -20,14 +20,14 @@ from pcompile.compiler.driver.data_checks import (
     index_ranges,
     no_batch,
 )
-from pcompile.compiler.model_file import (
+from pcompile.compiler.frontend.model_file import (
     ModelFile,
     as_input_list,
     call_user,
     iterate_user,
     load_model_file,
 )
-from pcompile.compiler.tensor import TensorSpec
+from pcompile.compiler.frontend.tensor import TensorSpec
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.layout import TensorLayout
 from pcompile.program.dataset import (  # noqa: F401  (re-exported)
@@ -138,9 +138,9 @@ def _data_model_file(path: str) -> ModelFile:
 
 
 def spec_callbacks(spec: DatasetSpec) -> tuple[list[Any], str]:
-    """The callbacks the model file `spec` names gives (`callbacks()`, compiler/callbacks.py;
-    none without it) and its path."""
-    from pcompile.compiler.callbacks import checked_callbacks
+    """The callbacks the model file `spec` names gives (`callbacks()`,
+    compiler/frontend/callbacks.py; none without it) and its path."""
+    from pcompile.compiler.frontend.callbacks import checked_callbacks
 
     mf = _data_model_file(spec.model_file)
     if mf.callbacks is None:
@@ -232,7 +232,7 @@ def iter_rank_batches(
         for k in range(steps):
             yield 1, k + 1, batch, 0
         return
-    from pcompile.compiler.dataset import Dataset
+    from pcompile.compiler.frontend.dataset import Dataset
 
     data = call_user(mf.dataset, "dataset()", mf.path)
     sizes = (n_inputs, n_labels)
@@ -338,7 +338,7 @@ def _short_last_batch(mf: Any, data: Any, global_rows: int | None, steps: int, s
     """Before the first step: a batch(n) without drop_remainder over a known number of rows
     that leaves a short last batch, when the run certainly reads it (it reads a whole epoch
     past the steps it skips)."""
-    from pcompile.compiler.dataset import BatchDataset
+    from pcompile.compiler.frontend.dataset import BatchDataset
 
     node = data
     while node is not None and not isinstance(node, BatchDataset):

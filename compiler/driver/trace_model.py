@@ -19,17 +19,17 @@ from typing import Any
 
 import numpy as np
 
-from pcompile.compiler.assign import finish_assignments
-from pcompile.compiler.model_file import ModelFile, as_input_list, call_user, iterate_user
-from pcompile.compiler.nn.cell import Cell, call_top
-from pcompile.compiler.nn.optim_base import Optimizer
-from pcompile.compiler.nn.wrap import TrainOneStepCell
-from pcompile.compiler.nn.wrap import _StepCell as StepCellBase
-from pcompile.compiler.random_state import random_parameters
-from pcompile.compiler.tensor import Parameter, Tensor, TensorSpec
-from pcompile.compiler.tracing import tracing
-from pcompile.compiler.train_model import Model
-from pcompile.compiler.train_step import Capture, Captured, CapturedGrad, active
+from pcompile.compiler.frontend.assign import finish_assignments
+from pcompile.compiler.frontend.model_file import ModelFile, as_input_list, call_user, iterate_user
+from pcompile.compiler.frontend.nn.cell import Cell, call_top
+from pcompile.compiler.frontend.nn.optim_base import Optimizer
+from pcompile.compiler.frontend.nn.wrap import TrainOneStepCell
+from pcompile.compiler.frontend.nn.wrap import _StepCell as StepCellBase
+from pcompile.compiler.frontend.random_state import random_parameters
+from pcompile.compiler.frontend.tensor import Parameter, Tensor, TensorSpec
+from pcompile.compiler.frontend.tracing import tracing
+from pcompile.compiler.frontend.train_model import Model
+from pcompile.compiler.frontend.train_step import Capture, Captured, CapturedGrad, active
 from pcompile.ir.core import Graph, NodeResult, Value
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.types import DType, TensorType
@@ -51,7 +51,7 @@ class TracedModel:
     # returns gradients and updates nothing)
     mode: str = "inference"
     step: StepTrace | None = None  # a training step cell, replayed after the split
-    # calls of cells with their own bprop (compiler/custom_bprop.py), which autodiff uses
+    # calls of cells with their own bprop (compiler/frontend/custom_bprop.py), which autodiff uses
     custom_bprops: list[Any] = field(default_factory=list)
 
     @property
@@ -166,7 +166,7 @@ def trace_model(mf: ModelFile, batch_split: int = 1, micro_batches: bool = False
         network = network.train_network
     if not isinstance(network, Cell):
         raise PcompileError(f"model() in {mf.path} must return an nn.Cell, got {type(network)}")
-    from pcompile.compiler.nn.pipeline import PipelineCell
+    from pcompile.compiler.frontend.nn.pipeline import PipelineCell
 
     if isinstance(network, PipelineCell):
         if mf.loss is not None:

@@ -40,8 +40,8 @@ from pcompile.ir.sharding import (
 from pcompile.ir.types import DType, TensorType, ValueType
 
 #: body name -> f(the rank graph, the local operands, the builder's `rank_value`) -> the local
-#: result, filled by the front end while it traces (compiler/morph.py); `rank_value` gives a
-#: rank-dependent value (the group of a collective over a created group) for every rank of the
+#: result, filled by the front end while it traces (compiler/frontend/morph.py); `rank_value` gives
+#: a rank-dependent value (the group of a collective over a created group) for every rank of the
 #: program, or at its one rank
 BodyFn = Callable[[Graph, list[Value], Callable[[Any], Any]], Value]
 _BODIES: dict[str, BodyFn] = {}

@@ -14,8 +14,8 @@ single-device program's values:
 `hash` is a counter-based generator on uint32 arithmetic (`mix`: Wellons' lowbias32 finalizer,
 applied to the keys and then to each index), the same in numpy and JAX, bit for bit. The
 operands besides `x` are `step` (int32 scalar: which step of training, advanced by the front
-end each time the op runs; compiler/random_state.py) and `offset` (int32, one value per dim:
-where this tensor's block begins in the whole tensor; zeros in the single-device program). The
+end each time the op runs; compiler/frontend/random_state.py) and `offset` (int32, one value per
+dim: where this tensor's block begins in the whole tensor; zeros in the single-device program). The
 attribute `global_shape` is the whole tensor's shape: a rank's block of shape `s` starting at
 `offset` computes `i = sum_d (offset[d] + k_d) * stride_d` with the whole tensor's strides, so
 each rank draws exactly its elements' bits. The sharding rule (`DropoutRule`) is element-wise
@@ -58,8 +58,9 @@ _KEY = (0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35)  # odd constants that separate the k
 
 _ATTRS = {"keep_prob": 0.5, "seed0": 0, "seed1": 0, "global_shape": ()}
 
-#: the name of the step counter the front end's random ops advance (compiler/random_state.py),
-#: which passes recognise (a pipeline's micro-batches advance it once a step)
+#: the name of the step counter the front end's random ops advance
+#: (compiler/frontend/random_state.py), which passes recognise (a pipeline's micro-batches advance
+#: it once a step)
 COUNTER_NAME = "random_step"
 
 

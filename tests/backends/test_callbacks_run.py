@@ -1,7 +1,7 @@
-"""A model file's `callbacks()` in a run (compiler/callbacks.py, backends/jax/rank_loop.py): a
-callback of the user's own records what MindSpore's hooks give it, against the losses the run
-writes; LossMonitor, TimeMonitor and ModelCheckpoint act as MindSpore's do, through the run's
-options (which the command line overrides)."""
+"""A model file's `callbacks()` in a run (compiler/frontend/callbacks.py,
+backends/jax/rank_loop.py): a callback of the user's own records what MindSpore's hooks give it,
+against the losses the run writes; LossMonitor, TimeMonitor and ModelCheckpoint act as MindSpore's
+do, through the run's options (which the command line overrides)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Name maps between Hugging Face checkpoints and model files (compiler/name_maps.py; issue 38
-item 12): `load_checkpoint(path, name_map=...)` renames (and, for Mixtral's experts, stacks
+"""Name maps between Hugging Face checkpoints and model files (compiler/frontend/name_maps.py; issue
+38 item 12): `load_checkpoint(path, name_map=...)` renames (and, for Mixtral's experts, stacks
 and transposes) without reading a tensor, each rank then reading only its slices;
 `pcompile-merge DIR --names ...` writes a run's tensors under Hugging Face's names; both
 built-in maps (Llama, Mixtral) invert each other, and a user's map is a dict or a JSON file."""
@@ -17,8 +17,8 @@ from safetensors.numpy import load_file, save_file
 from pcompile import load_checkpoint
 from pcompile.backends.checkpoint_files import write_checkpoint
 from pcompile.backends.checkpoint_merge import main as merge_main
-from pcompile.compiler.name_maps import LLAMA, MIXTRAL, NameMap, NameMapError, name_map
-from pcompile.compiler.serialization import PretrainedTensor
+from pcompile.compiler.frontend.name_maps import LLAMA, MIXTRAL, NameMap, NameMapError, name_map
+from pcompile.compiler.frontend.serialization import PretrainedTensor
 from pcompile.tools.compile import compile as compile_model
 from tests import ROOT
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pcompile.backends.jax.param_init import device_block, round_bits, supports
-from pcompile.compiler.initializer import (
+from pcompile.compiler.frontend.initializer import (
     Constant,
     HeUniform,
     Normal,
@@ -180,7 +180,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np
 from pcompile.backends.jax.param_init import device_block
-from pcompile.compiler.initializer import initializer, set_seed, TruncatedNormal
+from pcompile.compiler.frontend.initializer import initializer, set_seed, TruncatedNormal
 from pcompile.ir.types import DType
 
 devices = jax.devices()

@@ -1,4 +1,4 @@
-"""Starting from pretrained weights (compiler/serialization.py, backends/params.py):
+"""Starting from pretrained weights (compiler/frontend/serialization.py, backends/params.py):
 
 * a safetensors file saved with Hugging Face Llama names loads into examples/llama.py (tiny
   preset) through its name map: on 8 devices each rank's initial parameters are exactly its
@@ -28,7 +28,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from pcompile.compiler.driver.runtime import batches
-from pcompile.compiler.serialization import CheckpointLoadError, PretrainedTensor
+from pcompile.compiler.frontend.serialization import CheckpointLoadError, PretrainedTensor
 from pcompile.ir.errors import PcompileError
 from pcompile.tools.compile import compile as compile_model
 from pcompile.tools.runners import StandAloneRunner
@@ -74,7 +74,7 @@ def knobs(monkeypatch: Any, **env: str) -> None:
 
 def hf_to_llama(tensors: dict[str, Any]) -> dict[str, Any]:
     """Hugging Face's names -> examples/llama.py's (the built-in name map it loads with)."""
-    from pcompile.compiler.name_maps import LLAMA as LLAMA_NAMES
+    from pcompile.compiler.frontend.name_maps import LLAMA as LLAMA_NAMES
 
     return LLAMA_NAMES.from_theirs(tensors)
 
@@ -227,7 +227,7 @@ def test_cli_shape_mismatch_is_one_message_and_strict_dtype(tmp_path: Any) -> No
     import ml_dtypes
 
     from pcompile import Parameter, load_checkpoint, load_param_into_net, nn
-    from pcompile.compiler.initializer import initializer
+    from pcompile.compiler.frontend.initializer import initializer
 
     path = str(tmp_path / "w.safetensors")
     save_file({"w": np.ones((4, 2), ml_dtypes.bfloat16)}, path)

@@ -1,4 +1,4 @@
-"""Batch normalisation (compiler/batch_norm.py): `P.BatchNorm` and `nn.BatchNorm1d/2d` with
+"""Batch normalisation (compiler/frontend/batch_norm.py): `P.BatchNorm` and `nn.BatchNorm1d/2d` with
 MindSpore's arguments and strategies, the batch statistics and the moving ones against numpy,
 and MindSpore's parallel cases (tests/ut/python/parallel/test_batchnorm.py) training exactly like
 one device: a split N, H or W dim is normalised by the whole batch's statistics (MindSpore's

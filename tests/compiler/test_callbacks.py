@@ -1,4 +1,4 @@
-"""MindSpore's training callbacks as the rank programs call them (compiler/callbacks.py
+"""MindSpore's training callbacks as the rank programs call them (compiler/frontend/callbacks.py
 `CallbackRunner`): the hooks' order and what `run_context.original_args()` holds, MindSpore's
 older hook names, TimeMonitor's line, the options the built-in callbacks set, and mistakes as
 one message. The runs themselves: tests/backends/test_callbacks_run.py."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pcompile.compiler.callbacks import (
+from pcompile.compiler.frontend.callbacks import (
     Callback,
     CallbackRunner,
     CheckpointConfig,
@@ -18,7 +18,7 @@ from pcompile.compiler.callbacks import (
     checked_callbacks,
     run_settings,
 )
-from pcompile.compiler.tensor import Tensor
+from pcompile.compiler.frontend.tensor import Tensor
 from pcompile.ir.errors import PcompileError
 
 

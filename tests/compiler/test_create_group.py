@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-import pcompile.compiler.communication as comm
+import pcompile.compiler.frontend.communication as comm
 from pcompile import ops
 from pcompile.compiler.config.context import context_override
 from pcompile.ir.rank import GroupName, RankGroup

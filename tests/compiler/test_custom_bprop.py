@@ -1,5 +1,5 @@
-"""Cells with their own `bprop(self, *inputs, out, dout)` (compiler/custom_bprop.py): autodiff
-runs the bprop on each rank's local values instead of differentiating the cell's ops, as
+"""Cells with their own `bprop(self, *inputs, out, dout)` (compiler/frontend/custom_bprop.py):
+autodiff runs the bprop on each rank's local values instead of differentiating the cell's ops, as
 MindSpore does after the split. mindformers' cross entropy (`_LogSoftmax` + `_NLLLoss`, whose
 bprop multiplies by `repeat_loss` = mp to undo the loss's `_VirtualDiv`) must then train
 exactly like the gradient of its construct: the float64 check of every compile compares the

@@ -1,8 +1,8 @@
-"""pcompile.dataset (compiler/dataset.py): MindSpore's dataset API (batching, drop_remainder,
-deterministic shuffles, shards that cover the data exactly once), the token-file windows, and
-the runtime's sharded reading (compiler/driver/runtime.py): each rank reads only its rows of every
-global batch, equal to the slice it would cut from the whole batch, and a resumed run's skipped
-steps give the same batches."""
+"""pcompile.dataset (compiler/frontend/dataset.py): MindSpore's dataset API (batching,
+drop_remainder, deterministic shuffles, shards that cover the data exactly once), the token-file
+windows, and the runtime's sharded reading (compiler/driver/runtime.py): each rank reads only its
+rows of every global batch, equal to the slice it would cut from the whole batch, and a resumed
+run's skipped steps give the same batches."""
 
 from __future__ import annotations
 
@@ -389,7 +389,7 @@ def test_rank_programs_train_alike_from_shares_and_resume_bit_for_bit(tmp_path) 
 def test_llama_trains_from_a_token_file(tmp_path, monkeypatch) -> None:
     """examples/llama.py with LLAMA_TOKEN_FILE: batches of LLAMA_BATCH windows of LLAMA_SEQ + 1
     tokens of the file, int32, shuffled; ids beyond the vocabulary are one message."""
-    from pcompile.compiler.model_file import load_model_file
+    from pcompile.compiler.frontend.model_file import load_model_file
 
     root = ROOT
     tokens = np.random.default_rng(0).integers(1, 128, 400).astype(np.uint16)

@@ -1,6 +1,6 @@
-"""Dropout trained for real (compiler/ops.py's Dropout, compiler/dropout.py,
-compiler/random_state.py): `ops.Dropout` and `nn.Dropout` with MindSpore's arguments, a step
-counter that draws new bits every step, and parallel plans that train exactly like one device
+"""Dropout trained for real (compiler/frontend/ops.py's Dropout, compiler/frontend/dropout.py,
+compiler/frontend/random_state.py): `ops.Dropout` and `nn.Dropout` with MindSpore's arguments, a
+step counter that draws new bits every step, and parallel plans that train exactly like one device
 under the same seed."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from pcompile import Parameter, Tensor, nn, ops, set_seed
 from pcompile.compiler.driver.runtime import batches
-from pcompile.compiler.initializer import get_seed
+from pcompile.compiler.frontend.initializer import get_seed
 from pcompile.tools.compile import compile as compile_model
 from pcompile.tools.oracle import check
 from pcompile.tools.runners import StandAloneRunner
@@ -127,7 +127,7 @@ def test_seeds_follow_mindspore() -> None:
     """Seed0 = Seed1 = 0: the global seed and the op's place among the random ops (MindSpore's
     `_get_graph_seed` with a global seed); given seeds are kept."""
     from pcompile.compiler.driver.trace_model import trace_cell
-    from pcompile.compiler.nn.layers import Dropout as NnDropout
+    from pcompile.compiler.frontend.nn.layers import Dropout as NnDropout
 
     class Net(nn.Cell):
         def __init__(self):

@@ -1,5 +1,5 @@
 """MindSpore's two-op dropout, `P.DropoutGenMask(Seed0, Seed1)(shape, keep_prob)` and
-`P.DropoutDoMask()(x, mask, keep_prob)` (compiler/dropout.py, ir/ops/random.py): the packed
+`P.DropoutDoMask()(x, mask, keep_prob)` (compiler/frontend/dropout.py, ir/ops/random.py): the packed
 UInt8 mask holds the bits ops.Dropout draws, DoMask's strategy is MindSpore's one tuple for x,
 and every plan trains like one device. MindSpore's tests/ut/python/parallel/
 test_dropout_do_mask.py is ported as facts: its five networks compile on 16 devices."""

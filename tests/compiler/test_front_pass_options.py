@@ -9,7 +9,7 @@ import os
 from pcompile.compiler.config.context import reset_auto_parallel_context, reset_context
 from pcompile.compiler.driver.compiled import CompileState
 from pcompile.compiler.driver.front_passes import TraceOptions, TracePass
-from pcompile.compiler.model_file import load_model_file
+from pcompile.compiler.frontend.model_file import load_model_file
 from pcompile.ir.core import Graph
 from tests import ROOT
 

@@ -14,7 +14,7 @@ import pytest
 
 import pcompile.mint as mint
 from pcompile import Parameter, Tensor, ops
-from pcompile.compiler import functional
+from pcompile.compiler.frontend import functional
 from pcompile.ir.errors import PcompileError
 from pcompile.mint.nn import functional as mf
 
@@ -397,9 +397,9 @@ def test_module_aliases() -> None:
     import importlib
 
     import pcompile
-    import pcompile.compiler.mint
+    import pcompile.compiler.frontend.mint
 
-    assert importlib.import_module("pcompile.mint") is pcompile.compiler.mint
+    assert importlib.import_module("pcompile.mint") is pcompile.compiler.frontend.mint
     assert pcompile.mint is mint
     assert importlib.import_module("pcompile.mint.nn.functional") is mf
     assert mint.nn.functional is mf

@@ -1,4 +1,4 @@
-"""MindSpore's implicit type conversion for mixed-dtype arithmetic (compiler/primitive.py
+"""MindSpore's implicit type conversion for mixed-dtype arithmetic (compiler/frontend/primitive.py
 `implicit_dtype`): the front end converts the operands to one dtype and the dumps show the
 Casts; the IR ops themselves keep requiring one dtype (tests/ir/test_ops_elementwise.py)."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pcompile import Tensor, ops
-from pcompile.compiler.primitive import implicit_dtype
+from pcompile.compiler.frontend.primitive import implicit_dtype
 from pcompile.ir.types import DType
 
 F16, BF16, F32, F64 = DType.float16, DType.bfloat16, DType.float32, DType.float64

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pcompile.compiler.initializer import (
+from pcompile.compiler.frontend.initializer import (
     Constant,
     HeUniform,
     InitializedData,
@@ -268,7 +268,7 @@ def test_mindspore_common_initializer_spelling() -> None:
     import pcompile.common
 
     module = importlib.import_module("pcompile.common.initializer")
-    assert module is sys.modules["pcompile.compiler.initializer"]
+    assert module is sys.modules["pcompile.compiler.frontend.initializer"]
     assert pcompile.common.initializer is module
     ours = {"Normal": Normal, "Uniform": Uniform, "TruncatedNormal": TruncatedNormal,
             "Zero": Zero, "One": One, "Constant": Constant, "XavierUniform": XavierUniform,

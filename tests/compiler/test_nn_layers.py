@@ -19,7 +19,7 @@ from jax import lax
 from pcompile import Tensor, nn, ops
 from pcompile.backends.numpy import run_graph
 from pcompile.compiler.driver.trace_model import trace_cell
-from pcompile.compiler.nn.layers import LayerInputError
+from pcompile.compiler.frontend.nn.layers import LayerInputError
 from pcompile.ir.core import Constant
 from pcompile.passes.autodiff import append_gradients
 from tests.op_harness import assert_close

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 
 from pcompile import Tensor, nn
 from pcompile.compiler.driver.trace_model import trace_cell
-from pcompile.compiler.nn.layers import LayerInputError
+from pcompile.compiler.frontend.nn.layers import LayerInputError
 from tests.compiler.test_nn_layers import check_cell
 from tests.op_harness import assert_close
 

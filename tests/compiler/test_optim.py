@@ -15,7 +15,7 @@ import pytest
 from pcompile import Parameter, Tensor, nn
 from pcompile.backends.numpy import run_graph
 from pcompile.compiler.driver.trace_model import trace_cell
-from pcompile.compiler.optimizer_update import append_optimizer
+from pcompile.compiler.frontend.optimizer_update import append_optimizer
 from pcompile.passes.autodiff import append_gradients
 from tests.op_harness import assert_close
 

@@ -26,7 +26,7 @@ from pcompile import (
     save_checkpoint,
     set_seed,
 )
-from pcompile.compiler.serialization import CheckpointLoadError
+from pcompile.compiler.frontend.serialization import CheckpointLoadError
 from pcompile.ir.errors import PcompileError
 
 

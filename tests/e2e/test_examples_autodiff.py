@@ -18,8 +18,8 @@ from pcompile.backends.numpy import run_graph
 from pcompile.compiler.config.context import reset_auto_parallel_context, reset_context
 from pcompile.compiler.driver.runtime import synthetic
 from pcompile.compiler.driver.trace_model import trace_model
-from pcompile.compiler.model_file import load_model_file
-from pcompile.compiler.tensor import TensorSpec
+from pcompile.compiler.frontend.model_file import load_model_file
+from pcompile.compiler.frontend.tensor import TensorSpec
 from pcompile.passes.autodiff import append_gradients
 from pcompile.tools.oracle import FLOAT64_RTOL
 from tests import ROOT

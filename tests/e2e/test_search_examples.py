@@ -11,7 +11,7 @@ import pytest
 
 from pcompile import reset_algo_parameters, set_algo_parameters
 from pcompile.compiler.driver.trace_model import trace_model
-from pcompile.compiler.model_file import load_model_file
+from pcompile.compiler.frontend.model_file import load_model_file
 from pcompile.ir.errors import PcompileError
 from pcompile.ir.parser import parse_graph
 from pcompile.ir.printer import print_graph

@@ -1,5 +1,6 @@
-"""An MLP of PIPE_SEARCH_BLOCKS (4) residual blocks in two pipeline stages (blocks
-[0, B/2) on stage 0, the rest on stage 1), no strategy given: `--search ilp` lays every op
+"""An MLP of PIPE_SEARCH_BLOCKS (4) residual blocks in PIPE_SEARCH_STAGES (2) pipeline stages
+(blocks [0, B/2) on stage 0, the rest on stage 1; one stage: gradient accumulation over the
+micro-batches), no strategy given: `--search ilp` lays every op
 out inside a stage's devices and costs each stage (passes/search/stages.py). The scheduler
 is PIPE_SEARCH_SCHEDULER (1f1b), NN.PipelineCell's micro size PIPE_SEARCH_MICRO (4)."""
 
@@ -11,9 +12,10 @@ from pcompile import Parameter, initializer, nn, ops, set_auto_parallel_context,
 
 BLOCKS = int(os.environ.get("PIPE_SEARCH_BLOCKS", "4"))
 MICRO = int(os.environ.get("PIPE_SEARCH_MICRO", "4"))
+STAGES = int(os.environ.get("PIPE_SEARCH_STAGES", "2"))
 HIDDEN = 64
 set_auto_parallel_context(
-    parallel_mode="auto_parallel", search_mode="ilp", pipeline_stages=2,
+    parallel_mode="auto_parallel", search_mode="ilp", pipeline_stages=STAGES,
     dataset_strategy="full_batch",
     pipeline_config={"pipeline_scheduler": os.environ.get("PIPE_SEARCH_SCHEDULER", "1f1b")})
 
@@ -37,7 +39,7 @@ class Net(nn.Cell):
         set_seed(3)
         self.blocks = nn.CellList([Block() for _ in range(BLOCKS)])
         for i, block in enumerate(self.blocks):
-            block.pipeline_stage = 2 * i // BLOCKS
+            block.pipeline_stage = STAGES * i // BLOCKS
 
     def construct(self, x):
         for block in self.blocks:

@@ -1,6 +1,6 @@
-"""Cells with their own bprop inside nn.PipelineCell (compiler/custom_bprop.py): mindformers'
-cross entropy (`_LogSoftmax` and `_NLLLoss`, whose bprop multiplies by `repeat_loss` = mp)
-in the last of two pipeline stages, and in a PipelineCell without stages. The bprop runs
+"""Cells with their own bprop inside nn.PipelineCell (compiler/frontend/custom_bprop.py):
+mindformers' cross entropy (`_LogSoftmax` and `_NLLLoss`, whose bprop multiplies by `repeat_loss` =
+mp) in the last of two pipeline stages, and in a PipelineCell without stages. The bprop runs
 once per micro-batch on that micro-batch's slices, in the stage of its cell; the float64
 check compares the step with the single-device program differentiating construct. pcompile
 refused these ("defines its own bprop inside nn.PipelineCell")."""

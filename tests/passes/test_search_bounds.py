@@ -102,7 +102,7 @@ def test_lazy_tables_plan_like_full_tables_on_the_gpt_example(dataset, batch,
     """16 devices, one GPT layer: starting every table from bounds gives the plan that
     planning all ~20k layout pairs gives."""
     from pcompile.compiler.driver.trace_model import trace_model
-    from pcompile.compiler.model_file import load_model_file
+    from pcompile.compiler.frontend.model_file import load_model_file
 
     monkeypatch.setenv("GPT_LAYERS", "1")
     monkeypatch.setenv("GPT_BATCH", batch)

@@ -10,7 +10,7 @@ import pytest
 
 from pcompile import reset_algo_parameters, set_algo_parameters
 from pcompile.compiler.driver.trace_model import trace_model
-from pcompile.compiler.model_file import load_model_file
+from pcompile.compiler.frontend.model_file import load_model_file
 from pcompile.passes.search import search
 from pcompile.tools.compile import compile as compile_model
 from pcompile.tools.oracle import check

@@ -115,3 +115,20 @@ def test_recompute_inside_stages_when_the_memory_needs_it(monkeypatch: Any) -> N
     assert plan["prediction"]["fits"] and plan["prediction"]["memory"]["total"] <= budget
     report = check(program, steps=1)
     assert report.ok(), report.worst
+
+
+def test_micro_batches_without_stages_move_what_is_predicted(monkeypatch: Any) -> None:
+    """One stage, 4 micro-batches (gradient accumulation): the program is traced for one
+    micro-batch; the prediction counts each micro-batch's collectives and the weights' once
+    per step, and equals what every rank moves (it counted one micro-batch before)."""
+    from pcompile.compiler.driver.plan import build_plan
+
+    program = _compile(monkeypatch, STAGES="1")
+    plan = build_plan(program.state).model_dump()
+    pred = plan["prediction"]
+    assert pred["stages"]["micro_batches"] == 4 and len(pred["stages"]["per_stage"]) == 1
+    assert "(stage" not in " ".join(plan["search"]["ilp"]["folded_layers"])
+    moved = [sum(r["ring_bytes"] or 0 for r in rows if r["op"] != "_MirrorOperator")
+             for rows in plan["collectives"].values()]
+    assert max(moved) > 0
+    assert pred["communication_bytes"] == pytest.approx(max(moved), rel=0.02)
