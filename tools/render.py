@@ -88,7 +88,9 @@ def prediction_text(prediction: dict | None, search: dict | None = None,
         folded = ", ".join(f"{n} of {k.rsplit('/', 1)[-1]}"
                            for k, n in (ilp.get("folded_layers") or {}).items()) or "none"
         lines.append((
-            f"search ilp: mesh data {search['mesh']['data']} x model {search['mesh']['model']}, "
+            f"search ilp: mesh data {search['mesh']['data']} x model {search['mesh']['model']}"
+            + (f" (expert axis {search['mesh']['expert']} of data)"
+               if search["mesh"].get("expert") else "") + ", "
             f"parallel optimizer {'on' if search['parallel_optimizer'] else 'off'}, recompute "
             f"{'on' if search['recompute'] else 'off'}; {ilp.get('solves')} solves of up to "
             f"{ilp.get('variables')} variables, layers solved once: {folded}", ""))

@@ -41,8 +41,13 @@ def test_the_expert_axis_gives_a_faster_mixture_of_experts_plan(monkeypatch: Any
 
     program = compile_program(os.path.join(ROOT, "examples", "mixtral.py"), devices=8,
                               search_mode="ilp", dump=False)
+    from pcompile.tools.render import prediction_text
+
     search = program.state.plan["search"]
     assert search["mesh"].get("expert", 1) > 1, search["mesh"]
+    summary = " ".join(t for t, _ in prediction_text(program.state.plan["prediction"], search,
+                                                      None))
+    assert f"(expert axis {search['mesh']['expert']} of data)" in summary, summary
     w1 = program.state.assignment.param_layouts["layers.0.moe.experts.w1"]
     assert w1.splits[0] > 1, w1
     cg = program.state.search.cost_graph
