@@ -404,25 +404,14 @@ def do_mask_labels(ctx: OpContext) -> Labels:
     return Labels([lab, whole, place], [lab], {whole, place})
 
 
-class DropoutDoMaskRule(LabelRule):
+class DropoutDoMaskRule(DropoutRule):
     """MindSpore's DropoutDoMaskInfo: any split of x, the output alike; the mask is read whole
     (every rank holds the packed bits of the whole tensor) and a split x needs each rank's
-    offsets ("global_offsets"), so each rank reads its block's bits."""
+    offsets ("global_offsets", as Dropout's), so each rank reads its block's bits."""
 
     def __init__(self) -> None:
-        super().__init__(do_mask_labels, unsplittable="the packed mask and the offsets")
-
-    def apply(self, ctx: OpContext, strategy: Strategy, out_strategy: Strategy | None = None
-              ) -> OpSharding:
-        result = super().apply(ctx, strategy, out_strategy)
-        if any(s > 1 for s in result.strategy[0]):
-            result.expand = GLOBAL_OFFSETS
-        return result
-
-
-def _do_dims(ins: Any, outs: Any, attrs: dict[str, Any]) -> Any:
-    for d in range(len(ins[0][0])):
-        yield Same(In(0, d), Out(d))
+        LabelRule.__init__(self, do_mask_labels,
+                           unsplittable="the packed mask and the offsets")
 
 
 _MASK_NOTE = """\
@@ -448,7 +437,7 @@ define("DropoutGenMask", _gen_infer, _gen_np, _gen_jax, differentiable=False, nu
 
 define("DropoutDoMask", _do_infer, _do_np, _do_jax, vjp=_do_vjp, num_inputs=3,
        attrs=_DO_ATTRS, sharding=DropoutDoMaskRule(),
-       dims=DimRule(_do_dims, _rewrite), section="elementwise", dtypes=FLOATS,
+       dims=DimRule(_dims, _rewrite), section="elementwise", dtypes=FLOATS,
        doc="x / keep_prob where the packed mask's bit of the element is set, else 0.",
        operands="x, UInt8 mask, int32 offset; `keep_prob`, `global_shape`",
        rule="element-wise on x; the mask whole; each rank reads its block's bits",
