@@ -852,11 +852,13 @@ def _memory(program: _Program, solved: _Solved, popt: bool, recompute: bool) -> 
 
 @dataclass
 class StageTotals:
-    """One pipeline stage's seconds and memory (the whole step's without stages)."""
+    """One pipeline stage's seconds, memory and the bytes a rank of it sends or receives per
+    step (the whole step's without stages)."""
 
     compute: float = 0.0
     communication: float = 0.0
     memory: Memory = field(default_factory=Memory)
+    comm_bytes: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -865,8 +867,9 @@ class StageTotals:
 
 def stage_totals(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Mapped],
                  choice: dict[int, int], popt: bool, recompute: bool) -> list[StageTotals]:
-    """Seconds and memory of a representative choice, per pipeline stage (one entry
-    without stages)."""
+    """Seconds, memory and bytes of a representative choice, per pipeline stage (one entry
+    without stages). With micro-batches, bytes count each micro-batch's (`Costs.runs`) where
+    seconds count a stage's busy time (`Costs.times`); the weights' collectives once."""
     count = costs.pipeline.stages if costs.pipeline is not None else 1
     out = [StageTotals() for _ in range(count)]
     for v in cg.vertices:
@@ -886,6 +889,9 @@ def stage_totals(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Map
             st.compute += mult * (rep * t.compute * (4 / 3 if layer else 1)
                                   + costs.update_time(mem))
             st.communication += mult * (rep * (t.comm - t.weight_comm) + t.weight_comm)
+        runs = costs.runs(v.index)
+        st.comm_bytes += mult * (t.comm_bytes if runs == 1 else
+                                 runs * (t.comm_bytes - t.weight_bytes) + t.weight_bytes)
         held = costs.held_for(v.index)  # as _Program.coefficients counts them
         act = mem.activations * (1 if layer else mult * held)
         if recompute and v.index in folding.last:
@@ -896,17 +902,26 @@ def stage_totals(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Map
         e = me.edge
         a, b = cg.vertices[e.src].candidates[choice[e.src]], \
             cg.vertices[e.dst].candidates[choice[e.dst]]
-        times = me.weight * costs.times(e.src)
-        out[costs.stage(e.dst)].communication += times * costs.pair(
-            e, a.out_keys[e.src_out], a.out_layouts[e.src_out], b.in_keys[e.dst_in],
-            b.in_layouts[e.dst_in])
-    for e, values in costs.crossings(folding):
+        pair = costs.pair_time(e, a.out_keys[e.src_out], a.out_layouts[e.src_out],
+                               b.in_keys[e.dst_in], b.in_layouts[e.dst_in])
+        dst = out[costs.stage(e.dst)]
+        dst.communication += me.weight * costs.times(e.src) * pair.total
+        dst.comm_bytes += me.weight * costs.runs(e.src) * pair.comm_bytes
+    for e, values in costs.crossings(folding):  # each side pays what it sends
         a = cg.vertices[e.src].candidates[choice[e.src]]
         forward, backward = costs.transfer(e, a.out_layouts[e.src_out])
-        times = values * costs.times(e.src)
-        out[costs.stage(e.src)].communication += times * forward.total
-        out[costs.stage(e.dst)].communication += times * backward.total
+        for st, sent in ((out[costs.stage(e.src)], forward), (out[costs.stage(e.dst)], backward)):
+            st.communication += values * costs.times(e.src) * sent.total
+            st.comm_bytes += values * costs.runs(e.src) * sent.comm_bytes
     return out
+
+
+def summarise(stages: list[StageTotals]) -> tuple[float, float, Memory]:
+    """(compute, communication, memory) of a plan: the slowest stage's seconds and the
+    largest stage's memory (the one entry's without stages)."""
+    slowest = max(stages, key=lambda st: st.seconds)
+    largest = max(stages, key=lambda st: st.memory.total)
+    return slowest.compute, slowest.communication, largest.memory
 
 
 def evaluate(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Mapped],
@@ -914,10 +929,7 @@ def evaluate(cg: CostGraph, costs: Costs, folding: Folding, edges: list[_Mapped]
              ) -> tuple[float, float, Memory]:
     """(compute, communication, memory) of a representative choice; with pipeline stages,
     the slowest stage's seconds and the largest stage's memory."""
-    stages = stage_totals(cg, costs, folding, edges, choice, popt, recompute)
-    slowest = max(stages, key=lambda st: st.seconds)
-    largest = max(stages, key=lambda st: st.memory.total)
-    return slowest.compute, slowest.communication, largest.memory
+    return summarise(stage_totals(cg, costs, folding, edges, choice, popt, recompute))
 
 
 def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
@@ -938,16 +950,15 @@ def solve(cg: CostGraph, options: IlpOptions) -> IlpPlan:
 
     def consider(mesh: tuple[int, ...], popt: bool, recompute: bool, solved: _Solved) -> None:
         nonlocal best
-        compute, comm, memory = evaluate(cg, costs, folding, edges, solved.choice, popt,
-                                         recompute)
+        stages = stage_totals(cg, costs, folding, edges, solved.choice, popt, recompute)
+        compute, comm, memory = summarise(stages)
         tried.append({"mesh": list(mesh), "parallel_optimizer": popt,
                       "recompute": recompute, "predicted_step_time": _round(compute + comm)})
         plan = IlpPlan(_unfold(cg, folding, solved.choice), mesh, popt, recompute,
                        compute + comm, compute, comm, memory, solved.variables,
                        solved.constraints)
         if options.pipeline is not None:
-            plan.stages = stage_totals(cg, costs, folding, edges, solved.choice, popt,
-                                       recompute)
+            plan.stages = stages
         if best is None or plan.step_time < best.step_time * (1 - 1e-9):
             best = plan
 

@@ -22,11 +22,11 @@ from pcompile.passes.search.cost_model import CostConstants
 from pcompile.passes.search.ilp import (
     Costs,
     IlpOptions,
-    evaluate,
     fold,
     mapped_edges,
     stage_totals,
     stages_summary,
+    summarise,
 )
 from pcompile.passes.search.stages import PipelineShape
 from pcompile.passes.search.time_model import DeviceProfile, Memory, stored_param
@@ -93,13 +93,10 @@ def predict(graph: Graph, devices: int, profile: DeviceProfile, memory_capacity:
     folding = fold(cg, costs.stages, costs.grad)
     edges = mapped_edges(cg, folding)
     choice = {v.index: 0 for v in cg.vertices}
-    compute, comm, memory = evaluate(cg, costs, folding, edges, choice, parallel_optimizer,
-                                     recompute)
-    comm_bytes = _bytes(cg, costs, folding, edges, choice, parallel_optimizer)
-    stages = None
-    if pipeline is not None:
-        stages = stages_summary(stage_totals(cg, costs, folding, edges, choice,
-                                             parallel_optimizer, recompute), costs)
+    totals = stage_totals(cg, costs, folding, edges, choice, parallel_optimizer, recompute)
+    compute, comm, memory = summarise(totals)
+    comm_bytes = max(st.comm_bytes for st in totals)  # the busiest stage's rank
+    stages = stages_summary(totals, costs) if pipeline is not None else None
     return Prediction(profile, memory_capacity, compute, comm, comm_bytes, memory,
                       parallel_optimizer, recompute, stages)
 
@@ -121,36 +118,6 @@ def _following_casts(graph: Graph) -> set[Node]:
                         and tuple(u.parallel.in_strategy[i]) == mine for u, i in uses):
             out.add(node)
     return out
-
-
-def _bytes(cg: CostGraph, costs: Costs, folding: Any, edges: Any, choice: dict[int, int],
-           popt: bool) -> float:
-    """Bytes a rank sends or receives per step (with micro-batches, each micro-batch's and the
-    weights' once; with pipeline stages, on the busiest stage, its transfers included)."""
-    total: dict[int, float] = {}
-    for v in cg.vertices:
-        mult = folding.mult[v.index]
-        if mult:
-            st = costs.stage(v.index)
-            t = costs.op_times(v, popt)[choice[v.index]]
-            runs = costs.runs(v.index)
-            moved = t.comm_bytes if runs == 1 else (
-                runs * (t.comm_bytes - t.weight_bytes) + t.weight_bytes)
-            total[st] = total.get(st, 0.0) + mult * moved
-    for me in edges:  # the redistributions the evaluation costed, from the same cache
-        e = me.edge
-        a = cg.vertices[e.src].candidates[choice[e.src]]
-        b = cg.vertices[e.dst].candidates[choice[e.dst]]
-        st = costs.stage(e.dst)
-        total[st] = total.get(st, 0.0) + me.weight * costs.runs(e.src) * costs.pair_time(
-            e, a.out_keys[e.src_out], a.out_layouts[e.src_out], b.in_keys[e.dst_in],
-            b.in_layouts[e.dst_in]).comm_bytes
-    for e, count in costs.crossings(folding):  # the bytes each side sends
-        a = cg.vertices[e.src].candidates[choice[e.src]]
-        forward, backward = costs.transfer(e, a.out_layouts[e.src_out])
-        for st, sent in ((costs.stage(e.src), forward), (costs.stage(e.dst), backward)):
-            total[st] = total.get(st, 0.0) + count * costs.runs(e.src) * sent.comm_bytes
-    return max(total.values(), default=0.0)
 
 
 def fit_advice(p: Prediction, devices: int) -> str:
